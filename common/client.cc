@@ -1,0 +1,414 @@
+// Request/reply over a DEALER socket with timeouts, retries, zero-copy payloads, and a
+// socket monitor that turns a refused CURVE handshake into PermissionDenied at once
+// instead of a timeout.
+#include "common/client.h"
+
+#include <spdlog/spdlog.h>
+#include <zmq.h>
+
+#include <cstring>
+#include "common/transport.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <random>
+
+namespace isthmus {
+namespace {
+
+// Counts payload frames ZeroMQ still holds; Wait() returns when it has released them all.
+class ReleaseLatch {
+ public:
+  std::shared_ptr<const void> Token() {
+    std::lock_guard lk(mu_);
+    ++outstanding_;
+    return std::shared_ptr<const void>(this, [](const void* p) {
+      auto* self = const_cast<ReleaseLatch*>(static_cast<const ReleaseLatch*>(p));
+      std::lock_guard lk(self->mu_);
+      if (--self->outstanding_ == 0) self->cv_.notify_all();
+    });
+  }
+  void Wait() {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [this] { return outstanding_ == 0; });
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int outstanding_ = 0;  // GUARDED_BY(mu_)
+};
+
+JobInfo JobFromSummary(const wire::JobSummary* s) {
+  JobInfo j;
+  if (s->job()) j.job = s->job()->str();
+  j.version = s->version();
+  j.tensor_count = s->tensor_count();
+  j.total_bytes = s->total_bytes();
+  j.pushes = s->pushes();
+  return j;
+}
+
+SnapshotInfo SnapshotFromWire(const wire::SnapshotInfo* s) {
+  SnapshotInfo info;
+  if (s == nullptr) return info;
+  if (s->name()) info.name = s->name()->str();
+  info.created_unix = s->created_unix();
+  info.bytes = s->bytes();
+  if (s->jobs()) {
+    for (const auto* j : *s->jobs()) info.jobs.push_back(JobFromSummary(j));
+  }
+  return info;
+}
+
+}  // namespace
+
+flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>> BuildTensorMetas(
+    flatbuffers::FlatBufferBuilder& fbb, const std::vector<TensorView>& tensors) {
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
+  metas.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    uint64_t nbytes = static_cast<uint64_t>(NumElements(t.shape)) * sizeof(float);
+    metas.push_back(wire::CreateTensorMetaDirect(fbb, t.name.c_str(), &t.shape,
+                                                 wire::DType::F32, static_cast<uint32_t>(i),
+                                                 nbytes, 0));
+  }
+  return fbb.CreateVector(metas);
+}
+
+ShardClient::ShardClient(const ClientOptions& options)
+    : options_(options), ctx_(1), request_seq_(std::random_device{}() * uint64_t{0x9E3779B9}) {}
+
+ShardClient::~ShardClient() {
+  socket_.reset();
+  ctx_.close();
+}
+
+Result<std::unique_ptr<ShardClient>> ShardClient::Connect(const ClientOptions& options) {
+  if (options.endpoint.empty()) return Status::InvalidArgument("no server endpoint given");
+  if (!options.insecure_plaintext) {
+    if (!IsValidZ85Key(options.server_public_key)) {
+      return Status::InvalidArgument(
+          "the server's public key is missing or not 40 Z85 characters (pass its .pub file)");
+    }
+    if (!IsValidZ85Key(options.client_keys.secret_key)) {
+      return Status::InvalidArgument("no client key pair given (create one: isthmusctl keygen)");
+    }
+  }
+  std::unique_ptr<ShardClient> client(new ShardClient(options));
+  ISTHMUS_RETURN_IF_ERROR(client->OpenSocket());
+  return client;
+}
+
+Status ShardClient::OpenSocket() {
+  try {
+    socket_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::dealer);
+    socket_->set(zmq::sockopt::linger, 0);
+    socket_->set(zmq::sockopt::sndhwm, 0);
+    socket_->set(zmq::sockopt::rcvhwm, 0);
+    if (options_.limits.max_payload_bytes > 0) {
+      socket_->set(zmq::sockopt::maxmsgsize,
+                   static_cast<int64_t>(options_.limits.max_payload_bytes +
+                                        options_.limits.max_header_bytes));
+    }
+    if (!options_.insecure_plaintext) {
+      ConfigureCurveClient(*socket_, options_.client_keys, options_.server_public_key);
+    }
+    socket_->connect(options_.endpoint);
+  } catch (const zmq::error_t& e) {
+    socket_.reset();
+    return Status::InvalidArgument("cannot connect to '" + options_.endpoint + "': " + e.what());
+  }
+  return Status::Ok();
+}
+
+Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
+                                 const std::vector<TensorView>& payload) {
+  const int attempts = 1 + std::max(0, options_.retries);
+  for (int attempt = 0; attempt < attempts; ++attempt) {
+    if (!socket_) ISTHMUS_RETURN_IF_ERROR(OpenSocket());
+    // A monitor on this socket reports a handshake the server refused.
+    std::string mon_ep = "inproc://isthmus-client-mon-" + std::to_string(request_id) + "-" +
+                         std::to_string(attempt);
+    zmq_socket_monitor(socket_->handle(), mon_ep.c_str(),
+                       ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
+    zmq::socket_t monitor(ctx_, zmq::socket_type::pair);
+    monitor.set(zmq::sockopt::linger, 0);
+    monitor.connect(mon_ep);
+
+    ReleaseLatch latch;
+    {
+      std::vector<PayloadRef> refs;
+      refs.reserve(payload.size());
+      for (const auto& t : payload) {
+        refs.push_back({t.data, static_cast<size_t>(NumElements(t.shape)) * sizeof(float),
+                        latch.Token()});
+      }
+      Status s = SendMessage(*socket_, nullptr, fbb, refs);
+      if (!s.ok()) {
+        zmq_socket_monitor(socket_->handle(), nullptr, 0);
+        socket_.reset();
+        latch.Wait();
+        return s;
+      }
+    }
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    Status failure;
+    while (true) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) break;
+      zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
+                                 {monitor.handle(), 0, ZMQ_POLLIN, 0}};
+      zmq::poll(items, 2, left);
+      if (items[1].revents & ZMQ_POLLIN) {
+        zmq::message_t ev;
+        (void)monitor.recv(ev);
+        uint16_t event = 0;
+        uint32_t value = 0;
+        if (ev.size() >= 6) {
+          std::memcpy(&event, ev.data(), 2);
+          std::memcpy(&value, static_cast<const char*>(ev.data()) + 2, 4);
+        }
+        if (ev.more()) {
+          zmq::message_t addr;
+          (void)monitor.recv(addr);
+        }
+        if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
+          failure = Status::PermissionDenied(
+              "server at " + options_.endpoint + " refused this client's key (status " +
+              std::to_string(value) + "): add its .pub file to the server's allowlist for this role");
+        } else {
+          failure = Status::PermissionDenied(
+              "CURVE handshake with " + options_.endpoint +
+              " failed: check the server public key and that both sides use CURVE");
+        }
+        break;
+      }
+      if (!(items[0].revents & ZMQ_POLLIN)) continue;
+      auto msg = ReceiveMessage(*socket_, nullptr);
+      if (!msg.ok()) continue;
+      auto env = ParseEnvelope(msg->header, options_.limits);
+      if (!env.ok()) {
+        failure = Status(env.status().code(), "bad reply from server: " + env.status().message());
+        break;
+      }
+      if ((*env)->request_id() != request_id) continue;  // stale reply of an older attempt
+      zmq_socket_monitor(socket_->handle(), nullptr, 0);
+      latch.Wait();
+      Status err = ErrorFromEnvelope(*env);
+      if (!err.ok()) return err;
+      return std::move(msg).value();
+    }
+    zmq_socket_monitor(socket_->handle(), nullptr, 0);
+    socket_.reset();  // drops queued requests and any late reply
+    latch.Wait();
+    if (!failure.ok()) return failure;
+    spdlog::debug("client: no reply from {} in {} ms (attempt {}/{})", options_.endpoint,
+                  options_.timeout_ms, attempt + 1, attempts);
+  }
+  return Status::Timeout("no reply from " + options_.endpoint + " after " +
+                         std::to_string(attempts) + " attempt(s) of " +
+                         std::to_string(options_.timeout_ms) +
+                         " ms: is isthmus-server running there, and is the server key right?");
+}
+
+namespace {
+
+template <typename T>
+Result<const T*> BodyAs(const Frames& reply, const WireLimits& limits, wire::Body expect) {
+  auto env = ParseEnvelope(reply.header, limits);
+  if (!env.ok()) return env.status();
+  if ((*env)->body_type() != expect) {
+    return Status::Internal(std::string("unexpected reply type ") +
+                            wire::EnumNameBody((*env)->body_type()));
+  }
+  return static_cast<const T*>((*env)->body());
+}
+
+std::vector<TensorInfo> InfosFrom(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* v) {
+  std::vector<TensorInfo> out;
+  if (v == nullptr) return out;
+  for (const auto* m : *v) out.push_back({m->name()->str(), ShapeOf(m), m->version()});
+  return out;
+}
+
+void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body type,
+                    flatbuffers::Offset<void> body) {
+  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, id, type, body));
+}
+
+}  // namespace
+
+Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
+                                     const std::string& base_hash,
+                                     const std::string& client_name) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateHelloDirect(fbb, job.c_str(), role, base_hash.c_str(), client_name.c_str());
+  FinishEnvelope(fbb, id, wire::Body::Hello, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::HelloReply>(reply, options_.limits,
+                                                             wire::Body::HelloReply));
+  HelloInfo info;
+  if (r->shard_id()) info.shard_id = r->shard_id()->str();
+  if (r->server_version()) info.server_version = r->server_version()->str();
+  if (r->base_hash()) info.base_hash = r->base_hash()->str();
+  info.job_version = r->job_version();
+  info.tensor_count = r->tensor_count();
+  return info;
+}
+
+Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<std::string>& names,
+                                     uint64_t newer_than) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreatePullRequestDirect(fbb, job.c_str(), nullptr, newer_than);
+  if (!names.empty()) {
+    auto v = fbb.CreateVectorOfStrings(names);
+    auto jobs = fbb.CreateString(job);
+    body = wire::CreatePullRequest(fbb, jobs, v, newer_than);
+  }
+  FinishEnvelope(fbb, id, wire::Body::PullRequest, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::PullReply>(reply, options_.limits,
+                                                            wire::Body::PullReply));
+  ISTHMUS_RETURN_IF_ERROR(ValidateTensors(r->tensors(), reply.payload, options_.limits, false));
+  PullResult out;
+  out.job_version = r->job_version();
+  if (r->tensors()) {
+    for (const auto* m : *r->tensors()) {
+      Tensor t;
+      t.name = m->name()->str();
+      t.shape = ShapeOf(m);
+      const auto& frame = reply.payload[m->frame()];
+      t.data.resize(frame.size() / sizeof(float));
+      std::memcpy(t.data.data(), frame.data(), frame.size());
+      out.tensors.push_back(std::move(t));
+      out.versions.push_back(m->version());
+    }
+  }
+  return out;
+}
+
+Result<PushResult> ShardClient::Push(const std::string& job, const std::string& idempotency_key,
+                                     uint64_t round, uint64_t tokens,
+                                     const std::vector<TensorView>& deltas) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto metas = BuildTensorMetas(fbb, deltas);
+  auto job_s = fbb.CreateString(job);
+  auto key_s = fbb.CreateString(idempotency_key);
+  auto body = wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas);
+  FinishEnvelope(fbb, id, wire::Body::PushRequest, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, deltas));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::PushReply>(reply, options_.limits,
+                                                            wire::Body::PushReply));
+  return PushResult{r->job_version(), r->duplicate()};
+}
+
+Result<JobInfo> ShardClient::CreateJob(const std::string& job, const std::string& base_hash,
+                                       const std::vector<TensorView>& tensors) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto metas = BuildTensorMetas(fbb, tensors);
+  auto job_s = fbb.CreateString(job);
+  auto hash_s = fbb.CreateString(base_hash);
+  auto body = wire::CreateJobCreate(fbb, job_s, hash_s, metas);
+  FinishEnvelope(fbb, id, wire::Body::JobCreate, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, tensors));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::JobCreateReply>(reply, options_.limits,
+                                                                 wire::Body::JobCreateReply));
+  JobInfo info;
+  info.job = job;
+  info.base_hash = base_hash;
+  info.version = r->job_version();
+  info.tensor_count = r->tensor_count();
+  info.total_bytes = r->total_bytes();
+  return info;
+}
+
+Result<JobInfo> ShardClient::DescribeJob(const std::string& job) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateJobDescribeDirect(fbb, job.c_str());
+  FinishEnvelope(fbb, id, wire::Body::JobDescribe, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::JobDescribeReply>(
+                                        reply, options_.limits, wire::Body::JobDescribeReply));
+  JobInfo info;
+  if (r->job()) info.job = r->job()->str();
+  if (r->base_hash()) info.base_hash = r->base_hash()->str();
+  info.version = r->version();
+  info.pushes = r->pushes();
+  info.created_unix = r->created_unix();
+  info.tensors = InfosFrom(r->tensors());
+  info.tensor_count = info.tensors.size();
+  for (const auto& t : info.tensors) info.total_bytes += NumElements(t.shape) * sizeof(float);
+  return info;
+}
+
+Result<ShardStats> ShardClient::Stats() {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateStatsRequest(fbb);
+  FinishEnvelope(fbb, id, wire::Body::StatsRequest, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::StatsReply>(reply, options_.limits,
+                                                             wire::Body::StatsReply));
+  ShardStats s;
+  if (r->shard_id()) s.shard_id = r->shard_id()->str();
+  if (r->server_version()) s.server_version = r->server_version()->str();
+  s.uptime_s = r->uptime_s();
+  s.requests = r->requests();
+  s.errors = r->errors();
+  s.bytes_in = r->bytes_in();
+  s.bytes_out = r->bytes_out();
+  s.db_bytes = r->db_bytes();
+  if (r->jobs()) {
+    for (const auto* j : *r->jobs()) s.jobs.push_back(JobFromSummary(j));
+  }
+  return s;
+}
+
+Result<SnapshotInfo> ShardClient::CreateSnapshot(const std::string& name) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateSnapshotCreateDirect(fbb, name.c_str());
+  FinishEnvelope(fbb, id, wire::Body::SnapshotCreate, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SnapshotCreateReply>(
+                                        reply, options_.limits, wire::Body::SnapshotCreateReply));
+  return SnapshotFromWire(r->snapshot());
+}
+
+Result<std::vector<SnapshotInfo>> ShardClient::ListSnapshots() {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateSnapshotList(fbb);
+  FinishEnvelope(fbb, id, wire::Body::SnapshotList, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SnapshotListReply>(
+                                        reply, options_.limits, wire::Body::SnapshotListReply));
+  std::vector<SnapshotInfo> out;
+  if (r->snapshots()) {
+    for (const auto* s : *r->snapshots()) out.push_back(SnapshotFromWire(s));
+  }
+  return out;
+}
+
+Result<SnapshotInfo> ShardClient::RestoreSnapshot(const std::string& name) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateSnapshotRestoreDirect(fbb, name.c_str());
+  FinishEnvelope(fbb, id, wire::Body::SnapshotRestore, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SnapshotRestoreReply>(
+                                        reply, options_.limits, wire::Body::SnapshotRestoreReply));
+  return SnapshotFromWire(r->snapshot());
+}
+
+}  // namespace isthmus

@@ -1,0 +1,138 @@
+// The shard client library: what workers, isthmusctl, tests and benchmarks use to talk to
+// an isthmus-server over ZeroMQ (DEALER socket, CURVE unless told otherwise). Every call
+// is a request/reply with a timeout; a call that times out is retried up to `retries`
+// times with the same request (pushes keep their idempotency key, so a retry is applied
+// at most once), on a fresh socket so stale replies cannot be mistaken for new ones.
+//
+// Ownership: tensor data passed to Push/CreateJob is read in place (not copied) and must
+// stay valid until the call returns; the call does not return before ZeroMQ has released
+// it. Threads: a ShardClient belongs to one thread at a time.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/keys.h"
+#include "common/status.h"
+#include "common/tensor.h"
+#include "common/wire.h"
+
+namespace isthmus {
+
+struct ClientOptions {
+  std::string endpoint;              // e.g. "tcp://127.0.0.1:7000"
+  std::string server_public_key;     // Z85; required unless insecure_plaintext
+  KeyPair client_keys;               // required unless insecure_plaintext
+  bool insecure_plaintext = false;   // no CURVE: only for benchmarks and local debugging
+  int timeout_ms = 30000;            // per attempt
+  int retries = 2;                   // extra attempts after a timeout
+  WireLimits limits;                 // applied to replies
+};
+
+// A view of fp32 data to send: not owned.
+struct TensorView {
+  std::string name;
+  std::vector<int64_t> shape;
+  const float* data = nullptr;
+};
+
+struct HelloInfo {
+  std::string shard_id;
+  std::string server_version;
+  uint64_t job_version = 0;
+  std::string base_hash;
+  uint64_t tensor_count = 0;
+};
+
+struct PullResult {
+  uint64_t job_version = 0;
+  std::vector<Tensor> tensors;   // tensor.name/shape/data
+  std::vector<uint64_t> versions;  // per tensor, the version at which it last changed
+};
+
+struct PushResult {
+  uint64_t job_version = 0;
+  bool duplicate = false;  // the key had been applied before; nothing changed now
+};
+
+struct TensorInfo {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t version = 0;
+};
+
+struct JobInfo {
+  std::string job;
+  std::string base_hash;
+  uint64_t version = 0;
+  uint64_t pushes = 0;
+  uint64_t created_unix = 0;
+  uint64_t tensor_count = 0;
+  uint64_t total_bytes = 0;
+  std::vector<TensorInfo> tensors;
+};
+
+struct ShardStats {
+  std::string shard_id;
+  std::string server_version;
+  uint64_t uptime_s = 0, requests = 0, errors = 0, bytes_in = 0, bytes_out = 0, db_bytes = 0;
+  std::vector<JobInfo> jobs;  // summaries: tensors left empty
+};
+
+struct SnapshotInfo {
+  std::string name;
+  uint64_t created_unix = 0;
+  uint64_t bytes = 0;
+  std::vector<JobInfo> jobs;  // summaries
+};
+
+class ShardClient {
+ public:
+  // Creates the socket and connects (ZeroMQ connects lazily: an absent server shows up
+  // as a Timeout on the first call, not here).
+  static Result<std::unique_ptr<ShardClient>> Connect(const ClientOptions& options);
+  ~ShardClient();
+
+  Result<HelloInfo> Hello(const std::string& job, wire::Role role, const std::string& base_hash,
+                          const std::string& client_name);
+  Result<PullResult> Pull(const std::string& job, const std::vector<std::string>& names = {},
+                          uint64_t newer_than = 0);
+  // Adds each tensor's values to the job's tensor of that name, all or none.
+  Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,
+                          uint64_t round, uint64_t tokens,
+                          const std::vector<TensorView>& deltas);
+  // Admin role: needs a client key on the server's admin allowlist and the admin endpoint.
+  Result<JobInfo> CreateJob(const std::string& job, const std::string& base_hash,
+                            const std::vector<TensorView>& tensors);
+  Result<JobInfo> DescribeJob(const std::string& job);
+  Result<ShardStats> Stats();
+  Result<SnapshotInfo> CreateSnapshot(const std::string& name);
+  Result<std::vector<SnapshotInfo>> ListSnapshots();
+  Result<SnapshotInfo> RestoreSnapshot(const std::string& name);
+
+  const ClientOptions& options() const { return options_; }
+
+ private:
+  explicit ShardClient(const ClientOptions& options);
+  Status OpenSocket();
+  // Sends the request built in `fbb` with `payload` and waits for the matching reply,
+  // retrying on timeout. The reply's Envelope is verified; error replies become Status.
+  Result<Frames> Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
+                      const std::vector<TensorView>& payload);
+  uint64_t NextRequestId() { return ++request_seq_; }
+
+  ClientOptions options_;
+  zmq::context_t ctx_;
+  std::unique_ptr<zmq::socket_t> socket_;
+  uint64_t request_seq_;
+};
+
+// Builds the TensorMeta list for `tensors` (frame i = tensor i) into `fbb`.
+flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>> BuildTensorMetas(
+    flatbuffers::FlatBufferBuilder& fbb, const std::vector<TensorView>& tensors);
+
+}  // namespace isthmus

@@ -1,0 +1,46 @@
+// CURVE key pairs and key files. A key pair file holds the public and the secret key (Z85
+// text, 40 characters each) and must be readable by its owner only (mode 0600 or
+// stricter): loading refuses anything looser and says how to fix it. A public key file
+// holds only the public key and may be world-readable. Allowlists are built from public
+// key files, or from folders whose *.pub files are all read.
+//
+// File format (a subset of CZMQ's certificate format, so zcert tools can read it):
+//   # comment lines
+//   curve
+//       public-key = "Z85..."
+//       secret-key = "Z85..."      (key pair files only)
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus {
+
+struct KeyPair {
+  std::string public_key;  // Z85, 40 chars
+  std::string secret_key;  // Z85, 40 chars; empty for a public-only key
+};
+
+// A fresh CURVE key pair from libzmq (libsodium underneath).
+Result<KeyPair> GenerateKeyPair();
+
+// Writes `<prefix>.key` (public + secret, mode 0600, created atomically with that mode)
+// and `<prefix>.pub` (public only, mode 0644). Refuses to overwrite unless `overwrite`.
+Status WriteKeyPairFiles(const std::string& prefix, const KeyPair& pair, bool overwrite);
+
+// Reads a key pair file. PermissionDenied if group or others can read or write it.
+Result<KeyPair> LoadKeyPairFile(const std::string& path);
+
+// Reads the public key of a public key file or a key pair file.
+Result<std::string> LoadPublicKeyFile(const std::string& path);
+
+// Reads every public key named by `sources`: each is a key file, or a folder whose
+// "*.pub" files are read. Missing sources and malformed keys are errors.
+Result<std::vector<std::string>> LoadPublicKeys(const std::vector<std::string>& sources);
+
+// True if `key` is 40 characters of valid Z85 that decodes to 32 bytes.
+bool IsValidZ85Key(const std::string& key);
+
+}  // namespace isthmus

@@ -1,0 +1,217 @@
+// Receive/send of header + payload frames, and the checks on everything received.
+#include "common/wire.h"
+
+#include <cmath>
+#include <cstring>
+#include <set>
+#include <string_view>
+
+namespace isthmus {
+
+uint64_t Frames::PayloadBytes() const {
+  uint64_t n = 0;
+  for (const auto& f : payload) n += f.size();
+  return n;
+}
+
+Result<Frames> ReceiveMessage(zmq::socket_t& socket, zmq::message_t* routing_id) {
+  std::vector<zmq::message_t> parts;
+  try {
+    while (true) {
+      zmq::message_t part;
+      auto got = socket.recv(part, parts.empty() ? zmq::recv_flags::dontwait
+                                                 : zmq::recv_flags::none);
+      if (!got) {
+        if (parts.empty()) return Status::Timeout("no message");
+        break;
+      }
+      bool more = part.more();
+      parts.push_back(std::move(part));
+      if (!more) break;
+    }
+  } catch (const zmq::error_t& e) {
+    return Status::Unavailable(std::string("receive failed: ") + e.what());
+  }
+  size_t first = 0;
+  if (routing_id != nullptr) {
+    *routing_id = std::move(parts[0]);
+    first = 1;
+  }
+  if (parts.size() <= first) return Status::InvalidArgument("message has no header frame");
+  Frames frames;
+  frames.header = std::move(parts[first]);
+  for (size_t i = first + 1; i < parts.size(); ++i) frames.payload.push_back(std::move(parts[i]));
+  return frames;
+}
+
+namespace {
+void ReleaseKeepalive(void* /*data*/, void* hint) {
+  delete static_cast<std::shared_ptr<const void>*>(hint);
+}
+}  // namespace
+
+Status SendMessage(zmq::socket_t& socket, const zmq::message_t* routing_id,
+                   const flatbuffers::FlatBufferBuilder& header,
+                   const std::vector<PayloadRef>& payload) {
+  try {
+    if (routing_id != nullptr) {
+      zmq::message_t id(routing_id->data(), routing_id->size());
+      socket.send(id, zmq::send_flags::sndmore);
+    }
+    zmq::message_t head(header.GetBufferPointer(), header.GetSize());
+    socket.send(head, payload.empty() ? zmq::send_flags::none : zmq::send_flags::sndmore);
+    for (size_t i = 0; i < payload.size(); ++i) {
+      const auto& p = payload[i];
+      zmq::message_t frame;
+      if (p.keepalive && p.size > 0) {
+        auto* hint = new std::shared_ptr<const void>(p.keepalive);
+        frame = zmq::message_t(const_cast<void*>(p.data), p.size, ReleaseKeepalive, hint);
+      } else {
+        frame = zmq::message_t(p.data, p.size);
+      }
+      socket.send(frame, i + 1 < payload.size() ? zmq::send_flags::sndmore
+                                                : zmq::send_flags::none);
+    }
+  } catch (const zmq::error_t& e) {
+    return Status::Unavailable(std::string("send failed: ") + e.what());
+  }
+  return Status::Ok();
+}
+
+Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
+                                            const WireLimits& limits) {
+  if (header.size() > limits.max_header_bytes) {
+    return Status::ResourceExhausted("header frame of " + std::to_string(header.size()) +
+                                     " bytes exceeds the limit of " +
+                                     std::to_string(limits.max_header_bytes));
+  }
+  auto* bytes = static_cast<const uint8_t*>(header.data());
+  flatbuffers::Verifier::Options opts;
+  opts.max_tables = 4 * static_cast<flatbuffers::uoffset_t>(limits.max_tensors) + 1024;
+  flatbuffers::Verifier verifier(bytes, header.size(), opts);
+  if (header.size() < 8 || !wire::EnvelopeBufferHasIdentifier(bytes) ||
+      !wire::VerifyEnvelopeBuffer(verifier)) {
+    return Status::InvalidArgument("header frame is not a valid isthmus Envelope (" +
+                                   std::to_string(header.size()) + " bytes failed verification)");
+  }
+  const wire::Envelope* env = wire::GetEnvelope(bytes);
+  if (env->body_type() == wire::Body::NONE) {
+    return Status::InvalidArgument("envelope has no body");
+  }
+  return env;
+}
+
+bool AllFinite(const float* data, size_t n) {
+  // Branch-free accumulate: x - x is 0 for finite x and NaN otherwise.
+  float acc = 0.0f;
+  for (size_t i = 0; i < n; ++i) acc += data[i] - data[i];
+  return acc == 0.0f;
+}
+
+std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta) {
+  std::vector<int64_t> shape;
+  if (meta->shape() != nullptr) shape.assign(meta->shape()->begin(), meta->shape()->end());
+  return shape;
+}
+
+Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas,
+                       const std::vector<zmq::message_t>& payload, const WireLimits& limits,
+                       bool check_finite) {
+  size_t count = metas == nullptr ? 0 : metas->size();
+  if (count > limits.max_tensors) {
+    return Status::ResourceExhausted(std::to_string(count) + " tensors in one message exceed " +
+                                     "the limit of " + std::to_string(limits.max_tensors));
+  }
+  if (count != payload.size()) {
+    return Status::InvalidArgument(std::to_string(count) + " tensors described but " +
+                                   std::to_string(payload.size()) + " payload frames sent");
+  }
+  uint64_t total = 0;
+  for (const auto& f : payload) total += f.size();
+  if (total > limits.max_payload_bytes) {
+    return Status::ResourceExhausted("payload of " + std::to_string(total) +
+                                     " bytes exceeds the limit of " +
+                                     std::to_string(limits.max_payload_bytes));
+  }
+  std::set<std::string_view> names;
+  std::vector<bool> used(payload.size(), false);
+  for (size_t i = 0; i < count; ++i) {
+    const wire::TensorMeta* m = metas->Get(i);
+    std::string_view name = m->name()->string_view();
+    std::string label = "tensor #" + std::to_string(i);
+    if (name.empty() || name.size() > limits.max_name_bytes) {
+      return Status::InvalidArgument(label + " has an empty or over-long name");
+    }
+    label = "tensor '" + std::string(name) + "'";
+    if (!names.insert(name).second) return Status::InvalidArgument(label + " appears twice");
+    if (m->dtype() != wire::DType::F32) {
+      return Status::InvalidArgument(label + " has dtype " +
+                                     std::to_string(static_cast<int>(m->dtype())) +
+                                     "; only F32 is accepted");
+    }
+    auto shape = ShapeOf(m);
+    if (shape.size() > limits.max_dims) {
+      return Status::InvalidArgument(label + " has " + std::to_string(shape.size()) +
+                                     " dims, more than " + std::to_string(limits.max_dims));
+    }
+    int64_t numel = NumElements(shape);
+    if (numel < 0) return Status::InvalidArgument(label + " has a negative or huge shape");
+    if (m->frame() >= payload.size() || used[m->frame()]) {
+      return Status::InvalidArgument(label + " names payload frame " +
+                                     std::to_string(m->frame()) +
+                                     " which is missing or used twice");
+    }
+    used[m->frame()] = true;
+    const zmq::message_t& frame = payload[m->frame()];
+    uint64_t expect = static_cast<uint64_t>(numel) * sizeof(float);
+    if (m->nbytes() != expect || frame.size() != expect) {
+      return Status::InvalidArgument(label + ": shape needs " + std::to_string(expect) +
+                                     " bytes, header says " + std::to_string(m->nbytes()) +
+                                     ", frame has " + std::to_string(frame.size()));
+    }
+    if (check_finite) {
+      // Frames may be unaligned for float; copy through memcpy-safe chunks.
+      const auto* bytes = static_cast<const uint8_t*>(frame.data());
+      if (reinterpret_cast<uintptr_t>(bytes) % alignof(float) == 0) {
+        if (!AllFinite(reinterpret_cast<const float*>(bytes), numel)) {
+          return Status::InvalidArgument(label + " contains NaN or infinite values");
+        }
+      } else {
+        float buf[1024];
+        for (int64_t off = 0; off < numel; off += 1024) {
+          int64_t n = std::min<int64_t>(1024, numel - off);
+          std::memcpy(buf, bytes + off * 4, n * 4);
+          if (!AllFinite(buf, n)) {
+            return Status::InvalidArgument(label + " contains NaN or infinite values");
+          }
+        }
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+wire::ErrorCode ToWireCode(Code code) { return static_cast<wire::ErrorCode>(code); }
+Code FromWireCode(wire::ErrorCode code) {
+  auto v = static_cast<uint8_t>(code);
+  return v <= static_cast<uint8_t>(Code::kResourceExhausted) ? static_cast<Code>(v)
+                                                              : Code::kInternal;
+}
+
+void BuildErrorReply(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id,
+                     const Status& status) {
+  auto msg = fbb.CreateString(status.message());
+  auto err = wire::CreateErrorReply(fbb, ToWireCode(status.code()), msg);
+  auto env = wire::CreateEnvelope(fbb, 1, request_id, wire::Body::ErrorReply, err.Union());
+  wire::FinishEnvelopeBuffer(fbb, env);
+}
+
+Status ErrorFromEnvelope(const wire::Envelope* env) {
+  if (env->body_type() != wire::Body::ErrorReply) return Status::Ok();
+  const auto* err = env->body_as_ErrorReply();
+  Code code = FromWireCode(err->code());
+  if (code == Code::kOk) code = Code::kInternal;
+  return Status(code, err->message() ? err->message()->str() : "");
+}
+
+}  // namespace isthmus

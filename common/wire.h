@@ -1,0 +1,88 @@
+// The wire codec: one FlatBuffers header frame (schemas/isthmus.fbs, an Envelope) plus raw
+// payload frames holding tensor bytes. This file owns the checks every received message
+// passes before anything acts on it (verifier, sizes, shapes, dtypes, finiteness) and the
+// zero-copy send path for payloads. Used by the server, the client library and isthmusctl.
+// Not thread-safe per socket (ZeroMQ sockets belong to one thread).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/status.h"
+#include "common/tensor.h"
+#include "isthmus_generated.h"
+
+namespace isthmus {
+
+// Limits a receiver enforces. Defaults suit a shard; the server's config overrides them.
+struct WireLimits {
+  size_t max_header_bytes = 1 << 20;            // one Envelope
+  uint64_t max_payload_bytes = uint64_t{1} << 30;  // all payload frames of one message
+  uint32_t max_tensors = 100000;                // TensorMeta entries in one message
+  uint32_t max_name_bytes = 512;                // tensor and job names
+  uint32_t max_dims = 8;
+};
+
+// A received message: the header frame, then the payload frames.
+struct Frames {
+  zmq::message_t header;
+  std::vector<zmq::message_t> payload;
+  uint64_t PayloadBytes() const;
+};
+
+// Bytes of one payload frame to send. `keepalive` owns the memory until ZeroMQ is done
+// with it (the frame is sent without copying); a null keepalive means the bytes are
+// copied into the frame before SendMessage returns.
+struct PayloadRef {
+  const void* data = nullptr;
+  size_t size = 0;
+  std::shared_ptr<const void> keepalive;
+};
+
+// Receives one multipart message. `routing_id` receives the first frame when the socket
+// is a ROUTER (pass nullptr otherwise). Returns Timeout if nothing arrived (non-blocking
+// sockets / rcvtimeo), InvalidArgument if the message has no header frame.
+Result<Frames> ReceiveMessage(zmq::socket_t& socket, zmq::message_t* routing_id);
+
+// Sends header (a finished FlatBufferBuilder) and payload frames; `routing_id` first when
+// given. Frames travel without copies where PayloadRef::keepalive is set.
+Status SendMessage(zmq::socket_t& socket, const zmq::message_t* routing_id,
+                   const flatbuffers::FlatBufferBuilder& header,
+                   const std::vector<PayloadRef>& payload);
+
+// Runs the FlatBuffers verifier and size limit on a header frame. The returned pointer
+// points into `header` and lives as long as it.
+Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
+                                            const WireLimits& limits);
+
+// Checks a list of tensor descriptions against the payload frames: names present, short,
+// unique; dtype F32; dims within limits and non-negative; element count x 4 == nbytes ==
+// the frame's size; every frame referenced exactly once; total within limits; and, when
+// `check_finite`, every value finite. The first failure is returned as InvalidArgument
+// (or ResourceExhausted for limits) naming the tensor.
+Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas,
+                       const std::vector<zmq::message_t>& payload, const WireLimits& limits,
+                       bool check_finite);
+
+// True if every one of the n floats is finite.
+bool AllFinite(const float* data, size_t n);
+
+// Shape of a TensorMeta as a vector.
+std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta);
+
+// Status <-> wire error code (one to one).
+wire::ErrorCode ToWireCode(Code code);
+Code FromWireCode(wire::ErrorCode code);
+
+// A finished Envelope holding an ErrorReply for `status`.
+void BuildErrorReply(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id,
+                     const Status& status);
+
+// Returns the Status an Envelope carries if its body is an ErrorReply, OK otherwise.
+Status ErrorFromEnvelope(const wire::Envelope* env);
+
+}  // namespace isthmus
