@@ -1,0 +1,571 @@
+// Checks the CPU reference backend (ops/ops.h): every backward against central finite
+// differences of a scalar loss sum(out * w) with random w, and the forwards against naive
+// double-precision references and hand-computed values. The CUDA backend is later checked
+// against this one, so these tests are what anchors both.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ops/ops.h"
+
+namespace isthmus::ops {
+namespace {
+
+using Vec = std::vector<float>;
+
+Vec Random(size_t n, std::mt19937& rng, float stddev = 1.0f) {
+  std::normal_distribution<float> dist(0.0f, stddev);
+  Vec v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+double WeightedSum(const Vec& out, const Vec& w) {
+  double s = 0.0;
+  for (size_t i = 0; i < out.size(); ++i) s += static_cast<double>(out[i]) * w[i];
+  return s;
+}
+
+Vec Minus(const Vec& a, const Vec& b) {
+  Vec d(a.size());
+  for (size_t i = 0; i < a.size(); ++i) d[i] = a[i] - b[i];
+  return d;
+}
+
+// Finite-difference settings. The kernels run in fp32, so the step cannot be tiny: with
+// step 1e-2 the fp32 rounding of the loss contributes ~1e-5 and the O(step^2) truncation
+// of smooth ops ~1e-5 to each numeric derivative.
+struct FdTolerance {
+  float step = 1e-2f;
+  double atol = 5e-4;
+  double rtol = 5e-3;
+};
+
+// Compares `analytic` (the gradient the backward ACCUMULATED, i.e. after minus before)
+// with central differences of `loss` with respect to every entry of *param.
+void ExpectGradientMatches(const std::string& what, Vec* param, const Vec& analytic,
+                           const std::function<double()>& loss, FdTolerance tol = {}) {
+  ASSERT_EQ(param->size(), analytic.size()) << what;
+  double max_abs_err = 0.0, max_grad = 0.0;
+  int failures = 0;
+  for (size_t i = 0; i < param->size(); ++i) {
+    const float saved = (*param)[i];
+    const float up = saved + tol.step;
+    const float down = saved - tol.step;
+    (*param)[i] = up;
+    const double loss_up = loss();
+    (*param)[i] = down;
+    const double loss_down = loss();
+    (*param)[i] = saved;
+    const double numeric = (loss_up - loss_down) / (static_cast<double>(up) - down);
+    const double err = std::abs(numeric - analytic[i]);
+    max_abs_err = std::max(max_abs_err, err);
+    max_grad = std::max(max_grad, std::abs(numeric));
+    if (err > tol.atol + tol.rtol * std::abs(numeric) && ++failures <= 5) {
+      ADD_FAILURE() << what << "[" << i << "]: analytic " << analytic[i] << " numeric " << numeric;
+    }
+  }
+  std::printf("  FD %-26s n=%-4zu max|grad|=%-9.3g max abs err=%.3g\n", what.c_str(), param->size(),
+              max_grad, max_abs_err);
+  EXPECT_EQ(failures, 0) << what;
+  EXPECT_GT(max_grad, 0.0) << what << ": gradient is identically zero, the check is vacuous";
+}
+
+Ops& ops() { return CpuOps(); }
+
+TEST(CpuOpsTest, NameIsCpu) { EXPECT_STREQ(ops().Name(), "cpu"); }
+
+// ---------------------------------------------------------------------------------------
+// Matmul
+
+TEST(MatmulTest, AllTransposeCombinationsMatchNaive) {
+  std::mt19937 rng(1);
+  const int m = 5, n = 7, k = 3;
+  const float alpha = 0.5f, beta = 2.0f;
+  for (bool ta : {false, true}) {
+    for (bool tb : {false, true}) {
+      const Vec a = Random(m * k, rng), b = Random(k * n, rng);
+      const Vec c0 = Random(m * n, rng);
+      Vec c = c0;
+      ops().Matmul(a.data(), b.data(), c.data(), m, n, k, ta, tb, alpha, beta);
+      for (int i = 0; i < m; ++i) {
+        for (int j = 0; j < n; ++j) {
+          double s = 0.0;
+          for (int p = 0; p < k; ++p) {
+            const float av = ta ? a[p * m + i] : a[i * k + p];  // stored [k,m] when ta
+            const float bv = tb ? b[j * k + p] : b[p * n + j];  // stored [n,k] when tb
+            s += static_cast<double>(av) * bv;
+          }
+          EXPECT_NEAR(c[i * n + j], alpha * s + beta * c0[i * n + j], 1e-5)
+              << "ta=" << ta << " tb=" << tb << " (" << i << "," << j << ")";
+        }
+      }
+    }
+  }
+}
+
+TEST(MatmulTest, LargeMatchesNaive) {
+  std::mt19937 rng(2);
+  const int m = 67, n = 129, k = 95;  // odd sizes exercise the sgemm edge kernels
+  const Vec a = Random(m * k, rng), b = Random(k * n, rng);
+  Vec c(m * n, 0.0f);
+  ops().Matmul(a.data(), b.data(), c.data(), m, n, k, false, false, 1.0f, 0.0f);
+  double max_err = 0.0;
+  for (int i = 0; i < m; ++i) {
+    for (int j = 0; j < n; ++j) {
+      double s = 0.0;
+      for (int p = 0; p < k; ++p) s += static_cast<double>(a[i * k + p]) * b[p * n + j];
+      max_err = std::max(max_err, std::abs(s - c[i * n + j]));
+    }
+  }
+  EXPECT_LT(max_err, 1e-4);
+}
+
+// ---------------------------------------------------------------------------------------
+// Embedding
+
+TEST(EmbeddingTest, ForwardAndGradients) {
+  std::mt19937 rng(3);
+  const int B = 2, T = 3, C = 4, V = 5;
+  const std::vector<int32_t> tokens = {1, 4, 1, 0, 1, 3};  // token 1 repeats
+  Vec wte = Random(V * C, rng), wpe = Random(T * C, rng);
+  const Vec w = Random(B * T * C, rng);
+  Vec out(B * T * C);
+  ops().EmbeddingForward(tokens.data(), wte.data(), wpe.data(), out.data(), B, T, C);
+  for (int i = 0; i < B * T; ++i) {
+    for (int c = 0; c < C; ++c) {
+      EXPECT_FLOAT_EQ(out[i * C + c], wte[tokens[i] * C + c] + wpe[(i % T) * C + c]);
+    }
+  }
+  auto loss = [&] {
+    ops().EmbeddingForward(tokens.data(), wte.data(), wpe.data(), out.data(), B, T, C);
+    return WeightedSum(out, w);
+  };
+  const Vec dwte0 = Random(V * C, rng), dwpe0 = Random(T * C, rng);
+  Vec dwte = dwte0, dwpe = dwpe0;
+  ops().EmbeddingBackward(w.data(), tokens.data(), dwte.data(), dwpe.data(), B, T, C);
+  ExpectGradientMatches("embedding dwte", &wte, Minus(dwte, dwte0), loss);
+  ExpectGradientMatches("embedding dwpe", &wpe, Minus(dwpe, dwpe0), loss);
+  // Token 2 never occurs, so its row must be untouched.
+  for (int c = 0; c < C; ++c) EXPECT_EQ(dwte[2 * C + c], dwte0[2 * C + c]);
+}
+
+// ---------------------------------------------------------------------------------------
+// LayerNorm
+
+TEST(LayerNormTest, ForwardMatchesReference) {
+  std::mt19937 rng(4);
+  const int N = 3, C = 16;
+  Vec x = Random(N * C, rng, 2.0f);
+  for (float& v : x) v += 1000.0f;  // a large offset: the two-pass variance must cope
+  const Vec weight = Random(C, rng), bias = Random(C, rng);
+  Vec out(N * C), mean(N), rstd(N);
+  ops().LayerNormForward(x.data(), weight.data(), bias.data(), out.data(), mean.data(), rstd.data(),
+                         N, C);
+  for (int i = 0; i < N; ++i) {
+    double mu = 0.0, var = 0.0;
+    for (int c = 0; c < C; ++c) mu += x[i * C + c];
+    mu /= C;
+    for (int c = 0; c < C; ++c) var += (x[i * C + c] - mu) * (x[i * C + c] - mu);
+    var /= C;
+    const double rs = 1.0 / std::sqrt(var + 1e-5);
+    EXPECT_NEAR(mean[i], mu, 1e-3);
+    EXPECT_NEAR(rstd[i], rs, 1e-4 * rs);
+    for (int c = 0; c < C; ++c) {
+      const double ref = (x[i * C + c] - mu) * rs * weight[c] + bias[c];
+      EXPECT_NEAR(out[i * C + c], ref, 2e-3) << i << "," << c;
+    }
+  }
+}
+
+TEST(LayerNormTest, Gradients) {
+  std::mt19937 rng(5);
+  const int N = 4, C = 8;
+  Vec x = Random(N * C, rng), weight = Random(C, rng), bias = Random(C, rng);
+  const Vec w = Random(N * C, rng);
+  Vec out(N * C), mean(N), rstd(N);
+  auto loss = [&] {
+    ops().LayerNormForward(x.data(), weight.data(), bias.data(), out.data(), mean.data(),
+                           rstd.data(), N, C);
+    return WeightedSum(out, w);
+  };
+  loss();
+  const Vec dx0 = Random(N * C, rng), dw0 = Random(C, rng), db0 = Random(C, rng);
+  Vec dx = dx0, dweight = dw0, dbias = db0;
+  ops().LayerNormBackward(w.data(), x.data(), weight.data(), mean.data(), rstd.data(), dx.data(),
+                          dweight.data(), dbias.data(), N, C);
+  ExpectGradientMatches("layernorm dx", &x, Minus(dx, dx0), loss);
+  ExpectGradientMatches("layernorm dweight", &weight, Minus(dweight, dw0), loss);
+  ExpectGradientMatches("layernorm dbias", &bias, Minus(dbias, db0), loss);
+}
+
+// ---------------------------------------------------------------------------------------
+// Linear and LoRA
+
+TEST(LinearTest, ForwardMatchesReference) {
+  std::mt19937 rng(6);
+  const int N = 3, in = 4, out_dim = 5;
+  const Vec x = Random(N * in, rng), w = Random(in * out_dim, rng), b = Random(out_dim, rng);
+  Vec out(N * out_dim, 123.0f), out_nobias(N * out_dim, 123.0f);  // must be overwritten
+  ops().LinearForward(x.data(), w.data(), b.data(), out.data(), N, in, out_dim);
+  ops().LinearForward(x.data(), w.data(), nullptr, out_nobias.data(), N, in, out_dim);
+  for (int i = 0; i < N; ++i) {
+    for (int j = 0; j < out_dim; ++j) {
+      double s = 0.0;
+      for (int p = 0; p < in; ++p) s += static_cast<double>(x[i * in + p]) * w[p * out_dim + j];
+      EXPECT_NEAR(out_nobias[i * out_dim + j], s, 1e-5);
+      EXPECT_NEAR(out[i * out_dim + j], s + b[j], 1e-5);
+    }
+  }
+}
+
+TEST(LinearTest, Gradients) {
+  std::mt19937 rng(7);
+  const int N = 3, in = 4, out_dim = 5;
+  Vec x = Random(N * in, rng), w = Random(in * out_dim, rng), b = Random(out_dim, rng);
+  const Vec lw = Random(N * out_dim, rng);
+  Vec out(N * out_dim);
+  auto loss = [&] {
+    ops().LinearForward(x.data(), w.data(), b.data(), out.data(), N, in, out_dim);
+    return WeightedSum(out, lw);
+  };
+  const Vec dx0 = Random(N * in, rng), dw0 = Random(in * out_dim, rng), db0 = Random(out_dim, rng);
+  Vec dx = dx0, dw = dw0, db = db0;
+  ops().LinearBackward(lw.data(), x.data(), w.data(), dx.data(), dw.data(), db.data(), N, in,
+                       out_dim);
+  ExpectGradientMatches("linear dx", &x, Minus(dx, dx0), loss);
+  ExpectGradientMatches("linear dw", &w, Minus(dw, dw0), loss);
+  ExpectGradientMatches("linear dbias", &b, Minus(db, db0), loss);
+}
+
+struct LoraProblem {
+  static constexpr int kN = 4, kIn = 6, kOut = 5, kRank = 3;
+  static constexpr float kScale = 2.0f;  // alpha / rank
+  Vec x, w, b, a, bb, lw, out, xa;
+  explicit LoraProblem(std::mt19937& rng)
+      : x(Random(kN * kIn, rng)),
+        w(Random(kIn * kOut, rng)),
+        b(Random(kOut, rng)),
+        a(Random(kRank * kIn, rng)),
+        bb(Random(kOut * kRank, rng)),
+        lw(Random(kN * kOut, rng)),
+        out(kN * kOut),
+        xa(kN * kRank) {}
+  double Loss() {
+    ops().LoraLinearForward(x.data(), w.data(), b.data(), a.data(), bb.data(), kScale, out.data(),
+                            xa.data(), kN, kIn, kOut, kRank);
+    return WeightedSum(out, lw);
+  }
+};
+
+TEST(LoraTest, ForwardMatchesReference) {
+  std::mt19937 rng(8);
+  LoraProblem p(rng);
+  p.Loss();
+  const int N = p.kN, in = p.kIn, out_dim = p.kOut, r = p.kRank;
+  for (int i = 0; i < N; ++i) {
+    std::vector<double> xa(r, 0.0);
+    for (int q = 0; q < r; ++q) {
+      for (int k = 0; k < in; ++k) xa[q] += static_cast<double>(p.x[i * in + k]) * p.a[q * in + k];
+      EXPECT_NEAR(p.xa[i * r + q], xa[q], 1e-5);
+    }
+    for (int j = 0; j < out_dim; ++j) {
+      double s = p.b[j];
+      for (int k = 0; k < in; ++k) s += static_cast<double>(p.x[i * in + k]) * p.w[k * out_dim + j];
+      for (int q = 0; q < r; ++q) s += p.kScale * xa[q] * p.bb[j * r + q];
+      EXPECT_NEAR(p.out[i * out_dim + j], s, 1e-4);
+    }
+  }
+}
+
+TEST(LoraTest, Gradients) {
+  std::mt19937 rng(9);
+  LoraProblem p(rng);
+  p.Loss();
+  const int N = p.kN, in = p.kIn, out_dim = p.kOut, r = p.kRank;
+  const Vec dx0 = Random(N * in, rng), dw0 = Random(in * out_dim, rng), db0 = Random(out_dim, rng);
+  const Vec da0 = Random(r * in, rng), dbb0 = Random(out_dim * r, rng);
+  Vec dx = dx0, dw = dw0, db = db0, da = da0, dbb = dbb0, dxa(N * r, 99.0f);
+  ops().LoraLinearBackward(p.lw.data(), p.x.data(), p.w.data(), p.a.data(), p.bb.data(), p.kScale,
+                           p.xa.data(), dx.data(), dw.data(), db.data(), da.data(), dbb.data(),
+                           dxa.data(), N, in, out_dim, r);
+  auto loss = [&] { return p.Loss(); };
+  ExpectGradientMatches("lora dx", &p.x, Minus(dx, dx0), loss);
+  ExpectGradientMatches("lora dw", &p.w, Minus(dw, dw0), loss);
+  ExpectGradientMatches("lora dbias", &p.b, Minus(db, db0), loss);
+  ExpectGradientMatches("lora dA", &p.a, Minus(da, da0), loss);
+  ExpectGradientMatches("lora dB", &p.bb, Minus(dbb, dbb0), loss);
+
+  // Frozen base (dw, dbias null): dx, dA, dB must be the same as with them.
+  p.Loss();
+  Vec dx2 = dx0, da2 = da0, dbb2 = dbb0;
+  ops().LoraLinearBackward(p.lw.data(), p.x.data(), p.w.data(), p.a.data(), p.bb.data(), p.kScale,
+                           p.xa.data(), dx2.data(), nullptr, nullptr, da2.data(), dbb2.data(),
+                           dxa.data(), N, in, out_dim, r);
+  for (size_t i = 0; i < dx.size(); ++i) EXPECT_NEAR(dx2[i], dx[i], 1e-6);
+  for (size_t i = 0; i < da.size(); ++i) EXPECT_NEAR(da2[i], da[i], 1e-6);
+  for (size_t i = 0; i < dbb.size(); ++i) EXPECT_NEAR(dbb2[i], dbb[i], 1e-6);
+}
+
+// ---------------------------------------------------------------------------------------
+// GELU
+
+TEST(GeluTest, ForwardKnownValues) {
+  const Vec x = {0.0f, 1.0f, -1.0f, 10.0f, -10.0f};
+  Vec out(x.size());
+  ops().GeluForward(x.data(), out.data(), static_cast<int64_t>(x.size()));
+  EXPECT_FLOAT_EQ(out[0], 0.0f);
+  EXPECT_NEAR(out[1], 0.841192f, 1e-5);  // tanh approximation of GELU(1)
+  EXPECT_NEAR(out[2], -0.158808f, 1e-5);
+  EXPECT_NEAR(out[3], 10.0f, 1e-5);
+  EXPECT_NEAR(out[4], 0.0f, 1e-5);
+}
+
+TEST(GeluTest, Gradient) {
+  std::mt19937 rng(10);
+  const int n = 40;
+  Vec x = Random(n, rng, 2.0f);
+  const Vec w = Random(n, rng);
+  Vec out(n);
+  auto loss = [&] {
+    ops().GeluForward(x.data(), out.data(), n);
+    return WeightedSum(out, w);
+  };
+  const Vec dx0 = Random(n, rng);
+  Vec dx = dx0;
+  ops().GeluBackward(w.data(), x.data(), dx.data(), n);
+  ExpectGradientMatches("gelu dx", &x, Minus(dx, dx0), loss);
+}
+
+// ---------------------------------------------------------------------------------------
+// Attention
+
+// Naive double-precision causal attention: out[b,t,h*hs+d].
+std::vector<double> NaiveAttention(const Vec& qkv, int B, int T, int C, int H) {
+  const int hs = C / H;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
+  std::vector<double> out(static_cast<size_t>(B) * T * C, 0.0);
+  auto at = [&](int b, int t, int part, int h, int d) {
+    return static_cast<double>(
+        qkv[(static_cast<size_t>(b) * T + t) * 3 * C + part * C + h * hs + d]);
+  };
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      for (int t = 0; t < T; ++t) {
+        std::vector<double> p(t + 1);
+        double mx = -1e300, sum = 0.0;
+        for (int s = 0; s <= t; ++s) {
+          double dot = 0.0;
+          for (int d = 0; d < hs; ++d) dot += at(b, t, 0, h, d) * at(b, s, 1, h, d);
+          p[s] = dot * scale;
+          mx = std::max(mx, p[s]);
+        }
+        for (int s = 0; s <= t; ++s) sum += (p[s] = std::exp(p[s] - mx));
+        for (int d = 0; d < hs; ++d) {
+          double o = 0.0;
+          for (int s = 0; s <= t; ++s) o += p[s] / sum * at(b, s, 2, h, d);
+          out[(static_cast<size_t>(b) * T + t) * C + h * hs + d] = o;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+TEST(AttentionTest, ForwardMatchesNaiveAndAttIsCausalSoftmax) {
+  std::mt19937 rng(11);
+  for (auto [B, T, C, H] : {std::array{2, 5, 8, 2}, std::array{2, 64, 64, 4}}) {
+    const Vec qkv = Random(static_cast<size_t>(B) * T * 3 * C, rng);
+    Vec out(static_cast<size_t>(B) * T * C), att(static_cast<size_t>(B) * H * T * T, 7.0f);
+    ops().AttentionForward(qkv.data(), out.data(), att.data(), B, T, C, H);
+    const std::vector<double> ref = NaiveAttention(qkv, B, T, C, H);
+    double max_err = 0.0;
+    for (size_t i = 0; i < out.size(); ++i) max_err = std::max(max_err, std::abs(out[i] - ref[i]));
+    EXPECT_LT(max_err, 1e-5) << "T=" << T;
+    for (int r = 0; r < B * H * T; ++r) {
+      const int t = r % T;
+      double sum = 0.0;
+      for (int s = 0; s < T; ++s) {
+        const float p = att[static_cast<size_t>(r) * T + s];
+        if (s > t) {
+          EXPECT_EQ(p, 0.0f) << "row " << r << " col " << s;
+        } else {
+          EXPECT_GE(p, 0.0f);
+        }
+        sum += p;
+      }
+      EXPECT_NEAR(sum, 1.0, 1e-5);
+    }
+  }
+}
+
+TEST(AttentionTest, FutureTokenDoesNotChangeEarlierOutputs) {
+  std::mt19937 rng(12);
+  const int B = 2, T = 6, C = 8, H = 2, t0 = 3;
+  Vec qkv = Random(B * T * 3 * C, rng);
+  Vec out1(B * T * C), out2(B * T * C), att(B * H * T * T);
+  ops().AttentionForward(qkv.data(), out1.data(), att.data(), B, T, C, H);
+  for (int j = 0; j < 3 * C; ++j) qkv[(1 * T + t0) * 3 * C + j] += 3.0f;  // batch 1, time t0
+  ops().AttentionForward(qkv.data(), out2.data(), att.data(), B, T, C, H);
+  for (int b = 0; b < B; ++b) {
+    for (int t = 0; t < T; ++t) {
+      double diff = 0.0;
+      for (int c = 0; c < C; ++c)
+        diff += std::abs(out1[(b * T + t) * C + c] - out2[(b * T + t) * C + c]);
+      if (b == 1 && t >= t0) {
+        EXPECT_GT(diff, 1e-3) << "t=" << t << " should see the change";
+      } else {
+        EXPECT_EQ(diff, 0.0) << "b=" << b << " t=" << t << " saw a future or other-batch token";
+      }
+    }
+  }
+}
+
+TEST(AttentionTest, Gradient) {
+  std::mt19937 rng(13);
+  const int B = 2, T = 5, C = 8, H = 2;
+  Vec qkv = Random(B * T * 3 * C, rng);
+  const Vec w = Random(B * T * C, rng);
+  Vec out(B * T * C), att(B * H * T * T), datt(B * H * T * T, 5.0f);
+  auto loss = [&] {
+    ops().AttentionForward(qkv.data(), out.data(), att.data(), B, T, C, H);
+    return WeightedSum(out, w);
+  };
+  loss();
+  const Vec dqkv0 = Random(qkv.size(), rng);
+  Vec dqkv = dqkv0;
+  ops().AttentionBackward(w.data(), qkv.data(), att.data(), dqkv.data(), datt.data(), B, T, C, H);
+  ExpectGradientMatches("attention dqkv", &qkv, Minus(dqkv, dqkv0), loss);
+}
+
+// ---------------------------------------------------------------------------------------
+// Add, SumSquares, Scale
+
+TEST(ElementwiseTest, AddAliasSumSquaresScale) {
+  Vec a = {1.0f, -2.0f, 3.5f}, b = {0.5f, 0.5f, -1.0f};
+  ops().Add(a.data(), b.data(), a.data(), 3);  // out aliases a
+  EXPECT_EQ(a, (Vec{1.5f, -1.5f, 2.5f}));
+  EXPECT_DOUBLE_EQ(ops().SumSquares(a.data(), 3), 1.5 * 1.5 + 1.5 * 1.5 + 2.5 * 2.5);
+  ops().Scale(a.data(), 3, -2.0f);
+  EXPECT_EQ(a, (Vec{-3.0f, 3.0f, -5.0f}));
+  // Many small terms: a float accumulator would drift, the double one must not.
+  const Vec small(1 << 20, 1e-3f);
+  EXPECT_NEAR(ops().SumSquares(small.data(), static_cast<int64_t>(small.size())),
+              (1 << 20) * static_cast<double>(1e-3f) * 1e-3f, 1e-9);
+}
+
+// ---------------------------------------------------------------------------------------
+// Cross-entropy
+
+TEST(CrossEntropyTest, KnownValues) {
+  const int N = 4, V = 4;
+  const Vec logits = {
+      0.0f,           0.0f,           0.0f,           0.0f,            // uniform: log 4
+      std::log(0.1f), std::log(0.2f), std::log(0.3f), std::log(0.4f),  // -log 0.3
+      1000.0f,        0.0f,           0.0f,           0.0f,            // huge logit: 1000
+      5.0f,           1.0f,           2.0f,           3.0f,            // ignored
+  };
+  const std::vector<int32_t> targets = {2, 2, 1, -1};
+  Vec probs(N * V), losses(N, 9.0f);
+  const float mean =
+      ops().CrossEntropyForward(logits.data(), targets.data(), probs.data(), losses.data(), N, V);
+  EXPECT_NEAR(losses[0], std::log(4.0), 1e-6);
+  EXPECT_NEAR(losses[1], -std::log(0.3), 1e-6);
+  EXPECT_NEAR(losses[2], 1000.0, 1e-3);
+  EXPECT_EQ(losses[3], 0.0f);
+  EXPECT_NEAR(mean, (std::log(4.0) - std::log(0.3) + 1000.0) / 3.0, 1e-3);
+  EXPECT_NEAR(probs[0], 0.25f, 1e-7);
+  EXPECT_NEAR(probs[1 * V + 3], 0.4f, 1e-6);
+  EXPECT_FLOAT_EQ(probs[2 * V + 0], 1.0f);
+  for (int i = 0; i < N; ++i) {
+    double s = 0.0;
+    for (int j = 0; j < V; ++j) s += probs[i * V + j];
+    EXPECT_NEAR(s, 1.0, 1e-6);
+  }
+}
+
+TEST(CrossEntropyTest, NoCountedRowsGivesZeroAndNoGradient) {
+  const Vec logits = {1.0f, 2.0f};
+  const std::vector<int32_t> targets = {-1};
+  Vec probs(2), losses(1), dlogits = {0.5f, 0.5f};
+  EXPECT_EQ(
+      ops().CrossEntropyForward(logits.data(), targets.data(), probs.data(), losses.data(), 1, 2),
+      0.0f);
+  ops().CrossEntropyBackward(probs.data(), targets.data(), dlogits.data(), 1, 2);
+  EXPECT_EQ(dlogits, (Vec{0.5f, 0.5f}));
+}
+
+TEST(CrossEntropyTest, Gradient) {
+  std::mt19937 rng(14);
+  const int N = 5, V = 7;
+  Vec logits = Random(N * V, rng, 2.0f);
+  const std::vector<int32_t> targets = {3, -1, 0, 6, 2};
+  Vec probs(N * V), losses(N);
+  auto loss = [&] {
+    return static_cast<double>(ops().CrossEntropyForward(logits.data(), targets.data(),
+                                                         probs.data(), losses.data(), N, V));
+  };
+  loss();
+  const Vec d0 = Random(N * V, rng);
+  Vec d = d0;
+  ops().CrossEntropyBackward(probs.data(), targets.data(), d.data(), N, V);
+  ExpectGradientMatches("cross-entropy dlogits", &logits, Minus(d, d0), loss);
+  for (int j = 0; j < V; ++j) EXPECT_EQ(d[1 * V + j], d0[1 * V + j]) << "ignored row moved";
+}
+
+// ---------------------------------------------------------------------------------------
+// AdamW and the schedule
+
+TEST(AdamWTest, MatchesHandComputedSteps) {
+  // lr 0.1, betas (0.9, 0.999), eps 1e-8, weight decay 0.1; p0 = 1.
+  // Step 1, g = 0.5: m = 0.05, v = 2.5e-4, m_hat = 0.5, v_hat = 0.25,
+  //   p = 1 - 0.1 * (0.5 / 0.5 + 0.1 * 1) = 0.89.
+  // Step 2, g = -0.25: m = 0.02, v = 3.1225e-4, m_hat = 0.02 / 0.19, v_hat = 3.1225e-4 / 0.001999,
+  //   p = 0.89 - 0.1 * (m_hat / sqrt(v_hat) + 0.1 * 0.89) = 0.854466299.
+  Vec p = {1.0f, 2.0f}, m = {0.0f, 0.0f}, v = {0.0f, 0.0f};
+  Vec g = {0.5f, 0.0f};
+  ops().AdamWStep(p.data(), g.data(), m.data(), v.data(), 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.1f, 1);
+  EXPECT_NEAR(p[0], 0.89f, 1e-6);
+  EXPECT_NEAR(m[0], 0.05f, 1e-7);
+  EXPECT_NEAR(v[0], 2.5e-4f, 1e-8);                      // 0.999f is not 0.999: ~1e-5 relative
+  EXPECT_NEAR(p[1], 2.0f * (1.0f - 0.1f * 0.1f), 1e-6);  // zero gradient: decay only
+  g = {-0.25f, 0.0f};
+  ops().AdamWStep(p.data(), g.data(), m.data(), v.data(), 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.1f, 2);
+  EXPECT_NEAR(m[0], 0.02f, 1e-7);
+  EXPECT_NEAR(v[0], 3.1225e-4f, 1e-8);
+  EXPECT_NEAR(p[0], 0.8544663f, 2e-6);
+}
+
+TEST(ScheduleTest, WarmupCosineEndpointsAndMonotonicity) {
+  const int64_t warmup = 10, total = 100;
+  const float max_lr = 1e-3f, min_lr = 1e-4f;
+  EXPECT_EQ(WarmupCosineLr(0, warmup, total, max_lr, min_lr), 0.0f);
+  EXPECT_NEAR(WarmupCosineLr(5, warmup, total, max_lr, min_lr), 0.5f * max_lr, 1e-9);
+  EXPECT_FLOAT_EQ(WarmupCosineLr(warmup, warmup, total, max_lr, min_lr), max_lr);
+  EXPECT_FLOAT_EQ(WarmupCosineLr(55, warmup, total, max_lr, min_lr), 0.5f * (max_lr + min_lr));
+  EXPECT_FLOAT_EQ(WarmupCosineLr(total, warmup, total, max_lr, min_lr), min_lr);
+  EXPECT_FLOAT_EQ(WarmupCosineLr(total + 1000, warmup, total, max_lr, min_lr), min_lr);
+  float prev = -1.0f;
+  for (int64_t s = 0; s <= warmup; ++s) {
+    const float lr = WarmupCosineLr(s, warmup, total, max_lr, min_lr);
+    EXPECT_GT(lr, prev) << s;
+    prev = lr;
+  }
+  for (int64_t s = warmup + 1; s <= total + 5; ++s) {
+    const float lr = WarmupCosineLr(s, warmup, total, max_lr, min_lr);
+    EXPECT_LE(lr, prev) << s;
+    EXPECT_GE(lr, min_lr) << s;
+    prev = lr;
+  }
+  // No warmup: starts at the peak.
+  EXPECT_FLOAT_EQ(WarmupCosineLr(0, 0, total, max_lr, min_lr), max_lr);
+}
+
+}  // namespace
+}  // namespace isthmus::ops
