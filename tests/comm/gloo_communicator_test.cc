@@ -1,0 +1,398 @@
+// Tests of the Gloo communicator: every collective for world sizes 1-4 and payloads from one
+// float to 1M floats, ranks as threads over loopback TCP; then the failure contract (a rank
+// that never joins, a peer that stops answering), the TCP rendezvous and a multi-process
+// group made with fork().
+#include "worker/comm/gloo_communicator.h"
+
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "tests/comm/comm_test_util.h"
+#include "worker/comm/rendezvous.h"
+
+namespace isthmus::comm {
+namespace {
+
+using testing::FirstBitMismatch;
+using testing::RunRanks;
+using testing::TempDir;
+using std::chrono::milliseconds;
+
+GlooOptions Options(int rank, int world_size, const std::string& dir,
+                    milliseconds timeout = milliseconds(10'000)) {
+  GlooOptions o;
+  o.rank = rank;
+  o.world_size = world_size;
+  o.rendezvous = "file:" + dir;
+  o.timeout = timeout;
+  o.prefix = "test";
+  return o;
+}
+
+// A port nobody listens on right now (the kernel picks it; a race with another process
+// taking it in between is possible but harmless for a test).
+uint16_t FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// Small integers: every partial sum is exact in float, so results can be checked exactly.
+float IntValue(int rank, size_t i) { return static_cast<float>((rank + 1) * (i % 7 + 1)); }
+
+class GlooCollectiveTest : public ::testing::TestWithParam<std::tuple<int, size_t>> {
+ protected:
+  int world_size() const { return std::get<0>(GetParam()); }
+  size_t count() const { return std::get<1>(GetParam()); }
+
+  // Creates rank's communicator and runs fn with it; fails the test on creation failure.
+  void Run(const std::function<void(Communicator&)>& fn, size_t fusion_bytes = 0) {
+    TempDir dir;
+    RunRanks(world_size(), [&](int rank) {
+      GlooOptions o = Options(rank, world_size(), dir.path());
+      if (fusion_bytes > 0) o.fusion_bytes = fusion_bytes;
+      auto comm = CreateGlooCommunicator(o);
+      ASSERT_TRUE(comm.ok()) << "rank " << rank << ": " << comm.status().ToString();
+      EXPECT_EQ((*comm)->rank(), rank);
+      EXPECT_EQ((*comm)->world_size(), world_size());
+      fn(**comm);
+    });
+  }
+};
+
+TEST_P(GlooCollectiveTest, AllReduceSumIsExact) {
+  const int n = world_size();
+  Run([&](Communicator& comm) {
+    std::vector<float> data(count());
+    for (size_t i = 0; i < data.size(); ++i) data[i] = IntValue(comm.rank(), i);
+    ASSERT_TRUE(comm.AllReduceSum(data.data(), data.size()).ok());
+    std::vector<float> expected(count());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      expected[i] = static_cast<float>((i % 7 + 1) * n * (n + 1) / 2);
+    }
+    EXPECT_EQ(FirstBitMismatch(data.data(), expected.data(), count()), -1) << "rank " << comm.rank();
+  });
+}
+
+TEST_P(GlooCollectiveTest, AllReduceAverageIsExact) {
+  const int n = world_size();
+  Run([&](Communicator& comm) {
+    std::vector<float> data(count());
+    for (size_t i = 0; i < data.size(); ++i) data[i] = IntValue(comm.rank(), i);
+    ASSERT_TRUE(comm.AllReduceAverage(data.data(), data.size()).ok());
+    std::vector<float> expected(count());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      expected[i] = static_cast<float>((i % 7 + 1) * n * (n + 1) / 2) / static_cast<float>(n);
+    }
+    EXPECT_EQ(FirstBitMismatch(data.data(), expected.data(), count()), -1) << "rank " << comm.rank();
+  });
+}
+
+TEST_P(GlooCollectiveTest, BroadcastCopiesRootToAll) {
+  const int root = world_size() - 1;
+  Run([&](Communicator& comm) {
+    std::vector<float> expected(count());
+    for (size_t i = 0; i < expected.size(); ++i) expected[i] = 0.25f * i + root;
+    std::vector<float> data(count(), -1.0f);
+    if (comm.rank() == root) data = expected;
+    ASSERT_TRUE(comm.Broadcast(data.data(), data.size(), root).ok());
+    EXPECT_EQ(FirstBitMismatch(data.data(), expected.data(), count()), -1) << "rank " << comm.rank();
+  });
+}
+
+TEST_P(GlooCollectiveTest, BarrierWaitsForEveryRank) {
+  std::atomic<int> arrived{0};
+  Run([&](Communicator& comm) {
+    // Later ranks arrive later; nobody may leave before the last one arrived.
+    std::this_thread::sleep_for(milliseconds(20 * comm.rank()));
+    arrived++;
+    ASSERT_TRUE(comm.Barrier().ok());
+    EXPECT_EQ(arrived.load(), world_size()) << "rank " << comm.rank();
+  });
+}
+
+TEST_P(GlooCollectiveTest, MultiBufferAverageFusesAndMatches) {
+  const int n = world_size();
+  // A mix of sizes around the (small) fusion threshold: the big one goes alone, small ones
+  // are packed, the empty one must be harmless.
+  const std::vector<size_t> sizes = {count(), 3, 1, 0, count() / 2 + 1, 17, 5000};
+  Run(
+      [&](Communicator& comm) {
+        std::vector<std::vector<float>> bufs;
+        std::vector<std::pair<float*, size_t>> list;
+        for (size_t b = 0; b < sizes.size(); ++b) {
+          bufs.emplace_back(sizes[b]);
+          for (size_t i = 0; i < sizes[b]; ++i) {
+            bufs[b][i] = static_cast<float>((comm.rank() + 1) * (b + 1) + i % 5);
+          }
+        }
+        for (auto& b : bufs) list.emplace_back(b.data(), b.size());
+        ASSERT_TRUE(comm.AllReduceAverage(list).ok());
+        for (size_t b = 0; b < sizes.size(); ++b) {
+          std::vector<float> expected(sizes[b]);
+          for (size_t i = 0; i < sizes[b]; ++i) {
+            const size_t sum = (b + 1) * n * (n + 1) / 2 + n * (i % 5);
+            expected[i] = static_cast<float>(sum) / static_cast<float>(n);
+          }
+          EXPECT_EQ(FirstBitMismatch(bufs[b].data(), expected.data(), sizes[b]), -1)
+              << "rank " << comm.rank() << " buffer " << b;
+        }
+      },
+      /*fusion_bytes=*/16 * 1024);
+}
+
+TEST_P(GlooCollectiveTest, AverageIsBitwiseIdenticalOnAllRanks) {
+  // Values of mixed sign and magnitude, so the sum order matters for rounding; the
+  // all-reduce must still leave every rank with the same bits.
+  std::vector<std::vector<float>> results(world_size());
+  Run([&](Communicator& comm) {
+    std::mt19937 gen(1234 + comm.rank());
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> data(count());
+    for (auto& x : data) x = dist(gen) * std::exp2(static_cast<float>(gen() % 20) - 10.0f);
+    std::vector<float> copy = data;
+    ASSERT_TRUE(comm.AllReduceAverage(data.data(), data.size()).ok());
+    std::vector<std::pair<float*, size_t>> list = {{copy.data(), copy.size()}};
+    ASSERT_TRUE(comm.AllReduceAverage(list).ok());
+    results[comm.rank()] = std::move(data);
+  });
+  for (int r = 1; r < world_size(); ++r) {
+    ASSERT_EQ(results[r].size(), count());
+    EXPECT_EQ(FirstBitMismatch(results[0].data(), results[r].data(), count()), -1)
+        << "rank " << r << " differs from rank 0";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    WorldAndPayload, GlooCollectiveTest,
+    ::testing::Combine(::testing::Values(1, 2, 3, 4),
+                       ::testing::Values(size_t{1}, size_t{1000}, size_t{1} << 20)),
+    [](const auto& info) {
+      return "ws" + std::to_string(std::get<0>(info.param)) + "_n" +
+             std::to_string(std::get<1>(info.param));
+    });
+
+TEST(GlooCommunicatorTest, SequenceOfMixedCollectivesStaysInStep) {
+  TempDir dir;
+  RunRanks(3, [&](int rank) {
+    auto comm = CreateGlooCommunicator(Options(rank, 3, dir.path()));
+    ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+    for (int step = 0; step < 20; ++step) {
+      std::vector<float> g(100 + step, static_cast<float>(rank + step));
+      ASSERT_TRUE((*comm)->AllReduceAverage(g.data(), g.size()).ok());
+      EXPECT_EQ(g[0], static_cast<float>(1 + step));  // mean of step, step+1, step+2
+      float root_value = static_cast<float>(rank == step % 3 ? step : -1);
+      ASSERT_TRUE((*comm)->Broadcast(&root_value, 1, step % 3).ok());
+      EXPECT_EQ(root_value, static_cast<float>(step));
+    }
+    ASSERT_TRUE((*comm)->Barrier().ok());
+  });
+}
+
+TEST(GlooCommunicatorTest, RankThatNeverJoinsGivesTimeout) {
+  TempDir dir;
+  const milliseconds timeout(2000);
+  RunRanks(2, [&](int rank) {  // world size 3: rank 2 never comes
+    const auto start = std::chrono::steady_clock::now();
+    auto comm = CreateGlooCommunicator(Options(rank, 3, dir.path(), timeout));
+    const auto waited = std::chrono::steady_clock::now() - start;
+    ASSERT_FALSE(comm.ok());
+    EXPECT_EQ(comm.status().code(), Code::kTimeout) << comm.status().ToString();
+    EXPECT_GE(waited, timeout - milliseconds(100));
+    EXPECT_LT(waited, timeout + milliseconds(2000));
+  });
+}
+
+TEST(GlooCommunicatorTest, PeerThatStopsCallingGivesTimeoutThenBroken) {
+  TempDir dir;
+  const milliseconds timeout(1500);
+  std::atomic<bool> rank0_done{false};
+  RunRanks(2, [&](int rank) {
+    auto comm = CreateGlooCommunicator(Options(rank, 2, dir.path(), timeout));
+    ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+    if (rank == 1) {
+      // Alive and connected, but never enters the collective.
+      while (!rank0_done) std::this_thread::sleep_for(milliseconds(10));
+      return;
+    }
+    std::vector<float> data(1000, 1.0f);
+    const auto start = std::chrono::steady_clock::now();
+    Status s = (*comm)->AllReduceSum(data.data(), data.size());
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(s.code(), Code::kTimeout) << s.ToString();
+    EXPECT_LT(waited, timeout + milliseconds(2000));
+    Status again = (*comm)->Barrier();
+    EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.ToString();
+    rank0_done = true;
+  });
+}
+
+TEST(GlooCommunicatorTest, PeerThatDiesGivesErrorNotHang) {
+  TempDir dir;
+  const milliseconds timeout(2000);
+  RunRanks(2, [&](int rank) {
+    auto comm = CreateGlooCommunicator(Options(rank, 2, dir.path(), timeout));
+    ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+    if (rank == 1) {
+      comm->reset();  // closes its connections, as a crashed process would
+      return;
+    }
+    std::this_thread::sleep_for(milliseconds(100));
+    std::vector<float> data(1000, 1.0f);
+    const auto start = std::chrono::steady_clock::now();
+    Status s = (*comm)->AllReduceSum(data.data(), data.size());
+    EXPECT_FALSE(s.ok());
+    EXPECT_TRUE(s.code() == Code::kTimeout || s.code() == Code::kUnavailable) << s.ToString();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, timeout + milliseconds(2000));
+  });
+}
+
+TEST(GlooCommunicatorTest, TcpRendezvous) {
+  const uint16_t port = FreePort();
+  RunRanks(3, [&](int rank) {
+    GlooOptions o;
+    o.rank = rank;
+    o.world_size = 3;
+    o.rendezvous = "tcp:127.0.0.1:" + std::to_string(port);
+    o.timeout = milliseconds(10'000);
+    o.prefix = "tcpjob";
+    // Rank 0 (the store server) starts last: clients must retry until it is up.
+    if (rank == 0) std::this_thread::sleep_for(milliseconds(200));
+    auto comm = CreateGlooCommunicator(o);
+    ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+    std::vector<float> data(10, static_cast<float>(rank));
+    ASSERT_TRUE((*comm)->AllReduceSum(data.data(), data.size()).ok());
+    EXPECT_EQ(data[9], 3.0f);
+  });
+}
+
+TEST(GlooCommunicatorTest, RejectsBadOptions) {
+  TempDir dir;
+  EXPECT_EQ(CreateGlooCommunicator(Options(2, 2, dir.path())).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(CreateGlooCommunicator(Options(-1, 2, dir.path())).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(CreateGlooCommunicator(Options(0, 1, dir.path() + "/missing")).status().code(),
+            Code::kNotFound);
+  GlooOptions o = Options(0, 1, dir.path());
+  o.rendezvous = "redis:somewhere";
+  EXPECT_EQ(CreateGlooCommunicator(o).status().code(), Code::kInvalidArgument);
+  auto comm = CreateGlooCommunicator(Options(0, 1, dir.path()));
+  ASSERT_TRUE(comm.ok());
+  float x = 1.0f;
+  EXPECT_EQ((*comm)->Broadcast(&x, 1, 1).code(), Code::kInvalidArgument);
+  EXPECT_EQ((*comm)->AllReduceSum(nullptr, 4).code(), Code::kInvalidArgument);
+}
+
+TEST(RendezvousTest, ParsesSpecs) {
+  auto file = ParseRendezvous("file:some/dir");
+  ASSERT_TRUE(file.ok());
+  EXPECT_EQ(file->kind, RendezvousSpec::Kind::kFile);
+  EXPECT_EQ(file->dir, "some/dir");
+  auto tcp = ParseRendezvous("tcp:10.0.0.1:29500");
+  ASSERT_TRUE(tcp.ok());
+  EXPECT_EQ(tcp->host, "10.0.0.1");
+  EXPECT_EQ(tcp->port, 29500);
+  auto v6 = ParseRendezvous("tcp:[::1]:7");
+  ASSERT_TRUE(v6.ok());
+  EXPECT_EQ(v6->host, "::1");
+  EXPECT_EQ(v6->port, 7);
+  for (const char* bad : {"", "file:", "tcp:host", "tcp::80", "tcp:h:", "tcp:h:99999",
+                          "tcp:h:8x", "http://h:1"}) {
+    EXPECT_FALSE(ParseRendezvous(bad).ok()) << bad;
+  }
+}
+
+TEST(RendezvousTest, TcpStoreSetGetAndTimeout) {
+  const uint16_t port = FreePort();
+  const std::string spec = "tcp:127.0.0.1:" + std::to_string(port);
+  auto server_side = Rendezvous::Open(spec, 0, "job", milliseconds(500));
+  ASSERT_TRUE(server_side.ok()) << server_side.status().ToString();
+  auto client = Rendezvous::Open(spec, 1, "job", milliseconds(500));
+  ASSERT_TRUE(client.ok()) << client.status().ToString();
+  auto other_job = Rendezvous::Open(spec, 1, "other", milliseconds(500));
+  ASSERT_TRUE(other_job.ok());
+
+  std::vector<char> value(100'000);
+  for (size_t i = 0; i < value.size(); ++i) value[i] = static_cast<char>(i * 7);
+  ASSERT_TRUE((*server_side)->Set("k", value).ok());
+  auto got = (*client)->Get("k");
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(*got, value);
+
+  // Prefixes keep jobs apart: the other job does not see "k" and times out.
+  const auto start = std::chrono::steady_clock::now();
+  auto missing = (*other_job)->Get("k");
+  EXPECT_EQ(missing.status().code(), Code::kTimeout) << missing.status().ToString();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, milliseconds(450));
+
+  // After the server stops, clients fail instead of hanging.
+  (*server_side)->StopServing();
+  EXPECT_FALSE((*client)->Get("k").ok());
+}
+
+TEST(RendezvousTest, TcpStoreUnreachableTimesOut) {
+  const uint16_t port = FreePort();
+  auto client = Rendezvous::Open("tcp:127.0.0.1:" + std::to_string(port), 1, "job",
+                                 milliseconds(300));
+  EXPECT_EQ(client.status().code(), Code::kTimeout) << client.status().ToString();
+}
+
+// Ranks 1 and 2 are child processes (fork without exec: the children run the same code),
+// rank 0 is this process; the group meets over the TCP store.
+TEST(GlooCommunicatorTest, MultiProcessGroup) {
+  const uint16_t port = FreePort();
+  const int world_size = 3;
+  auto run_rank = [&](int rank) -> bool {
+    GlooOptions o;
+    o.rank = rank;
+    o.world_size = world_size;
+    o.rendezvous = "tcp:127.0.0.1:" + std::to_string(port);
+    o.timeout = milliseconds(10'000);
+    o.prefix = "mp";
+    auto comm = CreateGlooCommunicator(o);
+    if (!comm.ok()) return false;
+    std::vector<float> data(4096);
+    for (size_t i = 0; i < data.size(); ++i) data[i] = IntValue(rank, i);
+    if (!(*comm)->AllReduceAverage(data.data(), data.size()).ok()) return false;
+    for (size_t i = 0; i < data.size(); ++i) {
+      if (data[i] != static_cast<float>((i % 7 + 1) * 6) / 3.0f) return false;
+    }
+    return (*comm)->Barrier().ok();
+  };
+  std::vector<pid_t> children;
+  for (int rank = 1; rank < world_size; ++rank) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) ::_exit(run_rank(rank) ? 0 : 1);
+    children.push_back(pid);
+  }
+  EXPECT_TRUE(run_rank(0));
+  for (pid_t pid : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  }
+}
+
+}  // namespace
+}  // namespace isthmus::comm

@@ -1,0 +1,101 @@
+// Rendezvous: how the ranks of a group find each other before they can talk. A small
+// key-value store that every rank can reach, either a shared directory ("file:DIR", Gloo's
+// FileStore) or a TCP server run by rank 0 ("tcp:HOST:PORT", written here because the
+// Debian build of Gloo ships no TCP store, only file, in-process hash and Redis stores).
+// Both communicators (Gloo's address exchange, NCCL's unique id) go through it.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace gloo::rendezvous {
+class Store;
+}
+
+namespace isthmus::comm {
+
+// A parsed rendezvous address.
+struct RendezvousSpec {
+  enum class Kind { kFile, kTcp };
+  Kind kind = Kind::kFile;
+  std::string dir;   // kFile: directory shared by all ranks (must exist)
+  std::string host;  // kTcp: where rank 0 serves the store
+  uint16_t port = 0;
+};
+
+// Parses "file:DIR" or "tcp:HOST:PORT" (HOST may be a bracketed IPv6 address).
+Result<RendezvousSpec> ParseRendezvous(std::string_view spec);
+
+// The key-value server behind "tcp:HOST:PORT". One thread ("comm-store") serves any number
+// of clients; keys live in memory only. The protocol trusts its clients (it is meant for a
+// site's private network, used for a few seconds at start-up) but bounds every frame, so a
+// stray connection cannot make it allocate without limit.
+class TcpStoreServer {
+ public:
+  // Binds host:port (port 0 picks a free port, see port()) and starts serving.
+  static Result<std::unique_ptr<TcpStoreServer>> Start(const std::string& host, uint16_t port);
+  // Stops the thread and closes every connection.
+  ~TcpStoreServer();
+
+  uint16_t port() const { return port_; }
+
+ private:
+  TcpStoreServer() = default;
+  void Serve();
+
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd that tells Serve() to stop
+  uint16_t port_ = 0;
+  struct Thread;
+  std::unique_ptr<Thread> thread_;
+};
+
+// Everything a group needs from its rendezvous, scoped to one job: keys carry the job's
+// prefix, and every wait gives up after the job's timeout.
+//
+// Thread-safety: one thread at a time. The store() object follows Gloo's contract (it
+// throws gloo::IoException on timeout or I/O failure) because Gloo calls it; isthmus code
+// uses Set/Get, which return Status.
+class Rendezvous {
+ public:
+  // Opens the store named by `spec` for `rank`. For "tcp:" specs rank 0 starts the server
+  // and every rank (0 included) connects to it as a client, retrying until `timeout`.
+  // `prefix` must be unique per launch of a job when a file store directory is reused: keys
+  // left by an earlier launch under the same prefix would be read as current.
+  static Result<std::unique_ptr<Rendezvous>> Open(const std::string& spec, int rank,
+                                                  const std::string& prefix,
+                                                  std::chrono::milliseconds timeout);
+  ~Rendezvous();
+
+  Status Set(const std::string& key, const std::vector<char>& value);
+  // Waits up to the timeout for `key` to be set, then returns its value.
+  Result<std::vector<char>> Get(const std::string& key);
+
+  // The prefixed, time-bounded store in Gloo's interface. Valid while this object lives.
+  gloo::rendezvous::Store& store();
+
+  // Rank 0 of a "tcp:" rendezvous: stops serving. Call only once every rank is known to be
+  // done with the store (after a barrier); later Set/Get on any rank fail.
+  void StopServing();
+
+ private:
+  Rendezvous() = default;
+
+  std::unique_ptr<TcpStoreServer> server_;
+  std::unique_ptr<gloo::rendezvous::Store> base_;
+  std::unique_ptr<gloo::rendezvous::Store> scoped_;
+};
+
+// Converts an exception thrown by Gloo (or by a store on Gloo's behalf) into a Status:
+// timeouts become kTimeout, other I/O failures kUnavailable, anything else kInternal.
+// `what` names the operation, e.g. "allreduce".
+Status StatusFromGlooException(std::string_view what, const std::exception& e);
+
+}  // namespace isthmus::comm
