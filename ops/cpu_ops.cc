@@ -31,6 +31,10 @@ constexpr float kLayerNormEps = 1e-5f;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
 
+// tanh as 1 - 2 / (e^{2u} + 1): glibc's expf is about 3x faster than its tanhf and the
+// absolute error stays below 2e-7 (e^{2u} = inf gives exactly 1).
+inline float Tanh(float u) { return 1.0f - 2.0f / (std::exp(2.0f * u) + 1.0f); }
+
 // Adds the column sums of m [rows, cols] into out [cols].
 void AccumulateColumnSums(const float* m, float* out, int rows, int cols) {
 #pragma omp parallel
@@ -223,7 +227,7 @@ class CpuOpsImpl : public Ops {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
       const float v = x[i];
-      out[i] = 0.5f * v * (1.0f + std::tanh(kGeluScale * (v + kGeluCubic * v * v * v)));
+      out[i] = 0.5f * v * (1.0f + Tanh(kGeluScale * (v + kGeluCubic * v * v * v)));
     }
   }
 
@@ -232,7 +236,7 @@ class CpuOpsImpl : public Ops {
     for (int64_t i = 0; i < n; ++i) {
       const float v = x[i];
       const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      const float t = std::tanh(u);
+      const float t = Tanh(u);
       const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
       dx[i] += dout[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
     }

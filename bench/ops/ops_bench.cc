@@ -2,11 +2,16 @@
 // shapes we train: 4 layers x 256 wide and 6 x 384, context 256, batch 8 (N = 2048 rows,
 // head size 64). Each benchmark reports the wall time of one forward+backward, the split
 // into fwd_ms / bwd_ms, and FLOP/s where the kernel is matmul-bound.
-//   ops_bench --benchmark_filter=Attention
+//   OMP_WAIT_POLICY=PASSIVE ops_bench --benchmark_filter=Attention
+// With Debian's pthread OpenBLAS, OpenMP's idle threads spin while sgemm's own threads
+// work (and the reverse), which inflates the mixed kernels several-fold on few cores;
+// PASSIVE stops the spinning. main() warns when it is not set.
 #include <benchmark/benchmark.h>
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <vector>
 
@@ -248,4 +253,15 @@ BENCHMARK(AdamW)
 }  // namespace
 }  // namespace isthmus::ops
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") == nullptr) {
+    std::fprintf(stderr,
+                 "note: OMP_WAIT_POLICY is not set; OpenMP and OpenBLAS threads may spin "
+                 "against each other (set OMP_WAIT_POLICY=PASSIVE for steadier figures)\n");
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

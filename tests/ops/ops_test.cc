@@ -325,6 +325,17 @@ TEST(GeluTest, ForwardKnownValues) {
   EXPECT_NEAR(out[2], -0.158808f, 1e-5);
   EXPECT_NEAR(out[3], 10.0f, 1e-5);
   EXPECT_NEAR(out[4], 0.0f, 1e-5);
+  // Against the formula in double over the range activations live in.
+  Vec xs, ys;
+  for (float v = -8.0f; v <= 8.0f; v += 0.01f) xs.push_back(v);
+  ys.resize(xs.size());
+  ops().GeluForward(xs.data(), ys.data(), static_cast<int64_t>(xs.size()));
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double v = xs[i];
+    const double ref =
+        0.5 * v * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (v + 0.044715 * v * v * v)));
+    EXPECT_NEAR(ys[i], ref, 2e-6) << "x=" << v;
+  }
 }
 
 TEST(GeluTest, Gradient) {
