@@ -1,0 +1,215 @@
+// The settings table and the loaders that map TOML keys, flags and environment variables
+// onto it.
+#include "server/config.h"
+
+#include <toml.hpp>
+
+#include <cstdlib>
+#include <sstream>
+
+namespace isthmus {
+namespace {
+
+struct Binding {
+  SettingInfo info;
+  std::string ServerConfig::*str = nullptr;
+  std::vector<std::string> ServerConfig::*list = nullptr;
+  bool ServerConfig::*flag = nullptr;
+  int64_t ServerConfig::*num = nullptr;
+};
+
+const std::vector<Binding>& Bindings() {
+  using T = SettingType;
+  static const std::vector<Binding> kBindings = {
+      {{"shard.id", T::kString, "shard0", "Name of this shard in logs and status (e.g. siteA-0)."},
+       &ServerConfig::shard_id},
+      {{"shard.data_dir", T::kString, "", "Folder for the RocksDB database (db/) and snapshots (snapshots/). Required."},
+       &ServerConfig::data_dir},
+      {{"listen.worker", T::kString, "tcp://127.0.0.1:7100", "ZeroMQ endpoint for workers (pull, push, hello)."},
+       &ServerConfig::listen_worker},
+      {{"listen.admin", T::kString, "tcp://127.0.0.1:7101", "ZeroMQ endpoint for isthmusctl (jobs, stats, snapshots, export)."},
+       &ServerConfig::listen_admin},
+      {{"security.secret_key", T::kString, "", "This server's key pair file (mode 0600; make one with isthmusctl keygen). Required unless insecure_plaintext."},
+       &ServerConfig::secret_key},
+      {{"security.worker_keys", T::kStringList, "", "Public key files or folders of *.pub files allowed on the worker socket."},
+       nullptr, &ServerConfig::worker_keys},
+      {{"security.admin_keys", T::kStringList, "", "Public key files or folders allowed on the admin socket."},
+       nullptr, &ServerConfig::admin_keys},
+      {{"security.peer_keys", T::kStringList, "", "Public key files or folders of peer shards (cross-site links)."},
+       nullptr, &ServerConfig::peer_keys},
+      {{"security.insecure_plaintext", T::kBool, "false", "Disable CURVE: no encryption, no authentication. For local benchmarks only; prints a warning."},
+       nullptr, nullptr, &ServerConfig::insecure_plaintext},
+      {{"limits.max_message_bytes", T::kInt, "1073741824", "Largest payload of one request or reply (bytes); larger requests get ResourceExhausted."},
+       nullptr, nullptr, nullptr, &ServerConfig::max_message_bytes},
+      {{"limits.max_header_bytes", T::kInt, "1048576", "Largest header frame (bytes)."},
+       nullptr, nullptr, nullptr, &ServerConfig::max_header_bytes},
+      {{"limits.max_tensors", T::kInt, "100000", "Most tensors in one request."},
+       nullptr, nullptr, nullptr, &ServerConfig::max_tensors},
+      {{"storage.sync_writes", T::kBool, "true", "fsync RocksDB's write-ahead log before acknowledging a change. false: acknowledged changes survive a process crash but not a power loss."},
+       nullptr, nullptr, &ServerConfig::sync_writes},
+      {{"storage.dedup_window", T::kInt, "65536", "Idempotency keys remembered per job; a retry older than this many pushes is applied again."},
+       nullptr, nullptr, nullptr, &ServerConfig::dedup_window},
+      {{"runtime.io_threads", T::kInt, "2", "ZeroMQ I/O threads (CURVE encryption runs on them)."},
+       nullptr, nullptr, nullptr, &ServerConfig::io_threads},
+      {{"log.level", T::kString, "info", "trace, debug, info, warn, error or off."},
+       &ServerConfig::log_level},
+  };
+  return kBindings;
+}
+
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto a = item.find_first_not_of(" \t");
+    auto b = item.find_last_not_of(" \t");
+    if (a != std::string::npos) out.push_back(item.substr(a, b - a + 1));
+  }
+  return out;
+}
+
+Status ApplyText(ServerConfig& cfg, const Binding& b, const std::string& text,
+                 const std::string& origin) {
+  switch (b.info.type) {
+    case SettingType::kString: cfg.*b.str = text; break;
+    case SettingType::kStringList: cfg.*b.list = SplitList(text); break;
+    case SettingType::kBool:
+      if (text == "true" || text == "1" || text == "yes") {
+        cfg.*b.flag = true;
+      } else if (text == "false" || text == "0" || text == "no") {
+        cfg.*b.flag = false;
+      } else {
+        return Status::InvalidArgument(origin + ": " + b.info.key + " must be true or false, not '" + text + "'");
+      }
+      break;
+    case SettingType::kInt: {
+      char* end = nullptr;
+      long long v = std::strtoll(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0') {
+        return Status::InvalidArgument(origin + ": " + b.info.key + " must be an integer, not '" + text + "'");
+      }
+      cfg.*b.num = v;
+      break;
+    }
+  }
+  return Status::Ok();
+}
+
+const Binding* FindBinding(const std::string& key) {
+  for (const auto& b : Bindings()) {
+    if (b.info.key == key) return &b;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const std::vector<SettingInfo>& ServerSettings() {
+  static const std::vector<SettingInfo> kInfos = [] {
+    std::vector<SettingInfo> v;
+    for (const auto& b : Bindings()) v.push_back(b.info);
+    return v;
+  }();
+  return kInfos;
+}
+
+std::string SettingFlag(const std::string& key) { return "--" + key; }
+
+std::string SettingEnv(const std::string& key) {
+  std::string env = "ISTHMUS_";
+  for (char c : key) env.push_back(c == '.' ? '_' : static_cast<char>(std::toupper(c)));
+  return env;
+}
+
+Result<ServerConfig> LoadServerConfig(const std::string& config_file,
+                                      const std::map<std::string, std::string>& overrides) {
+  ServerConfig cfg;
+  for (const auto& b : Bindings()) {
+    ISTHMUS_RETURN_IF_ERROR(ApplyText(cfg, b, b.info.default_value, "default"));
+  }
+  if (!config_file.empty()) {
+    toml::value root;
+    try {
+      root = toml::parse(config_file);
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument("cannot read config file '" + config_file + "': " + e.what());
+    }
+    if (!root.is_table()) return Status::InvalidArgument("config file is not a TOML table");
+    for (const auto& [section, table] : root.as_table()) {
+      if (!table.is_table()) {
+        return Status::InvalidArgument(config_file + ": top-level key '" + section +
+                                       "' must be a [section]");
+      }
+      for (const auto& [name, value] : table.as_table()) {
+        std::string key = section + "." + name;
+        const Binding* b = FindBinding(key);
+        if (b == nullptr) {
+          return Status::InvalidArgument(config_file + ": unknown setting '" + key +
+                                         "' (see docs/CONFIG.md)");
+        }
+        std::string text;
+        try {
+          switch (b->info.type) {
+            case SettingType::kString: text = toml::get<std::string>(value); break;
+            case SettingType::kBool: text = toml::get<bool>(value) ? "true" : "false"; break;
+            case SettingType::kInt: text = std::to_string(toml::get<int64_t>(value)); break;
+            case SettingType::kStringList: {
+              auto items = toml::get<std::vector<std::string>>(value);
+              for (size_t i = 0; i < items.size(); ++i) text += (i ? "," : "") + items[i];
+              break;
+            }
+          }
+        } catch (const std::exception&) {
+          return Status::InvalidArgument(config_file + ": setting '" + key + "' has the wrong type");
+        }
+        ISTHMUS_RETURN_IF_ERROR(ApplyText(cfg, *b, text, config_file));
+      }
+    }
+  }
+  for (const auto& b : Bindings()) {
+    if (const char* v = std::getenv(SettingEnv(b.info.key).c_str())) {
+      ISTHMUS_RETURN_IF_ERROR(ApplyText(cfg, b, v, SettingEnv(b.info.key)));
+    }
+  }
+  for (const auto& [key, text] : overrides) {
+    const Binding* b = FindBinding(key);
+    if (b == nullptr) return Status::InvalidArgument("unknown setting '" + key + "'");
+    ISTHMUS_RETURN_IF_ERROR(ApplyText(cfg, *b, text, SettingFlag(key)));
+  }
+  return cfg;
+}
+
+Status ValidateServerConfig(const ServerConfig& c) {
+  if (c.data_dir.empty()) {
+    return Status::InvalidArgument("shard.data_dir is not set (use --shard.data_dir=DIR or [shard] data_dir in the config file)");
+  }
+  if (!c.insecure_plaintext && c.secret_key.empty()) {
+    return Status::InvalidArgument("security.secret_key is not set: make a key pair with `isthmusctl keygen --out PREFIX` and pass --security.secret_key=PREFIX.key (or --security.insecure_plaintext=true for a local test)");
+  }
+  if (c.listen_worker.empty() || c.listen_admin.empty()) {
+    return Status::InvalidArgument("listen.worker and listen.admin must both be set");
+  }
+  if (c.max_message_bytes <= 0 || c.max_header_bytes <= 0 || c.max_tensors <= 0 ||
+      c.dedup_window <= 0 || c.io_threads <= 0) {
+    return Status::InvalidArgument("limits, storage.dedup_window and runtime.io_threads must be positive");
+  }
+  return Status::Ok();
+}
+
+std::string ServerConfigDoc() {
+  std::ostringstream out;
+  out << "| key (TOML `[section] name`) | flag | environment | type | default | meaning |\n";
+  out << "|---|---|---|---|---|---|\n";
+  for (const auto& s : ServerSettings()) {
+    const char* type = s.type == SettingType::kString       ? "string"
+                       : s.type == SettingType::kStringList ? "list of strings"
+                       : s.type == SettingType::kBool       ? "bool"
+                                                            : "integer";
+    out << "| `" << s.key << "` | `" << SettingFlag(s.key) << "` | `" << SettingEnv(s.key)
+        << "` | " << type << " | `" << s.default_value << "` | " << s.doc << " |\n";
+  }
+  return out.str();
+}
+
+}  // namespace isthmus

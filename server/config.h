@@ -1,0 +1,66 @@
+// Every tunable of isthmus-server, declared once (key, default, one line of
+// documentation). A setting's TOML key, command-line flag and environment variable map
+// onto it one to one:
+//   TOML  [storage] sync_writes = true
+//   flag  --storage.sync_writes=true
+//   env   ISTHMUS_STORAGE_SYNC_WRITES=true
+// Precedence: default < config file < environment < flag. docs/CONFIG.md is generated
+// from this table (`isthmus-server --print-config-doc`) and a test keeps them in step.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus {
+
+struct ServerConfig {
+  std::string shard_id;
+  std::string data_dir;
+  std::string listen_worker;
+  std::string listen_admin;
+  std::string secret_key;
+  std::vector<std::string> worker_keys;
+  std::vector<std::string> admin_keys;
+  std::vector<std::string> peer_keys;
+  bool insecure_plaintext = false;
+  int64_t max_message_bytes = 0;
+  int64_t max_header_bytes = 0;
+  int64_t max_tensors = 0;
+  bool sync_writes = true;
+  int64_t dedup_window = 0;
+  int64_t io_threads = 0;
+  std::string log_level;
+};
+
+enum class SettingType { kString, kStringList, kBool, kInt };
+
+struct SettingInfo {
+  std::string key;            // "section.name"
+  SettingType type;
+  std::string default_value;  // as text; lists comma-separated
+  std::string doc;
+};
+
+// The table of settings, in documentation order.
+const std::vector<SettingInfo>& ServerSettings();
+
+// Flag name and environment variable of a key.
+std::string SettingFlag(const std::string& key);
+std::string SettingEnv(const std::string& key);
+
+// Builds the config: defaults, then `config_file` (TOML; empty = none), then environment,
+// then `overrides` (key -> text value, from flags). Unknown keys in the file are errors.
+Result<ServerConfig> LoadServerConfig(const std::string& config_file,
+                                      const std::map<std::string, std::string>& overrides);
+
+// Checks required settings and combinations; says what to set.
+Status ValidateServerConfig(const ServerConfig& config);
+
+// Markdown table of every setting (docs/CONFIG.md).
+std::string ServerConfigDoc();
+
+}  // namespace isthmus

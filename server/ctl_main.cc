@@ -1,0 +1,384 @@
+// isthmusctl: the operator's CLI for a site's shards: keys, status, jobs, snapshots and
+// export. Every command that talks to shards takes the same connection flags; a command
+// addressed to a site acts on all its shards (given in shard order with --server).
+// Exit codes: 0 success; 1 the server refused or failed the operation; 2 bad usage;
+// 3 key or permission problem; 4 not found; 5 a shard did not answer.
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "common/client.h"
+#include "common/keys.h"
+#include "common/log.h"
+#include "common/safetensors.h"
+#include "common/sharding.h"
+#include "common/version.h"
+
+namespace isthmus {
+namespace {
+
+using json = nlohmann::json;
+
+struct Connection {
+  std::vector<std::string> servers;
+  std::vector<std::string> server_keys;
+  std::string key_file;
+  bool insecure = false;
+  int timeout_ms = 30000;
+};
+
+int ExitCode(const Status& s) {
+  switch (s.code()) {
+    case Code::kOk: return 0;
+    case Code::kInvalidArgument: return 2;
+    case Code::kPermissionDenied: return 3;
+    case Code::kNotFound: return 4;
+    case Code::kTimeout:
+    case Code::kUnavailable: return 5;
+    default: return 1;
+  }
+}
+
+int Fail(const Status& s) {
+  std::fprintf(stderr, "isthmusctl: %s\n", s.ToString().c_str());
+  return ExitCode(s);
+}
+
+Result<std::vector<std::unique_ptr<ShardClient>>> ConnectAll(const Connection& c) {
+  if (c.servers.empty()) {
+    return Status::InvalidArgument("no shard given: pass --server tcp://HOST:ADMIN_PORT (once per shard, in shard order)");
+  }
+  ClientOptions base;
+  base.insecure_plaintext = c.insecure;
+  base.timeout_ms = c.timeout_ms;
+  base.retries = 1;
+  if (!c.insecure) {
+    if (c.key_file.empty()) {
+      return Status::InvalidArgument("no admin key: pass --key ADMIN.key (make one with isthmusctl keygen)");
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(base.client_keys, LoadKeyPairFile(c.key_file));
+    if (c.server_keys.size() != 1 && c.server_keys.size() != c.servers.size()) {
+      return Status::InvalidArgument("pass --server-key once (all shards share a key) or once per --server");
+    }
+  }
+  std::vector<std::unique_ptr<ShardClient>> clients;
+  for (size_t i = 0; i < c.servers.size(); ++i) {
+    ClientOptions o = base;
+    o.endpoint = c.servers[i];
+    if (!c.insecure) {
+      ISTHMUS_ASSIGN_OR_RETURN(o.server_public_key,
+                               LoadPublicKeyFile(c.server_keys[c.server_keys.size() == 1 ? 0 : i]));
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(auto client, ShardClient::Connect(o));
+    clients.push_back(std::move(client));
+  }
+  return clients;
+}
+
+std::string HumanBytes(uint64_t b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 4) v /= 1024, ++u;
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+  return buf;
+}
+
+std::string TimeText(uint64_t unix_s) {
+  std::time_t t = static_cast<std::time_t>(unix_s);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", std::gmtime(&t));
+  return buf;
+}
+
+int CmdKeygen(const std::string& out, bool force) {
+  auto pair = GenerateKeyPair();
+  if (!pair.ok()) return Fail(pair.status());
+  if (auto s = WriteKeyPairFiles(out, *pair, force); !s.ok()) return Fail(s);
+  std::printf("wrote %s.key (secret, mode 0600) and %s.pub (public)\npublic key: %s\n",
+              out.c_str(), out.c_str(), pair->public_key.c_str());
+  return 0;
+}
+
+int CmdStatus(const Connection& c, bool as_json) {
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  json out = json::array();
+  Status worst;
+  for (size_t i = 0; i < clients->size(); ++i) {
+    auto st = (*clients)[i]->Stats();
+    json row{{"endpoint", c.servers[i]}, {"shard_index", i}};
+    if (!st.ok()) {
+      row["reachable"] = false;
+      row["error"] = st.status().ToString();
+      if (worst.ok()) worst = st.status();
+    } else {
+      row["reachable"] = true;
+      row["shard_id"] = st->shard_id;
+      row["version"] = st->server_version;
+      row["uptime_s"] = st->uptime_s;
+      row["requests"] = st->requests;
+      row["errors"] = st->errors;
+      row["bytes_in"] = st->bytes_in;
+      row["bytes_out"] = st->bytes_out;
+      row["db_bytes"] = st->db_bytes;
+      json jobs = json::array();
+      for (const auto& j : st->jobs) {
+        jobs.push_back({{"job", j.job}, {"version", j.version}, {"tensors", j.tensor_count},
+                        {"bytes", j.total_bytes}, {"pushes", j.pushes}});
+      }
+      row["jobs"] = jobs;
+    }
+    out.push_back(row);
+  }
+  if (as_json) {
+    std::printf("%s\n", out.dump(2).c_str());
+  } else {
+    std::printf("%-4s %-28s %-12s %-9s %9s %7s %10s %10s %10s\n", "#", "ENDPOINT", "SHARD", "STATE",
+                "UPTIME", "ERRORS", "IN", "OUT", "DB");
+    for (const auto& r : out) {
+      if (!r["reachable"].get<bool>()) {
+        std::printf("%-4zu %-28s %-12s %-9s %s\n", r["shard_index"].get<size_t>(),
+                    r["endpoint"].get<std::string>().c_str(), "-", "DOWN",
+                    r["error"].get<std::string>().c_str());
+        continue;
+      }
+      std::printf("%-4zu %-28s %-12s %-9s %8llus %7llu %10s %10s %10s\n",
+                  r["shard_index"].get<size_t>(), r["endpoint"].get<std::string>().c_str(),
+                  r["shard_id"].get<std::string>().c_str(), "up",
+                  (unsigned long long)r["uptime_s"].get<uint64_t>(),
+                  (unsigned long long)r["errors"].get<uint64_t>(),
+                  HumanBytes(r["bytes_in"].get<uint64_t>()).c_str(),
+                  HumanBytes(r["bytes_out"].get<uint64_t>()).c_str(),
+                  HumanBytes(r["db_bytes"].get<uint64_t>()).c_str());
+      for (const auto& j : r["jobs"]) {
+        std::printf("       job %-20s version %-8llu tensors %-6llu %10s pushes %llu\n",
+                    j["job"].get<std::string>().c_str(), (unsigned long long)j["version"].get<uint64_t>(),
+                    (unsigned long long)j["tensors"].get<uint64_t>(),
+                    HumanBytes(j["bytes"].get<uint64_t>()).c_str(),
+                    (unsigned long long)j["pushes"].get<uint64_t>());
+      }
+    }
+  }
+  return worst.ok() ? 0 : ExitCode(worst);
+}
+
+int CmdJobCreate(const Connection& c, const std::string& job, const std::string& file,
+                 std::string base_hash) {
+  auto loaded = ReadSafetensors(file);
+  if (!loaded.ok()) return Fail(loaded.status());
+  if (loaded->tensors.empty()) return Fail(Status::InvalidArgument("'" + file + "' holds no tensors"));
+  if (base_hash.empty()) base_hash = TensorsContentHash(loaded->tensors);
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  std::vector<TensorSize> sizes;
+  for (const auto& t : loaded->tensors) sizes.push_back({t.name, t.data.size() * sizeof(float)});
+  auto owner = AssignTensorsToShards(sizes, static_cast<int>(clients->size()));
+  for (size_t s = 0; s < clients->size(); ++s) {
+    std::vector<TensorView> views;
+    for (size_t i = 0; i < loaded->tensors.size(); ++i) {
+      const auto& t = loaded->tensors[i];
+      if (owner[i] == static_cast<int>(s)) views.push_back({t.name, t.shape, t.data.data()});
+    }
+    if (views.empty()) continue;
+    auto r = (*clients)[s]->CreateJob(job, base_hash, views);
+    if (!r.ok()) {
+      return Fail(Status(r.status().code(), "shard " + std::to_string(s) + " (" + c.servers[s] +
+                                                "): " + r.status().message()));
+    }
+    std::printf("shard %zu: job '%s' created with %llu tensors (%s)\n", s, job.c_str(),
+                (unsigned long long)r->tensor_count, HumanBytes(r->total_bytes).c_str());
+  }
+  std::printf("base hash %s\n", base_hash.c_str());
+  return 0;
+}
+
+int CmdJobDescribe(const Connection& c, const std::string& job, bool as_json) {
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  json out = json::array();
+  for (size_t s = 0; s < clients->size(); ++s) {
+    auto r = (*clients)[s]->DescribeJob(job);
+    if (!r.ok()) {
+      if (r.status().code() == Code::kNotFound) continue;  // a shard may own none of it
+      return Fail(r.status());
+    }
+    for (const auto& t : r->tensors) {
+      out.push_back({{"shard", s}, {"name", t.name}, {"shape", t.shape}, {"version", t.version}});
+    }
+    if (!as_json) {
+      std::printf("shard %zu: job '%s' version %llu, %zu tensors, %llu pushes, base %s, created %s UTC\n",
+                  s, job.c_str(), (unsigned long long)r->version, r->tensors.size(),
+                  (unsigned long long)r->pushes, r->base_hash.c_str(), TimeText(r->created_unix).c_str());
+    }
+  }
+  if (out.empty()) return Fail(Status::NotFound("job '" + job + "' is on no shard"));
+  if (as_json) std::printf("%s\n", out.dump(2).c_str());
+  return 0;
+}
+
+int CmdExport(const Connection& c, const std::string& job, const std::string& out_file) {
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  std::vector<Tensor> all;
+  std::string base_hash;
+  uint64_t version = 0;
+  for (size_t s = 0; s < clients->size(); ++s) {
+    auto d = (*clients)[s]->DescribeJob(job);
+    if (!d.ok()) {
+      if (d.status().code() == Code::kNotFound) continue;
+      return Fail(d.status());
+    }
+    base_hash = d->base_hash;
+    version = std::max(version, d->version);
+    auto r = (*clients)[s]->Pull(job);
+    if (!r.ok()) return Fail(r.status());
+    for (auto& t : r->tensors) all.push_back(std::move(t));
+  }
+  if (all.empty()) return Fail(Status::NotFound("job '" + job + "' is on no shard"));
+  std::map<std::string, std::string> meta{{"isthmus.job", job},
+                                          {"isthmus.base_hash", base_hash},
+                                          {"isthmus.version", std::to_string(version)}};
+  if (auto s = WriteSafetensors(out_file, all, meta); !s.ok()) return Fail(s);
+  uint64_t bytes = 0;
+  for (const auto& t : all) bytes += t.data.size() * sizeof(float);
+  std::printf("exported %zu tensors (%s) of job '%s' to %s\n", all.size(), HumanBytes(bytes).c_str(),
+              job.c_str(), out_file.c_str());
+  return 0;
+}
+
+int CmdSnapshot(const Connection& c, const std::string& action, const std::string& name,
+                bool as_json) {
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  if (action == "list") {
+    json out = json::array();
+    for (size_t s = 0; s < clients->size(); ++s) {
+      auto r = (*clients)[s]->ListSnapshots();
+      if (!r.ok()) return Fail(r.status());
+      for (const auto& snap : *r) {
+        json jobs = json::array();
+        for (const auto& j : snap.jobs) jobs.push_back({{"job", j.job}, {"version", j.version}});
+        out.push_back({{"shard", s}, {"name", snap.name}, {"created_unix", snap.created_unix},
+                       {"bytes", snap.bytes}, {"jobs", jobs}});
+        if (!as_json) {
+          std::printf("shard %zu  %-24s %s UTC  %10s", s, snap.name.c_str(),
+                      TimeText(snap.created_unix).c_str(), HumanBytes(snap.bytes).c_str());
+          for (const auto& j : snap.jobs) {
+            std::printf("  %s@v%llu", j.job.c_str(), (unsigned long long)j.version);
+          }
+          std::printf("\n");
+        }
+      }
+    }
+    if (as_json) std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  for (size_t s = 0; s < clients->size(); ++s) {
+    auto r = action == "create" ? (*clients)[s]->CreateSnapshot(name)
+                                : (*clients)[s]->RestoreSnapshot(name);
+    if (!r.ok()) {
+      return Fail(Status(r.status().code(), "shard " + std::to_string(s) + " (" + c.servers[s] +
+                                                "): " + r.status().message()));
+    }
+    std::printf("shard %zu: snapshot '%s' %s (%s)\n", s, r->name.c_str(),
+                action == "create" ? "created" : "restored", HumanBytes(r->bytes).c_str());
+  }
+  return 0;
+}
+
+void AddConnectionFlags(CLI::App* cmd, Connection& c) {
+  cmd->add_option("-s,--server", c.servers,
+                  "admin endpoint of a shard, e.g. tcp://127.0.0.1:7101; repeat once per shard, in shard order")
+      ->envname("ISTHMUS_CTL_SERVERS")
+      ->delimiter(',');
+  cmd->add_option("--server-key", c.server_keys,
+                  "the shard's public key file (.pub); once for all shards or once per --server")
+      ->envname("ISTHMUS_CTL_SERVER_KEYS")
+      ->delimiter(',');
+  cmd->add_option("-k,--key", c.key_file, "this admin's key pair file (.key, mode 0600)")
+      ->envname("ISTHMUS_CTL_KEY");
+  cmd->add_flag("--insecure-plaintext", c.insecure,
+                "talk without CURVE to a server started with security.insecure_plaintext");
+  cmd->add_option("--timeout-ms", c.timeout_ms, "per-request timeout")->capture_default_str();
+}
+
+}  // namespace
+}  // namespace isthmus
+
+int main(int argc, char** argv) {
+  using namespace isthmus;
+  CLI::App app{"isthmusctl: administer the parameter-server shards of an isthmus site"};
+  app.footer("Exit codes: 0 ok, 1 operation failed, 2 bad usage, 3 key/permission problem, "
+             "4 not found, 5 shard unreachable.");
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("isthmusctl ") + kIsthmusVersion);
+  std::string log_level = "warn";
+  app.add_option("--log-level", log_level, "log level of the CLI itself")->capture_default_str();
+  Connection conn;
+  bool as_json = false;
+
+  auto* keygen = app.add_subcommand("keygen", "write a new CURVE key pair: PREFIX.key (secret, 0600) and PREFIX.pub");
+  std::string key_out;
+  bool force = false;
+  keygen->add_option("-o,--out", key_out, "path prefix of the two files")->required();
+  keygen->add_flag("--force", force, "overwrite existing files");
+
+  auto* status = app.add_subcommand("status", "show every shard's health, traffic and jobs");
+  AddConnectionFlags(status, conn);
+  status->add_flag("--json", as_json, "machine-readable output");
+
+  auto* job = app.add_subcommand("job", "create or describe a job");
+  job->require_subcommand(1);
+  std::string job_name, from_file, base_hash;
+  auto* job_create = job->add_subcommand("create", "create a job from a safetensors file of initial tensors, spread over the shards");
+  AddConnectionFlags(job_create, conn);
+  job_create->add_option("-j,--job", job_name, "job name (1-64 of A-Z a-z 0-9 . _ -)")->required();
+  job_create->add_option("-f,--from", from_file, "safetensors file of initial tensors")->required()->check(CLI::ExistingFile);
+  job_create->add_option("--base-hash", base_hash, "base model hash workers must match (default: content hash of the file)");
+  auto* job_describe = job->add_subcommand("describe", "list a job's tensors and versions");
+  AddConnectionFlags(job_describe, conn);
+  job_describe->add_option("-j,--job", job_name, "job name")->required();
+  job_describe->add_flag("--json", as_json, "machine-readable output");
+
+  auto* snapshot = app.add_subcommand("snapshot", "RocksDB checkpoints of every shard");
+  snapshot->require_subcommand(1);
+  std::string snap_name;
+  auto* snap_create = snapshot->add_subcommand("create", "checkpoint every shard under NAME");
+  AddConnectionFlags(snap_create, conn);
+  snap_create->add_option("name", snap_name, "snapshot name")->required();
+  auto* snap_list = snapshot->add_subcommand("list", "list snapshots on every shard");
+  AddConnectionFlags(snap_list, conn);
+  snap_list->add_flag("--json", as_json, "machine-readable output");
+  auto* snap_restore = snapshot->add_subcommand("restore", "replace every shard's state by snapshot NAME");
+  AddConnectionFlags(snap_restore, conn);
+  snap_restore->add_option("name", snap_name, "snapshot name")->required();
+
+  auto* exp = app.add_subcommand("export", "write a job's current tensors from every shard to one safetensors file");
+  AddConnectionFlags(exp, conn);
+  std::string out_file;
+  exp->add_option("-j,--job", job_name, "job name")->required();
+  exp->add_option("-o,--out", out_file, "output .safetensors file")->required();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  if (auto s = InitLogging("isthmusctl", log_level); !s.ok()) return Fail(s);
+  if (*keygen) return CmdKeygen(key_out, force);
+  if (*status) return CmdStatus(conn, as_json);
+  if (*job_create) return CmdJobCreate(conn, job_name, from_file, base_hash);
+  if (*job_describe) return CmdJobDescribe(conn, job_name, as_json);
+  if (*snap_create) return CmdSnapshot(conn, "create", snap_name, as_json);
+  if (*snap_list) return CmdSnapshot(conn, "list", snap_name, as_json);
+  if (*snap_restore) return CmdSnapshot(conn, "restore", snap_name, as_json);
+  if (*exp) return CmdExport(conn, job_name, out_file);
+  return 2;
+}

@@ -1,0 +1,570 @@
+// Request handlers of the shard. Pattern of every mutating handler: validate everything
+// first, build new buffers and one WriteBatch, write it, and only then swap the new
+// state into memory. A failed write leaves memory as it was.
+#include "server/shard.h"
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <cstring>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "common/version.h"
+
+namespace isthmus {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+uint64_t NowUnix() { return static_cast<uint64_t>(std::time(nullptr)); }
+
+std::string BigEndian64(uint64_t v) {
+  std::string s(8, '\0');
+  for (int i = 7; i >= 0; --i, v >>= 8) s[i] = static_cast<char>(v & 0xff);
+  return s;
+}
+
+std::string_view Bytes(const std::vector<float>& v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)};
+}
+
+void Finish(Reply& reply, uint64_t id, wire::Body type, flatbuffers::Offset<void> body) {
+  wire::FinishEnvelopeBuffer(reply.header,
+                             wire::CreateEnvelope(reply.header, 1, id, type, body));
+}
+
+}  // namespace
+
+bool IsValidName(const std::string& name) {
+  if (name.empty() || name.size() > 64 || name[0] == '.') return false;
+  for (char c : name) {
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '_' && c != '-') {
+      return false;
+    }
+  }
+  return true;
+}
+
+Shard::Shard(ShardOptions options)
+    : options_(std::move(options)), started_(std::chrono::steady_clock::now()) {}
+
+Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
+  std::unique_ptr<Shard> shard(new Shard(std::move(options)));
+  ISTHMUS_ASSIGN_OR_RETURN(shard->store_, shard->options_.open_store());
+  ISTHMUS_RETURN_IF_ERROR(shard->Load());
+  return shard;
+}
+
+std::string Shard::JobRecord(const JobState& job) const {
+  return json{{"base_hash", job.base_hash}, {"version", job.version},
+              {"pushes", job.pushes},       {"created_unix", job.created_unix},
+              {"last_round", job.last_round}, {"tokens", job.tokens},
+              {"dedup_seq", job.dedup_seq}}
+      .dump();
+}
+
+Status Shard::Load() {
+  jobs_.clear();
+  Status status;
+  ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kJobs, "", [&](std::string_view k, std::string_view v) {
+    json rec = json::parse(v, nullptr, false);
+    if (rec.is_discarded()) {
+      status = Status::Corruption("job record '" + std::string(k) + "' is not JSON");
+      return false;
+    }
+    JobState job;
+    job.base_hash = rec.value("base_hash", "");
+    job.version = rec.value("version", uint64_t{0});
+    job.pushes = rec.value("pushes", uint64_t{0});
+    job.created_unix = rec.value("created_unix", uint64_t{0});
+    job.last_round = rec.value("last_round", uint64_t{0});
+    job.tokens = rec.value("tokens", uint64_t{0});
+    job.dedup_seq = rec.value("dedup_seq", uint64_t{0});
+    jobs_.emplace(std::string(k), std::move(job));
+    return true;
+  }));
+  ISTHMUS_RETURN_IF_ERROR(status);
+  for (auto& [name, job] : jobs_) {
+    std::string prefix = JobKey(name, "");
+    ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kTensorMeta, prefix,
+                                         [&](std::string_view k, std::string_view v) {
+      std::string tname(k.substr(prefix.size()));
+      json rec = json::parse(v, nullptr, false);
+      if (rec.is_discarded() || !rec.contains("shape")) {
+        status = Status::Corruption("tensor record '" + tname + "' of job '" + name + "' is bad");
+        return false;
+      }
+      TensorState t;
+      t.shape = rec["shape"].get<std::vector<int64_t>>();
+      t.version = rec.value("version", uint64_t{0});
+      job.tensors.emplace(tname, std::move(t));
+      return true;
+    }));
+    ISTHMUS_RETURN_IF_ERROR(status);
+    for (auto& [tname, t] : job.tensors) {
+      ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kTensors, JobKey(name, tname)));
+      int64_t numel = NumElements(t.shape);
+      if (!bytes || bytes->size() != static_cast<size_t>(numel) * sizeof(float)) {
+        return Status::Corruption("tensor '" + tname + "' of job '" + name +
+                                  "' is missing or has the wrong size in the store");
+      }
+      auto data = std::make_shared<std::vector<float>>(numel);
+      std::memcpy(data->data(), bytes->data(), bytes->size());
+      t.data = std::move(data);
+    }
+    spdlog::info("loaded job '{}': {} tensors, version {}", name, job.tensors.size(), job.version);
+  }
+  return Status::Ok();
+}
+
+Reply Shard::Handle(wire::Role role, const Frames& request) {
+  ++requests_;
+  Reply reply;
+  uint64_t id = 0;
+  Status s;
+  if (!store_) {
+    s = Status::Unavailable("shard storage is closed after a failed restore; restart the server");
+  } else {
+    auto env = ParseEnvelope(request.header, options_.limits);
+    if (!env.ok()) {
+      s = env.status();
+    } else {
+      const wire::Envelope* e = *env;
+      id = e->request_id();
+      bool admin = role == wire::Role::Admin;
+      auto need_admin = [&]() {
+        return Status::PermissionDenied(std::string(wire::EnumNameBody(e->body_type())) +
+                                        " is only allowed on the admin socket");
+      };
+      // Requests that carry no payload must not bring any.
+      bool takes_payload = e->body_type() == wire::Body::PushRequest ||
+                           e->body_type() == wire::Body::JobCreate;
+      if (!takes_payload && !request.payload.empty()) {
+        s = Status::InvalidArgument("this request takes no payload frames but " +
+                                    std::to_string(request.payload.size()) + " were sent");
+      } else {
+        switch (e->body_type()) {
+          case wire::Body::Hello: s = DoHello(role, e->body_as_Hello(), id, reply); break;
+          case wire::Body::PullRequest: s = DoPull(e->body_as_PullRequest(), id, reply); break;
+          case wire::Body::PushRequest:
+            s = role == wire::Role::Worker ? DoPush(e->body_as_PushRequest(), request, id, reply)
+                                           : Status::PermissionDenied(
+                                                 "pushes are only allowed on the worker socket");
+            break;
+          case wire::Body::JobDescribe:
+            s = DoJobDescribe(e->body_as_JobDescribe(), id, reply);
+            break;
+          case wire::Body::JobCreate:
+            s = admin ? DoJobCreate(e->body_as_JobCreate(), request, id, reply) : need_admin();
+            break;
+          case wire::Body::StatsRequest: s = admin ? DoStats(id, reply) : need_admin(); break;
+          case wire::Body::SnapshotCreate:
+            s = admin ? DoSnapshotCreate(e->body_as_SnapshotCreate(), id, reply) : need_admin();
+            break;
+          case wire::Body::SnapshotList: s = admin ? DoSnapshotList(id, reply) : need_admin(); break;
+          case wire::Body::SnapshotRestore:
+            s = admin ? DoSnapshotRestore(e->body_as_SnapshotRestore(), id, reply) : need_admin();
+            break;
+          default:
+            s = Status::InvalidArgument(std::string("unexpected message type ") +
+                                        wire::EnumNameBody(e->body_type()));
+        }
+      }
+    }
+  }
+  if (!s.ok()) {
+    ++errors_;
+    spdlog::warn("refused request {} from {} socket: {}", id, wire::EnumNameRole(role),
+                 s.ToString());
+    reply.header.Clear();
+    reply.payload.clear();
+    BuildErrorReply(reply.header, id, s);
+    reply.is_error = true;
+  }
+  return reply;
+}
+
+Result<Shard::JobState*> Shard::FindJob(const flatbuffers::String* job) {
+  std::string name = job ? job->str() : "";
+  auto it = jobs_.find(name);
+  if (it == jobs_.end()) {
+    return Status::NotFound("job '" + name + "' does not exist on shard " + options_.shard_id +
+                            " (create it with: isthmusctl job create)");
+  }
+  return &it->second;
+}
+
+Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply) {
+  if (req->role() != role) {
+    return Status::PermissionDenied(std::string("hello as ") + wire::EnumNameRole(req->role()) +
+                                    " on the " + wire::EnumNameRole(role) + " socket");
+  }
+  uint64_t version = 0, count = 0;
+  std::string base_hash;
+  if (req->job() && req->job()->size() > 0) {
+    ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
+    std::string want = req->base_hash() ? req->base_hash()->str() : "";
+    if (!want.empty() && !job->base_hash.empty() && want != job->base_hash) {
+      return Status::FailedPrecondition("base model hash " + want + " differs from job '" +
+                                        req->job()->str() + "' base " + job->base_hash +
+                                        ": the worker loaded a different base checkpoint");
+    }
+    version = job->version;
+    count = job->tensors.size();
+    base_hash = job->base_hash;
+  }
+  auto body = wire::CreateHelloReplyDirect(reply.header, options_.shard_id.c_str(),
+                                           kIsthmusVersion, version, base_hash.c_str(), count,
+                                           role);
+  Finish(reply, id, wire::Body::HelloReply, body.Union());
+  return Status::Ok();
+}
+
+Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
+  ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
+  std::vector<std::pair<const std::string*, const TensorState*>> picked;
+  if (req->names() && req->names()->size() > 0) {
+    std::set<std::string> seen;
+    for (const auto* n : *req->names()) {
+      auto it = job->tensors.find(n->str());
+      if (it == job->tensors.end()) {
+        return Status::NotFound("tensor '" + n->str() + "' is not in job '" + req->job()->str() + "'");
+      }
+      if (!seen.insert(n->str()).second) continue;
+      if (it->second.version > req->newer_than()) picked.emplace_back(&it->first, &it->second);
+    }
+  } else {
+    for (const auto& [name, t] : job->tensors) {
+      if (t.version > req->newer_than()) picked.emplace_back(&name, &t);
+    }
+  }
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < picked.size(); ++i) {
+    const auto& t = *picked[i].second;
+    uint64_t nbytes = t.data->size() * sizeof(float);
+    bytes += nbytes;
+    metas.push_back(wire::CreateTensorMetaDirect(reply.header, picked[i].first->c_str(), &t.shape,
+                                                 wire::DType::F32, static_cast<uint32_t>(i),
+                                                 nbytes, t.version));
+    reply.payload.push_back({t.data->data(), nbytes, t.data});
+  }
+  if (bytes > options_.limits.max_payload_bytes) {
+    reply.payload.clear();
+    return Status::ResourceExhausted("pull of " + std::to_string(bytes) +
+                                     " bytes exceeds the message limit; pull fewer tensors");
+  }
+  auto body = wire::CreatePullReply(reply.header, job->version, reply.header.CreateVector(metas));
+  Finish(reply, id, wire::Body::PullReply, body.Union());
+  return Status::Ok();
+}
+
+Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id,
+                     Reply& reply) {
+  ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
+  const std::string job_name = req->job()->str();
+  const std::string key = req->idempotency_key()->str();
+  if (key.empty() || key.size() > options_.limits.max_name_bytes) {
+    return Status::InvalidArgument("push needs an idempotency key of 1 to " +
+                                   std::to_string(options_.limits.max_name_bytes) + " bytes");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(auto seen, store_->Get(Column::kDedup, JobKey(job_name, key)));
+  if (seen) {
+    json rec = json::parse(*seen, nullptr, false);
+    uint64_t v = rec.is_discarded() ? job->version : rec.value("version", job->version);
+    spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again",
+                 key, job_name, v);
+    auto body = wire::CreatePushReply(reply.header, v, true);
+    Finish(reply, id, wire::Body::PushReply, body.Union());
+    return Status::Ok();
+  }
+  ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, true));
+  if (req->tensors() == nullptr || req->tensors()->size() == 0) {
+    return Status::InvalidArgument("push carries no tensors");
+  }
+  // Check every name and shape before touching anything.
+  std::vector<std::pair<TensorState*, const wire::TensorMeta*>> targets;
+  for (const auto* m : *req->tensors()) {
+    auto it = job->tensors.find(m->name()->str());
+    if (it == job->tensors.end()) {
+      return Status::NotFound("tensor '" + m->name()->str() + "' is not in job '" + job_name + "'");
+    }
+    if (ShapeOf(m) != it->second.shape) {
+      return Status::InvalidArgument("tensor '" + m->name()->str() +
+                                     "': pushed shape differs from the job's shape");
+    }
+    targets.emplace_back(&it->second, m);
+  }
+  const uint64_t new_version = job->version + 1;
+  std::vector<std::shared_ptr<std::vector<float>>> updated;
+  WriteBatch batch;
+  for (auto& [t, m] : targets) {
+    const auto& frame = frames.payload[m->frame()];
+    auto next = std::make_shared<std::vector<float>>(*t->data);
+    const auto* delta = static_cast<const uint8_t*>(frame.data());
+    float* out = next->data();
+    const size_t n = next->size();
+    if (reinterpret_cast<uintptr_t>(delta) % alignof(float) == 0) {
+      const float* d = reinterpret_cast<const float*>(delta);
+      for (size_t i = 0; i < n; ++i) out[i] += d[i];
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        float d;
+        std::memcpy(&d, delta + i * 4, 4);
+        out[i] += d;
+      }
+    }
+    if (!AllFinite(out, n)) {
+      return Status::InvalidArgument("adding the delta to tensor '" + m->name()->str() +
+                                     "' overflows to a non-finite value");
+    }
+    batch.Put(Column::kTensors, JobKey(job_name, m->name()->str()), Bytes(*next));
+    batch.PutOwned(Column::kTensorMeta, JobKey(job_name, m->name()->str()),
+                   json{{"shape", t->shape}, {"version", new_version}}.dump());
+    updated.push_back(std::move(next));
+  }
+  JobState next_job = *job;  // copies map of shared pointers, not tensor data
+  next_job.tensors.clear();
+  next_job.version = new_version;
+  next_job.pushes += 1;
+  next_job.last_round = std::max(job->last_round, req->round());
+  next_job.tokens += req->tokens();
+  uint64_t seq = job->dedup_seq;
+  batch.PutOwned(Column::kDedup, JobKey(job_name, key), json{{"version", new_version}}.dump());
+  batch.PutOwned(Column::kDedupLog, JobKey(job_name, BigEndian64(seq)), key);
+  next_job.dedup_seq = seq + 1;
+  if (seq >= options_.dedup_window) {
+    // Forget the oldest key so the window stays bounded.
+    std::string old_log = JobKey(job_name, BigEndian64(seq - options_.dedup_window));
+    ISTHMUS_ASSIGN_OR_RETURN(auto old_key, store_->Get(Column::kDedupLog, old_log));
+    if (old_key) batch.Delete(Column::kDedup, JobKey(job_name, *old_key));
+    batch.Delete(Column::kDedupLog, old_log);
+  }
+  batch.PutOwned(Column::kJobs, job_name, JobRecord(next_job));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  // Durable: now publish in memory.
+  for (size_t i = 0; i < targets.size(); ++i) {
+    targets[i].first->data = std::move(updated[i]);
+    targets[i].first->version = new_version;
+  }
+  job->version = new_version;
+  job->pushes = next_job.pushes;
+  job->last_round = next_job.last_round;
+  job->tokens = next_job.tokens;
+  job->dedup_seq = next_job.dedup_seq;
+  auto body = wire::CreatePushReply(reply.header, new_version, false);
+  Finish(reply, id, wire::Body::PushReply, body.Union());
+  return Status::Ok();
+}
+
+Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint64_t id,
+                          Reply& reply) {
+  std::string name = req->job()->str();
+  if (!IsValidName(name)) {
+    return Status::InvalidArgument("job name '" + name +
+                                   "' must be 1-64 characters of A-Z a-z 0-9 . _ - ");
+  }
+  if (jobs_.count(name)) return Status::AlreadyExists("job '" + name + "' already exists");
+  ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, true));
+  if (req->tensors() == nullptr || req->tensors()->size() == 0) {
+    return Status::InvalidArgument("a job needs at least one tensor");
+  }
+  JobState job;
+  job.base_hash = req->base_hash() ? req->base_hash()->str() : "";
+  job.version = 1;
+  job.created_unix = NowUnix();
+  WriteBatch batch;
+  uint64_t total = 0;
+  for (const auto* m : *req->tensors()) {
+    const auto& frame = frames.payload[m->frame()];
+    auto data = std::make_shared<std::vector<float>>(frame.size() / sizeof(float));
+    std::memcpy(data->data(), frame.data(), frame.size());
+    TensorState t{ShapeOf(m), 1, data};
+    batch.Put(Column::kTensors, JobKey(name, m->name()->str()), Bytes(*data));
+    batch.PutOwned(Column::kTensorMeta, JobKey(name, m->name()->str()),
+                   json{{"shape", t.shape}, {"version", 1}}.dump());
+    total += frame.size();
+    job.tensors.emplace(m->name()->str(), std::move(t));
+  }
+  batch.PutOwned(Column::kJobs, name, JobRecord(job));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  size_t count = job.tensors.size();
+  jobs_.emplace(name, std::move(job));
+  spdlog::info("created job '{}': {} tensors, {} bytes", name, count, total);
+  auto body = wire::CreateJobCreateReply(reply.header, 1, count, total);
+  Finish(reply, id, wire::Body::JobCreateReply, body.Union());
+  return Status::Ok();
+}
+
+Status Shard::DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& reply) {
+  ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
+  for (const auto& [name, t] : job->tensors) {
+    metas.push_back(wire::CreateTensorMetaDirect(reply.header, name.c_str(), &t.shape,
+                                                 wire::DType::F32, 0, 0, t.version));
+  }
+  auto v = reply.header.CreateVector(metas);
+  auto body = wire::CreateJobDescribeReply(
+      reply.header, reply.header.CreateString(req->job()->str()),
+      reply.header.CreateString(job->base_hash), job->version, job->pushes, job->created_unix, v);
+  Finish(reply, id, wire::Body::JobDescribeReply, body.Union());
+  return Status::Ok();
+}
+
+namespace {
+flatbuffers::Offset<wire::JobSummary> SummaryOf(flatbuffers::FlatBufferBuilder& fbb,
+                                                const std::string& name, uint64_t version,
+                                                uint64_t count, uint64_t bytes, uint64_t pushes) {
+  return wire::CreateJobSummaryDirect(fbb, name.c_str(), version, count, bytes, pushes);
+}
+}  // namespace
+
+Status Shard::DoStats(uint64_t id, Reply& reply) {
+  auto& fbb = reply.header;
+  std::vector<flatbuffers::Offset<wire::JobSummary>> jobs;
+  for (const auto& [name, job] : jobs_) {
+    uint64_t bytes = 0;
+    for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
+    jobs.push_back(SummaryOf(fbb, name, job.version, job.tensors.size(), bytes, job.pushes));
+  }
+  auto uptime = std::chrono::duration_cast<std::chrono::seconds>(
+                    std::chrono::steady_clock::now() - started_).count();
+  auto body = wire::CreateStatsReply(fbb, fbb.CreateString(options_.shard_id),
+                                     fbb.CreateString(kIsthmusVersion), uptime, requests_, errors_,
+                                     bytes_in_, bytes_out_, store_->ApproximateBytes(),
+                                     fbb.CreateVector(jobs));
+  Finish(reply, id, wire::Body::StatsReply, body.Union());
+  return Status::Ok();
+}
+
+namespace {
+
+// Reads <dir>/info.json of a snapshot into a wire SnapshotInfo.
+Result<flatbuffers::Offset<wire::SnapshotInfo>> SnapshotInfoFrom(
+    flatbuffers::FlatBufferBuilder& fbb, const fs::path& dir) {
+  std::ifstream in(dir / "info.json");
+  if (!in) return Status::NotFound("snapshot '" + dir.filename().string() + "' has no info.json");
+  json info = json::parse(in, nullptr, false);
+  if (info.is_discarded()) return Status::Corruption("snapshot info '" + dir.string() + "' is bad");
+  std::vector<flatbuffers::Offset<wire::JobSummary>> jobs;
+  for (const auto& j : info.value("jobs", json::array())) {
+    jobs.push_back(SummaryOf(fbb, j.value("job", ""), j.value("version", uint64_t{0}),
+                             j.value("tensor_count", uint64_t{0}), j.value("total_bytes", uint64_t{0}),
+                             j.value("pushes", uint64_t{0})));
+  }
+  return wire::CreateSnapshotInfo(fbb, fbb.CreateString(dir.filename().string()),
+                                  info.value("created_unix", uint64_t{0}), fbb.CreateVector(jobs),
+                                  info.value("bytes", uint64_t{0}));
+}
+
+uint64_t FolderBytes(const fs::path& dir) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
+    if (e.is_regular_file(ec)) total += e.file_size(ec);
+  }
+  return total;
+}
+
+}  // namespace
+
+Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Reply& reply) {
+  if (options_.snapshot_dir.empty()) return Status::FailedPrecondition("snapshots are disabled");
+  std::string name = req->name()->str();
+  if (!IsValidName(name)) {
+    return Status::InvalidArgument("snapshot name '" + name +
+                                   "' must be 1-64 characters of A-Z a-z 0-9 . _ -");
+  }
+  fs::path final_dir = fs::path(options_.snapshot_dir) / name;
+  fs::path tmp_dir = fs::path(options_.snapshot_dir) / (".tmp-" + name);
+  std::error_code ec;
+  if (fs::exists(final_dir, ec)) return Status::AlreadyExists("snapshot '" + name + "' exists");
+  fs::remove_all(tmp_dir, ec);
+  fs::create_directories(tmp_dir, ec);
+  if (ec) return Status::IoError("cannot create '" + tmp_dir.string() + "': " + ec.message());
+  Status s = store_->Checkpoint((tmp_dir / "db").string());
+  if (!s.ok()) {
+    fs::remove_all(tmp_dir, ec);
+    return s;
+  }
+  json jobs = json::array();
+  for (const auto& [jname, job] : jobs_) {
+    uint64_t bytes = 0;
+    for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
+    jobs.push_back({{"job", jname}, {"version", job.version}, {"tensor_count", job.tensors.size()},
+                    {"total_bytes", bytes}, {"pushes", job.pushes}});
+  }
+  json info{{"created_unix", NowUnix()}, {"shard_id", options_.shard_id},
+            {"bytes", FolderBytes(tmp_dir / "db")}, {"jobs", jobs}};
+  {
+    std::ofstream out(tmp_dir / "info.json");
+    out << info.dump(2) << "\n";
+    if (!out) {
+      fs::remove_all(tmp_dir, ec);
+      return Status::IoError("cannot write snapshot info in '" + tmp_dir.string() + "'");
+    }
+  }
+  fs::rename(tmp_dir, final_dir, ec);
+  if (ec) return Status::IoError("cannot finish snapshot '" + name + "': " + ec.message());
+  spdlog::info("snapshot '{}' created", name);
+  ISTHMUS_ASSIGN_OR_RETURN(auto snap, SnapshotInfoFrom(reply.header, final_dir));
+  Finish(reply, id, wire::Body::SnapshotCreateReply,
+         wire::CreateSnapshotCreateReply(reply.header, snap).Union());
+  return Status::Ok();
+}
+
+Status Shard::DoSnapshotList(uint64_t id, Reply& reply) {
+  std::vector<flatbuffers::Offset<wire::SnapshotInfo>> snaps;
+  std::error_code ec;
+  if (!options_.snapshot_dir.empty() && fs::is_directory(options_.snapshot_dir, ec)) {
+    std::vector<fs::path> dirs;
+    for (const auto& e : fs::directory_iterator(options_.snapshot_dir, ec)) {
+      if (e.is_directory() && e.path().filename().string()[0] != '.') dirs.push_back(e.path());
+    }
+    std::sort(dirs.begin(), dirs.end());
+    for (const auto& d : dirs) {
+      auto info = SnapshotInfoFrom(reply.header, d);
+      if (info.ok()) snaps.push_back(*info);
+    }
+  }
+  Finish(reply, id, wire::Body::SnapshotListReply,
+         wire::CreateSnapshotListReply(reply.header, reply.header.CreateVector(snaps)).Union());
+  return Status::Ok();
+}
+
+Status Shard::DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, Reply& reply) {
+  if (options_.snapshot_dir.empty() || !options_.replace_store_files) {
+    return Status::FailedPrecondition("snapshot restore is not available on this shard");
+  }
+  std::string name = req->name()->str();
+  fs::path dir = fs::path(options_.snapshot_dir) / name;
+  std::error_code ec;
+  if (!IsValidName(name) || !fs::is_directory(dir / "db", ec)) {
+    return Status::NotFound("snapshot '" + name + "' does not exist (list them: isthmusctl snapshot list)");
+  }
+  store_.reset();  // close the live database before its files are replaced
+  Status s = options_.replace_store_files((dir / "db").string());
+  auto reopened = options_.open_store();
+  if (!reopened.ok()) {
+    spdlog::error("cannot reopen the store after restore: {}", reopened.status().ToString());
+    return reopened.status();
+  }
+  store_ = std::move(reopened).value();
+  ISTHMUS_RETURN_IF_ERROR(s);  // replacing failed: the old store is back
+  Status loaded = Load();
+  if (!loaded.ok()) {
+    store_.reset();
+    return loaded;
+  }
+  spdlog::info("restored snapshot '{}'", name);
+  ISTHMUS_ASSIGN_OR_RETURN(auto snap, SnapshotInfoFrom(reply.header, dir));
+  Finish(reply, id, wire::Body::SnapshotRestoreReply,
+         wire::CreateSnapshotRestoreReply(reply.header, snap).Union());
+  return Status::Ok();
+}
+
+}  // namespace isthmus

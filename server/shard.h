@@ -1,0 +1,101 @@
+// The shard's state machine, separate from sockets so it can be driven in one process by
+// tests: it takes a verified request (role, header, payload frames) and produces a reply
+// (header + zero-copy payload). It owns the job tensors (a copy in memory for fast pulls,
+// the authoritative copy in the Store) and applies each change as one atomic write batch,
+// updating memory only after the batch is durable.
+//
+// Threads: one thread (the server's event loop) calls everything.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "common/wire.h"
+#include "server/store.h"
+
+namespace isthmus {
+
+struct ShardOptions {
+  std::string shard_id = "shard";
+  // Folder for snapshots (<snapshot_dir>/<name>/). Empty disables snapshots.
+  std::string snapshot_dir;
+  // Closes nothing, opens the live store: used at start and after a restore.
+  std::function<Result<std::unique_ptr<Store>>()> open_store;
+  // Replaces the live store's files with the checkpoint in `checkpoint_dir`. Called with
+  // the store closed. Null disables restore.
+  std::function<Status(const std::string& checkpoint_dir)> replace_store_files;
+  WireLimits limits;
+  // How many idempotency keys per job are remembered (older ones are forgotten).
+  uint64_t dedup_window = 65536;
+};
+
+// A reply ready to send.
+struct Reply {
+  flatbuffers::FlatBufferBuilder header;
+  std::vector<PayloadRef> payload;
+  bool is_error = false;
+};
+
+class Shard {
+ public:
+  // Opens the store and loads every job into memory.
+  static Result<std::unique_ptr<Shard>> Open(ShardOptions options);
+
+  // Handles one request that arrived on the socket of `role`. Never throws; any problem
+  // becomes an error reply, and an error reply means no state changed.
+  Reply Handle(wire::Role role, const Frames& request);
+
+  uint64_t requests() const { return requests_; }
+  uint64_t errors() const { return errors_; }
+  void CountBytes(uint64_t in, uint64_t out) { bytes_in_ += in, bytes_out_ += out; }
+
+ private:
+  struct TensorState {
+    std::vector<int64_t> shape;
+    uint64_t version = 0;
+    std::shared_ptr<const std::vector<float>> data;  // replaced, never mutated
+  };
+  struct JobState {
+    std::string base_hash;
+    uint64_t version = 0;
+    uint64_t pushes = 0;
+    uint64_t created_unix = 0;
+    uint64_t last_round = 0;
+    uint64_t tokens = 0;
+    uint64_t dedup_seq = 0;  // idempotency keys recorded so far
+    std::map<std::string, TensorState> tensors;
+  };
+
+  explicit Shard(ShardOptions options);
+  Status Load();
+  std::string JobRecord(const JobState& job) const;
+
+  Status DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply);
+  Status DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply);
+  Status DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply);
+  Status DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint64_t id, Reply& reply);
+  Status DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& reply);
+  Status DoStats(uint64_t id, Reply& reply);
+  Status DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Reply& reply);
+  Status DoSnapshotList(uint64_t id, Reply& reply);
+  Status DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, Reply& reply);
+
+  Result<JobState*> FindJob(const flatbuffers::String* job);
+
+  ShardOptions options_;
+  std::unique_ptr<Store> store_;
+  std::map<std::string, JobState> jobs_;
+  std::chrono::steady_clock::time_point started_;
+  uint64_t requests_ = 0, errors_ = 0, bytes_in_ = 0, bytes_out_ = 0;
+};
+
+// Valid names for jobs and snapshots: 1-64 of [A-Za-z0-9._-], not starting with '.'.
+bool IsValidName(const std::string& name);
+
+}  // namespace isthmus

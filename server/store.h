@@ -1,0 +1,94 @@
+// The shard's storage seam: an ordered key-value store with named columns and atomic
+// multi-column write batches. Two implementations: RocksDB (the real one, one column
+// family per column) and in-memory (for tests and fault injection). Every state change of
+// a shard is exactly one Write() of one WriteBatch, so a crash leaves either all of a
+// change or none of it.
+//
+// Threads: a Store is used by one thread (the shard's event loop) at a time.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus {
+
+// Column names. Adding one is compatible (RocksDB creates missing families on open).
+enum class Column : int {
+  kJobs = 0,        // job -> job record (JSON)
+  kTensorMeta = 1,  // job \0 name -> tensor record (JSON: shape, version)
+  kTensors = 2,     // job \0 name -> raw little-endian fp32 bytes
+  kDedup = 3,       // job \0 idempotency key -> push reply (JSON)
+  kDedupLog = 4,    // job \0 big-endian seq -> idempotency key (bounds kDedup)
+  kCount = 5,
+};
+const char* ColumnName(Column c);
+
+// Puts and deletes applied together. Values are referenced, not copied: they must stay
+// valid until Store::Write returns.
+class WriteBatch {
+ public:
+  struct Op {
+    Column column;
+    std::string key;
+    std::string_view value;
+    bool is_delete;
+  };
+  void Put(Column c, std::string key, std::string_view value) {
+    ops_.push_back({c, std::move(key), value, false});
+  }
+  // Put that owns its value (small values: records, keys).
+  void PutOwned(Column c, std::string key, std::string value) {
+    owned_.push_back(std::make_unique<std::string>(std::move(value)));
+    ops_.push_back({c, std::move(key), *owned_.back(), false});
+  }
+  void Delete(Column c, std::string key) { ops_.push_back({c, std::move(key), {}, true}); }
+  const std::vector<Op>& ops() const { return ops_; }
+  bool empty() const { return ops_.empty(); }
+
+ private:
+  std::vector<Op> ops_;
+  std::vector<std::unique_ptr<std::string>> owned_;
+};
+
+struct StoreOptions {
+  // fsync the write-ahead log before Write() returns. With false, an acknowledged write
+  // survives a process crash (the OS holds it) but not a power loss.
+  bool sync_writes = true;
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+
+  // Applies every op of `batch` atomically.
+  virtual Status Write(const WriteBatch& batch) = 0;
+  // The value, or nullopt if absent.
+  virtual Result<std::optional<std::string>> Get(Column c, std::string_view key) = 0;
+  // Calls `fn(key, value)` for every key starting with `prefix`, in key order, until it
+  // returns false.
+  virtual Status Scan(Column c, std::string_view prefix,
+                      const std::function<bool(std::string_view, std::string_view)>& fn) = 0;
+  // A consistent point-in-time copy of the whole store in the new folder `dir`.
+  virtual Status Checkpoint(const std::string& dir) = 0;
+  // Approximate bytes on disk (0 for memory).
+  virtual uint64_t ApproximateBytes() = 0;
+};
+
+// Opens (creating if needed) a RocksDB store in folder `dir`.
+Result<std::unique_ptr<Store>> OpenRocksStore(const std::string& dir, const StoreOptions& options);
+
+// A store in memory. Write() can be made to fail after `fail_after_writes` successful
+// writes (fault injection for tests); -1 never fails.
+std::unique_ptr<Store> NewMemStore(int fail_after_writes = -1);
+
+// "job\0name": the key of a per-job item.
+std::string JobKey(std::string_view job, std::string_view item);
+
+}  // namespace isthmus
