@@ -11,8 +11,8 @@ namespace isthmus::comm {
 Status Communicator::AllReduceAverage(std::vector<std::pair<float*, size_t>> buffers) {
   for (const auto& [ptr, count] : buffers) {
     if (ptr == nullptr && count > 0) {
-      return Status::InvalidArgument("AllReduceAverage: null buffer with " +
-                                     std::to_string(count) + " elements");
+      return Status::InvalidArgument("AllReduceAverage: null buffer with " + std::to_string(count) +
+                                     " elements");
     }
   }
   const size_t fusion_floats = std::max<size_t>(1, FusionBytes() / sizeof(float));

@@ -69,8 +69,8 @@ class GlooCommunicator final : public Communicator {
 
   Status Broadcast(float* data, size_t count, int root) override {
     if (root < 0 || root >= world_size()) {
-      return Status::InvalidArgument("Broadcast: root " + std::to_string(root) +
-                                     " outside [0, " + std::to_string(world_size()) + ")");
+      return Status::InvalidArgument("Broadcast: root " + std::to_string(root) + " outside [0, " +
+                                     std::to_string(world_size()) + ")");
     }
     ISTHMUS_RETURN_IF_ERROR(Check("Broadcast", data, count));
     if (count == 0 || world_size() == 1) return Status::Ok();
@@ -101,9 +101,8 @@ class GlooCommunicator final : public Communicator {
  private:
   Status Check(const char* what, const float* data, size_t count) const {
     if (!broken_.ok()) {
-      return Status::FailedPrecondition(std::string(what) +
-                                        ": communicator broken by an earlier error: " +
-                                        broken_.ToString());
+      return Status::FailedPrecondition(
+          std::string(what) + ": communicator broken by an earlier error: " + broken_.ToString());
     }
     if (data == nullptr && count > 0) {
       return Status::InvalidArgument(std::string(what) + ": null buffer with " +
@@ -123,10 +122,10 @@ class GlooCommunicator final : public Communicator {
       fn();
       return Status::Ok();
     } catch (const std::exception& e) {
-      broken_ = StatusFromGlooException(
-          std::string("gloo ") + what + " (rank " + std::to_string(rank()) + " of " +
-              std::to_string(world_size()) + ")",
-          e);
+      broken_ =
+          StatusFromGlooException(std::string("gloo ") + what + " (rank " + std::to_string(rank()) +
+                                      " of " + std::to_string(world_size()) + ")",
+                                  e);
       return broken_;
     }
   }

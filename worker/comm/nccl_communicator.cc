@@ -80,8 +80,7 @@ class NcclCommunicator final : public Communicator {
     ISTHMUS_CUDA_RETURN_IF_ERROR(cudaMalloc(&scratch_, sizeof(float)));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    ISTHMUS_NCCL_RETURN_IF_ERROR(
-        ncclCommInitRankConfig(&comm_, world_size_, id, rank_, &config));
+    ISTHMUS_NCCL_RETURN_IF_ERROR(ncclCommInitRankConfig(&comm_, world_size_, id, rank_, &config));
     Status s = WaitComm(comm_, Clock::now() + timeout_, "ncclCommInitRankConfig");
     if (!s.ok()) broken_ = s;
     return s;
@@ -138,9 +137,8 @@ class NcclCommunicator final : public Communicator {
  private:
   Status Check(const char* what, const float* data, size_t count) const {
     if (!broken_.ok()) {
-      return Status::FailedPrecondition(std::string(what) +
-                                        ": communicator broken by an earlier error: " +
-                                        broken_.ToString());
+      return Status::FailedPrecondition(
+          std::string(what) + ": communicator broken by an earlier error: " + broken_.ToString());
     }
     if (data == nullptr && count > 0) {
       return Status::InvalidArgument(std::string(what) + ": null buffer");
@@ -151,9 +149,8 @@ class NcclCommunicator final : public Communicator {
   Status AllReduce(const char* what, float* data, size_t count, ncclRedOp_t op) {
     ISTHMUS_RETURN_IF_ERROR(Check(what, data, count));
     if (count == 0) return Status::Ok();
-    return Launch(what, [&] {
-      return ncclAllReduce(data, data, count, ncclFloat, op, comm_, stream_);
-    });
+    return Launch(what,
+                  [&] { return ncclAllReduce(data, data, count, ncclFloat, op, comm_, stream_); });
   }
 
   // Enqueues with `enqueue`, then waits for the stream against the deadline. Any failure
@@ -214,14 +211,15 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& 
                                    " and world size " + std::to_string(options.world_size) +
                                    " do not fit 0 <= rank < world_size");
   }
-  if (options.timeout.count() <= 0) return Status::InvalidArgument("nccl: timeout must be positive");
+  if (options.timeout.count() <= 0)
+    return Status::InvalidArgument("nccl: timeout must be positive");
   int devices = 0;
   cudaError_t err = cudaGetDeviceCount(&devices);
   if (err != cudaSuccess || devices == 0) {
     cudaGetLastError();
-    return Status::FailedPrecondition(std::string("nccl: no CUDA device: ") +
-                                      (err != cudaSuccess ? cudaGetErrorString(err)
-                                                          : "zero devices visible"));
+    return Status::FailedPrecondition(
+        std::string("nccl: no CUDA device: ") +
+        (err != cudaSuccess ? cudaGetErrorString(err) : "zero devices visible"));
   }
   const int device = options.device >= 0 ? options.device : options.rank % devices;
   if (device >= devices) {
@@ -242,14 +240,14 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& 
   } else {
     ISTHMUS_ASSIGN_OR_RETURN(std::vector<char> bytes, rendezvous->Get(key));
     if (bytes.size() != sizeof(id.internal)) {
-      return Status::Corruption("nccl: unique id in the store has " +
-                                std::to_string(bytes.size()) + " bytes");
+      return Status::Corruption("nccl: unique id in the store has " + std::to_string(bytes.size()) +
+                                " bytes");
     }
     std::memcpy(id.internal, bytes.data(), sizeof(id.internal));
   }
 
-  auto comm = std::make_unique<NcclCommunicator>(options.rank, options.world_size, device,
-                                                 options.timeout);
+  auto comm =
+      std::make_unique<NcclCommunicator>(options.rank, options.world_size, device, options.timeout);
   ISTHMUS_RETURN_IF_ERROR(comm->Init(id));
   // Initialisation completes only once every rank joined, so all have read the id.
   rendezvous.reset();

@@ -26,9 +26,35 @@
 #include <gloo/rendezvous/store.h>
 
 namespace isthmus::comm {
-namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// A store that can say whether keys exist without blocking, so that waits can be timed here
+// with millisecond precision.
+class PollableStore : public gloo::rendezvous::Store {
+ public:
+  virtual bool Has(const std::vector<std::string>& keys) = 0;
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    const auto deadline = Clock::now() + timeout;
+    auto pause = std::chrono::milliseconds(1);
+    while (!Has(keys)) {
+      if (Clock::now() >= deadline) {
+        std::string names;
+        for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+        throw gloo::IoException(
+            gloo::MakeString("Wait timeout for key(s) ", names, " after ", timeout.count(), " ms"));
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(20));
+    }
+  }
+};
+
+namespace {
 
 // Wire format of the TCP store (all integers little-endian, this project's hosts are):
 //   request:  op u8 | key_len u32 | value_len u32 | key | value
@@ -87,8 +113,8 @@ struct AddrInfoDeleter {
   void operator()(addrinfo* a) const { ::freeaddrinfo(a); }
 };
 
-Result<std::unique_ptr<addrinfo, AddrInfoDeleter>> Resolve(const std::string& host,
-                                                           uint16_t port, bool passive) {
+Result<std::unique_ptr<addrinfo, AddrInfoDeleter>> Resolve(const std::string& host, uint16_t port,
+                                                           bool passive) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -102,9 +128,28 @@ Result<std::unique_ptr<addrinfo, AddrInfoDeleter>> Resolve(const std::string& ho
   return std::unique_ptr<addrinfo, AddrInfoDeleter>(res);
 }
 
+// Gloo's FileStore measures its wait timeout in whole seconds (a 2 s timeout expires after
+// 3 s); its protected check() lets the wait above be exact instead.
+class FileStore : public PollableStore {
+ public:
+  explicit FileStore(const std::string& dir) : store_(dir) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_.set(key, data);
+  }
+  std::vector<char> get(const std::string& key) override { return store_.get(key); }
+  bool Has(const std::vector<std::string>& keys) override { return store_.Check(keys); }
+
+ private:
+  struct Checkable : gloo::rendezvous::FileStore {
+    using gloo::rendezvous::FileStore::FileStore;
+    bool Check(const std::vector<std::string>& keys) { return check(keys); }
+  };
+  Checkable store_;
+};
+
 // Gloo's Store interface over one connection to a TcpStoreServer. Methods throw
 // gloo::IoException on failure, as Gloo expects of a store.
-class TcpStoreClient : public gloo::rendezvous::Store {
+class TcpStoreClient : public PollableStore {
  public:
   TcpStoreClient(int fd, std::chrono::milliseconds timeout) : fd_(fd), timeout_(timeout) {}
   ~TcpStoreClient() override { ::close(fd_); }
@@ -115,34 +160,25 @@ class TcpStoreClient : public gloo::rendezvous::Store {
   }
 
   std::vector<char> get(const std::string& key) override {
-    wait({key});
+    wait({key}, timeout_);
     std::vector<char> reply = Call(kGet, key, {}, 5);
-    if (reply[0] == 0) GLOO_THROW_IO_EXCEPTION("tcp store: key '", key, "' vanished");
+    if (reply[0] == 0)
+      throw gloo::IoException(gloo::MakeString("tcp store: key '", key, "' vanished"));
     uint32_t len = GetU32(reply.data() + 1);
-    if (len > kMaxValueBytes) GLOO_THROW_IO_EXCEPTION("tcp store: value too large");
+    if (len > kMaxValueBytes)
+      throw gloo::IoException(gloo::MakeString("tcp store: value too large"));
     std::vector<char> value(len);
     if (len > 0 && !RecvAll(fd_, value.data(), len)) {
-      GLOO_THROW_IO_EXCEPTION("tcp store: connection lost reading '", key, "'");
+      throw gloo::IoException(gloo::MakeString("tcp store: connection lost reading '", key, "'"));
     }
     return value;
   }
 
-  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-
-  void wait(const std::vector<std::string>& keys,
-            const std::chrono::milliseconds& timeout) override {
-    const auto deadline = Clock::now() + timeout;
-    auto pause = std::chrono::milliseconds(1);
+  bool Has(const std::vector<std::string>& keys) override {
     for (const std::string& key : keys) {
-      while (Call(kCheck, key, {}, 1)[0] == 0) {
-        if (Clock::now() >= deadline) {
-          GLOO_THROW_IO_EXCEPTION("Wait timeout for key '", key, "' after ", timeout.count(),
-                                  " ms (tcp store)");
-        }
-        std::this_thread::sleep_for(pause);
-        pause = std::min(pause * 2, std::chrono::milliseconds(50));
-      }
+      if (Call(kCheck, key, {}, 1)[0] == 0) return false;
     }
+    return true;
   }
 
  private:
@@ -157,9 +193,9 @@ class TcpStoreClient : public gloo::rendezvous::Store {
     frame.insert(frame.end(), key.begin(), key.end());
     frame.insert(frame.end(), value.begin(), value.end());
     std::vector<char> reply(reply_bytes);
-    if (!SendAll(fd_, frame.data(), frame.size()) ||
-        !RecvAll(fd_, reply.data(), reply.size())) {
-      GLOO_THROW_IO_EXCEPTION("tcp store: connection lost (", std::strerror(errno), ")");
+    if (!SendAll(fd_, frame.data(), frame.size()) || !RecvAll(fd_, reply.data(), reply.size())) {
+      throw gloo::IoException(
+          gloo::MakeString("tcp store: connection lost (", std::strerror(errno), ")"));
     }
     return reply;
   }
@@ -168,8 +204,8 @@ class TcpStoreClient : public gloo::rendezvous::Store {
   std::chrono::milliseconds timeout_;
 };
 
-Result<std::unique_ptr<gloo::rendezvous::Store>> ConnectTcpStore(
-    const std::string& host, uint16_t port, std::chrono::milliseconds timeout) {
+Result<std::unique_ptr<PollableStore>> ConnectTcpStore(const std::string& host, uint16_t port,
+                                                       std::chrono::milliseconds timeout) {
   const auto deadline = Clock::now() + timeout;
   std::string last_error = "no address";
   while (true) {
@@ -182,7 +218,7 @@ Result<std::unique_ptr<gloo::rendezvous::Store>> ConnectTcpStore(
           int one = 1;
           ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
           SetIoTimeout(fd, timeout);
-          return std::unique_ptr<gloo::rendezvous::Store>(new TcpStoreClient(fd, timeout));
+          return std::unique_ptr<PollableStore>(new TcpStoreClient(fd, timeout));
         }
         last_error = ErrnoText("connect");
         ::close(fd);
@@ -199,12 +235,11 @@ Result<std::unique_ptr<gloo::rendezvous::Store>> ConnectTcpStore(
   }
 }
 
-// Prefixes keys with the job's prefix and bounds every wait (Gloo's FileStore and
-// PrefixStore fall back to a fixed 30 s when called without a timeout).
+// Prefixes keys with the job's prefix and bounds every wait (Gloo's own stores fall back to a
+// fixed 30 s when called without a timeout).
 class ScopedStore : public gloo::rendezvous::Store {
  public:
-  ScopedStore(gloo::rendezvous::Store& base, std::string prefix,
-              std::chrono::milliseconds timeout)
+  ScopedStore(PollableStore& base, std::string prefix, std::chrono::milliseconds timeout)
       : base_(base), prefix_(std::move(prefix)), timeout_(timeout) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
@@ -226,7 +261,7 @@ class ScopedStore : public gloo::rendezvous::Store {
  private:
   std::string Key(const std::string& key) const { return prefix_ + "/" + key; }
 
-  gloo::rendezvous::Store& base_;
+  PollableStore& base_;
   const std::string prefix_;
   const std::chrono::milliseconds timeout_;
 };
@@ -235,8 +270,7 @@ bool ContainsTimeout(std::string_view text) {
   std::string lower(text);
   std::transform(lower.begin(), lower.end(), lower.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return lower.find("timeout") != std::string::npos ||
-         lower.find("timed out") != std::string::npos;
+  return lower.find("timeout") != std::string::npos || lower.find("timed out") != std::string::npos;
 }
 
 }  // namespace
@@ -257,8 +291,7 @@ Result<RendezvousSpec> ParseRendezvous(std::string_view spec) {
   std::string_view rest = spec.substr(4);
   size_t colon = rest.rfind(':');
   if (colon == std::string_view::npos || colon == 0 || colon + 1 == rest.size()) {
-    return Status::InvalidArgument("rendezvous '" + std::string(spec) +
-                                   "' must be tcp:HOST:PORT");
+    return Status::InvalidArgument("rendezvous '" + std::string(spec) + "' must be tcp:HOST:PORT");
   }
   std::string_view host = rest.substr(0, colon);
   if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
@@ -415,7 +448,7 @@ Result<std::unique_ptr<Rendezvous>> Rendezvous::Open(const std::string& spec, in
       return Status::NotFound("rendezvous directory '" + parsed.dir + "' does not exist");
     }
     try {
-      r->base_ = std::make_unique<gloo::rendezvous::FileStore>(parsed.dir);
+      r->base_ = std::make_unique<FileStore>(parsed.dir);
     } catch (const std::exception& e) {
       return StatusFromGlooException("file store", e);
     }

@@ -21,6 +21,8 @@ class Store;
 
 namespace isthmus::comm {
 
+class PollableStore;  // rendezvous.cc: a store whose waits are timed by us
+
 // A parsed rendezvous address.
 struct RendezvousSpec {
   enum class Kind { kFile, kTcp };
@@ -89,7 +91,7 @@ class Rendezvous {
   Rendezvous() = default;
 
   std::unique_ptr<TcpStoreServer> server_;
-  std::unique_ptr<gloo::rendezvous::Store> base_;
+  std::unique_ptr<PollableStore> base_;
   std::unique_ptr<gloo::rendezvous::Store> scoped_;
 };
 
