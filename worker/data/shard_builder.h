@@ -1,0 +1,64 @@
+// Turns a site's text files into token shards that workers train on: documents are
+// assigned to train or validation by a hash of their content, so the split is the same on
+// every machine and every run, and the same paragraph never lands on both sides.
+//
+// Output folder layout (format "isthmus-tokens-v1"):
+//   train.bin, val.bin  tokens as little-endian uint16, documents joined by "\n\n"
+//   manifest.json       vocab_size, token and document counts, SHA-256 of each shard,
+//                       source files with sizes and SHA-256, seed, val_fraction
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus::data {
+
+inline constexpr char kShardFormat[] = "isthmus-tokens-v1";
+inline constexpr char kDocumentSeparator[] = "\n\n";
+
+struct BuildOptions {
+  std::vector<std::string> inputs;  // text files, plain or gzip (detected by magic bytes)
+  std::string out_dir;              // created if missing; existing shards are replaced
+  double val_fraction = 0.05;       // share of documents sent to val.bin, in [0, 1]
+  uint64_t seed = 1;                // changes which documents go to validation
+};
+
+struct ShardStats {
+  uint64_t tokens = 0;
+  uint64_t documents = 0;
+  std::string sha256;  // of the .bin file's bytes
+};
+
+struct BuildSummary {
+  ShardStats train;
+  ShardStats val;
+  uint64_t source_bytes = 0;  // total text bytes after decompression
+};
+
+// Reads a whole text file, gunzipping it when it starts with the gzip magic (several
+// concatenated gzip members are read as one text). NotFound / IoError for the file,
+// Corruption for a damaged gzip stream, ResourceExhausted above 4 GiB of text.
+// `raw_sha256` (optional) receives the hex SHA-256 of the file's bytes as stored.
+Result<std::string> ReadTextFile(const std::string& path, std::string* raw_sha256 = nullptr);
+
+// Splits text into documents: maximal runs of lines that are not blank (blank = only
+// spaces, tabs and '\r'). A document keeps its inner newlines and has no trailing
+// newline. The views point into `text`.
+std::vector<std::string_view> SplitDocuments(std::string_view text);
+
+// True when `document` belongs to the validation split: the first 8 bytes of
+// SHA-256(seed as 8 little-endian bytes || document) read as a little-endian integer fall
+// below val_fraction * 2^64. Deterministic across machines and runs.
+bool IsValidationDocument(std::string_view document, uint64_t seed, double val_fraction);
+
+// Builds the shards and manifest described above from `options.inputs`, in input order
+// then document order. Output files are written atomically (temporary file + fsync +
+// rename). The same inputs, seed and fraction give byte-identical train.bin and val.bin.
+// InvalidArgument for a fraction outside [0, 1] or no inputs; errors of ReadTextFile.
+Result<BuildSummary> BuildShards(const BuildOptions& options);
+
+}  // namespace isthmus::data

@@ -1,0 +1,181 @@
+// Memory-mapped token shard reader with per-rank slices and a seeded per-epoch order.
+#include "worker/data/token_dataset.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstring>
+#include <utility>
+
+namespace isthmus::data {
+namespace {
+
+// splitmix64: tiny, and unlike std::uniform_int_distribution it gives the same numbers
+// with every standard library, which cross-machine reproducibility needs.
+uint64_t SplitMix64(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+}  // namespace
+
+std::string DatasetPosition::ToString() const {
+  return std::to_string(epoch) + ":" + std::to_string(batch);
+}
+
+Result<DatasetPosition> DatasetPosition::Parse(const std::string& text) {
+  const size_t colon = text.find(':');
+  DatasetPosition p;
+  auto parse = [](std::string_view s, uint64_t* v) {
+    auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), *v);
+    return !s.empty() && ec == std::errc() && end == s.data() + s.size();
+  };
+  std::string_view sv(text);
+  if (colon == std::string::npos || !parse(sv.substr(0, colon), &p.epoch) ||
+      !parse(sv.substr(colon + 1), &p.batch)) {
+    return Status::InvalidArgument("dataset position '" + text + "' is not 'epoch:batch'");
+  }
+  return p;
+}
+
+Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOptions& options) {
+  if (options.batch_size <= 0 || options.seq_len <= 0 || options.world_size <= 0 ||
+      options.rank < 0 || options.rank >= options.world_size || options.vocab_size <= 0 ||
+      options.vocab_size > 65536) {
+    return Status::InvalidArgument(
+        "dataset options need batch_size > 0, seq_len > 0, 0 <= rank < world_size and "
+        "vocab_size in [1, 65536]");
+  }
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    if (errno == ENOENT) return Status::NotFound(path + ": no such file");
+    return Status::IoError(path + ": cannot open: " + std::strerror(errno));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument(path + ": not a readable regular file");
+  }
+  const size_t bytes = static_cast<size_t>(st.st_size);
+  if (bytes % 2 != 0) {
+    ::close(fd);
+    return Status::Corruption(path + ": size " + std::to_string(bytes) +
+                              " is odd; a token shard holds 2-byte tokens");
+  }
+  TokenDataset ds;
+  ds.options_ = options;
+  ds.num_tokens_ = bytes / 2;
+  if (bytes > 0) {
+    void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (map == MAP_FAILED) {
+      ::close(fd);
+      return Status::IoError(path + ": mmap failed: " + std::strerror(errno));
+    }
+    ds.map_ = map;
+    ds.map_bytes_ = bytes;
+    ds.tokens_ = static_cast<const uint16_t*>(map);
+  }
+  ::close(fd);  // the mapping stays valid
+
+  for (uint64_t i = 0; i < ds.num_tokens_; ++i) {
+    if (ds.tokens_[i] >= options.vocab_size) {
+      return Status::Corruption(path + ": token " + std::to_string(ds.tokens_[i]) +
+                                " at position " + std::to_string(i) + " is >= vocab size " +
+                                std::to_string(options.vocab_size));
+    }
+  }
+  const uint64_t t = static_cast<uint64_t>(options.seq_len);
+  const uint64_t windows = ds.num_tokens_ > 0 ? (ds.num_tokens_ - 1) / t : 0;
+  ds.windows_per_rank_ = windows / static_cast<uint64_t>(options.world_size);
+  ds.first_window_ = ds.windows_per_rank_ * static_cast<uint64_t>(options.rank);
+  ds.batches_per_epoch_ = ds.windows_per_rank_ / static_cast<uint64_t>(options.batch_size);
+  if (ds.batches_per_epoch_ == 0) {
+    return Status::FailedPrecondition(
+        path + ": " + std::to_string(ds.num_tokens_) + " tokens are too few for batches of " +
+        std::to_string(options.batch_size) + " x " + std::to_string(options.seq_len) + " on " +
+        std::to_string(options.world_size) + " ranks");
+  }
+  ds.ShuffleForEpoch();
+  return ds;
+}
+
+TokenDataset::TokenDataset(TokenDataset&& other) noexcept { *this = std::move(other); }
+
+TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
+  if (this != &other) {
+    if (map_ != nullptr) ::munmap(map_, map_bytes_);
+    options_ = other.options_;
+    map_ = std::exchange(other.map_, nullptr);
+    map_bytes_ = std::exchange(other.map_bytes_, 0);
+    tokens_ = std::exchange(other.tokens_, nullptr);
+    num_tokens_ = std::exchange(other.num_tokens_, 0);
+    first_window_ = other.first_window_;
+    windows_per_rank_ = other.windows_per_rank_;
+    batches_per_epoch_ = other.batches_per_epoch_;
+    epoch_ = other.epoch_;
+    batch_ = other.batch_;
+    order_ = std::move(other.order_);
+  }
+  return *this;
+}
+
+TokenDataset::~TokenDataset() {
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+}
+
+void TokenDataset::ShuffleForEpoch() {
+  order_.resize(windows_per_rank_);
+  for (uint64_t i = 0; i < windows_per_rank_; ++i) order_[i] = first_window_ + i;
+  uint64_t state = options_.seed ^ (0x5851f42d4c957f2dull * (epoch_ + 1)) ^
+                   (0x14057b7ef767814full * static_cast<uint64_t>(options_.rank + 1));
+  for (uint64_t i = windows_per_rank_; i > 1; --i) {
+    // Multiply-shift maps 64 random bits onto [0, i); the bias (i / 2^64) is negligible.
+    const uint64_t j =
+        static_cast<uint64_t>((static_cast<unsigned __int128>(SplitMix64(state)) * i) >> 64);
+    std::swap(order_[i - 1], order_[j]);
+  }
+}
+
+Batch TokenDataset::Next() {
+  if (batch_ >= batches_per_epoch_) {
+    ++epoch_;
+    batch_ = 0;
+    ShuffleForEpoch();
+  }
+  const uint64_t b_size = static_cast<uint64_t>(options_.batch_size);
+  const uint64_t t = static_cast<uint64_t>(options_.seq_len);
+  Batch out;
+  out.batch_size = options_.batch_size;
+  out.seq_len = options_.seq_len;
+  out.tokens.resize(b_size * t);
+  out.targets.resize(b_size * t);
+  for (uint64_t b = 0; b < b_size; ++b) {
+    const uint16_t* w = tokens_ + order_[batch_ * b_size + b] * t;
+    for (uint64_t i = 0; i < t; ++i) {
+      out.tokens[b * t + i] = w[i];
+      out.targets[b * t + i] = w[i + 1];
+    }
+  }
+  ++batch_;
+  return out;
+}
+
+Status TokenDataset::Restore(const DatasetPosition& position) {
+  if (position.batch > batches_per_epoch_) {
+    return Status::InvalidArgument("dataset position " + position.ToString() +
+                                   " is past the end of an epoch of " +
+                                   std::to_string(batches_per_epoch_) + " batches");
+  }
+  epoch_ = position.epoch;
+  batch_ = position.batch;
+  ShuffleForEpoch();
+  return Status::Ok();
+}
+
+}  // namespace isthmus::data
