@@ -61,10 +61,13 @@ class NcclCommunicator final : public Communicator {
       : rank_(rank), world_size_(world_size), device_(device), timeout_(timeout) {}
 
   ~NcclCommunicator() override {
+    cudaSetDevice(device_);
     if (comm_ != nullptr) {
-      if (broken_.ok()) {
-        ncclCommFinalize(comm_);
-        WaitComm(comm_, Clock::now() + timeout_, "ncclCommFinalize");
+      // A clean finalize needs every peer; if they are gone, abort rather than wait.
+      ncclResult_t r = broken_.ok() ? ncclCommFinalize(comm_) : ncclInternalError;
+      const bool finalized = (r == ncclSuccess || r == ncclInProgress) &&
+                             WaitComm(comm_, Clock::now() + timeout_, "ncclCommFinalize").ok();
+      if (finalized) {
         ncclCommDestroy(comm_);
       } else {
         ncclCommAbort(comm_);
