@@ -9,11 +9,15 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
 
 #include <unistd.h>
+
+#include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
 #include "worker/model/gpt.h"
@@ -541,6 +545,36 @@ TEST(GptCheckpoint, LoadsGpt2NamedFileWithTransformerPrefix) {
   missing.pop_back();
   EXPECT_EQ(Gpt::FromBaseTensors(missing, 2, TrainMode::kLora, LoraConfig{}, 1).status().code(),
             Code::kInvalidArgument);
+}
+
+TEST(GptCheckpoint, PeftAdapterExport) {
+  TempDir dir;
+  GptConfig c = TinyConfig();
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.alpha = 8;
+  lora.targets = {"attn.c_attn", "mlp.c_proj"};
+  auto gpt = MustCreate(c, TrainMode::kLora, lora, 1);
+  ASSERT_TRUE(gpt->SavePeftAdapter(dir.File("adapter")).ok());
+  auto file = ReadSafetensors(dir.File("adapter/adapter_model.safetensors"));
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  ASSERT_EQ(file->tensors.size(), 8u);
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const Tensor& t : file->tensors) shapes[t.name] = t.shape;
+  EXPECT_EQ(shapes["base_model.model.transformer.h.1.mlp.c_proj.lora_A.weight"],
+            (std::vector<int64_t>{4, 64}));
+  EXPECT_EQ(shapes["base_model.model.transformer.h.1.mlp.c_proj.lora_B.weight"],
+            (std::vector<int64_t>{16, 4}));
+  std::ifstream in(dir.File("adapter/adapter_config.json"));
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["peft_type"], "LORA");
+  EXPECT_EQ(j["r"], 4);
+  EXPECT_EQ(j["lora_alpha"], 8.0);
+  EXPECT_EQ(j["fan_in_fan_out"], true);
+  EXPECT_EQ(j["target_modules"], (std::vector<std::string>{"attn.c_attn", "mlp.c_proj"}));
+
+  auto full = MustCreate(c, TrainMode::kFull, lora, 1);
+  EXPECT_EQ(full->SavePeftAdapter(dir.File("x")).code(), Code::kFailedPrecondition);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -5,8 +5,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <numbers>
 #include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "common/safetensors.h"
 
@@ -362,6 +366,40 @@ std::map<std::string, std::string> Gpt::ConfigMetadata() const {
 
 Status Gpt::SaveBase(const std::string& path) const {
   return WriteSafetensors(path, base_, ConfigMetadata());
+}
+
+Status Gpt::SavePeftAdapter(const std::string& dir) const {
+  if (mode_ != TrainMode::kLora) {
+    return Status::FailedPrecondition("full-mode model has no LoRA adapters to export");
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
+  std::vector<Tensor> named = lora_tensors_;
+  for (Tensor& t : named) t.name = "base_model.model.transformer." + t.name;
+  ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/adapter_model.safetensors", named));
+
+  nlohmann::json config = {{"peft_type", "LORA"},
+                           {"task_type", "CAUSAL_LM"},
+                           {"base_model_name_or_path", nullptr},
+                           {"r", lora_.rank},
+                           {"lora_alpha", lora_.alpha},
+                           {"lora_dropout", 0.0},
+                           {"bias", "none"},
+                           {"fan_in_fan_out", true},
+                           {"inference_mode", true},
+                           {"target_modules", lora_.targets}};
+  const std::string path = dir + "/adapter_config.json";
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << config.dump(2) << "\n";
+    out.close();
+    if (!out) return Status::IoError("cannot write " + tmp);
+  }
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return Status::IoError("cannot rename " + tmp + ": " + ec.message());
+  return Status::Ok();
 }
 
 const Tensor* Gpt::FindBase(const std::string& name) const {

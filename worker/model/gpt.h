@@ -158,6 +158,14 @@ class Gpt {
   // Metadata SaveBase writes (also useful for adapter files).
   std::map<std::string, std::string> ConfigMetadata() const;
 
+  // Writes the LoRA adapters in the layout Hugging Face PEFT loads onto a GPT-2 model:
+  // `dir`/adapter_model.safetensors with names "base_model.model.transformer.<name>" and
+  // `dir`/adapter_config.json (peft_type LORA, r, lora_alpha, target_modules,
+  // fan_in_fan_out true for GPT-2's Conv1D). Creates `dir` if needed; each file is written
+  // atomically. FailedPrecondition in kFull mode (there are no adapters), IoError on
+  // filesystem failures.
+  Status SavePeftAdapter(const std::string& dir) const;
+
  private:
   struct Layer;
   struct Activations;
