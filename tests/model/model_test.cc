@@ -176,6 +176,18 @@ TEST(GptGradient, BackwardAccumulatesAndZeroGradClears) {
   for (int i = 0; i < 16; ++i) EXPECT_EQ(p.grad[i], 0.0f);
 }
 
+TEST(GptDeathTest, OutOfRangeTokenAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto gpt = MustCreate(TinyConfig(), TrainMode::kLora, LoraConfig{}, 1);
+  std::vector<int32_t> tokens(8, 1), targets(8, 1);
+  tokens[3] = 256;
+  EXPECT_DEATH(gpt->Forward(tokens.data(), nullptr, 1, 8), "token out of range");
+  tokens[3] = 1;
+  targets[2] = -2;
+  EXPECT_DEATH(gpt->Forward(tokens.data(), targets.data(), 1, 8), "target out of range");
+  EXPECT_DEATH(gpt->Forward(tokens.data(), nullptr, 1, 9), "out of range");  // T > n_ctx
+}
+
 // ---------------------------------------------------------------------------------------
 // Memorisation: a model must learn a 200-byte text by heart.
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -501,8 +502,19 @@ void Gpt::EnsureActivations(int B, int T) {
 }
 
 float Gpt::Forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
-  // Programming errors, not input errors: callers size batches from the config.
-  if (B <= 0 || T <= 0 || T > config_.n_ctx) std::abort();
+  // Programming errors, not input errors: callers size batches and tokenize from the config.
+  auto die = [](const char* what) {
+    std::fprintf(stderr, "Gpt::Forward: %s\n", what);
+    std::abort();
+  };
+  if (B <= 0 || T <= 0 || T > config_.n_ctx) die("B, T out of range");
+  const int64_t n = static_cast<int64_t>(B) * T;
+  for (int64_t i = 0; i < n; ++i) {
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) die("token out of range");
+    if (targets != nullptr && (targets[i] < -1 || targets[i] >= config_.vocab_size)) {
+      die("target out of range");
+    }
+  }
   EnsureActivations(B, T);
   Activations& a = *act_;
   const int N = B * T, C = config_.n_embd, H = config_.n_head, V = config_.vocab_size;

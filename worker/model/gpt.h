@@ -78,7 +78,8 @@ class Gpt {
   // 0.02 / sqrt(2 * n_layer)), biases 0, layer-norm weights 1. Each tensor draws from its
   // own stream derived from (seed, name), so the base is identical in both modes and for
   // any LoRA config. LoRA A ~ uniform(-1/sqrt(in), 1/sqrt(in)) (PEFT's Kaiming-uniform
-  // default) from the same (seed, name) rule, LoRA B = 0. Deterministic on every platform.
+  // default) from the same (seed, name) rule, LoRA B = 0. Deterministic: the generator and the
+  // normal transform are our own, so only libm's log/cos could differ between platforms.
   static Result<std::unique_ptr<Gpt>> CreateRandom(const GptConfig& config, TrainMode mode,
                                                    const LoraConfig& lora, uint64_t seed);
 
@@ -115,6 +116,8 @@ class Gpt {
   // == nullptr returns 0 and only computes logits. Activation buffers are sized for the
   // largest B*T seen so far: they are allocated on the first call (or when a later call
   // is larger) and reused after that. The token and target arrays are copied.
+  // Out-of-range sizes, tokens or targets are programming errors: the process aborts with
+  // a message rather than reading outside the tables.
   float Forward(const int32_t* tokens, const int32_t* targets, int B, int T);
 
   // The logits [B,T,V] of the last Forward; valid until the next Forward.
