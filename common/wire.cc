@@ -95,7 +95,8 @@ Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
                                    std::to_string(header.size()) + " bytes failed verification)");
   }
   const wire::Envelope* env = wire::GetEnvelope(bytes);
-  if (env->body_type() == wire::Body::NONE) {
+  // The verifier accepts a union type whose value is absent; handlers may not.
+  if (env->body_type() == wire::Body::NONE || env->body() == nullptr) {
     return Status::InvalidArgument("envelope has no body");
   }
   return env;

@@ -1,0 +1,75 @@
+// Settings: precedence default < file < environment < flag, refusal of unknown keys and
+// wrong types, and docs/CONFIG.md generated from the one table.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "server/config.h"
+#include "tests/server/test_util.h"
+
+namespace isthmus {
+namespace {
+
+TEST(ConfigTest, Precedence) {
+  testing::TempDir dir;
+  std::string file = dir.str() + "/s.toml";
+  std::ofstream(file) << "[shard]\nid = \"from-file\"\ndata_dir = \"/d\"\n"
+                         "[security]\nworker_keys = [\"a.pub\", \"b\"]\n"
+                         "[storage]\nsync_writes = false\ndedup_window = 7\n";
+  auto c = LoadServerConfig(file, {});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->shard_id, "from-file");
+  EXPECT_EQ(c->worker_keys, (std::vector<std::string>{"a.pub", "b"}));
+  EXPECT_FALSE(c->sync_writes);
+  EXPECT_EQ(c->dedup_window, 7);
+  EXPECT_EQ(c->listen_worker, "tcp://127.0.0.1:7100");  // default kept
+  ::setenv("ISTHMUS_SHARD_ID", "from-env", 1);
+  ::setenv("ISTHMUS_STORAGE_DEDUP_WINDOW", "9", 1);
+  c = LoadServerConfig(file, {{"storage.dedup_window", "11"}});
+  ::unsetenv("ISTHMUS_SHARD_ID");
+  ::unsetenv("ISTHMUS_STORAGE_DEDUP_WINDOW");
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->shard_id, "from-env");
+  EXPECT_EQ(c->dedup_window, 11);
+}
+
+TEST(ConfigTest, UnknownKeysAndBadValuesAreErrors) {
+  testing::TempDir dir;
+  std::string file = dir.str() + "/bad.toml";
+  std::ofstream(file) << "[shard]\ndata_dri = \"/d\"\n";
+  auto c = LoadServerConfig(file, {});
+  EXPECT_EQ(c.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("shard.data_dri"), std::string::npos);
+  std::ofstream(file) << "[storage]\nsync_writes = \"maybe\"\n";
+  EXPECT_FALSE(LoadServerConfig(file, {}).ok());
+  EXPECT_FALSE(LoadServerConfig("", {{"storage.sync_writes", "maybe"}}).ok());
+  EXPECT_FALSE(LoadServerConfig("", {{"limits.max_tensors", "12x"}}).ok());
+  EXPECT_FALSE(LoadServerConfig("", {{"no.such", "1"}}).ok());
+}
+
+TEST(ConfigTest, ValidationSaysWhatToSet) {
+  auto c = *LoadServerConfig("", {});
+  Status s = ValidateServerConfig(c);
+  EXPECT_NE(s.message().find("shard.data_dir"), std::string::npos);
+  c.data_dir = "/d";
+  s = ValidateServerConfig(c);
+  EXPECT_NE(s.message().find("isthmusctl keygen"), std::string::npos);
+  c.insecure_plaintext = true;
+  EXPECT_TRUE(ValidateServerConfig(c).ok());
+}
+
+TEST(ConfigTest, DocsMatchTheTable) {
+  std::ifstream in(std::string(ISTHMUS_SOURCE_DIR) + "/docs/CONFIG.md");
+  ASSERT_TRUE(in) << "docs/CONFIG.md is missing";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  EXPECT_NE(ss.str().find(ServerConfigDoc()), std::string::npos)
+      << "docs/CONFIG.md is out of date: regenerate the table with isthmus-server --print-config-doc";
+  EXPECT_EQ(SettingEnv("storage.sync_writes"), "ISTHMUS_STORAGE_SYNC_WRITES");
+  EXPECT_EQ(SettingFlag("storage.sync_writes"), "--storage.sync_writes");
+}
+
+}  // namespace
+}  // namespace isthmus

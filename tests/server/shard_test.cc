@@ -1,0 +1,228 @@
+// The shard state machine in one process over the in-memory store: push/pull semantics,
+// idempotency, refusal of bad input with state unchanged, and storage failures.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "common/client.h"
+#include "server/shard.h"
+#include "server/store.h"
+
+namespace isthmus {
+namespace {
+
+// Builds request Frames from an envelope and float payloads.
+Frames MakeFrames(const flatbuffers::FlatBufferBuilder& fbb, const std::vector<std::vector<float>>& p = {}) {
+  Frames f;
+  f.header = zmq::message_t(fbb.GetBufferPointer(), fbb.GetSize());
+  for (const auto& v : p) f.payload.emplace_back(v.data(), v.size() * sizeof(float));
+  return f;
+}
+
+void Finish(flatbuffers::FlatBufferBuilder& fbb, wire::Body type, flatbuffers::Offset<void> body) {
+  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, 1, type, body));
+}
+
+class ShardTest : public ::testing::Test {
+ protected:
+  void SetUp() override { Reopen(-1); }
+
+  void Reopen(int fail_after, uint64_t dedup_window = 65536) {
+    ShardOptions o;
+    o.shard_id = "test";
+    o.dedup_window = dedup_window;
+    o.open_store = [fail_after]() -> Result<std::unique_ptr<Store>> { return NewMemStore(fail_after); };
+    auto s = Shard::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    shard_ = std::move(s).value();
+  }
+
+  Status Expect(const Reply& r, wire::Body type) {
+    zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
+    auto env = ParseEnvelope(m, WireLimits{});
+    if (!env.ok()) return env.status();
+    Status err = ErrorFromEnvelope(*env);
+    if (!err.ok()) return err;
+    return (*env)->body_type() == type ? Status::Ok() : Status::Internal("wrong reply type");
+  }
+
+  Status CreateJob(wire::Role role = wire::Role::Admin) {
+    flatbuffers::FlatBufferBuilder fbb;
+    std::vector<TensorView> v{{"w", {2, 2}, w_.data()}, {"b", {3}, b_.data()}};
+    auto metas = BuildTensorMetas(fbb, v);
+    Finish(fbb, wire::Body::JobCreate,
+           wire::CreateJobCreate(fbb, fbb.CreateString("job"), fbb.CreateString("base1"), metas).Union());
+    return Expect(shard_->Handle(role, MakeFrames(fbb, {w_, b_})), wire::Body::JobCreateReply);
+  }
+
+  Result<bool> Push(const std::string& key, std::vector<std::pair<std::string, std::vector<float>>> deltas,
+                    wire::Role role = wire::Role::Worker) {
+    flatbuffers::FlatBufferBuilder fbb;
+    std::vector<TensorView> views;
+    std::vector<std::vector<float>> payload;
+    for (auto& [name, d] : deltas) {
+      views.push_back({name, {static_cast<int64_t>(d.size())}, d.data()});
+      if (name == "w") views.back().shape = {2, static_cast<int64_t>(d.size()) / 2};
+      payload.push_back(d);
+    }
+    auto metas = BuildTensorMetas(fbb, views);
+    Finish(fbb, wire::Body::PushRequest,
+           wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString(key), 1, 10, metas).Union());
+    Reply r = shard_->Handle(role, MakeFrames(fbb, payload));
+    ISTHMUS_RETURN_IF_ERROR(Expect(r, wire::Body::PushReply));
+    zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
+    return (*ParseEnvelope(m, WireLimits{}))->body_as_PushReply()->duplicate();
+  }
+
+  // name -> values, via a pull.
+  std::map<std::string, std::vector<float>> Pull(uint64_t newer_than = 0, uint64_t* version = nullptr) {
+    flatbuffers::FlatBufferBuilder fbb;
+    Finish(fbb, wire::Body::PullRequest,
+           wire::CreatePullRequest(fbb, fbb.CreateString("job"), 0, newer_than).Union());
+    Reply r = shard_->Handle(wire::Role::Worker, MakeFrames(fbb));
+    EXPECT_TRUE(Expect(r, wire::Body::PullReply).ok());
+    zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
+    const auto* reply = (*ParseEnvelope(m, WireLimits{}))->body_as_PullReply();
+    if (version) *version = reply->job_version();
+    std::map<std::string, std::vector<float>> out;
+    for (const auto* t : *reply->tensors()) {
+      const auto& p = r.payload[t->frame()];
+      const float* f = static_cast<const float*>(p.data);
+      out[t->name()->str()] = std::vector<float>(f, f + p.size / 4);
+    }
+    return out;
+  }
+
+  std::vector<float> w_{1, 2, 3, 4}, b_{0, 0, 0};
+  std::unique_ptr<Shard> shard_;
+};
+
+TEST_F(ShardTest, PushAddsDeltaAndBumpsVersion) {
+  ASSERT_TRUE(CreateJob().ok());
+  uint64_t v0 = 0;
+  EXPECT_EQ(Pull(0, &v0)["w"], w_);
+  auto dup = Push("k1", {{"w", {0.5f, 0.5f, -1, 1}}});
+  ASSERT_TRUE(dup.ok()) << dup.status().ToString();
+  EXPECT_FALSE(*dup);
+  uint64_t v1 = 0;
+  auto now = Pull(0, &v1);
+  EXPECT_EQ(now["w"], (std::vector<float>{1.5f, 2.5f, 2, 5}));
+  EXPECT_EQ(now["b"], b_);
+  EXPECT_EQ(v1, v0 + 1);
+  auto newer = Pull(v0);
+  EXPECT_EQ(newer.size(), 1u) << "only the changed tensor is newer";
+  EXPECT_TRUE(newer.count("w"));
+}
+
+TEST_F(ShardTest, RetriedKeyIsAppliedOnce) {
+  ASSERT_TRUE(CreateJob().ok());
+  ASSERT_FALSE(*Push("same", {{"b", {1, 1, 1}}}));
+  auto again = Push("same", {{"b", {1, 1, 1}}});
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(*again);
+  EXPECT_EQ(Pull()["b"], (std::vector<float>{1, 1, 1}));
+}
+
+TEST_F(ShardTest, DedupWindowIsBounded) {
+  Reopen(-1, 2);
+  ASSERT_TRUE(CreateJob().ok());
+  for (std::string k : {"k1", "k2", "k3"}) ASSERT_FALSE(*Push(k, {{"b", {1, 0, 0}}}));
+  EXPECT_TRUE(*Push("k3", {{"b", {1, 0, 0}}}));   // still remembered
+  EXPECT_FALSE(*Push("k1", {{"b", {1, 0, 0}}}));  // forgotten: applied again
+  EXPECT_EQ(Pull()["b"][0], 4.0f);
+}
+
+TEST_F(ShardTest, BadPushesChangeNothing) {
+  ASSERT_TRUE(CreateJob().ok());
+  auto before = Pull();
+  // NaN in one of two tensors: neither is applied.
+  EXPECT_EQ(Push("nan", {{"b", {1, 1, 1}}, {"w", {0, std::nanf(""), 0, 0}}}).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(Push("inf", {{"b", {INFINITY, 1, 1}}}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(Push("shape", {{"b", {1, 1, 1, 1}}}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(Push("name", {{"nope", {1}}}).status().code(), Code::kNotFound);
+  EXPECT_EQ(Push("", {{"b", {1, 1, 1}}}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(Push("admin", {{"b", {1, 1, 1}}}, wire::Role::Admin).status().code(),
+            Code::kPermissionDenied);
+  EXPECT_EQ(Pull(), before);
+  // A refused key was not recorded: the same key with good data applies.
+  EXPECT_FALSE(*Push("nan", {{"b", {1, 1, 1}}}));
+  EXPECT_EQ(shard_->errors(), 6u);
+}
+
+TEST_F(ShardTest, DeltaThatOverflowsIsRefused) {
+  ASSERT_TRUE(CreateJob().ok());
+  ASSERT_FALSE(*Push("big", {{"w", {3e38f, 0, 0, 0}}}));
+  auto before = Pull();
+  EXPECT_EQ(Push("ovf", {{"w", {3e38f, 0, 0, 0}}}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(Pull(), before);
+}
+
+TEST_F(ShardTest, GarbageHeaderGetsErrorReply) {
+  ASSERT_TRUE(CreateJob().ok());
+  Frames f;
+  std::string junk = "definitely not a flatbuffer";
+  f.header = zmq::message_t(junk.data(), junk.size());
+  Reply r = shard_->Handle(wire::Role::Worker, f);
+  EXPECT_TRUE(r.is_error);
+  EXPECT_EQ(Expect(r, wire::Body::PushReply).code(), Code::kInvalidArgument);
+}
+
+TEST_F(ShardTest, StorageFailureLeavesMemoryUnchanged) {
+  Reopen(1);  // the job create succeeds, the next write fails
+  ASSERT_TRUE(CreateJob().ok());
+  auto before = Pull();
+  EXPECT_EQ(Push("k", {{"b", {1, 1, 1}}}).status().code(), Code::kIoError);
+  EXPECT_EQ(Pull(), before);
+}
+
+TEST_F(ShardTest, AdminOnlyRequestsAreRefusedOnWorkerSocket) {
+  EXPECT_EQ(CreateJob(wire::Role::Worker).code(), Code::kPermissionDenied);
+  flatbuffers::FlatBufferBuilder fbb;
+  Finish(fbb, wire::Body::StatsRequest, wire::CreateStatsRequest(fbb).Union());
+  EXPECT_EQ(Expect(shard_->Handle(wire::Role::Worker, MakeFrames(fbb)), wire::Body::StatsReply).code(),
+            Code::kPermissionDenied);
+  EXPECT_TRUE(Expect(shard_->Handle(wire::Role::Admin, MakeFrames(fbb)), wire::Body::StatsReply).ok());
+}
+
+TEST_F(ShardTest, HelloChecksBaseHash) {
+  ASSERT_TRUE(CreateJob().ok());
+  auto hello = [&](const char* hash) {
+    flatbuffers::FlatBufferBuilder fbb;
+    Finish(fbb, wire::Body::Hello,
+           wire::CreateHelloDirect(fbb, "job", wire::Role::Worker, hash, "t").Union());
+    return Expect(shard_->Handle(wire::Role::Worker, MakeFrames(fbb)), wire::Body::HelloReply);
+  };
+  EXPECT_TRUE(hello("base1").ok());
+  EXPECT_EQ(hello("other").code(), Code::kFailedPrecondition);
+}
+
+TEST_F(ShardTest, StateSurvivesReopenOfTheSameStore) {
+  std::shared_ptr<Store> shared(NewMemStore().release());
+  struct Borrowed : Store {
+    std::shared_ptr<Store> s;
+    Status Write(const WriteBatch& b) override { return s->Write(b); }
+    Result<std::optional<std::string>> Get(Column c, std::string_view k) override { return s->Get(c, k); }
+    Status Scan(Column c, std::string_view p, const std::function<bool(std::string_view, std::string_view)>& f) override {
+      return s->Scan(c, p, f);
+    }
+    Status Checkpoint(const std::string& d) override { return s->Checkpoint(d); }
+    uint64_t ApproximateBytes() override { return 0; }
+  };
+  ShardOptions o;
+  o.open_store = [shared]() -> Result<std::unique_ptr<Store>> {
+    auto b = std::make_unique<Borrowed>();
+    b->s = shared;
+    return std::unique_ptr<Store>(std::move(b));
+  };
+  shard_ = std::move(Shard::Open(o)).value();
+  ASSERT_TRUE(CreateJob().ok());
+  ASSERT_FALSE(*Push("k", {{"w", {1, 1, 1, 1}}}));
+  auto before = Pull();
+  shard_ = std::move(Shard::Open(o)).value();  // reload from the store alone
+  EXPECT_EQ(Pull(), before);
+  EXPECT_TRUE(*Push("k", {{"w", {1, 1, 1, 1}}})) << "idempotency keys persist";
+}
+
+}  // namespace
+}  // namespace isthmus
