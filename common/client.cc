@@ -218,6 +218,12 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
 
 namespace {
 
+RoundInfo RoundInfoOf(const wire::RoundStatus* r) {
+  RoundInfo info;
+  if (r) info = RoundInfo{r->local_round(), r->committed_round(), r->max_rounds_ahead()};
+  return info;
+}
+
 template <typename T>
 Result<const T*> BodyAs(const Frames& reply, const WireLimits& limits, wire::Body expect) {
   auto env = ParseEnvelope(reply.header, limits);
@@ -259,6 +265,7 @@ Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
   if (r->base_hash()) info.base_hash = r->base_hash()->str();
   info.job_version = r->job_version();
   info.tensor_count = r->tensor_count();
+  info.rounds = RoundInfoOf(r->rounds());
   return info;
 }
 
@@ -279,6 +286,7 @@ Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<s
   ISTHMUS_RETURN_IF_ERROR(ValidateTensors(r->tensors(), reply.payload, options_.limits, false));
   PullResult out;
   out.job_version = r->job_version();
+  out.rounds = RoundInfoOf(r->rounds());
   if (r->tensors()) {
     for (const auto* m : *r->tensors()) {
       Tensor t;
@@ -307,7 +315,7 @@ Result<PushResult> ShardClient::Push(const std::string& job, const std::string& 
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, deltas));
   ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::PushReply>(reply, options_.limits,
                                                             wire::Body::PushReply));
-  return PushResult{r->job_version(), r->duplicate()};
+  return PushResult{r->job_version(), r->duplicate(), RoundInfoOf(r->rounds())};
 }
 
 Result<JobInfo> ShardClient::CreateJob(const std::string& job, const std::string& base_hash,

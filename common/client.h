@@ -40,23 +40,33 @@ struct TensorView {
   const float* data = nullptr;
 };
 
+// See wire::RoundStatus.
+struct RoundInfo {
+  uint64_t local_round = 0;
+  uint64_t committed_round = 0;
+  uint64_t max_rounds_ahead = 0;  // 0: no limit
+};
+
 struct HelloInfo {
   std::string shard_id;
   std::string server_version;
   uint64_t job_version = 0;
   std::string base_hash;
   uint64_t tensor_count = 0;
+  RoundInfo rounds;
 };
 
 struct PullResult {
   uint64_t job_version = 0;
   std::vector<Tensor> tensors;   // tensor.name/shape/data
   std::vector<uint64_t> versions;  // per tensor, the version at which it last changed
+  RoundInfo rounds;
 };
 
 struct PushResult {
   uint64_t job_version = 0;
   bool duplicate = false;  // the key had been applied before; nothing changed now
+  RoundInfo rounds;
 };
 
 struct TensorInfo {

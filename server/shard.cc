@@ -198,6 +198,11 @@ Result<Shard::JobState*> Shard::FindJob(const flatbuffers::String* job) {
   return &it->second;
 }
 
+flatbuffers::Offset<wire::RoundStatus> Shard::RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
+                                                            const JobState& job) {
+  return wire::CreateRoundStatus(fbb, job.last_round, job.last_round, 0);
+}
+
 Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply) {
   if (req->role() != role) {
     return Status::PermissionDenied(std::string("hello as ") + wire::EnumNameRole(req->role()) +
@@ -205,8 +210,10 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
   }
   uint64_t version = 0, count = 0;
   std::string base_hash;
+  const JobState* job_found = nullptr;
   if (req->job() && req->job()->size() > 0) {
     ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
+    job_found = job;
     std::string want = req->base_hash() ? req->base_hash()->str() : "";
     if (!want.empty() && !job->base_hash.empty() && want != job->base_hash) {
       return Status::FailedPrecondition("base model hash " + want + " differs from job '" +
@@ -217,9 +224,11 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
     count = job->tensors.size();
     base_hash = job->base_hash;
   }
+  flatbuffers::Offset<wire::RoundStatus> rounds;
+  if (job_found) rounds = RoundStatusOf(reply.header, *job_found);
   auto body = wire::CreateHelloReplyDirect(reply.header, options_.shard_id.c_str(),
                                            kIsthmusVersion, version, base_hash.c_str(), count,
-                                           role);
+                                           role, rounds);
   Finish(reply, id, wire::Body::HelloReply, body.Union());
   return Status::Ok();
 }
@@ -258,7 +267,9 @@ Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
     return Status::ResourceExhausted("pull of " + std::to_string(bytes) +
                                      " bytes exceeds the message limit; pull fewer tensors");
   }
-  auto body = wire::CreatePullReply(reply.header, job->version, reply.header.CreateVector(metas));
+  auto metas_v = reply.header.CreateVector(metas);
+  auto body = wire::CreatePullReply(reply.header, job->version, metas_v,
+                                    RoundStatusOf(reply.header, *job));
   Finish(reply, id, wire::Body::PullReply, body.Union());
   return Status::Ok();
 }
@@ -278,7 +289,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     uint64_t v = rec.is_discarded() ? job->version : rec.value("version", job->version);
     spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again",
                  key, job_name, v);
-    auto body = wire::CreatePushReply(reply.header, v, true);
+    auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
     Finish(reply, id, wire::Body::PushReply, body.Union());
     return Status::Ok();
   }
@@ -356,7 +367,8 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   job->last_round = next_job.last_round;
   job->tokens = next_job.tokens;
   job->dedup_seq = next_job.dedup_seq;
-  auto body = wire::CreatePushReply(reply.header, new_version, false);
+  auto body = wire::CreatePushReply(reply.header, new_version, false,
+                                    RoundStatusOf(reply.header, *job));
   Finish(reply, id, wire::Body::PushReply, body.Union());
   return Status::Ok();
 }

@@ -87,6 +87,10 @@ class Shard {
   Status DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, Reply& reply);
 
   Result<JobState*> FindJob(const flatbuffers::String* job);
+  // The job's round position for replies. Without cross-site sync every round this site
+  // pushes is committed at once.
+  static flatbuffers::Offset<wire::RoundStatus> RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
+                                                              const JobState& job);
 
   ShardOptions options_;
   std::unique_ptr<Store> store_;
