@@ -1,0 +1,77 @@
+// The seam between a shard's round protocol (server/sync_engine.*: what is held, what
+// commits) and its cross-site links (server/peer_link.*: sockets, resends, acks,
+// bandwidth). The engine owns the durable outbox and inbox; links only move bytes and
+// report acknowledgements, so either side can be tested alone.
+//
+// Threads: both sides run on the shard's event-loop thread; nothing here is locked.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus {
+
+// One tensor of a round delta as it crosses the WAN: the codec's self-describing bytes
+// (ops/codec.h), decoded by the receiver into a tensor of `shape`.
+struct EncodedTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string bytes;
+};
+
+// A site's whole round delta for the tensors of one shard of one job.
+struct EncodedDelta {
+  std::string job;
+  std::string site;     // the site that produced it
+  uint64_t round = 0;   // >= 1
+  uint64_t tokens = 0;  // tokens the site trained on in this round (merge weight)
+  std::vector<EncodedTensor> tensors;
+  uint64_t WireBytes() const {
+    uint64_t n = 0;
+    for (const auto& t : tensors) n += t.bytes.size();
+    return n;
+  }
+};
+
+// What links read from the engine: this site's own deltas, durable in its outbox.
+class DeltaSource {
+ public:
+  virtual ~DeltaSource() = default;
+  // Jobs that take part in cross-site sync on this shard.
+  virtual std::vector<std::string> SyncJobs() const = 0;
+  // Highest round of this site's own deltas in the outbox for `job` (0: none yet).
+  virtual uint64_t OutboxHighRound(const std::string& job) const = 0;
+  // This site's delta for `round`, or NotFound if it was never produced or has been
+  // garbage-collected (every peer acknowledged it and the round committed).
+  virtual Result<std::shared_ptr<const EncodedDelta>> OutboxDelta(const std::string& job,
+                                                                  uint64_t round) = 0;
+  // A peer acknowledged holding every round of ours up to `held_round`; lets the engine
+  // drop outbox entries all peers hold and report lag.
+  virtual void OnPeerAck(const std::string& peer_site, const std::string& job,
+                         uint64_t held_round) = 0;
+  // The link's measured throughput towards `peer_site` (bytes of delta per second of
+  // transfer, smoothed); the engine's adaptive codec sizes the next rounds to fit it.
+  virtual void OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) = 0;
+};
+
+// What links hand to the engine: deltas received from peers.
+class DeltaSink {
+ public:
+  virtual ~DeltaSink() = default;
+  // Persists `delta` (from authenticated peer site `from_site`, which must equal
+  // delta.site) before returning. A duplicate (already held or already committed) is
+  // ignored and is not an error. Malformed input (unknown job, wrong tensor set or shape,
+  // undecodable bytes, round too far ahead) returns an error and changes nothing.
+  // On success returns the highest round r such that every round 1..r from that site is
+  // held or committed: the acknowledgement to send back.
+  virtual Result<uint64_t> ReceiveDelta(const std::string& from_site,
+                                        const EncodedDelta& delta) = 0;
+  // The same acknowledgement value without receiving anything (for handshakes).
+  virtual uint64_t HeldFrom(const std::string& site, const std::string& job) const = 0;
+};
+
+}  // namespace isthmus
