@@ -1,0 +1,170 @@
+// Runs a real isthmus-server process for integration tests: writes its keys and TOML
+// config into a temp folder, picks free loopback ports, starts the binary, waits until
+// the admin socket answers, and stops it with SIGTERM or SIGKILL. Clients made by
+// WorkerClient()/AdminClient() use CURVE with keys on the server's allowlists.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/client.h"
+#include "common/keys.h"
+
+namespace isthmus::testing {
+
+// A free TCP port on 127.0.0.1 (bound to port 0, read back, released).
+inline int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+class ServerProcess {
+ public:
+  // `extra` are additional TOML lines (e.g. "[limits]\nmax_message_bytes = 1048576").
+  explicit ServerProcess(std::string extra_toml = "") : extra_(std::move(extra_toml)) {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           ("isthmus-it-" + std::string(info ? info->name() : "t") + "-" +
+            std::to_string(::getpid()) + "-" + std::to_string(counter_++));
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_ / "workers");
+    std::filesystem::create_directories(dir_ / "admins");
+    server_keys_ = MakeKeys((dir_ / "server").string());
+    worker_keys_ = MakeKeys((dir_ / "workers" / "w0").string());
+    admin_keys_ = MakeKeys((dir_ / "admins" / "a0").string());
+    worker_port_ = FreePort();
+    admin_port_ = FreePort();
+    WriteConfig();
+  }
+  ~ServerProcess() {
+    Kill(SIGKILL);
+    std::filesystem::remove_all(dir_);
+  }
+
+  // Starts the binary and waits (up to 20 s) until the admin socket answers Stats.
+  ::testing::AssertionResult Start() {
+    log_path_ = (dir_ / ("server-" + std::to_string(starts_++) + ".log")).string();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      std::freopen(log_path_.c_str(), "w", stderr);
+      std::string cfg = "--config=" + (dir_ / "server.toml").string();
+      ::execl(ISTHMUS_SERVER_BIN, ISTHMUS_SERVER_BIN, cfg.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    auto admin = AdminClient(300, 0);
+    for (int i = 0; i < 100; ++i) {
+      if (auto st = admin->Stats(); st.ok()) return ::testing::AssertionSuccess();
+      int status = 0;
+      if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        last_exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+        return ::testing::AssertionFailure() << "server exited at start: " << Log();
+      }
+    }
+    return ::testing::AssertionFailure() << "server did not answer within 30 s: " << Log();
+  }
+
+  // Sends `sig` and waits for the process; returns its exit status (as waitpid's).
+  int Kill(int sig) {
+    if (pid_ <= 0) return -1;
+    ::kill(pid_, sig);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+    return status;
+  }
+  void Signal(int sig) {
+    if (pid_ > 0) ::kill(pid_, sig);
+  }
+
+  std::unique_ptr<ShardClient> WorkerClient(int timeout_ms = 5000, int retries = 2) const {
+    return Client(worker_port_, worker_keys_, timeout_ms, retries);
+  }
+  std::unique_ptr<ShardClient> AdminClient(int timeout_ms = 5000, int retries = 2) const {
+    return Client(admin_port_, admin_keys_, timeout_ms, retries);
+  }
+  // A client on the worker socket with the given key (e.g. one on no allowlist).
+  std::unique_ptr<ShardClient> Client(int port, const KeyPair& keys, int timeout_ms,
+                                      int retries) const {
+    ClientOptions o;
+    o.endpoint = Endpoint(port);
+    o.server_public_key = server_keys_.public_key;
+    o.client_keys = keys;
+    o.timeout_ms = timeout_ms;
+    o.retries = retries;
+    auto c = ShardClient::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return c.ok() ? std::move(c).value() : nullptr;
+  }
+
+  std::string Log() const {
+    std::ifstream in(log_path_);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  static std::string Endpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }
+  int worker_port() const { return worker_port_; }
+  int admin_port() const { return admin_port_; }
+  // Exit code of a server that stopped during Start(); -1 if none or killed by a signal.
+  int last_exit_code() const { return last_exit_code_; }
+  const KeyPair& server_keys() const { return server_keys_; }
+  const KeyPair& worker_keys() const { return worker_keys_; }
+  std::filesystem::path dir() const { return dir_; }
+  void set_extra(std::string extra) {
+    extra_ = std::move(extra);
+    WriteConfig();
+  }
+
+ private:
+  static KeyPair MakeKeys(const std::string& prefix) {
+    auto k = GenerateKeyPair();
+    EXPECT_TRUE(k.ok());
+    EXPECT_TRUE(WriteKeyPairFiles(prefix, *k, true).ok());
+    return *k;
+  }
+  void WriteConfig() {
+    std::ofstream out(dir_ / "server.toml");
+    out << "[shard]\nid = \"it\"\ndata_dir = \"" << (dir_ / "data").string() << "\"\n"
+        << "[listen]\nworker = \"" << Endpoint(worker_port_) << "\"\nadmin = \""
+        << Endpoint(admin_port_) << "\"\n"
+        << "[security]\nsecret_key = \"" << (dir_ / "server.key").string() << "\"\n"
+        << "worker_keys = [\"" << (dir_ / "workers").string() << "\"]\n"
+        << "admin_keys = [\"" << (dir_ / "admins").string() << "\"]\n"
+        << extra_ << "\n";
+  }
+
+  std::string extra_;
+  std::filesystem::path dir_;
+  std::string log_path_;
+  KeyPair server_keys_, worker_keys_, admin_keys_;
+  int worker_port_ = 0, admin_port_ = 0;
+  pid_t pid_ = -1;
+  int starts_ = 0;
+  int last_exit_code_ = -1;
+  static inline int counter_ = 0;
+};
+
+}  // namespace isthmus::testing
