@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds isthmus and runs its test suite: the quick-start "test" command and what CI runs.
+#   deploy/check.sh           unit + integration tests (the default suite)
+#   deploy/check.sh --long    also the long campaigns (crash loops, soak; label "long")
+# Environment: ISTHMUS_BUILD_DIR (default build), ISTHMUS_JOBS (default: nproc).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+labels='unit|integration'
+case "${1:-}" in
+  --long) labels='unit|integration|long' ;;
+  "") ;;
+  -h|--help) sed -n 2,5p "$0"; exit 0 ;;
+  *) echo "check.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
+esac
+build="${ISTHMUS_BUILD_DIR:-build}"
+jobs="${ISTHMUS_JOBS:-$(nproc)}"
+
+deploy/install-deps.sh
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build "$build" -j"$jobs"
+# One BLAS/OpenMP thread per test process, and no OpenMP spin-waiting: tests run side by
+# side on few cores (see docs/BENCHMARKS.md on spin contention).
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+ctest --test-dir "$build" -L "$labels" --output-on-failure -j"$jobs" --timeout 600

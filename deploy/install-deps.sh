@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package that isthmus's build, tests, benchmarks and demo use.
+# Idempotent: packages already installed are skipped, and nothing runs apt-get when all
+# are present. Needs root (or sudo) only when something is missing.
+#
+#   deploy/install-deps.sh            build + test + demo packages
+#   deploy/install-deps.sh --bench    also python3-torch and python3-matplotlib (bench/)
+set -euo pipefail
+
+packages=(
+  # toolchain
+  g++ cmake ninja-build pkg-config git ca-certificates
+  # libraries the build links
+  libzmq3-dev cppzmq-dev libsodium-dev libflatbuffers-dev flatbuffers-compiler
+  librocksdb-dev libssl-dev libgloo-dev libopenblas-dev libzstd-dev zlib1g-dev
+  libcli11-dev libspdlog-dev libtoml11-dev nlohmann-json3-dev
+  # tests and benchmark programs
+  googletest libgtest-dev libgmock-dev libbenchmark-dev
+  # demo and scripts: python3 for small helpers, iproute2 for WAN emulation
+  python3 iproute2 procps
+)
+for arg in "$@"; do
+  case "$arg" in
+    --bench) packages+=(python3-torch python3-matplotlib) ;;
+    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
+    *) echo "install-deps.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
+  esac
+done
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#packages[@]} packages already installed"
+  exit 0
+fi
+
+sudo_cmd=()
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null; then
+    sudo_cmd=(sudo)
+  else
+    echo "install-deps: missing packages: ${missing[*]}" >&2
+    echo "install-deps: run this script as root (or install sudo) to install them" >&2
+    exit 1
+  fi
+fi
+echo "install-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
