@@ -1,0 +1,520 @@
+// The codec byte format: encoders for the sparsify/quantise/zstd pipeline and the low-rank
+// codec, and the one decoder that reads them back from the network. Everything is
+// single-threaded with a fixed operation order, so bytes and floats are bitwise
+// reproducible across machines. Layout documented in docs/CODECS.md.
+#include <zstd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cassert>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ops/codec.h"
+
+namespace isthmus::codec {
+namespace {
+
+constexpr uint8_t kMagic0 = 'I';
+constexpr uint8_t kMagic1 = 'C';
+constexpr uint8_t kVersion = 1;
+constexpr uint8_t kKindPlain = 0;
+constexpr uint8_t kKindLowRank = 1;
+constexpr size_t kPlainHeader = 32;
+constexpr size_t kLowRankHeader = 48;
+constexpr uint32_t kMaxBlock = 1u << 20;
+constexpr uint32_t kMaxRank = 256;
+constexpr float kClamp = 1e30f;
+constexpr uint64_t kLowRankSeed = 0x6973746d75730001ull;  // "istmus" + 1
+
+// ---- little-endian byte helpers -------------------------------------------------------
+
+void PutU8(std::string* s, uint8_t v) { s->push_back(static_cast<char>(v)); }
+void PutU32(std::string* s, uint32_t v) {
+  for (int i = 0; i < 4; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutU64(std::string* s, uint64_t v) {
+  for (int i = 0; i < 8; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutF32(std::string* s, float v) { PutU32(s, std::bit_cast<uint32_t>(v)); }
+void PutVarint(std::string* s, uint64_t v) {
+  while (v >= 0x80) {
+    s->push_back(static_cast<char>((v & 0x7f) | 0x80));
+    v >>= 7;
+  }
+  s->push_back(static_cast<char>(v));
+}
+
+uint32_t LoadU32(const uint8_t* p) {
+  return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
+}
+uint64_t LoadU64(const uint8_t* p) { return uint64_t{LoadU32(p)} | uint64_t{LoadU32(p + 4)} << 32; }
+float LoadF32(const uint8_t* p) { return std::bit_cast<float>(LoadU32(p)); }
+
+// A bounds-checked reader over untrusted bytes.
+class Reader {
+ public:
+  Reader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
+  size_t remaining() const { return n_ - pos_; }
+  const uint8_t* here() const { return p_ + pos_; }
+  bool Skip(size_t k) {
+    if (k > remaining()) return false;
+    pos_ += k;
+    return true;
+  }
+  bool Varint(uint64_t* v) {
+    uint64_t r = 0;
+    for (int i = 0; i < 10; ++i) {
+      if (pos_ >= n_) return false;
+      const uint8_t b = p_[pos_++];
+      if (i == 9 && b > 1) return false;  // would overflow 64 bits
+      r |= uint64_t{b & 0x7fu} << (7 * i);
+      if (!(b & 0x80)) {
+        if (i > 0 && b == 0) return false;  // non-canonical (overlong) encoding
+        *v = r;
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  const uint8_t* p_;
+  size_t n_;
+  size_t pos_ = 0;
+};
+
+Status Bad(const std::string& what) { return Status::InvalidArgument("codec: " + what); }
+
+// ---- plain pipeline -------------------------------------------------------------------
+
+uint32_t QMax(uint32_t bits) { return (1u << (bits - 1)) - 1; }  // 127, 7, 1
+
+uint64_t ValuesBytes(uint64_t nnz, uint32_t bits, uint32_t qblock) {
+  if (bits == 32) return 4 * nnz;
+  return 4 * ((nnz + qblock - 1) / qblock) + (nnz * bits + 7) / 8;
+}
+
+std::vector<float> Sanitize(std::span<const float> x) {
+  std::vector<float> v(x.begin(), x.end());
+  for (float& f : v) {
+    if (!std::isfinite(f)) f = 0.0f;
+    f = std::clamp(f, -kClamp, kClamp);
+  }
+  return v;
+}
+
+// Whether a comes before b in "largest magnitude first, lower index on ties": a strict total
+// order, so the selected set does not depend on the sort implementation.
+struct ByMagnitude {
+  const float* v;
+  bool operator()(uint32_t a, uint32_t b) const {
+    const float fa = std::fabs(v[a]), fb = std::fabs(v[b]);
+    return fa > fb || (fa == fb && a < b);
+  }
+};
+
+// Sorted indices of the kept entries of v[begin, end): the k largest magnitudes.
+void SelectTopK(const std::vector<float>& v, uint64_t begin, uint64_t end, uint64_t k,
+                std::vector<uint64_t>* kept) {
+  std::vector<uint32_t> order(end - begin);
+  std::iota(order.begin(), order.end(), 0u);
+  ByMagnitude cmp{v.data() + begin};
+  if (k < order.size()) {
+    std::nth_element(order.begin(), order.begin() + static_cast<ptrdiff_t>(k), order.end(), cmp);
+    order.resize(k);
+  }
+  std::sort(order.begin(), order.end());
+  for (uint32_t i : order) kept->push_back(begin + i);
+}
+
+uint64_t KeepCount(double density, uint64_t n) {
+  if (n == 0) return 0;
+  uint64_t k = static_cast<uint64_t>(std::ceil(density * static_cast<double>(n)));
+  return std::clamp<uint64_t>(k, 1, n);
+}
+
+// Scale of one quantisation block. int8/int4: max|v| / qmax, so no value clips. int2
+// (ternary {-s, 0, s}): one Lloyd step from the mean magnitude, a far smaller error than
+// max|v| on the flat-magnitude values top-k leaves behind.
+float BlockScale(const float* v, size_t n, uint32_t bits) {
+  if (bits != 2) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; ++i) m = std::max(m, std::fabs(v[i]));
+    return m / static_cast<float>(QMax(bits));
+  }
+  double sum = 0.0;
+  for (size_t i = 0; i < n; ++i) sum += std::fabs(v[i]);
+  const double s0 = sum / static_cast<double>(n);
+  double sum1 = 0.0;
+  size_t n1 = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (std::fabs(v[i]) >= 0.5 * s0) {
+      sum1 += std::fabs(v[i]);
+      ++n1;
+    }
+  }
+  return n1 ? static_cast<float>(sum1 / static_cast<double>(n1)) : 0.0f;
+}
+
+void PutValues(std::string* s, const std::vector<float>& vals, uint32_t bits, uint32_t qblock) {
+  if (bits == 32) {
+    for (float f : vals) PutF32(s, f);
+    return;
+  }
+  const size_t n = vals.size();
+  const int qmax = static_cast<int>(QMax(bits));
+  const uint32_t mask = (1u << bits) - 1;
+  std::vector<float> scales;
+  for (size_t b = 0; b < n; b += qblock)
+    scales.push_back(BlockScale(&vals[b], std::min<size_t>(qblock, n - b), bits));
+  for (float sc : scales) PutF32(s, sc);
+  std::string codes((n * bits + 7) / 8, '\0');
+  for (size_t i = 0; i < n; ++i) {
+    const float sc = scales[i / qblock];
+    int q = 0;
+    if (sc > 0.0f) {
+      q = static_cast<int>(std::nearbyint(vals[i] / sc));  // round half to even
+      q = std::clamp(q, -qmax, qmax);
+    }
+    const size_t bit = i * bits;
+    codes[bit / 8] = static_cast<char>(static_cast<uint8_t>(codes[bit / 8]) |
+                                       ((static_cast<uint32_t>(q) & mask) << (bit % 8)));
+  }
+  s->append(codes);
+}
+
+std::string EncodePlain(const Pipeline& p, const std::vector<float>& v) {
+  const uint64_t numel = v.size();
+  std::vector<uint64_t> kept;
+  if (p.sparsifier == Sparsifier::kTopK) {
+    SelectTopK(v, 0, numel, KeepCount(p.density, numel), &kept);
+  } else if (p.sparsifier == Sparsifier::kBlockTopK) {
+    const uint64_t b = std::max<uint32_t>(p.sparse_block, 1);
+    for (uint64_t start = 0; start < numel; start += b) {
+      const uint64_t end = std::min(numel, start + b);
+      SelectTopK(v, start, end, KeepCount(p.density, end - start), &kept);
+    }
+  }
+  const bool sparse = p.sparsifier != Sparsifier::kNone;
+  const uint64_t nnz = sparse ? kept.size() : numel;
+  const uint32_t bits = p.bits;
+  const uint32_t qblock = bits == 32 ? 0 : std::clamp<uint32_t>(p.quant_block, 1, kMaxBlock);
+
+  std::string body;
+  std::vector<float> vals;
+  if (sparse) {
+    vals.reserve(nnz);
+    uint64_t next = 0;  // the lowest index the next entry may have
+    for (uint64_t i : kept) {
+      PutVarint(&body, i - next);
+      next = i + 1;
+      vals.push_back(v[i]);
+    }
+  }
+  PutValues(&body, sparse ? vals : v, bits, qblock);
+
+  std::string out;
+  out.reserve(kPlainHeader + 8 + body.size());
+  PutU8(&out, kMagic0);
+  PutU8(&out, kMagic1);
+  PutU8(&out, kVersion);
+  PutU8(&out, kKindPlain);
+  PutU8(&out, static_cast<uint8_t>(p.sparsifier));
+  PutU8(&out, static_cast<uint8_t>(bits));
+  PutU8(&out, p.zstd ? 1 : 0);
+  PutU8(&out, 0);
+  PutU64(&out, numel);
+  PutU64(&out, nnz);
+  PutU32(&out, qblock);
+  PutU32(&out, p.sparsifier == Sparsifier::kBlockTopK ? p.sparse_block : 0);
+  if (!p.zstd) {
+    out += body;
+    return out;
+  }
+  PutU64(&out, body.size());
+  const size_t cap = ZSTD_compressBound(body.size());
+  const size_t at = out.size();
+  out.resize(at + cap);
+  const size_t z = ZSTD_compress(out.data() + at, cap, body.data(), body.size(), p.zstd_level);
+  assert(!ZSTD_isError(z));  // only fails on a too-small destination, which cap rules out
+  out.resize(at + z);
+  return out;
+}
+
+// Decodes a plain (kind 0) encoding into `out` (already checked: numel == out.size()).
+// Writes `out` only after everything validated.
+Status DecodePlain(const uint8_t* data, size_t size, std::span<float> out) {
+  const uint64_t numel = out.size();
+  const uint8_t sparsifier = data[4];
+  const uint8_t bits = data[5];
+  const uint8_t zstd = data[6];
+  const uint64_t nnz = LoadU64(data + 16);
+  const uint32_t qblock = LoadU32(data + 24);
+  const uint32_t sparse_block = LoadU32(data + 28);
+  if (sparsifier > 2) return Bad("unknown sparsifier " + std::to_string(sparsifier));
+  if (bits != 32 && bits != 8 && bits != 4 && bits != 2)
+    return Bad("unsupported bit width " + std::to_string(bits));
+  if (zstd > 1 || data[7] != 0) return Bad("bad flags");
+  if (bits == 32 ? qblock != 0 : (qblock == 0 || qblock > kMaxBlock))
+    return Bad("bad quantisation block " + std::to_string(qblock));
+  if (sparsifier == 2 ? (sparse_block == 0 || sparse_block > kMaxBlock) : sparse_block != 0)
+    return Bad("bad sparsifier block " + std::to_string(sparse_block));
+  const bool sparse = sparsifier != 0;
+  if (sparse ? nnz > numel : nnz != numel)
+    return Bad("bad nonzero count " + std::to_string(nnz) + " of " + std::to_string(numel));
+
+  const uint64_t value_bytes = ValuesBytes(nnz, bits, qblock);
+  const uint64_t min_index_bytes = sparse ? nnz : 0;
+  const uint64_t max_index_bytes = sparse ? 10 * nnz : 0;
+  const uint8_t* body = data + kPlainHeader;
+  size_t body_size = size - kPlainHeader;
+  std::string inflated;
+  if (zstd) {
+    if (body_size < 8) return Bad("truncated zstd section");
+    const uint64_t raw = LoadU64(body);
+    if (raw < min_index_bytes + value_bytes || raw > max_index_bytes + value_bytes)
+      return Bad("implausible uncompressed size " + std::to_string(raw));
+    const uint8_t* frame = body + 8;
+    const size_t frame_size = body_size - 8;
+    const unsigned long long content = ZSTD_getFrameContentSize(frame, frame_size);
+    if (content != raw) return Bad("zstd frame size does not match header");
+    const size_t compressed = ZSTD_findFrameCompressedSize(frame, frame_size);
+    if (ZSTD_isError(compressed) || compressed != frame_size)
+      return Bad("zstd frame does not span the section");
+    inflated.resize(raw);
+    const size_t got = ZSTD_decompress(inflated.data(), raw, frame, frame_size);
+    if (ZSTD_isError(got) || got != raw) return Bad("zstd frame does not decompress");
+    body = reinterpret_cast<const uint8_t*>(inflated.data());
+    body_size = inflated.size();
+  }
+
+  Reader r(body, body_size);
+  std::vector<uint64_t> idx;
+  if (sparse) {
+    idx.resize(nnz);
+    uint64_t next = 0;
+    for (uint64_t k = 0; k < nnz; ++k) {
+      uint64_t gap = 0;
+      if (!r.Varint(&gap)) return Bad("bad sparse index varint");
+      if (next >= numel || gap >= numel - next) return Bad("sparse index out of range");
+      idx[k] = next + gap;
+      next = idx[k] + 1;
+    }
+  }
+  if (r.remaining() != value_bytes) return Bad("value section has the wrong size");
+  const uint8_t* vb = r.here();
+  std::vector<float> vals(nnz);
+  if (bits == 32) {
+    for (uint64_t k = 0; k < nnz; ++k) {
+      vals[k] = LoadF32(vb + 4 * k);
+      if (!std::isfinite(vals[k])) return Bad("non-finite value");
+    }
+  } else {
+    const uint64_t nblocks = (nnz + qblock - 1) / qblock;
+    const float qmax = static_cast<float>(QMax(bits));
+    std::vector<float> scales(nblocks);
+    for (uint64_t b = 0; b < nblocks; ++b) {
+      scales[b] = LoadF32(vb + 4 * b);
+      if (!std::isfinite(scales[b]) || scales[b] < 0.0f || !std::isfinite(scales[b] * qmax))
+        return Bad("bad block scale");
+    }
+    const uint8_t* codes = vb + 4 * nblocks;
+    const uint32_t mask = (1u << bits) - 1;
+    const uint32_t sign = 1u << (bits - 1);
+    for (uint64_t k = 0; k < nnz; ++k) {
+      const uint64_t bit = k * bits;
+      const uint32_t c = (codes[bit / 8] >> (bit % 8)) & mask;
+      if (c == sign) return Bad("reserved quantisation code");
+      const int q =
+          c & sign ? static_cast<int>(c) - static_cast<int>(1u << bits) : static_cast<int>(c);
+      vals[k] = static_cast<float>(q) * scales[k / qblock];
+    }
+    const uint64_t used_bits = nnz * bits;
+    if (used_bits % 8 != 0 && (codes[used_bits / 8] >> (used_bits % 8)) != 0)
+      return Bad("non-zero padding bits");
+  }
+
+  if (sparse) {
+    std::fill(out.begin(), out.end(), 0.0f);
+    for (uint64_t k = 0; k < nnz; ++k) out[idx[k]] = vals[k];
+  } else {
+    std::copy(vals.begin(), vals.end(), out.begin());
+  }
+  return Status::Ok();
+}
+
+// ---- low-rank (PowerSGD-style) --------------------------------------------------------
+
+uint64_t SplitMix64(uint64_t* state) {
+  uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+bool LowRankApplies(uint32_t rank, std::span<const int64_t> shape) {
+  if (rank == 0 || shape.size() != 2 || shape[0] <= 0 || shape[1] <= 0) return false;
+  const uint64_t rows = static_cast<uint64_t>(shape[0]), cols = static_cast<uint64_t>(shape[1]);
+  return uint64_t{rank} * (rows + cols) * 2 <= rows * cols;
+}
+
+// The factors' pipeline: the rest of p without low-rank or sparsifier.
+Pipeline FactorPipeline(const Pipeline& p) {
+  Pipeline f = p;
+  f.lowrank_rank = 0;
+  f.sparsifier = Sparsifier::kNone;
+  f.density = 1.0;
+  f.sparse_block = 0;
+  return f;
+}
+
+// Returns false (and the caller falls back) if the factors are not finite.
+bool EncodeLowRank(const Pipeline& p, const std::vector<float>& m, uint64_t rows, uint64_t cols,
+                   std::string* out) {
+  const uint64_t r = p.lowrank_rank;
+  // Q0 (cols x r): deterministic uniform(-1, 1) from the shape, rank and a fixed seed.
+  uint64_t state = kLowRankSeed ^ (rows * 0x100000001b3ull) ^ (cols << 20) ^ r;
+  std::vector<double> q0(cols * r);
+  for (double& q : q0) q = static_cast<double>(SplitMix64(&state) >> 11) * 0x1p-52 - 1.0;
+  // P = M Q0 (rows x r), then orthonormalise its columns (modified Gram-Schmidt).
+  std::vector<double> pm(rows * r, 0.0);
+  for (uint64_t i = 0; i < rows; ++i)
+    for (uint64_t j = 0; j < cols; ++j) {
+      const double mij = m[i * cols + j];
+      for (uint64_t k = 0; k < r; ++k) pm[i * r + k] += mij * q0[j * r + k];
+    }
+  for (uint64_t k = 0; k < r; ++k) {
+    for (uint64_t l = 0; l < k; ++l) {
+      double dot = 0.0;
+      for (uint64_t i = 0; i < rows; ++i) dot += pm[i * r + k] * pm[i * r + l];
+      for (uint64_t i = 0; i < rows; ++i) pm[i * r + k] -= dot * pm[i * r + l];
+    }
+    double norm = 0.0;
+    for (uint64_t i = 0; i < rows; ++i) norm += pm[i * r + k] * pm[i * r + k];
+    norm = std::sqrt(norm);
+    const double inv = norm > 1e-30 ? 1.0 / norm : 0.0;
+    for (uint64_t i = 0; i < rows; ++i) pm[i * r + k] *= inv;
+  }
+  const Pipeline fp = FactorPipeline(p);
+  std::vector<float> pf(pm.begin(), pm.end());
+  const std::string p_bytes = EncodePlain(fp, pf);
+  // Q = M^T P_hat with P_hat what the receiver decodes, so Q absorbs P's quantisation error.
+  std::vector<float> p_hat(pf.size());
+  if (!DecodePlain(reinterpret_cast<const uint8_t*>(p_bytes.data()), p_bytes.size(), p_hat).ok())
+    return false;
+  std::vector<double> qm(cols * r, 0.0);
+  for (uint64_t i = 0; i < rows; ++i)
+    for (uint64_t j = 0; j < cols; ++j) {
+      const double mij = m[i * cols + j];
+      for (uint64_t k = 0; k < r; ++k) qm[j * r + k] += mij * p_hat[i * r + k];
+    }
+  std::vector<float> qf(qm.size());
+  for (size_t i = 0; i < qm.size(); ++i) {
+    qf[i] = static_cast<float>(qm[i]);
+    if (!std::isfinite(qf[i])) return false;
+  }
+  const std::string q_bytes = EncodePlain(fp, qf);
+
+  out->clear();
+  PutU8(out, kMagic0);
+  PutU8(out, kMagic1);
+  PutU8(out, kVersion);
+  PutU8(out, kKindLowRank);
+  PutU32(out, 0);
+  PutU64(out, rows * cols);
+  PutU64(out, rows);
+  PutU64(out, cols);
+  PutU32(out, static_cast<uint32_t>(r));
+  PutU32(out, 0);
+  PutU64(out, p_bytes.size());
+  *out += p_bytes;
+  *out += q_bytes;
+  return true;
+}
+
+Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank);
+
+Status DecodeLowRank(const uint8_t* data, size_t size, std::span<float> out) {
+  if (size < kLowRankHeader) return Bad("truncated low-rank header");
+  if (LoadU32(data + 4) != 0 || LoadU32(data + 36) != 0) return Bad("bad low-rank flags");
+  const uint64_t rows = LoadU64(data + 16), cols = LoadU64(data + 24);
+  const uint32_t rank = LoadU32(data + 32);
+  const uint64_t len_p = LoadU64(data + 40);
+  const uint64_t numel = out.size();
+  if (rows == 0 || cols == 0 || cols > numel / rows || rows * cols != numel)
+    return Bad("low-rank shape does not match the element count");
+  if (rank == 0 || rank > kMaxRank || uint64_t{rank} * (rows + cols) * 2 > numel)
+    return Bad("bad low-rank rank " + std::to_string(rank));
+  if (len_p > size - kLowRankHeader) return Bad("low-rank factor length out of range");
+  const char* base = reinterpret_cast<const char*>(data);
+  std::vector<float> pf(rows * rank), qf(cols * rank);
+  ISTHMUS_RETURN_IF_ERROR(DecodeAny(std::string_view(base + kLowRankHeader, len_p), pf, false));
+  ISTHMUS_RETURN_IF_ERROR(DecodeAny(
+      std::string_view(base + kLowRankHeader + len_p, size - kLowRankHeader - len_p), qf, false));
+  // M = P Q^T in a fixed order (double accumulation, k ascending).
+  std::vector<float> m(numel);
+  for (uint64_t i = 0; i < rows; ++i)
+    for (uint64_t j = 0; j < cols; ++j) {
+      double acc = 0.0;
+      for (uint64_t k = 0; k < rank; ++k)
+        acc += static_cast<double>(pf[i * rank + k]) * static_cast<double>(qf[j * rank + k]);
+      const float f = static_cast<float>(acc);
+      if (!std::isfinite(f)) return Bad("low-rank product is not finite");
+      m[i * cols + j] = f;
+    }
+  std::copy(m.begin(), m.end(), out.begin());
+  return Status::Ok();
+}
+
+Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank) {
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  const size_t size = bytes.size();
+  if (size < kPlainHeader) return Bad("truncated header (" + std::to_string(size) + " bytes)");
+  if (data[0] != kMagic0 || data[1] != kMagic1) return Bad("bad magic");
+  if (data[2] != kVersion) return Bad("unsupported version " + std::to_string(data[2]));
+  const uint64_t numel = LoadU64(data + 8);
+  if (numel != out.size())
+    return Bad("encoded " + std::to_string(numel) + " elements, expected " +
+               std::to_string(out.size()));
+  if (data[3] == kKindPlain) return DecodePlain(data, size, out);
+  if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data, size, out);
+  return Bad("unknown encoding kind " + std::to_string(data[3]));
+}
+
+}  // namespace
+
+std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const int64_t> shape) {
+  const std::vector<float> v = Sanitize(x);
+  if (LowRankApplies(p.lowrank_rank, shape) &&
+      static_cast<uint64_t>(shape[0]) * static_cast<uint64_t>(shape[1]) == v.size()) {
+    std::string out;
+    if (EncodeLowRank(p, v, static_cast<uint64_t>(shape[0]), static_cast<uint64_t>(shape[1]), &out))
+      return out;
+  }
+  Pipeline rest = p;
+  rest.lowrank_rank = 0;
+  return EncodePlain(rest, v);
+}
+
+Status Decode(std::string_view bytes, std::span<float> out) { return DecodeAny(bytes, out, true); }
+
+std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
+                               std::span<const int64_t> shape, std::span<float> residual,
+                               std::span<float> decoded) {
+  assert(residual.size() == delta.size() && decoded.size() == delta.size());
+  std::vector<float> v(delta.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = delta[i] + residual[i];
+  std::string q = Encode(p, v, shape);
+  const Status st = Decode(q, decoded);
+  assert(st.ok());  // our own encoding always decodes
+  (void)st;
+  for (size_t i = 0; i < v.size(); ++i) residual[i] = v[i] - decoded[i];
+  return q;
+}
+
+}  // namespace isthmus::codec

@@ -1,0 +1,346 @@
+// What the WAN codecs promise: pipeline text round-trips, each codec's error stays within its
+// stated bound, encodings are deterministic, decoding refuses mismatched sizes, error
+// feedback makes the sum of decoded deltas track the true sum, and adaptive mode respects
+// budget, floor and ceiling.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ops/codec.h"
+
+namespace isthmus::codec {
+namespace {
+
+Pipeline P(std::string_view text) {
+  auto r = ParsePipeline(text);
+  EXPECT_TRUE(r.ok()) << text << ": " << r.status().ToString();
+  return r.ok() ? r.value() : Pipeline{};
+}
+
+std::vector<float> Gaussian(size_t n, uint32_t seed, float sigma = 1.0f) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (float& f : v) f = d(gen);
+  return v;
+}
+
+double Norm(const std::vector<float>& v) {
+  double s = 0;
+  for (float f : v) s += double{f} * f;
+  return std::sqrt(s);
+}
+
+double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); ++i) s += (double{a[i]} - b[i]) * (double{a[i]} - b[i]);
+  return std::sqrt(s) / Norm(a);
+}
+
+std::vector<float> RoundTrip(const Pipeline& p, const std::vector<float>& x,
+                             std::vector<int64_t> shape = {}) {
+  if (shape.empty()) shape = {static_cast<int64_t>(x.size())};
+  std::string bytes = Encode(p, x, shape);
+  std::vector<float> y(x.size(), -7.0f);
+  Status st = Decode(bytes, y);
+  EXPECT_TRUE(st.ok()) << ToString(p) << ": " << st.ToString();
+  return y;
+}
+
+TEST(CodecParse, CanonicalRoundTrip) {
+  for (const char* t :
+       {"dense", "int8", "int8+zstd", "topk:0.01+int4+zstd", "blocktopk:0.05:256+int2+zstd",
+        "lowrank:4+zstd", "int4:128", "zstd:9", "lowrank:2+topk:0.5+int8:32+zstd:1", "topk:1"}) {
+    auto p = ParsePipeline(t);
+    ASSERT_TRUE(p.ok()) << t << ": " << p.status().ToString();
+    EXPECT_EQ(ToString(*p), t);
+    auto again = ParsePipeline(ToString(*p));
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(*again, *p);
+  }
+  EXPECT_EQ(P("int4").quant_block, 64u);
+  EXPECT_EQ(P("zstd").zstd_level, 3);
+  EXPECT_TRUE(ParsePipeline(kDefaultPipeline).ok());
+}
+
+TEST(CodecParse, RejectsBadText) {
+  for (const char* t :
+       {"",           "dense+zstd", "int3",          "topk",          "topk:0",
+        "topk:1.5",   "topk:-0.1",  "topk:abc",      "blocktopk:0.1", "blocktopk:0.1:0",
+        "int8+int4",  "zstd+int8",  "int8+topk:0.1", "lowrank:0",     "lowrank:999",
+        "zstd:0",     "zstd:30",    "int8:0",        "int8+",         "+int8",
+        "topk:0.1:5", "snappy"}) {
+    auto p = ParsePipeline(t);
+    EXPECT_FALSE(p.ok()) << "accepted '" << t << "'";
+    if (!p.ok()) {
+      EXPECT_EQ(p.status().code(), Code::kInvalidArgument);
+    }
+  }
+}
+
+TEST(CodecRoundTrip, DenseIsExact) {
+  std::vector<float> x = Gaussian(1000, 1);
+  EXPECT_EQ(RoundTrip(P("dense"), x), x);
+  EXPECT_EQ(RoundTrip(P("zstd"), x), x);
+  std::vector<float> empty;
+  EXPECT_TRUE(RoundTrip(P("topk:0.1+int4+zstd"), empty).empty());
+}
+
+// Per element: |x - y| <= scale / 2 where scale = max|block| / qmax.
+TEST(CodecRoundTrip, QuantisersStayWithinHalfAStep) {
+  std::vector<float> x = Gaussian(10007, 2);
+  x[5] = 40.0f;  // an outlier only hurts its own block
+  for (auto [text, qmax] :
+       {std::pair{"int8", 127}, {"int4", 7}, {"int8:16+zstd", 127}, {"int4:256+zstd", 7}}) {
+    Pipeline p = P(text);
+    std::vector<float> y = RoundTrip(p, x);
+    const size_t b = p.quant_block;
+    for (size_t start = 0; start < x.size(); start += b) {
+      float m = 0;
+      for (size_t i = start; i < std::min(x.size(), start + b); ++i)
+        m = std::max(m, std::fabs(x[i]));
+      const float bound = m / qmax * 0.5f * 1.0001f;
+      for (size_t i = start; i < std::min(x.size(), start + b); ++i)
+        ASSERT_LE(std::fabs(x[i] - y[i]), bound) << text << " at " << i;
+    }
+  }
+  EXPECT_LT(RelErr(x, RoundTrip(P("int8"), x)), 0.01);
+  EXPECT_LT(RelErr(x, RoundTrip(P("int4"), x)), 0.15);
+}
+
+TEST(CodecRoundTrip, Int2IsTernaryWithBoundedError) {
+  std::vector<float> x = Gaussian(8192, 3);
+  std::vector<float> y = RoundTrip(P("int2:64"), x);
+  for (size_t start = 0; start < x.size(); start += 64) {
+    float scale = 0;
+    for (size_t i = start; i < start + 64; ++i) scale = std::max(scale, std::fabs(y[i]));
+    for (size_t i = start; i < start + 64; ++i)
+      ASSERT_TRUE(y[i] == 0.0f || std::fabs(y[i]) == scale) << "not ternary at " << i;
+  }
+  const double err = RelErr(x, y);
+  EXPECT_LT(err, 0.6);  // Gaussian: optimal ternary is about 0.53
+  EXPECT_GT(err, 0.2);
+}
+
+TEST(CodecRoundTrip, TopKKeepsTheLargestExactly) {
+  std::vector<float> x = Gaussian(5000, 4);
+  std::vector<float> y = RoundTrip(P("topk:0.03"), x);
+  size_t kept = 0;
+  float min_kept = INFINITY, max_dropped = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (y[i] != 0.0f) {
+      ++kept;
+      EXPECT_EQ(y[i], x[i]);
+      min_kept = std::min(min_kept, std::fabs(x[i]));
+    } else {
+      max_dropped = std::max(max_dropped, std::fabs(x[i]));
+    }
+  }
+  EXPECT_EQ(kept, 150u);  // ceil(0.03 * 5000)
+  EXPECT_GE(min_kept, max_dropped);
+}
+
+TEST(CodecRoundTrip, TopKWithTiesIsDeterministic) {
+  std::vector<float> x(100, 1.0f);  // all tied: the lowest indices win
+  std::vector<float> y = RoundTrip(P("topk:0.1"), x);
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], i < 10 ? 1.0f : 0.0f) << i;
+}
+
+TEST(CodecRoundTrip, BlockTopKKeepsPerBlock) {
+  std::vector<float> x = Gaussian(1000, 5);
+  for (size_t i = 0; i < 100; ++i) x[i] *= 100.0f;  // global top-k would take only block 0
+  std::vector<float> y = RoundTrip(P("blocktopk:0.1:100"), x);
+  for (size_t b = 0; b < 10; ++b) {
+    int kept = 0;
+    for (size_t i = b * 100; i < b * 100 + 100; ++i) kept += y[i] != 0.0f;
+    EXPECT_EQ(kept, 10) << "block " << b;
+  }
+}
+
+TEST(CodecRoundTrip, TopKThenInt4Bounded) {
+  std::vector<float> x = Gaussian(20000, 6);
+  std::vector<float> dense_topk = RoundTrip(P("topk:0.05"), x);
+  std::vector<float> y = RoundTrip(P("topk:0.05+int4+zstd"), x);
+  // Quantisation adds at most half a step (max/14 of each block of kept values).
+  double q_err = RelErr(dense_topk, y);
+  EXPECT_LT(q_err, 0.08);
+  for (size_t i = 0; i < x.size(); ++i)
+    if (dense_topk[i] == 0.0f) {
+      ASSERT_EQ(y[i], 0.0f);
+    }
+}
+
+TEST(CodecRoundTrip, LowRankRecoversALowRankMatrix) {
+  const int64_t rows = 96, cols = 80, rank = 3;
+  std::vector<float> u = Gaussian(rows * rank, 7), v = Gaussian(cols * rank, 8);
+  std::vector<float> m(rows * cols, 0.0f);
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j)
+      for (int64_t k = 0; k < rank; ++k) m[i * cols + j] += u[i * rank + k] * v[j * rank + k];
+  std::vector<int64_t> shape = {rows, cols};
+  EXPECT_LT(RelErr(m, RoundTrip(P("lowrank:3"), m, shape)), 1e-5);
+  EXPECT_LT(RelErr(m, RoundTrip(P("lowrank:4+zstd"), m, shape)), 1e-5);
+  EXPECT_LT(RelErr(m, RoundTrip(P("lowrank:3+int8+zstd"), m, shape)), 0.02);
+  std::string bytes = Encode(P("lowrank:3"), m, shape);
+  EXPECT_LT(bytes.size(), m.size() * 4 / 10);
+  // A rank-1 codec captures the dominant direction only: error well below 1, above 0.
+  double e1 = RelErr(m, RoundTrip(P("lowrank:1"), m, shape));
+  EXPECT_GT(e1, 0.05);
+  EXPECT_LT(e1, 0.95);
+}
+
+TEST(CodecRoundTrip, LowRankFallsBackFor1DAndSmall) {
+  std::vector<float> x = Gaussian(64, 9);
+  // 1-D: the rest of the pipeline (int8) applies.
+  std::vector<float> y = RoundTrip(P("lowrank:4+int8"), x, {64});
+  EXPECT_LT(RelErr(x, y), 0.01);
+  EXPECT_EQ(Encode(P("lowrank:4+int8"), x, std::vector<int64_t>{64}),
+            Encode(P("int8"), x, std::vector<int64_t>{64}));
+  // 8x8 with rank 4: factors as large as the matrix -> dense fallback, exact.
+  EXPECT_EQ(RoundTrip(P("lowrank:4"), x, {8, 8}), x);
+}
+
+TEST(CodecRoundTrip, NonFiniteInputsBecomeZero) {
+  std::vector<float> x = {1.0f, NAN, INFINITY, -INFINITY, 2.0f};
+  std::vector<float> y = RoundTrip(P("dense"), x);
+  EXPECT_EQ(y, (std::vector<float>{1.0f, 0.0f, 0.0f, 0.0f, 2.0f}));
+  y = RoundTrip(P("topk:0.4+int8"), x);
+  for (float f : y) EXPECT_TRUE(std::isfinite(f));
+}
+
+TEST(CodecDecode, RefusesWrongSizeAndLeavesOutputUntouched) {
+  std::vector<float> x = Gaussian(100, 10);
+  std::string bytes = Encode(P("int8+zstd"), x, std::vector<int64_t>{100});
+  std::vector<float> out(99, 3.0f);
+  Status st = Decode(bytes, out);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  for (float f : out) EXPECT_EQ(f, 3.0f);
+  std::vector<float> ok(100);
+  EXPECT_TRUE(Decode(bytes, ok).ok());
+  EXPECT_FALSE(Decode(bytes.substr(0, bytes.size() - 1), ok).ok());
+  EXPECT_FALSE(Decode(bytes + "x", ok).ok());
+  EXPECT_FALSE(Decode("", ok).ok());
+}
+
+// FNV-1a of the bytes: pins the format so an accidental change (or a platform difference)
+// shows up. Pipelines without zstd only: zstd's output may change across its versions.
+uint64_t Fnv(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+
+std::vector<float> Deterministic(size_t n) {
+  std::vector<float> v(n);
+  uint32_t s = 12345;
+  for (float& f : v) {
+    s = s * 1664525u + 1013904223u;
+    f = static_cast<float>(static_cast<int32_t>(s >> 8) - (1 << 23)) / 1048576.0f;
+  }
+  return v;
+}
+
+TEST(CodecDeterminism, SameInputSameBytes) {
+  std::vector<float> x = Deterministic(4096);
+  std::vector<int64_t> shape = {64, 64};
+  for (const char* t : {"dense", "int8", "int4+zstd", "topk:0.05+int4+zstd",
+                        "blocktopk:0.1:128+int2+zstd", "lowrank:4+int8+zstd"}) {
+    EXPECT_EQ(Encode(P(t), x, shape), Encode(P(t), x, shape)) << t;
+  }
+  // Golden hashes (computed once by this implementation on x86-64).
+  EXPECT_EQ(Fnv(Encode(P("int8"), x, shape)), 9251264920908555274ull) << "int8";
+  EXPECT_EQ(Fnv(Encode(P("topk:0.05+int4"), x, shape)), 5496473512524736798ull) << "topk int4";
+  EXPECT_EQ(Fnv(Encode(P("blocktopk:0.1:128+int2"), x, shape)), 3450026584953637852ull)
+      << "blocktopk int2";
+  EXPECT_EQ(Fnv(Encode(P("lowrank:4"), x, shape)), 677222537897892110ull) << "lowrank";
+  // And decoding is bitwise pinned too (the low-rank product is the float-order sensitive one).
+  std::vector<float> y(x.size());
+  ASSERT_TRUE(Decode(Encode(P("lowrank:4+int8"), x, shape), y).ok());
+  std::string ybytes(reinterpret_cast<const char*>(y.data()), y.size() * sizeof(float));
+  EXPECT_EQ(Fnv(ybytes), 16482832234838550833ull) << "lowrank decode";
+}
+
+TEST(CodecFeedback, SumOfDecodedTracksSumOfTrue) {
+  const size_t n = 4096;
+  std::vector<int64_t> shape = {64, 64};
+  // Bound on (error with feedback) / (error without), per pipeline: the coarser the codec,
+  // the more of the error sits in the not-yet-sent residual after 50 rounds.
+  for (auto [t, max_ratio, max_err] : {std::tuple{"topk:0.05+int4+zstd", 0.5, 0.4},
+                                       {"topk:0.01+int2+zstd", 0.7, 0.6},
+                                       {"lowrank:2+int8", 0.8, 0.7}}) {
+    Pipeline p = P(t);
+    std::vector<float> residual(n, 0.0f), decoded(n), sum_true(n, 0.0f), sum_fb(n, 0.0f),
+        sum_nofb(n, 0.0f);
+    std::vector<float> drift = Gaussian(n, 11, 0.2f);
+    for (int round = 0; round < 50; ++round) {
+      std::vector<float> delta = Gaussian(n, 100 + round);
+      for (size_t i = 0; i < n; ++i) delta[i] += drift[i];
+      EncodeWithFeedback(p, delta, shape, residual, decoded);
+      std::vector<float> plain = RoundTrip(p, delta, shape);
+      for (size_t i = 0; i < n; ++i) {
+        sum_true[i] += delta[i];
+        sum_fb[i] += decoded[i];
+        sum_nofb[i] += plain[i];
+      }
+      // Invariant: sum of decoded + residual == sum of true (up to float rounding).
+      if (round == 49) {
+        std::vector<float> recon(n);
+        for (size_t i = 0; i < n; ++i) recon[i] = sum_fb[i] + residual[i];
+        EXPECT_LT(RelErr(sum_true, recon), 1e-4) << t;
+      }
+    }
+    const double fb = RelErr(sum_true, sum_fb), nofb = RelErr(sum_true, sum_nofb);
+    EXPECT_LT(fb, max_ratio * nofb) << t << " feedback " << fb << " without " << nofb;
+    EXPECT_LT(fb, max_err) << t;
+  }
+}
+
+TEST(CodecFeedback, DefaultPipelineIsFiftyTimesSmaller) {
+  std::vector<float> x = Gaussian(768 * 16, 12);
+  std::string bytes = Encode(P(kDefaultPipeline), x, std::vector<int64_t>{768, 16});
+  EXPECT_GE(x.size() * 4.0 / bytes.size(), 50.0) << bytes.size() << " bytes";
+}
+
+TEST(CodecAdaptive, LadderIsOrderedAndBudgetRespected) {
+  const auto& ladder = AdaptiveLadder();
+  ASSERT_GE(ladder.size(), 5u);
+  EXPECT_EQ(ladder.front(), P("dense"));
+  const uint64_t n = 1 << 20;
+  for (size_t i = 1; i < ladder.size(); ++i)
+    EXPECT_LT(EstimateBytes(ladder[i], n), EstimateBytes(ladder[i - 1], n)) << ToString(ladder[i]);
+  const Pipeline coarsest = ladder.back(), finest = ladder.front();
+  // Plenty of budget: the ceiling.
+  EXPECT_EQ(ChooseAdaptive(n, 1ull << 40, coarsest, finest), finest);
+  EXPECT_EQ(ChooseAdaptive(n, 1ull << 40, coarsest, P("int8+zstd")), P("int8+zstd"));
+  // No budget: the floor.
+  EXPECT_EQ(ChooseAdaptive(n, 1, coarsest, finest), coarsest);
+  EXPECT_EQ(ChooseAdaptive(n, 1, P("topk:0.05+int4+zstd"), finest), P("topk:0.05+int4+zstd"));
+  // In between: the finest that fits, and the next finer does not fit.
+  for (uint64_t budget : {n / 2, n / 10, n / 40, n / 200}) {
+    Pipeline c = ChooseAdaptive(n, budget, coarsest, finest);
+    EXPECT_LE(EstimateBytes(c, n), budget);
+    size_t i = 0;
+    while (!(ladder[i] == c)) ++i;
+    if (i > 0) {
+      EXPECT_GT(EstimateBytes(ladder[i - 1], n), budget);
+    }
+  }
+}
+
+TEST(CodecAdaptive, EstimateIsCloseToActual) {
+  std::vector<float> x = Gaussian(100000, 13);
+  for (const Pipeline& p : AdaptiveLadder()) {
+    const double est = static_cast<double>(EstimateBytes(p, x.size()));
+    const double actual = static_cast<double>(Encode(p, x, std::vector<int64_t>{100000}).size());
+    EXPECT_GE(est, actual * 0.95) << ToString(p);
+    EXPECT_LE(est, actual * 1.6) << ToString(p);
+  }
+}
+
+}  // namespace
+}  // namespace isthmus::codec
