@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -240,7 +241,11 @@ std::string EncodePlain(const Pipeline& p, const std::vector<float>& v) {
   const size_t cap = ZSTD_compressBound(body.size());
   const size_t at = out.size();
   out.resize(at + cap);
-  const size_t z = ZSTD_compress(out.data() + at, cap, body.data(), body.size(), p.zstd_level);
+  // One context per thread, reused: creating one per call dominates small tensors' cost.
+  thread_local std::unique_ptr<ZSTD_CCtx, size_t (*)(ZSTD_CCtx*)> cctx(ZSTD_createCCtx(),
+                                                                       ZSTD_freeCCtx);
+  const size_t z =
+      ZSTD_compressCCtx(cctx.get(), out.data() + at, cap, body.data(), body.size(), p.zstd_level);
   assert(!ZSTD_isError(z));  // only fails on a too-small destination, which cap rules out
   out.resize(at + z);
   return out;
@@ -287,7 +292,9 @@ Status DecodePlain(const uint8_t* data, size_t size, std::span<float> out) {
     if (ZSTD_isError(compressed) || compressed != frame_size)
       return Bad("zstd frame does not span the section");
     inflated.resize(raw);
-    const size_t got = ZSTD_decompress(inflated.data(), raw, frame, frame_size);
+    thread_local std::unique_ptr<ZSTD_DCtx, size_t (*)(ZSTD_DCtx*)> dctx(ZSTD_createDCtx(),
+                                                                         ZSTD_freeDCtx);
+    const size_t got = ZSTD_decompressDCtx(dctx.get(), inflated.data(), raw, frame, frame_size);
     if (ZSTD_isError(got) || got != raw) return Bad("zstd frame does not decompress");
     body = reinterpret_cast<const uint8_t*>(inflated.data());
     body_size = inflated.size();

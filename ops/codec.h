@@ -37,9 +37,9 @@ struct Pipeline {
 };
 
 // The pipeline used when a configuration names none. Chosen by bench/codec (figures in
-// docs/CODECS.md): >= 50x smaller than dense fp32 on LoRA deltas, and with error feedback
-// the sum of decoded deltas tracks the true sum.
-inline constexpr std::string_view kDefaultPipeline = "topk:0.05+int4+zstd";
+// docs/CODECS.md): about 64x smaller than dense fp32 on LoRA deltas, and with error feedback
+// the sum of decoded deltas over 50 rounds is as close to the true sum as topk:0.05+int4's.
+inline constexpr std::string_view kDefaultPipeline = "topk:0.05+int2+zstd";
 
 // Parses pipeline text: "dense", or '+'-joined stages in order
 //   [lowrank:RANK] [topk:DENSITY | blocktopk:DENSITY:BLOCK] [int8|int4|int2[:BLOCK]]
@@ -78,8 +78,9 @@ std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<float> residual,
                                std::span<float> decoded);
 
-// The ladder of adaptive mode, finest (most accurate) first: dense, int8+zstd, ...,
-// topk:0.001+int2+zstd. Ordered by measured error on LoRA deltas (bench/codec).
+// The ladder of adaptive mode, finest (most accurate) first: dense, int8+zstd, int4+zstd,
+// topk:0.25+int8+zstd, ..., topk:0.001+int2+zstd (13 rungs; docs/CODECS.md lists them). Ordered by
+// measured error on LoRA deltas (bench/codec).
 const std::vector<Pipeline>& AdaptiveLadder();
 
 // Estimated size of Encode(p, x) for x of `numel` elements (an upper-leaning estimate: it

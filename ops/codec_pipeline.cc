@@ -161,6 +161,7 @@ const std::vector<Pipeline>& AdaptiveLadder() {
         "topk:0.1+int8+zstd",
         "topk:0.1+int4+zstd",
         "topk:0.05+int4+zstd",
+        "topk:0.05+int2+zstd",
         "topk:0.02+int4+zstd",
         "topk:0.01+int4+zstd",
         "topk:0.005+int4+zstd",

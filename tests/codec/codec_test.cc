@@ -270,9 +270,11 @@ TEST(CodecFeedback, SumOfDecodedTracksSumOfTrue) {
   std::vector<int64_t> shape = {64, 64};
   // Bound on (error with feedback) / (error without), per pipeline: the coarser the codec,
   // the more of the error sits in the not-yet-sent residual after 50 rounds.
-  for (auto [t, max_ratio, max_err] : {std::tuple{"topk:0.05+int4+zstd", 0.5, 0.4},
-                                       {"topk:0.01+int2+zstd", 0.7, 0.6},
-                                       {"lowrank:2+int8", 0.8, 0.7}}) {
+  for (auto [t, max_ratio, max_err] :
+       {std::tuple{std::string_view("topk:0.05+int4+zstd"), 0.5, 0.4},
+        {std::string_view(kDefaultPipeline), 0.5, 0.4},
+        {"topk:0.01+int2+zstd", 0.7, 0.6},
+        {"lowrank:2+int8", 0.8, 0.7}}) {
     Pipeline p = P(t);
     std::vector<float> residual(n, 0.0f), decoded(n), sum_true(n, 0.0f), sum_fb(n, 0.0f),
         sum_nofb(n, 0.0f);
