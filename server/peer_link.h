@@ -1,0 +1,152 @@
+// Cross-site peer links of one shard: a DEALER (CURVE client) towards the same-numbered
+// shard of every other site, and the `listen.peer` ROUTER that receives the other sites'
+// deltas. Links only move bytes: what to send comes from a DeltaSource, what arrives goes
+// to a DeltaSink (server/peer_io.h); the engine behind them owns durability and commits.
+//
+// Threads: everything runs on one thread (the shard's event loop), which owns the sockets.
+// Nothing here locks; Stats() and the control calls must be made on that thread too.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+#include <zmq.hpp>
+
+#include "common/keys.h"
+#include "common/status.h"
+#include "common/wire.h"
+#include "server/peer_io.h"
+
+namespace isthmus {
+
+// One entry of `sync.peers`: the peer site's name, the endpoint of its same-numbered
+// shard's `listen.peer` socket, and its public key (Z85).
+struct PeerLinkSpec {
+  std::string site;
+  std::string endpoint;
+  std::string public_key;
+};
+
+// Parses "SITE=ENDPOINT=PUBKEYFILE" (split at the first two '=') and reads the public key file. Errors name the entry
+// and say what is wrong (InvalidArgument for the text, the key loader's error for the file).
+Result<PeerLinkSpec> ParsePeerLinkSpec(const std::string& text);
+Result<std::vector<PeerLinkSpec>> ParsePeerLinkSpecs(const std::vector<std::string>& texts);
+
+struct PeerLinkOptions {
+  std::string site;               // this site's name (sync.site)
+  int shard_index = -1;           // this shard's index; -1 = unknown (not checked)
+  std::string listen_endpoint;    // listen.peer; empty = do not receive
+  KeyPair keys;                   // this server's key pair (CURVE client and server)
+  bool insecure_plaintext = false;  // no CURVE: the sender's claimed site is trusted
+  std::vector<PeerLinkSpec> peers;
+  int resend_ms = 2000;           // no reply for this long: reconnect and resend
+  int backoff_max_ms = 30000;     // cap of the doubling resend / retry interval
+  int window = 4;                 // deltas in flight per link
+  WireLimits limits;              // applied to received peer messages
+  double bandwidth_ewma = 0.3;    // weight of a new bandwidth sample
+  // Digest of a job's initial state, compared in the handshake (empty = not compared).
+  std::function<std::string(const std::string& job)> initial_digest;
+};
+
+// A snapshot of one link, for `isthmusctl sync status`.
+struct PeerLinkStats {
+  struct Job {
+    std::string job;
+    uint64_t acked_round = 0;   // the peer holds every round of ours up to this one
+    uint64_t outbox_round = 0;  // our highest round (lag = outbox_round - acked_round)
+  };
+  std::string site;
+  std::string endpoint;
+  bool connected = false;  // transport up and the handshake answered
+  bool paused = false;
+  std::string last_error;
+  std::vector<Job> jobs;
+  uint64_t bytes_sent = 0, bytes_received = 0, raw_bytes_sent = 0;
+  uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0;
+  uint64_t auth_failures = 0;  // the peer refused our key
+  uint64_t refused = 0;        // messages from this peer that we refused
+  double bandwidth_bps = 0;    // EWMA of bytes / (ack time - send time)
+  double CompressionRatio() const {
+    return bytes_sent == 0 ? 0.0 : static_cast<double>(raw_bytes_sent) / bytes_sent;
+  }
+};
+
+class PeerLinks {
+ public:
+  // `source` and `sink` are not owned and must outlive this object; `ctx` too. The ZAP
+  // handler of `ctx` must admit the peers' keys in domain "peer" (unless insecure).
+  PeerLinks(zmq::context_t& ctx, PeerLinkOptions options, DeltaSource* source, DeltaSink* sink);
+  ~PeerLinks();
+  PeerLinks(const PeerLinks&) = delete;
+  PeerLinks& operator=(const PeerLinks&) = delete;
+
+  // Binds the peer ROUTER and connects one DEALER per peer. Unavailable if the endpoint
+  // cannot be bound; InvalidArgument for a bad peer list (duplicate site or key, own site).
+  Status Start();
+
+  // Poll-loop integration: the caller polls PollItemCount() items that FillPollItems()
+  // wrote (their order is fixed until the next FillPollItems), then calls OnPoll() with
+  // the results, and Tick() after every wake-up. NextTimeoutMs() bounds the poll wait.
+  size_t PollItemCount() const;
+  void FillPollItems(zmq::pollitem_t* items);
+  void OnPoll(const zmq::pollitem_t* items);
+  void Tick();
+  int NextTimeoutMs() const;
+  // The same three steps on this object's sockets alone, waiting at most max_wait_ms.
+  void PollOnce(int max_wait_ms);
+
+  // Control. `site` empty means every link; NotFound for an unknown site. SyncNow resends
+  // everything the peer lacks at once and resets the backoff. A paused link sends nothing
+  // and the deltas and handshakes its peer sends are answered Unavailable.
+  Result<std::vector<std::string>> SyncNow(const std::string& site);
+  Result<std::vector<std::string>> Pause(const std::string& site);
+  Result<std::vector<std::string>> Resume(const std::string& site);
+
+  std::vector<PeerLinkStats> Stats() const;
+  // Peer messages refused before a configured site could be named (no or unknown key).
+  uint64_t refused_unknown() const { return refused_unknown_; }
+  const PeerLinkOptions& options() const { return options_; }
+
+  // Handles one message received on the peer ROUTER; `user_id` is the authenticated
+  // public key (empty when insecure). Returns the reply to send. Exposed for tests.
+  Status HandlePeerMessage(const std::string& user_id, const Frames& msg,
+                           flatbuffers::FlatBufferBuilder& reply);
+
+ private:
+  struct Link;
+  using Clock = std::chrono::steady_clock;
+
+  Status OpenDealer(Link& link);
+  void CloseDealer(Link& link);
+  void SendHello(Link& link);
+  void Pump(Link& link);
+  void Reset(Link& link, const std::string& why, bool reopen);
+  void OnDealerReadable(Link& link);
+  void OnMonitorReadable(Link& link);
+  void OnRouterReadable();
+  int CurrentTimeoutMs(const Link& link) const;
+  Link* FindLink(const std::string& site);
+  Result<std::vector<Link*>> Select(const std::string& site);
+
+  Status HandleHello(Link& from, const wire::PeerHello* hello, uint64_t id,
+                     flatbuffers::FlatBufferBuilder& reply);
+  Status HandleDelta(Link& from, const wire::PeerDelta* delta, const Frames& msg, uint64_t id,
+                     flatbuffers::FlatBufferBuilder& reply);
+
+  zmq::context_t& ctx_;
+  PeerLinkOptions options_;
+  DeltaSource* source_;
+  DeltaSink* sink_;
+  std::unique_ptr<zmq::socket_t> router_;
+  std::vector<std::unique_ptr<Link>> links_;
+  std::map<std::string, Link*> by_key_;  // public key -> link
+  uint64_t refused_unknown_ = 0;
+  uint64_t monitor_seq_ = 0;
+  std::vector<int> poll_map_;  // poll item -> (link index * 2 + 0 dealer / 1 monitor), -1 router
+};
+
+}  // namespace isthmus

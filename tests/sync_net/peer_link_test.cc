@@ -1,0 +1,602 @@
+// Peer links in one process: each site is a PeerLinks on its own thread and ZeroMQ
+// context (its own ZAP handler and CURVE keys) on loopback, with an in-memory engine
+// double behind it. Shows exactly-once delivery, resends across a receiver restart,
+// pause/resume, refusal of unlisted keys, of deltas claiming another site, of malformed
+// frames, and that replays change nothing.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+
+#include "common/keys.h"
+#include "common/transport.h"
+#include "server/peer_link.h"
+
+namespace isthmus {
+namespace {
+
+using namespace std::chrono_literals;
+
+int FreePort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+std::string Endpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }
+
+bool WaitFor(const std::function<bool()>& pred, std::chrono::milliseconds limit = 10s) {
+  auto end = std::chrono::steady_clock::now() + limit;
+  while (std::chrono::steady_clock::now() < end) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(20ms);
+  }
+  return pred();
+}
+
+// The engine's role, in memory: an outbox of this site's deltas and an inbox of peers'
+// deltas that keeps the first copy of each round. Locked: the test thread reads it while
+// the link thread feeds it.
+class MemoryEngine : public DeltaSource, public DeltaSink {
+ public:
+  explicit MemoryEngine(std::string site, std::vector<std::string> jobs = {"job"})
+      : site_(std::move(site)), jobs_(std::move(jobs)) {}
+
+  static std::shared_ptr<EncodedDelta> MakeDelta(const std::string& job, const std::string& site,
+                                                 uint64_t round) {
+    auto d = std::make_shared<EncodedDelta>();
+    d->job = job;
+    d->site = site;
+    d->round = round;
+    d->tokens = 1000 + round;
+    d->tensors.push_back({"a.weight", {4, 8}, "A:" + site + ":" + std::to_string(round)});
+    d->tensors.push_back({"b.bias", {8}, std::string(100 + round, static_cast<char>('a' + round % 26))});
+    return d;
+  }
+  void AddOwn(uint64_t round, const std::string& job = "job") {
+    std::lock_guard lk(mu_);
+    outbox_[job][round] = MakeDelta(job, site_, round);
+  }
+
+  std::vector<std::string> SyncJobs() const override { return jobs_; }
+  uint64_t OutboxHighRound(const std::string& job) const override {
+    std::lock_guard lk(mu_);
+    auto it = outbox_.find(job);
+    return it == outbox_.end() || it->second.empty() ? 0 : it->second.rbegin()->first;
+  }
+  Result<std::shared_ptr<const EncodedDelta>> OutboxDelta(const std::string& job,
+                                                          uint64_t round) override {
+    std::lock_guard lk(mu_);
+    auto it = outbox_.find(job);
+    if (it == outbox_.end() || it->second.count(round) == 0) return Status::NotFound("no round");
+    return std::shared_ptr<const EncodedDelta>(it->second[round]);
+  }
+  void OnPeerAck(const std::string& peer, const std::string& job, uint64_t held) override {
+    std::lock_guard lk(mu_);
+    acks_[peer + "/" + job] = held;
+  }
+  void OnLinkBandwidth(const std::string& peer, double bps) override {
+    std::lock_guard lk(mu_);
+    bandwidth_[peer] = bps;
+  }
+  Result<uint64_t> ReceiveDelta(const std::string& from, const EncodedDelta& d) override {
+    std::lock_guard lk(mu_);
+    ++receives_;
+    if (std::find(jobs_.begin(), jobs_.end(), d.job) == jobs_.end()) {
+      return Status::NotFound("unknown job");
+    }
+    if (d.site != from) return Status::PermissionDenied("site mismatch");
+    if (d.tensors.size() != 2) return Status::InvalidArgument("wrong tensor set");
+    for (const auto& t : d.tensors) {
+      if (t.bytes.empty() || t.bytes[0] == 'X') return Status::InvalidArgument("undecodable");
+    }
+    auto& rounds = inbox_[from + "/" + d.job];
+    if (d.round > HeldLocked(from, d.job) + 16) return Status::InvalidArgument("too far ahead");
+    if (!rounds.emplace(d.round, d).second) ++duplicates_;
+    return HeldLocked(from, d.job);
+  }
+  uint64_t HeldFrom(const std::string& site, const std::string& job) const override {
+    std::lock_guard lk(mu_);
+    return HeldLocked(site, job);
+  }
+
+  uint64_t Held(const std::string& site) const { return HeldFrom(site, "job"); }
+  size_t InboxSize(const std::string& site) const {
+    std::lock_guard lk(mu_);
+    auto it = inbox_.find(site + "/job");
+    return it == inbox_.end() ? 0 : it->second.size();
+  }
+  std::optional<EncodedDelta> Received(const std::string& site, uint64_t round) const {
+    std::lock_guard lk(mu_);
+    auto it = inbox_.find(site + "/job");
+    if (it == inbox_.end() || it->second.count(round) == 0) return std::nullopt;
+    return it->second.at(round);
+  }
+  uint64_t Ack(const std::string& peer) const {
+    std::lock_guard lk(mu_);
+    auto it = acks_.find(peer + "/job");
+    return it == acks_.end() ? 0 : it->second;
+  }
+  double Bandwidth(const std::string& peer) const {
+    std::lock_guard lk(mu_);
+    auto it = bandwidth_.find(peer);
+    return it == bandwidth_.end() ? 0 : it->second;
+  }
+  uint64_t receives() const {
+    std::lock_guard lk(mu_);
+    return receives_;
+  }
+  uint64_t duplicates() const {
+    std::lock_guard lk(mu_);
+    return duplicates_;
+  }
+
+ private:
+  uint64_t HeldLocked(const std::string& site, const std::string& job) const {
+    auto it = inbox_.find(site + "/" + job);
+    if (it == inbox_.end()) return 0;
+    uint64_t r = 0;
+    while (it->second.count(r + 1)) ++r;
+    return r;
+  }
+
+  std::string site_;
+  std::vector<std::string> jobs_;
+  mutable std::mutex mu_;
+  std::map<std::string, std::map<uint64_t, std::shared_ptr<EncodedDelta>>> outbox_;
+  std::map<std::string, std::map<uint64_t, EncodedDelta>> inbox_;
+  std::map<std::string, uint64_t> acks_;
+  std::map<std::string, double> bandwidth_;
+  uint64_t receives_ = 0, duplicates_ = 0;
+};
+
+struct SiteSpec {
+  std::string site;
+  KeyPair keys;
+  int port = 0;
+};
+
+SiteSpec MakeSite(const std::string& site) {
+  auto keys = GenerateKeyPair();
+  EXPECT_TRUE(keys.ok());
+  return SiteSpec{site, *keys, FreePort()};
+}
+
+PeerLinkSpec AsPeer(const SiteSpec& s) { return PeerLinkSpec{s.site, Endpoint(s.port), s.keys.public_key}; }
+
+// One site's links on their own thread and context, like a shard's event loop.
+class Node {
+ public:
+  Node(const SiteSpec& self, std::vector<PeerLinkSpec> peers, std::vector<std::string> allow,
+       MemoryEngine* engine, int resend_ms = 300, int backoff_max_ms = 1200) {
+    std::promise<Status> started;
+    auto fut = started.get_future();
+    thread_ = std::thread([&, self, peers, allow, engine, resend_ms, backoff_max_ms] {
+      zmq::context_t ctx(1);
+      ZapHandler zap(ctx);
+      zap.SetAllowlist(kDomainPeer, allow);
+      Status s = zap.Start();
+      PeerLinkOptions o;
+      o.site = self.site;
+      o.shard_index = 0;
+      o.listen_endpoint = Endpoint(self.port);
+      o.keys = self.keys;
+      o.peers = peers;
+      o.resend_ms = resend_ms;
+      o.backoff_max_ms = backoff_max_ms;
+      o.window = 3;
+      o.initial_digest = [](const std::string& job) { return "digest-of-" + job; };
+      auto links = std::make_unique<PeerLinks>(ctx, o, engine, engine);
+      if (s.ok()) s = links->Start();
+      started.set_value(s);
+      if (!s.ok()) return;
+      while (!stop_.load()) {
+        links->PollOnce(20);
+        std::vector<std::function<void(PeerLinks&)>> work;
+        {
+          std::lock_guard lk(mu_);
+          work.swap(queue_);
+        }
+        for (auto& w : work) w(*links);
+      }
+      links.reset();
+      zap.Stop();
+      ctx.close();
+    });
+    start_status_ = fut.get();
+  }
+  ~Node() {
+    stop_.store(true);
+    thread_.join();
+  }
+  const Status& start_status() const { return start_status_; }
+
+  // Runs f on the loop thread and waits for it.
+  template <class F>
+  auto Run(F f) -> decltype(f(std::declval<PeerLinks&>())) {
+    using R = decltype(f(std::declval<PeerLinks&>()));
+    auto p = std::make_shared<std::promise<R>>();
+    auto fut = p->get_future();
+    {
+      std::lock_guard lk(mu_);
+      queue_.push_back([p, f](PeerLinks& l) mutable { p->set_value(f(l)); });
+    }
+    return fut.get();
+  }
+  PeerLinkStats StatsOf(const std::string& site) {
+    return Run([site](PeerLinks& l) {
+      for (auto& s : l.Stats()) {
+        if (s.site == site) return s;
+      }
+      return PeerLinkStats{};
+    });
+  }
+
+ private:
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::vector<std::function<void(PeerLinks&)>> queue_;
+  Status start_status_;
+};
+
+TEST(PeerLink, DeliversEveryRoundExactlyOnceBothWays) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  for (uint64_t r = 1; r <= 4; ++r) ea.AddOwn(r), eb.AddOwn(r);
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb);
+  ASSERT_TRUE(na.start_status().ok()) << na.start_status().ToString();
+  ASSERT_TRUE(nb.start_status().ok()) << nb.start_status().ToString();
+  // Rounds produced while the links run are sent as they appear.
+  for (uint64_t r = 5; r <= 12; ++r) {
+    ea.AddOwn(r);
+    eb.AddOwn(r);
+    std::this_thread::sleep_for(10ms);
+  }
+  ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 12 && ea.Held("beta") == 12; }))
+      << eb.Held("alpha") << " " << ea.Held("beta");
+  ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 12 && eb.Ack("alpha") == 12; }));
+  EXPECT_EQ(eb.InboxSize("alpha"), 12u);
+  for (uint64_t r = 1; r <= 12; ++r) {
+    auto got = eb.Received("alpha", r);
+    ASSERT_TRUE(got.has_value());
+    auto want = MemoryEngine::MakeDelta("job", "alpha", r);
+    EXPECT_EQ(got->tokens, want->tokens);
+    ASSERT_EQ(got->tensors.size(), 2u);
+    EXPECT_EQ(got->tensors[0].bytes, want->tensors[0].bytes);
+    EXPECT_EQ(got->tensors[1].bytes, want->tensors[1].bytes);
+    EXPECT_EQ(got->tensors[0].shape, want->tensors[0].shape);
+  }
+  auto s = na.StatsOf("beta");
+  EXPECT_TRUE(s.connected);
+  EXPECT_EQ(s.deltas_acked, 12u);
+  EXPECT_GE(s.bytes_sent, 12u * 100);
+  EXPECT_GT(s.bandwidth_bps, 0);
+  EXPECT_GT(ea.Bandwidth("beta"), 0);
+  EXPECT_GT(s.CompressionRatio(), 0);
+  ASSERT_EQ(s.jobs.size(), 1u);
+  EXPECT_EQ(s.jobs[0].acked_round, 12u);
+  EXPECT_EQ(s.jobs[0].outbox_round, 12u);
+  EXPECT_EQ(nb.StatsOf("alpha").bytes_received, s.bytes_sent);
+}
+
+TEST(PeerLink, ResendsWhatTheReceiverLacksAfterItRestarts) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");  // eb survives the restart: it is the durable inbox
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea);
+  {
+    Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb);
+    for (uint64_t r = 1; r <= 3; ++r) ea.AddOwn(r);
+    ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 3; }));
+  }
+  for (uint64_t r = 4; r <= 8; ++r) ea.AddOwn(r);
+  ASSERT_TRUE(WaitFor([&] { return !na.StatsOf("beta").connected; }));
+  std::this_thread::sleep_for(700ms);
+  EXPECT_EQ(eb.Held("alpha"), 3u);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb);
+  ASSERT_TRUE(nb.start_status().ok());
+  ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 8; })) << eb.Held("alpha");
+  EXPECT_EQ(eb.InboxSize("alpha"), 8u);
+  ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 8; }));
+  EXPECT_TRUE(na.StatsOf("beta").connected);
+}
+
+TEST(PeerLink, PausedLinkSendsNothingAndRefusesUntilResumed) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb);
+  ea.AddOwn(1);
+  eb.AddOwn(1);
+  ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 1 && ea.Held("beta") == 1; }));
+  auto paused = na.Run([](PeerLinks& l) { return l.Pause("beta"); });
+  ASSERT_TRUE(paused.ok());
+  EXPECT_EQ(*paused, std::vector<std::string>{"beta"});
+  for (uint64_t r = 2; r <= 4; ++r) ea.AddOwn(r), eb.AddOwn(r);
+  // beta keeps trying; alpha answers Unavailable and keeps nothing.
+  ASSERT_TRUE(WaitFor([&] { return na.StatsOf("beta").refused > 0; }));
+  std::this_thread::sleep_for(500ms);
+  EXPECT_EQ(eb.Held("alpha"), 1u);
+  EXPECT_EQ(ea.Held("beta"), 1u);
+  auto sa = na.StatsOf("beta");
+  EXPECT_TRUE(sa.paused);
+  EXPECT_FALSE(sa.connected);
+  ASSERT_EQ(sa.jobs.size(), 1u);
+  EXPECT_EQ(sa.jobs[0].outbox_round - sa.jobs[0].acked_round, 3u);  // lag
+  auto sb = nb.StatsOf("alpha");
+  EXPECT_NE(sb.last_error.find("paused"), std::string::npos) << sb.last_error;
+  EXPECT_FALSE(nb.Run([](PeerLinks& l) { return l.Pause("nosuchsite").ok(); }));
+
+  ASSERT_TRUE(na.Run([](PeerLinks& l) { return l.Resume("beta").ok(); }));
+  // beta backs off after refusals; "sync now" there makes it retry at once.
+  ASSERT_TRUE(nb.Run([](PeerLinks& l) { return l.SyncNow("").ok(); }));
+  ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 4 && ea.Held("beta") == 4; }, 5s));
+  EXPECT_FALSE(na.StatsOf("beta").paused);
+}
+
+TEST(PeerLink, UnlistedKeyIsRefusedByZap) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  ea.AddOwn(1);
+  // beta lists alpha as a peer site but alpha's key is not on beta's peer allowlist.
+  auto other = GenerateKeyPair();
+  ASSERT_TRUE(other.ok());
+  Node nb(b, {AsPeer(a)}, {other->public_key}, &eb);
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea);
+  ASSERT_TRUE(WaitFor([&] { return na.StatsOf("beta").auth_failures > 0; }));
+  std::this_thread::sleep_for(300ms);
+  EXPECT_EQ(eb.receives(), 0u);
+  EXPECT_EQ(eb.Held("alpha"), 0u);
+  auto s = na.StatsOf("beta");
+  EXPECT_FALSE(s.connected);
+  EXPECT_EQ(s.deltas_acked, 0u);
+  EXPECT_NE(s.last_error.find("allowlist"), std::string::npos) << s.last_error;
+}
+
+// A hand-driven peer: a DEALER with a site's keys, sending whatever the test builds.
+class RawPeer {
+ public:
+  RawPeer(const KeyPair& keys, const SiteSpec& server) : sock_(ctx_, zmq::socket_type::dealer) {
+    sock_.set(zmq::sockopt::linger, 0);
+    sock_.set(zmq::sockopt::rcvtimeo, 5000);
+    ConfigureCurveClient(sock_, keys, server.keys.public_key);
+    sock_.connect(Endpoint(server.port));
+  }
+  // Sends the header (or raw bytes when `raw` is set) and payload; returns the reply's status
+  // and, if it is a PeerAck, the held round.
+  Result<uint64_t> Call(const flatbuffers::FlatBufferBuilder& fbb, const std::vector<std::string>& payload,
+                        const std::string* raw = nullptr) {
+    std::vector<PayloadRef> refs;
+    for (const auto& p : payload) refs.push_back(PayloadRef{p.data(), p.size(), nullptr});
+    if (raw != nullptr) {
+      sock_.send(zmq::buffer(*raw), zmq::send_flags::none);
+    } else {
+      ISTHMUS_RETURN_IF_ERROR(SendMessage(sock_, nullptr, fbb, refs));
+    }
+    zmq::message_t head;
+    if (!sock_.recv(head)) return Status::Timeout("no reply");
+    while (head.more()) {
+      zmq::message_t extra;
+      (void)sock_.recv(extra);
+    }
+    WireLimits lim;
+    ISTHMUS_ASSIGN_OR_RETURN(const wire::Envelope* env, ParseEnvelope(head, lim));
+    ISTHMUS_RETURN_IF_ERROR(ErrorFromEnvelope(env));
+    if (env->body_type() == wire::Body::PeerAck) return env->body_as_PeerAck()->held_round();
+    if (env->body_type() == wire::Body::PeerHelloReply) return uint64_t{0};
+    return Status::Internal("unexpected reply");
+  }
+
+ private:
+  zmq::context_t ctx_;
+  zmq::socket_t sock_;
+};
+
+struct DeltaMsg {
+  std::string job = "job", site;
+  uint64_t round = 1;
+  std::vector<std::string> names = {"a.weight", "b.bias"};
+  std::vector<uint32_t> frames = {0, 1};
+  std::vector<uint64_t> nbytes;  // default: actual sizes
+  std::vector<std::string> payload = {"A:x", "bbbb"};
+};
+
+flatbuffers::FlatBufferBuilder BuildDelta(const DeltaMsg& m) {
+  flatbuffers::FlatBufferBuilder fbb;
+  std::vector<flatbuffers::Offset<wire::PeerTensor>> metas;
+  for (size_t i = 0; i < m.names.size(); ++i) {
+    uint64_t n = i < m.nbytes.size() ? m.nbytes[i]
+                                     : (m.frames[i] < m.payload.size() ? m.payload[m.frames[i]].size() : 0);
+    metas.push_back(wire::CreatePeerTensor(fbb, fbb.CreateString(m.names[i]),
+                                           fbb.CreateVector(std::vector<int64_t>{2}), m.frames[i], n));
+  }
+  auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(m.job), fbb.CreateString(m.site), m.round,
+                                    7, fbb.CreateVector(metas));
+  wire::EnvelopeBuilder env(fbb);
+  env.add_request_id(42);
+  env.add_body_type(wire::Body::PeerDelta);
+  env.add_body(body.Union());
+  fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
+  return fbb;
+}
+
+class PeerLinkRefusals : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    a_ = MakeSite("alpha");
+    b_ = MakeSite("beta");
+    c_ = MakeSite("gamma");
+    // beta accepts alpha and gamma; the peers' own listeners are never started.
+    node_ = std::make_unique<Node>(b_, std::vector<PeerLinkSpec>{AsPeer(a_), AsPeer(c_)},
+                                   std::vector<std::string>{a_.keys.public_key, c_.keys.public_key},
+                                   &eb_);
+    ASSERT_TRUE(node_->start_status().ok());
+  }
+  SiteSpec a_, b_, c_;
+  MemoryEngine eb_{"beta"};
+  std::unique_ptr<Node> node_;
+};
+
+TEST_F(PeerLinkRefusals, DeltaClaimingAnotherSiteIsRefused) {
+  RawPeer alpha(a_.keys, b_);
+  DeltaMsg m;
+  m.site = "gamma";  // alpha's key, gamma's name
+  auto r = alpha.Call(BuildDelta(m), m.payload);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().ToString();
+  EXPECT_EQ(eb_.receives(), 0u);
+  EXPECT_EQ(eb_.Held("gamma"), 0u);
+  EXPECT_EQ(node_->StatsOf("alpha").refused, 1u);
+  // The same delta under its own name is taken.
+  m.site = "alpha";
+  auto ok = alpha.Call(BuildDelta(m), m.payload);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(*ok, 1u);
+  EXPECT_EQ(eb_.Held("alpha"), 1u);
+}
+
+TEST_F(PeerLinkRefusals, MalformedDeltasAreRefusedWithoutStateChange) {
+  RawPeer alpha(a_.keys, b_);
+  std::string garbage = "this is not a flatbuffer";
+  auto g = alpha.Call(flatbuffers::FlatBufferBuilder(), {}, &garbage);
+  EXPECT_EQ(g.status().code(), Code::kInvalidArgument) << g.status().ToString();
+
+  std::vector<std::pair<std::string, DeltaMsg>> cases;
+  DeltaMsg base;
+  base.site = "alpha";
+  {
+    DeltaMsg m = base;  // one more frame than tensors
+    m.payload.push_back("cc");
+    cases.push_back({"extra frame", m});
+  }
+  {
+    DeltaMsg m = base;
+    m.nbytes = {3, 999};
+    cases.push_back({"nbytes mismatch", m});
+  }
+  {
+    DeltaMsg m = base;
+    m.frames = {0, 0};
+    cases.push_back({"frame reused", m});
+  }
+  {
+    DeltaMsg m = base;
+    m.frames = {0, 7};
+    cases.push_back({"frame out of range", m});
+  }
+  {
+    DeltaMsg m = base;
+    m.round = 0;
+    cases.push_back({"round 0", m});
+  }
+  {
+    DeltaMsg m = base;
+    m.names = {"a.weight", "a.weight"};
+    cases.push_back({"duplicate name", m});
+  }
+  {
+    DeltaMsg m = base;
+    m.payload = {"Xundecodable", "bbbb"};
+    cases.push_back({"sink refuses bytes", m});
+  }
+  {
+    DeltaMsg m = base;
+    m.job = "nosuchjob";
+    cases.push_back({"unknown job", m});
+  }
+  for (const auto& [what, m] : cases) {
+    auto r = alpha.Call(BuildDelta(m), m.payload);
+    EXPECT_FALSE(r.ok()) << what;
+  }
+  EXPECT_EQ(eb_.InboxSize("alpha"), 0u);
+  EXPECT_EQ(eb_.Held("alpha"), 0u);
+  // The link is still usable afterwards.
+  auto ok = alpha.Call(BuildDelta(base), base.payload);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(eb_.Held("alpha"), 1u);
+}
+
+TEST_F(PeerLinkRefusals, ReplayedDeltaIsAcknowledgedAndIgnored) {
+  RawPeer alpha(a_.keys, b_);
+  DeltaMsg m;
+  m.site = "alpha";
+  ASSERT_TRUE(alpha.Call(BuildDelta(m), m.payload).ok());
+  auto first = eb_.Received("alpha", 1);
+  ASSERT_TRUE(first.has_value());
+  // The same bytes again, and a different delta under the same round.
+  auto again = alpha.Call(BuildDelta(m), m.payload);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(*again, 1u);
+  DeltaMsg forged = m;
+  forged.payload = {"A:forged", "zzzz"};
+  auto f = alpha.Call(BuildDelta(forged), forged.payload);
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(*f, 1u);
+  EXPECT_EQ(eb_.InboxSize("alpha"), 1u);
+  EXPECT_EQ(eb_.duplicates(), 2u);
+  EXPECT_EQ(eb_.Received("alpha", 1)->tensors[0].bytes, first->tensors[0].bytes);
+}
+
+TEST_F(PeerLinkRefusals, HandshakeReportsHeldRoundsAndRefusesWrongSite) {
+  RawPeer gamma(c_.keys, b_);
+  flatbuffers::FlatBufferBuilder fbb;
+  auto job = wire::CreatePeerJob(fbb, fbb.CreateString("job"), fbb.CreateString("digest-of-job"), 0);
+  auto body = wire::CreatePeerHello(fbb, fbb.CreateString("alpha"), 0,
+                                    fbb.CreateVector(std::vector{job}));
+  wire::EnvelopeBuilder env(fbb);
+  env.add_request_id(1);
+  env.add_body_type(wire::Body::PeerHello);
+  env.add_body(body.Union());
+  fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
+  auto r = gamma.Call(fbb, {});
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().ToString();
+
+  flatbuffers::FlatBufferBuilder bad_digest;
+  auto job2 = wire::CreatePeerJob(bad_digest, bad_digest.CreateString("job"),
+                                  bad_digest.CreateString("another-initial-state"), 0);
+  auto body2 = wire::CreatePeerHello(bad_digest, bad_digest.CreateString("gamma"), 0,
+                                     bad_digest.CreateVector(std::vector{job2}));
+  wire::EnvelopeBuilder env2(bad_digest);
+  env2.add_request_id(2);
+  env2.add_body_type(wire::Body::PeerHello);
+  env2.add_body(body2.Union());
+  bad_digest.Finish(env2.Finish(), wire::EnvelopeIdentifier());
+  auto r2 = gamma.Call(bad_digest, {});
+  EXPECT_EQ(r2.status().code(), Code::kFailedPrecondition) << r2.status().ToString();
+}
+
+TEST(PeerSpecParse, ReadsKeyFileAndRejectsBadEntries) {
+  auto dir = std::filesystem::temp_directory_path() / ("isthmus-peerspec-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  auto keys = GenerateKeyPair();
+  ASSERT_TRUE(keys.ok());
+  ASSERT_TRUE(WriteKeyPairFiles((dir / "beta").string(), *keys, true).ok());
+  auto spec = ParsePeerLinkSpec("beta=tcp://10.0.0.2:7100=" + (dir / "beta.pub").string());
+  ASSERT_TRUE(spec.ok()) << spec.status().ToString();
+  EXPECT_EQ(spec->site, "beta");
+  EXPECT_EQ(spec->endpoint, "tcp://10.0.0.2:7100");
+  EXPECT_EQ(spec->public_key, keys->public_key);
+  EXPECT_FALSE(ParsePeerLinkSpec("beta").ok());
+  EXPECT_FALSE(ParsePeerLinkSpec("beta=tcp://x:1").ok());
+  EXPECT_FALSE(ParsePeerLinkSpec("beta==" + (dir / "beta.pub").string()).ok());
+  EXPECT_FALSE(ParsePeerLinkSpec("beta=tcp://x:1=" + (dir / "missing.pub").string()).ok());
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace isthmus
