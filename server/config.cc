@@ -4,7 +4,9 @@
 
 #include <toml.hpp>
 
+#include <cmath>
 #include <cstdlib>
+#include <set>
 #include <sstream>
 
 namespace isthmus {
@@ -16,6 +18,7 @@ struct Binding {
   std::vector<std::string> ServerConfig::*list = nullptr;
   bool ServerConfig::*flag = nullptr;
   int64_t ServerConfig::*num = nullptr;
+  double ServerConfig::*real = nullptr;
 };
 
 const std::vector<Binding>& Bindings() {
@@ -53,6 +56,32 @@ const std::vector<Binding>& Bindings() {
        nullptr, nullptr, nullptr, &ServerConfig::io_threads},
       {{"log.level", T::kString, "info", "trace, debug, info, warn, error or off."},
        &ServerConfig::log_level},
+      {{"listen.peer", T::kString, "", "ZeroMQ endpoint for peer shards of other sites (cross-site sync). Empty: no peer socket."},
+       &ServerConfig::listen_peer},
+      {{"sync.site", T::kString, "", "This site's name (e.g. siteA). Setting it turns on the round protocol (docs/SYNC.md); required when sync.peers is set."},
+       &ServerConfig::sync_site},
+      {{"sync.peers", T::kStringList, "", "Peer shards, each SITE=ENDPOINT=PUBKEYFILE: the same-numbered shard of another site."},
+       nullptr, &ServerConfig::sync_peers},
+      {{"sync.codec", T::kString, "", "Codec pipeline for round deltas (ops/codec.h syntax, e.g. topk:0.05+int4+zstd). Empty: the codec's default."},
+       &ServerConfig::sync_codec},
+      {{"sync.codec_overrides", T::kStringList, "", "Per-tensor pipelines, each GLOB=PIPELINE on tensor names; the first match wins."},
+       nullptr, &ServerConfig::sync_codec_overrides},
+      {{"sync.adaptive", T::kBool, "false", "Choose density and bit width per round so one round's transfer fits in one round's compute time on the slowest link."},
+       nullptr, nullptr, &ServerConfig::sync_adaptive},
+      {{"sync.adaptive_floor", T::kString, "", "Coarsest pipeline adaptive mode may use. Empty: sync.codec."},
+       &ServerConfig::sync_adaptive_floor},
+      {{"sync.adaptive_ceiling", T::kString, "", "Finest pipeline adaptive mode may use. Empty: dense."},
+       &ServerConfig::sync_adaptive_ceiling},
+      {{"sync.outer_lr", T::kDouble, "1.0", "Outer learning rate applied to the merged round delta."},
+       nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_lr},
+      {{"sync.outer_momentum", T::kDouble, "0.0", "Outer Nesterov momentum in [0, 1) (DiLoCo uses 0.9)."},
+       nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_momentum},
+      {{"sync.max_rounds_ahead", T::kInt, "2", "K: workers wait while their site is more than K rounds ahead of the last committed round (0: never wait)."},
+       nullptr, nullptr, nullptr, &ServerConfig::sync_max_rounds_ahead},
+      {{"sync.resend_ms", T::kInt, "2000", "Resend unacknowledged deltas to a peer after this many milliseconds."},
+       nullptr, nullptr, nullptr, &ServerConfig::sync_resend_ms},
+      {{"sync.backoff_max_ms", T::kInt, "10000", "Longest wait between reconnection attempts to a peer (milliseconds)."},
+       nullptr, nullptr, nullptr, &ServerConfig::sync_backoff_max_ms},
   };
   return kBindings;
 }
@@ -90,6 +119,15 @@ Status ApplyText(ServerConfig& cfg, const Binding& b, const std::string& text,
         return Status::InvalidArgument(origin + ": " + b.info.key + " must be an integer, not '" + text + "'");
       }
       cfg.*b.num = v;
+      break;
+    }
+    case SettingType::kDouble: {
+      char* end = nullptr;
+      double v = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0' || !std::isfinite(v)) {
+        return Status::InvalidArgument(origin + ": " + b.info.key + " must be a number, not '" + text + "'");
+      }
+      cfg.*b.real = v;
       break;
     }
   }
@@ -154,6 +192,14 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
             case SettingType::kString: text = toml::get<std::string>(value); break;
             case SettingType::kBool: text = toml::get<bool>(value) ? "true" : "false"; break;
             case SettingType::kInt: text = std::to_string(toml::get<int64_t>(value)); break;
+            case SettingType::kDouble: {
+              std::ostringstream os;
+              os.precision(17);
+              os << (value.is_integer() ? static_cast<double>(toml::get<int64_t>(value))
+                                        : toml::get<double>(value));
+              text = os.str();
+              break;
+            }
             case SettingType::kStringList: {
               auto items = toml::get<std::vector<std::string>>(value);
               for (size_t i = 0; i < items.size(); ++i) text += (i ? "," : "") + items[i];
@@ -194,7 +240,40 @@ Status ValidateServerConfig(const ServerConfig& c) {
       c.dedup_window <= 0 || c.io_threads <= 0) {
     return Status::InvalidArgument("limits, storage.dedup_window and runtime.io_threads must be positive");
   }
+  if (!c.sync_peers.empty() && c.sync_site.empty()) {
+    return Status::InvalidArgument("sync.peers is set but sync.site is not: name this site (--sync.site=NAME)");
+  }
+  ISTHMUS_RETURN_IF_ERROR(ParsePeerSpecs(c.sync_peers).status());
+  for (const auto& p : *ParsePeerSpecs(c.sync_peers)) {
+    if (p.site == c.sync_site) {
+      return Status::InvalidArgument("sync.peers names this site (" + p.site + ") as a peer");
+    }
+  }
+  if (c.sync_outer_momentum < 0 || c.sync_outer_momentum >= 1) {
+    return Status::InvalidArgument("sync.outer_momentum must be in [0, 1)");
+  }
+  if (c.sync_max_rounds_ahead < 0 || c.sync_resend_ms <= 0 || c.sync_backoff_max_ms <= 0) {
+    return Status::InvalidArgument("sync.max_rounds_ahead must be >= 0, sync.resend_ms and sync.backoff_max_ms positive");
+  }
   return Status::Ok();
+}
+
+Result<std::vector<PeerSpec>> ParsePeerSpecs(const std::vector<std::string>& entries) {
+  std::vector<PeerSpec> out;
+  std::set<std::string> sites;
+  for (const auto& e : entries) {
+    auto a = e.find('=');
+    auto b = a == std::string::npos ? a : e.find('=', a + 1);
+    if (b == std::string::npos || a == 0 || b == a + 1 || b + 1 == e.size()) {
+      return Status::InvalidArgument("sync.peers entry '" + e + "' is not SITE=ENDPOINT=PUBKEYFILE");
+    }
+    PeerSpec p{e.substr(0, a), e.substr(a + 1, b - a - 1), e.substr(b + 1)};
+    if (!sites.insert(p.site).second) {
+      return Status::InvalidArgument("sync.peers names site '" + p.site + "' twice");
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
 }
 
 std::string ServerConfigDoc() {
@@ -205,6 +284,7 @@ std::string ServerConfigDoc() {
     const char* type = s.type == SettingType::kString       ? "string"
                        : s.type == SettingType::kStringList ? "list of strings"
                        : s.type == SettingType::kBool       ? "bool"
+                       : s.type == SettingType::kDouble     ? "number"
                                                             : "integer";
     out << "| `" << s.key << "` | `" << SettingFlag(s.key) << "` | `" << SettingEnv(s.key)
         << "` | " << type << " | `" << s.default_value << "` | " << s.doc << " |\n";

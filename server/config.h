@@ -34,9 +34,34 @@ struct ServerConfig {
   int64_t dedup_window = 0;
   int64_t io_threads = 0;
   std::string log_level;
+  // Cross-site sync (docs/SYNC.md).
+  std::string listen_peer;
+  std::string sync_site;
+  std::vector<std::string> sync_peers;  // "SITE=ENDPOINT=PUBKEYFILE"
+  std::string sync_codec;
+  std::vector<std::string> sync_codec_overrides;  // "GLOB=PIPELINE"
+  bool sync_adaptive = false;
+  std::string sync_adaptive_floor;
+  std::string sync_adaptive_ceiling;
+  double sync_outer_lr = 1.0;
+  double sync_outer_momentum = 0.0;
+  int64_t sync_max_rounds_ahead = 2;
+  int64_t sync_resend_ms = 2000;
+  int64_t sync_backoff_max_ms = 10000;
 };
 
-enum class SettingType { kString, kStringList, kBool, kInt };
+// One entry of sync.peers: the same-numbered shard of another site.
+struct PeerSpec {
+  std::string site;
+  std::string endpoint;
+  std::string public_key_file;
+};
+
+// Parses "SITE=ENDPOINT=PUBKEYFILE" entries (split at the first two '='). InvalidArgument
+// naming the entry when a part is empty or a site repeats.
+Result<std::vector<PeerSpec>> ParsePeerSpecs(const std::vector<std::string>& entries);
+
+enum class SettingType { kString, kStringList, kBool, kInt, kDouble };
 
 struct SettingInfo {
   std::string key;            // "section.name"

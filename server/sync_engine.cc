@@ -1,0 +1,1005 @@
+// The round protocol engine: staging, round close with error feedback, inbox, commit with
+// Nesterov momentum, digests and the optimistic view. Layout of its durable state (every
+// key is JobKey(job, ...)):
+//   kSync   "job"                      -> JSON record (rounds, staging, acks, counters)
+//           "held\0" SITE "\0" BE(r)   -> tokens (decimal) of a held, uncommitted delta
+//           "digest\0" BE(r)           -> hex SHA-256 of the state committed at round r
+//   kDeltas SITE "\0" BE(r)            -> SerializeDelta(EncodedDelta)
+//   kState  "s\0" NAME                 -> staged delta of the open round (fp32)
+//           "e\0" NAME                 -> error-feedback residual (fp32)
+//           "m\0" NAME                 -> outer momentum (fp32; only when momentum != 0)
+// Floating-point order is fixed (site-name order, element order) and the file is built
+// without FMA contraction, so every site computes bitwise the same committed state.
+#include "server/sync_engine.h"
+
+#include <fnmatch.h>
+#include <openssl/evp.h>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "common/tensor.h"
+
+#ifdef ISTHMUS_HAVE_CODEC
+#include "ops/codec.h"
+#endif
+
+namespace isthmus {
+namespace {
+
+using json = nlohmann::json;
+
+// ---- codec adapter -------------------------------------------------------------------
+#ifdef ISTHMUS_HAVE_CODEC
+using Pipe = codec::Pipeline;
+Result<Pipe> ParsePipe(std::string_view text) { return codec::ParsePipeline(text); }
+std::string PipeText(const Pipe& p) { return codec::ToString(p); }
+std::string DefaultPipeText() { return std::string(codec::kDefaultPipeline); }
+std::string EncodeFeedback(const Pipe& p, std::span<const float> delta,
+                           std::span<const int64_t> shape, std::span<float> residual,
+                           std::span<float> decoded) {
+  return codec::EncodeWithFeedback(p, delta, shape, residual, decoded);
+}
+Status DecodeBytes(std::string_view bytes, std::span<float> out) {
+  return codec::Decode(bytes, out);
+}
+Pipe ChoosePipe(uint64_t numel, uint64_t budget, const Pipe& floor, const Pipe& ceiling) {
+  return codec::ChooseAdaptive(numel, budget, floor, ceiling);
+}
+#else
+// Stand-in until ops/codec.h lands: every pipeline is lossless dense fp32 ("SI1" + count
+// + raw little-endian floats), so the protocol can be built and tested on its own.
+struct Pipe {
+  std::string text;
+};
+Result<Pipe> ParsePipe(std::string_view text) {
+  if (text.empty()) return Status::InvalidArgument("empty codec pipeline");
+  return Pipe{std::string(text)};
+}
+std::string PipeText(const Pipe& p) { return p.text; }
+std::string DefaultPipeText() { return "dense"; }
+std::string EncodeFeedback(const Pipe&, std::span<const float> delta, std::span<const int64_t>,
+                           std::span<float> residual, std::span<float> decoded) {
+  std::string out = "SI1";
+  uint64_t n = delta.size();
+  out.append(reinterpret_cast<const char*>(&n), 8);
+  std::vector<float> v(delta.size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = delta[i] + residual[i];
+  out.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+  for (size_t i = 0; i < v.size(); ++i) {
+    decoded[i] = v[i];
+    residual[i] = 0.0f;
+  }
+  return out;
+}
+Status DecodeBytes(std::string_view bytes, std::span<float> out) {
+  uint64_t n = 0;
+  if (bytes.size() < 11 || bytes.substr(0, 3) != "SI1") {
+    return Status::InvalidArgument("bad codec header");
+  }
+  std::memcpy(&n, bytes.data() + 3, 8);
+  if (n != out.size() || bytes.size() != 11 + n * 4) {
+    return Status::InvalidArgument("codec element count differs from the tensor");
+  }
+  std::vector<float> tmp(n);
+  std::memcpy(tmp.data(), bytes.data() + 11, n * 4);
+  for (float f : tmp) {
+    if (!std::isfinite(f)) return Status::InvalidArgument("non-finite value in delta");
+  }
+  std::copy(tmp.begin(), tmp.end(), out.begin());
+  return Status::Ok();
+}
+Pipe ChoosePipe(uint64_t, uint64_t, const Pipe& floor, const Pipe&) { return floor; }
+#endif
+
+// ---- keys and bytes ------------------------------------------------------------------
+std::string BigEndian64(uint64_t v) {
+  std::string s(8, '\0');
+  for (int i = 7; i >= 0; --i, v >>= 8) s[i] = static_cast<char>(v & 0xff);
+  return s;
+}
+uint64_t FromBigEndian64(std::string_view s) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | static_cast<uint8_t>(s[i]);
+  return v;
+}
+std::string DeltaKey(const std::string& job, const std::string& site, uint64_t round) {
+  return JobKey(job, site + std::string(1, '\0') + BigEndian64(round));
+}
+std::string HeldKey(const std::string& job, const std::string& site, uint64_t round) {
+  return JobKey(job, "held" + std::string(1, '\0') + site + std::string(1, '\0') +
+                         BigEndian64(round));
+}
+std::string DigestPrefix(const std::string& job) {
+  return JobKey(job, "digest" + std::string(1, '\0'));
+}
+std::string StateKey(const std::string& job, char kind, const std::string& name) {
+  return JobKey(job, std::string(1, kind) + std::string(1, '\0') + name);
+}
+std::string_view FloatBytes(const std::vector<float>& v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)};
+}
+std::string_view FloatBytes(std::span<const float> v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)};
+}
+
+// Reads an fp32 array of exactly n elements; nullopt if absent.
+Result<std::optional<std::vector<float>>> GetFloats(Store* store, Column c, const std::string& key,
+                                                    size_t n) {
+  ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store->Get(c, key));
+  if (!bytes) return std::optional<std::vector<float>>();
+  if (bytes->size() != n * sizeof(float)) {
+    return Status::Corruption("stored array '" + key + "' has " + std::to_string(bytes->size()) +
+                              " bytes, expected " + std::to_string(n * sizeof(float)));
+  }
+  std::vector<float> v(n);
+  std::memcpy(v.data(), bytes->data(), bytes->size());
+  return std::optional<std::vector<float>>(std::move(v));
+}
+
+void PutU64(std::string& out, uint64_t v) { out += BigEndian64(v); }
+void PutStr(std::string& out, std::string_view s) {
+  PutU64(out, s.size());
+  out.append(s);
+}
+
+class Reader {
+ public:
+  explicit Reader(std::string_view s) : s_(s) {}
+  bool U64(uint64_t& v) {
+    if (s_.size() < 8) return false;
+    v = FromBigEndian64(s_);
+    s_.remove_prefix(8);
+    return true;
+  }
+  bool Str(std::string& out) {
+    uint64_t n;
+    if (!U64(n) || n > s_.size()) return false;
+    out.assign(s_.substr(0, n));
+    s_.remove_prefix(n);
+    return true;
+  }
+  bool done() const { return s_.empty(); }
+
+ private:
+  std::string_view s_;
+};
+
+float MergeWeight(uint64_t tokens, uint64_t total, size_t sites) {
+  if (total == 0) return static_cast<float>(1.0 / static_cast<double>(sites));
+  return static_cast<float>(static_cast<double>(tokens) / static_cast<double>(total));
+}
+
+}  // namespace
+
+// ---- digest ----------------------------------------------------------------------------
+std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>& theta,
+                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m) {
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  auto update = [&](std::string_view s) { EVP_DigestUpdate(ctx, s.data(), s.size()); };
+  update(BigEndian64(round));
+  for (const auto& [name, t] : theta) {
+    std::string head;
+    PutStr(head, name);
+    PutU64(head, t.shape.size());
+    for (int64_t d : t.shape) PutU64(head, static_cast<uint64_t>(d));
+    update(head);
+    update(FloatBytes(*t.data));
+    auto it = m.find(name);
+    if (it != m.end() && it->second) update(FloatBytes(*it->second));
+  }
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(ctx, md, &len);
+  EVP_MD_CTX_free(ctx);
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  for (unsigned int i = 0; i < len; ++i) {
+    hex.push_back(kHex[md[i] >> 4]);
+    hex.push_back(kHex[md[i] & 15]);
+  }
+  return hex;
+}
+
+// ---- serialisation -----------------------------------------------------------------------
+std::string SyncEngine::SerializeDelta(const EncodedDelta& d) {
+  std::string out = "ISD1";
+  PutStr(out, d.job);
+  PutStr(out, d.site);
+  PutU64(out, d.round);
+  PutU64(out, d.tokens);
+  PutU64(out, d.tensors.size());
+  for (const auto& t : d.tensors) {
+    PutStr(out, t.name);
+    PutU64(out, t.shape.size());
+    for (int64_t s : t.shape) PutU64(out, static_cast<uint64_t>(s));
+    PutStr(out, t.bytes);
+  }
+  return out;
+}
+
+Result<EncodedDelta> SyncEngine::ParseDelta(std::string_view bytes) {
+  auto bad = [] { return Status::Corruption("stored round delta is malformed"); };
+  if (bytes.substr(0, 4) != "ISD1") return bad();
+  Reader r(bytes.substr(4));
+  EncodedDelta d;
+  uint64_t count = 0;
+  if (!r.Str(d.job) || !r.Str(d.site) || !r.U64(d.round) || !r.U64(d.tokens) || !r.U64(count)) {
+    return bad();
+  }
+  if (count > bytes.size()) return bad();
+  d.tensors.resize(count);
+  for (auto& t : d.tensors) {
+    uint64_t dims = 0;
+    if (!r.Str(t.name) || !r.U64(dims) || dims > 64) return bad();
+    t.shape.resize(dims);
+    for (auto& s : t.shape) {
+      uint64_t v;
+      if (!r.U64(v)) return bad();
+      s = static_cast<int64_t>(v);
+    }
+    if (!r.Str(t.bytes)) return bad();
+  }
+  if (!r.done()) return bad();
+  return d;
+}
+
+Result<std::map<std::string, SyncTensor>> SyncEngine::ReadTensors(Store* store,
+                                                                  const std::string& job) {
+  std::map<std::string, SyncTensor> out;
+  const std::string prefix = JobKey(job, "");
+  Status status;
+  ISTHMUS_RETURN_IF_ERROR(store->Scan(Column::kTensorMeta, prefix,
+                                      [&](std::string_view k, std::string_view v) {
+    json rec = json::parse(v, nullptr, false);
+    if (rec.is_discarded() || !rec.contains("shape")) {
+      status = Status::Corruption("tensor record '" + std::string(k.substr(prefix.size())) + "' is bad");
+      return false;
+    }
+    out[std::string(k.substr(prefix.size()))].shape = rec["shape"].get<std::vector<int64_t>>();
+    return true;
+  }));
+  ISTHMUS_RETURN_IF_ERROR(status);
+  for (auto& [name, t] : out) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto v, GetFloats(store, Column::kTensors, JobKey(job, name),
+                                               static_cast<size_t>(NumElements(t.shape))));
+    if (!v) return Status::Corruption("tensor '" + name + "' of job '" + job + "' is missing");
+    t.data = std::make_shared<const std::vector<float>>(std::move(*v));
+  }
+  return out;
+}
+
+// ---- engine --------------------------------------------------------------------------
+SyncEngine::SyncEngine(Store* store, SyncOptions options)
+    : store_(store), options_(std::move(options)) {
+  hard_cap_ = options_.hard_cap_rounds ? options_.hard_cap_rounds
+                                       : 4 * options_.max_rounds_ahead + 8;
+}
+
+Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions options) {
+  if (options.site.empty()) return Status::InvalidArgument("sync.site is not set");
+  std::set<std::string> seen{options.site};
+  for (const auto& p : options.peer_sites) {
+    if (p.empty() || p.find('\0') != std::string::npos) {
+      return Status::InvalidArgument("a peer site name is empty");
+    }
+    if (!seen.insert(p).second) {
+      return Status::InvalidArgument("site '" + p + "' is listed twice (or is this site) in sync.peers");
+    }
+  }
+  if (!std::isfinite(options.outer_lr) || !std::isfinite(options.outer_momentum) ||
+      options.outer_momentum < 0 || options.outer_momentum >= 1) {
+    return Status::InvalidArgument("sync.outer_lr must be finite and sync.outer_momentum in [0, 1)");
+  }
+  if (options.codec.empty()) options.codec = DefaultPipeText();
+  std::vector<std::string> texts{options.codec};
+  for (const auto& o : options.codec_overrides) {
+    auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return Status::InvalidArgument("sync.codec_overrides entry '" + o + "' is not GLOB=PIPELINE");
+    }
+    texts.push_back(o.substr(eq + 1));
+  }
+  if (options.adaptive_floor.empty()) options.adaptive_floor = options.codec;
+  if (options.adaptive_ceiling.empty()) options.adaptive_ceiling = "dense";
+  texts.push_back(options.adaptive_floor);
+  texts.push_back(options.adaptive_ceiling);
+  for (const auto& t : texts) {
+    auto p = ParsePipe(t);
+    if (!p.ok()) return Status::InvalidArgument("codec pipeline '" + t + "': " + p.status().message());
+  }
+  return std::unique_ptr<SyncEngine>(new SyncEngine(store, std::move(options)));
+}
+
+void SyncEngine::Reset(Store* store) {
+  store_ = store;
+  jobs_.clear();
+}
+
+std::vector<std::string> SyncEngine::AllSites() const {
+  std::vector<std::string> sites = options_.peer_sites;
+  sites.push_back(options_.site);
+  std::sort(sites.begin(), sites.end());
+  return sites;
+}
+
+Result<SyncEngine::Job*> SyncEngine::FindJob(const std::string& job) {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return Status::NotFound("job '" + job + "' does not sync on this shard");
+  return &it->second;
+}
+
+Result<const SyncEngine::Job*> SyncEngine::FindJob(const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return Status::NotFound("job '" + job + "' does not sync on this shard");
+  return &it->second;
+}
+
+std::string SyncEngine::JobRecord(const Job& j) const {
+  return json{{"committed", j.committed},
+              {"local", j.local},
+              {"version", j.version},
+              {"staged_round", j.staged_round},
+              {"staged_tokens", j.staged_tokens},
+              {"staged", j.staged},
+              {"acked", j.acked},
+              {"bytes_encoded", j.bytes_encoded},
+              {"raw_bytes", j.raw_bytes},
+              {"pipelines", j.pipelines}}
+      .dump();
+}
+
+Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
+                             uint64_t base_version) {
+  Job j;
+  j.theta = std::move(tensors);
+  if (options_.outer_momentum != 0) {
+    for (const auto& [tname, t] : j.theta) {
+      ISTHMUS_ASSIGN_OR_RETURN(auto m, GetFloats(store_, Column::kState, StateKey(name, 'm', tname),
+                                                 t.data->size()));
+      j.momentum[tname] = std::make_shared<const std::vector<float>>(
+          m ? std::move(*m) : std::vector<float>(t.data->size(), 0.0f));
+    }
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(auto rec_text, store_->Get(Column::kSync, JobKey(name, "job")));
+  if (!rec_text) {
+    j.version = base_version;
+    WriteBatch batch;
+    batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(j));
+    batch.PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(0),
+                   StateDigest(0, j.theta, j.momentum));
+    ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+    jobs_[name] = std::move(j);
+    return Status::Ok();
+  }
+  json rec = json::parse(*rec_text, nullptr, false);
+  if (rec.is_discarded()) return Status::Corruption("sync record of job '" + name + "' is not JSON");
+  try {
+    j.committed = rec.at("committed").get<uint64_t>();
+    j.local = rec.at("local").get<uint64_t>();
+    j.version = rec.at("version").get<uint64_t>();
+    j.staged_round = rec.at("staged_round").get<uint64_t>();
+    j.staged_tokens = rec.at("staged_tokens").get<uint64_t>();
+    j.staged = rec.at("staged").get<std::set<std::string>>();
+    j.acked = rec.at("acked").get<std::map<std::string, uint64_t>>();
+    j.bytes_encoded = rec.at("bytes_encoded").get<uint64_t>();
+    j.raw_bytes = rec.at("raw_bytes").get<uint64_t>();
+    j.pipelines = rec.at("pipelines").get<std::map<std::string, uint64_t>>();
+  } catch (const std::exception& e) {
+    return Status::Corruption("sync record of job '" + name + "' is bad: " + e.what());
+  }
+  const std::string held_prefix = JobKey(name, "held" + std::string(1, '\0'));
+  Status status;
+  ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kSync, held_prefix,
+                                       [&](std::string_view k, std::string_view v) {
+    std::string_view rest = k.substr(held_prefix.size());
+    auto zero = rest.find('\0');
+    if (zero == std::string_view::npos || rest.size() != zero + 9) {
+      status = Status::Corruption("bad held-delta key in job '" + name + "'");
+      return false;
+    }
+    j.inbox[std::string(rest.substr(0, zero))][FromBigEndian64(rest.substr(zero + 1))] =
+        std::stoull(std::string(v));
+    return true;
+  }));
+  ISTHMUS_RETURN_IF_ERROR(status);
+  Job& placed = jobs_[name] = std::move(j);
+  // A crash may have come between the batch that completed a round and its close or
+  // commit; finish them now.
+  if (placed.staged_round != 0 && placed.staged.size() == placed.theta.size()) {
+    ISTHMUS_RETURN_IF_ERROR(CloseRound(name, placed));
+  }
+  return CommitReady(name, placed);
+}
+
+uint64_t SyncEngine::HeldContiguous(const Job& j, const std::string& site) const {
+  if (site == options_.site) return j.local;
+  uint64_t h = j.committed;
+  auto it = j.inbox.find(site);
+  if (it == j.inbox.end()) return h;
+  while (it->second.count(h + 1)) ++h;
+  return h;
+}
+
+Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t round,
+                                             uint64_t tokens,
+                                             const std::vector<SyncPushTensor>& tensors,
+                                             WriteBatch& batch) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  SyncPushResult result;
+  if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
+  if (round <= j->local) {
+    result.duplicate = true;
+    result.version = j->version;
+    return result;
+  }
+  if (round > j->local + 1) {
+    return Status::FailedPrecondition("push for round " + std::to_string(round) +
+                                      " skips ahead: this site's last closed round is " +
+                                      std::to_string(j->local));
+  }
+  if (round - j->committed > hard_cap_) {
+    return Status::FailedPrecondition(
+        "round " + std::to_string(round) + " would put this site " +
+        std::to_string(round - j->committed) + " rounds ahead of the last committed round " +
+        std::to_string(j->committed) + " (hard cap " + std::to_string(hard_cap_) +
+        "): wait for peers' deltas");
+  }
+  if (tensors.empty()) return Status::InvalidArgument("push carries no tensors");
+  std::set<std::string> names;
+  for (const auto& t : tensors) {
+    auto it = j->theta.find(t.name);
+    if (it == j->theta.end()) {
+      return Status::NotFound("tensor '" + t.name + "' is not in job '" + name + "'");
+    }
+    if (t.delta.size() != it->second.data->size()) {
+      return Status::InvalidArgument("tensor '" + t.name + "': pushed size differs from the job's");
+    }
+    if (!names.insert(t.name).second || (j->staged_round == round && j->staged.count(t.name))) {
+      return Status::FailedPrecondition("tensor '" + t.name + "' was already pushed for round " +
+                                        std::to_string(round));
+    }
+  }
+  Job next_rec = Job{};
+  next_rec.committed = j->committed;
+  next_rec.local = j->local;
+  next_rec.version = j->version;
+  next_rec.staged_round = round;
+  next_rec.staged_tokens = std::max(j->staged_round == round ? j->staged_tokens : 0, tokens);
+  next_rec.staged = j->staged_round == round ? j->staged : std::set<std::string>{};
+  next_rec.staged.insert(names.begin(), names.end());
+  next_rec.acked = j->acked;
+  next_rec.bytes_encoded = j->bytes_encoded;
+  next_rec.raw_bytes = j->raw_bytes;
+  next_rec.pipelines = j->pipelines;
+  for (const auto& t : tensors) batch.Put(Column::kState, StateKey(name, 's', t.name), FloatBytes(t.delta));
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(next_rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->staged_round = round;
+  j->staged_tokens = next_rec.staged_tokens;
+  j->staged = std::move(next_rec.staged);
+  if (j->staged.size() == j->theta.size()) {
+    // The stage is durable; a failed close is retried at the next attach.
+    ISTHMUS_RETURN_IF_ERROR(CloseRound(name, *j));
+    result.closed = true;
+    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+  }
+  result.version = j->version;
+  return result;
+}
+
+std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
+                                    uint64_t total_numel) const {
+  // Alone, the delta never crosses a link: keep it exact.
+  if (options_.peer_sites.empty()) return "dense";
+  if (options_.adaptive && j.last_round_seconds > 0) {
+    double min_bw = -1;
+    for (const auto& p : options_.peer_sites) {
+      auto it = bandwidth_.find(p);
+      if (it == bandwidth_.end()) {
+        min_bw = -1;
+        break;
+      }
+      min_bw = min_bw < 0 ? it->second : std::min(min_bw, it->second);
+    }
+    if (min_bw > 0) {
+      double budget = min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
+                      static_cast<double>(std::max<uint64_t>(total_numel, 1));
+      auto floor = ParsePipe(options_.adaptive_floor);
+      auto ceiling = ParsePipe(options_.adaptive_ceiling);
+      return PipeText(ChoosePipe(numel, static_cast<uint64_t>(std::max(budget, 0.0)), *floor,
+                                 *ceiling));
+    }
+  }
+  for (const auto& o : options_.codec_overrides) {
+    auto eq = o.find('=');
+    if (fnmatch(o.substr(0, eq).c_str(), tensor.c_str(), 0) == 0) return o.substr(eq + 1);
+  }
+  return options_.codec;
+}
+
+Status SyncEngine::CloseRound(const std::string& name, Job& j) {
+  const uint64_t round = j.staged_round;
+  uint64_t total_numel = 0;
+  for (const auto& [_, t] : j.theta) total_numel += t.data->size();
+  EncodedDelta delta;
+  delta.job = name;
+  delta.site = options_.site;
+  delta.round = round;
+  delta.tokens = j.staged_tokens;
+  std::vector<std::vector<float>> residuals;
+  residuals.reserve(j.theta.size());
+  std::map<std::string, uint64_t> pipelines;
+  uint64_t raw = 0;
+  for (const auto& [tname, t] : j.theta) {
+    const size_t n = t.data->size();
+    ISTHMUS_ASSIGN_OR_RETURN(auto staged, GetFloats(store_, Column::kState, StateKey(name, 's', tname), n));
+    if (!staged) {
+      return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
+                                "' is missing");
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(auto residual, GetFloats(store_, Column::kState, StateKey(name, 'e', tname), n));
+    residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
+    std::string text = PipelineFor(j, tname, n, total_numel);
+    ISTHMUS_ASSIGN_OR_RETURN(Pipe pipe, ParsePipe(text));
+    std::vector<float> decoded(n);
+    EncodedTensor et;
+    et.name = tname;
+    et.shape = t.shape;
+    et.bytes = EncodeFeedback(pipe, *staged, t.shape, residuals.back(), decoded);
+    delta.tensors.push_back(std::move(et));
+    pipelines[PipeText(pipe)] += 1;
+    raw += n * sizeof(float);
+  }
+  const std::string serialized = SerializeDelta(delta);
+  Job rec;
+  rec.committed = j.committed;
+  rec.local = round;
+  rec.version = j.version + 1;
+  rec.acked = j.acked;
+  rec.bytes_encoded = j.bytes_encoded + delta.WireBytes();
+  rec.raw_bytes = j.raw_bytes + raw;
+  rec.pipelines = pipelines;
+  WriteBatch batch;
+  batch.Put(Column::kDeltas, DeltaKey(name, options_.site, round), serialized);
+  batch.PutOwned(Column::kSync, HeldKey(name, options_.site, round), std::to_string(delta.tokens));
+  size_t i = 0;
+  for (const auto& [tname, _] : j.theta) {
+    batch.Put(Column::kState, StateKey(name, 'e', tname), FloatBytes(residuals[i++]));
+    batch.Delete(Column::kState, StateKey(name, 's', tname));
+  }
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j.local = round;
+  j.version = rec.version;
+  j.staged_round = 0;
+  j.staged_tokens = 0;
+  j.staged.clear();
+  j.bytes_encoded = rec.bytes_encoded;
+  j.raw_bytes = rec.raw_bytes;
+  j.pipelines = std::move(pipelines);
+  j.inbox[options_.site][round] = delta.tokens;
+  j.view.reset();
+  auto now = options_.now();
+  if (j.last_close) {
+    j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
+  }
+  j.last_close = now;
+  spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
+                raw, delta.WireBytes());
+  return Status::Ok();
+}
+
+Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
+    const std::string& name, const Job& j, uint64_t round, const std::vector<std::string>& sites) {
+  uint64_t total = 0;
+  for (const auto& s : sites) total += j.inbox.at(s).at(round);
+  std::map<std::string, std::vector<float>> merged;
+  for (const auto& [tname, t] : j.theta) merged[tname].assign(t.data->size(), 0.0f);
+  for (const auto& s : sites) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, s, round)));
+    if (!bytes) {
+      return Status::Corruption("delta of site " + s + " round " + std::to_string(round) +
+                                " of job '" + name + "' is missing");
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta d, ParseDelta(*bytes));
+    if (d.tensors.size() != merged.size()) {
+      return Status::Corruption("stored delta of site " + s + " has the wrong tensor set");
+    }
+    const float w = MergeWeight(j.inbox.at(s).at(round), total, sites.size());
+    std::vector<float> decoded;
+    for (const auto& et : d.tensors) {
+      auto it = merged.find(et.name);
+      if (it == merged.end()) return Status::Corruption("stored delta has unknown tensor " + et.name);
+      decoded.assign(it->second.size(), 0.0f);
+      ISTHMUS_RETURN_IF_ERROR(DecodeBytes(et.bytes, decoded));
+      float* out = it->second.data();
+      for (size_t i = 0; i < decoded.size(); ++i) out[i] += w * decoded[i];
+    }
+  }
+  return merged;
+}
+
+Status SyncEngine::CommitReady(const std::string& name, Job& j) {
+  const auto sites = AllSites();
+  for (;;) {
+    const uint64_t next = j.committed + 1;
+    for (const auto& s : sites) {
+      auto it = j.inbox.find(s);
+      if (it == j.inbox.end() || !it->second.count(next)) return Status::Ok();
+    }
+    ISTHMUS_RETURN_IF_ERROR(CommitOne(name, j));
+  }
+}
+
+Status SyncEngine::CommitOne(const std::string& name, Job& j) {
+  const uint64_t round = j.committed + 1;
+  const auto sites = AllSites();
+  ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites));
+  const float lr = static_cast<float>(options_.outer_lr);
+  const float mu = static_cast<float>(options_.outer_momentum);
+  std::map<std::string, SyncTensor> theta;
+  std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+  for (auto& [tname, g] : merged) {
+    const SyncTensor& old = j.theta.at(tname);
+    auto next = std::make_shared<std::vector<float>>(*old.data);
+    float* th = next->data();
+    const size_t n = g.size();
+    if (mu == 0.0f) {
+      for (size_t i = 0; i < n; ++i) th[i] += lr * g[i];
+    } else {
+      auto m = std::make_shared<std::vector<float>>(*j.momentum.at(tname));
+      float* mv = m->data();
+      for (size_t i = 0; i < n; ++i) {
+        mv[i] = mu * mv[i] + g[i];
+        th[i] += lr * (g[i] + mu * mv[i]);
+      }
+      momentum[tname] = std::move(m);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(th[i])) {
+        return Status::FailedPrecondition("committing round " + std::to_string(round) +
+                                          " of job '" + name + "' makes tensor '" + tname +
+                                          "' non-finite; not committed");
+      }
+    }
+    theta[tname] = SyncTensor{old.shape, std::move(next)};
+  }
+  const std::string digest = StateDigest(round, theta, momentum);
+  Job rec;
+  rec.committed = round;
+  rec.local = j.local;
+  rec.version = j.version + 1;
+  rec.staged_round = j.staged_round;
+  rec.staged_tokens = j.staged_tokens;
+  rec.staged = j.staged;
+  rec.acked = j.acked;
+  rec.bytes_encoded = j.bytes_encoded;
+  rec.raw_bytes = j.raw_bytes;
+  rec.pipelines = j.pipelines;
+  WriteBatch batch;
+  for (const auto& [tname, t] : theta) {
+    batch.Put(Column::kTensors, JobKey(name, tname), FloatBytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, JobKey(name, tname),
+                   json{{"shape", t.shape}, {"version", rec.version}}.dump());
+    if (mu != 0.0f) batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*momentum[tname]));
+  }
+  batch.PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(round), digest);
+  for (const auto& s : sites) {
+    batch.Delete(Column::kSync, HeldKey(name, s, round));
+    if (s != options_.site) batch.Delete(Column::kDeltas, DeltaKey(name, s, round));
+  }
+  // This site's own delta stays in the outbox until every peer holds it.
+  uint64_t min_acked = round;
+  for (const auto& p : options_.peer_sites) {
+    auto it = j.acked.find(p);
+    min_acked = std::min(min_acked, it == j.acked.end() ? 0 : it->second);
+  }
+  if (min_acked >= round) batch.Delete(Column::kDeltas, DeltaKey(name, options_.site, round));
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j.theta = std::move(theta);
+  if (mu != 0.0f) j.momentum = std::move(momentum);
+  j.committed = round;
+  j.version = rec.version;
+  for (const auto& s : sites) {
+    auto it = j.inbox.find(s);
+    if (it != j.inbox.end()) it->second.erase(round);
+  }
+  j.view.reset();
+  spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
+  return Status::Ok();
+}
+
+Result<uint64_t> SyncEngine::AddNow(const std::string& name,
+                                    const std::vector<SyncPushTensor>& tensors, WriteBatch& batch) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (has_peers()) {
+    return Status::FailedPrecondition("job '" + name +
+                                      "' syncs with other sites: push deltas with a round (>= 1)");
+  }
+  if (j->staged_round != 0) {
+    return Status::FailedPrecondition("round " + std::to_string(j->staged_round) +
+                                      " is being pushed; a round-less push would mix into it");
+  }
+  std::map<std::string, SyncTensor> theta = j->theta;
+  std::set<std::string> names;
+  for (const auto& t : tensors) {
+    auto it = theta.find(t.name);
+    if (it == theta.end()) return Status::NotFound("tensor '" + t.name + "' is not in job '" + name + "'");
+    if (t.delta.size() != it->second.data->size() || !names.insert(t.name).second) {
+      return Status::InvalidArgument("tensor '" + t.name + "': wrong size or pushed twice");
+    }
+    auto next = std::make_shared<std::vector<float>>(*it->second.data);
+    for (size_t i = 0; i < next->size(); ++i) (*next)[i] += t.delta[i];
+    if (!std::all_of(next->begin(), next->end(), [](float f) { return std::isfinite(f); })) {
+      return Status::InvalidArgument("adding the delta to tensor '" + t.name +
+                                     "' overflows to a non-finite value");
+    }
+    it->second.data = std::move(next);
+  }
+  const uint64_t version = j->version + 1;
+  Job rec;
+  rec.committed = j->committed;
+  rec.local = j->local;
+  rec.version = version;
+  rec.acked = j->acked;
+  rec.bytes_encoded = j->bytes_encoded;
+  rec.raw_bytes = j->raw_bytes;
+  rec.pipelines = j->pipelines;
+  for (const auto& n : names) {
+    const auto& t = theta.at(n);
+    batch.Put(Column::kTensors, JobKey(name, n), FloatBytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, JobKey(name, n),
+                   json{{"shape", t.shape}, {"version", version}}.dump());
+  }
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->theta = std::move(theta);
+  j->version = version;
+  j->view.reset();
+  return version;
+}
+
+Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& name) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (j->view) return *j->view;
+  std::map<uint64_t, std::vector<std::string>> rounds;  // round -> sites holding it (sorted)
+  for (const auto& s : AllSites()) {
+    auto it = j->inbox.find(s);
+    if (it == j->inbox.end()) continue;
+    for (const auto& [r, _] : it->second) {
+      if (r > j->committed) rounds[r].push_back(s);
+    }
+  }
+  if (rounds.empty()) {
+    j->view = j->theta;
+    return *j->view;
+  }
+  std::map<std::string, std::vector<float>> acc;
+  for (const auto& [tname, t] : j->theta) acc[tname] = *t.data;
+  for (const auto& [r, sites] : rounds) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, *j, r, sites));
+    for (auto& [tname, g] : merged) {
+      float* a = acc[tname].data();
+      for (size_t i = 0; i < g.size(); ++i) a[i] += g[i];
+    }
+  }
+  std::map<std::string, SyncTensor> view;
+  for (auto& [tname, v] : acc) {
+    view[tname] = SyncTensor{j->theta.at(tname).shape,
+                             std::make_shared<const std::vector<float>>(std::move(v))};
+  }
+  j->view = std::move(view);
+  return *j->view;
+}
+
+Result<std::map<std::string, SyncTensor>> SyncEngine::Committed(const std::string& name) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  return j->theta;
+}
+
+uint64_t SyncEngine::Version(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : it->second.version;
+}
+uint64_t SyncEngine::LocalRound(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : it->second.local;
+}
+uint64_t SyncEngine::CommittedRound(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : it->second.committed;
+}
+
+Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  SyncJobStatus s;
+  s.job = name;
+  s.site = options_.site;
+  s.local_round = j->local;
+  s.committed_round = j->committed;
+  s.staged_round = j->staged_round;
+  s.staged_tensors = j->staged.size();
+  s.tensor_count = j->theta.size();
+  for (const auto& site : AllSites()) s.held[site] = HeldContiguous(*j, site);
+  for (const auto& p : options_.peer_sites) {
+    auto it = j->acked.find(p);
+    s.acked[p] = it == j->acked.end() ? 0 : it->second;
+  }
+  s.bytes_encoded = j->bytes_encoded;
+  s.raw_bytes = j->raw_bytes;
+  s.compression_ratio = j->bytes_encoded ? static_cast<double>(j->raw_bytes) /
+                                               static_cast<double>(j->bytes_encoded)
+                                         : 0.0;
+  s.pipelines = j->pipelines;
+  s.version = j->version;
+  return s;
+}
+
+Result<std::vector<std::pair<uint64_t, std::string>>> SyncEngine::Digests(const std::string& name,
+                                                                          uint64_t from_round,
+                                                                          uint64_t max) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  (void)j;
+  std::vector<std::pair<uint64_t, std::string>> out;
+  const std::string prefix = DigestPrefix(name);
+  ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kSync, prefix, [&](std::string_view k, std::string_view v) {
+    if (k.size() != prefix.size() + 8) return true;
+    uint64_t r = FromBigEndian64(k.substr(prefix.size()));
+    if (r < from_round) return true;
+    if (out.size() >= max) return false;
+    out.emplace_back(r, std::string(v));
+    return true;
+  }));
+  return out;
+}
+
+std::vector<std::string> SyncEngine::SyncJobs() const {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : jobs_) out.push_back(name);
+  return out;
+}
+
+uint64_t SyncEngine::OutboxHighRound(const std::string& job) const { return LocalRound(job); }
+
+Result<std::shared_ptr<const EncodedDelta>> SyncEngine::OutboxDelta(const std::string& name,
+                                                                    uint64_t round) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (round == 0 || round > j->local) {
+    return Status::NotFound("round " + std::to_string(round) + " of job '" + name +
+                            "' has not been closed on this site");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, options_.site, round)));
+  if (!bytes) {
+    return Status::NotFound("round " + std::to_string(round) + " of job '" + name +
+                            "' was acknowledged by every peer and dropped");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta d, ParseDelta(*bytes));
+  return std::shared_ptr<const EncodedDelta>(std::make_shared<EncodedDelta>(std::move(d)));
+}
+
+void SyncEngine::CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const {
+  uint64_t limit = j.committed;
+  for (const auto& p : options_.peer_sites) {
+    auto it = j.acked.find(p);
+    limit = std::min(limit, it == j.acked.end() ? 0 : it->second);
+  }
+  if (limit == 0) return;
+  const std::string prefix = JobKey(name, options_.site + std::string(1, '\0'));
+  (void)store_->Scan(Column::kDeltas, prefix, [&](std::string_view k, std::string_view) {
+    if (k.size() != prefix.size() + 8) return true;
+    if (FromBigEndian64(k.substr(prefix.size())) > limit) return false;
+    batch.Delete(Column::kDeltas, std::string(k));
+    return true;
+  });
+}
+
+void SyncEngine::OnPeerAck(const std::string& peer_site, const std::string& name,
+                           uint64_t held_round) {
+  auto it = jobs_.find(name);
+  if (it == jobs_.end() ||
+      std::find(options_.peer_sites.begin(), options_.peer_sites.end(), peer_site) ==
+          options_.peer_sites.end()) {
+    return;
+  }
+  Job& j = it->second;
+  held_round = std::min(held_round, j.local);  // a peer cannot hold more than we produced
+  uint64_t& acked = j.acked[peer_site];
+  if (held_round <= acked) return;
+  const uint64_t before = acked;
+  acked = held_round;
+  WriteBatch batch;
+  CollectGarbage(name, j, batch);
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(j));
+  Status s = store_->Write(batch);
+  if (!s.ok()) {
+    acked = before;  // memory follows the store only
+    spdlog::warn("job '{}': cannot record ack of {} for round {}: {}", name, peer_site, held_round,
+                 s.ToString());
+  }
+}
+
+void SyncEngine::OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) {
+  if (std::isfinite(bytes_per_second) && bytes_per_second > 0) bandwidth_[peer_site] = bytes_per_second;
+}
+
+uint64_t SyncEngine::HeldFrom(const std::string& site, const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : HeldContiguous(it->second, site);
+}
+
+Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const EncodedDelta& delta) {
+  if (delta.site != from_site) {
+    return Status::PermissionDenied("peer " + from_site + " sent a delta labelled as site '" +
+                                    delta.site + "'");
+  }
+  if (std::find(options_.peer_sites.begin(), options_.peer_sites.end(), from_site) ==
+      options_.peer_sites.end()) {
+    return Status::PermissionDenied("site '" + from_site + "' is not a configured peer");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(delta.job));
+  const std::string& name = delta.job;
+  if (delta.round == 0) return Status::InvalidArgument("delta for round 0");
+  auto& held = j->inbox[from_site];
+  if (delta.round <= j->committed || held.count(delta.round)) {
+    return HeldContiguous(*j, from_site);  // duplicate: already held or committed
+  }
+  if (delta.round > j->committed + 2 * hard_cap_ + 1) {
+    return Status::FailedPrecondition("delta for round " + std::to_string(delta.round) +
+                                      " is too far ahead of committed round " +
+                                      std::to_string(j->committed));
+  }
+  if (delta.tensors.size() != j->theta.size()) {
+    return Status::InvalidArgument("delta of site " + from_site + " round " +
+                                   std::to_string(delta.round) + " has " +
+                                   std::to_string(delta.tensors.size()) + " tensors, the job " +
+                                   std::to_string(j->theta.size()));
+  }
+  std::set<std::string> seen;
+  std::vector<float> scratch;
+  for (const auto& et : delta.tensors) {
+    auto it = j->theta.find(et.name);
+    if (it == j->theta.end() || !seen.insert(et.name).second) {
+      return Status::InvalidArgument("delta tensor '" + et.name + "' is unknown or repeated");
+    }
+    if (et.shape != it->second.shape) {
+      return Status::InvalidArgument("delta tensor '" + et.name + "' has the wrong shape");
+    }
+    scratch.assign(it->second.data->size(), 0.0f);
+    Status s = DecodeBytes(et.bytes, scratch);
+    if (!s.ok()) return Status::InvalidArgument("delta tensor '" + et.name + "': " + s.message());
+    for (float f : scratch) {
+      if (!std::isfinite(f)) return Status::InvalidArgument("delta tensor '" + et.name + "' is not finite");
+    }
+  }
+  const std::string serialized = SerializeDelta(delta);
+  Job rec_view;  // only the record fields matter
+  rec_view.committed = j->committed;
+  rec_view.local = j->local;
+  rec_view.version = j->version + 1;
+  rec_view.staged_round = j->staged_round;
+  rec_view.staged_tokens = j->staged_tokens;
+  rec_view.staged = j->staged;
+  rec_view.acked = j->acked;
+  rec_view.bytes_encoded = j->bytes_encoded;
+  rec_view.raw_bytes = j->raw_bytes;
+  rec_view.pipelines = j->pipelines;
+  WriteBatch batch;
+  batch.Put(Column::kDeltas, DeltaKey(name, from_site, delta.round), serialized);
+  batch.PutOwned(Column::kSync, HeldKey(name, from_site, delta.round), std::to_string(delta.tokens));
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec_view));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  held[delta.round] = delta.tokens;
+  j->version = rec_view.version;
+  j->view.reset();
+  ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+  return HeldContiguous(*j, from_site);
+}
+
+}  // namespace isthmus

@@ -1,0 +1,215 @@
+// The round protocol of one shard (DESIGN.md "The round protocol", docs/SYNC.md): stages a
+// site's round delta as its workers push it, closes the round by encoding it with error
+// feedback into the outbox, holds peers' deltas in the inbox, commits a round once every
+// site's delta for it is held (token-weighted merge in site-name order, then Nesterov
+// momentum), and serves committed state plus the known uncommitted deltas to workers.
+// Every state change is one Store write batch; memory follows only after it succeeded.
+//
+// Threads: one thread (the shard's event loop) calls everything; nothing is locked.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "server/peer_io.h"
+#include "server/store.h"
+
+namespace isthmus {
+
+struct SyncOptions {
+  std::string site;                     // this site's name; required
+  std::vector<std::string> peer_sites;  // the other sites; empty = commit on close
+  // Codec pipeline text for every tensor (empty: the codec's default pipeline).
+  std::string codec;
+  // "glob=pipeline" entries (fnmatch globs on tensor names); the first match wins.
+  std::vector<std::string> codec_overrides;
+  // Adaptive mode: size each round's encoding to the slowest link, within floor/ceiling.
+  bool adaptive = false;
+  std::string adaptive_floor;    // coarsest pipeline allowed (empty: codec default ladder end)
+  std::string adaptive_ceiling;  // finest pipeline allowed (empty: dense)
+  double outer_lr = 1.0;
+  double outer_momentum = 0.0;
+  uint64_t max_rounds_ahead = 2;  // K: workers wait while local - committed > K (0: never)
+  // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
+  uint64_t hard_cap_rounds = 0;
+  // Clock for round durations (adaptive sizing); tests replace it.
+  std::function<std::chrono::steady_clock::time_point()> now = &std::chrono::steady_clock::now;
+};
+
+// A tensor of a job as the shard holds it. `data` is shared, never mutated.
+struct SyncTensor {
+  std::vector<int64_t> shape;
+  std::shared_ptr<const std::vector<float>> data;
+};
+
+// One tensor of a worker's round push: the values to add.
+struct SyncPushTensor {
+  std::string name;
+  std::span<const float> delta;
+};
+
+struct SyncPushResult {
+  bool duplicate = false;   // the round was already closed: nothing changed
+  bool closed = false;      // this push completed the round
+  uint64_t version = 0;     // the job's served version after the push
+};
+
+// Where a job stands (isthmusctl sync status).
+struct SyncJobStatus {
+  std::string job;
+  std::string site;
+  uint64_t local_round = 0;      // last round this site closed
+  uint64_t committed_round = 0;  // last round committed on this shard
+  uint64_t staged_round = 0;     // round being pushed now (0: none)
+  uint64_t staged_tensors = 0;   // tensors of staged_round pushed so far
+  uint64_t tensor_count = 0;
+  std::map<std::string, uint64_t> held;   // site -> highest contiguous round held/committed
+  std::map<std::string, uint64_t> acked;  // peer -> highest round of ours it acknowledged
+  uint64_t bytes_encoded = 0;             // total encoded bytes of this site's deltas
+  uint64_t raw_bytes = 0;                 // the same deltas as fp32
+  double compression_ratio = 0;           // raw / encoded (0 before any round)
+  // Pipeline text -> number of tensors that used it in the last closed round.
+  std::map<std::string, uint64_t> pipelines;
+  uint64_t version = 0;  // served version (increases whenever pulled values change)
+};
+
+class SyncEngine : public DeltaSource, public DeltaSink {
+ public:
+  // Checks options (site set, peers distinct from it, pipelines parse, lr/momentum finite)
+  // and makes an engine with no jobs. `store` is not owned and must outlive the engine (or
+  // be replaced with SetStore).
+  static Result<std::unique_ptr<SyncEngine>> Create(Store* store, SyncOptions options);
+
+  // Forgets every job and uses `store` from now on (after a snapshot restore).
+  void Reset(Store* store);
+
+  // Takes part in sync for `job`, whose committed tensors (as in the store's kTensors
+  // column) are `tensors`. Loads the job's durable sync state (none for a new job; then
+  // `base_version` is the served version) and commits any round that became committable
+  // before a crash. Digest of round 0 = the initial state.
+  Status AttachJob(const std::string& job, std::map<std::string, SyncTensor> tensors,
+                   uint64_t base_version);
+  bool HasJob(const std::string& job) const { return jobs_.count(job) > 0; }
+  bool has_peers() const { return !options_.peer_sites.empty(); }
+  const SyncOptions& options() const { return options_; }
+
+  // A worker's push for round `round` (>= 1) of `job`, `tokens` = the site's tokens of the
+  // round. Rounds <= the last closed round are answered as duplicates. Refuses
+  // (FailedPrecondition, saying why) a round past local + 1, a round that would put the site
+  // more than the hard cap ahead of the last commit, and a tensor pushed twice for a round;
+  // NotFound / InvalidArgument for unknown tensors or wrong sizes. `batch` may hold the
+  // caller's own ops (its idempotency record): they are written in the same batch, and
+  // only if everything succeeded. The push that completes the round closes it (encode,
+  // residual, outbox), and the commits that become possible follow, each its own batch.
+  Result<SyncPushResult> PushRound(const std::string& job, uint64_t round, uint64_t tokens,
+                                   const std::vector<SyncPushTensor>& tensors, WriteBatch& batch);
+
+  // Round-less add (push with round 0) for a job that syncs with no peers: theta += delta
+  // at once. FailedPrecondition when peers are configured.
+  Result<uint64_t> AddNow(const std::string& job, const std::vector<SyncPushTensor>& tensors,
+                          WriteBatch& batch);
+
+  // What a worker pulls: committed tensors plus every known uncommitted round's merge of
+  // the deltas held so far (token-weighted over the sites held, no momentum). Shared
+  // buffers, valid as long as the caller keeps them. Recomputed only after a change.
+  Result<std::map<std::string, SyncTensor>> View(const std::string& job);
+  // The committed tensors alone.
+  Result<std::map<std::string, SyncTensor>> Committed(const std::string& job) const;
+
+  uint64_t Version(const std::string& job) const;
+  uint64_t LocalRound(const std::string& job) const;
+  uint64_t CommittedRound(const std::string& job) const;
+  uint64_t max_rounds_ahead() const { return options_.max_rounds_ahead; }
+  uint64_t hard_cap() const { return hard_cap_; }
+
+  Result<SyncJobStatus> JobStatus(const std::string& job) const;
+  // Committed-round digests (hex SHA-256) of rounds from_round.. (at most `max`), in order.
+  Result<std::vector<std::pair<uint64_t, std::string>>> Digests(const std::string& job,
+                                                                uint64_t from_round,
+                                                                uint64_t max) const;
+
+  // DeltaSource.
+  std::vector<std::string> SyncJobs() const override;
+  uint64_t OutboxHighRound(const std::string& job) const override;
+  Result<std::shared_ptr<const EncodedDelta>> OutboxDelta(const std::string& job,
+                                                          uint64_t round) override;
+  void OnPeerAck(const std::string& peer_site, const std::string& job,
+                 uint64_t held_round) override;
+  void OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) override;
+
+  // DeltaSink.
+  Result<uint64_t> ReceiveDelta(const std::string& from_site, const EncodedDelta& delta) override;
+  uint64_t HeldFrom(const std::string& site, const std::string& job) const override;
+
+  // Reads a job's committed tensors as the shard stores them (kTensorMeta JSON with a
+  // "shape", kTensors raw fp32). Corruption when a record or size is bad.
+  static Result<std::map<std::string, SyncTensor>> ReadTensors(Store* store,
+                                                              const std::string& job);
+
+  // Serialised form of an EncodedDelta in the kDeltas column (exposed for tests).
+  static std::string SerializeDelta(const EncodedDelta& d);
+  static Result<EncodedDelta> ParseDelta(std::string_view bytes);
+
+ private:
+  struct Job {
+    std::map<std::string, SyncTensor> theta;   // committed
+    std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+    uint64_t committed = 0;
+    uint64_t local = 0;                         // last round this site closed
+    uint64_t version = 0;
+    uint64_t staged_round = 0;
+    uint64_t staged_tokens = 0;
+    std::set<std::string> staged;               // tensors pushed for staged_round
+    // site -> uncommitted round held -> its tokens (own site: rounds closed, uncommitted).
+    std::map<std::string, std::map<uint64_t, uint64_t>> inbox;
+    std::map<std::string, uint64_t> acked;      // peer -> acked round
+    uint64_t bytes_encoded = 0, raw_bytes = 0;
+    std::map<std::string, uint64_t> pipelines;  // last closed round
+    // Round timing for adaptive sizing (memory only: a restart starts from the config).
+    std::optional<std::chrono::steady_clock::time_point> last_close;
+    double last_round_seconds = 0;
+    // Cached optimistic view; empty when stale.
+    std::optional<std::map<std::string, SyncTensor>> view;
+  };
+
+  SyncEngine(Store* store, SyncOptions options);
+  Result<Job*> FindJob(const std::string& job);
+  Result<const Job*> FindJob(const std::string& job) const;
+  std::string JobRecord(const Job& j) const;
+  std::vector<std::string> AllSites() const;  // sorted
+  uint64_t HeldContiguous(const Job& j, const std::string& site) const;
+  Status CloseRound(const std::string& name, Job& j);
+  Status CommitReady(const std::string& name, Job& j);
+  Status CommitOne(const std::string& name, Job& j);
+  // Token-weighted merge of round `round` over `sites` (in the given order), decoded.
+  Result<std::map<std::string, std::vector<float>>> Merge(const std::string& name, const Job& j,
+                                                          uint64_t round,
+                                                          const std::vector<std::string>& sites);
+  // Pipeline text for a tensor of the round being closed.
+  std::string PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
+                          uint64_t total_numel) const;
+  void CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const;
+
+  Store* store_;
+  SyncOptions options_;
+  uint64_t hard_cap_;
+  std::map<std::string, Job> jobs_;
+  std::map<std::string, double> bandwidth_;  // peer -> bytes/s
+};
+
+// SHA-256 (hex) of a committed state: round, then for each tensor in name order its name,
+// shape, theta bytes and momentum bytes (momentum omitted when null).
+std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>& theta,
+                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m);
+
+}  // namespace isthmus

@@ -1,0 +1,599 @@
+// The round protocol in one process: three sites' engines (each on its own RocksDB store in
+// a temp folder) wired by direct calls, delivering outbox deltas in shuffled orders with
+// duplicates, withholding a site, reopening stores between steps as a crash would, and
+// feeding malformed or replayed deltas. Committed digests must agree on every site.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <random>
+
+#include "common/tensor.h"
+#include "server/sync_engine.h"
+#include "tests/server/test_util.h"
+
+namespace isthmus {
+namespace {
+
+constexpr char kJob[] = "j";
+
+struct Spec {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+const std::vector<Spec> kTensors = {{"a.weight", {8, 16}}, {"b.bias", {16}}, {"c.lora_A", {4, 32}}};
+
+std::vector<float> Random(size_t n, uint64_t seed, float scale) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+size_t Numel(const std::vector<int64_t>& s) { return static_cast<size_t>(NumElements(s)); }
+
+// The worker's delta of `site` for round `r`, tensor index i (deterministic).
+std::vector<float> DeltaOf(const std::string& site, uint64_t r, size_t i) {
+  return Random(Numel(kTensors[i].shape), std::hash<std::string>{}(site) * 131 + r * 17 + i, 0.01f);
+}
+uint64_t TokensOf(const std::string& site, uint64_t r) { return 100 * site.size() + 7 * r + site[0]; }
+
+// Everything in a store, for "nothing changed" checks.
+std::map<std::string, std::string> Dump(Store* store) {
+  std::map<std::string, std::string> out;
+  for (int c = 0; c < static_cast<int>(Column::kCount); ++c) {
+    EXPECT_TRUE(store->Scan(static_cast<Column>(c), "", [&](std::string_view k, std::string_view v) {
+      out[std::to_string(c) + ":" + std::string(k)] = std::string(v);
+      return true;
+    }).ok());
+  }
+  return out;
+}
+
+class Site {
+ public:
+  Site(std::string name, std::vector<std::string> peers, const std::string& codec,
+       double lr = 1.0, double mu = 0.0)
+      : name_(std::move(name)) {
+    options_.site = name_;
+    options_.peer_sites = std::move(peers);
+    options_.codec = codec;
+    options_.outer_lr = lr;
+    options_.outer_momentum = mu;
+    Open(/*fresh=*/true);
+  }
+
+  void Open(bool fresh = false) {
+    StoreOptions so;
+    so.sync_writes = false;
+    auto store = OpenRocksStore(dir_.str() + "/db", so);
+    ASSERT_TRUE(store.ok()) << store.status().ToString();
+    store_ = std::move(store).value();
+    if (fresh) {
+      WriteBatch b;
+      std::vector<std::vector<float>> keep;
+      for (size_t i = 0; i < kTensors.size(); ++i) {
+        keep.push_back(Random(Numel(kTensors[i].shape), 1000 + i, 1.0f));  // same on all sites
+      }
+      for (size_t i = 0; i < kTensors.size(); ++i) {
+        b.Put(Column::kTensors, JobKey(kJob, kTensors[i].name),
+              {reinterpret_cast<const char*>(keep[i].data()), keep[i].size() * 4});
+        std::string shape;
+        for (size_t d = 0; d < kTensors[i].shape.size(); ++d) {
+          shape += (d ? "," : "") + std::to_string(kTensors[i].shape[d]);
+        }
+        b.PutOwned(Column::kTensorMeta, JobKey(kJob, kTensors[i].name),
+                   "{\"shape\":[" + shape + "],\"version\":1}");
+      }
+      ASSERT_TRUE(store_->Write(b).ok());
+    }
+    auto engine = SyncEngine::Create(store_.get(), options_);
+    ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+    engine_ = std::move(engine).value();
+    auto tensors = SyncEngine::ReadTensors(store_.get(), kJob);
+    ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
+    ASSERT_TRUE(engine_->AttachJob(kJob, std::move(*tensors), 1).ok());
+  }
+  // Closes and reopens everything, as after a crash (writes are in RocksDB's WAL).
+  void Reopen() {
+    engine_.reset();
+    store_.reset();
+    Open();
+  }
+
+  // Pushes round r as the workers would: tensor 0 alone, then the rest.
+  Result<SyncPushResult> PushRound(uint64_t r, int part = -1) {
+    std::vector<std::vector<float>> deltas;
+    for (size_t i = 0; i < kTensors.size(); ++i) deltas.push_back(DeltaOf(name_, r, i));
+    Result<SyncPushResult> last = SyncPushResult{};
+    for (int p = 0; p < 2; ++p) {
+      if (part >= 0 && p != part) continue;
+      std::vector<SyncPushTensor> ts;
+      for (size_t i = 0; i < kTensors.size(); ++i) {
+        if ((i == 0) == (p == 0)) ts.push_back({kTensors[i].name, deltas[i]});
+      }
+      WriteBatch b;
+      last = engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b);
+      if (!last.ok()) return last;
+    }
+    return last;
+  }
+
+  std::vector<std::string> Digests() {
+    auto d = engine_->Digests(kJob, 0, 1000);
+    EXPECT_TRUE(d.ok());
+    std::vector<std::string> out;
+    for (auto& [r, h] : *d) {
+      EXPECT_EQ(r, out.size());
+      out.push_back(h);
+    }
+    return out;
+  }
+
+  SyncEngine& engine() { return *engine_; }
+  Store* store() { return store_.get(); }
+  const std::string& name() const { return name_; }
+  SyncOptions& options() { return options_; }
+
+ private:
+  std::string name_;
+  SyncOptions options_;
+  testing::TempDir dir_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<SyncEngine> engine_;
+};
+
+// Sends every outbox round of `from` above what `to` holds; acks back. Returns rounds sent.
+int Deliver(Site& from, Site& to, bool twice = false) {
+  int sent = 0;
+  uint64_t held = to.engine().HeldFrom(from.name(), kJob);
+  for (uint64_t r = held + 1; r <= from.engine().OutboxHighRound(kJob); ++r) {
+    auto d = from.engine().OutboxDelta(kJob, r);
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    if (!d.ok()) return sent;
+    for (int k = 0; k < (twice ? 2 : 1); ++k) {
+      auto ack = to.engine().ReceiveDelta(from.name(), **d);
+      EXPECT_TRUE(ack.ok()) << ack.status().ToString();
+      if (ack.ok()) from.engine().OnPeerAck(to.name(), kJob, *ack);
+    }
+    ++sent;
+  }
+  return sent;
+}
+
+std::vector<std::unique_ptr<Site>> ThreeSites(const std::string& codec, double lr = 1.0,
+                                              double mu = 0.0) {
+  std::vector<std::string> names = {"siteA", "siteB", "siteC"};
+  std::vector<std::unique_ptr<Site>> sites;
+  for (const auto& n : names) {
+    std::vector<std::string> peers;
+    for (const auto& p : names) {
+      if (p != n) peers.push_back(p);
+    }
+    sites.push_back(std::make_unique<Site>(n, peers, codec, lr, mu));
+  }
+  return sites;
+}
+
+// theta0 + sum over rounds of the token-weighted merge (lr 1, momentum 0, lossless codec),
+// in the engine's order: sites by name, then element order.
+std::map<std::string, std::vector<float>> Reference(const std::vector<std::string>& sites,
+                                                    uint64_t rounds) {
+  std::map<std::string, std::vector<float>> theta;
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    theta[kTensors[i].name] = Random(Numel(kTensors[i].shape), 1000 + i, 1.0f);
+  }
+  for (uint64_t r = 1; r <= rounds; ++r) {
+    uint64_t total = 0;
+    for (const auto& s : sites) total += TokensOf(s, r);
+    for (size_t i = 0; i < kTensors.size(); ++i) {
+      std::vector<float> merged(Numel(kTensors[i].shape), 0.0f);
+      for (const auto& s : sites) {
+        float w = static_cast<float>(static_cast<double>(TokensOf(s, r)) / static_cast<double>(total));
+        auto d = DeltaOf(s, r, i);
+        for (size_t k = 0; k < merged.size(); ++k) merged[k] += w * d[k];
+      }
+      auto& th = theta[kTensors[i].name];
+      for (size_t k = 0; k < th.size(); ++k) th[k] += 1.0f * merged[k];
+    }
+  }
+  return theta;
+}
+
+void ExpectCommittedEquals(Site& site, const std::map<std::string, std::vector<float>>& want) {
+  auto got = site.engine().Committed(kJob);
+  ASSERT_TRUE(got.ok());
+  for (const auto& [name, v] : want) {
+    ASSERT_EQ(*got->at(name).data, v) << site.name() << " tensor " << name;
+  }
+}
+
+TEST(SyncEngineTest, ThreeSitesCommitIdenticalDigestsEveryRound) {
+  auto sites = ThreeSites("", /*lr=*/0.7, /*mu=*/0.9);  // the codec's default pipeline
+  std::mt19937 rng(7);
+  for (uint64_t r = 1; r <= 5; ++r) {
+    for (auto& s : sites) ASSERT_TRUE(s->PushRound(r).ok());
+    std::vector<std::pair<int, int>> pairs;
+    for (int a = 0; a < 3; ++a) {
+      for (int b = 0; b < 3; ++b) {
+        if (a != b) pairs.emplace_back(a, b);
+      }
+    }
+    std::shuffle(pairs.begin(), pairs.end(), rng);
+    for (auto [a, b] : pairs) Deliver(*sites[a], *sites[b], /*twice=*/r % 2 == 1);
+    for (auto& s : sites) ASSERT_EQ(s->engine().CommittedRound(kJob), r) << s->name();
+    auto d0 = sites[0]->Digests();
+    ASSERT_EQ(d0.size(), r + 1);
+    EXPECT_EQ(sites[1]->Digests(), d0);
+    EXPECT_EQ(sites[2]->Digests(), d0);
+    EXPECT_NE(d0[r], d0[r - 1]);
+    // Every peer acknowledged round r and it committed: the outbox dropped it.
+    EXPECT_EQ(sites[0]->engine().OutboxDelta(kJob, r).status().code(), Code::kNotFound);
+  }
+  auto st = sites[0]->engine().JobStatus(kJob);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->committed_round, 5u);
+  EXPECT_EQ(st->held.at("siteC"), 5u);
+  EXPECT_EQ(st->acked.at("siteB"), 5u);
+  EXPECT_GT(st->raw_bytes, 0u);
+  EXPECT_GT(st->compression_ratio, 0.0);
+  std::printf("default pipeline compression ratio on this synthetic delta: %.1fx (%s)\n",
+              st->compression_ratio, st->pipelines.begin()->first.c_str());
+}
+
+TEST(SyncEngineTest, WithheldSiteConvergesWithNothingDoubled) {
+  auto sites = ThreeSites("dense");
+  auto& a = *sites[0];
+  auto& b = *sites[1];
+  auto& c = *sites[2];
+  for (uint64_t r = 1; r <= 3; ++r) {
+    for (auto& s : sites) ASSERT_TRUE(s->PushRound(r).ok());
+    Deliver(a, b), Deliver(b, a), Deliver(a, c), Deliver(b, c);  // nothing from c
+  }
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 0u);
+  EXPECT_EQ(a.engine().LocalRound(kJob), 3u);
+  EXPECT_EQ(c.engine().CommittedRound(kJob), 3u);  // c holds everyone's deltas
+  // Round 4 pushed meanwhile, and c's outbox is delivered twice over.
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(4).ok());
+  EXPECT_EQ(Deliver(c, a, true), 4);
+  EXPECT_EQ(Deliver(c, b, true), 4);
+  Deliver(a, b), Deliver(b, a), Deliver(a, c), Deliver(b, c);
+  auto want = Reference({"siteA", "siteB", "siteC"}, 4);
+  for (auto& s : sites) {
+    EXPECT_EQ(s->engine().CommittedRound(kJob), 4u);
+    ExpectCommittedEquals(*s, want);
+  }
+  EXPECT_EQ(a.Digests(), c.Digests());
+  EXPECT_EQ(b.Digests(), c.Digests());
+  // Replays of everything: no change.
+  auto before = Dump(a.store());
+  for (uint64_t r = 1; r <= 4; ++r) {
+    auto d = b.engine().OutboxDelta(kJob, r);
+    if (d.ok()) EXPECT_TRUE(a.engine().ReceiveDelta("siteB", **d).ok());
+  }
+  EXPECT_EQ(Dump(a.store()), before);
+}
+
+TEST(SyncEngineTest, ReopenBetweenAnyTwoStepsLosesNothing) {
+  auto sites = ThreeSites("dense");
+  std::mt19937 rng(11);
+  const uint64_t kRounds = 3;
+  int steps = 0;
+  for (uint64_t r = 1; r <= kRounds; ++r) {
+    // Steps: each site's two half-pushes, then every (from, to) delivery, in random order
+    // (a site's halves in order; deliveries after the pushes).
+    std::vector<std::function<void()>> plan;
+    for (auto& s : sites) {
+      Site* p = s.get();
+      plan.push_back([p, r] { ASSERT_TRUE(p->PushRound(r, 0).ok()); });
+      plan.push_back([p, r] { ASSERT_TRUE(p->PushRound(r, 1).ok()); });
+    }
+    std::vector<std::function<void()>> deliveries;
+    for (int x = 0; x < 3; ++x) {
+      for (int y = 0; y < 3; ++y) {
+        if (x != y) {
+          Site* from = sites[x].get();
+          Site* to = sites[y].get();
+          deliveries.push_back([from, to] { Deliver(*from, *to, true); });
+        }
+      }
+    }
+    std::shuffle(deliveries.begin(), deliveries.end(), rng);
+    plan.insert(plan.end(), deliveries.begin(), deliveries.end());
+    for (auto& step : plan) {
+      step();
+      if (HasFatalFailure()) return;
+      sites[rng() % 3]->Reopen();  // a crash of one shard
+      ++steps;
+    }
+  }
+  auto want = Reference({"siteA", "siteB", "siteC"}, kRounds);
+  for (auto& s : sites) {
+    s->Reopen();
+    EXPECT_EQ(s->engine().CommittedRound(kJob), kRounds);
+    ExpectCommittedEquals(*s, want);
+  }
+  EXPECT_EQ(sites[0]->Digests(), sites[1]->Digests());
+  EXPECT_EQ(sites[0]->Digests(), sites[2]->Digests());
+  EXPECT_GT(steps, 20);
+}
+
+TEST(SyncEngineTest, MalformedOrReplayedDeltaChangesNothing) {
+  auto sites = ThreeSites("");
+  auto& a = *sites[0];
+  auto& b = *sites[1];
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(1).ok());
+  for (int x = 0; x < 3; ++x) {
+    for (int y = 0; y < 3; ++y) {
+      if (x != y) Deliver(*sites[x], *sites[y]);
+    }
+  }
+  ASSERT_EQ(b.engine().CommittedRound(kJob), 1u);
+  ASSERT_TRUE(a.PushRound(2).ok());
+  auto good = a.engine().OutboxDelta(kJob, 2);
+  ASSERT_TRUE(good.ok());
+  const EncodedDelta& g = **good;
+  auto before = Dump(b.store());
+  const uint64_t version = b.engine().Version(kJob);
+  auto expect_refused = [&](const std::string& from, EncodedDelta d, Code code) {
+    auto r = b.engine().ReceiveDelta(from, d);
+    EXPECT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), code) << r.status().ToString();
+  };
+  expect_refused("siteC", g, Code::kPermissionDenied);  // labelled siteA, sent by siteC
+  EncodedDelta d = g;
+  d.site = "siteZ";
+  expect_refused("siteZ", d, Code::kPermissionDenied);  // not a configured peer
+  d = g;
+  d.job = "nope";
+  expect_refused("siteA", d, Code::kNotFound);
+  d = g;
+  d.tensors.pop_back();
+  expect_refused("siteA", d, Code::kInvalidArgument);  // missing tensor
+  d = g;
+  d.tensors.push_back(d.tensors[0]);
+  expect_refused("siteA", d, Code::kInvalidArgument);  // one too many
+  d = g;
+  d.tensors[1] = d.tensors[0];
+  expect_refused("siteA", d, Code::kInvalidArgument);  // repeated
+  d = g;
+  d.tensors[0].shape = {16, 8};
+  expect_refused("siteA", d, Code::kInvalidArgument);  // wrong shape
+  d = g;
+  d.tensors[0].name = "zzz";
+  expect_refused("siteA", d, Code::kInvalidArgument);
+  d = g;
+  d.tensors[2].bytes.resize(d.tensors[2].bytes.size() / 2);
+  expect_refused("siteA", d, Code::kInvalidArgument);  // truncated bytes
+  d = g;
+  d.tensors[2].bytes[0] ^= 0x5a;
+  expect_refused("siteA", d, Code::kInvalidArgument);  // bad header
+  d = g;
+  d.round = 0;
+  expect_refused("siteA", d, Code::kInvalidArgument);
+  d = g;
+  d.round = 1000;
+  expect_refused("siteA", d, Code::kFailedPrecondition);  // too far ahead
+  // A replay of the committed round 1 (even with other contents) is ignored and acked.
+  auto replay = sites[2]->engine().OutboxDelta(kJob, 1);
+  EncodedDelta old = g;
+  old.round = 1;
+  auto ack = b.engine().ReceiveDelta("siteA", old);
+  ASSERT_TRUE(ack.ok());
+  EXPECT_EQ(*ack, 1u);
+  EXPECT_EQ(Dump(b.store()), before);
+  EXPECT_EQ(b.engine().Version(kJob), version);
+  // The genuine delta is still accepted afterwards.
+  auto ok = b.engine().ReceiveDelta("siteA", g);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+  EXPECT_EQ(*ok, 2u);
+  EXPECT_GT(b.engine().Version(kJob), version);
+}
+
+TEST(SyncEngineTest, OptimisticViewAddsKnownUncommittedDeltas) {
+  auto sites = ThreeSites("dense");
+  auto& a = *sites[0];
+  auto& b = *sites[1];
+  auto theta0 = a.engine().Committed(kJob);
+  ASSERT_TRUE(theta0.ok());
+  const uint64_t v0 = a.engine().Version(kJob);
+  ASSERT_TRUE(a.PushRound(1, 0).ok());
+  EXPECT_EQ(a.engine().Version(kJob), v0);  // a half round changes nothing served
+  ASSERT_TRUE(a.PushRound(1, 1).ok());
+  const uint64_t v1 = a.engine().Version(kJob);
+  EXPECT_GT(v1, v0);
+  EXPECT_EQ(a.engine().LocalRound(kJob), 1u);
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 0u);
+  auto view = a.engine().View(kJob);
+  ASSERT_TRUE(view.ok());
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    auto want = *theta0->at(kTensors[i].name).data;
+    auto d = DeltaOf("siteA", 1, i);
+    for (size_t k = 0; k < want.size(); ++k) want[k] += 0.0f + 1.0f * d[k];
+    EXPECT_EQ(*view->at(kTensors[i].name).data, want);
+  }
+  // b's round 1 arrives: the view is theta0 + the merge over {a, b}, weights renormalised.
+  ASSERT_TRUE(b.PushRound(1).ok());
+  Deliver(b, a);
+  EXPECT_GT(a.engine().Version(kJob), v1);
+  view = a.engine().View(kJob);
+  ASSERT_TRUE(view.ok());
+  const double total = TokensOf("siteA", 1) + TokensOf("siteB", 1);
+  const float wa = static_cast<float>(TokensOf("siteA", 1) / total);
+  const float wb = static_cast<float>(TokensOf("siteB", 1) / total);
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    auto want = *theta0->at(kTensors[i].name).data;
+    auto da = DeltaOf("siteA", 1, i);
+    auto db = DeltaOf("siteB", 1, i);
+    for (size_t k = 0; k < want.size(); ++k) {
+      float m = 0.0f;
+      m += wa * da[k];
+      m += wb * db[k];
+      want[k] += m;
+    }
+    EXPECT_EQ(*view->at(kTensors[i].name).data, want);
+  }
+  // Committed state is untouched until every site's delta is held.
+  EXPECT_EQ(*a.engine().Committed(kJob)->at("b.bias").data, *theta0->at("b.bias").data);
+}
+
+TEST(SyncEngineTest, NoPeerModeEqualsPlainAdd) {
+  Site solo("solo", {}, "topk:0.01+int2+zstd");  // ignored: nothing crosses a link
+  auto theta0 = solo.engine().Committed(kJob);
+  ASSERT_TRUE(theta0.ok());
+  for (uint64_t r = 1; r <= 3; ++r) {
+    auto res = solo.PushRound(r);
+    ASSERT_TRUE(res.ok()) << res.status().ToString();
+    EXPECT_TRUE(res->closed);
+    EXPECT_EQ(solo.engine().CommittedRound(kJob), r);
+    EXPECT_EQ(solo.engine().LocalRound(kJob), r);
+  }
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    auto want = *theta0->at(kTensors[i].name).data;
+    for (uint64_t r = 1; r <= 3; ++r) {
+      auto d = DeltaOf("solo", r, i);
+      for (size_t k = 0; k < want.size(); ++k) want[k] += d[k];
+    }
+    EXPECT_EQ(*solo.engine().Committed(kJob)->at(kTensors[i].name).data, want);
+    EXPECT_EQ(*solo.engine().View(kJob)->at(kTensors[i].name).data, want);
+  }
+  // Round-less adds are allowed without peers.
+  std::vector<float> one(16, 1.0f);
+  WriteBatch batch;
+  auto v = solo.engine().AddNow(kJob, {{"b.bias", one}}, batch);
+  ASSERT_TRUE(v.ok());
+  solo.Reopen();
+  EXPECT_EQ(solo.engine().CommittedRound(kJob), 3u);
+  EXPECT_EQ(solo.engine().Version(kJob), *v);
+  // ...and refused with peers.
+  Site paired("siteA", {"siteB"}, "dense");
+  WriteBatch b2;
+  EXPECT_EQ(paired.engine().AddNow(kJob, {{"b.bias", one}}, b2).status().code(),
+            Code::kFailedPrecondition);
+}
+
+TEST(SyncEngineTest, NesterovMatchesHandComputation) {
+  // Two sites, one 2-element tensor: g1 = 0.25 * [1, 0] + 0.75 * [3, 4] = [2.5, 3].
+  // lr 0.5, mu 0.9:  m1 = g1;  theta1 = [1, 2] + 0.5 * (g1 + 0.9 * m1) = [3.375, 4.85].
+  // Round 2, zero deltas: m2 = 0.9 * m1 = [2.25, 2.7]; theta2 = theta1 + 0.5 * 0.9 * m2
+  // = [4.3875, 6.065].
+  testing::TempDir da, db;
+  std::vector<std::unique_ptr<Store>> stores;
+  std::vector<std::unique_ptr<SyncEngine>> engines;
+  for (auto [dir, site, peer] : {std::tuple{&da, "A", "B"}, std::tuple{&db, "B", "A"}}) {
+    stores.push_back(std::move(OpenRocksStore(dir->str(), StoreOptions{})).value());
+    SyncOptions o;
+    o.site = site;
+    o.peer_sites = {peer};
+    o.codec = "dense";
+    o.outer_lr = 0.5;
+    o.outer_momentum = 0.9;
+    engines.push_back(std::move(SyncEngine::Create(stores.back().get(), o)).value());
+    std::map<std::string, SyncTensor> t;
+    t["w"] = {{2}, std::make_shared<const std::vector<float>>(std::vector<float>{1.0f, 2.0f})};
+    ASSERT_TRUE(engines.back()->AttachJob(kJob, t, 1).ok());
+  }
+  auto push = [&](int e, uint64_t r, std::vector<float> v, uint64_t tokens) {
+    WriteBatch b;
+    ASSERT_TRUE(engines[e]->PushRound(kJob, r, tokens, {{"w", v}}, b).ok());
+  };
+  auto exchange = [&](uint64_t r) {
+    auto x = engines[0]->OutboxDelta(kJob, r);
+    auto y = engines[1]->OutboxDelta(kJob, r);
+    ASSERT_TRUE(x.ok() && y.ok());
+    ASSERT_TRUE(engines[1]->ReceiveDelta("A", **x).ok());
+    ASSERT_TRUE(engines[0]->ReceiveDelta("B", **y).ok());
+  };
+  push(0, 1, {1, 0}, 1);
+  push(1, 1, {3, 4}, 3);
+  exchange(1);
+  for (auto& e : engines) {
+    auto t = *e->Committed(kJob)->at("w").data;
+    EXPECT_NEAR(t[0], 3.375, 1e-6);
+    EXPECT_NEAR(t[1], 4.85, 1e-6);
+  }
+  push(0, 2, {0, 0}, 1);
+  push(1, 2, {0, 0}, 1);
+  exchange(2);
+  for (auto& e : engines) {
+    auto t = *e->Committed(kJob)->at("w").data;
+    EXPECT_NEAR(t[0], 4.3875, 1e-5);
+    EXPECT_NEAR(t[1], 6.065, 1e-5);
+    EXPECT_EQ(e->CommittedRound(kJob), 2u);
+  }
+  EXPECT_EQ(*engines[0]->Digests(kJob, 0, 10), *engines[1]->Digests(kJob, 0, 10));
+  // Momentum survives a restart: reopen A and commit round 3 (zero deltas) on both.
+  engines[0].reset();
+  stores[0].reset();
+  stores[0] = std::move(OpenRocksStore(da.str(), StoreOptions{})).value();
+  SyncOptions o;
+  o.site = "A";
+  o.peer_sites = {"B"};
+  o.codec = "dense";
+  o.outer_lr = 0.5;
+  o.outer_momentum = 0.9;
+  engines[0] = std::move(SyncEngine::Create(stores[0].get(), o)).value();
+  ASSERT_TRUE(engines[0]->AttachJob(kJob, *SyncEngine::ReadTensors(stores[0].get(), kJob), 1).ok());
+  push(0, 3, {0, 0}, 1);
+  push(1, 3, {0, 0}, 1);
+  exchange(3);
+  EXPECT_EQ(*engines[0]->Digests(kJob, 0, 10), *engines[1]->Digests(kJob, 0, 10));
+  EXPECT_EQ(engines[0]->Digests(kJob, 0, 10)->size(), 4u);
+}
+
+TEST(SyncEngineTest, PushRules) {
+  Site a("siteA", {"siteB"}, "dense");
+  a.options().hard_cap_rounds = 2;
+  a.Reopen();
+  EXPECT_EQ(a.PushRound(2).status().code(), Code::kFailedPrecondition);  // skips round 1
+  ASSERT_TRUE(a.PushRound(1, 0).ok());
+  EXPECT_EQ(a.PushRound(1, 0).status().code(), Code::kFailedPrecondition);  // tensor twice
+  ASSERT_TRUE(a.PushRound(1, 1).ok());
+  auto dup = a.PushRound(1);
+  ASSERT_TRUE(dup.ok());
+  EXPECT_TRUE(dup->duplicate);
+  WriteBatch b;
+  std::vector<float> wrong(3);
+  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"nope", wrong}}, b).status().code(), Code::kNotFound);
+  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", wrong}}, b).status().code(),
+            Code::kInvalidArgument);
+  ASSERT_TRUE(a.PushRound(2).ok());
+  auto over = a.PushRound(3);
+  EXPECT_EQ(over.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(over.status().message().find("hard cap"), std::string::npos);
+}
+
+TEST(SyncEngineTest, AdaptiveSizesToTheSlowestLink) {
+#ifndef ISTHMUS_HAVE_CODEC
+  GTEST_SKIP() << "built with the stand-in codec (ops/codec.h not present)";
+#else
+  Site a("siteA", {"siteB", "siteC"}, "int8+zstd");
+  auto now = std::chrono::steady_clock::time_point{};
+  a.options().adaptive = true;
+  a.options().adaptive_floor = "topk:0.001+int2+zstd";
+  a.options().adaptive_ceiling = "dense";
+  a.options().now = [&now] { return now; };
+  a.Reopen();
+  ASSERT_TRUE(a.PushRound(1).ok());  // no measurement yet: the configured pipeline
+  EXPECT_EQ(a.engine().JobStatus(kJob)->pipelines.begin()->first, "int8+zstd");
+  now += std::chrono::seconds(10);
+  a.engine().OnLinkBandwidth("siteB", 1e9);
+  a.engine().OnLinkBandwidth("siteC", 1e9);
+  ASSERT_TRUE(a.PushRound(2).ok());  // first duration is measured at this close
+  now += std::chrono::seconds(10);
+  const uint64_t before3 = a.engine().JobStatus(kJob)->bytes_encoded;
+  ASSERT_TRUE(a.PushRound(3).ok());  // fast links, 10 s rounds: the finest allowed
+  EXPECT_EQ(a.engine().JobStatus(kJob)->pipelines.begin()->first, "dense");
+  const uint64_t after3 = a.engine().JobStatus(kJob)->bytes_encoded;
+  now += std::chrono::seconds(10);
+  a.engine().OnLinkBandwidth("siteC", 2.0);  // 2 B/s towards siteC
+  ASSERT_TRUE(a.PushRound(4).ok());
+  auto st = a.engine().JobStatus(kJob);
+  EXPECT_EQ(st->pipelines.begin()->first, "topk:0.001+int2+zstd");  // floor: nothing fits
+  EXPECT_LT(st->bytes_encoded - after3, (after3 - before3) / 4);
+#endif
+}
+
+}  // namespace
+}  // namespace isthmus
