@@ -1,0 +1,212 @@
+// isthmus-worker: one process per rank of a site. Subcommands: init (initial trainable
+// tensors for `isthmusctl job create`), train (the round loop), eval (validation loss) and
+// export (a job's tensors from the shards as safetensors or a PEFT adapter).
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <csignal>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "common/safetensors.h"
+#include "worker/round_loop.h"
+
+namespace {
+
+using namespace isthmus;
+using namespace isthmus::worker;
+
+std::atomic<bool> g_stop{false};
+
+extern "C" void OnSignal(int) { g_stop.store(true); }  // lock-free atomic: signal-safe
+
+constexpr char kExitCodes[] =
+    "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 refused by a shard (key, base hash, job),\n"
+    "4 interrupted by SIGINT/SIGTERM (the step finished and a checkpoint was written).";
+
+int Fail(const char* what, const Status& st) {
+  std::fprintf(stderr, "isthmus-worker %s: %s\n", what, st.ToString().c_str());
+  return ExitCodeFor(st);
+}
+
+struct InitArgs {
+  ModelSettings model;
+  std::string out;
+  std::string write_base;
+};
+
+int RunInit(InitArgs& a) {
+  if (!a.model.base.empty() && !a.write_base.empty()) {
+    std::fprintf(stderr, "isthmus-worker init: give --base or --write-base, not both\n");
+    return kExitUsage;
+  }
+  if (a.model.base.empty() && a.write_base.empty()) {
+    std::fprintf(stderr, "isthmus-worker init: give --base FILE or --write-base FILE\n");
+    return kExitUsage;
+  }
+  auto gpt = BuildModel(a.model);
+  if (!gpt.ok()) return Fail("init", gpt.status());
+  if (!a.write_base.empty()) {
+    if (auto st = (*gpt)->SaveBase(a.write_base); !st.ok()) return Fail("init", st);
+  }
+  auto meta = (*gpt)->ConfigMetadata();
+  meta["train_mode"] = a.model.mode;
+  if (auto st = WriteSafetensors(a.out, (*gpt)->ExportTrainable(), meta); !st.ok()) {
+    return Fail("init", st);
+  }
+  std::printf("%s\n", (*gpt)->BaseHash().c_str());
+  std::fprintf(stderr, "wrote %s (%zu trainable tensors)%s%s; base hash above\n", a.out.c_str(),
+               (*gpt)->Trainable().size(), a.write_base.empty() ? "" : " and base ",
+               a.write_base.c_str());
+  return kExitOk;
+}
+
+int RunTrain(TrainSettings& t) {
+  if (auto st = InitLogging("isthmus-worker", t.log_level); !st.ok()) return Fail("train", st);
+  if (auto st = t.Validate(); !st.ok()) {
+    std::fprintf(stderr, "isthmus-worker train: %s\n", st.message().c_str());
+    return kExitUsage;
+  }
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+  auto r = RunTraining(t, g_stop);
+  if (!r.ok()) return Fail("train", r.status());
+  return r->interrupted ? kExitInterrupted : kExitOk;
+}
+
+struct EvalArgs {
+  ModelSettings model;
+  ShardSettings shards;
+  std::string trainable;  // safetensors; empty: pull from --server
+  std::string data_dir;
+  int batch_size = 8;
+  int batches = 16;
+  bool json = false;
+};
+
+int RunEval(EvalArgs& a) {
+  auto gpt = BuildModel(a.model);
+  if (!gpt.ok()) return Fail("eval", gpt.status());
+  std::vector<Tensor> tensors;
+  if (!a.trainable.empty()) {
+    auto t = ReadSafetensorsTensors(a.trainable);
+    if (!t.ok()) return Fail("eval", t.status());
+    tensors = std::move(t).value();
+  } else if (!a.shards.servers.empty()) {
+    auto clients = ConnectShards(a.shards);
+    if (!clients.ok()) return Fail("eval", clients.status());
+    auto h = HelloAll(*clients, a.shards, (*gpt)->BaseHash());
+    if (!h.ok()) return Fail("eval", h.status());
+    auto t = PullAll(*clients, a.shards.job);
+    if (!t.ok()) return Fail("eval", t.status());
+    tensors = std::move(t).value();
+  }
+  if (!tensors.empty()) {
+    if (auto st = (*gpt)->LoadTrainable(tensors, true); !st.ok()) return Fail("eval", st);
+  }
+  auto loss = ValidationLoss(**gpt, a.data_dir + "/val.bin", a.batch_size, 0, 1, a.batches, nullptr);
+  if (!loss.ok()) return Fail("eval", loss.status());
+  if (a.json) {
+    std::printf("%s\n", nlohmann::json({{"val_loss", *loss}}).dump().c_str());
+  } else {
+    std::printf("val loss %.4f\n", *loss);
+  }
+  return kExitOk;
+}
+
+struct ExportArgs {
+  ModelSettings model;
+  ShardSettings shards;
+  std::string out;
+  std::string peft_dir;
+};
+
+int RunExport(ExportArgs& a) {
+  if (a.out.empty() && a.peft_dir.empty()) {
+    std::fprintf(stderr, "isthmus-worker export: give --out and/or --peft-dir\n");
+    return kExitUsage;
+  }
+  auto clients = ConnectShards(a.shards);
+  if (!clients.ok()) return Fail("export", clients.status());
+  std::unique_ptr<model::Gpt> gpt;
+  std::string hash;
+  if (!a.model.base.empty()) {
+    auto g = BuildModel(a.model);
+    if (!g.ok()) return Fail("export", g.status());
+    gpt = std::move(g).value();
+    hash = gpt->BaseHash();
+  } else if (!a.peft_dir.empty()) {
+    std::fprintf(stderr, "isthmus-worker export: --peft-dir needs --base\n");
+    return kExitUsage;
+  }
+  auto h = HelloAll(*clients, a.shards, hash);
+  if (!h.ok()) return Fail("export", h.status());
+  auto t = PullAll(*clients, a.shards.job);
+  if (!t.ok()) return Fail("export", t.status());
+  if (!a.out.empty()) {
+    std::map<std::string, std::string> meta;
+    if (gpt) meta = gpt->ConfigMetadata();
+    meta["job"] = a.shards.job;
+    if (auto st = WriteSafetensors(a.out, *t, meta); !st.ok()) return Fail("export", st);
+    std::fprintf(stderr, "wrote %s (%zu tensors)\n", a.out.c_str(), t->size());
+  }
+  if (!a.peft_dir.empty()) {
+    if (auto st = gpt->LoadTrainable(*t, true); !st.ok()) return Fail("export", st);
+    if (auto st = gpt->SavePeftAdapter(a.peft_dir); !st.ok()) return Fail("export", st);
+    std::fprintf(stderr, "wrote PEFT adapter to %s\n", a.peft_dir.c_str());
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"isthmus-worker: trains one rank of a site and syncs rounds with the shards"};
+  app.footer(kExitCodes);
+  app.require_subcommand(1);
+
+  InitArgs init;
+  auto* init_cmd = app.add_subcommand("init", "write the initial trainable tensors; print the base hash");
+  AddModelFlags(*init_cmd, init.model);
+  init_cmd->add_option("--out", init.out, "trainable tensors (safetensors) for isthmusctl job create")
+      ->required();
+  init_cmd->add_option("--write-base", init.write_base, "also write a fresh random base here");
+
+  TrainSettings train;
+  auto* train_cmd = app.add_subcommand("train", "train this rank (see docs/WORKER.md)");
+  train_cmd->set_config("--config", "", "TOML file with the same keys as the flags (flags win)");
+  AddTrainFlags(*train_cmd, train);
+  train_cmd->footer(kExitCodes);
+
+  EvalArgs eval;
+  auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model");
+  AddModelFlags(*eval_cmd, eval.model);
+  AddShardFlags(*eval_cmd, eval.shards);
+  eval_cmd->add_option("--trainable", eval.trainable, "trainable tensors (else pulled from --server)");
+  eval_cmd->add_option("--data", eval.data_dir, "folder with val.bin")->required();
+  eval_cmd->add_option("--batch-size", eval.batch_size, "sequences per batch")->capture_default_str();
+  eval_cmd->add_option("--batches", eval.batches, "batches to evaluate")->capture_default_str();
+  eval_cmd->add_flag("--json", eval.json, "print {\"val_loss\": ...}");
+
+  ExportArgs exp;
+  auto* export_cmd = app.add_subcommand("export", "pull a job's tensors and write them out");
+  AddModelFlags(*export_cmd, exp.model);
+  AddShardFlags(*export_cmd, exp.shards);
+  export_cmd->add_option("--out", exp.out, "safetensors file of the job's tensors");
+  export_cmd->add_option("--peft-dir", exp.peft_dir, "write a PEFT adapter folder (needs --base)");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  if (init_cmd->parsed()) return RunInit(init);
+  if (train_cmd->parsed()) return RunTrain(train);
+  if (eval_cmd->parsed()) return RunEval(eval);
+  if (export_cmd->parsed()) return RunExport(exp);
+  return kExitUsage;
+}

@@ -1,0 +1,673 @@
+// The outer loop of isthmus-worker (see round_loop.h): start-up (communicator, model,
+// data, shards, resume), the rounds, and the per-rank checkpoint.
+#include "worker/round_loop.h"
+
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <thread>
+
+#include "common/keys.h"
+#include "common/safetensors.h"
+#include "common/sharding.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/data/token_dataset.h"
+#include "worker/progress.h"
+
+namespace isthmus::worker {
+namespace {
+
+constexpr char kRefusedPrefix[] = "refused by shard: ";
+using Clock = std::chrono::steady_clock;
+
+// Integers travel through float collectives in 24-bit pieces (exact in fp32).
+void PutInt(std::vector<float>& v, uint64_t x) {
+  v.push_back(static_cast<float>(x & 0xFFFFFF));
+  v.push_back(static_cast<float>((x >> 24) & 0xFFFFFF));
+  v.push_back(static_cast<float>(x >> 48));
+}
+uint64_t GetInt(const std::vector<float>& v, size_t at) {
+  return static_cast<uint64_t>(v[at]) | (static_cast<uint64_t>(v[at + 1]) << 24) |
+         (static_cast<uint64_t>(v[at + 2]) << 48);
+}
+
+std::string MetaOr(const std::map<std::string, std::string>& m, const std::string& k,
+                   const std::string& def) {
+  auto it = m.find(k);
+  return it == m.end() ? def : it->second;
+}
+
+bool IsOptimizerTensor(const std::string& name) { return name.rfind("opt.", 0) == 0; }
+
+// Sets the trainer's step counter (the learning-rate schedule position) through its state.
+Status SetTrainerStep(model::Trainer& trainer, int64_t step) {
+  auto state = trainer.ExportState();
+  for (auto& t : state) {
+    if (t.name == "opt.step") {
+      t.data = {static_cast<float>(step % (int64_t{1} << 24)),
+                static_cast<float>(step / (int64_t{1} << 24))};
+    }
+  }
+  return trainer.LoadState(state);
+}
+
+class RoundLoop {
+ public:
+  RoundLoop(const TrainSettings& s, const std::atomic<bool>& stop) : s_(s), stop_(stop) {}
+
+  Result<TrainSummary> Run() {
+    ISTHMUS_RETURN_IF_ERROR(Setup());
+    ISTHMUS_RETURN_IF_ERROR(Resume());
+    ISTHMUS_RETURN_IF_ERROR(Loop());
+    return Finish();
+  }
+
+ private:
+  bool leader() const { return s_.rank == 0; }
+  int world() const { return s_.world_size; }
+
+  Status Setup() {
+    if (world() > 1) {
+      comm::GlooOptions o;
+      o.rank = s_.rank;
+      o.world_size = world();
+      o.rendezvous = s_.rendezvous;
+      o.host = s_.comm_host;
+      o.timeout = std::chrono::seconds(s_.comm_timeout_s);
+      o.prefix = "isthmus-worker/" + s_.shards.job;
+      ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(gpt_, BuildModel(s_.model));
+    trainer_ = std::make_unique<model::Trainer>(*gpt_, s_.Trainer());
+    if (comm_) trainer_->SetGradHook(MakeAllReduceHook(comm_.get(), &comm_error_, &local_stop_, &any_stop_));
+
+    data::DatasetOptions d;
+    d.batch_size = s_.batch_size;
+    d.seq_len = s_.model.context;
+    d.rank = s_.rank;
+    d.world_size = world();
+    d.seed = s_.data_seed;
+    auto ds = data::TokenDataset::Open(s_.data_dir + "/train.bin", d);
+    if (!ds.ok()) return ds.status();
+    dataset_ = std::make_unique<data::TokenDataset>(std::move(ds).value());
+    tokens_per_step_ = static_cast<uint64_t>(s_.batch_size) * s_.model.context * world();
+
+    base_hash_ = gpt_->BaseHash();
+    if (!s_.standalone) {
+      ISTHMUS_ASSIGN_OR_RETURN(clients_, ConnectShards(s_.shards));
+      ISTHMUS_ASSIGN_OR_RETURN(auto hellos, HelloAll(clients_, s_.shards, base_hash_));
+      for (const auto& h : hellos) {
+        start_rounds_max_ = std::max<int64_t>(start_rounds_max_, h.rounds.local_round);
+      }
+      std::vector<TensorSize> sizes;
+      for (const auto& p : gpt_->Trainable()) {
+        sizes.push_back({p.name, static_cast<uint64_t>(p.numel) * 4});
+      }
+      placement_ = AssignTensorsToShards(sizes, static_cast<int>(clients_.size()));
+    }
+    client_name_ = s_.shards.client_name.empty() ? "site" : s_.shards.client_name;
+
+    ProgressOptions po;
+    po.live = s_.progress && IsTerminal(stderr);
+    po.log_every = s_.log_every;
+    po.total_steps = s_.max_steps > 0 ? s_.max_steps
+                                       : (s_.round_seconds > 0 ? 0 : s_.max_rounds * s_.StepsPerRound());
+    progress_ = std::make_unique<Progress>(po);
+    if (!s_.checkpoint_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(s_.checkpoint_dir, ec);
+      if (ec) return Status::IoError("cannot create " + s_.checkpoint_dir + ": " + ec.message());
+    }
+    return Status::Ok();
+  }
+
+  std::string CheckpointPath() const {
+    return s_.checkpoint_dir + "/rank-" + std::to_string(s_.rank) + ".safetensors";
+  }
+
+  Status SaveCheckpoint() {
+    if (s_.checkpoint_dir.empty()) return Status::Ok();
+    auto tensors = gpt_->ExportTrainable();
+    for (auto& t : trainer_->ExportState()) tensors.push_back(std::move(t));
+    auto meta = gpt_->ConfigMetadata();
+    meta["train_mode"] = model::TrainModeName(gpt_->mode());
+    meta["job"] = s_.shards.job;
+    meta["round"] = std::to_string(round_);
+    meta["step"] = std::to_string(step_);
+    meta["tokens"] = std::to_string(tokens_);
+    meta["data_position"] = dataset_->position().ToString();
+    meta["base_hash"] = base_hash_;
+    return WriteSafetensors(CheckpointPath(), tensors, meta);
+  }
+
+  // Loads this rank's checkpoint if there is one; returns whether it did.
+  Result<bool> LoadCheckpoint() {
+    if (s_.checkpoint_dir.empty() || !std::filesystem::exists(CheckpointPath())) return false;
+    ISTHMUS_ASSIGN_OR_RETURN(auto file, ReadSafetensors(CheckpointPath()));
+    if (MetaOr(file.metadata, "base_hash", "") != base_hash_) {
+      return Status::FailedPrecondition("checkpoint " + CheckpointPath() +
+                                        " was written for another base model; move it away");
+    }
+    if (MetaOr(file.metadata, "job", "") != s_.shards.job) {
+      return Status::FailedPrecondition("checkpoint " + CheckpointPath() + " belongs to job '" +
+                                        MetaOr(file.metadata, "job", "") + "'");
+    }
+    std::vector<Tensor> trainable;
+    for (const auto& t : file.tensors) {
+      if (!IsOptimizerTensor(t.name)) trainable.push_back(t);
+    }
+    ISTHMUS_RETURN_IF_ERROR(gpt_->LoadTrainable(trainable, true));
+    ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(file.tensors));
+    ISTHMUS_ASSIGN_OR_RETURN(auto pos,
+                             data::DatasetPosition::Parse(MetaOr(file.metadata, "data_position", "")));
+    ISTHMUS_RETURN_IF_ERROR(dataset_->Restore(pos));
+    round_ = std::stoll(MetaOr(file.metadata, "round", "0"));
+    step_ = std::stoll(MetaOr(file.metadata, "step", "0"));
+    tokens_ = std::stoull(MetaOr(file.metadata, "tokens", "0"));
+    return true;
+  }
+
+  // Decides where training continues (rank 0 decides, every rank follows) and makes every
+  // rank's trainable tensors and optimizer state bitwise equal to rank 0's.
+  Status Resume() {
+    ISTHMUS_ASSIGN_OR_RETURN(bool have_ckpt, LoadCheckpoint());
+    if (have_ckpt) {
+      spdlog::info("rank {}: checkpoint at round {} step {}", s_.rank, round_, step_);
+    }
+    bool load_pulled = false;
+    if (leader()) {
+      if (s_.standalone) {
+        if (!have_ckpt && !s_.init.empty()) {
+          ISTHMUS_ASSIGN_OR_RETURN(auto init, ReadSafetensorsTensors(s_.init));
+          ISTHMUS_RETURN_IF_ERROR(gpt_->LoadTrainable(init, true));
+        }
+      } else {
+        // The shard wins, except right after a crash between pushing round R+1 and
+        // checkpointing it: then round R+1 is redone from the checkpoint with the same
+        // idempotency keys, so shards that got it answer duplicate and the rest apply it.
+        const int64_t shard_round = start_rounds_max_;
+        if (!have_ckpt) {
+          load_pulled = true;
+          round_ = shard_round;
+          step_ = shard_round * s_.StepsPerRound();
+        } else if (shard_round == round_ + 1) {
+          spdlog::info("shards hold round {} already; redoing it from the checkpoint",
+                       shard_round);
+        } else {
+          if (shard_round != round_) {
+            spdlog::warn("checkpoint at round {} but shards at round {}: following the shards",
+                         round_, shard_round);
+          }
+          load_pulled = true;
+          round_ = shard_round;
+        }
+      }
+    }
+    std::vector<float> plan;
+    PutInt(plan, static_cast<uint64_t>(round_));
+    PutInt(plan, static_cast<uint64_t>(step_));
+    PutInt(plan, tokens_);
+    plan.push_back(load_pulled ? 1.0f : 0.0f);
+    if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(plan.data(), plan.size(), 0));
+    round_ = static_cast<int64_t>(GetInt(plan, 0));
+    step_ = static_cast<int64_t>(GetInt(plan, 3));
+    tokens_ = GetInt(plan, 6);
+    ISTHMUS_RETURN_IF_ERROR(SetTrainerStep(*trainer_, step_));
+    if (plan[9] > 0) {
+      ISTHMUS_RETURN_IF_ERROR(PullAndShare(/*check_placement=*/true));
+    }
+    if (comm_) {
+      // Rank 0's optimizer state and tensors for everyone (a rank may have no checkpoint,
+      // or one from a round earlier if the crash came between two ranks' writes).
+      for (auto& p : gpt_->Trainable()) {
+        ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(p.data, static_cast<size_t>(p.numel), 0));
+      }
+      auto state = trainer_->ExportState();
+      for (auto& t : state) {
+        ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(t.data.data(), t.data.size(), 0));
+      }
+      ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(state));
+    }
+    if (!s_.standalone && leader()) {
+      progress_->Message("starting at round " + std::to_string(round_) + ", step " +
+                         std::to_string(step_) + (plan[9] > 0 ? " from the shards' tensors" : ""));
+    }
+    return Status::Ok();
+  }
+
+  // Rank 0 pulls every shard and loads the union; then every rank receives it.
+  Status PullAndShare(bool check_placement) {
+    float ok = 1.0f;
+    Status pulled;
+    if (leader()) {
+      std::vector<std::vector<std::string>> per_shard;
+      auto tensors = PullAll(clients_, s_.shards.job, check_placement ? &per_shard : nullptr);
+      if (!tensors.ok()) {
+        pulled = tensors.status();
+      } else {
+        pulled = gpt_->LoadTrainable(*tensors, true);
+        if (!pulled.ok()) {
+          pulled = Refused("job '" + s_.shards.job + "' does not hold this model's trainable tensors: " +
+                           pulled.message());
+        }
+      }
+      if (pulled.ok() && check_placement) {
+        auto params = gpt_->Trainable();
+        for (size_t i = 0; i < params.size(); ++i) {
+          const auto& names = per_shard[placement_[i]];
+          if (std::find(names.begin(), names.end(), params[i].name) == names.end()) {
+            pulled = Refused("tensor " + params[i].name + " is not on shard " +
+                             std::to_string(placement_[i]) +
+                             ": give --server in the order the job was created with");
+            break;
+          }
+        }
+      }
+      ok = pulled.ok() ? 1.0f : 0.0f;
+    }
+    if (comm_) {
+      ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(&ok, 1, 0));
+      if (ok == 0 && !leader()) return Status::Unavailable("rank 0 could not pull from the shards");
+    }
+    ISTHMUS_RETURN_IF_ERROR(pulled);
+    if (comm_) {
+      for (auto& p : gpt_->Trainable()) {
+        ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(p.data, static_cast<size_t>(p.numel), 0));
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Steps for the next round, the same on every rank.
+  Result<int64_t> NextRoundSteps() {
+    int64_t h = s_.StepsPerRound();
+    if (s_.round_seconds > 0) {
+      if (step_seconds_ > 0) {
+        h = std::llround(s_.round_seconds / step_seconds_);
+      } else if (s_.steps_per_round <= 0) {
+        h = 10;  // first round: a short one that measures the step time
+      }
+      h = std::clamp<int64_t>(h, 1, 100000);
+      float v = static_cast<float>(h);
+      if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(&v, 1, 0));
+      h = static_cast<int64_t>(v);
+    }
+    if (s_.max_steps > 0) h = std::min<int64_t>(h, s_.max_steps - step_);
+    return h;
+  }
+
+  Status Validate(const char* when) {
+    auto v = ValidationLoss(*gpt_, s_.data_dir + "/val.bin", s_.batch_size, s_.rank, world(),
+                            s_.val_batches, comm_.get());
+    if (!v.ok()) {
+      if (v.status().code() == Code::kUnavailable || v.status().code() == Code::kTimeout) {
+        return v.status();
+      }
+      progress_->Message(std::string("validation skipped: ") + v.status().ToString());
+      return Status::Ok();
+    }
+    val_loss_ = *v;
+    if (leader()) {
+      char buf[128];
+      std::snprintf(buf, sizeof buf, "validation %s step %lld round %lld: loss %.4f", when,
+                    static_cast<long long>(step_), static_cast<long long>(round_ + in_round_), *v);
+      progress_->Message(buf);
+    }
+    return Status::Ok();
+  }
+
+  Status PushRound(const std::vector<Tensor>& start, uint64_t round_tokens) {
+    auto params = gpt_->Trainable();
+    for (size_t s = 0; s < clients_.size(); ++s) {
+      if (static_cast<int>(s % world()) != s_.rank) continue;
+      std::vector<Tensor> deltas;
+      for (size_t i = 0; i < params.size(); ++i) {
+        if (placement_[i] != static_cast<int>(s)) continue;
+        Tensor d{params[i].name, params[i].shape, std::vector<float>(params[i].numel)};
+        for (int64_t k = 0; k < params[i].numel; ++k) d.data[k] = params[i].data[k] - start[i].data[k];
+        deltas.push_back(std::move(d));
+      }
+      std::vector<TensorView> views;
+      for (const auto& d : deltas) views.push_back({d.name, d.shape, d.data.data()});
+      std::string key = s_.shards.job + "/" + client_name_ + "/r" + std::to_string(round_) + "/s" +
+                        std::to_string(s);
+      auto r = clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens,
+                                 views);
+      if (!r.ok()) {
+        return Status(r.status().code(), "push of round " + std::to_string(round_) + " to shard " +
+                                             std::to_string(s) + ": " + r.status().message());
+      }
+      if (r->duplicate) {
+        spdlog::info("shard {} already had round {} (key {}): nothing applied twice", s, round_,
+                     key);
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Bounded staleness: while the site is more than K rounds ahead of the last commit of
+  // any shard, rank 0 polls and every rank waits with it.
+  Status WaitForWan() {
+    bool said = false;
+    auto waited_from = Clock::now();
+    for (;;) {
+      float flag = 0;  // 0 go on, 1 wait
+      std::string why;
+      if (leader()) {
+        for (size_t i = 0; i < clients_.size(); ++i) {
+          auto h = clients_[i]->Hello(s_.shards.job, wire::Role::Worker, base_hash_, client_name_);
+          if (!h.ok()) return h.status();
+          const auto& r = h->rounds;
+          if (r.max_rounds_ahead > 0 && r.local_round > r.committed_round &&
+              r.local_round - r.committed_round > r.max_rounds_ahead) {
+            flag = 1;
+            why = "waiting for the WAN: " + std::to_string(r.local_round - r.committed_round) +
+                  " rounds ahead of the last commit (limit " + std::to_string(r.max_rounds_ahead) +
+                  ") on shard " + std::to_string(i);
+          }
+        }
+        if (flag > 0 && stop_) flag = 0;  // interrupted: stop waiting, checkpoint and exit
+      }
+      if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(&flag, 1, 0));
+      if (flag == 0) break;
+      if (!said && leader()) progress_->Message(why);
+      said = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    }
+    if (said && leader()) {
+      progress_->Message("WAN caught up after " +
+                         Progress::FormatDuration(
+                             std::chrono::duration<double>(Clock::now() - waited_from).count()));
+    }
+    return Status::Ok();
+  }
+
+  Status Loop() {
+    auto t0 = Clock::now();
+    uint64_t tokens_here = 0;
+    const char* fault = std::getenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH");
+    for (;;) {
+      if (s_.max_rounds > 0 && round_ >= s_.max_rounds) break;
+      if (s_.max_steps > 0 && step_ >= s_.max_steps) break;
+      ISTHMUS_ASSIGN_OR_RETURN(int64_t h, NextRoundSteps());
+      std::vector<Tensor> start;
+      if (!s_.standalone) start = gpt_->ExportTrainable();
+      uint64_t round_tokens = 0;
+      auto round_t0 = Clock::now();
+      int64_t done = 0;
+      for (; done < h; ++done) {
+        auto batch = dataset_->Next();
+        local_stop_ = stop_ ? 1.0f : 0.0f;
+        any_stop_ = local_stop_;
+        auto st = trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size,
+                                 s_.model.context);
+        ISTHMUS_RETURN_IF_ERROR(comm_error_);
+        ++step_;
+        round_tokens += tokens_per_step_;
+        tokens_ += tokens_per_step_;
+        tokens_here += tokens_per_step_;
+        if (st.skipped) progress_->Message("step " + std::to_string(step_) + ": non-finite gradient, skipped");
+        if (leader()) progress_->OnStep(step_, round_ + 1, st.loss, tokens_per_step_);
+        if (s_.val_every > 0 && step_ % s_.val_every == 0) {
+          in_round_ = 1;
+          ISTHMUS_RETURN_IF_ERROR(Validate("at"));
+          in_round_ = 0;
+          validated_step_ = step_;
+        }
+        if (any_stop_ > 0) {
+          interrupted_ = true;
+          ++done;
+          break;
+        }
+      }
+      if (done > 0) {
+        step_seconds_ = std::chrono::duration<double>(Clock::now() - round_t0).count() / done;
+      }
+      ++round_;
+      if (!s_.standalone) {
+        ISTHMUS_RETURN_IF_ERROR(PushRound(start, round_tokens));
+        if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
+        ISTHMUS_RETURN_IF_ERROR(WaitForWan());
+        ISTHMUS_RETURN_IF_ERROR(PullAndShare(false));
+        if (fault && std::atoll(fault) == round_) {
+          spdlog::error("fault injection: exiting after pushing round {}", round_);
+          std::fflush(nullptr);
+          ::_exit(137);
+        }
+      }
+      ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
+      if (interrupted_) {
+        progress_->Message("interrupted: round " + std::to_string(round_) + " step " +
+                           std::to_string(step_) + " checkpointed");
+        break;
+      }
+    }
+    seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
+    rate_ = seconds_ > 0 ? static_cast<double>(tokens_here) / seconds_ : 0;
+    return Status::Ok();
+  }
+
+  Result<TrainSummary> Finish() {
+    if (!interrupted_ && validated_step_ != step_) ISTHMUS_RETURN_IF_ERROR(Validate("final,"));
+    progress_->Finish();
+    TrainSummary sum;
+    sum.val_loss = val_loss_;
+    sum.steps = step_;
+    sum.rounds = round_;
+    sum.tokens = tokens_;
+    sum.seconds = seconds_;
+    sum.tokens_per_s = rate_;
+    sum.interrupted = interrupted_;
+    if (s_.standalone && leader() && !s_.save.empty()) {
+      ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, gpt_->ExportTrainable(), gpt_->ConfigMetadata()));
+    }
+    if (leader()) {
+      char buf[256];
+      std::snprintf(buf, sizeof buf,
+                    "%s: %lld rounds, %lld steps, %llu tokens, %.1f s, %.0f tok/s, val loss %.4f",
+                    interrupted_ ? "interrupted" : "done", static_cast<long long>(round_),
+                    static_cast<long long>(step_), static_cast<unsigned long long>(tokens_),
+                    seconds_, rate_, val_loss_);
+      progress_->Message(buf);
+      if (!s_.json_summary.empty()) {
+        nlohmann::json j = {{"val_loss", std::isfinite(val_loss_) ? nlohmann::json(val_loss_) : nlohmann::json()},
+                            {"steps", step_},
+                            {"rounds", round_},
+                            {"tokens", tokens_},
+                            {"seconds", seconds_},
+                            {"tokens_per_s", rate_},
+                            {"interrupted", interrupted_}};
+        std::string tmp = s_.json_summary + ".tmp";
+        std::ofstream out(tmp);
+        out << j.dump(2) << "\n";
+        out.close();
+        if (!out || std::rename(tmp.c_str(), s_.json_summary.c_str()) != 0) {
+          return Status::IoError("cannot write " + s_.json_summary);
+        }
+      }
+    }
+    return sum;
+  }
+
+  const TrainSettings& s_;
+  const std::atomic<bool>& stop_;
+  std::unique_ptr<comm::Communicator> comm_;
+  Status comm_error_;
+  float local_stop_ = 0, any_stop_ = 0;
+  std::unique_ptr<model::Gpt> gpt_;
+  std::unique_ptr<model::Trainer> trainer_;
+  std::unique_ptr<data::TokenDataset> dataset_;
+  std::vector<std::unique_ptr<ShardClient>> clients_;
+  std::vector<int> placement_;  // shard of each trainable tensor
+  std::unique_ptr<Progress> progress_;
+  std::string base_hash_, client_name_;
+  int64_t start_rounds_max_ = 0;
+  int64_t round_ = 0, step_ = 0;
+  uint64_t tokens_ = 0, tokens_per_step_ = 0;
+  double step_seconds_ = 0, seconds_ = 0, rate_ = 0;
+  double val_loss_ = std::numeric_limits<double>::quiet_NaN();
+  bool interrupted_ = false;
+  int64_t in_round_ = 0;         // 1 while validating inside a round (for the message)
+  int64_t validated_step_ = -1;  // last step validated, so the end does not repeat it
+};
+
+}  // namespace
+
+Status Refused(const std::string& message) {
+  return Status::PermissionDenied(kRefusedPrefix + message);
+}
+
+int ExitCodeFor(const Status& status) {
+  if (status.ok()) return kExitOk;
+  if (status.code() == Code::kPermissionDenied &&
+      status.message().rfind(kRefusedPrefix, 0) == 0) {
+    return kExitRefused;
+  }
+  return kExitFailure;
+}
+
+model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm, Status* error,
+                                           const float* local_stop, float* any_stop) {
+  return [comm, error, local_stop, any_stop](std::vector<model::ParamView>& params) {
+    if (!error->ok()) return;
+    std::vector<std::pair<float*, size_t>> buffers;
+    buffers.reserve(params.size() + 1);
+    for (auto& p : params) buffers.emplace_back(p.grad, static_cast<size_t>(p.numel));
+    float flag = local_stop ? *local_stop : 0.0f;
+    buffers.emplace_back(&flag, 1);
+    *error = comm->AllReduceAverage(std::move(buffers));
+    if (any_stop) *any_stop = flag;
+  };
+}
+
+Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m) {
+  ISTHMUS_RETURN_IF_ERROR(m.Validate());
+  ISTHMUS_ASSIGN_OR_RETURN(auto mode, model::ParseTrainMode(m.mode));
+  auto config = m.Gpt();
+  if (m.base.empty()) return model::Gpt::CreateRandom(config, mode, m.Lora(), m.seed);
+  return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config);
+}
+
+Result<std::vector<std::unique_ptr<ShardClient>>> ConnectShards(const ShardSettings& s) {
+  std::vector<std::unique_ptr<ShardClient>> clients;
+  KeyPair own;
+  if (!s.insecure_plaintext) {
+    ISTHMUS_ASSIGN_OR_RETURN(own, LoadKeyPairFile(s.key));
+  }
+  for (size_t i = 0; i < s.servers.size(); ++i) {
+    ClientOptions o;
+    o.endpoint = s.servers[i];
+    o.insecure_plaintext = s.insecure_plaintext;
+    o.timeout_ms = s.timeout_ms;
+    if (!s.insecure_plaintext) {
+      const auto& file = s.server_keys.size() == 1 ? s.server_keys[0] : s.server_keys.at(i);
+      ISTHMUS_ASSIGN_OR_RETURN(o.server_public_key, LoadPublicKeyFile(file));
+      o.client_keys = own;
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(auto c, ShardClient::Connect(o));
+    clients.push_back(std::move(c));
+  }
+  return clients;
+}
+
+Result<std::vector<HelloInfo>> HelloAll(std::vector<std::unique_ptr<ShardClient>>& clients,
+                                        const ShardSettings& s, const std::string& base_hash) {
+  std::vector<HelloInfo> out;
+  for (size_t i = 0; i < clients.size(); ++i) {
+    auto h = clients[i]->Hello(s.job, wire::Role::Worker, base_hash,
+                               s.client_name.empty() ? "site" : s.client_name);
+    if (!h.ok()) {
+      std::string where = "shard " + std::to_string(i) + " (" + s.servers[i] + ")";
+      if (h.status().code() == Code::kFailedPrecondition) {
+        return Refused(where + " holds job '" + s.job + "' for another base model (ours is " +
+                       base_hash + "): " + h.status().message());
+      }
+      if (h.status().code() == Code::kPermissionDenied || h.status().code() == Code::kNotFound) {
+        return Refused(where + ": " + h.status().ToString());
+      }
+      if (h.status().code() == Code::kTimeout) {
+        return Status::Timeout(where + " did not answer (down, wrong endpoint, or our key is "
+                               "not on its worker allowlist): " + h.status().message());
+      }
+      return Status(h.status().code(), where + ": " + h.status().message());
+    }
+    if (h->tensor_count == 0) {
+      return Refused("shard " + std::to_string(i) + " has no job '" + s.job +
+                     "' (create it with isthmusctl job create)");
+    }
+    out.push_back(std::move(h).value());
+  }
+  return out;
+}
+
+Result<std::vector<Tensor>> PullAll(std::vector<std::unique_ptr<ShardClient>>& clients,
+                                    const std::string& job,
+                                    std::vector<std::vector<std::string>>* per_shard) {
+  std::vector<Tensor> all;
+  if (per_shard) per_shard->assign(clients.size(), {});
+  for (size_t i = 0; i < clients.size(); ++i) {
+    auto r = clients[i]->Pull(job);
+    if (!r.ok()) {
+      return Status(r.status().code(), "pull from shard " + std::to_string(i) + ": " +
+                                           r.status().message());
+    }
+    for (auto& t : r->tensors) {
+      if (per_shard) (*per_shard)[i].push_back(t.name);
+      all.push_back(std::move(t));
+    }
+  }
+  return all;
+}
+
+Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size,
+                              int rank, int world_size, int batches, comm::Communicator* comm) {
+  data::DatasetOptions d;
+  d.batch_size = batch_size;
+  d.seq_len = gpt.config().n_ctx;
+  d.rank = rank;
+  d.world_size = world_size;
+  d.seed = 0;
+  auto ds = data::TokenDataset::Open(path, d);
+  // Every rank must reach the collective below even when its file is unusable.
+  float sums[2] = {0, 0};
+  Status local;
+  if (!ds.ok()) {
+    local = ds.status();
+  } else {
+    int n = static_cast<int>(std::min<uint64_t>(batches, ds->batches_per_epoch()));
+    for (int i = 0; i < n; ++i) {
+      auto b = ds->Next();
+      sums[0] += gpt.Forward(b.tokens.data(), b.targets.data(), batch_size, d.seq_len);
+      sums[1] += 1;
+    }
+  }
+  float failed = local.ok() ? 0.0f : 1.0f;
+  if (comm) {
+    float buf[3] = {sums[0], sums[1], failed};
+    ISTHMUS_RETURN_IF_ERROR(comm->AllReduceSum(buf, 3));
+    sums[0] = buf[0];
+    sums[1] = buf[1];
+    failed = buf[2];
+  }
+  if (!local.ok()) return local;
+  if (failed > 0) return Status::FailedPrecondition("validation data unusable on another rank");
+  if (sums[1] == 0) return Status::FailedPrecondition("no validation batches");
+  return static_cast<double>(sums[0]) / sums[1];
+}
+
+Result<TrainSummary> RunTraining(const TrainSettings& settings, const std::atomic<bool>& stop) {
+  ISTHMUS_RETURN_IF_ERROR(settings.Validate());
+  RoundLoop loop(settings, stop);
+  return loop.Run();
+}
+
+}  // namespace isthmus::worker

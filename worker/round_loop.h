@@ -1,0 +1,81 @@
+// The worker's outer loop: H inner steps with gradients averaged inside the site every
+// step, then the round's change pushed to the site's shards and the merged tensors pulled
+// back, with its own resumable checkpoint after each round. Also the pieces `eval` and
+// `export` share with it (building the model, talking to every shard, validation loss).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/client.h"
+#include "common/status.h"
+#include "common/tensor.h"
+#include "worker/comm/communicator.h"
+#include "worker/model/gpt.h"
+#include "worker/model/trainer.h"
+#include "worker/worker_config.h"
+
+namespace isthmus::worker {
+
+// Process exit codes of isthmus-worker (also in --help and docs/WORKER.md).
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;      // runtime failure (I/O, peers, shards down)
+inline constexpr int kExitUsage = 2;        // bad flags or config
+inline constexpr int kExitRefused = 3;      // refused by a shard: key, base hash, placement
+inline constexpr int kExitInterrupted = 4;  // SIGINT/SIGTERM: checkpointed, then stopped
+
+// A refusal by a shard (kPermissionDenied, message prefixed "refused by shard: ").
+Status Refused(const std::string& message);
+// kExitRefused for Refused() statuses, kExitFailure otherwise.
+int ExitCodeFor(const Status& status);
+
+struct TrainSummary {
+  double val_loss = 0;   // NaN when no validation could run
+  int64_t steps = 0;     // optimizer steps taken in total (including before a resume)
+  int64_t rounds = 0;    // rounds completed in total
+  uint64_t tokens = 0;   // tokens the whole site trained on, in total
+  double seconds = 0;    // wall time of this process's training
+  double tokens_per_s = 0;  // site tokens per second during this process's steps
+  bool interrupted = false;
+};
+
+// Runs `train` to the end. Returns the summary (interrupted when `stop` became true: the
+// step in flight finished, the partial round was pushed and the checkpoint written).
+// Errors: refusals as Refused(), everything else as its own Status. Uses every rank of
+// the site collectively: all ranks call it with the same settings apart from --rank.
+Result<TrainSummary> RunTraining(const TrainSettings& settings, const std::atomic<bool>& stop);
+
+// The gradient hook of a multi-rank site: averages every gradient over `comm` in one fused
+// call, together with one extra value, *local_stop (0 or 1), whose average lands in
+// *any_stop (> 0 when some rank wants to stop). On failure stores the Status in *error
+// (and leaves gradients as they are); the caller must check *error after each step.
+// All pointers are borrowed and must outlive the hook.
+model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm, Status* error,
+                                           const float* local_stop, float* any_stop);
+
+// The model of `m`: its base from m.base (LoadBase, shape checked against the flags), or a
+// fresh random base from m.seed when m.base is empty.
+Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m);
+
+// One connected client per --server (CURVE unless insecure). Order = shard order.
+Result<std::vector<std::unique_ptr<ShardClient>>> ConnectShards(const ShardSettings& s);
+
+// Hello to every shard as a worker with `base_hash`; a base mismatch is a Refused().
+Result<std::vector<HelloInfo>> HelloAll(std::vector<std::unique_ptr<ShardClient>>& clients,
+                                        const ShardSettings& s, const std::string& base_hash);
+
+// Pulls the job's tensors from every shard and returns their union (shard order). When
+// `per_shard` is not null it receives each shard's tensor names.
+Result<std::vector<Tensor>> PullAll(std::vector<std::unique_ptr<ShardClient>>& clients,
+                                    const std::string& job,
+                                    std::vector<std::vector<std::string>>* per_shard = nullptr);
+
+// Mean loss of `gpt` over the first `batches` batches (B x T, rank's slice) of `path`,
+// averaged over `comm`'s ranks when comm is not null (a collective then).
+Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size,
+                              int rank, int world_size, int batches, comm::Communicator* comm);
+
+}  // namespace isthmus::worker

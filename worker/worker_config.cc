@@ -1,0 +1,157 @@
+// Flags of isthmus-worker and the checks run before any work starts.
+#include "worker/worker_config.h"
+
+#include <cmath>
+
+namespace isthmus::worker {
+
+model::GptConfig ModelSettings::Gpt() const {
+  model::GptConfig c;
+  c.n_layer = layers;
+  c.n_embd = width;
+  c.n_head = heads;
+  c.n_ctx = context;
+  c.vocab_size = 256;
+  return c;
+}
+
+model::LoraConfig ModelSettings::Lora() const {
+  model::LoraConfig l;
+  l.rank = lora_rank;
+  l.alpha = lora_alpha;
+  l.targets = lora_targets;
+  return l;
+}
+
+Status ModelSettings::Validate() const {
+  ISTHMUS_RETURN_IF_ERROR(Gpt().Validate());
+  ISTHMUS_RETURN_IF_ERROR(model::ParseTrainMode(mode).status());
+  if (mode == "lora") ISTHMUS_RETURN_IF_ERROR(Lora().Validate());
+  return Status::Ok();
+}
+
+model::TrainerConfig TrainSettings::Trainer() const {
+  model::TrainerConfig c;
+  c.max_lr = lr;
+  c.min_lr = min_lr;
+  c.weight_decay = weight_decay;
+  c.grad_clip = grad_clip;
+  int64_t total = max_steps > 0 ? max_steps : max_rounds * StepsPerRound();
+  if (total <= 0) total = 1;
+  c.total_steps = total;
+  c.warmup_steps = std::min(warmup_steps, total);
+  return c;
+}
+
+Status TrainSettings::Validate() const {
+  ISTHMUS_RETURN_IF_ERROR(model.Validate());
+  if (data_dir.empty()) return Status::InvalidArgument("--data is required");
+  if (world_size < 1 || rank < 0 || rank >= world_size) {
+    return Status::InvalidArgument("--rank must be in [0, --world-size)");
+  }
+  if (world_size > 1 && rendezvous.empty()) {
+    return Status::InvalidArgument("--rendezvous is required when --world-size > 1");
+  }
+  if (max_rounds <= 0 && max_steps <= 0) {
+    return Status::InvalidArgument("give --max-rounds or --max-steps");
+  }
+  if (steps_per_round < 0 || round_seconds < 0 || !std::isfinite(round_seconds)) {
+    return Status::InvalidArgument("--steps-per-round and --round-seconds must be >= 0");
+  }
+  if (batch_size < 1 || val_batches < 1 || log_every < 1 || comm_timeout_s < 1) {
+    return Status::InvalidArgument(
+        "--batch-size, --val-batches, --log-every and --comm-timeout must be >= 1");
+  }
+  if (!standalone) {
+    if (shards.servers.empty()) {
+      return Status::InvalidArgument("give at least one --server, or --standalone");
+    }
+    if (!shards.insecure_plaintext) {
+      if (shards.key.empty()) return Status::InvalidArgument("--key is required (or --insecure-plaintext)");
+      if (shards.server_keys.size() != 1 && shards.server_keys.size() != shards.servers.size()) {
+        return Status::InvalidArgument("give one --server-key per --server, or one for all");
+      }
+    }
+    if (!init.empty() || !save.empty()) {
+      return Status::InvalidArgument("--init and --save are for --standalone runs");
+    }
+  }
+  return Trainer().Validate();
+}
+
+void AddModelFlags(CLI::App& app, ModelSettings& m) {
+  app.add_option("--layers", m.layers, "transformer blocks")->capture_default_str();
+  app.add_option("--width", m.width, "embedding width C")->capture_default_str();
+  app.add_option("--heads", m.heads, "attention heads (divide --width)")->capture_default_str();
+  app.add_option("--context", m.context, "context length (and sequence length per row)")
+      ->capture_default_str();
+  app.add_option("--lora-rank", m.lora_rank, "LoRA rank r")->capture_default_str();
+  app.add_option("--lora-alpha", m.lora_alpha, "LoRA alpha (scale alpha / r)")
+      ->capture_default_str();
+  app.add_option("--lora-targets", m.lora_targets,
+                 "adapted layers: attn.c_attn attn.c_proj mlp.c_fc mlp.c_proj")
+      ->capture_default_str();
+  app.add_option("--mode", m.mode, "lora (base frozen) or full (every tensor trains)")
+      ->check(CLI::IsMember({"lora", "full"}))
+      ->capture_default_str();
+  app.add_option("--base", m.base, "base model safetensors (from `init` or a GPT-2 file)");
+  app.add_option("--seed", m.seed, "seed of LoRA init and of a random base")->capture_default_str();
+}
+
+void AddShardFlags(CLI::App& app, ShardSettings& s) {
+  app.add_option("--job", s.job, "job name on the shards")->capture_default_str();
+  app.add_option("--server", s.servers, "shard worker endpoint, repeated in shard order");
+  app.add_option("--server-key", s.server_keys,
+                 "shard public key file, one per --server (or one for all)");
+  app.add_option("--key", s.key, "this worker's key pair file (mode 0600)");
+  app.add_flag("--insecure-plaintext", s.insecure_plaintext,
+               "no CURVE (only against a shard started the same way)");
+  app.add_option("--client-name", s.client_name,
+                 "site or client name used in idempotency keys (default: site)");
+  app.add_option("--request-timeout-ms", s.timeout_ms, "per shard request attempt")
+      ->capture_default_str();
+}
+
+void AddTrainFlags(CLI::App& app, TrainSettings& t) {
+  AddModelFlags(app, t.model);
+  AddShardFlags(app, t.shards);
+  app.add_option("--data", t.data_dir, "folder with train.bin and val.bin (isthmus-data build)");
+  app.add_option("--rank", t.rank, "this rank in the site")->capture_default_str();
+  app.add_option("--world-size", t.world_size, "ranks in the site")->capture_default_str();
+  app.add_option("--rendezvous", t.rendezvous, "tcp:HOST:PORT or file:DIR (world-size > 1)");
+  app.add_option("--comm-host", t.comm_host, "address this rank's Gloo connections use")
+      ->capture_default_str();
+  app.add_option("--comm-timeout", t.comm_timeout_s, "seconds before an in-site collective fails")
+      ->capture_default_str();
+  app.add_option("--steps-per-round", t.steps_per_round, "inner steps per round H (default 50)");
+  app.add_option("--round-seconds", t.round_seconds,
+                 "target round duration; adapts H each round from the measured step time");
+  app.add_option("--max-rounds", t.max_rounds, "stop after this many rounds (0: no bound)");
+  app.add_option("--max-steps", t.max_steps, "stop after this many steps (0: no bound)");
+  app.add_option("--lr", t.lr, "peak learning rate")->capture_default_str();
+  app.add_option("--min-lr", t.min_lr, "floor of the cosine decay")->capture_default_str();
+  app.add_option("--warmup-steps", t.warmup_steps, "linear warmup steps")->capture_default_str();
+  app.add_option("--weight-decay", t.weight_decay, "AdamW decoupled weight decay")
+      ->capture_default_str();
+  app.add_option("--grad-clip", t.grad_clip, "global gradient-norm bound (0: off)")
+      ->capture_default_str();
+  app.add_option("--batch-size", t.batch_size, "sequences per rank per step")->capture_default_str();
+  app.add_option("--data-seed", t.data_seed, "seed of the per-epoch data order")
+      ->capture_default_str();
+  app.add_option("--val-every", t.val_every, "validation every N steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--val-batches", t.val_batches, "validation batches per rank")
+      ->capture_default_str();
+  app.add_option("--log-every", t.log_every, "plain progress line every N steps (not a TTY)")
+      ->capture_default_str();
+  app.add_option("--checkpoint-dir", t.checkpoint_dir, "own resumable checkpoint (rank-N files)");
+  app.add_flag("--standalone", t.standalone, "no shards: plain local training");
+  app.add_option("--init", t.init, "standalone: trainable tensors to start from");
+  app.add_option("--save", t.save, "standalone: write final trainable tensors here");
+  app.add_option("--json-summary", t.json_summary, "write final figures as JSON here");
+  app.add_option("--log-level", t.log_level, "trace debug info warn error off")
+      ->capture_default_str();
+  app.add_flag("!--no-progress", t.progress, "plain log lines even on a terminal");
+}
+
+}  // namespace isthmus::worker
