@@ -60,6 +60,38 @@ TEST(ConfigTest, ValidationSaysWhatToSet) {
   EXPECT_TRUE(ValidateServerConfig(c).ok());
 }
 
+TEST(ConfigTest, SyncSettings) {
+  testing::TempDir dir;
+  std::string file = dir.str() + "/s.toml";
+  std::ofstream(file) << "[sync]\nsite = \"siteA\"\nouter_lr = 0.7\nouter_momentum = 0\n"
+                         "peers = [\"siteB=tcp://b:7102=b.pub\", \"siteC=tcp://c:7102=c.pub\"]\n";
+  auto c = LoadServerConfig(file, {{"sync.max_rounds_ahead", "3"}});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->sync_site, "siteA");
+  EXPECT_DOUBLE_EQ(c->sync_outer_lr, 0.7);
+  EXPECT_DOUBLE_EQ(c->sync_outer_momentum, 0.0);  // a TOML integer is accepted
+  EXPECT_EQ(c->sync_max_rounds_ahead, 3);
+  EXPECT_EQ(c->sync_resend_ms, 2000);
+  auto peers = ParsePeerSpecs(c->sync_peers);
+  ASSERT_TRUE(peers.ok());
+  ASSERT_EQ(peers->size(), 2u);
+  EXPECT_EQ((*peers)[1].site, "siteC");
+  EXPECT_EQ((*peers)[1].endpoint, "tcp://c:7102");
+  EXPECT_EQ((*peers)[1].public_key_file, "c.pub");
+  c->data_dir = "/d";
+  c->insecure_plaintext = true;
+  EXPECT_TRUE(ValidateServerConfig(*c).ok());
+  c->sync_site = "";
+  EXPECT_NE(ValidateServerConfig(*c).message().find("sync.site"), std::string::npos);
+  c->sync_site = "siteB";  // names itself as a peer
+  EXPECT_FALSE(ValidateServerConfig(*c).ok());
+  c->sync_site = "siteA";
+  c->sync_peers.push_back("siteD=tcp://d:1");
+  EXPECT_FALSE(ValidateServerConfig(*c).ok());
+  EXPECT_FALSE(LoadServerConfig("", {{"sync.outer_lr", "fast"}}).ok());
+  EXPECT_FALSE(LoadServerConfig("", {{"sync.outer_lr", "inf"}}).ok());
+}
+
 TEST(ConfigTest, DocsMatchTheTable) {
   std::ifstream in(std::string(ISTHMUS_SOURCE_DIR) + "/docs/CONFIG.md");
   ASSERT_TRUE(in) << "docs/CONFIG.md is missing";
