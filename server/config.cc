@@ -4,6 +4,7 @@
 
 #include <toml.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <set>
@@ -274,6 +275,25 @@ Result<std::vector<PeerSpec>> ParsePeerSpecs(const std::vector<std::string>& ent
     out.push_back(std::move(p));
   }
   return out;
+}
+
+std::optional<SyncOptions> SyncOptionsFrom(const ServerConfig& c) {
+  if (c.sync_site.empty()) return std::nullopt;
+  SyncOptions o;
+  o.site = c.sync_site;
+  auto peers = ParsePeerSpecs(c.sync_peers);
+  if (peers.ok()) {
+    for (const auto& p : *peers) o.peer_sites.push_back(p.site);
+  }
+  o.codec = c.sync_codec;
+  o.codec_overrides = c.sync_codec_overrides;
+  o.adaptive = c.sync_adaptive;
+  o.adaptive_floor = c.sync_adaptive_floor;
+  o.adaptive_ceiling = c.sync_adaptive_ceiling;
+  o.outer_lr = c.sync_outer_lr;
+  o.outer_momentum = c.sync_outer_momentum;
+  o.max_rounds_ahead = static_cast<uint64_t>(std::max<int64_t>(c.sync_max_rounds_ahead, 0));
+  return o;
 }
 
 std::string ServerConfigDoc() {

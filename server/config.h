@@ -10,10 +10,12 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "server/sync_engine.h"
 
 namespace isthmus {
 
@@ -84,6 +86,10 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
 
 // Checks required settings and combinations; says what to set.
 Status ValidateServerConfig(const ServerConfig& config);
+
+// The round-protocol options of a validated config; nullopt when sync is off
+// (sync.site empty).
+std::optional<SyncOptions> SyncOptionsFrom(const ServerConfig& config);
 
 // Markdown table of every setting (docs/CONFIG.md).
 std::string ServerConfigDoc();

@@ -24,77 +24,18 @@
 
 #include "common/tensor.h"
 
-#ifdef ISTHMUS_HAVE_CODEC
 #include "ops/codec.h"
-#endif
 
 namespace isthmus {
 namespace {
 
 using json = nlohmann::json;
 
-// ---- codec adapter -------------------------------------------------------------------
-#ifdef ISTHMUS_HAVE_CODEC
+// ---- codec ---------------------------------------------------------------------------
 using Pipe = codec::Pipeline;
 Result<Pipe> ParsePipe(std::string_view text) { return codec::ParsePipeline(text); }
 std::string PipeText(const Pipe& p) { return codec::ToString(p); }
 std::string DefaultPipeText() { return std::string(codec::kDefaultPipeline); }
-std::string EncodeFeedback(const Pipe& p, std::span<const float> delta,
-                           std::span<const int64_t> shape, std::span<float> residual,
-                           std::span<float> decoded) {
-  return codec::EncodeWithFeedback(p, delta, shape, residual, decoded);
-}
-Status DecodeBytes(std::string_view bytes, std::span<float> out) {
-  return codec::Decode(bytes, out);
-}
-Pipe ChoosePipe(uint64_t numel, uint64_t budget, const Pipe& floor, const Pipe& ceiling) {
-  return codec::ChooseAdaptive(numel, budget, floor, ceiling);
-}
-#else
-// Stand-in until ops/codec.h lands: every pipeline is lossless dense fp32 ("SI1" + count
-// + raw little-endian floats), so the protocol can be built and tested on its own.
-struct Pipe {
-  std::string text;
-};
-Result<Pipe> ParsePipe(std::string_view text) {
-  if (text.empty()) return Status::InvalidArgument("empty codec pipeline");
-  return Pipe{std::string(text)};
-}
-std::string PipeText(const Pipe& p) { return p.text; }
-std::string DefaultPipeText() { return "dense"; }
-std::string EncodeFeedback(const Pipe&, std::span<const float> delta, std::span<const int64_t>,
-                           std::span<float> residual, std::span<float> decoded) {
-  std::string out = "SI1";
-  uint64_t n = delta.size();
-  out.append(reinterpret_cast<const char*>(&n), 8);
-  std::vector<float> v(delta.size());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = delta[i] + residual[i];
-  out.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-  for (size_t i = 0; i < v.size(); ++i) {
-    decoded[i] = v[i];
-    residual[i] = 0.0f;
-  }
-  return out;
-}
-Status DecodeBytes(std::string_view bytes, std::span<float> out) {
-  uint64_t n = 0;
-  if (bytes.size() < 11 || bytes.substr(0, 3) != "SI1") {
-    return Status::InvalidArgument("bad codec header");
-  }
-  std::memcpy(&n, bytes.data() + 3, 8);
-  if (n != out.size() || bytes.size() != 11 + n * 4) {
-    return Status::InvalidArgument("codec element count differs from the tensor");
-  }
-  std::vector<float> tmp(n);
-  std::memcpy(tmp.data(), bytes.data() + 11, n * 4);
-  for (float f : tmp) {
-    if (!std::isfinite(f)) return Status::InvalidArgument("non-finite value in delta");
-  }
-  std::copy(tmp.begin(), tmp.end(), out.begin());
-  return Status::Ok();
-}
-Pipe ChoosePipe(uint64_t, uint64_t, const Pipe& floor, const Pipe&) { return floor; }
-#endif
 
 // ---- keys and bytes ------------------------------------------------------------------
 std::string BigEndian64(uint64_t v) {
@@ -512,7 +453,7 @@ std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uin
                       static_cast<double>(std::max<uint64_t>(total_numel, 1));
       auto floor = ParsePipe(options_.adaptive_floor);
       auto ceiling = ParsePipe(options_.adaptive_ceiling);
-      return PipeText(ChoosePipe(numel, static_cast<uint64_t>(std::max(budget, 0.0)), *floor,
+      return PipeText(codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)), *floor,
                                  *ceiling));
     }
   }
@@ -551,7 +492,7 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
     EncodedTensor et;
     et.name = tname;
     et.shape = t.shape;
-    et.bytes = EncodeFeedback(pipe, *staged, t.shape, residuals.back(), decoded);
+    et.bytes = codec::EncodeWithFeedback(pipe, *staged, t.shape, residuals.back(), decoded);
     delta.tensors.push_back(std::move(et));
     pipelines[PipeText(pipe)] += 1;
     raw += n * sizeof(float);
@@ -617,7 +558,7 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
       auto it = merged.find(et.name);
       if (it == merged.end()) return Status::Corruption("stored delta has unknown tensor " + et.name);
       decoded.assign(it->second.size(), 0.0f);
-      ISTHMUS_RETURN_IF_ERROR(DecodeBytes(et.bytes, decoded));
+      ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
       float* out = it->second.data();
       for (size_t i = 0; i < decoded.size(); ++i) out[i] += w * decoded[i];
     }
@@ -972,7 +913,7 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
       return Status::InvalidArgument("delta tensor '" + et.name + "' has the wrong shape");
     }
     scratch.assign(it->second.data->size(), 0.0f);
-    Status s = DecodeBytes(et.bytes, scratch);
+    Status s = codec::Decode(et.bytes, scratch);
     if (!s.ok()) return Status::InvalidArgument("delta tensor '" + et.name + "': " + s.message());
     for (float f : scratch) {
       if (!std::isfinite(f)) return Status::InvalidArgument("delta tensor '" + et.name + "' is not finite");
