@@ -122,6 +122,7 @@ struct ByMagnitude {
 // Sorted indices of the kept entries of v[begin, end): the k largest magnitudes.
 void SelectTopK(const std::vector<float>& v, uint64_t begin, uint64_t end, uint64_t k,
                 std::vector<uint64_t>* kept) {
+  assert(end - begin <= UINT32_MAX);  // tensors beyond 4G elements are out of scope
   std::vector<uint32_t> order(end - begin);
   std::iota(order.begin(), order.end(), 0u);
   ByMagnitude cmp{v.data() + begin};

@@ -61,7 +61,7 @@ TEST(CodecFuzz, MutatedEncodingsNeverCrash) {
       std::vector<float> out(n);
       ASSERT_TRUE(Decode(valid, out).ok()) << c.pipeline;
     }
-    for (int iter = 0; iter < 1500; ++iter) {
+    for (int iter = 0; iter < 5000; ++iter) {
       std::string m = valid;
       const int kind = static_cast<int>(rng() % 6);
       const int edits = 1 + static_cast<int>(rng() % 4);
@@ -101,7 +101,7 @@ TEST(CodecFuzz, MutatedEncodingsNeverCrash) {
     }
   }
   // Random garbage of many lengths.
-  for (int iter = 0; iter < 2000; ++iter) {
+  for (int iter = 0; iter < 5000; ++iter) {
     std::string m(rng() % 200, '\0');
     for (char& ch : m) ch = static_cast<char>(rng());
     if (m.size() >= 2 && iter % 2 == 0) {
@@ -112,7 +112,7 @@ TEST(CodecFuzz, MutatedEncodingsNeverCrash) {
     CheckDecode(m, rng() % 64, &accepted, &refused);
   }
   std::printf("fuzz: %d mutated inputs accepted (finite), %d refused\n", accepted, refused);
-  EXPECT_GT(refused, 10000);
+  EXPECT_GT(refused, 40000);
 }
 
 // A zstd frame that claims a huge size must be refused before any allocation of that size.
