@@ -1,0 +1,223 @@
+// Unit tests of the worker's pieces: two ranks averaging gradients over Gloo must train to
+// the same parameters as one rank on the combined batch; the stop vote travels with the
+// gradients; settings and progress formatting.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "worker/comm/gloo_communicator.h"
+#include "worker/progress.h"
+#include "worker/round_loop.h"
+
+namespace isthmus::worker {
+namespace {
+
+constexpr int kT = 16;
+
+model::GptConfig TinyConfig() {
+  model::GptConfig c;
+  c.n_layer = 2;
+  c.n_embd = 32;
+  c.n_head = 2;
+  c.n_ctx = kT;
+  return c;
+}
+
+model::LoraConfig TinyLora() {
+  model::LoraConfig l;
+  l.rank = 4;
+  return l;
+}
+
+model::TrainerConfig TrainerCfg() {
+  model::TrainerConfig t;
+  t.max_lr = 1e-2f;
+  t.min_lr = 1e-3f;
+  t.warmup_steps = 1;
+  t.total_steps = 10;
+  t.grad_clip = 1.0f;
+  return t;
+}
+
+// Batches of `rows` rows for step s, deterministic.
+void MakeBatch(int step, int rows, std::vector<int32_t>* tokens, std::vector<int32_t>* targets) {
+  std::mt19937 gen(1234 + step);
+  tokens->resize(rows * kT);
+  targets->resize(rows * kT);
+  for (auto& t : *tokens) t = static_cast<int32_t>(gen() % 256);
+  for (auto& t : *targets) t = static_cast<int32_t>(gen() % 256);
+}
+
+std::filesystem::path TempDir(const std::string& name) {
+  auto d = std::filesystem::temp_directory_path() /
+           ("isthmus-worker-" + name + "-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
+
+class TwoRanks : public ::testing::TestWithParam<model::TrainMode> {};
+
+TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
+  const auto mode = GetParam();
+  constexpr int kSteps = 4, kRowsPerRank = 2;
+
+  // One rank, four rows per step.
+  auto single = model::Gpt::CreateRandom(TinyConfig(), mode, TinyLora(), 7);
+  ASSERT_TRUE(single.ok());
+  model::Trainer single_trainer(**single, TrainerCfg());
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<int32_t> tok, tgt;
+    MakeBatch(s, 2 * kRowsPerRank, &tok, &tgt);
+    single_trainer.Step(tok.data(), tgt.data(), 2 * kRowsPerRank, kT);
+  }
+  auto want = (*single)->ExportTrainable();
+
+  // Two ranks as threads, each with its half of every batch, gradients averaged by the
+  // same hook the worker installs.
+  auto dir = TempDir(std::string("tworanks-") + model::TrainModeName(mode));
+  std::vector<std::vector<Tensor>> got(2);
+  std::vector<Status> errors(2);
+  std::vector<float> stop_seen(2, -1);
+  auto rank_main = [&](int rank) {
+    comm::GlooOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.rendezvous = "file:" + dir.string();
+    o.timeout = std::chrono::seconds(20);
+    auto comm = comm::CreateGlooCommunicator(o);
+    if (!comm.ok()) {
+      errors[rank] = comm.status();
+      return;
+    }
+    auto gpt = model::Gpt::CreateRandom(TinyConfig(), mode, TinyLora(), 7);
+    model::Trainer trainer(**gpt, TrainerCfg());
+    Status hook_error;
+    float local_stop = 0, any_stop = 0;
+    trainer.SetGradHook(MakeAllReduceHook(comm->get(), &hook_error, &local_stop, &any_stop));
+    for (int s = 0; s < kSteps; ++s) {
+      std::vector<int32_t> tok, tgt;
+      MakeBatch(s, 2 * kRowsPerRank, &tok, &tgt);
+      local_stop = (rank == 1 && s == kSteps - 1) ? 1.0f : 0.0f;
+      trainer.Step(tok.data() + rank * kRowsPerRank * kT, tgt.data() + rank * kRowsPerRank * kT,
+                   kRowsPerRank, kT);
+      if (!hook_error.ok()) break;
+    }
+    errors[rank] = hook_error;
+    stop_seen[rank] = any_stop;
+    got[rank] = (*gpt)->ExportTrainable();
+  };
+  std::thread r0(rank_main, 0), r1(rank_main, 1);
+  r0.join();
+  r1.join();
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(errors[0].ok()) << errors[0].ToString();
+  ASSERT_TRUE(errors[1].ok()) << errors[1].ToString();
+  // Rank 1 voted to stop on the last step: both ranks learn it from the same all-reduce.
+  EXPECT_GT(stop_seen[0], 0.0f);
+  EXPECT_GT(stop_seen[1], 0.0f);
+
+  ASSERT_EQ(got[0].size(), want.size());
+  double max_diff = 0, max_change = 0;
+  auto init = model::Gpt::CreateRandom(TinyConfig(), mode, TinyLora(), 7);
+  auto start = (*init)->ExportTrainable();
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[0][i].name, want[i].name);
+    // Ranks stay bitwise identical.
+    ASSERT_EQ(got[0][i].data, got[1][i].data) << want[i].name;
+    for (size_t k = 0; k < want[i].data.size(); ++k) {
+      max_diff = std::max(max_diff, std::abs(double(got[0][i].data[k]) - want[i].data[k]));
+      max_change = std::max(max_change, std::abs(double(want[i].data[k]) - start[i].data[k]));
+    }
+  }
+  EXPECT_GT(max_change, 1e-3) << "training did not move the parameters";
+  EXPECT_LT(max_diff, 1e-4) << "two ranks differ from one rank on the combined batch";
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, TwoRanks,
+                         ::testing::Values(model::TrainMode::kLora, model::TrainMode::kFull),
+                         [](const auto& info) { return std::string(model::TrainModeName(info.param)); });
+
+TEST(TrainSettings, ValidateNamesTheProblem) {
+  TrainSettings t;
+  t.data_dir = "d";
+  t.max_rounds = 2;
+  t.shards.servers = {"tcp://127.0.0.1:1"};
+  auto st = t.Validate();
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("--key"), std::string::npos) << st.message();
+  t.shards.insecure_plaintext = true;
+  EXPECT_TRUE(t.Validate().ok());
+  t.world_size = 2;
+  EXPECT_NE(t.Validate().message().find("--rendezvous"), std::string::npos);
+  t.world_size = 1;
+  t.max_rounds = 0;
+  EXPECT_FALSE(t.Validate().ok());
+}
+
+TEST(TrainSettings, TomlConfigIsReadAndFlagsWin) {
+  auto dir = TempDir("toml");
+  auto path = dir / "w.toml";
+  {
+    std::ofstream out(path);
+    out << "layers = 6\nwidth = 384\nserver = [\"tcp://a:1\", \"tcp://b:2\"]\nlr = 0.01\n";
+  }
+  CLI::App app;
+  TrainSettings t;
+  app.set_config("--config");
+  AddTrainFlags(app, t);
+  std::vector<std::string> args = {"prog", "--config", path.string(), "--width", "128"};
+  std::vector<const char*> argv;
+  for (auto& a : args) argv.push_back(a.c_str());
+  ASSERT_NO_THROW(app.parse(static_cast<int>(argv.size()), const_cast<char**>(argv.data())));
+  EXPECT_EQ(t.model.layers, 6);
+  EXPECT_EQ(t.model.width, 128);  // the flag overrides the file
+  EXPECT_FLOAT_EQ(t.lr, 0.01f);
+  EXPECT_EQ(t.shards.servers, (std::vector<std::string>{"tcp://a:1", "tcp://b:2"}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Progress, FormatsDurations) {
+  EXPECT_EQ(Progress::FormatDuration(12.2), "12s");
+  EXPECT_EQ(Progress::FormatDuration(245), "4m05s");
+  EXPECT_EQ(Progress::FormatDuration(3720), "1h02m");
+  EXPECT_EQ(Progress::FormatDuration(-1), "?");
+}
+
+TEST(Progress, PlainModeWritesEveryNthStep) {
+  FILE* f = std::tmpfile();
+  {
+    ProgressOptions o;
+    o.out = f;
+    o.log_every = 2;
+    o.total_steps = 4;
+    Progress p(o);
+    for (int s = 1; s <= 4; ++s) p.OnStep(s, 1, 3.0f, 100);
+    p.Message("hello");
+  }
+  std::rewind(f);
+  char buf[4096] = {0};
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  std::string text(buf, n);
+  EXPECT_NE(text.find("step 2/4"), std::string::npos) << text;
+  EXPECT_NE(text.find("step 4/4"), std::string::npos) << text;
+  EXPECT_EQ(text.find("step 3/4"), std::string::npos) << text;
+  EXPECT_EQ(text.find('\r'), std::string::npos) << "no carriage returns off a terminal";
+  EXPECT_NE(text.find("hello\n"), std::string::npos);
+}
+
+TEST(ExitCodes, RefusalsMapToThree) {
+  EXPECT_EQ(ExitCodeFor(Refused("base hash")), kExitRefused);
+  EXPECT_EQ(ExitCodeFor(Status::PermissionDenied("key file too open")), kExitFailure);
+  EXPECT_EQ(ExitCodeFor(Status::Timeout("x")), kExitFailure);
+  EXPECT_EQ(ExitCodeFor(Status::Ok()), kExitOk);
+}
+
+}  // namespace
+}  // namespace isthmus::worker
