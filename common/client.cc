@@ -71,9 +71,8 @@ flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>> 
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     uint64_t nbytes = static_cast<uint64_t>(NumElements(t.shape)) * sizeof(float);
-    metas.push_back(wire::CreateTensorMetaDirect(fbb, t.name.c_str(), &t.shape,
-                                                 wire::DType::F32, static_cast<uint32_t>(i),
-                                                 nbytes, 0));
+    metas.push_back(wire::CreateTensorMetaDirect(fbb, t.name.c_str(), &t.shape, wire::DType::F32,
+                                                 static_cast<uint32_t>(i), nbytes, 0));
   }
   return fbb.CreateVector(metas);
 }
@@ -130,8 +129,8 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
   for (int attempt = 0; attempt < attempts; ++attempt) {
     if (!socket_) ISTHMUS_RETURN_IF_ERROR(OpenSocket());
     // A monitor on this socket reports a handshake the server refused.
-    std::string mon_ep = "inproc://isthmus-client-mon-" + std::to_string(request_id) + "-" +
-                         std::to_string(attempt);
+    std::string mon_ep =
+        "inproc://isthmus-client-mon-" + std::to_string(request_id) + "-" + std::to_string(attempt);
     zmq_socket_monitor(socket_->handle(), mon_ep.c_str(),
                        ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
                            ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
@@ -144,8 +143,8 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
       std::vector<PayloadRef> refs;
       refs.reserve(payload.size());
       for (const auto& t : payload) {
-        refs.push_back({t.data, static_cast<size_t>(NumElements(t.shape)) * sizeof(float),
-                        latch.Token()});
+        refs.push_back(
+            {t.data, static_cast<size_t>(NumElements(t.shape)) * sizeof(float), latch.Token()});
       }
       Status s = SendMessage(*socket_, nullptr, fbb, refs);
       if (!s.ok()) {
@@ -155,7 +154,8 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
         return s;
       }
     }
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
     Status failure;
     while (true) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -180,7 +180,8 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
           failure = Status::PermissionDenied(
               "server at " + options_.endpoint + " refused this client's key (status " +
-              std::to_string(value) + "): add its .pub file to the server's allowlist for this role");
+              std::to_string(value) +
+              "): add its .pub file to the server's allowlist for this role");
         } else {
           failure = Status::PermissionDenied(
               "CURVE handshake with " + options_.endpoint +
@@ -235,7 +236,8 @@ Result<const T*> BodyAs(const Frames& reply, const WireLimits& limits, wire::Bod
   return static_cast<const T*>((*env)->body());
 }
 
-std::vector<TensorInfo> InfosFrom(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* v) {
+std::vector<TensorInfo> InfosFrom(
+    const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* v) {
   std::vector<TensorInfo> out;
   if (v == nullptr) return out;
   for (const auto* m : *v) out.push_back({m->name()->str(), ShapeOf(m), m->version()});
@@ -250,15 +252,15 @@ void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body
 }  // namespace
 
 Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
-                                     const std::string& base_hash,
-                                     const std::string& client_name) {
+                                     const std::string& base_hash, const std::string& client_name) {
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
-  auto body = wire::CreateHelloDirect(fbb, job.c_str(), role, base_hash.c_str(), client_name.c_str());
+  auto body =
+      wire::CreateHelloDirect(fbb, job.c_str(), role, base_hash.c_str(), client_name.c_str());
   FinishEnvelope(fbb, id, wire::Body::Hello, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::HelloReply>(reply, options_.limits,
-                                                             wire::Body::HelloReply));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      auto* r, BodyAs<wire::HelloReply>(reply, options_.limits, wire::Body::HelloReply));
   HelloInfo info;
   if (r->shard_id()) info.shard_id = r->shard_id()->str();
   if (r->server_version()) info.server_version = r->server_version()->str();
@@ -269,8 +271,8 @@ Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
   return info;
 }
 
-Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<std::string>& names,
-                                     uint64_t newer_than) {
+Result<Frames> ShardClient::CallPull(const std::string& job, const std::vector<std::string>& names,
+                                     uint64_t newer_than, const wire::PullReply** body_out) {
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
   auto body = wire::CreatePullRequestDirect(fbb, job.c_str(), nullptr, newer_than);
@@ -281,9 +283,18 @@ Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<s
   }
   FinishEnvelope(fbb, id, wire::Body::PullRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::PullReply>(reply, options_.limits,
-                                                            wire::Body::PullReply));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r,
+                           BodyAs<wire::PullReply>(reply, options_.limits, wire::Body::PullReply));
   ISTHMUS_RETURN_IF_ERROR(ValidateTensors(r->tensors(), reply.payload, options_.limits, false));
+  // The body points into reply.header, whose buffer stays put when `reply` is moved.
+  *body_out = r;
+  return reply;
+}
+
+Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<std::string>& names,
+                                     uint64_t newer_than) {
+  const wire::PullReply* r = nullptr;
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, CallPull(job, names, newer_than, &r));
   PullResult out;
   out.job_version = r->job_version();
   out.rounds = RoundInfoOf(r->rounds());
@@ -293,12 +304,50 @@ Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<s
       t.name = m->name()->str();
       t.shape = ShapeOf(m);
       const auto& frame = reply.payload[m->frame()];
-      t.data.resize(frame.size() / sizeof(float));
-      std::memcpy(t.data.data(), frame.data(), frame.size());
+      const size_t n = frame.size() / sizeof(float);
+      if (reinterpret_cast<uintptr_t>(frame.data()) % alignof(float) == 0) {
+        // One pass over the fresh memory (resize would zero-fill it first).
+        const auto* f = static_cast<const float*>(frame.data());
+        t.data.assign(f, f + n);
+      } else {
+        t.data.resize(n);
+        std::memcpy(t.data.data(), frame.data(), n * sizeof(float));
+      }
       out.tensors.push_back(std::move(t));
       out.versions.push_back(m->version());
     }
   }
+  return out;
+}
+
+Result<PullView> ShardClient::PullInPlace(const std::string& job,
+                                          const std::vector<std::string>& names,
+                                          uint64_t newer_than) {
+  const wire::PullReply* r = nullptr;
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, CallPull(job, names, newer_than, &r));
+  PullView out;
+  out.job_version = r->job_version();
+  out.rounds = RoundInfoOf(r->rounds());
+  if (r->tensors()) {
+    for (const auto* m : *r->tensors()) {
+      PulledTensor t;
+      t.name = m->name()->str();
+      t.shape = ShapeOf(m);
+      t.version = m->version();
+      const auto& frame = reply.payload[m->frame()];
+      const size_t n = frame.size() / sizeof(float);
+      if (reinterpret_cast<uintptr_t>(frame.data()) % alignof(float) == 0) {
+        t.data = std::span<const float>(static_cast<const float*>(frame.data()), n);
+      } else {
+        // Small frames can share ZeroMQ's receive buffer at any offset.
+        auto& copy = out.realigned_.emplace_back(n);
+        std::memcpy(copy.data(), frame.data(), n * sizeof(float));
+        t.data = std::span<const float>(copy.data(), n);
+      }
+      out.tensors.push_back(std::move(t));
+    }
+  }
+  out.frames_ = std::move(reply);
   return out;
 }
 
@@ -313,8 +362,8 @@ Result<PushResult> ShardClient::Push(const std::string& job, const std::string& 
   auto body = wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas);
   FinishEnvelope(fbb, id, wire::Body::PushRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, deltas));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::PushReply>(reply, options_.limits,
-                                                            wire::Body::PushReply));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r,
+                           BodyAs<wire::PushReply>(reply, options_.limits, wire::Body::PushReply));
   return PushResult{r->job_version(), r->duplicate(), RoundInfoOf(r->rounds())};
 }
 
@@ -328,8 +377,8 @@ Result<JobInfo> ShardClient::CreateJob(const std::string& job, const std::string
   auto body = wire::CreateJobCreate(fbb, job_s, hash_s, metas);
   FinishEnvelope(fbb, id, wire::Body::JobCreate, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, tensors));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::JobCreateReply>(reply, options_.limits,
-                                                                 wire::Body::JobCreateReply));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      auto* r, BodyAs<wire::JobCreateReply>(reply, options_.limits, wire::Body::JobCreateReply));
   JobInfo info;
   info.job = job;
   info.base_hash = base_hash;
@@ -345,8 +394,8 @@ Result<JobInfo> ShardClient::DescribeJob(const std::string& job) {
   auto body = wire::CreateJobDescribeDirect(fbb, job.c_str());
   FinishEnvelope(fbb, id, wire::Body::JobDescribe, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::JobDescribeReply>(
-                                        reply, options_.limits, wire::Body::JobDescribeReply));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::JobDescribeReply>(reply, options_.limits,
+                                                                   wire::Body::JobDescribeReply));
   JobInfo info;
   if (r->job()) info.job = r->job()->str();
   if (r->base_hash()) info.base_hash = r->base_hash()->str();
@@ -365,8 +414,8 @@ Result<ShardStats> ShardClient::Stats() {
   auto body = wire::CreateStatsRequest(fbb);
   FinishEnvelope(fbb, id, wire::Body::StatsRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::StatsReply>(reply, options_.limits,
-                                                             wire::Body::StatsReply));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      auto* r, BodyAs<wire::StatsReply>(reply, options_.limits, wire::Body::StatsReply));
   ShardStats s;
   if (r->shard_id()) s.shard_id = r->shard_id()->str();
   if (r->server_version()) s.server_version = r->server_version()->str();
@@ -399,8 +448,8 @@ Result<std::vector<SnapshotInfo>> ShardClient::ListSnapshots() {
   auto body = wire::CreateSnapshotList(fbb);
   FinishEnvelope(fbb, id, wire::Body::SnapshotList, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SnapshotListReply>(
-                                        reply, options_.limits, wire::Body::SnapshotListReply));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SnapshotListReply>(reply, options_.limits,
+                                                                    wire::Body::SnapshotListReply));
   std::vector<SnapshotInfo> out;
   if (r->snapshots()) {
     for (const auto* s : *r->snapshots()) out.push_back(SnapshotFromWire(s));

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 #include <zmq.hpp>
@@ -24,13 +25,13 @@
 namespace isthmus {
 
 struct ClientOptions {
-  std::string endpoint;              // e.g. "tcp://127.0.0.1:7000"
-  std::string server_public_key;     // Z85; required unless insecure_plaintext
-  KeyPair client_keys;               // required unless insecure_plaintext
-  bool insecure_plaintext = false;   // no CURVE: only for benchmarks and local debugging
-  int timeout_ms = 30000;            // per attempt
-  int retries = 2;                   // extra attempts after a timeout
-  WireLimits limits;                 // applied to replies
+  std::string endpoint;             // e.g. "tcp://127.0.0.1:7000"
+  std::string server_public_key;    // Z85; required unless insecure_plaintext
+  KeyPair client_keys;              // required unless insecure_plaintext
+  bool insecure_plaintext = false;  // no CURVE: only for benchmarks and local debugging
+  int timeout_ms = 30000;           // per attempt
+  int retries = 2;                  // extra attempts after a timeout
+  WireLimits limits;                // applied to replies
 };
 
 // A view of fp32 data to send: not owned.
@@ -58,9 +59,31 @@ struct HelloInfo {
 
 struct PullResult {
   uint64_t job_version = 0;
-  std::vector<Tensor> tensors;   // tensor.name/shape/data
+  std::vector<Tensor> tensors;     // tensor.name/shape/data
   std::vector<uint64_t> versions;  // per tensor, the version at which it last changed
   RoundInfo rounds;
+};
+
+// A tensor of a PullView, read in place from the received message.
+struct PulledTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  uint64_t version = 0;         // the version at which it last changed
+  std::span<const float> data;  // owned by the PullView; valid while it lives
+};
+
+// The result of PullInPlace: the reply's payload frames are kept, and each tensor's data
+// points into them, so nothing is copied after ZeroMQ received the message. Move-only
+// (moving keeps the spans valid: frames own heap memory that does not move).
+struct PullView {
+  uint64_t job_version = 0;
+  std::vector<PulledTensor> tensors;
+  RoundInfo rounds;
+
+ private:
+  friend class ShardClient;
+  Frames frames_;                              // the memory of aligned tensors
+  std::vector<std::vector<float>> realigned_;  // copies of frames not 4-byte aligned
 };
 
 struct PushResult {
@@ -111,10 +134,13 @@ class ShardClient {
                           const std::string& client_name);
   Result<PullResult> Pull(const std::string& job, const std::vector<std::string>& names = {},
                           uint64_t newer_than = 0);
+  // As Pull, without copying tensor data out of the received frames (see PullView). For
+  // large tensors this saves a fresh allocation and a copy per tensor.
+  Result<PullView> PullInPlace(const std::string& job, const std::vector<std::string>& names = {},
+                               uint64_t newer_than = 0);
   // Adds each tensor's values to the job's tensor of that name, all or none.
   Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,
-                          uint64_t round, uint64_t tokens,
-                          const std::vector<TensorView>& deltas);
+                          uint64_t round, uint64_t tokens, const std::vector<TensorView>& deltas);
   // Admin role: needs a client key on the server's admin allowlist and the admin endpoint.
   Result<JobInfo> CreateJob(const std::string& job, const std::string& base_hash,
                             const std::vector<TensorView>& tensors);
@@ -134,6 +160,10 @@ class ShardClient {
   Result<Frames> Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
                       const std::vector<TensorView>& payload);
   uint64_t NextRequestId() { return ++request_seq_; }
+  // Sends a PullRequest and returns the verified reply (tensor metas checked against the
+  // payload frames) and its body.
+  Result<Frames> CallPull(const std::string& job, const std::vector<std::string>& names,
+                          uint64_t newer_than, const wire::PullReply** body);
 
   ClientOptions options_;
   zmq::context_t ctx_;

@@ -60,6 +60,8 @@ class Shard {
     std::vector<int64_t> shape;
     uint64_t version = 0;
     std::shared_ptr<const std::vector<float>> data;  // replaced, never mutated
+    // A buffer of the same size no one else references, reused by the next push.
+    std::shared_ptr<std::vector<float>> spare = nullptr;
   };
   struct JobState {
     std::string base_hash;

@@ -81,7 +81,21 @@ class Store {
   virtual uint64_t ApproximateBytes() = 0;
 };
 
+// Values in Column::kTensors of at least this many bytes are kept by the RocksDB store
+// outside RocksDB (see OpenRocksStore); smaller ones go through RocksDB as usual.
+inline constexpr size_t kSlotFileMinBytes = size_t{1} << 20;
+
 // Opens (creating if needed) a RocksDB store in folder `dir`.
+//
+// Large tensor values (>= kSlotFileMinBytes in Column::kTensors) skip RocksDB's WAL and
+// memtable: each key owns two slot files in <dir>/slots/, and a write fills the slot the
+// committed state does not name (pwrite into the reused file, fdatasync when
+// sync_writes), then commits a small pointer record {file, slot, size, crc32c} in the same
+// RocksDB batch as the rest. A crash before that commit leaves the old slot and record
+// intact, so the batch stays atomic. Get and Scan read the slot back and check its crc32c
+// (Corruption on mismatch). Checkpoint() hard-links (or copies) the slots in use into
+// <checkpoint>/slots/; a slot file shared with a checkpoint is replaced, never rewritten
+// in place. Copying a checkpoint folder recursively over `dir` restores it.
 Result<std::unique_ptr<Store>> OpenRocksStore(const std::string& dir, const StoreOptions& options);
 
 // A store in memory. Write() can be made to fail after `fail_after_writes` successful

@@ -422,7 +422,21 @@ Status MeasureServer(RunningServer& server, bool curve, bool sync, bool do_push,
       cells.push_back(cell);
     }
     if (do_pull) {
+      // "pull": PullInPlace, tensors read from the received frames. "pull-copy": Pull,
+      // which copies each tensor into a Tensor's std::vector.
       Cell cell{"pull", curve, "-", bytes};
+      ISTHMUS_RETURN_IF_ERROR(Measure(
+          plan, cap_s,
+          [&]() -> Status {
+            ISTHMUS_ASSIGN_OR_RETURN(PullView r, worker->PullInPlace(JobName(bytes), {"w"}));
+            if (r.tensors.size() != 1 || r.tensors[0].data.size() != static_cast<size_t>(n)) {
+              return Status::Internal("pull returned the wrong tensor");
+            }
+            return Status::Ok();
+          },
+          cell));
+      cells.push_back(cell);
+      Cell copy_cell{"pull-copy", curve, "-", bytes};
       ISTHMUS_RETURN_IF_ERROR(Measure(
           plan, cap_s,
           [&]() -> Status {
@@ -432,8 +446,18 @@ Status MeasureServer(RunningServer& server, bool curve, bool sync, bool do_push,
             }
             return Status::Ok();
           },
-          cell));
-      cells.push_back(cell);
+          copy_cell));
+      cells.push_back(copy_cell);
+      // Both client paths must see the same bytes.
+      ISTHMUS_ASSIGN_OR_RETURN(PullView in_place, worker->PullInPlace(JobName(bytes), {"w"}));
+      ISTHMUS_ASSIGN_OR_RETURN(PullResult copied, worker->Pull(JobName(bytes), {"w"}));
+      if (in_place.tensors.size() != 1 || copied.tensors.size() != 1 ||
+          in_place.tensors[0].data.size() != copied.tensors[0].data.size() ||
+          std::memcmp(in_place.tensors[0].data.data(), copied.tensors[0].data.data(), bytes) != 0 ||
+          in_place.tensors[0].version != copied.versions[0] ||
+          in_place.job_version != copied.job_version) {
+        return Status::Internal("PullInPlace and Pull disagree");
+      }
     }
   }
   return Status::Ok();
@@ -562,22 +586,40 @@ Result<std::vector<Part>> Breakdown(const std::string& parent, uint64_t bytes, i
       meta_fbb.GetBufferPointer());
   std::vector<zmq::message_t> frames;
   frames.emplace_back(delta.data(), bytes);
-  parts.push_back({"  ValidateTensors on the frame (check_finite=true)", MedianMs(reps, [&] {
-                     sink = ValidateTensors(metas, frames, WireLimits{}, true).ok();
-                   })});
+  parts.push_back(
+      {"  ValidateTensors on the frame (check_finite=false, as DoPush)",
+       MedianMs(reps, [&] { sink = ValidateTensors(metas, frames, WireLimits{}, false).ok(); })});
   double frame_copy = MedianMs(reps, [&] {
     zmq::message_t m(delta.data(), bytes);
     sink = static_cast<const char*>(m.data())[0] != 0;
   });
-  parts.push_back(
-      {"  AllFinite (one pass)", MedianMs(reps, [&] { sink = AllFinite(delta.data(), n); })});
-  std::shared_ptr<std::vector<float>> next;
-  parts.push_back({"  copy the old tensor (make_shared<vector>(old))",
-                   MedianMs(reps, [&] { next = std::make_shared<std::vector<float>>(base); })});
-  parts.push_back({"  add the delta into the copy", MedianMs(reps, [&] {
-                     float* out = next->data();
+  // The same loop as DoPush's fused add + finiteness check, into a reused buffer.
+  auto next = std::make_shared<std::vector<float>>(base);
+  parts.push_back({"  out = old + delta, finiteness flags, reused buffer", MedianMs(reps, [&] {
+                     constexpr int64_t kBlock = 1024;
+                     uint32_t bad = 0;
+                     const float* a = base.data();
                      const float* d = delta.data();
-                     for (int64_t i = 0; i < n; ++i) out[i] += d[i];
+                     float* out = next->data();
+                     for (int64_t i = 0; i + kBlock <= n; i += kBlock) {
+                       const float* __restrict ab = a + i;
+                       const float* __restrict db = d + i;
+                       float* __restrict ob = out + i;
+                       uint32_t flags = 0;
+                       for (int64_t k = 0; k < kBlock; ++k) {
+                         float sum = ab[k] + db[k];
+                         ob[k] = sum;
+                         uint32_t bits;
+                         std::memcpy(&bits, &sum, 4);
+                         flags |= static_cast<uint32_t>((bits & 0x7f800000u) == 0x7f800000u);
+                       }
+                       bad |= flags;
+                     }
+                     sink = bad == 0;
+                   })});
+  parts.push_back({"  (before) copy the old tensor into a fresh buffer", MedianMs(reps, [&] {
+                     auto fresh = std::make_shared<std::vector<float>>(base);
+                     sink = (*fresh)[0] != 0;
                    })});
   for (bool sync : {true, false}) {
     ISTHMUS_ASSIGN_OR_RETURN(TempDir dir, TempDir::Make(parent, "isthmus-bench-store"));
@@ -593,9 +635,9 @@ Result<std::vector<Part>> Breakdown(const std::string& parent, uint64_t bytes, i
       if (!s.ok()) st = s;
     });
     ISTHMUS_RETURN_IF_ERROR(st);
-    parts.push_back(
-        {std::string("  Store::Write of the tensor, sync_writes=") + (sync ? "true" : "false"),
-         ms});
+    parts.push_back({std::string("  Store::Write of the tensor (slot file), sync_writes=") +
+                         (sync ? "true" : "false"),
+                     ms});
   }
   std::vector<float> warm(n, 0.0f);
   parts.push_back(
@@ -604,10 +646,8 @@ Result<std::vector<Part>> Breakdown(const std::string& parent, uint64_t bytes, i
          sink = warm[0] != 0;
        })});
   parts.push_back(
-      {"client Pull: copy the frame into Tensor::data (resize + memcpy)", MedianMs(reps, [&] {
-         std::vector<float> t;
-         t.resize(n);
-         std::memcpy(t.data(), delta.data(), bytes);
+      {"client Pull (copying API): assign the frame into a new Tensor::data", MedianMs(reps, [&] {
+         std::vector<float> t(delta.data(), delta.data() + n);
          sink = t[0] != 0;
        })});
   parts.push_back(
@@ -809,7 +849,10 @@ int Main(int argc, char** argv) {
       "streamed (not request/reply); CURVE on = curve_server on the PULL side\n");
   std::printf(
       "raw-rr: DEALER->ROUTER, the message then an 8-byte reply, one at a time (a push's "
-      "transport with no server work); %%raw columns compare with raw-zmq\n\n");
+      "transport with no server work); %%raw columns compare with raw-zmq\n");
+  std::printf(
+      "pull: ShardClient::PullInPlace (tensors read in the received frames); pull-copy: "
+      "ShardClient::Pull (copies into Tensor::data)\n\n");
   std::fflush(stdout);
 
   auto started = Clock::now();
@@ -840,7 +883,7 @@ int Main(int argc, char** argv) {
   double throughput_s = Seconds(started, Clock::now());
 
   // The table.
-  std::printf("%-8s %-5s %-5s %8s %6s %10s %9s %9s %9s\n", "op", "curve", "sync", "size", "ops",
+  std::printf("%-9s %-5s %-5s %8s %6s %10s %9s %9s %9s\n", "op", "curve", "sync", "size", "ops",
               "median ms", "MB/s", "%raw off", "%raw on");
   std::string last_key;
   for (bool curve : curves) {
@@ -852,12 +895,13 @@ int Main(int argc, char** argv) {
                                                             {"raw-rr", "-"},
                                                             {"push", "true"},
                                                             {"push", "false"},
-                                                            {"pull", "-"}}) {
+                                                            {"pull", "-"},
+                                                            {"pull-copy", "-"}}) {
         const Cell* c = Find(cells, op, curve, sync, b);
         if (c == nullptr) continue;
         std::string off = raw_off ? Pct(c->MBps(), raw_off->MBps()) : "-";
         std::string on = curve && raw_on ? Pct(c->MBps(), raw_on->MBps()) : "-";
-        std::printf("%-8s %-5s %-5s %8s %6d %10.3f %9.1f %9s %9s\n", op.c_str(),
+        std::printf("%-9s %-5s %-5s %8s %6d %10.3f %9.1f %9s %9s\n", op.c_str(),
                     curve ? "on" : "off", sync.c_str(), SizeLabel(b).c_str(), c->reps, c->median_ms,
                     c->MBps(), off.c_str(), on.c_str());
       }

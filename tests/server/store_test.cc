@@ -1,6 +1,17 @@
 // Both Store implementations: atomic batches, gets, prefix scans, persistence across
-// reopen (RocksDB), checkpoints.
+// reopen (RocksDB), checkpoints; the RocksDB store's slot files for large tensors
+// (reopen, checkpoint and restore, checksums) and its crash consistency under SIGKILL.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <thread>
 
 #include "server/store.h"
 #include "tests/server/test_util.h"
@@ -46,10 +57,13 @@ TEST_P(StoreTest, ScanStopsAtPrefixEnd) {
   b.PutOwned(Column::kTensorMeta, JobKey("job10", "z"), "z");  // shares "job1" as text prefix
   ASSERT_TRUE(store().Write(b).ok());
   std::vector<std::string> seen;
-  ASSERT_TRUE(store().Scan(Column::kTensorMeta, JobKey("job1", ""), [&](auto k, auto v) {
-    seen.emplace_back(v);
-    return true;
-  }).ok());
+  ASSERT_TRUE(store()
+                  .Scan(Column::kTensorMeta, JobKey("job1", ""),
+                        [&](auto k, auto v) {
+                          seen.emplace_back(v);
+                          return true;
+                        })
+                  .ok());
   EXPECT_EQ(seen, (std::vector<std::string>{"a", "b", "c"}));
 }
 
@@ -76,6 +90,208 @@ TEST_P(StoreTest, RocksStatePersistsAndCheckpoints) {
 
 INSTANTIATE_TEST_SUITE_P(Impl, StoreTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Rocks" : "Mem"; });
+
+// A value of `bytes` bytes, every byte derived from `tag`.
+std::string Pattern(size_t bytes, int tag) {
+  std::string v(bytes, '\0');
+  for (size_t i = 0; i < bytes; ++i) v[i] = static_cast<char>((tag * 131 + i / 4096) & 0xff);
+  return v;
+}
+
+std::unique_ptr<Store> MustOpen(const std::string& dir, bool sync = true) {
+  StoreOptions o;
+  o.sync_writes = sync;
+  auto s = OpenRocksStore(dir, o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(s).value() : nullptr;
+}
+
+Status PutTensor(Store& s, const std::string& key, const std::string& value) {
+  WriteBatch b;
+  b.Put(Column::kTensors, key, value);
+  return s.Write(b);
+}
+
+int CountSlotFiles(const std::filesystem::path& db) {
+  int n = 0;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(db / "slots", ec))
+    n += e.is_regular_file();
+  return n;
+}
+
+const size_t kBig = 2 * kSlotFileMinBytes;
+
+TEST(RocksSlotTest, LargeValuesSurviveReopenAndAlternateSlots) {
+  testing::TempDir dir;
+  const std::string db = (dir.path() / "db").string();
+  auto store = MustOpen(db);
+  for (int v = 1; v <= 3; ++v)
+    ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, v)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 3));
+  EXPECT_EQ(CountSlotFiles(db), 2) << "one key uses two slot files, reused";
+  EXPECT_GE(store->ApproximateBytes(), 2 * kBig);
+  store.reset();
+  store = MustOpen(db);
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 3));
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 4)).ok());
+  store.reset();
+  store = MustOpen(db);
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 4));
+  // Shrinking below the threshold moves the value back inline and frees the slots.
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), "small").ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), "small");
+  EXPECT_EQ(CountSlotFiles(db), 0);
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 5)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 5));
+  WriteBatch d;
+  d.Delete(Column::kTensors, JobKey("j", "w"));
+  ASSERT_TRUE(store->Write(d).ok());
+  EXPECT_FALSE(store->Get(Column::kTensors, JobKey("j", "w"))->has_value());
+  EXPECT_EQ(CountSlotFiles(db), 0);
+  store.reset();
+  store = MustOpen(db);
+  EXPECT_FALSE(store->Get(Column::kTensors, JobKey("j", "w"))->has_value());
+}
+
+TEST(RocksSlotTest, ScanMergesSlotAndInlineValuesInKeyOrder) {
+  testing::TempDir dir;
+  auto store = MustOpen((dir.path() / "db").string(), false);
+  WriteBatch b;
+  std::string big_b = Pattern(kBig, 7), big_d = Pattern(kBig, 8);
+  b.Put(Column::kTensors, JobKey("j", "a"), "inline-a");
+  b.Put(Column::kTensors, JobKey("j", "b"), big_b);
+  b.Put(Column::kTensors, JobKey("j", "c"), "inline-c");
+  b.Put(Column::kTensors, JobKey("j", "d"), big_d);
+  b.Put(Column::kTensors, JobKey("k", "a"), big_d);  // other prefix
+  ASSERT_TRUE(store->Write(b).ok());
+  std::vector<std::string> keys;
+  std::vector<size_t> sizes;
+  ASSERT_TRUE(store
+                  ->Scan(Column::kTensors, JobKey("j", ""),
+                         [&](auto k, auto v) {
+                           keys.emplace_back(k.substr(2));
+                           sizes.push_back(v.size());
+                           return true;
+                         })
+                  .ok());
+  EXPECT_EQ(keys, (std::vector<std::string>{"a", "b", "c", "d"}));
+  EXPECT_EQ(sizes, (std::vector<size_t>{8, kBig, 8, kBig}));
+  // Other columns never see slot records.
+  int jobs = 0;
+  ASSERT_TRUE(store->Scan(Column::kJobs, "", [&](auto, auto) { return ++jobs, true; }).ok());
+  EXPECT_EQ(jobs, 0);
+}
+
+TEST(RocksSlotTest, CheckpointKeepsItsSlotsWhileTheLiveStoreMovesOn) {
+  testing::TempDir dir;
+  const auto db = dir.path() / "db";
+  auto store = MustOpen(db.string());
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 1)).ok());
+  ASSERT_TRUE(store->Checkpoint((dir.path() / "cp").string()).ok());
+  // Two more writes touch both slots, including the one the checkpoint links to.
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 2)).ok());
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 3)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 3));
+  {
+    auto cp = MustOpen((dir.path() / "cp").string());
+    EXPECT_EQ(**cp->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 1));
+  }
+  // Restore as the server does: copy the checkpoint folder over the live one.
+  store.reset();
+  std::filesystem::remove_all(db);
+  std::filesystem::copy(dir.path() / "cp", db, std::filesystem::copy_options::recursive);
+  store = MustOpen(db.string());
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 1));
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 4)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 4));
+}
+
+TEST(RocksSlotTest, DamagedSlotFileIsCorruption) {
+  testing::TempDir dir;
+  const auto db = dir.path() / "db";
+  auto store = MustOpen(db.string());
+  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 1)).ok());
+  store.reset();
+  int damaged = 0;
+  for (const auto& e : std::filesystem::directory_iterator(db / "slots")) {
+    std::fstream f(e.path(), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(12345);
+    f.put('\x5a');
+    ++damaged;
+  }
+  ASSERT_EQ(damaged, 1);
+  store = MustOpen(db.string());
+  auto v = store->Get(Column::kTensors, JobKey("j", "w"));
+  EXPECT_EQ(v.status().code(), Code::kCorruption);
+}
+
+// The writer half of the crash test, run in a child process started by the test below
+// (ISTHMUS_STORE_CRASH_DIR names its store). Skipped when run on its own.
+TEST(RocksSlotCrashTest, ChildWriter) {
+  const char* db = std::getenv("ISTHMUS_STORE_CRASH_DIR");
+  if (db == nullptr) GTEST_SKIP() << "helper of RocksSlotCrashTest.KillMidWrites";
+  auto store = MustOpen(db);
+  ASSERT_NE(store, nullptr);
+  int i = 0;
+  auto rec = store->Get(Column::kJobs, "j");
+  if (rec.ok() && rec->has_value()) i = std::stoi(**rec);
+  while (true) {
+    ++i;
+    std::string value = Pattern(kBig, i), counter = std::to_string(i);
+    WriteBatch b;
+    b.Put(Column::kTensors, JobKey("j", "w"), value);
+    b.Put(Column::kJobs, "j", counter);
+    if (!store->Write(b).ok()) std::_Exit(3);
+    // Acknowledge: this write is durable from here on.
+    if (::write(3, &i, sizeof(i)) != sizeof(i)) std::_Exit(4);
+  }
+}
+
+TEST(RocksSlotCrashTest, KillMidWrites) {
+  testing::TempDir dir;
+  const std::string db = (dir.path() / "db").string();
+  int last_acked = 0;
+  for (int round = 0; round < 4; ++round) {
+    int fds[2];
+    ASSERT_EQ(::pipe(fds), 0);
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      ::dup2(fds[1], 3);
+      int null_fd = ::open("/dev/null", O_WRONLY);
+      if (null_fd >= 0) ::dup2(null_fd, 1);
+      ::setenv("ISTHMUS_STORE_CRASH_DIR", db.c_str(), 1);
+      ::execl("/proc/self/exe", "store_crash_child",
+              "--gtest_filter=RocksSlotCrashTest.ChildWriter", static_cast<char*>(nullptr));
+      std::_Exit(127);
+    }
+    ::close(fds[1]);
+    // Let it acknowledge a few writes, then kill it at a varying point of the next one.
+    int acked = 0, v = 0;
+    while (acked < 3 + round && ::read(fds[0], &v, sizeof(v)) == sizeof(v)) ++acked, last_acked = v;
+    std::this_thread::sleep_for(std::chrono::microseconds(700 * round));
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    while (::read(fds[0], &v, sizeof(v)) == sizeof(v)) last_acked = v;
+    ::close(fds[0]);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the writer exited by itself: " << status;
+    ASSERT_GE(acked, 3 + round) << "the writer acknowledged too few writes";
+
+    auto store = MustOpen(db);
+    ASSERT_NE(store, nullptr);
+    auto rec = store->Get(Column::kJobs, "j");
+    ASSERT_TRUE(rec.ok() && rec->has_value());
+    int committed = std::stoi(**rec);
+    EXPECT_GE(committed, last_acked) << "an acknowledged write was lost";
+    EXPECT_LE(committed, last_acked + 1);
+    auto value = store->Get(Column::kTensors, JobKey("j", "w"));
+    ASSERT_TRUE(value.ok()) << value.status().ToString();
+    ASSERT_TRUE(value->has_value());
+    EXPECT_TRUE(**value == Pattern(kBig, committed)) << "tensor and record of one batch differ";
+  }
+}
 
 TEST(MemStoreTest, InjectedFailureAppliesNothing) {
   auto s = NewMemStore(1);
