@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -83,7 +84,8 @@ class RoundLoop {
       o.rendezvous = s_.rendezvous;
       o.host = s_.comm_host;
       o.timeout = std::chrono::seconds(s_.comm_timeout_s);
-      o.prefix = "isthmus-worker/" + s_.shards.job;
+      o.prefix = "isthmus-worker-" + s_.shards.job;
+      std::replace(o.prefix.begin(), o.prefix.end(), '/', '_');
       ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
     }
     ISTHMUS_ASSIGN_OR_RETURN(gpt_, BuildModel(s_.model));
