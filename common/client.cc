@@ -81,8 +81,14 @@ ShardClient::ShardClient(const ClientOptions& options)
     : options_(options), ctx_(1), request_seq_(std::random_device{}() * uint64_t{0x9E3779B9}) {}
 
 ShardClient::~ShardClient() {
-  socket_.reset();
+  CloseSocket();
   ctx_.close();
+}
+
+void ShardClient::CloseSocket() {
+  if (socket_) zmq_socket_monitor(socket_->handle(), nullptr, 0);
+  monitor_.reset();
+  socket_.reset();
 }
 
 Result<std::unique_ptr<ShardClient>> ShardClient::Connect(const ClientOptions& options) {
@@ -115,9 +121,20 @@ Status ShardClient::OpenSocket() {
     if (!options_.insecure_plaintext) {
       ConfigureCurveClient(*socket_, options_.client_keys, options_.server_public_key);
     }
+    // The monitor lives as long as the socket (setting one up per call costs more than a
+    // small request) and reports a handshake the server refused.
+    std::string mon_ep = "inproc://isthmus-client-mon-" + std::to_string(++monitor_seq_);
+    if (zmq_socket_monitor(socket_->handle(), mon_ep.c_str(),
+                           ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) != 0) {
+      throw zmq::error_t();
+    }
+    monitor_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::pair);
+    monitor_->set(zmq::sockopt::linger, 0);
+    monitor_->connect(mon_ep);
     socket_->connect(options_.endpoint);
   } catch (const zmq::error_t& e) {
-    socket_.reset();
+    CloseSocket();
     return Status::InvalidArgument("cannot connect to '" + options_.endpoint + "': " + e.what());
   }
   return Status::Ok();
@@ -128,16 +145,6 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
   const int attempts = 1 + std::max(0, options_.retries);
   for (int attempt = 0; attempt < attempts; ++attempt) {
     if (!socket_) ISTHMUS_RETURN_IF_ERROR(OpenSocket());
-    // A monitor on this socket reports a handshake the server refused.
-    std::string mon_ep =
-        "inproc://isthmus-client-mon-" + std::to_string(request_id) + "-" + std::to_string(attempt);
-    zmq_socket_monitor(socket_->handle(), mon_ep.c_str(),
-                       ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                           ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL);
-    zmq::socket_t monitor(ctx_, zmq::socket_type::pair);
-    monitor.set(zmq::sockopt::linger, 0);
-    monitor.connect(mon_ep);
-
     ReleaseLatch latch;
     {
       std::vector<PayloadRef> refs;
@@ -148,8 +155,7 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
       }
       Status s = SendMessage(*socket_, nullptr, fbb, refs);
       if (!s.ok()) {
-        zmq_socket_monitor(socket_->handle(), nullptr, 0);
-        socket_.reset();
+        CloseSocket();
         latch.Wait();
         return s;
       }
@@ -162,11 +168,11 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
           deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) break;
       zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
-                                 {monitor.handle(), 0, ZMQ_POLLIN, 0}};
+                                 {monitor_->handle(), 0, ZMQ_POLLIN, 0}};
       zmq::poll(items, 2, left);
       if (items[1].revents & ZMQ_POLLIN) {
         zmq::message_t ev;
-        (void)monitor.recv(ev);
+        (void)monitor_->recv(ev);
         uint16_t event = 0;
         uint32_t value = 0;
         if (ev.size() >= 6) {
@@ -175,7 +181,7 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
         }
         if (ev.more()) {
           zmq::message_t addr;
-          (void)monitor.recv(addr);
+          (void)monitor_->recv(addr);
         }
         if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
           failure = Status::PermissionDenied(
@@ -198,14 +204,12 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
         break;
       }
       if ((*env)->request_id() != request_id) continue;  // stale reply of an older attempt
-      zmq_socket_monitor(socket_->handle(), nullptr, 0);
       latch.Wait();
       Status err = ErrorFromEnvelope(*env);
       if (!err.ok()) return err;
       return std::move(msg).value();
     }
-    zmq_socket_monitor(socket_->handle(), nullptr, 0);
-    socket_.reset();  // drops queued requests and any late reply
+    CloseSocket();  // drops queued requests and any late reply
     latch.Wait();
     if (!failure.ok()) return failure;
     spdlog::debug("client: no reply from {} in {} ms (attempt {}/{})", options_.endpoint,

@@ -155,6 +155,8 @@ class ShardClient {
  private:
   explicit ShardClient(const ClientOptions& options);
   Status OpenSocket();
+  // Stops the monitor and closes both sockets (a no-op when none is open).
+  void CloseSocket();
   // Sends the request built in `fbb` with `payload` and waits for the matching reply,
   // retrying on timeout. The reply's Envelope is verified; error replies become Status.
   Result<Frames> Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
@@ -168,6 +170,8 @@ class ShardClient {
   ClientOptions options_;
   zmq::context_t ctx_;
   std::unique_ptr<zmq::socket_t> socket_;
+  std::unique_ptr<zmq::socket_t> monitor_;  // PAIR socket with socket_'s handshake failures
+  uint64_t monitor_seq_ = 0;
   uint64_t request_seq_;
 };
 
