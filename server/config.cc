@@ -244,8 +244,8 @@ Status ValidateServerConfig(const ServerConfig& c) {
   if (!c.sync_peers.empty() && c.sync_site.empty()) {
     return Status::InvalidArgument("sync.peers is set but sync.site is not: name this site (--sync.site=NAME)");
   }
-  ISTHMUS_RETURN_IF_ERROR(ParsePeerSpecs(c.sync_peers).status());
-  for (const auto& p : *ParsePeerSpecs(c.sync_peers)) {
+  ISTHMUS_ASSIGN_OR_RETURN(auto peers, ParsePeerSpecs(c.sync_peers));
+  for (const auto& p : peers) {
     if (p.site == c.sync_site) {
       return Status::InvalidArgument("sync.peers names this site (" + p.site + ") as a peer");
     }

@@ -87,6 +87,10 @@ Shard::Shard(ShardOptions options)
 Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
   std::unique_ptr<Shard> shard(new Shard(std::move(options)));
   ISTHMUS_ASSIGN_OR_RETURN(shard->store_, shard->options_.open_store());
+  if (shard->options_.sync) {
+    ISTHMUS_ASSIGN_OR_RETURN(shard->sync_,
+                             SyncEngine::Create(shard->store_.get(), *shard->options_.sync));
+  }
   ISTHMUS_RETURN_IF_ERROR(shard->Load());
   return shard;
 }
@@ -101,6 +105,7 @@ std::string Shard::JobRecord(const JobState& job) const {
 
 Status Shard::Load() {
   jobs_.clear();
+  if (sync_) sync_->Reset(store_.get());
   Status status;
   ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kJobs, "", [&](std::string_view k, std::string_view v) {
     json rec = json::parse(v, nullptr, false);
@@ -109,6 +114,7 @@ Status Shard::Load() {
       return false;
     }
     JobState job;
+    job.name = std::string(k);
     job.base_hash = rec.value("base_hash", "");
     job.version = rec.value("version", uint64_t{0});
     job.pushes = rec.value("pushes", uint64_t{0});
@@ -148,7 +154,12 @@ Status Shard::Load() {
       std::memcpy(data->data(), bytes->data(), bytes->size());
       t.data = std::move(data);
     }
-    spdlog::info("loaded job '{}': {} tensors, version {}", name, job.tensors.size(), job.version);
+    if (sync_) {
+      std::map<std::string, SyncTensor> tensors;
+      for (const auto& [tname, t] : job.tensors) tensors[tname] = SyncTensor{t.shape, t.data};
+      ISTHMUS_RETURN_IF_ERROR(sync_->AttachJob(name, std::move(tensors), job.version));
+    }
+    spdlog::info("loaded job '{}': {} tensors, version {}", name, job.tensors.size(), VersionOf(job));
   }
   return Status::Ok();
 }
@@ -232,7 +243,15 @@ Result<Shard::JobState*> Shard::FindJob(const flatbuffers::String* job) {
 
 flatbuffers::Offset<wire::RoundStatus> Shard::RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
                                                             const JobState& job) {
+  if (sync_ && sync_->HasJob(job.name)) {
+    return wire::CreateRoundStatus(fbb, sync_->LocalRound(job.name),
+                                   sync_->CommittedRound(job.name), sync_->max_rounds_ahead());
+  }
   return wire::CreateRoundStatus(fbb, job.last_round, job.last_round, 0);
+}
+
+uint64_t Shard::VersionOf(const JobState& job) const {
+  return sync_ && sync_->HasJob(job.name) ? sync_->Version(job.name) : job.version;
 }
 
 Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply) {
@@ -252,7 +271,7 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
                                         req->job()->str() + "' base " + job->base_hash +
                                         ": the worker loaded a different base checkpoint");
     }
-    version = job->version;
+    version = VersionOf(*job);
     count = job->tensors.size();
     base_hash = job->base_hash;
   }
@@ -267,19 +286,29 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
 
 Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
   ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
+  // Synced jobs serve committed state plus the known uncommitted deltas; every tensor
+  // carries the job's served version.
+  std::map<std::string, TensorState> view;
+  const std::map<std::string, TensorState>* served = &job->tensors;
+  if (sync_ && sync_->HasJob(job->name)) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto v, sync_->View(job->name));
+    const uint64_t version = sync_->Version(job->name);
+    for (auto& [tname, t] : v) view[tname] = TensorState{t.shape, version, t.data};
+    served = &view;
+  }
   std::vector<std::pair<const std::string*, const TensorState*>> picked;
   if (req->names() && req->names()->size() > 0) {
     std::set<std::string> seen;
     for (const auto* n : *req->names()) {
-      auto it = job->tensors.find(n->str());
-      if (it == job->tensors.end()) {
+      auto it = served->find(n->str());
+      if (it == served->end()) {
         return Status::NotFound("tensor '" + n->str() + "' is not in job '" + req->job()->str() + "'");
       }
       if (!seen.insert(n->str()).second) continue;
       if (it->second.version > req->newer_than()) picked.emplace_back(&it->first, &it->second);
     }
   } else {
-    for (const auto& [name, t] : job->tensors) {
+    for (const auto& [name, t] : *served) {
       if (t.version > req->newer_than()) picked.emplace_back(&name, &t);
     }
   }
@@ -300,7 +329,7 @@ Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
                                      " bytes exceeds the message limit; pull fewer tensors");
   }
   auto metas_v = reply.header.CreateVector(metas);
-  auto body = wire::CreatePullReply(reply.header, job->version, metas_v,
+  auto body = wire::CreatePullReply(reply.header, VersionOf(*job), metas_v,
                                     RoundStatusOf(reply.header, *job));
   Finish(reply, id, wire::Body::PullReply, body.Union());
   return Status::Ok();
@@ -331,6 +360,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
     return Status::InvalidArgument("push carries no tensors");
   }
+  if (sync_ && sync_->HasJob(job_name)) return DoSyncPush(job, req, frames, id, reply);
   // Check every name and shape before touching anything.
   std::vector<std::pair<TensorState*, const wire::TensorMeta*>> targets;
   for (const auto* m : *req->tensors()) {
@@ -372,17 +402,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   next_job.pushes += 1;
   next_job.last_round = std::max(job->last_round, req->round());
   next_job.tokens += req->tokens();
-  uint64_t seq = job->dedup_seq;
-  batch.PutOwned(Column::kDedup, JobKey(job_name, key), json{{"version", new_version}}.dump());
-  batch.PutOwned(Column::kDedupLog, JobKey(job_name, BigEndian64(seq)), key);
-  next_job.dedup_seq = seq + 1;
-  if (seq >= options_.dedup_window) {
-    // Forget the oldest key so the window stays bounded.
-    std::string old_log = JobKey(job_name, BigEndian64(seq - options_.dedup_window));
-    ISTHMUS_ASSIGN_OR_RETURN(auto old_key, store_->Get(Column::kDedupLog, old_log));
-    if (old_key) batch.Delete(Column::kDedup, JobKey(job_name, *old_key));
-    batch.Delete(Column::kDedupLog, old_log);
-  }
+  ISTHMUS_RETURN_IF_ERROR(AddDedup(job_name, key, new_version, next_job, batch));
   batch.PutOwned(Column::kJobs, job_name, JobRecord(next_job));
   Status written = store_->Write(batch);
   if (!written.ok()) {
@@ -409,6 +429,80 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   return Status::Ok();
 }
 
+Status Shard::AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
+                       JobState& next, WriteBatch& batch) {
+  const uint64_t seq = next.dedup_seq;
+  batch.PutOwned(Column::kDedup, JobKey(job_name, key), json{{"version", version}}.dump());
+  batch.PutOwned(Column::kDedupLog, JobKey(job_name, BigEndian64(seq)), key);
+  next.dedup_seq = seq + 1;
+  if (seq >= options_.dedup_window) {
+    // Forget the oldest key so the window stays bounded.
+    std::string old_log = JobKey(job_name, BigEndian64(seq - options_.dedup_window));
+    ISTHMUS_ASSIGN_OR_RETURN(auto old_key, store_->Get(Column::kDedupLog, old_log));
+    if (old_key) batch.Delete(Column::kDedup, JobKey(job_name, *old_key));
+    batch.Delete(Column::kDedupLog, old_log);
+  }
+  return Status::Ok();
+}
+
+Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
+                         uint64_t id, Reply& reply) {
+  const std::string& job_name = job->name;
+  const std::string key = req->idempotency_key()->str();
+  std::vector<std::vector<float>> copies;  // frames that are not float-aligned
+  copies.reserve(req->tensors()->size());
+  std::vector<SyncPushTensor> tensors;
+  for (const auto* m : *req->tensors()) {
+    auto it = job->tensors.find(m->name()->str());
+    if (it == job->tensors.end()) {
+      return Status::NotFound("tensor '" + m->name()->str() + "' is not in job '" + job_name + "'");
+    }
+    if (ShapeOf(m) != it->second.shape) {
+      return Status::InvalidArgument("tensor '" + m->name()->str() +
+                                     "': pushed shape differs from the job's shape");
+    }
+    const auto& frame = frames.payload[m->frame()];
+    const size_t n = frame.size() / sizeof(float);
+    const float* data = static_cast<const float*>(frame.data());
+    if (reinterpret_cast<uintptr_t>(frame.data()) % alignof(float) != 0) {
+      copies.emplace_back(n);
+      std::memcpy(copies.back().data(), frame.data(), frame.size());
+      data = copies.back().data();
+    }
+    tensors.push_back({m->name()->str(), std::span<const float>(data, n)});
+  }
+  JobState next = *job;
+  next.tensors.clear();
+  next.pushes += 1;
+  next.last_round = std::max(job->last_round, req->round());
+  next.tokens += req->tokens();
+  WriteBatch batch;
+  ISTHMUS_RETURN_IF_ERROR(AddDedup(job_name, key, sync_->Version(job_name), next, batch));
+  batch.PutOwned(Column::kJobs, job_name, JobRecord(next));
+  bool duplicate = false;
+  if (req->round() == 0) {
+    ISTHMUS_RETURN_IF_ERROR(sync_->AddNow(job_name, tensors, batch).status());
+  } else {
+    ISTHMUS_ASSIGN_OR_RETURN(SyncPushResult r, sync_->PushRound(job_name, req->round(),
+                                                                req->tokens(), tensors, batch));
+    duplicate = r.duplicate;
+    if (duplicate) {
+      spdlog::info("push '{}' to job '{}' is for round {}, which this site closed already; "
+                   "not applied again", key, job_name, req->round());
+    }
+  }
+  if (!duplicate) {
+    job->pushes = next.pushes;
+    job->last_round = next.last_round;
+    job->tokens = next.tokens;
+    job->dedup_seq = next.dedup_seq;
+  }
+  auto body = wire::CreatePushReply(reply.header, VersionOf(*job), duplicate,
+                                    RoundStatusOf(reply.header, *job));
+  Finish(reply, id, wire::Body::PushReply, body.Union());
+  return Status::Ok();
+}
+
 Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint64_t id,
                           Reply& reply) {
   std::string name = req->job()->str();
@@ -422,6 +516,7 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
     return Status::InvalidArgument("a job needs at least one tensor");
   }
   JobState job;
+  job.name = name;
   job.base_hash = req->base_hash() ? req->base_hash()->str() : "";
   job.version = 1;
   job.created_unix = NowUnix();
@@ -441,7 +536,13 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
   batch.PutOwned(Column::kJobs, name, JobRecord(job));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   size_t count = job.tensors.size();
-  jobs_.emplace(name, std::move(job));
+  auto placed = jobs_.emplace(name, std::move(job)).first;
+  if (sync_) {
+    std::map<std::string, SyncTensor> tensors;
+    for (const auto& [tname, t] : placed->second.tensors) tensors[tname] = SyncTensor{t.shape, t.data};
+    // On failure the job is attached at the next start (its tensors are durable).
+    ISTHMUS_RETURN_IF_ERROR(sync_->AttachJob(name, std::move(tensors), placed->second.version));
+  }
   spdlog::info("created job '{}': {} tensors, {} bytes", name, count, total);
   auto body = wire::CreateJobCreateReply(reply.header, 1, count, total);
   Finish(reply, id, wire::Body::JobCreateReply, body.Union());
@@ -458,7 +559,7 @@ Status Shard::DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& re
   auto v = reply.header.CreateVector(metas);
   auto body = wire::CreateJobDescribeReply(
       reply.header, reply.header.CreateString(req->job()->str()),
-      reply.header.CreateString(job->base_hash), job->version, job->pushes, job->created_unix, v);
+      reply.header.CreateString(job->base_hash), VersionOf(*job), job->pushes, job->created_unix, v);
   Finish(reply, id, wire::Body::JobDescribeReply, body.Union());
   return Status::Ok();
 }
@@ -477,7 +578,7 @@ Status Shard::DoStats(uint64_t id, Reply& reply) {
   for (const auto& [name, job] : jobs_) {
     uint64_t bytes = 0;
     for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
-    jobs.push_back(SummaryOf(fbb, name, job.version, job.tensors.size(), bytes, job.pushes));
+    jobs.push_back(SummaryOf(fbb, name, VersionOf(job), job.tensors.size(), bytes, job.pushes));
   }
   auto uptime = std::chrono::duration_cast<std::chrono::seconds>(
                     std::chrono::steady_clock::now() - started_).count();
@@ -543,7 +644,7 @@ Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Rep
   for (const auto& [jname, job] : jobs_) {
     uint64_t bytes = 0;
     for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
-    jobs.push_back({{"job", jname}, {"version", job.version}, {"tensor_count", job.tensors.size()},
+    jobs.push_back({{"job", jname}, {"version", VersionOf(job)}, {"tensor_count", job.tensors.size()},
                     {"total_bytes", bytes}, {"pushes", job.pushes}});
   }
   json info{{"created_unix", NowUnix()}, {"shard_id", options_.shard_id},

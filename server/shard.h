@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "common/status.h"
 #include "common/wire.h"
 #include "server/store.h"
+#include "server/sync_engine.h"
 
 namespace isthmus {
 
@@ -33,6 +35,8 @@ struct ShardOptions {
   WireLimits limits;
   // How many idempotency keys per job are remembered (older ones are forgotten).
   uint64_t dedup_window = 65536;
+  // Cross-site round protocol (docs/SYNC.md); nullopt = off (pushes add at once).
+  std::optional<SyncOptions> sync;
 };
 
 // A reply ready to send.
@@ -55,6 +59,11 @@ class Shard {
   uint64_t errors() const { return errors_; }
   void CountBytes(uint64_t in, uint64_t out) { bytes_in_ += in, bytes_out_ += out; }
 
+  // The round protocol engine (every job of this shard takes part), or nullptr when sync
+  // is off. Owned by the shard; valid until the shard dies. The peer links use it as their
+  // DeltaSource and DeltaSink. Event-loop thread only, like everything here.
+  SyncEngine* sync() { return sync_.get(); }
+
  private:
   struct TensorState {
     std::vector<int64_t> shape;
@@ -64,6 +73,7 @@ class Shard {
     std::shared_ptr<std::vector<float>> spare = nullptr;
   };
   struct JobState {
+    std::string name;
     std::string base_hash;
     uint64_t version = 0;
     uint64_t pushes = 0;
@@ -81,6 +91,16 @@ class Shard {
   Status DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply);
   Status DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply);
   Status DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply);
+  // A push to a job of the round protocol: staged by the engine (round >= 1) or added at
+  // once (round 0, only without peers). Validated by DoPush up to the tensor list.
+  Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
+                    uint64_t id, Reply& reply);
+  // Adds the idempotency record of `key` (and forgets the oldest) to `batch`; counts it
+  // in `next`.
+  Status AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
+                  JobState& next, WriteBatch& batch);
+  // Served version of a job: the engine's for synced jobs.
+  uint64_t VersionOf(const JobState& job) const;
   Status DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint64_t id, Reply& reply);
   Status DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& reply);
   Status DoStats(uint64_t id, Reply& reply);
@@ -91,11 +111,12 @@ class Shard {
   Result<JobState*> FindJob(const flatbuffers::String* job);
   // The job's round position for replies. Without cross-site sync every round this site
   // pushes is committed at once.
-  static flatbuffers::Offset<wire::RoundStatus> RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
+  flatbuffers::Offset<wire::RoundStatus> RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
                                                               const JobState& job);
 
   ShardOptions options_;
   std::unique_ptr<Store> store_;
+  std::unique_ptr<SyncEngine> sync_;  // after store_: destroyed first
   std::map<std::string, JobState> jobs_;
   std::chrono::steady_clock::time_point started_;
   uint64_t requests_ = 0, errors_ = 0, bytes_in_ = 0, bytes_out_ = 0;

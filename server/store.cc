@@ -30,6 +30,12 @@ const char* ColumnName(Column c) {
       return "dedup";
     case Column::kDedupLog:
       return "dedup_log";
+    case Column::kSync:
+      return "sync";
+    case Column::kDeltas:
+      return "deltas";
+    case Column::kState:
+      return "sync_state";
     case Column::kCount:
       break;
   }
@@ -186,7 +192,9 @@ class RocksStore : public Store {
     cfs.emplace_back(rocksdb::kDefaultColumnFamilyName, small);
     for (int i = 0; i < static_cast<int>(Column::kCount); ++i) {
       auto c = static_cast<Column>(i);
-      cfs.emplace_back(ColumnName(c), c == Column::kTensors ? large : small);
+      // Encoded deltas and fp32 sync state are tensor-sized too.
+      const bool big = c == Column::kTensors || c == Column::kDeltas || c == Column::kState;
+      cfs.emplace_back(ColumnName(c), big ? large : small);
     }
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);

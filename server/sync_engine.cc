@@ -401,6 +401,9 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     if (t.delta.size() != it->second.data->size()) {
       return Status::InvalidArgument("tensor '" + t.name + "': pushed size differs from the job's");
     }
+    if (!std::all_of(t.delta.begin(), t.delta.end(), [](float f) { return std::isfinite(f); })) {
+      return Status::InvalidArgument("tensor '" + t.name + "': the delta is not finite");
+    }
     if (!names.insert(t.name).second || (j->staged_round == round && j->staged.count(t.name))) {
       return Status::FailedPrecondition("tensor '" + t.name + "' was already pushed for round " +
                                         std::to_string(round));

@@ -2,6 +2,7 @@
 // idempotency, refusal of bad input with state unchanged, and storage failures.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 
 #include "common/client.h"
@@ -91,6 +92,40 @@ class ShardTest : public ::testing::Test {
       out[t->name()->str()] = std::vector<float>(f, f + p.size / 4);
     }
     return out;
+  }
+
+  // A push with a round number; returns the reply's RoundStatus (local, committed, K).
+  Result<std::array<uint64_t, 3>> PushRound(const std::string& key, uint64_t round,
+                                            std::vector<std::pair<std::string, std::vector<float>>> deltas) {
+    flatbuffers::FlatBufferBuilder fbb;
+    std::vector<TensorView> views;
+    std::vector<std::vector<float>> payload;
+    for (auto& [name, d] : deltas) {
+      views.push_back({name, name == "w" ? std::vector<int64_t>{2, 2} : std::vector<int64_t>{3}, d.data()});
+      payload.push_back(d);
+    }
+    auto metas = BuildTensorMetas(fbb, views);
+    Finish(fbb, wire::Body::PushRequest,
+           wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString(key), round, 10, metas).Union());
+    Reply r = shard_->Handle(wire::Role::Worker, MakeFrames(fbb, payload));
+    ISTHMUS_RETURN_IF_ERROR(Expect(r, wire::Body::PushReply));
+    zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
+    const auto* rs = (*ParseEnvelope(m, WireLimits{}))->body_as_PushReply()->rounds();
+    return std::array<uint64_t, 3>{rs->local_round(), rs->committed_round(), rs->max_rounds_ahead()};
+  }
+
+  void OpenSynced(std::vector<std::string> peers) {
+    ShardOptions o;
+    o.shard_id = "test";
+    o.open_store = []() -> Result<std::unique_ptr<Store>> { return NewMemStore(); };
+    SyncOptions so;
+    so.site = "A";
+    so.peer_sites = std::move(peers);
+    o.sync = so;
+    auto s = Shard::Open(o);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    shard_ = std::move(s).value();
+    ASSERT_NE(shard_->sync(), nullptr);
   }
 
   std::vector<float> w_{1, 2, 3, 4}, b_{0, 0, 0};
@@ -222,6 +257,55 @@ TEST_F(ShardTest, StateSurvivesReopenOfTheSameStore) {
   shard_ = std::move(Shard::Open(o)).value();  // reload from the store alone
   EXPECT_EQ(Pull(), before);
   EXPECT_TRUE(*Push("k", {{"w", {1, 1, 1, 1}}})) << "idempotency keys persist";
+}
+
+TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {
+  EXPECT_EQ(shard_->sync(), nullptr);  // off unless configured
+  OpenSynced({});
+  ASSERT_TRUE(CreateJob().ok());
+  uint64_t v0 = 0;
+  Pull(0, &v0);
+  auto rs = PushRound("r1-w", 1, {{"w", {0.5f, 0.5f, -1, 1}}});
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  EXPECT_EQ((*rs)[0], 0u);  // half a round: nothing closed
+  uint64_t v = 0;
+  EXPECT_EQ(Pull(0, &v)["w"], w_);
+  EXPECT_EQ(v, v0);
+  rs = PushRound("r1-b", 1, {{"b", {1, 2, 3}}});
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  EXPECT_EQ((*rs)[0], 1u);
+  EXPECT_EQ((*rs)[1], 1u);
+  EXPECT_EQ((*rs)[2], 2u);
+  auto now = Pull(0, &v);
+  EXPECT_EQ(now["w"], (std::vector<float>{1.5f, 2.5f, 2, 5}));
+  EXPECT_EQ(now["b"], (std::vector<float>{1, 2, 3}));
+  EXPECT_GT(v, v0);
+  EXPECT_TRUE(Pull(v).empty());
+  // A retried key and a late push for a closed round are both duplicates.
+  EXPECT_TRUE(*Push("r1-b", {{"b", {1, 2, 3}}}));
+  EXPECT_TRUE(PushRound("other-key", 1, {{"b", {1, 2, 3}}}).ok());
+  EXPECT_EQ(Pull()["b"], (std::vector<float>{1, 2, 3}));
+  EXPECT_EQ(PushRound("r3", 3, {{"b", {1, 1, 1}}}).status().code(), Code::kFailedPrecondition);
+  // Round 0 still adds at once without peers.
+  ASSERT_TRUE(PushRound("r0", 0, {{"b", {1, 1, 1}}}).ok());
+  EXPECT_EQ(Pull()["b"], (std::vector<float>{2, 3, 4}));
+}
+
+TEST_F(ShardTest, SyncWithPeersWaitsForTheirDeltas) {
+  OpenSynced({"B"});
+  ASSERT_TRUE(CreateJob().ok());
+  EXPECT_EQ(PushRound("r0", 0, {{"b", {1, 1, 1}}}).status().code(), Code::kFailedPrecondition);
+  auto rs = PushRound("r1", 1, {{"w", {1, 1, 1, 1}}, {"b", {1, 1, 1}}});
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  EXPECT_EQ((*rs)[0], 1u);
+  EXPECT_EQ((*rs)[1], 0u);  // B's round 1 is not held
+  EXPECT_EQ(shard_->sync()->OutboxHighRound("job"), 1u);
+  auto st = shard_->sync()->JobStatus("job");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->held.at("B"), 0u);
+  // The optimistic view moves towards this site's own (encoded) delta.
+  auto now = Pull();
+  EXPECT_GT(now["w"][0] + now["w"][1] + now["w"][2] + now["w"][3], 10.0f);
 }
 
 }  // namespace

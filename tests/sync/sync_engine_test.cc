@@ -558,6 +558,9 @@ TEST(SyncEngineTest, PushRules) {
   EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"nope", wrong}}, b).status().code(), Code::kNotFound);
   EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", wrong}}, b).status().code(),
             Code::kInvalidArgument);
+  std::vector<float> nan(16, std::nanf(""));
+  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", nan}}, b).status().code(),
+            Code::kInvalidArgument);
   ASSERT_TRUE(a.PushRound(2).ok());
   auto over = a.PushRound(3);
   EXPECT_EQ(over.status().code(), Code::kFailedPrecondition);
