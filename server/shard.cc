@@ -3,8 +3,8 @@
 // state into memory. A failed write leaves memory as it was.
 #include "server/shard.h"
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <cstring>
@@ -40,8 +40,7 @@ bool AddAllFinite(const float* a, const uint8_t* delta, float* out, size_t n) {
   constexpr size_t kBlock = 1024;
   uint32_t bad = 0;
   size_t i = 0;
-  auto block = [&bad](const float* __restrict a, const uint8_t* __restrict d,
-                      float* __restrict o) {
+  auto block = [&bad](const float* __restrict a, const uint8_t* __restrict d, float* __restrict o) {
     uint32_t flags = 0;
     for (size_t k = 0; k < kBlock; ++k) {
       float dv;
@@ -65,8 +64,7 @@ bool AddAllFinite(const float* a, const uint8_t* delta, float* out, size_t n) {
 }
 
 void Finish(Reply& reply, uint64_t id, wire::Body type, flatbuffers::Offset<void> body) {
-  wire::FinishEnvelopeBuffer(reply.header,
-                             wire::CreateEnvelope(reply.header, 1, id, type, body));
+  wire::FinishEnvelopeBuffer(reply.header, wire::CreateEnvelope(reply.header, 1, id, type, body));
 }
 
 }  // namespace
@@ -96,8 +94,8 @@ Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
 }
 
 std::string Shard::JobRecord(const JobState& job) const {
-  return json{{"base_hash", job.base_hash}, {"version", job.version},
-              {"pushes", job.pushes},       {"created_unix", job.created_unix},
+  return json{{"base_hash", job.base_hash},   {"version", job.version},
+              {"pushes", job.pushes},         {"created_unix", job.created_unix},
               {"last_round", job.last_round}, {"tokens", job.tokens},
               {"dedup_seq", job.dedup_seq}}
       .dump();
@@ -107,41 +105,43 @@ Status Shard::Load() {
   jobs_.clear();
   if (sync_) sync_->Reset(store_.get());
   Status status;
-  ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kJobs, "", [&](std::string_view k, std::string_view v) {
-    json rec = json::parse(v, nullptr, false);
-    if (rec.is_discarded()) {
-      status = Status::Corruption("job record '" + std::string(k) + "' is not JSON");
-      return false;
-    }
-    JobState job;
-    job.name = std::string(k);
-    job.base_hash = rec.value("base_hash", "");
-    job.version = rec.value("version", uint64_t{0});
-    job.pushes = rec.value("pushes", uint64_t{0});
-    job.created_unix = rec.value("created_unix", uint64_t{0});
-    job.last_round = rec.value("last_round", uint64_t{0});
-    job.tokens = rec.value("tokens", uint64_t{0});
-    job.dedup_seq = rec.value("dedup_seq", uint64_t{0});
-    jobs_.emplace(std::string(k), std::move(job));
-    return true;
-  }));
+  ISTHMUS_RETURN_IF_ERROR(
+      store_->Scan(Column::kJobs, "", [&](std::string_view k, std::string_view v) {
+        json rec = json::parse(v, nullptr, false);
+        if (rec.is_discarded()) {
+          status = Status::Corruption("job record '" + std::string(k) + "' is not JSON");
+          return false;
+        }
+        JobState job;
+        job.name = std::string(k);
+        job.base_hash = rec.value("base_hash", "");
+        job.version = rec.value("version", uint64_t{0});
+        job.pushes = rec.value("pushes", uint64_t{0});
+        job.created_unix = rec.value("created_unix", uint64_t{0});
+        job.last_round = rec.value("last_round", uint64_t{0});
+        job.tokens = rec.value("tokens", uint64_t{0});
+        job.dedup_seq = rec.value("dedup_seq", uint64_t{0});
+        jobs_.emplace(std::string(k), std::move(job));
+        return true;
+      }));
   ISTHMUS_RETURN_IF_ERROR(status);
   for (auto& [name, job] : jobs_) {
     std::string prefix = JobKey(name, "");
-    ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kTensorMeta, prefix,
-                                         [&](std::string_view k, std::string_view v) {
-      std::string tname(k.substr(prefix.size()));
-      json rec = json::parse(v, nullptr, false);
-      if (rec.is_discarded() || !rec.contains("shape")) {
-        status = Status::Corruption("tensor record '" + tname + "' of job '" + name + "' is bad");
-        return false;
-      }
-      TensorState t;
-      t.shape = rec["shape"].get<std::vector<int64_t>>();
-      t.version = rec.value("version", uint64_t{0});
-      job.tensors.emplace(tname, std::move(t));
-      return true;
-    }));
+    ISTHMUS_RETURN_IF_ERROR(
+        store_->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
+          std::string tname(k.substr(prefix.size()));
+          json rec = json::parse(v, nullptr, false);
+          if (rec.is_discarded() || !rec.contains("shape")) {
+            status =
+                Status::Corruption("tensor record '" + tname + "' of job '" + name + "' is bad");
+            return false;
+          }
+          TensorState t;
+          t.shape = rec["shape"].get<std::vector<int64_t>>();
+          t.version = rec.value("version", uint64_t{0});
+          job.tensors.emplace(tname, std::move(t));
+          return true;
+        }));
     ISTHMUS_RETURN_IF_ERROR(status);
     for (auto& [tname, t] : job.tensors) {
       ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kTensors, JobKey(name, tname)));
@@ -159,7 +159,8 @@ Status Shard::Load() {
       for (const auto& [tname, t] : job.tensors) tensors[tname] = SyncTensor{t.shape, t.data};
       ISTHMUS_RETURN_IF_ERROR(sync_->AttachJob(name, std::move(tensors), job.version));
     }
-    spdlog::info("loaded job '{}': {} tensors, version {}", name, job.tensors.size(), VersionOf(job));
+    spdlog::info("loaded job '{}': {} tensors, version {}", name, job.tensors.size(),
+                 VersionOf(job));
   }
   return Status::Ok();
 }
@@ -184,19 +185,23 @@ Reply Shard::Handle(wire::Role role, const Frames& request) {
                                         " is only allowed on the admin socket");
       };
       // Requests that carry no payload must not bring any.
-      bool takes_payload = e->body_type() == wire::Body::PushRequest ||
-                           e->body_type() == wire::Body::JobCreate;
+      bool takes_payload =
+          e->body_type() == wire::Body::PushRequest || e->body_type() == wire::Body::JobCreate;
       if (!takes_payload && !request.payload.empty()) {
         s = Status::InvalidArgument("this request takes no payload frames but " +
                                     std::to_string(request.payload.size()) + " were sent");
       } else {
         switch (e->body_type()) {
-          case wire::Body::Hello: s = DoHello(role, e->body_as_Hello(), id, reply); break;
-          case wire::Body::PullRequest: s = DoPull(e->body_as_PullRequest(), id, reply); break;
+          case wire::Body::Hello:
+            s = DoHello(role, e->body_as_Hello(), id, reply);
+            break;
+          case wire::Body::PullRequest:
+            s = DoPull(e->body_as_PullRequest(), id, reply);
+            break;
           case wire::Body::PushRequest:
-            s = role == wire::Role::Worker ? DoPush(e->body_as_PushRequest(), request, id, reply)
-                                           : Status::PermissionDenied(
-                                                 "pushes are only allowed on the worker socket");
+            s = role == wire::Role::Worker
+                    ? DoPush(e->body_as_PushRequest(), request, id, reply)
+                    : Status::PermissionDenied("pushes are only allowed on the worker socket");
             break;
           case wire::Body::JobDescribe:
             s = DoJobDescribe(e->body_as_JobDescribe(), id, reply);
@@ -204,11 +209,15 @@ Reply Shard::Handle(wire::Role role, const Frames& request) {
           case wire::Body::JobCreate:
             s = admin ? DoJobCreate(e->body_as_JobCreate(), request, id, reply) : need_admin();
             break;
-          case wire::Body::StatsRequest: s = admin ? DoStats(id, reply) : need_admin(); break;
+          case wire::Body::StatsRequest:
+            s = admin ? DoStats(id, reply) : need_admin();
+            break;
           case wire::Body::SnapshotCreate:
             s = admin ? DoSnapshotCreate(e->body_as_SnapshotCreate(), id, reply) : need_admin();
             break;
-          case wire::Body::SnapshotList: s = admin ? DoSnapshotList(id, reply) : need_admin(); break;
+          case wire::Body::SnapshotList:
+            s = admin ? DoSnapshotList(id, reply) : need_admin();
+            break;
           case wire::Body::SnapshotRestore:
             s = admin ? DoSnapshotRestore(e->body_as_SnapshotRestore(), id, reply) : need_admin();
             break;
@@ -277,9 +286,8 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
   }
   flatbuffers::Offset<wire::RoundStatus> rounds;
   if (job_found) rounds = RoundStatusOf(reply.header, *job_found);
-  auto body = wire::CreateHelloReplyDirect(reply.header, options_.shard_id.c_str(),
-                                           kIsthmusVersion, version, base_hash.c_str(), count,
-                                           role, rounds);
+  auto body = wire::CreateHelloReplyDirect(reply.header, options_.shard_id.c_str(), kIsthmusVersion,
+                                           version, base_hash.c_str(), count, role, rounds);
   Finish(reply, id, wire::Body::HelloReply, body.Union());
   return Status::Ok();
 }
@@ -302,7 +310,8 @@ Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
     for (const auto* n : *req->names()) {
       auto it = served->find(n->str());
       if (it == served->end()) {
-        return Status::NotFound("tensor '" + n->str() + "' is not in job '" + req->job()->str() + "'");
+        return Status::NotFound("tensor '" + n->str() + "' is not in job '" + req->job()->str() +
+                                "'");
       }
       if (!seen.insert(n->str()).second) continue;
       if (it->second.version > req->newer_than()) picked.emplace_back(&it->first, &it->second);
@@ -319,8 +328,8 @@ Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
     uint64_t nbytes = t.data->size() * sizeof(float);
     bytes += nbytes;
     metas.push_back(wire::CreateTensorMetaDirect(reply.header, picked[i].first->c_str(), &t.shape,
-                                                 wire::DType::F32, static_cast<uint32_t>(i),
-                                                 nbytes, t.version));
+                                                 wire::DType::F32, static_cast<uint32_t>(i), nbytes,
+                                                 t.version));
     reply.payload.push_back({t.data->data(), nbytes, t.data});
   }
   if (bytes > options_.limits.max_payload_bytes) {
@@ -348,8 +357,8 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   if (seen) {
     json rec = json::parse(*seen, nullptr, false);
     uint64_t v = rec.is_discarded() ? job->version : rec.value("version", job->version);
-    spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again",
-                 key, job_name, v);
+    spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
+                 job_name, v);
     auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
     Finish(reply, id, wire::Body::PushReply, body.Union());
     return Status::Ok();
@@ -423,8 +432,8 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   job->last_round = next_job.last_round;
   job->tokens = next_job.tokens;
   job->dedup_seq = next_job.dedup_seq;
-  auto body = wire::CreatePushReply(reply.header, new_version, false,
-                                    RoundStatusOf(reply.header, *job));
+  auto body =
+      wire::CreatePushReply(reply.header, new_version, false, RoundStatusOf(reply.header, *job));
   Finish(reply, id, wire::Body::PushReply, body.Union());
   return Status::Ok();
 }
@@ -483,12 +492,14 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
   if (req->round() == 0) {
     ISTHMUS_RETURN_IF_ERROR(sync_->AddNow(job_name, tensors, batch).status());
   } else {
-    ISTHMUS_ASSIGN_OR_RETURN(SyncPushResult r, sync_->PushRound(job_name, req->round(),
-                                                                req->tokens(), tensors, batch));
+    ISTHMUS_ASSIGN_OR_RETURN(
+        SyncPushResult r, sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch));
     duplicate = r.duplicate;
     if (duplicate) {
-      spdlog::info("push '{}' to job '{}' is for round {}, which this site closed already; "
-                   "not applied again", key, job_name, req->round());
+      spdlog::info(
+          "push '{}' to job '{}' is for round {}, which this site closed already; "
+          "not applied again",
+          key, job_name, req->round());
     }
   }
   if (!duplicate) {
@@ -539,7 +550,8 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
   auto placed = jobs_.emplace(name, std::move(job)).first;
   if (sync_) {
     std::map<std::string, SyncTensor> tensors;
-    for (const auto& [tname, t] : placed->second.tensors) tensors[tname] = SyncTensor{t.shape, t.data};
+    for (const auto& [tname, t] : placed->second.tensors)
+      tensors[tname] = SyncTensor{t.shape, t.data};
     // On failure the job is attached at the next start (its tensors are durable).
     ISTHMUS_RETURN_IF_ERROR(sync_->AttachJob(name, std::move(tensors), placed->second.version));
   }
@@ -557,9 +569,10 @@ Status Shard::DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& re
                                                  wire::DType::F32, 0, 0, t.version));
   }
   auto v = reply.header.CreateVector(metas);
-  auto body = wire::CreateJobDescribeReply(
-      reply.header, reply.header.CreateString(req->job()->str()),
-      reply.header.CreateString(job->base_hash), VersionOf(*job), job->pushes, job->created_unix, v);
+  auto body =
+      wire::CreateJobDescribeReply(reply.header, reply.header.CreateString(req->job()->str()),
+                                   reply.header.CreateString(job->base_hash), VersionOf(*job),
+                                   job->pushes, job->created_unix, v);
   Finish(reply, id, wire::Body::JobDescribeReply, body.Union());
   return Status::Ok();
 }
@@ -580,8 +593,9 @@ Status Shard::DoStats(uint64_t id, Reply& reply) {
     for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
     jobs.push_back(SummaryOf(fbb, name, VersionOf(job), job.tensors.size(), bytes, job.pushes));
   }
-  auto uptime = std::chrono::duration_cast<std::chrono::seconds>(
-                    std::chrono::steady_clock::now() - started_).count();
+  auto uptime =
+      std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - started_)
+          .count();
   auto body = wire::CreateStatsReply(fbb, fbb.CreateString(options_.shard_id),
                                      fbb.CreateString(kIsthmusVersion), uptime, requests_, errors_,
                                      bytes_in_, bytes_out_, store_->ApproximateBytes(),
@@ -602,8 +616,8 @@ Result<flatbuffers::Offset<wire::SnapshotInfo>> SnapshotInfoFrom(
   std::vector<flatbuffers::Offset<wire::JobSummary>> jobs;
   for (const auto& j : info.value("jobs", json::array())) {
     jobs.push_back(SummaryOf(fbb, j.value("job", ""), j.value("version", uint64_t{0}),
-                             j.value("tensor_count", uint64_t{0}), j.value("total_bytes", uint64_t{0}),
-                             j.value("pushes", uint64_t{0})));
+                             j.value("tensor_count", uint64_t{0}),
+                             j.value("total_bytes", uint64_t{0}), j.value("pushes", uint64_t{0})));
   }
   return wire::CreateSnapshotInfo(fbb, fbb.CreateString(dir.filename().string()),
                                   info.value("created_unix", uint64_t{0}), fbb.CreateVector(jobs),
@@ -644,11 +658,16 @@ Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Rep
   for (const auto& [jname, job] : jobs_) {
     uint64_t bytes = 0;
     for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
-    jobs.push_back({{"job", jname}, {"version", VersionOf(job)}, {"tensor_count", job.tensors.size()},
-                    {"total_bytes", bytes}, {"pushes", job.pushes}});
+    jobs.push_back({{"job", jname},
+                    {"version", VersionOf(job)},
+                    {"tensor_count", job.tensors.size()},
+                    {"total_bytes", bytes},
+                    {"pushes", job.pushes}});
   }
-  json info{{"created_unix", NowUnix()}, {"shard_id", options_.shard_id},
-            {"bytes", FolderBytes(tmp_dir / "db")}, {"jobs", jobs}};
+  json info{{"created_unix", NowUnix()},
+            {"shard_id", options_.shard_id},
+            {"bytes", FolderBytes(tmp_dir / "db")},
+            {"jobs", jobs}};
   {
     std::ofstream out(tmp_dir / "info.json");
     out << info.dump(2) << "\n";
@@ -693,7 +712,8 @@ Status Shard::DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, R
   fs::path dir = fs::path(options_.snapshot_dir) / name;
   std::error_code ec;
   if (!IsValidName(name) || !fs::is_directory(dir / "db", ec)) {
-    return Status::NotFound("snapshot '" + name + "' does not exist (list them: isthmusctl snapshot list)");
+    return Status::NotFound("snapshot '" + name +
+                            "' does not exist (list them: isthmusctl snapshot list)");
   }
   store_.reset();  // close the live database before its files are replaced
   Status s = options_.replace_store_files((dir / "db").string());

@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -93,8 +93,8 @@ class Shard {
   Status DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply);
   // A push to a job of the round protocol: staged by the engine (round >= 1) or added at
   // once (round 0, only without peers). Validated by DoPush up to the tensor list.
-  Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
-                    uint64_t id, Reply& reply);
+  Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames, uint64_t id,
+                    Reply& reply);
   // Adds the idempotency record of `key` (and forgets the oldest) to `batch`; counts it
   // in `next`.
   Status AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
@@ -112,7 +112,7 @@ class Shard {
   // The job's round position for replies. Without cross-site sync every round this site
   // pushes is committed at once.
   flatbuffers::Offset<wire::RoundStatus> RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
-                                                              const JobState& job);
+                                                       const JobState& job);
 
   ShardOptions options_;
   std::unique_ptr<Store> store_;

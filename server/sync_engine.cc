@@ -15,8 +15,8 @@
 #include <fnmatch.h>
 #include <openssl/evp.h>
 
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -52,8 +52,8 @@ std::string DeltaKey(const std::string& job, const std::string& site, uint64_t r
   return JobKey(job, site + std::string(1, '\0') + BigEndian64(round));
 }
 std::string HeldKey(const std::string& job, const std::string& site, uint64_t round) {
-  return JobKey(job, "held" + std::string(1, '\0') + site + std::string(1, '\0') +
-                         BigEndian64(round));
+  return JobKey(job,
+                "held" + std::string(1, '\0') + site + std::string(1, '\0') + BigEndian64(round));
 }
 std::string DigestPrefix(const std::string& job) {
   return JobKey(job, "digest" + std::string(1, '\0'));
@@ -195,16 +195,17 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::ReadTensors(Store* store,
   std::map<std::string, SyncTensor> out;
   const std::string prefix = JobKey(job, "");
   Status status;
-  ISTHMUS_RETURN_IF_ERROR(store->Scan(Column::kTensorMeta, prefix,
-                                      [&](std::string_view k, std::string_view v) {
-    json rec = json::parse(v, nullptr, false);
-    if (rec.is_discarded() || !rec.contains("shape")) {
-      status = Status::Corruption("tensor record '" + std::string(k.substr(prefix.size())) + "' is bad");
-      return false;
-    }
-    out[std::string(k.substr(prefix.size()))].shape = rec["shape"].get<std::vector<int64_t>>();
-    return true;
-  }));
+  ISTHMUS_RETURN_IF_ERROR(
+      store->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
+        json rec = json::parse(v, nullptr, false);
+        if (rec.is_discarded() || !rec.contains("shape")) {
+          status = Status::Corruption("tensor record '" + std::string(k.substr(prefix.size())) +
+                                      "' is bad");
+          return false;
+        }
+        out[std::string(k.substr(prefix.size()))].shape = rec["shape"].get<std::vector<int64_t>>();
+        return true;
+      }));
   ISTHMUS_RETURN_IF_ERROR(status);
   for (auto& [name, t] : out) {
     ISTHMUS_ASSIGN_OR_RETURN(auto v, GetFloats(store, Column::kTensors, JobKey(job, name),
@@ -218,8 +219,8 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::ReadTensors(Store* store,
 // ---- engine --------------------------------------------------------------------------
 SyncEngine::SyncEngine(Store* store, SyncOptions options)
     : store_(store), options_(std::move(options)) {
-  hard_cap_ = options_.hard_cap_rounds ? options_.hard_cap_rounds
-                                       : 4 * options_.max_rounds_ahead + 8;
+  hard_cap_ =
+      options_.hard_cap_rounds ? options_.hard_cap_rounds : 4 * options_.max_rounds_ahead + 8;
 }
 
 Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions options) {
@@ -230,12 +231,14 @@ Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions
       return Status::InvalidArgument("a peer site name is empty");
     }
     if (!seen.insert(p).second) {
-      return Status::InvalidArgument("site '" + p + "' is listed twice (or is this site) in sync.peers");
+      return Status::InvalidArgument("site '" + p +
+                                     "' is listed twice (or is this site) in sync.peers");
     }
   }
   if (!std::isfinite(options.outer_lr) || !std::isfinite(options.outer_momentum) ||
       options.outer_momentum < 0 || options.outer_momentum >= 1) {
-    return Status::InvalidArgument("sync.outer_lr must be finite and sync.outer_momentum in [0, 1)");
+    return Status::InvalidArgument(
+        "sync.outer_lr must be finite and sync.outer_momentum in [0, 1)");
   }
   if (options.codec.empty()) options.codec = DefaultPipeText();
   std::vector<std::string> texts{options.codec};
@@ -252,7 +255,8 @@ Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions
   texts.push_back(options.adaptive_ceiling);
   for (const auto& t : texts) {
     auto p = ParsePipe(t);
-    if (!p.ok()) return Status::InvalidArgument("codec pipeline '" + t + "': " + p.status().message());
+    if (!p.ok())
+      return Status::InvalidArgument("codec pipeline '" + t + "': " + p.status().message());
   }
   return std::unique_ptr<SyncEngine>(new SyncEngine(store, std::move(options)));
 }
@@ -301,8 +305,8 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
   j.theta = std::move(tensors);
   if (options_.outer_momentum != 0) {
     for (const auto& [tname, t] : j.theta) {
-      ISTHMUS_ASSIGN_OR_RETURN(auto m, GetFloats(store_, Column::kState, StateKey(name, 'm', tname),
-                                                 t.data->size()));
+      ISTHMUS_ASSIGN_OR_RETURN(
+          auto m, GetFloats(store_, Column::kState, StateKey(name, 'm', tname), t.data->size()));
       j.momentum[tname] = std::make_shared<const std::vector<float>>(
           m ? std::move(*m) : std::vector<float>(t.data->size(), 0.0f));
     }
@@ -319,7 +323,8 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
     return Status::Ok();
   }
   json rec = json::parse(*rec_text, nullptr, false);
-  if (rec.is_discarded()) return Status::Corruption("sync record of job '" + name + "' is not JSON");
+  if (rec.is_discarded())
+    return Status::Corruption("sync record of job '" + name + "' is not JSON");
   try {
     j.committed = rec.at("committed").get<uint64_t>();
     j.local = rec.at("local").get<uint64_t>();
@@ -336,18 +341,18 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
   }
   const std::string held_prefix = JobKey(name, "held" + std::string(1, '\0'));
   Status status;
-  ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kSync, held_prefix,
-                                       [&](std::string_view k, std::string_view v) {
-    std::string_view rest = k.substr(held_prefix.size());
-    auto zero = rest.find('\0');
-    if (zero == std::string_view::npos || rest.size() != zero + 9) {
-      status = Status::Corruption("bad held-delta key in job '" + name + "'");
-      return false;
-    }
-    j.inbox[std::string(rest.substr(0, zero))][FromBigEndian64(rest.substr(zero + 1))] =
-        std::stoull(std::string(v));
-    return true;
-  }));
+  ISTHMUS_RETURN_IF_ERROR(
+      store_->Scan(Column::kSync, held_prefix, [&](std::string_view k, std::string_view v) {
+        std::string_view rest = k.substr(held_prefix.size());
+        auto zero = rest.find('\0');
+        if (zero == std::string_view::npos || rest.size() != zero + 9) {
+          status = Status::Corruption("bad held-delta key in job '" + name + "'");
+          return false;
+        }
+        j.inbox[std::string(rest.substr(0, zero))][FromBigEndian64(rest.substr(zero + 1))] =
+            std::stoull(std::string(v));
+        return true;
+      }));
   ISTHMUS_RETURN_IF_ERROR(status);
   Job& placed = jobs_[name] = std::move(j);
   // A crash may have come between the batch that completed a round and its close or
@@ -385,11 +390,11 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
                                       std::to_string(j->local));
   }
   if (round - j->committed > hard_cap_) {
-    return Status::FailedPrecondition(
-        "round " + std::to_string(round) + " would put this site " +
-        std::to_string(round - j->committed) + " rounds ahead of the last committed round " +
-        std::to_string(j->committed) + " (hard cap " + std::to_string(hard_cap_) +
-        "): wait for peers' deltas");
+    return Status::FailedPrecondition("round " + std::to_string(round) + " would put this site " +
+                                      std::to_string(round - j->committed) +
+                                      " rounds ahead of the last committed round " +
+                                      std::to_string(j->committed) + " (hard cap " +
+                                      std::to_string(hard_cap_) + "): wait for peers' deltas");
   }
   if (tensors.empty()) return Status::InvalidArgument("push carries no tensors");
   std::set<std::string> names;
@@ -421,7 +426,8 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   next_rec.bytes_encoded = j->bytes_encoded;
   next_rec.raw_bytes = j->raw_bytes;
   next_rec.pipelines = j->pipelines;
-  for (const auto& t : tensors) batch.Put(Column::kState, StateKey(name, 's', t.name), FloatBytes(t.delta));
+  for (const auto& t : tensors)
+    batch.Put(Column::kState, StateKey(name, 's', t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(next_rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   j->staged_round = round;
@@ -456,8 +462,8 @@ std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uin
                       static_cast<double>(std::max<uint64_t>(total_numel, 1));
       auto floor = ParsePipe(options_.adaptive_floor);
       auto ceiling = ParsePipe(options_.adaptive_ceiling);
-      return PipeText(codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)), *floor,
-                                 *ceiling));
+      return PipeText(codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)),
+                                            *floor, *ceiling));
     }
   }
   for (const auto& o : options_.codec_overrides) {
@@ -482,12 +488,14 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   uint64_t raw = 0;
   for (const auto& [tname, t] : j.theta) {
     const size_t n = t.data->size();
-    ISTHMUS_ASSIGN_OR_RETURN(auto staged, GetFloats(store_, Column::kState, StateKey(name, 's', tname), n));
+    ISTHMUS_ASSIGN_OR_RETURN(auto staged,
+                             GetFloats(store_, Column::kState, StateKey(name, 's', tname), n));
     if (!staged) {
       return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
                                 "' is missing");
     }
-    ISTHMUS_ASSIGN_OR_RETURN(auto residual, GetFloats(store_, Column::kState, StateKey(name, 'e', tname), n));
+    ISTHMUS_ASSIGN_OR_RETURN(auto residual,
+                             GetFloats(store_, Column::kState, StateKey(name, 'e', tname), n));
     residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
     std::string text = PipelineFor(j, tname, n, total_numel);
     ISTHMUS_ASSIGN_OR_RETURN(Pipe pipe, ParsePipe(text));
@@ -559,7 +567,8 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
     std::vector<float> decoded;
     for (const auto& et : d.tensors) {
       auto it = merged.find(et.name);
-      if (it == merged.end()) return Status::Corruption("stored delta has unknown tensor " + et.name);
+      if (it == merged.end())
+        return Status::Corruption("stored delta has unknown tensor " + et.name);
       decoded.assign(it->second.size(), 0.0f);
       ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
       float* out = it->second.data();
@@ -631,7 +640,8 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
     batch.Put(Column::kTensors, JobKey(name, tname), FloatBytes(*t.data));
     batch.PutOwned(Column::kTensorMeta, JobKey(name, tname),
                    json{{"shape", t.shape}, {"version", rec.version}}.dump());
-    if (mu != 0.0f) batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*momentum[tname]));
+    if (mu != 0.0f)
+      batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*momentum[tname]));
   }
   batch.PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(round), digest);
   for (const auto& s : sites) {
@@ -675,7 +685,8 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
   std::set<std::string> names;
   for (const auto& t : tensors) {
     auto it = theta.find(t.name);
-    if (it == theta.end()) return Status::NotFound("tensor '" + t.name + "' is not in job '" + name + "'");
+    if (it == theta.end())
+      return Status::NotFound("tensor '" + t.name + "' is not in job '" + name + "'");
     if (t.delta.size() != it->second.data->size() || !names.insert(t.name).second) {
       return Status::InvalidArgument("tensor '" + t.name + "': wrong size or pushed twice");
     }
@@ -778,9 +789,9 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
   }
   s.bytes_encoded = j->bytes_encoded;
   s.raw_bytes = j->raw_bytes;
-  s.compression_ratio = j->bytes_encoded ? static_cast<double>(j->raw_bytes) /
-                                               static_cast<double>(j->bytes_encoded)
-                                         : 0.0;
+  s.compression_ratio =
+      j->bytes_encoded ? static_cast<double>(j->raw_bytes) / static_cast<double>(j->bytes_encoded)
+                       : 0.0;
   s.pipelines = j->pipelines;
   s.version = j->version;
   return s;
@@ -793,14 +804,15 @@ Result<std::vector<std::pair<uint64_t, std::string>>> SyncEngine::Digests(const 
   (void)j;
   std::vector<std::pair<uint64_t, std::string>> out;
   const std::string prefix = DigestPrefix(name);
-  ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kSync, prefix, [&](std::string_view k, std::string_view v) {
-    if (k.size() != prefix.size() + 8) return true;
-    uint64_t r = FromBigEndian64(k.substr(prefix.size()));
-    if (r < from_round) return true;
-    if (out.size() >= max) return false;
-    out.emplace_back(r, std::string(v));
-    return true;
-  }));
+  ISTHMUS_RETURN_IF_ERROR(
+      store_->Scan(Column::kSync, prefix, [&](std::string_view k, std::string_view v) {
+        if (k.size() != prefix.size() + 8) return true;
+        uint64_t r = FromBigEndian64(k.substr(prefix.size()));
+        if (r < from_round) return true;
+        if (out.size() >= max) return false;
+        out.emplace_back(r, std::string(v));
+        return true;
+      }));
   return out;
 }
 
@@ -819,7 +831,8 @@ Result<std::shared_ptr<const EncodedDelta>> SyncEngine::OutboxDelta(const std::s
     return Status::NotFound("round " + std::to_string(round) + " of job '" + name +
                             "' has not been closed on this site");
   }
-  ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, options_.site, round)));
+  ISTHMUS_ASSIGN_OR_RETURN(auto bytes,
+                           store_->Get(Column::kDeltas, DeltaKey(name, options_.site, round)));
   if (!bytes) {
     return Status::NotFound("round " + std::to_string(round) + " of job '" + name +
                             "' was acknowledged by every peer and dropped");
@@ -847,9 +860,8 @@ void SyncEngine::CollectGarbage(const std::string& name, const Job& j, WriteBatc
 void SyncEngine::OnPeerAck(const std::string& peer_site, const std::string& name,
                            uint64_t held_round) {
   auto it = jobs_.find(name);
-  if (it == jobs_.end() ||
-      std::find(options_.peer_sites.begin(), options_.peer_sites.end(), peer_site) ==
-          options_.peer_sites.end()) {
+  if (it == jobs_.end() || std::find(options_.peer_sites.begin(), options_.peer_sites.end(),
+                                     peer_site) == options_.peer_sites.end()) {
     return;
   }
   Job& j = it->second;
@@ -870,7 +882,8 @@ void SyncEngine::OnPeerAck(const std::string& peer_site, const std::string& name
 }
 
 void SyncEngine::OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) {
-  if (std::isfinite(bytes_per_second) && bytes_per_second > 0) bandwidth_[peer_site] = bytes_per_second;
+  if (std::isfinite(bytes_per_second) && bytes_per_second > 0)
+    bandwidth_[peer_site] = bytes_per_second;
 }
 
 uint64_t SyncEngine::HeldFrom(const std::string& site, const std::string& job) const {
@@ -919,7 +932,8 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
     Status s = codec::Decode(et.bytes, scratch);
     if (!s.ok()) return Status::InvalidArgument("delta tensor '" + et.name + "': " + s.message());
     for (float f : scratch) {
-      if (!std::isfinite(f)) return Status::InvalidArgument("delta tensor '" + et.name + "' is not finite");
+      if (!std::isfinite(f))
+        return Status::InvalidArgument("delta tensor '" + et.name + "' is not finite");
     }
   }
   const std::string serialized = SerializeDelta(delta);
@@ -936,7 +950,8 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   rec_view.pipelines = j->pipelines;
   WriteBatch batch;
   batch.Put(Column::kDeltas, DeltaKey(name, from_site, delta.round), serialized);
-  batch.PutOwned(Column::kSync, HeldKey(name, from_site, delta.round), std::to_string(delta.tokens));
+  batch.PutOwned(Column::kSync, HeldKey(name, from_site, delta.round),
+                 std::to_string(delta.tokens));
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec_view));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   held[delta.round] = delta.tokens;

@@ -59,9 +59,9 @@ struct SyncPushTensor {
 };
 
 struct SyncPushResult {
-  bool duplicate = false;   // the round was already closed: nothing changed
-  bool closed = false;      // this push completed the round
-  uint64_t version = 0;     // the job's served version after the push
+  bool duplicate = false;  // the round was already closed: nothing changed
+  bool closed = false;     // this push completed the round
+  uint64_t version = 0;    // the job's served version after the push
 };
 
 // Where a job stands (isthmusctl sync status).
@@ -154,7 +154,7 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // Reads a job's committed tensors as the shard stores them (kTensorMeta JSON with a
   // "shape", kTensors raw fp32). Corruption when a record or size is bad.
   static Result<std::map<std::string, SyncTensor>> ReadTensors(Store* store,
-                                                              const std::string& job);
+                                                               const std::string& job);
 
   // Serialised form of an EncodedDelta in the kDeltas column (exposed for tests).
   static std::string SerializeDelta(const EncodedDelta& d);
@@ -162,17 +162,17 @@ class SyncEngine : public DeltaSource, public DeltaSink {
 
  private:
   struct Job {
-    std::map<std::string, SyncTensor> theta;   // committed
+    std::map<std::string, SyncTensor> theta;  // committed
     std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
     uint64_t committed = 0;
-    uint64_t local = 0;                         // last round this site closed
+    uint64_t local = 0;  // last round this site closed
     uint64_t version = 0;
     uint64_t staged_round = 0;
     uint64_t staged_tokens = 0;
-    std::set<std::string> staged;               // tensors pushed for staged_round
+    std::set<std::string> staged;  // tensors pushed for staged_round
     // site -> uncommitted round held -> its tokens (own site: rounds closed, uncommitted).
     std::map<std::string, std::map<uint64_t, uint64_t>> inbox;
-    std::map<std::string, uint64_t> acked;      // peer -> acked round
+    std::map<std::string, uint64_t> acked;  // peer -> acked round
     uint64_t bytes_encoded = 0, raw_bytes = 0;
     std::map<std::string, uint64_t> pipelines;  // last closed round
     // Round timing for adaptive sizing (memory only: a restart starts from the config).

@@ -35,26 +35,31 @@ size_t Numel(const std::vector<int64_t>& s) { return static_cast<size_t>(NumElem
 
 // The worker's delta of `site` for round `r`, tensor index i (deterministic).
 std::vector<float> DeltaOf(const std::string& site, uint64_t r, size_t i) {
-  return Random(Numel(kTensors[i].shape), std::hash<std::string>{}(site) * 131 + r * 17 + i, 0.01f);
+  return Random(Numel(kTensors[i].shape), std::hash<std::string>{}(site)*131 + r * 17 + i, 0.01f);
 }
-uint64_t TokensOf(const std::string& site, uint64_t r) { return 100 * site.size() + 7 * r + site[0]; }
+uint64_t TokensOf(const std::string& site, uint64_t r) {
+  return 100 * site.size() + 7 * r + site[0];
+}
 
 // Everything in a store, for "nothing changed" checks.
 std::map<std::string, std::string> Dump(Store* store) {
   std::map<std::string, std::string> out;
   for (int c = 0; c < static_cast<int>(Column::kCount); ++c) {
-    EXPECT_TRUE(store->Scan(static_cast<Column>(c), "", [&](std::string_view k, std::string_view v) {
-      out[std::to_string(c) + ":" + std::string(k)] = std::string(v);
-      return true;
-    }).ok());
+    EXPECT_TRUE(store
+                    ->Scan(static_cast<Column>(c), "",
+                           [&](std::string_view k, std::string_view v) {
+                             out[std::to_string(c) + ":" + std::string(k)] = std::string(v);
+                             return true;
+                           })
+                    .ok());
   }
   return out;
 }
 
 class Site {
  public:
-  Site(std::string name, std::vector<std::string> peers, const std::string& codec,
-       double lr = 1.0, double mu = 0.0)
+  Site(std::string name, std::vector<std::string> peers, const std::string& codec, double lr = 1.0,
+       double mu = 0.0)
       : name_(std::move(name)) {
     options_.site = name_;
     options_.peer_sites = std::move(peers);
@@ -190,7 +195,8 @@ std::map<std::string, std::vector<float>> Reference(const std::vector<std::strin
     for (size_t i = 0; i < kTensors.size(); ++i) {
       std::vector<float> merged(Numel(kTensors[i].shape), 0.0f);
       for (const auto& s : sites) {
-        float w = static_cast<float>(static_cast<double>(TokensOf(s, r)) / static_cast<double>(total));
+        float w =
+            static_cast<float>(static_cast<double>(TokensOf(s, r)) / static_cast<double>(total));
         auto d = DeltaOf(s, r, i);
         for (size_t k = 0; k < merged.size(); ++k) merged[k] += w * d[k];
       }
@@ -555,7 +561,8 @@ TEST(SyncEngineTest, PushRules) {
   EXPECT_TRUE(dup->duplicate);
   WriteBatch b;
   std::vector<float> wrong(3);
-  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"nope", wrong}}, b).status().code(), Code::kNotFound);
+  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"nope", wrong}}, b).status().code(),
+            Code::kNotFound);
   EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", wrong}}, b).status().code(),
             Code::kInvalidArgument);
   std::vector<float> nan(16, std::nanf(""));
