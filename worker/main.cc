@@ -1,13 +1,13 @@
 // isthmus-worker: one process per rank of a site. Subcommands: init (initial trainable
 // tensors for `isthmusctl job create`), train (the round loop), eval (validation loss) and
 // export (a job's tensors from the shards as safetensors or a PEFT adapter).
+#include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -109,7 +109,8 @@ int RunEval(EvalArgs& a) {
   if (!tensors.empty()) {
     if (auto st = (*gpt)->LoadTrainable(tensors, true); !st.ok()) return Fail("eval", st);
   }
-  auto loss = ValidationLoss(**gpt, a.data_dir + "/val.bin", a.batch_size, 0, 1, a.batches, nullptr);
+  auto loss =
+      ValidationLoss(**gpt, a.data_dir + "/val.bin", a.batch_size, 0, 1, a.batches, nullptr);
   if (!loss.ok()) return Fail("eval", loss.status());
   if (a.json) {
     std::printf("%s\n", nlohmann::json({{"val_loss", *loss}}).dump().c_str());
@@ -179,9 +180,11 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   InitArgs init;
-  auto* init_cmd = app.add_subcommand("init", "write the initial trainable tensors; print the base hash");
+  auto* init_cmd =
+      app.add_subcommand("init", "write the initial trainable tensors; print the base hash");
   AddModelFlags(*init_cmd, init.model);
-  init_cmd->add_option("--out", init.out, "trainable tensors (safetensors) for isthmusctl job create")
+  init_cmd
+      ->add_option("--out", init.out, "trainable tensors (safetensors) for isthmusctl job create")
       ->required();
   init_cmd->add_option("--write-base", init.write_base, "also write a fresh random base here");
 
@@ -195,9 +198,11 @@ int main(int argc, char** argv) {
   auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model");
   AddModelFlags(*eval_cmd, eval.model);
   AddShardFlags(*eval_cmd, eval.shards);
-  eval_cmd->add_option("--trainable", eval.trainable, "trainable tensors (else pulled from --server)");
+  eval_cmd->add_option("--trainable", eval.trainable,
+                       "trainable tensors (else pulled from --server)");
   eval_cmd->add_option("--data", eval.data_dir, "folder with val.bin")->required();
-  eval_cmd->add_option("--batch-size", eval.batch_size, "sequences per batch")->capture_default_str();
+  eval_cmd->add_option("--batch-size", eval.batch_size, "sequences per batch")
+      ->capture_default_str();
   eval_cmd->add_option("--batches", eval.batches, "batches to evaluate")->capture_default_str();
   eval_cmd->add_flag("--json", eval.json, "print {\"val_loss\": ...}");
 

@@ -90,7 +90,8 @@ class RoundLoop {
     }
     ISTHMUS_ASSIGN_OR_RETURN(gpt_, BuildModel(s_.model));
     trainer_ = std::make_unique<model::Trainer>(*gpt_, s_.Trainer());
-    if (comm_) trainer_->SetGradHook(MakeAllReduceHook(comm_.get(), &comm_error_, &local_stop_, &any_stop_));
+    if (comm_)
+      trainer_->SetGradHook(MakeAllReduceHook(comm_.get(), &comm_error_, &local_stop_, &any_stop_));
 
     data::DatasetOptions d;
     d.batch_size = s_.batch_size;
@@ -121,8 +122,9 @@ class RoundLoop {
     ProgressOptions po;
     po.live = s_.progress && IsTerminal(stderr);
     po.log_every = s_.log_every;
-    po.total_steps = s_.max_steps > 0 ? s_.max_steps
-                                       : (s_.round_seconds > 0 ? 0 : s_.max_rounds * s_.StepsPerRound());
+    po.total_steps = s_.max_steps > 0
+                         ? s_.max_steps
+                         : (s_.round_seconds > 0 ? 0 : s_.max_rounds * s_.StepsPerRound());
     progress_ = std::make_unique<Progress>(po);
     if (!s_.checkpoint_dir.empty()) {
       std::error_code ec;
@@ -169,8 +171,8 @@ class RoundLoop {
     }
     ISTHMUS_RETURN_IF_ERROR(gpt_->LoadTrainable(trainable, true));
     ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(file.tensors));
-    ISTHMUS_ASSIGN_OR_RETURN(auto pos,
-                             data::DatasetPosition::Parse(MetaOr(file.metadata, "data_position", "")));
+    ISTHMUS_ASSIGN_OR_RETURN(
+        auto pos, data::DatasetPosition::Parse(MetaOr(file.metadata, "data_position", "")));
     ISTHMUS_RETURN_IF_ERROR(dataset_->Restore(pos));
     round_ = std::stoll(MetaOr(file.metadata, "round", "0"));
     step_ = std::stoll(MetaOr(file.metadata, "step", "0"));
@@ -202,8 +204,7 @@ class RoundLoop {
           round_ = shard_round;
           step_ = shard_round * s_.StepsPerRound();
         } else if (shard_round == round_ + 1) {
-          spdlog::info("shards hold round {} already; redoing it from the checkpoint",
-                       shard_round);
+          spdlog::info("shards hold round {} already; redoing it from the checkpoint", shard_round);
         } else {
           if (shard_round != round_) {
             spdlog::warn("checkpoint at round {} but shards at round {}: following the shards",
@@ -258,8 +259,8 @@ class RoundLoop {
       } else {
         pulled = gpt_->LoadTrainable(*tensors, true);
         if (!pulled.ok()) {
-          pulled = Refused("job '" + s_.shards.job + "' does not hold this model's trainable tensors: " +
-                           pulled.message());
+          pulled = Refused("job '" + s_.shards.job +
+                           "' does not hold this model's trainable tensors: " + pulled.message());
         }
       }
       if (pulled.ok() && check_placement) {
@@ -335,15 +336,16 @@ class RoundLoop {
       for (size_t i = 0; i < params.size(); ++i) {
         if (placement_[i] != static_cast<int>(s)) continue;
         Tensor d{params[i].name, params[i].shape, std::vector<float>(params[i].numel)};
-        for (int64_t k = 0; k < params[i].numel; ++k) d.data[k] = params[i].data[k] - start[i].data[k];
+        for (int64_t k = 0; k < params[i].numel; ++k)
+          d.data[k] = params[i].data[k] - start[i].data[k];
         deltas.push_back(std::move(d));
       }
       std::vector<TensorView> views;
       for (const auto& d : deltas) views.push_back({d.name, d.shape, d.data.data()});
       std::string key = s_.shards.job + "/" + client_name_ + "/r" + std::to_string(round_) + "/s" +
                         std::to_string(s);
-      auto r = clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens,
-                                 views);
+      auto r =
+          clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens, views);
       if (!r.ok()) {
         return Status(r.status().code(), "push of round " + std::to_string(round_) + " to shard " +
                                              std::to_string(s) + ": " + r.status().message());
@@ -417,7 +419,8 @@ class RoundLoop {
         round_tokens += tokens_per_step_;
         tokens_ += tokens_per_step_;
         tokens_here += tokens_per_step_;
-        if (st.skipped) progress_->Message("step " + std::to_string(step_) + ": non-finite gradient, skipped");
+        if (st.skipped)
+          progress_->Message("step " + std::to_string(step_) + ": non-finite gradient, skipped");
         if (leader()) progress_->OnStep(step_, round_ + 1, st.loss, tokens_per_step_);
         if (s_.val_every > 0 && step_ % s_.val_every == 0) {
           in_round_ = 1;
@@ -470,7 +473,8 @@ class RoundLoop {
     sum.tokens_per_s = rate_;
     sum.interrupted = interrupted_;
     if (s_.standalone && leader() && !s_.save.empty()) {
-      ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, gpt_->ExportTrainable(), gpt_->ConfigMetadata()));
+      ISTHMUS_RETURN_IF_ERROR(
+          WriteSafetensors(s_.save, gpt_->ExportTrainable(), gpt_->ConfigMetadata()));
     }
     if (leader()) {
       char buf[256];
@@ -481,13 +485,14 @@ class RoundLoop {
                     seconds_, rate_, val_loss_);
       progress_->Message(buf);
       if (!s_.json_summary.empty()) {
-        nlohmann::json j = {{"val_loss", std::isfinite(val_loss_) ? nlohmann::json(val_loss_) : nlohmann::json()},
-                            {"steps", step_},
-                            {"rounds", round_},
-                            {"tokens", tokens_},
-                            {"seconds", seconds_},
-                            {"tokens_per_s", rate_},
-                            {"interrupted", interrupted_}};
+        nlohmann::json j = {
+            {"val_loss", std::isfinite(val_loss_) ? nlohmann::json(val_loss_) : nlohmann::json()},
+            {"steps", step_},
+            {"rounds", round_},
+            {"tokens", tokens_},
+            {"seconds", seconds_},
+            {"tokens_per_s", rate_},
+            {"interrupted", interrupted_}};
         std::string tmp = s_.json_summary + ".tmp";
         std::ofstream out(tmp);
         out << j.dump(2) << "\n";
@@ -530,8 +535,7 @@ Status Refused(const std::string& message) {
 
 int ExitCodeFor(const Status& status) {
   if (status.ok()) return kExitOk;
-  if (status.code() == Code::kPermissionDenied &&
-      status.message().rfind(kRefusedPrefix, 0) == 0) {
+  if (status.code() == Code::kPermissionDenied && status.message().rfind(kRefusedPrefix, 0) == 0) {
     return kExitRefused;
   }
   return kExitFailure;
@@ -597,8 +601,10 @@ Result<std::vector<HelloInfo>> HelloAll(std::vector<std::unique_ptr<ShardClient>
         return Refused(where + ": " + h.status().ToString());
       }
       if (h.status().code() == Code::kTimeout) {
-        return Status::Timeout(where + " did not answer (down, wrong endpoint, or our key is "
-                               "not on its worker allowlist): " + h.status().message());
+        return Status::Timeout(where +
+                               " did not answer (down, wrong endpoint, or our key is "
+                               "not on its worker allowlist): " +
+                               h.status().message());
       }
       return Status(h.status().code(), where + ": " + h.status().message());
     }
@@ -619,8 +625,8 @@ Result<std::vector<Tensor>> PullAll(std::vector<std::unique_ptr<ShardClient>>& c
   for (size_t i = 0; i < clients.size(); ++i) {
     auto r = clients[i]->Pull(job);
     if (!r.ok()) {
-      return Status(r.status().code(), "pull from shard " + std::to_string(i) + ": " +
-                                           r.status().message());
+      return Status(r.status().code(),
+                    "pull from shard " + std::to_string(i) + ": " + r.status().message());
     }
     for (auto& t : r->tensors) {
       if (per_shard) (*per_shard)[i].push_back(t.name);
@@ -630,8 +636,8 @@ Result<std::vector<Tensor>> PullAll(std::vector<std::unique_ptr<ShardClient>>& c
   return all;
 }
 
-Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size,
-                              int rank, int world_size, int batches, comm::Communicator* comm) {
+Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size, int rank,
+                              int world_size, int batches, comm::Communicator* comm) {
   data::DatasetOptions d;
   d.batch_size = batch_size;
   d.seq_len = gpt.config().n_ctx;

@@ -33,11 +33,11 @@ Status Refused(const std::string& message);
 int ExitCodeFor(const Status& status);
 
 struct TrainSummary {
-  double val_loss = 0;   // NaN when no validation could run
-  int64_t steps = 0;     // optimizer steps taken in total (including before a resume)
-  int64_t rounds = 0;    // rounds completed in total
-  uint64_t tokens = 0;   // tokens the whole site trained on, in total
-  double seconds = 0;    // wall time of this process's training
+  double val_loss = 0;      // NaN when no validation could run
+  int64_t steps = 0;        // optimizer steps taken in total (including before a resume)
+  int64_t rounds = 0;       // rounds completed in total
+  uint64_t tokens = 0;      // tokens the whole site trained on, in total
+  double seconds = 0;       // wall time of this process's training
   double tokens_per_s = 0;  // site tokens per second during this process's steps
   bool interrupted = false;
 };
@@ -75,7 +75,7 @@ Result<std::vector<Tensor>> PullAll(std::vector<std::unique_ptr<ShardClient>>& c
 
 // Mean loss of `gpt` over the first `batches` batches (B x T, rank's slice) of `path`,
 // averaged over `comm`'s ranks when comm is not null (a collective then).
-Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size,
-                              int rank, int world_size, int batches, comm::Communicator* comm);
+Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size, int rank,
+                              int world_size, int batches, comm::Communicator* comm);
 
 }  // namespace isthmus::worker

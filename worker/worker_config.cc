@@ -67,7 +67,8 @@ Status TrainSettings::Validate() const {
       return Status::InvalidArgument("give at least one --server, or --standalone");
     }
     if (!shards.insecure_plaintext) {
-      if (shards.key.empty()) return Status::InvalidArgument("--key is required (or --insecure-plaintext)");
+      if (shards.key.empty())
+        return Status::InvalidArgument("--key is required (or --insecure-plaintext)");
       if (shards.server_keys.size() != 1 && shards.server_keys.size() != shards.servers.size()) {
         return Status::InvalidArgument("give one --server-key per --server, or one for all");
       }
@@ -135,7 +136,8 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
       ->capture_default_str();
   app.add_option("--grad-clip", t.grad_clip, "global gradient-norm bound (0: off)")
       ->capture_default_str();
-  app.add_option("--batch-size", t.batch_size, "sequences per rank per step")->capture_default_str();
+  app.add_option("--batch-size", t.batch_size, "sequences per rank per step")
+      ->capture_default_str();
   app.add_option("--data-seed", t.data_seed, "seed of the per-epoch data order")
       ->capture_default_str();
   app.add_option("--val-every", t.val_every, "validation every N steps (0: only at the end)")

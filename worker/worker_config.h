@@ -23,8 +23,7 @@ struct ModelSettings {
   int context = 256;  // n_ctx, and the sequence length T of every batch
   int lora_rank = 16;
   float lora_alpha = 32.0f;
-  std::vector<std::string> lora_targets = {"attn.c_attn", "attn.c_proj", "mlp.c_fc",
-                                           "mlp.c_proj"};
+  std::vector<std::string> lora_targets = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
   std::string mode = "lora";  // lora | full
   std::string base;           // safetensors file of the base (isthmus-worker init writes one)
   uint64_t seed = 1;          // LoRA init and, without --base, the random base
@@ -53,13 +52,13 @@ struct TrainSettings {
   std::string data_dir;  // holds train.bin and val.bin (isthmus-data build)
   int rank = 0;
   int world_size = 1;
-  std::string rendezvous;          // "tcp:HOST:PORT" or "file:DIR"; needed when world_size > 1
+  std::string rendezvous;  // "tcp:HOST:PORT" or "file:DIR"; needed when world_size > 1
   std::string comm_host = "127.0.0.1";
-  int comm_timeout_s = 300;        // bound on every in-site collective
-  int steps_per_round = 0;         // H; 0 means 50 unless round_seconds is set
-  double round_seconds = 0;        // > 0: adapt H each round to take about this long
-  int64_t max_rounds = 0;          // 0: no bound
-  int64_t max_steps = 0;           // 0: no bound (one of the two must be set)
+  int comm_timeout_s = 300;  // bound on every in-site collective
+  int steps_per_round = 0;   // H; 0 means 50 unless round_seconds is set
+  double round_seconds = 0;  // > 0: adapt H each round to take about this long
+  int64_t max_rounds = 0;    // 0: no bound
+  int64_t max_steps = 0;     // 0: no bound (one of the two must be set)
   float lr = 3e-4f;
   float min_lr = 3e-5f;
   int64_t warmup_steps = 100;
@@ -67,9 +66,9 @@ struct TrainSettings {
   float grad_clip = 1.0f;
   int batch_size = 8;
   uint64_t data_seed = 0;
-  int64_t val_every = 0;    // 0: validation only at the end
-  int val_batches = 8;      // batches per rank per validation
-  int64_t log_every = 10;   // plain log line every N steps when stderr is not a terminal
+  int64_t val_every = 0;   // 0: validation only at the end
+  int val_batches = 8;     // batches per rank per validation
+  int64_t log_every = 10;  // plain log line every N steps when stderr is not a terminal
   std::string checkpoint_dir;
   bool standalone = false;  // no shards: plain local training
   std::string init;         // standalone: optional trainable tensors to start from
@@ -77,7 +76,7 @@ struct TrainSettings {
                             // full mode, `save`.base.safetensors) here
   std::string json_summary;
   std::string log_level = "info";
-  bool progress = true;     // the live line on a terminal (false: plain lines always)
+  bool progress = true;  // the live line on a terminal (false: plain lines always)
 
   // Effective H for a fixed-H run.
   int StepsPerRound() const { return steps_per_round > 0 ? steps_per_round : 50; }

@@ -30,7 +30,9 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed steps first")->capture_default_str();
   app.add_option("--threads", threads, "OpenMP threads (0: OMP_NUM_THREADS or all)");
-  app.add_option("--mode", mode_name)->check(CLI::IsMember({"lora", "full"}))->capture_default_str();
+  app.add_option("--mode", mode_name)
+      ->check(CLI::IsMember({"lora", "full"}))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (threads > 0) omp_set_num_threads(threads);
 

@@ -23,8 +23,8 @@ namespace {
 using testing::ServerProcess;
 namespace fs = std::filesystem;
 
-const std::vector<std::string> kModelFlags = {"--layers", "2", "--width", "32", "--heads", "2",
-                                              "--context", "16", "--lora-rank", "4"};
+const std::vector<std::string> kModelFlags = {
+    "--layers", "2", "--width", "32", "--heads", "2", "--context", "16", "--lora-rank", "4"};
 
 // A running or finished isthmus-worker process.
 struct WorkerProcess {
@@ -38,7 +38,8 @@ struct WorkerProcess {
     if (pid == 0) {
       std::freopen(log_path.c_str(), "w", stderr);
       std::freopen("/dev/null", "w", stdout);
-      if (!fault_env.empty()) ::setenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH", fault_env.c_str(), 1);
+      if (!fault_env.empty())
+        ::setenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH", fault_env.c_str(), 1);
       ::setenv("OMP_NUM_THREADS", "1", 1);
       std::vector<char*> argv;
       argv.push_back(const_cast<char*>(ISTHMUS_WORKER_BIN));
@@ -79,8 +80,9 @@ struct WorkerProcess {
 std::string RunInit(const fs::path& dir, uint64_t seed, const std::string& base_name) {
   std::string cmd = std::string(ISTHMUS_WORKER_BIN) + " init";
   for (const auto& f : kModelFlags) cmd += " " + f;
-  cmd += " --seed " + std::to_string(seed) + " --out " + (dir / (base_name + ".init.safetensors")).string() +
-         " --write-base " + (dir / (base_name + ".safetensors")).string() + " 2>/dev/null";
+  cmd += " --seed " + std::to_string(seed) + " --out " +
+         (dir / (base_name + ".init.safetensors")).string() + " --write-base " +
+         (dir / (base_name + ".safetensors")).string() + " 2>/dev/null";
   FILE* p = ::popen(cmd.c_str(), "r");
   char buf[256] = {0};
   std::string out;
@@ -103,8 +105,9 @@ void WriteTokens(const fs::path& path, size_t n, uint32_t seed) {
 class WorkerWithShards : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("isthmus-wpt-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("isthmus-wpt-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_ / "data");
     WriteTokens(dir_ / "data" / "train.bin", 20000, 1);
@@ -130,7 +133,8 @@ class WorkerWithShards : public ::testing::Test {
     for (int s = 0; s < 2; ++s) {
       std::vector<TensorView> views;
       for (size_t i = 0; i < init_.size(); ++i) {
-        if (placement[i] == s) views.push_back({init_[i].name, init_[i].shape, init_[i].data.data()});
+        if (placement[i] == s)
+          views.push_back({init_[i].name, init_[i].shape, init_[i].data.data()});
       }
       auto admin = shards_[s].AdminClient();
       auto r = admin->CreateJob("j", base_hash_, views);
@@ -142,17 +146,44 @@ class WorkerWithShards : public ::testing::Test {
                                      const std::string& rendezvous = "") {
     std::vector<std::string> a = {"train"};
     a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
-    std::vector<std::string> more = {
-        "--base", (dir_ / "base.safetensors").string(), "--data", (dir_ / "data").string(),
-        "--job", "j", "--server", ServerProcess::Endpoint(shards_[0].worker_port()), "--server",
-        ServerProcess::Endpoint(shards_[1].worker_port()), "--server-key",
-        (shards_[0].dir() / "server.pub").string(), "--server-key",
-        (shards_[1].dir() / "server.pub").string(), "--key",
-        (shards_[0].dir() / "workers" / "w0.key").string(), "--rank", std::to_string(rank),
-        "--world-size", std::to_string(world), "--max-rounds", std::to_string(max_rounds),
-        "--steps-per-round", std::to_string(h), "--batch-size", "2", "--lr", "0.01",
-        "--warmup-steps", "1", "--val-batches", "2", "--log-every", "1",
-        "--checkpoint-dir", (dir_ / "ckpt").string(), "--request-timeout-ms", "5000"};
+    std::vector<std::string> more = {"--base",
+                                     (dir_ / "base.safetensors").string(),
+                                     "--data",
+                                     (dir_ / "data").string(),
+                                     "--job",
+                                     "j",
+                                     "--server",
+                                     ServerProcess::Endpoint(shards_[0].worker_port()),
+                                     "--server",
+                                     ServerProcess::Endpoint(shards_[1].worker_port()),
+                                     "--server-key",
+                                     (shards_[0].dir() / "server.pub").string(),
+                                     "--server-key",
+                                     (shards_[1].dir() / "server.pub").string(),
+                                     "--key",
+                                     (shards_[0].dir() / "workers" / "w0.key").string(),
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--world-size",
+                                     std::to_string(world),
+                                     "--max-rounds",
+                                     std::to_string(max_rounds),
+                                     "--steps-per-round",
+                                     std::to_string(h),
+                                     "--batch-size",
+                                     "2",
+                                     "--lr",
+                                     "0.01",
+                                     "--warmup-steps",
+                                     "1",
+                                     "--val-batches",
+                                     "2",
+                                     "--log-every",
+                                     "1",
+                                     "--checkpoint-dir",
+                                     (dir_ / "ckpt").string(),
+                                     "--request-timeout-ms",
+                                     "5000"};
     a.insert(a.end(), more.begin(), more.end());
     if (!rendezvous.empty()) {
       a.push_back("--rendezvous");
@@ -178,7 +209,8 @@ class WorkerWithShards : public ::testing::Test {
   // Checks that both shards hold exactly rank `rank`'s checkpointed tensors, that each
   // shard applied `rounds` pushes, and that training moved the tensors.
   void ExpectShardsEqualCheckpoint(int rank, uint64_t rounds) {
-    auto ckpt = ReadSafetensors((dir_ / "ckpt" / ("rank-" + std::to_string(rank) + ".safetensors")).string());
+    auto ckpt = ReadSafetensors(
+        (dir_ / "ckpt" / ("rank-" + std::to_string(rank) + ".safetensors")).string());
     ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
     EXPECT_EQ(ckpt->metadata["round"], std::to_string(rounds));
     auto shard = ShardTensors();
@@ -192,7 +224,8 @@ class WorkerWithShards : public ::testing::Test {
     }
     EXPECT_EQ(compared, init_.size());
     for (const auto& t : init_) {
-      for (size_t k = 0; k < t.data.size(); ++k) moved = std::max(moved, double(std::abs(shard[t.name][k] - t.data[k])));
+      for (size_t k = 0; k < t.data.size(); ++k)
+        moved = std::max(moved, double(std::abs(shard[t.name][k] - t.data[k])));
     }
     EXPECT_GT(moved, 1e-4) << "the shards' tensors never changed";
     for (auto& s : shards_) {

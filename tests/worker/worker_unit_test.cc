@@ -141,7 +141,9 @@ TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
 
 INSTANTIATE_TEST_SUITE_P(Modes, TwoRanks,
                          ::testing::Values(model::TrainMode::kLora, model::TrainMode::kFull),
-                         [](const auto& info) { return std::string(model::TrainModeName(info.param)); });
+                         [](const auto& info) {
+                           return std::string(model::TrainModeName(info.param));
+                         });
 
 TEST(TrainSettings, ValidateNamesTheProblem) {
   TrainSettings t;
