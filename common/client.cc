@@ -472,4 +472,90 @@ Result<SnapshotInfo> ShardClient::RestoreSnapshot(const std::string& name) {
   return SnapshotFromWire(r->snapshot());
 }
 
+// --- cross-site sync administration -----------------------------------------------------
+
+Result<SyncStatusInfo> ShardClient::SyncStatus() {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateSyncStatusRequest(fbb);
+  FinishEnvelope(fbb, id, wire::Body::SyncStatusRequest, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SyncStatusReply>(reply, options_.limits,
+                                                                  wire::Body::SyncStatusReply));
+  auto str = [](const flatbuffers::String* s) { return s ? s->str() : std::string(); };
+  SyncStatusInfo out;
+  out.site = str(r->site());
+  out.shard_index = r->shard_index();
+  out.enabled = r->enabled();
+  out.refused_unknown = r->refused_unknown();
+  if (r->links()) {
+    for (const auto* l : *r->links()) {
+      PeerLinkReport p;
+      p.site = str(l->site());
+      p.endpoint = str(l->endpoint());
+      p.connected = l->connected();
+      p.paused = l->paused();
+      p.last_error = str(l->last_error());
+      if (l->jobs()) {
+        for (const auto* j : *l->jobs()) {
+          p.jobs.push_back({str(j->job()), j->acked_round(), j->outbox_round(), j->lag_rounds()});
+        }
+      }
+      p.bytes_sent = l->bytes_sent();
+      p.bytes_received = l->bytes_received();
+      p.raw_bytes_sent = l->raw_bytes_sent();
+      p.compression_ratio = l->compression_ratio();
+      p.bandwidth_bps = l->bandwidth_bps();
+      p.deltas_sent = l->deltas_sent();
+      p.deltas_acked = l->deltas_acked();
+      p.resends = l->resends();
+      p.auth_failures = l->auth_failures();
+      p.refused = l->refused();
+      out.links.push_back(std::move(p));
+    }
+  }
+  if (r->jobs()) {
+    for (const auto* j : *r->jobs()) {
+      out.jobs.push_back({str(j->job()), j->local_round(), j->committed_round(),
+                          j->max_rounds_ahead(), str(j->detail())});
+    }
+  }
+  return out;
+}
+
+Result<std::vector<std::string>> ShardClient::SyncControl(wire::SyncAction action,
+                                                          const std::string& peer) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateSyncControl(fbb, action, fbb.CreateString(peer));
+  FinishEnvelope(fbb, id, wire::Body::SyncControl, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SyncControlReply>(reply, options_.limits,
+                                                                   wire::Body::SyncControlReply));
+  std::vector<std::string> out;
+  if (r->peers()) {
+    for (const auto* p : *r->peers()) out.push_back(p->str());
+  }
+  return out;
+}
+
+Result<DigestsInfo> ShardClient::Digests(const std::string& job, uint64_t from_round) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body = wire::CreateDigestsRequest(fbb, fbb.CreateString(job), from_round);
+  FinishEnvelope(fbb, id, wire::Body::DigestsRequest, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::DigestsReply>(reply, options_.limits,
+                                                               wire::Body::DigestsReply));
+  DigestsInfo out;
+  out.job = r->job() ? r->job()->str() : job;
+  out.committed_round = r->committed_round();
+  if (r->digests()) {
+    for (const auto* d : *r->digests()) {
+      out.digests.emplace_back(d->round(), d->digest() ? d->digest()->str() : std::string());
+    }
+  }
+  return out;
+}
+
 }  // namespace isthmus

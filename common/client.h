@@ -14,6 +14,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 #include <zmq.hpp>
 
@@ -123,6 +124,47 @@ struct SnapshotInfo {
   std::vector<JobInfo> jobs;  // summaries
 };
 
+// --- cross-site sync administration (admin role; server/peer_link.h, docs/SYNC.md) -------
+
+// One peer link of a shard, as `isthmusctl sync status` shows it (see wire::PeerLinkInfo).
+struct PeerLinkReport {
+  struct Job {
+    std::string job;
+    uint64_t acked_round = 0;   // the peer holds every round of ours up to this one
+    uint64_t outbox_round = 0;  // our highest round
+    uint64_t lag_rounds = 0;    // outbox_round - acked_round
+  };
+  std::string site, endpoint;
+  bool connected = false, paused = false;
+  std::string last_error;
+  std::vector<Job> jobs;
+  uint64_t bytes_sent = 0, bytes_received = 0, raw_bytes_sent = 0;
+  double compression_ratio = 0, bandwidth_bps = 0;
+  uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0, auth_failures = 0, refused = 0;
+};
+
+struct SyncJobReport {
+  std::string job;
+  uint64_t local_round = 0, committed_round = 0, max_rounds_ahead = 0;
+  std::string detail;  // the engine's own summary
+};
+
+struct SyncStatusInfo {
+  std::string site;
+  int shard_index = -1;
+  bool enabled = false;  // the shard takes part in the round protocol
+  std::vector<PeerLinkReport> links;
+  std::vector<SyncJobReport> jobs;
+  uint64_t refused_unknown = 0;  // peer messages refused before a site could be named
+};
+
+struct DigestsInfo {
+  std::string job;
+  uint64_t committed_round = 0;
+  std::vector<std::pair<uint64_t, std::string>> digests;  // (round, hex digest), ascending
+};
+
+
 class ShardClient {
  public:
   // Creates the socket and connects (ZeroMQ connects lazily: an absent server shows up
@@ -149,6 +191,13 @@ class ShardClient {
   Result<SnapshotInfo> CreateSnapshot(const std::string& name);
   Result<std::vector<SnapshotInfo>> ListSnapshots();
   Result<SnapshotInfo> RestoreSnapshot(const std::string& name);
+  // Cross-site sync (admin role). SyncStatus: the links and the round protocol's state.
+  // SyncControl: "sync now" / pause / resume for the link to `peer` (empty: every link);
+  // returns the sites acted on; NotFound for an unknown site. Digests: committed-round
+  // digests of `job` from `from_round` (0 = the initial state) up to the last commit.
+  Result<SyncStatusInfo> SyncStatus();
+  Result<std::vector<std::string>> SyncControl(wire::SyncAction action, const std::string& peer);
+  Result<DigestsInfo> Digests(const std::string& job, uint64_t from_round = 0);
 
   const ClientOptions& options() const { return options_; }
 

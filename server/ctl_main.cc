@@ -1,15 +1,18 @@
-// isthmusctl: the operator's CLI for a site's shards: keys, status, jobs, snapshots and
-// export. Every command that talks to shards takes the same connection flags; a command
+// isthmusctl: the operator's CLI for a site's shards: keys, status, jobs, snapshots,
+// export and cross-site sync (status, now, pause/resume, verify). Every command that talks to shards takes the same connection flags; a command
 // addressed to a site acts on all its shards (given in shard order with --server).
 // Exit codes: 0 success; 1 the server refused or failed the operation; 2 bad usage;
-// 3 key or permission problem; 4 not found; 5 a shard did not answer.
+// 3 key or permission problem; 4 not found; 5 a shard did not answer. `sync verify`
+// exits 1 when digests differ. docs/CLI.md is the reference.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <ctime>
 #include <iostream>
+#include <algorithm>
 #include <map>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "common/client.h"
@@ -293,6 +296,256 @@ int CmdSnapshot(const Connection& c, const std::string& action, const std::strin
   return 0;
 }
 
+// --- sync ---------------------------------------------------------------------------------
+
+std::string Rate(double bytes_per_second) {
+  if (bytes_per_second <= 0) return "-";
+  return HumanBytes(static_cast<uint64_t>(bytes_per_second)) + "/s";
+}
+
+json SyncStatusJson(const SyncStatusInfo& st) {
+  json links = json::array();
+  for (const auto& l : st.links) {
+    json jobs = json::array();
+    for (const auto& j : l.jobs) {
+      jobs.push_back({{"job", j.job}, {"acked_round", j.acked_round},
+                      {"outbox_round", j.outbox_round}, {"lag_rounds", j.lag_rounds}});
+    }
+    links.push_back({{"site", l.site}, {"endpoint", l.endpoint}, {"connected", l.connected},
+                     {"paused", l.paused}, {"last_error", l.last_error}, {"jobs", jobs},
+                     {"bytes_sent", l.bytes_sent}, {"bytes_received", l.bytes_received},
+                     {"raw_bytes_sent", l.raw_bytes_sent},
+                     {"compression_ratio", l.compression_ratio},
+                     {"bandwidth_bps", l.bandwidth_bps}, {"deltas_sent", l.deltas_sent},
+                     {"deltas_acked", l.deltas_acked}, {"resends", l.resends},
+                     {"auth_failures", l.auth_failures}, {"refused", l.refused}});
+  }
+  json jobs = json::array();
+  for (const auto& j : st.jobs) {
+    jobs.push_back({{"job", j.job}, {"local_round", j.local_round},
+                    {"committed_round", j.committed_round},
+                    {"max_rounds_ahead", j.max_rounds_ahead}, {"detail", j.detail}});
+  }
+  return {{"site", st.site}, {"shard_index", st.shard_index}, {"enabled", st.enabled},
+          {"refused_unknown", st.refused_unknown}, {"links", links}, {"jobs", jobs}};
+}
+
+int CmdSyncStatus(const Connection& c, bool as_json) {
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  json out = json::array();
+  Status worst;
+  for (size_t i = 0; i < clients->size(); ++i) {
+    auto st = (*clients)[i]->SyncStatus();
+    if (!st.ok()) {
+      out.push_back({{"endpoint", c.servers[i]}, {"reachable", false},
+                     {"error", st.status().ToString()}});
+      if (!as_json) {
+        std::printf("shard %zu (%s): %s\n", i, c.servers[i].c_str(), st.status().ToString().c_str());
+      }
+      if (worst.ok()) worst = st.status();
+      continue;
+    }
+    json row = SyncStatusJson(*st);
+    row["endpoint"] = c.servers[i];
+    row["reachable"] = true;
+    out.push_back(row);
+    if (as_json) continue;
+    std::printf("shard %zu (%s): site %s, sync %s\n", i, c.servers[i].c_str(),
+                st->site.empty() ? "-" : st->site.c_str(), st->enabled ? "on" : "off");
+    for (const auto& j : st->jobs) {
+      std::printf("  job %-16s local round %llu, committed %llu, limit %llu ahead%s%s\n",
+                  j.job.c_str(), (unsigned long long)j.local_round,
+                  (unsigned long long)j.committed_round, (unsigned long long)j.max_rounds_ahead,
+                  j.detail.empty() ? "" : "; ", j.detail.c_str());
+    }
+    if (st->links.empty()) continue;
+    std::printf("  %-12s %-10s %-16s %6s %6s %10s %10s %7s %12s\n", "PEER", "STATE", "JOB",
+                "ACKED", "LAG", "SENT", "RECEIVED", "RATIO", "BANDWIDTH");
+    for (const auto& l : st->links) {
+      const char* state = l.paused ? "paused" : l.connected ? "connected" : "down";
+      char ratio[16];
+      std::snprintf(ratio, sizeof ratio, l.compression_ratio > 0 ? "%.1fx" : "-",
+                    l.compression_ratio);
+      if (l.jobs.empty()) {
+        std::printf("  %-12s %-10s %-16s %6s %6s %10s %10s %7s %12s\n", l.site.c_str(), state, "-",
+                    "-", "-", HumanBytes(l.bytes_sent).c_str(),
+                    HumanBytes(l.bytes_received).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
+      }
+      for (const auto& j : l.jobs) {
+        std::printf("  %-12s %-10s %-16s %6llu %6llu %10s %10s %7s %12s\n", l.site.c_str(), state,
+                    j.job.c_str(), (unsigned long long)j.acked_round,
+                    (unsigned long long)j.lag_rounds, HumanBytes(l.bytes_sent).c_str(),
+                    HumanBytes(l.bytes_received).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
+      }
+      if (!l.last_error.empty()) std::printf("  %-12s last error: %s\n", "", l.last_error.c_str());
+    }
+  }
+  if (as_json) std::printf("%s\n", out.dump(2).c_str());
+  return worst.ok() ? 0 : ExitCode(worst);
+}
+
+int CmdSyncControl(const Connection& c, wire::SyncAction action, const std::string& peer) {
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  const char* verb = action == wire::SyncAction::Now      ? "sync now"
+                     : action == wire::SyncAction::Pause ? "paused"
+                                                          : "resumed";
+  for (size_t i = 0; i < clients->size(); ++i) {
+    auto r = (*clients)[i]->SyncControl(action, peer);
+    if (!r.ok()) {
+      return Fail(Status(r.status().code(), "shard " + std::to_string(i) + " (" + c.servers[i] +
+                                                "): " + r.status().message()));
+    }
+    std::string sites;
+    for (const auto& s : *r) sites += (sites.empty() ? "" : ", ") + s;
+    std::printf("shard %zu: %s: %s\n", i, verb, sites.empty() ? "(no peer links)" : sites.c_str());
+  }
+  return 0;
+}
+
+struct SiteArg {
+  std::string name;
+  std::vector<std::string> endpoints;
+  std::vector<std::string> key_files;
+};
+
+// "NAME=A,B,C" -> name and list.
+Result<std::pair<std::string, std::vector<std::string>>> SplitSiteArg(const std::string& text,
+                                                                       const char* what) {
+  auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == text.size()) {
+    return Status::InvalidArgument(std::string(what) + " '" + text + "' is not NAME=VALUE[,VALUE...]");
+  }
+  std::vector<std::string> items;
+  std::string rest = text.substr(eq + 1);
+  size_t start = 0;
+  while (start <= rest.size()) {
+    size_t comma = rest.find(',', start);
+    std::string item = rest.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (item.empty()) return Status::InvalidArgument(std::string(what) + " '" + text + "' has an empty entry");
+    items.push_back(item);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return std::make_pair(text.substr(0, eq), items);
+}
+
+// Exit code 0: every shard's committed digests agree on every round all sites committed;
+// 1: a round differs (printed); other codes as for every command.
+int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_texts,
+                  const std::vector<std::string>& site_key_texts, std::vector<std::string> jobs,
+                  bool as_json) {
+  std::vector<SiteArg> sites;
+  for (const auto& t : site_texts) {
+    auto p = SplitSiteArg(t, "--site");
+    if (!p.ok()) return Fail(p.status());
+    sites.push_back({p->first, p->second, {}});
+  }
+  if (sites.size() < 2) return Fail(Status::InvalidArgument("sync verify needs --site for at least two sites"));
+  for (const auto& t : site_key_texts) {
+    auto p = SplitSiteArg(t, "--site-key");
+    if (!p.ok()) return Fail(p.status());
+    auto it = std::find_if(sites.begin(), sites.end(), [&](const SiteArg& s) { return s.name == p->first; });
+    if (it == sites.end()) return Fail(Status::InvalidArgument("--site-key names unknown site '" + p->first + "'"));
+    it->key_files = p->second;
+  }
+  size_t shards = sites[0].endpoints.size();
+  for (const auto& s : sites) {
+    if (s.endpoints.size() != shards) {
+      return Fail(Status::InvalidArgument("site '" + s.name + "' lists " + std::to_string(s.endpoints.size()) +
+                                          " shards but site '" + sites[0].name + "' lists " +
+                                          std::to_string(shards)));
+    }
+  }
+  // clients[site][shard]
+  std::vector<std::vector<std::unique_ptr<ShardClient>>> clients;
+  for (const auto& s : sites) {
+    Connection sc = c;
+    sc.servers = s.endpoints;
+    if (!s.key_files.empty()) sc.server_keys = s.key_files;
+    auto cl = ConnectAll(sc);
+    if (!cl.ok()) return Fail(Status(cl.status().code(), "site '" + s.name + "': " + cl.status().message()));
+    clients.push_back(std::move(*cl));
+  }
+  json report = json::array();
+  bool differ = false;
+  for (size_t shard = 0; shard < shards; ++shard) {
+    std::vector<std::string> shard_jobs = jobs;
+    if (shard_jobs.empty()) {
+      auto st = clients[0][shard]->SyncStatus();
+      if (!st.ok()) return Fail(st.status());
+      for (const auto& j : st->jobs) shard_jobs.push_back(j.job);
+    }
+    for (const auto& job : shard_jobs) {
+      std::vector<DigestsInfo> per_site;
+      for (size_t s = 0; s < sites.size(); ++s) {
+        auto d = clients[s][shard]->Digests(job, 0);
+        if (!d.ok()) {
+          return Fail(Status(d.status().code(), "site '" + sites[s].name + "' shard " +
+                                                    std::to_string(shard) + ": " + d.status().message()));
+        }
+        per_site.push_back(std::move(*d));
+      }
+      std::vector<std::map<uint64_t, std::string>> maps;
+      uint64_t common = UINT64_MAX;
+      for (const auto& d : per_site) {
+        maps.emplace_back(d.digests.begin(), d.digests.end());
+        common = std::min(common, d.committed_round);
+      }
+      json row{{"shard", shard}, {"job", job}, {"common_round", common}};
+      json committed = json::object();
+      for (size_t s = 0; s < sites.size(); ++s) committed[sites[s].name] = per_site[s].committed_round;
+      row["committed"] = committed;
+      std::optional<uint64_t> first_diff;
+      uint64_t compared = 0;
+      for (uint64_t r = 0; r <= common && !first_diff; ++r) {
+        auto it0 = maps[0].find(r);
+        bool all_have = it0 != maps[0].end();
+        for (size_t s = 1; s < maps.size() && all_have; ++s) {
+          auto it = maps[s].find(r);
+          if (it == maps[s].end()) {
+            all_have = false;
+          } else if (it->second != it0->second) {
+            first_diff = r;
+          }
+        }
+        if (all_have && !first_diff) ++compared;
+      }
+      row["rounds_compared"] = compared;
+      if (first_diff) {
+        differ = true;
+        row["agree"] = false;
+        row["first_differing_round"] = *first_diff;
+        json d = json::object();
+        for (size_t s = 0; s < sites.size(); ++s) d[sites[s].name] = maps[s][*first_diff];
+        row["digests"] = d;
+        if (!as_json) {
+          std::printf("shard %zu job %s: DIFFER at round %llu\n", shard, job.c_str(),
+                      (unsigned long long)*first_diff);
+          for (size_t s = 0; s < sites.size(); ++s) {
+            std::printf("  %-12s %s\n", sites[s].name.c_str(), maps[s][*first_diff].c_str());
+          }
+        }
+      } else {
+        row["agree"] = true;
+        if (!as_json) {
+          std::string per;
+          for (size_t s = 0; s < sites.size(); ++s) {
+            per += (s ? ", " : "") + sites[s].name + " " + std::to_string(per_site[s].committed_round);
+          }
+          std::printf("shard %zu job %s: %zu sites agree on rounds 0..%llu (%llu digests compared; committed: %s)\n",
+                      shard, job.c_str(), sites.size(), (unsigned long long)common,
+                      (unsigned long long)compared, per.c_str());
+        }
+      }
+      report.push_back(row);
+    }
+  }
+  if (as_json) std::printf("%s\n", report.dump(2).c_str());
+  return differ ? 1 : 0;
+}
+
 void AddConnectionFlags(CLI::App* cmd, Connection& c) {
   cmd->add_option("-s,--server", c.servers,
                   "admin endpoint of a shard, e.g. tcp://127.0.0.1:7101; repeat once per shard, in shard order")
@@ -366,6 +619,29 @@ int main(int argc, char** argv) {
   exp->add_option("-j,--job", job_name, "job name")->required();
   exp->add_option("-o,--out", out_file, "output .safetensors file")->required();
 
+  auto* sync = app.add_subcommand("sync", "cross-site synchronisation: peer links, rounds, digests");
+  sync->require_subcommand(1);
+  std::string peer_site;
+  std::vector<std::string> verify_sites, verify_site_keys, verify_jobs;
+  auto* sync_status = sync->add_subcommand("status", "per shard: the round protocol and every peer link (connected, acked round, lag, bytes, compression, bandwidth)");
+  AddConnectionFlags(sync_status, conn);
+  sync_status->add_flag("--json", as_json, "machine-readable output");
+  auto* sync_now = sync->add_subcommand("now", "resend at once what peers lack and reset the backoff");
+  AddConnectionFlags(sync_now, conn);
+  sync_now->add_option("--peer", peer_site, "only the link to this site (default: every link)");
+  auto* sync_pause = sync->add_subcommand("pause", "stop a peer link in both directions (its deltas are answered Unavailable)");
+  AddConnectionFlags(sync_pause, conn);
+  sync_pause->add_option("--peer", peer_site, "the peer site")->required();
+  auto* sync_resume = sync->add_subcommand("resume", "restart a paused peer link and send what the peer lacks");
+  AddConnectionFlags(sync_resume, conn);
+  sync_resume->add_option("--peer", peer_site, "the peer site")->required();
+  auto* sync_verify = sync->add_subcommand("verify", "compare committed-round digests of same-numbered shards across sites; exit 0 agree, 1 differ");
+  AddConnectionFlags(sync_verify, conn);
+  sync_verify->add_option("--site", verify_sites, "NAME=ADMIN_EP[,ADMIN_EP...]: one per site, shard endpoints in shard order")->required();
+  sync_verify->add_option("--site-key", verify_site_keys, "NAME=PUBFILE[,PUBFILE...]: that site's shard public key(s); default --server-key");
+  sync_verify->add_option("-j,--job", verify_jobs, "job(s) to compare (default: every sync job of the first site)");
+  sync_verify->add_flag("--json", as_json, "machine-readable output");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -380,5 +656,12 @@ int main(int argc, char** argv) {
   if (*snap_list) return CmdSnapshot(conn, "list", snap_name, as_json);
   if (*snap_restore) return CmdSnapshot(conn, "restore", snap_name, as_json);
   if (*exp) return CmdExport(conn, job_name, out_file);
+  if (*sync_status) return CmdSyncStatus(conn, as_json);
+  if (*sync_now) return CmdSyncControl(conn, wire::SyncAction::Now, peer_site);
+  if (*sync_pause) return CmdSyncControl(conn, wire::SyncAction::Pause, peer_site);
+  if (*sync_resume) return CmdSyncControl(conn, wire::SyncAction::Resume, peer_site);
+  if (*sync_verify) {
+    return CmdSyncVerify(conn, verify_sites, verify_site_keys, verify_jobs, as_json);
+  }
   return 2;
 }

@@ -7,12 +7,15 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <zmq.hpp>
 
 #include "common/keys.h"
 #include "common/transport.h"
 #include "common/wire.h"
+#include "server/peer_link.h"
 #include "server/shard.h"
 #include "server/store.h"
 
@@ -60,6 +63,137 @@ Status ReplaceDbFiles(const std::string& data_dir, const std::string& checkpoint
   return Status::Ok();
 }
 
+void FinishReply(Reply& reply, uint64_t id, wire::Body type, flatbuffers::Offset<void> body) {
+  wire::EnvelopeBuilder env(reply.header);
+  env.add_request_id(id);
+  env.add_body_type(type);
+  env.add_body(body);
+  reply.header.Finish(env.Finish(), wire::EnvelopeIdentifier());
+}
+
+std::string EngineDetail(const SyncJobStatus& j) {
+  std::string d;
+  if (j.staged_round > 0) {
+    d += "pushing round " + std::to_string(j.staged_round) + " (" + std::to_string(j.staged_tensors) +
+         "/" + std::to_string(j.tensor_count) + " tensors)";
+  }
+  std::string held;
+  for (const auto& [site, r] : j.held) held += (held.empty() ? "" : " ") + site + "=" + std::to_string(r);
+  if (!held.empty()) d += std::string(d.empty() ? "" : "; ") + "held " + held;
+  std::string pipes;
+  for (const auto& [p, n] : j.pipelines) pipes += (pipes.empty() ? "" : " ") + p + "x" + std::to_string(n);
+  if (!pipes.empty()) d += std::string(d.empty() ? "" : "; ") + "codec " + pipes;
+  if (j.compression_ratio > 0) {
+    char buf[48];
+    std::snprintf(buf, sizeof buf, "; ratio %.1fx", j.compression_ratio);
+    d += buf;
+  }
+  return d;
+}
+
+Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, PeerLinks* links,
+                    Reply& reply) {
+  auto& fbb = reply.header;
+  std::vector<flatbuffers::Offset<wire::PeerLinkInfo>> link_infos;
+  if (links != nullptr) {
+    for (const auto& st : links->Stats()) {
+      std::vector<flatbuffers::Offset<wire::PeerLinkJob>> jobs;
+      for (const auto& j : st.jobs) {
+        uint64_t lag = j.outbox_round > j.acked_round ? j.outbox_round - j.acked_round : 0;
+        jobs.push_back(wire::CreatePeerLinkJob(fbb, fbb.CreateString(j.job), j.acked_round,
+                                               j.outbox_round, lag));
+      }
+      link_infos.push_back(wire::CreatePeerLinkInfo(
+          fbb, fbb.CreateString(st.site), fbb.CreateString(st.endpoint), st.connected, st.paused,
+          fbb.CreateString(st.last_error), fbb.CreateVector(jobs), st.bytes_sent,
+          st.bytes_received, st.raw_bytes_sent, st.CompressionRatio(), st.bandwidth_bps,
+          st.deltas_sent, st.deltas_acked, st.resends, st.auth_failures, st.refused));
+    }
+  }
+  std::vector<flatbuffers::Offset<wire::SyncJobState>> job_states;
+  if (engine != nullptr) {
+    for (const auto& job : engine->SyncJobs()) {
+      auto js = engine->JobStatus(job);
+      if (!js.ok()) continue;
+      job_states.push_back(wire::CreateSyncJobState(fbb, fbb.CreateString(job), js->local_round,
+                                                    js->committed_round,
+                                                    engine->max_rounds_ahead(),
+                                                    fbb.CreateString(EngineDetail(*js))));
+    }
+  }
+  auto body = wire::CreateSyncStatusReply(
+      fbb, fbb.CreateString(c.sync_site), -1, engine != nullptr, fbb.CreateVector(link_infos),
+      fbb.CreateVector(job_states), links != nullptr ? links->refused_unknown() : 0);
+  FinishReply(reply, id, wire::Body::SyncStatusReply, body.Union());
+  return Status::Ok();
+}
+
+Status DoSyncControl(const wire::SyncControl* req, uint64_t id, PeerLinks* links, Reply& reply) {
+  std::string peer = req->peer() ? req->peer()->str() : "";
+  std::vector<std::string> sites;
+  if (links == nullptr) {
+    if (!peer.empty()) return Status::NotFound("no peer link to site '" + peer + "' (sync.peers is empty)");
+  } else {
+    Result<std::vector<std::string>> r = Status::InvalidArgument("unknown sync action");
+    switch (req->action()) {
+      case wire::SyncAction::Now: r = links->SyncNow(peer); break;
+      case wire::SyncAction::Pause: r = links->Pause(peer); break;
+      case wire::SyncAction::Resume: r = links->Resume(peer); break;
+      default: break;
+    }
+    if (!r.ok()) return r.status();
+    sites = *r;
+    spdlog::info("sync {} for {}", wire::EnumNameSyncAction(req->action()),
+                 peer.empty() ? std::string("every link") : "site " + peer);
+  }
+  auto& fbb = reply.header;
+  std::vector<flatbuffers::Offset<flatbuffers::String>> names;
+  for (const auto& s : sites) names.push_back(fbb.CreateString(s));
+  auto body = wire::CreateSyncControlReply(fbb, fbb.CreateVector(names));
+  FinishReply(reply, id, wire::Body::SyncControlReply, body.Union());
+  return Status::Ok();
+}
+
+Status DoDigests(const wire::DigestsRequest* req, uint64_t id, SyncEngine* engine, Reply& reply) {
+  if (engine == nullptr) {
+    return Status::FailedPrecondition("this shard does not sync (set sync.site to turn it on)");
+  }
+  std::string job = req->job()->str();
+  ISTHMUS_ASSIGN_OR_RETURN(auto digests, engine->Digests(job, req->from_round(), UINT64_MAX));
+  auto& fbb = reply.header;
+  std::vector<flatbuffers::Offset<wire::RoundDigest>> out;
+  for (const auto& [round, digest] : digests) {
+    out.push_back(wire::CreateRoundDigest(fbb, round, fbb.CreateString(digest)));
+  }
+  auto body = wire::CreateDigestsReply(fbb, fbb.CreateString(job), engine->CommittedRound(job),
+                                       fbb.CreateVector(out));
+  FinishReply(reply, id, wire::Body::DigestsReply, body.Union());
+  return Status::Ok();
+}
+
+// Admin requests about cross-site sync are answered here, beside the shard, because they
+// need the links. nullopt for every other message.
+std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits,
+                                     const ServerConfig& c, SyncEngine* engine, PeerLinks* links) {
+  auto env_or = ParseEnvelope(msg.header, limits);
+  if (!env_or.ok()) return std::nullopt;
+  const wire::Envelope* env = *env_or;
+  Reply reply;
+  Status s;
+  switch (env->body_type()) {
+    case wire::Body::SyncStatusRequest: s = DoSyncStatus(env->request_id(), c, engine, links, reply); break;
+    case wire::Body::SyncControl: s = DoSyncControl(env->body_as_SyncControl(), env->request_id(), links, reply); break;
+    case wire::Body::DigestsRequest: s = DoDigests(env->body_as_DigestsRequest(), env->request_id(), engine, reply); break;
+    default: return std::nullopt;
+  }
+  if (!s.ok()) {
+    reply.header.Clear();
+    BuildErrorReply(reply.header, env->request_id(), s);
+    reply.is_error = true;
+  }
+  return reply;
+}
+
 }  // namespace
 
 std::string LiveDbDir(const std::string& data_dir) { return (fs::path(data_dir) / "db").string(); }
@@ -74,6 +208,8 @@ struct ShardServer::Impl {
   std::unique_ptr<ZapHandler> zap;
   std::unique_ptr<zmq::socket_t> worker, admin;
   std::unique_ptr<Shard> shard;
+  std::unique_ptr<PeerLinks> links;  // null unless the shard syncs with peer sites
+  WireLimits limits;
 };
 
 ShardServer::ShardServer(ServerConfig config) : impl_(std::make_unique<Impl>()) {
@@ -82,6 +218,7 @@ ShardServer::ShardServer(ServerConfig config) : impl_(std::make_unique<Impl>()) 
 }
 
 ShardServer::~ShardServer() {
+  impl_->links.reset();
   impl_->worker.reset();
   impl_->admin.reset();
   if (impl_->zap) impl_->zap->Stop();
@@ -111,6 +248,7 @@ Status ShardServer::Start() {
   opts.shard_id = c.shard_id;
   opts.snapshot_dir = SnapshotDir(c.data_dir);
   opts.limits = limits;
+  impl_->limits = limits;
   opts.dedup_window = static_cast<uint64_t>(c.dedup_window);
   StoreOptions store_opts;
   store_opts.sync_writes = c.sync_writes;
@@ -118,6 +256,22 @@ Status ShardServer::Start() {
   opts.open_store = [db_dir, store_opts]() { return OpenRocksStore(db_dir, store_opts); };
   std::string data_dir = c.data_dir;
   opts.replace_store_files = [data_dir](const std::string& cp) { return ReplaceDbFiles(data_dir, cp); };
+  std::vector<PeerLinkSpec> peers;
+  if (!c.sync_site.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
+    SyncOptions so;
+    so.site = c.sync_site;
+    for (const auto& p : peers) so.peer_sites.push_back(p.site);
+    so.codec = c.sync_codec;
+    so.codec_overrides = c.sync_codec_overrides;
+    so.adaptive = c.sync_adaptive;
+    so.adaptive_floor = c.sync_adaptive_floor;
+    so.adaptive_ceiling = c.sync_adaptive_ceiling;
+    so.outer_lr = c.sync_outer_lr;
+    so.outer_momentum = c.sync_outer_momentum;
+    so.max_rounds_ahead = static_cast<uint64_t>(c.sync_max_rounds_ahead);
+    opts.sync = so;
+  }
   ISTHMUS_ASSIGN_OR_RETURN(impl_->shard, Shard::Open(opts));
 
   KeyPair server_keys;
@@ -163,6 +317,28 @@ Status ShardServer::Start() {
   };
   ISTHMUS_RETURN_IF_ERROR(make_socket(c.listen_worker, kDomainWorker, impl_->worker));
   ISTHMUS_RETURN_IF_ERROR(make_socket(c.listen_admin, kDomainAdmin, impl_->admin));
+  if (SyncEngine* engine = impl_->shard->sync(); engine != nullptr && !peers.empty()) {
+    if (c.listen_peer.empty()) {
+      return Status::InvalidArgument("sync.peers is set but listen.peer is not: peers cannot reach this shard");
+    }
+    PeerLinkOptions lo;
+    lo.site = c.sync_site;
+    lo.listen_endpoint = c.listen_peer;
+    lo.keys = server_keys;
+    lo.insecure_plaintext = c.insecure_plaintext;
+    lo.peers = peers;
+    lo.resend_ms = static_cast<int>(c.sync_resend_ms);
+    lo.backoff_max_ms = static_cast<int>(c.sync_backoff_max_ms);
+    lo.limits = limits;
+    lo.initial_digest = [engine](const std::string& job) {
+      auto d = engine->Digests(job, 0, 1);
+      return d.ok() && !d->empty() && d->front().first == 0 ? d->front().second : std::string();
+    };
+    impl_->links = std::make_unique<PeerLinks>(*impl_->ctx, lo, engine, engine);
+    ISTHMUS_RETURN_IF_ERROR(impl_->links->Start());
+    spdlog::info("site {}: peer links to {} site(s), peers connect on {}", c.sync_site,
+                 peers.size(), c.listen_peer);
+  }
   spdlog::info("shard {} serving workers on {} and admins on {} ({})", c.shard_id,
                c.listen_worker, c.listen_admin, c.insecure_plaintext ? "PLAINTEXT" : "CURVE");
   return Status::Ok();
@@ -172,12 +348,18 @@ Status ShardServer::Run() {
   if (!impl_->shard) return Status::FailedPrecondition("Start() first");
   zmq::socket_t* sockets[2] = {impl_->worker.get(), impl_->admin.get()};
   const wire::Role roles[2] = {wire::Role::Worker, wire::Role::Admin};
+  PeerLinks* links = impl_->links.get();
+  std::vector<zmq::pollitem_t> items;
   while (true) {
-    zmq::pollitem_t items[3] = {{sockets[0]->handle(), 0, ZMQ_POLLIN, 0},
-                                {sockets[1]->handle(), 0, ZMQ_POLLIN, 0},
-                                {nullptr, impl_->wake_fd, ZMQ_POLLIN, 0}};
+    // The peer links' sockets follow the three fixed items; their timer bounds the wait.
+    items.assign(3 + (links ? links->PollItemCount() : 0), zmq::pollitem_t{});
+    items[0] = {sockets[0]->handle(), 0, ZMQ_POLLIN, 0};
+    items[1] = {sockets[1]->handle(), 0, ZMQ_POLLIN, 0};
+    items[2] = {nullptr, impl_->wake_fd, ZMQ_POLLIN, 0};
+    if (links) links->FillPollItems(items.data() + 3);
     try {
-      zmq::poll(items, 3, std::chrono::milliseconds(-1));
+      zmq::poll(items.data(), items.size(),
+                std::chrono::milliseconds(links ? links->NextTimeoutMs() : -1));
     } catch (const zmq::error_t& e) {
       if (e.num() == EINTR) continue;
       return Status::Internal(std::string("poll failed: ") + e.what());
@@ -198,13 +380,22 @@ Status ShardServer::Run() {
                        msg.status().ToString());
           continue;
         }
-        Reply reply = impl_->shard->Handle(roles[i], *msg);
+        std::optional<Reply> sync_reply;
+        if (roles[i] == wire::Role::Admin) {
+          sync_reply = HandleSyncAdmin(*msg, impl_->limits, impl_->config, impl_->shard->sync(), links);
+        }
+        Reply reply = sync_reply ? std::move(*sync_reply) : impl_->shard->Handle(roles[i], *msg);
         uint64_t out_bytes = reply.header.GetSize();
         for (const auto& p : reply.payload) out_bytes += p.size;
         impl_->shard->CountBytes(msg->header.size() + msg->PayloadBytes(), out_bytes);
         Status s = SendMessage(*sockets[i], &routing_id, reply.header, reply.payload);
         if (!s.ok()) spdlog::warn("could not send a reply: {}", s.ToString());
       }
+    }
+    if (links) {
+      links->OnPoll(items.data() + 3);
+      // After worker pushes too: a round closed just now goes out at once.
+      links->Tick();
     }
   }
 }
