@@ -81,7 +81,9 @@ std::string EngineDetail(const SyncJobStatus& j) {
   for (const auto& [site, r] : j.held) held += (held.empty() ? "" : " ") + site + "=" + std::to_string(r);
   if (!held.empty()) d += std::string(d.empty() ? "" : "; ") + "held " + held;
   std::string pipes;
-  for (const auto& [p, n] : j.pipelines) pipes += (pipes.empty() ? "" : " ") + p + "x" + std::to_string(n);
+  for (const auto& [p, n] : j.pipelines) {
+    pipes += (pipes.empty() ? "" : ", ") + p + " (" + std::to_string(n) + " tensors)";
+  }
   if (!pipes.empty()) d += std::string(d.empty() ? "" : "; ") + "codec " + pipes;
   if (j.compression_ratio > 0) {
     char buf[48];

@@ -117,6 +117,8 @@ class SiteProcess {
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
   const std::string& site() const { return site_; }
+  const std::filesystem::path& dir() const { return dir_; }
+  std::string admin_endpoint() const { return Endpoint(admin_port_); }
   static std::string Endpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }
 
  private:

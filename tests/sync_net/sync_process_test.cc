@@ -7,7 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "tests/sync_net/site_process.h"
 
@@ -49,12 +52,17 @@ class SyncProcessTest : public ::testing::Test {
     if (!HasFailure()) std::filesystem::remove_all(root_);
   }
 
-  void StartSites(const std::vector<std::string>& names) {
+  // `peered` false: every site runs the round protocol alone (no links).
+  void StartSites(const std::vector<std::string>& names, bool peered = true) {
     for (const auto& n : names) sites_.push_back(std::make_unique<SiteProcess>(n, root_));
     std::vector<SiteProcess*> all;
     for (auto& s : sites_) all.push_back(s.get());
     for (auto& s : sites_) {
-      s->Configure(all, "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2");
+      // The first site's admin key is on every site's allowlist, for isthmusctl sync verify.
+      std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
+                                 s->dir() / "admins" / "shared.pub",
+                                 std::filesystem::copy_options::overwrite_existing);
+      s->Configure(peered ? all : std::vector<SiteProcess*>{s.get()}, "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2");
       ASSERT_TRUE(s->Start());
     }
     auto w = Initial("w", kRows * kCols), b = Initial("b", kCols);
@@ -139,6 +147,33 @@ class SyncProcessTest : public ::testing::Test {
         EXPECT_LT(worst, 1e-5) << site->site() << " tensor " << name;
       }
     }
+  }
+
+  // Runs isthmusctl with `args` and the first site's admin key; returns (exit code, stdout).
+  std::pair<int, std::string> Ctl(const std::string& args) {
+    std::string cmd = std::string(ISTHMUS_CTL_BIN) + " " + args + " --key " +
+                      (sites_[0]->dir() / "admins" / "a0.key").string() + " 2>&1";
+    FILE* f = ::popen(cmd.c_str(), "r");
+    std::string out;
+    char buf[4096];
+    while (size_t n = std::fread(buf, 1, sizeof buf, f)) out.append(buf, n);
+    int status = ::pclose(f);
+    if (std::getenv("ISTHMUS_TEST_SHOW_CTL") != nullptr) {
+      std::fprintf(stderr, "$ isthmusctl %s\n%s", args.c_str(), out.c_str());
+    }
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  }
+  std::string SiteFlags(size_t i) {
+    return "--server " + sites_[i]->admin_endpoint() + " --server-key " +
+           (sites_[i]->dir() / "server.pub").string();
+  }
+  std::string VerifyFlags() {
+    std::string f;
+    for (auto& s : sites_) {
+      f += " --site " + s->site() + "=" + s->admin_endpoint() + " --site-key " + s->site() + "=" +
+           (s->dir() / "server.pub").string();
+    }
+    return f;
   }
 
   std::filesystem::path root_;
@@ -232,6 +267,55 @@ TEST_F(SyncProcessTest, SenderKilledAfterClosingARoundResendsAfterRestart) {
   WaitCommitted(3);
   ExpectIdenticalDigests(3);
   ExpectRecomputedState(3);
+}
+
+TEST_F(SyncProcessTest, CtlSyncStatusPauseResumeAndVerify) {
+  StartSites({"alpha", "beta"});
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  auto [code, out] = Ctl("sync status --json " + SiteFlags(0));
+  ASSERT_EQ(code, 0) << out;
+  auto j = nlohmann::json::parse(out);
+  ASSERT_EQ(j.size(), 1u);
+  EXPECT_EQ(j[0]["site"], "alpha");
+  ASSERT_EQ(j[0]["links"].size(), 1u);
+  EXPECT_EQ(j[0]["links"][0]["site"], "beta");
+  EXPECT_EQ(j[0]["links"][0]["connected"], true);
+  EXPECT_EQ(j[0]["links"][0]["jobs"][0]["acked_round"], 1);
+  EXPECT_EQ(j[0]["jobs"][0]["committed_round"], 1);
+
+  auto [pcode, pout] = Ctl("sync pause --peer beta " + SiteFlags(0));
+  EXPECT_EQ(pcode, 0) << pout;
+  auto [scode, sout] = Ctl("sync status " + SiteFlags(0));
+  EXPECT_EQ(scode, 0) << sout;
+  EXPECT_NE(sout.find("paused"), std::string::npos) << sout;
+  auto [ncode, nout] = Ctl("sync pause --peer nosuchsite " + SiteFlags(0));
+  EXPECT_EQ(ncode, 4) << nout;
+  auto [rcode, rout] = Ctl("sync resume --peer beta " + SiteFlags(0));
+  EXPECT_EQ(rcode, 0) << rout;
+  auto [wcode, wout] = Ctl("sync now " + SiteFlags(1));
+  EXPECT_EQ(wcode, 0) << wout;
+
+  Push(0, 2), Push(1, 2);
+  WaitCommitted(2);
+  auto [vcode, vout] = Ctl("sync verify" + VerifyFlags());
+  EXPECT_EQ(vcode, 0) << vout;
+  EXPECT_NE(vout.find("agree on rounds 0..2"), std::string::npos) << vout;
+}
+
+TEST_F(SyncProcessTest, CtlVerifyReportsTheFirstDifferingRound) {
+  // Two sites that never talk: same initial state, different deltas from round 1 on.
+  StartSites({"alpha", "beta"}, /*peered=*/false);
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  auto [code, out] = Ctl("sync verify" + VerifyFlags());
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("DIFFER at round 1"), std::string::npos) << out;
+  auto [jcode, jout] = Ctl("sync verify --json -j job" + VerifyFlags());
+  EXPECT_EQ(jcode, 1) << jout;
+  auto j = nlohmann::json::parse(jout);
+  EXPECT_EQ(j[0]["first_differing_round"], 1);
+  EXPECT_EQ(j[0]["agree"], false);
 }
 
 }  // namespace
