@@ -1,0 +1,251 @@
+#!/usr/bin/env bash
+# Two isthmus sites on one machine: per site S shards (RocksDB each) and R CPU worker
+# ranks (Gloo), the sites' same-numbered shards joined by CURVE peer links on loopback.
+# Trains a LoRA job for a fixed number of rounds, waits until every round has committed
+# on every shard, then reports per site: validation loss on both sites' data, rounds
+# committed, WAN bytes sent, compression ratio, and whether the committed digests agree.
+# deploy/demo.sh prepares the inputs and calls this; bench/sync/run.sh calls it once per
+# codec setting.
+#
+# Usage: deploy/two-site.sh --base BASE.safetensors --data-a DIR --data-b DIR [options]
+#   --out DIR              work folder, removed first (default demo-out/two-site)
+#   --model "FLAGS"        model flags shared by every worker (default: 2x128, ctx 128, LoRA r8)
+#   --codec PIPELINE       sync.codec (default: the codec's default pipeline)
+#   --adaptive             sync.adaptive = true
+#   --rounds N             rounds to train (default 8)
+#   --steps-per-round H    inner steps per round (default 20)
+#   --site-b-steps H       inner steps per round at site B (default: same as A)
+#   --train "FLAGS"        extra isthmus-worker train flags (lr, batch size, ...)
+#   --outer-lr X --outer-momentum X   the outer optimizer (default 1.0 / 0.0)
+#   --shards S --ranks R   per site (default 2 / 2)
+#   --summary FILE         write the final figures as JSON here
+# Environment: ISTHMUS_BUILD_DIR (default build); binaries must be built.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${ISTHMUS_BUILD_DIR:-build}"
+server="$build/server/isthmus-server"
+ctl="$build/server/isthmusctl"
+worker="$build/worker/isthmus-worker"
+
+out=demo-out/two-site
+model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
+codec="" adaptive=false rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
+shards=2 ranks=2 summary="" base="" data_a="" data_b=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) out="$2"; shift 2 ;;
+    --model) model="$2"; shift 2 ;;
+    --codec) codec="$2"; shift 2 ;;
+    --adaptive) adaptive=true; shift ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --steps-per-round) steps="$2"; shift 2 ;;
+    --site-b-steps) steps_b="$2"; shift 2 ;;
+    --train) train_extra="$2"; shift 2 ;;
+    --outer-lr) outer_lr="$2"; shift 2 ;;
+    --outer-momentum) outer_mom="$2"; shift 2 ;;
+    --shards) shards="$2"; shift 2 ;;
+    --ranks) ranks="$2"; shift 2 ;;
+    --summary) summary="$2"; shift 2 ;;
+    --base) base="$2"; shift 2 ;;
+    --data-a) data_a="$2"; shift 2 ;;
+    --data-b) data_b="$2"; shift 2 ;;
+    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
+    *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+for v in base data_a data_b; do
+  if [ -z "${!v}" ]; then echo "two-site.sh: --${v//_/-} is required (try --help)" >&2; exit 2; fi
+done
+for b in "$server" "$ctl" "$worker"; do
+  [ -x "$b" ] || { echo "two-site.sh: $b is not built (cmake --build $build)" >&2; exit 2; }
+done
+steps_b="${steps_b:-$steps}"
+# shellcheck disable=SC2206
+model_flags=($model)
+# shellcheck disable=SC2206
+train_flags=($train_extra)
+
+rm -rf "$out"
+mkdir -p "$out/keys/admins" "$out/logs"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+quiet() { "$@" >/dev/null; }
+
+sites=(A B)
+declare -A data_of=([A]="$data_a" [B]="$data_b") steps_of=([A]="$steps" [B]="$steps_b")
+declare -A wport aport pport
+quiet "$ctl" keygen --out "$out/keys/admins/admin"
+export ISTHMUS_CTL_KEY="$out/keys/admins/admin.key"
+for s in "${sites[@]}"; do
+  mkdir -p "$out/keys/workers-$s"
+  quiet "$ctl" keygen --out "$out/keys/workers-$s/worker"
+  for ((i = 0; i < shards; i++)); do
+    mkdir -p "$out/keys/peers-$i"
+    quiet "$ctl" keygen --out "$out/keys/$s-$i"
+    cp "$out/keys/$s-$i.pub" "$out/keys/peers-$i/$s.pub"
+    wport[$s-$i]=$(free_port); aport[$s-$i]=$(free_port); pport[$s-$i]=$(free_port)
+  done
+done
+
+# Shard configs: shard i of each site peers with shard i of the other site.
+for s in "${sites[@]}"; do
+  for ((i = 0; i < shards; i++)); do
+    peers=""
+    for t in "${sites[@]}"; do
+      [ "$t" = "$s" ] && continue
+      peers+="\"$t=tcp://127.0.0.1:${pport[$t-$i]}=$out/keys/$t-$i.pub\", "
+    done
+    cat > "$out/$s-$i.toml" <<TOML
+[shard]
+id = "$s-$i"
+data_dir = "$out/$s-$i"
+[listen]
+worker = "tcp://127.0.0.1:${wport[$s-$i]}"
+admin = "tcp://127.0.0.1:${aport[$s-$i]}"
+peer = "tcp://127.0.0.1:${pport[$s-$i]}"
+[security]
+secret_key = "$out/keys/$s-$i.key"
+worker_keys = ["$out/keys/workers-$s"]
+admin_keys = ["$out/keys/admins"]
+peer_keys = ["$out/keys/peers-$i"]
+[sync]
+site = "$s"
+peers = [${peers%, }]
+codec = "$codec"
+adaptive = $adaptive
+outer_lr = $outer_lr
+outer_momentum = $outer_mom
+TOML
+    "$server" --config "$out/$s-$i.toml" 2> "$out/logs/shard-$s-$i.log" &
+    pids+=($!)
+  done
+done
+admin_args() {  # --server/--server-key pairs of site $1's admin sockets
+  for ((i = 0; i < shards; i++)); do
+    printf -- '--server\ntcp://127.0.0.1:%s\n--server-key\n%s\n' "${aport[$1-$i]}" "$out/keys/$1-$i.pub"
+  done
+}
+worker_args() {  # the same for the worker sockets
+  for ((i = 0; i < shards; i++)); do
+    printf -- '--server\ntcp://127.0.0.1:%s\n--server-key\n%s\n' "${wport[$1-$i]}" "$out/keys/$1-$i.pub"
+  done
+}
+for s in "${sites[@]}"; do
+  mapfile -t a < <(admin_args "$s")
+  for _ in $(seq 100); do "$ctl" status "${a[@]}" --timeout-ms 300 >/dev/null 2>&1 && break; sleep 0.2; done
+done
+
+# The same initial adapters and base hash on both sites.
+base_hash=$("$worker" init "${model_flags[@]}" --base "$base" --out "$out/init.safetensors" 2>/dev/null | tail -1)
+for s in "${sites[@]}"; do
+  mapfile -t a < <(admin_args "$s")
+  quiet "$ctl" job create "${a[@]}" --job demo --from "$out/init.safetensors" --base-hash "$base_hash"
+done
+
+echo "two-site: sites A and B, $shards shards and $ranks ranks each, $rounds rounds" \
+     "(H = ${steps_of[A]} at A, ${steps_of[B]} at B), codec '${codec:-default}'$([ "$adaptive" = true ] && echo ', adaptive')"
+start=$(date +%s)
+wpids=()
+for s in "${sites[@]}"; do
+  mapfile -t w < <(worker_args "$s")
+  mkdir -p "$out/rendezvous-$s"
+  for ((r = 0; r < ranks; r++)); do
+    "$worker" train "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+      --key "$out/keys/workers-$s/worker.key" --client-name "$s" --data "${data_of[$s]}" \
+      --rank "$r" --world-size "$ranks" --rendezvous "file:$out/rendezvous-$s" \
+      --steps-per-round "${steps_of[$s]}" --max-rounds "$rounds" \
+      --checkpoint-dir "$out/checkpoints-$s" --json-summary "$out/worker-$s-$r.json" \
+      --no-progress --log-every 20 "${train_flags[@]}" > "$out/logs/worker-$s-$r.log" 2>&1 &
+    wpids+=($!)
+  done
+done
+pids+=("${wpids[@]}")
+failed=0
+for p in "${wpids[@]}"; do wait "$p" || failed=1; done
+if [ "$failed" -ne 0 ]; then
+  echo "two-site: a worker failed; its log:" >&2
+  tail -n 20 "$out"/logs/worker-*.log >&2
+  exit 1
+fi
+trained=$(( $(date +%s) - start ))
+
+# Wait (bounded) until every shard of both sites has committed every round.
+for _ in $(seq 300); do
+  done_all=1
+  for s in "${sites[@]}"; do
+    mapfile -t a < <(admin_args "$s")
+    "$ctl" sync status "${a[@]}" --json > "$out/sync-$s.json" 2>/dev/null || { done_all=0; continue; }
+    /usr/bin/python3 -c '
+import json, sys
+rows = json.load(open(sys.argv[1]))
+ok = all(j["committed_round"] >= int(sys.argv[2]) for r in rows for j in r.get("jobs", []) if j["job"] == "demo")
+sys.exit(0 if ok and rows else 1)' "$out/sync-$s.json" "$rounds" || done_all=0
+  done
+  [ "$done_all" -eq 1 ] && break
+  sleep 0.5
+done
+
+# Evaluate each site's committed model on both sites' validation data.
+for s in "${sites[@]}"; do
+  mapfile -t w < <(worker_args "$s")
+  for d in "${sites[@]}"; do
+    "$worker" eval "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+      --key "$out/keys/workers-$s/worker.key" --data "${data_of[$d]}" --json \
+      > "$out/eval-$s-on-$d.json" 2> "$out/logs/eval-$s-on-$d.log"
+  done
+done
+verify_args=()
+for s in "${sites[@]}"; do
+  eps=""
+  for ((i = 0; i < shards; i++)); do eps+="tcp://127.0.0.1:${aport[$s-$i]},"; done
+  keys=""
+  for ((i = 0; i < shards; i++)); do keys+="$out/keys/$s-$i.pub,"; done
+  verify_args+=(--site "$s=${eps%,}" --site-key "$s=${keys%,}")
+done
+set +e
+"$ctl" sync verify "${verify_args[@]}" --json > "$out/verify.json" 2> "$out/logs/verify.log"
+verify_rc=$?
+set -e
+
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" <<'PY'
+import json, os, sys
+out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+sites = ["A", "B"]
+result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
+try:
+    verify = json.load(open(f"{out}/verify.json"))
+    agree = verify_rc == 0 and all(r.get("agree") for r in verify)
+    compared = min((r.get("rounds_compared", 0) for r in verify), default=0)
+except Exception as e:  # reported, not hidden
+    verify, agree, compared = None, False, 0
+for s in sites:
+    rows = json.load(open(f"{out}/sync-{s}.json"))
+    committed = min(j["committed_round"] for r in rows for j in r.get("jobs", []) if j["job"] == "demo")
+    sent = sum(l["bytes_sent"] for r in rows for l in r.get("links", []))
+    raw = sum(l["raw_bytes_sent"] for r in rows for l in r.get("links", []))
+    losses = {}
+    for d in sites:
+        try:
+            losses[d] = json.load(open(f"{out}/eval-{s}-on-{d}.json"))["val_loss"]
+        except Exception:
+            losses[d] = None
+    result["sites"][s] = {"committed_round": committed, "wan_bytes_sent": sent,
+                          "raw_bytes": raw, "compression_ratio": (raw / sent) if sent else None,
+                          "val_loss": losses}
+result["digests_agree"] = agree
+result["rounds_verified"] = compared
+print()
+print(f"{'site':<6}{'val loss A':>12}{'val loss B':>12}{'committed':>11}{'WAN sent':>14}{'ratio':>8}")
+for s, r in result["sites"].items():
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a"
+    ratio = f"{r['compression_ratio']:.1f}x" if r["compression_ratio"] else "n/a"
+    print(f"{s:<6}{fmt(r['val_loss']['A']):>12}{fmt(r['val_loss']['B']):>12}{r['committed_round']:>11}"
+          f"{r['wan_bytes_sent']:>14,}{ratio:>8}")
+print(f"committed digests agree across sites: {'yes' if agree else 'NO'} ({compared} rounds compared per shard)")
+print(f"training wall time: {trained} s")
+if summary:
+    json.dump(result, open(summary, "w"), indent=2)
+sys.exit(0 if agree and all(r["committed_round"] >= rounds for r in result["sites"].values()) else 1)
+PY
