@@ -30,13 +30,13 @@ struct PeerLinks::Link {
   };
   bool transport_up = false;
   bool reconnecting = false;  // the connection dropped: handshake again once it is back
-  bool ready = false;  // the handshake was answered on the current connection
+  bool ready = false;         // the handshake was answered on the current connection
   bool paused = false;
   std::map<std::string, JobLink> jobs;  // jobs the peer syncs with us
   std::map<uint64_t, InFlight> inflight;
   uint64_t request_seq = 0;
-  int failures = 0;                 // consecutive timeouts / refusals: the backoff exponent
-  Clock::time_point retry_at{};     // while not ready and nothing in flight: next handshake
+  int failures = 0;              // consecutive timeouts / refusals: the backoff exponent
+  Clock::time_point retry_at{};  // while not ready and nothing in flight: next handshake
   Clock::time_point last_progress{};
 
   PeerLinkStats stats;
@@ -168,8 +168,8 @@ Status PeerLinks::OpenDealer(Link& link) {
     link.monitor_endpoint = "inproc://isthmus-peer-monitor-" +
                             std::to_string(reinterpret_cast<uintptr_t>(this)) + "-" +
                             std::to_string(++monitor_seq_);
-    if (zmq_socket_monitor(link.dealer->handle(), link.monitor_endpoint.c_str(),
-                           kMonitorEvents) != 0) {
+    if (zmq_socket_monitor(link.dealer->handle(), link.monitor_endpoint.c_str(), kMonitorEvents) !=
+        0) {
       return Status::Internal("cannot monitor the peer socket: " +
                               std::string(zmq_strerror(zmq_errno())));
     }
@@ -201,7 +201,8 @@ void PeerLinks::CloseDealer(Link& link) {
 int PeerLinks::CurrentTimeoutMs(const Link& link) const {
   int64_t t = options_.resend_ms;
   for (int i = 0; i < link.failures && t < options_.backoff_max_ms; ++i) t *= 2;
-  return static_cast<int>(std::min<int64_t>(t, std::max(options_.backoff_max_ms, options_.resend_ms)));
+  return static_cast<int>(
+      std::min<int64_t>(t, std::max(options_.backoff_max_ms, options_.resend_ms)));
 }
 
 void PeerLinks::SendHello(Link& link) {
@@ -261,8 +262,8 @@ void PeerLinks::Pump(Link& link) {
       for (size_t i = 0; i < d->tensors.size(); ++i) {
         const auto& t = d->tensors[i];
         metas.push_back(wire::CreatePeerTensor(fbb, fbb.CreateString(t.name),
-                                               fbb.CreateVector(t.shape),
-                                               static_cast<uint32_t>(i), t.bytes.size()));
+                                               fbb.CreateVector(t.shape), static_cast<uint32_t>(i),
+                                               t.bytes.size()));
         // Zero-copy: the frame borrows the outbox's bytes and keeps the delta alive.
         payload.push_back(PayloadRef{t.bytes.data(), t.bytes.size(),
                                      std::shared_ptr<const void>(d, t.bytes.data())});
@@ -307,9 +308,11 @@ void PeerLinks::OnDealerReadable(Link& link) {
     if (!err.ok()) {
       // The peer refused (paused, digest mismatch, malformed): back off and handshake again.
       ++link.stats.refused;
-      Reset(link, "peer refused " + (sent.job.empty() ? std::string("the handshake")
-                                                      : "round " + std::to_string(sent.round)) +
-                      ": " + err.ToString(),
+      Reset(link,
+            "peer refused " +
+                (sent.job.empty() ? std::string("the handshake")
+                                  : "round " + std::to_string(sent.round)) +
+                ": " + err.ToString(),
             false);
       return;
     }
@@ -338,8 +341,9 @@ void PeerLinks::OnDealerReadable(Link& link) {
       link.jobs = std::move(jobs);
       link.ready = true;
       link.stats.connected = true;
-      link.stats.last_error = mismatch.empty() ? "" : "initial state of job '" + mismatch +
-                                                          "' differs from the peer's; not syncing it";
+      link.stats.last_error = mismatch.empty() ? ""
+                                               : "initial state of job '" + mismatch +
+                                                     "' differs from the peer's; not syncing it";
     } else if ((*env)->body_type() == wire::Body::PeerAck && !sent.job.empty()) {
       const auto* ack = (*env)->body_as_PeerAck();
       auto jit = link.jobs.find(sent.job);
@@ -354,7 +358,8 @@ void PeerLinks::OnDealerReadable(Link& link) {
       if (sent.bytes > 0 && seconds > 0) {
         double sample = static_cast<double>(sent.bytes) / seconds;
         double& bw = link.stats.bandwidth_bps;
-        bw = bw == 0 ? sample : (1 - options_.bandwidth_ewma) * bw + options_.bandwidth_ewma * sample;
+        bw = bw == 0 ? sample
+                     : (1 - options_.bandwidth_ewma) * bw + options_.bandwidth_ewma * sample;
         source_->OnLinkBandwidth(link.spec.site, bw);
       }
     } else {
@@ -421,7 +426,8 @@ void PeerLinks::OnRouterReadable() {
     Status s = HandlePeerMessage(user_id, *msg, reply);
     if (!s.ok()) {
       uint64_t id = 0;
-      if (auto env = ParseEnvelope(msg->header, options_.limits); env.ok()) id = (*env)->request_id();
+      if (auto env = ParseEnvelope(msg->header, options_.limits); env.ok())
+        id = (*env)->request_id();
       reply.Clear();
       BuildErrorReply(reply, id, s);
       spdlog::warn("refused a peer message: {}", s.ToString());
@@ -509,8 +515,9 @@ Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Fram
   size_t count = metas ? metas->size() : 0;
   if (count > lim.max_tensors) return Status::ResourceExhausted("too many tensors in a peer delta");
   if (count != msg.payload.size()) {
-    return Status::InvalidArgument("peer delta lists " + std::to_string(count) + " tensors but has " +
-                                   std::to_string(msg.payload.size()) + " payload frames");
+    return Status::InvalidArgument("peer delta lists " + std::to_string(count) +
+                                   " tensors but has " + std::to_string(msg.payload.size()) +
+                                   " payload frames");
   }
   if (msg.PayloadBytes() > lim.max_payload_bytes) {
     return Status::ResourceExhausted("peer delta payload over limits.max_message_bytes");

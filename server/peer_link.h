@@ -31,23 +31,24 @@ struct PeerLinkSpec {
   std::string public_key;
 };
 
-// Parses "SITE=ENDPOINT=PUBKEYFILE" (split at the first two '=') and reads the public key file. Errors name the entry
-// and say what is wrong (InvalidArgument for the text, the key loader's error for the file).
+// Parses "SITE=ENDPOINT=PUBKEYFILE" (split at the first two '=') and reads the public key file.
+// Errors name the entry and say what is wrong (InvalidArgument for the text, the key loader's error
+// for the file).
 Result<PeerLinkSpec> ParsePeerLinkSpec(const std::string& text);
 Result<std::vector<PeerLinkSpec>> ParsePeerLinkSpecs(const std::vector<std::string>& texts);
 
 struct PeerLinkOptions {
-  std::string site;               // this site's name (sync.site)
-  int shard_index = -1;           // this shard's index; -1 = unknown (not checked)
-  std::string listen_endpoint;    // listen.peer; empty = do not receive
-  KeyPair keys;                   // this server's key pair (CURVE client and server)
+  std::string site;                 // this site's name (sync.site)
+  int shard_index = -1;             // this shard's index; -1 = unknown (not checked)
+  std::string listen_endpoint;      // listen.peer; empty = do not receive
+  KeyPair keys;                     // this server's key pair (CURVE client and server)
   bool insecure_plaintext = false;  // no CURVE: the sender's claimed site is trusted
   std::vector<PeerLinkSpec> peers;
-  int resend_ms = 2000;           // no reply for this long: reconnect and resend
-  int backoff_max_ms = 30000;     // cap of the doubling resend / retry interval
-  int window = 4;                 // deltas in flight per link
-  WireLimits limits;              // applied to received peer messages
-  double bandwidth_ewma = 0.3;    // weight of a new bandwidth sample
+  int resend_ms = 2000;         // no reply for this long: reconnect and resend
+  int backoff_max_ms = 30000;   // cap of the doubling resend / retry interval
+  int window = 4;               // deltas in flight per link
+  WireLimits limits;            // applied to received peer messages
+  double bandwidth_ewma = 0.3;  // weight of a new bandwidth sample
   // Digest of a job's initial state, compared in the handshake (empty = not compared).
   std::function<std::string(const std::string& job)> initial_digest;
 };

@@ -64,7 +64,8 @@ class MemoryEngine : public DeltaSource, public DeltaSink {
     d->round = round;
     d->tokens = 1000 + round;
     d->tensors.push_back({"a.weight", {4, 8}, "A:" + site + ":" + std::to_string(round)});
-    d->tensors.push_back({"b.bias", {8}, std::string(100 + round, static_cast<char>('a' + round % 26))});
+    d->tensors.push_back(
+        {"b.bias", {8}, std::string(100 + round, static_cast<char>('a' + round % 26))});
     return d;
   }
   void AddOwn(uint64_t round, const std::string& job = "job") {
@@ -176,7 +177,9 @@ SiteSpec MakeSite(const std::string& site) {
   return SiteSpec{site, *keys, FreePort()};
 }
 
-PeerLinkSpec AsPeer(const SiteSpec& s) { return PeerLinkSpec{s.site, Endpoint(s.port), s.keys.public_key}; }
+PeerLinkSpec AsPeer(const SiteSpec& s) {
+  return PeerLinkSpec{s.site, Endpoint(s.port), s.keys.public_key};
+}
 
 // One site's links on their own thread and context, like a shard's event loop.
 class Node {
@@ -379,8 +382,8 @@ class RawPeer {
   }
   // Sends the header (or raw bytes when `raw` is set) and payload; returns the reply's status
   // and, if it is a PeerAck, the held round.
-  Result<uint64_t> Call(const flatbuffers::FlatBufferBuilder& fbb, const std::vector<std::string>& payload,
-                        const std::string* raw = nullptr) {
+  Result<uint64_t> Call(const flatbuffers::FlatBufferBuilder& fbb,
+                        const std::vector<std::string>& payload, const std::string* raw = nullptr) {
     std::vector<PayloadRef> refs;
     for (const auto& p : payload) refs.push_back(PayloadRef{p.data(), p.size(), nullptr});
     if (raw != nullptr) {
@@ -420,10 +423,12 @@ flatbuffers::FlatBufferBuilder BuildDelta(const DeltaMsg& m) {
   flatbuffers::FlatBufferBuilder fbb;
   std::vector<flatbuffers::Offset<wire::PeerTensor>> metas;
   for (size_t i = 0; i < m.names.size(); ++i) {
-    uint64_t n = i < m.nbytes.size() ? m.nbytes[i]
-                                     : (m.frames[i] < m.payload.size() ? m.payload[m.frames[i]].size() : 0);
+    uint64_t n = i < m.nbytes.size()
+                     ? m.nbytes[i]
+                     : (m.frames[i] < m.payload.size() ? m.payload[m.frames[i]].size() : 0);
     metas.push_back(wire::CreatePeerTensor(fbb, fbb.CreateString(m.names[i]),
-                                           fbb.CreateVector(std::vector<int64_t>{2}), m.frames[i], n));
+                                           fbb.CreateVector(std::vector<int64_t>{2}), m.frames[i],
+                                           n));
   }
   auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(m.job), fbb.CreateString(m.site), m.round,
                                     7, fbb.CreateVector(metas));
@@ -555,9 +560,10 @@ TEST_F(PeerLinkRefusals, ReplayedDeltaIsAcknowledgedAndIgnored) {
 TEST_F(PeerLinkRefusals, HandshakeReportsHeldRoundsAndRefusesWrongSite) {
   RawPeer gamma(c_.keys, b_);
   flatbuffers::FlatBufferBuilder fbb;
-  auto job = wire::CreatePeerJob(fbb, fbb.CreateString("job"), fbb.CreateString("digest-of-job"), 0);
-  auto body = wire::CreatePeerHello(fbb, fbb.CreateString("alpha"), 0,
-                                    fbb.CreateVector(std::vector{job}));
+  auto job =
+      wire::CreatePeerJob(fbb, fbb.CreateString("job"), fbb.CreateString("digest-of-job"), 0);
+  auto body =
+      wire::CreatePeerHello(fbb, fbb.CreateString("alpha"), 0, fbb.CreateVector(std::vector{job}));
   wire::EnvelopeBuilder env(fbb);
   env.add_request_id(1);
   env.add_body_type(wire::Body::PeerHello);
@@ -580,8 +586,70 @@ TEST_F(PeerLinkRefusals, HandshakeReportsHeldRoundsAndRefusesWrongSite) {
   EXPECT_EQ(r2.status().code(), Code::kFailedPrecondition) << r2.status().ToString();
 }
 
+// Mutated peer messages (header bytes flipped, truncated, frames dropped or added) never
+// crash the receiver and never change state unless they still form a valid delta.
+TEST(PeerLinkFuzz, MutatedMessagesAreRefusedOrValid) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine eb("beta");
+  zmq::context_t ctx(1);
+  PeerLinkOptions o;
+  o.site = "beta";
+  o.keys = b.keys;
+  o.peers = {AsPeer(a)};
+  PeerLinks links(ctx, o, &eb, &eb);
+  ASSERT_TRUE(links.Start().ok());
+  DeltaMsg base;
+  base.site = "alpha";
+  base.round = 1;
+  auto fbb = BuildDelta(base);
+  std::string header(reinterpret_cast<const char*>(fbb.GetBufferPointer()), fbb.GetSize());
+  uint64_t seed = 12345;
+  auto next = [&] {
+    return seed = seed * 6364136223846793005ull + 1442695040888963407ull, seed >> 33;
+  };
+  int accepted = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::string h = header;
+    int kind = static_cast<int>(next() % 4);
+    if (kind == 0) {
+      for (int k = 0; k < 1 + static_cast<int>(next() % 4); ++k)
+        h[next() % h.size()] ^= static_cast<char>(1 + next() % 255);
+    } else if (kind == 1) {
+      h.resize(next() % h.size());
+    } else {
+      h[next() % h.size()] = static_cast<char>(next());
+    }
+    Frames msg;
+    msg.header = zmq::message_t(h.data(), h.size());
+    size_t frames = kind == 3 ? next() % 4 : 2;
+    for (size_t f = 0; f < frames; ++f) {
+      const std::string& p = base.payload[f % base.payload.size()];
+      msg.payload.emplace_back(p.data(), p.size());
+    }
+    flatbuffers::FlatBufferBuilder reply;
+    uint64_t held_before = eb.Held("alpha");
+    Status s = links.HandlePeerMessage(a.keys.public_key, msg, reply);
+    if (s.ok()) {
+      ++accepted;
+      EXPECT_LE(eb.Held("alpha"), held_before + 1);
+    } else {
+      EXPECT_EQ(eb.Held("alpha"), held_before);
+    }
+  }
+  // Whatever was accepted was a well-formed delta from alpha; nothing else got in.
+  EXPECT_LE(eb.InboxSize("alpha"), static_cast<size_t>(accepted));
+  EXPECT_EQ(eb.InboxSize("gamma"), 0u);
+  Frames good;
+  good.header = zmq::message_t(header.data(), header.size());
+  for (const auto& p : base.payload) good.payload.emplace_back(p.data(), p.size());
+  flatbuffers::FlatBufferBuilder reply;
+  EXPECT_TRUE(links.HandlePeerMessage(a.keys.public_key, good, reply).ok());
+  EXPECT_FALSE(links.HandlePeerMessage(b.keys.public_key, good, reply).ok());  // unknown key
+}
+
 TEST(PeerSpecParse, ReadsKeyFileAndRejectsBadEntries) {
-  auto dir = std::filesystem::temp_directory_path() / ("isthmus-peerspec-" + std::to_string(::getpid()));
+  auto dir =
+      std::filesystem::temp_directory_path() / ("isthmus-peerspec-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   auto keys = GenerateKeyPair();
   ASSERT_TRUE(keys.ok());

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,10 +52,13 @@ class SiteProcess {
   ~SiteProcess() { Kill(SIGKILL); }
 
   // Writes the config: every site in `all` other than this one is a peer. `extra_sync` is
-  // added to the [sync] table (e.g. "outer_momentum = 0.9").
-  void Configure(const std::vector<SiteProcess*>& all, const std::string& extra_sync = "") {
+  // added to the [sync] table (e.g. "outer_momentum = 0.9"). Sites named in `unlisted`
+  // stay peers but their keys are left off security.peer_keys.
+  void Configure(const std::vector<SiteProcess*>& all, const std::string& extra_sync = "",
+                 const std::set<std::string>& unlisted = {}) {
     std::ofstream out(dir_ / "server.toml");
-    out << "[shard]\nid = \"" << site_ << "-0\"\ndata_dir = \"" << (dir_ / "data").string() << "\"\n"
+    out << "[shard]\nid = \"" << site_ << "-0\"\ndata_dir = \"" << (dir_ / "data").string()
+        << "\"\n"
         << "[listen]\nworker = \"" << Endpoint(worker_port_) << "\"\nadmin = \""
         << Endpoint(admin_port_) << "\"\npeer = \"" << Endpoint(peer_port_) << "\"\n"
         << "[security]\nsecret_key = \"" << (dir_ / "server.key").string() << "\"\n"
@@ -63,7 +67,7 @@ class SiteProcess {
         << "peer_keys = [";
     bool first = true;
     for (auto* s : all) {
-      if (s == this) continue;
+      if (s == this || unlisted.count(s->site_)) continue;
       out << (first ? "" : ", ") << "\"" << (s->dir_ / "server.pub").string() << "\"";
       first = false;
     }

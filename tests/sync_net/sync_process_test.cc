@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "tests/sync_net/site_process.h"
 
@@ -43,8 +44,9 @@ class SyncProcessTest : public ::testing::Test {
  protected:
   void SetUp() override {
     root_ = std::filesystem::temp_directory_path() /
-            ("isthmus-sync-" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) +
-             "-" + std::to_string(::getpid()));
+            ("isthmus-sync-" +
+             std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) + "-" +
+             std::to_string(::getpid()));
     std::filesystem::remove_all(root_);
   }
   void TearDown() override {
@@ -53,7 +55,9 @@ class SyncProcessTest : public ::testing::Test {
   }
 
   // `peered` false: every site runs the round protocol alone (no links).
-  void StartSites(const std::vector<std::string>& names, bool peered = true) {
+  // `unlisted`: beta leaves these sites' keys off its peer allowlist.
+  void StartSites(const std::vector<std::string>& names, bool peered = true,
+                  const std::set<std::string>& unlisted = {}) {
     for (const auto& n : names) sites_.push_back(std::make_unique<SiteProcess>(n, root_));
     std::vector<SiteProcess*> all;
     for (auto& s : sites_) all.push_back(s.get());
@@ -62,13 +66,15 @@ class SyncProcessTest : public ::testing::Test {
       std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
                                  s->dir() / "admins" / "shared.pub",
                                  std::filesystem::copy_options::overwrite_existing);
-      s->Configure(peered ? all : std::vector<SiteProcess*>{s.get()}, "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2");
+      s->Configure(peered ? all : std::vector<SiteProcess*>{s.get()},
+                   "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2",
+                   s->site() == "beta" ? unlisted : std::set<std::string>{});
       ASSERT_TRUE(s->Start());
     }
     auto w = Initial("w", kRows * kCols), b = Initial("b", kCols);
     for (auto& s : sites_) {
-      auto r = s->Admin()->CreateJob("job", "base", {{"w", {kRows, kCols}, w.data()},
-                                                     {"b", {kCols}, b.data()}});
+      auto r = s->Admin()->CreateJob("job", "base",
+                                     {{"w", {kRows, kCols}, w.data()}, {"b", {kCols}, b.data()}});
       ASSERT_TRUE(r.ok()) << s->site() << ": " << r.status().ToString();
     }
   }
@@ -79,7 +85,8 @@ class SyncProcessTest : public ::testing::Test {
     std::vector<TensorView> views;
     if (only.empty() || only == "w") views.push_back({"w", {kRows, kCols}, w.data()});
     if (only.empty() || only == "b") views.push_back({"b", {kCols}, b.data()});
-    std::string key = sites_[i]->site() + "-r" + std::to_string(round) + "-" + (only.empty() ? "all" : only);
+    std::string key =
+        sites_[i]->site() + "-r" + std::to_string(round) + "-" + (only.empty() ? "all" : only);
     auto r = sites_[i]->Worker()->Push("job", key, round, Tokens(i), views);
     ASSERT_TRUE(r.ok()) << sites_[i]->site() << " round " << round << ": " << r.status().ToString();
   }
@@ -93,7 +100,8 @@ class SyncProcessTest : public ::testing::Test {
     for (size_t i = 0; i < sites_.size(); ++i) {
       while (Committed(static_cast<int>(i)) < round) {
         ASSERT_LT(std::chrono::steady_clock::now(), end)
-            << sites_[i]->site() << " did not commit round " << round << "; log:\n" << sites_[i]->Log();
+            << sites_[i]->site() << " did not commit round " << round << "; log:\n"
+            << sites_[i]->Log();
         std::this_thread::sleep_for(50ms);
       }
     }
@@ -267,6 +275,33 @@ TEST_F(SyncProcessTest, SenderKilledAfterClosingARoundResendsAfterRestart) {
   WaitCommitted(3);
   ExpectIdenticalDigests(3);
   ExpectRecomputedState(3);
+}
+
+TEST_F(SyncProcessTest, PeerWithUnlistedKeyIsRefused) {
+  StartSites({"alpha", "beta"}, /*peered=*/true, /*unlisted=*/{"alpha"});
+  Push(0, 1), Push(1, 1);
+  // beta's deltas reach alpha; alpha's never reach beta, so beta cannot commit round 1.
+  auto end = std::chrono::steady_clock::now() + 10s;
+  PeerLinkReport link;
+  while (std::chrono::steady_clock::now() < end) {
+    auto st = sites_[0]->Admin()->SyncStatus();
+    ASSERT_TRUE(st.ok());
+    ASSERT_EQ(st->links.size(), 1u);
+    link = st->links[0];
+    if (link.auth_failures > 0) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_GT(link.auth_failures, 0u);
+  EXPECT_FALSE(link.connected);
+  EXPECT_NE(link.last_error.find("allowlist"), std::string::npos) << link.last_error;
+  EXPECT_EQ(link.deltas_acked, 0u);
+  std::this_thread::sleep_for(500ms);
+  auto held = sites_[1]->Admin()->SyncStatus();
+  ASSERT_TRUE(held.ok());
+  ASSERT_EQ(held->jobs.size(), 1u);
+  EXPECT_EQ(held->jobs[0].committed_round, 0u);
+  EXPECT_EQ(held->jobs[0].detail.find("alpha=1"), std::string::npos) << held->jobs[0].detail;
+  EXPECT_EQ(Committed(1), 0u);
 }
 
 TEST_F(SyncProcessTest, CtlSyncStatusPauseResumeAndVerify) {
