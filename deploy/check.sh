@@ -13,7 +13,7 @@ case "${1:-}" in
   *) echo "check.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
 esac
 build="${ISTHMUS_BUILD_DIR:-build}"
-jobs="${ISTHMUS_JOBS:-$(nproc)}"
+jobs="${ISTHMUS_JOBS:-$(getconf _NPROCESSORS_ONLN)}"
 
 deploy/install-deps.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo

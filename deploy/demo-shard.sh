@@ -12,7 +12,7 @@ out=demo-out/shard
 
 deploy/install-deps.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
-cmake --build "$build" --target isthmus-server isthmusctl -j"$(nproc)"
+cmake --build "$build" --target isthmus-server isthmusctl -j"$(getconf _NPROCESSORS_ONLN)"
 server="$build/server/isthmus-server"
 ctl="$build/server/isthmusctl"
 
