@@ -123,6 +123,8 @@ class SiteProcess {
   const std::string& site() const { return site_; }
   const std::filesystem::path& dir() const { return dir_; }
   std::string admin_endpoint() const { return Endpoint(admin_port_); }
+  std::string peer_endpoint() const { return Endpoint(peer_port_); }
+  const KeyPair& server_keys() const { return server_keys_; }
   static std::string Endpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }
 
  private:

@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "common/transport.h"
+#include "ops/codec.h"
 #include "tests/sync_net/site_process.h"
 
 namespace isthmus {
@@ -302,6 +304,92 @@ TEST_F(SyncProcessTest, PeerWithUnlistedKeyIsRefused) {
   EXPECT_EQ(held->jobs[0].committed_round, 0u);
   EXPECT_EQ(held->jobs[0].detail.find("alpha=1"), std::string::npos) << held->jobs[0].detail;
   EXPECT_EQ(Committed(1), 0u);
+}
+
+// Speaks to beta's peer socket with alpha's server key, as alpha's link would, and
+// returns the reply's status (and held round on an ack).
+Result<uint64_t> SendPeerDelta(const SiteProcess& from, const SiteProcess& to, uint64_t round,
+                               const std::vector<std::pair<std::string, std::string>>& bytes,
+                               const std::vector<std::vector<int64_t>>& shapes) {
+  zmq::context_t ctx;
+  zmq::socket_t sock(ctx, zmq::socket_type::dealer);
+  sock.set(zmq::sockopt::linger, 0);
+  sock.set(zmq::sockopt::rcvtimeo, 5000);
+  ConfigureCurveClient(sock, from.server_keys(), to.server_keys().public_key);
+  sock.connect(to.peer_endpoint());
+  flatbuffers::FlatBufferBuilder fbb;
+  std::vector<flatbuffers::Offset<wire::PeerTensor>> metas;
+  std::vector<PayloadRef> payload;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    metas.push_back(wire::CreatePeerTensor(fbb, fbb.CreateString(bytes[i].first),
+                                           fbb.CreateVector(shapes[i]), static_cast<uint32_t>(i),
+                                           bytes[i].second.size()));
+    payload.push_back({bytes[i].second.data(), bytes[i].second.size(), nullptr});
+  }
+  auto body = wire::CreatePeerDelta(fbb, fbb.CreateString("job"), fbb.CreateString(from.site()),
+                                    round, 1000, fbb.CreateVector(metas));
+  fbb.Finish(wire::CreateEnvelope(fbb, 1, 9, wire::Body::PeerDelta, body.Union()),
+             wire::EnvelopeIdentifier());
+  ISTHMUS_RETURN_IF_ERROR(SendMessage(sock, nullptr, fbb, payload));
+  auto reply = ReceiveMessage(sock, nullptr);
+  for (int i = 0; i < 100 && !reply.ok() && reply.status().code() == Code::kTimeout; ++i) {
+    std::this_thread::sleep_for(50ms);
+    reply = ReceiveMessage(sock, nullptr);
+  }
+  ISTHMUS_RETURN_IF_ERROR(reply.status());
+  ISTHMUS_ASSIGN_OR_RETURN(const wire::Envelope* env, ParseEnvelope(reply->header, WireLimits{}));
+  ISTHMUS_RETURN_IF_ERROR(ErrorFromEnvelope(env));
+  if (env->body_type() != wire::Body::PeerAck) return Status::Internal("not an ack");
+  return env->body_as_PeerAck()->held_round();
+}
+
+TEST_F(SyncProcessTest, MalformedOrReplayedDeltaLeavesTheRealEngineUnchanged) {
+  StartSites({"alpha", "beta"});
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  auto before = sites_[1]->Admin()->Digests("job", 0);
+  ASSERT_TRUE(before.ok());
+  auto dense = codec::ParsePipeline("dense");
+  ASSERT_TRUE(dense.ok());
+  std::vector<int64_t> wshape{kRows, kCols}, bshape{kCols};
+  auto enc = [&](int site, uint64_t round, const std::string& name) {
+    size_t n = name == "w" ? kRows * kCols : kCols;
+    auto d = Delta(site, round, name, n);
+    for (auto& v : d) v *= 3;  // not what alpha sent: must not be taken
+    return codec::Encode(
+        *dense, d,
+        name == "w" ? std::span<const int64_t>(wshape) : std::span<const int64_t>(bshape));
+  };
+  // Replay of round 1 with other contents: acknowledged, ignored.
+  auto replay = SendPeerDelta(*sites_[0], *sites_[1], 1,
+                              {{"w", enc(0, 1, "w")}, {"b", enc(0, 1, "b")}}, {wshape, bshape});
+  ASSERT_TRUE(replay.ok()) << replay.status().ToString();
+  EXPECT_GE(*replay, 1u);
+  // Malformed round-2 deltas: undecodable bytes, wrong shape, missing tensor, far ahead.
+  std::string garbage(64, '\x7f');
+  EXPECT_FALSE(SendPeerDelta(*sites_[0], *sites_[1], 2, {{"w", garbage}, {"b", enc(0, 2, "b")}},
+                             {wshape, bshape})
+                   .ok());
+  EXPECT_FALSE(SendPeerDelta(*sites_[0], *sites_[1], 2,
+                             {{"w", enc(0, 2, "b")}, {"b", enc(0, 2, "b")}}, {bshape, bshape})
+                   .ok());
+  EXPECT_FALSE(SendPeerDelta(*sites_[0], *sites_[1], 2, {{"b", enc(0, 2, "b")}}, {bshape}).ok());
+  EXPECT_FALSE(SendPeerDelta(*sites_[0], *sites_[1], 1000000,
+                             {{"w", enc(0, 2, "w")}, {"b", enc(0, 2, "b")}}, {wshape, bshape})
+                   .ok());
+  auto after = sites_[1]->Admin()->Digests("job", 0);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->committed_round, 1u);
+  EXPECT_EQ(after->digests, before->digests);
+  auto st = sites_[1]->Admin()->SyncStatus();
+  ASSERT_TRUE(st.ok());
+  EXPECT_NE(st->jobs[0].detail.find("alpha=1"), std::string::npos) << st->jobs[0].detail;
+  EXPECT_GE(st->links[0].refused, 4u);
+  // The real rounds still go through and match the recomputation.
+  Push(0, 2), Push(1, 2);
+  WaitCommitted(2);
+  ExpectIdenticalDigests(2);
+  ExpectRecomputedState(2);
 }
 
 TEST_F(SyncProcessTest, CtlSyncStatusPauseResumeAndVerify) {
