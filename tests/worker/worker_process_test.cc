@@ -312,5 +312,70 @@ TEST_F(WorkerWithShards, BaseHashMismatchIsRefusedWithExitCode3) {
   EXPECT_EQ(info->pushes, 0u);
 }
 
+// Bounded staleness: a synced shard whose only peer site never answers can commit
+// nothing, so a worker may run K = sync.max_rounds_ahead rounds ahead and must then wait
+// (and say so) instead of pushing more.
+TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
+  fs::path dir = fs::temp_directory_path() / ("isthmus-wan-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  WriteTokens(dir / "data" / "train.bin", 20000, 1);
+  WriteTokens(dir / "data" / "val.bin", 2000, 2);
+  ServerProcess shard;
+  auto peer_keys = GenerateKeyPair();
+  ASSERT_TRUE(peer_keys.ok());
+  ASSERT_TRUE(WriteKeyPairFiles((dir / "siteB").string(), *peer_keys, true).ok());
+  shard.set_extra("[sync]\nsite = \"A\"\nmax_rounds_ahead = 1\npeers = [\"B=tcp://127.0.0.1:" +
+                  std::to_string(testing::FreePort()) + "=" + (dir / "siteB.pub").string() + "\"]\n");
+  // listen.peer through the environment (the generated TOML already has a [listen] table).
+  std::string peer_ep = ServerProcess::Endpoint(testing::FreePort());
+  ::setenv("ISTHMUS_LISTEN_PEER", peer_ep.c_str(), 1);
+  bool started = shard.Start();
+  ::unsetenv("ISTHMUS_LISTEN_PEER");
+  ASSERT_TRUE(started);
+  std::string base_hash = RunInit(dir, 1, "base");
+  auto init = ReadSafetensorsTensors((dir / "base.init.safetensors").string());
+  ASSERT_TRUE(init.ok());
+  std::vector<TensorView> views;
+  for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
+  ASSERT_TRUE(shard.AdminClient()->CreateJob("j", base_hash, views).ok());
+
+  std::vector<std::string> args = {"train"};
+  args.insert(args.end(), kModelFlags.begin(), kModelFlags.end());
+  std::vector<std::string> more = {"--base", (dir / "base.safetensors").string(),
+                                   "--data", (dir / "data").string(),
+                                   "--job", "j",
+                                   "--server", ServerProcess::Endpoint(shard.worker_port()),
+                                   "--server-key", (shard.dir() / "server.pub").string(),
+                                   "--key", (shard.dir() / "workers" / "w0.key").string(),
+                                   "--max-rounds", "5", "--steps-per-round", "2",
+                                   "--batch-size", "2", "--log-every", "1"};
+  args.insert(args.end(), more.begin(), more.end());
+  WorkerProcess w;
+  w.Start(args, (dir / "w.log").string());
+  bool waiting = false;
+  for (int i = 0; i < 1200 && !waiting; ++i) {
+    waiting = w.Log().find("waiting for the WAN") != std::string::npos;
+    int st = 0;
+    if (!waiting && ::waitpid(w.pid, &st, WNOHANG) == w.pid) {
+      w.pid = -1;
+      break;  // exited: fails below with the log
+    }
+    if (!waiting) ::usleep(50'000);
+  }
+  ASSERT_TRUE(waiting) << w.Log();
+  ::usleep(1'000'000);  // it keeps waiting: no further round is pushed
+  auto hello = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash, "probe");
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->rounds.committed_round, 0u);
+  EXPECT_EQ(hello->rounds.local_round, 2u);  // K + 1 rounds closed, then the worker waits
+  EXPECT_EQ(hello->rounds.max_rounds_ahead, 1u);
+  int status = 0;
+  EXPECT_EQ(::waitpid(w.pid, &status, WNOHANG), 0) << "the worker should still be waiting";
+  EXPECT_NE(w.Log().find("limit 1"), std::string::npos) << w.Log();
+  w.Kill();
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace isthmus
