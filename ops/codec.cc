@@ -22,11 +22,13 @@ namespace {
 
 constexpr uint8_t kMagic0 = 'I';
 constexpr uint8_t kMagic1 = 'C';
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 2;
 constexpr uint8_t kKindPlain = 0;
 constexpr uint8_t kKindLowRank = 1;
-constexpr size_t kPlainHeader = 32;
-constexpr size_t kLowRankHeader = 48;
+constexpr size_t kFixedHeader = 5;  // magic (2), version, kind, flags; varints follow
+// Plain flags byte: bits 0-1 sparsifier, bits 2-3 width code, bit 4 body is zstd-compressed.
+constexpr uint8_t kFlagZstd = 1u << 4;
+constexpr uint8_t kFlagsReserved = 0xe0;
 constexpr uint32_t kMaxBlock = 1u << 20;
 constexpr uint32_t kMaxRank = 256;
 constexpr float kClamp = 1e30f;
@@ -37,9 +39,6 @@ constexpr uint64_t kLowRankSeed = 0x6973746d75730001ull;  // "istmus" + 1
 void PutU8(std::string* s, uint8_t v) { s->push_back(static_cast<char>(v)); }
 void PutU32(std::string* s, uint32_t v) {
   for (int i = 0; i < 4; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-}
-void PutU64(std::string* s, uint64_t v) {
-  for (int i = 0; i < 8; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 void PutF32(std::string* s, float v) { PutU32(s, std::bit_cast<uint32_t>(v)); }
 void PutVarint(std::string* s, uint64_t v) {
@@ -53,7 +52,6 @@ void PutVarint(std::string* s, uint64_t v) {
 uint32_t LoadU32(const uint8_t* p) {
   return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
 }
-uint64_t LoadU64(const uint8_t* p) { return uint64_t{LoadU32(p)} | uint64_t{LoadU32(p + 4)} << 32; }
 float LoadF32(const uint8_t* p) { return std::bit_cast<float>(LoadU32(p)); }
 
 // A bounds-checked reader over untrusted bytes.
@@ -94,6 +92,17 @@ Status Bad(const std::string& what) { return Status::InvalidArgument("codec: " +
 // ---- plain pipeline -------------------------------------------------------------------
 
 uint32_t QMax(uint32_t bits) { return (1u << (bits - 1)) - 1; }  // 127, 7, 1
+
+constexpr uint32_t kWidths[4] = {32, 8, 4, 2};  // indexed by the flags' 2-bit width code
+uint8_t WidthCode(uint32_t bits) { return bits == 8 ? 1 : bits == 4 ? 2 : bits == 2 ? 3 : 0; }
+
+void PutFixedHeader(std::string* s, uint8_t kind, uint8_t flags) {
+  PutU8(s, kMagic0);
+  PutU8(s, kMagic1);
+  PutU8(s, kVersion);
+  PutU8(s, kind);
+  PutU8(s, flags);
+}
 
 uint64_t ValuesBytes(uint64_t nnz, uint32_t bits, uint32_t qblock) {
   if (bits == 32) return 4 * nnz;
@@ -220,73 +229,78 @@ std::string EncodePlain(const Pipeline& p, const std::vector<float>& v) {
   }
   PutValues(&body, sparse ? vals : v, bits, qblock);
 
+  std::string header;
+  const bool block_sparse = p.sparsifier == Sparsifier::kBlockTopK;
+  uint8_t flags = static_cast<uint8_t>(static_cast<uint8_t>(p.sparsifier) | WidthCode(bits) << 2);
+  PutVarint(&header, numel);
+  if (sparse) PutVarint(&header, nnz);
+  if (bits != 32) PutVarint(&header, qblock);
+  if (block_sparse) PutVarint(&header, p.sparse_block);
+
   std::string out;
-  out.reserve(kPlainHeader + 8 + body.size());
-  PutU8(&out, kMagic0);
-  PutU8(&out, kMagic1);
-  PutU8(&out, kVersion);
-  PutU8(&out, kKindPlain);
-  PutU8(&out, static_cast<uint8_t>(p.sparsifier));
-  PutU8(&out, static_cast<uint8_t>(bits));
-  PutU8(&out, p.zstd ? 1 : 0);
-  PutU8(&out, 0);
-  PutU64(&out, numel);
-  PutU64(&out, nnz);
-  PutU32(&out, qblock);
-  PutU32(&out, p.sparsifier == Sparsifier::kBlockTopK ? p.sparse_block : 0);
-  if (!p.zstd) {
-    out += body;
-    return out;
+  if (p.zstd && !body.empty()) {
+    // zstd is tried and kept only if frame plus its length varint beat the raw body: on
+    // small tensors the frame header often costs more than entropy coding saves.
+    std::string frame(ZSTD_compressBound(body.size()), '\0');
+    // One context per thread, reused: creating one per call dominates small tensors' cost.
+    thread_local std::unique_ptr<ZSTD_CCtx, size_t (*)(ZSTD_CCtx*)> cctx(ZSTD_createCCtx(),
+                                                                         ZSTD_freeCCtx);
+    const size_t z = ZSTD_compressCCtx(cctx.get(), frame.data(), frame.size(), body.data(),
+                                       body.size(), p.zstd_level);
+    assert(!ZSTD_isError(z));  // only fails on a too-small destination, which the bound rules out
+    frame.resize(z);
+    std::string raw_len;
+    PutVarint(&raw_len, body.size());
+    if (raw_len.size() + frame.size() < body.size()) {
+      out.reserve(kFixedHeader + header.size() + raw_len.size() + frame.size());
+      PutFixedHeader(&out, kKindPlain, flags | kFlagZstd);
+      out += header;
+      out += raw_len;
+      out += frame;
+      return out;
+    }
   }
-  PutU64(&out, body.size());
-  const size_t cap = ZSTD_compressBound(body.size());
-  const size_t at = out.size();
-  out.resize(at + cap);
-  // One context per thread, reused: creating one per call dominates small tensors' cost.
-  thread_local std::unique_ptr<ZSTD_CCtx, size_t (*)(ZSTD_CCtx*)> cctx(ZSTD_createCCtx(),
-                                                                       ZSTD_freeCCtx);
-  const size_t z =
-      ZSTD_compressCCtx(cctx.get(), out.data() + at, cap, body.data(), body.size(), p.zstd_level);
-  assert(!ZSTD_isError(z));  // only fails on a too-small destination, which cap rules out
-  out.resize(at + z);
+  out.reserve(kFixedHeader + header.size() + body.size());
+  PutFixedHeader(&out, kKindPlain, flags);
+  out += header;
+  out += body;
   return out;
 }
 
 // Decodes a plain (kind 0) encoding into `out` (already checked: numel == out.size()).
-// Writes `out` only after everything validated.
-Status DecodePlain(const uint8_t* data, size_t size, std::span<float> out) {
+// `hdr` stands after the numel varint. Writes `out` only after everything validated.
+Status DecodePlain(uint8_t flags, Reader hdr, std::span<float> out) {
   const uint64_t numel = out.size();
-  const uint8_t sparsifier = data[4];
-  const uint8_t bits = data[5];
-  const uint8_t zstd = data[6];
-  const uint64_t nnz = LoadU64(data + 16);
-  const uint32_t qblock = LoadU32(data + 24);
-  const uint32_t sparse_block = LoadU32(data + 28);
+  const uint8_t sparsifier = flags & 3;
+  const uint32_t bits = kWidths[(flags >> 2) & 3];
+  const bool zstd = flags & kFlagZstd;
   if (sparsifier > 2) return Bad("unknown sparsifier " + std::to_string(sparsifier));
-  if (bits != 32 && bits != 8 && bits != 4 && bits != 2)
-    return Bad("unsupported bit width " + std::to_string(bits));
-  if (zstd > 1 || data[7] != 0) return Bad("bad flags");
-  if (bits == 32 ? qblock != 0 : (qblock == 0 || qblock > kMaxBlock))
-    return Bad("bad quantisation block " + std::to_string(qblock));
-  if (sparsifier == 2 ? (sparse_block == 0 || sparse_block > kMaxBlock) : sparse_block != 0)
-    return Bad("bad sparsifier block " + std::to_string(sparse_block));
+  if (flags & kFlagsReserved) return Bad("bad flags");
   const bool sparse = sparsifier != 0;
-  if (sparse ? nnz > numel : nnz != numel)
+  uint64_t nnz = numel, qblock = 0, sparse_block = 0;
+  if (sparse && !hdr.Varint(&nnz)) return Bad("bad nonzero count varint");
+  if (bits != 32 && !hdr.Varint(&qblock)) return Bad("bad quantisation block varint");
+  if (sparsifier == 2 && !hdr.Varint(&sparse_block)) return Bad("bad sparsifier block varint");
+  if (bits != 32 && (qblock == 0 || qblock > kMaxBlock))
+    return Bad("bad quantisation block " + std::to_string(qblock));
+  if (sparsifier == 2 && (sparse_block == 0 || sparse_block > kMaxBlock))
+    return Bad("bad sparsifier block " + std::to_string(sparse_block));
+  if (nnz > numel)
     return Bad("bad nonzero count " + std::to_string(nnz) + " of " + std::to_string(numel));
 
-  const uint64_t value_bytes = ValuesBytes(nnz, bits, qblock);
+  const uint64_t value_bytes = ValuesBytes(nnz, bits, static_cast<uint32_t>(qblock));
   const uint64_t min_index_bytes = sparse ? nnz : 0;
   const uint64_t max_index_bytes = sparse ? 10 * nnz : 0;
-  const uint8_t* body = data + kPlainHeader;
-  size_t body_size = size - kPlainHeader;
+  const uint8_t* body = hdr.here();
+  size_t body_size = hdr.remaining();
   std::string inflated;
   if (zstd) {
-    if (body_size < 8) return Bad("truncated zstd section");
-    const uint64_t raw = LoadU64(body);
+    uint64_t raw = 0;
+    if (!hdr.Varint(&raw)) return Bad("bad uncompressed size varint");
     if (raw < min_index_bytes + value_bytes || raw > max_index_bytes + value_bytes)
       return Bad("implausible uncompressed size " + std::to_string(raw));
-    const uint8_t* frame = body + 8;
-    const size_t frame_size = body_size - 8;
+    const uint8_t* frame = hdr.here();
+    const size_t frame_size = hdr.remaining();
     const unsigned long long content = ZSTD_getFrameContentSize(frame, frame_size);
     if (content != raw) return Bad("zstd frame size does not match header");
     const size_t compressed = ZSTD_findFrameCompressedSize(frame, frame_size);
@@ -413,8 +427,7 @@ bool EncodeLowRank(const Pipeline& p, const std::vector<float>& m, uint64_t rows
   const std::string p_bytes = EncodePlain(fp, pf);
   // Q = M^T P_hat with P_hat what the receiver decodes, so Q absorbs P's quantisation error.
   std::vector<float> p_hat(pf.size());
-  if (!DecodePlain(reinterpret_cast<const uint8_t*>(p_bytes.data()), p_bytes.size(), p_hat).ok())
-    return false;
+  if (!Decode(p_bytes, p_hat).ok()) return false;
   std::vector<double> qm(cols * r, 0.0);
   for (uint64_t i = 0; i < rows; ++i)
     for (uint64_t j = 0; j < cols; ++j) {
@@ -429,17 +442,11 @@ bool EncodeLowRank(const Pipeline& p, const std::vector<float>& m, uint64_t rows
   const std::string q_bytes = EncodePlain(fp, qf);
 
   out->clear();
-  PutU8(out, kMagic0);
-  PutU8(out, kMagic1);
-  PutU8(out, kVersion);
-  PutU8(out, kKindLowRank);
-  PutU32(out, 0);
-  PutU64(out, rows * cols);
-  PutU64(out, rows);
-  PutU64(out, cols);
-  PutU32(out, static_cast<uint32_t>(r));
-  PutU32(out, 0);
-  PutU64(out, p_bytes.size());
+  PutFixedHeader(out, kKindLowRank, 0);
+  PutVarint(out, rows * cols);
+  PutVarint(out, rows);
+  PutVarint(out, r);
+  PutVarint(out, p_bytes.size());
   *out += p_bytes;
   *out += q_bytes;
   return true;
@@ -447,23 +454,23 @@ bool EncodeLowRank(const Pipeline& p, const std::vector<float>& m, uint64_t rows
 
 Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank);
 
-Status DecodeLowRank(const uint8_t* data, size_t size, std::span<float> out) {
-  if (size < kLowRankHeader) return Bad("truncated low-rank header");
-  if (LoadU32(data + 4) != 0 || LoadU32(data + 36) != 0) return Bad("bad low-rank flags");
-  const uint64_t rows = LoadU64(data + 16), cols = LoadU64(data + 24);
-  const uint32_t rank = LoadU32(data + 32);
-  const uint64_t len_p = LoadU64(data + 40);
+// `hdr` stands after the numel varint (already checked: numel == out.size()).
+Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out) {
+  if (flags != 0) return Bad("bad low-rank flags");
+  uint64_t rows = 0, rank = 0, len_p = 0;
+  if (!hdr.Varint(&rows) || !hdr.Varint(&rank) || !hdr.Varint(&len_p))
+    return Bad("truncated low-rank header");
   const uint64_t numel = out.size();
-  if (rows == 0 || cols == 0 || cols > numel / rows || rows * cols != numel)
-    return Bad("low-rank shape does not match the element count");
-  if (rank == 0 || rank > kMaxRank || uint64_t{rank} * (rows + cols) * 2 > numel)
+  if (rows == 0 || numel % rows != 0) return Bad("low-rank shape does not match the element count");
+  const uint64_t cols = numel / rows;
+  if (rank == 0 || rank > kMaxRank || rank * (rows + cols) * 2 > numel)
     return Bad("bad low-rank rank " + std::to_string(rank));
-  if (len_p > size - kLowRankHeader) return Bad("low-rank factor length out of range");
-  const char* base = reinterpret_cast<const char*>(data);
+  if (len_p > hdr.remaining()) return Bad("low-rank factor length out of range");
+  const char* base = reinterpret_cast<const char*>(hdr.here());
   std::vector<float> pf(rows * rank), qf(cols * rank);
-  ISTHMUS_RETURN_IF_ERROR(DecodeAny(std::string_view(base + kLowRankHeader, len_p), pf, false));
-  ISTHMUS_RETURN_IF_ERROR(DecodeAny(
-      std::string_view(base + kLowRankHeader + len_p, size - kLowRankHeader - len_p), qf, false));
+  ISTHMUS_RETURN_IF_ERROR(DecodeAny(std::string_view(base, len_p), pf, false));
+  ISTHMUS_RETURN_IF_ERROR(
+      DecodeAny(std::string_view(base + len_p, hdr.remaining() - len_p), qf, false));
   // M = P Q^T in a fixed order (double accumulation, k ascending).
   std::vector<float> m(numel);
   for (uint64_t i = 0; i < rows; ++i)
@@ -482,15 +489,19 @@ Status DecodeLowRank(const uint8_t* data, size_t size, std::span<float> out) {
 Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank) {
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   const size_t size = bytes.size();
-  if (size < kPlainHeader) return Bad("truncated header (" + std::to_string(size) + " bytes)");
+  if (size < kFixedHeader) return Bad("truncated header (" + std::to_string(size) + " bytes)");
   if (data[0] != kMagic0 || data[1] != kMagic1) return Bad("bad magic");
-  if (data[2] != kVersion) return Bad("unsupported version " + std::to_string(data[2]));
-  const uint64_t numel = LoadU64(data + 8);
+  if (data[2] != kVersion)
+    return Bad("unsupported format version " + std::to_string(data[2]) + " (this decoder reads " +
+               std::to_string(kVersion) + " only; upgrade the sender)");
+  Reader hdr(data + kFixedHeader, size - kFixedHeader);
+  uint64_t numel = 0;
+  if (!hdr.Varint(&numel)) return Bad("bad element count varint");
   if (numel != out.size())
     return Bad("encoded " + std::to_string(numel) + " elements, expected " +
                std::to_string(out.size()));
-  if (data[3] == kKindPlain) return DecodePlain(data, size, out);
-  if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data, size, out);
+  if (data[3] == kKindPlain) return DecodePlain(data[4], hdr, out);
+  if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data[4], hdr, out);
   return Bad("unknown encoding kind " + std::to_string(data[3]));
 }
 

@@ -30,7 +30,7 @@ struct Pipeline {
   uint32_t sparse_block = 0;  // block length of kBlockTopK, else 0
   uint32_t bits = 32;         // 32 (fp32), 8, 4 or 2 (symmetric, per-block fp32 scales)
   uint32_t quant_block = 64;  // elements per quantisation scale
-  bool zstd = false;
+  bool zstd = false;          // try zstd on the body; kept only where it shrinks it
   int zstd_level = 3;
 
   bool operator==(const Pipeline&) const = default;

@@ -117,8 +117,16 @@ std::string ToString(const Pipeline& p) {
   return s;
 }
 
+namespace {
+uint64_t VarintBytes(uint64_t v) {
+  uint64_t n = 1;
+  for (; v >= 0x80; v >>= 7) ++n;
+  return n;
+}
+}  // namespace
+
 uint64_t EstimateBytes(const Pipeline& p, uint64_t numel) {
-  constexpr uint64_t kHeader = 32;
+  constexpr uint64_t kFixedHeader = 5;  // magic, version, kind, flags
   uint64_t nnz = numel;
   uint64_t index_bytes = 0;
   if (p.sparsifier != Sparsifier::kNone && numel > 0) {
@@ -144,9 +152,12 @@ uint64_t EstimateBytes(const Pipeline& p, uint64_t numel) {
   if (p.bits != 32) {
     value_bytes = 4 * ((nnz + p.quant_block - 1) / p.quant_block) + (nnz * p.bits + 7) / 8;
   }
-  uint64_t total = kHeader + index_bytes + value_bytes;
-  if (p.zstd) total += 8 + 16;  // raw length + frame header/checksum overhead
-  return total;
+  // The varint header fields; zstd adds nothing because the encoder drops it unless it shrinks.
+  uint64_t header = kFixedHeader + VarintBytes(numel);
+  if (p.sparsifier != Sparsifier::kNone) header += VarintBytes(nnz);
+  if (p.bits != 32) header += VarintBytes(p.quant_block);
+  if (p.sparsifier == Sparsifier::kBlockTopK) header += VarintBytes(p.sparse_block);
+  return header + index_bytes + value_bytes;
 }
 
 const std::vector<Pipeline>& AdaptiveLadder() {

@@ -81,14 +81,13 @@ TEST(CodecFuzz, MutatedEncodingsNeverCrash) {
           case 3:  // append junk
             m.push_back(static_cast<char>(rng()));
             break;
-          case 4: {  // rewrite a header word (sizes, counts, blocks) with an extreme value
-            const size_t field = 8 + 4 * (rng() % 10);
-            if (field + 4 <= m.size()) {
-              const uint32_t vals[] = {0u, 1u, 0xffffffffu, 0x80000000u,
-                                       static_cast<uint32_t>(rng())};
-              uint32_t v = vals[rng() % 5];
-              std::memcpy(&m[field], &v, 4);
-            }
+          case 4: {  // rewrite the varint header (sizes, counts, blocks) with extreme bytes:
+                     // overlong, unterminated, 64-bit overflowing, zero, random
+            const size_t field = 5 + rng() % 8;
+            const uint8_t vals[] = {0x00, 0x01, 0x7f, 0x80, 0xff};
+            const size_t len = 1 + rng() % 11;
+            for (size_t b = 0; b < len && field + b < m.size(); ++b)
+              m[field + b] = static_cast<char>(rng() % 2 ? vals[rng() % 5] : rng());
             break;
           }
           default:  // rewrite a byte near the start (flags, kinds, bits)
@@ -107,7 +106,7 @@ TEST(CodecFuzz, MutatedEncodingsNeverCrash) {
     if (m.size() >= 2 && iter % 2 == 0) {
       m[0] = 'I';
       m[1] = 'C';
-      if (m.size() >= 3) m[2] = 1;
+      if (m.size() >= 3) m[2] = 2;
     }
     CheckDecode(m, rng() % 64, &accepted, &refused);
   }
@@ -119,9 +118,13 @@ TEST(CodecFuzz, MutatedEncodingsNeverCrash) {
 TEST(CodecFuzz, RefusesZstdBomb) {
   std::vector<float> x(1000, 0.0f);
   std::string valid = Encode(ParsePipeline("int8+zstd").value(), x, std::vector<int64_t>{1000});
-  std::string m = valid;
-  const uint64_t huge = 1ull << 40;
-  std::memcpy(&m[32], &huge, 8);  // the declared uncompressed length
+  // Header: 5 fixed bytes, numel varint (2 bytes), quantisation block varint (1), then the
+  // declared uncompressed length, replaced here by 2^40.
+  ASSERT_EQ(static_cast<uint8_t>(valid[4]) & 0x10, 0x10) << "zstd kept for all-zero input";
+  size_t end = 8;
+  while (static_cast<uint8_t>(valid[end]) & 0x80) ++end;
+  const char kHuge[] = {'\x80', '\x80', '\x80', '\x80', '\x80', '\x20'};  // varint 2^40
+  std::string m = valid.substr(0, 8) + std::string(kHuge, 6) + valid.substr(end + 1);
   std::vector<float> out(1000, 1.0f);
   Status st = Decode(m, out);
   EXPECT_EQ(st.code(), Code::kInvalidArgument);

@@ -252,12 +252,12 @@ TEST(CodecDeterminism, SameInputSameBytes) {
                         "blocktopk:0.1:128+int2+zstd", "lowrank:4+int8+zstd"}) {
     EXPECT_EQ(Encode(P(t), x, shape), Encode(P(t), x, shape)) << t;
   }
-  // Golden hashes (computed once by this implementation on x86-64).
-  EXPECT_EQ(Fnv(Encode(P("int8"), x, shape)), 9251264920908555274ull) << "int8";
-  EXPECT_EQ(Fnv(Encode(P("topk:0.05+int4"), x, shape)), 5496473512524736798ull) << "topk int4";
-  EXPECT_EQ(Fnv(Encode(P("blocktopk:0.1:128+int2"), x, shape)), 3450026584953637852ull)
+  // Golden hashes of format version 2 (computed once by this implementation on x86-64).
+  EXPECT_EQ(Fnv(Encode(P("int8"), x, shape)), 13645659509286084637ull) << "int8";
+  EXPECT_EQ(Fnv(Encode(P("topk:0.05+int4"), x, shape)), 1240958532269505570ull) << "topk int4";
+  EXPECT_EQ(Fnv(Encode(P("blocktopk:0.1:128+int2"), x, shape)), 14255745357322333322ull)
       << "blocktopk int2";
-  EXPECT_EQ(Fnv(Encode(P("lowrank:4"), x, shape)), 677222537897892110ull) << "lowrank";
+  EXPECT_EQ(Fnv(Encode(P("lowrank:4"), x, shape)), 6014824146119675286ull) << "lowrank";
   // And decoding is bitwise pinned too (the low-rank product is the float-order sensitive one).
   std::vector<float> y(x.size());
   ASSERT_TRUE(Decode(Encode(P("lowrank:4+int8"), x, shape), y).ok());
@@ -306,6 +306,69 @@ TEST(CodecFeedback, DefaultPipelineIsFiftyTimesSmaller) {
   std::vector<float> x = Gaussian(768 * 16, 12);
   std::string bytes = Encode(P(kDefaultPipeline), x, std::vector<int64_t>{768, 16});
   EXPECT_GE(x.size() * 4.0 / bytes.size(), 50.0) << bytes.size() << " bytes";
+}
+
+// The round deltas of a small LoRA model are 1024-4096-element tensors: the fixed overhead
+// (compact header, zstd only where it pays) must leave the default >= 50x there too.
+TEST(CodecFormat, SmallTensorsStayFiftyTimesSmaller) {
+  for (size_t n : {1024u, 2048u, 4096u}) {
+    std::vector<float> x = Gaussian(n, 20 + n);
+    std::string bytes =
+        Encode(P(kDefaultPipeline), x, std::vector<int64_t>{static_cast<int64_t>(n)});
+    EXPECT_GE(n * 4.0 / bytes.size(), 50.0) << n << ": " << bytes.size() << " bytes";
+  }
+}
+
+TEST(CodecFormat, ZstdKeptOnlyWhereItShrinks) {
+  // Random int8 codes of 64 elements: zstd cannot win, the body goes raw (flag bit 4 clear).
+  std::vector<float> x = Gaussian(64, 21);
+  std::string with = Encode(P("int8+zstd"), x, std::vector<int64_t>{64});
+  EXPECT_EQ(with, Encode(P("int8"), x, std::vector<int64_t>{64}));
+  EXPECT_EQ(static_cast<uint8_t>(with[4]) & 0x10, 0);
+  // Zeros compress: the flag is set, and the result is smaller and decodes.
+  std::vector<float> z(4096, 0.0f);
+  std::string zb = Encode(P("int8+zstd"), z, std::vector<int64_t>{4096});
+  EXPECT_EQ(static_cast<uint8_t>(zb[4]) & 0x10, 0x10);
+  EXPECT_LT(zb.size(), Encode(P("int8"), z, std::vector<int64_t>{4096}).size());
+  std::vector<float> y(4096, 5.0f);
+  ASSERT_TRUE(Decode(zb, y).ok());
+  EXPECT_EQ(y, z);
+}
+
+TEST(CodecFormat, HeaderIsCompact) {
+  // 5 fixed bytes + numel (2) + nnz (1) + quantisation block (1) for topk on 1024 elements.
+  std::vector<float> x = Gaussian(1024, 22);
+  std::string b = Encode(P("topk:0.05+int2"), x, std::vector<int64_t>{1024});
+  EXPECT_EQ(b[2], 2);
+  const size_t nnz = 52, index_min = nnz, values = 4 * 1 + (nnz * 2 + 7) / 8;
+  EXPECT_GE(b.size(), 9 + index_min + values);
+  EXPECT_LE(b.size(), 9 + 2 * nnz + values);
+}
+
+TEST(CodecFormat, RefusesVersionOneAndBadVarints) {
+  std::vector<float> x = Gaussian(300, 23);
+  std::string b = Encode(P("topk:0.1+int4"), x, std::vector<int64_t>{300});
+  std::vector<float> out(300, 2.0f);
+  std::string v1 = b;
+  v1[2] = 1;
+  Status st = Decode(v1, out);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("version 1"), std::string::npos) << st.ToString();
+  // numel varint that never terminates / overflows 64 bits / is overlong.
+  std::string h = b.substr(0, 5);
+  EXPECT_FALSE(Decode(h + std::string(12, '\xff'), out).ok());
+  EXPECT_FALSE(Decode(h + std::string(9, '\xff') + '\x02', out).ok());
+  EXPECT_FALSE(Decode(h + std::string("\xac\x82\x00", 3) + b.substr(7), out).ok());
+  // nnz above numel.
+  std::string big = h + b.substr(5, 2) + std::string("\xad\x02", 2) + b.substr(8);
+  st = Decode(big, out);
+  EXPECT_NE(st.message().find("nonzero count"), std::string::npos) << st.ToString();
+  // Reserved flag bits.
+  std::string fl = b;
+  fl[4] = static_cast<char>(fl[4] | 0x80);
+  EXPECT_FALSE(Decode(fl, out).ok());
+  for (float f : out) EXPECT_EQ(f, 2.0f);
+  ASSERT_TRUE(Decode(b, out).ok());
 }
 
 TEST(CodecAdaptive, LadderIsOrderedAndBudgetRespected) {
