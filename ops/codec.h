@@ -37,7 +37,7 @@ struct Pipeline {
 };
 
 // The pipeline used when a configuration names none. Chosen by bench/codec (figures in
-// docs/CODECS.md): about 64x smaller than dense fp32 on LoRA deltas, and with error feedback
+// docs/CODECS.md): about 68x smaller than dense fp32 on LoRA deltas, and with error feedback
 // the sum of decoded deltas over 50 rounds is as close to the true sum as topk:0.05+int4's.
 inline constexpr std::string_view kDefaultPipeline = "topk:0.05+int2+zstd";
 
