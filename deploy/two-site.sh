@@ -18,6 +18,9 @@
 #   --train "FLAGS"        extra isthmus-worker train flags (lr, batch size, ...)
 #   --outer-lr X --outer-momentum X   the outer optimizer (default 1.0 / 0.0)
 #   --shards S --ranks R   per site (default 2 / 2)
+#   --wan-rate RATE        shape the WAN: site B runs in its own network namespace joined
+#                          to site A by a veth pair with a tc tbf qdisc of RATE (e.g.
+#                          500kbit) on both ends; needs root, ip and tc (iproute2)
 #   --summary FILE         write the final figures as JSON here
 # Environment: ISTHMUS_BUILD_DIR (default build); binaries must be built.
 set -euo pipefail
@@ -30,7 +33,7 @@ worker="$build/worker/isthmus-worker"
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive=false rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
-shards=2 ranks=2 summary="" base="" data_a="" data_b=""
+shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -46,10 +49,11 @@ while [ $# -gt 0 ]; do
     --shards) shards="$2"; shift 2 ;;
     --ranks) ranks="$2"; shift 2 ;;
     --summary) summary="$2"; shift 2 ;;
+    --wan-rate) wan_rate="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
-    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -68,8 +72,43 @@ train_flags=($train_extra)
 rm -rf "$out"
 mkdir -p "$out/keys/admins" "$out/logs"
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done; }
+ns="" veth=""
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  if [ -n "$ns" ]; then
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip link del "$veth" 2>/dev/null || true
+    ip netns del "$ns" 2>/dev/null || true
+  fi
+}
 trap cleanup EXIT
+# Where each site's sockets live: both on loopback, or with --wan-rate site A on the host
+# side of a shaped veth pair and site B inside its own network namespace.
+declare -A host_of=([A]=127.0.0.1 [B]=127.0.0.1) admin_host_of=([A]=127.0.0.1 [B]=127.0.0.1)
+if [ -n "$wan_rate" ]; then
+  if [ "$(id -u)" -ne 0 ] || ! command -v tc >/dev/null; then
+    echo "two-site.sh: --wan-rate needs root and tc/ip (iproute2)" >&2; exit 2
+  fi
+  net=$(( $$ % 200 + 20 ))
+  ns="isthmus-wan-$$" veth="isw$$a"
+  ip netns add "$ns"
+  ip netns exec "$ns" ip link set lo up
+  ip link add "$veth" type veth peer name "isw$$b"
+  ip link set "isw$$b" netns "$ns"
+  ip addr add "10.77.$net.1/24" dev "$veth" && ip link set "$veth" up
+  ip netns exec "$ns" ip addr add "10.77.$net.2/24" dev "isw$$b"
+  ip netns exec "$ns" ip link set "isw$$b" up
+  tc qdisc add dev "$veth" root tbf rate "$wan_rate" burst 32kbit latency 2s
+  ip netns exec "$ns" tc qdisc add dev "isw$$b" root tbf rate "$wan_rate" burst 32kbit latency 2s
+  host_of=([A]="10.77.$net.1" [B]="10.77.$net.2") admin_host_of=([A]=127.0.0.1 [B]="10.77.$net.2")
+fi
+# Command prefix that runs a process where SITE's processes live. Used as
+# "${prefix[@]}" CMD ... &, so $! is the process itself (ip netns exec execs it).
+declare -A netns_of=([A]="" [B]="$ns")
+site_prefix() {  # fills the array `prefix` for site $1
+  prefix=()
+  if [ -n "${netns_of[$1]}" ]; then prefix=(ip netns exec "${netns_of[$1]}"); fi
+}
 free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 quiet() { "$@" >/dev/null; }
 
@@ -95,7 +134,7 @@ for s in "${sites[@]}"; do
     peers=""
     for t in "${sites[@]}"; do
       [ "$t" = "$s" ] && continue
-      peers+="\"$t=tcp://127.0.0.1:${pport[$t-$i]}=$out/keys/$t-$i.pub\", "
+      peers+="\"$t=tcp://${host_of[$t]}:${pport[$t-$i]}=$out/keys/$t-$i.pub\", "
     done
     cat > "$out/$s-$i.toml" <<TOML
 [shard]
@@ -103,8 +142,8 @@ id = "$s-$i"
 data_dir = "$out/$s-$i"
 [listen]
 worker = "tcp://127.0.0.1:${wport[$s-$i]}"
-admin = "tcp://127.0.0.1:${aport[$s-$i]}"
-peer = "tcp://127.0.0.1:${pport[$s-$i]}"
+admin = "tcp://${admin_host_of[$s]}:${aport[$s-$i]}"
+peer = "tcp://${host_of[$s]}:${pport[$s-$i]}"
 [security]
 secret_key = "$out/keys/$s-$i.key"
 worker_keys = ["$out/keys/workers-$s"]
@@ -118,13 +157,14 @@ adaptive = $adaptive
 outer_lr = $outer_lr
 outer_momentum = $outer_mom
 TOML
-    "$server" --config "$out/$s-$i.toml" 2> "$out/logs/shard-$s-$i.log" &
+    site_prefix "$s"
+    "${prefix[@]}" "$server" --config "$out/$s-$i.toml" 2> "$out/logs/shard-$s-$i.log" &
     pids+=($!)
   done
 done
 admin_args() {  # --server/--server-key pairs of site $1's admin sockets
   for ((i = 0; i < shards; i++)); do
-    printf -- '--server\ntcp://127.0.0.1:%s\n--server-key\n%s\n' "${aport[$1-$i]}" "$out/keys/$1-$i.pub"
+    printf -- '--server\ntcp://%s:%s\n--server-key\n%s\n' "${admin_host_of[$1]}" "${aport[$1-$i]}" "$out/keys/$1-$i.pub"
   done
 }
 worker_args() {  # the same for the worker sockets
@@ -145,14 +185,16 @@ for s in "${sites[@]}"; do
 done
 
 echo "two-site: sites A and B, $shards shards and $ranks ranks each, $rounds rounds" \
+     "$([ -n "$wan_rate" ] && echo "WAN shaped to $wan_rate")" \
      "(H = ${steps_of[A]} at A, ${steps_of[B]} at B), codec '${codec:-default}'$([ "$adaptive" = true ] && echo ', adaptive')"
 start=$(date +%s)
 wpids=()
 for s in "${sites[@]}"; do
   mapfile -t w < <(worker_args "$s")
   mkdir -p "$out/rendezvous-$s"
+  site_prefix "$s"
   for ((r = 0; r < ranks; r++)); do
-    "$worker" train "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+    "${prefix[@]}" "$worker" train "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
       --key "$out/keys/workers-$s/worker.key" --client-name "$s" --data "${data_of[$s]}" \
       --rank "$r" --world-size "$ranks" --rendezvous "file:$out/rendezvous-$s" \
       --steps-per-round "${steps_of[$s]}" --max-rounds "$rounds" \
@@ -190,8 +232,9 @@ done
 # Evaluate each site's committed model on both sites' validation data.
 for s in "${sites[@]}"; do
   mapfile -t w < <(worker_args "$s")
+  site_prefix "$s"
   for d in "${sites[@]}"; do
-    "$worker" eval "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+    "${prefix[@]}" "$worker" eval "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
       --key "$out/keys/workers-$s/worker.key" --data "${data_of[$d]}" --json \
       > "$out/eval-$s-on-$d.json" 2> "$out/logs/eval-$s-on-$d.log"
   done
@@ -199,7 +242,7 @@ done
 verify_args=()
 for s in "${sites[@]}"; do
   eps=""
-  for ((i = 0; i < shards; i++)); do eps+="tcp://127.0.0.1:${aport[$s-$i]},"; done
+  for ((i = 0; i < shards; i++)); do eps+="tcp://${admin_host_of[$s]}:${aport[$s-$i]},"; done
   keys=""
   for ((i = 0; i < shards; i++)); do keys+="$out/keys/$s-$i.pub,"; done
   verify_args+=(--site "$s=${eps%,}" --site-key "$s=${keys%,}")
