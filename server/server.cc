@@ -261,18 +261,7 @@ Status ShardServer::Start() {
   std::vector<PeerLinkSpec> peers;
   if (!c.sync_site.empty()) {
     ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
-    SyncOptions so;
-    so.site = c.sync_site;
-    for (const auto& p : peers) so.peer_sites.push_back(p.site);
-    so.codec = c.sync_codec;
-    so.codec_overrides = c.sync_codec_overrides;
-    so.adaptive = c.sync_adaptive;
-    so.adaptive_floor = c.sync_adaptive_floor;
-    so.adaptive_ceiling = c.sync_adaptive_ceiling;
-    so.outer_lr = c.sync_outer_lr;
-    so.outer_momentum = c.sync_outer_momentum;
-    so.max_rounds_ahead = static_cast<uint64_t>(c.sync_max_rounds_ahead);
-    opts.sync = so;
+    opts.sync = SyncOptionsFrom(c);
   }
   ISTHMUS_ASSIGN_OR_RETURN(impl_->shard, Shard::Open(opts));
 
