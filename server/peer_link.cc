@@ -27,6 +27,7 @@ struct PeerLinks::Link {
     uint64_t round = 0;
     uint64_t bytes = 0;
     Clock::time_point sent;
+    bool resent = false;  // this round was sent before (its ack may answer that copy)
   };
   bool transport_up = false;
   bool reconnecting = false;  // the connection dropped: handshake again once it is back
@@ -38,6 +39,8 @@ struct PeerLinks::Link {
   int failures = 0;              // consecutive timeouts / refusals: the backoff exponent
   Clock::time_point retry_at{};  // while not ready and nothing in flight: next handshake
   Clock::time_point last_progress{};
+  std::map<std::string, uint64_t> high_sent;  // per job, the highest round ever sent
+  std::optional<BandwidthMeter> meter;
 
   PeerLinkStats stats;
 };
@@ -68,6 +71,47 @@ void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body
 }
 
 }  // namespace
+
+int64_t InFlightBudgetMs(int64_t timeout_ms, uint64_t bytes_in_flight, double bandwidth_bps,
+                         double min_bandwidth_bps) {
+  double bw = std::max({bandwidth_bps, min_bandwidth_bps, 1.0});
+  return timeout_ms + static_cast<int64_t>(2000.0 * static_cast<double>(bytes_in_flight) / bw);
+}
+
+std::optional<double> BandwidthMeter::OnAck(Clock::time_point sent, Clock::time_point acked,
+                                            uint64_t bytes, bool resent) {
+  if (resent) {
+    // Its ack may answer an earlier copy still draining from a dropped connection.
+    pool_bytes_ = 0;
+    pool_start_ = acked;
+    last_answer_ = std::max(last_answer_, acked);
+    return std::nullopt;
+  }
+  if (sent >= last_answer_ || pool_bytes_ == 0) {
+    // Sent onto an idle link (a new busy period), or the pool was just emptied.
+    pool_start_ = std::max(sent, last_answer_);
+    if (sent >= last_answer_) pool_bytes_ = 0;
+  }
+  pool_bytes_ += bytes;
+  last_answer_ = std::max(last_answer_, acked);
+  if (pool_bytes_ < min_sample_bytes_) return std::nullopt;
+  double seconds = std::chrono::duration<double>(acked - pool_start_).count();
+  uint64_t pooled = pool_bytes_;
+  pool_bytes_ = 0;
+  pool_start_ = acked;
+  if (seconds <= 0) return std::nullopt;
+  return static_cast<double>(pooled) / seconds;
+}
+
+void BandwidthMeter::OnOtherReply(Clock::time_point at) {
+  last_answer_ = std::max(last_answer_, at);
+}
+
+void BandwidthMeter::Restart(Clock::time_point at) {
+  pool_bytes_ = 0;
+  pool_start_ = at;
+  last_answer_ = at;
+}
 
 Result<PeerLinkSpec> ParsePeerLinkSpec(const std::string& text) {
   // Split at the first two '=' (as server/config.cc does): the key file path may hold '='.
@@ -128,6 +172,7 @@ Status PeerLinks::Start() {
     link->spec = p;
     link->stats.site = p.site;
     link->stats.endpoint = p.endpoint;
+    link->meter.emplace(options_.min_sample_bytes);
     by_key_[p.public_key] = link.get();
     links_.push_back(std::move(link));
   }
@@ -185,6 +230,7 @@ Status PeerLinks::OpenDealer(Link& link) {
   link.reconnecting = false;
   link.ready = false;
   link.inflight.clear();
+  if (link.meter) link.meter->Restart(Clock::now());
   SendHello(link);
   return Status::Ok();
 }
@@ -203,6 +249,22 @@ int PeerLinks::CurrentTimeoutMs(const Link& link) const {
   for (int i = 0; i < link.failures && t < options_.backoff_max_ms; ++i) t *= 2;
   return static_cast<int>(
       std::min<int64_t>(t, std::max(options_.backoff_max_ms, options_.resend_ms)));
+}
+
+PeerLinks::Clock::time_point PeerLinks::Deadline(const Link& link) const {
+  if (link.inflight.empty()) return Clock::time_point::max();
+  // Counted from the later of the oldest send and the last answer: a link that keeps
+  // answering is draining its queue, however slowly.
+  Clock::time_point oldest = Clock::time_point::max();
+  uint64_t bytes = 0;
+  for (const auto& [id, f] : link.inflight) {
+    oldest = std::min(oldest, f.sent);
+    bytes += f.bytes;
+  }
+  Clock::time_point anchor = std::max(oldest, link.last_progress);
+  return anchor + std::chrono::milliseconds(InFlightBudgetMs(CurrentTimeoutMs(link), bytes,
+                                                             link.stats.bandwidth_bps,
+                                                             options_.min_bandwidth_bps));
 }
 
 void PeerLinks::SendHello(Link& link) {
@@ -278,7 +340,9 @@ void PeerLinks::Pump(Link& link) {
         link.stats.last_error = s.ToString();
         return;
       }
-      link.inflight[id] = Link::InFlight{job, jl.next, d->WireBytes(), Clock::now()};
+      uint64_t& high = link.high_sent[job];
+      link.inflight[id] = Link::InFlight{job, jl.next, d->WireBytes(), Clock::now(), jl.next <= high};
+      high = std::max(high, jl.next);
       link.stats.bytes_sent += d->WireBytes();
       link.stats.raw_bytes_sent += raw;
       ++link.stats.deltas_sent;
@@ -318,6 +382,7 @@ void PeerLinks::OnDealerReadable(Link& link) {
     }
     link.last_progress = now;
     link.failures = 0;
+    if (sent.job.empty()) link.meter->OnOtherReply(now);
     if ((*env)->body_type() == wire::Body::PeerHelloReply && sent.job.empty()) {
       const auto* reply = (*env)->body_as_PeerHelloReply();
       std::map<std::string, Link::JobLink> jobs;
@@ -354,12 +419,10 @@ void PeerLinks::OnDealerReadable(Link& link) {
       if (ack->held_round() < sent.round) jl.next = std::min(jl.next, ack->held_round() + 1);
       ++link.stats.deltas_acked;
       source_->OnPeerAck(link.spec.site, sent.job, jl.acked);
-      double seconds = std::chrono::duration<double>(now - sent.sent).count();
-      if (sent.bytes > 0 && seconds > 0) {
-        double sample = static_cast<double>(sent.bytes) / seconds;
+      if (auto sample = link.meter->OnAck(sent.sent, now, sent.bytes, sent.resent)) {
         double& bw = link.stats.bandwidth_bps;
-        bw = bw == 0 ? sample
-                     : (1 - options_.bandwidth_ewma) * bw + options_.bandwidth_ewma * sample;
+        bw = bw == 0 ? *sample
+                     : (1 - options_.bandwidth_ewma) * bw + options_.bandwidth_ewma * *sample;
         source_->OnLinkBandwidth(link.spec.site, bw);
       }
     } else {
@@ -608,14 +671,11 @@ void PeerLinks::Tick() {
   for (auto& lp : links_) {
     Link& link = *lp;
     if (link.paused || !link.dealer) continue;
-    // Timeouts: the oldest request in flight unanswered for the current interval.
-    auto timeout = std::chrono::milliseconds(CurrentTimeoutMs(link));
-    bool timed_out = false;
-    for (const auto& [id, f] : link.inflight) {
-      if (now - f.sent >= timeout) timed_out = true;
-    }
-    if (timed_out) {
-      Reset(link, "no answer from the peer within " + std::to_string(timeout.count()) + " ms",
+    // Timeouts: no answer for the current interval plus the expected transfer time.
+    if (auto deadline = Deadline(link); now >= deadline) {
+      Reset(link,
+            "no answer from the peer within " + std::to_string(CurrentTimeoutMs(link)) +
+                " ms after the expected transfer time",
             true);
       continue;
     }
@@ -649,9 +709,8 @@ int PeerLinks::NextTimeoutMs() const {
   for (const auto& lp : links_) {
     const Link& link = *lp;
     if (link.paused) continue;
-    auto timeout = std::chrono::milliseconds(CurrentTimeoutMs(link));
-    for (const auto& [id, f] : link.inflight) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(f.sent + timeout - now);
+    if (auto deadline = Deadline(link); deadline != Clock::time_point::max()) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
       best = std::min<int64_t>(best, std::max<int64_t>(0, left.count()));
     }
     if (!link.ready && link.inflight.empty()) {

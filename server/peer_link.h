@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 #include <zmq.hpp>
@@ -49,6 +50,12 @@ struct PeerLinkOptions {
   int window = 4;               // deltas in flight per link
   WireLimits limits;            // applied to received peer messages
   double bandwidth_ewma = 0.3;  // weight of a new bandwidth sample
+  // Bandwidth assumed when there is no estimate yet (or a lower one) when sizing how long
+  // the bytes in flight may take; see InFlightBudgetMs.
+  double min_bandwidth_bps = 16384;
+  // Fewest bytes one bandwidth sample covers: smaller transfers ride on the shaper's burst
+  // and the TCP window and say nothing about the sustained rate.
+  uint64_t min_sample_bytes = 64 * 1024;
   // Digest of a job's initial state, compared in the handshake (empty = not compared).
   std::function<std::string(const std::string& job)> initial_digest;
 };
@@ -70,10 +77,44 @@ struct PeerLinkStats {
   uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0;
   uint64_t auth_failures = 0;  // the peer refused our key
   uint64_t refused = 0;        // messages from this peer that we refused
-  double bandwidth_bps = 0;    // EWMA of bytes / (ack time - send time)
+  double bandwidth_bps = 0;    // EWMA of BandwidthMeter samples
   double CompressionRatio() const {
     return bytes_sent == 0 ? 0.0 : static_cast<double>(raw_bytes_sent) / bytes_sent;
   }
+};
+
+// How long requests in flight on a link may go without any answer (counted from the
+// later of the last answer and the oldest send) before the link counts as dead:
+// timeout_ms + 2 x the time the bytes in flight need at max(bandwidth_bps,
+// min_bandwidth_bps). A slow but healthy link is thus never timed out while it drains
+// its queue, and a silent one is still caught timeout_ms after the expected transfer.
+int64_t InFlightBudgetMs(int64_t timeout_ms, uint64_t bytes_in_flight, double bandwidth_bps,
+                         double min_bandwidth_bps);
+
+// Turns the acks of one link into bandwidth samples (bytes per second). A delta occupies
+// the link from max(its send time, the previous answer) to its ack, so pipelined deltas
+// are not charged for the time they queued behind others. Consecutive deltas of one busy
+// period are pooled until they cover min_sample_bytes (a period that ends short is
+// dropped: tiny transfers pass on the shaper's burst), and a delta that was sent before
+// (a resend) voids the pool, since its ack may answer an earlier copy. Not thread-safe.
+class BandwidthMeter {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit BandwidthMeter(uint64_t min_sample_bytes) : min_sample_bytes_(min_sample_bytes) {}
+  // One delta of `bytes` sent at `sent` and acknowledged at `acked`. Returns a sample
+  // when the pooled bytes reach min_sample_bytes.
+  std::optional<double> OnAck(Clock::time_point sent, Clock::time_point acked, uint64_t bytes,
+                              bool resent);
+  // Any other answer (a handshake reply): the link carried no delta bytes until `at`.
+  void OnOtherReply(Clock::time_point at);
+  // A new connection: forget the pool; the link is free from `at`.
+  void Restart(Clock::time_point at);
+
+ private:
+  uint64_t min_sample_bytes_;
+  Clock::time_point last_answer_{};  // when the link last finished a transfer
+  Clock::time_point pool_start_{};
+  uint64_t pool_bytes_ = 0;
 };
 
 class PeerLinks {
@@ -130,6 +171,8 @@ class PeerLinks {
   void OnMonitorReadable(Link& link);
   void OnRouterReadable();
   int CurrentTimeoutMs(const Link& link) const;
+  // When the requests in flight count as lost; time_point::max() when none is.
+  Clock::time_point Deadline(const Link& link) const;
   Link* FindLink(const std::string& site);
   Result<std::vector<Link*>> Select(const std::string& site);
 

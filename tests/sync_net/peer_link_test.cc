@@ -202,6 +202,7 @@ class Node {
       o.resend_ms = resend_ms;
       o.backoff_max_ms = backoff_max_ms;
       o.window = 3;
+      o.min_sample_bytes = 1;  // the test deltas are tiny; every ack may be a sample
       o.initial_digest = [](const std::string& job) { return "digest-of-" + job; };
       auto links = std::make_unique<PeerLinks>(ctx, o, engine, engine);
       if (s.ok()) s = links->Start();
