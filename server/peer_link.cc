@@ -100,7 +100,9 @@ std::optional<double> BandwidthMeter::OnAck(Clock::time_point sent, Clock::time_
   pool_bytes_ = 0;
   pool_start_ = acked;
   if (seconds <= 0) return std::nullopt;
-  return static_cast<double>(pooled) / seconds;
+  sum_bytes_ = (1.0 - weight_) * sum_bytes_ + static_cast<double>(pooled);
+  sum_seconds_ = (1.0 - weight_) * sum_seconds_ + seconds;
+  return sum_bytes_ / sum_seconds_;
 }
 
 void BandwidthMeter::OnOtherReply(Clock::time_point at) {
@@ -172,7 +174,7 @@ Status PeerLinks::Start() {
     link->spec = p;
     link->stats.site = p.site;
     link->stats.endpoint = p.endpoint;
-    link->meter.emplace(options_.min_sample_bytes);
+    link->meter.emplace(options_.min_sample_bytes, options_.bandwidth_ewma);
     by_key_[p.public_key] = link.get();
     links_.push_back(std::move(link));
   }
@@ -301,7 +303,7 @@ void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
     Status s = OpenDealer(link);
     if (!s.ok()) link.stats.last_error = s.ToString();
   }
-  spdlog::debug("peer {}: {} (retry in {} ms)", link.spec.site, why, CurrentTimeoutMs(link));
+  spdlog::info("peer {}: {} (retry in {} ms)", link.spec.site, why, CurrentTimeoutMs(link));
 }
 
 void PeerLinks::Pump(Link& link) {
@@ -419,10 +421,9 @@ void PeerLinks::OnDealerReadable(Link& link) {
       if (ack->held_round() < sent.round) jl.next = std::min(jl.next, ack->held_round() + 1);
       ++link.stats.deltas_acked;
       source_->OnPeerAck(link.spec.site, sent.job, jl.acked);
-      if (auto sample = link.meter->OnAck(sent.sent, now, sent.bytes, sent.resent)) {
+      if (auto estimate = link.meter->OnAck(sent.sent, now, sent.bytes, sent.resent)) {
         double& bw = link.stats.bandwidth_bps;
-        bw = bw == 0 ? *sample
-                     : (1 - options_.bandwidth_ewma) * bw + options_.bandwidth_ewma * *sample;
+        bw = *estimate;
         source_->OnLinkBandwidth(link.spec.site, bw);
       }
     } else {

@@ -49,7 +49,7 @@ struct PeerLinkOptions {
   int backoff_max_ms = 30000;   // cap of the doubling resend / retry interval
   int window = 4;               // deltas in flight per link
   WireLimits limits;            // applied to received peer messages
-  double bandwidth_ewma = 0.3;  // weight of a new bandwidth sample
+  double bandwidth_ewma = 0.3;  // weight of a new bandwidth sample (BandwidthMeter)
   // Bandwidth assumed when there is no estimate yet (or a lower one) when sizing how long
   // the bytes in flight may take; see InFlightBudgetMs.
   double min_bandwidth_bps = 16384;
@@ -77,7 +77,7 @@ struct PeerLinkStats {
   uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0;
   uint64_t auth_failures = 0;  // the peer refused our key
   uint64_t refused = 0;        // messages from this peer that we refused
-  double bandwidth_bps = 0;    // EWMA of BandwidthMeter samples
+  double bandwidth_bps = 0;    // BandwidthMeter's estimate
   double CompressionRatio() const {
     return bytes_sent == 0 ? 0.0 : static_cast<double>(raw_bytes_sent) / bytes_sent;
   }
@@ -91,30 +91,37 @@ struct PeerLinkStats {
 int64_t InFlightBudgetMs(int64_t timeout_ms, uint64_t bytes_in_flight, double bandwidth_bps,
                          double min_bandwidth_bps);
 
-// Turns the acks of one link into bandwidth samples (bytes per second). A delta occupies
-// the link from max(its send time, the previous answer) to its ack, so pipelined deltas
-// are not charged for the time they queued behind others. Consecutive deltas of one busy
-// period are pooled until they cover min_sample_bytes (a period that ends short is
-// dropped: tiny transfers pass on the shaper's burst), and a delta that was sent before
-// (a resend) voids the pool, since its ack may answer an earlier copy. Not thread-safe.
+// Turns the acks of one link into a bandwidth estimate (bytes per second). A delta
+// occupies the link from max(its send time, the previous answer) to its ack, so pipelined
+// deltas are not charged for the time they queued behind others. Consecutive deltas of
+// one busy period are pooled until they cover min_sample_bytes (a period that ends short
+// is dropped: tiny transfers pass on the shaper's burst), and a delta that was sent
+// before (a resend) voids the pool, since its ack may answer an earlier copy. The
+// estimate is (decayed sum of pooled bytes) / (decayed sum of their busy time), the past
+// sums decaying by (1 - weight) per pool: a ratio of sums, so an ack read late (the event
+// loop was busy) mostly moves time between neighbouring pools instead of inflating the
+// figure the way one short pool's rate would. Not thread-safe.
 class BandwidthMeter {
  public:
   using Clock = std::chrono::steady_clock;
-  explicit BandwidthMeter(uint64_t min_sample_bytes) : min_sample_bytes_(min_sample_bytes) {}
-  // One delta of `bytes` sent at `sent` and acknowledged at `acked`. Returns a sample
-  // when the pooled bytes reach min_sample_bytes.
+  BandwidthMeter(uint64_t min_sample_bytes, double weight)
+      : min_sample_bytes_(min_sample_bytes), weight_(weight) {}
+  // One delta of `bytes` sent at `sent` and acknowledged at `acked`. Returns the new
+  // estimate when a pool completed, nullopt otherwise.
   std::optional<double> OnAck(Clock::time_point sent, Clock::time_point acked, uint64_t bytes,
                               bool resent);
   // Any other answer (a handshake reply): the link carried no delta bytes until `at`.
   void OnOtherReply(Clock::time_point at);
-  // A new connection: forget the pool; the link is free from `at`.
+  // A new connection: forget the pool (not the estimate); the link is free from `at`.
   void Restart(Clock::time_point at);
 
  private:
   uint64_t min_sample_bytes_;
+  double weight_;
   Clock::time_point last_answer_{};  // when the link last finished a transfer
   Clock::time_point pool_start_{};
   uint64_t pool_bytes_ = 0;
+  double sum_bytes_ = 0, sum_seconds_ = 0;
 };
 
 class PeerLinks {

@@ -22,7 +22,7 @@ TEST(LinkTimingTest, BudgetGrowsWithBytesInFlightAtTheMeasuredRate) {
 }
 
 TEST(LinkTimingTest, PipelinedDeltasAreTimedFromWhenTheLinkWasFree) {
-  BandwidthMeter meter(64 * 1024);
+  BandwidthMeter meter(64 * 1024, 0.3);
   Clock::time_point t0{};
   meter.Restart(t0);
   // Four 100 KB deltas sent at once over a 25 KB/s link: acks at 4, 8, 12, 16 s.
@@ -35,8 +35,24 @@ TEST(LinkTimingTest, PipelinedDeltasAreTimedFromWhenTheLinkWasFree) {
   for (double s : samples) EXPECT_NEAR(s, 25000, 50);
 }
 
+TEST(LinkTimingTest, AnAckReadLateDoesNotInflateTheEstimate) {
+  BandwidthMeter meter(64 * 1024, 0.3);
+  Clock::time_point t0{};
+  meter.Restart(t0);
+  // 100 KB deltas at 25 KB/s, all queued at t0; the acks of the 2nd and 4th are read
+  // 3.9 s late, together with the next one (a busy event loop).
+  std::optional<double> est;
+  for (int i : {4000, 11900, 12000, 19900, 20000}) {
+    est = meter.OnAck(t0, t0 + milliseconds(i), 100000, false);
+  }
+  ASSERT_TRUE(est.has_value());
+  // The rate of the last pool alone would be 100 KB / 0.1 s = 1 MB/s.
+  EXPECT_LT(*est, 40000);
+  EXPECT_GT(*est, 15000);
+}
+
 TEST(LinkTimingTest, SmallIdleTransfersGiveNoSample) {
-  BandwidthMeter meter(64 * 1024);
+  BandwidthMeter meter(64 * 1024, 0.3);
   Clock::time_point t0{};
   meter.Restart(t0);
   // 2.5 KB deltas passing on the shaper's burst in 1 ms each, 10 s apart: no sample,
@@ -48,7 +64,7 @@ TEST(LinkTimingTest, SmallIdleTransfersGiveNoSample) {
 }
 
 TEST(LinkTimingTest, SmallBackToBackTransfersArePooled) {
-  BandwidthMeter meter(64 * 1024);
+  BandwidthMeter meter(64 * 1024, 0.3);
   Clock::time_point t0{};
   meter.Restart(t0);
   // 40 deltas of 2 KB, all queued at t0, drained at 20 KB/s (one ack every 100 ms).
@@ -66,7 +82,7 @@ TEST(LinkTimingTest, SmallBackToBackTransfersArePooled) {
 }
 
 TEST(LinkTimingTest, ResentDeltasGiveNoSampleAndVoidThePool) {
-  BandwidthMeter meter(64 * 1024);
+  BandwidthMeter meter(64 * 1024, 0.3);
   Clock::time_point t0{};
   meter.Restart(t0);
   EXPECT_FALSE(meter.OnAck(t0, t0 + milliseconds(100), 130000, true).has_value());
@@ -78,7 +94,7 @@ TEST(LinkTimingTest, ResentDeltasGiveNoSampleAndVoidThePool) {
 }
 
 TEST(LinkTimingTest, RestartForgetsThePool) {
-  BandwidthMeter meter(64 * 1024);
+  BandwidthMeter meter(64 * 1024, 0.3);
   Clock::time_point t0{};
   meter.Restart(t0);
   EXPECT_FALSE(meter.OnAck(t0, t0 + milliseconds(1000), 40000, false).has_value());
