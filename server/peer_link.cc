@@ -264,9 +264,9 @@ PeerLinks::Clock::time_point PeerLinks::Deadline(const Link& link) const {
     bytes += f.bytes;
   }
   Clock::time_point anchor = std::max(oldest, link.last_progress);
-  return anchor + std::chrono::milliseconds(InFlightBudgetMs(CurrentTimeoutMs(link), bytes,
-                                                             link.stats.bandwidth_bps,
-                                                             options_.min_bandwidth_bps));
+  return anchor +
+         std::chrono::milliseconds(InFlightBudgetMs(
+             CurrentTimeoutMs(link), bytes, link.stats.bandwidth_bps, options_.min_bandwidth_bps));
 }
 
 void PeerLinks::SendHello(Link& link) {
@@ -343,7 +343,8 @@ void PeerLinks::Pump(Link& link) {
         return;
       }
       uint64_t& high = link.high_sent[job];
-      link.inflight[id] = Link::InFlight{job, jl.next, d->WireBytes(), Clock::now(), jl.next <= high};
+      link.inflight[id] =
+          Link::InFlight{job, jl.next, d->WireBytes(), Clock::now(), jl.next <= high};
       high = std::max(high, jl.next);
       link.stats.bytes_sent += d->WireBytes();
       link.stats.raw_bytes_sent += raw;

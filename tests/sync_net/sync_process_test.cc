@@ -211,7 +211,10 @@ TEST_F(SyncProcessTest, ThreeSitesCommitEveryRoundWithIdenticalDigests) {
     EXPECT_EQ(l.jobs[0].lag_rounds, 0u);
     EXPECT_GT(l.bytes_sent, 0u);
     EXPECT_GT(l.bytes_received, 0u);
-    EXPECT_GT(l.bandwidth_bps, 0);
+    // These deltas are a few KB each, below the 64 KiB a bandwidth sample must cover
+    // (small transfers ride on the shaper's burst): no estimate is the honest answer.
+    ASSERT_LT(l.bytes_sent, 64u * 1024u * kRounds);
+    EXPECT_EQ(l.bandwidth_bps, 0);
   }
 }
 
