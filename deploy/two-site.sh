@@ -12,6 +12,7 @@
 #   --model "FLAGS"        model flags shared by every worker (default: 2x128, ctx 128, LoRA r8)
 #   --codec PIPELINE       sync.codec (default: the codec's default pipeline)
 #   --adaptive             sync.adaptive = true
+#   --adaptive-floor P     sync.adaptive_floor (default: sync.codec)
 #   --rounds N             rounds to train (default 8)
 #   --steps-per-round H    inner steps per round (default 20)
 #   --site-b-steps H       inner steps per round at site B (default: same as A)
@@ -32,7 +33,7 @@ worker="$build/worker/isthmus-worker"
 
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
-codec="" adaptive=false rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
+codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -40,6 +41,7 @@ while [ $# -gt 0 ]; do
     --model) model="$2"; shift 2 ;;
     --codec) codec="$2"; shift 2 ;;
     --adaptive) adaptive=true; shift ;;
+    --adaptive-floor) adaptive_floor="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --steps-per-round) steps="$2"; shift 2 ;;
     --site-b-steps) steps_b="$2"; shift 2 ;;
@@ -53,7 +55,7 @@ while [ $# -gt 0 ]; do
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
-    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -74,7 +76,16 @@ mkdir -p "$out/keys/admins" "$out/logs"
 pids=()
 ns="" veth=""
 cleanup() {
+  # SIGTERM first (shards and workers shut down cleanly), SIGKILL what is left after 10 s.
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  for _ in $(seq 50); do
+    alive=0
+    for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" -eq 0 ] && break
+    sleep 0.2
+  done
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
   if [ -n "$ns" ]; then
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
     ip link del "$veth" 2>/dev/null || true
@@ -154,6 +165,7 @@ site = "$s"
 peers = [${peers%, }]
 codec = "$codec"
 adaptive = $adaptive
+adaptive_floor = "$adaptive_floor"
 outer_lr = $outer_lr
 outer_momentum = $outer_mom
 TOML

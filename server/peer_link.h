@@ -55,7 +55,7 @@ struct PeerLinkOptions {
   double min_bandwidth_bps = 16384;
   // Fewest bytes one bandwidth sample covers: smaller transfers ride on the shaper's burst
   // and the TCP window and say nothing about the sustained rate.
-  uint64_t min_sample_bytes = 64 * 1024;
+  uint64_t min_sample_bytes = 16 * 1024;
   // Digest of a job's initial state, compared in the handshake (empty = not compared).
   std::function<std::string(const std::string& job)> initial_digest;
 };

@@ -5,7 +5,8 @@
 #   (a) dense fp32 deltas every round      sync.codec = dense
 #   (b) int8 deltas                          sync.codec = int8+zstd
 #   (c) the default codec pipeline           sync.codec unset
-#   (d) adaptive mode                        sync.adaptive = true (floor: the default pipeline),
+#   (d) adaptive mode                        sync.adaptive = true, starting at dense fp32
+#       (the ceiling) and free to go down to the default pipeline (the floor),
 #       over a WAN shaped to --wan-rate (default 200kbit; site B in its own network
 #       namespace behind tc tbf, see deploy/two-site.sh) when run as root with tc,
 #       otherwise on loopback (where every link is fast and adaptive picks the ceiling)
@@ -45,14 +46,15 @@ run_case() {  # name, extra two-site flags...
     --model "$model" --train "$train" --rounds "$rounds" --steps-per-round "$steps" \
     --out "$out/$name" --summary "$out/$name.json" "$@" | tail -5
 }
+default="topk:0.05+int2+zstd"  # codec::kDefaultPipeline (ops/codec.h)
 run_case a-dense --codec dense
 run_case b-int8 --codec int8+zstd
 run_case c-default
 if [ "$(id -u)" -eq 0 ] && command -v tc >/dev/null; then
-  run_case d-adaptive --adaptive --wan-rate "$wan_rate"
+  run_case d-adaptive --adaptive --codec dense --adaptive-floor "$default" --wan-rate "$wan_rate"
 else
   echo "(d) runs on loopback: shaping the WAN needs root and tc"
-  run_case d-adaptive --adaptive
+  run_case d-adaptive --adaptive --codec dense --adaptive-floor "$default"
 fi
 
 echo "== (e) one site, all the data, same total compute"
