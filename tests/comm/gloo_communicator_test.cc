@@ -4,8 +4,6 @@
 // group made with fork().
 #include "worker/comm/gloo_communicator.h"
 
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,6 +18,7 @@
 #include <gtest/gtest.h>
 
 #include "tests/comm/comm_test_util.h"
+#include "tests/loopback.h"
 #include "worker/comm/rendezvous.h"
 
 namespace isthmus::comm {
@@ -41,20 +40,7 @@ GlooOptions Options(int rank, int world_size, const std::string& dir,
   return o;
 }
 
-// A port nobody listens on right now (the kernel picks it; a race with another process
-// taking it in between is possible but harmless for a test).
-uint16_t FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
+uint16_t FreePort() { return static_cast<uint16_t>(::isthmus::testing::FreePort()); }
 
 // Small integers: every partial sum is exact in float, so results can be checked exactly.
 float IntValue(int rank, size_t i) { return static_cast<float>((rank + 1) * (i % 7 + 1)); }

@@ -5,9 +5,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -16,53 +14,29 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/client.h"
 #include "common/keys.h"
+#include "tests/loopback.h"
 
 namespace isthmus::testing {
-
-// A free TCP port on 127.0.0.1 (bound to port 0, read back, released).
-inline int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
 
 class ServerProcess {
  public:
   // `extra` are additional TOML lines (e.g. "[limits]\nmax_message_bytes = 1048576").
-  explicit ServerProcess(std::string extra_toml = "") : extra_(std::move(extra_toml)) {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = std::filesystem::temp_directory_path() /
-           ("isthmus-it-" + std::string(info ? info->name() : "t") + "-" +
-            std::to_string(::getpid()) + "-" + std::to_string(counter_++));
-    std::filesystem::remove_all(dir_);
-    std::filesystem::create_directories(dir_ / "workers");
-    std::filesystem::create_directories(dir_ / "admins");
-    server_keys_ = MakeKeys((dir_ / "server").string());
-    worker_keys_ = MakeKeys((dir_ / "workers" / "w0").string());
-    admin_keys_ = MakeKeys((dir_ / "admins" / "a0").string());
-    worker_port_ = FreePort();
-    admin_port_ = FreePort();
+  // The process gets its own temp folder, named after the running test, removed at the end.
+  explicit ServerProcess(std::string extra_toml = "")
+      : ServerProcess(TempDirForTest(), "server", /*owns_dir=*/true) {
+    extra_ = std::move(extra_toml);
     WriteConfig();
   }
   ~ServerProcess() {
     Kill(SIGKILL);
-    std::filesystem::remove_all(dir_);
+    if (owns_dir_) std::filesystem::remove_all(dir_);
   }
 
   // Starts the binary and waits (up to 20 s) until the admin socket answers Stats.
@@ -82,10 +56,10 @@ class ServerProcess {
       if (::waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
         last_exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-        return ::testing::AssertionFailure() << "server exited at start: " << Log();
+        return ::testing::AssertionFailure() << label_ << " exited at start: " << Log();
       }
     }
-    return ::testing::AssertionFailure() << "server did not answer within 30 s: " << Log();
+    return ::testing::AssertionFailure() << label_ << " did not answer within 30 s: " << Log();
   }
 
   // Sends `sig` and waits for the process; returns its exit status (as waitpid's).
@@ -125,7 +99,7 @@ class ServerProcess {
     std::ifstream in(log_path_);
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
-  static std::string Endpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }
+  static std::string Endpoint(int port) { return LoopbackEndpoint(port); }
   int worker_port() const { return worker_port_; }
   int admin_port() const { return admin_port_; }
   // Exit code of a server that stopped during Start(); -1 if none or killed by a signal.
@@ -138,7 +112,41 @@ class ServerProcess {
     WriteConfig();
   }
 
+ protected:
+  // Makes `dir` with fresh server, worker and admin keys and picks the worker and admin
+  // ports; writes no config (the caller does). `label` names the process in failures.
+  ServerProcess(std::filesystem::path dir, std::string label, bool owns_dir)
+      : dir_(std::move(dir)), label_(std::move(label)), owns_dir_(owns_dir) {
+    if (owns_dir_) std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_ / "workers");
+    std::filesystem::create_directories(dir_ / "admins");
+    server_keys_ = MakeKeys((dir_ / "server").string());
+    worker_keys_ = MakeKeys((dir_ / "workers" / "w0").string());
+    admin_keys_ = MakeKeys((dir_ / "admins" / "a0").string());
+    worker_port_ = FreePort();
+    admin_port_ = FreePort();
+  }
+
+  // The [shard], [listen] and [security] tables every config starts with; `peer_port`
+  // adds a peer listener when positive.
+  void WriteBaseConfig(std::ostream& out, const std::string& shard_id, int peer_port) const {
+    out << "[shard]\nid = \"" << shard_id << "\"\ndata_dir = \"" << (dir_ / "data").string()
+        << "\"\n"
+        << "[listen]\nworker = \"" << Endpoint(worker_port_) << "\"\nadmin = \""
+        << Endpoint(admin_port_) << "\"\n";
+    if (peer_port > 0) out << "peer = \"" << Endpoint(peer_port) << "\"\n";
+    out << "[security]\nsecret_key = \"" << (dir_ / "server.key").string() << "\"\n"
+        << "worker_keys = [\"" << (dir_ / "workers").string() << "\"]\n"
+        << "admin_keys = [\"" << (dir_ / "admins").string() << "\"]\n";
+  }
+
  private:
+  static std::filesystem::path TempDirForTest() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    return std::filesystem::temp_directory_path() /
+           ("isthmus-it-" + std::string(info ? info->name() : "t") + "-" +
+            std::to_string(::getpid()) + "-" + std::to_string(counter_++));
+  }
   static KeyPair MakeKeys(const std::string& prefix) {
     auto k = GenerateKeyPair();
     EXPECT_TRUE(k.ok());
@@ -147,17 +155,14 @@ class ServerProcess {
   }
   void WriteConfig() {
     std::ofstream out(dir_ / "server.toml");
-    out << "[shard]\nid = \"it\"\ndata_dir = \"" << (dir_ / "data").string() << "\"\n"
-        << "[listen]\nworker = \"" << Endpoint(worker_port_) << "\"\nadmin = \""
-        << Endpoint(admin_port_) << "\"\n"
-        << "[security]\nsecret_key = \"" << (dir_ / "server.key").string() << "\"\n"
-        << "worker_keys = [\"" << (dir_ / "workers").string() << "\"]\n"
-        << "admin_keys = [\"" << (dir_ / "admins").string() << "\"]\n"
-        << extra_ << "\n";
+    WriteBaseConfig(out, "it", 0);
+    out << extra_ << "\n";
   }
 
   std::string extra_;
   std::filesystem::path dir_;
+  std::string label_;
+  bool owns_dir_ = true;
   std::string log_path_;
   KeyPair server_keys_, worker_keys_, admin_keys_;
   int worker_port_ = 0, admin_port_ = 0;

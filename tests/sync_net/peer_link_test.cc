@@ -4,8 +4,6 @@
 // pause/resume, refusal of unlisted keys, of deltas claiming another site, of malformed
 // frames, and that replays change nothing.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -19,25 +17,16 @@
 #include "common/keys.h"
 #include "common/transport.h"
 #include "server/peer_link.h"
+#include "tests/loopback.h"
 
 namespace isthmus {
 namespace {
 
 using namespace std::chrono_literals;
 
-int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
+using testing::FreePort;
 
-std::string Endpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }
+std::string Endpoint(int port) { return testing::LoopbackEndpoint(port); }
 
 bool WaitFor(const std::function<bool()>& pred, std::chrono::milliseconds limit = 10s) {
   auto end = std::chrono::steady_clock::now() + limit;

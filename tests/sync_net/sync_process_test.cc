@@ -75,8 +75,8 @@ class SyncProcessTest : public ::testing::Test {
     }
     auto w = Initial("w", kRows * kCols), b = Initial("b", kCols);
     for (auto& s : sites_) {
-      auto r = s->Admin()->CreateJob("job", "base",
-                                     {{"w", {kRows, kCols}, w.data()}, {"b", {kCols}, b.data()}});
+      auto r = s->AdminClient()->CreateJob(
+          "job", "base", {{"w", {kRows, kCols}, w.data()}, {"b", {kCols}, b.data()}});
       ASSERT_TRUE(r.ok()) << s->site() << ": " << r.status().ToString();
     }
   }
@@ -89,12 +89,12 @@ class SyncProcessTest : public ::testing::Test {
     if (only.empty() || only == "b") views.push_back({"b", {kCols}, b.data()});
     std::string key =
         sites_[i]->site() + "-r" + std::to_string(round) + "-" + (only.empty() ? "all" : only);
-    auto r = sites_[i]->Worker()->Push("job", key, round, Tokens(i), views);
+    auto r = sites_[i]->WorkerClient()->Push("job", key, round, Tokens(i), views);
     ASSERT_TRUE(r.ok()) << sites_[i]->site() << " round " << round << ": " << r.status().ToString();
   }
 
   uint64_t Committed(int i) {
-    auto d = sites_[i]->Admin(2000, 0)->Digests("job", 0);
+    auto d = sites_[i]->AdminClient(2000, 0)->Digests("job", 0);
     return d.ok() ? d->committed_round : 0;
   }
   void WaitCommitted(uint64_t round, std::chrono::seconds limit = 30s) {
@@ -113,7 +113,7 @@ class SyncProcessTest : public ::testing::Test {
   void ExpectIdenticalDigests(uint64_t round) {
     std::vector<std::vector<std::pair<uint64_t, std::string>>> all;
     for (auto& s : sites_) {
-      auto d = s->Admin()->Digests("job", 0);
+      auto d = s->AdminClient()->Digests("job", 0);
       ASSERT_TRUE(d.ok()) << d.status().ToString();
       ASSERT_GE(d->committed_round, round);
       all.push_back(d->digests);
@@ -147,7 +147,7 @@ class SyncProcessTest : public ::testing::Test {
         }
       }
       for (auto& site : sites_) {
-        auto pulled = site->Worker()->Pull("job", {name});
+        auto pulled = site->WorkerClient()->Pull("job", {name});
         ASSERT_TRUE(pulled.ok()) << pulled.status().ToString();
         ASSERT_EQ(pulled->tensors.size(), 1u);
         const auto& got = pulled->tensors[0].data;
@@ -199,7 +199,7 @@ TEST_F(SyncProcessTest, ThreeSitesCommitEveryRoundWithIdenticalDigests) {
   }
   ExpectIdenticalDigests(kRounds);
   ExpectRecomputedState(kRounds);
-  auto st = sites_[0]->Admin()->SyncStatus();
+  auto st = sites_[0]->AdminClient()->SyncStatus();
   ASSERT_TRUE(st.ok()) << st.status().ToString();
   EXPECT_TRUE(st->enabled);
   EXPECT_EQ(st->site, "alpha");
@@ -222,7 +222,7 @@ TEST_F(SyncProcessTest, PausedLinkStallsCommitsAndConvergesAfterResume) {
   StartSites({"alpha", "beta", "gamma"});
   Push(0, 1), Push(1, 1), Push(2, 1);
   WaitCommitted(1);
-  auto paused = sites_[0]->Admin()->SyncControl(wire::SyncAction::Pause, "beta");
+  auto paused = sites_[0]->AdminClient()->SyncControl(wire::SyncAction::Pause, "beta");
   ASSERT_TRUE(paused.ok()) << paused.status().ToString();
   EXPECT_EQ(*paused, std::vector<std::string>{"beta"});
   for (uint64_t r = 2; r <= 4; ++r) {
@@ -232,7 +232,7 @@ TEST_F(SyncProcessTest, PausedLinkStallsCommitsAndConvergesAfterResume) {
   // alpha lacks beta's deltas and beta lacks alpha's: neither commits past round 1.
   EXPECT_EQ(Committed(0), 1u);
   EXPECT_EQ(Committed(1), 1u);
-  auto st = sites_[0]->Admin()->SyncStatus();
+  auto st = sites_[0]->AdminClient()->SyncStatus();
   ASSERT_TRUE(st.ok());
   for (const auto& l : st->links) {
     if (l.site != "beta") continue;
@@ -240,8 +240,8 @@ TEST_F(SyncProcessTest, PausedLinkStallsCommitsAndConvergesAfterResume) {
     ASSERT_EQ(l.jobs.size(), 1u);
     EXPECT_EQ(l.jobs[0].lag_rounds, 3u);
   }
-  ASSERT_TRUE(sites_[0]->Admin()->SyncControl(wire::SyncAction::Resume, "beta").ok());
-  ASSERT_TRUE(sites_[1]->Admin()->SyncControl(wire::SyncAction::Now, "").ok());
+  ASSERT_TRUE(sites_[0]->AdminClient()->SyncControl(wire::SyncAction::Resume, "beta").ok());
+  ASSERT_TRUE(sites_[1]->AdminClient()->SyncControl(wire::SyncAction::Now, "").ok());
   WaitCommitted(4);
   ExpectIdenticalDigests(4);
   ExpectRecomputedState(4);
@@ -289,7 +289,7 @@ TEST_F(SyncProcessTest, PeerWithUnlistedKeyIsRefused) {
   auto end = std::chrono::steady_clock::now() + 10s;
   PeerLinkReport link;
   while (std::chrono::steady_clock::now() < end) {
-    auto st = sites_[0]->Admin()->SyncStatus();
+    auto st = sites_[0]->AdminClient()->SyncStatus();
     ASSERT_TRUE(st.ok());
     ASSERT_EQ(st->links.size(), 1u);
     link = st->links[0];
@@ -301,7 +301,7 @@ TEST_F(SyncProcessTest, PeerWithUnlistedKeyIsRefused) {
   EXPECT_NE(link.last_error.find("allowlist"), std::string::npos) << link.last_error;
   EXPECT_EQ(link.deltas_acked, 0u);
   std::this_thread::sleep_for(500ms);
-  auto held = sites_[1]->Admin()->SyncStatus();
+  auto held = sites_[1]->AdminClient()->SyncStatus();
   ASSERT_TRUE(held.ok());
   ASSERT_EQ(held->jobs.size(), 1u);
   EXPECT_EQ(held->jobs[0].committed_round, 0u);
@@ -350,7 +350,7 @@ TEST_F(SyncProcessTest, MalformedOrReplayedDeltaLeavesTheRealEngineUnchanged) {
   StartSites({"alpha", "beta"});
   Push(0, 1), Push(1, 1);
   WaitCommitted(1);
-  auto before = sites_[1]->Admin()->Digests("job", 0);
+  auto before = sites_[1]->AdminClient()->Digests("job", 0);
   ASSERT_TRUE(before.ok());
   auto dense = codec::ParsePipeline("dense");
   ASSERT_TRUE(dense.ok());
@@ -380,11 +380,11 @@ TEST_F(SyncProcessTest, MalformedOrReplayedDeltaLeavesTheRealEngineUnchanged) {
   EXPECT_FALSE(SendPeerDelta(*sites_[0], *sites_[1], 1000000,
                              {{"w", enc(0, 2, "w")}, {"b", enc(0, 2, "b")}}, {wshape, bshape})
                    .ok());
-  auto after = sites_[1]->Admin()->Digests("job", 0);
+  auto after = sites_[1]->AdminClient()->Digests("job", 0);
   ASSERT_TRUE(after.ok());
   EXPECT_EQ(after->committed_round, 1u);
   EXPECT_EQ(after->digests, before->digests);
-  auto st = sites_[1]->Admin()->SyncStatus();
+  auto st = sites_[1]->AdminClient()->SyncStatus();
   ASSERT_TRUE(st.ok());
   EXPECT_NE(st->jobs[0].detail.find("alpha=1"), std::string::npos) << st->jobs[0].detail;
   EXPECT_GE(st->links[0].refused, 4u);
