@@ -150,6 +150,7 @@ for s in "${sites[@]}"; do
     cat > "$out/$s-$i.toml" <<TOML
 [shard]
 id = "$s-$i"
+index = $i
 data_dir = "$out/$s-$i"
 [listen]
 worker = "tcp://127.0.0.1:${wport[$s-$i]}"

@@ -27,6 +27,8 @@ const std::vector<Binding>& Bindings() {
   static const std::vector<Binding> kBindings = {
       {{"shard.id", T::kString, "shard0", "Name of this shard in logs and status (e.g. siteA-0)."},
        &ServerConfig::shard_id},
+      {{"shard.index", T::kInt, "-1", "This shard's position (0, 1, ...) in its site's shard list. When set, a peer link whose other end reports a different index is refused at the handshake (a sync.peers entry that points at the wrong shard). -1: not checked."},
+       nullptr, nullptr, nullptr, &ServerConfig::shard_index},
       {{"shard.data_dir", T::kString, "", "Folder for the RocksDB database (db/) and snapshots (snapshots/). Required."},
        &ServerConfig::data_dir},
       {{"listen.worker", T::kString, "tcp://127.0.0.1:7100", "ZeroMQ endpoint for workers (pull, push, hello)."},
@@ -240,6 +242,9 @@ Status ValidateServerConfig(const ServerConfig& c) {
   if (c.max_message_bytes <= 0 || c.max_header_bytes <= 0 || c.max_tensors <= 0 ||
       c.dedup_window <= 0 || c.io_threads <= 0) {
     return Status::InvalidArgument("limits, storage.dedup_window and runtime.io_threads must be positive");
+  }
+  if (c.shard_index < -1) {
+    return Status::InvalidArgument("shard.index must be >= 0 (or -1 to leave it unchecked)");
   }
   if (!c.sync_peers.empty() && c.sync_site.empty()) {
     return Status::InvalidArgument("sync.peers is set but sync.site is not: name this site (--sync.site=NAME)");

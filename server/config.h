@@ -21,6 +21,7 @@ namespace isthmus {
 
 struct ServerConfig {
   std::string shard_id;
+  int64_t shard_index = -1;  // position in the site's shard list; -1: not checked
   std::string data_dir;
   std::string listen_worker;
   std::string listen_admin;

@@ -314,6 +314,7 @@ Status ShardServer::Start() {
     }
     PeerLinkOptions lo;
     lo.site = c.sync_site;
+    lo.shard_index = static_cast<int>(c.shard_index);
     lo.listen_endpoint = c.listen_peer;
     lo.keys = server_keys;
     lo.insecure_plaintext = c.insecure_plaintext;

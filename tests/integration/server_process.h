@@ -128,11 +128,13 @@ class ServerProcess {
   }
 
   // The [shard], [listen] and [security] tables every config starts with; `peer_port`
-  // adds a peer listener when positive.
-  void WriteBaseConfig(std::ostream& out, const std::string& shard_id, int peer_port) const {
+  // adds a peer listener when positive, `shard_index` sets shard.index when >= 0.
+  void WriteBaseConfig(std::ostream& out, const std::string& shard_id, int peer_port,
+                       int shard_index = -1) const {
     out << "[shard]\nid = \"" << shard_id << "\"\ndata_dir = \"" << (dir_ / "data").string()
-        << "\"\n"
-        << "[listen]\nworker = \"" << Endpoint(worker_port_) << "\"\nadmin = \""
+        << "\"\n";
+    if (shard_index >= 0) out << "index = " << shard_index << "\n";
+    out << "[listen]\nworker = \"" << Endpoint(worker_port_) << "\"\nadmin = \""
         << Endpoint(admin_port_) << "\"\n";
     if (peer_port > 0) out << "peer = \"" << Endpoint(peer_port) << "\"\n";
     out << "[security]\nsecret_key = \"" << (dir_ / "server.key").string() << "\"\n"

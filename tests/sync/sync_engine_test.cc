@@ -276,7 +276,9 @@ TEST(SyncEngineTest, WithheldSiteConvergesWithNothingDoubled) {
   auto before = Dump(a.store());
   for (uint64_t r = 1; r <= 4; ++r) {
     auto d = b.engine().OutboxDelta(kJob, r);
-    if (d.ok()) EXPECT_TRUE(a.engine().ReceiveDelta("siteB", **d).ok());
+    if (d.ok()) {
+      EXPECT_TRUE(a.engine().ReceiveDelta("siteB", **d).ok());
+    }
   }
   EXPECT_EQ(Dump(a.store()), before);
 }

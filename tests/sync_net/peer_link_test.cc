@@ -574,6 +574,22 @@ TEST_F(PeerLinkRefusals, HandshakeReportsHeldRoundsAndRefusesWrongSite) {
   bad_digest.Finish(env2.Finish(), wire::EnvelopeIdentifier());
   auto r2 = gamma.Call(bad_digest, {});
   EXPECT_EQ(r2.status().code(), Code::kFailedPrecondition) << r2.status().ToString();
+
+  // The right site and initial state, but from shard 1 to this shard 0: a sync.peers entry
+  // pointing at the wrong shard of the peer site.
+  flatbuffers::FlatBufferBuilder wrong_shard;
+  auto job3 = wire::CreatePeerJob(wrong_shard, wrong_shard.CreateString("job"),
+                                  wrong_shard.CreateString("digest-of-job"), 0);
+  auto body3 = wire::CreatePeerHello(wrong_shard, wrong_shard.CreateString("gamma"), 1,
+                                     wrong_shard.CreateVector(std::vector{job3}));
+  wire::EnvelopeBuilder env3(wrong_shard);
+  env3.add_request_id(3);
+  env3.add_body_type(wire::Body::PeerHello);
+  env3.add_body(body3.Union());
+  wrong_shard.Finish(env3.Finish(), wire::EnvelopeIdentifier());
+  auto r3 = gamma.Call(wrong_shard, {});
+  EXPECT_EQ(r3.status().code(), Code::kFailedPrecondition) << r3.status().ToString();
+  EXPECT_NE(r3.status().message().find("shard 1"), std::string::npos) << r3.status().ToString();
 }
 
 // Mutated peer messages (header bytes flipped, truncated, frames dropped or added) never

@@ -27,7 +27,7 @@ class SiteProcess : public ServerProcess {
   void Configure(const std::vector<SiteProcess*>& all, const std::string& extra_sync = "",
                  const std::set<std::string>& unlisted = {}) {
     std::ofstream out(dir() / "server.toml");
-    WriteBaseConfig(out, site_ + "-0", peer_port_);
+    WriteBaseConfig(out, site_ + "-" + std::to_string(shard_index_), peer_port_, shard_index_);
     out << "peer_keys = [";
     bool first = true;
     for (auto* s : all) {
@@ -46,6 +46,8 @@ class SiteProcess : public ServerProcess {
     out << "]\nresend_ms = 300\nbackoff_max_ms = 1500\n" << extra_sync << "\n";
   }
 
+  // shard.index written by Configure (default 0: every site's only shard).
+  void set_shard_index(int index) { shard_index_ = index; }
   const std::string& site() const { return site_; }
   std::string admin_endpoint() const { return Endpoint(admin_port()); }
   std::string peer_endpoint() const { return Endpoint(peer_port_); }
@@ -53,6 +55,7 @@ class SiteProcess : public ServerProcess {
  private:
   std::string site_;
   int peer_port_ = 0;
+  int shard_index_ = 0;
 };
 
 }  // namespace isthmus::testing

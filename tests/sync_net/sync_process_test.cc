@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -57,10 +58,17 @@ class SyncProcessTest : public ::testing::Test {
   }
 
   // `peered` false: every site runs the round protocol alone (no links).
-  // `unlisted`: beta leaves these sites' keys off its peer allowlist.
+  // `unlisted`: beta leaves these sites' keys off its peer allowlist. `shard_index`: sites
+  // whose shard.index is not 0.
   void StartSites(const std::vector<std::string>& names, bool peered = true,
-                  const std::set<std::string>& unlisted = {}) {
-    for (const auto& n : names) sites_.push_back(std::make_unique<SiteProcess>(n, root_));
+                  const std::set<std::string>& unlisted = {},
+                  const std::map<std::string, int>& shard_index = {}) {
+    for (const auto& n : names) {
+      sites_.push_back(std::make_unique<SiteProcess>(n, root_));
+      if (auto it = shard_index.find(n); it != shard_index.end()) {
+        sites_.back()->set_shard_index(it->second);
+      }
+    }
     std::vector<SiteProcess*> all;
     for (auto& s : sites_) all.push_back(s.get());
     for (auto& s : sites_) {
@@ -306,6 +314,31 @@ TEST_F(SyncProcessTest, PeerWithUnlistedKeyIsRefused) {
   ASSERT_EQ(held->jobs.size(), 1u);
   EXPECT_EQ(held->jobs[0].committed_round, 0u);
   EXPECT_EQ(held->jobs[0].detail.find("alpha=1"), std::string::npos) << held->jobs[0].detail;
+  EXPECT_EQ(Committed(1), 0u);
+}
+
+// alpha's shard 0 names beta's shard 1 as its peer (a wrong sync.peers entry): both ends
+// refuse the handshake, say why, and nothing is exchanged or committed.
+TEST_F(SyncProcessTest, PeerLinkToAnotherShardIndexIsRefused) {
+  StartSites({"alpha", "beta"}, /*peered=*/true, /*unlisted=*/{}, {{"beta", 1}});
+  Push(0, 1), Push(1, 1);
+  auto end = std::chrono::steady_clock::now() + 10s;
+  PeerLinkReport a, b;
+  while (std::chrono::steady_clock::now() < end) {
+    auto sa = sites_[0]->AdminClient()->SyncStatus();
+    auto sb = sites_[1]->AdminClient()->SyncStatus();
+    ASSERT_TRUE(sa.ok() && sb.ok());
+    ASSERT_EQ(sa->links.size(), 1u);
+    ASSERT_EQ(sb->links.size(), 1u);
+    a = sa->links[0], b = sb->links[0];
+    if (!a.last_error.empty() && !b.last_error.empty()) break;
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_NE(a.last_error.find("connected to shard 1"), std::string::npos) << a.last_error;
+  EXPECT_NE(b.last_error.find("connected to shard 0"), std::string::npos) << b.last_error;
+  EXPECT_EQ(a.deltas_acked, 0u);
+  EXPECT_EQ(b.deltas_acked, 0u);
+  EXPECT_EQ(Committed(0), 0u);
   EXPECT_EQ(Committed(1), 0u);
 }
 
