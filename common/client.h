@@ -164,7 +164,6 @@ struct DigestsInfo {
   std::vector<std::pair<uint64_t, std::string>> digests;  // (round, hex digest), ascending
 };
 
-
 class ShardClient {
  public:
   // Creates the socket and connects (ZeroMQ connects lazily: an absent server shows up
@@ -180,9 +179,11 @@ class ShardClient {
   // large tensors this saves a fresh allocation and a copy per tensor.
   Result<PullView> PullInPlace(const std::string& job, const std::vector<std::string>& names = {},
                                uint64_t newer_than = 0);
-  // Adds each tensor's values to the job's tensor of that name, all or none.
+  // Adds each tensor's values to the job's tensor of that name, all or none. `compute_ms`:
+  // the worker's compute time for the round, for adaptive codec sizing (0 = unknown).
   Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,
-                          uint64_t round, uint64_t tokens, const std::vector<TensorView>& deltas);
+                          uint64_t round, uint64_t tokens, const std::vector<TensorView>& deltas,
+                          uint64_t compute_ms = 0);
   // Admin role: needs a client key on the server's admin allowlist and the admin endpoint.
   Result<JobInfo> CreateJob(const std::string& job, const std::string& base_hash,
                             const std::vector<TensorView>& tensors);

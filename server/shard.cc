@@ -493,7 +493,8 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
     ISTHMUS_RETURN_IF_ERROR(sync_->AddNow(job_name, tensors, batch).status());
   } else {
     ISTHMUS_ASSIGN_OR_RETURN(
-        SyncPushResult r, sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch));
+        SyncPushResult r, sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch,
+                                            req->compute_ms()));
     duplicate = r.duplicate;
     if (duplicate) {
       spdlog::info(

@@ -375,7 +375,7 @@ uint64_t SyncEngine::HeldContiguous(const Job& j, const std::string& site) const
 Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t round,
                                              uint64_t tokens,
                                              const std::vector<SyncPushTensor>& tensors,
-                                             WriteBatch& batch) {
+                                             WriteBatch& batch, uint64_t compute_ms) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   SyncPushResult result;
   if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
@@ -430,6 +430,8 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     batch.Put(Column::kState, StateKey(name, 's', t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(next_rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->staged_compute_ms =
+      std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms);
   j->staged_round = round;
   j->staged_tokens = next_rec.staged_tokens;
   j->staged = std::move(next_rec.staged);
@@ -475,6 +477,9 @@ std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uin
 
 Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   const uint64_t round = j.staged_round;
+  // The workers' compute time for this round, when they reported it, is the time its
+  // transfer should fit in; otherwise the time between the last two closes stands in.
+  if (j.staged_compute_ms > 0) j.last_round_seconds = static_cast<double>(j.staged_compute_ms) / 1e3;
   uint64_t total_numel = 0;
   for (const auto& [_, t] : j.theta) total_numel += t.data->size();
   EncodedDelta delta;
@@ -538,10 +543,11 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   j.inbox[options_.site][round] = delta.tokens;
   j.view.reset();
   auto now = options_.now();
-  if (j.last_close) {
+  if (j.last_close && j.staged_compute_ms == 0) {
     j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
   }
   j.last_close = now;
+  j.staged_compute_ms = 0;
   spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
                 raw, delta.WireBytes());
   return Status::Ok();

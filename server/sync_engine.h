@@ -111,8 +111,11 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // caller's own ops (its idempotency record): they are written in the same batch, and
   // only if everything succeeded. The push that completes the round closes it (encode,
   // residual, outbox), and the commits that become possible follow, each its own batch.
+  // `compute_ms`: the pushing worker's compute time for the round (0 = unknown); the
+  // largest of a round's pushes sizes adaptive codecs at its close.
   Result<SyncPushResult> PushRound(const std::string& job, uint64_t round, uint64_t tokens,
-                                   const std::vector<SyncPushTensor>& tensors, WriteBatch& batch);
+                                   const std::vector<SyncPushTensor>& tensors, WriteBatch& batch,
+                                   uint64_t compute_ms = 0);
 
   // Round-less add (push with round 0) for a job that syncs with no peers: theta += delta
   // at once. FailedPrecondition when peers are configured.
@@ -176,8 +179,10 @@ class SyncEngine : public DeltaSource, public DeltaSink {
     uint64_t bytes_encoded = 0, raw_bytes = 0;
     std::map<std::string, uint64_t> pipelines;  // last closed round
     // Round timing for adaptive sizing (memory only: a restart starts from the config).
+    // staged_compute_ms: largest compute time reported by the staged round's pushes.
     std::optional<std::chrono::steady_clock::time_point> last_close;
     double last_round_seconds = 0;
+    uint64_t staged_compute_ms = 0;
     // Cached optimistic view; empty when stale.
     std::optional<std::map<std::string, SyncTensor>> view;
   };

@@ -328,7 +328,9 @@ class RoundLoop {
     return Status::Ok();
   }
 
-  Status PushRound(const std::vector<Tensor>& start, uint64_t round_tokens) {
+  // Pushes this rank's shards' part of the round delta, with the round's token count and
+  // this rank's compute time for it (the shards size adaptive codecs by it).
+  Status PushRound(const std::vector<Tensor>& start, uint64_t round_tokens, uint64_t compute_ms) {
     auto params = gpt_->Trainable();
     for (size_t s = 0; s < clients_.size(); ++s) {
       if (static_cast<int>(s % world()) != s_.rank) continue;
@@ -344,8 +346,8 @@ class RoundLoop {
       for (const auto& d : deltas) views.push_back({d.name, d.shape, d.data.data()});
       std::string key = s_.shards.job + "/" + client_name_ + "/r" + std::to_string(round_) + "/s" +
                         std::to_string(s);
-      auto r =
-          clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens, views);
+      auto r = clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens,
+                                 views, compute_ms);
       if (!r.ok()) {
         return Status(r.status().code(), "push of round " + std::to_string(round_) + " to shard " +
                                              std::to_string(s) + ": " + r.status().message());
@@ -407,13 +409,16 @@ class RoundLoop {
       if (!s_.standalone) start = gpt_->ExportTrainable();
       uint64_t round_tokens = 0;
       auto round_t0 = Clock::now();
+      double compute_s = 0;  // steps only: no validation, no WAN wait
       int64_t done = 0;
       for (; done < h; ++done) {
+        auto step_t0 = Clock::now();
         auto batch = dataset_->Next();
         local_stop_ = stop_ ? 1.0f : 0.0f;
         any_stop_ = local_stop_;
         auto st = trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size,
                                  s_.model.context);
+        compute_s += std::chrono::duration<double>(Clock::now() - step_t0).count();
         ISTHMUS_RETURN_IF_ERROR(comm_error_);
         ++step_;
         round_tokens += tokens_per_step_;
@@ -439,7 +444,8 @@ class RoundLoop {
       }
       ++round_;
       if (!s_.standalone) {
-        ISTHMUS_RETURN_IF_ERROR(PushRound(start, round_tokens));
+        ISTHMUS_RETURN_IF_ERROR(
+            PushRound(start, round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
         if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
         ISTHMUS_RETURN_IF_ERROR(WaitForWan());
         ISTHMUS_RETURN_IF_ERROR(PullAndShare(false));

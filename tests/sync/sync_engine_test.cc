@@ -108,7 +108,7 @@ class Site {
   }
 
   // Pushes round r as the workers would: tensor 0 alone, then the rest.
-  Result<SyncPushResult> PushRound(uint64_t r, int part = -1) {
+  Result<SyncPushResult> PushRound(uint64_t r, int part = -1, uint64_t compute_ms = 0) {
     std::vector<std::vector<float>> deltas;
     for (size_t i = 0; i < kTensors.size(); ++i) deltas.push_back(DeltaOf(name_, r, i));
     Result<SyncPushResult> last = SyncPushResult{};
@@ -119,7 +119,7 @@ class Site {
         if ((i == 0) == (p == 0)) ts.push_back({kTensors[i].name, deltas[i]});
       }
       WriteBatch b;
-      last = engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b);
+      last = engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b, compute_ms);
       if (!last.ok()) return last;
     }
     return last;
@@ -601,6 +601,40 @@ TEST(SyncEngineTest, AdaptiveSizesToTheSlowestLink) {
   auto st = a.engine().JobStatus(kJob);
   EXPECT_EQ(st->pipelines.begin()->first, "topk:0.001+int2+zstd");  // floor: nothing fits
   EXPECT_LT(st->bytes_encoded - after3, (after3 - before3) / 4);
+}
+
+// Rounds 10 s apart because the workers waited for the WAN, but only 0.25 s of compute
+// each: with the compute time reported, the round's transfer is sized to fit 0.25 s, not
+// the 10 s that include the wait.
+TEST(SyncEngineTest, AdaptiveBudgetIsTheReportedComputeTimeNotTheWait) {
+  Site a("siteA", {"siteB"}, "int8+zstd");
+  auto now = std::chrono::steady_clock::time_point{};
+  a.options().adaptive = true;
+  a.options().adaptive_floor = "topk:0.01+int2+zstd";
+  a.options().adaptive_ceiling = "dense";
+  a.options().now = [&now] { return now; };
+  a.Reopen();
+  uint64_t raw = 0;  // fp32 bytes of one round
+  for (const auto& t : kTensors) raw += 4 * NumElements(t.shape);
+  a.engine().OnLinkBandwidth("siteB", static_cast<double>(raw));  // one dense round per second
+  auto round_bytes = [&](uint64_t r, uint64_t compute_ms) {
+    const uint64_t before = a.engine().JobStatus(kJob)->bytes_encoded;
+    EXPECT_TRUE(a.PushRound(r, -1, compute_ms).ok());
+    return a.engine().JobStatus(kJob)->bytes_encoded - before;
+  };
+  round_bytes(1, 0);  // no round duration known yet
+  now += std::chrono::seconds(10);
+  round_bytes(2, 0);  // 10 s between closes measured here
+  now += std::chrono::seconds(10);
+  EXPECT_GE(round_bytes(3, 0), raw);  // budget 8 dense rounds: dense for every tensor
+  auto dense = a.engine().JobStatus(kJob)->pipelines;
+  ASSERT_EQ(dense.size(), 1u);
+  EXPECT_EQ(dense.begin()->first, "dense");
+  now += std::chrono::seconds(10);
+  const uint64_t sized = round_bytes(4, 250);  // budget 0.2 of a dense round
+  auto st = a.engine().JobStatus(kJob);
+  EXPECT_EQ(st->pipelines.count("dense"), 0u);
+  EXPECT_LT(sized, raw / 2) << "pipelines of round 4: " << st->pipelines.begin()->first;
 }
 
 }  // namespace
