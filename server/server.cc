@@ -124,7 +124,8 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
     }
   }
   auto body = wire::CreateSyncStatusReply(
-      fbb, fbb.CreateString(c.sync_site), -1, engine != nullptr, fbb.CreateVector(link_infos),
+      fbb, fbb.CreateString(c.sync_site), static_cast<int>(c.shard_index), engine != nullptr,
+      fbb.CreateVector(link_infos),
       fbb.CreateVector(job_states), links != nullptr ? links->refused_unknown() : 0);
   FinishReply(reply, id, wire::Body::SyncStatusReply, body.Union());
   return Status::Ok();

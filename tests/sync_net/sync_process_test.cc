@@ -334,6 +334,11 @@ TEST_F(SyncProcessTest, PeerLinkToAnotherShardIndexIsRefused) {
     if (!a.last_error.empty() && !b.last_error.empty()) break;
     std::this_thread::sleep_for(50ms);
   }
+  auto sa = sites_[0]->AdminClient()->SyncStatus();
+  auto sb = sites_[1]->AdminClient()->SyncStatus();
+  ASSERT_TRUE(sa.ok() && sb.ok());
+  EXPECT_EQ(sa->shard_index, 0);
+  EXPECT_EQ(sb->shard_index, 1);
   EXPECT_NE(a.last_error.find("connected to shard 1"), std::string::npos) << a.last_error;
   EXPECT_NE(b.last_error.find("connected to shard 0"), std::string::npos) << b.last_error;
   EXPECT_EQ(a.deltas_acked, 0u);
