@@ -547,49 +547,41 @@ TEST_F(PeerLinkRefusals, ReplayedDeltaIsAcknowledgedAndIgnored) {
   EXPECT_EQ(eb_.Received("alpha", 1)->tensors[0].bytes, first->tensors[0].bytes);
 }
 
-TEST_F(PeerLinkRefusals, HandshakeReportsHeldRoundsAndRefusesWrongSite) {
-  RawPeer gamma(c_.keys, b_);
+// A PeerHello from `site` (shard `shard_index`) offering job "job" with `digest` as its
+// initial-state digest.
+flatbuffers::FlatBufferBuilder PeerHelloMessage(uint64_t id, const std::string& site,
+                                                int shard_index, const std::string& digest) {
   flatbuffers::FlatBufferBuilder fbb;
-  auto job =
-      wire::CreatePeerJob(fbb, fbb.CreateString("job"), fbb.CreateString("digest-of-job"), 0);
-  auto body =
-      wire::CreatePeerHello(fbb, fbb.CreateString("alpha"), 0, fbb.CreateVector(std::vector{job}));
+  auto job = wire::CreatePeerJob(fbb, fbb.CreateString("job"), fbb.CreateString(digest), 0);
+  auto body = wire::CreatePeerHello(fbb, fbb.CreateString(site), shard_index,
+                                    fbb.CreateVector(std::vector{job}));
   wire::EnvelopeBuilder env(fbb);
-  env.add_request_id(1);
+  env.add_request_id(id);
   env.add_body_type(wire::Body::PeerHello);
   env.add_body(body.Union());
   fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
-  auto r = gamma.Call(fbb, {});
+  return fbb;
+}
+
+TEST_F(PeerLinkRefusals, HandshakeReportsHeldRoundsAndRefusesWrongSite) {
+  RawPeer gamma(c_.keys, b_);
+  // gamma's key claiming to be alpha.
+  auto r = gamma.Call(PeerHelloMessage(1, "alpha", 0, "digest-of-job"), {});
   EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().ToString();
 
-  flatbuffers::FlatBufferBuilder bad_digest;
-  auto job2 = wire::CreatePeerJob(bad_digest, bad_digest.CreateString("job"),
-                                  bad_digest.CreateString("another-initial-state"), 0);
-  auto body2 = wire::CreatePeerHello(bad_digest, bad_digest.CreateString("gamma"), 0,
-                                     bad_digest.CreateVector(std::vector{job2}));
-  wire::EnvelopeBuilder env2(bad_digest);
-  env2.add_request_id(2);
-  env2.add_body_type(wire::Body::PeerHello);
-  env2.add_body(body2.Union());
-  bad_digest.Finish(env2.Finish(), wire::EnvelopeIdentifier());
-  auto r2 = gamma.Call(bad_digest, {});
+  // Another initial state than this site's.
+  auto r2 = gamma.Call(PeerHelloMessage(2, "gamma", 0, "another-initial-state"), {});
   EXPECT_EQ(r2.status().code(), Code::kFailedPrecondition) << r2.status().ToString();
 
   // The right site and initial state, but from shard 1 to this shard 0: a sync.peers entry
   // pointing at the wrong shard of the peer site.
-  flatbuffers::FlatBufferBuilder wrong_shard;
-  auto job3 = wire::CreatePeerJob(wrong_shard, wrong_shard.CreateString("job"),
-                                  wrong_shard.CreateString("digest-of-job"), 0);
-  auto body3 = wire::CreatePeerHello(wrong_shard, wrong_shard.CreateString("gamma"), 1,
-                                     wrong_shard.CreateVector(std::vector{job3}));
-  wire::EnvelopeBuilder env3(wrong_shard);
-  env3.add_request_id(3);
-  env3.add_body_type(wire::Body::PeerHello);
-  env3.add_body(body3.Union());
-  wrong_shard.Finish(env3.Finish(), wire::EnvelopeIdentifier());
-  auto r3 = gamma.Call(wrong_shard, {});
+  auto r3 = gamma.Call(PeerHelloMessage(3, "gamma", 1, "digest-of-job"), {});
   EXPECT_EQ(r3.status().code(), Code::kFailedPrecondition) << r3.status().ToString();
   EXPECT_NE(r3.status().message().find("shard 1"), std::string::npos) << r3.status().ToString();
+
+  // All right: answered with the rounds held.
+  auto r4 = gamma.Call(PeerHelloMessage(4, "gamma", 0, "digest-of-job"), {});
+  EXPECT_TRUE(r4.ok()) << r4.status().ToString();
 }
 
 // Mutated peer messages (header bytes flipped, truncated, frames dropped or added) never
