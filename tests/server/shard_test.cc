@@ -49,7 +49,8 @@ class ShardTest : public ::testing::Test {
 
   Status CreateJob(wire::Role role = wire::Role::Admin) {
     flatbuffers::FlatBufferBuilder fbb;
-    std::vector<TensorView> v{{"w", {2, 2}, w_.data()}, {"b", {3}, b_.data()}};
+    std::vector<TensorView> v{{"w", {2, static_cast<int64_t>(w_.size()) / 2}, w_.data()},
+                              {"b", {3}, b_.data()}};
     auto metas = BuildTensorMetas(fbb, v);
     Finish(fbb, wire::Body::JobCreate,
            wire::CreateJobCreate(fbb, fbb.CreateString("job"), fbb.CreateString("base1"), metas).Union());
@@ -183,6 +184,31 @@ TEST_F(ShardTest, BadPushesChangeNothing) {
   // A refused key was not recorded: the same key with good data applies.
   EXPECT_FALSE(*Push("nan", {{"b", {1, 1, 1}}}));
   EXPECT_EQ(shard_->errors(), 6u);
+}
+
+// 5 Mi elements: past the size at which the shard splits the add over two threads. Every
+// sum is exact, and a NaN in either half is refused with the state unchanged.
+TEST_F(ShardTest, LargeTensorIsAddedExactlyAndCheckedInBothHalves) {
+  const size_t n = size_t{5} << 20;
+  w_.resize(n);
+  for (size_t i = 0; i < n; ++i) w_[i] = static_cast<float>(i % 1000) * 0.25f;
+  ASSERT_TRUE(CreateJob().ok());
+  std::vector<float> d(n);
+  for (size_t i = 0; i < n; ++i) d[i] = static_cast<float>(i % 7) - 3.0f;
+  ASSERT_FALSE(*Push("k1", {{"w", d}}));
+  const std::vector<float> after = Pull()["w"];
+  ASSERT_EQ(after.size(), n);
+  size_t wrong = 0;
+  for (size_t i = 0; i < n; ++i) wrong += after[i] != w_[i] + d[i];
+  EXPECT_EQ(wrong, 0u);
+  for (size_t pos : {size_t{10}, n / 2 + 5, n - 1}) {
+    auto bad = d;
+    bad[pos] = std::nanf("");
+    EXPECT_EQ(Push("nan" + std::to_string(pos), {{"w", bad}}).status().code(),
+              Code::kInvalidArgument)
+        << "NaN at " << pos;
+    EXPECT_TRUE(Pull()["w"] == after) << "state changed by a refused push (NaN at " << pos << ")";
+  }
 }
 
 TEST_F(ShardTest, DeltaThatOverflowsIsRefused) {
