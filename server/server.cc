@@ -125,8 +125,8 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
   }
   auto body = wire::CreateSyncStatusReply(
       fbb, fbb.CreateString(c.sync_site), static_cast<int>(c.shard_index), engine != nullptr,
-      fbb.CreateVector(link_infos),
-      fbb.CreateVector(job_states), links != nullptr ? links->refused_unknown() : 0);
+      fbb.CreateVector(link_infos), fbb.CreateVector(job_states),
+      links != nullptr ? links->refused_unknown() : 0);
   FinishReply(reply, id, wire::Body::SyncStatusReply, body.Union());
   return Status::Ok();
 }

@@ -478,8 +478,13 @@ std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uin
 Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   const uint64_t round = j.staged_round;
   // The workers' compute time for this round, when they reported it, is the time its
-  // transfer should fit in; otherwise the time between the last two closes stands in.
-  if (j.staged_compute_ms > 0) j.last_round_seconds = static_cast<double>(j.staged_compute_ms) / 1e3;
+  // transfer should fit in; otherwise the time since the previous close stands in.
+  const auto now = options_.now();
+  if (j.staged_compute_ms > 0) {
+    j.last_round_seconds = static_cast<double>(j.staged_compute_ms) / 1e3;
+  } else if (j.last_close) {
+    j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
+  }
   uint64_t total_numel = 0;
   for (const auto& [_, t] : j.theta) total_numel += t.data->size();
   EncodedDelta delta;
@@ -542,10 +547,6 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   j.pipelines = std::move(pipelines);
   j.inbox[options_.site][round] = delta.tokens;
   j.view.reset();
-  auto now = options_.now();
-  if (j.last_close && j.staged_compute_ms == 0) {
-    j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
-  }
   j.last_close = now;
   j.staged_compute_ms = 0;
   spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,

@@ -408,7 +408,6 @@ class RoundLoop {
       std::vector<Tensor> start;
       if (!s_.standalone) start = gpt_->ExportTrainable();
       uint64_t round_tokens = 0;
-      auto round_t0 = Clock::now();
       double compute_s = 0;  // steps only: no validation, no WAN wait
       int64_t done = 0;
       for (; done < h; ++done) {
@@ -440,7 +439,7 @@ class RoundLoop {
         }
       }
       if (done > 0) {
-        step_seconds_ = std::chrono::duration<double>(Clock::now() - round_t0).count() / done;
+        step_seconds_ = compute_s / static_cast<double>(done);
       }
       ++round_;
       if (!s_.standalone) {
