@@ -1,13 +1,20 @@
 // The CPU reference backend of ops/ops.h. It is the ground truth the CUDA kernels are
 // checked against, so it favours clear, numerically careful code: every matmul goes through
-// OpenBLAS sgemm, reductions accumulate in double, and row loops use OpenMP.
+// OpenBLAS sgemm, reductions accumulate in double, and row loops use OpenMP. bf16 tensors
+// are emulated: each kernel reads them into fp32, computes in fp32 and rounds once when it
+// stores, which is also what the CUDA kernels do. Unlike other backends this one is safe to
+// call from several threads at once (kernels are stateless; allocation is locked).
 #include <cblas.h>
 #include <omp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cassert>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "ops/cpu_internal.h"
@@ -23,6 +30,40 @@ void Sgemm(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const f
               trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
+void ToBf16(const float* src, Bf16* dst, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) dst[i] = ops::ToBf16(src[i]);
+}
+
+void FromBf16(const Bf16* src, float* dst, int64_t n) {
+#pragma omp parallel for schedule(static) if (n > 65536)
+  for (int64_t i = 0; i < n; ++i) dst[i] = ops::FromBf16(src[i]);
+}
+
+In::In(CRef ref, int64_t n) {
+  if (ref.dtype == Dtype::kF32 || ref.data == nullptr) {
+    ptr_ = static_cast<const float*>(ref.data);
+    return;
+  }
+  copy_.resize(n);
+  FromBf16(static_cast<const Bf16*>(ref.data), copy_.data(), n);
+  ptr_ = copy_.data();
+}
+
+Out::Out(Ref ref, int64_t n, bool load) : ref_(ref), n_(n) {
+  if (ref.dtype == Dtype::kF32 || ref.data == nullptr) {
+    ptr_ = static_cast<float*>(ref.data);
+    return;
+  }
+  copy_.resize(n);
+  if (load) FromBf16(static_cast<const Bf16*>(ref.data), copy_.data(), n);
+  ptr_ = copy_.data();
+}
+
+void Out::Commit() {
+  if (!copy_.empty()) ToBf16(copy_.data(), static_cast<Bf16*>(ref_.data), n_);
+}
+
 }  // namespace cpu
 
 namespace {
@@ -30,6 +71,7 @@ namespace {
 constexpr float kLayerNormEps = 1e-5f;
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2/pi)
 constexpr float kGeluCubic = 0.044715f;
+constexpr size_t kAlignment = 256;
 
 // tanh as 1 - 2 / (e^{2u} + 1): glibc's expf is about 3x faster than its tanhf and the
 // absolute error stays below 2e-7 (e^{2u} = inf gives exactly 1).
@@ -50,14 +92,97 @@ void AccumulateColumnSums(const float* m, float* out, int rows, int cols) {
   }
 }
 
+// out[N,C] = bias (broadcast) + residual, either may be null (then 0).
+void BiasResidual(const float* bias, const float* residual, float* out, int N, int C) {
+#pragma omp parallel for schedule(static)
+  for (int i = 0; i < N; ++i) {
+    float* o = out + static_cast<int64_t>(i) * C;
+    const float* r = residual != nullptr ? residual + static_cast<int64_t>(i) * C : nullptr;
+    for (int c = 0; c < C; ++c) o[c] = (r != nullptr ? r[c] : 0.0f) + (bias ? bias[c] : 0.0f);
+  }
+}
+
 class CpuOpsImpl : public Ops {
  public:
   const char* Name() const override { return "cpu"; }
+  std::string Describe() const override {
+    return "cpu (" + std::to_string(omp_get_max_threads()) + " threads, OpenBLAS)";
+  }
+  bool HostMemory() const override { return true; }
 
-  void Matmul(const float* a, const float* b, float* c, int m, int n, int k, bool trans_a,
-              bool trans_b, float alpha, float beta) override {
-    cpu::Sgemm(trans_a, trans_b, m, n, k, alpha, a, trans_a ? m : k, b, trans_b ? k : n, beta, c,
-               n);
+  Result<void*> Alloc(size_t bytes) override {
+    if (bytes == 0) return static_cast<void*>(nullptr);
+    const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    void* p = std::aligned_alloc(kAlignment, rounded);
+    if (p == nullptr) {
+      return Status::ResourceExhausted("out of host memory allocating " + std::to_string(bytes) +
+                                       " bytes");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_[p] = rounded;
+    allocated_ += rounded;
+    peak_ = std::max(peak_, allocated_);
+    return p;
+  }
+  void Free(void* p) override {
+    if (p == nullptr) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sizes_.find(p);
+      if (it != sizes_.end()) {
+        allocated_ -= it->second;
+        sizes_.erase(it);
+      }
+    }
+    std::free(p);
+  }
+  Result<void*> AllocHost(size_t bytes) override { return Alloc(bytes); }
+  void FreeHost(void* p) override { Free(p); }
+
+  void Upload(void* dst, const void* src, size_t bytes) override { Move(dst, src, bytes); }
+  void Download(void* dst, const void* src, size_t bytes) override { Move(dst, src, bytes); }
+  void UploadAsync(void* dst, const void* src, size_t bytes) override { Move(dst, src, bytes); }
+  void DownloadAsync(void* dst, const void* src, size_t bytes) override { Move(dst, src, bytes); }
+  void Copy(void* dst, const void* src, size_t bytes) override { Move(dst, src, bytes); }
+  void Zero(void* dst, size_t bytes) override {
+    if (bytes > 0) std::memset(dst, 0, bytes);
+  }
+  Status Synchronize() override { return Status::Ok(); }
+  Status status() const override { return Status::Ok(); }
+  MemoryInfo Memory() const override {
+    MemoryInfo m;
+    const long page = sysconf(_SC_PAGESIZE);
+    m.total = static_cast<size_t>(sysconf(_SC_PHYS_PAGES)) * page;
+    m.free = static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * page;
+    std::lock_guard<std::mutex> lock(mu_);
+    m.allocated = allocated_;
+    m.peak_allocated = peak_;
+    return m;
+  }
+
+  void Matmul(CRef a, CRef b, Ref c, int m, int n, int k, bool trans_a, bool trans_b, float alpha,
+              float beta) override {
+    assert(a.dtype == b.dtype);
+    cpu::In av(a, static_cast<int64_t>(m) * k), bv(b, static_cast<int64_t>(k) * n);
+    cpu::Out cv(c, static_cast<int64_t>(m) * n, beta != 0.0f);
+    cpu::Sgemm(trans_a, trans_b, m, n, k, alpha, av.get(), trans_a ? m : k, bv.get(),
+               trans_b ? k : n, beta, cv.get(), n);
+    cv.Commit();
+  }
+
+  void Cast(CRef src, Ref out, int64_t n) override {
+    if (src.dtype == out.dtype) {
+      Move(out.data, src.data, n * DtypeSize(src.dtype));
+    } else if (src.dtype == Dtype::kF32) {
+      cpu::ToBf16(static_cast<const float*>(src.data), static_cast<Bf16*>(out.data), n);
+    } else {
+      cpu::FromBf16(static_cast<const Bf16*>(src.data), static_cast<float*>(out.data), n);
+    }
+  }
+
+  void Subtract(const float* a, const float* b, float* out, int64_t n) override {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) out[i] = a[i] - b[i];
   }
 
   void EmbeddingForward(const int32_t* tokens, const float* wte, const float* wpe, float* out,
@@ -71,31 +196,34 @@ class CpuOpsImpl : public Ops {
     }
   }
 
-  void EmbeddingBackward(const float* dout, const int32_t* tokens, float* dwte, float* dwpe, int B,
-                         int T, int C) override {
-    // Rows may repeat a token, so threads split the channels, not the rows.
-#pragma omp parallel
-    {
-      const int nt = omp_get_num_threads();
-      const int id = omp_get_thread_num();
-      const int c0 = static_cast<int>(static_cast<int64_t>(C) * id / nt);
-      const int c1 = static_cast<int>(static_cast<int64_t>(C) * (id + 1) / nt);
-      for (int i = 0; i < B * T; ++i) {
-        const float* d = dout + static_cast<int64_t>(i) * C;
-        if (dwte != nullptr) {
-          float* g = dwte + static_cast<int64_t>(tokens[i]) * C;
-          for (int c = c0; c < c1; ++c) g[c] += d[c];
+  void EmbeddingBackward(const float* dout, const int32_t* order, const int32_t* starts,
+                         float* dwte, float* dwpe, int B, int T, int C, int V) override {
+    if (dwte != nullptr) {
+#pragma omp parallel for schedule(dynamic, 4)
+      for (int v = 0; v < V; ++v) {
+        float* g = dwte + static_cast<int64_t>(v) * C;
+        for (int32_t j = starts[v]; j < starts[v + 1]; ++j) {
+          const float* d = dout + static_cast<int64_t>(order[j]) * C;
+          for (int c = 0; c < C; ++c) g[c] += d[c];
         }
-        if (dwpe != nullptr) {
-          float* g = dwpe + static_cast<int64_t>(i % T) * C;
-          for (int c = c0; c < c1; ++c) g[c] += d[c];
+      }
+    }
+    if (dwpe != nullptr) {
+#pragma omp parallel for schedule(static)
+      for (int t = 0; t < T; ++t) {
+        float* g = dwpe + static_cast<int64_t>(t) * C;
+        for (int b = 0; b < B; ++b) {
+          const float* d = dout + (static_cast<int64_t>(b) * T + t) * C;
+          for (int c = 0; c < C; ++c) g[c] += d[c];
         }
       }
     }
   }
 
-  void LayerNormForward(const float* x, const float* weight, const float* bias, float* out,
+  void LayerNormForward(const float* x, const float* weight, const float* bias, Ref out_ref,
                         float* mean, float* rstd, int N, int C) override {
+    cpu::Out out(out_ref, static_cast<int64_t>(N) * C, false);
+    float* o = out.get();
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < N; ++i) {
       const float* xi = x + static_cast<int64_t>(i) * C;
@@ -110,16 +238,19 @@ class CpuOpsImpl : public Ops {
       var /= C;
       const float m = static_cast<float>(mu);
       const float s = static_cast<float>(1.0 / std::sqrt(var + kLayerNormEps));
-      float* oi = out + static_cast<int64_t>(i) * C;
+      float* oi = o + static_cast<int64_t>(i) * C;
       for (int c = 0; c < C; ++c) oi[c] = (xi[c] - m) * s * weight[c] + bias[c];
       mean[i] = m;
       rstd[i] = s;
     }
+    out.Commit();
   }
 
-  void LayerNormBackward(const float* dout, const float* x, const float* weight, const float* mean,
+  void LayerNormBackward(CRef dout_ref, const float* x, const float* weight, const float* mean,
                          const float* rstd, float* dx, float* dweight, float* dbias, int N,
                          int C) override {
+    cpu::In dout_in(dout_ref, static_cast<int64_t>(N) * C);
+    const float* dout = dout_in.get();
 #pragma omp parallel
     {
       std::vector<double> dw_part(dweight != nullptr ? C : 0, 0.0);
@@ -165,23 +296,221 @@ class CpuOpsImpl : public Ops {
     }
   }
 
-  void LinearForward(const float* x, const float* w, const float* bias, float* out, int N,
-                     int in_dim, int out_dim) override {
-    float beta = 0.0f;
-    if (bias != nullptr) {
-#pragma omp parallel for schedule(static)
-      for (int i = 0; i < N; ++i) {
-        std::memcpy(out + static_cast<int64_t>(i) * out_dim, bias, sizeof(float) * out_dim);
+  void LinearForward(CRef x_ref, CRef w_ref, const float* bias, const float* residual,
+                     Ref out_ref, int N, int in_dim, int out_dim) override {
+    cpu::In x(x_ref, static_cast<int64_t>(N) * in_dim);
+    cpu::In w(w_ref, static_cast<int64_t>(in_dim) * out_dim);
+    cpu::Out out(out_ref, static_cast<int64_t>(N) * out_dim, false);
+    LinearInto(x.get(), w.get(), bias, residual, out.get(), N, in_dim, out_dim);
+    out.Commit();
+  }
+
+  void LinearBackward(CRef dout_ref, CRef x_ref, CRef w_ref, Ref dx_ref, float* dw, float* dbias,
+                      int N, int in_dim, int out_dim) override {
+    cpu::In dout(dout_ref, static_cast<int64_t>(N) * out_dim);
+    cpu::In x(dw != nullptr ? x_ref : CRef(), static_cast<int64_t>(N) * in_dim);
+    cpu::In w(dx_ref ? w_ref : CRef(), static_cast<int64_t>(in_dim) * out_dim);
+    cpu::Out dx(dx_ref, static_cast<int64_t>(N) * in_dim, false);
+    LinearBackInto(dout.get(), x.get(), w.get(), dx.get(), dw, dbias, N, in_dim, out_dim);
+    dx.Commit();
+  }
+
+  void LoraLinearForward(CRef x_ref, CRef w_ref, const float* bias, CRef a_ref, CRef b_ref,
+                         float scale, const float* residual, Ref out_ref, Ref xa_ref, int N,
+                         int in_dim, int out_dim, int rank) override {
+    cpu::In x(x_ref, static_cast<int64_t>(N) * in_dim);
+    cpu::In w(w_ref, static_cast<int64_t>(in_dim) * out_dim);
+    cpu::In a(a_ref, static_cast<int64_t>(rank) * in_dim);
+    cpu::In b(b_ref, static_cast<int64_t>(out_dim) * rank);
+    cpu::Out out(out_ref, static_cast<int64_t>(N) * out_dim, false);
+    cpu::Out xa(xa_ref, static_cast<int64_t>(N) * rank, false);
+    LinearInto(x.get(), w.get(), bias, residual, out.get(), N, in_dim, out_dim);
+    // xa = x A^T, then out += scale * xa B^T.
+    cpu::Sgemm(false, true, N, rank, in_dim, 1.0f, x.get(), in_dim, a.get(), in_dim, 0.0f,
+               xa.get(), rank);
+    cpu::Sgemm(false, true, N, out_dim, rank, scale, xa.get(), rank, b.get(), rank, 1.0f,
+               out.get(), out_dim);
+    out.Commit();
+    xa.Commit();
+  }
+
+  void LoraLinearBackward(CRef dout_ref, CRef x_ref, CRef w_ref, CRef a_ref, CRef b_ref,
+                          float scale, CRef xa_ref, Ref dx_ref, float* dw, float* dbias,
+                          float* dlora_a, float* dlora_b, Ref dxa_ref, int N, int in_dim,
+                          int out_dim, int rank) override {
+    cpu::In dout(dout_ref, static_cast<int64_t>(N) * out_dim);
+    cpu::In x(x_ref, static_cast<int64_t>(N) * in_dim);
+    cpu::In w(dx_ref ? w_ref : CRef(), static_cast<int64_t>(in_dim) * out_dim);
+    cpu::In a(a_ref, static_cast<int64_t>(rank) * in_dim);
+    cpu::In b(b_ref, static_cast<int64_t>(out_dim) * rank);
+    cpu::In xa(xa_ref, static_cast<int64_t>(N) * rank);
+    cpu::Out dx(dx_ref, static_cast<int64_t>(N) * in_dim, false);
+    cpu::Out dxa(dxa_ref, static_cast<int64_t>(N) * rank, false);
+    LinearBackInto(dout.get(), x.get(), w.get(), dx.get(), dw, dbias, N, in_dim, out_dim);
+    if (dlora_b != nullptr) {  // dB += scale * dout^T xa
+      cpu::Sgemm(true, false, out_dim, rank, N, scale, dout.get(), out_dim, xa.get(), rank, 1.0f,
+                 dlora_b, rank);
+    }
+    if (dx.get() != nullptr || dlora_a != nullptr) {
+      // dxa = scale * dout B, the gradient reaching x A^T.
+      cpu::Sgemm(false, false, N, rank, out_dim, scale, dout.get(), out_dim, b.get(), rank, 0.0f,
+                 dxa.get(), rank);
+      if (dlora_a != nullptr) {  // dA += dxa^T x
+        cpu::Sgemm(true, false, rank, in_dim, N, 1.0f, dxa.get(), rank, x.get(), in_dim, 1.0f,
+                   dlora_a, in_dim);
       }
+      if (dx.get() != nullptr) {  // dx += dxa A
+        cpu::Sgemm(false, false, N, in_dim, rank, 1.0f, dxa.get(), rank, a.get(), in_dim, 1.0f,
+                   dx.get(), in_dim);
+      }
+    }
+    dx.Commit();
+    dxa.Commit();
+  }
+
+  void GeluForward(CRef x_ref, Ref out_ref, int64_t n) override {
+    cpu::In x(x_ref, n);
+    cpu::Out out(out_ref, n, false);
+    const float* xs = x.get();
+    float* o = out.get();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = xs[i];
+      o[i] = 0.5f * v * (1.0f + Tanh(kGeluScale * (v + kGeluCubic * v * v * v)));
+    }
+    out.Commit();
+  }
+
+  void GeluBackward(CRef dout_ref, CRef x_ref, Ref dx_ref, int64_t n) override {
+    cpu::In dout(dout_ref, n), x(x_ref, n);
+    cpu::Out dx(dx_ref, n, false);
+    const float* d = dout.get();
+    const float* xs = x.get();
+    float* o = dx.get();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = xs[i];
+      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
+      const float t = Tanh(u);
+      const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
+      o[i] = d[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
+    }
+    dx.Commit();
+  }
+
+  void AttentionForward(CRef qkv_ref, Ref out_ref, float* lse, int B, int T, int C,
+                        int H) override {
+    const int64_t n = static_cast<int64_t>(B) * T * C;
+    cpu::In qkv(qkv_ref, 3 * n);
+    cpu::Out out(out_ref, n, false);
+    cpu::AttentionForward(qkv.get(), out.get(), lse, B, T, C, H);
+    out.Commit();
+  }
+
+  void AttentionBackward(CRef dout_ref, CRef qkv_ref, CRef out_ref, const float* lse,
+                         Ref dqkv_ref, float* scratch, int B, int T, int C, int H) override {
+    const int64_t n = static_cast<int64_t>(B) * T * C;
+    cpu::In dout(dout_ref, n), qkv(qkv_ref, 3 * n), out(out_ref, n);
+    cpu::Out dqkv(dqkv_ref, 3 * n, false);
+    cpu::AttentionBackward(dout.get(), qkv.get(), out.get(), lse, dqkv.get(), B, T, C, H);
+    dqkv.Commit();
+  }
+
+  void SoftmaxCrossEntropy(CRef logits_ref, const int32_t* targets, float* losses,
+                           Ref dlogits_ref, const float* dloss, int N, int V) override {
+    const int64_t n = static_cast<int64_t>(N) * V;
+    cpu::In logits_in(logits_ref, n);
+    // A copy of the logits when the gradient overwrites them in place (fp32 aliasing).
+    std::vector<float> keep;
+    const float* logits = logits_in.get();
+    if (dlogits_ref.data == logits_ref.data && dlogits_ref && dlogits_ref.dtype == Dtype::kF32) {
+      keep.assign(logits, logits + n);
+      logits = keep.data();
+    }
+    cpu::Out dlogits(dlogits_ref, n, false);
+    float* dl = dlogits.get();
+    const float scale = dl != nullptr ? *dloss : 0.0f;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; ++i) {
+      const float* li = logits + static_cast<int64_t>(i) * V;
+      const int32_t target = targets[i];
+      float max_logit = li[0];
+      for (int j = 1; j < V; ++j) max_logit = std::max(max_logit, li[j]);
+      double sum = 0.0;
+      for (int j = 0; j < V; ++j) sum += std::exp(static_cast<double>(li[j] - max_logit));
+      // log-sum-exp form; stays finite even when the target's probability underflows.
+      losses[i] =
+          target >= 0 ? static_cast<float>(std::log(sum) - (li[target] - max_logit)) : 0.0f;
+      if (dl == nullptr) continue;
+      float* di = dl + static_cast<int64_t>(i) * V;
+      if (target < 0) {
+        std::fill(di, di + V, 0.0f);
+        continue;
+      }
+      const float inv = static_cast<float>(1.0 / sum);
+      for (int j = 0; j < V; ++j) di[j] = std::exp(li[j] - max_logit) * inv * scale;
+      di[target] -= scale;
+    }
+    dlogits.Commit();
+  }
+
+  void SumSquares(const float* x, int64_t n, float* out) override {
+    double sum = 0.0;
+#pragma omp parallel for schedule(static) reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
+    *out = static_cast<float>(sum);
+  }
+
+  void AdamW(float* param, const float* grad, float* m, float* v, Ref param_copy,
+             const AdamWChunk* chunks, int num_chunks, const float* sumsq,
+             const AdamWScalars* scalars, const AdamWConfig& config) override {
+    if (!std::isfinite(*sumsq)) return;
+    float clip = 1.0f;
+    const double norm = std::sqrt(static_cast<double>(*sumsq));
+    if (config.grad_clip > 0 && norm > config.grad_clip) {
+      clip = static_cast<float>(config.grad_clip / (norm + 1e-6));
+    }
+    const float lr = scalars->lr, bc1 = scalars->bias_correction1;
+    const float bc2 = scalars->bias_correction2;
+    const float b1 = config.beta1, b2 = config.beta2, eps = config.eps;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int c = 0; c < num_chunks; ++c) {
+      const AdamWChunk ch = chunks[c];
+      const float wd = ch.decay ? config.weight_decay : 0.0f;
+      for (int64_t i = ch.offset; i < ch.offset + ch.count; ++i) {
+        const float g = grad[i] * clip;
+        const float mi = b1 * m[i] + (1.0f - b1) * g;
+        const float vi = b2 * v[i] + (1.0f - b2) * g * g;
+        m[i] = mi;
+        v[i] = vi;
+        const float m_hat = mi / bc1;
+        const float v_hat = vi / bc2;
+        // Decoupled decay uses the pre-step parameter (same as PyTorch's AdamW).
+        param[i] -= lr * (m_hat / (std::sqrt(v_hat) + eps) + wd * param[i]);
+      }
+      if (param_copy) Cast(param + ch.offset, param_copy.At(ch.offset), ch.count);
+    }
+  }
+
+ private:
+  static void Move(void* dst, const void* src, size_t bytes) {
+    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+  }
+
+  static void LinearInto(const float* x, const float* w, const float* bias, const float* residual,
+                         float* out, int N, int in_dim, int out_dim) {
+    float beta = 0.0f;
+    if (bias != nullptr || residual != nullptr) {
+      BiasResidual(bias, residual, out, N, out_dim);
       beta = 1.0f;
     }
     cpu::Sgemm(false, false, N, out_dim, in_dim, 1.0f, x, in_dim, w, out_dim, beta, out, out_dim);
   }
 
-  void LinearBackward(const float* dout, const float* x, const float* w, float* dx, float* dw,
-                      float* dbias, int N, int in_dim, int out_dim) override {
-    if (dx != nullptr) {  // dx += dout W^T
-      cpu::Sgemm(false, true, N, in_dim, out_dim, 1.0f, dout, out_dim, w, out_dim, 1.0f, dx,
+  static void LinearBackInto(const float* dout, const float* x, const float* w, float* dx,
+                             float* dw, float* dbias, int N, int in_dim, int out_dim) {
+    if (dx != nullptr) {  // dx = dout W^T
+      cpu::Sgemm(false, true, N, in_dim, out_dim, 1.0f, dout, out_dim, w, out_dim, 0.0f, dx,
                  in_dim);
     }
     if (dw != nullptr) {  // dw += x^T dout
@@ -191,154 +520,53 @@ class CpuOpsImpl : public Ops {
     if (dbias != nullptr) AccumulateColumnSums(dout, dbias, N, out_dim);
   }
 
-  void LoraLinearForward(const float* x, const float* w, const float* bias, const float* lora_a,
-                         const float* lora_b, float scale, float* out, float* xa, int N, int in_dim,
-                         int out_dim, int rank) override {
-    LinearForward(x, w, bias, out, N, in_dim, out_dim);
-    // xa = x A^T, then out += scale * xa B^T.
-    cpu::Sgemm(false, true, N, rank, in_dim, 1.0f, x, in_dim, lora_a, in_dim, 0.0f, xa, rank);
-    cpu::Sgemm(false, true, N, out_dim, rank, scale, xa, rank, lora_b, rank, 1.0f, out, out_dim);
-  }
-
-  void LoraLinearBackward(const float* dout, const float* x, const float* w, const float* lora_a,
-                          const float* lora_b, float scale, const float* xa, float* dx, float* dw,
-                          float* dbias, float* dlora_a, float* dlora_b, float* dxa_scratch, int N,
-                          int in_dim, int out_dim, int rank) override {
-    LinearBackward(dout, x, w, dx, dw, dbias, N, in_dim, out_dim);
-    if (dlora_b != nullptr) {  // dB += scale * dout^T xa
-      cpu::Sgemm(true, false, out_dim, rank, N, scale, dout, out_dim, xa, rank, 1.0f, dlora_b,
-                 rank);
-    }
-    if (dx == nullptr && dlora_a == nullptr) return;
-    // dxa = scale * dout B, the gradient reaching x A^T.
-    cpu::Sgemm(false, false, N, rank, out_dim, scale, dout, out_dim, lora_b, rank, 0.0f,
-               dxa_scratch, rank);
-    if (dlora_a != nullptr) {  // dA += dxa^T x
-      cpu::Sgemm(true, false, rank, in_dim, N, 1.0f, dxa_scratch, rank, x, in_dim, 1.0f, dlora_a,
-                 in_dim);
-    }
-    if (dx != nullptr) {  // dx += dxa A
-      cpu::Sgemm(false, false, N, in_dim, rank, 1.0f, dxa_scratch, rank, lora_a, in_dim, 1.0f, dx,
-                 in_dim);
-    }
-  }
-
-  void GeluForward(const float* x, float* out, int64_t n) override {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = x[i];
-      out[i] = 0.5f * v * (1.0f + Tanh(kGeluScale * (v + kGeluCubic * v * v * v)));
-    }
-  }
-
-  void GeluBackward(const float* dout, const float* x, float* dx, int64_t n) override {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      const float t = Tanh(u);
-      const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
-      dx[i] += dout[i] * (0.5f * (1.0f + t) + 0.5f * v * (1.0f - t * t) * du);
-    }
-  }
-
-  void AttentionForward(const float* qkv, float* out, float* att, int B, int T, int C,
-                        int H) override {
-    cpu::AttentionForward(qkv, out, att, B, T, C, H);
-  }
-
-  void AttentionBackward(const float* dout, const float* qkv, const float* att, float* dqkv,
-                         float* datt_scratch, int B, int T, int C, int H) override {
-    cpu::AttentionBackward(dout, qkv, att, dqkv, datt_scratch, B, T, C, H);
-  }
-
-  void Add(const float* a, const float* b, float* out, int64_t n) override {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
-  }
-
-  float CrossEntropyForward(const float* logits, const int32_t* targets, float* probs,
-                            float* losses, int N, int V) override {
-    double total = 0.0;
-    int64_t counted = 0;
-#pragma omp parallel for schedule(static) reduction(+ : total, counted)
-    for (int i = 0; i < N; ++i) {
-      const float* li = logits + static_cast<int64_t>(i) * V;
-      float* pi = probs + static_cast<int64_t>(i) * V;
-      float max_logit = li[0];
-      for (int j = 1; j < V; ++j) max_logit = std::max(max_logit, li[j]);
-      double sum = 0.0;
-      for (int j = 0; j < V; ++j) {
-        pi[j] = std::exp(li[j] - max_logit);
-        sum += pi[j];
-      }
-      const float inv = static_cast<float>(1.0 / sum);
-      for (int j = 0; j < V; ++j) pi[j] *= inv;
-      const int32_t target = targets[i];
-      if (target >= 0) {
-        assert(target < V);
-        // log-sum-exp form; stays finite even when probs[target] underflows to 0.
-        const double loss = std::log(sum) - (static_cast<double>(li[target]) - max_logit);
-        losses[i] = static_cast<float>(loss);
-        total += loss;
-        ++counted;
-      } else {
-        losses[i] = 0.0f;
-      }
-    }
-    return counted > 0 ? static_cast<float>(total / static_cast<double>(counted)) : 0.0f;
-  }
-
-  void CrossEntropyBackward(const float* probs, const int32_t* targets, float* dlogits, int N,
-                            int V) override {
-    int64_t counted = 0;
-    for (int i = 0; i < N; ++i) counted += targets[i] >= 0 ? 1 : 0;
-    if (counted == 0) return;
-    const float dloss = 1.0f / static_cast<float>(counted);
-#pragma omp parallel for schedule(static)
-    for (int i = 0; i < N; ++i) {
-      const int32_t target = targets[i];
-      if (target < 0) continue;
-      const float* pi = probs + static_cast<int64_t>(i) * V;
-      float* di = dlogits + static_cast<int64_t>(i) * V;
-      for (int j = 0; j < V; ++j) di[j] += pi[j] * dloss;
-      di[target] -= dloss;
-    }
-  }
-
-  void AdamWStep(float* param, const float* grad, float* m, float* v, int64_t n, float lr,
-                 float beta1, float beta2, float eps, float weight_decay, int64_t step) override {
-    assert(step >= 1);
-    const float bc1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta1), step));
-    const float bc2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(beta2), step));
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-      const float g = grad[i];
-      const float mi = beta1 * m[i] + (1.0f - beta1) * g;
-      const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
-      m[i] = mi;
-      v[i] = vi;
-      const float m_hat = mi / bc1;
-      const float v_hat = vi / bc2;
-      // Decoupled decay uses the pre-step parameter (same as PyTorch's AdamW).
-      param[i] -= lr * (m_hat / (std::sqrt(v_hat) + eps) + weight_decay * param[i]);
-    }
-  }
-
-  double SumSquares(const float* x, int64_t n) override {
-    double sum = 0.0;
-#pragma omp parallel for schedule(static) reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(x[i]) * x[i];
-    return sum;
-  }
-
-  void Scale(float* x, int64_t n, float s) override {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < n; ++i) x[i] *= s;
-  }
+  mutable std::mutex mu_;
+  std::unordered_map<void*, size_t> sizes_;
+  size_t allocated_ = 0;
+  size_t peak_ = 0;
 };
 
 }  // namespace
+
+const char* DtypeName(Dtype d) { return d == Dtype::kF32 ? "fp32" : "bf16"; }
+
+Bf16 ToBf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0) {
+    return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
+  }
+  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return {static_cast<uint16_t>(u >> 16)};
+}
+
+Status Ops::BeginCapture() {
+  return Status::FailedPrecondition(std::string(Name()) + " backend has no graphs");
+}
+
+Result<std::unique_ptr<Graph>> Ops::EndCapture() {
+  return Status::FailedPrecondition(std::string(Name()) + " backend has no graphs");
+}
+
+std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments) {
+  std::vector<AdamWChunk> chunks;
+  for (const AdamWSegment& s : segments) {
+    for (int64_t at = 0; at < s.count; at += kAdamWChunkElems) {
+      chunks.push_back({s.offset + at,
+                        static_cast<int32_t>(std::min<int64_t>(kAdamWChunkElems, s.count - at)),
+                        s.decay ? 1 : 0});
+    }
+  }
+  return chunks;
+}
+
+void GroupByToken(const int32_t* tokens, int N, int V, int32_t* order, int32_t* starts) {
+  std::fill(starts, starts + V + 1, 0);
+  for (int i = 0; i < N; ++i) ++starts[tokens[i] + 1];
+  for (int v = 0; v < V; ++v) starts[v + 1] += starts[v];
+  std::vector<int32_t> next(starts, starts + V);
+  for (int i = 0; i < N; ++i) order[next[tokens[i]]++] = i;
+}
 
 Ops& CpuOps() {
   static CpuOpsImpl* const ops = new CpuOpsImpl();  // never destroyed: safe at exit

@@ -1,21 +1,148 @@
-// The compute kernels of the model and optimizer, behind one interface so that a CUDA
-// implementation can stand beside the CPU reference (ops/cpu_ops.cc). All tensors are
-// contiguous row-major fp32 buffers owned by the caller; pointers are in the backend's
-// memory space (host memory for the CPU backend). Conventions:
+// The compute backend of the model and optimizer: memory, copies, and every kernel the GPT
+// and its AdamW step use, behind one interface so that the CUDA implementation
+// (ops/cuda_*.cu) stands beside the CPU reference (ops/cpu_ops.cc) and is checked against
+// it. The model (worker/model) allocates everything through this interface and never
+// touches backend memory directly, so the same training code runs on either.
+//
+// Memory. Every pointer a kernel takes lives in the backend's memory (host memory for the
+// CPU backend, device memory of one GPU for CUDA) and is owned by the caller (see
+// ops/buffer.h for owning handles). Tensors are contiguous and row-major.
+//
+// Element types. Master weights, gradients of weights, optimizer state, layer-norm
+// statistics, the residual stream and its gradient are always fp32. Activations that feed
+// matmuls (and matmul weight copies) may be fp32 or bf16; such arguments are a Ref/CRef
+// (pointer plus Dtype). A bf16 kernel computes in fp32 and rounds once when it stores, on
+// every backend, so the CPU backend is also the reference of the bf16 CUDA kernels.
+//
+// Conventions:
 //   - Shapes: B batch, T time (sequence), C channels, H heads, V vocabulary, N = B*T rows.
 //   - Linear weights use GPT-2's Conv1D layout: W is [in, out] and y = x W + b.
 //   - LoRA factors use PEFT's layout: A is [r, in], B is [out, r]; y += scale * (x A^T) B^T.
-//   - Every Backward ACCUMULATES (+=) into the gradient buffers it is given, so residual
-//     branches and shared weights sum naturally; callers zero gradients between steps.
-//     A null gradient pointer means "not needed" and is skipped.
-// Thread-safety: an Ops object is stateless after construction; calls from several
-// threads on disjoint buffers are safe. Kernels may use several threads internally.
+//   - Gradients of WEIGHTS are ACCUMULATED (+=), so shared weights (the tied embedding) and
+//     several micro-steps sum naturally; callers zero them between steps. Gradients of
+//     ACTIVATIONS are WRITTEN (=), except LayerNormBackward's dx, which accumulates into
+//     the residual stream's gradient. A null gradient pointer means "not needed".
+//
+// Execution and errors. Kernels and copies are enqueued in order on the backend's one
+// stream and may run after the call returns (the CPU backend runs them before returning).
+// Kernel calls return nothing: a failure (a CUDA or cuBLAS error) is recorded with file,
+// line and the library's message, every later call becomes a no-op, and Synchronize() and
+// status() return that first error. Out-of-memory is reported where memory is allocated
+// (Alloc), never inside a kernel: kernels allocate nothing.
+//
+// Thread-safety: one thread drives an Ops object at a time (the calls share one stream).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
 
 namespace isthmus::ops {
+
+enum class Dtype : uint8_t { kF32 = 0, kBF16 = 1 };
+
+inline size_t DtypeSize(Dtype d) { return d == Dtype::kF32 ? 4 : 2; }
+const char* DtypeName(Dtype d);  // "fp32" / "bf16"
+
+// A bfloat16 value as stored: the upper 16 bits of an IEEE fp32. CUDA code reinterprets
+// the same bits as __nv_bfloat16.
+struct Bf16 {
+  uint16_t bits;
+};
+static_assert(sizeof(Bf16) == 2);
+
+// Round to nearest, ties to even (as __float2bfloat16_rn); NaN stays a quiet NaN.
+Bf16 ToBf16(float x);
+inline float FromBf16(Bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+// x rounded to bf16 and back: what storing x in a bf16 tensor keeps.
+inline float RoundBf16(float x) { return FromBf16(ToBf16(x)); }
+
+// A pointer into backend memory and the type of the elements it points to.
+struct Ref {
+  void* data = nullptr;
+  Dtype dtype = Dtype::kF32;
+
+  Ref() = default;
+  Ref(std::nullptr_t) {}                                   // NOLINT: "no buffer"
+  Ref(float* p) : data(p), dtype(Dtype::kF32) {}           // NOLINT: implicit by design
+  Ref(Bf16* p) : data(p), dtype(Dtype::kBF16) {}           // NOLINT
+  Ref(void* p, Dtype d) : data(p), dtype(d) {}
+  explicit operator bool() const { return data != nullptr; }
+  // The element `i` elements further on.
+  Ref At(int64_t i) const {
+    return {static_cast<char*>(data) + i * static_cast<int64_t>(DtypeSize(dtype)), dtype};
+  }
+};
+
+struct CRef {
+  const void* data = nullptr;
+  Dtype dtype = Dtype::kF32;
+
+  CRef() = default;
+  CRef(std::nullptr_t) {}                                      // NOLINT
+  CRef(const float* p) : data(p), dtype(Dtype::kF32) {}        // NOLINT
+  CRef(const Bf16* p) : data(p), dtype(Dtype::kBF16) {}        // NOLINT
+  CRef(Ref r) : data(r.data), dtype(r.dtype) {}                // NOLINT
+  CRef(const void* p, Dtype d) : data(p), dtype(d) {}
+  explicit operator bool() const { return data != nullptr; }
+  CRef At(int64_t i) const {
+    return {static_cast<const char*>(data) + i * static_cast<int64_t>(DtypeSize(dtype)), dtype};
+  }
+};
+
+// Bytes of backend memory: what the device has and what this backend allocated.
+struct MemoryInfo {
+  size_t total = 0;           // the device's memory (CPU: physical memory)
+  size_t free = 0;            // free now, as the driver (or the kernel) reports it
+  size_t allocated = 0;       // held by this backend's Alloc now
+  size_t peak_allocated = 0;  // the most Alloc ever held at once
+};
+
+// One chunk of a flat parameter buffer for the multi-tensor AdamW: `count` elements from
+// `offset`, with weight decay when `decay` is 1. MakeAdamWChunks splits segments into
+// chunks of at most kAdamWChunkElems so that a GPU kernel spreads them evenly over blocks.
+struct AdamWChunk {
+  int64_t offset;
+  int32_t count;
+  int32_t decay;
+};
+inline constexpr int32_t kAdamWChunkElems = 1 << 16;
+
+// Hyper-parameters that stay fixed for a run.
+struct AdamWConfig {
+  float beta1 = 0.9f;
+  float beta2 = 0.95f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  float grad_clip = 1.0f;  // global L2 norm bound; <= 0 disables clipping
+};
+
+// What changes every step, read by the kernel from backend memory (so that a captured step
+// can be replayed with new values): the learning rate and the bias corrections
+// 1 - beta1^step and 1 - beta2^step of the step being taken.
+struct AdamWScalars {
+  float lr;
+  float bias_correction1;
+  float bias_correction2;
+  float unused;
+};
+
+// A replayable recording of enqueued work (a CUDA graph).
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  // Enqueues the recorded work again, with the pointers it was recorded with.
+  virtual void Replay() = 0;
+};
 
 class Ops {
  public:
@@ -23,79 +150,161 @@ class Ops {
 
   // "cpu" or "cuda".
   virtual const char* Name() const = 0;
+  // One line for logs: "cpu (2 threads)", "cuda:0 (NVIDIA H100 80GB HBM3, 79.1 GiB, sm_90)".
+  virtual std::string Describe() const = 0;
+  // True when backend memory is host memory (the CPU backend): callers may then read and
+  // write through the pointers directly.
+  virtual bool HostMemory() const = 0;
 
-  // c = alpha * op(a) * op(b) + beta * c, op(x) = x or x^T; op(a) is [m,k], op(b) is [k,n].
-  virtual void Matmul(const float* a, const float* b, float* c, int m, int n, int k,
-                      bool trans_a, bool trans_b, float alpha, float beta) = 0;
+  // ---- Memory and copies ------------------------------------------------------------
+  // Backend memory, 256-byte aligned. ResourceExhausted when there is not enough (the
+  // message says how much was asked for and how much is free); bytes == 0 gives null.
+  virtual Result<void*> Alloc(size_t bytes) = 0;
+  virtual void Free(void* p) = 0;
+  // Page-locked host memory for staging copies (CPU backend: ordinary memory).
+  virtual Result<void*> AllocHost(size_t bytes) = 0;
+  virtual void FreeHost(void* p) = 0;
 
-  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:].  tokens in [0, V).
+  // Host -> backend. Returns once `src` may be reused (any host memory).
+  virtual void Upload(void* dst, const void* src, size_t bytes) = 0;
+  // Backend -> host. Returns once the bytes are in `dst` (any host memory); waits for the
+  // work enqueued before it.
+  virtual void Download(void* dst, const void* src, size_t bytes) = 0;
+  // Stream-ordered copies with AllocHost memory on the host side: enqueued like a kernel
+  // and recordable in a Graph. `src` must not change until the copy ran (Synchronize);
+  // `dst` holds the bytes after the next Synchronize.
+  virtual void UploadAsync(void* dst, const void* pinned_src, size_t bytes) = 0;
+  virtual void DownloadAsync(void* pinned_dst, const void* src, size_t bytes) = 0;
+  // Backend -> backend, and zero-filling.
+  virtual void Copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void Zero(void* dst, size_t bytes) = 0;
+
+  // Waits for all enqueued work. Returns the first error of any call so far (sticky).
+  virtual Status Synchronize() = 0;
+  // The first error of any call so far, without waiting.
+  virtual Status status() const = 0;
+  virtual MemoryInfo Memory() const = 0;
+
+  // ---- Graphs (launch overhead) -----------------------------------------------------
+  // Records the calls made between BeginCapture and EndCapture instead of running them.
+  // Backends without graphs (the CPU) return Unimplemented-style FailedPrecondition from
+  // BeginCapture and the caller simply runs the work. No Alloc, Download, Upload or
+  // Synchronize may happen while capturing.
+  virtual bool SupportsGraphs() const { return false; }
+  virtual Status BeginCapture();
+  virtual Result<std::unique_ptr<Graph>> EndCapture();
+
+  // ---- Kernels ----------------------------------------------------------------------
+  // c = alpha * op(a) op(b) + beta * c, op(x) = x or x^T; op(a) is [m,k], op(b) is [k,n],
+  // c is [m,n]. a and b share one dtype (bf16 runs on tensor cores); c may be fp32 or
+  // bf16; accumulation is fp32. fp32 inputs compute in full fp32 (no TF32).
+  virtual void Matmul(CRef a, CRef b, Ref c, int m, int n, int k, bool trans_a, bool trans_b,
+                      float alpha, float beta) = 0;
+
+  // out = src converted to out's dtype (n elements).
+  virtual void Cast(CRef src, Ref out, int64_t n) = 0;
+
+  // out = a - b (n fp32 elements).
+  virtual void Subtract(const float* a, const float* b, float* out, int64_t n) = 0;
+
+  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]. tokens in [0, V).
   virtual void EmbeddingForward(const int32_t* tokens, const float* wte, const float* wpe,
                                 float* out, int B, int T, int C) = 0;
-  virtual void EmbeddingBackward(const float* dout, const int32_t* tokens, float* dwte,
-                                 float* dwpe, int B, int T, int C) = 0;
+  // dwte[v,:] += sum of dout over the positions holding token v; dwpe[t,:] += sum over b of
+  // dout[b,t,:]. The positions come grouped by token (GroupByToken below, built on the host
+  // from the batch): order[starts[v] .. starts[v+1]) are the positions of token v, in
+  // increasing order, so the sums have a fixed order and no atomics are needed. Either
+  // gradient may be null.
+  virtual void EmbeddingBackward(const float* dout, const int32_t* order, const int32_t* starts,
+                                 float* dwte, float* dwpe, int B, int T, int C, int V) = 0;
 
-  // Per-row layer norm over C (eps 1e-5). Saves mean[N] and rstd[N] for the backward.
-  virtual void LayerNormForward(const float* x, const float* weight, const float* bias,
-                                float* out, float* mean, float* rstd, int N, int C) = 0;
-  virtual void LayerNormBackward(const float* dout, const float* x, const float* weight,
-                                 const float* mean, const float* rstd, float* dx,
-                                 float* dweight, float* dbias, int N, int C) = 0;
+  // Per-row layer norm over C (eps 1e-5) of the fp32 x; out in fp32 or bf16. Saves mean[N]
+  // and rstd[N] for the backward.
+  virtual void LayerNormForward(const float* x, const float* weight, const float* bias, Ref out,
+                                float* mean, float* rstd, int N, int C) = 0;
+  // dx += (the residual stream's gradient accumulates); dweight, dbias +=.
+  virtual void LayerNormBackward(CRef dout, const float* x, const float* weight,
+                                 const float* mean, const float* rstd, float* dx, float* dweight,
+                                 float* dbias, int N, int C) = 0;
 
-  // out[N,out_dim] = x[N,in_dim] W[in_dim,out_dim] + bias (bias may be null).
-  virtual void LinearForward(const float* x, const float* w, const float* bias, float* out,
+  // out[N,out_dim] = x[N,in_dim] W[in_dim,out_dim] + bias (+ residual). x and w share one
+  // dtype; bias (may be null) and residual (may be null; may alias out, which must then be
+  // fp32) are fp32; out is fp32 or bf16.
+  virtual void LinearForward(CRef x, CRef w, const float* bias, const float* residual, Ref out,
                              int N, int in_dim, int out_dim) = 0;
-  virtual void LinearBackward(const float* dout, const float* x, const float* w, float* dx,
-                              float* dw, float* dbias, int N, int in_dim, int out_dim) = 0;
+  // dx = dout W^T (written); dw += x^T dout; dbias += column sums of dout. dout, x and w
+  // share one dtype; dx has it too.
+  virtual void LinearBackward(CRef dout, CRef x, CRef w, Ref dx, float* dw, float* dbias, int N,
+                              int in_dim, int out_dim) = 0;
 
-  // LoRA linear: out = x W + bias + scale * (x A^T) B^T, A [rank,in], B [out,rank].
-  // xa [N,rank] is scratch the forward fills and the backward reads (x A^T).
-  virtual void LoraLinearForward(const float* x, const float* w, const float* bias,
-                                 const float* lora_a, const float* lora_b, float scale,
-                                 float* out, float* xa, int N, int in_dim, int out_dim,
-                                 int rank) = 0;
-  // dw/dbias may be null (frozen base). dxa_scratch is [N,rank] scratch.
-  virtual void LoraLinearBackward(const float* dout, const float* x, const float* w,
-                                  const float* lora_a, const float* lora_b, float scale,
-                                  const float* xa, float* dx, float* dw, float* dbias,
-                                  float* dlora_a, float* dlora_b, float* dxa_scratch, int N,
+  // LoRA linear: out = x W + bias + scale * (x A^T) B^T (+ residual), A [rank,in] and
+  // B [out,rank] in the dtype of x and w. xa [N,rank] (that dtype) receives x A^T for the
+  // backward.
+  virtual void LoraLinearForward(CRef x, CRef w, const float* bias, CRef lora_a, CRef lora_b,
+                                 float scale, const float* residual, Ref out, Ref xa, int N,
+                                 int in_dim, int out_dim, int rank) = 0;
+  // dx written; dw/dbias (null for a frozen base) and dlora_a/dlora_b (fp32) accumulate.
+  // dxa_scratch [N,rank] in the activations' dtype.
+  virtual void LoraLinearBackward(CRef dout, CRef x, CRef w, CRef lora_a, CRef lora_b,
+                                  float scale, CRef xa, Ref dx, float* dw, float* dbias,
+                                  float* dlora_a, float* dlora_b, Ref dxa_scratch, int N,
                                   int in_dim, int out_dim, int rank) = 0;
 
-  // GELU, tanh approximation (as GPT-2).
-  virtual void GeluForward(const float* x, float* out, int64_t n) = 0;
-  virtual void GeluBackward(const float* dout, const float* x, float* dx, int64_t n) = 0;
+  // GELU, tanh approximation (as GPT-2). out / dx may alias their inputs.
+  virtual void GeluForward(CRef x, Ref out, int64_t n) = 0;
+  // dx = dout * gelu'(x) (written).
+  virtual void GeluBackward(CRef dout, CRef x, Ref dx, int64_t n) = 0;
 
-  // Causal multi-head self-attention. qkv is [B,T,3C] (q, k, v concatenated on the last
-  // axis, head h owning channels [h*C/H, (h+1)*C/H) of each). out is [B,T,C]. att
-  // [B,H,T,T] holds the softmax probabilities for the backward (entries above the
-  // diagonal are zero). Scale 1/sqrt(C/H).
-  virtual void AttentionForward(const float* qkv, float* out, float* att, int B, int T,
-                                int C, int H) = 0;
-  // datt_scratch is [B,H,T,T] scratch. Accumulates into dqkv.
-  virtual void AttentionBackward(const float* dout, const float* qkv, const float* att,
-                                 float* dqkv, float* datt_scratch, int B, int T, int C,
-                                 int H) = 0;
+  // Causal multi-head self-attention that never stores the [T,T] scores (flash-style).
+  // qkv is [B,T,3C] (q, k, v concatenated on the last axis, head h owning channels
+  // [h*C/H, (h+1)*C/H) of each); out is [B,T,C] in qkv's dtype; lse [B,H,T] receives each
+  // row's log-sum-exp of the scaled scores, all the backward needs besides out. Scale
+  // 1/sqrt(C/H).
+  virtual void AttentionForward(CRef qkv, Ref out, float* lse, int B, int T, int C, int H) = 0;
+  // dqkv [B,T,3C] written (qkv's dtype). scratch holds AttentionScratchFloats(B,T,C,H) fp32.
+  virtual void AttentionBackward(CRef dout, CRef qkv, CRef out, const float* lse, Ref dqkv,
+                                 float* scratch, int B, int T, int C, int H) = 0;
 
-  // out = a + b elementwise (out may alias a or b).
-  virtual void Add(const float* a, const float* b, float* out, int64_t n) = 0;
+  // Softmax cross-entropy over V for N rows, forward and (optionally) backward in one pass:
+  // losses[i] = logsumexp(logits[i]) - logits[i][target[i]], 0 when target[i] < 0. When
+  // dlogits is not null it receives (softmax(logits[i]) - onehot(target[i])) * dloss[0],
+  // zero rows for ignored targets. dloss is one fp32 in backend memory (1 / counted rows
+  // makes it the gradient of the mean loss). targets in [-1, V).
+  virtual void SoftmaxCrossEntropy(CRef logits, const int32_t* targets, float* losses,
+                                   Ref dlogits, const float* dloss, int N, int V) = 0;
 
-  // Fused softmax + cross-entropy over V for N rows. Writes probs [N,V] and per-row
-  // losses [N]; returns the mean loss over rows whose target is >= 0 (target < 0 = ignore).
-  virtual float CrossEntropyForward(const float* logits, const int32_t* targets, float* probs,
-                                    float* losses, int N, int V) = 0;
-  // dlogits += (probs - onehot(target)) * dloss, with dloss = 1 / (number of counted rows)
-  // so that it is the gradient of the mean loss.
-  virtual void CrossEntropyBackward(const float* probs, const int32_t* targets,
-                                    float* dlogits, int N, int V) = 0;
+  // *out = sum of x[i]^2 over n fp32 elements (one fp32 in backend memory), accumulated in
+  // at least fp32 pairwise/blocked order; deterministic for a given n.
+  virtual void SumSquares(const float* x, int64_t n, float* out) = 0;
 
-  // One AdamW step (decoupled weight decay, bias-corrected, step counted from 1).
-  virtual void AdamWStep(float* param, const float* grad, float* m, float* v, int64_t n,
-                         float lr, float beta1, float beta2, float eps, float weight_decay,
-                         int64_t step) = 0;
-
-  // Sum of squares (accumulated in double), and x *= s.
-  virtual double SumSquares(const float* x, int64_t n) = 0;
-  virtual void Scale(float* x, int64_t n, float s) = 0;
+  // One AdamW step (decoupled weight decay on the pre-step parameter, bias-corrected) over
+  // the chunks of flat buffers param/grad/m/v, with global-norm clipping folded in:
+  // sumsq (backend memory) is the sum of squares of the whole gradient; when it is not
+  // finite nothing changes at all (the step is skipped); otherwise grads are scaled by
+  // min(1, grad_clip / (sqrt(sumsq) + 1e-6)) when grad_clip > 0. chunks and scalars are in
+  // backend memory. When param_copy is not null it receives the updated parameters in its
+  // dtype (the bf16 matmul copies), at the same offsets.
+  virtual void AdamW(float* param, const float* grad, float* m, float* v, Ref param_copy,
+                     const AdamWChunk* chunks, int num_chunks, const float* sumsq,
+                     const AdamWScalars* scalars, const AdamWConfig& config) = 0;
 };
+
+// fp32 scratch values AttentionBackward needs (one per row and head: B*H*T).
+inline int64_t AttentionScratchFloats(int B, int T, int C, int H) {
+  return static_cast<int64_t>(B) * H * T;
+}
+
+// Chunks of [offset, offset+count) segments for AdamW, each at most kAdamWChunkElems long.
+struct AdamWSegment {
+  int64_t offset;
+  int64_t count;
+  bool decay;
+};
+std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments);
+
+// The host-side grouping EmbeddingBackward takes: order[N] and starts[V+1] (counting sort of
+// the positions by token, stable). tokens must be in [0, V).
+void GroupByToken(const int32_t* tokens, int N, int V, int32_t* order, int32_t* starts);
 
 // The CPU reference backend (OpenBLAS sgemm for every matmul). Never null; shared.
 Ops& CpuOps();

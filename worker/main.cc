@@ -23,8 +23,10 @@ std::atomic<bool> g_stop{false};
 extern "C" void OnSignal(int) { g_stop.store(true); }  // lock-free atomic: signal-safe
 
 constexpr char kExitCodes[] =
-    "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 refused by a shard (key, base hash, job),\n"
-    "4 interrupted by SIGINT/SIGTERM (the step finished and a checkpoint was written).";
+    "Exit codes: 0 ok, 1 runtime failure, 2 usage (flags, config, a --device not present),\n"
+    "3 refused by a shard (key, base hash, job), 4 interrupted by SIGINT/SIGTERM (the step\n"
+    "finished and a checkpoint was written), 5 out of memory on the device (lower\n"
+    "--batch-size or --context, or use --precision bf16).";
 
 int Fail(const char* what, const Status& st) {
   std::fprintf(stderr, "isthmus-worker %s: %s\n", what, st.ToString().c_str());
@@ -81,6 +83,7 @@ int RunTrain(TrainSettings& t) {
 
 struct EvalArgs {
   ModelSettings model;
+  ComputeSettings compute;
   ShardSettings shards;
   std::string trainable;  // safetensors; empty: pull from --server
   std::string data_dir;
@@ -90,8 +93,13 @@ struct EvalArgs {
 };
 
 int RunEval(EvalArgs& a) {
-  auto gpt = BuildModel(a.model);
+  auto compute = OpenCompute(a.compute, 0);
+  if (!compute.ok()) return Fail("eval", DeviceError(compute.status()));
+  auto gpt = BuildModel(a.model, {compute->ops.get(), compute->precision});
   if (!gpt.ok()) return Fail("eval", gpt.status());
+  if (auto st = (*gpt)->Reserve(a.batch_size, a.model.context); !st.ok()) {
+    return Fail("eval", DeviceError(st));
+  }
   std::vector<Tensor> tensors;
   if (!a.trainable.empty()) {
     auto t = ReadSafetensorsTensors(a.trainable);
@@ -197,6 +205,7 @@ int main(int argc, char** argv) {
   EvalArgs eval;
   auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model");
   AddModelFlags(*eval_cmd, eval.model);
+  AddComputeFlags(*eval_cmd, eval.compute);
   AddShardFlags(*eval_cmd, eval.shards);
   eval_cmd->add_option("--trainable", eval.trainable,
                        "trainable tensors (else pulled from --server)");

@@ -20,7 +20,9 @@
 #include "common/keys.h"
 #include "common/safetensors.h"
 #include "common/sharding.h"
+#include "ops/buffer.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/comm/nccl_communicator.h"
 #include "worker/data/token_dataset.h"
 #include "worker/progress.h"
 
@@ -28,6 +30,7 @@ namespace isthmus::worker {
 namespace {
 
 constexpr char kRefusedPrefix[] = "refused by shard: ";
+constexpr char kDevicePrefix[] = "device: ";
 using Clock = std::chrono::steady_clock;
 
 // Integers travel through float collectives in 24-bit pieces (exact in fp32).
@@ -77,21 +80,52 @@ class RoundLoop {
   int world() const { return s_.world_size; }
 
   Status Setup() {
+    // The device first: a --device this machine cannot honour fails before any rendezvous.
+    auto compute = OpenCompute(s_.compute, s_.rank);
+    if (!compute.ok()) return DeviceError(compute.status());
+    compute_ = std::move(compute).value();
+    spdlog::info("rank {}: device {}, precision {}", s_.rank, compute_.ops->Describe(),
+                 ops::DtypeName(compute_.precision));
     if (world() > 1) {
-      comm::GlooOptions o;
-      o.rank = s_.rank;
-      o.world_size = world();
-      o.rendezvous = s_.rendezvous;
-      o.host = s_.comm_host;
-      o.timeout = std::chrono::seconds(s_.comm_timeout_s);
-      o.prefix = "isthmus-worker-" + s_.shards.job;
-      std::replace(o.prefix.begin(), o.prefix.end(), '/', '_');
-      ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
+      std::string prefix = "isthmus-worker-" + s_.shards.job;
+      std::replace(prefix.begin(), prefix.end(), '/', '_');
+      if (compute_.device_index >= 0) {
+        comm::NcclOptions o;
+        o.rank = s_.rank;
+        o.world_size = world();
+        o.rendezvous = s_.rendezvous;
+        o.device = compute_.device_index;
+        o.timeout = std::chrono::seconds(s_.comm_timeout_s);
+        o.prefix = prefix;
+        ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateNcclCommunicator(o));
+      } else {
+        comm::GlooOptions o;
+        o.rank = s_.rank;
+        o.world_size = world();
+        o.rendezvous = s_.rendezvous;
+        o.host = s_.comm_host;
+        o.timeout = std::chrono::seconds(s_.comm_timeout_s);
+        o.prefix = prefix;
+        ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
+      }
     }
-    ISTHMUS_ASSIGN_OR_RETURN(gpt_, BuildModel(s_.model));
-    trainer_ = std::make_unique<model::Trainer>(*gpt_, s_.Trainer());
-    if (comm_)
-      trainer_->SetGradHook(MakeAllReduceHook(comm_.get(), &comm_error_, &local_stop_, &any_stop_));
+    model::Compute c{compute_.ops.get(), compute_.precision};
+    auto gpt = BuildModel(s_.model, c);
+    if (!gpt.ok()) {
+      return gpt.status().code() == Code::kResourceExhausted ? DeviceError(gpt.status())
+                                                             : gpt.status();
+    }
+    gpt_ = std::move(gpt).value();
+    if (Status st = gpt_->Reserve(s_.batch_size, s_.model.context); !st.ok()) {
+      return DeviceError(st);
+    }
+    auto trainer = model::Trainer::Create(*gpt_, s_.Trainer());
+    if (!trainer.ok()) {
+      return trainer.status().code() == Code::kResourceExhausted ? DeviceError(trainer.status())
+                                                                 : trainer.status();
+    }
+    trainer_ = std::move(trainer).value();
+    if (comm_) trainer_->SetGradHook(MakeAllReduceHook(comm_.get()));
 
     data::DatasetOptions d;
     d.batch_size = s_.batch_size;
@@ -220,7 +254,7 @@ class RoundLoop {
     PutInt(plan, static_cast<uint64_t>(step_));
     PutInt(plan, tokens_);
     plan.push_back(load_pulled ? 1.0f : 0.0f);
-    if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(plan.data(), plan.size(), 0));
+    ISTHMUS_RETURN_IF_ERROR(BroadcastHost(plan.data(), plan.size()));
     round_ = static_cast<int64_t>(GetInt(plan, 0));
     step_ = static_cast<int64_t>(GetInt(plan, 3));
     tokens_ = GetInt(plan, 6);
@@ -230,15 +264,12 @@ class RoundLoop {
     }
     if (comm_) {
       // Rank 0's optimizer state and tensors for everyone (a rank may have no checkpoint,
-      // or one from a round earlier if the crash came between two ranks' writes).
-      for (auto& p : gpt_->Trainable()) {
-        ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(p.data, static_cast<size_t>(p.numel), 0));
-      }
-      auto state = trainer_->ExportState();
-      for (auto& t : state) {
-        ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(t.data.data(), t.data.size(), 0));
-      }
-      ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(state));
+      // or one from a round earlier if the crash came between two ranks' writes): the
+      // flat buffers, straight from backend memory.
+      const size_t n = static_cast<size_t>(gpt_->TrainableElements());
+      ISTHMUS_RETURN_IF_ERROR(BroadcastTrainable());
+      ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(trainer_->MomentData(0), n, 0));
+      ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(trainer_->MomentData(1), n, 0));
     }
     if (!s_.standalone && leader()) {
       progress_->Message("starting at round " + std::to_string(round_) + ", step " +
@@ -278,16 +309,26 @@ class RoundLoop {
       ok = pulled.ok() ? 1.0f : 0.0f;
     }
     if (comm_) {
-      ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(&ok, 1, 0));
+      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&ok, 1));
       if (ok == 0 && !leader()) return Status::Unavailable("rank 0 could not pull from the shards");
     }
     ISTHMUS_RETURN_IF_ERROR(pulled);
-    if (comm_) {
-      for (auto& p : gpt_->Trainable()) {
-        ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(p.data, static_cast<size_t>(p.numel), 0));
-      }
-    }
-    return Status::Ok();
+    return BroadcastTrainable();
+  }
+
+  // Rank 0's trainable tensors for every rank, in place in backend memory.
+  Status BroadcastTrainable() {
+    if (!comm_) return Status::Ok();
+    ISTHMUS_RETURN_IF_ERROR(gpt_->ops().Synchronize());
+    ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(
+        gpt_->TrainableData(), static_cast<size_t>(gpt_->TrainableElements()), 0));
+    gpt_->TrainableChanged();
+    return gpt_->ops().Synchronize();
+  }
+
+  Status BroadcastHost(float* data, size_t n) {
+    if (!comm_) return Status::Ok();
+    return HostCollective(*comm_, *compute_.ops, data, n, /*broadcast=*/true);
   }
 
   // Steps for the next round, the same on every rank.
@@ -330,20 +371,17 @@ class RoundLoop {
 
   // Pushes this rank's shards' part of the round delta, with the round's token count and
   // this rank's compute time for it (the shards size adaptive codecs by it).
-  Status PushRound(const std::vector<Tensor>& start, uint64_t round_tokens, uint64_t compute_ms) {
-    auto params = gpt_->Trainable();
+  Status PushRound(uint64_t round_tokens, uint64_t compute_ms) {
+    // The delta is computed on the backend and crosses to the host in one copy.
+    ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> all, gpt_->TrainableDelta());
     for (size_t s = 0; s < clients_.size(); ++s) {
       if (static_cast<int>(s % world()) != s_.rank) continue;
-      std::vector<Tensor> deltas;
-      for (size_t i = 0; i < params.size(); ++i) {
-        if (placement_[i] != static_cast<int>(s)) continue;
-        Tensor d{params[i].name, params[i].shape, std::vector<float>(params[i].numel)};
-        for (int64_t k = 0; k < params[i].numel; ++k)
-          d.data[k] = params[i].data[k] - start[i].data[k];
-        deltas.push_back(std::move(d));
-      }
       std::vector<TensorView> views;
-      for (const auto& d : deltas) views.push_back({d.name, d.shape, d.data.data()});
+      for (size_t i = 0; i < all.size(); ++i) {
+        if (placement_[i] == static_cast<int>(s)) {
+          views.push_back({all[i].name, all[i].shape, all[i].data.data()});
+        }
+      }
       std::string key = s_.shards.job + "/" + client_name_ + "/r" + std::to_string(round_) + "/s" +
                         std::to_string(s);
       auto r = clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens,
@@ -383,7 +421,7 @@ class RoundLoop {
         }
         if (flag > 0 && stop_) flag = 0;  // interrupted: stop waiting, checkpoint and exit
       }
-      if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(&flag, 1, 0));
+      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&flag, 1));
       if (flag == 0) break;
       if (!said && leader()) progress_->Message(why);
       said = true;
@@ -405,20 +443,23 @@ class RoundLoop {
       if (s_.max_rounds > 0 && round_ >= s_.max_rounds) break;
       if (s_.max_steps > 0 && step_ >= s_.max_steps) break;
       ISTHMUS_ASSIGN_OR_RETURN(int64_t h, NextRoundSteps());
-      std::vector<Tensor> start;
-      if (!s_.standalone) start = gpt_->ExportTrainable();
+      if (!s_.standalone) ISTHMUS_RETURN_IF_ERROR(gpt_->SnapshotTrainable());
       uint64_t round_tokens = 0;
       double compute_s = 0;  // steps only: no validation, no WAN wait
       int64_t done = 0;
       for (; done < h; ++done) {
         auto step_t0 = Clock::now();
         auto batch = dataset_->Next();
-        local_stop_ = stop_ ? 1.0f : 0.0f;
-        any_stop_ = local_stop_;
-        auto st = trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size,
-                                 s_.model.context);
+        ISTHMUS_ASSIGN_OR_RETURN(
+            model::StepStats st,
+            trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size,
+                           s_.model.context, stop_ ? 1.0f : 0.0f));
         compute_s += std::chrono::duration<double>(Clock::now() - step_t0).count();
-        ISTHMUS_RETURN_IF_ERROR(comm_error_);
+        if (!trainer_->graph_error().empty() && !said_graphs_ && leader()) {
+          progress_->Message("CUDA graphs off, launching kernels one by one: " +
+                             trainer_->graph_error());
+          said_graphs_ = true;
+        }
         ++step_;
         round_tokens += tokens_per_step_;
         tokens_ += tokens_per_step_;
@@ -432,7 +473,7 @@ class RoundLoop {
           in_round_ = 0;
           validated_step_ = step_;
         }
-        if (any_stop_ > 0) {
+        if (st.control > 0) {
           interrupted_ = true;
           ++done;
           break;
@@ -444,7 +485,7 @@ class RoundLoop {
       ++round_;
       if (!s_.standalone) {
         ISTHMUS_RETURN_IF_ERROR(
-            PushRound(start, round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
+            PushRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
         if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
         ISTHMUS_RETURN_IF_ERROR(WaitForWan());
         ISTHMUS_RETURN_IF_ERROR(PullAndShare(false));
@@ -512,9 +553,8 @@ class RoundLoop {
 
   const TrainSettings& s_;
   const std::atomic<bool>& stop_;
+  OpenedCompute compute_;
   std::unique_ptr<comm::Communicator> comm_;
-  Status comm_error_;
-  float local_stop_ = 0, any_stop_ = 0;
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;
   std::unique_ptr<data::TokenDataset> dataset_;
@@ -528,6 +568,7 @@ class RoundLoop {
   double step_seconds_ = 0, seconds_ = 0, rate_ = 0;
   double val_loss_ = std::numeric_limits<double>::quiet_NaN();
   bool interrupted_ = false;
+  bool said_graphs_ = false;
   int64_t in_round_ = 0;         // 1 while validating inside a round (for the message)
   int64_t validated_step_ = -1;  // last step validated, so the end does not repeat it
 };
@@ -543,29 +584,41 @@ int ExitCodeFor(const Status& status) {
   if (status.code() == Code::kPermissionDenied && status.message().rfind(kRefusedPrefix, 0) == 0) {
     return kExitRefused;
   }
+  if (status.message().rfind(kDevicePrefix, 0) == 0) {
+    return status.code() == Code::kResourceExhausted ? kExitOutOfMemory : kExitUsage;
+  }
   return kExitFailure;
 }
 
-model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm, Status* error,
-                                           const float* local_stop, float* any_stop) {
-  return [comm, error, local_stop, any_stop](std::vector<model::ParamView>& params) {
-    if (!error->ok()) return;
-    std::vector<std::pair<float*, size_t>> buffers;
-    buffers.reserve(params.size() + 1);
-    for (auto& p : params) buffers.emplace_back(p.grad, static_cast<size_t>(p.numel));
-    float flag = local_stop ? *local_stop : 0.0f;
-    buffers.emplace_back(&flag, 1);
-    *error = comm->AllReduceAverage(std::move(buffers));
-    if (any_stop) *any_stop = flag;
-  };
+model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm) {
+  return [comm](float* grads, size_t count) { return comm->AllReduceAverage(grads, count); };
 }
 
-Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m) {
+Status HostCollective(comm::Communicator& comm, ops::Ops& ops, float* data, size_t n,
+                      bool broadcast) {
+  if (ops.HostMemory()) {
+    return broadcast ? comm.Broadcast(data, n, 0) : comm.AllReduceSum(data, n);
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(ops::Buffer staged, ops::Buffer::Allocate(ops, n * sizeof(float)));
+  ops.Upload(staged.data(), data, n * sizeof(float));
+  ISTHMUS_RETURN_IF_ERROR(ops.status());
+  ISTHMUS_RETURN_IF_ERROR(broadcast ? comm.Broadcast(staged.as<float>(), n, 0)
+                                    : comm.AllReduceSum(staged.as<float>(), n));
+  ops.Download(data, staged.data(), n * sizeof(float));
+  return ops.status();
+}
+
+Status DeviceError(const Status& status) {
+  return Status(status.code(), kDevicePrefix + status.message());
+}
+
+Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
+                                               const model::Compute& compute) {
   ISTHMUS_RETURN_IF_ERROR(m.Validate());
   ISTHMUS_ASSIGN_OR_RETURN(auto mode, model::ParseTrainMode(m.mode));
   auto config = m.Gpt();
-  if (m.base.empty()) return model::Gpt::CreateRandom(config, mode, m.Lora(), m.seed);
-  return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config);
+  if (m.base.empty()) return model::Gpt::CreateRandom(config, mode, m.Lora(), m.seed, compute);
+  return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config, compute);
 }
 
 Result<std::vector<std::unique_ptr<ShardClient>>> ConnectShards(const ShardSettings& s) {
@@ -662,11 +715,12 @@ Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batc
       sums[0] += gpt.Forward(b.tokens.data(), b.targets.data(), batch_size, d.seq_len);
       sums[1] += 1;
     }
+    local = gpt.ops().status();
   }
   float failed = local.ok() ? 0.0f : 1.0f;
   if (comm) {
     float buf[3] = {sums[0], sums[1], failed};
-    ISTHMUS_RETURN_IF_ERROR(comm->AllReduceSum(buf, 3));
+    ISTHMUS_RETURN_IF_ERROR(HostCollective(*comm, gpt.ops(), buf, 3, /*broadcast=*/false));
     sums[0] = buf[0];
     sums[1] = buf[1];
     failed = buf[2];

@@ -26,10 +26,15 @@ inline constexpr int kExitFailure = 1;      // runtime failure (I/O, peers, shar
 inline constexpr int kExitUsage = 2;        // bad flags or config
 inline constexpr int kExitRefused = 3;      // refused by a shard: key, base hash, placement
 inline constexpr int kExitInterrupted = 4;  // SIGINT/SIGTERM: checkpointed, then stopped
+inline constexpr int kExitOutOfMemory = 5;  // the model, optimizer or batch does not fit
 
 // A refusal by a shard (kPermissionDenied, message prefixed "refused by shard: ").
 Status Refused(const std::string& message);
-// kExitRefused for Refused() statuses, kExitFailure otherwise.
+// A problem with the compute device (message prefixed "device: "): one --device cannot
+// name here, or out of memory.
+Status DeviceError(const Status& status);
+// kExitRefused for Refused() statuses; for DeviceError() statuses kExitOutOfMemory when
+// out of memory, else kExitUsage; kExitFailure otherwise.
 int ExitCodeFor(const Status& status);
 
 struct TrainSummary {
@@ -48,17 +53,20 @@ struct TrainSummary {
 // the site collectively: all ranks call it with the same settings apart from --rank.
 Result<TrainSummary> RunTraining(const TrainSettings& settings, const std::atomic<bool>& stop);
 
-// The gradient hook of a multi-rank site: averages every gradient over `comm` in one fused
-// call, together with one extra value, *local_stop (0 or 1), whose average lands in
-// *any_stop (> 0 when some rank wants to stop). On failure stores the Status in *error
-// (and leaves gradients as they are); the caller must check *error after each step.
-// All pointers are borrowed and must outlive the hook.
-model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm, Status* error,
-                                           const float* local_stop, float* any_stop);
+// The gradient hook of a multi-rank site: averages the model's flat gradient buffer (with
+// the trainer's control value in its last float) over `comm` in one all-reduce, in the
+// backend's memory. `comm` is borrowed and must outlive the hook.
+model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm);
 
-// The model of `m`: its base from m.base (LoadBase, shape checked against the flags), or a
-// fresh random base from m.seed when m.base is empty.
-Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m);
+// A broadcast from rank 0 (broadcast) or a sum (else) of n host floats over `comm`, staged
+// through backend memory when `ops` is not host memory (NCCL works on device buffers).
+Status HostCollective(comm::Communicator& comm, ops::Ops& ops, float* data, size_t n,
+                      bool broadcast);
+
+// The model of `m` on `compute`: its base from m.base (LoadBase, shape checked against the
+// flags), or a fresh random base from m.seed when m.base is empty.
+Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
+                                               const model::Compute& compute = {});
 
 // One connected client per --server (CURVE unless insecure). Order = shard order.
 Result<std::vector<std::unique_ptr<ShardClient>>> ConnectShards(const ShardSettings& s);

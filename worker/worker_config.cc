@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "ops/device.h"
+
 namespace isthmus::worker {
 
 model::GptConfig ModelSettings::Gpt() const {
@@ -30,6 +32,27 @@ Status ModelSettings::Validate() const {
   return Status::Ok();
 }
 
+Status ComputeSettings::Validate() const {
+  ISTHMUS_RETURN_IF_ERROR(ops::ParseDevice(device).status());
+  if (precision != "auto") ISTHMUS_RETURN_IF_ERROR(model::ParsePrecision(precision).status());
+  return Status::Ok();
+}
+
+Result<OpenedCompute> OpenCompute(const ComputeSettings& c, int rank) {
+  ISTHMUS_RETURN_IF_ERROR(c.Validate());
+  ISTHMUS_ASSIGN_OR_RETURN(ops::DeviceChoice choice, ops::ParseDevice(c.device));
+  ISTHMUS_ASSIGN_OR_RETURN(ops::DeviceChoice resolved, ops::ResolveDevice(choice, rank));
+  OpenedCompute out;
+  ISTHMUS_ASSIGN_OR_RETURN(out.ops, ops::OpenBackend(resolved));
+  out.device_index = resolved.kind == ops::DeviceChoice::Kind::kCuda ? resolved.index : -1;
+  if (c.precision == "auto") {
+    out.precision = out.ops->HostMemory() ? ops::Dtype::kF32 : ops::Dtype::kBF16;
+  } else {
+    ISTHMUS_ASSIGN_OR_RETURN(out.precision, model::ParsePrecision(c.precision));
+  }
+  return out;
+}
+
 model::TrainerConfig TrainSettings::Trainer() const {
   model::TrainerConfig c;
   c.max_lr = lr;
@@ -40,11 +63,13 @@ model::TrainerConfig TrainSettings::Trainer() const {
   if (total <= 0) total = 1;
   c.total_steps = total;
   c.warmup_steps = std::min(warmup_steps, total);
+  c.graphs = compute.cuda_graphs;
   return c;
 }
 
 Status TrainSettings::Validate() const {
   ISTHMUS_RETURN_IF_ERROR(model.Validate());
+  ISTHMUS_RETURN_IF_ERROR(compute.Validate());
   if (data_dir.empty()) return Status::InvalidArgument("--data is required");
   if (world_size < 1 || rank < 0 || rank >= world_size) {
     return Status::InvalidArgument("--rank must be in [0, --world-size)");
@@ -99,6 +124,20 @@ void AddModelFlags(CLI::App& app, ModelSettings& m) {
   app.add_option("--seed", m.seed, "seed of LoRA init and of a random base")->capture_default_str();
 }
 
+void AddComputeFlags(CLI::App& app, ComputeSettings& c) {
+  app.add_option("--device", c.device,
+                 "cpu, cuda, cuda:N, or auto (cuda when a GPU is visible; cuda alone picks "
+                 "GPU rank % visible GPUs)")
+      ->capture_default_str();
+  app.add_option("--precision", c.precision,
+                 "fp32 or bf16 (bf16 matmuls and activations, fp32 master weights and "
+                 "optimizer); auto is bf16 on cuda, fp32 on cpu")
+      ->check(CLI::IsMember({"auto", "fp32", "bf16"}))
+      ->capture_default_str();
+  app.add_flag("!--no-cuda-graphs", c.cuda_graphs,
+               "launch every kernel of a step instead of replaying a recorded CUDA graph");
+}
+
 void AddShardFlags(CLI::App& app, ShardSettings& s) {
   app.add_option("--job", s.job, "job name on the shards")->capture_default_str();
   app.add_option("--server", s.servers, "shard worker endpoint, repeated in shard order");
@@ -115,6 +154,7 @@ void AddShardFlags(CLI::App& app, ShardSettings& s) {
 
 void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   AddModelFlags(app, t.model);
+  AddComputeFlags(app, t.compute);
   AddShardFlags(app, t.shards);
   app.add_option("--data", t.data_dir, "folder with train.bin and val.bin (isthmus-data build)");
   app.add_option("--rank", t.rank, "this rank in the site")->capture_default_str();

@@ -6,10 +6,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "ops/ops.h"
 #include "worker/model/gpt.h"
 #include "worker/model/trainer.h"
 
@@ -34,6 +36,26 @@ struct ModelSettings {
   Status Validate() const;
 };
 
+// Where the model computes: the backend, the precision of matmuls and activations, and
+// whether steps are recorded as CUDA graphs.
+struct ComputeSettings {
+  std::string device = "auto";     // auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible)
+  std::string precision = "auto";  // auto | fp32 | bf16 (auto: bf16 on cuda, fp32 on cpu)
+  bool cuda_graphs = true;
+
+  // InvalidArgument for a malformed --device or --precision.
+  Status Validate() const;
+};
+
+// The backend `c` names for rank `rank` and the precision it resolves to. Errors are the
+// backend's (no GPU, a device out of range, a build without CUDA), with the flag named.
+struct OpenedCompute {
+  std::shared_ptr<ops::Ops> ops;
+  ops::Dtype precision = ops::Dtype::kF32;
+  int device_index = -1;  // the CUDA device, -1 on the CPU
+};
+Result<OpenedCompute> OpenCompute(const ComputeSettings& c, int rank);
+
 // Where the shards are and how to reach them.
 struct ShardSettings {
   std::string job = "default";
@@ -48,6 +70,7 @@ struct ShardSettings {
 // Everything `train` needs.
 struct TrainSettings {
   ModelSettings model;
+  ComputeSettings compute;
   ShardSettings shards;
   std::string data_dir;  // holds train.bin and val.bin (isthmus-data build)
   int rank = 0;
@@ -87,6 +110,7 @@ struct TrainSettings {
 
 // Registers the flags of each group on `app`. The structs must outlive the parse.
 void AddModelFlags(CLI::App& app, ModelSettings& m);
+void AddComputeFlags(CLI::App& app, ComputeSettings& c);
 void AddShardFlags(CLI::App& app, ShardSettings& s);
 void AddTrainFlags(CLI::App& app, TrainSettings& t);
 

@@ -1,7 +1,9 @@
-// Training throughput of the worker's inner step on the CPU: Trainer::Step (forward,
-// backward, clipping, AdamW) of the real model on random tokens, timed over --steps steps
-// after --warmup untimed ones. Prints one JSON line with the same keys as torch_gpt.py so
-// run.sh can put the two side by side.
+// Training throughput of the worker's inner step: Trainer::Step (forward, backward,
+// clipping, AdamW) of the real model on random tokens, on the CPU or a GPU, timed over
+// --steps steps after --warmup untimed ones. Prints one JSON line with the same keys as
+// torch_gpt.py so run.sh can put the two side by side, including model FLOP utilisation
+// (FLOPs per token by the formula below, over --peak-tflops) and peak device memory (the
+// most the backend ever held allocated, as torch reports its allocator's peak).
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -11,15 +13,44 @@
 #include <string>
 #include <vector>
 
+#include "ops/device.h"
 #include "worker/model/trainer.h"
+
+namespace {
+
+// Model FLOPs per trained token, the same definition as torch_gpt.py's: P = L*12*C^2 (the
+// block matmul weights) + V*C (tied head); attention forward per token = 2*L*C*T (QK^T and
+// PV over the causal half of T); forward F = 2*P + 2*L*C*T. Full mode trains everything:
+// 3*F. LoRA: the frozen base needs forward and input-gradient matmuls but no weight
+// gradients, so 2*(2*P) + 3*(2*L*C*T) + 6*A, with A the LoRA parameters per token
+// (r*(in+out) summed over the adapted linears).
+double FlopsPerToken(int L, int C, int T, int V, bool lora, int rank,
+                     const std::vector<std::string>& targets) {
+  const double P = 12.0 * L * C * C + static_cast<double>(V) * C;
+  const double attn = 2.0 * L * C * T;
+  if (!lora) return 3.0 * (2.0 * P + attn);
+  double per_layer = 0;
+  for (const std::string& t : targets) {
+    if (t == "attn.c_attn") per_layer += C + 3.0 * C;
+    if (t == "attn.c_proj") per_layer += 2.0 * C;
+    if (t == "mlp.c_fc") per_layer += C + 4.0 * C;
+    if (t == "mlp.c_proj") per_layer += 4.0 * C + C;
+  }
+  const double A = static_cast<double>(L) * rank * per_layer;
+  return 4.0 * P + 3.0 * attn + 6.0 * A;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   using namespace isthmus;
-  CLI::App app{"bench_train: tokens/s of the worker's training step (CPU)"};
+  CLI::App app{"bench_train: tokens/s of the worker's training step (CPU or GPU)"};
   int layers = 4, width = 256, heads = 4, ctx = 256, batch = 8, rank = 16, steps = 10, warmup = 2;
   int threads = 0;
   float alpha = 32.0f;
-  std::string mode_name = "lora";
+  double peak_tflops = 989.0;
+  std::string mode_name = "lora", device = "cpu", precision = "fp32";
+  bool graphs = true;
   app.add_option("--layers", layers)->capture_default_str();
   app.add_option("--width", width)->capture_default_str();
   app.add_option("--heads", heads)->capture_default_str();
@@ -33,8 +64,28 @@ int main(int argc, char** argv) {
   app.add_option("--mode", mode_name)
       ->check(CLI::IsMember({"lora", "full"}))
       ->capture_default_str();
+  app.add_option("--device", device, "cpu, cuda or cuda:N")->capture_default_str();
+  app.add_option("--precision", precision)
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  app.add_option("--peak-tflops", peak_tflops,
+                 "the device's dense bf16 peak for MFU (989: H100 SXM)")
+      ->capture_default_str();
+  app.add_flag("!--no-cuda-graphs", graphs, "launch kernels one by one");
   CLI11_PARSE(app, argc, argv);
   if (threads > 0) omp_set_num_threads(threads);
+
+  auto fail = [](const Status& st) {
+    std::fprintf(stderr, "bench_train: %s\n", st.ToString().c_str());
+    return 1;
+  };
+  auto choice = ops::ParseDevice(device);
+  if (!choice.ok()) return fail(choice.status());
+  auto resolved = ops::ResolveDevice(*choice, 0);
+  if (!resolved.ok()) return fail(resolved.status());
+  auto backend = ops::OpenBackend(*resolved);
+  if (!backend.ok()) return fail(backend.status());
+  ops::Ops& ops = **backend;
 
   model::GptConfig config;
   config.n_layer = layers;
@@ -45,49 +96,71 @@ int main(int argc, char** argv) {
   lora.rank = rank;
   lora.alpha = alpha;
   auto mode = *model::ParseTrainMode(mode_name);
-  auto gpt = model::Gpt::CreateRandom(config, mode, lora, 0);
-  if (!gpt.ok()) {
-    std::fprintf(stderr, "bench_train: %s\n", gpt.status().ToString().c_str());
-    return 2;
-  }
+  const model::Compute compute{&ops, *model::ParsePrecision(precision)};
+  auto gpt = model::Gpt::CreateRandom(config, mode, lora, 0, compute);
+  if (!gpt.ok()) return fail(gpt.status());
   model::TrainerConfig tc;
   tc.max_lr = 1e-3f;
   tc.warmup_steps = 0;
   tc.weight_decay = mode == model::TrainMode::kLora ? 0.0f : 0.1f;
-  model::Trainer trainer(**gpt, tc);
+  tc.graphs = graphs;
+  auto trainer = model::Trainer::Create(**gpt, tc);
+  if (!trainer.ok()) return fail(trainer.status());
 
+  // Every batch is made before timing, so the host's random generator is not measured.
   std::mt19937 gen(0);
-  std::vector<int32_t> data(static_cast<size_t>(batch) * (ctx + 1));
-  std::vector<int32_t> tokens(static_cast<size_t>(batch) * ctx), targets(tokens.size());
-  auto step = [&] {
+  const size_t per_batch = static_cast<size_t>(batch) * ctx;
+  std::vector<std::vector<int32_t>> tokens(warmup + steps), targets(warmup + steps);
+  for (int s = 0; s < warmup + steps; ++s) {
+    std::vector<int32_t> data(static_cast<size_t>(batch) * (ctx + 1));
     for (auto& t : data) t = static_cast<int32_t>(gen() % 256);
+    tokens[s].resize(per_batch);
+    targets[s].resize(per_batch);
     for (int b = 0; b < batch; ++b) {
       for (int t = 0; t < ctx; ++t) {
-        tokens[b * ctx + t] = data[b * (ctx + 1) + t];
-        targets[b * ctx + t] = data[b * (ctx + 1) + t + 1];
+        tokens[s][b * ctx + t] = data[b * (ctx + 1) + t];
+        targets[s][b * ctx + t] = data[b * (ctx + 1) + t + 1];
       }
     }
-    return trainer.Step(tokens.data(), targets.data(), batch, ctx).loss;
-  };
-  for (int i = 0; i < warmup; ++i) step();
-  auto t0 = std::chrono::steady_clock::now();
+  }
   float loss = 0;
-  for (int i = 0; i < steps; ++i) loss = step();
+  auto step = [&](int s) -> Status {
+    auto st = (*trainer)->Step(tokens[s].data(), targets[s].data(), batch, ctx);
+    if (!st.ok()) return st.status();
+    loss = st->loss;
+    return Status::Ok();
+  };
+  for (int i = 0; i < warmup; ++i) {
+    if (Status st = step(i); !st.ok()) return fail(st);
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) {
+    if (Status st = step(warmup + i); !st.ok()) return fail(st);
+  }
   double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
   int64_t trainable = 0;
   for (const auto& p : (*gpt)->Trainable()) trainable += p.numel;
-  int64_t total = 0;
-  for (const auto& t : (*gpt)->BaseTensors()) total += static_cast<int64_t>(t.data.size());
+  int64_t total = (*gpt)->BaseElements();
   if (mode == model::TrainMode::kLora) total += trainable;
-  double tokens_done = static_cast<double>(steps) * batch * ctx;
+  const double tokens_done = static_cast<double>(steps) * batch * ctx;
+  const double tokens_per_s = tokens_done / elapsed;
+  const double flops = FlopsPerToken(layers, width, ctx, config.vocab_size,
+                                     mode == model::TrainMode::kLora, rank, lora.targets);
+  const ops::MemoryInfo mem = ops.Memory();
   std::printf(
       "{\"tokens_per_s\": %.1f, \"ms_per_step\": %.2f, \"mode\": \"%s\", \"layers\": %d, "
       "\"width\": %d, \"heads\": %d, \"ctx\": %d, \"batch\": %d, \"rank\": %d, \"steps\": %d, "
       "\"warmup\": %d, \"threads\": %d, \"trainable_params\": %lld, \"total_params\": %lld, "
-      "\"final_loss\": %.4f, \"device\": \"cpu\", \"impl\": \"isthmus\"}\n",
-      tokens_done / elapsed, 1000 * elapsed / steps, mode_name.c_str(), layers, width, heads, ctx,
-      batch, mode == model::TrainMode::kLora ? rank : 0, steps, warmup, omp_get_max_threads(),
-      static_cast<long long>(trainable), static_cast<long long>(total), loss);
+      "\"final_loss\": %.4f, \"device\": \"%s\", \"precision\": \"%s\", \"cuda_graphs\": %s, "
+      "\"peak_mem_bytes\": %s, \"flops_per_token\": %.0f, \"mfu\": %.4g, \"peak_tflops\": %.1f, "
+      "\"gpu\": %s, \"impl\": \"isthmus\"}\n",
+      tokens_per_s, 1000 * elapsed / steps, mode_name.c_str(), layers, width, heads, ctx, batch,
+      mode == model::TrainMode::kLora ? rank : 0, steps, warmup, omp_get_max_threads(),
+      static_cast<long long>(trainable), static_cast<long long>(total), loss, ops.Name(),
+      precision.c_str(), (*trainer)->used_graph() ? "true" : "false",
+      ops.HostMemory() ? "null" : std::to_string(mem.peak_allocated).c_str(), flops,
+      flops * tokens_per_s / (peak_tflops * 1e12), peak_tflops,
+      ops.HostMemory() ? "null" : ("\"" + ops.Describe() + "\"").c_str());
   return 0;
 }

@@ -20,18 +20,20 @@ void Measure(TrainMode mode) {
   auto made = Gpt::CreateRandom(c, mode, LoraConfig{}, 1);
   ASSERT_TRUE(made.ok());
   Gpt& gpt = **made;
-  Trainer trainer(gpt, TrainerConfig{});
+  auto made_trainer = Trainer::Create(gpt, TrainerConfig{});
+  ASSERT_TRUE(made_trainer.ok());
+  Trainer& trainer = **made_trainer;
   const int B = 8, T = 256;
   std::mt19937 rng(1);
   std::uniform_int_distribution<int32_t> d(0, 255);
   std::vector<int32_t> tokens(B * T), targets(B * T);
   for (auto& x : tokens) x = d(rng);
   for (auto& x : targets) x = d(rng);
-  trainer.Step(tokens.data(), targets.data(), B, T);  // warm-up: allocates activations
+  ASSERT_TRUE(trainer.Step(tokens.data(), targets.data(), B, T).ok());  // warm-up
   const int steps = 5;
   const auto t0 = std::chrono::steady_clock::now();
   float loss = 0;
-  for (int i = 0; i < steps; ++i) loss = trainer.Step(tokens.data(), targets.data(), B, T).loss;
+  for (int i = 0; i < steps; ++i) loss = trainer.Step(tokens.data(), targets.data(), B, T)->loss;
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_TRUE(std::isfinite(loss));
   std::printf("[speed %s] 4x256, T=256, B=8: %.1f ms/step, %.0f tokens/s (loss %.3f)\n",

@@ -39,10 +39,23 @@ GptConfig TinyConfig() {
 }
 
 std::unique_ptr<Gpt> MustCreate(const GptConfig& c, TrainMode mode, const LoraConfig& lora,
-                                uint64_t seed) {
-  auto r = Gpt::CreateRandom(c, mode, lora, seed);
+                                uint64_t seed, const Compute& compute = {}) {
+  auto r = Gpt::CreateRandom(c, mode, lora, seed, compute);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   return std::move(r).value();
+}
+
+std::unique_ptr<Trainer> MustTrainer(Gpt& gpt, const TrainerConfig& tc) {
+  auto r = Trainer::Create(gpt, tc);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return std::move(r).value();
+}
+
+StepStats MustStep(Trainer& t, const std::vector<int32_t>& tokens,
+                   const std::vector<int32_t>& targets, int B, int T) {
+  auto r = t.Step(tokens.data(), targets.data(), B, T);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? *r : StepStats{};
 }
 
 // A scratch folder removed at the end of the test.
@@ -254,7 +267,7 @@ MemoResult Memorise(TrainMode mode, int T, float lr, float lora_alpha, int max_s
   tc.warmup_steps = 20;
   tc.total_steps = max_steps;
   tc.weight_decay = 0.0f;
-  Trainer trainer(*gpt, tc);
+  std::unique_ptr<Trainer> trainer = MustTrainer(*gpt, tc);
 
   std::string corpus;
   for (int i = 0; i < 4; ++i) corpus += MemoText();
@@ -272,7 +285,7 @@ MemoResult Memorise(TrainMode mode, int T, float lr, float lora_alpha, int max_s
         targets[b * T + t] = static_cast<uint8_t>(corpus[off + t + 1]);
       }
     }
-    const StepStats s = trainer.Step(tokens.data(), targets.data(), B, T);
+    const StepStats s = MustStep(*trainer, tokens, targets, B, T);
     EXPECT_TRUE(std::isfinite(s.loss));
     EXPECT_FALSE(s.skipped);
     if (step % 25 == 0) {
@@ -317,16 +330,18 @@ TEST(GptLora, ZeroBGivesBaseLogitsExactly) {
   EXPECT_EQ(full->Forward(tokens.data(), nullptr, 3, 8), 0.0f);
   lora->Forward(tokens.data(), nullptr, 3, 8);
   const int n = 3 * 8 * c.vocab_size;
-  std::vector<float> base_logits(full->Logits(), full->Logits() + n);
-  for (int i = 0; i < n; ++i) ASSERT_EQ(base_logits[i], lora->Logits()[i]) << i;
+  const std::vector<float> base_logits = full->Logits();
+  ASSERT_EQ(static_cast<int>(base_logits.size()), n);
+  EXPECT_EQ(base_logits, lora->Logits());
 
   // And the adapters do change the output once B is nonzero.
   for (ParamView& p : lora->Trainable()) {
     if (p.name.find("lora_B") != std::string::npos) std::fill_n(p.data, p.numel, 0.05f);
   }
   lora->Forward(tokens.data(), nullptr, 3, 8);
+  const std::vector<float> adapted = lora->Logits();
   int differ = 0;
-  for (int i = 0; i < n; ++i) differ += base_logits[i] != lora->Logits()[i];
+  for (int i = 0; i < n; ++i) differ += base_logits[i] != adapted[i];
   EXPECT_GT(differ, n / 2);
 }
 
@@ -388,7 +403,8 @@ TEST(GptInit, Gpt2Statistics) {
   EXPECT_EQ(gpt->FindBase("h.1.ln_2.weight")->data[3], 1.0f);
   EXPECT_EQ(gpt->FindBase("h.1.mlp.c_fc.bias")->data[3], 0.0f);
   EXPECT_EQ(gpt->FindBase("h.0.attn.c_attn.weight")->shape, (std::vector<int64_t>{64, 192}));
-  EXPECT_EQ(gpt->BaseTensors().size(), 2u + 12u * 2u + 2u);
+  EXPECT_EQ(gpt->ExportBase().size(), 2u + 12u * 2u + 2u);
+  EXPECT_FALSE(gpt->FindBase("h.9.ln_2.weight").has_value());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -403,7 +419,7 @@ void ExpectSameTrainable(Gpt& a, Gpt& b) {
   }
 }
 
-void RoundTrip(TrainMode mode) {
+void RoundTrip(TrainMode mode, ops::Dtype precision = ops::Dtype::kF32) {
   TempDir dir;
   GptConfig c = TinyConfig();
   c.n_embd = 32;
@@ -414,23 +430,26 @@ void RoundTrip(TrainMode mode) {
   tc.warmup_steps = 2;
   tc.total_steps = 20;
   tc.weight_decay = 0.1f;
-  auto a = MustCreate(c, mode, lora, 77);
-  Trainer ta(*a, tc);
+  const Compute compute{nullptr, precision};
+  auto a = MustCreate(c, mode, lora, 77, compute);
+  auto ta_owner = MustTrainer(*a, tc);
+  Trainer& ta = *ta_owner;
   std::mt19937 rng(5);
   std::vector<int32_t> tokens, targets;
   for (int s = 0; s < 3; ++s) {
     RandomTokens(rng, 32, &tokens);
     RandomTokens(rng, 32, &targets);
-    ta.Step(tokens.data(), targets.data(), 4, 8);
+    MustStep(ta, tokens, targets, 4, 8);
   }
   ASSERT_TRUE(a->SaveBase(dir.File("base.safetensors")).ok());
   ASSERT_TRUE(ta.SaveCheckpoint(dir.File("ckpt.safetensors")).ok());
 
   // A different seed: everything that matters must come from the files.
-  auto loaded = Gpt::LoadBase(dir.File("base.safetensors"), 0, mode, lora, 1000, &c);
+  auto loaded = Gpt::LoadBase(dir.File("base.safetensors"), 0, mode, lora, 1000, &c, compute);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   Gpt& b = **loaded;
-  Trainer tb(b, tc);
+  auto tb_owner = MustTrainer(b, tc);
+  Trainer& tb = *tb_owner;
   ASSERT_TRUE(tb.LoadCheckpoint(dir.File("ckpt.safetensors")).ok());
   EXPECT_EQ(a->BaseHash(), b.BaseHash());
   EXPECT_EQ(tb.step(), 3);
@@ -438,8 +457,8 @@ void RoundTrip(TrainMode mode) {
 
   RandomTokens(rng, 32, &tokens);
   RandomTokens(rng, 32, &targets);
-  const StepStats sa = ta.Step(tokens.data(), targets.data(), 4, 8);
-  const StepStats sb = tb.Step(tokens.data(), targets.data(), 4, 8);
+  const StepStats sa = MustStep(ta, tokens, targets, 4, 8);
+  const StepStats sb = MustStep(tb, tokens, targets, 4, 8);
   EXPECT_EQ(sa.loss, sb.loss);
   EXPECT_EQ(sa.grad_norm, sb.grad_norm);
   EXPECT_EQ(sa.lr, sb.lr);
@@ -449,18 +468,24 @@ void RoundTrip(TrainMode mode) {
   EXPECT_EQ(a->BaseHash(), b.BaseHash());
 
   // The state must actually matter: a fresh trainer takes a different step.
-  auto fresh = Gpt::LoadBase(dir.File("base.safetensors"), 0, mode, lora, 1000);
+  auto fresh = Gpt::LoadBase(dir.File("base.safetensors"), 0, mode, lora, 1000, nullptr, compute);
   ASSERT_TRUE(fresh.ok());
   ASSERT_TRUE((*fresh)->LoadTrainable(a->ExportTrainable()).ok());
-  Trainer tf(**fresh, tc);
-  tf.Step(tokens.data(), targets.data(), 4, 8);
-  tb.Step(tokens.data(), targets.data(), 4, 8);
+  auto tf = MustTrainer(**fresh, tc);
+  MustStep(*tf, tokens, targets, 4, 8);
+  MustStep(tb, tokens, targets, 4, 8);
   EXPECT_NE(TensorsContentHash((*fresh)->ExportTrainable()),
             TensorsContentHash(b.ExportTrainable()));
 }
 
 TEST(GptCheckpoint, LoraRoundTripReproducesNextStepBitwise) { RoundTrip(TrainMode::kLora); }
 TEST(GptCheckpoint, FullRoundTripReproducesNextStepBitwise) { RoundTrip(TrainMode::kFull); }
+TEST(GptCheckpoint, Bf16LoraRoundTripReproducesNextStepBitwise) {
+  RoundTrip(TrainMode::kLora, ops::Dtype::kBF16);
+}
+TEST(GptCheckpoint, Bf16FullRoundTripReproducesNextStepBitwise) {
+  RoundTrip(TrainMode::kFull, ops::Dtype::kBF16);
+}
 
 TEST(GptCheckpoint, RefusesMismatches) {
   TempDir dir;
@@ -494,15 +519,15 @@ TEST(GptCheckpoint, RefusesMismatches) {
             Code::kNotFound);
 
   // A lora checkpoint does not load into a full-mode trainer.
-  Trainer ta(*a, TrainerConfig{});
-  ASSERT_TRUE(ta.SaveCheckpoint(dir.File("ckpt.safetensors")).ok());
+  auto ta = MustTrainer(*a, TrainerConfig{});
+  ASSERT_TRUE(ta->SaveCheckpoint(dir.File("ckpt.safetensors")).ok());
   auto full = MustCreate(c, TrainMode::kFull, LoraConfig{}, 1);
-  Trainer tf(*full, TrainerConfig{});
-  EXPECT_EQ(tf.LoadCheckpoint(dir.File("ckpt.safetensors")).code(), Code::kFailedPrecondition);
+  auto tf = MustTrainer(*full, TrainerConfig{});
+  EXPECT_EQ(tf->LoadCheckpoint(dir.File("ckpt.safetensors")).code(), Code::kFailedPrecondition);
   // Missing moments are refused.
-  std::vector<Tensor> state = ta.ExportState();
+  std::vector<Tensor> state = ta->ExportState();
   state.erase(state.begin());
-  EXPECT_EQ(ta.LoadState(state).code(), Code::kInvalidArgument);
+  EXPECT_EQ(ta->LoadState(state).code(), Code::kInvalidArgument);
 }
 
 TEST(GptCheckpoint, LoadsGpt2NamedFileWithTransformerPrefix) {
@@ -510,7 +535,7 @@ TEST(GptCheckpoint, LoadsGpt2NamedFileWithTransformerPrefix) {
   GptConfig c = TinyConfig();
   auto a = MustCreate(c, TrainMode::kFull, LoraConfig{}, 3);
   std::vector<Tensor> hf;
-  for (Tensor t : a->BaseTensors()) {
+  for (Tensor t : a->ExportBase()) {
     t.name = "transformer." + t.name;
     hf.push_back(std::move(t));
   }
@@ -541,19 +566,19 @@ TEST(GptCheckpoint, LoadsGpt2NamedFileWithTransformerPrefix) {
   std::vector<int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8};
   a->Forward(tokens.data(), nullptr, 1, 8);
   (*b)->Forward(tokens.data(), nullptr, 1, 8);
-  for (int i = 0; i < 8 * 256; ++i) ASSERT_EQ(a->Logits()[i], (*b)->Logits()[i]);
+  EXPECT_EQ(a->Logits(), (*b)->Logits());
 
   // Unknown tensors and wrong shapes are refused with InvalidArgument naming them.
-  std::vector<Tensor> extra = a->BaseTensors();
+  std::vector<Tensor> extra = a->ExportBase();
   extra.push_back({"h.0.attn.c_attn.lora_X", {1}, {0.0f}});
   auto r = Gpt::FromBaseTensors(extra, 2, TrainMode::kLora, LoraConfig{}, 1);
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
   EXPECT_NE(r.status().message().find("lora_X"), std::string::npos);
-  std::vector<Tensor> bad = a->BaseTensors();
+  std::vector<Tensor> bad = a->ExportBase();
   bad[4].shape = {16, 3, 16};
   r = Gpt::FromBaseTensors(bad, 2, TrainMode::kLora, LoraConfig{}, 1);
   EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
-  std::vector<Tensor> missing = a->BaseTensors();
+  std::vector<Tensor> missing = a->ExportBase();
   missing.pop_back();
   EXPECT_EQ(Gpt::FromBaseTensors(missing, 2, TrainMode::kLora, LoraConfig{}, 1).status().code(),
             Code::kInvalidArgument);
@@ -591,46 +616,218 @@ TEST(GptCheckpoint, PeftAdapterExport) {
 
 // ---------------------------------------------------------------------------------------
 
-TEST(GptTrainer, HookSeesGradientsBeforeClipping) {
+TEST(GptTrainer, HookSeesGradientsBeforeClippingAndCarriesTheControlValue) {
   GptConfig c = TinyConfig();
   auto gpt = MustCreate(c, TrainMode::kLora, LoraConfig{}, 4);
   TrainerConfig tc;
   tc.grad_clip = 1e-3f;
-  Trainer t(*gpt, tc);
+  auto t = MustTrainer(*gpt, tc);
   double hook_norm_sq = 0.0;
   int calls = 0;
-  t.SetGradHook([&](std::vector<ParamView>& params) {
+  float control_seen = -1.0f;
+  t->SetGradHook([&](float* grads, size_t count) {
     ++calls;
+    EXPECT_EQ(static_cast<int64_t>(count), gpt->GradElements());
+    control_seen = grads[count - 1];
+    grads[count - 1] = 0.5f;  // what an all-reduce of {1, 0} over two ranks would leave
     hook_norm_sq = 0.0;
-    for (ParamView& p : params) {
-      for (int64_t i = 0; i < p.numel; ++i) {
-        p.grad[i] *= 2.0f;  // e.g. a sum over two ranks
-        hook_norm_sq += double(p.grad[i]) * p.grad[i];
-      }
+    for (size_t i = 0; i + 1 < count; ++i) {
+      grads[i] *= 2.0f;  // e.g. a sum over two ranks
+      hook_norm_sq += double(grads[i]) * grads[i];
     }
+    return Status::Ok();
   });
   std::mt19937 rng(8);
   std::vector<int32_t> tokens, targets;
   RandomTokens(rng, 16, &tokens);
   RandomTokens(rng, 16, &targets);
-  const StepStats s = t.Step(tokens.data(), targets.data(), 2, 8);
+  auto stepped = t->Step(tokens.data(), targets.data(), 2, 8, /*control=*/1.0f);
+  ASSERT_TRUE(stepped.ok()) << stepped.status().ToString();
+  const StepStats s = *stepped;
   EXPECT_EQ(calls, 1);
+  EXPECT_EQ(control_seen, 1.0f);
+  EXPECT_EQ(s.control, 0.5f);
   EXPECT_NEAR(s.grad_norm, std::sqrt(hook_norm_sq), 1e-4 * std::sqrt(hook_norm_sq));
   EXPECT_GT(s.grad_norm, tc.grad_clip);
-  double after = 0.0;
-  for (const ParamView& p : gpt->Trainable()) {
-    for (int64_t i = 0; i < p.numel; ++i) after += double(p.grad[i]) * p.grad[i];
-  }
-  EXPECT_NEAR(std::sqrt(after), tc.grad_clip, 1e-5);
-  EXPECT_EQ(t.step(), 1);
+  EXPECT_EQ(t->step(), 1);
 
-  // A non-finite gradient skips the update entirely.
+  // A non-finite gradient skips the update entirely; a failing hook fails the step.
   const std::string before = TensorsContentHash(gpt->ExportTrainable());
-  t.SetGradHook([](std::vector<ParamView>& params) { params[0].grad[0] = NAN; });
-  const StepStats bad = t.Step(tokens.data(), targets.data(), 2, 8);
+  t->SetGradHook([](float* grads, size_t) {
+    grads[0] = NAN;
+    return Status::Ok();
+  });
+  const StepStats bad = MustStep(*t, tokens, targets, 2, 8);
   EXPECT_TRUE(bad.skipped);
-  EXPECT_EQ(t.step(), 1);
+  EXPECT_EQ(t->step(), 1);
   EXPECT_EQ(before, TensorsContentHash(gpt->ExportTrainable()));
+  t->SetGradHook([](float*, size_t) { return Status::Timeout("peer gone"); });
+  EXPECT_EQ(t->Step(tokens.data(), targets.data(), 2, 8).status().code(), Code::kTimeout);
+}
+
+TEST(GptTrainer, ClippingBoundsTheUpdate) {
+  // After one step the first moment is (1 - beta1) times the clipped gradient, so its norm
+  // is (1 - beta1) * clip when the gradient's norm was above clip.
+  GptConfig c = TinyConfig();
+  auto gpt = MustCreate(c, TrainMode::kLora, LoraConfig{}, 4);
+  TrainerConfig tc;
+  tc.grad_clip = 1e-3f;
+  tc.warmup_steps = 0;
+  auto t = MustTrainer(*gpt, tc);
+  std::mt19937 rng(9);
+  std::vector<int32_t> tokens, targets;
+  RandomTokens(rng, 16, &tokens);
+  RandomTokens(rng, 16, &targets);
+  const StepStats s = MustStep(*t, tokens, targets, 2, 8);
+  ASSERT_GT(s.grad_norm, tc.grad_clip);
+  double m_norm_sq = 0.0;
+  for (const Tensor& x : t->ExportState()) {
+    if (x.name.rfind("opt.m.", 0) != 0) continue;
+    for (float v : x.data) m_norm_sq += double(v) * v;
+  }
+  // m = (1 - beta1) * clipped grad after one step.
+  EXPECT_NEAR(std::sqrt(m_norm_sq), (1.0 - tc.beta1) * tc.grad_clip, 1e-6);
+}
+
+TEST(GptTrainer, SnapshotAndDeltaAreTheRoundChange) {
+  GptConfig c = TinyConfig();
+  auto gpt = MustCreate(c, TrainMode::kLora, LoraConfig{}, 4);
+  TrainerConfig tc;
+  tc.warmup_steps = 0;
+  tc.max_lr = 1e-2f;
+  auto t = MustTrainer(*gpt, tc);
+  const std::vector<Tensor> start = gpt->ExportTrainable();
+  EXPECT_EQ(gpt->TrainableDelta().status().code(), Code::kFailedPrecondition);
+  ASSERT_TRUE(gpt->SnapshotTrainable().ok());
+  std::mt19937 rng(10);
+  std::vector<int32_t> tokens, targets;
+  for (int i = 0; i < 3; ++i) {
+    RandomTokens(rng, 16, &tokens);
+    RandomTokens(rng, 16, &targets);
+    MustStep(*t, tokens, targets, 2, 8);
+  }
+  const std::vector<Tensor> now = gpt->ExportTrainable();
+  auto delta = gpt->TrainableDelta();
+  ASSERT_TRUE(delta.ok()) << delta.status().ToString();
+  ASSERT_EQ(delta->size(), now.size());
+  double moved = 0.0;
+  for (size_t i = 0; i < now.size(); ++i) {
+    ASSERT_EQ((*delta)[i].name, now[i].name);
+    for (size_t k = 0; k < now[i].data.size(); ++k) {
+      ASSERT_EQ((*delta)[i].data[k], now[i].data[k] - start[i].data[k]) << now[i].name;
+      moved += std::fabs((*delta)[i].data[k]);
+    }
+  }
+  EXPECT_GT(moved, 0.0);
+}
+
+// ---------------------------------------------------------------------------------------
+// bf16: the mixed-precision model (emulated on the CPU exactly as the CUDA kernels store:
+// compute in fp32, round once at each store) must track the fp32 model.
+
+TEST(GptBf16, LossAndGradientsTrackFp32) {
+  const GptConfig c = TinyConfig();
+  LoraConfig lora;
+  lora.rank = 4;
+  for (TrainMode mode : {TrainMode::kLora, TrainMode::kFull}) {
+    std::vector<Tensor> base = NoisyBase(c, 21);
+    auto f32 = Gpt::FromBaseTensors(base, c.n_head, mode, lora, 5);
+    auto b16 = Gpt::FromBaseTensors(base, c.n_head, mode, lora, 5, {nullptr, ops::Dtype::kBF16});
+    ASSERT_TRUE(f32.ok() && b16.ok());
+    if (mode == TrainMode::kLora) {  // B = 0 would make every A gradient zero
+      std::vector<Tensor> t = (*f32)->ExportTrainable();
+      std::mt19937 rng(6);
+      std::normal_distribution<float> d(0.0f, 0.3f);
+      for (Tensor& x : t) {
+        if (x.name.find("lora_B") != std::string::npos) {
+          for (float& v : x.data) v = d(rng);
+        }
+      }
+      ASSERT_TRUE((*f32)->LoadTrainable(t).ok());
+      ASSERT_TRUE((*b16)->LoadTrainable(t).ok());
+    }
+    std::mt19937 rng(7);
+    std::vector<int32_t> tokens, targets;
+    RandomTokens(rng, 2 * c.n_ctx, &tokens);
+    RandomTokens(rng, 2 * c.n_ctx, &targets);
+    double losses[2];
+    std::vector<std::vector<float>> grads(2);
+    int k = 0;
+    for (Gpt* g : {f32->get(), b16->get()}) {
+      g->ZeroGrad();
+      losses[k] = g->Forward(tokens.data(), targets.data(), 2, c.n_ctx);
+      g->Backward();
+      grads[k].assign(g->GradData(), g->GradData() + g->TrainableElements());
+      ++k;
+    }
+    // bf16 keeps 8 significant bits: about 0.4% per rounding, averaging out over a loss.
+    EXPECT_NEAR(losses[1], losses[0], 1e-2 * losses[0]) << TrainModeName(mode);
+    double dot = 0, n0 = 0, n1 = 0;
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      dot += double(grads[0][i]) * grads[1][i];
+      n0 += double(grads[0][i]) * grads[0][i];
+      n1 += double(grads[1][i]) * grads[1][i];
+    }
+    const double cosine = dot / std::sqrt(n0 * n1);
+    std::printf("[bf16 %s] loss %.5f vs %.5f, gradient cosine %.5f, norm ratio %.4f\n",
+                TrainModeName(mode), losses[1], losses[0], cosine, std::sqrt(n1 / n0));
+    EXPECT_GT(cosine, 0.99) << TrainModeName(mode);
+    EXPECT_NEAR(std::sqrt(n1 / n0), 1.0, 0.05) << TrainModeName(mode);
+  }
+}
+
+TEST(GptBf16, TrainingCurveStaysWithinTwoPercentOfFp32) {
+  // Real English text that every Debian system has (the GPL, 35 KB, about one epoch here),
+  // 150 steps in both precisions from the same start: the mean loss over each block of 25
+  // steps must stay within 2% (the GPU test asks the same of 300 steps on the Debian
+  // Reference).
+  const char* kText = "/usr/share/common-licenses/GPL-3";
+  std::ifstream in(kText, std::ios::binary);
+  if (!in) GTEST_SKIP() << kText << " is missing (package base-files)";
+  const std::string corpus((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  GptConfig c;
+  c.n_layer = 2;
+  c.n_embd = 64;
+  c.n_head = 4;
+  c.n_ctx = 32;
+  const int B = 8, T = c.n_ctx, steps = 150, block = 25;
+  std::vector<double> curves[2];
+  int k = 0;
+  for (ops::Dtype p : {ops::Dtype::kF32, ops::Dtype::kBF16}) {
+    auto gpt = MustCreate(c, TrainMode::kFull, LoraConfig{}, 1234, {nullptr, p});
+    TrainerConfig tc;
+    tc.max_lr = 3e-3f;
+    tc.min_lr = 3e-4f;
+    tc.warmup_steps = 10;
+    tc.total_steps = steps;
+    auto t = MustTrainer(*gpt, tc);
+    std::mt19937 rng(99);
+    std::uniform_int_distribution<int> start(0, static_cast<int>(corpus.size()) - T - 2);
+    std::vector<int32_t> tokens(B * T), targets(B * T);
+    double sum = 0;
+    for (int step = 1; step <= steps; ++step) {
+      for (int b = 0; b < B; ++b) {
+        const int off = start(rng);
+        for (int i = 0; i < T; ++i) {
+          tokens[b * T + i] = static_cast<uint8_t>(corpus[off + i]);
+          targets[b * T + i] = static_cast<uint8_t>(corpus[off + i + 1]);
+        }
+      }
+      sum += MustStep(*t, tokens, targets, B, T).loss;
+      if (step % block == 0) {
+        curves[k].push_back(sum / block);
+        sum = 0;
+      }
+    }
+    ++k;
+  }
+  for (size_t i = 0; i < curves[0].size(); ++i) {
+    std::printf("[bf16 curve] steps %3zu-%3zu: fp32 %.4f bf16 %.4f (%+.2f%%)\n", i * block + 1,
+                (i + 1) * block, curves[0][i], curves[1][i],
+                100.0 * (curves[1][i] - curves[0][i]) / curves[0][i]);
+    EXPECT_NEAR(curves[1][i], curves[0][i], 0.02 * curves[0][i]) << "block " << i;
+  }
+  EXPECT_LT(curves[0].back(), 0.8 * curves[0].front());  // it did learn
 }
 
 TEST(GptTrainer, LearningRateFollowsWarmupCosine) {
@@ -641,10 +838,10 @@ TEST(GptTrainer, LearningRateFollowsWarmupCosine) {
   tc.min_lr = 1e-4f;
   tc.warmup_steps = 2;
   tc.total_steps = 4;
-  Trainer t(*gpt, tc);
+  auto t = MustTrainer(*gpt, tc);
   std::vector<int32_t> tokens(8, 65), targets(8, 66);
   std::vector<float> lrs;
-  for (int i = 0; i < 6; ++i) lrs.push_back(t.Step(tokens.data(), targets.data(), 1, 8).lr);
+  for (int i = 0; i < 6; ++i) lrs.push_back(MustStep(*t, tokens, targets, 1, 8).lr);
   for (int i = 0; i < 6; ++i) {
     EXPECT_FLOAT_EQ(lrs[i], ops::WarmupCosineLr(i, 2, 4, 1e-3f, 1e-4f)) << i;
   }

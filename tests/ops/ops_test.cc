@@ -1,13 +1,17 @@
 // Checks the CPU reference backend (ops/ops.h): every backward against central finite
-// differences of a scalar loss sum(out * w) with random w, and the forwards against naive
-// double-precision references and hand-computed values. The CUDA backend is later checked
-// against this one, so these tests are what anchors both.
+// differences of a scalar loss sum(out * w) with random w, the forwards against naive
+// double-precision references and hand-computed values, the write-versus-accumulate
+// contract of every gradient, and the bf16 emulation against fp32. The CUDA backend is
+// checked against this one (tests/ops/backend_conformance.h), so these tests are what
+// anchors both.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -130,6 +134,14 @@ TEST(MatmulTest, LargeMatchesNaive) {
 // ---------------------------------------------------------------------------------------
 // Embedding
 
+TEST(EmbeddingTest, GroupByTokenIsAStableCountingSort) {
+  const std::vector<int32_t> tokens = {3, 1, 3, 0, 1, 3};
+  std::vector<int32_t> order(tokens.size()), starts(5);
+  GroupByToken(tokens.data(), static_cast<int>(tokens.size()), 4, order.data(), starts.data());
+  EXPECT_EQ(starts, (std::vector<int32_t>{0, 1, 3, 3, 6}));
+  EXPECT_EQ(order, (std::vector<int32_t>{3, 1, 4, 0, 2, 5}));
+}
+
 TEST(EmbeddingTest, ForwardAndGradients) {
   std::mt19937 rng(3);
   const int B = 2, T = 3, C = 4, V = 5;
@@ -147,9 +159,12 @@ TEST(EmbeddingTest, ForwardAndGradients) {
     ops().EmbeddingForward(tokens.data(), wte.data(), wpe.data(), out.data(), B, T, C);
     return WeightedSum(out, w);
   };
+  std::vector<int32_t> order(B * T), starts(V + 1);
+  GroupByToken(tokens.data(), B * T, V, order.data(), starts.data());
   const Vec dwte0 = Random(V * C, rng), dwpe0 = Random(T * C, rng);
   Vec dwte = dwte0, dwpe = dwpe0;
-  ops().EmbeddingBackward(w.data(), tokens.data(), dwte.data(), dwpe.data(), B, T, C);
+  ops().EmbeddingBackward(w.data(), order.data(), starts.data(), dwte.data(), dwpe.data(), B, T, C,
+                          V);
   ExpectGradientMatches("embedding dwte", &wte, Minus(dwte, dwte0), loss);
   ExpectGradientMatches("embedding dwpe", &wpe, Minus(dwpe, dwpe0), loss);
   // Token 2 never occurs, so its row must be untouched.
@@ -196,6 +211,7 @@ TEST(LayerNormTest, Gradients) {
     return WeightedSum(out, w);
   };
   loss();
+  // All three accumulate (dx is the residual stream's gradient).
   const Vec dx0 = Random(N * C, rng), dw0 = Random(C, rng), db0 = Random(C, rng);
   Vec dx = dx0, dweight = dw0, dbias = db0;
   ops().LayerNormBackward(w.data(), x.data(), weight.data(), mean.data(), rstd.data(), dx.data(),
@@ -208,19 +224,24 @@ TEST(LayerNormTest, Gradients) {
 // ---------------------------------------------------------------------------------------
 // Linear and LoRA
 
-TEST(LinearTest, ForwardMatchesReference) {
+TEST(LinearTest, ForwardMatchesReferenceWithBiasAndResidual) {
   std::mt19937 rng(6);
   const int N = 3, in = 4, out_dim = 5;
   const Vec x = Random(N * in, rng), w = Random(in * out_dim, rng), b = Random(out_dim, rng);
+  const Vec res = Random(N * out_dim, rng);
   Vec out(N * out_dim, 123.0f), out_nobias(N * out_dim, 123.0f);  // must be overwritten
-  ops().LinearForward(x.data(), w.data(), b.data(), out.data(), N, in, out_dim);
-  ops().LinearForward(x.data(), w.data(), nullptr, out_nobias.data(), N, in, out_dim);
+  Vec out_res = res;                                              // residual aliases out
+  ops().LinearForward(x.data(), w.data(), b.data(), nullptr, out.data(), N, in, out_dim);
+  ops().LinearForward(x.data(), w.data(), nullptr, nullptr, out_nobias.data(), N, in, out_dim);
+  ops().LinearForward(x.data(), w.data(), b.data(), out_res.data(), out_res.data(), N, in,
+                      out_dim);
   for (int i = 0; i < N; ++i) {
     for (int j = 0; j < out_dim; ++j) {
       double s = 0.0;
       for (int p = 0; p < in; ++p) s += static_cast<double>(x[i * in + p]) * w[p * out_dim + j];
       EXPECT_NEAR(out_nobias[i * out_dim + j], s, 1e-5);
       EXPECT_NEAR(out[i * out_dim + j], s + b[j], 1e-5);
+      EXPECT_NEAR(out_res[i * out_dim + j], s + b[j] + res[i * out_dim + j], 1e-5);
     }
   }
 }
@@ -232,14 +253,15 @@ TEST(LinearTest, Gradients) {
   const Vec lw = Random(N * out_dim, rng);
   Vec out(N * out_dim);
   auto loss = [&] {
-    ops().LinearForward(x.data(), w.data(), b.data(), out.data(), N, in, out_dim);
+    ops().LinearForward(x.data(), w.data(), b.data(), nullptr, out.data(), N, in, out_dim);
     return WeightedSum(out, lw);
   };
-  const Vec dx0 = Random(N * in, rng), dw0 = Random(in * out_dim, rng), db0 = Random(out_dim, rng);
-  Vec dx = dx0, dw = dw0, db = db0;
+  // dx is written; dw and dbias accumulate.
+  const Vec dw0 = Random(in * out_dim, rng), db0 = Random(out_dim, rng);
+  Vec dx(N * in, 77.0f), dw = dw0, db = db0;
   ops().LinearBackward(lw.data(), x.data(), w.data(), dx.data(), dw.data(), db.data(), N, in,
                        out_dim);
-  ExpectGradientMatches("linear dx", &x, Minus(dx, dx0), loss);
+  ExpectGradientMatches("linear dx", &x, dx, loss);
   ExpectGradientMatches("linear dw", &w, Minus(dw, dw0), loss);
   ExpectGradientMatches("linear dbias", &b, Minus(db, db0), loss);
 }
@@ -258,8 +280,8 @@ struct LoraProblem {
         out(kN * kOut),
         xa(kN * kRank) {}
   double Loss() {
-    ops().LoraLinearForward(x.data(), w.data(), b.data(), a.data(), bb.data(), kScale, out.data(),
-                            xa.data(), kN, kIn, kOut, kRank);
+    ops().LoraLinearForward(x.data(), w.data(), b.data(), a.data(), bb.data(), kScale, nullptr,
+                            out.data(), xa.data(), kN, kIn, kOut, kRank);
     return WeightedSum(out, lw);
   }
 };
@@ -289,14 +311,14 @@ TEST(LoraTest, Gradients) {
   LoraProblem p(rng);
   p.Loss();
   const int N = p.kN, in = p.kIn, out_dim = p.kOut, r = p.kRank;
-  const Vec dx0 = Random(N * in, rng), dw0 = Random(in * out_dim, rng), db0 = Random(out_dim, rng);
+  const Vec dw0 = Random(in * out_dim, rng), db0 = Random(out_dim, rng);
   const Vec da0 = Random(r * in, rng), dbb0 = Random(out_dim * r, rng);
-  Vec dx = dx0, dw = dw0, db = db0, da = da0, dbb = dbb0, dxa(N * r, 99.0f);
+  Vec dx(N * in, 55.0f), dw = dw0, db = db0, da = da0, dbb = dbb0, dxa(N * r, 99.0f);
   ops().LoraLinearBackward(p.lw.data(), p.x.data(), p.w.data(), p.a.data(), p.bb.data(), p.kScale,
                            p.xa.data(), dx.data(), dw.data(), db.data(), da.data(), dbb.data(),
                            dxa.data(), N, in, out_dim, r);
   auto loss = [&] { return p.Loss(); };
-  ExpectGradientMatches("lora dx", &p.x, Minus(dx, dx0), loss);
+  ExpectGradientMatches("lora dx", &p.x, dx, loss);
   ExpectGradientMatches("lora dw", &p.w, Minus(dw, dw0), loss);
   ExpectGradientMatches("lora dbias", &p.b, Minus(db, db0), loss);
   ExpectGradientMatches("lora dA", &p.a, Minus(da, da0), loss);
@@ -304,7 +326,7 @@ TEST(LoraTest, Gradients) {
 
   // Frozen base (dw, dbias null): dx, dA, dB must be the same as with them.
   p.Loss();
-  Vec dx2 = dx0, da2 = da0, dbb2 = dbb0;
+  Vec dx2(N * in, -3.0f), da2 = da0, dbb2 = dbb0;
   ops().LoraLinearBackward(p.lw.data(), p.x.data(), p.w.data(), p.a.data(), p.bb.data(), p.kScale,
                            p.xa.data(), dx2.data(), nullptr, nullptr, da2.data(), dbb2.data(),
                            dxa.data(), N, in, out_dim, r);
@@ -338,7 +360,7 @@ TEST(GeluTest, ForwardKnownValues) {
   }
 }
 
-TEST(GeluTest, Gradient) {
+TEST(GeluTest, GradientIsWrittenAndMayBeInPlace) {
   std::mt19937 rng(10);
   const int n = 40;
   Vec x = Random(n, rng, 2.0f);
@@ -348,20 +370,24 @@ TEST(GeluTest, Gradient) {
     ops().GeluForward(x.data(), out.data(), n);
     return WeightedSum(out, w);
   };
-  const Vec dx0 = Random(n, rng);
-  Vec dx = dx0;
+  Vec dx(n, 42.0f);
   ops().GeluBackward(w.data(), x.data(), dx.data(), n);
-  ExpectGradientMatches("gelu dx", &x, Minus(dx, dx0), loss);
+  ExpectGradientMatches("gelu dx", &x, dx, loss);
+  Vec in_place = w;
+  ops().GeluBackward(in_place.data(), x.data(), in_place.data(), n);
+  EXPECT_EQ(in_place, dx);
 }
 
 // ---------------------------------------------------------------------------------------
 // Attention
 
-// Naive double-precision causal attention: out[b,t,h*hs+d].
-std::vector<double> NaiveAttention(const Vec& qkv, int B, int T, int C, int H) {
+// Naive double-precision causal attention: out[b,t,h*hs+d] and lse[b,h,t].
+std::vector<double> NaiveAttention(const Vec& qkv, int B, int T, int C, int H,
+                                   std::vector<double>* lse = nullptr) {
   const int hs = C / H;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   std::vector<double> out(static_cast<size_t>(B) * T * C, 0.0);
+  if (lse != nullptr) lse->assign(static_cast<size_t>(B) * H * T, 0.0);
   auto at = [&](int b, int t, int part, int h, int d) {
     return static_cast<double>(
         qkv[(static_cast<size_t>(b) * T + t) * 3 * C + part * C + h * hs + d]);
@@ -378,6 +404,7 @@ std::vector<double> NaiveAttention(const Vec& qkv, int B, int T, int C, int H) {
           mx = std::max(mx, p[s]);
         }
         for (int s = 0; s <= t; ++s) sum += (p[s] = std::exp(p[s] - mx));
+        if (lse != nullptr) (*lse)[(static_cast<size_t>(b) * H + h) * T + t] = mx + std::log(sum);
         for (int d = 0; d < hs; ++d) {
           double o = 0.0;
           for (int s = 0; s <= t; ++s) o += p[s] / sum * at(b, s, 2, h, d);
@@ -389,30 +416,21 @@ std::vector<double> NaiveAttention(const Vec& qkv, int B, int T, int C, int H) {
   return out;
 }
 
-TEST(AttentionTest, ForwardMatchesNaiveAndAttIsCausalSoftmax) {
+TEST(AttentionTest, ForwardMatchesNaiveIncludingLogSumExp) {
   std::mt19937 rng(11);
   for (auto [B, T, C, H] : {std::array{2, 5, 8, 2}, std::array{2, 64, 64, 4}}) {
     const Vec qkv = Random(static_cast<size_t>(B) * T * 3 * C, rng);
-    Vec out(static_cast<size_t>(B) * T * C), att(static_cast<size_t>(B) * H * T * T, 7.0f);
-    ops().AttentionForward(qkv.data(), out.data(), att.data(), B, T, C, H);
-    const std::vector<double> ref = NaiveAttention(qkv, B, T, C, H);
-    double max_err = 0.0;
+    Vec out(static_cast<size_t>(B) * T * C), lse(static_cast<size_t>(B) * H * T, 7.0f);
+    ops().AttentionForward(qkv.data(), out.data(), lse.data(), B, T, C, H);
+    std::vector<double> ref_lse;
+    const std::vector<double> ref = NaiveAttention(qkv, B, T, C, H, &ref_lse);
+    double max_err = 0.0, max_lse_err = 0.0;
     for (size_t i = 0; i < out.size(); ++i) max_err = std::max(max_err, std::abs(out[i] - ref[i]));
-    EXPECT_LT(max_err, 1e-5) << "T=" << T;
-    for (int r = 0; r < B * H * T; ++r) {
-      const int t = r % T;
-      double sum = 0.0;
-      for (int s = 0; s < T; ++s) {
-        const float p = att[static_cast<size_t>(r) * T + s];
-        if (s > t) {
-          EXPECT_EQ(p, 0.0f) << "row " << r << " col " << s;
-        } else {
-          EXPECT_GE(p, 0.0f);
-        }
-        sum += p;
-      }
-      EXPECT_NEAR(sum, 1.0, 1e-5);
+    for (size_t i = 0; i < lse.size(); ++i) {
+      max_lse_err = std::max(max_lse_err, std::abs(lse[i] - ref_lse[i]));
     }
+    EXPECT_LT(max_err, 1e-5) << "T=" << T;
+    EXPECT_LT(max_lse_err, 1e-5) << "T=" << T;
   }
 }
 
@@ -420,10 +438,10 @@ TEST(AttentionTest, FutureTokenDoesNotChangeEarlierOutputs) {
   std::mt19937 rng(12);
   const int B = 2, T = 6, C = 8, H = 2, t0 = 3;
   Vec qkv = Random(B * T * 3 * C, rng);
-  Vec out1(B * T * C), out2(B * T * C), att(B * H * T * T);
-  ops().AttentionForward(qkv.data(), out1.data(), att.data(), B, T, C, H);
+  Vec out1(B * T * C), out2(B * T * C), lse(B * H * T);
+  ops().AttentionForward(qkv.data(), out1.data(), lse.data(), B, T, C, H);
   for (int j = 0; j < 3 * C; ++j) qkv[(1 * T + t0) * 3 * C + j] += 3.0f;  // batch 1, time t0
-  ops().AttentionForward(qkv.data(), out2.data(), att.data(), B, T, C, H);
+  ops().AttentionForward(qkv.data(), out2.data(), lse.data(), B, T, C, H);
   for (int b = 0; b < B; ++b) {
     for (int t = 0; t < T; ++t) {
       double diff = 0.0;
@@ -438,43 +456,56 @@ TEST(AttentionTest, FutureTokenDoesNotChangeEarlierOutputs) {
   }
 }
 
-TEST(AttentionTest, Gradient) {
+TEST(AttentionTest, GradientIsWritten) {
   std::mt19937 rng(13);
   const int B = 2, T = 5, C = 8, H = 2;
   Vec qkv = Random(B * T * 3 * C, rng);
   const Vec w = Random(B * T * C, rng);
-  Vec out(B * T * C), att(B * H * T * T), datt(B * H * T * T, 5.0f);
+  Vec out(B * T * C), lse(B * H * T), scratch(AttentionScratchFloats(B, T, C, H));
   auto loss = [&] {
-    ops().AttentionForward(qkv.data(), out.data(), att.data(), B, T, C, H);
+    ops().AttentionForward(qkv.data(), out.data(), lse.data(), B, T, C, H);
     return WeightedSum(out, w);
   };
   loss();
-  const Vec dqkv0 = Random(qkv.size(), rng);
-  Vec dqkv = dqkv0;
-  ops().AttentionBackward(w.data(), qkv.data(), att.data(), dqkv.data(), datt.data(), B, T, C, H);
-  ExpectGradientMatches("attention dqkv", &qkv, Minus(dqkv, dqkv0), loss);
+  Vec dqkv(qkv.size(), 31.0f);
+  ops().AttentionBackward(w.data(), qkv.data(), out.data(), lse.data(), dqkv.data(),
+                          scratch.data(), B, T, C, H);
+  ExpectGradientMatches("attention dqkv", &qkv, dqkv, loss);
 }
 
 // ---------------------------------------------------------------------------------------
-// Add, SumSquares, Scale
+// Elementwise: Cast, Subtract, SumSquares
 
-TEST(ElementwiseTest, AddAliasSumSquaresScale) {
-  Vec a = {1.0f, -2.0f, 3.5f}, b = {0.5f, 0.5f, -1.0f};
-  ops().Add(a.data(), b.data(), a.data(), 3);  // out aliases a
-  EXPECT_EQ(a, (Vec{1.5f, -1.5f, 2.5f}));
-  EXPECT_DOUBLE_EQ(ops().SumSquares(a.data(), 3), 1.5 * 1.5 + 1.5 * 1.5 + 2.5 * 2.5);
-  ops().Scale(a.data(), 3, -2.0f);
-  EXPECT_EQ(a, (Vec{-3.0f, 3.0f, -5.0f}));
+TEST(ElementwiseTest, CastSubtractSumSquares) {
+  const Vec a = {1.0f, -2.0f, 3.5f}, b = {0.5f, 0.5f, -1.0f};
+  Vec d(3);
+  ops().Subtract(a.data(), b.data(), d.data(), 3);
+  EXPECT_EQ(d, (Vec{0.5f, -2.5f, 4.5f}));
+  float sumsq = -1.0f;
+  ops().SumSquares(a.data(), 3, &sumsq);
+  EXPECT_FLOAT_EQ(sumsq, 1.0f + 4.0f + 12.25f);
   // Many small terms: a float accumulator would drift, the double one must not.
   const Vec small(1 << 20, 1e-3f);
-  EXPECT_NEAR(ops().SumSquares(small.data(), static_cast<int64_t>(small.size())),
-              (1 << 20) * static_cast<double>(1e-3f) * 1e-3f, 1e-9);
+  ops().SumSquares(small.data(), static_cast<int64_t>(small.size()), &sumsq);
+  EXPECT_NEAR(sumsq, (1 << 20) * static_cast<double>(1e-3f) * 1e-3f, 1e-6);
+  // fp32 -> bf16 -> fp32 keeps 8 significant bits, rounding to nearest even.
+  const Vec values = {1.0f, 1.00390625f, 1.005f, -3.14159f, 1e-30f};
+  std::vector<Bf16> h(values.size());
+  Vec back(values.size());
+  ops().Cast(values.data(), h.data(), static_cast<int64_t>(values.size()));
+  ops().Cast(h.data(), back.data(), static_cast<int64_t>(values.size()));
+  EXPECT_EQ(back[0], 1.0f);
+  EXPECT_EQ(back[1], 1.0f);  // a tie: goes to the even mantissa
+  EXPECT_EQ(back[2], 1.0078125f);
+  EXPECT_NEAR(back[3], -3.14159f, 3.14159f / 256);
+  EXPECT_NEAR(back[4], 1e-30f, 1e-32f);
+  for (size_t i = 0; i < values.size(); ++i) EXPECT_EQ(back[i], RoundBf16(values[i]));
 }
 
 // ---------------------------------------------------------------------------------------
 // Cross-entropy
 
-TEST(CrossEntropyTest, KnownValues) {
+TEST(CrossEntropyTest, KnownValuesAndGradientRows) {
   const int N = 4, V = 4;
   const Vec logits = {
       0.0f,           0.0f,           0.0f,           0.0f,            // uniform: log 4
@@ -483,55 +514,86 @@ TEST(CrossEntropyTest, KnownValues) {
       5.0f,           1.0f,           2.0f,           3.0f,            // ignored
   };
   const std::vector<int32_t> targets = {2, 2, 1, -1};
-  Vec probs(N * V), losses(N, 9.0f);
-  const float mean =
-      ops().CrossEntropyForward(logits.data(), targets.data(), probs.data(), losses.data(), N, V);
+  const float dloss = 1.0f / 3.0f;
+  Vec losses(N, 9.0f), dlogits(N * V, 8.0f);
+  ops().SoftmaxCrossEntropy(logits.data(), targets.data(), losses.data(), dlogits.data(), &dloss,
+                            N, V);
   EXPECT_NEAR(losses[0], std::log(4.0), 1e-6);
   EXPECT_NEAR(losses[1], -std::log(0.3), 1e-6);
   EXPECT_NEAR(losses[2], 1000.0, 1e-3);
   EXPECT_EQ(losses[3], 0.0f);
-  EXPECT_NEAR(mean, (std::log(4.0) - std::log(0.3) + 1000.0) / 3.0, 1e-3);
-  EXPECT_NEAR(probs[0], 0.25f, 1e-7);
-  EXPECT_NEAR(probs[1 * V + 3], 0.4f, 1e-6);
-  EXPECT_FLOAT_EQ(probs[2 * V + 0], 1.0f);
-  for (int i = 0; i < N; ++i) {
+  // (softmax - onehot) * dloss; rows sum to zero; the ignored row is zero.
+  EXPECT_NEAR(dlogits[0], 0.25f / 3, 1e-7);
+  EXPECT_NEAR(dlogits[2], (0.25f - 1.0f) / 3, 1e-7);
+  EXPECT_NEAR(dlogits[1 * V + 3], 0.4f / 3, 1e-6);
+  EXPECT_NEAR(dlogits[2 * V + 0], 1.0f / 3, 1e-7);
+  for (int i = 0; i < 3; ++i) {
     double s = 0.0;
-    for (int j = 0; j < V; ++j) s += probs[i * V + j];
-    EXPECT_NEAR(s, 1.0, 1e-6);
+    for (int j = 0; j < V; ++j) s += dlogits[i * V + j];
+    EXPECT_NEAR(s, 0.0, 1e-6);
   }
+  for (int j = 0; j < V; ++j) EXPECT_EQ(dlogits[3 * V + j], 0.0f);
+  // Losses only, and the gradient in place of the logits.
+  Vec only(N);
+  ops().SoftmaxCrossEntropy(logits.data(), targets.data(), only.data(), nullptr, &dloss, N, V);
+  EXPECT_EQ(only, losses);
+  Vec in_place = logits;
+  ops().SoftmaxCrossEntropy(in_place.data(), targets.data(), only.data(), in_place.data(), &dloss,
+                            N, V);
+  EXPECT_EQ(in_place, dlogits);
 }
 
-TEST(CrossEntropyTest, NoCountedRowsGivesZeroAndNoGradient) {
-  const Vec logits = {1.0f, 2.0f};
-  const std::vector<int32_t> targets = {-1};
-  Vec probs(2), losses(1), dlogits = {0.5f, 0.5f};
-  EXPECT_EQ(
-      ops().CrossEntropyForward(logits.data(), targets.data(), probs.data(), losses.data(), 1, 2),
-      0.0f);
-  ops().CrossEntropyBackward(probs.data(), targets.data(), dlogits.data(), 1, 2);
-  EXPECT_EQ(dlogits, (Vec{0.5f, 0.5f}));
-}
-
-TEST(CrossEntropyTest, Gradient) {
+TEST(CrossEntropyTest, GradientOfTheMeanLoss) {
   std::mt19937 rng(14);
   const int N = 5, V = 7;
   Vec logits = Random(N * V, rng, 2.0f);
   const std::vector<int32_t> targets = {3, -1, 0, 6, 2};
-  Vec probs(N * V), losses(N);
+  const float dloss = 1.0f / 4.0f;  // four counted rows
+  Vec losses(N);
   auto loss = [&] {
-    return static_cast<double>(ops().CrossEntropyForward(logits.data(), targets.data(),
-                                                         probs.data(), losses.data(), N, V));
+    ops().SoftmaxCrossEntropy(logits.data(), targets.data(), losses.data(), nullptr, &dloss, N, V);
+    double s = 0.0;
+    for (float l : losses) s += l;
+    return s / 4.0;
   };
-  loss();
-  const Vec d0 = Random(N * V, rng);
-  Vec d = d0;
-  ops().CrossEntropyBackward(probs.data(), targets.data(), d.data(), N, V);
-  ExpectGradientMatches("cross-entropy dlogits", &logits, Minus(d, d0), loss);
-  for (int j = 0; j < V; ++j) EXPECT_EQ(d[1 * V + j], d0[1 * V + j]) << "ignored row moved";
+  Vec d(N * V);
+  ops().SoftmaxCrossEntropy(logits.data(), targets.data(), losses.data(), d.data(), &dloss, N, V);
+  ExpectGradientMatches("cross-entropy dlogits", &logits, d, loss);
 }
 
 // ---------------------------------------------------------------------------------------
 // AdamW and the schedule
+
+TEST(AdamWTest, MakeAdamWChunksSplitsSegments) {
+  const auto chunks = MakeAdamWChunks({{0, 3, true}, {64, kAdamWChunkElems + 5, false}});
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(chunks[0].offset, 0);
+  EXPECT_EQ(chunks[0].count, 3);
+  EXPECT_EQ(chunks[0].decay, 1);
+  EXPECT_EQ(chunks[1].offset, 64);
+  EXPECT_EQ(chunks[1].count, kAdamWChunkElems);
+  EXPECT_EQ(chunks[2].offset, 64 + kAdamWChunkElems);
+  EXPECT_EQ(chunks[2].count, 5);
+  EXPECT_EQ(chunks[2].decay, 0);
+}
+
+// Runs the chunked AdamW of ops.h on small host buffers.
+struct AdamWRun {
+  Vec p, g, m, v;
+  std::vector<AdamWChunk> chunks;
+  AdamWConfig config;
+  std::vector<Bf16> copy;
+  void Step(float lr, int64_t step, float sumsq_override = -1.0f) {
+    AdamWScalars s{lr, 1.0f - static_cast<float>(std::pow(double{config.beta1}, step)),
+                   1.0f - static_cast<float>(std::pow(double{config.beta2}, step)), 0.0f};
+    float sumsq = 0.0f;
+    ops().SumSquares(g.data(), static_cast<int64_t>(g.size()), &sumsq);
+    if (sumsq_override >= 0.0f || std::isnan(sumsq_override)) sumsq = sumsq_override;
+    copy.resize(p.size());
+    ops().AdamW(p.data(), g.data(), m.data(), v.data(), copy.data(), chunks.data(),
+                static_cast<int>(chunks.size()), &sumsq, &s, config);
+  }
+};
 
 TEST(AdamWTest, MatchesHandComputedSteps) {
   // lr 0.1, betas (0.9, 0.999), eps 1e-8, weight decay 0.1; p0 = 1.
@@ -539,18 +601,47 @@ TEST(AdamWTest, MatchesHandComputedSteps) {
   //   p = 1 - 0.1 * (0.5 / 0.5 + 0.1 * 1) = 0.89.
   // Step 2, g = -0.25: m = 0.02, v = 3.1225e-4, m_hat = 0.02 / 0.19, v_hat = 3.1225e-4 / 0.001999,
   //   p = 0.89 - 0.1 * (m_hat / sqrt(v_hat) + 0.1 * 0.89) = 0.854466299.
-  Vec p = {1.0f, 2.0f}, m = {0.0f, 0.0f}, v = {0.0f, 0.0f};
-  Vec g = {0.5f, 0.0f};
-  ops().AdamWStep(p.data(), g.data(), m.data(), v.data(), 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.1f, 1);
-  EXPECT_NEAR(p[0], 0.89f, 1e-6);
-  EXPECT_NEAR(m[0], 0.05f, 1e-7);
-  EXPECT_NEAR(v[0], 2.5e-4f, 1e-8);                      // 0.999f is not 0.999: ~1e-5 relative
-  EXPECT_NEAR(p[1], 2.0f * (1.0f - 0.1f * 0.1f), 1e-6);  // zero gradient: decay only
-  g = {-0.25f, 0.0f};
-  ops().AdamWStep(p.data(), g.data(), m.data(), v.data(), 2, 0.1f, 0.9f, 0.999f, 1e-8f, 0.1f, 2);
-  EXPECT_NEAR(m[0], 0.02f, 1e-7);
-  EXPECT_NEAR(v[0], 3.1225e-4f, 1e-8);
-  EXPECT_NEAR(p[0], 0.8544663f, 2e-6);
+  AdamWRun r;
+  r.p = {1.0f, 2.0f, 2.0f};
+  r.m = r.v = {0.0f, 0.0f, 0.0f};
+  r.g = {0.5f, 0.0f, 0.0f};
+  r.chunks = {{0, 2, 1}, {2, 1, 0}};  // the last element is not decayed
+  r.config = {0.9f, 0.999f, 1e-8f, 0.1f, 0.0f};
+  r.Step(0.1f, 1);
+  EXPECT_NEAR(r.p[0], 0.89f, 1e-6);
+  EXPECT_NEAR(r.m[0], 0.05f, 1e-7);
+  EXPECT_NEAR(r.v[0], 2.5e-4f, 1e-8);                      // 0.999f is not 0.999: ~1e-5 relative
+  EXPECT_NEAR(r.p[1], 2.0f * (1.0f - 0.1f * 0.1f), 1e-6);  // zero gradient: decay only
+  EXPECT_EQ(r.p[2], 2.0f);                                 // no decay, no gradient
+  EXPECT_EQ(FromBf16(r.copy[0]), RoundBf16(r.p[0]));       // the copy follows
+  r.g = {-0.25f, 0.0f, 0.0f};
+  r.Step(0.1f, 2);
+  EXPECT_NEAR(r.m[0], 0.02f, 1e-7);
+  EXPECT_NEAR(r.v[0], 3.1225e-4f, 1e-8);
+  EXPECT_NEAR(r.p[0], 0.8544663f, 2e-6);
+}
+
+TEST(AdamWTest, ClipsByTheGlobalNormAndSkipsNonFiniteSteps) {
+  AdamWRun clipped, scaled;
+  for (AdamWRun* r : {&clipped, &scaled}) {
+    r->p = {1.0f, 1.0f};
+    r->m = r->v = {0.0f, 0.0f};
+    r->chunks = {{0, 2, 0}};
+    r->config = {0.9f, 0.95f, 1e-8f, 0.0f, 1.0f};
+  }
+  clipped.g = {3.0f, 4.0f};  // norm 5: scaled by 1 / (5 + 1e-6)
+  scaled.g = {3.0f / (5.0f + 1e-6f), 4.0f / (5.0f + 1e-6f)};
+  clipped.Step(0.01f, 1);
+  scaled.Step(0.01f, 1);
+  EXPECT_NEAR(clipped.m[0], scaled.m[0], 1e-7);
+  EXPECT_NEAR(clipped.v[1], scaled.v[1], 1e-7);
+  EXPECT_NEAR(clipped.p[0], scaled.p[0], 1e-7);
+  const Vec p = clipped.p, m = clipped.m;
+  clipped.Step(0.01f, 2, std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(clipped.p, p);
+  EXPECT_EQ(clipped.m, m);
+  clipped.Step(0.01f, 2, std::numeric_limits<float>::infinity());
+  EXPECT_EQ(clipped.p, p);
 }
 
 TEST(ScheduleTest, WarmupCosineEndpointsAndMonotonicity) {
@@ -576,6 +667,52 @@ TEST(ScheduleTest, WarmupCosineEndpointsAndMonotonicity) {
   }
   // No warmup: starts at the peak.
   EXPECT_FLOAT_EQ(WarmupCosineLr(0, 0, total, max_lr, min_lr), max_lr);
+}
+
+// ---------------------------------------------------------------------------------------
+// bf16 emulation: a bf16 kernel equals its fp32 run on the same (bf16-exact) inputs,
+// rounded once at the store.
+
+TEST(Bf16Test, KernelsRoundTheirFp32ResultOnce) {
+  std::mt19937 rng(15);
+  auto rounded = [](Vec v) {
+    for (float& x : v) x = RoundBf16(x);
+    return v;
+  };
+  auto to_bf16 = [](const Vec& v) {
+    std::vector<Bf16> h(v.size());
+    for (size_t i = 0; i < v.size(); ++i) h[i] = ToBf16(v[i]);
+    return h;
+  };
+  auto from_bf16 = [](const std::vector<Bf16>& h) {
+    Vec v(h.size());
+    for (size_t i = 0; i < h.size(); ++i) v[i] = FromBf16(h[i]);
+    return v;
+  };
+  const int N = 6, in = 16, out_dim = 24;
+  const Vec x = rounded(Random(N * in, rng)), w = rounded(Random(in * out_dim, rng));
+  const Vec b = Random(out_dim, rng);
+  Vec ref(N * out_dim);
+  ops().LinearForward(x.data(), w.data(), b.data(), nullptr, ref.data(), N, in, out_dim);
+  const auto xh = to_bf16(x), wh = to_bf16(w);
+  std::vector<Bf16> outh(N * out_dim);
+  ops().LinearForward(xh.data(), wh.data(), b.data(), nullptr, outh.data(), N, in, out_dim);
+  EXPECT_EQ(from_bf16(outh), rounded(ref));
+
+  Vec gref(N * in);
+  ops().GeluForward(x.data(), gref.data(), N * in);
+  std::vector<Bf16> gh(N * in);
+  ops().GeluForward(xh.data(), gh.data(), N * in);
+  EXPECT_EQ(from_bf16(gh), rounded(gref));
+
+  const Vec weight = Random(in, rng), bias = Random(in, rng);
+  Vec lref(N * in), mean(N), rstd(N);
+  ops().LayerNormForward(x.data(), weight.data(), bias.data(), lref.data(), mean.data(),
+                         rstd.data(), N, in);
+  std::vector<Bf16> lh(N * in);
+  ops().LayerNormForward(x.data(), weight.data(), bias.data(), lh.data(), mean.data(), rstd.data(),
+                         N, in);
+  EXPECT_EQ(from_bf16(lh), rounded(lref));
 }
 
 }  // namespace

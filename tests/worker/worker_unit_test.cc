@@ -70,11 +70,12 @@ TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
   // One rank, four rows per step.
   auto single = model::Gpt::CreateRandom(TinyConfig(), mode, TinyLora(), 7);
   ASSERT_TRUE(single.ok());
-  model::Trainer single_trainer(**single, TrainerCfg());
+  auto single_trainer = model::Trainer::Create(**single, TrainerCfg());
+  ASSERT_TRUE(single_trainer.ok());
   for (int s = 0; s < kSteps; ++s) {
     std::vector<int32_t> tok, tgt;
     MakeBatch(s, 2 * kRowsPerRank, &tok, &tgt);
-    single_trainer.Step(tok.data(), tgt.data(), 2 * kRowsPerRank, kT);
+    ASSERT_TRUE((*single_trainer)->Step(tok.data(), tgt.data(), 2 * kRowsPerRank, kT).ok());
   }
   auto want = (*single)->ExportTrainable();
 
@@ -96,20 +97,25 @@ TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
       return;
     }
     auto gpt = model::Gpt::CreateRandom(TinyConfig(), mode, TinyLora(), 7);
-    model::Trainer trainer(**gpt, TrainerCfg());
-    Status hook_error;
-    float local_stop = 0, any_stop = 0;
-    trainer.SetGradHook(MakeAllReduceHook(comm->get(), &hook_error, &local_stop, &any_stop));
+    auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+    if (!trainer.ok()) {
+      errors[rank] = trainer.status();
+      return;
+    }
+    (*trainer)->SetGradHook(MakeAllReduceHook(comm->get()));
     for (int s = 0; s < kSteps; ++s) {
       std::vector<int32_t> tok, tgt;
       MakeBatch(s, 2 * kRowsPerRank, &tok, &tgt);
-      local_stop = (rank == 1 && s == kSteps - 1) ? 1.0f : 0.0f;
-      trainer.Step(tok.data() + rank * kRowsPerRank * kT, tgt.data() + rank * kRowsPerRank * kT,
-                   kRowsPerRank, kT);
-      if (!hook_error.ok()) break;
+      const float local_stop = (rank == 1 && s == kSteps - 1) ? 1.0f : 0.0f;
+      auto st = (*trainer)->Step(tok.data() + rank * kRowsPerRank * kT,
+                                 tgt.data() + rank * kRowsPerRank * kT, kRowsPerRank, kT,
+                                 local_stop);
+      if (!st.ok()) {
+        errors[rank] = st.status();
+        break;
+      }
+      stop_seen[rank] = st->control;
     }
-    errors[rank] = hook_error;
-    stop_seen[rank] = any_stop;
     got[rank] = (*gpt)->ExportTrainable();
   };
   std::thread r0(rank_main, 0), r1(rank_main, 1);

@@ -154,6 +154,8 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const GlooOptions& 
   ISTHMUS_ASSIGN_OR_RETURN(
       std::unique_ptr<Rendezvous> rendezvous,
       Rendezvous::Open(options.rendezvous, options.rank, options.prefix, options.timeout));
+  ISTHMUS_RETURN_IF_ERROR(
+      AgreeOnKind(*rendezvous, options.rank, options.world_size, "gloo (--device cpu)"));
 
   const std::string where = "gloo rendezvous (rank " + std::to_string(options.rank) + " of " +
                             std::to_string(options.world_size) + ")";

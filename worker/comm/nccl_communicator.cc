@@ -233,6 +233,8 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& 
   ISTHMUS_ASSIGN_OR_RETURN(
       std::unique_ptr<Rendezvous> rendezvous,
       Rendezvous::Open(options.rendezvous, options.rank, options.prefix, options.timeout));
+  ISTHMUS_RETURN_IF_ERROR(
+      AgreeOnKind(*rendezvous, options.rank, options.world_size, "nccl (--device cuda)"));
   ncclUniqueId id;
   const std::string key = "nccl_unique_id";
   if (options.rank == 0) {

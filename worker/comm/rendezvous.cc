@@ -502,4 +502,22 @@ Status StatusFromGlooException(std::string_view what, const std::exception& e) {
   return Status::Internal(std::move(message));
 }
 
+Status AgreeOnKind(Rendezvous& rendezvous, int rank, int world_size, const std::string& kind) {
+  ISTHMUS_RETURN_IF_ERROR(
+      rendezvous.Set("kind/" + std::to_string(rank), std::vector<char>(kind.begin(), kind.end())));
+  for (int other = 0; other < world_size; ++other) {
+    if (other == rank) continue;
+    ISTHMUS_ASSIGN_OR_RETURN(std::vector<char> theirs,
+                             rendezvous.Get("kind/" + std::to_string(other)));
+    const std::string value(theirs.begin(), theirs.end());
+    if (value != kind) {
+      return Status::FailedPrecondition(
+          "rank " + std::to_string(other) + " joined as " + value + " but rank " +
+          std::to_string(rank) + " as " + kind +
+          ": all ranks of a site must use the same device kind (the same --device family)");
+    }
+  }
+  return Status::Ok();
+}
+
 }  // namespace isthmus::comm

@@ -95,6 +95,13 @@ class Rendezvous {
   std::unique_ptr<gloo::rendezvous::Store> scoped_;
 };
 
+// Checks that every rank of the group joined with the same `kind` (e.g. "gloo (--device
+// cpu)" or "nccl (--device cuda)"), before the group's own rendezvous: each rank writes its
+// kind and reads everyone else's. FailedPrecondition naming both sides when they differ,
+// so that a GPU rank and a CPU rank of one site fail at once and say why instead of
+// waiting for keys the other kind never writes; kTimeout when a rank never joins.
+Status AgreeOnKind(Rendezvous& rendezvous, int rank, int world_size, const std::string& kind);
+
 // Converts an exception thrown by Gloo (or by a store on Gloo's behalf) into a Status:
 // timeouts become kTimeout, other I/O failures kUnavailable, anything else kInternal.
 // `what` names the operation, e.g. "allreduce".

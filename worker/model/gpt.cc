@@ -1,5 +1,7 @@
 // GPT-2 forward and backward over ops::Ops, parameter layout, initialisation and
-// loading. The layer loop mirrors llm.c's train_gpt2.c, with LoRA on the four linears.
+// loading. The layer loop mirrors llm.c's train_gpt2.c, with LoRA on the four linears; all
+// tensors live in the backend's memory, in flat buffers (parameters) and one arena
+// (activations).
 #include "worker/model/gpt.h"
 
 #include <algorithm>
@@ -8,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numbers>
 #include <set>
 
@@ -64,25 +67,103 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 struct Gpt::Layer {
   int ln1_w, ln1_b, ln2_w, ln2_b;
   struct Linear {
-    int w = -1, b = -1;            // base_ indices
-    int lora_a = -1, lora_b = -1;  // lora_tensors_ indices, -1 when not adapted
+    int w = -1, b = -1;            // base slot indices
+    int lora_a = -1, lora_b = -1;  // LoRA slot indices, -1 when not adapted
     int in = 0, out = 0;
   } lin[kNumTargets];
 };
 
+struct Gpt::Group {
+  std::vector<TensorSlot> slots;
+  int64_t elements = 0;  // the flat length, gaps included
+  ops::Buffer data;      // fp32 masters
+  ops::Buffer copy;      // bf16 copies for the matmuls (bf16 precision only)
+
+  float* F(int i) const { return data.as<float>() + slots[i].offset; }
+  ops::Bf16* C(int i) const { return copy.as<ops::Bf16>() + slots[i].offset; }
+  // Appends a slot at the next 64-element boundary and returns its index.
+  int Add(const std::string& name, std::vector<int64_t> shape) {
+    TensorSlot t{name, std::move(shape), 0, 0};
+    t.numel = NumElements(t.shape);
+    t.offset = (elements + kAlign - 1) / kAlign * kAlign;
+    elements = t.offset + t.numel;
+    slots.push_back(std::move(t));
+    return static_cast<int>(slots.size()) - 1;
+  }
+  int Find(const std::string& name) const {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i].name == name) return static_cast<int>(i);
+    }
+    return -1;
+  }
+  static constexpr int64_t kAlign = 64;  // 256 bytes of fp32: aligned for every kernel
+};
+
+// Every activation and scratch buffer of one batch shape, carved from one allocation, plus
+// the step's inputs on the backend and their page-locked staging copy.
 struct Gpt::Activations {
   struct PerLayer {
-    std::vector<float> ln1, ln1_mean, ln1_rstd, qkv, atty, att, res2, ln2, ln2_mean, ln2_rstd, fch,
-        fch_gelu, res3;
-    std::vector<float> xa[kNumTargets];
+    ops::Ref ln1, qkv, atty, ln2, fch, fch_gelu;
+    ops::Ref xa[kNumTargets];
+    float *ln1_mean, *ln1_rstd, *lse, *res2, *ln2_mean, *ln2_rstd, *res3;
   };
-  int64_t cap_n = 0, cap_att = 0;  // rows B*T and B*T*T the buffers hold
+  int64_t cap_n = 0;  // rows B*T the buffers hold
+  ops::Buffer arena;
   std::vector<PerLayer> layers;
-  std::vector<float> encoded, lnf, lnf_mean, lnf_rstd, logits, probs, losses;
-  std::vector<int32_t> tokens, targets;
-  // Backward scratch.
-  std::vector<float> dres, dln, dqkv, datty, dfch, dfch_gelu, datt, dxa, dlogits;
+  float *encoded, *lnf_mean, *lnf_rstd, *losses;
+  ops::Ref lnf, logits, dlogits;
+  // Backward scratch; dres_act is dres converted for the matmuls (dres itself in fp32).
+  float *dres, *att_scratch;
+  ops::Ref dres_act, dln, dqkv, datty, dfch, dxa;
+  // Inputs: tokens[cap_n], targets[cap_n], order[cap_n], starts[V+1], then the loss scale,
+  // contiguous so that one copy moves them; `staging` holds the same block, then losses.
+  ops::Buffer inputs;
+  ops::HostBuffer staging;
+  size_t inputs_bytes = 0;
+  int32_t *tokens, *targets, *order, *starts;
+  float* dloss;
+  int32_t *h_tokens, *h_targets, *h_order, *h_starts;
+  float *h_dloss, *h_losses;
 };
+
+namespace {
+
+// Hands out 256-byte aligned pieces of one block; with a null base it only measures.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  template <typename T>
+  T* Take(int64_t n) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    T* p = base_ != nullptr ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ += static_cast<size_t>(n) * sizeof(T);
+    return p;
+  }
+  ops::Ref Take(int64_t n, ops::Dtype d) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    void* p = base_ != nullptr ? base_ + offset_ : nullptr;
+    offset_ += static_cast<size_t>(n) * ops::DtypeSize(d);
+    return {p, d};
+  }
+  size_t size() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+std::string GiB(size_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
+  return buf;
+}
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "Gpt: %s\n", what.c_str());
+  std::abort();
+}
+
+}  // namespace
 
 const char* TrainModeName(TrainMode mode) { return mode == TrainMode::kLora ? "lora" : "full"; }
 
@@ -127,75 +208,55 @@ std::string LoraBName(int layer, const std::string& target) {
   return "h." + std::to_string(layer) + "." + target + ".lora_B.weight";
 }
 
-Gpt::Gpt(const GptConfig& config, TrainMode mode, const LoraConfig& lora)
-    : config_(config), mode_(mode), lora_(lora), ops_(ops::CpuOps()) {}
+Result<ops::Dtype> ParsePrecision(const std::string& name) {
+  if (name == "fp32") return ops::Dtype::kF32;
+  if (name == "bf16") return ops::Dtype::kBF16;
+  return Status::InvalidArgument("precision must be \"fp32\" or \"bf16\", got \"" + name + "\"");
+}
+
+Gpt::Gpt(const GptConfig& config, TrainMode mode, const LoraConfig& lora, const Compute& compute)
+    : config_(config),
+      mode_(mode),
+      lora_(lora),
+      ops_(compute.backend()),
+      precision_(compute.precision),
+      base_(std::make_unique<Group>()),
+      lora_tensors_(std::make_unique<Group>()) {}
 
 Gpt::~Gpt() = default;
 
-void Gpt::AddBase(const std::string& name, std::vector<int64_t> shape) {
-  Tensor t;
-  t.name = name;
-  t.shape = std::move(shape);
-  t.data.assign(static_cast<size_t>(NumElements(t.shape)), 0.0f);
-  base_.push_back(std::move(t));
-}
-
-// Lays out base_ in GPT-2 order with zeros, sets the indices, and creates LoRA tensors.
+// Lays out the base slots in GPT-2 order, the layer indices and the LoRA slots.
 Status Gpt::BuildIndex() {
   const int64_t C = config_.n_embd;
-  base_.clear();
+  Group& g = *base_;
   layers_.assign(config_.n_layer, Layer{});
-  AddBase("wte.weight", {config_.vocab_size, C});
-  wte_ = 0;
-  AddBase("wpe.weight", {config_.n_ctx, C});
-  wpe_ = 1;
+  wte_ = g.Add("wte.weight", {config_.vocab_size, C});
+  wpe_ = g.Add("wpe.weight", {config_.n_ctx, C});
   for (int l = 0; l < config_.n_layer; ++l) {
     Layer& L = layers_[l];
     auto add = [&](const char* suffix, std::vector<int64_t> shape) {
-      AddBase(LayerName(l, suffix), std::move(shape));
-      return static_cast<int>(base_.size()) - 1;
+      return g.Add(LayerName(l, suffix), std::move(shape));
+    };
+    auto linear = [&](const char* name, int64_t in, int64_t out) {
+      Layer::Linear lin;
+      lin.w = add((std::string(name) + ".weight").c_str(), {in, out});
+      lin.b = add((std::string(name) + ".bias").c_str(), {out});
+      lin.in = static_cast<int>(in);
+      lin.out = static_cast<int>(out);
+      return lin;
     };
     L.ln1_w = add("ln_1.weight", {C});
     L.ln1_b = add("ln_1.bias", {C});
-    L.lin[kCAttn] = {add("attn.c_attn.weight", {C, 3 * C}),
-                     add("attn.c_attn.bias", {3 * C}),
-                     -1,
-                     -1,
-                     static_cast<int>(C),
-                     static_cast<int>(3 * C)};
-    L.lin[kAttnProj] = {add("attn.c_proj.weight", {C, C}),
-                        add("attn.c_proj.bias", {C}),
-                        -1,
-                        -1,
-                        static_cast<int>(C),
-                        static_cast<int>(C)};
+    L.lin[kCAttn] = linear("attn.c_attn", C, 3 * C);
+    L.lin[kAttnProj] = linear("attn.c_proj", C, C);
     L.ln2_w = add("ln_2.weight", {C});
     L.ln2_b = add("ln_2.bias", {C});
-    L.lin[kFc] = {add("mlp.c_fc.weight", {C, 4 * C}),
-                  add("mlp.c_fc.bias", {4 * C}),
-                  -1,
-                  -1,
-                  static_cast<int>(C),
-                  static_cast<int>(4 * C)};
-    L.lin[kMlpProj] = {add("mlp.c_proj.weight", {4 * C, C}),
-                       add("mlp.c_proj.bias", {C}),
-                       -1,
-                       -1,
-                       static_cast<int>(4 * C),
-                       static_cast<int>(C)};
+    L.lin[kFc] = linear("mlp.c_fc", C, 4 * C);
+    L.lin[kMlpProj] = linear("mlp.c_proj", 4 * C, C);
   }
-  AddBase("ln_f.weight", {C});
-  lnf_w_ = static_cast<int>(base_.size()) - 1;
-  AddBase("ln_f.bias", {C});
-  lnf_b_ = static_cast<int>(base_.size()) - 1;
-
-  lora_tensors_.clear();
-  lora_grad_.clear();
-  base_grad_.clear();
-  if (mode_ == TrainMode::kFull) {
-    for (const Tensor& t : base_) base_grad_.emplace_back(t.data.size(), 0.0f);
-    return Status::Ok();
-  }
+  lnf_w_ = g.Add("ln_f.weight", {C});
+  lnf_b_ = g.Add("ln_f.bias", {C});
+  if (mode_ == TrainMode::kFull) return Status::Ok();
   const int r = lora_.rank;
   for (int l = 0; l < config_.n_layer; ++l) {
     for (int k = 0; k < kNumTargets; ++k) {
@@ -204,63 +265,128 @@ Status Gpt::BuildIndex() {
         continue;
       }
       Layer::Linear& lin = layers_[l].lin[k];
-      Tensor a{LoraAName(l, target), {r, lin.in}, {}};
-      a.data.assign(static_cast<size_t>(r) * lin.in, 0.0f);
-      Tensor b{LoraBName(l, target), {lin.out, r}, {}};
-      b.data.assign(static_cast<size_t>(r) * lin.out, 0.0f);
-      lin.lora_a = static_cast<int>(lora_tensors_.size());
-      lora_tensors_.push_back(std::move(a));
-      lin.lora_b = static_cast<int>(lora_tensors_.size());
-      lora_tensors_.push_back(std::move(b));
+      lin.lora_a = lora_tensors_->Add(LoraAName(l, target), {r, lin.in});
+      lin.lora_b = lora_tensors_->Add(LoraBName(l, target), {lin.out, r});
     }
   }
-  for (const Tensor& t : lora_tensors_) lora_grad_.emplace_back(t.data.size(), 0.0f);
   return Status::Ok();
 }
 
-void Gpt::InitLora(uint64_t seed) {
-  for (Tensor& t : lora_tensors_) {
-    if (t.name.find(".lora_A.") == std::string::npos) continue;  // B stays 0
-    Rng rng(StreamSeed(seed, t.name));
-    const double bound = 1.0 / std::sqrt(static_cast<double>(t.shape[1]));
-    for (float& x : t.data) x = static_cast<float>((2.0 * rng.Uniform() - 1.0) * bound);
+// Allocates the parameter, copy and gradient buffers on the backend.
+Status Gpt::Allocate() {
+  auto out_of_memory = [&](const Status& st, const char* what) {
+    return Status(st.code(), std::string("cannot hold the model's ") + what + " (" +
+                                 std::to_string(config_.n_layer) + " layers x " +
+                                 std::to_string(config_.n_embd) + ", " +
+                                 TrainModeName(mode_) + ", " + ops::DtypeName(precision_) +
+                                 ") on " + ops_.Describe() + ": " + st.message() +
+                                 "; use a smaller model or another device");
+  };
+  for (Group* g : {base_.get(), lora_tensors_.get()}) {
+    auto data = ops::Buffer::Allocate(ops_, g->elements * sizeof(float));
+    if (!data.ok()) return out_of_memory(data.status(), "parameters");
+    g->data = std::move(data).value();
+    ops_.Zero(g->data.data(), g->data.bytes());
+    if (precision_ == ops::Dtype::kBF16) {
+      auto copy = ops::Buffer::Allocate(ops_, g->elements * sizeof(ops::Bf16));
+      if (!copy.ok()) return out_of_memory(copy.status(), "bf16 weight copies");
+      g->copy = std::move(copy).value();
+    }
+  }
+  auto grads = ops::Buffer::Allocate(ops_, GradElements() * sizeof(float));
+  if (!grads.ok()) return out_of_memory(grads.status(), "gradients");
+  grads_ = std::move(grads).value();
+  ops_.Zero(grads_.data(), grads_.bytes());
+  return ops_.status();
+}
+
+std::vector<Tensor> Gpt::InitialLora(uint64_t seed) const {
+  std::vector<Tensor> out;
+  for (const TensorSlot& s : lora_tensors_->slots) {
+    Tensor t{s.name, s.shape, std::vector<float>(static_cast<size_t>(s.numel), 0.0f)};
+    if (t.name.find(".lora_A.") != std::string::npos) {  // B stays 0
+      Rng rng(StreamSeed(seed, t.name));
+      const double bound = 1.0 / std::sqrt(static_cast<double>(t.shape[1]));
+      for (float& x : t.data) x = static_cast<float>((2.0 * rng.Uniform() - 1.0) * bound);
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+std::vector<Tensor> Gpt::RandomBase(uint64_t seed) const {
+  const double proj_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
+  std::vector<Tensor> out;
+  for (const TensorSlot& s : base_->slots) {
+    Tensor t{s.name, s.shape, std::vector<float>(static_cast<size_t>(s.numel), 0.0f)};
+    const std::string& n = t.name;
+    if (n.ends_with(".bias")) {
+      // zeros
+    } else if (n.find("ln_") != std::string::npos) {
+      std::fill(t.data.begin(), t.data.end(), 1.0f);
+    } else {
+      const double stdev =
+          (n.ends_with("attn.c_proj.weight") || n.ends_with("mlp.c_proj.weight")) ? proj_std
+                                                                                   : 0.02;
+      Rng rng(StreamSeed(seed, n));
+      for (float& x : t.data) x = static_cast<float>(stdev * rng.Normal());
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+// `tensors` are the group's tensors in slot order. One copy to the backend.
+Status Gpt::UploadGroup(Group& group, const std::vector<Tensor>& tensors) {
+  std::vector<float> flat(static_cast<size_t>(group.elements), 0.0f);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    std::copy(tensors[i].data.begin(), tensors[i].data.end(),
+              flat.begin() + group.slots[i].offset);
+  }
+  ops_.Upload(group.data.data(), flat.data(), flat.size() * sizeof(float));
+  RefreshCopies(group);
+  return ops_.status();
+}
+
+std::vector<Tensor> Gpt::DownloadGroup(const Group& group) const {
+  std::vector<float> flat(static_cast<size_t>(group.elements));
+  ops_.Download(flat.data(), group.data.data(), flat.size() * sizeof(float));
+  std::vector<Tensor> out;
+  out.reserve(group.slots.size());
+  for (const TensorSlot& s : group.slots) {
+    out.push_back({s.name, s.shape,
+                   std::vector<float>(flat.begin() + s.offset, flat.begin() + s.offset + s.numel)});
+  }
+  return out;
+}
+
+void Gpt::RefreshCopies(Group& group) {
+  if (precision_ == ops::Dtype::kBF16 && group.elements > 0) {
+    ops_.Cast(group.data.as<float>(), ops::Ref(group.copy.data(), ops::Dtype::kBF16),
+              group.elements);
   }
 }
 
-void Gpt::InitRandomBase(uint64_t seed) {
-  const double proj_std = 0.02 / std::sqrt(2.0 * config_.n_layer);
-  for (Tensor& t : base_) {
-    const std::string& n = t.name;
-    auto ends_with = [&](const char* s) {
-      const size_t len = std::strlen(s);
-      return n.size() >= len && n.compare(n.size() - len, len, s) == 0;
-    };
-    if (ends_with(".bias")) continue;  // zeros
-    if (n.find("ln_") != std::string::npos) {
-      std::fill(t.data.begin(), t.data.end(), 1.0f);
-      continue;
-    }
-    const double stdev =
-        (ends_with("attn.c_proj.weight") || ends_with("mlp.c_proj.weight")) ? proj_std : 0.02;
-    Rng rng(StreamSeed(seed, n));
-    for (float& x : t.data) x = static_cast<float>(stdev * rng.Normal());
-  }
+Gpt::Group& Gpt::TrainableGroup() const {
+  return mode_ == TrainMode::kFull ? *base_ : *lora_tensors_;
 }
 
 Result<std::unique_ptr<Gpt>> Gpt::CreateRandom(const GptConfig& config, TrainMode mode,
-                                               const LoraConfig& lora, uint64_t seed) {
+                                               const LoraConfig& lora, uint64_t seed,
+                                               const Compute& compute) {
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
   if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
-  std::unique_ptr<Gpt> gpt(new Gpt(config, mode, lora));
+  std::unique_ptr<Gpt> gpt(new Gpt(config, mode, lora, compute));
   ISTHMUS_RETURN_IF_ERROR(gpt->BuildIndex());
-  gpt->InitRandomBase(seed);
-  gpt->InitLora(seed);
+  ISTHMUS_RETURN_IF_ERROR(gpt->Allocate());
+  ISTHMUS_RETURN_IF_ERROR(gpt->UploadGroup(*gpt->base_, gpt->RandomBase(seed)));
+  ISTHMUS_RETURN_IF_ERROR(gpt->UploadGroup(*gpt->lora_tensors_, gpt->InitialLora(seed)));
   return gpt;
 }
 
 Result<std::unique_ptr<Gpt>> Gpt::FromBaseTensors(std::vector<Tensor> tensors, int n_head,
                                                   TrainMode mode, const LoraConfig& lora,
-                                                  uint64_t seed) {
+                                                  uint64_t seed, const Compute& compute) {
   static const std::string kPrefix = "transformer.";
   std::map<std::string, Tensor*> by_name;
   for (Tensor& t : tensors) {
@@ -292,10 +418,11 @@ Result<std::unique_ptr<Gpt>> Gpt::FromBaseTensors(std::vector<Tensor> tensors, i
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
   if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
 
-  std::unique_ptr<Gpt> gpt(new Gpt(config, mode, lora));
+  std::unique_ptr<Gpt> gpt(new Gpt(config, mode, lora, compute));
   ISTHMUS_RETURN_IF_ERROR(gpt->BuildIndex());
+  std::vector<Tensor> ordered;
   std::set<std::string> used;
-  for (Tensor& dst : gpt->base_) {
+  for (const TensorSlot& dst : gpt->base_->slots) {
     Tensor* src = find(dst.name);
     if (src == nullptr) return Status::InvalidArgument("base lacks tensor \"" + dst.name + "\"");
     if (src->shape != dst.shape) {
@@ -303,27 +430,29 @@ Result<std::unique_ptr<Gpt>> Gpt::FromBaseTensors(std::vector<Tensor> tensors, i
                                      ShapeString(src->shape) + ", expected " +
                                      ShapeString(dst.shape));
     }
-    if (static_cast<int64_t>(src->data.size()) != NumElements(src->shape)) {
+    if (static_cast<int64_t>(src->data.size()) != dst.numel) {
       return Status::InvalidArgument("base tensor \"" + dst.name + "\" data size mismatch");
     }
-    dst.data = std::move(src->data);
+    ordered.push_back(std::move(*src));
     used.insert(dst.name);
   }
   for (const auto& [name, t] : by_name) {
     if (used.count(name)) continue;
     const bool mask_buffer = name.starts_with("h.") &&
                              (name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias"));
-    const bool tied_head = name == "lm_head.weight" && t->shape == gpt->base_[gpt->wte_].shape;
+    const bool tied_head = name == "lm_head.weight" && t->shape == gpt->base_->slots[0].shape;
     if (mask_buffer || tied_head) continue;
     return Status::InvalidArgument("unknown base tensor \"" + name + "\" " + ShapeString(t->shape));
   }
-  gpt->InitLora(seed);
+  ISTHMUS_RETURN_IF_ERROR(gpt->Allocate());
+  ISTHMUS_RETURN_IF_ERROR(gpt->UploadGroup(*gpt->base_, ordered));
+  ISTHMUS_RETURN_IF_ERROR(gpt->UploadGroup(*gpt->lora_tensors_, gpt->InitialLora(seed)));
   return gpt;
 }
 
 Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, TrainMode mode,
                                            const LoraConfig& lora, uint64_t seed,
-                                           const GptConfig* expected) {
+                                           const GptConfig* expected, const Compute& compute) {
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
   auto it = file.metadata.find("n_head");
   if (it != file.metadata.end()) {
@@ -344,7 +473,7 @@ Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, 
     return Status::InvalidArgument(path + ": n_head not in the file's metadata; pass it");
   }
   ISTHMUS_ASSIGN_OR_RETURN(std::unique_ptr<Gpt> gpt,
-                           FromBaseTensors(std::move(file.tensors), n_head, mode, lora, seed));
+                           FromBaseTensors(std::move(file.tensors), n_head, mode, lora, seed, compute));
   if (expected != nullptr && !(*expected == gpt->config())) {
     const GptConfig& c = gpt->config();
     return Status::FailedPrecondition(
@@ -366,7 +495,7 @@ std::map<std::string, std::string> Gpt::ConfigMetadata() const {
 }
 
 Status Gpt::SaveBase(const std::string& path) const {
-  return WriteSafetensors(path, base_, ConfigMetadata());
+  return WriteSafetensors(path, ExportBase(), ConfigMetadata());
 }
 
 Status Gpt::SavePeftAdapter(const std::string& dir) const {
@@ -376,7 +505,7 @@ Status Gpt::SavePeftAdapter(const std::string& dir) const {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
-  std::vector<Tensor> named = lora_tensors_;
+  std::vector<Tensor> named = ExportTrainable();
   for (Tensor& t : named) t.name = "base_model.model.transformer." + t.name;
   ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/adapter_model.safetensors", named));
 
@@ -403,44 +532,69 @@ Status Gpt::SavePeftAdapter(const std::string& dir) const {
   return Status::Ok();
 }
 
-const Tensor* Gpt::FindBase(const std::string& name) const {
-  for (const Tensor& t : base_) {
-    if (t.name == name) return &t;
-  }
-  return nullptr;
+std::vector<Tensor> Gpt::ExportBase() const { return DownloadGroup(*base_); }
+
+std::optional<Tensor> Gpt::FindBase(const std::string& name) const {
+  const int i = base_->Find(name);
+  if (i < 0) return std::nullopt;
+  const TensorSlot& s = base_->slots[i];
+  Tensor t{s.name, s.shape, std::vector<float>(static_cast<size_t>(s.numel))};
+  ops_.Download(t.data.data(), base_->F(i), t.data.size() * sizeof(float));
+  return t;
 }
 
-std::string Gpt::BaseHash() const { return TensorsContentHash(base_); }
+int64_t Gpt::BaseElements() const {
+  int64_t n = 0;
+  for (const TensorSlot& s : base_->slots) n += s.numel;
+  return n;
+}
 
-float* Gpt::BaseGrad(int index) {
-  return mode_ == TrainMode::kFull ? base_grad_[index].data() : nullptr;
+std::string Gpt::BaseHash() const { return TensorsContentHash(ExportBase()); }
+
+ops::CRef Gpt::BaseM(int index) const {
+  if (precision_ == ops::Dtype::kBF16) return base_->C(index);
+  return base_->F(index);
+}
+const float* Gpt::BaseF(int index) const { return base_->F(index); }
+ops::CRef Gpt::LoraM(int index) const {
+  if (precision_ == ops::Dtype::kBF16) return lora_tensors_->C(index);
+  return lora_tensors_->F(index);
+}
+float* Gpt::BaseGrad(int index) const {
+  return mode_ == TrainMode::kFull ? GradData() + base_->slots[index].offset : nullptr;
+}
+float* Gpt::LoraGrad(int index) const {
+  return mode_ == TrainMode::kLora ? GradData() + lora_tensors_->slots[index].offset : nullptr;
+}
+
+float* Gpt::TrainableData() const { return TrainableGroup().data.as<float>(); }
+void Gpt::TrainableChanged() { RefreshCopies(TrainableGroup()); }
+int64_t Gpt::TrainableElements() const { return TrainableGroup().elements; }
+ops::Ref Gpt::TrainableCopy() const {
+  if (precision_ != ops::Dtype::kBF16) return nullptr;
+  return ops::Ref(TrainableGroup().copy.data(), ops::Dtype::kBF16);
 }
 
 std::vector<ParamView> Gpt::Trainable() {
   std::vector<ParamView> views;
-  std::vector<Tensor>& ts = mode_ == TrainMode::kFull ? base_ : lora_tensors_;
-  std::vector<std::vector<float>>& gs = mode_ == TrainMode::kFull ? base_grad_ : lora_grad_;
-  views.reserve(ts.size());
-  for (size_t i = 0; i < ts.size(); ++i) {
-    views.push_back({ts[i].name, ts[i].shape, ts[i].data.data(), gs[i].data(), ts[i].numel()});
+  const Group& g = TrainableGroup();
+  views.reserve(g.slots.size());
+  for (size_t i = 0; i < g.slots.size(); ++i) {
+    const TensorSlot& s = g.slots[i];
+    views.push_back({s.name, s.shape, g.F(static_cast<int>(i)), GradData() + s.offset, s.numel,
+                     s.offset});
   }
   return views;
 }
 
-void Gpt::ZeroGrad() {
-  for (auto& g : mode_ == TrainMode::kFull ? base_grad_ : lora_grad_) {
-    std::fill(g.begin(), g.end(), 0.0f);
-  }
-}
+void Gpt::ZeroGrad() { ops_.Zero(grads_.data(), TrainableElements() * sizeof(float)); }
 
-std::vector<Tensor> Gpt::ExportTrainable() const {
-  return mode_ == TrainMode::kFull ? base_ : lora_tensors_;
-}
+std::vector<Tensor> Gpt::ExportTrainable() const { return DownloadGroup(TrainableGroup()); }
 
 Status Gpt::LoadTrainable(const std::vector<Tensor>& tensors, bool require_all) {
-  std::vector<Tensor>& ts = mode_ == TrainMode::kFull ? base_ : lora_tensors_;
+  Group& g = TrainableGroup();
   std::map<std::string, size_t> index;
-  for (size_t i = 0; i < ts.size(); ++i) index[ts[i].name] = i;
+  for (size_t i = 0; i < g.slots.size(); ++i) index[g.slots[i].name] = i;
   std::vector<size_t> dst(tensors.size());
   std::set<size_t> seen;
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -449,8 +603,9 @@ Status Gpt::LoadTrainable(const std::vector<Tensor>& tensors, bool require_all) 
       return Status::InvalidArgument("\"" + tensors[i].name + "\" is not a trainable tensor (" +
                                      TrainModeName(mode_) + " mode)");
     }
-    const Tensor& want = ts[it->second];
-    if (tensors[i].shape != want.shape || tensors[i].data.size() != want.data.size()) {
+    const TensorSlot& want = g.slots[it->second];
+    if (tensors[i].shape != want.shape ||
+        static_cast<int64_t>(tensors[i].data.size()) != want.numel) {
       return Status::InvalidArgument("\"" + tensors[i].name + "\" has shape " +
                                      ShapeString(tensors[i].shape) + ", expected " +
                                      ShapeString(want.shape));
@@ -460,177 +615,315 @@ Status Gpt::LoadTrainable(const std::vector<Tensor>& tensors, bool require_all) 
     }
     dst[i] = it->second;
   }
-  if (require_all && seen.size() != ts.size()) {
-    for (size_t i = 0; i < ts.size(); ++i) {
+  if (require_all && seen.size() != g.slots.size()) {
+    for (size_t i = 0; i < g.slots.size(); ++i) {
       if (!seen.count(i))
-        return Status::InvalidArgument("missing trainable \"" + ts[i].name + "\"");
+        return Status::InvalidArgument("missing trainable \"" + g.slots[i].name + "\"");
     }
   }
-  // std::copy keeps the buffers (and so every ParamView pointer) in place.
+  // One copy back and forth; the buffers (and so every ParamView pointer) stay in place.
+  std::vector<float> flat(static_cast<size_t>(g.elements), 0.0f);
+  if (seen.size() != g.slots.size()) {
+    ops_.Download(flat.data(), g.data.data(), flat.size() * sizeof(float));
+  }
   for (size_t i = 0; i < tensors.size(); ++i) {
-    std::copy(tensors[i].data.begin(), tensors[i].data.end(), ts[dst[i]].data.begin());
+    std::copy(tensors[i].data.begin(), tensors[i].data.end(),
+              flat.begin() + g.slots[dst[i]].offset);
   }
-  return Status::Ok();
+  ops_.Upload(g.data.data(), flat.data(), flat.size() * sizeof(float));
+  RefreshCopies(g);
+  return ops_.Synchronize();
 }
 
-void Gpt::EnsureActivations(int B, int T) {
-  if (!act_) act_ = std::make_unique<Activations>();
-  Activations& a = *act_;
+Status Gpt::SnapshotTrainable() {
+  if (snapshot_.data() == nullptr) {
+    ISTHMUS_ASSIGN_OR_RETURN(snapshot_,
+                             ops::Buffer::Allocate(ops_, TrainableElements() * sizeof(float)));
+  }
+  ops_.Copy(snapshot_.data(), TrainableData(), TrainableElements() * sizeof(float));
+  return ops_.status();
+}
+
+Result<std::vector<Tensor>> Gpt::TrainableDelta() {
+  if (snapshot_.data() == nullptr) {
+    return Status::FailedPrecondition("TrainableDelta without SnapshotTrainable");
+  }
+  float* delta = snapshot_.as<float>();
+  ops_.Subtract(TrainableData(), delta, delta, TrainableElements());
+  const Group& g = TrainableGroup();
+  std::vector<float> flat(static_cast<size_t>(g.elements));
+  ops_.Download(flat.data(), delta, flat.size() * sizeof(float));
+  ISTHMUS_RETURN_IF_ERROR(ops_.status());
+  std::vector<Tensor> out;
+  for (const TensorSlot& s : g.slots) {
+    out.push_back({s.name, s.shape,
+                   std::vector<float>(flat.begin() + s.offset, flat.begin() + s.offset + s.numel)});
+  }
+  return out;
+}
+
+std::string Gpt::ShapeForMessages(int B, int T) const {
+  return "batch " + std::to_string(B) + " x context " + std::to_string(T) + ", " +
+         std::to_string(config_.n_layer) + " layers x " + std::to_string(config_.n_embd) + ", " +
+         TrainModeName(mode_) + ", " + ops::DtypeName(precision_);
+}
+
+Status Gpt::Reserve(int B, int T) {
+  if (B <= 0 || T <= 0 || T > config_.n_ctx) {
+    return Status::InvalidArgument("batch " + std::to_string(B) + " x " + std::to_string(T) +
+                                   " does not fit the model (context " +
+                                   std::to_string(config_.n_ctx) + ")");
+  }
   const int64_t n = static_cast<int64_t>(B) * T;
-  const int64_t att = n * T;
-  if (n <= a.cap_n && att <= a.cap_att) return;
-  a.cap_n = std::max(a.cap_n, n);
-  a.cap_att = std::max(a.cap_att, att);
-  const size_t N = a.cap_n, C = config_.n_embd, V = config_.vocab_size;
-  const size_t ATT = a.cap_att * config_.n_head;
-  const size_t R = mode_ == TrainMode::kLora ? lora_.rank : 0;
-  // resize() to a larger size; shrink_to_fit is never called, so buffers only grow.
-  a.layers.resize(config_.n_layer);
-  for (auto& L : a.layers) {
-    L.ln1.resize(N * C), L.ln1_mean.resize(N), L.ln1_rstd.resize(N), L.qkv.resize(N * 3 * C);
-    L.atty.resize(N * C), L.att.resize(ATT), L.res2.resize(N * C), L.ln2.resize(N * C);
-    L.ln2_mean.resize(N), L.ln2_rstd.resize(N), L.fch.resize(N * 4 * C);
-    L.fch_gelu.resize(N * 4 * C), L.res3.resize(N * C);
-    for (auto& xa : L.xa) xa.resize(N * R);
-  }
-  a.encoded.resize(N * C), a.lnf.resize(N * C), a.lnf_mean.resize(N), a.lnf_rstd.resize(N);
-  a.logits.resize(N * V), a.probs.resize(N * V), a.losses.resize(N);
-  a.tokens.resize(N), a.targets.resize(N);
-  a.dres.resize(N * C), a.dln.resize(N * C), a.dqkv.resize(N * 3 * C), a.datty.resize(N * C);
-  a.dfch.resize(N * 4 * C), a.dfch_gelu.resize(N * 4 * C), a.datt.resize(ATT);
-  a.dxa.resize(N * R), a.dlogits.resize(N * V);
+  if (act_ && n <= act_->cap_n) return Status::Ok();
+  auto a = std::make_unique<Activations>();
+  const int64_t N = n, C = config_.n_embd, H = config_.n_head, V = config_.vocab_size;
+  const int64_t R = mode_ == TrainMode::kLora ? lora_.rank : 0;
+  const ops::Dtype d = precision_;
+  auto carve = [&](Carver& k) {
+    a->layers.assign(config_.n_layer, {});
+    for (int l = 0; l < config_.n_layer; ++l) {
+      Activations::PerLayer& L = a->layers[l];
+      L.ln1 = k.Take(N * C, d);
+      L.ln1_mean = k.Take<float>(N);
+      L.ln1_rstd = k.Take<float>(N);
+      L.qkv = k.Take(N * 3 * C, d);
+      L.atty = k.Take(N * C, d);
+      L.lse = k.Take<float>(N * H);
+      L.res2 = k.Take<float>(N * C);
+      L.ln2 = k.Take(N * C, d);
+      L.ln2_mean = k.Take<float>(N);
+      L.ln2_rstd = k.Take<float>(N);
+      L.fch = k.Take(N * 4 * C, d);
+      L.fch_gelu = k.Take(N * 4 * C, d);
+      L.res3 = k.Take<float>(N * C);
+      for (int t = 0; t < kNumTargets; ++t) {
+        L.xa[t] = layers_[l].lin[t].lora_a >= 0 ? k.Take(N * R, d) : ops::Ref();
+      }
+    }
+    a->encoded = k.Take<float>(N * C);
+    a->lnf = k.Take(N * C, d);
+    a->lnf_mean = k.Take<float>(N);
+    a->lnf_rstd = k.Take<float>(N);
+    a->logits = k.Take(N * V, d);
+    a->dlogits = k.Take(N * V, d);
+    a->losses = k.Take<float>(N);
+    a->dres = k.Take<float>(N * C);
+    a->dres_act = d == ops::Dtype::kF32 ? ops::Ref(a->dres) : k.Take(N * C, d);
+    a->dln = k.Take(N * C, d);
+    a->dqkv = k.Take(N * 3 * C, d);
+    a->datty = k.Take(N * C, d);
+    a->dfch = k.Take(N * 4 * C, d);
+    a->dxa = k.Take(std::max<int64_t>(N * R, 1), d);
+    a->att_scratch = k.Take<float>(N * H);  // AttentionScratchFloats for any B x T = N
+  };
+  auto inputs = [&](Carver& k, bool host) {
+    int32_t* tokens = k.Take<int32_t>(N);
+    int32_t* targets = k.Take<int32_t>(N);
+    int32_t* order = k.Take<int32_t>(N);
+    int32_t* starts = k.Take<int32_t>(V + 1);
+    float* dloss = k.Take<float>(1);
+    if (host) {
+      a->h_tokens = tokens, a->h_targets = targets, a->h_order = order, a->h_starts = starts;
+      a->h_dloss = dloss;
+      a->h_losses = k.Take<float>(N);
+    } else {
+      a->tokens = tokens, a->targets = targets, a->order = order, a->starts = starts;
+      a->dloss = dloss;
+      a->inputs_bytes = k.size();
+    }
+  };
+  Carver measure(nullptr), measure_in(nullptr), measure_host(nullptr);
+  carve(measure);
+  inputs(measure_in, false);
+  inputs(measure_host, true);
+  auto fail = [&](const Status& st) {
+    return Status(st.code(), "out of memory for activations (" + ShapeForMessages(B, T) +
+                                 ", " + GiB(measure.size()) + "): " + st.message() +
+                                 "; lower --batch-size or --context" +
+                                 (precision_ == ops::Dtype::kF32 && !ops_.HostMemory()
+                                      ? ", or use --precision bf16"
+                                      : ""));
+  };
+  act_.reset();  // the old buffers go first, so that their memory can be reused
+  auto arena = ops::Buffer::Allocate(ops_, measure.size());
+  if (!arena.ok()) return fail(arena.status());
+  auto in = ops::Buffer::Allocate(ops_, measure_in.size());
+  if (!in.ok()) return fail(in.status());
+  auto staging = ops::HostBuffer::Allocate(ops_, measure_host.size());
+  if (!staging.ok()) return fail(staging.status());
+  a->arena = std::move(arena).value();
+  a->inputs = std::move(in).value();
+  a->staging = std::move(staging).value();
+  Carver real(a->arena.as<char>()), real_in(a->inputs.as<char>()),
+      real_host(a->staging.as<char>());
+  carve(real);
+  inputs(real_in, false);
+  inputs(real_host, true);
+  a->cap_n = n;
+  act_ = std::move(a);
+  ++layout_version_;
+  return ops_.status();
 }
 
-float Gpt::Forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+void Gpt::StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T) {
   // Programming errors, not input errors: callers size batches and tokenize from the config.
-  auto die = [](const char* what) {
-    std::fprintf(stderr, "Gpt::Forward: %s\n", what);
-    std::abort();
-  };
-  if (B <= 0 || T <= 0 || T > config_.n_ctx) die("B, T out of range");
+  if (B <= 0 || T <= 0 || T > config_.n_ctx) Die("Forward: B, T out of range");
   const int64_t n = static_cast<int64_t>(B) * T;
   for (int64_t i = 0; i < n; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) die("token out of range");
+    if (tokens[i] < 0 || tokens[i] >= config_.vocab_size) Die("Forward: token out of range");
     if (targets != nullptr && (targets[i] < -1 || targets[i] >= config_.vocab_size)) {
-      die("target out of range");
+      Die("Forward: target out of range");
     }
   }
-  EnsureActivations(B, T);
+  if (!act_ || n > act_->cap_n) Die("StageBatch: batch larger than reserved (call Reserve)");
   Activations& a = *act_;
-  const int N = B * T, C = config_.n_embd, H = config_.n_head, V = config_.vocab_size;
-  const float scale = lora_.Scale();
   cur_b_ = B;
   cur_t_ = T;
   have_targets_ = targets != nullptr;
-  std::copy(tokens, tokens + N, a.tokens.begin());
-  if (targets != nullptr) std::copy(targets, targets + N, a.targets.begin());
+  std::copy(tokens, tokens + n, a.h_tokens);
+  ops::GroupByToken(tokens, static_cast<int>(n), config_.vocab_size, a.h_order, a.h_starts);
+  counted_ = 0;
+  if (targets != nullptr) {
+    std::copy(targets, targets + n, a.h_targets);
+    for (int64_t i = 0; i < n; ++i) counted_ += targets[i] >= 0;
+  }
+  *a.h_dloss = counted_ > 0 ? 1.0f / static_cast<float>(counted_) : 0.0f;
+}
 
-  auto linear = [&](const Layer::Linear& lin, const float* x, float* out, float* xa) {
+double Gpt::StagedLoss() const {
+  if (!have_targets_ || counted_ == 0) return 0.0;
+  double sum = 0.0;
+  const int64_t n = static_cast<int64_t>(cur_b_) * cur_t_;
+  for (int64_t i = 0; i < n; ++i) sum += act_->h_losses[i];
+  return sum / static_cast<double>(counted_);
+}
+
+float Gpt::Forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+  if (B <= 0 || T <= 0 || T > config_.n_ctx) Die("Forward: B, T out of range");
+  if (Status st = Reserve(B, T); !st.ok()) Die("Forward: " + st.ToString());
+  StageBatch(tokens, targets, B, T);
+  EnqueueForward(true);
+  if (!ops_.Synchronize().ok()) return std::numeric_limits<float>::quiet_NaN();
+  return static_cast<float>(StagedLoss());
+}
+
+void Gpt::EnqueueForward(bool with_grad) {
+  Activations& a = *act_;
+  const int B = cur_b_, T = cur_t_, N = B * T, C = config_.n_embd, H = config_.n_head;
+  const int V = config_.vocab_size;
+  const float scale = lora_.Scale();
+  ops_.UploadAsync(a.inputs.data(), a.staging.data(), a.inputs_bytes);
+
+  auto linear = [&](const Layer::Linear& lin, ops::CRef x, const float* residual, ops::Ref out,
+                    ops::Ref xa) {
     if (lin.lora_a >= 0) {
-      ops_.LoraLinearForward(x, W(lin.w), W(lin.b), lora_tensors_[lin.lora_a].data.data(),
-                             lora_tensors_[lin.lora_b].data.data(), scale, out, xa, N, lin.in,
-                             lin.out, lora_.rank);
+      ops_.LoraLinearForward(x, BaseM(lin.w), BaseF(lin.b), LoraM(lin.lora_a), LoraM(lin.lora_b),
+                             scale, residual, out, xa, N, lin.in, lin.out, lora_.rank);
     } else {
-      ops_.LinearForward(x, W(lin.w), W(lin.b), out, N, lin.in, lin.out);
+      ops_.LinearForward(x, BaseM(lin.w), BaseF(lin.b), residual, out, N, lin.in, lin.out);
     }
   };
 
-  ops_.EmbeddingForward(a.tokens.data(), W(wte_), W(wpe_), a.encoded.data(), B, T, C);
-  const float* residual = a.encoded.data();
+  ops_.EmbeddingForward(a.tokens, BaseF(wte_), BaseF(wpe_), a.encoded, B, T, C);
+  const float* residual = a.encoded;
   for (int l = 0; l < config_.n_layer; ++l) {
     const Layer& L = layers_[l];
     Activations::PerLayer& A = a.layers[l];
-    ops_.LayerNormForward(residual, W(L.ln1_w), W(L.ln1_b), A.ln1.data(), A.ln1_mean.data(),
-                          A.ln1_rstd.data(), N, C);
-    linear(L.lin[kCAttn], A.ln1.data(), A.qkv.data(), A.xa[kCAttn].data());
-    ops_.AttentionForward(A.qkv.data(), A.atty.data(), A.att.data(), B, T, C, H);
-    linear(L.lin[kAttnProj], A.atty.data(), A.res2.data(), A.xa[kAttnProj].data());
-    ops_.Add(residual, A.res2.data(), A.res2.data(), static_cast<int64_t>(N) * C);
-    ops_.LayerNormForward(A.res2.data(), W(L.ln2_w), W(L.ln2_b), A.ln2.data(), A.ln2_mean.data(),
-                          A.ln2_rstd.data(), N, C);
-    linear(L.lin[kFc], A.ln2.data(), A.fch.data(), A.xa[kFc].data());
-    ops_.GeluForward(A.fch.data(), A.fch_gelu.data(), static_cast<int64_t>(N) * 4 * C);
-    linear(L.lin[kMlpProj], A.fch_gelu.data(), A.res3.data(), A.xa[kMlpProj].data());
-    ops_.Add(A.res2.data(), A.res3.data(), A.res3.data(), static_cast<int64_t>(N) * C);
-    residual = A.res3.data();
+    ops_.LayerNormForward(residual, BaseF(L.ln1_w), BaseF(L.ln1_b), A.ln1, A.ln1_mean, A.ln1_rstd,
+                          N, C);
+    linear(L.lin[kCAttn], A.ln1, nullptr, A.qkv, A.xa[kCAttn]);
+    ops_.AttentionForward(A.qkv, A.atty, A.lse, B, T, C, H);
+    // The residual add is fused into the projection: res2 = residual + atty W + b.
+    linear(L.lin[kAttnProj], A.atty, residual, A.res2, A.xa[kAttnProj]);
+    ops_.LayerNormForward(A.res2, BaseF(L.ln2_w), BaseF(L.ln2_b), A.ln2, A.ln2_mean, A.ln2_rstd,
+                          N, C);
+    linear(L.lin[kFc], A.ln2, nullptr, A.fch, A.xa[kFc]);
+    ops_.GeluForward(A.fch, A.fch_gelu, static_cast<int64_t>(N) * 4 * C);
+    linear(L.lin[kMlpProj], A.fch_gelu, A.res2, A.res3, A.xa[kMlpProj]);
+    residual = A.res3;
   }
-  ops_.LayerNormForward(residual, W(lnf_w_), W(lnf_b_), a.lnf.data(), a.lnf_mean.data(),
-                        a.lnf_rstd.data(), N, C);
+  ops_.LayerNormForward(residual, BaseF(lnf_w_), BaseF(lnf_b_), a.lnf, a.lnf_mean, a.lnf_rstd, N,
+                        C);
   // Tied head: logits = lnf wte^T.
-  ops_.Matmul(a.lnf.data(), W(wte_), a.logits.data(), N, V, C, false, true, 1.0f, 0.0f);
-  if (targets == nullptr) return 0.0f;
-  return ops_.CrossEntropyForward(a.logits.data(), a.targets.data(), a.probs.data(),
-                                  a.losses.data(), N, V);
+  ops_.Matmul(a.lnf, BaseM(wte_), a.logits, N, V, C, false, true, 1.0f, 0.0f);
+  if (!have_targets_) return;
+  ops_.SoftmaxCrossEntropy(a.logits, a.targets, a.losses, with_grad ? a.dlogits : ops::Ref(),
+                           a.dloss, N, V);
+  ops_.DownloadAsync(a.h_losses, a.losses, static_cast<size_t>(N) * sizeof(float));
 }
 
-const float* Gpt::Logits() const { return act_ ? act_->logits.data() : nullptr; }
+std::vector<float> Gpt::Logits() const {
+  if (!act_) return {};
+  const int64_t n = static_cast<int64_t>(cur_b_) * cur_t_ * config_.vocab_size;
+  std::vector<float> out(static_cast<size_t>(n));
+  if (precision_ == ops::Dtype::kF32) {
+    ops_.Download(out.data(), act_->logits.data, out.size() * sizeof(float));
+    return out;
+  }
+  std::vector<ops::Bf16> raw(static_cast<size_t>(n));
+  ops_.Download(raw.data(), act_->logits.data, raw.size() * sizeof(ops::Bf16));
+  for (int64_t i = 0; i < n; ++i) out[i] = ops::FromBf16(raw[i]);
+  return out;
+}
 
 void Gpt::Backward() {
-  if (!act_ || !have_targets_) std::abort();  // Backward needs a Forward with targets
+  if (!act_ || !have_targets_) Die("Backward needs a preceding Forward with targets");
   Activations& a = *act_;
   const int B = cur_b_, T = cur_t_, N = B * T, C = config_.n_embd, H = config_.n_head;
   const int V = config_.vocab_size;
   const int64_t NC = static_cast<int64_t>(N) * C;
   const float scale = lora_.Scale();
-  auto zero = [](std::vector<float>& v, int64_t n) { std::fill_n(v.begin(), n, 0.0f); };
 
-  // dx must be zeroed by the caller (kernels accumulate); the input x is the layer input.
-  auto linear_back = [&](const Layer::Linear& lin, const float* dout, const float* x,
-                         const float* xa, float* dx) {
+  // The residual stream's gradient as the matmuls read it (a bf16 copy in bf16).
+  auto dres_for_matmul = [&]() -> ops::CRef {
+    if (precision_ == ops::Dtype::kF32) return a.dres;
+    ops_.Cast(a.dres, a.dres_act, NC);
+    return a.dres_act;
+  };
+  auto linear_back = [&](const Layer::Linear& lin, ops::CRef dout, ops::CRef x, ops::CRef xa,
+                         ops::Ref dx) {
     if (lin.lora_a >= 0) {
-      ops_.LoraLinearBackward(dout, x, W(lin.w), lora_tensors_[lin.lora_a].data.data(),
-                              lora_tensors_[lin.lora_b].data.data(), scale, xa, dx, BaseGrad(lin.w),
-                              BaseGrad(lin.b), lora_grad_[lin.lora_a].data(),
-                              lora_grad_[lin.lora_b].data(), a.dxa.data(), N, lin.in, lin.out,
-                              lora_.rank);
+      ops_.LoraLinearBackward(dout, x, BaseM(lin.w), LoraM(lin.lora_a), LoraM(lin.lora_b), scale,
+                              xa, dx, BaseGrad(lin.w), BaseGrad(lin.b), LoraGrad(lin.lora_a),
+                              LoraGrad(lin.lora_b), a.dxa, N, lin.in, lin.out, lora_.rank);
     } else {
-      ops_.LinearBackward(dout, x, W(lin.w), dx, BaseGrad(lin.w), BaseGrad(lin.b), N, lin.in,
+      ops_.LinearBackward(dout, x, BaseM(lin.w), dx, BaseGrad(lin.w), BaseGrad(lin.b), N, lin.in,
                           lin.out);
     }
   };
 
-  zero(a.dlogits, static_cast<int64_t>(N) * V);
-  ops_.CrossEntropyBackward(a.probs.data(), a.targets.data(), a.dlogits.data(), N, V);
-  // dlnf = dlogits wte; dwte += dlogits^T lnf.
-  ops_.Matmul(a.dlogits.data(), W(wte_), a.dln.data(), N, C, V, false, false, 1.0f, 0.0f);
+  // Head (the logits' gradient came with the forward): dlnf = dlogits wte; dwte +=
+  // dlogits^T lnf.
+  ops_.Matmul(a.dlogits, BaseM(wte_), a.dln, N, C, V, false, false, 1.0f, 0.0f);
   if (float* dwte = BaseGrad(wte_)) {
-    ops_.Matmul(a.dlogits.data(), a.lnf.data(), dwte, V, C, N, true, false, 1.0f, 1.0f);
+    ops_.Matmul(a.dlogits, a.lnf, dwte, V, C, N, true, false, 1.0f, 1.0f);
   }
-  const float* last = config_.n_layer > 0 ? a.layers.back().res3.data() : a.encoded.data();
-  zero(a.dres, NC);
-  ops_.LayerNormBackward(a.dln.data(), last, W(lnf_w_), a.lnf_mean.data(), a.lnf_rstd.data(),
-                         a.dres.data(), BaseGrad(lnf_w_), BaseGrad(lnf_b_), N, C);
+  const float* last = config_.n_layer > 0 ? a.layers.back().res3 : a.encoded;
+  ops_.Zero(a.dres, NC * sizeof(float));
+  ops_.LayerNormBackward(a.dln, last, BaseF(lnf_w_), a.lnf_mean, a.lnf_rstd, a.dres,
+                         BaseGrad(lnf_w_), BaseGrad(lnf_b_), N, C);
 
   // a.dres holds dLoss/d(residual stream) and flows down through both residual adds.
   for (int l = config_.n_layer - 1; l >= 0; --l) {
     const Layer& L = layers_[l];
     Activations::PerLayer& A = a.layers[l];
-    const float* input = l == 0 ? a.encoded.data() : a.layers[l - 1].res3.data();
-    // MLP branch.
-    zero(a.dfch_gelu, 4 * NC);
-    linear_back(L.lin[kMlpProj], a.dres.data(), A.fch_gelu.data(), A.xa[kMlpProj].data(),
-                a.dfch_gelu.data());
-    zero(a.dfch, 4 * NC);
-    ops_.GeluBackward(a.dfch_gelu.data(), A.fch.data(), a.dfch.data(), 4 * NC);
-    zero(a.dln, NC);
-    linear_back(L.lin[kFc], a.dfch.data(), A.ln2.data(), A.xa[kFc].data(), a.dln.data());
-    ops_.LayerNormBackward(a.dln.data(), A.res2.data(), W(L.ln2_w), A.ln2_mean.data(),
-                           A.ln2_rstd.data(), a.dres.data(), BaseGrad(L.ln2_w), BaseGrad(L.ln2_b),
-                           N, C);
+    const float* input = l == 0 ? a.encoded : a.layers[l - 1].res3;
+    // MLP branch; the GELU's backward runs in place.
+    linear_back(L.lin[kMlpProj], dres_for_matmul(), A.fch_gelu, A.xa[kMlpProj], a.dfch);
+    ops_.GeluBackward(a.dfch, A.fch, a.dfch, 4 * NC);
+    linear_back(L.lin[kFc], a.dfch, A.ln2, A.xa[kFc], a.dln);
+    ops_.LayerNormBackward(a.dln, A.res2, BaseF(L.ln2_w), A.ln2_mean, A.ln2_rstd, a.dres,
+                           BaseGrad(L.ln2_w), BaseGrad(L.ln2_b), N, C);
     // Attention branch.
-    zero(a.datty, NC);
-    linear_back(L.lin[kAttnProj], a.dres.data(), A.atty.data(), A.xa[kAttnProj].data(),
-                a.datty.data());
-    zero(a.dqkv, 3 * NC);
-    ops_.AttentionBackward(a.datty.data(), A.qkv.data(), A.att.data(), a.dqkv.data(), a.datt.data(),
-                           B, T, C, H);
-    zero(a.dln, NC);
-    linear_back(L.lin[kCAttn], a.dqkv.data(), A.ln1.data(), A.xa[kCAttn].data(), a.dln.data());
-    ops_.LayerNormBackward(a.dln.data(), input, W(L.ln1_w), A.ln1_mean.data(), A.ln1_rstd.data(),
-                           a.dres.data(), BaseGrad(L.ln1_w), BaseGrad(L.ln1_b), N, C);
+    linear_back(L.lin[kAttnProj], dres_for_matmul(), A.atty, A.xa[kAttnProj], a.datty);
+    ops_.AttentionBackward(a.datty, A.qkv, A.atty, A.lse, a.dqkv, a.att_scratch, B, T, C, H);
+    linear_back(L.lin[kCAttn], a.dqkv, A.ln1, A.xa[kCAttn], a.dln);
+    ops_.LayerNormBackward(a.dln, input, BaseF(L.ln1_w), A.ln1_mean, A.ln1_rstd, a.dres,
+                           BaseGrad(L.ln1_w), BaseGrad(L.ln1_b), N, C);
   }
   if (mode_ == TrainMode::kFull) {
-    ops_.EmbeddingBackward(a.dres.data(), a.tokens.data(), BaseGrad(wte_), BaseGrad(wpe_), B, T, C);
+    ops_.EmbeddingBackward(a.dres, a.order, a.starts, BaseGrad(wte_), BaseGrad(wpe_), B, T, C, V);
   }
 }
 

@@ -1,17 +1,20 @@
 // The built-in model: a GPT-2-architecture decoder (pre-LN blocks, GELU MLP, tied
 // embeddings) with optional LoRA adapters, its forward pass, loss and backward pass, on top
-// of the kernel interface ops/ops.h. Tensor names follow GPT-2's so that a GPT-2 checkpoint
-// in safetensors form can serve as the frozen base, and workers and shards agree on names.
+// of the compute backend ops/ops.h (CPU reference or CUDA). Tensor names follow GPT-2's so
+// that a GPT-2 checkpoint in safetensors form can serve as the frozen base, and workers and
+// shards agree on names.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
 #include "common/tensor.h"
+#include "ops/buffer.h"
 #include "ops/ops.h"
 
 namespace isthmus::model {
@@ -52,14 +55,29 @@ enum class TrainMode { kLora, kFull };
 const char* TrainModeName(TrainMode mode);
 Result<TrainMode> ParseTrainMode(const std::string& name);
 
-// A non-owning view of one trainable tensor and its gradient. The pointers stay valid for
-// the life of the Gpt that produced the view (its buffers are never reallocated).
+// How a model computes: the backend its tensors live on and the precision of its matmuls
+// and activations.
+struct Compute {
+  ops::Ops* ops = nullptr;                  // null: the CPU reference, ops::CpuOps()
+  ops::Dtype precision = ops::Dtype::kF32;  // kBF16: bf16 matmul weight copies and
+                                            // activations; fp32 masters and gradients
+  ops::Ops& backend() const { return ops != nullptr ? *ops : ops::CpuOps(); }
+};
+
+// "fp32" / "bf16"; InvalidArgument on anything else.
+Result<ops::Dtype> ParsePrecision(const std::string& name);
+
+// A non-owning view of one trainable tensor and its gradient, in backend memory (host
+// memory only on the CPU backend: see Ops::HostMemory). The pointers stay valid for the
+// life of the Gpt that produced the view (its buffers are never reallocated). `offset` is
+// the tensor's first element in the flat buffers (TrainableData, GradData).
 struct ParamView {
   std::string name;
   std::vector<int64_t> shape;
   float* data = nullptr;
   float* grad = nullptr;
   int64_t numel = 0;
+  int64_t offset = 0;
 };
 
 // Names of the two LoRA factors of `target` in layer `layer`, e.g.
@@ -68,9 +86,12 @@ struct ParamView {
 std::string LoraAName(int layer, const std::string& target);
 std::string LoraBName(int layer, const std::string& target);
 
-// The decoder. Owns its parameters, gradients and activation buffers (host memory; the
-// CPU backend of ops/ops.h is used). Not thread-safe: one thread drives a Gpt at a time,
-// although the kernels themselves may use several threads internally.
+// The decoder. Owns its parameters, gradients and activations, all in the memory of its
+// backend (Compute): on a GPU they stay there for the whole run, and the host sees tensors
+// only through the Export/Load calls below. Trainable tensors (and their gradients) form
+// one flat buffer each, every tensor starting on a 64-element boundary, with zeros in the
+// gaps, so that one all-reduce, one optimizer launch and one copy cover them all. Not
+// thread-safe: one thread drives a Gpt (and its backend) at a time.
 class Gpt {
  public:
   // A model with GPT-2 initialisation from `seed`: wte and wpe and every linear weight
@@ -80,8 +101,10 @@ class Gpt {
   // any LoRA config. LoRA A ~ uniform(-1/sqrt(in), 1/sqrt(in)) (PEFT's Kaiming-uniform
   // default) from the same (seed, name) rule, LoRA B = 0. Deterministic: the generator and the
   // normal transform are our own, so only libm's log/cos could differ between platforms.
+  // ResourceExhausted when the parameters do not fit in the backend's memory.
   static Result<std::unique_ptr<Gpt>> CreateRandom(const GptConfig& config, TrainMode mode,
-                                                   const LoraConfig& lora, uint64_t seed);
+                                                   const LoraConfig& lora, uint64_t seed,
+                                                   const Compute& compute = {});
 
   // A model whose base is `tensors` (GPT-2 names; a leading "transformer." is stripped;
   // the attention-mask buffers "h.N.attn.bias"/"h.N.attn.masked_bias" of HF files and an
@@ -92,7 +115,7 @@ class Gpt {
   // as in CreateRandom.
   static Result<std::unique_ptr<Gpt>> FromBaseTensors(std::vector<Tensor> tensors, int n_head,
                                                       TrainMode mode, const LoraConfig& lora,
-                                                      uint64_t seed);
+                                                      uint64_t seed, const Compute& compute = {});
 
   // FromBaseTensors on the tensors of a safetensors file. When the file's metadata carries
   // "n_head" (SaveBase writes it) that value is used and `n_head` may be 0; if both are
@@ -100,7 +123,8 @@ class Gpt {
   // must equal it (FailedPrecondition otherwise).
   static Result<std::unique_ptr<Gpt>> LoadBase(const std::string& path, int n_head, TrainMode mode,
                                                const LoraConfig& lora, uint64_t seed,
-                                               const GptConfig* expected = nullptr);
+                                               const GptConfig* expected = nullptr,
+                                               const Compute& compute = {});
 
   ~Gpt();
   Gpt(const Gpt&) = delete;
@@ -109,49 +133,93 @@ class Gpt {
   const GptConfig& config() const { return config_; }
   TrainMode mode() const { return mode_; }
   const LoraConfig& lora() const { return lora_; }
+  ops::Ops& ops() const { return ops_; }
+  ops::Dtype precision() const { return precision_; }
 
-  // Runs the model on tokens [B,T] (values in [0, V)), T <= n_ctx. With targets [B,T]
-  // (values in [0, V), or -1 to leave a position out of the loss) returns the mean
-  // cross-entropy over the counted positions and keeps what Backward needs; with targets
-  // == nullptr returns 0 and only computes logits. Activation buffers are sized for the
-  // largest B*T seen so far: they are allocated on the first call (or when a later call
-  // is larger) and reused after that. The token and target arrays are copied.
-  // Out-of-range sizes, tokens or targets are programming errors: the process aborts with
-  // a message rather than reading outside the tables.
+  // Allocates the activations for batches of up to B x T tokens (once; they only grow).
+  // ResourceExhausted naming the configuration and what to lower when they do not fit.
+  // Forward reserves on its own, but dies if that fails: call Reserve first where
+  // out-of-memory must be an error rather than the end of the process.
+  Status Reserve(int B, int T);
+  // Incremented whenever Reserve reallocates (recorded graphs then hold stale pointers).
+  uint64_t layout_version() const { return layout_version_; }
+
+  // Runs the model on tokens [B,T] (values in [0, V)), T <= n_ctx, and waits for it. With
+  // targets [B,T] (values in [0, V), or -1 to leave a position out of the loss) returns the
+  // mean cross-entropy over the counted positions and keeps what Backward needs; with
+  // targets == nullptr returns 0 and only computes logits. Returns NaN when the backend
+  // failed (ops().status() says why). Out-of-range sizes, tokens or targets are
+  // programming errors: the process aborts with a message rather than reading outside
+  // the tables.
   float Forward(const int32_t* tokens, const int32_t* targets, int B, int T);
 
-  // The logits [B,T,V] of the last Forward; valid until the next Forward.
-  const float* Logits() const;
+  // The logits [B,T,V] of the last Forward, copied to the host as fp32.
+  std::vector<float> Logits() const;
 
   // Gradient of the last Forward's mean loss, ACCUMULATED into the gradients of the
   // trainable tensors (call ZeroGrad between steps). Requires a preceding Forward with
-  // targets.
+  // targets. Enqueued: it has run once the backend is synchronised.
   void Backward();
 
-  // Sets every trainable tensor's gradient to zero.
+  // Sets every trainable tensor's gradient to zero (enqueued).
   void ZeroGrad();
+
+  // The staged form of Forward that Trainer::Step uses, in three parts so that the
+  // device work can be recorded once as a graph and replayed: StageBatch checks the
+  // batch and writes it to page-locked staging (host work only; the batch must fit what
+  // was reserved); EnqueueForward copies the staging to the device and enqueues the
+  // forward pass (and, with targets and `with_grad`, the gradient of the logits) and the
+  // copy of the per-position losses back; StagedLoss reads the mean loss once the backend
+  // has been synchronised.
+  void StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T);
+  void EnqueueForward(bool with_grad);
+  double StagedLoss() const;
 
   // The trainable tensors: the LoRA factors (kLora, ordered by layer then target, A before
   // B) or every base tensor (kFull, in base order). Stable order and pointers.
   std::vector<ParamView> Trainable();
 
-  // The base tensors in GPT-2 order: wte, wpe, h.0.* ... h.{L-1}.*, ln_f.*. In kFull mode
-  // these are what trains; in kLora mode they are frozen. Access by name returns null for
-  // an unknown name.
-  const std::vector<Tensor>& BaseTensors() const { return base_; }
-  const Tensor* FindBase(const std::string& name) const;
+  // The flat buffers behind Trainable(): TrainableElements() floats of parameters, and
+  // GradElements() = TrainableElements() + 1 floats of gradients, whose last float belongs
+  // to the caller (the trainer carries a control value through the gradient all-reduce in
+  // it). TrainableCopy() is the bf16 copy the matmuls read (null in fp32): whoever changes
+  // the parameters in place refreshes it (the optimizer writes it as it updates).
+  float* TrainableData() const;
+  // Refreshes the bf16 copies after the trainable tensors were written in place (e.g. by a
+  // broadcast into TrainableData()); enqueued. A no-op in fp32.
+  void TrainableChanged();
+  float* GradData() const { return grads_.as<float>(); }
+  int64_t TrainableElements() const;
+  int64_t GradElements() const { return TrainableElements() + 1; }
+  ops::Ref TrainableCopy() const;
+
+  // Copies of the base tensors in GPT-2 order: wte, wpe, h.0.* ... h.{L-1}.*, ln_f.*. In
+  // kFull mode these are what trains; in kLora mode they are frozen. FindBase returns
+  // nothing for an unknown name.
+  std::vector<Tensor> ExportBase() const;
+  std::optional<Tensor> FindBase(const std::string& name) const;
+  // Number of base elements (parameters of the architecture).
+  int64_t BaseElements() const;
 
   // Lower-case hex SHA-256 (TensorsContentHash) of the base tensors: what workers and
   // shards compare to check they hold the same base. Computed on each call (O(params)).
   std::string BaseHash() const;
 
-  // Copies of the trainable tensors (names and shapes as in Trainable()).
+  // Copies of the trainable tensors (names and shapes as in Trainable()): one copy from
+  // the backend.
   std::vector<Tensor> ExportTrainable() const;
 
   // Overwrites trainable tensors with `tensors`. Every given tensor must name a trainable
   // tensor and match its shape (InvalidArgument otherwise, and nothing is changed). With
   // require_all, every trainable tensor must be given. Gradients are left as they are.
   Status LoadTrainable(const std::vector<Tensor>& tensors, bool require_all = true);
+
+  // The round delta on the backend: SnapshotTrainable remembers the trainable tensors (a
+  // backend copy; ResourceExhausted if it does not fit), TrainableDelta returns "now minus
+  // the snapshot" as host tensors (computed on the backend, one copy to the host) and
+  // forgets the snapshot.
+  Status SnapshotTrainable();
+  Result<std::vector<Tensor>> TrainableDelta();
 
   // Writes the base tensors to a safetensors file (atomic), with metadata recording the
   // config ("n_layer", "n_embd", "n_head", "n_ctx", "vocab_size") and "format" =
@@ -172,30 +240,49 @@ class Gpt {
  private:
   struct Layer;
   struct Activations;
+  struct TensorSlot {
+    std::string name;
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+    int64_t offset = 0;  // in the flat buffer of its group
+  };
+  struct Group;  // a flat buffer of tensors: the base or the LoRA factors
 
-  Gpt(const GptConfig& config, TrainMode mode, const LoraConfig& lora);
+  Gpt(const GptConfig& config, TrainMode mode, const LoraConfig& lora, const Compute& compute);
   void AddBase(const std::string& name, std::vector<int64_t> shape);
   Status BuildIndex();
-  void InitLora(uint64_t seed);
-  void InitRandomBase(uint64_t seed);
-  void EnsureActivations(int B, int T);
-  float* BaseGrad(int index);
-  float* W(int index) { return base_[index].data.data(); }
+  Status Allocate();
+  std::vector<Tensor> InitialLora(uint64_t seed) const;
+  std::vector<Tensor> RandomBase(uint64_t seed) const;
+  Status UploadGroup(Group& group, const std::vector<Tensor>& tensors);
+  std::vector<Tensor> DownloadGroup(const Group& group) const;
+  void RefreshCopies(Group& group);
+  Group& TrainableGroup() const;
+  std::string ShapeForMessages(int B, int T) const;
+  // Matmul view of a tensor (its bf16 copy in bf16) and its fp32 master.
+  ops::CRef BaseM(int index) const;
+  const float* BaseF(int index) const;
+  ops::CRef LoraM(int index) const;
+  float* BaseGrad(int index) const;
+  float* LoraGrad(int index) const;
 
   GptConfig config_;
   TrainMode mode_;
   LoraConfig lora_;
   ops::Ops& ops_;
+  ops::Dtype precision_;
 
-  std::vector<Tensor> base_;
-  std::vector<std::vector<float>> base_grad_;  // kFull only, parallel to base_
-  std::vector<Tensor> lora_tensors_;           // kLora only
-  std::vector<std::vector<float>> lora_grad_;  // parallel to lora_tensors_
+  std::unique_ptr<Group> base_;
+  std::unique_ptr<Group> lora_tensors_;
+  ops::Buffer grads_;     // TrainableElements() + 1
+  ops::Buffer snapshot_;  // SnapshotTrainable()
   int wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1;
   std::vector<Layer> layers_;
 
   std::unique_ptr<Activations> act_;
+  uint64_t layout_version_ = 0;
   int cur_b_ = 0, cur_t_ = 0;
+  int64_t counted_ = 0;  // positions with a target in the staged batch
   bool have_targets_ = false;
 };
 

@@ -1,6 +1,7 @@
 // AdamW inner steps over the model's trainable tensors, and their checkpoint format.
 #include "worker/model/trainer.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <map>
@@ -33,53 +34,192 @@ Status TrainerConfig::Validate() const {
   return Status::Ok();
 }
 
+// The trainer's backend state: moments, the AdamW chunk table, the step's scalars, their
+// page-locked staging, and the recorded graphs of the current batch shape.
+struct Trainer::Device {
+  ops::Buffer m, v;
+  ops::Buffer chunks;  // AdamWChunk[num_chunks]
+  int num_chunks = 0;
+  ops::Buffer scalars;  // AdamWScalars, then the gradient's sum of squares
+  ops::HostBuffer host;  // AdamWScalars, control in, sum of squares out, control out
+  std::unique_ptr<ops::Graph> forward_backward, optimizer;
+  int graph_b = 0, graph_t = 0;
+  uint64_t graph_layout = 0;
+  int eager_steps = 0;  // steps of this shape run without a graph (the first warms up)
+  bool graphs_off = false;
+
+  ops::AdamWScalars* h_scalars() const { return host.as<ops::AdamWScalars>(); }
+  float* h_floats() const { return reinterpret_cast<float*>(h_scalars() + 1); }
+  ops::AdamWScalars* d_scalars() const { return scalars.as<ops::AdamWScalars>(); }
+  float* d_sumsq() const { return reinterpret_cast<float*>(d_scalars() + 1); }
+};
+
 Trainer::Trainer(Gpt& model, const TrainerConfig& config)
-    : model_(model), config_(config), params_(model.Trainable()) {
-  if (!config_.Validate().ok()) std::abort();
-  for (const ParamView& p : params_) {
-    m_.emplace_back(p.numel, 0.0f);
-    v_.emplace_back(p.numel, 0.0f);
-  }
+    : model_(model), config_(config), params_(model.Trainable()) {}
+
+Trainer::~Trainer() = default;
+
+Result<std::unique_ptr<Trainer>> Trainer::Create(Gpt& model, const TrainerConfig& config) {
+  ISTHMUS_RETURN_IF_ERROR(config.Validate());
+  std::unique_ptr<Trainer> t(new Trainer(model, config));
+  ops::Ops& ops = model.ops();
+  auto dev = std::make_unique<Device>();
+  const size_t bytes = model.TrainableElements() * sizeof(float);
+  std::vector<ops::AdamWSegment> segments;
+  for (const ParamView& p : t->params_) segments.push_back({p.offset, p.numel, p.shape.size() >= 2});
+  const std::vector<ops::AdamWChunk> chunks = ops::MakeAdamWChunks(segments);
+  auto fail = [&](const Status& st) {
+    return Status(st.code(), "cannot hold the optimizer state (" + std::to_string(2 * bytes) +
+                                 " bytes of moments) on " + ops.Describe() + ": " + st.message());
+  };
+  auto m = ops::Buffer::Allocate(ops, bytes);
+  if (!m.ok()) return fail(m.status());
+  auto v = ops::Buffer::Allocate(ops, bytes);
+  if (!v.ok()) return fail(v.status());
+  auto c = ops::Buffer::Allocate(ops, chunks.size() * sizeof(ops::AdamWChunk));
+  if (!c.ok()) return fail(c.status());
+  auto sc = ops::Buffer::Allocate(ops, sizeof(ops::AdamWScalars) + sizeof(float));
+  if (!sc.ok()) return fail(sc.status());
+  auto host = ops::HostBuffer::Allocate(ops, sizeof(ops::AdamWScalars) + 3 * sizeof(float));
+  if (!host.ok()) return fail(host.status());
+  dev->m = std::move(m).value();
+  dev->v = std::move(v).value();
+  dev->chunks = std::move(c).value();
+  dev->scalars = std::move(sc).value();
+  dev->host = std::move(host).value();
+  dev->num_chunks = static_cast<int>(chunks.size());
+  ops.Zero(dev->m.data(), bytes);
+  ops.Zero(dev->v.data(), bytes);
+  ops.Upload(dev->chunks.data(), chunks.data(), chunks.size() * sizeof(ops::AdamWChunk));
+  t->dev_ = std::move(dev);
+  ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
+  return t;
 }
 
-StepStats Trainer::Step(const int32_t* tokens, const int32_t* targets, int B, int T) {
-  ops::Ops& ops = ops::CpuOps();
-  StepStats stats;
-  model_.ZeroGrad();
-  stats.loss = model_.Forward(tokens, targets, B, T);
-  model_.Backward();
-  if (hook_) hook_(params_);
+float* Trainer::MomentData(int which) const {
+  return (which == 0 ? dev_->m : dev_->v).as<float>();
+}
 
-  double sum_sq = 0.0;
-  for (const ParamView& p : params_) sum_sq += ops.SumSquares(p.grad, p.numel);
-  const double norm = std::sqrt(sum_sq);
-  stats.grad_norm = static_cast<float>(norm);
+void Trainer::EnqueueForwardBackward() {
+  ops::Ops& ops = model_.ops();
+  model_.ZeroGrad();
+  ops.UploadAsync(model_.GradData() + model_.TrainableElements(), dev_->h_floats(),
+                  sizeof(float));
+  model_.EnqueueForward(true);
+  model_.Backward();
+}
+
+void Trainer::EnqueueOptimizer() {
+  ops::Ops& ops = model_.ops();
+  const int64_t n = model_.TrainableElements();
+  ops.UploadAsync(dev_->d_scalars(), dev_->h_scalars(), sizeof(ops::AdamWScalars));
+  ops.SumSquares(model_.GradData(), n, dev_->d_sumsq());
+  ops::AdamWConfig c;
+  c.beta1 = config_.beta1;
+  c.beta2 = config_.beta2;
+  c.eps = config_.eps;
+  c.weight_decay = config_.weight_decay;
+  c.grad_clip = config_.grad_clip;
+  ops.AdamW(model_.TrainableData(), model_.GradData(), dev_->m.as<float>(), dev_->v.as<float>(),
+            model_.TrainableCopy(), dev_->chunks.as<ops::AdamWChunk>(), dev_->num_chunks,
+            dev_->d_sumsq(), dev_->d_scalars(), c);
+  ops.DownloadAsync(dev_->h_floats() + 1, dev_->d_sumsq(), sizeof(float));
+  ops.DownloadAsync(dev_->h_floats() + 2, model_.GradData() + n, sizeof(float));
+}
+
+void Trainer::RunRecorded(std::unique_ptr<ops::Graph>* graph, void (Trainer::*enqueue)()) {
+  ops::Ops& ops = model_.ops();
+  if (!config_.graphs || !ops.SupportsGraphs() || dev_->graphs_off) {
+    (this->*enqueue)();
+    return;
+  }
+  if (*graph) {
+    (*graph)->Replay();
+    used_graph_ = true;
+    return;
+  }
+  // The first step of a shape runs as it is (matmul plans and the like are made then).
+  if (dev_->eager_steps == 0) {
+    (this->*enqueue)();
+    return;
+  }
+  Status st = ops.BeginCapture();
+  if (st.ok()) {
+    (this->*enqueue)();
+    auto recorded = ops.EndCapture();
+    if (recorded.ok()) {
+      *graph = std::move(recorded).value();
+      (*graph)->Replay();
+      used_graph_ = true;
+      return;
+    }
+    st = recorded.status();
+  }
+  // Recording failed: nothing ran, so run the work directly, now and from now on.
+  dev_->graphs_off = true;
+  graph_error_ = st.ToString();
+  (this->*enqueue)();
+}
+
+Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, int B, int T,
+                                float control) {
+  ops::Ops& ops = model_.ops();
+  ISTHMUS_RETURN_IF_ERROR(model_.Reserve(B, T));
+  model_.StageBatch(tokens, targets, B, T);
+  if (dev_->graph_b != B || dev_->graph_t != T || dev_->graph_layout != model_.layout_version()) {
+    dev_->forward_backward.reset();
+    dev_->optimizer.reset();
+    dev_->graph_b = B;
+    dev_->graph_t = T;
+    dev_->graph_layout = model_.layout_version();
+    dev_->eager_steps = 0;
+  }
+  StepStats stats;
   stats.lr = ops::WarmupCosineLr(step_, config_.warmup_steps, config_.total_steps, config_.max_lr,
                                  config_.min_lr);
-  if (!std::isfinite(norm)) {
+  const int64_t next = step_ + 1;
+  ops::AdamWScalars* sc = dev_->h_scalars();
+  sc->lr = stats.lr;
+  sc->bias_correction1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(config_.beta1), next));
+  sc->bias_correction2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(config_.beta2), next));
+  sc->unused = 0.0f;
+  dev_->h_floats()[0] = control;
+  used_graph_ = false;
+
+  RunRecorded(&dev_->forward_backward, &Trainer::EnqueueForwardBackward);
+  if (hook_) {
+    ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
+    ISTHMUS_RETURN_IF_ERROR(hook_(model_.GradData(), static_cast<size_t>(model_.GradElements())));
+  }
+  RunRecorded(&dev_->optimizer, &Trainer::EnqueueOptimizer);
+  ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
+  if (!used_graph_) ++dev_->eager_steps;
+
+  const float sumsq = dev_->h_floats()[1];
+  stats.control = dev_->h_floats()[2];
+  stats.loss = static_cast<float>(model_.StagedLoss());
+  stats.grad_norm = std::sqrt(sumsq);
+  if (!std::isfinite(sumsq)) {
     stats.skipped = true;
     return stats;
-  }
-  if (config_.grad_clip > 0 && norm > config_.grad_clip) {
-    const float s = static_cast<float>(config_.grad_clip / (norm + 1e-6));
-    for (ParamView& p : params_) ops.Scale(p.grad, p.numel, s);
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    ParamView& p = params_[i];
-    const float wd = p.shape.size() >= 2 ? config_.weight_decay : 0.0f;
-    ops.AdamWStep(p.data, p.grad, m_[i].data(), v_[i].data(), p.numel, stats.lr, config_.beta1,
-                  config_.beta2, config_.eps, wd, step_ + 1);
   }
   ++step_;
   return stats;
 }
 
 std::vector<Tensor> Trainer::ExportState() const {
+  ops::Ops& ops = model_.ops();
+  const int64_t n = model_.TrainableElements();
+  std::vector<float> m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
+  ops.Download(m.data(), dev_->m.data(), m.size() * sizeof(float));
+  ops.Download(v.data(), dev_->v.data(), v.size() * sizeof(float));
   std::vector<Tensor> out;
   out.reserve(2 * params_.size() + 1);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    out.push_back({kOptPrefix + "m." + params_[i].name, params_[i].shape, m_[i]});
-    out.push_back({kOptPrefix + "v." + params_[i].name, params_[i].shape, v_[i]});
+  for (const ParamView& p : params_) {
+    out.push_back({kOptPrefix + "m." + p.name, p.shape,
+                   std::vector<float>(m.begin() + p.offset, m.begin() + p.offset + p.numel)});
+    out.push_back({kOptPrefix + "v." + p.name, p.shape,
+                   std::vector<float>(v.begin() + p.offset, v.begin() + p.offset + p.numel)});
   }
   out.push_back({kOptPrefix + "step",
                  {2},
@@ -129,10 +269,15 @@ Status Trainer::ParseState(const std::vector<Tensor>& tensors, ParsedState* pars
 }
 
 void Trainer::ApplyState(const ParsedState& parsed) {
+  ops::Ops& ops = model_.ops();
+  const int64_t n = model_.TrainableElements();
+  std::vector<float> m(static_cast<size_t>(n), 0.0f), v(static_cast<size_t>(n), 0.0f);
   for (size_t i = 0; i < params_.size(); ++i) {
-    m_[i] = parsed.m[i]->data;
-    v_[i] = parsed.v[i]->data;
+    std::copy(parsed.m[i]->data.begin(), parsed.m[i]->data.end(), m.begin() + params_[i].offset);
+    std::copy(parsed.v[i]->data.begin(), parsed.v[i]->data.end(), v.begin() + params_[i].offset);
   }
+  ops.Upload(dev_->m.data(), m.data(), m.size() * sizeof(float));
+  ops.Upload(dev_->v.data(), v.data(), v.size() * sizeof(float));
   step_ = parsed.step;
 }
 
@@ -140,7 +285,7 @@ Status Trainer::LoadState(const std::vector<Tensor>& tensors) {
   ParsedState parsed;
   ISTHMUS_RETURN_IF_ERROR(ParseState(tensors, &parsed));
   ApplyState(parsed);
-  return Status::Ok();
+  return model_.ops().status();
 }
 
 Status Trainer::SaveCheckpoint(const std::string& path) const {
@@ -170,7 +315,7 @@ Status Trainer::LoadCheckpoint(const std::string& path) {
   ISTHMUS_RETURN_IF_ERROR(ParseState(state, &parsed));
   ISTHMUS_RETURN_IF_ERROR(model_.LoadTrainable(weights, /*require_all=*/true));
   ApplyState(parsed);
-  return Status::Ok();
+  return model_.ops().status();
 }
 
 }  // namespace isthmus::model

@@ -1,11 +1,13 @@
 // The inner training step of a worker: forward, backward, a hook where the in-site
 // communicator averages gradients across ranks, global gradient-norm clipping and AdamW
-// with a warmup-cosine learning rate. Its state (moments and step) is a set of named
-// tensors so that it checkpoints next to the weights.
+// with a warmup-cosine learning rate, all enqueued on the model's backend so that a GPU
+// step touches the host only for the batch in and three numbers out. Its state (moments
+// and step) is a set of named tensors so that it checkpoints next to the weights.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,8 @@ struct TrainerConfig {
   // wte, wpe and both LoRA factors. Biases and layer-norm parameters are never decayed.
   float weight_decay = 0.0f;
   float grad_clip = 1.0f;  // global L2 norm bound; <= 0 disables clipping
+  // Record each step's device work as a CUDA graph and replay it (backends with graphs).
+  bool graphs = true;
 
   // InvalidArgument on negative or non-finite values, betas outside [0,1), eps <= 0,
   // warmup_steps > total_steps.
@@ -39,30 +43,46 @@ struct StepStats {
   float lr = 0.0f;         // learning rate used (or that would have been used, if skipped)
   bool skipped = false;    // true when the norm was not finite: parameters, moments and the
                            // step counter are left untouched
+  float control = 0.0f;    // the control value after the hook (see Step)
 };
 
 // Owns the AdamW moments of every trainable tensor of `model`, which it borrows: the model
-// must outlive the trainer and its mode must not change. Not thread-safe; the hook runs on
-// the calling thread.
+// must outlive the trainer and its mode must not change. The moments live in the model's
+// backend, flat like the parameters, and one multi-tensor AdamW launch updates them all.
+// Not thread-safe; the hook runs on the calling thread.
 class Trainer {
  public:
-  // Called after Backward and before clipping with every trainable tensor; it may change
-  // gradients in place (e.g. all-reduce and divide by the world size). It must not change
-  // parameters or hold on to the views after returning.
-  using GradHook = std::function<void(std::vector<ParamView>&)>;
+  // Called after the backward pass, with the backend idle, on the model's flat gradient
+  // buffer (backend memory: GradData(), GradElements() floats, the last of which holds the
+  // step's control value). It may change the gradients in place (e.g. all-reduce and
+  // divide by the world size); an error fails the step.
+  using GradHook = std::function<Status(float* grads, size_t count)>;
 
-  // Precondition: config.Validate() is OK (checked; aborts otherwise).
-  Trainer(Gpt& model, const TrainerConfig& config);
+  // InvalidArgument for a bad config; ResourceExhausted when the optimizer state does not
+  // fit in the backend's memory.
+  static Result<std::unique_ptr<Trainer>> Create(Gpt& model, const TrainerConfig& config);
+  ~Trainer();
 
   void SetGradHook(GradHook hook) { hook_ = std::move(hook); }
 
-  // One optimizer step on tokens/targets [B,T]: zero gradients, Forward, Backward, hook,
-  // clip, AdamW with lr = WarmupCosineLr(step()), then step() += 1.
-  StepStats Step(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // One optimizer step on tokens/targets [B,T]: zero gradients, forward, backward, hook,
+  // clip, AdamW with lr = WarmupCosineLr(step()), then step() += 1 (unless skipped).
+  // `control` travels through the hook in the gradient buffer's last float and comes back
+  // in StepStats::control (averaged over the ranks by the all-reduce hook: the worker's
+  // "some rank wants to stop" flag). Where the backend has graphs (CUDA) and
+  // config.graphs is set, the step's device work is recorded once per batch shape and
+  // replayed after that. Errors: the backend's (a CUDA failure, with where it happened),
+  // the hook's, or ResourceExhausted when activations for B x T do not fit.
+  Result<StepStats> Step(const int32_t* tokens, const int32_t* targets, int B, int T,
+                         float control = 0.0f);
 
   // Number of optimizer steps taken (or loaded).
   int64_t step() const { return step_; }
   const TrainerConfig& config() const { return config_; }
+  // Whether the last Step ran from a recorded graph, and why recording was given up (empty
+  // while it works or was never tried).
+  bool used_graph() const { return used_graph_; }
+  const std::string& graph_error() const { return graph_error_; }
 
   // The optimizer state as tensors: "opt.m.<param>" and "opt.v.<param>" for every
   // trainable tensor (its shape), and "opt.step", shape [2], holding step() exactly as
@@ -74,6 +94,10 @@ class Trainer {
   // Tensors whose name does not start with "opt." are ignored, so one checkpoint file
   // can hold weights and state together.
   Status LoadState(const std::vector<Tensor>& tensors);
+
+  // The backend buffers of the moments (TrainableElements() floats each), for collectives
+  // that make every rank's state equal.
+  float* MomentData(int which) const;
 
   // One safetensors file with the trainable tensors and the optimizer state, plus the
   // model's config metadata and "train_mode". Atomic (see WriteSafetensors).
@@ -88,15 +112,24 @@ class Trainer {
     std::vector<const Tensor*> m, v;  // parallel to params_
     int64_t step = 0;
   };
+  struct Device;
+
+  Trainer(Gpt& model, const TrainerConfig& config);
   Status ParseState(const std::vector<Tensor>& tensors, ParsedState* parsed) const;
   void ApplyState(const ParsedState& parsed);
+  void EnqueueForwardBackward();
+  void EnqueueOptimizer();
+  // Runs `enqueue` through the graph in *graph, recording it first when that pays.
+  void RunRecorded(std::unique_ptr<ops::Graph>* graph, void (Trainer::*enqueue)());
 
   Gpt& model_;
   TrainerConfig config_;
   GradHook hook_;
   std::vector<ParamView> params_;
-  std::vector<std::vector<float>> m_, v_;
+  std::unique_ptr<Device> dev_;
   int64_t step_ = 0;
+  bool used_graph_ = false;
+  std::string graph_error_;
 };
 
 }  // namespace isthmus::model
