@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Builds isthmus and runs its test suite: the quick-start "test" command and what CI runs.
-#   deploy/check.sh           unit + integration tests (the default suite)
+#   deploy/check.sh           unit + integration + gpu tests (the default suite; the gpu
+#                             ones skip, each saying why, where no GPU is visible)
 #   deploy/check.sh --long    also the long campaigns (crash loops, soak; label "long")
 # Environment: ISTHMUS_BUILD_DIR (default build), ISTHMUS_JOBS (default: nproc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-labels='unit|integration'
+labels='unit|integration|gpu'
 case "${1:-}" in
-  --long) labels='unit|integration|long' ;;
+  --long) labels='unit|integration|gpu|long' ;;
   "") ;;
-  -h|--help) sed -n 2,5p "$0"; exit 0 ;;
+  -h|--help) sed -n 2,6p "$0"; exit 0 ;;
   *) echo "check.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
 esac
 build="${ISTHMUS_BUILD_DIR:-build}"

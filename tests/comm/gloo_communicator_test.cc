@@ -339,6 +339,38 @@ TEST(RendezvousTest, TcpStoreSetGetAndTimeout) {
   EXPECT_FALSE((*client)->Get("k").ok());
 }
 
+// A CPU rank (Gloo) and a GPU rank (NCCL) of one site meet at the same rendezvous: both
+// must learn at once, from the kind each announces, that they cannot form a group.
+TEST(RendezvousTest, RanksOfDifferentDeviceKindsRefuseEachOtherAtOnce) {
+  TempDir dir;
+  std::vector<Status> result(2);
+  const char* kinds[2] = {"gloo (--device cpu)", "nccl (--device cuda)"};
+  const auto start = std::chrono::steady_clock::now();
+  RunRanks(2, [&](int rank) {
+    auto r = Rendezvous::Open("file:" + dir.path(), rank, "job", milliseconds(10'000));
+    if (!r.ok()) {
+      result[rank] = r.status();
+      return;
+    }
+    result[rank] = AgreeOnKind(**r, rank, 2, kinds[rank]);
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(result[rank].code(), Code::kFailedPrecondition) << result[rank].ToString();
+    EXPECT_NE(result[rank].message().find("same device kind"), std::string::npos);
+    EXPECT_NE(result[rank].message().find(kinds[1 - rank]), std::string::npos)
+        << result[rank].message();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5'000)) << "not at once";
+  // The same kind on both sides agrees.
+  TempDir again;
+  RunRanks(2, [&](int rank) {
+    auto r = Rendezvous::Open("file:" + again.path(), rank, "job", milliseconds(10'000));
+    result[rank] = r.ok() ? AgreeOnKind(**r, rank, 2, kinds[0]) : r.status();
+  });
+  EXPECT_TRUE(result[0].ok()) << result[0].ToString();
+  EXPECT_TRUE(result[1].ok()) << result[1].ToString();
+}
+
 TEST(RendezvousTest, TcpStoreUnreachableTimesOut) {
   const uint16_t port = FreePort();
   auto client =

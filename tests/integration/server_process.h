@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -24,6 +25,13 @@
 #include "tests/loopback.h"
 
 namespace isthmus::testing {
+
+// The program `env` names when it is set (a test binary run away from its build tree, e.g.
+// on a GPU machine, finds the programs it starts that way), else the build's.
+inline const char* BinaryPath(const char* env, const char* built) {
+  const char* p = std::getenv(env);
+  return p != nullptr && *p != '\0' ? p : built;
+}
 
 class ServerProcess {
  public:
@@ -46,7 +54,8 @@ class ServerProcess {
     if (pid_ == 0) {
       std::freopen(log_path_.c_str(), "w", stderr);
       std::string cfg = "--config=" + (dir_ / "server.toml").string();
-      ::execl(ISTHMUS_SERVER_BIN, ISTHMUS_SERVER_BIN, cfg.c_str(), static_cast<char*>(nullptr));
+      const char* bin = BinaryPath("ISTHMUS_SERVER_BIN", ISTHMUS_SERVER_BIN);
+      ::execl(bin, bin, cfg.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
     auto admin = AdminClient(300, 0);

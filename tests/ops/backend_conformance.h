@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <string>
 #include <vector>
@@ -49,6 +50,11 @@ struct BackendCase {
 
 inline std::string CaseName(const ::testing::TestParamInfo<BackendCase>& info) {
   return info.param.name + "_" + info.param.shape.Name();
+}
+
+// How gtest (and so ctest's test names) shows a case.
+inline void PrintTo(const BackendCase& c, std::ostream* os) {
+  *os << c.name << " " << c.shape.Name();
 }
 
 constexpr double kF32Tol = 1e-5;

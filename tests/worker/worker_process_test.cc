@@ -2,7 +2,9 @@
 // two ranks and two shards complete several rounds and the shards end up holding exactly
 // the worker's tensors; a worker killed mid-run resumes and finishes with no round applied
 // twice (also when it dies between pushing a round and checkpointing it); a worker whose
-// base differs from the job's is refused with exit code 3.
+// base differs from the job's is refused with exit code 3; --device mistakes are usage
+// errors that say what to do; two sites of different precision train one job and commit
+// identical rounds.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -12,237 +14,22 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <tuple>
 
-#include "common/safetensors.h"
-#include "common/sharding.h"
-#include "tests/integration/server_process.h"
+#include "ops/device.h"
+#include "tests/worker/worker_harness.h"
 
 namespace isthmus {
 namespace {
 
+using testing::RunInit;
 using testing::ServerProcess;
+using testing::TwoSites;
+using testing::WorkerProcess;
+using testing::WorkerWithShards;
+using testing::WriteTokens;
+using testing::kModelFlags;
 namespace fs = std::filesystem;
-
-const std::vector<std::string> kModelFlags = {
-    "--layers", "2", "--width", "32", "--heads", "2", "--context", "16", "--lora-rank", "4"};
-
-// A running or finished isthmus-worker process.
-struct WorkerProcess {
-  pid_t pid = -1;
-  std::string log;
-
-  void Start(const std::vector<std::string>& args, const std::string& log_path,
-             const std::string& fault_env = "") {
-    log = log_path;
-    pid = ::fork();
-    if (pid == 0) {
-      std::freopen(log_path.c_str(), "w", stderr);
-      std::freopen("/dev/null", "w", stdout);
-      if (!fault_env.empty())
-        ::setenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH", fault_env.c_str(), 1);
-      ::setenv("OMP_NUM_THREADS", "1", 1);
-      std::vector<char*> argv;
-      argv.push_back(const_cast<char*>(ISTHMUS_WORKER_BIN));
-      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execv(ISTHMUS_WORKER_BIN, argv.data());
-      _exit(127);
-    }
-  }
-  // Exit code, or -signal; -1000 on timeout (then the process is killed).
-  int Wait(int timeout_s = 90) {
-    for (int i = 0; i < timeout_s * 20; ++i) {
-      int status = 0;
-      if (::waitpid(pid, &status, WNOHANG) == pid) {
-        pid = -1;
-        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
-      }
-      ::usleep(50'000);
-    }
-    Kill();
-    return -1000;
-  }
-  void Kill() {
-    if (pid > 0) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, nullptr, 0);
-      pid = -1;
-    }
-  }
-  std::string Log() const {
-    std::ifstream in(log);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  }
-  ~WorkerProcess() { Kill(); }
-};
-
-// Runs `isthmus-worker init` and returns the base hash it prints.
-std::string RunInit(const fs::path& dir, uint64_t seed, const std::string& base_name) {
-  std::string cmd = std::string(ISTHMUS_WORKER_BIN) + " init";
-  for (const auto& f : kModelFlags) cmd += " " + f;
-  cmd += " --seed " + std::to_string(seed) + " --out " +
-         (dir / (base_name + ".init.safetensors")).string() + " --write-base " +
-         (dir / (base_name + ".safetensors")).string() + " 2>/dev/null";
-  FILE* p = ::popen(cmd.c_str(), "r");
-  char buf[256] = {0};
-  std::string out;
-  while (p && std::fgets(buf, sizeof buf, p)) out += buf;
-  int rc = p ? ::pclose(p) : -1;
-  EXPECT_EQ(rc, 0) << cmd;
-  while (!out.empty() && (out.back() == '\n')) out.pop_back();
-  return out;
-}
-
-// Random byte text as uint16 tokens.
-void WriteTokens(const fs::path& path, size_t n, uint32_t seed) {
-  std::mt19937 gen(seed);
-  std::vector<uint16_t> t(n);
-  for (auto& x : t) x = static_cast<uint16_t>(97 + gen() % 8);  // a small alphabet: learnable
-  std::ofstream out(path, std::ios::binary);
-  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * 2));
-}
-
-class WorkerWithShards : public ::testing::Test {
- protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("isthmus-wpt-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "data");
-    WriteTokens(dir_ / "data" / "train.bin", 20000, 1);
-    WriteTokens(dir_ / "data" / "val.bin", 2000, 2);
-    // One worker key on both shards' allowlists.
-    ASSERT_TRUE(WriteKeyPairFiles((shards_[1].dir() / "workers" / "w-shared").string(),
-                                  shards_[0].worker_keys(), true)
-                    .ok());
-    for (auto& s : shards_) ASSERT_TRUE(s.Start());
-    base_hash_ = RunInit(dir_, 1, "base");
-    ASSERT_EQ(base_hash_.size(), 64u);
-    CreateJob();
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
-  void CreateJob() {
-    auto init = ReadSafetensorsTensors((dir_ / "base.init.safetensors").string());
-    ASSERT_TRUE(init.ok()) << init.status().ToString();
-    init_ = *init;
-    std::vector<TensorSize> sizes;
-    for (const auto& t : init_) sizes.push_back({t.name, t.data.size() * 4});
-    auto placement = AssignTensorsToShards(sizes, 2);
-    for (int s = 0; s < 2; ++s) {
-      std::vector<TensorView> views;
-      for (size_t i = 0; i < init_.size(); ++i) {
-        if (placement[i] == s)
-          views.push_back({init_[i].name, init_[i].shape, init_[i].data.data()});
-      }
-      auto admin = shards_[s].AdminClient();
-      auto r = admin->CreateJob("j", base_hash_, views);
-      ASSERT_TRUE(r.ok()) << r.status().ToString();
-    }
-  }
-
-  std::vector<std::string> TrainArgs(int rank, int world, int max_rounds, int h,
-                                     const std::string& rendezvous = "") {
-    std::vector<std::string> a = {"train"};
-    a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
-    std::vector<std::string> more = {"--base",
-                                     (dir_ / "base.safetensors").string(),
-                                     "--data",
-                                     (dir_ / "data").string(),
-                                     "--job",
-                                     "j",
-                                     "--server",
-                                     ServerProcess::Endpoint(shards_[0].worker_port()),
-                                     "--server",
-                                     ServerProcess::Endpoint(shards_[1].worker_port()),
-                                     "--server-key",
-                                     (shards_[0].dir() / "server.pub").string(),
-                                     "--server-key",
-                                     (shards_[1].dir() / "server.pub").string(),
-                                     "--key",
-                                     (shards_[0].dir() / "workers" / "w0.key").string(),
-                                     "--rank",
-                                     std::to_string(rank),
-                                     "--world-size",
-                                     std::to_string(world),
-                                     "--max-rounds",
-                                     std::to_string(max_rounds),
-                                     "--steps-per-round",
-                                     std::to_string(h),
-                                     "--batch-size",
-                                     "2",
-                                     "--lr",
-                                     "0.01",
-                                     "--warmup-steps",
-                                     "1",
-                                     "--val-batches",
-                                     "2",
-                                     "--log-every",
-                                     "1",
-                                     "--checkpoint-dir",
-                                     (dir_ / "ckpt").string(),
-                                     "--request-timeout-ms",
-                                     "5000"};
-    a.insert(a.end(), more.begin(), more.end());
-    if (!rendezvous.empty()) {
-      a.push_back("--rendezvous");
-      a.push_back(rendezvous);
-    }
-    return a;
-  }
-
-  // The union of both shards' tensors, by name.
-  std::map<std::string, std::vector<float>> ShardTensors() {
-    std::map<std::string, std::vector<float>> out;
-    for (auto& s : shards_) {
-      auto w = s.WorkerClient();
-      auto p = w->Pull("j");
-      EXPECT_TRUE(p.ok()) << p.status().ToString();
-      if (p.ok()) {
-        for (auto& t : p->tensors) out[t.name] = t.data;
-      }
-    }
-    return out;
-  }
-
-  // Checks that both shards hold exactly rank `rank`'s checkpointed tensors, that each
-  // shard applied `rounds` pushes, and that training moved the tensors.
-  void ExpectShardsEqualCheckpoint(int rank, uint64_t rounds) {
-    auto ckpt = ReadSafetensors(
-        (dir_ / "ckpt" / ("rank-" + std::to_string(rank) + ".safetensors")).string());
-    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
-    EXPECT_EQ(ckpt->metadata["round"], std::to_string(rounds));
-    auto shard = ShardTensors();
-    size_t compared = 0;
-    double moved = 0;
-    for (const auto& t : ckpt->tensors) {
-      if (t.name.rfind("opt.", 0) == 0) continue;
-      ASSERT_TRUE(shard.count(t.name)) << t.name;
-      EXPECT_EQ(shard[t.name], t.data) << t.name << " differs between shard and worker";
-      ++compared;
-    }
-    EXPECT_EQ(compared, init_.size());
-    for (const auto& t : init_) {
-      for (size_t k = 0; k < t.data.size(); ++k)
-        moved = std::max(moved, double(std::abs(shard[t.name][k] - t.data[k])));
-    }
-    EXPECT_GT(moved, 1e-4) << "the shards' tensors never changed";
-    for (auto& s : shards_) {
-      auto info = s.AdminClient()->DescribeJob("j");
-      ASSERT_TRUE(info.ok()) << info.status().ToString();
-      EXPECT_EQ(info->pushes, rounds) << "each round must be applied exactly once per shard";
-      auto hello = s.WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "check");
-      ASSERT_TRUE(hello.ok());
-      EXPECT_EQ(hello->rounds.local_round, rounds);
-    }
-  }
-
-  fs::path dir_;
-  ServerProcess shards_[2];
-  std::string base_hash_;
-  std::vector<Tensor> init_;
-};
 
 TEST_F(WorkerWithShards, TwoRanksTwoShardsCompleteRoundsAndShardsEqualWorker) {
   std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
@@ -375,6 +162,67 @@ TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
   EXPECT_NE(w.Log().find("limit 1"), std::string::npos) << w.Log();
   w.Kill();
   fs::remove_all(dir);
+}
+
+// --device and --precision mistakes are usage errors (exit code 2) whose message says what
+// to do; on a machine without a GPU, asking for one is such a mistake.
+TEST(WorkerDevice, DeviceMistakesExitWithTheUsageCodeAndSayWhatToDo) {
+  fs::path dir = fs::temp_directory_path() / ("isthmus-dev-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  WriteTokens(dir / "data" / "train.bin", 5000, 1);
+  WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  auto run = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> a = {"train"};
+    a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
+    for (const char* f : {"--standalone", "--max-steps", "2", "--batch-size", "2",
+                          "--val-batches", "1", "--log-every", "1"}) {
+      a.push_back(f);
+    }
+    a.push_back("--data");
+    a.push_back((dir / "data").string());
+    a.insert(a.end(), extra.begin(), extra.end());
+    WorkerProcess w;
+    w.Start(a, (dir / "w.log").string());
+    const int rc = w.Wait();
+    return std::make_pair(rc, w.Log());
+  };
+  auto [rc, log] = run({"--device", "tpu"});
+  EXPECT_EQ(rc, 2) << log;
+  EXPECT_NE(log.find("not one of auto, cpu, cuda, cuda:N"), std::string::npos) << log;
+  std::tie(rc, log) = run({"--precision", "fp16"});
+  EXPECT_EQ(rc, 2) << log;
+  if (ops::CudaDeviceCount() == 0) {
+    std::tie(rc, log) = run({"--device", "cuda"});
+    EXPECT_EQ(rc, 2) << log;
+    EXPECT_NE(log.find("no CUDA device is usable"), std::string::npos) << log;
+    EXPECT_NE(log.find("use --device cpu"), std::string::npos) << log;
+    std::tie(rc, log) = run({"--device", "cuda:3"});
+    EXPECT_EQ(rc, 2) << log;
+    // auto falls back to the CPU and says so.
+    std::tie(rc, log) = run({});
+    EXPECT_EQ(rc, 0) << log;
+    EXPECT_NE(log.find("device cpu ("), std::string::npos) << log;
+  }
+  // bf16 on the CPU is the emulated reference: slow, but it trains.
+  std::tie(rc, log) = run({"--device", "cpu", "--precision", "bf16"});
+  EXPECT_EQ(rc, 0) << log;
+  EXPECT_NE(log.find("precision bf16"), std::string::npos) << log;
+  EXPECT_NE(log.find("done: 1 rounds, 2 steps"), std::string::npos) << log;
+  fs::remove_all(dir);
+}
+
+// Sites may differ (here in precision; tests/gpu pairs a GPU site with a CPU site): the
+// shards see the same named fp32 tensors, so both sites commit every round identically.
+TEST(WorkerTwoSites, Fp32SiteAndBf16SiteCommitIdenticalRounds) {
+  TwoSites sites("precision");
+  ASSERT_TRUE(sites.Start());
+  auto [rc0, rc1] = sites.Run(3, 2, {"--device", "cpu", "--precision", "fp32"},
+                              {"--device", "cpu", "--precision", "bf16"});
+  ASSERT_EQ(rc0, 0) << sites.worker(0).Log();
+  ASSERT_EQ(rc1, 0) << sites.worker(1).Log();
+  EXPECT_NE(sites.worker(1).Log().find("precision bf16"), std::string::npos);
+  sites.ExpectCommittedAlike(3);
 }
 
 }  // namespace

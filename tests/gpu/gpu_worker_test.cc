@@ -1,0 +1,74 @@
+// isthmus-worker on a GPU against real isthmus-server shards on loopback (CURVE): a GPU
+// rank completes rounds and the shards hold exactly what it pushed; a GPU site and a CPU
+// site train one job and commit identical rounds; a device that is not there exits 2 and
+// out of memory exits 5, each with a message naming what to change. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include "tests/gpu/gpu_test_util.h"
+#include "tests/worker/worker_harness.h"
+
+namespace isthmus {
+namespace {
+
+using testing::TwoSites;
+using testing::WorkerProcess;
+using testing::WorkerWithShards;
+
+class GpuWorker : public WorkerWithShards {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (testing::GpuCount(&why) == 0) GTEST_SKIP() << "no CUDA device: " << why;
+    WorkerWithShards::SetUp();
+  }
+};
+
+TEST_F(GpuWorker, CompletesRoundsAndTheShardsHoldWhatItPushed) {
+  for (const char* precision : {"bf16", "fp32"}) {
+    SCOPED_TRACE(precision);
+    WorkerProcess w;
+    w.Start(TrainArgs(0, 1, 3, 3, "", {"--device", "cuda", "--precision", precision}),
+            (dir_ / (std::string("w-") + precision + ".log")).string());
+    ASSERT_EQ(w.Wait(), 0) << w.Log();
+    EXPECT_NE(w.Log().find("device cuda:0 ("), std::string::npos) << w.Log();
+    EXPECT_NE(w.Log().find(std::string("precision ") + precision), std::string::npos);
+    if (std::string(precision) == "bf16") {
+      EXPECT_NE(w.Log().find("done: 3 rounds, 9 steps"), std::string::npos) << w.Log();
+      ExpectShardsEqualCheckpoint(0, 3);
+      std::filesystem::remove_all(dir_ / "ckpt");  // the fp32 run starts over from the shards
+    }
+  }
+}
+
+TEST_F(GpuWorker, MissingDeviceExits2AndOutOfMemoryExits5) {
+  WorkerProcess w;
+  w.Start(TrainArgs(0, 1, 1, 1, "", {"--device", "cuda:64"}), (dir_ / "w1.log").string());
+  EXPECT_EQ(w.Wait(), 2) << w.Log();
+  EXPECT_NE(w.Log().find("--device cuda:64"), std::string::npos) << w.Log();
+  WorkerProcess big;
+  auto args = TrainArgs(0, 1, 1, 1, "", {"--device", "cuda"});
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == "--batch-size") args[i + 1] = "50000000";
+  }
+  big.Start(args, (dir_ / "w2.log").string());
+  EXPECT_EQ(big.Wait(), 5) << big.Log();
+  EXPECT_NE(big.Log().find("lower --batch-size"), std::string::npos) << big.Log();
+  auto info = shards_[0].AdminClient()->DescribeJob("j");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->pushes, 0u);
+}
+
+TEST(GpuTwoSites, AGpuSiteAndACpuSiteCommitIdenticalRounds) {
+  ISTHMUS_REQUIRE_GPU();
+  TwoSites sites("gpu-cpu");
+  ASSERT_TRUE(sites.Start());
+  auto [rc0, rc1] = sites.Run(3, 2, {"--device", "cuda"}, {"--device", "cpu"});
+  ASSERT_EQ(rc0, 0) << sites.worker(0).Log();
+  ASSERT_EQ(rc1, 0) << sites.worker(1).Log();
+  EXPECT_NE(sites.worker(0).Log().find("device cuda:0"), std::string::npos);
+  EXPECT_NE(sites.worker(1).Log().find("device cpu"), std::string::npos);
+  sites.ExpectCommittedAlike(3);
+}
+
+}  // namespace
+}  // namespace isthmus

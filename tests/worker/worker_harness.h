@@ -1,0 +1,353 @@
+// Test harness for isthmus-worker processes against real isthmus-server shards on loopback
+// (CURVE on): a worker process handle, `isthmus-worker init`, token files, and a fixture
+// with two shards holding a job created from the worker's initial tensors. Shared by
+// tests/worker/worker_process_test.cc (CPU) and tests/gpu/gpu_worker_test.cc (--device
+// cuda). Users define ISTHMUS_SERVER_BIN and ISTHMUS_WORKER_BIN (environment variables of
+// the same names override them at run time).
+#pragma once
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common/safetensors.h"
+#include "common/sharding.h"
+#include "tests/integration/server_process.h"
+#include "tests/sync_net/site_process.h"
+
+namespace isthmus::testing {
+
+namespace fs = std::filesystem;
+
+inline const std::vector<std::string> kModelFlags = {
+    "--layers", "2", "--width", "32", "--heads", "2", "--context", "16", "--lora-rank", "4"};
+
+// A running or finished isthmus-worker process.
+struct WorkerProcess {
+  pid_t pid = -1;
+  std::string log;
+
+  void Start(const std::vector<std::string>& args, const std::string& log_path,
+             const std::string& fault_env = "") {
+    log = log_path;
+    pid = ::fork();
+    if (pid == 0) {
+      std::freopen(log_path.c_str(), "w", stderr);
+      std::freopen("/dev/null", "w", stdout);
+      if (!fault_env.empty())
+        ::setenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH", fault_env.c_str(), 1);
+      ::setenv("OMP_NUM_THREADS", "1", 1);
+      std::vector<char*> argv;
+      const char* bin = BinaryPath("ISTHMUS_WORKER_BIN", ISTHMUS_WORKER_BIN);
+      argv.push_back(const_cast<char*>(bin));
+      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      ::execv(bin, argv.data());
+      _exit(127);
+    }
+  }
+  // Exit code, or -signal; -1000 on timeout (then the process is killed).
+  int Wait(int timeout_s = 90) {
+    for (int i = 0; i < timeout_s * 20; ++i) {
+      int status = 0;
+      if (::waitpid(pid, &status, WNOHANG) == pid) {
+        pid = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status);
+      }
+      ::usleep(50'000);
+    }
+    Kill();
+    return -1000;
+  }
+  void Kill() {
+    if (pid > 0) {
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, nullptr, 0);
+      pid = -1;
+    }
+  }
+  std::string Log() const {
+    std::ifstream in(log);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  ~WorkerProcess() { Kill(); }
+};
+
+// Runs `isthmus-worker init` and returns the base hash it prints.
+inline std::string RunInit(const fs::path& dir, uint64_t seed, const std::string& base_name) {
+  std::string cmd = std::string(BinaryPath("ISTHMUS_WORKER_BIN", ISTHMUS_WORKER_BIN)) + " init";
+  for (const auto& f : kModelFlags) cmd += " " + f;
+  cmd += " --seed " + std::to_string(seed) + " --out " +
+         (dir / (base_name + ".init.safetensors")).string() + " --write-base " +
+         (dir / (base_name + ".safetensors")).string() + " 2>/dev/null";
+  FILE* p = ::popen(cmd.c_str(), "r");
+  char buf[256] = {0};
+  std::string out;
+  while (p && std::fgets(buf, sizeof buf, p)) out += buf;
+  int rc = p ? ::pclose(p) : -1;
+  EXPECT_EQ(rc, 0) << cmd;
+  while (!out.empty() && (out.back() == '\n')) out.pop_back();
+  return out;
+}
+
+// Random byte text as uint16 tokens.
+inline void WriteTokens(const fs::path& path, size_t n, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::vector<uint16_t> t(n);
+  for (auto& x : t) x = static_cast<uint16_t>(97 + gen() % 8);  // a small alphabet: learnable
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * 2));
+}
+
+class WorkerWithShards : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("isthmus-wpt-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "data");
+    WriteTokens(dir_ / "data" / "train.bin", 20000, 1);
+    WriteTokens(dir_ / "data" / "val.bin", 2000, 2);
+    // One worker key on both shards' allowlists.
+    ASSERT_TRUE(WriteKeyPairFiles((shards_[1].dir() / "workers" / "w-shared").string(),
+                                  shards_[0].worker_keys(), true)
+                    .ok());
+    for (auto& s : shards_) ASSERT_TRUE(s.Start());
+    base_hash_ = RunInit(dir_, 1, "base");
+    ASSERT_EQ(base_hash_.size(), 64u);
+    CreateJob();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  void CreateJob() {
+    auto init = ReadSafetensorsTensors((dir_ / "base.init.safetensors").string());
+    ASSERT_TRUE(init.ok()) << init.status().ToString();
+    init_ = *init;
+    std::vector<TensorSize> sizes;
+    for (const auto& t : init_) sizes.push_back({t.name, t.data.size() * 4});
+    auto placement = AssignTensorsToShards(sizes, 2);
+    for (int s = 0; s < 2; ++s) {
+      std::vector<TensorView> views;
+      for (size_t i = 0; i < init_.size(); ++i) {
+        if (placement[i] == s)
+          views.push_back({init_[i].name, init_[i].shape, init_[i].data.data()});
+      }
+      auto admin = shards_[s].AdminClient();
+      auto r = admin->CreateJob("j", base_hash_, views);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+    }
+  }
+
+  std::vector<std::string> TrainArgs(int rank, int world, int max_rounds, int h,
+                                     const std::string& rendezvous = "",
+                                     const std::vector<std::string>& extra = {}) {
+    std::vector<std::string> a = {"train"};
+    a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
+    std::vector<std::string> more = {"--base",
+                                     (dir_ / "base.safetensors").string(),
+                                     "--data",
+                                     (dir_ / "data").string(),
+                                     "--job",
+                                     "j",
+                                     "--server",
+                                     ServerProcess::Endpoint(shards_[0].worker_port()),
+                                     "--server",
+                                     ServerProcess::Endpoint(shards_[1].worker_port()),
+                                     "--server-key",
+                                     (shards_[0].dir() / "server.pub").string(),
+                                     "--server-key",
+                                     (shards_[1].dir() / "server.pub").string(),
+                                     "--key",
+                                     (shards_[0].dir() / "workers" / "w0.key").string(),
+                                     "--rank",
+                                     std::to_string(rank),
+                                     "--world-size",
+                                     std::to_string(world),
+                                     "--max-rounds",
+                                     std::to_string(max_rounds),
+                                     "--steps-per-round",
+                                     std::to_string(h),
+                                     "--batch-size",
+                                     "2",
+                                     "--lr",
+                                     "0.01",
+                                     "--warmup-steps",
+                                     "1",
+                                     "--val-batches",
+                                     "2",
+                                     "--log-every",
+                                     "1",
+                                     "--checkpoint-dir",
+                                     (dir_ / "ckpt").string(),
+                                     "--request-timeout-ms",
+                                     "5000"};
+    a.insert(a.end(), more.begin(), more.end());
+    if (!rendezvous.empty()) {
+      a.push_back("--rendezvous");
+      a.push_back(rendezvous);
+    }
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  }
+
+  // The union of both shards' tensors, by name.
+  std::map<std::string, std::vector<float>> ShardTensors() {
+    std::map<std::string, std::vector<float>> out;
+    for (auto& s : shards_) {
+      auto w = s.WorkerClient();
+      auto p = w->Pull("j");
+      EXPECT_TRUE(p.ok()) << p.status().ToString();
+      if (p.ok()) {
+        for (auto& t : p->tensors) out[t.name] = t.data;
+      }
+    }
+    return out;
+  }
+
+  // Checks that both shards hold exactly rank `rank`'s checkpointed tensors, that each
+  // shard applied `rounds` pushes, and that training moved the tensors.
+  void ExpectShardsEqualCheckpoint(int rank, uint64_t rounds) {
+    auto ckpt = ReadSafetensors(
+        (dir_ / "ckpt" / ("rank-" + std::to_string(rank) + ".safetensors")).string());
+    ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+    EXPECT_EQ(ckpt->metadata["round"], std::to_string(rounds));
+    auto shard = ShardTensors();
+    size_t compared = 0;
+    double moved = 0;
+    for (const auto& t : ckpt->tensors) {
+      if (t.name.rfind("opt.", 0) == 0) continue;
+      ASSERT_TRUE(shard.count(t.name)) << t.name;
+      EXPECT_EQ(shard[t.name], t.data) << t.name << " differs between shard and worker";
+      ++compared;
+    }
+    EXPECT_EQ(compared, init_.size());
+    for (const auto& t : init_) {
+      for (size_t k = 0; k < t.data.size(); ++k)
+        moved = std::max(moved, double(std::abs(shard[t.name][k] - t.data[k])));
+    }
+    EXPECT_GT(moved, 1e-4) << "the shards' tensors never changed";
+    for (auto& s : shards_) {
+      auto info = s.AdminClient()->DescribeJob("j");
+      ASSERT_TRUE(info.ok()) << info.status().ToString();
+      EXPECT_EQ(info->pushes, rounds) << "each round must be applied exactly once per shard";
+      auto hello = s.WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "check");
+      ASSERT_TRUE(hello.ok());
+      EXPECT_EQ(hello->rounds.local_round, rounds);
+    }
+  }
+
+  fs::path dir_;
+  ServerProcess shards_[2];
+  std::string base_hash_;
+  std::vector<Tensor> init_;
+};
+
+// Two sites (one shard each, peered over CURVE, sync on) train one job with one worker
+// process each; each site's worker gets its own extra flags (--device, --precision), so
+// the sites may differ in hardware and precision. Run() returns once both workers exited;
+// the test then checks their exit codes and the sites' commits.
+class TwoSites {
+ public:
+  explicit TwoSites(const std::string& name)
+      : root_(fs::temp_directory_path() / ("isthmus-2site-" + name + "-" +
+                                           std::to_string(::getpid()))) {
+    fs::remove_all(root_);
+    fs::create_directories(root_ / "data");
+    WriteTokens(root_ / "data" / "train.bin", 20000, 1);
+    WriteTokens(root_ / "data" / "val.bin", 2000, 2);
+    sites_.push_back(std::make_unique<SiteProcess>("alpha", root_));
+    sites_.push_back(std::make_unique<SiteProcess>("beta", root_));
+  }
+  ~TwoSites() {
+    sites_.clear();
+    if (!::testing::Test::HasFailure()) fs::remove_all(root_);
+  }
+
+  // Starts both sites and creates the job from `isthmus-worker init`.
+  ::testing::AssertionResult Start(int rounds_ahead = 2) {
+    std::vector<SiteProcess*> all = {sites_[0].get(), sites_[1].get()};
+    for (auto& s : sites_) {
+      s->Configure(all, "max_rounds_ahead = " + std::to_string(rounds_ahead));
+      if (auto r = s->Start(); !r) return r;
+    }
+    base_hash_ = RunInit(root_, 1, "base");
+    auto init = ReadSafetensorsTensors((root_ / "base.init.safetensors").string());
+    if (!init.ok()) return ::testing::AssertionFailure() << init.status().ToString();
+    std::vector<TensorView> views;
+    for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
+    for (auto& s : sites_) {
+      auto r = s->AdminClient()->CreateJob("j", base_hash_, views);
+      if (!r.ok()) return ::testing::AssertionFailure() << s->site() << ": " << r.status().ToString();
+    }
+    return ::testing::AssertionSuccess();
+  }
+
+  // Runs one worker per site for `rounds` rounds of `h` steps; returns their exit codes.
+  std::pair<int, int> Run(int rounds, int h, const std::vector<std::string>& alpha_flags,
+                          const std::vector<std::string>& beta_flags) {
+    const std::vector<std::string>* flags[2] = {&alpha_flags, &beta_flags};
+    for (int i = 0; i < 2; ++i) {
+      SiteProcess& s = *sites_[i];
+      std::vector<std::string> a = {"train"};
+      a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
+      std::vector<std::string> more = {
+          "--base", (root_ / "base.safetensors").string(), "--data", (root_ / "data").string(),
+          "--job", "j", "--server", ServerProcess::Endpoint(s.worker_port()), "--server-key",
+          (s.dir() / "server.pub").string(), "--key", (s.dir() / "workers" / "w0.key").string(),
+          "--client-name", s.site(), "--max-rounds", std::to_string(rounds),
+          "--steps-per-round", std::to_string(h), "--batch-size", "2", "--lr", "0.01",
+          "--warmup-steps", "1", "--val-batches", "2", "--log-every", "1"};
+      a.insert(a.end(), more.begin(), more.end());
+      a.insert(a.end(), flags[i]->begin(), flags[i]->end());
+      workers_[i].Start(a, (root_ / (s.site() + ".log")).string());
+    }
+    const int rc0 = workers_[0].Wait(240), rc1 = workers_[1].Wait(240);
+    return {rc0, rc1};
+  }
+
+  // Waits until both sites committed `round`; then their digests of every round so far
+  // must be identical.
+  void ExpectCommittedAlike(uint64_t round) {
+    for (int t = 0; t < 600; ++t) {
+      bool all = true;
+      for (auto& s : sites_) {
+        auto d = s->AdminClient(2000, 0)->Digests("j", 0);
+        all = all && d.ok() && d->committed_round >= round;
+      }
+      if (all) break;
+      ::usleep(50'000);
+    }
+    std::vector<std::vector<std::pair<uint64_t, std::string>>> digests;
+    for (auto& s : sites_) {
+      auto d = s->AdminClient()->Digests("j", 0);
+      ASSERT_TRUE(d.ok()) << d.status().ToString();
+      ASSERT_GE(d->committed_round, round) << s->site() << " did not commit; log:\n" << s->Log();
+      digests.push_back(d->digests);
+    }
+    ASSERT_GE(digests[0].size(), round + 1);
+    for (uint64_t r = 0; r <= round; ++r) {
+      ASSERT_GT(digests[1].size(), r);
+      EXPECT_EQ(digests[0][r], digests[1][r]) << "round " << r << " differs between the sites";
+    }
+  }
+
+  const WorkerProcess& worker(int i) const { return workers_[i]; }
+
+ private:
+  fs::path root_;
+  std::vector<std::unique_ptr<SiteProcess>> sites_;
+  WorkerProcess workers_[2];
+  std::string base_hash_;
+};
+
+}  // namespace isthmus::testing
