@@ -1,9 +1,13 @@
 // Owning handles for backend memory (Buffer) and page-locked host staging memory
 // (HostBuffer), so that the model and trainer hold device memory the way they held
-// std::vector before: freed when the owner goes, movable, never copied.
+// std::vector before: freed when the owner goes, movable, never copied. Also the counter
+// backends keep of what their Alloc holds.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
+#include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "common/status.h"
@@ -61,6 +65,37 @@ class BasicBuffer {
   Ops* ops_ = nullptr;
   void* data_ = nullptr;
   size_t bytes_ = 0;
+};
+
+// What a backend's Alloc holds now and at most (MemoryInfo::allocated, peak_allocated).
+// Thread-safe: Memory() may be read from any thread.
+class AllocationCounter {
+ public:
+  void Added(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sizes_[p] = bytes;
+    allocated_ += bytes;
+    peak_ = std::max(peak_, allocated_);
+  }
+  void Removed(void* p) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sizes_.find(p);
+    if (it == sizes_.end()) return;
+    allocated_ -= it->second;
+    sizes_.erase(it);
+  }
+  // Fills info->allocated and info->peak_allocated.
+  void Fill(MemoryInfo* info) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    info->allocated = allocated_;
+    info->peak_allocated = peak_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::unordered_map<void*, size_t> sizes_;
+  size_t allocated_ = 0;
+  size_t peak_ = 0;
 };
 
 using Buffer = BasicBuffer<false>;

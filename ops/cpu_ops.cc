@@ -13,10 +13,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
-#include <unordered_map>
 #include <vector>
 
+#include "ops/buffer.h"
 #include "ops/cpu_internal.h"
 #include "ops/ops.h"
 
@@ -118,22 +117,12 @@ class CpuOpsImpl : public Ops {
       return Status::ResourceExhausted("out of host memory allocating " + std::to_string(bytes) +
                                        " bytes");
     }
-    std::lock_guard<std::mutex> lock(mu_);
-    sizes_[p] = rounded;
-    allocated_ += rounded;
-    peak_ = std::max(peak_, allocated_);
+    counter_.Added(p, rounded);
     return p;
   }
   void Free(void* p) override {
     if (p == nullptr) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = sizes_.find(p);
-      if (it != sizes_.end()) {
-        allocated_ -= it->second;
-        sizes_.erase(it);
-      }
-    }
+    counter_.Removed(p);
     std::free(p);
   }
   Result<void*> AllocHost(size_t bytes) override { return Alloc(bytes); }
@@ -154,9 +143,7 @@ class CpuOpsImpl : public Ops {
     const long page = sysconf(_SC_PAGESIZE);
     m.total = static_cast<size_t>(sysconf(_SC_PHYS_PAGES)) * page;
     m.free = static_cast<size_t>(sysconf(_SC_AVPHYS_PAGES)) * page;
-    std::lock_guard<std::mutex> lock(mu_);
-    m.allocated = allocated_;
-    m.peak_allocated = peak_;
+    counter_.Fill(&m);
     return m;
   }
 
@@ -520,10 +507,7 @@ class CpuOpsImpl : public Ops {
     if (dbias != nullptr) AccumulateColumnSums(dout, dbias, N, out_dim);
   }
 
-  mutable std::mutex mu_;
-  std::unordered_map<void*, size_t> sizes_;
-  size_t allocated_ = 0;
-  size_t peak_ = 0;
+  AllocationCounter counter_;
 };
 
 }  // namespace

@@ -37,6 +37,10 @@ inline bool AttentionSupported(int C, int H) {
   return H >= 1 && C >= 1 && C % H == 0 && C / H <= 256;
 }
 
+// Bytes of dynamic shared memory per block the attention kernels need at this shape (a
+// device must allow at least this much: cudaDevAttrMaxSharedMemoryPerBlockOptin).
+inline size_t AttentionSharedBytes(int C, int H);
+
 // Kernels have internal linkage: this header is compiled into more than one translation
 // unit of a test binary (emulated), and each gets its own copy.
 namespace attention_detail {
@@ -554,6 +558,44 @@ __global__ void __launch_bounds__(kThreads)
   if (half == 0 && t < Tn) lse[static_cast<int64_t>(bh) * Tn + t] = m + logf(l);
 }
 
+// The two score-shaped products of a backward warp: out0 = a0 b0^T and out1 = a1 b1^T,
+// where a0/a1 are the warp's 16 rows (HS channels, rows kLd apart) and b0/b1 64-row tiles,
+// for the 16-column blocks [lo, hi) only; written as fp32 rows kFLd apart.
+template <int HS>
+__device__ __forceinline__ void TwoProducts(const bf16* a0, const bf16* b0, float* out0,
+                                            const bf16* a1, const bf16* b1, float* out1, int lo,
+                                            int hi) {
+  using S = TcShape<HS>;
+  FragAcc sf[kTBlocks];
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const bf16* a = pass == 0 ? a0 : a1;
+    const bf16* bt = pass == 0 ? b0 : b1;
+#pragma unroll
+    for (int nb = 0; nb < kTBlocks; ++nb) wmma::fill_fragment(sf[nb], 0.0f);
+#pragma unroll
+    for (int cb = 0; cb < S::kCb; ++cb) {
+      FragA af;
+      wmma::load_matrix_sync(af, a + cb * 16, S::kLd);
+#pragma unroll
+      for (int nb = 0; nb < kTBlocks; ++nb) {
+        if (nb >= lo && nb < hi) {
+          FragBCol bf;
+          wmma::load_matrix_sync(bf, bt + nb * 16 * S::kLd + cb * 16, S::kLd);
+          wmma::mma_sync(sf[nb], af, bf, sf[nb]);
+        }
+      }
+    }
+    float* dst = pass == 0 ? out0 : out1;
+#pragma unroll
+    for (int nb = 0; nb < kTBlocks; ++nb) {
+      if (nb >= lo && nb < hi) {
+        wmma::store_matrix_sync(dst + nb * 16, sf[nb], S::kFLd, wmma::mem_row_major);
+      }
+    }
+  }
+}
+
 // dK and dV of one 64-key tile (warp w: keys 16w..16w+15), over the query tiles at or
 // after it. Scores are computed transposed (keys x queries) so that P^T and dS^T are the
 // matrix_a operands of dV += P^T dO and dK += dS^T Q.
@@ -612,35 +654,8 @@ __global__ void __launch_bounds__(kThreads)
       dd[threadIdx.x] = t < Tn ? dsum[static_cast<int64_t>(bh) * Tn + t] : 0.0f;
     }
     __syncthreads();
-    {
-      FragAcc sf[kTBlocks];
-      // S^T = K_w Q^T, then dP^T = V_w dO^T in the same fragments.
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        const bf16* a = pass == 0 ? kw : vw;
-        const bf16* bt = pass == 0 ? qs : dos;
-#pragma unroll
-        for (int nb = 0; nb < kTBlocks; ++nb) wmma::fill_fragment(sf[nb], 0.0f);
-#pragma unroll
-        for (int cb = 0; cb < kCb; ++cb) {
-          FragA af;
-          wmma::load_matrix_sync(af, a + cb * 16, kLd);
-#pragma unroll
-          for (int nb = 0; nb < kTBlocks; ++nb) {
-            if (nb >= nb0) {
-              FragBCol bf;
-              wmma::load_matrix_sync(bf, bt + nb * 16 * kLd + cb * 16, kLd);
-              wmma::mma_sync(sf[nb], af, bf, sf[nb]);
-            }
-          }
-        }
-        float* dst = pass == 0 ? sw : dpw;
-#pragma unroll
-        for (int nb = 0; nb < kTBlocks; ++nb) {
-          if (nb >= nb0) wmma::store_matrix_sync(dst + nb * 16, sf[nb], kFLd, wmma::mem_row_major);
-        }
-      }
-    }
+    // S^T = K_w Q^T, then dP^T = V_w dO^T.
+    TwoProducts<HS>(kw, qs, sw, vw, dos, dpw, nb0, kTBlocks);
     __syncwarp();
     for (int k = 0; k < kTTile / 2; ++k) {
       const int col = 2 * k + half;  // query q0 + col
@@ -731,35 +746,8 @@ __global__ void __launch_bounds__(kThreads)
     LoadTile<HS>(ks, base + k0 * ld + C, ld, Tn - k0);
     LoadTile<HS>(vs, base + k0 * ld + 2 * C, ld, Tn - k0);
     __syncthreads();
-    {
-      FragAcc sf[kTBlocks];
-      // S = Q_w K^T, then dP = dO_w V^T in the same fragments.
-#pragma unroll
-      for (int pass = 0; pass < 2; ++pass) {
-        const bf16* a = pass == 0 ? qw : dw;
-        const bf16* bt = pass == 0 ? ks : vs;
-#pragma unroll
-        for (int kb = 0; kb < kTBlocks; ++kb) wmma::fill_fragment(sf[kb], 0.0f);
-#pragma unroll
-        for (int cb = 0; cb < kCb; ++cb) {
-          FragA af;
-          wmma::load_matrix_sync(af, a + cb * 16, kLd);
-#pragma unroll
-          for (int kb = 0; kb < kTBlocks; ++kb) {
-            if (kb < nkb) {
-              FragBCol bf;
-              wmma::load_matrix_sync(bf, bt + kb * 16 * kLd + cb * 16, kLd);
-              wmma::mma_sync(sf[kb], af, bf, sf[kb]);
-            }
-          }
-        }
-        float* dst = pass == 0 ? sw : dpw;
-#pragma unroll
-        for (int kb = 0; kb < kTBlocks; ++kb) {
-          if (kb < nkb) wmma::store_matrix_sync(dst + kb * 16, sf[kb], kFLd, wmma::mem_row_major);
-        }
-      }
-    }
+    // S = Q_w K^T, then dP = dO_w V^T.
+    TwoProducts<HS>(qw, ks, sw, dw, vs, dpw, 0, nkb);
     __syncwarp();
     for (int k = 0; k < kTTile / 2; ++k) {
       const int col = 2 * k + half;  // key k0 + col
@@ -794,6 +782,23 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- Dispatch -------------------------------------------------------------------------------
+
+// The most dynamic shared memory one block of any attention kernel asks for at head size
+// hs, on whichever path it takes.
+inline size_t MaxSmemBytes(int hs) {
+  size_t m = ForwardGenericSmem(hs);
+  m = m > BackwardKVGenericSmem(hs) ? m : BackwardKVGenericSmem(hs);
+  m = m > BackwardQGenericSmem(hs) ? m : BackwardQGenericSmem(hs);
+  auto tc = [&m](size_t forward, size_t kv, size_t q) {
+    for (size_t x : {forward, kv, q}) m = m > x + kAlignSlack ? m : x + kAlignSlack;
+  };
+  if (hs == 32) tc(TcShape<32>::kForwardSmem, TcShape<32>::kBackwardKVSmem, TcShape<32>::kBackwardQSmem);
+  if (hs == 64) tc(TcShape<64>::kForwardSmem, TcShape<64>::kBackwardKVSmem, TcShape<64>::kBackwardQSmem);
+  if (hs == 128) {
+    tc(TcShape<128>::kForwardSmem, TcShape<128>::kBackwardKVSmem, TcShape<128>::kBackwardQSmem);
+  }
+  return m;
+}
 
 inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -907,6 +912,10 @@ void LaunchAttentionBackward(const T* dout, const T* qkv, const T* out, const fl
                              float* scratch, int B, int Tn, int C, int H, cudaStream_t stream) {
   attention_detail::Backward(attention_detail::AttentionPath::kBest, dout, qkv, out, lse, dqkv,
                              scratch, B, Tn, C, H, stream);
+}
+
+inline size_t AttentionSharedBytes(int C, int H) {
+  return attention_detail::MaxSmemBytes(C / H);
 }
 
 }  // namespace isthmus::ops::ISTHMUS_CUDA_NS

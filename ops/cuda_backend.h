@@ -37,6 +37,14 @@ T* As(Ref r) {
 
 class KernelOps : public Ops {
  public:
+  Status CheckAttention(int C, int H) const override {
+    if (AttentionSupported(C, H)) return Status::Ok();
+    return Status::InvalidArgument("the CUDA attention kernels take head sizes up to 256; " +
+                                   std::to_string(C) + " channels over " + std::to_string(H) +
+                                   " heads is " + std::to_string(C / (H > 0 ? H : 1)) +
+                                   ": use more heads");
+  }
+
   void Cast(CRef src, Ref out, int64_t n) override {
     if (Skip(n)) return;
     WithType(src.dtype, [&](auto* in_type) {

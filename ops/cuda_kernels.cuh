@@ -26,6 +26,7 @@
 #include <cfloat>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "ops/cuda_compat.h"
 #include "ops/ops.h"
@@ -81,6 +82,19 @@ __device__ __forceinline__ void StorePack(T* p, const float (&f)[N]) {
   *reinterpret_cast<Pack<T, N>*>(p) = pack;
 }
 
+// acc[j] += p[j] for j < N: one aligned pack when N > 1.
+template <int N, typename T>
+__device__ __forceinline__ void AddPack(const T* p, float (&acc)[N]) {
+  if constexpr (N > 1) {
+    float f[N];
+    LoadPack(p, f);
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[j] += f[j];
+  } else {
+    acc[0] += ToFloat(*p);
+  }
+}
+
 // The sum over the block (a multiple of 32 threads), the same in every thread; `scratch`
 // is 32 floats of shared memory, free again when it returns.
 __device__ __forceinline__ float BlockSum(float v, float* scratch) {
@@ -113,33 +127,39 @@ inline dim3 ElementwiseGrid(int64_t n) {
   return dim3(static_cast<unsigned>((n + per_block - 1) / per_block));
 }
 
-template <typename Tin, typename Tout, bool kVec>
-__global__ void __launch_bounds__(kElemThreads) CastKernel(const Tin* src, Tout* out, int64_t n) {
-  const int64_t i = FirstElement();
-  if (kVec && i + kElemVec <= n) {
-    float f[kElemVec];
-    LoadPack(src + i, f);
-    StorePack(out + i, f);
-    return;
-  }
-  for (int64_t j = i; j < n && j < i + kElemVec; ++j) out[j] = FromFloat<Tout>(ToFloat(src[j]));
+// out[j] = op(in[j]...), computed in fp32, kElemVec consecutive elements per thread: one
+// aligned pack per tensor when kVec (the launcher checked every pointer), else one by one.
+template <typename Op, size_t... I>
+__device__ __forceinline__ float ApplyAt(const Op& op, const float (*f)[kElemVec], int k,
+                                         std::index_sequence<I...>) {
+  return op(f[I][k]...);
 }
 
-template <bool kVec>
+template <bool kVec, typename Op, typename Tout, typename... Tin>
 __global__ void __launch_bounds__(kElemThreads)
-    SubtractKernel(const float* a, const float* b, float* out, int64_t n) {
+    MapKernel(Op op, Tout* out, int64_t n, const Tin*... in) {
   const int64_t i = FirstElement();
   if (kVec && i + kElemVec <= n) {
-    float fa[kElemVec], fb[kElemVec];
-    LoadPack(a + i, fa);
-    LoadPack(b + i, fb);
+    float f[sizeof...(Tin)][kElemVec];
+    int arg = 0;
+    (LoadPack(in + i, f[arg++]), ...);
+    float r[kElemVec];
 #pragma unroll
-    for (int k = 0; k < kElemVec; ++k) fa[k] -= fb[k];
-    StorePack(out + i, fa);
+    for (int k = 0; k < kElemVec; ++k) {
+      r[k] = ApplyAt(op, f, k, std::index_sequence_for<Tin...>{});
+    }
+    StorePack(out + i, r);
     return;
   }
-  for (int64_t j = i; j < n && j < i + kElemVec; ++j) out[j] = a[j] - b[j];
+  for (int64_t j = i; j < n && j < i + kElemVec; ++j) out[j] = FromFloat<Tout>(op(ToFloat(in[j])...));
 }
+
+struct CopyOp {
+  __device__ float operator()(float x) const { return x; }
+};
+struct SubtractOp {
+  __device__ float operator()(float a, float b) const { return a - b; }
+};
 
 // kVec needs C % 4 == 0, so that a thread's four elements share a row.
 template <typename T, bool kVec>
@@ -178,37 +198,12 @@ __device__ __forceinline__ float GeluGrad(float x) {
   return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * du;
 }
 
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kElemThreads) GeluForwardKernel(const T* x, T* out, int64_t n) {
-  const int64_t i = FirstElement();
-  if (kVec && i + kElemVec <= n) {
-    float f[kElemVec];
-    LoadPack(x + i, f);
-#pragma unroll
-    for (int k = 0; k < kElemVec; ++k) f[k] = Gelu(f[k]);
-    StorePack(out + i, f);
-    return;
-  }
-  for (int64_t j = i; j < n && j < i + kElemVec; ++j) out[j] = FromFloat<T>(Gelu(ToFloat(x[j])));
-}
-
-template <typename T, bool kVec>
-__global__ void __launch_bounds__(kElemThreads)
-    GeluBackwardKernel(const T* dout, const T* x, T* dx, int64_t n) {
-  const int64_t i = FirstElement();
-  if (kVec && i + kElemVec <= n) {
-    float d[kElemVec], f[kElemVec];
-    LoadPack(dout + i, d);
-    LoadPack(x + i, f);
-#pragma unroll
-    for (int k = 0; k < kElemVec; ++k) d[k] *= GeluGrad(f[k]);
-    StorePack(dx + i, d);
-    return;
-  }
-  for (int64_t j = i; j < n && j < i + kElemVec; ++j) {
-    dx[j] = FromFloat<T>(ToFloat(dout[j]) * GeluGrad(ToFloat(x[j])));
-  }
-}
+struct GeluOp {
+  __device__ float operator()(float x) const { return Gelu(x); }
+};
+struct GeluBackwardOp {
+  __device__ float operator()(float dout, float x) const { return dout * GeluGrad(x); }
+};
 
 // ---- Embedding --------------------------------------------------------------------------
 
@@ -258,15 +253,7 @@ __global__ void __launch_bounds__(kEmbWarps * 32)
 #pragma unroll 4
     for (int k = warp; k < count; k += kEmbWarps) {
       const int64_t pos = is_wte ? order[begin + k] : static_cast<int64_t>(k) * Tn + t;
-      const float* d = dout + pos * C + c;
-      if constexpr (kVec > 1) {
-        float f[kVec];
-        LoadPack(d, f);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[j] += f[j];
-      } else {
-        acc[0] += *d;
-      }
+      AddPack(dout + pos * C + c, acc);
     }
   }
 #pragma unroll
@@ -300,15 +287,7 @@ __global__ void __launch_bounds__(256)
   if (c < cols) {
 #pragma unroll 4
     for (int r = r0 + ty; r < r1; r += 8) {
-      const T* p = m + static_cast<int64_t>(r) * cols + c;
-      if constexpr (kVec > 1) {
-        float f[kVec];
-        LoadPack(p, f);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) acc[j] += f[j];
-      } else {
-        acc[0] += ToFloat(*p);
-      }
+      AddPack(m + static_cast<int64_t>(r) * cols + c, acc);
     }
   }
 #pragma unroll
@@ -846,22 +825,26 @@ inline int SumSquaresBlocks(int64_t n) {
 
 // ---- Launch functions ---------------------------------------------------------------------
 
+// Launches MapKernel over n elements, vectorised when every pointer allows it.
+template <typename Op, typename Tout, typename... Tin>
+void LaunchMap(Op op, Tout* out, int64_t n, cudaStream_t stream, const Tin*... in) {
+  if (n <= 0) return;
+  const bool vec = detail::Aligned(out, detail::kElemVec * sizeof(Tout)) &&
+                   (detail::Aligned(in, detail::kElemVec * sizeof(Tin)) && ...);
+  auto kernel = vec ? detail::MapKernel<true, Op, Tout, Tin...>
+                    : detail::MapKernel<false, Op, Tout, Tin...>;
+  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, op,
+                 out, n, in...);
+}
+
 template <typename Tin, typename Tout>
 void LaunchCast(const Tin* src, Tout* out, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return;
-  const bool vec = detail::Aligned(src, 4 * sizeof(Tin)) && detail::Aligned(out, 4 * sizeof(Tout));
-  auto kernel = vec ? detail::CastKernel<Tin, Tout, true> : detail::CastKernel<Tin, Tout, false>;
-  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, src,
-                 out, n);
+  LaunchMap(detail::CopyOp{}, out, n, stream, src);
 }
 
 inline void LaunchSubtract(const float* a, const float* b, float* out, int64_t n,
                            cudaStream_t stream) {
-  if (n <= 0) return;
-  const bool vec = detail::Aligned(a, 16) && detail::Aligned(b, 16) && detail::Aligned(out, 16);
-  auto kernel = vec ? detail::SubtractKernel<true> : detail::SubtractKernel<false>;
-  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, a, b,
-                 out, n);
+  LaunchMap(detail::SubtractOp{}, out, n, stream, a, b);
 }
 
 template <typename T>
@@ -966,21 +949,12 @@ void LaunchLayerNormBackward(const Tin* dout, const float* x, const float* w, co
 
 template <typename T>
 void LaunchGeluForward(const T* x, T* out, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return;
-  const bool vec = detail::Aligned(x, 4 * sizeof(T)) && detail::Aligned(out, 4 * sizeof(T));
-  auto kernel = vec ? detail::GeluForwardKernel<T, true> : detail::GeluForwardKernel<T, false>;
-  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, x,
-                 out, n);
+  LaunchMap(detail::GeluOp{}, out, n, stream, x);
 }
 
 template <typename T>
 void LaunchGeluBackward(const T* dout, const T* x, T* dx, int64_t n, cudaStream_t stream) {
-  if (n <= 0) return;
-  const bool vec = detail::Aligned(dout, 4 * sizeof(T)) && detail::Aligned(x, 4 * sizeof(T)) &&
-                   detail::Aligned(dx, 4 * sizeof(T));
-  auto kernel = vec ? detail::GeluBackwardKernel<T, true> : detail::GeluBackwardKernel<T, false>;
-  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, dout,
-                 x, dx, n);
+  LaunchMap(detail::GeluBackwardOp{}, dx, n, stream, dout, x);
 }
 
 template <typename T>

@@ -8,11 +8,10 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <tuple>
 #include <utility>
-#include <unordered_map>
 
+#include "ops/buffer.h"
 #include "ops/cuda_backend.h"
 #include "ops/device.h"
 
@@ -39,9 +38,10 @@ std::string GiB(size_t bytes) {
 
 cudaDataType_t CudaType(Dtype d) { return d == Dtype::kF32 ? CUDA_R_32F : CUDA_R_16BF; }
 
-// Largest power of two (at most 16) that divides the address: what cuBLASLt may assume.
-uint32_t Alignment(const void* p) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+// Largest power of two (at most 16) that divides the address and the byte length of a
+// row: what cuBLASLt may assume of every row of the operand.
+uint32_t Alignment(const void* p, int64_t ld, size_t elem) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p) | static_cast<uintptr_t>(ld * elem);
   uint32_t align = 16;
   while (align > 1 && a % align != 0) align /= 2;
   return align;
@@ -108,6 +108,10 @@ class CudaOps final : public KernelOps {
   Status Init() {
     ISTHMUS_CUDA_CHECK(cudaSetDevice(device_));
     ISTHMUS_CUDA_CHECK(cudaGetDeviceProperties(&props_, device_));
+    int optin = 0;
+    ISTHMUS_CUDA_CHECK(
+        cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+    max_smem_ = static_cast<size_t>(optin);
     ISTHMUS_RETURN_IF_ERROR(error_);
     ISTHMUS_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     ISTHMUS_CUBLAS_CHECK(cublasLtCreate(&lt_));
@@ -146,11 +150,12 @@ class CudaOps final : public KernelOps {
       if (plan.c != nullptr) cublasLtMatrixLayoutDestroy(plan.c);
       if (plan.desc != nullptr) cublasLtMatmulDescDestroy(plan.desc);
     }
+    // The handles go before the workspace they were given.
+    if (blas_ != nullptr) cublasDestroy(blas_);
+    if (lt_ != nullptr) cublasLtDestroy(lt_);
     if (bounce_ != nullptr) cudaFreeHost(bounce_);
     if (workspace_ != nullptr) cudaFree(workspace_);
     if (lt_workspace_ != nullptr) cudaFree(lt_workspace_);
-    if (blas_ != nullptr) cublasDestroy(blas_);
-    if (lt_ != nullptr) cublasLtDestroy(lt_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -166,6 +171,7 @@ class CudaOps final : public KernelOps {
     ISTHMUS_RETURN_IF_ERROR(error_);
     if (bytes == 0) return static_cast<void*>(nullptr);
     if (capturing_) return Status::Internal("Alloc while capturing a graph");
+    cudaSetDevice(device_);
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, bytes);
     if (err == cudaErrorMemoryAllocation) {
@@ -178,29 +184,20 @@ class CudaOps final : public KernelOps {
     }
     ISTHMUS_CUDA_CHECK(err);
     ISTHMUS_RETURN_IF_ERROR(error_);
-    std::lock_guard<std::mutex> lock(mu_);
-    sizes_[p] = bytes;
-    allocated_ += bytes;
-    peak_ = std::max(peak_, allocated_);
+    counter_.Added(p, bytes);
     return p;
   }
 
   void Free(void* p) override {
     if (p == nullptr) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = sizes_.find(p);
-      if (it != sizes_.end()) {
-        allocated_ -= it->second;
-        sizes_.erase(it);
-      }
-    }
+    counter_.Removed(p);
     ISTHMUS_CUDA_CHECK(cudaFree(p));
   }
 
   Result<void*> AllocHost(size_t bytes) override {
     ISTHMUS_RETURN_IF_ERROR(error_);
     if (bytes == 0) return static_cast<void*>(nullptr);
+    cudaSetDevice(device_);
     void* p = nullptr;
     const cudaError_t err = cudaMallocHost(&p, bytes);
     if (err == cudaErrorMemoryAllocation) {
@@ -262,11 +259,20 @@ class CudaOps final : public KernelOps {
 
   MemoryInfo Memory() const override {
     MemoryInfo m;
+    cudaSetDevice(device_);
     cudaMemGetInfo(&m.free, &m.total);
-    std::lock_guard<std::mutex> lock(mu_);
-    m.allocated = allocated_;
-    m.peak_allocated = peak_;
+    counter_.Fill(&m);
     return m;
+  }
+
+  Status CheckAttention(int C, int H) const override {
+    ISTHMUS_RETURN_IF_ERROR(KernelOps::CheckAttention(C, H));
+    const size_t need = AttentionSharedBytes(C, H);
+    if (need <= max_smem_) return Status::Ok();
+    return Status::InvalidArgument(
+        "attention with head size " + std::to_string(C / H) + " needs " +
+        std::to_string(need / 1024) + " KiB of shared memory per block but " + props_.name +
+        " allows " + std::to_string(max_smem_ / 1024) + " KiB: use a head size of 64");
   }
 
   bool SupportsGraphs() const override { return true; }
@@ -277,6 +283,7 @@ class CudaOps final : public KernelOps {
   Status BeginCapture() override {
     ISTHMUS_RETURN_IF_ERROR(error_);
     if (capturing_) return Status::Internal("BeginCapture while capturing");
+    cudaSetDevice(device_);
     const cudaError_t err = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal);
     if (err != cudaSuccess) {
       cudaGetLastError();
@@ -295,8 +302,12 @@ class CudaOps final : public KernelOps {
     cudaError_t err = cudaStreamEndCapture(stream_, &graph);
     cudaGraphExec_t exec = nullptr;
     if (err == cudaSuccess && capture_error_.ok()) err = cudaGraphInstantiate(&exec, graph, 0);
+    // Uploading now makes a first launch that would not fit fail here, where the caller
+    // falls back to launching kernels, rather than as a sticky error at Replay.
+    if (err == cudaSuccess && capture_error_.ok()) err = cudaGraphUpload(exec, stream_);
     if (err != cudaSuccess || !capture_error_.ok()) {
       cudaGetLastError();
+      if (exec != nullptr) cudaGraphExecDestroy(exec);
       if (graph != nullptr) cudaGraphDestroy(graph);
       Status why = capture_error_.ok()
                        ? Status::FailedPrecondition(std::string("recording a CUDA graph: ") +
@@ -319,11 +330,23 @@ class CudaOps final : public KernelOps {
       RecordError("Matmul: operands of different dtypes", __FILE__, __LINE__);
       return;
     }
+    if (a.dtype == Dtype::kF32 && c.dtype == Dtype::kBF16) {
+      RecordError("Matmul: fp32 operands with a bf16 result (cuBLAS has no such kernel)",
+                  __FILE__, __LINE__);
+      return;
+    }
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: hand cuBLAS the
     // operands swapped, each stored matrix read as its column-major transpose.
-    const MatmulKey key{m,         n,           k,           trans_a,     trans_b,
-                        a.dtype,   c.dtype,     Alignment(a.data), Alignment(b.data),
-                        Alignment(c.data)};
+    const MatmulKey key{m,
+                        n,
+                        k,
+                        trans_a,
+                        trans_b,
+                        a.dtype,
+                        c.dtype,
+                        Alignment(a.data, trans_a ? m : k, DtypeSize(a.dtype)),
+                        Alignment(b.data, trans_b ? k : n, DtypeSize(b.dtype)),
+                        Alignment(c.data, n, DtypeSize(c.dtype))};
     const MatmulPlan& plan = Plan(key);
     if (failed()) return;
     if (plan.lt) {
@@ -398,6 +421,13 @@ class CudaOps final : public KernelOps {
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof align_c));
     ISTHMUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c, sizeof align_c));
+    if (cd == Dtype::kBF16) {
+      // Split-K partial sums must not be kept in the bf16 output type ("accumulation is
+      // fp32"): allow only reductions in the compute type.
+      const uint32_t schemes = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
+      ISTHMUS_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+          pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &schemes, sizeof schemes));
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     if (!failed()) {
@@ -412,6 +442,7 @@ class CudaOps final : public KernelOps {
 
   const int device_;
   cudaDeviceProp props_{};
+  size_t max_smem_ = 0;  // dynamic shared memory one block may opt in to
   cudaStream_t stream_ = nullptr;
   cublasLtHandle_t lt_ = nullptr;
   cublasHandle_t blas_ = nullptr;
@@ -422,10 +453,7 @@ class CudaOps final : public KernelOps {
   Status error_;          // the first failure; sticky
   Status capture_error_;  // the first failure while recording a graph
   std::map<MatmulKey, MatmulPlan> plans_;
-  mutable std::mutex mu_;  // guards the allocation counters (Memory() may be read anywhere)
-  std::unordered_map<void*, size_t> sizes_;
-  size_t allocated_ = 0;
-  size_t peak_ = 0;
+  AllocationCounter counter_;
 };
 
 void CudaGraph::Replay() { ops_->Replay(exec_); }

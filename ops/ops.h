@@ -185,6 +185,11 @@ class Ops {
   virtual Status status() const = 0;
   virtual MemoryInfo Memory() const = 0;
 
+  // Whether this backend can run attention with n_embd C and H heads (the CUDA kernels
+  // hold up to 256 channels per head, and their shared memory must fit the device).
+  // InvalidArgument saying what would fit otherwise.
+  virtual Status CheckAttention(int C, int H) const { return Status::Ok(); }
+
   // ---- Graphs (launch overhead) -----------------------------------------------------
   // Records the calls made between BeginCapture and EndCapture instead of running them.
   // Backends without graphs (the CPU) return Unimplemented-style FailedPrecondition from
@@ -196,8 +201,9 @@ class Ops {
 
   // ---- Kernels ----------------------------------------------------------------------
   // c = alpha * op(a) op(b) + beta * c, op(x) = x or x^T; op(a) is [m,k], op(b) is [k,n],
-  // c is [m,n]. a and b share one dtype (bf16 runs on tensor cores); c may be fp32 or
-  // bf16; accumulation is fp32. fp32 inputs compute in full fp32 (no TF32).
+  // c is [m,n]. a and b share one dtype (bf16 runs on tensor cores); c is fp32, or bf16
+  // when a and b are bf16 (cuBLAS has no fp32-in, bf16-out kernel); accumulation is fp32.
+  // fp32 inputs compute in full fp32 (no TF32).
   virtual void Matmul(CRef a, CRef b, Ref c, int m, int n, int k, bool trans_a, bool trans_b,
                       float alpha, float beta) = 0;
 
@@ -229,7 +235,8 @@ class Ops {
 
   // out[N,out_dim] = x[N,in_dim] W[in_dim,out_dim] + bias (+ residual). x and w share one
   // dtype; bias (may be null) and residual (may be null; may alias out, which must then be
-  // fp32) are fp32; out is fp32 or bf16.
+  // fp32) are fp32; out is fp32 or bf16. (On CUDA a bf16 out with a bias is rounded twice:
+  // bias + residual are stored first and the matmul adds into them.)
   virtual void LinearForward(CRef x, CRef w, const float* bias, const float* residual, Ref out,
                              int N, int in_dim, int out_dim) = 0;
   // dx = dout W^T (written); dw += x^T dout; dbias += column sums of dout. dout, x and w

@@ -89,23 +89,21 @@ class RoundLoop {
     if (world() > 1) {
       std::string prefix = "isthmus-worker-" + s_.shards.job;
       std::replace(prefix.begin(), prefix.end(), '/', '_');
-      if (compute_.device_index >= 0) {
-        comm::NcclOptions o;
+      auto group = [&](auto o) {
         o.rank = s_.rank;
         o.world_size = world();
         o.rendezvous = s_.rendezvous;
-        o.device = compute_.device_index;
         o.timeout = std::chrono::seconds(s_.comm_timeout_s);
         o.prefix = prefix;
+        return o;
+      };
+      if (compute_.device_index >= 0) {
+        comm::NcclOptions o = group(comm::NcclOptions{});
+        o.device = compute_.device_index;
         ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateNcclCommunicator(o));
       } else {
-        comm::GlooOptions o;
-        o.rank = s_.rank;
-        o.world_size = world();
-        o.rendezvous = s_.rendezvous;
+        comm::GlooOptions o = group(comm::GlooOptions{});
         o.host = s_.comm_host;
-        o.timeout = std::chrono::seconds(s_.comm_timeout_s);
-        o.prefix = prefix;
         ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
       }
     }
@@ -175,7 +173,10 @@ class RoundLoop {
   Status SaveCheckpoint() {
     if (s_.checkpoint_dir.empty()) return Status::Ok();
     auto tensors = gpt_->ExportTrainable();
-    for (auto& t : trainer_->ExportState()) tensors.push_back(std::move(t));
+    auto state = trainer_->ExportState();
+    // A failed backend copies nothing out: never replace a good checkpoint with that.
+    ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
+    for (auto& t : state) tensors.push_back(std::move(t));
     auto meta = gpt_->ConfigMetadata();
     meta["train_mode"] = model::TrainModeName(gpt_->mode());
     meta["job"] = s_.shards.job;
@@ -342,7 +343,7 @@ class RoundLoop {
       }
       h = std::clamp<int64_t>(h, 1, 100000);
       float v = static_cast<float>(h);
-      if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(&v, 1, 0));
+      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&v, 1));
       h = static_cast<int64_t>(v);
     }
     if (s_.max_steps > 0) h = std::min<int64_t>(h, s_.max_steps - step_);
@@ -519,8 +520,9 @@ class RoundLoop {
     sum.tokens_per_s = rate_;
     sum.interrupted = interrupted_;
     if (s_.standalone && leader() && !s_.save.empty()) {
-      ISTHMUS_RETURN_IF_ERROR(
-          WriteSafetensors(s_.save, gpt_->ExportTrainable(), gpt_->ConfigMetadata()));
+      auto tensors = gpt_->ExportTrainable();
+      ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
+      ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, tensors, gpt_->ConfigMetadata()));
     }
     if (leader()) {
       char buf[256];

@@ -176,6 +176,7 @@ TEST_P(BackendTest, Matmul) {
   const int m = s.B * s.T, n = 3 * s.C, k = s.C;
   for (Dtype in : kDtypes) {
     for (Dtype out : kDtypes) {
+      if (in == Dtype::kF32 && out == Dtype::kBF16) continue;  // outside the contract
       for (int t = 0; t < 4; ++t) {
         const bool ta = t & 1, tb = t & 2;
         std::mt19937 rng(100 + t);

@@ -274,6 +274,7 @@ Status Gpt::BuildIndex() {
 
 // Allocates the parameter, copy and gradient buffers on the backend.
 Status Gpt::Allocate() {
+  ISTHMUS_RETURN_IF_ERROR(ops_.CheckAttention(config_.n_embd, config_.n_head));
   auto out_of_memory = [&](const Status& st, const char* what) {
     return Status(st.code(), std::string("cannot hold the model's ") + what + " (" +
                                  std::to_string(config_.n_layer) + " layers x " +
@@ -495,7 +496,9 @@ std::map<std::string, std::string> Gpt::ConfigMetadata() const {
 }
 
 Status Gpt::SaveBase(const std::string& path) const {
-  return WriteSafetensors(path, ExportBase(), ConfigMetadata());
+  std::vector<Tensor> base = ExportBase();
+  ISTHMUS_RETURN_IF_ERROR(ops_.status());
+  return WriteSafetensors(path, base, ConfigMetadata());
 }
 
 Status Gpt::SavePeftAdapter(const std::string& dir) const {
@@ -506,6 +509,7 @@ Status Gpt::SavePeftAdapter(const std::string& dir) const {
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
   std::vector<Tensor> named = ExportTrainable();
+  ISTHMUS_RETURN_IF_ERROR(ops_.status());
   for (Tensor& t : named) t.name = "base_model.model.transformer." + t.name;
   ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/adapter_model.safetensors", named));
 

@@ -291,6 +291,8 @@ Status Trainer::LoadState(const std::vector<Tensor>& tensors) {
 Status Trainer::SaveCheckpoint(const std::string& path) const {
   std::vector<Tensor> tensors = model_.ExportTrainable();
   std::vector<Tensor> state = ExportState();
+  // A failed backend copies nothing out: never replace a good file with that.
+  ISTHMUS_RETURN_IF_ERROR(model_.ops().status());
   tensors.insert(tensors.end(), std::make_move_iterator(state.begin()),
                  std::make_move_iterator(state.end()));
   std::map<std::string, std::string> meta = model_.ConfigMetadata();
