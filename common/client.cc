@@ -511,6 +511,14 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
       p.resends = l->resends();
       p.auth_failures = l->auth_failures();
       p.refused = l->refused();
+      p.wire_bytes_sent = l->wire_bytes_sent();
+      p.wire_bytes_received = l->wire_bytes_received();
+      p.tcp_bytes_estimate = l->tcp_bytes_estimate();
+      p.wire_ratio = l->wire_ratio();
+      p.messages_sent = l->messages_sent();
+      p.messages_received = l->messages_received();
+      p.connections = l->connections();
+      p.keepalives = l->keepalives();
       out.links.push_back(std::move(p));
     }
   }

@@ -215,4 +215,35 @@ Status ErrorFromEnvelope(const wire::Envelope* env) {
   return Status(code, err->message() ? err->message()->str() : "");
 }
 
+uint64_t ZmtpFrameWireBytes(uint64_t frame_bytes, bool curve) {
+  // flags + (1 or 8 length bytes) + body; a body of up to 255 bytes takes the short length.
+  auto framed = [](uint64_t body) { return 1 + (body <= 255 ? 1 : 8) + body; };
+  if (!curve) return framed(frame_bytes);
+  constexpr uint64_t kMessageBox = 8 + 8 + 16 + 1;  // "\x07MESSAGE", nonce, MAC, flags
+  return framed(kMessageBox + frame_bytes);
+}
+
+uint64_t ZmtpMessageWireBytes(uint64_t header_bytes, const std::vector<uint64_t>& payload_bytes,
+                              bool curve) {
+  uint64_t n = ZmtpFrameWireBytes(header_bytes, curve);
+  for (uint64_t p : payload_bytes) n += ZmtpFrameWireBytes(p, curve);
+  return n;
+}
+
+uint64_t HandshakeWireBytes(bool client_side, bool curve) {
+  constexpr uint64_t kGreeting = 64;
+  // "Socket-Type" property: name length (1) + name (11) + value length (4) + value (6).
+  constexpr uint64_t kMetadata = 1 + 11 + 4 + 6;
+  auto command = [](uint64_t body) { return 1 + (body <= 255 ? 1 : 8) + body; };
+  if (!curve) return kGreeting + command(6 + kMetadata);  // READY
+  if (client_side) return kGreeting + command(200) + command(257 + kMetadata);
+  return kGreeting + command(168) + command(30 + kMetadata);
+}
+
+uint64_t TcpIpBytesEstimate(uint64_t wire_bytes, uint64_t messages) {
+  constexpr uint64_t kMss = 1448, kHeaders = 66;  // Ethernet 14 + IPv4 20 + TCP 32
+  const uint64_t segments = (wire_bytes + kMss - 1) / kMss;
+  return (segments + messages) * kHeaders;
+}
+
 }  // namespace isthmus

@@ -54,6 +54,26 @@ Status SendMessage(zmq::socket_t& socket, const zmq::message_t* routing_id,
                    const flatbuffers::FlatBufferBuilder& header,
                    const std::vector<PayloadRef>& payload);
 
+// What a message costs on the wire, for links that must count honestly (docs/SYNC.md,
+// "Counting bytes"). ZMTP 3 frames a message frame with 1 flags byte and a 1- or 8-byte
+// length; under CURVE every frame travels inside a MESSAGE command ("\x07MESSAGE", an
+// 8-byte nonce, a 16-byte MAC and a flags byte around the data), itself a ZMTP frame.
+uint64_t ZmtpFrameWireBytes(uint64_t frame_bytes, bool curve);
+// The frames of one message: the header, then the payload frames.
+uint64_t ZmtpMessageWireBytes(uint64_t header_bytes, const std::vector<uint64_t>& payload_bytes,
+                              bool curve);
+// One connection's handshake as the connecting side sends it and as the accepting side
+// answers: the 64-byte greeting each way, then CurveZMQ's HELLO (200 bytes) and INITIATE
+// (257 bytes + the metadata ZeroMQ 4.3 sends: Socket-Type) from the client, WELCOME (168)
+// and READY (30 + metadata) from the server; or the NULL mechanism's READY each way.
+uint64_t HandshakeWireBytes(bool client_side, bool curve);
+// An estimate of the TCP/IPv4/Ethernet header bytes under `wire_bytes` sent in `messages`
+// messages on an established connection: 66 bytes per segment of up to 1448 bytes, plus
+// one 66-byte acknowledgement per message from the other side. A connection's setup and
+// teardown add kTcpConnectionBytesEstimate.
+uint64_t TcpIpBytesEstimate(uint64_t wire_bytes, uint64_t messages);
+inline constexpr uint64_t kTcpConnectionBytesEstimate = 74 + 74 + 66 + 4 * 66;
+
 // Runs the FlatBuffers verifier and size limit on a header frame. The returned pointer
 // points into `header` and lives as long as it.
 Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,

@@ -22,6 +22,7 @@
 #   --wan-rate RATE        shape the WAN: site B runs in its own network namespace joined
 #                          to site A by a veth pair with a tc tbf qdisc of RATE (e.g.
 #                          500kbit) on both ends; needs root, ip and tc (iproute2)
+#   --wan-capture FILE     with --wan-rate: record the WAN veth's packets (tcpdump) to FILE
 #   --summary FILE         write the final figures as JSON here
 # Environment: ISTHMUS_BUILD_DIR (default build); binaries must be built.
 set -euo pipefail
@@ -34,7 +35,7 @@ worker="$build/worker/isthmus-worker"
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
-shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate=""
+shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -52,10 +53,11 @@ while [ $# -gt 0 ]; do
     --ranks) ranks="$2"; shift 2 ;;
     --summary) summary="$2"; shift 2 ;;
     --wan-rate) wan_rate="$2"; shift 2 ;;
+    --wan-capture) wan_capture="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -96,6 +98,7 @@ trap cleanup EXIT
 # Where each site's sockets live: both on loopback, or with --wan-rate site A on the host
 # side of a shaped veth pair and site B inside its own network namespace.
 declare -A host_of=([A]=127.0.0.1 [B]=127.0.0.1) admin_host_of=([A]=127.0.0.1 [B]=127.0.0.1)
+declare -A admin_bind_of=([A]=127.0.0.1 [B]=127.0.0.1) verify_host_of=([A]=127.0.0.1 [B]=127.0.0.1)
 if [ -n "$wan_rate" ]; then
   if [ "$(id -u)" -ne 0 ] || ! command -v tc >/dev/null; then
     echo "two-site.sh: --wan-rate needs root and tc/ip (iproute2)" >&2; exit 2
@@ -109,10 +112,28 @@ if [ -n "$wan_rate" ]; then
   ip addr add "10.77.$net.1/24" dev "$veth" && ip link set "$veth" up
   ip netns exec "$ns" ip addr add "10.77.$net.2/24" dev "isw$$b"
   ip netns exec "$ns" ip link set "isw$$b" up
+  # No IPv6 on the WAN link: its neighbour discovery would be counted as WAN traffic.
+  sysctl -qw "net.ipv6.conf.$veth.disable_ipv6=1" 2>/dev/null || true
+  ip netns exec "$ns" sysctl -qw "net.ipv6.conf.isw$$b.disable_ipv6=1" 2>/dev/null || true
   tc qdisc add dev "$veth" root tbf rate "$wan_rate" burst 32kbit latency 2s
   ip netns exec "$ns" tc qdisc add dev "isw$$b" root tbf rate "$wan_rate" burst 32kbit latency 2s
-  host_of=([A]="10.77.$net.1" [B]="10.77.$net.2") admin_host_of=([A]=127.0.0.1 [B]="10.77.$net.2")
+  # Only the peer links cross the WAN: site B's admin socket listens on every address of its
+  # namespace, its own polling uses the namespace's loopback, and only the final
+  # cross-site verify (after the WAN counters are read) reaches it over the veth.
+  if [ -n "$wan_capture" ]; then
+    command -v tcpdump >/dev/null || { echo "two-site.sh: --wan-capture needs tcpdump" >&2; exit 2; }
+    tcpdump -i "$veth" -w "$wan_capture" -U -q 2>/dev/null &
+    pids+=($!)
+    sleep 0.5
+  fi
+  host_of=([A]="10.77.$net.1" [B]="10.77.$net.2") admin_host_of=([A]=127.0.0.1 [B]=127.0.0.1)
+  admin_bind_of=([A]=127.0.0.1 [B]=0.0.0.0) verify_host_of=([A]=127.0.0.1 [B]="10.77.$net.2")
 fi
+# The kernel's byte counters of the WAN veth (both directions, Ethernet frames included).
+wan_counter() {
+  if [ -z "$veth" ]; then echo 0; return; fi
+  echo $(( $(cat "/sys/class/net/$veth/statistics/tx_bytes") + $(cat "/sys/class/net/$veth/statistics/rx_bytes") ))
+}
 # Command prefix that runs a process where SITE's processes live. Used as
 # "${prefix[@]}" CMD ... &, so $! is the process itself (ip netns exec execs it).
 declare -A netns_of=([A]="" [B]="$ns")
@@ -154,7 +175,7 @@ index = $i
 data_dir = "$out/$s-$i"
 [listen]
 worker = "tcp://127.0.0.1:${wport[$s-$i]}"
-admin = "tcp://${admin_host_of[$s]}:${aport[$s-$i]}"
+admin = "tcp://${admin_bind_of[$s]}:${aport[$s-$i]}"
 peer = "tcp://${host_of[$s]}:${pport[$s-$i]}"
 [security]
 secret_key = "$out/keys/$s-$i.key"
@@ -175,6 +196,7 @@ TOML
     pids+=($!)
   done
 done
+wan_start=$(wan_counter)
 admin_args() {  # --server/--server-key pairs of site $1's admin sockets
   for ((i = 0; i < shards; i++)); do
     printf -- '--server\ntcp://%s:%s\n--server-key\n%s\n' "${admin_host_of[$1]}" "${aport[$1-$i]}" "$out/keys/$1-$i.pub"
@@ -187,14 +209,16 @@ worker_args() {  # the same for the worker sockets
 }
 for s in "${sites[@]}"; do
   mapfile -t a < <(admin_args "$s")
-  for _ in $(seq 100); do "$ctl" status "${a[@]}" --timeout-ms 300 >/dev/null 2>&1 && break; sleep 0.2; done
+  site_prefix "$s"
+  for _ in $(seq 100); do "${prefix[@]}" "$ctl" status "${a[@]}" --timeout-ms 300 >/dev/null 2>&1 && break; sleep 0.2; done
 done
 
 # The same initial adapters and base hash on both sites.
 base_hash=$("$worker" init "${model_flags[@]}" --base "$base" --out "$out/init.safetensors" 2>/dev/null | tail -1)
 for s in "${sites[@]}"; do
   mapfile -t a < <(admin_args "$s")
-  quiet "$ctl" job create "${a[@]}" --job demo --from "$out/init.safetensors" --base-hash "$base_hash"
+  site_prefix "$s"
+  quiet "${prefix[@]}" "$ctl" job create "${a[@]}" --job demo --from "$out/init.safetensors" --base-hash "$base_hash"
 done
 
 echo "two-site: sites A and B, $shards shards and $ranks ranks each, $rounds rounds" \
@@ -231,7 +255,8 @@ for _ in $(seq 300); do
   done_all=1
   for s in "${sites[@]}"; do
     mapfile -t a < <(admin_args "$s")
-    "$ctl" sync status "${a[@]}" --json > "$out/sync-$s.json" 2>/dev/null || { done_all=0; continue; }
+    site_prefix "$s"
+    "${prefix[@]}" "$ctl" sync status "${a[@]}" --json > "$out/sync-$s.json" 2>/dev/null || { done_all=0; continue; }
     /usr/bin/python3 -c '
 import json, sys
 rows = json.load(open(sys.argv[1]))
@@ -241,6 +266,7 @@ sys.exit(0 if ok and rows else 1)' "$out/sync-$s.json" "$rounds" || done_all=0
   [ "$done_all" -eq 1 ] && break
   sleep 0.5
 done
+wan_end=$(wan_counter)
 
 # Evaluate each site's committed model on both sites' validation data.
 for s in "${sites[@]}"; do
@@ -255,7 +281,7 @@ done
 verify_args=()
 for s in "${sites[@]}"; do
   eps=""
-  for ((i = 0; i < shards; i++)); do eps+="tcp://${admin_host_of[$s]}:${aport[$s-$i]},"; done
+  for ((i = 0; i < shards; i++)); do eps+="tcp://${verify_host_of[$s]}:${aport[$s-$i]},"; done
   keys=""
   for ((i = 0; i < shards; i++)); do keys+="$out/keys/$s-$i.pub,"; done
   verify_args+=(--site "$s=${eps%,}" --site-key "$s=${keys%,}")
@@ -265,9 +291,10 @@ set +e
 verify_rc=$?
 set -e
 
-/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" <<'PY'
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+kernel_bytes, wan_rate = int(sys.argv[6]), sys.argv[7]
 sites = ["A", "B"]
 result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
 try:
@@ -279,8 +306,12 @@ except Exception as e:  # reported, not hidden
 for s in sites:
     rows = json.load(open(f"{out}/sync-{s}.json"))
     committed = min(j["committed_round"] for r in rows for j in r.get("jobs", []) if j["job"] == "demo")
-    sent = sum(l["bytes_sent"] for r in rows for l in r.get("links", []))
-    raw = sum(l["raw_bytes_sent"] for r in rows for l in r.get("links", []))
+    links = [l for r in rows for l in r.get("links", [])]
+    sent = sum(l["bytes_sent"] for l in links)
+    raw = sum(l["raw_bytes_sent"] for l in links)
+    wire_sent = sum(l["wire_bytes_sent"] for l in links)
+    wire_received = sum(l["wire_bytes_received"] for l in links)
+    tcp = sum(l["tcp_bytes_estimate"] for l in links)
     losses = {}
     for d in sites:
         try:
@@ -289,18 +320,35 @@ for s in sites:
             losses[d] = None
     result["sites"][s] = {"committed_round": committed, "wan_bytes_sent": sent,
                           "raw_bytes": raw, "compression_ratio": (raw / sent) if sent else None,
+                          "wire_bytes_sent": wire_sent, "wire_bytes_received": wire_received,
+                          "tcp_bytes_estimate": tcp,
+                          "wire_ratio": (raw / wire_sent) if wire_sent else None,
                           "val_loss": losses}
 result["digests_agree"] = agree
 result["rounds_verified"] = compared
 print()
-print(f"{'site':<6}{'val loss A':>12}{'val loss B':>12}{'committed':>11}{'WAN sent':>14}{'ratio':>8}")
+# The wire (every message, framing, CURVE, handshakes) is the headline; the payload after.
+print(f"{'site':<6}{'val loss A':>12}{'val loss B':>12}{'committed':>11}{'wire sent':>12}{'wire x':>8}"
+      f"{'payload':>10}{'payload x':>11}")
 for s, r in result["sites"].items():
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a"
-    ratio = f"{r['compression_ratio']:.1f}x" if r["compression_ratio"] else "n/a"
+    x = lambda v: f"{v:.1f}x" if v else "n/a"
     print(f"{s:<6}{fmt(r['val_loss']['A']):>12}{fmt(r['val_loss']['B']):>12}{r['committed_round']:>11}"
-          f"{r['wan_bytes_sent']:>14,}{ratio:>8}")
+          f"{r['wire_bytes_sent']:>12,}{x(r['wire_ratio']):>8}{r['wan_bytes_sent']:>10,}"
+          f"{x(r['compression_ratio']):>11}")
 print(f"committed digests agree across sites: {'yes' if agree else 'NO'} ({compared} rounds compared per shard)")
 print(f"training wall time: {trained} s")
+if wan_rate:
+    payload = sum(r["wan_bytes_sent"] for r in result["sites"].values())
+    wire = sum(r["wire_bytes_sent"] for r in result["sites"].values())
+    # Each site estimates the TCP/IP headers of both directions of its links: halve the sum.
+    tcp = sum(r["tcp_bytes_estimate"] for r in result["sites"].values()) // 2
+    result["kernel_wan_bytes"] = kernel_bytes
+    result["counted_wan_bytes"] = wire + tcp
+    print(f"WAN veth, both directions: kernel counted {kernel_bytes:,} bytes = "
+          f"{kernel_bytes / payload:.2f}x the {payload:,} delta payload bytes; the sites counted "
+          f"{wire:,} wire bytes + ~{tcp:,} TCP/IP (estimated) = {(wire + tcp) / kernel_bytes:.2f}x "
+          f"the kernel's")
 if summary:
     json.dump(result, open(summary, "w"), indent=2)
 sys.exit(0 if agree and all(r["committed_round"] >= rounds for r in result["sites"].values()) else 1)

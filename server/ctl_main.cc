@@ -318,7 +318,13 @@ json SyncStatusJson(const SyncStatusInfo& st) {
                      {"compression_ratio", l.compression_ratio},
                      {"bandwidth_bps", l.bandwidth_bps}, {"deltas_sent", l.deltas_sent},
                      {"deltas_acked", l.deltas_acked}, {"resends", l.resends},
-                     {"auth_failures", l.auth_failures}, {"refused", l.refused}});
+                     {"auth_failures", l.auth_failures}, {"refused", l.refused},
+                     {"wire_bytes_sent", l.wire_bytes_sent},
+                     {"wire_bytes_received", l.wire_bytes_received},
+                     {"tcp_bytes_estimate", l.tcp_bytes_estimate}, {"wire_ratio", l.wire_ratio},
+                     {"messages_sent", l.messages_sent},
+                     {"messages_received", l.messages_received},
+                     {"connections", l.connections}, {"keepalives", l.keepalives}});
   }
   json jobs = json::array();
   for (const auto& j : st.jobs) {
@@ -360,24 +366,34 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
                   j.detail.empty() ? "" : "; ", j.detail.c_str());
     }
     if (st->links.empty()) continue;
-    std::printf("  %-12s %-10s %-16s %6s %6s %10s %10s %7s %12s\n", "PEER", "STATE", "JOB",
-                "ACKED", "LAG", "SENT", "RECEIVED", "RATIO", "BANDWIDTH");
+    // The wire (everything sent and received for the peer, framing and handshakes
+    // included) is the headline; the delta payload and its ratio follow.
+    std::printf("  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", "PEER", "STATE",
+                "JOB", "ACKED", "LAG", "WIRE SENT", "WIRE RECV", "WIRE x", "PAYLOAD", "PAYL x",
+                "BANDWIDTH");
     for (const auto& l : st->links) {
       const char* state = l.paused ? "paused" : l.connected ? "connected" : "down";
-      char ratio[16];
+      char ratio[16], wire_ratio[16];
       std::snprintf(ratio, sizeof ratio, l.compression_ratio > 0 ? "%.1fx" : "-",
                     l.compression_ratio);
-      if (l.jobs.empty()) {
-        std::printf("  %-12s %-10s %-16s %6s %6s %10s %10s %7s %12s\n", l.site.c_str(), state, "-",
-                    "-", "-", HumanBytes(l.bytes_sent).c_str(),
-                    HumanBytes(l.bytes_received).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
+      std::snprintf(wire_ratio, sizeof wire_ratio, l.wire_ratio > 0 ? "%.1fx" : "-",
+                    l.wire_ratio);
+      std::vector<PeerLinkReport::Job> jobs = l.jobs;
+      if (jobs.empty()) jobs.push_back({"-", 0, 0, 0});
+      for (const auto& j : jobs) {
+        std::printf("  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", l.site.c_str(),
+                    state, j.job.c_str(),
+                    l.jobs.empty() ? "-" : std::to_string(j.acked_round).c_str(),
+                    l.jobs.empty() ? "-" : std::to_string(j.lag_rounds).c_str(),
+                    HumanBytes(l.wire_bytes_sent).c_str(),
+                    HumanBytes(l.wire_bytes_received).c_str(), wire_ratio,
+                    HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
       }
-      for (const auto& j : l.jobs) {
-        std::printf("  %-12s %-10s %-16s %6llu %6llu %10s %10s %7s %12s\n", l.site.c_str(), state,
-                    j.job.c_str(), (unsigned long long)j.acked_round,
-                    (unsigned long long)j.lag_rounds, HumanBytes(l.bytes_sent).c_str(),
-                    HumanBytes(l.bytes_received).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
-      }
+      std::printf("  %-12s %llu messages sent, %llu received, %llu connections, %llu keep-alives, "
+                  "TCP/IP headers ~%s (estimated)\n",
+                  "", (unsigned long long)l.messages_sent, (unsigned long long)l.messages_received,
+                  (unsigned long long)l.connections, (unsigned long long)l.keepalives,
+                  HumanBytes(l.tcp_bytes_estimate).c_str());
       if (!l.last_error.empty()) std::printf("  %-12s last error: %s\n", "", l.last_error.c_str());
     }
   }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -72,6 +73,10 @@ class DeltaSink {
                                         const EncodedDelta& delta) = 0;
   // The same acknowledgement value without receiving anything (for handshakes).
   virtual uint64_t HeldFrom(const std::string& site, const std::string& job) const = 0;
+  // The names and shapes of `job`'s tensors on this shard, sorted by name: the order of
+  // a packed delta's tensors (PeerDelta.sizes). NotFound for a job not synced here.
+  virtual Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> JobTensors(
+      const std::string& job) const = 0;
 };
 
 }  // namespace isthmus

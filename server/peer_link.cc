@@ -23,7 +23,9 @@ struct PeerLinks::Link {
     uint64_t next = 1;  // next round to send
   };
   struct InFlight {
-    std::string job;  // empty for the handshake
+    enum class Kind { kHello, kDelta, kPing };
+    Kind kind = Kind::kHello;
+    std::string job;  // kDelta
     uint64_t round = 0;
     uint64_t bytes = 0;
     Clock::time_point sent;
@@ -41,6 +43,13 @@ struct PeerLinks::Link {
   Clock::time_point last_progress{};
   std::map<std::string, uint64_t> high_sent;  // per job, the highest round ever sent
   std::optional<BandwidthMeter> meter;
+  Clock::time_point last_traffic{};   // the last message sent or received on our connection
+  std::string peer_connection;        // routing id of the peer's connection to our ROUTER
+  // Jobs of ours the peer did not know at the last handshake: asked again after
+  // job_probe_interval, which doubles up to backoff_max_ms (never a handshake per tick).
+  Clock::time_point job_probe_at{};
+  int job_probe_interval_ms = 0;
+  size_t jobs_at_probe = 0;
 
   PeerLinkStats stats;
 };
@@ -52,6 +61,9 @@ constexpr int kMonitorEvents = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_DISCONNECTED |
                                ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
                                ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL;
 constexpr int kTickMs = 250;
+// Tensors of a packed delta share a payload frame until it holds this much; a larger
+// encoded tensor travels alone, without a copy.
+constexpr uint64_t kPackFrameBytes = 64 * 1024;
 
 uint64_t Numel(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
@@ -237,6 +249,34 @@ Status PeerLinks::OpenDealer(Link& link) {
   return Status::Ok();
 }
 
+void PeerLinks::CountSent(Link& link, const flatbuffers::FlatBufferBuilder& header,
+                          const std::vector<PayloadRef>& payload) {
+  std::vector<uint64_t> sizes;
+  for (const auto& p : payload) sizes.push_back(p.size);
+  const uint64_t w = ZmtpMessageWireBytes(header.GetSize(), sizes, !options_.insecure_plaintext);
+  link.stats.wire_bytes_sent += w;
+  link.stats.tcp_bytes_estimate += TcpIpBytesEstimate(w, 1);
+  ++link.stats.messages_sent;
+}
+
+void PeerLinks::CountReceived(Link& link, const Frames& msg) {
+  std::vector<uint64_t> sizes;
+  for (const auto& p : msg.payload) sizes.push_back(p.size());
+  const uint64_t w =
+      ZmtpMessageWireBytes(msg.header.size(), sizes, !options_.insecure_plaintext);
+  link.stats.wire_bytes_received += w;
+  link.stats.tcp_bytes_estimate += TcpIpBytesEstimate(w, 1);
+  ++link.stats.messages_received;
+}
+
+void PeerLinks::CountConnection(Link& link, bool client_side) {
+  const bool curve = !options_.insecure_plaintext;
+  link.stats.wire_bytes_sent += HandshakeWireBytes(client_side, curve);
+  link.stats.wire_bytes_received += HandshakeWireBytes(!client_side, curve);
+  link.stats.tcp_bytes_estimate += kTcpConnectionBytesEstimate;
+  ++link.stats.connections;
+}
+
 void PeerLinks::CloseDealer(Link& link) {
   if (link.dealer) zmq_socket_monitor(link.dealer->handle(), nullptr, 0);
   link.monitor.reset();
@@ -286,9 +326,27 @@ void PeerLinks::SendHello(Link& link) {
     link.stats.last_error = s.ToString();
     return;
   }
+  CountSent(link, fbb, {});
   link.ready = false;
   link.inflight.clear();
-  link.inflight[id] = Link::InFlight{"", 0, 0, Clock::now()};
+  link.last_traffic = Clock::now();
+  link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kHello, "", 0, 0, Clock::now()};
+}
+
+void PeerLinks::SendPing(Link& link) {
+  flatbuffers::FlatBufferBuilder fbb;
+  auto body = wire::CreatePeerPing(fbb, fbb.CreateString(options_.site));
+  uint64_t id = ++link.request_seq;
+  FinishEnvelope(fbb, id, wire::Body::PeerPing, body.Union());
+  Status s = SendMessage(*link.dealer, nullptr, fbb, {});
+  if (!s.ok()) {
+    link.stats.last_error = s.ToString();
+    return;
+  }
+  CountSent(link, fbb, {});
+  ++link.stats.keepalives;
+  link.last_traffic = Clock::now();
+  link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kPing, "", 0, 0, Clock::now()};
 }
 
 void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
@@ -319,22 +377,44 @@ void PeerLinks::Pump(Link& link) {
         break;
       }
       std::shared_ptr<const EncodedDelta> d = *delta;
+      // Packed layout (schemas/isthmus.fbs, PeerDelta): byte counts in name order, the
+      // bytes end to end; small tensors share a frame (one copy), large ones go alone
+      // without a copy.
+      std::vector<size_t> order(d->tensors.size());
+      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+      std::sort(order.begin(), order.end(),
+                [&](size_t a, size_t b) { return d->tensors[a].name < d->tensors[b].name; });
       flatbuffers::FlatBufferBuilder fbb;
-      std::vector<flatbuffers::Offset<wire::PeerTensor>> metas;
+      std::vector<uint32_t> sizes, frame_ends;
       std::vector<PayloadRef> payload;
+      std::shared_ptr<std::string> packing;
+      auto close_packing = [&] {
+        if (!packing) return;
+        payload.push_back(PayloadRef{packing->data(), packing->size(), packing});
+        frame_ends.push_back(static_cast<uint32_t>(sizes.size()));
+        packing.reset();
+      };
       uint64_t raw = 0;
-      for (size_t i = 0; i < d->tensors.size(); ++i) {
+      for (size_t i : order) {
         const auto& t = d->tensors[i];
-        metas.push_back(wire::CreatePeerTensor(fbb, fbb.CreateString(t.name),
-                                               fbb.CreateVector(t.shape), static_cast<uint32_t>(i),
-                                               t.bytes.size()));
-        // Zero-copy: the frame borrows the outbox's bytes and keeps the delta alive.
-        payload.push_back(PayloadRef{t.bytes.data(), t.bytes.size(),
-                                     std::shared_ptr<const void>(d, t.bytes.data())});
+        sizes.push_back(static_cast<uint32_t>(t.bytes.size()));
         raw += Numel(t.shape) * sizeof(float);
+        if (t.bytes.size() >= kPackFrameBytes) {
+          close_packing();
+          // Zero-copy: the frame borrows the outbox's bytes and keeps the delta alive.
+          payload.push_back(PayloadRef{t.bytes.data(), t.bytes.size(),
+                                       std::shared_ptr<const void>(d, t.bytes.data())});
+          frame_ends.push_back(static_cast<uint32_t>(sizes.size()));
+          continue;
+        }
+        if (!packing) packing = std::make_shared<std::string>();
+        packing->append(t.bytes);
+        if (packing->size() >= kPackFrameBytes) close_packing();
       }
+      close_packing();
       auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(job), fbb.CreateString(options_.site),
-                                        jl.next, d->tokens, fbb.CreateVector(metas));
+                                        jl.next, d->tokens, 0, fbb.CreateVector(sizes),
+                                        fbb.CreateVector(frame_ends));
       uint64_t id = ++link.request_seq;
       FinishEnvelope(fbb, id, wire::Body::PeerDelta, body.Union());
       Status s = SendMessage(*link.dealer, nullptr, fbb, payload);
@@ -342,9 +422,11 @@ void PeerLinks::Pump(Link& link) {
         link.stats.last_error = s.ToString();
         return;
       }
+      CountSent(link, fbb, payload);
+      link.last_traffic = Clock::now();
       uint64_t& high = link.high_sent[job];
-      link.inflight[id] =
-          Link::InFlight{job, jl.next, d->WireBytes(), Clock::now(), jl.next <= high};
+      link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kDelta, job, jl.next,
+                                         d->WireBytes(), Clock::now(), jl.next <= high};
       high = std::max(high, jl.next);
       link.stats.bytes_sent += d->WireBytes();
       link.stats.raw_bytes_sent += raw;
@@ -361,6 +443,8 @@ void PeerLinks::OnDealerReadable(Link& link) {
       if (msg.status().code() != Code::kTimeout) link.stats.last_error = msg.status().ToString();
       return;
     }
+    CountReceived(link, *msg);
+    link.last_traffic = Clock::now();
     auto env = ParseEnvelope(msg->header, options_.limits);
     if (!env.ok()) {
       link.stats.last_error = "bad reply from peer: " + env.status().ToString();
@@ -375,18 +459,23 @@ void PeerLinks::OnDealerReadable(Link& link) {
     if (!err.ok()) {
       // The peer refused (paused, digest mismatch, malformed): back off and handshake again.
       ++link.stats.refused;
+      const char* what = sent.kind == Link::InFlight::Kind::kHello ? "the handshake"
+                         : sent.kind == Link::InFlight::Kind::kPing ? "a keep-alive"
+                                                                    : nullptr;
       Reset(link,
-            "peer refused " +
-                (sent.job.empty() ? std::string("the handshake")
-                                  : "round " + std::to_string(sent.round)) +
+            "peer refused " + (what ? std::string(what) : "round " + std::to_string(sent.round)) +
                 ": " + err.ToString(),
             false);
       return;
     }
     link.last_progress = now;
     link.failures = 0;
-    if (sent.job.empty()) link.meter->OnOtherReply(now);
-    if ((*env)->body_type() == wire::Body::PeerHelloReply && sent.job.empty()) {
+    if (sent.kind != Link::InFlight::Kind::kDelta) link.meter->OnOtherReply(now);
+    if ((*env)->body_type() == wire::Body::PeerPong && sent.kind == Link::InFlight::Kind::kPing) {
+      continue;
+    }
+    if ((*env)->body_type() == wire::Body::PeerHelloReply &&
+        sent.kind == Link::InFlight::Kind::kHello) {
       const auto* reply = (*env)->body_as_PeerHelloReply();
       std::map<std::string, Link::JobLink> jobs;
       std::string mismatch;
@@ -408,11 +497,22 @@ void PeerLinks::OnDealerReadable(Link& link) {
       }
       link.jobs = std::move(jobs);
       link.ready = true;
+      // Jobs of ours the peer did not know are asked for again later, the wait doubling
+      // (up to backoff_max_ms) while our job set stays the same.
+      const size_t ours = source_->SyncJobs().size();
+      link.job_probe_interval_ms =
+          ours != link.jobs_at_probe || link.job_probe_interval_ms == 0
+              ? options_.resend_ms
+              : std::min(2 * link.job_probe_interval_ms,
+                         std::max(options_.backoff_max_ms, options_.resend_ms));
+      link.jobs_at_probe = ours;
+      link.job_probe_at = now + std::chrono::milliseconds(link.job_probe_interval_ms);
       link.stats.connected = true;
       link.stats.last_error = mismatch.empty() ? ""
                                                : "initial state of job '" + mismatch +
                                                      "' differs from the peer's; not syncing it";
-    } else if ((*env)->body_type() == wire::Body::PeerAck && !sent.job.empty()) {
+    } else if ((*env)->body_type() == wire::Body::PeerAck &&
+               sent.kind == Link::InFlight::Kind::kDelta) {
       const auto* ack = (*env)->body_as_PeerAck();
       auto jit = link.jobs.find(sent.job);
       if (jit == link.jobs.end()) continue;
@@ -445,6 +545,7 @@ void PeerLinks::OnMonitorReadable(Link& link) {
     std::memcpy(&value, static_cast<const char*>(event.data()) + 2, 4);
     switch (id) {
       case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
+        CountConnection(link, /*client_side=*/true);
         link.transport_up = true;
         // A new connection: whatever was in flight on the old one may be lost.
         if (link.reconnecting) SendHello(link);
@@ -457,6 +558,7 @@ void PeerLinks::OnMonitorReadable(Link& link) {
         link.stats.connected = false;
         break;
       case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
+        CountConnection(link, /*client_side=*/true);
         ++link.stats.auth_failures;
         link.stats.connected = false;
         link.stats.last_error = "peer refused our key (status " + std::to_string(value) +
@@ -488,7 +590,8 @@ void PeerLinks::OnRouterReadable() {
       if (uid != nullptr) user_id = uid;
     }
     flatbuffers::FlatBufferBuilder reply;
-    Status s = HandlePeerMessage(user_id, *msg, reply);
+    Link* from = nullptr;
+    Status s = HandlePeerMessage(user_id, *msg, reply, &from);
     if (!s.ok()) {
       uint64_t id = 0;
       if (auto env = ParseEnvelope(msg->header, options_.limits); env.ok())
@@ -499,11 +602,27 @@ void PeerLinks::OnRouterReadable() {
     }
     Status sent = SendMessage(*router_, &routing_id, reply, {});
     if (!sent.ok()) spdlog::warn("could not answer a peer: {}", sent.ToString());
+    if (from != nullptr) {
+      // A routing id we have not seen from this peer is a new connection of theirs: its
+      // handshake crossed the wire too.
+      std::string connection(static_cast<const char*>(routing_id.data()), routing_id.size());
+      if (connection != from->peer_connection) {
+        from->peer_connection = std::move(connection);
+        CountConnection(*from, /*client_side=*/false);
+      }
+      CountReceived(*from, *msg);
+      if (sent.ok()) CountSent(*from, reply, {});
+    }
   }
 }
 
 Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
                                     flatbuffers::FlatBufferBuilder& reply) {
+  return HandlePeerMessage(user_id, msg, reply, nullptr);
+}
+
+Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
+                                    flatbuffers::FlatBufferBuilder& reply, Link** from_out) {
   auto env_or = ParseEnvelope(msg.header, options_.limits);
   if (!env_or.ok()) {
     ++refused_unknown_;
@@ -513,6 +632,7 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& ms
   std::string claimed;
   if (env->body_type() == wire::Body::PeerHello) claimed = env->body_as_PeerHello()->site()->str();
   if (env->body_type() == wire::Body::PeerDelta) claimed = env->body_as_PeerDelta()->site()->str();
+  if (env->body_type() == wire::Body::PeerPing) claimed = Str(env->body_as_PeerPing()->site());
   Link* from = nullptr;
   if (options_.insecure_plaintext) {
     from = FindLink(claimed);
@@ -524,8 +644,11 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& ms
     ++refused_unknown_;
     return Status::PermissionDenied("this key is not configured for any site in sync.peers");
   }
+  if (from_out != nullptr) *from_out = from;
+  const bool ping = env->body_type() == wire::Body::PeerPing;
   Status s;
-  if (env->body_type() != wire::Body::PeerHello && env->body_type() != wire::Body::PeerDelta) {
+  if (env->body_type() != wire::Body::PeerHello && env->body_type() != wire::Body::PeerDelta &&
+      !ping) {
     s = Status::InvalidArgument("not a peer message");
   } else if (claimed != from->spec.site) {
     s = Status::PermissionDenied("message claims site '" + claimed + "' but the key is site '" +
@@ -534,6 +657,9 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& ms
     s = Status::Unavailable("the link to site '" + from->spec.site + "' is paused here");
   } else if (env->body_type() == wire::Body::PeerHello) {
     s = HandleHello(*from, env->body_as_PeerHello(), env->request_id(), reply);
+  } else if (ping) {
+    FinishEnvelope(reply, env->request_id(), wire::Body::PeerPong,
+                   wire::CreatePeerPong(reply).Union());
   } else {
     s = HandleDelta(*from, env->body_as_PeerDelta(), msg, env->request_id(), reply);
   }
@@ -571,11 +697,10 @@ Status PeerLinks::HandleHello(Link& from, const wire::PeerHello* hello, uint64_t
   return Status::Ok();
 }
 
-Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Frames& msg,
-                              uint64_t id, flatbuffers::FlatBufferBuilder& reply) {
+// A delta in the listed layout (one PeerTensor per tensor, each with its own frame).
+Status PeerLinks::UnlistDelta(const wire::PeerDelta* req, const Frames& msg,
+                              EncodedDelta* delta) const {
   const auto& lim = options_.limits;
-  if (req->round() == 0) return Status::InvalidArgument("peer delta with round 0");
-  if (req->job()->size() > lim.max_name_bytes) return Status::InvalidArgument("job name too long");
   const auto* metas = req->tensors();
   size_t count = metas ? metas->size() : 0;
   if (count > lim.max_tensors) return Status::ResourceExhausted("too many tensors in a peer delta");
@@ -584,14 +709,6 @@ Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Fram
                                    " tensors but has " + std::to_string(msg.payload.size()) +
                                    " payload frames");
   }
-  if (msg.PayloadBytes() > lim.max_payload_bytes) {
-    return Status::ResourceExhausted("peer delta payload over limits.max_message_bytes");
-  }
-  EncodedDelta delta;
-  delta.job = req->job()->str();
-  delta.site = req->site()->str();
-  delta.round = req->round();
-  delta.tokens = req->tokens();
   std::vector<bool> used(count, false);
   std::set<std::string> names;
   for (size_t i = 0; i < count; ++i) {
@@ -621,7 +738,80 @@ Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Fram
       t.shape.assign(m->shape()->begin(), m->shape()->end());
     }
     t.bytes.assign(static_cast<const char*>(frame.data()), frame.size());
-    delta.tensors.push_back(std::move(t));
+    delta->tensors.push_back(std::move(t));
+  }
+  return Status::Ok();
+}
+
+// A packed delta: byte counts in the job's tensor order, the bytes end to end over the
+// frames (schemas/isthmus.fbs). Every count and boundary is checked against the frames
+// before a byte is read.
+Status PeerLinks::UnpackDelta(const wire::PeerDelta* req, const Frames& msg,
+                              EncodedDelta* delta) const {
+  if (req->tensors() != nullptr && req->tensors()->size() > 0) {
+    return Status::InvalidArgument("peer delta has both listed and packed tensors");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(auto layout, sink_->JobTensors(delta->job));
+  const auto* sizes = req->sizes();
+  const auto* ends = req->frame_ends();
+  if (sizes->size() != layout.size()) {
+    return Status::InvalidArgument("packed delta has " + std::to_string(sizes->size()) +
+                                   " tensors, job '" + delta->job + "' has " +
+                                   std::to_string(layout.size()) + " here");
+  }
+  const size_t frames = ends ? ends->size() : 0;
+  if (frames != msg.payload.size()) {
+    return Status::InvalidArgument("packed delta describes " + std::to_string(frames) +
+                                   " frames but has " + std::to_string(msg.payload.size()));
+  }
+  size_t tensor = 0;
+  for (size_t f = 0; f < frames; ++f) {
+    const uint32_t end = ends->Get(f);
+    if (end < tensor || end > layout.size()) {
+      return Status::InvalidArgument("packed delta frame boundaries out of order");
+    }
+    const auto& frame = msg.payload[f];
+    uint64_t at = 0;
+    for (; tensor < end; ++tensor) {
+      const uint64_t n = sizes->Get(static_cast<flatbuffers::uoffset_t>(tensor));
+      if (n > frame.size() - at) {
+        return Status::InvalidArgument("packed delta tensor runs past its frame");
+      }
+      EncodedTensor t;
+      t.name = layout[tensor].first;
+      t.shape = layout[tensor].second;
+      t.bytes.assign(static_cast<const char*>(frame.data()) + at, n);
+      at += n;
+      delta->tensors.push_back(std::move(t));
+    }
+    if (at != frame.size()) {
+      return Status::InvalidArgument("packed delta frame " + std::to_string(f) +
+                                     " holds bytes no tensor claims");
+    }
+  }
+  if (tensor != layout.size()) {
+    return Status::InvalidArgument("packed delta frames end before its last tensor");
+  }
+  return Status::Ok();
+}
+
+Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Frames& msg,
+                              uint64_t id, flatbuffers::FlatBufferBuilder& reply) {
+  const auto& lim = options_.limits;
+  if (req->round() == 0) return Status::InvalidArgument("peer delta with round 0");
+  if (req->job()->size() > lim.max_name_bytes) return Status::InvalidArgument("job name too long");
+  if (msg.PayloadBytes() > lim.max_payload_bytes) {
+    return Status::ResourceExhausted("peer delta payload over limits.max_message_bytes");
+  }
+  EncodedDelta delta;
+  delta.job = req->job()->str();
+  delta.site = req->site()->str();
+  delta.round = req->round();
+  delta.tokens = req->tokens();
+  if (req->sizes() != nullptr) {
+    ISTHMUS_RETURN_IF_ERROR(UnpackDelta(req, msg, &delta));
+  } else {
+    ISTHMUS_RETURN_IF_ERROR(UnlistDelta(req, msg, &delta));
   }
   from.stats.bytes_received += msg.PayloadBytes();
   ISTHMUS_ASSIGN_OR_RETURN(uint64_t held, sink_->ReceiveDelta(from.spec.site, delta));
@@ -694,13 +884,20 @@ void PeerLinks::Tick() {
       }
       bool unknown = false;
       for (const auto& j : sync_jobs) unknown |= link.jobs.count(j) == 0;
-      if (unknown && link.inflight.empty() &&
-          now - link.last_progress > std::chrono::milliseconds(options_.resend_ms)) {
-        link.last_progress = now;
-        SendHello(link);
-        continue;
+      if (unknown && link.inflight.empty()) {
+        if (sync_jobs.size() != link.jobs_at_probe) link.job_probe_at = now;  // a new job here
+        if (now >= link.job_probe_at) {
+          SendHello(link);
+          continue;
+        }
       }
       Pump(link);
+      // An idle link costs one small ping per keep-alive interval (backoff_max_ms), which
+      // also notices a dead connection while there is nothing to send.
+      if (link.inflight.empty() &&
+          now - link.last_traffic >= std::chrono::milliseconds(options_.backoff_max_ms)) {
+        SendPing(link);
+      }
     }
   }
 }

@@ -46,7 +46,8 @@ struct PeerLinkOptions {
   bool insecure_plaintext = false;  // no CURVE: the sender's claimed site is trusted
   std::vector<PeerLinkSpec> peers;
   int resend_ms = 2000;         // no reply for this long: reconnect and resend
-  int backoff_max_ms = 30000;   // cap of the doubling resend / retry interval
+  int backoff_max_ms = 30000;   // cap of the doubling resend / retry interval; also the
+                                // keep-alive interval of an idle link
   int window = 4;               // deltas in flight per link
   WireLimits limits;            // applied to received peer messages
   double bandwidth_ewma = 0.3;  // weight of a new bandwidth sample (BandwidthMeter)
@@ -73,13 +74,24 @@ struct PeerLinkStats {
   bool paused = false;
   std::string last_error;
   std::vector<Job> jobs;
-  uint64_t bytes_sent = 0, bytes_received = 0, raw_bytes_sent = 0;
+  uint64_t bytes_sent = 0, bytes_received = 0, raw_bytes_sent = 0;  // delta payload
   uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0;
   uint64_t auth_failures = 0;  // the peer refused our key
   uint64_t refused = 0;        // messages from this peer that we refused
   double bandwidth_bps = 0;    // BandwidthMeter's estimate
+  // The wire: every message this site sent to / received from the peer on either of the
+  // pair's connections (ours and theirs), with ZeroMQ's framing and CURVE's boxes, plus
+  // the handshakes of every connection; TCP/IP headers estimated (common/wire.h).
+  uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;
+  uint64_t messages_sent = 0, messages_received = 0;
+  uint64_t connections = 0;  // handshakes, ours and the peer's
+  uint64_t keepalives = 0;   // pings sent while idle
   double CompressionRatio() const {
     return bytes_sent == 0 ? 0.0 : static_cast<double>(raw_bytes_sent) / bytes_sent;
+  }
+  // fp32 bytes of the deltas sent per wire byte sent: the ratio that counts.
+  double WireRatio() const {
+    return wire_bytes_sent == 0 ? 0.0 : static_cast<double>(raw_bytes_sent) / wire_bytes_sent;
   }
 };
 
@@ -183,10 +195,20 @@ class PeerLinks {
   Link* FindLink(const std::string& site);
   Result<std::vector<Link*>> Select(const std::string& site);
 
+  Status HandlePeerMessage(const std::string& user_id, const Frames& msg,
+                           flatbuffers::FlatBufferBuilder& reply, Link** from_out);
   Status HandleHello(Link& from, const wire::PeerHello* hello, uint64_t id,
                      flatbuffers::FlatBufferBuilder& reply);
+  void SendPing(Link& link);
+  // Wire accounting (PeerLinkStats' wire fields).
+  void CountSent(Link& link, const flatbuffers::FlatBufferBuilder& header,
+                 const std::vector<PayloadRef>& payload);
+  void CountReceived(Link& link, const Frames& msg);
+  void CountConnection(Link& link, bool client_side);
   Status HandleDelta(Link& from, const wire::PeerDelta* delta, const Frames& msg, uint64_t id,
                      flatbuffers::FlatBufferBuilder& reply);
+  Status UnlistDelta(const wire::PeerDelta* req, const Frames& msg, EncodedDelta* delta) const;
+  Status UnpackDelta(const wire::PeerDelta* req, const Frames& msg, EncodedDelta* delta) const;
 
   zmq::context_t& ctx_;
   PeerLinkOptions options_;

@@ -109,7 +109,9 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
           fbb, fbb.CreateString(st.site), fbb.CreateString(st.endpoint), st.connected, st.paused,
           fbb.CreateString(st.last_error), fbb.CreateVector(jobs), st.bytes_sent,
           st.bytes_received, st.raw_bytes_sent, st.CompressionRatio(), st.bandwidth_bps,
-          st.deltas_sent, st.deltas_acked, st.resends, st.auth_failures, st.refused));
+          st.deltas_sent, st.deltas_acked, st.resends, st.auth_failures, st.refused,
+          st.wire_bytes_sent, st.wire_bytes_received, st.tcp_bytes_estimate, st.WireRatio(),
+          st.messages_sent, st.messages_received, st.connections, st.keepalives));
     }
   }
   std::vector<flatbuffers::Offset<wire::SyncJobState>> job_states;

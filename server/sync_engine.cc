@@ -893,6 +893,15 @@ void SyncEngine::OnLinkBandwidth(const std::string& peer_site, double bytes_per_
     bandwidth_[peer_site] = bytes_per_second;
 }
 
+Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> SyncEngine::JobTensors(
+    const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return Status::NotFound("job '" + job + "' is not synced on this shard");
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& [name, t] : it->second.theta) out.emplace_back(name, t.shape);  // name order
+  return out;
+}
+
 uint64_t SyncEngine::HeldFrom(const std::string& site, const std::string& job) const {
   auto it = jobs_.find(job);
   return it == jobs_.end() ? 0 : HeldContiguous(it->second, site);

@@ -153,6 +153,8 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // DeltaSink.
   Result<uint64_t> ReceiveDelta(const std::string& from_site, const EncodedDelta& delta) override;
   uint64_t HeldFrom(const std::string& site, const std::string& job) const override;
+  Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> JobTensors(
+      const std::string& job) const override;
 
   // Reads a job's committed tensors as the shard stores them (kTensorMeta JSON with a
   // "shape", kTensors raw fp32). Corruption when a record or size is bad.

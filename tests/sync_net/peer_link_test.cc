@@ -103,6 +103,14 @@ class MemoryEngine : public DeltaSource, public DeltaSink {
     std::lock_guard lk(mu_);
     return HeldLocked(site, job);
   }
+  Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> JobTensors(
+      const std::string& job) const override {
+    if (std::find(jobs_.begin(), jobs_.end(), job) == jobs_.end()) {
+      return Status::NotFound("unknown job");
+    }
+    return std::vector<std::pair<std::string, std::vector<int64_t>>>{{"a.weight", {4, 8}},
+                                                                     {"b.bias", {8}}};
+  }
 
   uint64_t Held(const std::string& site) const { return HeldFrom(site, "job"); }
   size_t InboxSize(const std::string& site) const {
