@@ -519,6 +519,7 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
       p.messages_received = l->messages_received();
       p.connections = l->connections();
       p.keepalives = l->keepalives();
+      p.dials = l->dials();
       out.links.push_back(std::move(p));
     }
   }

@@ -23,6 +23,8 @@
 #                          to site A by a veth pair with a tc tbf qdisc of RATE (e.g.
 #                          500kbit) on both ends; needs root, ip and tc (iproute2)
 #   --wan-capture FILE     with --wan-rate: record the WAN veth's packets (tcpdump) to FILE
+#   --idle-seconds N       with --wan-rate: after the last round (and its acks), leave the
+#                          sites idle N seconds and report the veth's bytes per second
 #   --summary FILE         write the final figures as JSON here
 # Environment: ISTHMUS_BUILD_DIR (default build); binaries must be built.
 set -euo pipefail
@@ -35,7 +37,7 @@ worker="$build/worker/isthmus-worker"
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
-shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture=""
+shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture="" idle_seconds=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -54,10 +56,11 @@ while [ $# -gt 0 ]; do
     --summary) summary="$2"; shift 2 ;;
     --wan-rate) wan_rate="$2"; shift 2 ;;
     --wan-capture) wan_capture="$2"; shift 2 ;;
+    --idle-seconds) idle_seconds="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
-    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,32p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -250,7 +253,9 @@ if [ "$failed" -ne 0 ]; then
 fi
 trained=$(( $(date +%s) - start ))
 
-# Wait (bounded) until every shard of both sites has committed every round.
+# Wait (bounded) until every shard of both sites has committed every round and every
+# link has its last round acknowledged (acks may wait sync.ack_delay_ms for a delta to
+# ride in): the WAN bytes then cover the whole exchange.
 for _ in $(seq 300); do
   done_all=1
   for s in "${sites[@]}"; do
@@ -261,12 +266,21 @@ for _ in $(seq 300); do
 import json, sys
 rows = json.load(open(sys.argv[1]))
 ok = all(j["committed_round"] >= int(sys.argv[2]) for r in rows for j in r.get("jobs", []) if j["job"] == "demo")
+ok = ok and all(j["lag_rounds"] == 0 for r in rows for l in r.get("links", []) for j in l["jobs"])
 sys.exit(0 if ok and rows else 1)' "$out/sync-$s.json" "$rounds" || done_all=0
   done
   [ "$done_all" -eq 1 ] && break
   sleep 0.5
 done
 wan_end=$(wan_counter)
+idle_bytes=0
+if [ -n "$veth" ] && [ "$idle_seconds" -gt 0 ]; then
+  # Idle: nothing left to send; only keep-alives (one per sync.backoff_max_ms) may cross.
+  sleep 1
+  idle_start=$(wan_counter)
+  sleep "$idle_seconds"
+  idle_bytes=$(( $(wan_counter) - idle_start ))
+fi
 
 # Evaluate each site's committed model on both sites' validation data.
 for s in "${sites[@]}"; do
@@ -291,10 +305,11 @@ set +e
 verify_rc=$?
 set -e
 
-/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" <<'PY'
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 kernel_bytes, wan_rate = int(sys.argv[6]), sys.argv[7]
+idle_seconds, idle_bytes = int(sys.argv[8]), int(sys.argv[9])
 sites = ["A", "B"]
 result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
 try:
@@ -349,6 +364,14 @@ if wan_rate:
           f"{kernel_bytes / payload:.2f}x the {payload:,} delta payload bytes; the sites counted "
           f"{wire:,} wire bytes + ~{tcp:,} TCP/IP (estimated) = {(wire + tcp) / kernel_bytes:.2f}x "
           f"the kernel's")
+    result["payload_bytes"] = payload
+    result["kernel_to_payload"] = kernel_bytes / payload if payload else None
+    if idle_seconds > 0:
+        result["idle_seconds"] = idle_seconds
+        result["idle_kernel_bytes"] = idle_bytes
+        result["idle_bytes_per_second"] = idle_bytes / idle_seconds
+        print(f"idle WAN after the last round: kernel counted {idle_bytes:,} bytes in "
+              f"{idle_seconds} s = {idle_bytes / idle_seconds:.1f} bytes/s")
 if summary:
     json.dump(result, open(summary, "w"), indent=2)
 sys.exit(0 if agree and all(r["committed_round"] >= rounds for r in result["sites"].values()) else 1)

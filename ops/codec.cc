@@ -17,6 +17,8 @@
 
 #include "ops/codec.h"
 
+#include "common/varint.h"
+
 namespace isthmus::codec {
 namespace {
 
@@ -41,14 +43,6 @@ void PutU32(std::string* s, uint32_t v) {
   for (int i = 0; i < 4; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
 }
 void PutF32(std::string* s, float v) { PutU32(s, std::bit_cast<uint32_t>(v)); }
-void PutVarint(std::string* s, uint64_t v) {
-  while (v >= 0x80) {
-    s->push_back(static_cast<char>((v & 0x7f) | 0x80));
-    v >>= 7;
-  }
-  s->push_back(static_cast<char>(v));
-}
-
 uint32_t LoadU32(const uint8_t* p) {
   return uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24;
 }
@@ -66,19 +60,10 @@ class Reader {
     return true;
   }
   bool Varint(uint64_t* v) {
-    uint64_t r = 0;
-    for (int i = 0; i < 10; ++i) {
-      if (pos_ >= n_) return false;
-      const uint8_t b = p_[pos_++];
-      if (i == 9 && b > 1) return false;  // would overflow 64 bits
-      r |= uint64_t{b & 0x7fu} << (7 * i);
-      if (!(b & 0x80)) {
-        if (i > 0 && b == 0) return false;  // non-canonical (overlong) encoding
-        *v = r;
-        return true;
-      }
-    }
-    return false;
+    const uint8_t* at = p_ + pos_;
+    if (!ReadVarint(&at, p_ + n_, v)) return false;
+    pos_ = static_cast<size_t>(at - p_);
+    return true;
   }
 
  private:

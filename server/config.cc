@@ -81,9 +81,13 @@ const std::vector<Binding>& Bindings() {
        nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_momentum},
       {{"sync.max_rounds_ahead", T::kInt, "2", "K: workers wait while their site is more than K rounds ahead of the last committed round (0: never wait)."},
        nullptr, nullptr, nullptr, &ServerConfig::sync_max_rounds_ahead},
+      {{"sync.dial", T::kString, "auto", "Which side of each peer pair opens the one connection they share: auto (the site whose name sorts first), always (this site dials every peer: the peers cannot reach it), never (it only listens: it cannot reach them)."},
+       &ServerConfig::sync_dial},
+      {{"sync.ack_delay_ms", T::kInt, "5000", "How long a peer may hold its acknowledgement of this site's delta to carry it in its own next delta instead of a message of its own (0: acknowledge at once). Also added to the time before an unacknowledged delta is sent again."},
+       nullptr, nullptr, nullptr, &ServerConfig::sync_ack_delay_ms},
       {{"sync.resend_ms", T::kInt, "2000", "Resend unacknowledged deltas to a peer after this many milliseconds."},
        nullptr, nullptr, nullptr, &ServerConfig::sync_resend_ms},
-      {{"sync.backoff_max_ms", T::kInt, "10000", "Longest wait between reconnection attempts to a peer (milliseconds)."},
+      {{"sync.backoff_max_ms", T::kInt, "10000", "Longest wait between reconnection attempts to a peer (milliseconds); also how often an idle peer link sends its keep-alive."},
        nullptr, nullptr, nullptr, &ServerConfig::sync_backoff_max_ms},
   };
   return kBindings;
@@ -257,6 +261,12 @@ Status ValidateServerConfig(const ServerConfig& c) {
   }
   if (c.sync_outer_momentum < 0 || c.sync_outer_momentum >= 1) {
     return Status::InvalidArgument("sync.outer_momentum must be in [0, 1)");
+  }
+  if (c.sync_dial != "auto" && c.sync_dial != "always" && c.sync_dial != "never") {
+    return Status::InvalidArgument("sync.dial is '" + c.sync_dial + "'; use auto, always or never");
+  }
+  if (c.sync_ack_delay_ms < 0 || c.sync_ack_delay_ms > 60000) {
+    return Status::InvalidArgument("sync.ack_delay_ms must be in [0, 60000]");
   }
   if (c.sync_max_rounds_ahead < 0 || c.sync_resend_ms <= 0 || c.sync_backoff_max_ms <= 0) {
     return Status::InvalidArgument("sync.max_rounds_ahead must be >= 0, sync.resend_ms and sync.backoff_max_ms positive");

@@ -324,7 +324,8 @@ json SyncStatusJson(const SyncStatusInfo& st) {
                      {"tcp_bytes_estimate", l.tcp_bytes_estimate}, {"wire_ratio", l.wire_ratio},
                      {"messages_sent", l.messages_sent},
                      {"messages_received", l.messages_received},
-                     {"connections", l.connections}, {"keepalives", l.keepalives}});
+                     {"connections", l.connections}, {"keepalives", l.keepalives},
+                     {"dials", l.dials}});
   }
   json jobs = json::array();
   for (const auto& j : st.jobs) {
@@ -389,9 +390,9 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
                     HumanBytes(l.wire_bytes_received).c_str(), wire_ratio,
                     HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
       }
-      std::printf("  %-12s %llu messages sent, %llu received, %llu connections, %llu keep-alives, "
-                  "TCP/IP headers ~%s (estimated)\n",
-                  "", (unsigned long long)l.messages_sent, (unsigned long long)l.messages_received,
+      std::printf("  %-12s %s; %llu messages sent, %llu received, %llu connections, "
+                  "%llu keep-alives, TCP/IP headers ~%s (estimated)\n",
+                  "", l.dials ? "we dial" : "peer dials", (unsigned long long)l.messages_sent, (unsigned long long)l.messages_received,
                   (unsigned long long)l.connections, (unsigned long long)l.keepalives,
                   HumanBytes(l.tcp_bytes_estimate).c_str());
       if (!l.last_error.empty()) std::printf("  %-12s last error: %s\n", "", l.last_error.c_str());

@@ -9,11 +9,13 @@
 #include <set>
 
 #include "common/transport.h"
+#include "common/varint.h"
 
 namespace isthmus {
 
 struct PeerLinks::Link {
   PeerLinkSpec spec;
+  bool dials = true;  // we open the connection (DEALER); else the peer connects to our ROUTER
   std::unique_ptr<zmq::socket_t> dealer;
   std::unique_ptr<zmq::socket_t> monitor;
   std::string monitor_endpoint;
@@ -32,11 +34,22 @@ struct PeerLinks::Link {
     bool resent = false;  // this round was sent before (its ack may answer that copy)
   };
   bool transport_up = false;
+  bool key_refused = false;   // the last CURVE handshake failed on the peer's allowlist
   bool reconnecting = false;  // the connection dropped: handshake again once it is back
   bool ready = false;         // the handshake was answered on the current connection
   bool paused = false;
   std::map<std::string, JobLink> jobs;  // jobs the peer syncs with us
   std::map<uint64_t, InFlight> inflight;
+  // Our acknowledgements of the peer's deltas, held to ride in our next delta to it
+  // (PeerDelta.ack_delay_ms); each is sent on its own at `due` at the latest.
+  struct HeldAck {
+    uint64_t request_id = 0;
+    std::string job;
+    Clock::time_point received, due;
+    bool on_dealer = false;  // the delta came on our DEALER, else on `connection`
+    std::string connection;
+  };
+  std::vector<HeldAck> held_acks;
   uint64_t request_seq = 0;
   int failures = 0;              // consecutive timeouts / refusals: the backoff exponent
   Clock::time_point retry_at{};  // while not ready and nothing in flight: next handshake
@@ -45,6 +58,9 @@ struct PeerLinks::Link {
   std::optional<BandwidthMeter> meter;
   Clock::time_point last_traffic{};   // the last message sent or received on our connection
   std::string peer_connection;        // routing id of the peer's connection to our ROUTER
+  // When the peer dials: the connection its last handshake came on, which carries our
+  // requests too (empty until then, and after a send found it gone).
+  std::string channel;
   // Jobs of ours the peer did not know at the last handshake: asked again after
   // job_probe_interval, which doubles up to backoff_max_ms (never a handshake per tick).
   Clock::time_point job_probe_at{};
@@ -64,6 +80,10 @@ constexpr int kTickMs = 250;
 // Tensors of a packed delta share a payload frame until it holds this much; a larger
 // encoded tensor travels alone, without a copy.
 constexpr uint64_t kPackFrameBytes = 64 * 1024;
+// Bounds on acknowledgements held for piggybacking, whatever a peer asks for.
+constexpr int64_t kMaxAckHoldMs = 60000;
+constexpr size_t kMaxHeldAcks = 64;
+constexpr uint64_t kMaxAckDelayUs = uint64_t{kMaxAckHoldMs} * 1000;
 
 uint64_t Numel(const std::vector<int64_t>& shape) {
   uint64_t n = 1;
@@ -73,6 +93,12 @@ uint64_t Numel(const std::vector<int64_t>& shape) {
 
 std::string Str(const flatbuffers::String* s) { return s ? s->str() : std::string(); }
 
+// What a peer asks of us; every other body is an answer to a request of ours.
+bool IsPeerRequest(wire::Body type) {
+  return type == wire::Body::PeerHello || type == wire::Body::PeerDelta ||
+         type == wire::Body::PeerPing;
+}
+
 void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body type,
                     flatbuffers::Offset<void> body) {
   wire::EnvelopeBuilder env(fbb);
@@ -80,6 +106,52 @@ void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body
   env.add_body_type(type);
   env.add_body(body);
   fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
+}
+
+// A delta in the packed layout (schemas/isthmus.fbs, PeerDelta): byte counts in name
+// order, the bytes end to end; small tensors share a frame (one copy), a large one goes
+// alone without a copy, its frame keeping the outbox's delta alive.
+struct PackedDelta {
+  std::string sizes;  // varints
+  std::vector<uint32_t> frame_ends;
+  std::vector<PayloadRef> payload;
+  bool inline_first = false;  // payload[0] is a shared frame (may travel in the header)
+  uint64_t raw_bytes = 0;     // fp32 size
+};
+
+PackedDelta PackDelta(const std::shared_ptr<const EncodedDelta>& d) {
+  std::vector<size_t> order(d->tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return d->tensors[a].name < d->tensors[b].name; });
+  PackedDelta out;
+  size_t count = 0;
+  std::shared_ptr<std::string> packing;
+  auto close_packing = [&] {
+    if (!packing) return;
+    if (out.payload.empty()) out.inline_first = true;
+    out.payload.push_back(PayloadRef{packing->data(), packing->size(), packing});
+    out.frame_ends.push_back(static_cast<uint32_t>(count));
+    packing.reset();
+  };
+  for (size_t i : order) {
+    const auto& t = d->tensors[i];
+    PutVarint(&out.sizes, t.bytes.size());
+    ++count;
+    out.raw_bytes += Numel(t.shape) * sizeof(float);
+    if (t.bytes.size() >= kPackFrameBytes) {
+      close_packing();
+      out.payload.push_back(PayloadRef{t.bytes.data(), t.bytes.size(),
+                                       std::shared_ptr<const void>(d, t.bytes.data())});
+      out.frame_ends.push_back(static_cast<uint32_t>(count));
+      continue;
+    }
+    if (!packing) packing = std::make_shared<std::string>();
+    packing->append(t.bytes);
+    if (packing->size() >= kPackFrameBytes) close_packing();
+  }
+  close_packing();
+  return out;
 }
 
 }  // namespace
@@ -125,6 +197,13 @@ void BandwidthMeter::Restart(Clock::time_point at) {
   pool_bytes_ = 0;
   pool_start_ = at;
   last_answer_ = at;
+}
+
+Result<PeerDial> ParsePeerDial(const std::string& text) {
+  if (text == "auto") return PeerDial::kAuto;
+  if (text == "always") return PeerDial::kAlways;
+  if (text == "never") return PeerDial::kNever;
+  return Status::InvalidArgument("sync.dial is '" + text + "'; use auto, always or never");
 }
 
 Result<PeerLinkSpec> ParsePeerLinkSpec(const std::string& text) {
@@ -184,6 +263,10 @@ Status PeerLinks::Start() {
     }
     auto link = std::make_unique<Link>();
     link->spec = p;
+    // Without a listener of our own nobody can reach us: we dial.
+    link->dials = options_.listen_endpoint.empty() || options_.dial == PeerDial::kAlways ||
+                  (options_.dial == PeerDial::kAuto && options_.site < p.site);
+    link->stats.dials = link->dials;
     link->stats.site = p.site;
     link->stats.endpoint = p.endpoint;
     link->meter.emplace(options_.min_sample_bytes, options_.bandwidth_ewma);
@@ -196,6 +279,8 @@ Status PeerLinks::Start() {
       router_->set(zmq::sockopt::linger, 0);
       router_->set(zmq::sockopt::sndhwm, 0);
       router_->set(zmq::sockopt::rcvhwm, 0);
+      // A send to a connection that has gone fails instead of vanishing (Transmit).
+      router_->set(zmq::sockopt::router_mandatory, true);
       router_->set(zmq::sockopt::maxmsgsize,
                    static_cast<int64_t>(options_.limits.max_payload_bytes +
                                         options_.limits.max_header_bytes));
@@ -207,7 +292,9 @@ Status PeerLinks::Start() {
                                  "': " + e.what() + " (is the port in use? set listen.peer)");
     }
   }
-  for (auto& link : links_) ISTHMUS_RETURN_IF_ERROR(OpenDealer(*link));
+  for (auto& link : links_) {
+    if (link->dials) ISTHMUS_RETURN_IF_ERROR(OpenDealer(*link));
+  }
   return Status::Ok();
 }
 
@@ -247,6 +334,37 @@ Status PeerLinks::OpenDealer(Link& link) {
   if (link.meter) link.meter->Restart(Clock::now());
   SendHello(link);
   return Status::Ok();
+}
+
+bool PeerLinks::CanSend(const Link& link) const {
+  return link.dials ? link.dealer != nullptr : router_ != nullptr && !link.channel.empty();
+}
+
+Status PeerLinks::Transmit(Link& link, const flatbuffers::FlatBufferBuilder& header,
+                           const std::vector<PayloadRef>& payload) {
+  if (!CanSend(link)) return Status::Unavailable("no connection to peer '" + link.spec.site + "'");
+  Status s;
+  if (link.dials) {
+    s = SendMessage(*link.dealer, nullptr, header, payload);
+  } else {
+    zmq::message_t to(link.channel.data(), link.channel.size());
+    s = SendMessage(*router_, &to, header, payload);
+    if (!s.ok()) {
+      // Gone (the peer closed it, or a new connection of theirs replaced it): wait for
+      // the peer to dial again; its handshake names the new connection.
+      link.channel.clear();
+      link.ready = false;
+      link.inflight.clear();
+      link.stats.connected = false;
+    }
+  }
+  if (!s.ok()) {
+    link.stats.last_error = s.ToString();
+    return s;
+  }
+  CountSent(link, header, payload);
+  link.last_traffic = Clock::now();
+  return s;
 }
 
 void PeerLinks::CountSent(Link& link, const flatbuffers::FlatBufferBuilder& header,
@@ -299,53 +417,55 @@ PeerLinks::Clock::time_point PeerLinks::Deadline(const Link& link) const {
   // answering is draining its queue, however slowly.
   Clock::time_point oldest = Clock::time_point::max();
   uint64_t bytes = 0;
+  bool deltas = false;
   for (const auto& [id, f] : link.inflight) {
     oldest = std::min(oldest, f.sent);
     bytes += f.bytes;
+    deltas |= f.kind == Link::InFlight::Kind::kDelta;
   }
   Clock::time_point anchor = std::max(oldest, link.last_progress);
+  // The peer may hold a delta's ack (ack_delay_ms) before it answers.
+  if (deltas) anchor += std::chrono::milliseconds(std::max(0, options_.ack_delay_ms));
   return anchor +
          std::chrono::milliseconds(InFlightBudgetMs(
              CurrentTimeoutMs(link), bytes, link.stats.bandwidth_bps, options_.min_bandwidth_bps));
 }
 
 void PeerLinks::SendHello(Link& link) {
-  if (!link.dealer || link.paused) return;
+  if (!CanSend(link) || link.paused) return;
+  const auto our_jobs = source_->SyncJobs();
+  if (our_jobs.empty()) {
+    // Nothing to sync yet: the handshake waits for the first job (looked for every tick).
+    link.ready = false;
+    link.inflight.clear();
+    link.retry_at = Clock::now() + std::chrono::milliseconds(kTickMs);
+    return;
+  }
   flatbuffers::FlatBufferBuilder fbb;
   std::vector<flatbuffers::Offset<wire::PeerJob>> jobs;
-  for (const auto& job : source_->SyncJobs()) {
+  for (const auto& job : our_jobs) {
     std::string digest = options_.initial_digest ? options_.initial_digest(job) : "";
-    jobs.push_back(wire::CreatePeerJob(fbb, fbb.CreateString(job), fbb.CreateString(digest), 0));
+    jobs.push_back(wire::CreatePeerJob(fbb, fbb.CreateString(job), fbb.CreateString(digest),
+                                       sink_->HeldFrom(link.spec.site, job)));
   }
   auto body = wire::CreatePeerHello(fbb, fbb.CreateString(options_.site), options_.shard_index,
                                     fbb.CreateVector(jobs));
   uint64_t id = ++link.request_seq;
   FinishEnvelope(fbb, id, wire::Body::PeerHello, body.Union());
-  Status s = SendMessage(*link.dealer, nullptr, fbb, {});
-  if (!s.ok()) {
-    link.stats.last_error = s.ToString();
-    return;
-  }
-  CountSent(link, fbb, {});
+  if (!Transmit(link, fbb, {}).ok()) return;
   link.ready = false;
   link.inflight.clear();
-  link.last_traffic = Clock::now();
   link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kHello, "", 0, 0, Clock::now()};
 }
 
 void PeerLinks::SendPing(Link& link) {
   flatbuffers::FlatBufferBuilder fbb;
-  auto body = wire::CreatePeerPing(fbb, fbb.CreateString(options_.site));
+  auto body =
+      wire::CreatePeerPing(fbb, options_.insecure_plaintext ? fbb.CreateString(options_.site) : 0);
   uint64_t id = ++link.request_seq;
   FinishEnvelope(fbb, id, wire::Body::PeerPing, body.Union());
-  Status s = SendMessage(*link.dealer, nullptr, fbb, {});
-  if (!s.ok()) {
-    link.stats.last_error = s.ToString();
-    return;
-  }
-  CountSent(link, fbb, {});
+  if (!Transmit(link, fbb, {}).ok()) return;
   ++link.stats.keepalives;
-  link.last_traffic = Clock::now();
   link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kPing, "", 0, 0, Clock::now()};
 }
 
@@ -353,10 +473,14 @@ void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
   ++link.failures;
   ++link.stats.resends;
   link.stats.last_error = why;
+  if (link.key_refused) {
+    link.stats.last_error += " (the peer refused our key: is it on the peer's "
+                             "security.peer_keys allowlist?)";
+  }
   link.ready = false;
   link.inflight.clear();
   link.retry_at = Clock::now() + std::chrono::milliseconds(CurrentTimeoutMs(link));
-  if (reopen) {
+  if (reopen && link.dials) {
     // A fresh socket drops whatever the stalled connection still queues.
     Status s = OpenDealer(link);
     if (!s.ok()) link.stats.last_error = s.ToString();
@@ -365,7 +489,7 @@ void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
 }
 
 void PeerLinks::Pump(Link& link) {
-  if (!link.dealer || link.paused || !link.ready) return;
+  if (!CanSend(link) || link.paused || !link.ready) return;
   for (auto& [job, jl] : link.jobs) {
     uint64_t high = source_->OutboxHighRound(job);
     while (link.inflight.size() < static_cast<size_t>(std::max(1, options_.window)) &&
@@ -377,53 +501,38 @@ void PeerLinks::Pump(Link& link) {
         break;
       }
       std::shared_ptr<const EncodedDelta> d = *delta;
-      // Packed layout (schemas/isthmus.fbs, PeerDelta): byte counts in name order, the
-      // bytes end to end; small tensors share a frame (one copy), large ones go alone
-      // without a copy.
-      std::vector<size_t> order(d->tensors.size());
-      for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-      std::sort(order.begin(), order.end(),
-                [&](size_t a, size_t b) { return d->tensors[a].name < d->tensors[b].name; });
+      PackedDelta packed = PackDelta(d);
       flatbuffers::FlatBufferBuilder fbb;
-      std::vector<uint32_t> sizes, frame_ends;
-      std::vector<PayloadRef> payload;
-      std::shared_ptr<std::string> packing;
-      auto close_packing = [&] {
-        if (!packing) return;
-        payload.push_back(PayloadRef{packing->data(), packing->size(), packing});
-        frame_ends.push_back(static_cast<uint32_t>(sizes.size()));
-        packing.reset();
-      };
-      uint64_t raw = 0;
-      for (size_t i : order) {
-        const auto& t = d->tensors[i];
-        sizes.push_back(static_cast<uint32_t>(t.bytes.size()));
-        raw += Numel(t.shape) * sizeof(float);
-        if (t.bytes.size() >= kPackFrameBytes) {
-          close_packing();
-          // Zero-copy: the frame borrows the outbox's bytes and keeps the delta alive.
-          payload.push_back(PayloadRef{t.bytes.data(), t.bytes.size(),
-                                       std::shared_ptr<const void>(d, t.bytes.data())});
-          frame_ends.push_back(static_cast<uint32_t>(sizes.size()));
-          continue;
-        }
-        if (!packing) packing = std::make_shared<std::string>();
-        packing->append(t.bytes);
-        if (packing->size() >= kPackFrameBytes) close_packing();
+      // A leading shared frame travels inside the header: one frame and box fewer.
+      flatbuffers::Offset<flatbuffers::Vector<uint8_t>> data;
+      if (packed.inline_first) {
+        data = fbb.CreateVector(static_cast<const uint8_t*>(packed.payload.front().data),
+                                packed.payload.front().size);
+        packed.payload.erase(packed.payload.begin());
       }
-      close_packing();
-      auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(job), fbb.CreateString(options_.site),
-                                        jl.next, d->tokens, 0, fbb.CreateVector(sizes),
-                                        fbb.CreateVector(frame_ends));
+      // Our held acknowledgements of the peer's deltas ride along.
+      std::vector<wire::PeerHeld> acks;
+      const auto now = Clock::now();
+      for (const auto& h : link.held_acks) {
+        auto held_us = std::chrono::duration_cast<std::chrono::microseconds>(now - h.received);
+        acks.emplace_back(h.request_id, sink_->HeldFrom(link.spec.site, h.job),
+                          static_cast<uint64_t>(held_us.count()));
+      }
+      link.held_acks.clear();
+      // Under CURVE the key names the sender; the site travels only in plaintext.
+      auto body = wire::CreatePeerDelta(
+          fbb, fbb.CreateString(job),
+          options_.insecure_plaintext ? fbb.CreateString(options_.site) : 0, jl.next, d->tokens,
+          0, packed.frame_ends.size() == 1 ? 0 : fbb.CreateVector(packed.frame_ends), data,
+          static_cast<uint32_t>(std::max(0, options_.ack_delay_ms)),
+          acks.empty() ? 0 : fbb.CreateVectorOfStructs(acks),
+          fbb.CreateVector(reinterpret_cast<const uint8_t*>(packed.sizes.data()),
+                           packed.sizes.size()));
+      const uint64_t raw = packed.raw_bytes;
+      const std::vector<PayloadRef>& payload = packed.payload;
       uint64_t id = ++link.request_seq;
       FinishEnvelope(fbb, id, wire::Body::PeerDelta, body.Union());
-      Status s = SendMessage(*link.dealer, nullptr, fbb, payload);
-      if (!s.ok()) {
-        link.stats.last_error = s.ToString();
-        return;
-      }
-      CountSent(link, fbb, payload);
-      link.last_traffic = Clock::now();
+      if (!Transmit(link, fbb, payload).ok()) return;
       uint64_t& high = link.high_sent[job];
       link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kDelta, job, jl.next,
                                          d->WireBytes(), Clock::now(), jl.next <= high};
@@ -443,94 +552,163 @@ void PeerLinks::OnDealerReadable(Link& link) {
       if (msg.status().code() != Code::kTimeout) link.stats.last_error = msg.status().ToString();
       return;
     }
-    CountReceived(link, *msg);
     link.last_traffic = Clock::now();
     auto env = ParseEnvelope(msg->header, options_.limits);
+    if (env.ok() && IsPeerRequest((*env)->body_type())) {
+      // The peer's own traffic over our connection: the CURVE server we dialled proved
+      // its key, so the message is the peer's.
+      Answer(*link.dealer, nullptr, options_.insecure_plaintext ? "" : link.spec.public_key,
+             *msg);
+      continue;
+    }
+    CountReceived(link, *msg);
     if (!env.ok()) {
       link.stats.last_error = "bad reply from peer: " + env.status().ToString();
       continue;
     }
-    auto it = link.inflight.find((*env)->request_id());
-    if (it == link.inflight.end()) continue;  // a reply to a request we gave up on
-    Link::InFlight sent = it->second;
-    link.inflight.erase(it);
-    auto now = Clock::now();
-    Status err = ErrorFromEnvelope(*env);
-    if (!err.ok()) {
-      // The peer refused (paused, digest mismatch, malformed): back off and handshake again.
-      ++link.stats.refused;
-      const char* what = sent.kind == Link::InFlight::Kind::kHello ? "the handshake"
-                         : sent.kind == Link::InFlight::Kind::kPing ? "a keep-alive"
-                                                                    : nullptr;
-      Reset(link,
-            "peer refused " + (what ? std::string(what) : "round " + std::to_string(sent.round)) +
-                ": " + err.ToString(),
-            false);
-      return;
+    OnReply(link, *env);
+  }
+}
+
+void PeerLinks::OnReply(Link& link, const wire::Envelope* env) {
+  auto it = link.inflight.find(env->request_id());
+  if (it == link.inflight.end()) return;  // a reply to a request we gave up on
+  auto now = Clock::now();
+  Status err = ErrorFromEnvelope(env);
+  if (err.ok() && env->body_type() == wire::Body::PeerAck &&
+      it->second.kind == Link::InFlight::Kind::kDelta) {
+    const auto* ack = env->body_as_PeerAck();
+    OnAcked(link, env->request_id(), ack->held_round(),
+            now - std::chrono::microseconds(std::min<uint64_t>(ack->delay_us(), kMaxAckDelayUs)));
+    return;
+  }
+  Link::InFlight sent = it->second;
+  link.inflight.erase(it);
+  if (!err.ok()) {
+    // The peer refused (paused, digest mismatch, malformed): back off and handshake again.
+    ++link.stats.refused;
+    const char* what = sent.kind == Link::InFlight::Kind::kHello ? "the handshake"
+                       : sent.kind == Link::InFlight::Kind::kPing ? "a keep-alive"
+                                                                  : nullptr;
+    Reset(link,
+          "peer refused " + (what ? std::string(what) : "round " + std::to_string(sent.round)) +
+              ": " + err.ToString(),
+          false);
+    return;
+  }
+  link.last_progress = now;
+  link.failures = 0;
+  if (sent.kind != Link::InFlight::Kind::kDelta) link.meter->OnOtherReply(now);
+  if (env->body_type() == wire::Body::PeerPong && sent.kind == Link::InFlight::Kind::kPing) {
+    return;
+  }
+  if (env->body_type() == wire::Body::PeerHelloReply && sent.kind == Link::InFlight::Kind::kHello) {
+    const auto* reply = env->body_as_PeerHelloReply();
+    std::map<std::string, uint64_t> held;
+    std::string mismatch;
+    if (reply->jobs()) {
+      for (const auto* pj : *reply->jobs()) {
+        // The peer checked our digests; one it states anyway must match too.
+        std::string job = pj->job()->str();
+        std::string ours = options_.initial_digest ? options_.initial_digest(job) : "";
+        std::string theirs = Str(pj->initial_digest());
+        if (!ours.empty() && !theirs.empty() && ours != theirs) {
+          mismatch = job;
+          continue;
+        }
+        held[job] = pj->held_round();
+      }
     }
-    link.last_progress = now;
-    link.failures = 0;
-    if (sent.kind != Link::InFlight::Kind::kDelta) link.meter->OnOtherReply(now);
-    if ((*env)->body_type() == wire::Body::PeerPong && sent.kind == Link::InFlight::Kind::kPing) {
+    Adopt(link, held, /*fresh=*/true);
+    if (!mismatch.empty()) {
+      link.stats.last_error =
+          "initial state of job '" + mismatch + "' differs from the peer's; not syncing it";
+    }
+    // Jobs of ours the peer did not know are asked for again later, the wait doubling
+    // (up to backoff_max_ms) while our job set stays the same.
+    const size_t ours = source_->SyncJobs().size();
+    link.job_probe_interval_ms =
+        ours != link.jobs_at_probe || link.job_probe_interval_ms == 0
+            ? options_.resend_ms
+            : std::min(2 * link.job_probe_interval_ms,
+                       std::max(options_.backoff_max_ms, options_.resend_ms));
+    link.jobs_at_probe = ours;
+    link.job_probe_at = now + std::chrono::milliseconds(link.job_probe_interval_ms);
+  } else {
+    link.stats.last_error = "unexpected reply type from peer";
+  }
+}
+
+void PeerLinks::OnAcked(Link& link, uint64_t request_id, uint64_t held, Clock::time_point at) {
+  auto it = link.inflight.find(request_id);
+  if (it == link.inflight.end() || it->second.kind != Link::InFlight::Kind::kDelta) return;
+  const Link::InFlight sent = it->second;
+  link.inflight.erase(it);
+  link.last_progress = Clock::now();
+  link.failures = 0;
+  auto jit = link.jobs.find(sent.job);
+  if (jit == link.jobs.end()) return;
+  auto& jl = jit->second;
+  jl.acked = std::max(jl.acked, held);
+  // The peer lacks an earlier round it should hold (it lost state): send from there.
+  if (held < sent.round) jl.next = std::min(jl.next, held + 1);
+  ++link.stats.deltas_acked;
+  source_->OnPeerAck(link.spec.site, sent.job, jl.acked);
+  // A held ack is timed from when the peer had the delta, not from when it answered.
+  at = std::max(at, sent.sent);
+  if (auto estimate = link.meter->OnAck(sent.sent, at, sent.bytes, sent.resent)) {
+    double& bw = link.stats.bandwidth_bps;
+    bw = *estimate;
+    source_->OnLinkBandwidth(link.spec.site, bw);
+  }
+}
+
+void PeerLinks::FlushAcks(Link& link, bool all) {
+  const auto now = Clock::now();
+  auto keep = link.held_acks.begin();
+  for (auto& h : link.held_acks) {
+    if (!all && now < h.due) {
+      if (&*keep != &h) *keep = std::move(h);
+      ++keep;
       continue;
     }
-    if ((*env)->body_type() == wire::Body::PeerHelloReply &&
-        sent.kind == Link::InFlight::Kind::kHello) {
-      const auto* reply = (*env)->body_as_PeerHelloReply();
-      std::map<std::string, Link::JobLink> jobs;
-      std::string mismatch;
-      if (reply->jobs()) {
-        for (const auto* pj : *reply->jobs()) {
-          std::string job = pj->job()->str();
-          std::string ours = options_.initial_digest ? options_.initial_digest(job) : "";
-          std::string theirs = Str(pj->initial_digest());
-          if (!ours.empty() && !theirs.empty() && ours != theirs) {
-            mismatch = job;
-            continue;
-          }
-          Link::JobLink jl;
-          jl.acked = pj->held_round();
-          jl.next = jl.acked + 1;
-          jobs[job] = jl;
-          source_->OnPeerAck(link.spec.site, job, jl.acked);
-        }
-      }
-      link.jobs = std::move(jobs);
-      link.ready = true;
-      // Jobs of ours the peer did not know are asked for again later, the wait doubling
-      // (up to backoff_max_ms) while our job set stays the same.
-      const size_t ours = source_->SyncJobs().size();
-      link.job_probe_interval_ms =
-          ours != link.jobs_at_probe || link.job_probe_interval_ms == 0
-              ? options_.resend_ms
-              : std::min(2 * link.job_probe_interval_ms,
-                         std::max(options_.backoff_max_ms, options_.resend_ms));
-      link.jobs_at_probe = ours;
-      link.job_probe_at = now + std::chrono::milliseconds(link.job_probe_interval_ms);
-      link.stats.connected = true;
-      link.stats.last_error = mismatch.empty() ? ""
-                                               : "initial state of job '" + mismatch +
-                                                     "' differs from the peer's; not syncing it";
-    } else if ((*env)->body_type() == wire::Body::PeerAck &&
-               sent.kind == Link::InFlight::Kind::kDelta) {
-      const auto* ack = (*env)->body_as_PeerAck();
-      auto jit = link.jobs.find(sent.job);
-      if (jit == link.jobs.end()) continue;
-      auto& jl = jit->second;
-      jl.acked = std::max(jl.acked, ack->held_round());
-      // The peer lacks an earlier round it should hold (it lost state): send from there.
-      if (ack->held_round() < sent.round) jl.next = std::min(jl.next, ack->held_round() + 1);
-      ++link.stats.deltas_acked;
-      source_->OnPeerAck(link.spec.site, sent.job, jl.acked);
-      if (auto estimate = link.meter->OnAck(sent.sent, now, sent.bytes, sent.resent)) {
-        double& bw = link.stats.bandwidth_bps;
-        bw = *estimate;
-        source_->OnLinkBandwidth(link.spec.site, bw);
-      }
-    } else {
-      link.stats.last_error = "unexpected reply type from peer";
+    flatbuffers::FlatBufferBuilder fbb;
+    auto delay = std::chrono::duration_cast<std::chrono::microseconds>(now - h.received);
+    auto body = wire::CreatePeerAck(fbb, 0, 0, 0, sink_->HeldFrom(link.spec.site, h.job),
+                                    static_cast<uint64_t>(delay.count()));
+    FinishEnvelope(fbb, h.request_id, wire::Body::PeerAck, body.Union());
+    // On the connection the delta came on; if that is gone, so is the sender's copy of
+    // the request, and it sends the round again.
+    Status sent;
+    if (h.on_dealer) {
+      sent = link.dealer ? SendMessage(*link.dealer, nullptr, fbb, {})
+                         : Status::Unavailable("connection closed");
+    } else if (router_) {
+      zmq::message_t to(h.connection.data(), h.connection.size());
+      sent = SendMessage(*router_, &to, fbb, {});
+    }
+    if (sent.ok()) {
+      CountSent(link, fbb, {});
+      link.last_traffic = now;
     }
   }
+  link.held_acks.erase(keep, link.held_acks.end());
+}
+
+void PeerLinks::Adopt(Link& link, const std::map<std::string, uint64_t>& held, bool fresh) {
+  if (fresh) link.jobs.clear();
+  for (const auto& [job, round] : held) {
+    auto [it, added] = link.jobs.try_emplace(job);
+    Link::JobLink& jl = it->second;
+    jl.acked = std::max(fresh || added ? 0 : jl.acked, round);
+    if (fresh || added) jl.next = jl.acked + 1;
+    source_->OnPeerAck(link.spec.site, job, jl.acked);
+  }
+  link.ready = true;
+  link.stats.connected = true;
+  link.last_progress = Clock::now();
+  link.failures = 0;
+  link.stats.last_error.clear();
 }
 
 void PeerLinks::OnMonitorReadable(Link& link) {
@@ -546,6 +724,7 @@ void PeerLinks::OnMonitorReadable(Link& link) {
     switch (id) {
       case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
         CountConnection(link, /*client_side=*/true);
+        link.key_refused = false;
         link.transport_up = true;
         // A new connection: whatever was in flight on the old one may be lost.
         if (link.reconnecting) SendHello(link);
@@ -560,6 +739,7 @@ void PeerLinks::OnMonitorReadable(Link& link) {
       case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
         CountConnection(link, /*client_side=*/true);
         ++link.stats.auth_failures;
+        link.key_refused = true;
         link.stats.connected = false;
         link.stats.last_error = "peer refused our key (status " + std::to_string(value) +
                                 "): is it on the peer's security.peer_keys allowlist?";
@@ -584,45 +764,90 @@ void PeerLinks::OnRouterReadable() {
       ++refused_unknown_;
       continue;
     }
+    std::string connection(static_cast<const char*>(routing_id.data()), routing_id.size());
+    auto env = ParseEnvelope(msg->header, options_.limits);
+    if (env.ok() && !IsPeerRequest((*env)->body_type())) {
+      // A reply to a request of ours that went over a connection the peer dialled.
+      Link* link = nullptr;
+      for (auto& l : links_) {
+        if (!l->dials && l->channel == connection) link = l.get();
+      }
+      if (link == nullptr) {
+        ++refused_unknown_;
+        continue;
+      }
+      CountReceived(*link, *msg);
+      link->last_traffic = Clock::now();
+      OnReply(*link, *env);
+      continue;
+    }
     std::string user_id;
     if (!options_.insecure_plaintext) {
       const char* uid = zmq_msg_gets(msg->header.handle(), "User-Id");
       if (uid != nullptr) user_id = uid;
     }
-    flatbuffers::FlatBufferBuilder reply;
-    Link* from = nullptr;
-    Status s = HandlePeerMessage(user_id, *msg, reply, &from);
-    if (!s.ok()) {
-      uint64_t id = 0;
-      if (auto env = ParseEnvelope(msg->header, options_.limits); env.ok())
-        id = (*env)->request_id();
-      reply.Clear();
-      BuildErrorReply(reply, id, s);
-      spdlog::warn("refused a peer message: {}", s.ToString());
-    }
-    Status sent = SendMessage(*router_, &routing_id, reply, {});
-    if (!sent.ok()) spdlog::warn("could not answer a peer: {}", sent.ToString());
-    if (from != nullptr) {
-      // A routing id we have not seen from this peer is a new connection of theirs: its
-      // handshake crossed the wire too.
-      std::string connection(static_cast<const char*>(routing_id.data()), routing_id.size());
-      if (connection != from->peer_connection) {
-        from->peer_connection = std::move(connection);
-        CountConnection(*from, /*client_side=*/false);
-      }
-      CountReceived(*from, *msg);
-      if (sent.ok()) CountSent(*from, reply, {});
+    Link* from = Answer(*router_, &routing_id, user_id, *msg);
+    // A routing id we have not seen from this peer is a new connection of theirs: its
+    // handshake crossed the wire too.
+    if (from != nullptr && connection != from->peer_connection) {
+      from->peer_connection = std::move(connection);
+      CountConnection(*from, /*client_side=*/false);
     }
   }
 }
 
-Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
-                                    flatbuffers::FlatBufferBuilder& reply) {
-  return HandlePeerMessage(user_id, msg, reply, nullptr);
+PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
+                                   const std::string& user_id, const Frames& msg) {
+  flatbuffers::FlatBufferBuilder reply;
+  Link* from = nullptr;
+  std::string connection;
+  if (routing_id != nullptr) {
+    connection.assign(static_cast<const char*>(routing_id->data()), routing_id->size());
+  }
+  Status s = HandlePeerMessage(user_id, msg, reply, &from, routing_id ? &connection : nullptr);
+  auto env = ParseEnvelope(msg.header, options_.limits);
+  if (!s.ok()) {
+    reply.Clear();
+    BuildErrorReply(reply, env.ok() ? (*env)->request_id() : 0, s);
+    spdlog::warn("refused a peer message: {}", s.ToString());
+  } else if (from != nullptr && env.ok() && (*env)->body_type() == wire::Body::PeerDelta &&
+             (*env)->body_as_PeerDelta()->ack_delay_ms() > 0) {
+    // The sender lets us hold the ack: it rides in our next delta to it, or goes alone
+    // when its time is up (Tick). At most a window's worth waits per link.
+    const auto now = Clock::now();
+    const int64_t hold_ms =
+        std::min<int64_t>((*env)->body_as_PeerDelta()->ack_delay_ms(), kMaxAckHoldMs);
+    Link::HeldAck h;
+    h.request_id = (*env)->request_id();
+    h.job = (*env)->body_as_PeerDelta()->job()->str();
+    h.received = now;
+    h.due = now + std::chrono::milliseconds(hold_ms);
+    h.on_dealer = routing_id == nullptr;
+    h.connection = connection;
+    CountReceived(*from, msg);
+    from->last_traffic = now;
+    from->held_acks.push_back(std::move(h));
+    if (from->held_acks.size() > kMaxHeldAcks) FlushAcks(*from, /*all=*/true);
+    return from;
+  }
+  Status sent = SendMessage(socket, routing_id, reply, {});
+  if (!sent.ok()) spdlog::warn("could not answer a peer: {}", sent.ToString());
+  if (from != nullptr) {
+    CountReceived(*from, msg);
+    if (sent.ok()) CountSent(*from, reply, {});
+    from->last_traffic = Clock::now();
+  }
+  return from;
 }
 
 Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
-                                    flatbuffers::FlatBufferBuilder& reply, Link** from_out) {
+                                    flatbuffers::FlatBufferBuilder& reply) {
+  return HandlePeerMessage(user_id, msg, reply, nullptr, nullptr);
+}
+
+Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
+                                    flatbuffers::FlatBufferBuilder& reply, Link** from_out,
+                                    const std::string* connection) {
   auto env_or = ParseEnvelope(msg.header, options_.limits);
   if (!env_or.ok()) {
     ++refused_unknown_;
@@ -631,7 +856,7 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& ms
   const wire::Envelope* env = *env_or;
   std::string claimed;
   if (env->body_type() == wire::Body::PeerHello) claimed = env->body_as_PeerHello()->site()->str();
-  if (env->body_type() == wire::Body::PeerDelta) claimed = env->body_as_PeerDelta()->site()->str();
+  if (env->body_type() == wire::Body::PeerDelta) claimed = Str(env->body_as_PeerDelta()->site());
   if (env->body_type() == wire::Body::PeerPing) claimed = Str(env->body_as_PeerPing()->site());
   Link* from = nullptr;
   if (options_.insecure_plaintext) {
@@ -645,10 +870,13 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& ms
     return Status::PermissionDenied("this key is not configured for any site in sync.peers");
   }
   if (from_out != nullptr) *from_out = from;
+  // Under CURVE a delta or ping need not name its site: the key does.
+  if (claimed.empty() && !options_.insecure_plaintext && env->body_type() != wire::Body::PeerHello) {
+    claimed = from->spec.site;
+  }
   const bool ping = env->body_type() == wire::Body::PeerPing;
   Status s;
-  if (env->body_type() != wire::Body::PeerHello && env->body_type() != wire::Body::PeerDelta &&
-      !ping) {
+  if (!IsPeerRequest(env->body_type())) {
     s = Status::InvalidArgument("not a peer message");
   } else if (claimed != from->spec.site) {
     s = Status::PermissionDenied("message claims site '" + claimed + "' but the key is site '" +
@@ -656,44 +884,65 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& ms
   } else if (from->paused) {
     s = Status::Unavailable("the link to site '" + from->spec.site + "' is paused here");
   } else if (env->body_type() == wire::Body::PeerHello) {
-    s = HandleHello(*from, env->body_as_PeerHello(), env->request_id(), reply);
+    s = HandleHello(*from, env->body_as_PeerHello(), env->request_id(), reply, connection);
   } else if (ping) {
     FinishEnvelope(reply, env->request_id(), wire::Body::PeerPong,
                    wire::CreatePeerPong(reply).Union());
   } else {
     s = HandleDelta(*from, env->body_as_PeerDelta(), msg, env->request_id(), reply);
   }
-  if (!s.ok()) ++from->stats.refused;
+  if (!s.ok()) {
+    // Shown on this side too: with one connection per pair, the peer's side of a refused
+    // handshake may be the only one that ever sends one.
+    ++from->stats.refused;
+    from->stats.last_error = "refused a message from the peer: " + s.ToString();
+  }
   return s;
 }
 
 Status PeerLinks::HandleHello(Link& from, const wire::PeerHello* hello, uint64_t id,
-                              flatbuffers::FlatBufferBuilder& reply) {
+                              flatbuffers::FlatBufferBuilder& reply,
+                              const std::string* connection) {
   if (hello->shard_index() >= 0 && options_.shard_index >= 0 &&
       hello->shard_index() != options_.shard_index) {
     return Status::FailedPrecondition("peer shard " + std::to_string(hello->shard_index()) +
                                       " connected to shard " +
                                       std::to_string(options_.shard_index) + " (check sync.peers)");
   }
-  std::map<std::string, std::string> theirs;
+  std::map<std::string, const wire::PeerJob*> theirs;
   if (hello->jobs()) {
-    for (const auto* pj : *hello->jobs()) theirs[pj->job()->str()] = Str(pj->initial_digest());
+    for (const auto* pj : *hello->jobs()) theirs[pj->job()->str()] = pj;
   }
   std::vector<flatbuffers::Offset<wire::PeerJob>> jobs;
+  std::map<std::string, uint64_t> their_held;  // what the peer holds of our rounds
   for (const auto& job : source_->SyncJobs()) {
     auto it = theirs.find(job);
     if (it == theirs.end()) continue;
     std::string ours = options_.initial_digest ? options_.initial_digest(job) : "";
-    if (!ours.empty() && !it->second.empty() && ours != it->second) {
+    std::string digest = Str(it->second->initial_digest());
+    if (!ours.empty() && !digest.empty() && ours != digest) {
       return Status::FailedPrecondition("job '" + job + "': initial state differs between site '" +
                                         options_.site + "' and site '" + from.spec.site + "'");
     }
-    jobs.push_back(wire::CreatePeerJob(reply, reply.CreateString(job), reply.CreateString(ours),
+    their_held[job] = it->second->held_round();
+    // Digests were checked here; the reply carries only the acknowledgement.
+    jobs.push_back(wire::CreatePeerJob(reply, reply.CreateString(job), 0,
                                        sink_->HeldFrom(from.spec.site, job)));
   }
-  auto body = wire::CreatePeerHelloReply(reply, reply.CreateString(options_.site),
-                                         options_.shard_index, reply.CreateVector(jobs));
+  auto body = wire::CreatePeerHelloReply(reply, 0, options_.shard_index, reply.CreateVector(jobs));
   FinishEnvelope(reply, id, wire::Body::PeerHelloReply, body.Union());
+  if (!from.dials && connection != nullptr) {
+    // The peer dials us: its handshake opens (or re-opens) the connection our own deltas
+    // travel on, and its held rounds are our acknowledgements. A new connection loses
+    // whatever was in flight on the old one.
+    const bool fresh = *connection != from.channel || !from.ready;
+    if (fresh) {
+      from.channel = *connection;
+      from.inflight.clear();
+      from.meter->Restart(Clock::now());
+    }
+    Adopt(from, their_held, fresh);
+  }
   return Status::Ok();
 }
 
@@ -752,39 +1001,56 @@ Status PeerLinks::UnpackDelta(const wire::PeerDelta* req, const Frames& msg,
     return Status::InvalidArgument("peer delta has both listed and packed tensors");
   }
   ISTHMUS_ASSIGN_OR_RETURN(auto layout, sink_->JobTensors(delta->job));
-  const auto* sizes = req->sizes();
-  const auto* ends = req->frame_ends();
-  if (sizes->size() != layout.size()) {
-    return Status::InvalidArgument("packed delta has " + std::to_string(sizes->size()) +
-                                   " tensors, job '" + delta->job + "' has " +
-                                   std::to_string(layout.size()) + " here");
+  std::vector<uint64_t> sizes;
+  const uint8_t* at = req->packed_sizes()->data();
+  const uint8_t* stop = at + req->packed_sizes()->size();
+  while (at < stop && sizes.size() <= layout.size()) {
+    uint64_t n = 0;
+    if (!ReadVarint(&at, stop, &n)) return Status::InvalidArgument("packed delta: bad size varint");
+    sizes.push_back(n);
   }
-  const size_t frames = ends ? ends->size() : 0;
-  if (frames != msg.payload.size()) {
+  const auto* ends = req->frame_ends();
+  if (at != stop || sizes.size() != layout.size()) {
+    return Status::InvalidArgument("packed delta has " + std::string(at != stop ? "over " : "") +
+                                   std::to_string(sizes.size()) + " tensors, job '" + delta->job +
+                                   "' has " + std::to_string(layout.size()) + " here");
+  }
+  // The frames: `data` inside the header first, when present, then the payload frames.
+  std::vector<std::pair<const char*, uint64_t>> spans;
+  if (req->data() != nullptr) {
+    spans.emplace_back(reinterpret_cast<const char*>(req->data()->data()), req->data()->size());
+  }
+  for (const auto& p : msg.payload) {
+    spans.emplace_back(static_cast<const char*>(p.data()), p.size());
+  }
+  // No `frame_ends`: one frame holds every tensor.
+  const size_t frames = ends ? ends->size() : layout.empty() ? 0 : 1;
+  if (frames != spans.size()) {
     return Status::InvalidArgument("packed delta describes " + std::to_string(frames) +
-                                   " frames but has " + std::to_string(msg.payload.size()));
+                                   " frames but has " + std::to_string(spans.size()));
   }
   size_t tensor = 0;
   for (size_t f = 0; f < frames; ++f) {
-    const uint32_t end = ends->Get(f);
+    const uint32_t end =
+        ends ? ends->Get(static_cast<flatbuffers::uoffset_t>(f)) : static_cast<uint32_t>(layout.size());
     if (end < tensor || end > layout.size()) {
       return Status::InvalidArgument("packed delta frame boundaries out of order");
     }
-    const auto& frame = msg.payload[f];
+    const auto [frame, frame_size] = spans[f];
     uint64_t at = 0;
     for (; tensor < end; ++tensor) {
-      const uint64_t n = sizes->Get(static_cast<flatbuffers::uoffset_t>(tensor));
-      if (n > frame.size() - at) {
+      const uint64_t n = sizes[tensor];
+      if (n > frame_size - at) {
         return Status::InvalidArgument("packed delta tensor runs past its frame");
       }
       EncodedTensor t;
       t.name = layout[tensor].first;
       t.shape = layout[tensor].second;
-      t.bytes.assign(static_cast<const char*>(frame.data()) + at, n);
+      t.bytes.assign(frame + at, n);
       at += n;
       delta->tensors.push_back(std::move(t));
     }
-    if (at != frame.size()) {
+    if (at != frame_size) {
       return Status::InvalidArgument("packed delta frame " + std::to_string(f) +
                                      " holds bytes no tensor claims");
     }
@@ -798,6 +1064,15 @@ Status PeerLinks::UnpackDelta(const wire::PeerDelta* req, const Frames& msg,
 Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Frames& msg,
                               uint64_t id, flatbuffers::FlatBufferBuilder& reply) {
   const auto& lim = options_.limits;
+  // The peer's acknowledgements of our deltas come first: they stand whatever becomes of
+  // this delta.
+  if (req->acks() != nullptr) {
+    const auto now = Clock::now();
+    for (const auto* a : *req->acks()) {
+      OnAcked(from, a->request_id(), a->held_round(),
+              now - std::chrono::microseconds(std::min<uint64_t>(a->delay_us(), kMaxAckDelayUs)));
+    }
+  }
   if (req->round() == 0) return Status::InvalidArgument("peer delta with round 0");
   if (req->job()->size() > lim.max_name_bytes) return Status::InvalidArgument("job name too long");
   if (msg.PayloadBytes() > lim.max_payload_bytes) {
@@ -805,23 +1080,28 @@ Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Fram
   }
   EncodedDelta delta;
   delta.job = req->job()->str();
-  delta.site = req->site()->str();
+  delta.site = from.spec.site;  // checked against any site the message claims
   delta.round = req->round();
   delta.tokens = req->tokens();
-  if (req->sizes() != nullptr) {
+  if (req->packed_sizes() != nullptr) {
     ISTHMUS_RETURN_IF_ERROR(UnpackDelta(req, msg, &delta));
+  } else if (req->data() != nullptr) {
+    return Status::InvalidArgument("peer delta has inline data but no packed sizes");
   } else {
     ISTHMUS_RETURN_IF_ERROR(UnlistDelta(req, msg, &delta));
   }
-  from.stats.bytes_received += msg.PayloadBytes();
+  from.stats.bytes_received += msg.PayloadBytes() + (req->data() ? req->data()->size() : 0);
   ISTHMUS_ASSIGN_OR_RETURN(uint64_t held, sink_->ReceiveDelta(from.spec.site, delta));
-  auto body = wire::CreatePeerAck(reply, reply.CreateString(delta.job),
-                                  reply.CreateString(delta.site), delta.round, held);
+  auto body = wire::CreatePeerAck(reply, 0, 0, delta.round, held);
   FinishEnvelope(reply, id, wire::Body::PeerAck, body.Union());
   return Status::Ok();
 }
 
-size_t PeerLinks::PollItemCount() const { return (router_ ? 1 : 0) + 2 * links_.size(); }
+size_t PeerLinks::PollItemCount() const {
+  size_t n = router_ ? 1 : 0;
+  for (const auto& l : links_) n += (l->dealer ? 1 : 0) + (l->monitor ? 1 : 0);
+  return n;
+}
 
 void PeerLinks::FillPollItems(zmq::pollitem_t* items) {
   poll_map_.clear();
@@ -832,13 +1112,14 @@ void PeerLinks::FillPollItems(zmq::pollitem_t* items) {
   }
   for (size_t i = 0; i < links_.size(); ++i) {
     auto& l = *links_[i];
-    // A link between sockets (cannot happen after Start) is polled on nothing.
-    items[k++] = {l.dealer ? l.dealer->handle() : nullptr, -1,
-                  static_cast<short>(l.dealer ? ZMQ_POLLIN : 0), 0};
-    poll_map_.push_back(static_cast<int>(2 * i));
-    items[k++] = {l.monitor ? l.monitor->handle() : nullptr, -1,
-                  static_cast<short>(l.monitor ? ZMQ_POLLIN : 0), 0};
-    poll_map_.push_back(static_cast<int>(2 * i + 1));
+    if (l.dealer) {
+      items[k++] = {l.dealer->handle(), -1, ZMQ_POLLIN, 0};
+      poll_map_.push_back(static_cast<int>(2 * i));
+    }
+    if (l.monitor) {
+      items[k++] = {l.monitor->handle(), -1, ZMQ_POLLIN, 0};
+      poll_map_.push_back(static_cast<int>(2 * i + 1));
+    }
   }
 }
 
@@ -862,7 +1143,9 @@ void PeerLinks::Tick() {
   bool jobs_known = false;
   for (auto& lp : links_) {
     Link& link = *lp;
-    if (link.paused || !link.dealer) continue;
+    FlushAcks(link, /*all=*/false);
+    // A peer that dials us and has not yet: nothing to do until its handshake arrives.
+    if (link.paused || !CanSend(link)) continue;
     // Timeouts: no answer for the current interval plus the expected transfer time.
     if (auto deadline = Deadline(link); now >= deadline) {
       Reset(link,
@@ -884,7 +1167,8 @@ void PeerLinks::Tick() {
       }
       bool unknown = false;
       for (const auto& j : sync_jobs) unknown |= link.jobs.count(j) == 0;
-      if (unknown && link.inflight.empty()) {
+      // The dialling side probes; its handshakes tell the other side too.
+      if (link.dials && unknown && link.inflight.empty()) {
         if (sync_jobs.size() != link.jobs_at_probe) link.job_probe_at = now;  // a new job here
         if (now >= link.job_probe_at) {
           SendHello(link);
@@ -893,8 +1177,9 @@ void PeerLinks::Tick() {
       }
       Pump(link);
       // An idle link costs one small ping per keep-alive interval (backoff_max_ms), which
-      // also notices a dead connection while there is nothing to send.
-      if (link.inflight.empty() &&
+      // also notices a dead connection while there is nothing to send; the dialling side
+      // pings, and reconnects if it goes unanswered.
+      if (link.dials && link.inflight.empty() &&
           now - link.last_traffic >= std::chrono::milliseconds(options_.backoff_max_ms)) {
         SendPing(link);
       }
@@ -907,12 +1192,16 @@ int PeerLinks::NextTimeoutMs() const {
   int64_t best = kTickMs;
   for (const auto& lp : links_) {
     const Link& link = *lp;
+    for (const auto& h : link.held_acks) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(h.due - now);
+      best = std::min<int64_t>(best, std::max<int64_t>(0, left.count()));
+    }
     if (link.paused) continue;
     if (auto deadline = Deadline(link); deadline != Clock::time_point::max()) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
       best = std::min<int64_t>(best, std::max<int64_t>(0, left.count()));
     }
-    if (!link.ready && link.inflight.empty()) {
+    if (!link.ready && link.inflight.empty() && CanSend(link)) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(link.retry_at - now);
       best = std::min<int64_t>(best, std::max<int64_t>(0, left.count()));
     }

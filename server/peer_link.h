@@ -1,7 +1,9 @@
-// Cross-site peer links of one shard: a DEALER (CURVE client) towards the same-numbered
-// shard of every other site, and the `listen.peer` ROUTER that receives the other sites'
-// deltas. Links only move bytes: what to send comes from a DeltaSource, what arrives goes
-// to a DeltaSink (server/peer_io.h); the engine behind them owns durability and commits.
+// Cross-site peer links of one shard. Each pair of sites shares one connection per shard
+// pair, carrying both directions: one side dials a DEALER (CURVE client) to the other's
+// `listen.peer` ROUTER, which answers and sends its own deltas back over that connection
+// (PeerLinkOptions::dial says which side dials). Links only move bytes: what to send comes
+// from a DeltaSource, what arrives goes to a DeltaSink (server/peer_io.h); the engine
+// behind them owns durability and commits.
 //
 // Threads: everything runs on one thread (the shard's event loop), which owns the sockets.
 // Nothing here locks; Stats() and the control calls must be made on that thread too.
@@ -38,8 +40,17 @@ struct PeerLinkSpec {
 Result<PeerLinkSpec> ParsePeerLinkSpec(const std::string& text);
 Result<std::vector<PeerLinkSpec>> ParsePeerLinkSpecs(const std::vector<std::string>& texts);
 
+// Which side of a pair opens the connection (sync.dial). kAuto: the site whose name sorts
+// first dials and the other waits on listen.peer, so a pair shares one connection (one
+// handshake, and each side's TCP acknowledgements ride on the other's data). kAlways: this
+// site dials every peer (where the peer cannot reach us); kNever: it only waits (where we
+// cannot reach the peer). Two dialling sides work too, over two connections.
+enum class PeerDial { kAuto, kAlways, kNever };
+Result<PeerDial> ParsePeerDial(const std::string& text);
+
 struct PeerLinkOptions {
   std::string site;                 // this site's name (sync.site)
+  PeerDial dial = PeerDial::kAuto;
   int shard_index = -1;             // this shard's index; -1 = unknown (not checked)
   std::string listen_endpoint;      // listen.peer; empty = do not receive
   KeyPair keys;                     // this server's key pair (CURVE client and server)
@@ -49,6 +60,10 @@ struct PeerLinkOptions {
   int backoff_max_ms = 30000;   // cap of the doubling resend / retry interval; also the
                                 // keep-alive interval of an idle link
   int window = 4;               // deltas in flight per link
+  // How long the peer may hold its acknowledgement of one of our deltas to carry it inside
+  // its own next delta instead of a message of its own (sync.ack_delay_ms; 0 = at once).
+  // Also added to the time our deltas in flight may go unanswered.
+  int ack_delay_ms = 5000;
   WireLimits limits;            // applied to received peer messages
   double bandwidth_ewma = 0.3;  // weight of a new bandwidth sample (BandwidthMeter)
   // Bandwidth assumed when there is no estimate yet (or a lower one) when sizing how long
@@ -70,6 +85,7 @@ struct PeerLinkStats {
   };
   std::string site;
   std::string endpoint;
+  bool dials = false;      // this side opened the connection (else the peer dials us)
   bool connected = false;  // transport up and the handshake answered
   bool paused = false;
   std::string last_error;
@@ -79,9 +95,9 @@ struct PeerLinkStats {
   uint64_t auth_failures = 0;  // the peer refused our key
   uint64_t refused = 0;        // messages from this peer that we refused
   double bandwidth_bps = 0;    // BandwidthMeter's estimate
-  // The wire: every message this site sent to / received from the peer on either of the
-  // pair's connections (ours and theirs), with ZeroMQ's framing and CURVE's boxes, plus
-  // the handshakes of every connection; TCP/IP headers estimated (common/wire.h).
+  // The wire: every message this site sent to / received from the peer on the pair's
+  // connection(s), with ZeroMQ's framing and CURVE's boxes, plus the handshakes of every
+  // connection; TCP/IP headers estimated (common/wire.h).
   uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;
   uint64_t messages_sent = 0, messages_received = 0;
   uint64_t connections = 0;  // handshakes, ours and the peer's
@@ -145,7 +161,7 @@ class PeerLinks {
   PeerLinks(const PeerLinks&) = delete;
   PeerLinks& operator=(const PeerLinks&) = delete;
 
-  // Binds the peer ROUTER and connects one DEALER per peer. Unavailable if the endpoint
+  // Binds the peer ROUTER and connects a DEALER to every peer this side dials. Unavailable if the endpoint
   // cannot be bound; InvalidArgument for a bad peer list (duplicate site or key, own site).
   Status Start();
 
@@ -183,23 +199,46 @@ class PeerLinks {
 
   Status OpenDealer(Link& link);
   void CloseDealer(Link& link);
+  // Whether the link has a connection to send on: its DEALER, or the peer's connection to
+  // our ROUTER (learnt from the peer's handshake).
+  bool CanSend(const Link& link) const;
+  // Sends a request or reply to the link's peer on whichever connection the link uses, and
+  // counts it. An accepted connection that has gone is forgotten (Unavailable).
+  Status Transmit(Link& link, const flatbuffers::FlatBufferBuilder& header,
+                  const std::vector<PayloadRef>& payload);
   void SendHello(Link& link);
+  void SendPing(Link& link);
   void Pump(Link& link);
   void Reset(Link& link, const std::string& why, bool reopen);
   void OnDealerReadable(Link& link);
   void OnMonitorReadable(Link& link);
   void OnRouterReadable();
+  // A reply from the link's peer to one of our requests.
+  void OnReply(Link& link, const wire::Envelope* env);
+  // The peer holds every round up to `held` of the delta `request_id`, as of `at`.
+  void OnAcked(Link& link, uint64_t request_id, uint64_t held, Clock::time_point at);
+  // Sends the acknowledgements the link has held past their time as messages of their own.
+  void FlushAcks(Link& link, bool all);
+  // Answers a request from a peer on `socket` (routing_id: the ROUTER's connection, null
+  // on a DEALER). Returns the link it came from, null if none could be named.
+  Link* Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
+               const std::string& user_id, const Frames& msg);
   int CurrentTimeoutMs(const Link& link) const;
   // When the requests in flight count as lost; time_point::max() when none is.
   Clock::time_point Deadline(const Link& link) const;
   Link* FindLink(const std::string& site);
   Result<std::vector<Link*>> Select(const std::string& site);
 
+  // `connection`: the ROUTER routing id the message came on (null: a DEALER, or a test).
   Status HandlePeerMessage(const std::string& user_id, const Frames& msg,
-                           flatbuffers::FlatBufferBuilder& reply, Link** from_out);
+                           flatbuffers::FlatBufferBuilder& reply, Link** from_out,
+                           const std::string* connection);
   Status HandleHello(Link& from, const wire::PeerHello* hello, uint64_t id,
-                     flatbuffers::FlatBufferBuilder& reply);
-  void SendPing(Link& link);
+                     flatbuffers::FlatBufferBuilder& reply, const std::string* connection);
+  // Takes the peer's acknowledgements from a handshake (job -> held round) and marks the
+  // link ready. `fresh`: a new start, everything above them is sent again; otherwise (a
+  // job probe on a working connection) what is in flight stays.
+  void Adopt(Link& link, const std::map<std::string, uint64_t>& held, bool fresh);
   // Wire accounting (PeerLinkStats' wire fields).
   void CountSent(Link& link, const flatbuffers::FlatBufferBuilder& header,
                  const std::vector<PayloadRef>& payload);

@@ -111,7 +111,7 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
           st.bytes_received, st.raw_bytes_sent, st.CompressionRatio(), st.bandwidth_bps,
           st.deltas_sent, st.deltas_acked, st.resends, st.auth_failures, st.refused,
           st.wire_bytes_sent, st.wire_bytes_received, st.tcp_bytes_estimate, st.WireRatio(),
-          st.messages_sent, st.messages_received, st.connections, st.keepalives));
+          st.messages_sent, st.messages_received, st.connections, st.keepalives, st.dials));
     }
   }
   std::vector<flatbuffers::Offset<wire::SyncJobState>> job_states;
@@ -322,7 +322,9 @@ Status ShardServer::Start() {
     lo.keys = server_keys;
     lo.insecure_plaintext = c.insecure_plaintext;
     lo.peers = peers;
+    ISTHMUS_ASSIGN_OR_RETURN(lo.dial, ParsePeerDial(c.sync_dial));
     lo.resend_ms = static_cast<int>(c.sync_resend_ms);
+    lo.ack_delay_ms = static_cast<int>(c.sync_ack_delay_ms);
     lo.backoff_max_ms = static_cast<int>(c.sync_backoff_max_ms);
     lo.limits = limits;
     lo.initial_digest = [engine](const std::string& job) {

@@ -16,6 +16,7 @@
 
 #include "common/keys.h"
 #include "common/transport.h"
+#include "common/varint.h"
 #include "server/peer_link.h"
 #include "tests/loopback.h"
 
@@ -182,10 +183,11 @@ PeerLinkSpec AsPeer(const SiteSpec& s) {
 class Node {
  public:
   Node(const SiteSpec& self, std::vector<PeerLinkSpec> peers, std::vector<std::string> allow,
-       MemoryEngine* engine, int resend_ms = 300, int backoff_max_ms = 1200) {
+       MemoryEngine* engine, int resend_ms = 300, int backoff_max_ms = 1200,
+       std::function<void(PeerLinkOptions&)> tweak = nullptr) {
     std::promise<Status> started;
     auto fut = started.get_future();
-    thread_ = std::thread([&, self, peers, allow, engine, resend_ms, backoff_max_ms] {
+    thread_ = std::thread([&, self, peers, allow, engine, resend_ms, backoff_max_ms, tweak] {
       zmq::context_t ctx(1);
       ZapHandler zap(ctx);
       zap.SetAllowlist(kDomainPeer, allow);
@@ -200,7 +202,9 @@ class Node {
       o.backoff_max_ms = backoff_max_ms;
       o.window = 3;
       o.min_sample_bytes = 1;  // the test deltas are tiny; every ack may be a sample
+      o.ack_delay_ms = 500;    // acks ride in the peer's deltas or go alone this soon
       o.initial_digest = [](const std::string& job) { return "digest-of-" + job; };
+      if (tweak) tweak(o);
       auto links = std::make_unique<PeerLinks>(ctx, o, engine, engine);
       if (s.ok()) s = links->Start();
       started.set_value(s);
@@ -325,6 +329,8 @@ TEST(PeerLink, PausedLinkSendsNothingAndRefusesUntilResumed) {
   ea.AddOwn(1);
   eb.AddOwn(1);
   ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 1 && ea.Held("beta") == 1; }));
+  // Acks may be held for a while (ack_delay_ms) to ride in the peer's next delta.
+  ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 1 && eb.Ack("alpha") == 1; }));
   auto paused = na.Run([](PeerLinks& l) { return l.Pause("beta"); });
   ASSERT_TRUE(paused.ok());
   EXPECT_EQ(*paused, std::vector<std::string>{"beta"});
@@ -367,6 +373,127 @@ TEST(PeerLink, UnlistedKeyIsRefusedByZap) {
   EXPECT_FALSE(s.connected);
   EXPECT_EQ(s.deltas_acked, 0u);
   EXPECT_NE(s.last_error.find("allowlist"), std::string::npos) << s.last_error;
+}
+
+// Both ends of one pair count the same wire: what one sent, the other received.
+void ExpectSameWireBothEnds(const PeerLinkStats& x, const PeerLinkStats& y) {
+  EXPECT_EQ(x.wire_bytes_sent, y.wire_bytes_received);
+  EXPECT_EQ(x.wire_bytes_received, y.wire_bytes_sent);
+  EXPECT_EQ(x.messages_sent, y.messages_received);
+  EXPECT_EQ(x.messages_received, y.messages_sent);
+  EXPECT_EQ(x.connections, y.connections);
+}
+
+TEST(PeerLink, APairSharesOneConnectionAndAcksRideInTheOtherSidesDeltas) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  // A resend timer long enough that a slow start never looks like a lost handshake.
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea, 2000, 4000);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb, 2000, 4000);
+  // Rounds on both sides at the same pace, as two training sites produce them.
+  for (uint64_t r = 1; r <= 10; ++r) {
+    ea.AddOwn(r);
+    eb.AddOwn(r);
+    ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == r && ea.Held("beta") == r; }));
+    std::this_thread::sleep_for(30ms);
+  }
+  // The last round's acks have no delta to ride in: they go alone after ack_delay_ms.
+  ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 10 && eb.Ack("alpha") == 10; }));
+  std::this_thread::sleep_for(100ms);
+  auto sa = na.StatsOf("beta"), sb = nb.StatsOf("alpha");
+  EXPECT_TRUE(sa.dials);  // "alpha" < "beta": alpha dials, beta answers on its ROUTER
+  EXPECT_FALSE(sb.dials);
+  EXPECT_EQ(sa.connections, 1u);
+  EXPECT_EQ(sa.deltas_acked, 10u);
+  EXPECT_EQ(sb.deltas_acked, 10u);
+  EXPECT_EQ(sa.resends, 0u);
+  EXPECT_EQ(sb.resends, 0u);
+  ExpectSameWireBothEnds(sa, sb);
+  // alpha sent one handshake and ten deltas; of its acknowledgements of beta's ten
+  // deltas at most a few went as messages of their own (the rest rode in deltas).
+  EXPECT_LE(sa.messages_sent, 1u + 10u + 3u) << sa.messages_sent;
+  EXPECT_LE(sb.messages_sent, 1u + 10u + 3u) << sb.messages_sent;  // + the hello reply
+  // The wire count covers at least the payload plus framing.
+  EXPECT_GT(sa.wire_bytes_sent, sa.bytes_sent + 10u * 33u);
+}
+
+TEST(PeerLink, ZeroAckDelayAcknowledgesEachDeltaAtOnce) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  auto no_delay = [](PeerLinkOptions& o) { o.ack_delay_ms = 0; };
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea, 300, 1200, no_delay);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb, 300, 1200, no_delay);
+  for (uint64_t r = 1; r <= 3; ++r) ea.AddOwn(r);
+  // Acked within far less than the default delay, by messages of beta's own.
+  ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 3; }, 2s));
+  auto sb = nb.StatsOf("alpha");
+  EXPECT_GE(sb.messages_sent, 1u + 3u);  // the hello reply and three acks
+  EXPECT_EQ(sb.deltas_sent, 0u);
+}
+
+TEST(PeerLink, IdleLinkSendsOnlySmallKeepAlivesAndNoHandshakes) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  // Keep-alive every backoff_max_ms = 400 ms.
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea, 200, 400);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb, 200, 400);
+  ea.AddOwn(1);
+  ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 1; }));
+  auto before_a = na.StatsOf("beta"), before_b = nb.StatsOf("alpha");
+  std::this_thread::sleep_for(2500ms);
+  auto after_a = na.StatsOf("beta"), after_b = nb.StatsOf("alpha");
+  const uint64_t pings = after_a.keepalives - before_a.keepalives;
+  EXPECT_GE(pings, 3u);
+  EXPECT_LE(pings, 8u);
+  EXPECT_EQ(after_b.keepalives, 0u);  // the side that dials keeps the connection alive
+  EXPECT_EQ(after_a.connections, before_a.connections);  // no new handshake while idle
+  EXPECT_EQ(after_a.resends, before_a.resends);
+  const uint64_t idle_sent = after_a.wire_bytes_sent - before_a.wire_bytes_sent;
+  const uint64_t idle_received = after_a.wire_bytes_received - before_a.wire_bytes_received;
+  // A ping and its answer: a few tens of bytes each on the wire.
+  EXPECT_LE(idle_sent + idle_received, pings * 200) << idle_sent + idle_received << " bytes for "
+                                                    << pings << " pings";
+  EXPECT_TRUE(after_a.connected);
+  // Both ends saw the same idle traffic.
+  EXPECT_EQ(idle_sent, after_b.wire_bytes_received - before_b.wire_bytes_received);
+  EXPECT_EQ(idle_received, after_b.wire_bytes_sent - before_b.wire_bytes_sent);
+}
+
+TEST(PeerLink, TwoDiallingSidesStillDeliverEveryRoundOnce) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  auto always = [](PeerLinkOptions& o) { o.dial = PeerDial::kAlways; };
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea, 2000, 4000, always);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb, 2000, 4000, always);
+  for (uint64_t r = 1; r <= 6; ++r) ea.AddOwn(r), eb.AddOwn(r);
+  ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 6 && ea.Held("beta") == 6; }));
+  ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 6 && eb.Ack("alpha") == 6; }));
+  EXPECT_EQ(eb.InboxSize("alpha"), 6u);
+  EXPECT_EQ(eb.duplicates(), 0u);
+  EXPECT_EQ(ea.duplicates(), 0u);
+  auto sa = na.StatsOf("beta"), sb = nb.StatsOf("alpha");
+  EXPECT_TRUE(sa.dials);
+  EXPECT_TRUE(sb.dials);
+  EXPECT_EQ(sa.connections, 2u);  // ours and theirs
+  ExpectSameWireBothEnds(sa, sb);
+}
+
+TEST(PeerLink, ASiteThatNeverDialsIsReachedByOneThatAlwaysDoes) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  // alpha would dial by name order; it cannot reach beta, so beta dials.
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea, 300, 1200,
+          [](PeerLinkOptions& o) { o.dial = PeerDial::kNever; });
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb, 300, 1200,
+          [](PeerLinkOptions& o) { o.dial = PeerDial::kAlways; });
+  for (uint64_t r = 1; r <= 3; ++r) ea.AddOwn(r), eb.AddOwn(r);
+  ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 3 && ea.Held("beta") == 3; }));
+  auto sa = na.StatsOf("beta"), sb = nb.StatsOf("alpha");
+  EXPECT_FALSE(sa.dials);
+  EXPECT_TRUE(sb.dials);
+  EXPECT_EQ(sa.connections, 1u);
+  EXPECT_FALSE(ParsePeerDial("sometimes").ok());
+  EXPECT_EQ(*ParsePeerDial("never"), PeerDial::kNever);
 }
 
 // A hand-driven peer: a DEALER with a site's keys, sending whatever the test builds.
@@ -555,6 +682,131 @@ TEST_F(PeerLinkRefusals, ReplayedDeltaIsAcknowledgedAndIgnored) {
   EXPECT_EQ(eb_.Received("alpha", 1)->tensors[0].bytes, first->tensors[0].bytes);
 }
 
+// A delta in the packed layout: `sizes` as written (varints), `data` carried in the
+// header, `frame_ends` as given (empty: not written), and held acks riding along.
+struct PackedMsg {
+  std::string job = "job";
+  uint64_t round = 1;
+  std::string sizes;  // raw bytes of packed_sizes
+  std::string data;   // inline frame (empty: none)
+  std::vector<uint32_t> frame_ends;
+  std::vector<wire::PeerHeld> acks;
+  std::vector<std::string> payload;  // frames after `data`
+};
+
+std::string Varints(std::initializer_list<uint64_t> values) {
+  std::string out;
+  for (uint64_t v : values) PutVarint(&out, v);
+  return out;
+}
+
+// The two tensors MemoryEngine's job holds, "a.weight" then "b.bias" (name order).
+PackedMsg GoodPacked() {
+  PackedMsg m;
+  m.sizes = Varints({3, 4});
+  m.data = "A:xbbbb";
+  return m;
+}
+
+flatbuffers::FlatBufferBuilder BuildPacked(const PackedMsg& m) {
+  flatbuffers::FlatBufferBuilder fbb;
+  auto sizes = fbb.CreateVector(reinterpret_cast<const uint8_t*>(m.sizes.data()), m.sizes.size());
+  auto data = m.data.empty() ? flatbuffers::Offset<flatbuffers::Vector<uint8_t>>()
+                             : fbb.CreateVector(reinterpret_cast<const uint8_t*>(m.data.data()),
+                                                m.data.size());
+  auto ends = m.frame_ends.empty() ? flatbuffers::Offset<flatbuffers::Vector<uint32_t>>()
+                                   : fbb.CreateVector(m.frame_ends);
+  auto acks = m.acks.empty() ? flatbuffers::Offset<flatbuffers::Vector<const wire::PeerHeld*>>()
+                             : fbb.CreateVectorOfStructs(m.acks);
+  auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(m.job), 0, m.round, 7, 0, ends,
+                                    data, 0, acks, sizes);
+  wire::EnvelopeBuilder env(fbb);
+  env.add_request_id(43);
+  env.add_body_type(wire::Body::PeerDelta);
+  env.add_body(body.Union());
+  fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
+  return fbb;
+}
+
+TEST_F(PeerLinkRefusals, PackedDeltasAreCheckedAgainstTheJobsTensorsBeforeAByteIsRead) {
+  RawPeer alpha(a_.keys, b_);
+  std::vector<std::pair<std::string, PackedMsg>> cases;
+  {
+    PackedMsg m = GoodPacked();
+    m.sizes = "\x83";  // a varint that never ends
+    cases.push_back({"truncated varint", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.sizes = std::string("\x83\x00", 2) + Varints({4});  // overlong encoding of 3
+    cases.push_back({"overlong varint", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.sizes = Varints({7});
+    cases.push_back({"one tensor short", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.sizes = Varints({3, 4, 0});
+    cases.push_back({"one tensor too many", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.sizes = Varints({3, 40});
+    cases.push_back({"runs past the frame", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.sizes = Varints({3, 3});
+    cases.push_back({"bytes nobody claims", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.payload = {"extra"};
+    cases.push_back({"a frame too many", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.frame_ends = {2, 1};
+    m.payload = {""};
+    cases.push_back({"frame ends out of order", m});
+  }
+  {
+    PackedMsg m = GoodPacked();
+    m.sizes = Varints({uint64_t{1} << 40, 4});
+    cases.push_back({"huge size", m});
+  }
+  for (const auto& [what, m] : cases) {
+    auto r = alpha.Call(BuildPacked(m), m.payload);
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << what << ": " << r.status().ToString();
+  }
+  EXPECT_EQ(eb_.receives(), 0u);
+  // Acks riding in a delta that name requests beta never sent change nothing.
+  PackedMsg ok = GoodPacked();
+  ok.acks = {wire::PeerHeld(999, 5, 10), wire::PeerHeld(0, ~uint64_t{0}, ~uint64_t{0})};
+  auto r = alpha.Call(BuildPacked(ok), ok.payload);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(*r, 1u);
+  auto got = eb_.Received("alpha", 1);
+  ASSERT_TRUE(got.has_value());
+  ASSERT_EQ(got->tensors.size(), 2u);
+  EXPECT_EQ(got->tensors[0].name, "a.weight");
+  EXPECT_EQ(got->tensors[0].bytes, "A:x");
+  EXPECT_EQ(got->tensors[1].shape, std::vector<int64_t>{8});
+  EXPECT_EQ(got->tensors[1].bytes, "bbbb");
+  EXPECT_EQ(node_->StatsOf("alpha").deltas_acked, 0u);
+  // The same tensors split over the inline frame and a payload frame.
+  PackedMsg split = GoodPacked();
+  split.round = 2;
+  split.data = "A:x";
+  split.frame_ends = {1, 2};
+  split.payload = {"bbbb"};
+  auto r2 = alpha.Call(BuildPacked(split), split.payload);
+  ASSERT_TRUE(r2.ok()) << r2.status().ToString();
+  EXPECT_EQ(eb_.Received("alpha", 2)->tensors[1].bytes, "bbbb");
+}
+
 // A PeerHello from `site` (shard `shard_index`) offering job "job" with `digest` as its
 // initial-state digest.
 flatbuffers::FlatBufferBuilder PeerHelloMessage(uint64_t id, const std::string& site,
@@ -609,13 +861,18 @@ TEST(PeerLinkFuzz, MutatedMessagesAreRefusedOrValid) {
   base.round = 1;
   auto fbb = BuildDelta(base);
   std::string header(reinterpret_cast<const char*>(fbb.GetBufferPointer()), fbb.GetSize());
+  // The packed layout too (what links send): sizes as varints, the bytes in the header.
+  auto packed_fbb = BuildPacked(GoodPacked());
+  std::string packed(reinterpret_cast<const char*>(packed_fbb.GetBufferPointer()),
+                     packed_fbb.GetSize());
   uint64_t seed = 12345;
   auto next = [&] {
     return seed = seed * 6364136223846793005ull + 1442695040888963407ull, seed >> 33;
   };
   int accepted = 0;
-  for (int iter = 0; iter < 3000; ++iter) {
-    std::string h = header;
+  for (int iter = 0; iter < 6000; ++iter) {
+    const bool is_packed = iter % 2 == 1;
+    std::string h = is_packed ? packed : header;
     int kind = static_cast<int>(next() % 4);
     if (kind == 0) {
       for (int k = 0; k < 1 + static_cast<int>(next() % 4); ++k)
@@ -627,7 +884,7 @@ TEST(PeerLinkFuzz, MutatedMessagesAreRefusedOrValid) {
     }
     Frames msg;
     msg.header = zmq::message_t(h.data(), h.size());
-    size_t frames = kind == 3 ? next() % 4 : 2;
+    size_t frames = kind == 3 ? next() % 4 : is_packed ? 0 : 2;
     for (size_t f = 0; f < frames; ++f) {
       const std::string& p = base.payload[f % base.payload.size()];
       msg.payload.emplace_back(p.data(), p.size());
