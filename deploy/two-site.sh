@@ -25,6 +25,9 @@
 #   --wan-capture FILE     with --wan-rate: record the WAN veth's packets (tcpdump) to FILE
 #   --idle-seconds N       with --wan-rate: after the last round (and its acks), leave the
 #                          sites idle N seconds and report the veth's bytes per second
+#   --eval-set NAME=DIR    also evaluate each site's committed model on DIR's val.bin
+#                          (repeatable; e.g. one per language), reported as val_loss_sets
+#   --eval-batches N       batches per evaluation (default 16, isthmus-worker eval's)
 #   --summary FILE         write the final figures as JSON here
 # Environment: ISTHMUS_BUILD_DIR (default build); binaries must be built.
 set -euo pipefail
@@ -37,7 +40,7 @@ worker="$build/worker/isthmus-worker"
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
-shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture="" idle_seconds=0
+shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -57,10 +60,12 @@ while [ $# -gt 0 ]; do
     --wan-rate) wan_rate="$2"; shift 2 ;;
     --wan-capture) wan_capture="$2"; shift 2 ;;
     --idle-seconds) idle_seconds="$2"; shift 2 ;;
+    --eval-set) eval_sets+=("$2"); shift 2 ;;
+    --eval-batches) eval_batches="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
-    -h|--help) sed -n 2,32p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,36p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -289,7 +294,12 @@ for s in "${sites[@]}"; do
   for d in "${sites[@]}"; do
     "${prefix[@]}" "$worker" eval "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
       --key "$out/keys/workers-$s/worker.key" --data "${data_of[$d]}" --json \
-      > "$out/eval-$s-on-$d.json" 2> "$out/logs/eval-$s-on-$d.log"
+      --batches "$eval_batches" > "$out/eval-$s-on-$d.json" 2> "$out/logs/eval-$s-on-$d.log"
+  done
+  for e in "${eval_sets[@]}"; do
+    "${prefix[@]}" "$worker" eval "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+      --key "$out/keys/workers-$s/worker.key" --data "${e#*=}" --json --batches "$eval_batches" \
+      > "$out/eval-$s-set-${e%%=*}.json" 2> "$out/logs/eval-$s-set-${e%%=*}.log"
   done
 done
 verify_args=()
@@ -305,11 +315,14 @@ set +e
 verify_rc=$?
 set -e
 
-/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" <<'PY'
+set_names=""
+for e in "${eval_sets[@]}"; do set_names+="${e%%=*},"; done
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 kernel_bytes, wan_rate = int(sys.argv[6]), sys.argv[7]
 idle_seconds, idle_bytes = int(sys.argv[8]), int(sys.argv[9])
+set_names = [n for n in sys.argv[10].split(",") if n]
 sites = ["A", "B"]
 result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
 try:
@@ -333,7 +346,14 @@ for s in sites:
             losses[d] = json.load(open(f"{out}/eval-{s}-on-{d}.json"))["val_loss"]
         except Exception:
             losses[d] = None
+    sets = {}
+    for n in set_names:
+        try:
+            sets[n] = json.load(open(f"{out}/eval-{s}-set-{n}.json"))["val_loss"]
+        except Exception:
+            sets[n] = None
     result["sites"][s] = {"committed_round": committed, "wan_bytes_sent": sent,
+                          "val_loss_sets": sets,
                           "raw_bytes": raw, "compression_ratio": (raw / sent) if sent else None,
                           "wire_bytes_sent": wire_sent, "wire_bytes_received": wire_received,
                           "tcp_bytes_estimate": tcp,
