@@ -426,7 +426,8 @@ class RoundLoop {
       if (flag == 0) break;
       if (!said && leader()) progress_->Message(why);
       said = true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      // Asked often: a GPU round takes seconds, and every poll interval waited is lost.
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     if (said && leader()) {
       progress_->Message("WAN caught up after " +

@@ -26,7 +26,7 @@ while [ $# -gt 0 ]; do
 done
 worker="$build/worker/isthmus-worker"
 [ -x "$worker" ] || { echo "record.sh: $worker is not built" >&2; exit 2; }
-[ -d demo-out/data/A ] && [ -d demo-out/data/B ] || deploy/demo-prepare.sh >/dev/null
+if [ ! -d demo-out/data/A ] || [ ! -d demo-out/data/B ]; then deploy/demo-prepare.sh >/dev/null; fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(getconf _NPROCESSORS_ONLN)}" OMP_WAIT_POLICY=PASSIVE
 model=(--layers 12 --width 768 --heads 12 --context 128)
 train=(--batch-size 4 --lr 3e-4 --min-lr 3e-5 --warmup-steps 20 --no-progress --log-every 25)

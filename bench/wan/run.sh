@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+# The WAN at GPU scale, without a GPU. Two or three sites, each in its own network
+# namespace joined to a bridge by a veth pair shaped with tc tbf (RATE each way, per site),
+# each running real isthmus-server shards with real CURVE peer links. In each site a
+# SYNTHETIC site (bench_wan_load) stands for the GPU workers: every --round-seconds it
+# pushes a round delta recorded from real GPT-2-small-shaped training (bench/wan/record.sh:
+# LoRA r16, 2,359,296 values, or full mode, 85 M values), waits while the site is more than
+# sync.max_rounds_ahead rounds ahead of the last commit, and pulls the merged state, as
+# isthmus-worker does. Per case it reports the kernel-counted WAN bytes per round (the
+# veths' counters), the wire time a round needs at RATE, the round's commit latency, the
+# WAN wait and the utilisation (fraction of wall time spent computing).
+#
+# Usage: bench/wan/run.sh [--cases "CASE ..."] [--rates "20mbit 100mbit"] [--sites 2|3]
+#                         [--rounds N] [--round-seconds S] [--shards S] [--json FILE]
+#   cases: lora-dense lora-default lora-adaptive full-default full-adaptive full-lowrank
+#          full-fragments (default: lora-default lora-adaptive full-default)
+#   --rounds 20, --round-seconds 3, --shards 1 per site, --sites 2 by default.
+# Needs root and iproute2 (ip netns, tc), the recorded deltas (bench/wan/record.sh) and a
+# build with the bench programs (ISTHMUS_BUILD_DIR, default build).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+build="${ISTHMUS_BUILD_DIR:-build}"
+cases="lora-default lora-adaptive full-default" rates="20mbit 100mbit" nsites=2 rounds=20
+round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cases) cases="$2"; shift 2 ;;
+    --rates) rates="$2"; shift 2 ;;
+    --sites) nsites="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --round-seconds) round_seconds="$2"; shift 2 ;;
+    --shards) shards="$2"; shift 2 ;;
+    --deltas) deltas="$2"; shift 2 ;;
+    --json) json_out="$2"; shift 2 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+server="$build/server/isthmus-server" ctl="$build/server/isthmusctl" load="$build/bench/wan/bench_wan_load"
+for b in "$server" "$ctl" "$load"; do
+  [ -x "$b" ] || { echo "run.sh: $b is not built (cmake --build $build)" >&2; exit 2; }
+done
+if [ "$(id -u)" -ne 0 ] || ! command -v tc >/dev/null; then
+  echo "run.sh: needs root and tc/ip (iproute2)" >&2; exit 2
+fi
+[ -d "$deltas/lora/A" ] || { echo "run.sh: no recorded deltas in $deltas (run bench/wan/record.sh)" >&2; exit 2; }
+all_sites=(A B C)
+sites=("${all_sites[@]:0:$nsites}")
+out=demo-out/bench-wan
+mkdir -p "$out"
+results="$out/results.jsonl"
+: > "$results"
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+
+# --- the WAN: a bridge in the root namespace, one shaped veth per site ------------------
+tag="iwb$$" net=$(( $$ % 200 + 20 ))
+declare -A ns_of ip_of veth_of
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  for s in "${sites[@]}"; do
+    ip netns pids "${ns_of[$s]:-none}" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
+    ip link del "${veth_of[$s]:-none}" 2>/dev/null || true
+    ip netns del "${ns_of[$s]:-none}" 2>/dev/null || true
+  done
+  ip link del "$tag" 2>/dev/null || true
+}
+trap cleanup EXIT
+ip link add "$tag" type bridge
+ip link set "$tag" up
+sysctl -qw "net.ipv6.conf.$tag.disable_ipv6=1" 2>/dev/null || true
+k=1
+for s in "${sites[@]}"; do
+  ns_of[$s]="$tag-$s" veth_of[$s]="$tag$s" ip_of[$s]="10.79.$net.$k"
+  ip netns add "${ns_of[$s]}"
+  ip netns exec "${ns_of[$s]}" ip link set lo up
+  ip link add "${veth_of[$s]}" type veth peer name wan0 netns "${ns_of[$s]}"
+  sysctl -qw "net.ipv6.conf.${veth_of[$s]}.disable_ipv6=1" 2>/dev/null || true
+  ip netns exec "${ns_of[$s]}" sysctl -qw net.ipv6.conf.wan0.disable_ipv6=1 2>/dev/null || true
+  ip link set "${veth_of[$s]}" master "$tag" up
+  ip netns exec "${ns_of[$s]}" ip addr add "${ip_of[$s]}/24" dev wan0
+  ip netns exec "${ns_of[$s]}" ip link set wan0 up
+  k=$((k + 1))
+done
+shape() {  # RATE: both directions of every site's veth
+  for s in "${sites[@]}"; do
+    tc qdisc replace dev "${veth_of[$s]}" root tbf rate "$1" burst 256kbit latency 1s
+    ip netns exec "${ns_of[$s]}" tc qdisc replace dev wan0 root tbf rate "$1" burst 256kbit latency 1s
+  done
+}
+# Bytes every site sent onto the WAN (Ethernet frames), as the kernel counted them.
+wan_bytes() {
+  local n=0
+  for s in "${sites[@]}"; do n=$(( n + $(cat "/sys/class/net/${veth_of[$s]}/statistics/rx_bytes") )); done
+  echo "$n"
+}
+in_ns() { local s=$1; shift; ip netns exec "${ns_of[$s]}" "$@"; }
+
+# --- one case: fresh shards in every site, the synthetic sites, the figures -------------
+run_case() {  # NAME MODE RATE SYNC_TOML_LINES
+  local name=$1 mode=$2 rate=$3 sync_lines=$4 dir="$out/$1-$3"
+  rm -rf "$dir" && mkdir -p "$dir/keys/admins" "$dir/logs"
+  quiet() { "$@" >/dev/null; }
+  quiet "$ctl" keygen --out "$dir/keys/admins/admin"
+  export ISTHMUS_CTL_KEY="$dir/keys/admins/admin.key"
+  for s in "${sites[@]}"; do
+    mkdir -p "$dir/keys/workers-$s"
+    quiet "$ctl" keygen --out "$dir/keys/workers-$s/worker"
+    for ((i = 0; i < shards; i++)); do
+      mkdir -p "$dir/keys/peers-$i"
+      quiet "$ctl" keygen --out "$dir/keys/$s-$i"
+      cp "$dir/keys/$s-$i.pub" "$dir/keys/peers-$i/$s.pub"
+    done
+  done
+  for s in "${sites[@]}"; do
+    for ((i = 0; i < shards; i++)); do
+      local peers=""
+      for t in "${sites[@]}"; do
+        [ "$t" = "$s" ] && continue
+        peers+="\"$t=tcp://${ip_of[$t]}:$((7300 + i))=$dir/keys/$t-$i.pub\", "
+      done
+      cat > "$dir/$s-$i.toml" <<TOML
+[shard]
+id = "$s-$i"
+index = $i
+data_dir = "$dir/$s-$i"
+[listen]
+worker = "tcp://127.0.0.1:$((7100 + i))"
+admin = "tcp://127.0.0.1:$((7200 + i))"
+peer = "tcp://${ip_of[$s]}:$((7300 + i))"
+[security]
+secret_key = "$dir/keys/$s-$i.key"
+worker_keys = ["$dir/keys/workers-$s"]
+admin_keys = ["$dir/keys/admins"]
+peer_keys = ["$dir/keys/peers-$i"]
+[sync]
+site = "$s"
+peers = [${peers%, }]
+$sync_lines
+TOML
+      in_ns "$s" "$server" --config "$dir/$s-$i.toml" 2> "$dir/logs/shard-$s-$i.log" &
+      pids+=($!)
+    done
+  done
+  for s in "${sites[@]}"; do
+    local a=()
+    for ((i = 0; i < shards; i++)); do
+      a+=(--server "tcp://127.0.0.1:$((7200 + i))" --server-key "$dir/keys/$s-$i.pub")
+    done
+    for _ in $(seq 100); do in_ns "$s" "$ctl" status "${a[@]}" --timeout-ms 300 >/dev/null 2>&1 && break; sleep 0.2; done
+    in_ns "$s" "$ctl" job create "${a[@]}" --job wan --from "$deltas/$mode/A/round-0.safetensors" \
+      > "$dir/logs/create-$s.log" 2>&1
+  done
+  shape "$rate"
+  local before
+  before=$(wan_bytes)
+  local lpids=()
+  for s in "${sites[@]}"; do
+    local w=()
+    for ((i = 0; i < shards; i++)); do
+      w+=(--server "tcp://127.0.0.1:$((7100 + i))" --server-key "$dir/keys/$s-$i.pub")
+    done
+    in_ns "$s" "$load" --job wan "${w[@]}" --key "$dir/keys/workers-$s/worker.key" \
+      --client-name "$s" --deltas "$deltas/$mode/$s" --rounds "$rounds" \
+      --round-seconds "$round_seconds" --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
+    lpids+=($!)
+  done
+  pids+=("${lpids[@]}")
+  local failed=0
+  for p in "${lpids[@]}"; do wait "$p" || failed=1; done
+  local after
+  after=$(wan_bytes)
+  for s in "${sites[@]}"; do
+    local a=()
+    for ((i = 0; i < shards; i++)); do
+      a+=(--server "tcp://127.0.0.1:$((7200 + i))" --server-key "$dir/keys/$s-$i.pub")
+    done
+    in_ns "$s" "$ctl" sync status "${a[@]}" --json > "$dir/sync-$s.json" 2>/dev/null || true
+  done
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  pids=()
+  if [ "$failed" -ne 0 ]; then
+    echo "run.sh: case $name at $rate: a synthetic site failed:" >&2
+    tail -n 5 "$dir"/logs/load-*.log >&2
+    return 1
+  fi
+  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" >> "$results" <<'PY'
+import json, sys
+d, name, mode, rate, kernel, rounds, round_s, sites = sys.argv[1:9]
+kernel, rounds, round_s, sites = int(kernel), int(rounds), float(round_s), sites.split()
+bps = float(rate.replace("mbit", "")) * 1e6 / 8
+loads = {s: json.load(open(f"{d}/load-{s}.json")) for s in sites}
+payload = raw = wire = 0
+pipes = {}
+for s in sites:
+    for shard in json.load(open(f"{d}/sync-{s}.json")):
+        for l in shard.get("links", []):
+            payload += l["bytes_sent"]; raw += l["raw_bytes_sent"]; wire += l["wire_bytes_sent"]
+        for j in shard.get("jobs", []):
+            pipes[s] = j.get("detail", "")
+summ = {s: loads[s]["summary"] for s in sites}
+per_round = kernel / rounds
+# The busiest direction: each site sends its round to every other site over its own veth.
+per_site_round = per_round / len(sites)
+row = {"case": name, "mode": mode, "rate": rate, "sites": len(sites), "rounds": rounds,
+       "round_seconds": round_s, "numel": loads[sites[0]]["numel"],
+       "kernel_bytes": kernel, "kernel_bytes_per_round": per_round,
+       "wire_seconds_per_round": per_site_round / bps,
+       "payload_bytes": payload, "raw_bytes": raw, "wire_bytes_counted": wire,
+       "utilisation": min(v["utilisation"] for v in summ.values()),
+       "wait_fraction": max(v["wait_fraction"] for v in summ.values()),
+       "wait_s": max(v["wait_s"] for v in summ.values()),
+       "push_s": max(v["push_s"] for v in summ.values()),
+       "pull_s": max(v["pull_s"] for v in summ.values()),
+       "rounds_waited": max(v["rounds_waited"] for v in summ.values()),
+       "summary_rounds": summ[sites[0]]["rounds"],
+       "mean_commit_latency_s": max(v["mean_commit_latency_s"] for v in summ.values()),
+       "max_commit_latency_s": max(v["max_commit_latency_s"] for v in summ.values()),
+       "engine": pipes}
+print(json.dumps(row))
+PY
+  tail -n 1 "$results" | /usr/bin/python3 -c '
+import json, sys
+r = json.loads(sys.stdin.read())
+print(f"{r[\"case\"]:<15} {r[\"rate\"]:>7}  {r[\"kernel_bytes_per_round\"]:>12,.0f} B/round  "
+      f"wire {r[\"wire_seconds_per_round\"]:6.2f} s of {r[\"round_seconds\"]:.1f} s  "
+      f"commit latency {r[\"mean_commit_latency_s\"]:5.2f} s (max {r[\"max_commit_latency_s\"]:5.2f})  "
+      f"WAN wait {r[\"wait_s\"]:6.2f} s in {r[\"rounds_waited\"]} rounds  "
+      f"push {r[\"push_s\"]:5.2f} s  pull {r[\"pull_s\"]:5.2f} s  utilisation {100 * r[\"utilisation\"]:5.1f}%")'
+}
+
+sync_of() {  # CASE -> "MODE|TOML lines"
+  case "$1" in
+    lora-dense) echo 'lora|codec = "dense"' ;;
+    lora-default) echo 'lora|' ;;
+    lora-adaptive) echo 'lora|adaptive = true' ;;
+    full-default) echo 'full|' ;;
+    full-adaptive) echo 'full|adaptive = true' ;;
+    full-lowrank) echo 'full|codec = "lowrank:4+int8+zstd"' ;;
+    full-fragments) echo 'full|fragments = 4' ;;
+    *) echo "run.sh: unknown case '$1'" >&2; exit 2 ;;
+  esac
+}
+
+echo "bench/wan: ${#sites[@]} sites, $shards shard(s) each, $rounds rounds of $round_seconds s," \
+     "cases: $cases; rates: $rates; machine: cores=$(getconf _NPROCESSORS_ONLN), load $(cut -d' ' -f1-3 /proc/loadavg)"
+for rate in $rates; do
+  for c in $cases; do
+    spec=$(sync_of "$c")
+    run_case "$c" "${spec%%|*}" "$rate" "${spec#*|}" || true
+  done
+done
+if [ -n "$json_out" ]; then cp "$results" "$json_out"; fi

@@ -1,0 +1,170 @@
+// The WAN benchmark's synthetic site (bench/wan/wan_load.h): recorded deltas are read
+// back exactly, the summary adds up, and against a real isthmus-server (a site with the
+// round protocol on and no peers, so every round commits as soon as it closes) the replayed
+// rounds land: the committed state is the start plus every replayed delta, in order.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "bench/wan/wan_load.h"
+#include "common/safetensors.h"
+#include "tests/integration/server_process.h"
+
+namespace isthmus::wanload {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TempDir {
+  fs::path path = fs::temp_directory_path() /
+                  ("isthmus-wanload-" + std::to_string(::getpid()) + "-" +
+                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  TempDir() { fs::create_directories(path); }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+// Round r of a tiny "recording": two tensors whose values depend on r.
+std::vector<Tensor> RecordedRound(int r) {
+  Tensor w{"h.0.w", {2, 3}, {}}, b{"h.0.b", {4}, {}};
+  for (int i = 0; i < 6; ++i) w.data.push_back(0.5f * static_cast<float>(r * r) + 0.25f * i);
+  for (int i = 0; i < 4; ++i) b.data.push_back(-1.0f * static_cast<float>(r) + 0.125f * i);
+  return {w, b};
+}
+
+void WriteRounds(const fs::path& dir, int rounds) {
+  for (int r = 0; r <= rounds; ++r) {
+    ASSERT_TRUE(
+        WriteSafetensors((dir / ("round-" + std::to_string(r) + ".safetensors")).string(),
+                         RecordedRound(r))
+            .ok());
+  }
+}
+
+TEST(WanLoad, RecordedDeltasAreConsecutiveDifferences) {
+  TempDir d;
+  WriteRounds(d.path, 3);
+  auto deltas = LoadRecordedDeltas(d.path.string());
+  ASSERT_TRUE(deltas.ok()) << deltas.status().ToString();
+  ASSERT_EQ(deltas->rounds.size(), 3u);
+  EXPECT_EQ(deltas->numel, 10u);
+  for (int r = 1; r <= 3; ++r) {
+    const auto now = RecordedRound(r), before = RecordedRound(r - 1);
+    const auto& got = deltas->rounds[static_cast<size_t>(r - 1)];
+    ASSERT_EQ(got.size(), 2u);
+    for (size_t t = 0; t < 2; ++t) {
+      EXPECT_EQ(got[t].name, now[t].name);
+      EXPECT_EQ(got[t].shape, now[t].shape);
+      for (size_t i = 0; i < got[t].data.size(); ++i) {
+        EXPECT_EQ(got[t].data[i], now[t].data[i] - before[t].data[i]);
+      }
+    }
+  }
+  auto two = LoadRecordedDeltas(d.path.string(), 2);
+  ASSERT_TRUE(two.ok());
+  EXPECT_EQ(two->rounds.size(), 2u);
+}
+
+TEST(WanLoad, MissingOrMismatchedRecordingsAreRefusedByName) {
+  TempDir d;
+  auto none = LoadRecordedDeltas(d.path.string());
+  EXPECT_EQ(none.status().code(), Code::kNotFound);
+  EXPECT_NE(none.status().message().find("record.sh"), std::string::npos);
+  WriteRounds(d.path, 1);
+  auto bad = RecordedRound(2);
+  bad[1].shape = {2, 2};
+  ASSERT_TRUE(WriteSafetensors((d.path / "round-2.safetensors").string(), bad).ok());
+  auto r = LoadRecordedDeltas(d.path.string());
+  EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("round-2.safetensors"), std::string::npos)
+      << r.status().ToString();
+}
+
+TEST(WanLoad, SummaryAddsUpAndSkipsStartUp) {
+  std::vector<RoundTiming> rounds = {
+      {1, 3.0, 0.1, 2.0, 0.1, 5.0},  // start-up: left out
+      {2, 3.0, 0.1, 0.0, 0.1, 1.5},
+      {3, 3.0, 0.2, 0.5, 0.1, 2.5},
+      {4, 3.0, 0.1, 0.0, 0.1, -1},  // never committed
+  };
+  auto s = Summarize(rounds, 1);
+  EXPECT_EQ(s.rounds, 3u);
+  EXPECT_DOUBLE_EQ(s.compute_s, 9.0);
+  EXPECT_NEAR(s.wall_s, 9.0 + 0.4 + 0.5 + 0.3, 1e-12);
+  EXPECT_NEAR(s.utilisation, 9.0 / 10.2, 1e-12);
+  EXPECT_NEAR(s.wait_fraction, 0.5 / 10.2, 1e-12);
+  EXPECT_EQ(s.rounds_waited, 1u);
+  EXPECT_DOUBLE_EQ(s.mean_commit_latency_s, 2.0);
+  EXPECT_DOUBLE_EQ(s.max_commit_latency_s, 2.5);
+  EXPECT_EQ(Summarize({}, 0).utilisation, 0.0);
+}
+
+TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
+  TempDir d;
+  WriteRounds(d.path, 2);
+  auto deltas = LoadRecordedDeltas(d.path.string());
+  ASSERT_TRUE(deltas.ok());
+  // A site with the round protocol on and no peers: each round commits once it closes.
+  testing::ServerProcess server("[sync]\nsite = \"solo\"\n");
+  ASSERT_TRUE(server.Start());
+  auto start = RecordedRound(0);
+  std::vector<TensorView> views;
+  for (const auto& t : start) views.push_back({t.name, t.shape, t.data.data()});
+  ASSERT_TRUE(server.AdminClient()->CreateJob("j", "", views).ok());
+
+  SiteOptions o;
+  o.job = "j";
+  o.client_name = "solo";
+  o.round_seconds = 0.05;
+  o.rounds = 5;  // more than recorded: the replay cycles 1, 2, 1, 2, 1
+  SyntheticSite site(1, [&](size_t) -> Result<std::unique_ptr<ShardClient>> {
+    return server.WorkerClient();
+  }, o);
+  ASSERT_TRUE(site.Prepare(*deltas).ok());
+  auto timings = site.Run(*deltas);
+  ASSERT_TRUE(timings.ok()) << timings.status().ToString();
+  ASSERT_EQ(timings->size(), 5u);
+  for (const auto& t : *timings) {
+    EXPECT_GE(t.compute_s, 0.05);
+    EXPECT_GE(t.commit_latency_s, 0.0) << "round " << t.round << " never committed";
+  }
+  auto sum = Summarize(*timings, 0);
+  EXPECT_GT(sum.utilisation, 0.0);
+  EXPECT_LE(sum.utilisation, 1.0);
+
+  // The committed state: the start plus the replayed deltas (dense alone, lr 1, no momentum).
+  auto pulled = server.WorkerClient()->Pull("j");
+  ASSERT_TRUE(pulled.ok());
+  EXPECT_EQ(pulled->rounds.committed_round, 5u);
+  for (const auto& t : pulled->tensors) {
+    size_t k = t.name == "h.0.w" ? 0 : 1;
+    std::vector<float> want = start[k].data;
+    for (int r = 1; r <= 5; ++r) {
+      const auto& dt = deltas->rounds[static_cast<size_t>(r - 1) % 2][k].data;
+      for (size_t i = 0; i < want.size(); ++i) want[i] += dt[i];
+    }
+    ASSERT_EQ(t.data.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(t.data[i], want[i]) << t.name << i;
+  }
+}
+
+TEST(WanLoad, DeltasThatDoNotMatchTheJobAreRefusedBeforeAnyPush) {
+  TempDir d;
+  WriteRounds(d.path, 1);
+  auto deltas = LoadRecordedDeltas(d.path.string());
+  ASSERT_TRUE(deltas.ok());
+  testing::ServerProcess server("[sync]\nsite = \"solo\"\n");
+  ASSERT_TRUE(server.Start());
+  std::vector<float> other(6, 0.0f);
+  ASSERT_TRUE(server.AdminClient()->CreateJob("j", "", {{"h.0.w", {3, 2}, other.data()}}).ok());
+  SiteOptions o;
+  o.job = "j";
+  SyntheticSite site(1, [&](size_t) -> Result<std::unique_ptr<ShardClient>> {
+    return server.WorkerClient();
+  }, o);
+  Status s = site.Prepare(*deltas);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_NE(s.message().find("h.0.w"), std::string::npos) << s.ToString();
+}
+
+}  // namespace
+}  // namespace isthmus::wanload
