@@ -27,6 +27,7 @@ constexpr uint8_t kMagic1 = 'C';
 constexpr uint8_t kVersion = 2;
 constexpr uint8_t kKindPlain = 0;
 constexpr uint8_t kKindLowRank = 1;
+constexpr uint8_t kKindDeferred = 2;  // no body: zeros (pipeline "defer")
 constexpr size_t kFixedHeader = 5;  // magic (2), version, kind, flags; varints follow
 // Plain flags byte: bits 0-1 sparsifier, bits 2-3 width code, bit 4 body is zstd-compressed.
 constexpr uint8_t kFlagZstd = 1u << 4;
@@ -487,12 +488,23 @@ Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowran
                std::to_string(out.size()));
   if (data[3] == kKindPlain) return DecodePlain(data[4], hdr, out);
   if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data[4], hdr, out);
+  if (data[3] == kKindDeferred) {
+    if (data[4] != 0 || hdr.remaining() != 0) return Bad("deferred encoding with flags or a body");
+    std::fill(out.begin(), out.end(), 0.0f);
+    return Status::Ok();
+  }
   return Bad("unknown encoding kind " + std::to_string(data[3]));
 }
 
 }  // namespace
 
 std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const int64_t> shape) {
+  if (p.defer) {
+    std::string out;
+    PutFixedHeader(&out, kKindDeferred, 0);
+    PutVarint(&out, x.size());
+    return out;
+  }
   const std::vector<float> v = Sanitize(x);
   if (LowRankApplies(p.lowrank_rank, shape) &&
       static_cast<uint64_t>(shape[0]) * static_cast<uint64_t>(shape[1]) == v.size()) {
@@ -506,6 +518,12 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
 }
 
 Status Decode(std::string_view bytes, std::span<float> out) { return DecodeAny(bytes, out, true); }
+
+bool IsDeferred(std::string_view bytes) {
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  return bytes.size() >= kFixedHeader && data[0] == kMagic0 && data[1] == kMagic1 &&
+         data[2] == kVersion && data[3] == kKindDeferred;
+}
 
 std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<float> residual,

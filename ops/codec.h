@@ -32,6 +32,10 @@ struct Pipeline {
   uint32_t quant_block = 64;  // elements per quantisation scale
   bool zstd = false;          // try zstd on the body; kept only where it shrinks it
   int zstd_level = 3;
+  // "defer": send nothing this round. The encoding is a header that decodes to zeros, so
+  // with error feedback the whole delta waits in the residual for a later round (how a
+  // streamed fragment that is not due skips a round). Excludes every other stage.
+  bool defer = false;
 
   bool operator==(const Pipeline&) const = default;
 };
@@ -41,7 +45,7 @@ struct Pipeline {
 // the sum of decoded deltas over 50 rounds is as close to the true sum as topk:0.05+int4's.
 inline constexpr std::string_view kDefaultPipeline = "topk:0.05+int2+zstd";
 
-// Parses pipeline text: "dense", or '+'-joined stages in order
+// Parses pipeline text: "dense", "defer", or '+'-joined stages in order
 //   [lowrank:RANK] [topk:DENSITY | blocktopk:DENSITY:BLOCK] [int8|int4|int2[:BLOCK]]
 //   [zstd[:LEVEL]]
 // e.g. "int8+zstd", "topk:0.01+int4+zstd", "blocktopk:0.05:256+int2:32+zstd",
@@ -69,6 +73,10 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
 // finite. Deterministic: the same bytes give bitwise identical floats everywhere.
 // Thread-safe.
 Status Decode(std::string_view bytes, std::span<float> out);
+
+// Whether `bytes` is a deferred encoding (pipeline "defer": zeros, nothing sent). Looks at
+// the header only; Decode still validates the rest.
+bool IsDeferred(std::string_view bytes);
 
 // Error feedback in one call: v = delta + residual; q = Encode(p, v, shape);
 // decoded = Decode(q); residual = v - decoded. Returns q. `residual` (in/out, persisted by

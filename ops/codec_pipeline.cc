@@ -53,6 +53,10 @@ std::string FormatDouble(double v) {
 Result<Pipeline> ParsePipeline(std::string_view text) {
   Pipeline p;
   if (text == "dense") return p;
+  if (text == "defer") {
+    p.defer = true;
+    return p;
+  }
   if (text.empty()) return Status::InvalidArgument("codec pipeline: empty text");
   // Stage order: 0 lowrank, 1 sparsifier, 2 quantiser, 3 zstd; each at most once, in order.
   int next_stage = 0;
@@ -100,6 +104,7 @@ Result<Pipeline> ParsePipeline(std::string_view text) {
 }
 
 std::string ToString(const Pipeline& p) {
+  if (p.defer) return "defer";
   std::vector<std::string> parts;
   if (p.lowrank_rank > 0) parts.push_back("lowrank:" + std::to_string(p.lowrank_rank));
   if (p.sparsifier == Sparsifier::kTopK) parts.push_back("topk:" + FormatDouble(p.density));
@@ -127,6 +132,7 @@ uint64_t VarintBytes(uint64_t v) {
 
 uint64_t EstimateBytes(const Pipeline& p, uint64_t numel) {
   constexpr uint64_t kFixedHeader = 5;  // magic, version, kind, flags
+  if (p.defer) return kFixedHeader + VarintBytes(numel);
   uint64_t nnz = numel;
   uint64_t index_bytes = 0;
   if (p.sparsifier != Sparsifier::kNone && numel > 0) {

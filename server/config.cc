@@ -79,6 +79,8 @@ const std::vector<Binding>& Bindings() {
        nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_lr},
       {{"sync.outer_momentum", T::kDouble, "0.0", "Outer Nesterov momentum in [0, 1) (DiLoCo uses 0.9)."},
        nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_momentum},
+      {{"sync.fragments", T::kInt, "1", "Stream the model in this many fragments of about equal size: round r sends fragment (r-1) mod N and the others wait in the error-feedback residual, so a round carries 1/N of the model (1: every tensor every round; all sites should agree)."},
+       nullptr, nullptr, nullptr, &ServerConfig::sync_fragments},
       {{"sync.max_rounds_ahead", T::kInt, "2", "K: workers wait while their site is more than K rounds ahead of the last committed round (0: never wait)."},
        nullptr, nullptr, nullptr, &ServerConfig::sync_max_rounds_ahead},
       {{"sync.dial", T::kString, "auto", "Which side of each peer pair opens the one connection they share: auto (the site whose name sorts first), always (this site dials every peer: the peers cannot reach it), never (it only listens: it cannot reach them)."},
@@ -259,6 +261,9 @@ Status ValidateServerConfig(const ServerConfig& c) {
       return Status::InvalidArgument("sync.peers names this site (" + p.site + ") as a peer");
     }
   }
+  if (c.sync_fragments < 1 || c.sync_fragments > 1024) {
+    return Status::InvalidArgument("sync.fragments must be in [1, 1024]");
+  }
   if (c.sync_outer_momentum < 0 || c.sync_outer_momentum >= 1) {
     return Status::InvalidArgument("sync.outer_momentum must be in [0, 1)");
   }
@@ -307,6 +312,7 @@ std::optional<SyncOptions> SyncOptionsFrom(const ServerConfig& c) {
   o.adaptive_ceiling = c.sync_adaptive_ceiling;
   o.outer_lr = c.sync_outer_lr;
   o.outer_momentum = c.sync_outer_momentum;
+  o.fragments = static_cast<uint32_t>(c.sync_fragments);
   o.max_rounds_ahead = static_cast<uint64_t>(std::max<int64_t>(c.sync_max_rounds_ahead, 0));
   return o;
 }

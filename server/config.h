@@ -48,6 +48,7 @@ struct ServerConfig {
   std::string sync_adaptive_ceiling;
   double sync_outer_lr = 1.0;
   double sync_outer_momentum = 0.0;
+  int64_t sync_fragments = 1;
   int64_t sync_max_rounds_ahead = 2;
   std::string sync_dial = "auto";  // auto | always | never (server/peer_link.h, PeerDial)
   int64_t sync_ack_delay_ms = 5000;

@@ -475,6 +475,21 @@ std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uin
   return options_.codec;
 }
 
+std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint64_t>& numel,
+                                                uint32_t fragments) {
+  std::vector<std::pair<std::string, uint64_t>> order(numel.begin(), numel.end());
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::vector<uint64_t> load(std::max<uint32_t>(fragments, 1), 0);
+  std::map<std::string, uint32_t> out;
+  for (const auto& [tname, n] : order) {
+    auto least = static_cast<uint32_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    out[tname] = least;
+    load[least] += n;
+  }
+  return out;
+}
+
 Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   const uint64_t round = j.staged_round;
   // The workers' compute time for this round, when they reported it, is the time its
@@ -485,8 +500,21 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   } else if (j.last_close) {
     j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
   }
+  // Streaming: only this round's fragment crosses the WAN; the rest waits in the residual.
+  std::map<std::string, uint32_t> fragment;
+  const uint32_t due = static_cast<uint32_t>((round - 1) % std::max<uint32_t>(options_.fragments, 1));
+  if (options_.fragments > 1) {
+    std::map<std::string, uint64_t> sizes;
+    for (const auto& [tname, t] : j.theta) sizes[tname] = t.data->size();
+    fragment = AssignFragments(sizes, options_.fragments);
+  }
+  auto deferred = [&](const std::string& tname) {
+    return !fragment.empty() && fragment.at(tname) != due;
+  };
   uint64_t total_numel = 0;
-  for (const auto& [_, t] : j.theta) total_numel += t.data->size();
+  for (const auto& [tname, t] : j.theta) {
+    if (!deferred(tname)) total_numel += t.data->size();
+  }
   EncodedDelta delta;
   delta.job = name;
   delta.site = options_.site;
@@ -507,7 +535,7 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
     ISTHMUS_ASSIGN_OR_RETURN(auto residual,
                              GetFloats(store_, Column::kState, StateKey(name, 'e', tname), n));
     residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
-    std::string text = PipelineFor(j, tname, n, total_numel);
+    std::string text = deferred(tname) ? "defer" : PipelineFor(j, tname, n, total_numel);
     ISTHMUS_ASSIGN_OR_RETURN(Pipe pipe, ParsePipe(text));
     std::vector<float> decoded(n);
     EncodedTensor et;
@@ -555,7 +583,8 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
 }
 
 Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
-    const std::string& name, const Job& j, uint64_t round, const std::vector<std::string>& sites) {
+    const std::string& name, const Job& j, uint64_t round, const std::vector<std::string>& sites,
+    std::set<std::string>* sent) {
   uint64_t total = 0;
   for (const auto& s : sites) total += j.inbox.at(s).at(round);
   std::map<std::string, std::vector<float>> merged;
@@ -576,6 +605,7 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
       auto it = merged.find(et.name);
       if (it == merged.end())
         return Status::Corruption("stored delta has unknown tensor " + et.name);
+      if (sent != nullptr && !codec::IsDeferred(et.bytes)) sent->insert(et.name);
       decoded.assign(it->second.size(), 0.0f);
       ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
       float* out = it->second.data();
@@ -600,13 +630,20 @@ Status SyncEngine::CommitReady(const std::string& name, Job& j) {
 Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   const uint64_t round = j.committed + 1;
   const auto sites = AllSites();
-  ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites));
+  std::set<std::string> sent;
+  ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites, &sent));
   const float lr = static_cast<float>(options_.outer_lr);
   const float mu = static_cast<float>(options_.outer_momentum);
   std::map<std::string, SyncTensor> theta;
   std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
   for (auto& [tname, g] : merged) {
     const SyncTensor& old = j.theta.at(tname);
+    if (sent.count(tname) == 0) {
+      // Every site deferred it (a streamed fragment not due): no outer step, momentum kept.
+      theta[tname] = old;
+      if (mu != 0.0f) momentum[tname] = j.momentum.at(tname);
+      continue;
+    }
     auto next = std::make_shared<std::vector<float>>(*old.data);
     float* th = next->data();
     const size_t n = g.size();
@@ -644,6 +681,7 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   rec.pipelines = j.pipelines;
   WriteBatch batch;
   for (const auto& [tname, t] : theta) {
+    if (sent.count(tname) == 0) continue;  // unchanged: neither rewritten nor re-versioned
     batch.Put(Column::kTensors, JobKey(name, tname), FloatBytes(*t.data));
     batch.PutOwned(Column::kTensorMeta, JobKey(name, tname),
                    json{{"shape", t.shape}, {"version", rec.version}}.dump());

@@ -39,6 +39,12 @@ struct SyncOptions {
   std::string adaptive_ceiling;  // finest pipeline allowed (empty: dense)
   double outer_lr = 1.0;
   double outer_momentum = 0.0;
+  // Streaming: the job's tensors fall into this many fragments of about equal size
+  // (AssignFragments); round r sends fragment (r - 1) % fragments and defers the others
+  // (codec "defer": their deltas wait in the error-feedback residual), so each fragment
+  // crosses the WAN every `fragments` rounds and a round carries 1/fragments of the model.
+  // 1 = every tensor every round.
+  uint32_t fragments = 1;
   uint64_t max_rounds_ahead = 2;  // K: workers wait while local - committed > K (0: never)
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
@@ -198,11 +204,14 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   Status CloseRound(const std::string& name, Job& j);
   Status CommitReady(const std::string& name, Job& j);
   Status CommitOne(const std::string& name, Job& j);
-  // Token-weighted merge of round `round` over `sites` (in the given order), decoded.
+  // Token-weighted merge of round `round` over `sites` (in the given order), decoded. When
+  // `sent` is not null it receives the tensors some site did not defer.
   Result<std::map<std::string, std::vector<float>>> Merge(const std::string& name, const Job& j,
                                                           uint64_t round,
-                                                          const std::vector<std::string>& sites);
-  // Pipeline text for a tensor of the round being closed.
+                                                          const std::vector<std::string>& sites,
+                                                          std::set<std::string>* sent = nullptr);
+  // Pipeline text for a tensor of the round being closed; `total_numel`: the values this
+  // round sends (its fragment's).
   std::string PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
                           uint64_t total_numel) const;
   void CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const;
@@ -213,6 +222,12 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   std::map<std::string, Job> jobs_;
   std::map<std::string, double> bandwidth_;  // peer -> bytes/s
 };
+
+// Splits tensors (name -> element count) into `fragments` groups of about equal size:
+// largest first, each to the group holding the fewest values so far (ties: lower group,
+// then name order). Deterministic, so every site that streams computes the same groups.
+std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint64_t>& numel,
+                                                uint32_t fragments);
 
 // SHA-256 (hex) of a committed state: round, then for each tensor in name order its name,
 // shape, theta bytes and momentum bytes (momentum omitted when null).

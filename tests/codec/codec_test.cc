@@ -55,7 +55,8 @@ std::vector<float> RoundTrip(const Pipeline& p, const std::vector<float>& x,
 TEST(CodecParse, CanonicalRoundTrip) {
   for (const char* t :
        {"dense", "int8", "int8+zstd", "topk:0.01+int4+zstd", "blocktopk:0.05:256+int2+zstd",
-        "lowrank:4+zstd", "int4:128", "zstd:9", "lowrank:2+topk:0.5+int8:32+zstd:1", "topk:1"}) {
+        "lowrank:4+zstd", "int4:128", "zstd:9", "lowrank:2+topk:0.5+int8:32+zstd:1", "topk:1",
+        "defer"}) {
     auto p = ParsePipeline(t);
     ASSERT_TRUE(p.ok()) << t << ": " << p.status().ToString();
     EXPECT_EQ(ToString(*p), t);
@@ -74,7 +75,7 @@ TEST(CodecParse, RejectsBadText) {
         "topk:1.5",   "topk:-0.1",  "topk:abc",      "blocktopk:0.1", "blocktopk:0.1:0",
         "int8+int4",  "zstd+int8",  "int8+topk:0.1", "lowrank:0",     "lowrank:999",
         "zstd:0",     "zstd:30",    "int8:0",        "int8+",         "+int8",
-        "topk:0.1:5", "snappy"}) {
+        "topk:0.1:5", "snappy",     "defer+zstd",  "int8+defer"}) {
     auto p = ParsePipeline(t);
     EXPECT_FALSE(p.ok()) << "accepted '" << t << "'";
     if (!p.ok()) {
@@ -300,6 +301,36 @@ TEST(CodecFeedback, SumOfDecodedTracksSumOfTrue) {
     EXPECT_LT(fb, max_ratio * nofb) << t << " feedback " << fb << " without " << nofb;
     EXPECT_LT(fb, max_err) << t;
   }
+}
+
+TEST(CodecFeedback, DeferSendsAHeaderAndKeepsEverythingInTheResidual) {
+  const size_t n = 3000;
+  std::vector<int64_t> shape = {30, 100};
+  std::vector<float> residual(n, 0.0f), decoded(n, 1.0f);
+  std::vector<float> d1 = Gaussian(n, 5), d2 = Gaussian(n, 6);
+  std::string q = EncodeWithFeedback(P("defer"), d1, shape, residual, decoded);
+  EXPECT_TRUE(IsDeferred(q));
+  EXPECT_LE(q.size(), EstimateBytes(P("defer"), n));
+  EXPECT_LT(q.size(), 10u);
+  EXPECT_EQ(decoded, std::vector<float>(n, 0.0f));
+  EXPECT_EQ(residual, d1);
+  EncodeWithFeedback(P("defer"), d2, shape, residual, decoded);
+  // The round it is sent, the deferred rounds go with it.
+  std::string sent = EncodeWithFeedback(P("dense"), std::vector<float>(n, 0.0f), shape, residual,
+                                        decoded);
+  EXPECT_FALSE(IsDeferred(sent));
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(decoded[i], d1[i] + d2[i]);
+  EXPECT_EQ(residual, std::vector<float>(n, 0.0f));
+  // A deferred encoding with a body or flags, or for another size, is refused.
+  std::vector<float> out(n, 7.0f);
+  EXPECT_FALSE(Decode(q + "x", out).ok());
+  std::string flagged = q;
+  flagged[4] = 1;
+  EXPECT_FALSE(Decode(flagged, out).ok());
+  std::vector<float> small(n - 1);
+  EXPECT_FALSE(Decode(q, small).ok());
+  EXPECT_EQ(out, std::vector<float>(n, 7.0f));
+  EXPECT_FALSE(IsDeferred(""));
 }
 
 TEST(CodecFeedback, DefaultPipelineIsFiftyTimesSmaller) {

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "common/tensor.h"
+#include "ops/codec.h"
 #include "server/sync_engine.h"
 #include "tests/server/test_util.h"
 
@@ -548,6 +549,72 @@ TEST(SyncEngineTest, NesterovMatchesHandComputation) {
   exchange(3);
   EXPECT_EQ(*engines[0]->Digests(kJob, 0, 10), *engines[1]->Digests(kJob, 0, 10));
   EXPECT_EQ(engines[0]->Digests(kJob, 0, 10)->size(), 4u);
+}
+
+TEST(SyncEngineTest, FragmentsAreLargestFirstIntoTheLeastLoadedGroup) {
+  auto f = AssignFragments({{"a.weight", 128}, {"b.bias", 16}, {"c.lora_A", 128}, {"d", 100}}, 2);
+  EXPECT_EQ(f.at("a.weight"), 0u);
+  EXPECT_EQ(f.at("c.lora_A"), 1u);
+  EXPECT_EQ(f.at("d"), 0u);  // 128 vs 128: the lower group
+  EXPECT_EQ(f.at("b.bias"), 1u);
+  auto one = AssignFragments({{"x", 5}, {"y", 7}}, 1);
+  EXPECT_EQ(one.at("x"), 0u);
+  EXPECT_EQ(one.at("y"), 0u);
+}
+
+TEST(SyncEngineTest, StreamedFragmentsCrossOnTheirRoundsWithTheDeferredDeltas) {
+  // Two fragments: {a.weight, b.bias} on odd rounds, {c.lora_A} on even ones.
+  for (double mu : {0.0, 0.9}) {
+    Site a("siteA", {"siteB"}, "dense", 1.0, mu), b("siteB", {"siteA"}, "dense", 1.0, mu);
+    for (Site* s : {&a, &b}) {
+      s->options().fragments = 2;
+      s->Reopen();
+    }
+    auto committed = [&](Site& s, const std::string& t) {
+      return *s.engine().Committed(kJob)->at(t).data;
+    };
+    const auto c0 = committed(a, "c.lora_A");
+    const auto a0 = committed(a, "a.weight");
+    ASSERT_TRUE(a.PushRound(1).ok());
+    ASSERT_TRUE(b.PushRound(1).ok());
+    // Round 1 sends fragment 0 only: c.lora_A is a deferred (header-only) encoding.
+    auto out = a.engine().OutboxDelta(kJob, 1);
+    ASSERT_TRUE(out.ok());
+    for (const auto& t : (*out)->tensors) {
+      EXPECT_EQ(codec::IsDeferred(t.bytes), t.name == "c.lora_A") << t.name;
+      if (t.name == "c.lora_A") EXPECT_LT(t.bytes.size(), 10u);
+    }
+    Deliver(a, b), Deliver(b, a);
+    EXPECT_EQ(committed(a, "c.lora_A"), c0) << "deferred tensor moved, mu " << mu;
+    EXPECT_NE(committed(a, "a.weight"), a0);
+    const auto a1 = committed(a, "a.weight");
+    ASSERT_TRUE(a.PushRound(2).ok());
+    ASSERT_TRUE(b.PushRound(2).ok());
+    Deliver(a, b), Deliver(b, a);
+    EXPECT_EQ(committed(a, "a.weight"), a1) << "mu " << mu;  // fragment 0 waits in round 2
+    const auto c2 = committed(a, "c.lora_A");
+    if (mu == 0.0) {
+      // Round 2 carries c's deltas of rounds 1 and 2 (dense: exactly), weighted by round 2.
+      std::vector<float> want = c0;
+      const uint64_t total = TokensOf("siteA", 2) + TokensOf("siteB", 2);
+      std::vector<float> merged(want.size(), 0.0f);
+      for (const std::string site : {"siteA", "siteB"}) {
+        const float w = static_cast<float>(static_cast<double>(TokensOf(site, 2)) /
+                                           static_cast<double>(total));
+        auto d1 = DeltaOf(site, 1, 2), d2 = DeltaOf(site, 2, 2);
+        for (size_t k = 0; k < merged.size(); ++k) merged[k] += w * (d2[k] + d1[k]);
+      }
+      for (size_t k = 0; k < want.size(); ++k) want[k] += 1.0f * merged[k];
+      EXPECT_EQ(c2, want);
+    }
+    // Round 3: fragment 0 again; c.lora_A stays put, its momentum too.
+    ASSERT_TRUE(a.PushRound(3).ok());
+    ASSERT_TRUE(b.PushRound(3).ok());
+    Deliver(a, b), Deliver(b, a);
+    EXPECT_EQ(committed(a, "c.lora_A"), c2) << "mu " << mu;
+    EXPECT_EQ(a.Digests(), b.Digests());
+    EXPECT_EQ(a.engine().CommittedRound(kJob), 3u);
+  }
 }
 
 TEST(SyncEngineTest, PushRules) {
