@@ -54,12 +54,17 @@ Status SendMessage(zmq::socket_t& socket, const zmq::message_t* routing_id,
                    const flatbuffers::FlatBufferBuilder& header,
                    const std::vector<PayloadRef>& payload) {
   try {
+    // A socket with a send timeout (peer links use 0: never block the event loop) may
+    // refuse the first frame; once it is taken, ZeroMQ takes the rest of the message.
+    const char* would_block = "send would block: no connection can take the message now";
     if (routing_id != nullptr) {
       zmq::message_t id(routing_id->data(), routing_id->size());
-      socket.send(id, zmq::send_flags::sndmore);
+      if (!socket.send(id, zmq::send_flags::sndmore)) return Status::Unavailable(would_block);
     }
     zmq::message_t head(header.GetBufferPointer(), header.GetSize());
-    socket.send(head, payload.empty() ? zmq::send_flags::none : zmq::send_flags::sndmore);
+    if (!socket.send(head, payload.empty() ? zmq::send_flags::none : zmq::send_flags::sndmore)) {
+      return Status::Unavailable(would_block);
+    }
     for (size_t i = 0; i < payload.size(); ++i) {
       const auto& p = payload[i];
       zmq::message_t frame;

@@ -303,8 +303,10 @@ Status PeerLinks::OpenDealer(Link& link) {
   try {
     link.dealer = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::dealer);
     link.dealer->set(zmq::sockopt::linger, 0);
-    // The window bounds what is queued; sends must never block the event loop.
+    // The window bounds what is queued; sends must never block the event loop (without a
+    // connection, e.g. after the peer refused our key, a DEALER would block: fail instead).
     link.dealer->set(zmq::sockopt::sndhwm, 0);
+    link.dealer->set(zmq::sockopt::sndtimeo, 0);
     link.dealer->set(zmq::sockopt::rcvhwm, 0);
     link.dealer->set(zmq::sockopt::reconnect_ivl, std::min(100, options_.backoff_max_ms));
     link.dealer->set(zmq::sockopt::reconnect_ivl_max, options_.backoff_max_ms);
@@ -336,6 +338,13 @@ Status PeerLinks::OpenDealer(Link& link) {
   return Status::Ok();
 }
 
+// What an error on a link whose last handshake failed on the peer's allowlist adds.
+std::string PeerLinks::KeyHint(const Link& link) {
+  return link.key_refused
+             ? " (the peer refused our key: is it on the peer's security.peer_keys allowlist?)"
+             : "";
+}
+
 bool PeerLinks::CanSend(const Link& link) const {
   return link.dials ? link.dealer != nullptr : router_ != nullptr && !link.channel.empty();
 }
@@ -359,7 +368,7 @@ Status PeerLinks::Transmit(Link& link, const flatbuffers::FlatBufferBuilder& hea
     }
   }
   if (!s.ok()) {
-    link.stats.last_error = s.ToString();
+    link.stats.last_error = s.ToString() + KeyHint(link);
     return s;
   }
   CountSent(link, header, payload);
@@ -452,7 +461,10 @@ void PeerLinks::SendHello(Link& link) {
                                     fbb.CreateVector(jobs));
   uint64_t id = ++link.request_seq;
   FinishEnvelope(fbb, id, wire::Body::PeerHello, body.Union());
-  if (!Transmit(link, fbb, {}).ok()) return;
+  if (!Transmit(link, fbb, {}).ok()) {
+    link.retry_at = Clock::now() + std::chrono::milliseconds(CurrentTimeoutMs(link));
+    return;
+  }
   link.ready = false;
   link.inflight.clear();
   link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kHello, "", 0, 0, Clock::now()};
@@ -472,11 +484,7 @@ void PeerLinks::SendPing(Link& link) {
 void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
   ++link.failures;
   ++link.stats.resends;
-  link.stats.last_error = why;
-  if (link.key_refused) {
-    link.stats.last_error += " (the peer refused our key: is it on the peer's "
-                             "security.peer_keys allowlist?)";
-  }
+  link.stats.last_error = why + KeyHint(link);
   link.ready = false;
   link.inflight.clear();
   link.retry_at = Clock::now() + std::chrono::milliseconds(CurrentTimeoutMs(link));

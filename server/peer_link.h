@@ -202,6 +202,7 @@ class PeerLinks {
   // Whether the link has a connection to send on: its DEALER, or the peer's connection to
   // our ROUTER (learnt from the peer's handshake).
   bool CanSend(const Link& link) const;
+  static std::string KeyHint(const Link& link);
   // Sends a request or reply to the link's peer on whichever connection the link uses, and
   // counts it. An accepted connection that has gone is forgotten (Unavailable).
   Status Transmit(Link& link, const flatbuffers::FlatBufferBuilder& header,
