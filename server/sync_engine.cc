@@ -426,6 +426,28 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   next_rec.bytes_encoded = j->bytes_encoded;
   next_rec.raw_bytes = j->raw_bytes;
   next_rec.pipelines = j->pipelines;
+  if (j->staged_round != round && names.size() == j->theta.size()) {
+    // One push brings the whole round: close it from memory, in one write batch with the
+    // push's records (no staged copy written, then read back).
+    std::map<std::string, std::span<const float>> pushed;
+    for (const auto& t : tensors) pushed[t.name] = t.delta;
+    j->staged_compute_ms = compute_ms;
+    j->staged_round = round;
+    j->staged_tokens = tokens;
+    j->staged = names;
+    Status closed = CloseRound(name, *j, &pushed, &batch);
+    if (!closed.ok()) {
+      j->staged_round = 0;  // nothing was written: the push failed as a whole
+      j->staged_tokens = 0;
+      j->staged.clear();
+      j->staged_compute_ms = 0;
+      return closed;
+    }
+    result.closed = true;
+    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+    result.version = j->version;
+    return result;
+  }
   for (const auto& t : tensors)
     batch.Put(Column::kState, StateKey(name, 's', t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(next_rec));
@@ -490,7 +512,9 @@ std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint
   return out;
 }
 
-Status SyncEngine::CloseRound(const std::string& name, Job& j) {
+Status SyncEngine::CloseRound(const std::string& name, Job& j,
+                              const std::map<std::string, std::span<const float>>* pushed,
+                              WriteBatch* batch_in) {
   const uint64_t round = j.staged_round;
   // The workers' compute time for this round, when they reported it, is the time its
   // transfer should fit in; otherwise the time since the previous close stands in.
@@ -526,11 +550,18 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   uint64_t raw = 0;
   for (const auto& [tname, t] : j.theta) {
     const size_t n = t.data->size();
-    ISTHMUS_ASSIGN_OR_RETURN(auto staged,
-                             GetFloats(store_, Column::kState, StateKey(name, 's', tname), n));
-    if (!staged) {
-      return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
-                                "' is missing");
+    std::optional<std::vector<float>> read;
+    std::span<const float> staged;
+    if (pushed != nullptr) {
+      staged = pushed->at(tname);
+    } else {
+      ISTHMUS_ASSIGN_OR_RETURN(read,
+                               GetFloats(store_, Column::kState, StateKey(name, 's', tname), n));
+      if (!read) {
+        return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
+                                  "' is missing");
+      }
+      staged = *read;
     }
     ISTHMUS_ASSIGN_OR_RETURN(auto residual,
                              GetFloats(store_, Column::kState, StateKey(name, 'e', tname), n));
@@ -541,7 +572,7 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
     EncodedTensor et;
     et.name = tname;
     et.shape = t.shape;
-    et.bytes = codec::EncodeWithFeedback(pipe, *staged, t.shape, residuals.back(), decoded);
+    et.bytes = codec::EncodeWithFeedback(pipe, staged, t.shape, residuals.back(), decoded);
     delta.tensors.push_back(std::move(et));
     pipelines[PipeText(pipe)] += 1;
     raw += n * sizeof(float);
@@ -555,13 +586,14 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j) {
   rec.bytes_encoded = j.bytes_encoded + delta.WireBytes();
   rec.raw_bytes = j.raw_bytes + raw;
   rec.pipelines = pipelines;
-  WriteBatch batch;
+  WriteBatch local;
+  WriteBatch& batch = batch_in != nullptr ? *batch_in : local;
   batch.Put(Column::kDeltas, DeltaKey(name, options_.site, round), serialized);
   batch.PutOwned(Column::kSync, HeldKey(name, options_.site, round), std::to_string(delta.tokens));
   size_t i = 0;
   for (const auto& [tname, _] : j.theta) {
     batch.Put(Column::kState, StateKey(name, 'e', tname), FloatBytes(residuals[i++]));
-    batch.Delete(Column::kState, StateKey(name, 's', tname));
+    if (pushed == nullptr) batch.Delete(Column::kState, StateKey(name, 's', tname));
   }
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));

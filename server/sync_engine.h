@@ -201,7 +201,12 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   std::string JobRecord(const Job& j) const;
   std::vector<std::string> AllSites() const;  // sorted
   uint64_t HeldContiguous(const Job& j, const std::string& site) const;
-  Status CloseRound(const std::string& name, Job& j);
+  // Encodes the staged round and writes it to the outbox. `pushed`: the round's deltas in
+  // memory when one push brings them all (nothing was staged on disk); they are then
+  // written with `batch` (the push's own records) in the close's single write batch.
+  Status CloseRound(const std::string& name, Job& j,
+                    const std::map<std::string, std::span<const float>>* pushed = nullptr,
+                    WriteBatch* batch = nullptr);
   Status CommitReady(const std::string& name, Job& j);
   Status CommitOne(const std::string& name, Job& j);
   // Token-weighted merge of round `round` over `sites` (in the given order), decoded. When

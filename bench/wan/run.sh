@@ -97,6 +97,15 @@ wan_bytes() {
 }
 in_ns() { local s=$1; shift; ip netns exec "${ns_of[$s]}" "$@"; }
 
+# One line per case from its JSON row.
+print_row='
+import json, sys
+r = json.loads(sys.stdin.read())
+print("{case:<15} {rate:>7}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
+      " of {round_seconds:.1f} s  commit latency {mean_commit_latency_s:5.2f} s (max"
+      " {max_commit_latency_s:5.2f})  WAN wait {wait_s:6.2f} s in {rounds_waited} rounds  push"
+      " {push_s:5.2f} s  pull {pull_s:5.2f} s  utilisation {pct:5.1f}%".format(pct=100 * r["utilisation"], **r))'
+
 # --- one case: fresh shards in every site, the synthetic sites, the figures -------------
 run_case() {  # NAME MODE RATE SYNC_TOML_LINES
   local name=$1 mode=$2 rate=$3 sync_lines=$4 dir="$out/$1-$3"
@@ -221,14 +230,7 @@ row = {"case": name, "mode": mode, "rate": rate, "sites": len(sites), "rounds": 
        "engine": pipes}
 print(json.dumps(row))
 PY
-  tail -n 1 "$results" | /usr/bin/python3 -c '
-import json, sys
-r = json.loads(sys.stdin.read())
-print(f"{r[\"case\"]:<15} {r[\"rate\"]:>7}  {r[\"kernel_bytes_per_round\"]:>12,.0f} B/round  "
-      f"wire {r[\"wire_seconds_per_round\"]:6.2f} s of {r[\"round_seconds\"]:.1f} s  "
-      f"commit latency {r[\"mean_commit_latency_s\"]:5.2f} s (max {r[\"max_commit_latency_s\"]:5.2f})  "
-      f"WAN wait {r[\"wait_s\"]:6.2f} s in {r[\"rounds_waited\"]} rounds  "
-      f"push {r[\"push_s\"]:5.2f} s  pull {r[\"pull_s\"]:5.2f} s  utilisation {100 * r[\"utilisation\"]:5.1f}%")'
+  tail -n 1 "$results" | /usr/bin/python3 -c "$print_row"
 }
 
 sync_of() {  # CASE -> "MODE|TOML lines"
