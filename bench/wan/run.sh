@@ -8,7 +8,8 @@
 # sync.max_rounds_ahead rounds ahead of the last commit, and pulls the merged state, as
 # isthmus-worker does. Per case it reports the kernel-counted WAN bytes per round (the
 # veths' counters), the wire time a round needs at RATE, the round's commit latency, the
-# WAN wait and the utilisation (fraction of wall time spent computing).
+# WAN wait, the utilisation (fraction of wall time not waiting for the WAN) and the
+# fraction spent computing (the round boundary's LAN push and pull count against it).
 #
 # Usage: bench/wan/run.sh [--cases "CASE ..."] [--rates "20mbit 100mbit"] [--sites 2|3]
 #                         [--rounds N] [--round-seconds S] [--shards S] [--json FILE]
@@ -104,7 +105,8 @@ r = json.loads(sys.stdin.read())
 print("{case:<15} {rate:>7}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
       " of {round_seconds:.1f} s  commit latency {mean_commit_latency_s:5.2f} s (max"
       " {max_commit_latency_s:5.2f})  WAN wait {wait_s:6.2f} s in {rounds_waited} rounds  push"
-      " {push_s:5.2f} s  pull {pull_s:5.2f} s  utilisation {pct:5.1f}%".format(pct=100 * r["utilisation"], **r))'
+      " {push_s:5.2f} s  pull {pull_s:5.2f} s  utilisation {pct:5.1f}%  computing {cpct:5.1f}%".format(
+          pct=100 * r["utilisation"], cpct=100 * r["compute_fraction"], **r))'
 
 # --- one case: fresh shards in every site, the synthetic sites, the figures -------------
 run_case() {  # NAME MODE RATE SYNC_TOML_LINES
@@ -219,6 +221,7 @@ row = {"case": name, "mode": mode, "rate": rate, "sites": len(sites), "rounds": 
        "wire_seconds_per_round": per_site_round / bps,
        "payload_bytes": payload, "raw_bytes": raw, "wire_bytes_counted": wire,
        "utilisation": min(v["utilisation"] for v in summ.values()),
+       "compute_fraction": min(v["compute_fraction"] for v in summ.values()),
        "wait_fraction": max(v["wait_fraction"] for v in summ.values()),
        "wait_s": max(v["wait_s"] for v in summ.values()),
        "push_s": max(v["push_s"] for v in summ.values()),

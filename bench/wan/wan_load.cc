@@ -81,8 +81,9 @@ LoadSummary Summarize(const std::vector<RoundTiming>& rounds, size_t skip) {
   }
   s.wall_s = s.compute_s + s.push_s + s.wait_s + s.pull_s;
   if (s.wall_s > 0) {
-    s.utilisation = s.compute_s / s.wall_s;
     s.wait_fraction = s.wait_s / s.wall_s;
+    s.utilisation = 1.0 - s.wait_fraction;
+    s.compute_fraction = s.compute_s / s.wall_s;
   }
   if (committed > 0) s.mean_commit_latency_s = latency_sum / static_cast<double>(committed);
   return s;

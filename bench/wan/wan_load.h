@@ -49,8 +49,12 @@ struct RoundTiming {
 struct LoadSummary {
   size_t rounds = 0;
   double wall_s = 0, compute_s = 0, push_s = 0, wait_s = 0, pull_s = 0;
-  double utilisation = 0;      // compute / wall: the fraction of time spent computing
-  double wait_fraction = 0;    // wait / wall
+  // 1 - wait / wall: the fraction of wall time not spent waiting for the WAN (the round
+  // boundary's LAN work, pushing and pulling, counts as not waiting: a site with no peers
+  // does it too).
+  double utilisation = 0;
+  double compute_fraction = 0;  // compute / wall: stricter, the LAN work counts against it
+  double wait_fraction = 0;     // wait / wall
   size_t rounds_waited = 0;    // rounds with any WAN wait (> 1 ms)
   double mean_commit_latency_s = -1, max_commit_latency_s = -1;  // over committed rounds
 };

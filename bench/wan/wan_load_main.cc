@@ -107,12 +107,12 @@ int main(int argc, char** argv) {
                     {"commit_latency_s", t.commit_latency_s}});
   }
   auto sum = wanload::Summarize(*timings, static_cast<size_t>(std::max(0, skip)));
-  std::printf("rounds %zu-%zu: utilisation %.1f%% (compute %.1f s of %.1f s); push %.2f s, WAN "
-              "wait %.2f s (%.1f%%, in %zu rounds), pull %.2f s; commit latency mean %.2f s, "
-              "max %.2f s\n",
-              static_cast<size_t>(skip) + 1, timings->size(), 100 * sum.utilisation, sum.compute_s,
-              sum.wall_s, sum.push_s, sum.wait_s, 100 * sum.wait_fraction, sum.rounds_waited,
-              sum.pull_s, sum.mean_commit_latency_s, sum.max_commit_latency_s);
+  std::printf("rounds %zu-%zu: utilisation %.1f%% (not waiting for the WAN), computing %.1f%% "
+              "(%.1f s of %.1f s); push %.2f s, WAN wait %.2f s (in %zu rounds), pull %.2f s; "
+              "commit latency mean %.2f s, max %.2f s\n",
+              static_cast<size_t>(skip) + 1, timings->size(), 100 * sum.utilisation,
+              100 * sum.compute_fraction, sum.compute_s, sum.wall_s, sum.push_s, sum.wait_s,
+              sum.rounds_waited, sum.pull_s, sum.mean_commit_latency_s, sum.max_commit_latency_s);
   if (!json_path.empty()) {
     nlohmann::json j = {{"site", client_name},
                         {"round_seconds", round_seconds},
@@ -127,6 +127,7 @@ int main(int argc, char** argv) {
                           {"wait_s", sum.wait_s},
                           {"pull_s", sum.pull_s},
                           {"utilisation", sum.utilisation},
+                          {"compute_fraction", sum.compute_fraction},
                           {"wait_fraction", sum.wait_fraction},
                           {"rounds_waited", sum.rounds_waited},
                           {"mean_commit_latency_s", sum.mean_commit_latency_s},

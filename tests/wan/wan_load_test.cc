@@ -90,7 +90,8 @@ TEST(WanLoad, SummaryAddsUpAndSkipsStartUp) {
   EXPECT_EQ(s.rounds, 3u);
   EXPECT_DOUBLE_EQ(s.compute_s, 9.0);
   EXPECT_NEAR(s.wall_s, 9.0 + 0.4 + 0.5 + 0.3, 1e-12);
-  EXPECT_NEAR(s.utilisation, 9.0 / 10.2, 1e-12);
+  EXPECT_NEAR(s.utilisation, 1.0 - 0.5 / 10.2, 1e-12);
+  EXPECT_NEAR(s.compute_fraction, 9.0 / 10.2, 1e-12);
   EXPECT_NEAR(s.wait_fraction, 0.5 / 10.2, 1e-12);
   EXPECT_EQ(s.rounds_waited, 1u);
   EXPECT_DOUBLE_EQ(s.mean_commit_latency_s, 2.0);

@@ -1,0 +1,186 @@
+#!/usr/bin/python3
+"""Plots and a markdown table of the loss-versus-bytes study (bench/study/run.sh).
+
+Reads the study's results.jsonl (one JSON object per point) and writes, next to it,
+  loss-vs-bytes.png   mean validation loss vs kernel-counted WAN bytes (log x), one colour
+                      per codec, one marker per H, solid lines for plain averaging and
+                      dashed for Nesterov; the centralised loss and dense per-step sync / 1000
+                      as reference lines
+  per-language.png    relative loss vs centralised per language: the 3 points closest to
+                      centralised, and the 3 closest among those with >= 1000x fewer bytes
+  table.md            what --table prints
+With --table it also prints the table: one row per point, then the best point that meets
+the goal (within 1% of centralised on every language, >= 1000x fewer wire bytes than dense
+per-step sync), or the closest point on each criterion when none does.
+
+Usage: bench/study/plot.py [--results demo-out/study/results.jsonl] [--table]
+"""
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
+
+LANGS = ["en", "fr", "de", "es"]
+CODECS = ["dense", "int8+zstd", "default", "topk:0.01+int2+zstd", "topk:0.002+int2+zstd",
+          "adaptive"]
+LABEL = {"default": "default (topk:0.05+int2+zstd)",
+         "adaptive": "adaptive (floor topk:0.002+int2+zstd, 200kbit)"}
+MARKER = {10: "o", 20: "s", 50: "^", 100: "D"}
+GAP_GOAL_PCT, BYTES_GOAL_X = 1.0, 1000.0
+
+
+def load(path):
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    steps = max(r["steps"] for r in rows)  # one study per file; take the longest if mixed
+    rows = [r for r in rows if r["steps"] == steps]
+    central = next((r for r in rows if r["kind"] == "centralised"), None)
+    points = [r for r in rows if r["kind"] == "two-site"]
+    return central, points
+
+
+def meets(r):
+    return r["worst_rel_gap_pct"] <= GAP_GOAL_PCT and r["x_fewer_than_dense_per_step"] >= BYTES_GOAL_X
+
+
+def plot_loss_vs_bytes(central, points, path):
+    fig, ax = plt.subplots(figsize=(13, 6))
+    for i, codec in enumerate(c for c in CODECS if any(p["codec"] == c for p in points)):
+        colour = f"C{i}"
+        for outer, style in (("avg", "-"), ("nesterov", "--")):
+            s = sorted((p for p in points if p["codec"] == codec and p["outer"] == outer),
+                       key=lambda p: p["H"])
+            if not s:
+                continue
+            ax.plot([p["kernel_wan_bytes"] for p in s], [p["mean_val_loss"] for p in s], style,
+                    color=colour, alpha=0.6,
+                    label=f"{LABEL.get(codec, codec)}, {'Nesterov' if outer == 'nesterov' else 'averaging'}")
+            for p in s:
+                ax.plot(p["kernel_wan_bytes"], p["mean_val_loss"], MARKER.get(p["H"], "x"),
+                        color=colour, mfc=colour if outer == "avg" else "white")
+    for h, m in MARKER.items():
+        ax.plot([], [], m, color="gray", label=f"H = {h}")
+    if central:
+        ax.axhline(central["mean_val_loss"], color="black", lw=1,
+                   label=f"centralised ({central['mean_val_loss']:.4f})")
+        ax.axhline(central["mean_val_loss"] * (1 + GAP_GOAL_PCT / 100), color="black", lw=0.8,
+                   ls=":", label="centralised + 1%")
+    dense = points[0]["dense_per_step_bytes"]
+    ax.axvline(dense / BYTES_GOAL_X, color="red", lw=1, ls=":",
+               label=f"dense per-step sync / {BYTES_GOAL_X:.0f} ({dense / BYTES_GOAL_X:,.0f} B)")
+    ax.set_xscale("log")
+    ax.set_xlabel("WAN bytes, kernel-counted on the veth, both directions")
+    ax.set_ylabel("mean validation loss (en, fr, de, es)")
+    ax.set_title(f"Loss vs WAN bytes, T = {points[0]['steps']} steps per rank "
+                 "(filled: averaging, hollow: Nesterov)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_per_language(points, path, n=3):
+    # The n points closest to centralised, and the n closest among those that send at least
+    # BYTES_GOAL_X fewer bytes than dense per-step sync.
+    by_gap = sorted(points, key=lambda p: p["worst_rel_gap_pct"])
+    few = [p for p in by_gap if p["x_fewer_than_dense_per_step"] >= BYTES_GOAL_X]
+    best = by_gap[:n] + [p for p in few[:n] if p not in by_gap[:n]]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(best)
+    for i, p in enumerate(best):
+        xs = [j + (i - (len(best) - 1) / 2) * width for j in range(len(LANGS))]
+        ax.bar(xs, [p["rel_loss_vs_centralised_pct"][l] for l in LANGS], width,
+               label=f"{name(p)}: {p['x_fewer_than_dense_per_step']:,.0f}x fewer bytes")
+    ax.axhline(0, color="black", lw=1, label="centralised")
+    ax.axhline(GAP_GOAL_PCT, color="red", lw=0.8, ls=":", label=f"+{GAP_GOAL_PCT:.0f}%")
+    ax.set_xticks(range(len(LANGS)), LANGS)
+    ax.set_ylabel("validation loss vs centralised (%)")
+    ax.set_title(f"Per-language gap vs centralised: the {n} closest points,\n"
+                 f"and the {n} closest with >= {BYTES_GOAL_X:.0f}x fewer bytes than dense per-step")
+    ax.legend(fontsize=7)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def name(p):
+    outer = "Nesterov" if p["outer"] == "nesterov" else "avg"
+    return f"{p['codec']} H{p['H']} {outer}"
+
+
+def table(central, points):
+    lines = ["| codec | H | outer | en | fr | de | es | mean | worst gap | wire bytes | x fewer than dense per-step |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    if central:
+        v = central["val_loss"]
+        lines.append("| centralised (batch 32) | - | - | " + " | ".join(f"{v[l]:.4f}" for l in LANGS)
+                     + f" | {central['mean_val_loss']:.4f} | 0 | 0 | - |")
+        lines.append("| dense per-step sync (reference: payload only) | 1 | - | | | | | | | "
+                     f"{points[0]['dense_per_step_bytes']:,} | 1x |")
+    order = {c: i for i, c in enumerate(CODECS)}
+    for p in sorted(points, key=lambda p: (p["outer"], order.get(p["codec"], 99), p["H"])):
+        v = p["val_loss"]
+        flag = "" if p["digests_agree"] else " (digests differ)"
+        if p["codec"] == "adaptive":  # what it chose for the last round
+            flag += " -> " + ", ".join(p.get("last_round_codecs", []))
+        lines.append(f"| {LABEL.get(p['codec'], p['codec'])}{flag} | {p['H']} | "
+                     f"{'Nesterov 0.7/0.9' if p['outer'] == 'nesterov' else 'avg 1.0/0'} | "
+                     + " | ".join(f"{v[l]:.4f}" for l in LANGS)
+                     + f" | {p['mean_val_loss']:.4f} | {p['worst_rel_gap_pct']:+.2f}% | "
+                     f"{p['kernel_wan_bytes']:,} | {p['x_fewer_than_dense_per_step']:,.0f}x |")
+    p0 = points[0]
+    lines += ["", f"T = {p0['steps']} steps per rank; dense per-step sync = 2 sites x "
+              f"{p0['numel_trainable']:,} trainable numel x 4 B x {p0['steps']} steps = "
+              f"{p0['dense_per_step_bytes']:,} payload bytes (a lower bound: no framing). "
+              "Worst gap: the largest per-language relative loss vs centralised.", ""]
+    ok = [p for p in points if meets(p)]
+    if ok:
+        b = min(ok, key=lambda p: (p["worst_rel_gap_pct"], p["kernel_wan_bytes"]))
+        lines.append(f"**Goal met** by {len(ok)} point(s); best (smallest worst gap): {name(b)}, "
+                     f"worst gap {b['worst_rel_gap_pct']:+.2f}%, {b['kernel_wan_bytes']:,} wire bytes, "
+                     f"{b['x_fewer_than_dense_per_step']:,.0f}x fewer than dense per-step.")
+    else:
+        g = min(points, key=lambda p: p["worst_rel_gap_pct"])
+        x = max(points, key=lambda p: p["x_fewer_than_dense_per_step"])
+        enough = [p for p in points if p["x_fewer_than_dense_per_step"] >= BYTES_GOAL_X]
+        lines.append(f"**Goal not met.** Smallest worst gap: {name(g)} ({g['worst_rel_gap_pct']:+.2f}%, "
+                     f"{g['x_fewer_than_dense_per_step']:,.0f}x fewer bytes). Fewest bytes: {name(x)} "
+                     f"({x['x_fewer_than_dense_per_step']:,.0f}x, worst gap {x['worst_rel_gap_pct']:+.2f}%).")
+        if enough:
+            e = min(enough, key=lambda p: p["worst_rel_gap_pct"])
+            lines.append(f"Smallest worst gap among points with >= {BYTES_GOAL_X:.0f}x fewer bytes: "
+                         f"{name(e)} ({e['worst_rel_gap_pct']:+.2f}%, "
+                         f"{e['x_fewer_than_dense_per_step']:,.0f}x).")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", default="demo-out/study/results.jsonl")
+    ap.add_argument("--table", action="store_true", help="print the markdown table")
+    a = ap.parse_args()
+    central, points = load(a.results)
+    if not points:
+        raise SystemExit(f"plot.py: no two-site points in {a.results}")
+    if central is None:
+        raise SystemExit(f"plot.py: no centralised point in {a.results} (run.sh runs it first)")
+    out = os.path.dirname(a.results) or "."
+    plot_loss_vs_bytes(central, points, f"{out}/loss-vs-bytes.png")
+    plot_per_language(points, f"{out}/per-language.png")
+    md = table(central, points)
+    with open(f"{out}/table.md", "w") as f:
+        f.write(md + "\n")
+    if a.table:
+        print(md)
+    print(f"plot.py: wrote {out}/loss-vs-bytes.png, {out}/per-language.png, {out}/table.md",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+#!/usr/bin/env bash
+# Loss versus WAN bytes on the demo task (LoRA r8 on a 2x128 byte-level GPT; site A trains
+# on en+fr, site B on de+es), every point at the same total compute: T steps per rank.
+#   centralised  one process, all four languages, batch 32 (= 2 sites x 2 ranks x 8), T steps
+#   two sites    deploy/two-site.sh (2 shards, 2 ranks per site), H steps per round,
+#                T / H rounds, for each codec x H x outer optimiser in the grid below;
+#                WAN shaped to 100mbit so the veth's kernel counters measure the bytes
+#                (adaptive points: 200kbit, where adaptive sizing has something to do)
+# Each point is evaluated on each language's validation set (--eval-batches 32) and
+# appended as one JSON line to OUT/results.jsonl; points already there are skipped, so an
+# interrupted study resumes where it stopped. bench/study/plot.py reads the file.
+#
+# Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR]
+#   --quick     smoke test: T = 40, H = 20 only, into demo-out/study-quick
+#   --steps T   total steps per rank (default 800)
+#   --out DIR   results folder (default demo-out/study)
+# Needs root and tc (the WAN shaping); ISTHMUS_BUILD_DIR as in deploy/two-site.sh.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
+build="$ISTHMUS_BUILD_DIR"
+steps="" out="" quick=false
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --quick) quick=true; shift ;;
+    --steps) steps="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+if [ "$quick" = true ]; then
+  out="${out:-demo-out/study-quick}" steps="${steps:-40}"
+else
+  out="${out:-demo-out/study}" steps="${steps:-800}"
+fi
+export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+base=demo-out/base/base-2x128-1000.safetensors
+[ -f "$base" ] || base=$(deploy/demo-prepare.sh | tail -1)
+worker="$build/worker/isthmus-worker"
+model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
+# --max-steps T makes the cosine schedule T steps long in every run (two-site workers
+# would get T from --max-rounds x --steps-per-round anyway; this says it once).
+train="--lr 2e-3 --min-lr 2e-4 --warmup-steps 10 --max-steps $steps"
+results="$out/results.jsonl"
+mkdir -p "$out/runs"
+touch "$results"
+
+# Per-language data (isthmus-data's default seed and val fraction, as deploy/demo-prepare.sh
+# uses, so each language's validation documents are the ones in data/A and data/B).
+langs=(en fr de es)
+eval_sets=()
+for l in "${langs[@]}"; do
+  d="demo-out/data/lang-$l"
+  [ -f "$d/val.bin" ] || "$build/worker/data/isthmus-data" build --out "$d" "demo-out/corpus/$l.txt" >/dev/null
+  eval_sets+=(--eval-set "$l=$d")
+done
+
+done_already() { grep -qF "\"key\": \"$1\"" "$results"; }
+# Appends one point to results.jsonl: the config, per-language validation loss, WAN bytes
+# and the comparisons with dense per-step sync and with the centralised point.
+record() {  # key, wall seconds, config json, source (two-site summary, or centralised folder)
+  local line
+  line=$(/usr/bin/python3 - "$results" "$steps" "$@" <<'PY'
+import json, os, re, struct, sys
+results, steps, key, wall, config, src = sys.argv[1:]
+steps, config, langs = int(steps), json.loads(config), ["en", "fr", "de", "es"]
+
+def numel(path):  # elements of the trainable tensors, from the safetensors header
+    with open(path, "rb") as f:
+        header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+    total = 0
+    for name, t in header.items():
+        if name != "__metadata__":
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            total += n
+    return total
+
+row = {"key": key, "steps": steps, **config}
+if config["kind"] == "centralised":
+    loss = {l: json.load(open(f"{src}/eval-{l}.json"))["val_loss"] for l in langs}
+    row.update(kernel_wan_bytes=0, payload_bytes=0, digests_agree=None)
+    init = f"{src}/init.safetensors"
+else:
+    s = json.load(open(src))
+    loss = s["sites"]["A"]["val_loss_sets"]
+    init = os.path.join(os.path.dirname(src), "init.safetensors")
+    sync = json.load(open(os.path.join(os.path.dirname(src), "sync-A.json")))
+    codecs = sorted({m.group(1) for r in sync for j in r.get("jobs", [])
+                     for m in [re.search(r"codec (\S+)", j.get("detail", ""))] if m})
+    row.update(kernel_wan_bytes=s["kernel_wan_bytes"], payload_bytes=s["payload_bytes"],
+               digests_agree=s["digests_agree"], train_seconds=s["train_seconds"],
+               last_round_codecs=codecs)
+numel_trainable = numel(init)
+# Synchronous data parallelism over the WAN: each site sends the other its fp32 gradient of
+# every trainable tensor every step (payload only: a lower bound, it favours that baseline).
+dense = 2 * numel_trainable * 4 * steps
+row.update(val_loss=loss, mean_val_loss=sum(loss.values()) / len(loss),
+           numel_trainable=numel_trainable, dense_per_step_bytes=dense,
+           x_fewer_than_dense_per_step=dense / row["kernel_wan_bytes"] if row["kernel_wan_bytes"] else None)
+central = [json.loads(l) for l in open(results) if l.strip()]
+central = [r for r in central if r["kind"] == "centralised" and r["steps"] == steps]
+if central or config["kind"] == "centralised":
+    c = central[-1]["val_loss"] if central else loss
+    rel = {l: (loss[l] / c[l] - 1) * 100 for l in langs}
+    row.update(rel_loss_vs_centralised_pct=rel, worst_rel_gap_pct=max(rel.values()))
+row["wall_seconds"] = int(wall)
+print(json.dumps(row))
+x = row["x_fewer_than_dense_per_step"]
+print(f"study: {key}: mean val loss {row['mean_val_loss']:.4f}, worst gap vs centralised "
+      f"{row.get('worst_rel_gap_pct', float('nan')):+.2f}%, {row['kernel_wan_bytes']:,} wire bytes"
+      + (f" ({x:,.0f}x fewer than dense per-step)" if x else "") + f", {wall} s", file=sys.stderr)
+PY
+) && echo "$line" >> "$results"
+}
+
+# The centralised baseline.
+key="T$steps/centralised"
+if done_already "$key"; then
+  echo "study: skip $key (in $results)"
+else
+  echo "study: $key: one process, batch 32, $steps steps ($(date +%T))"
+  c="$out/runs/centralised"
+  mkdir -p "$c"
+  t0=$(date +%s)
+  # shellcheck disable=SC2086
+  "$worker" init $model --base "$base" --out "$c/init.safetensors" >/dev/null 2>&1
+  # shellcheck disable=SC2086
+  "$worker" train --standalone $model $train --batch-size 32 --base "$base" \
+    --init "$c/init.safetensors" --data demo-out/data/all --no-progress --log-every 100 \
+    --save "$c/final.safetensors" > "$c/train.log" 2>&1
+  for l in "${langs[@]}"; do
+    # shellcheck disable=SC2086
+    "$worker" eval $model --base "$base" --trainable "$c/final.safetensors" \
+      --data "demo-out/data/lang-$l" --batches 32 --json > "$c/eval-$l.json" 2>/dev/null
+  done
+  record "$key" $(( $(date +%s) - t0 )) '{"kind": "centralised"}' "$c"
+fi
+
+# One two-site point: codec ("default" passes no --codec: topk:0.05+int2+zstd; "adaptive"
+# may go from dense down to the sparsest pipeline), H, outer ("avg" or "nesterov").
+n=0 total=0
+run_point() {
+  local codec="$1" h="$2" outer="$3" key="T$steps/$1/H$2/$3" rate=100mbit flags=() olr omom t0
+  n=$((n + 1))
+  if [ $((steps % h)) -ne 0 ]; then echo "study: [$n/$total] skip $key: H does not divide T"; return; fi
+  if done_already "$key"; then echo "study: [$n/$total] skip $key"; return; fi
+  case "$codec" in
+    default) ;;
+    adaptive) rate=200kbit flags=(--adaptive --adaptive-floor topk:0.002+int2+zstd) ;;
+    *) flags=(--codec "$codec") ;;
+  esac
+  if [ "$outer" = nesterov ]; then olr=0.7 omom=0.9; else olr=1.0 omom=0.0; fi
+  local name="${key//[\/:+]/_}"
+  echo "study: [$n/$total] $key: $((steps / h)) rounds, ${flags[*]} --wan-rate $rate ($(date +%T))"
+  t0=$(date +%s)
+  if ! deploy/two-site.sh --base "$base" --data-a demo-out/data/A --data-b demo-out/data/B \
+      --model "$model" --train "$train --batch-size 8" --rounds $((steps / h)) \
+      --steps-per-round "$h" --outer-lr "$olr" --outer-momentum "$omom" "${flags[@]}" \
+      --wan-rate "$rate" "${eval_sets[@]}" --eval-batches 32 --out "$out/work" \
+      --summary "$out/work/summary.json" > "$out/runs/$name.log" 2>&1; then
+    echo "study: $key: two-site.sh failed (log: $out/runs/$name.log)"
+  fi
+  if [ ! -f "$out/work/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
+  cp "$out/work/summary.json" "$out/runs/$name.json"
+  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "wan_rate": "%s", "flags": "%s"}' \
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rate" "${flags[*]}")" "$out/work/summary.json"
+}
+
+# Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with
+# the default pipeline and with the sparse pipeline whose averaging points came closer to
+# the centralised loss (the smaller mean over H of the worst per-language gap).
+hs=(10 20 50 100) codecs=(dense int8+zstd default topk:0.01+int2+zstd topk:0.002+int2+zstd adaptive)
+[ "$quick" = true ] && hs=(20)
+total=$(( ${#hs[@]} * (${#codecs[@]} + 2) ))
+for h in "${hs[@]}"; do
+  for c in "${codecs[@]}"; do run_point "$c" "$h" avg; done
+done
+sparse=$(/usr/bin/python3 - "$results" "$steps" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+gap = {}
+for c in ["topk:0.01+int2+zstd", "topk:0.002+int2+zstd"]:
+    g = [r["worst_rel_gap_pct"] for r in rows if r.get("codec") == c and r.get("outer") == "avg"
+         and r["steps"] == int(sys.argv[2]) and "worst_rel_gap_pct" in r]
+    gap[c] = sum(g) / len(g) if g else float("inf")
+print(min(gap, key=gap.get))
+PY
+)
+echo "study: Nesterov runs with default and $sparse"
+for h in "${hs[@]}"; do
+  for c in default "$sparse"; do run_point "$c" "$h" nesterov; done
+done
+echo "study: done; $(wc -l < "$results") points in $results (plot: bench/study/plot.py --results $results)"
