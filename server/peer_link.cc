@@ -137,15 +137,16 @@ PackedDelta PackDelta(const std::shared_ptr<const EncodedDelta>& d) {
   for (size_t i : order) {
     const auto& t = d->tensors[i];
     PutVarint(&out.sizes, t.bytes.size());
-    ++count;
     out.raw_bytes += Numel(t.shape) * sizeof(float);
     if (t.bytes.size() >= kPackFrameBytes) {
-      close_packing();
+      close_packing();  // the shared frame ends before this tensor
+      ++count;
       out.payload.push_back(PayloadRef{t.bytes.data(), t.bytes.size(),
                                        std::shared_ptr<const void>(d, t.bytes.data())});
       out.frame_ends.push_back(static_cast<uint32_t>(count));
       continue;
     }
+    ++count;
     if (!packing) packing = std::make_shared<std::string>();
     packing->append(t.bytes);
     if (packing->size() >= kPackFrameBytes) close_packing();

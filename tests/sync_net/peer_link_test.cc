@@ -46,21 +46,27 @@ class MemoryEngine : public DeltaSource, public DeltaSink {
   explicit MemoryEngine(std::string site, std::vector<std::string> jobs = {"job"})
       : site_(std::move(site)), jobs_(std::move(jobs)) {}
 
+  // Encoded sizes above zero pad a tensor to that many bytes (a large tensor travels in a
+  // frame of its own).
   static std::shared_ptr<EncodedDelta> MakeDelta(const std::string& job, const std::string& site,
-                                                 uint64_t round) {
+                                                 uint64_t round, size_t a_bytes = 0,
+                                                 size_t b_bytes = 0) {
     auto d = std::make_shared<EncodedDelta>();
     d->job = job;
     d->site = site;
     d->round = round;
     d->tokens = 1000 + round;
-    d->tensors.push_back({"a.weight", {4, 8}, "A:" + site + ":" + std::to_string(round)});
-    d->tensors.push_back(
-        {"b.bias", {8}, std::string(100 + round, static_cast<char>('a' + round % 26))});
+    std::string a = "A:" + site + ":" + std::to_string(round);
+    if (a_bytes > a.size()) a.resize(a_bytes, static_cast<char>('k' + round % 8));
+    d->tensors.push_back({"a.weight", {4, 8}, a});
+    d->tensors.push_back({"b.bias", {8}, std::string(std::max<size_t>(b_bytes, 100 + round),
+                                                      static_cast<char>('a' + round % 26))});
     return d;
   }
-  void AddOwn(uint64_t round, const std::string& job = "job") {
+  void AddOwn(uint64_t round, const std::string& job = "job", size_t a_bytes = 0,
+              size_t b_bytes = 0) {
     std::lock_guard lk(mu_);
-    outbox_[job][round] = MakeDelta(job, site_, round);
+    outbox_[job][round] = MakeDelta(job, site_, round, a_bytes, b_bytes);
   }
 
   std::vector<std::string> SyncJobs() const override { return jobs_; }
@@ -298,6 +304,34 @@ TEST(PeerLink, DeliversEveryRoundExactlyOnceBothWays) {
   EXPECT_EQ(s.jobs[0].acked_round, 12u);
   EXPECT_EQ(s.jobs[0].outbox_round, 12u);
   EXPECT_EQ(nb.StatsOf("alpha").bytes_received, s.bytes_sent);
+}
+
+// Tensors of 64 KiB and more travel in frames of their own, beside a shared frame of the
+// small ones: every order of small and large arrives intact.
+TEST(PeerLink, LargeTensorsTravelInTheirOwnFramesBesideSmallOnes) {
+  SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
+  MemoryEngine ea("alpha"), eb("beta");
+  const size_t big = 70 * 1024;
+  const std::vector<std::pair<size_t, size_t>> sizes = {{0, big}, {big, 0}, {big, big + 1}, {0, 0}};
+  for (uint64_t r = 1; r <= sizes.size(); ++r) {
+    ea.AddOwn(r, "job", sizes[r - 1].first, sizes[r - 1].second);
+  }
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb);
+  ASSERT_TRUE(na.start_status().ok()) << na.start_status().ToString();
+  ASSERT_TRUE(nb.start_status().ok()) << nb.start_status().ToString();
+  ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == sizes.size(); }))
+      << eb.Held("alpha") << "; sender's last error: " << na.StatsOf("beta").last_error
+      << "; receiver's: " << nb.StatsOf("alpha").last_error;
+  for (uint64_t r = 1; r <= sizes.size(); ++r) {
+    auto got = eb.Received("alpha", r);
+    ASSERT_TRUE(got.has_value()) << "round " << r;
+    auto want = MemoryEngine::MakeDelta("job", "alpha", r, sizes[r - 1].first, sizes[r - 1].second);
+    ASSERT_EQ(got->tensors.size(), 2u);
+    EXPECT_EQ(got->tensors[0].bytes, want->tensors[0].bytes) << "round " << r;
+    EXPECT_EQ(got->tensors[1].bytes, want->tensors[1].bytes) << "round " << r;
+  }
+  EXPECT_EQ(na.StatsOf("beta").last_error, "");
 }
 
 TEST(PeerLink, ResendsWhatTheReceiverLacksAfterItRestarts) {
