@@ -40,6 +40,21 @@ void WriteRounds(const fs::path& dir, int rounds) {
   }
 }
 
+// A recording of `rounds` rounds, written and read back.
+RecordedDeltas Recording(const TempDir& d, int rounds) {
+  WriteRounds(d.path, rounds);
+  auto deltas = LoadRecordedDeltas(d.path.string());
+  EXPECT_TRUE(deltas.ok()) << deltas.status().ToString();
+  return deltas.ok() ? std::move(*deltas) : RecordedDeltas{};
+}
+
+// A synthetic site of one shard, the given server's worker endpoint.
+SyntheticSite SiteOn(testing::ServerProcess& server, SiteOptions o) {
+  return SyntheticSite(
+      1, [&server](size_t) -> Result<std::unique_ptr<ShardClient>> { return server.WorkerClient(); },
+      std::move(o));
+}
+
 TEST(WanLoad, RecordedDeltasAreConsecutiveDifferences) {
   TempDir d;
   WriteRounds(d.path, 3);
@@ -101,9 +116,7 @@ TEST(WanLoad, SummaryAddsUpAndSkipsStartUp) {
 
 TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
   TempDir d;
-  WriteRounds(d.path, 2);
-  auto deltas = LoadRecordedDeltas(d.path.string());
-  ASSERT_TRUE(deltas.ok());
+  auto deltas = Recording(d, 2);
   // A site with the round protocol on and no peers: each round commits once it closes.
   testing::ServerProcess server("[sync]\nsite = \"solo\"\n");
   ASSERT_TRUE(server.Start());
@@ -117,11 +130,9 @@ TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
   o.client_name = "solo";
   o.round_seconds = 0.05;
   o.rounds = 5;  // more than recorded: the replay cycles 1, 2, 1, 2, 1
-  SyntheticSite site(1, [&](size_t) -> Result<std::unique_ptr<ShardClient>> {
-    return server.WorkerClient();
-  }, o);
-  ASSERT_TRUE(site.Prepare(*deltas).ok());
-  auto timings = site.Run(*deltas);
+  SyntheticSite site = SiteOn(server, o);
+  ASSERT_TRUE(site.Prepare(deltas).ok());
+  auto timings = site.Run(deltas);
   ASSERT_TRUE(timings.ok()) << timings.status().ToString();
   ASSERT_EQ(timings->size(), 5u);
   for (const auto& t : *timings) {
@@ -140,7 +151,7 @@ TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
     size_t k = t.name == "h.0.w" ? 0 : 1;
     std::vector<float> want = start[k].data;
     for (int r = 1; r <= 5; ++r) {
-      const auto& dt = deltas->rounds[static_cast<size_t>(r - 1) % 2][k].data;
+      const auto& dt = deltas.rounds[static_cast<size_t>(r - 1) % 2][k].data;
       for (size_t i = 0; i < want.size(); ++i) want[i] += dt[i];
     }
     ASSERT_EQ(t.data.size(), want.size());
@@ -150,19 +161,15 @@ TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
 
 TEST(WanLoad, DeltasThatDoNotMatchTheJobAreRefusedBeforeAnyPush) {
   TempDir d;
-  WriteRounds(d.path, 1);
-  auto deltas = LoadRecordedDeltas(d.path.string());
-  ASSERT_TRUE(deltas.ok());
+  auto deltas = Recording(d, 1);
   testing::ServerProcess server("[sync]\nsite = \"solo\"\n");
   ASSERT_TRUE(server.Start());
   std::vector<float> other(6, 0.0f);
   ASSERT_TRUE(server.AdminClient()->CreateJob("j", "", {{"h.0.w", {3, 2}, other.data()}}).ok());
   SiteOptions o;
   o.job = "j";
-  SyntheticSite site(1, [&](size_t) -> Result<std::unique_ptr<ShardClient>> {
-    return server.WorkerClient();
-  }, o);
-  Status s = site.Prepare(*deltas);
+  SyntheticSite site = SiteOn(server, o);
+  Status s = site.Prepare(deltas);
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_NE(s.message().find("h.0.w"), std::string::npos) << s.ToString();
 }
