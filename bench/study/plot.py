@@ -4,7 +4,7 @@
 Reads the study's results.jsonl (one JSON object per point) and writes, next to it,
   loss-vs-bytes.png   mean validation loss vs kernel-counted WAN bytes (log x), one colour
                       per codec, one marker per H, solid lines for plain averaging and
-                      dashed for Nesterov; the centralised loss and dense per-step sync / 1000
+                      other line styles for other outer optimisers; the centralised loss and dense per-step sync / 1000
                       as reference lines
   per-language.png    relative loss vs centralised per language: the 3 points closest to
                       centralised, and the 3 closest among those with >= 1000x fewer bytes
@@ -51,14 +51,13 @@ def plot_loss_vs_bytes(central, points, path):
     fig, ax = plt.subplots(figsize=(13, 6))
     for i, codec in enumerate(c for c in CODECS if any(p["codec"] == c for p in points)):
         colour = f"C{i}"
-        for outer, style in (("avg", "-"), ("nesterov", "--")):
+        for outer, style in zip(outers(points), ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3)))):
             s = sorted((p for p in points if p["codec"] == codec and p["outer"] == outer),
                        key=lambda p: p["H"])
             if not s:
                 continue
-            ax.plot([p["kernel_wan_bytes"] for p in s], [p["mean_val_loss"] for p in s], style,
-                    color=colour, alpha=0.6,
-                    label=f"{LABEL.get(codec, codec)}, {'Nesterov' if outer == 'nesterov' else 'averaging'}")
+            ax.plot([p["kernel_wan_bytes"] for p in s], [p["mean_val_loss"] for p in s], ls=style,
+                    color=colour, alpha=0.6, label=f"{LABEL.get(codec, codec)}, {outer_label(s[0])}")
             for p in s:
                 ax.plot(p["kernel_wan_bytes"], p["mean_val_loss"], MARKER.get(p["H"], "x"),
                         color=colour, mfc=colour if outer == "avg" else "white")
@@ -76,7 +75,7 @@ def plot_loss_vs_bytes(central, points, path):
     ax.set_xlabel("WAN bytes, kernel-counted on the veth, both directions")
     ax.set_ylabel("mean validation loss (en, fr, de, es)")
     ax.set_title(f"Loss vs WAN bytes, T = {points[0]['steps']} steps per rank "
-                 "(filled: averaging, hollow: Nesterov)")
+                 "(filled: plain averaging, hollow: other outer optimisers)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
@@ -109,9 +108,19 @@ def plot_per_language(points, path, n=3):
     plt.close(fig)
 
 
+def outers(points):  # plain averaging first
+    return sorted({p["outer"] for p in points}, key=lambda o: (o != "avg", o))
+
+
+def outer_label(p):
+    lr, m = p["outer_lr"], p["outer_momentum"]
+    if lr == 1 and m == 0:
+        return "avg"
+    return f"lr {lr:g}" + (f", Nesterov {m:g}" if m else "")
+
+
 def name(p):
-    outer = "Nesterov" if p["outer"] == "nesterov" else "avg"
-    return f"{p['codec']} H{p['H']} {outer}"
+    return f"{p['codec']} H{p['H']} {outer_label(p)}"
 
 
 def table(central, points):
@@ -124,13 +133,14 @@ def table(central, points):
         lines.append("| dense per-step sync (reference: payload only) | 1 | - | | | | | | | "
                      f"{points[0]['dense_per_step_bytes']:,} | 1x |")
     order = {c: i for i, c in enumerate(CODECS)}
-    for p in sorted(points, key=lambda p: (p["outer"], order.get(p["codec"], 99), p["H"])):
+    rank = {o: i for i, o in enumerate(outers(points))}
+    for p in sorted(points, key=lambda p: (rank[p["outer"]], order.get(p["codec"], 99), p["H"])):
         v = p["val_loss"]
         flag = "" if p["digests_agree"] else " (digests differ)"
         if p["codec"] == "adaptive":  # what it chose for the last round
             flag += " -> " + ", ".join(p.get("last_round_codecs", []))
         lines.append(f"| {LABEL.get(p['codec'], p['codec'])}{flag} | {p['H']} | "
-                     f"{'Nesterov 0.7/0.9' if p['outer'] == 'nesterov' else 'avg 1.0/0'} | "
+                     f"{outer_label(p)} | "
                      + " | ".join(f"{v[l]:.4f}" for l in LANGS)
                      + f" | {p['mean_val_loss']:.4f} | {p['worst_rel_gap_pct']:+.2f}% | "
                      f"{p['kernel_wan_bytes']:,} | {p['x_fewer_than_dense_per_step']:,.0f}x |")

@@ -10,22 +10,26 @@
 # appended as one JSON line to OUT/results.jsonl; points already there are skipped, so an
 # interrupted study resumes where it stopped. bench/study/plot.py reads the file.
 #
-# Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR]
+# Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--points "C/H/O ..."]
 #   --quick     smoke test: T = 40, H = 20 only, into demo-out/study-quick
 #   --steps T   total steps per rank (default 800)
 #   --out DIR   results folder (default demo-out/study)
+#   --points    run only these points after the baseline: CODEC/H/OUTER, OUTER one of avg
+#               (lr 1, no momentum), nesterov (DiLoCo's lr 0.7, momentum 0.9), lrX (lr X,
+#               no momentum) or lrXmY (lr X, Nesterov momentum Y), e.g. int8+zstd/50/lr1.5
 # Needs root and tc (the WAN shaping); ISTHMUS_BUILD_DIR as in deploy/two-site.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false
+steps="" out="" quick=false points=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
     --steps) steps="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
-    -h|--help) sed -n 2,17p "$0"; exit 0 ;;
+    --points) points="$2"; shift 2 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -152,7 +156,13 @@ run_point() {
     adaptive) rate=200kbit flags=(--adaptive --adaptive-floor topk:0.002+int2+zstd) ;;
     *) flags=(--codec "$codec") ;;
   esac
-  if [ "$outer" = nesterov ]; then olr=0.7 omom=0.9; else olr=1.0 omom=0.0; fi
+  case "$outer" in
+    avg) olr=1.0 omom=0.0 ;;
+    nesterov) olr=0.7 omom=0.9 ;;
+    lr*m*) olr=${outer#lr} omom=${olr#*m} olr=${olr%m*} ;;
+    lr*) olr=${outer#lr} omom=0.0 ;;
+    *) echo "study: $key: unknown outer optimiser '$outer' (avg, nesterov, lrX, lrXmY)"; return ;;
+  esac
   local name="${key//[\/:+]/_}"
   echo "study: [$n/$total] $key: $((steps / h)) rounds, ${flags[*]} --wan-rate $rate ($(date +%T))"
   t0=$(date +%s)
@@ -172,6 +182,16 @@ run_point() {
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with
 # the default pipeline and with the sparse pipeline whose averaging points came closer to
 # the centralised loss (the smaller mean over H of the worst per-language gap).
+if [ -n "$points" ]; then
+  read -ra pts <<< "$points"
+  total=${#pts[@]}
+  for p in "${pts[@]}"; do
+    IFS=/ read -r c h o <<< "$p"
+    run_point "$c" "$h" "$o"
+  done
+  echo "study: done; $(wc -l < "$results") points in $results"
+  exit 0
+fi
 hs=(10 20 50 100) codecs=(dense int8+zstd default topk:0.01+int2+zstd topk:0.002+int2+zstd adaptive)
 [ "$quick" = true ] && hs=(20)
 total=$(( ${#hs[@]} * (${#codecs[@]} + 2) ))
