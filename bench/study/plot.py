@@ -71,8 +71,20 @@ def plot_loss_vs_bytes(central, points, path):
     dense = points[0]["dense_per_step_bytes"]
     ax.axvline(dense / BYTES_GOAL_X, color="red", lw=1, ls=":",
                label=f"dense per-step sync / {BYTES_GOAL_X:.0f} ({dense / BYTES_GOAL_X:,.0f} B)")
+    # Diverged points (more than 15% over centralised) would flatten the rest: they are
+    # named under the axes instead (their figures are in the table).
+    far = [p for p in points if p["worst_rel_gap_pct"] > 15]
+    near = [p["mean_val_loss"] for p in points if p not in far]
+    if far and near:
+        low = min(near + ([central["mean_val_loss"]] if central else []))
+        ax.set_ylim(low - 0.01, max(near) + 0.02)
     ax.set_xscale("log")
-    ax.set_xlabel("WAN bytes, kernel-counted on the veth, both directions")
+    xlabel = "WAN bytes, kernel-counted on the veth, both directions"
+    if far and near:
+        loss = [p["mean_val_loss"] for p in far]
+        xlabel += (f"\n{len(far)} points above the plot (mean loss {min(loss):.2f}-{max(loss):.2f}): "
+                   + "; ".join(sorted({outer_label(p) for p in far})))
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("mean validation loss (en, fr, de, es)")
     ax.set_title(f"Loss vs WAN bytes, T = {points[0]['steps']} steps per rank "
                  "(filled: plain averaging, hollow: other outer optimisers)")

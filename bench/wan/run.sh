@@ -97,6 +97,21 @@ wan_bytes() {
   echo "$n"
 }
 in_ns() { local s=$1; shift; ip netns exec "${ns_of[$s]}" "$@"; }
+# Stops every process in the sites' namespaces (the shards are grandchildren of this shell,
+# under a subshell and `ip netns exec`): TERM, up to 10 s to exit, then KILL.
+stop_sites() {
+  local s left
+  for s in "${sites[@]}"; do ip netns pids "${ns_of[$s]}" | xargs -r kill -TERM 2>/dev/null || true; done
+  for _ in $(seq 50); do
+    left=0
+    for s in "${sites[@]}"; do [ -z "$(ip netns pids "${ns_of[$s]}")" ] || left=1; done
+    [ "$left" -eq 0 ] && break
+    sleep 0.2
+  done
+  for s in "${sites[@]}"; do ip netns pids "${ns_of[$s]}" | xargs -r kill -9 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  pids=()
+}
 
 # One line per case from its JSON row.
 print_row='
@@ -189,9 +204,7 @@ TOML
     done
     in_ns "$s" "$ctl" sync status "${a[@]}" --json > "$dir/sync-$s.json" 2>/dev/null || true
   done
-  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  pids=()
+  stop_sites
   if [ "$failed" -ne 0 ]; then
     echo "run.sh: case $name at $rate: a synthetic site failed:" >&2
     tail -n 5 "$dir"/logs/load-*.log >&2
