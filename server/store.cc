@@ -180,6 +180,7 @@ class RocksStore : public Store {
     db_opts.create_if_missing = true;
     db_opts.create_missing_column_families = true;
     db_opts.paranoid_checks = true;
+    db_opts.max_total_wal_size = options.max_wal_bytes;
     // Tensors are large values: big memtables keep a 64 MiB tensor from forcing a flush
     // per write, and blob files keep compaction from rewriting them.
     rocksdb::ColumnFamilyOptions small;

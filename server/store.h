@@ -65,6 +65,11 @@ struct StoreOptions {
   // fsync the write-ahead log before Write() returns. With false, an acknowledged write
   // survives a process crash (the OS holds it) but not a power loss.
   bool sync_writes = true;
+  // Bound on the write-ahead logs kept on disk: past it RocksDB flushes the column families
+  // that keep the oldest log alive. The small columns take a few bytes in every batch and
+  // would otherwise pin every log (hundreds of MB per full-model round) until the large
+  // columns' memtables fill.
+  uint64_t max_wal_bytes = uint64_t{512} << 20;
 };
 
 class Store {

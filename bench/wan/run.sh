@@ -205,6 +205,10 @@ TOML
     in_ns "$s" "$ctl" sync status "${a[@]}" --json > "$dir/sync-$s.json" 2>/dev/null || true
   done
   stop_sites
+  # The shards' data (GBs per case in full mode) goes; logs, configs and JSON stay.
+  for s in "${sites[@]}"; do
+    for ((i = 0; i < shards; i++)); do rm -rf "${dir:?}/$s-$i"; done
+  done
   if [ "$failed" -ne 0 ]; then
     echo "run.sh: case $name at $rate: a synthetic site failed:" >&2
     tail -n 5 "$dir"/logs/load-*.log >&2
