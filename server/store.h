@@ -67,9 +67,11 @@ struct StoreOptions {
   bool sync_writes = true;
   // Bound on the write-ahead logs kept on disk: past it RocksDB flushes the column families
   // that keep the oldest log alive. The small columns take a few bytes in every batch and
-  // would otherwise pin every log (hundreds of MB per full-model round) until the large
-  // columns' memtables fill.
-  uint64_t max_wal_bytes = uint64_t{512} << 20;
+  // would otherwise pin every log (~700 MB per full-model round of GPT-2-small's size)
+  // until RocksDB's own bound, 4x all memtables (~6 GiB here). 2 GiB keeps about three
+  // such rounds; lower forces a flush every round, which slowed the rounds in
+  // bench/wan/run.sh (docs/BENCHMARKS.md, section 7).
+  uint64_t max_wal_bytes = uint64_t{2} << 30;
 };
 
 class Store {
