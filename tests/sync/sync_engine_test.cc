@@ -613,7 +613,9 @@ TEST(SyncEngineTest, StreamedFragmentsCrossOnTheirRoundsWithTheDeferredDeltas) {
     ASSERT_TRUE(out.ok());
     for (const auto& t : (*out)->tensors) {
       EXPECT_EQ(codec::IsDeferred(t.bytes), t.name == "c.lora_A") << t.name;
-      if (t.name == "c.lora_A") EXPECT_LT(t.bytes.size(), 10u);
+      if (t.name == "c.lora_A") {
+        EXPECT_LT(t.bytes.size(), 10u);
+      }
     }
     Deliver(a, b), Deliver(b, a);
     EXPECT_EQ(committed(a, "c.lora_A"), c0) << "deferred tensor moved, mu " << mu;
