@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 
 LANGS = ["en", "fr", "de", "es"]
-CODECS = ["dense", "int8+zstd", "int4+zstd", "topk:0.1+int8+zstd", "default",
+CODECS = ["dense", "int8+zstd", "int4+zstd", "int2+zstd", "topk:0.1+int8+zstd", "default",
           "topk:0.01+int2+zstd", "topk:0.002+int2+zstd", "adaptive"]
 LABEL = {"default": "default (topk:0.05+int2+zstd)",
          "adaptive": "adaptive (floor topk:0.002+int2+zstd, 200kbit)"}
