@@ -357,15 +357,13 @@ Result<PullView> ShardClient::PullInPlace(const std::string& job,
 
 Result<PushResult> ShardClient::Push(const std::string& job, const std::string& idempotency_key,
                                      uint64_t round, uint64_t tokens,
-                                     const std::vector<TensorView>& deltas, uint64_t compute_ms,
-                                     bool last_round) {
+                                     const std::vector<TensorView>& deltas, uint64_t compute_ms) {
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
   auto metas = BuildTensorMetas(fbb, deltas);
   auto job_s = fbb.CreateString(job);
   auto key_s = fbb.CreateString(idempotency_key);
-  auto body =
-      wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas, compute_ms, last_round);
+  auto body = wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas, compute_ms);
   FinishEnvelope(fbb, id, wire::Body::PushRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, deltas));
   ISTHMUS_ASSIGN_OR_RETURN(auto* r,

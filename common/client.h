@@ -186,11 +186,9 @@ class ShardClient {
                                uint64_t newer_than = 0);
   // Adds each tensor's values to the job's tensor of that name, all or none. `compute_ms`:
   // the worker's compute time for the round, for adaptive codec sizing (0 = unknown).
-  // `last_round`: the worker's run ends with this round (the shard flushes it, see
-  // sync.final_codec).
   Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,
                           uint64_t round, uint64_t tokens, const std::vector<TensorView>& deltas,
-                          uint64_t compute_ms = 0, bool last_round = false);
+                          uint64_t compute_ms = 0);
   // Admin role: needs a client key on the server's admin allowlist and the admin endpoint.
   Result<JobInfo> CreateJob(const std::string& job, const std::string& base_hash,
                             const std::vector<TensorView>& tensors);

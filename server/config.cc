@@ -81,8 +81,6 @@ const std::vector<Binding>& Bindings() {
        nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_momentum},
       {{"sync.fragments", T::kInt, "1", "Stream the model in this many fragments of about equal size: round r sends fragment (r-1) mod N and the others wait in the error-feedback residual, so a round carries 1/N of the model (1: every tensor every round; all sites should agree)."},
        nullptr, nullptr, nullptr, &ServerConfig::sync_fragments},
-      {{"sync.final_codec", T::kString, "int8+zstd", "Pipeline for a worker's last round (isthmus-worker's --max-rounds or --max-steps reached): every tensor, with what the error-feedback residual still holds, so the final model misses nothing. Empty: the usual pipeline."},
-       &ServerConfig::sync_final_codec},
       {{"sync.max_rounds_ahead", T::kInt, "2", "K: workers wait while their site is more than K rounds ahead of the last committed round (0: never wait)."},
        nullptr, nullptr, nullptr, &ServerConfig::sync_max_rounds_ahead},
       {{"sync.dial", T::kString, "auto", "Which side of each peer pair opens the one connection they share: auto (the site whose name sorts first), always (this site dials every peer: the peers cannot reach it), never (it only listens: it cannot reach them)."},
@@ -315,7 +313,6 @@ std::optional<SyncOptions> SyncOptionsFrom(const ServerConfig& c) {
   o.outer_lr = c.sync_outer_lr;
   o.outer_momentum = c.sync_outer_momentum;
   o.fragments = static_cast<uint32_t>(c.sync_fragments);
-  o.final_codec = c.sync_final_codec;
   o.max_rounds_ahead = static_cast<uint64_t>(std::max<int64_t>(c.sync_max_rounds_ahead, 0));
   return o;
 }

@@ -45,7 +45,6 @@ struct ServerConfig {
   std::vector<std::string> sync_codec_overrides;  // "GLOB=PIPELINE"
   bool sync_adaptive = false;
   std::string sync_adaptive_floor;
-  std::string sync_final_codec = "int8+zstd";
   std::string sync_adaptive_ceiling;
   double sync_outer_lr = 1.0;
   double sync_outer_momentum = 0.0;

@@ -519,8 +519,7 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
   } else {
     ISTHMUS_ASSIGN_OR_RETURN(
         SyncPushResult r,
-        sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch, req->compute_ms(),
-                         req->last_round()));
+        sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch, req->compute_ms()));
     duplicate = r.duplicate;
     if (duplicate) {
       spdlog::info(

@@ -253,7 +253,6 @@ Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions
   if (options.adaptive_ceiling.empty()) options.adaptive_ceiling = "dense";
   texts.push_back(options.adaptive_floor);
   texts.push_back(options.adaptive_ceiling);
-  if (!options.final_codec.empty()) texts.push_back(options.final_codec);
   for (const auto& t : texts) {
     auto p = ParsePipe(t);
     if (!p.ok())
@@ -376,8 +375,7 @@ uint64_t SyncEngine::HeldContiguous(const Job& j, const std::string& site) const
 Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t round,
                                              uint64_t tokens,
                                              const std::vector<SyncPushTensor>& tensors,
-                                             WriteBatch& batch, uint64_t compute_ms,
-                                             bool last_round) {
+                                             WriteBatch& batch, uint64_t compute_ms) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   SyncPushResult result;
   if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
@@ -434,7 +432,6 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     std::map<std::string, std::span<const float>> pushed;
     for (const auto& t : tensors) pushed[t.name] = t.delta;
     j->staged_compute_ms = compute_ms;
-    j->staged_last = last_round;
     j->staged_round = round;
     j->staged_tokens = tokens;
     j->staged = names;
@@ -444,7 +441,6 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
       j->staged_tokens = 0;
       j->staged.clear();
       j->staged_compute_ms = 0;
-      j->staged_last = false;
       return closed;
     }
     result.closed = true;
@@ -458,7 +454,6 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   j->staged_compute_ms =
       std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms);
-  j->staged_last = (j->staged_round == round && j->staged_last) || last_round;
   j->staged_round = round;
   j->staged_tokens = next_rec.staged_tokens;
   j->staged = std::move(next_rec.staged);
@@ -537,10 +532,8 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     for (const auto& [tname, t] : j.theta) sizes[tname] = t.data->size();
     fragment = AssignFragments(sizes, options_.fragments);
   }
-  // A worker's last round flushes: every tensor, with the final pipeline.
-  const bool flush = j.staged_last && !options_.final_codec.empty();
   auto deferred = [&](const std::string& tname) {
-    return !flush && !fragment.empty() && fragment.at(tname) != due;
+    return !fragment.empty() && fragment.at(tname) != due;
   };
   uint64_t total_numel = 0;
   for (const auto& [tname, t] : j.theta) {
@@ -573,9 +566,7 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     ISTHMUS_ASSIGN_OR_RETURN(auto residual,
                              GetFloats(store_, Column::kState, StateKey(name, 'e', tname), n));
     residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
-    std::string text = flush             ? options_.final_codec
-                       : deferred(tname) ? "defer"
-                                         : PipelineFor(j, tname, n, total_numel);
+    std::string text = deferred(tname) ? "defer" : PipelineFor(j, tname, n, total_numel);
     ISTHMUS_ASSIGN_OR_RETURN(Pipe pipe, ParsePipe(text));
     std::vector<float> decoded(n);
     EncodedTensor et;
@@ -618,7 +609,6 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   j.view.reset();
   j.last_close = now;
   j.staged_compute_ms = 0;
-  j.staged_last = false;
   spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
                 raw, delta.WireBytes());
   return Status::Ok();

@@ -45,11 +45,6 @@ struct SyncOptions {
   // crosses the WAN every `fragments` rounds and a round carries 1/fragments of the model.
   // 1 = every tensor every round.
   uint32_t fragments = 1;
-  // Pipeline for a worker's last round (PushRound's last_round), for every tensor, deferred
-  // fragments included: sends the round's delta together with everything the error-feedback
-  // residual still holds, so the run's final model misses none of it. Empty: the usual
-  // pipeline (the residual then stays behind).
-  std::string final_codec = "int8+zstd";
   uint64_t max_rounds_ahead = 2;  // K: workers wait while local - committed > K (0: never)
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
@@ -123,12 +118,10 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // only if everything succeeded. The push that completes the round closes it (encode,
   // residual, outbox), and the commits that become possible follow, each its own batch.
   // `compute_ms`: the pushing worker's compute time for the round (0 = unknown); the
-  // largest of a round's pushes sizes adaptive codecs at its close. `last_round`: the
-  // worker's run ends with this round; it closes with options.final_codec (any push of the
-  // round saying so is enough).
+  // largest of a round's pushes sizes adaptive codecs at its close.
   Result<SyncPushResult> PushRound(const std::string& job, uint64_t round, uint64_t tokens,
                                    const std::vector<SyncPushTensor>& tensors, WriteBatch& batch,
-                                   uint64_t compute_ms = 0, bool last_round = false);
+                                   uint64_t compute_ms = 0);
 
   // Round-less add (push with round 0) for a job that syncs with no peers: theta += delta
   // at once. FailedPrecondition when peers are configured.
@@ -198,9 +191,6 @@ class SyncEngine : public DeltaSource, public DeltaSink {
     std::optional<std::chrono::steady_clock::time_point> last_close;
     double last_round_seconds = 0;
     uint64_t staged_compute_ms = 0;
-    // The staged round is a worker's last (memory only: after a restart the round closes
-    // with the usual pipeline and the residual keeps what it did not send).
-    bool staged_last = false;
     // Cached optimistic view; empty when stale.
     std::optional<std::map<std::string, SyncTensor>> view;
   };

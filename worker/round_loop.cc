@@ -372,7 +372,7 @@ class RoundLoop {
 
   // Pushes this rank's shards' part of the round delta, with the round's token count and
   // this rank's compute time for it (the shards size adaptive codecs by it).
-  Status PushRound(uint64_t round_tokens, uint64_t compute_ms, bool last_round) {
+  Status PushRound(uint64_t round_tokens, uint64_t compute_ms) {
     // The delta is computed on the backend and crosses to the host in one copy.
     ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> all, gpt_->TrainableDelta());
     for (size_t s = 0; s < clients_.size(); ++s) {
@@ -386,7 +386,7 @@ class RoundLoop {
       std::string key = s_.shards.job + "/" + client_name_ + "/r" + std::to_string(round_) + "/s" +
                         std::to_string(s);
       auto r = clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens,
-                                 views, compute_ms, last_round);
+                                 views, compute_ms);
       if (!r.ok()) {
         return Status(r.status().code(), "push of round " + std::to_string(round_) + " to shard " +
                                              std::to_string(s) + ": " + r.status().message());
@@ -486,11 +486,8 @@ class RoundLoop {
       }
       ++round_;
       if (!s_.standalone) {
-        // The run's planned end: the shards flush this round (sync.final_codec).
-        const bool last = (s_.max_rounds > 0 && round_ >= s_.max_rounds) ||
-                          (s_.max_steps > 0 && step_ >= s_.max_steps);
         ISTHMUS_RETURN_IF_ERROR(
-            PushRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5), last));
+            PushRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
         if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
         ISTHMUS_RETURN_IF_ERROR(WaitForWan());
         ISTHMUS_RETURN_IF_ERROR(PullAndShare(false));

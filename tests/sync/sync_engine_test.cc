@@ -119,8 +119,7 @@ class Site {
   }
 
   // Pushes round r as the workers would: tensor 0 alone, then the rest.
-  Result<SyncPushResult> PushRound(uint64_t r, int part = -1, uint64_t compute_ms = 0,
-                                   bool last_round = false) {
+  Result<SyncPushResult> PushRound(uint64_t r, int part = -1, uint64_t compute_ms = 0) {
     std::vector<std::vector<float>> deltas;
     for (size_t i = 0; i < kTensors.size(); ++i) deltas.push_back(DeltaOf(name_, r, i));
     Result<SyncPushResult> last = SyncPushResult{};
@@ -131,7 +130,7 @@ class Site {
         if ((i == 0) == (p == 0)) ts.push_back({kTensors[i].name, deltas[i]});
       }
       WriteBatch b;
-      last = engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b, compute_ms, last_round);
+      last = engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b, compute_ms);
       if (!last.ok()) return last;
     }
     return last;
@@ -581,47 +580,6 @@ TEST(SyncEngineTest, ARoundPushedInOneCallClosesLikeAStagedOne) {
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->duplicate);
   EXPECT_EQ(a.engine().CommittedRound(kJob), 3u);
-}
-
-// A worker's last round closes with sync.final_codec for every tensor, deferred fragments
-// included: what the error-feedback residual held crosses too, and the committed state is
-// the whole sum of the pushed deltas. Without the flag the residual stays behind.
-TEST(SyncEngineTest, ALastRoundFlushesTheResidualWithTheFinalPipeline) {
-  for (bool flush : {true, false}) {
-    Site a("siteA", {"siteB"}, "topk:0.1"), b("siteB", {"siteA"}, "topk:0.1");
-    for (Site* s : {&a, &b}) {
-      s->options().final_codec = "dense";
-      s->options().fragments = 2;
-      s->Reopen();
-    }
-    for (uint64_t r = 1; r <= 3; ++r) {
-      ASSERT_TRUE(a.PushRound(r, -1, 0, flush && r == 3).ok());
-      ASSERT_TRUE(b.PushRound(r, -1, 0, flush && r == 3).ok());
-      if (r == 3) {  // round 3 sends fragment 0 {a.weight, b.bias} and would defer c.lora_A
-        auto out = a.engine().OutboxDelta(kJob, 3);
-        ASSERT_TRUE(out.ok()) << out.status().ToString();
-        for (const auto& t : (*out)->tensors) {
-          EXPECT_EQ(codec::IsDeferred(t.bytes), !flush && t.name == "c.lora_A") << t.name;
-        }
-      }
-      Deliver(a, b), Deliver(b, a);
-    }
-    ASSERT_EQ(a.engine().CommittedRound(kJob), 3u);
-    auto got = a.engine().Committed(kJob);
-    ASSERT_TRUE(got.ok());
-    float worst = 0;
-    for (const auto& [name, want] : Reference({"siteA", "siteB"}, 3)) {
-      const auto& v = *got->at(name).data;
-      ASSERT_EQ(v.size(), want.size());
-      for (size_t i = 0; i < v.size(); ++i) worst = std::max(worst, std::abs(v[i] - want[i]));
-    }
-    if (flush) {
-      EXPECT_LT(worst, 1e-5f) << "the flushed state differs from the sum of all deltas";
-    } else {
-      EXPECT_GT(worst, 1e-2f) << "top-k 10% without a flush should leave a residual behind";
-    }
-    EXPECT_EQ(a.Digests(), b.Digests());
-  }
 }
 
 TEST(SyncEngineTest, FragmentsAreLargestFirstIntoTheLeastLoadedGroup) {
