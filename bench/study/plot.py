@@ -146,9 +146,14 @@ def table(central, points):
                      f"{points[0]['dense_per_step_bytes']:,} | 1x |")
     order = {c: i for i, c in enumerate(CODECS)}
     rank = {o: i for i, o in enumerate(outers(points))}
+    seen = set()
     for p in sorted(points, key=lambda p: (rank[p["outer"]], order.get(p["codec"], 99), p["H"])):
         v = p["val_loss"]
         flag = "" if p["digests_agree"] else " (digests differ)"
+        setting = (p["codec"], p["H"], p["outer_lr"], p["outer_momentum"])
+        if setting in seen:  # the same setting run again (another key, e.g. lr1m0 for avg)
+            flag += " (repeat)"
+        seen.add(setting)
         if p["codec"] == "adaptive":  # what it chose for the last round
             flag += " -> " + ", ".join(p.get("last_round_codecs", []))
         lines.append(f"| {LABEL.get(p['codec'], p['codec'])}{flag} | {p['H']} | "
