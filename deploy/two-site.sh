@@ -32,6 +32,8 @@
 # Environment: ISTHMUS_BUILD_DIR (default build); binaries must be built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=deploy/shard-toml.sh
+. deploy/shard-toml.sh
 build="${ISTHMUS_BUILD_DIR:-build}"
 server="$build/server/isthmus-server"
 ctl="$build/server/isthmusctl"
@@ -176,29 +178,13 @@ for s in "${sites[@]}"; do
       [ "$t" = "$s" ] && continue
       peers+="\"$t=tcp://${host_of[$t]}:${pport[$t-$i]}=$out/keys/$t-$i.pub\", "
     done
-    cat > "$out/$s-$i.toml" <<TOML
-[shard]
-id = "$s-$i"
-index = $i
-data_dir = "$out/$s-$i"
-[listen]
-worker = "tcp://127.0.0.1:${wport[$s-$i]}"
-admin = "tcp://${admin_bind_of[$s]}:${aport[$s-$i]}"
-peer = "tcp://${host_of[$s]}:${pport[$s-$i]}"
-[security]
-secret_key = "$out/keys/$s-$i.key"
-worker_keys = ["$out/keys/workers-$s"]
-admin_keys = ["$out/keys/admins"]
-peer_keys = ["$out/keys/peers-$i"]
-[sync]
-site = "$s"
-peers = [${peers%, }]
-codec = "$codec"
+    shard_toml "$out" "$out/keys" "$s" "$i" "tcp://127.0.0.1:${wport[$s-$i]}" \
+      "tcp://${admin_bind_of[$s]}:${aport[$s-$i]}" "tcp://${host_of[$s]}:${pport[$s-$i]}" \
+      "${peers%, }" "codec = \"$codec\"
 adaptive = $adaptive
-adaptive_floor = "$adaptive_floor"
+adaptive_floor = \"$adaptive_floor\"
 outer_lr = $outer_lr
-outer_momentum = $outer_mom
-TOML
+outer_momentum = $outer_mom" > "$out/$s-$i.toml"
     site_prefix "$s"
     "${prefix[@]}" "$server" --config "$out/$s-$i.toml" 2> "$out/logs/shard-$s-$i.log" &
     pids+=($!)

@@ -20,6 +20,8 @@
 # build with the bench programs (ISTHMUS_BUILD_DIR, default build).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
+# shellcheck source=deploy/shard-toml.sh
+. deploy/shard-toml.sh
 build="${ISTHMUS_BUILD_DIR:-build}"
 cases="lora-default lora-adaptive full-default" rates="20mbit 100mbit" nsites=2 rounds=20
 round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas
@@ -146,25 +148,9 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES
         [ "$t" = "$s" ] && continue
         peers+="\"$t=tcp://${ip_of[$t]}:$((7300 + i))=$dir/keys/$t-$i.pub\", "
       done
-      cat > "$dir/$s-$i.toml" <<TOML
-[shard]
-id = "$s-$i"
-index = $i
-data_dir = "$dir/$s-$i"
-[listen]
-worker = "tcp://127.0.0.1:$((7100 + i))"
-admin = "tcp://127.0.0.1:$((7200 + i))"
-peer = "tcp://${ip_of[$s]}:$((7300 + i))"
-[security]
-secret_key = "$dir/keys/$s-$i.key"
-worker_keys = ["$dir/keys/workers-$s"]
-admin_keys = ["$dir/keys/admins"]
-peer_keys = ["$dir/keys/peers-$i"]
-[sync]
-site = "$s"
-peers = [${peers%, }]
-$sync_lines
-TOML
+      shard_toml "$dir" "$dir/keys" "$s" "$i" "tcp://127.0.0.1:$((7100 + i))" \
+        "tcp://127.0.0.1:$((7200 + i))" "tcp://${ip_of[$s]}:$((7300 + i))" "${peers%, }" \
+        "$sync_lines" > "$dir/$s-$i.toml"
       in_ns "$s" "$server" --config "$dir/$s-$i.toml" 2> "$dir/logs/shard-$s-$i.log" &
       pids+=($!)
     done
