@@ -105,6 +105,7 @@ cleanup() {
   fi
 }
 trap cleanup EXIT
+trap 'exit 143' INT TERM  # a signal exits through the EXIT trap too
 # Where each site's sockets live: both on loopback, or with --wan-rate site A on the host
 # side of a shaped veth pair and site B inside its own network namespace.
 declare -A host_of=([A]=127.0.0.1 [B]=127.0.0.1) admin_host_of=([A]=127.0.0.1 [B]=127.0.0.1)

@@ -49,6 +49,11 @@ fi
 [ -d "$deltas/lora/A" ] || { echo "run.sh: no recorded deltas in $deltas (run bench/wan/record.sh)" >&2; exit 2; }
 all_sites=(A B C)
 sites=("${all_sites[@]:0:$nsites}")
+# Each site replays its own recording; a site without one (C: record.sh records A and B)
+# replays A's.
+recorded() {  # MODE SITE -> folder
+  if [ -d "$deltas/$1/$2" ]; then echo "$deltas/$1/$2"; else echo "$deltas/$1/A"; fi
+}
 out=demo-out/bench-wan
 mkdir -p "$out"
 results="$out/results.jsonl"
@@ -70,6 +75,7 @@ cleanup() {
   ip link del "$tag" 2>/dev/null || true
 }
 trap cleanup EXIT
+trap 'exit 143' INT TERM  # a signal exits through the EXIT trap too
 ip link add "$tag" type bridge
 ip link set "$tag" up
 sysctl -qw "net.ipv6.conf.$tag.disable_ipv6=1" 2>/dev/null || true
@@ -174,13 +180,20 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES
       w+=(--server "tcp://127.0.0.1:$((7100 + i))" --server-key "$dir/keys/$s-$i.pub")
     done
     in_ns "$s" "$load" --job wan "${w[@]}" --key "$dir/keys/workers-$s/worker.key" \
-      --client-name "$s" --deltas "$deltas/$mode/$s" --rounds "$rounds" \
+      --client-name "$s" --deltas "$(recorded "$mode" "$s")" --rounds "$rounds" \
       --round-seconds "$round_seconds" --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
     lpids+=($!)
   done
   pids+=("${lpids[@]}")
-  local failed=0
-  for p in "${lpids[@]}"; do wait "$p" || failed=1; done
+  # The first synthetic site to fail stops the case (the others would wait for its rounds).
+  local failed=0 left=${#lpids[@]}
+  while [ "$left" -gt 0 ]; do
+    if ! wait -n "${lpids[@]}" 2>/dev/null; then
+      [ "$failed" -eq 0 ] && [ "$left" -gt 1 ] && for p in "${lpids[@]}"; do kill "$p" 2>/dev/null || true; done
+      failed=1
+    fi
+    left=$((left - 1))
+  done
   local after
   after=$(wan_bytes)
   for s in "${sites[@]}"; do
