@@ -158,15 +158,10 @@ quiet() { "$@" >/dev/null; }
 sites=(A B)
 declare -A data_of=([A]="$data_a" [B]="$data_b") steps_of=([A]="$steps" [B]="$steps_b")
 declare -A wport aport pport
-quiet "$ctl" keygen --out "$out/keys/admins/admin"
+make_keys "$ctl" "$out/keys" "$shards" "${sites[@]}"
 export ISTHMUS_CTL_KEY="$out/keys/admins/admin.key"
 for s in "${sites[@]}"; do
-  mkdir -p "$out/keys/workers-$s"
-  quiet "$ctl" keygen --out "$out/keys/workers-$s/worker"
   for ((i = 0; i < shards; i++)); do
-    mkdir -p "$out/keys/peers-$i"
-    quiet "$ctl" keygen --out "$out/keys/$s-$i"
-    cp "$out/keys/$s-$i.pub" "$out/keys/peers-$i/$s.pub"
     wport[$s-$i]=$(free_port); aport[$s-$i]=$(free_port); pport[$s-$i]=$(free_port)
   done
 done

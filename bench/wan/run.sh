@@ -134,19 +134,9 @@ print("{case:<15} {rate:>7}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wir
 # --- one case: fresh shards in every site, the synthetic sites, the figures -------------
 run_case() {  # NAME MODE RATE SYNC_TOML_LINES
   local name=$1 mode=$2 rate=$3 sync_lines=$4 dir="$out/$1-$3"
-  rm -rf "$dir" && mkdir -p "$dir/keys/admins" "$dir/logs"
-  quiet() { "$@" >/dev/null; }
-  quiet "$ctl" keygen --out "$dir/keys/admins/admin"
+  rm -rf "$dir" && mkdir -p "$dir/logs"
+  make_keys "$ctl" "$dir/keys" "$shards" "${sites[@]}"
   export ISTHMUS_CTL_KEY="$dir/keys/admins/admin.key"
-  for s in "${sites[@]}"; do
-    mkdir -p "$dir/keys/workers-$s"
-    quiet "$ctl" keygen --out "$dir/keys/workers-$s/worker"
-    for ((i = 0; i < shards; i++)); do
-      mkdir -p "$dir/keys/peers-$i"
-      quiet "$ctl" keygen --out "$dir/keys/$s-$i"
-      cp "$dir/keys/$s-$i.pub" "$dir/keys/peers-$i/$s.pub"
-    done
-  done
   for s in "${sites[@]}"; do
     for ((i = 0; i < shards; i++)); do
       local peers=""
