@@ -77,7 +77,7 @@ const std::vector<Binding>& Bindings() {
        &ServerConfig::sync_adaptive_ceiling},
       {{"sync.outer_lr", T::kDouble, "1.0", "Outer learning rate applied to the merged round delta."},
        nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_lr},
-      {{"sync.outer_momentum", T::kDouble, "0.0", "Outer Nesterov momentum in [0, 1) (DiLoCo uses 0.9)."},
+      {{"sync.outer_momentum", T::kDouble, "0.0", "Outer Nesterov momentum in [0, 1). DiLoCo uses 0.9 with outer_lr 0.7 over hundreds of inner steps; on the demo's short LoRA fine-tune that diverged (docs/BENCHMARKS.md, section 8)."},
        nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_momentum},
       {{"sync.fragments", T::kInt, "1", "Stream the model in this many fragments of about equal size: round r sends fragment (r-1) mod N and the others wait in the error-feedback residual, so a round carries 1/N of the model (1: every tensor every round; all sites should agree)."},
        nullptr, nullptr, nullptr, &ServerConfig::sync_fragments},
