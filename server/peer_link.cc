@@ -138,15 +138,15 @@ PackedDelta PackDelta(const std::shared_ptr<const EncodedDelta>& d) {
     const auto& t = d->tensors[i];
     PutVarint(&out.sizes, t.bytes.size());
     out.raw_bytes += Numel(t.shape) * sizeof(float);
-    if (t.bytes.size() >= kPackFrameBytes) {
-      close_packing();  // the shared frame ends before this tensor
-      ++count;
+    const bool alone = t.bytes.size() >= kPackFrameBytes;
+    if (alone) close_packing();  // the shared frame ends before this tensor
+    ++count;
+    if (alone) {
       out.payload.push_back(PayloadRef{t.bytes.data(), t.bytes.size(),
                                        std::shared_ptr<const void>(d, t.bytes.data())});
       out.frame_ends.push_back(static_cast<uint32_t>(count));
       continue;
     }
-    ++count;
     if (!packing) packing = std::make_shared<std::string>();
     packing->append(t.bytes);
     if (packing->size() >= kPackFrameBytes) close_packing();
@@ -566,7 +566,7 @@ void PeerLinks::OnDealerReadable(Link& link) {
     if (env.ok() && IsPeerRequest((*env)->body_type())) {
       // The peer's own traffic over our connection: the CURVE server we dialled proved
       // its key, so the message is the peer's.
-      Answer(*link.dealer, nullptr, options_.insecure_plaintext ? "" : link.spec.public_key,
+      Answer(*link.dealer, nullptr, options_.insecure_plaintext ? "" : link.spec.public_key, env,
              *msg);
       continue;
     }
@@ -795,7 +795,7 @@ void PeerLinks::OnRouterReadable() {
       const char* uid = zmq_msg_gets(msg->header.handle(), "User-Id");
       if (uid != nullptr) user_id = uid;
     }
-    Link* from = Answer(*router_, &routing_id, user_id, *msg);
+    Link* from = Answer(*router_, &routing_id, user_id, env, *msg);
     // A routing id we have not seen from this peer is a new connection of theirs: its
     // handshake crossed the wire too.
     if (from != nullptr && connection != from->peer_connection) {
@@ -806,15 +806,16 @@ void PeerLinks::OnRouterReadable() {
 }
 
 PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
-                                   const std::string& user_id, const Frames& msg) {
+                                   const std::string& user_id,
+                                   const Result<const wire::Envelope*>& env, const Frames& msg) {
   flatbuffers::FlatBufferBuilder reply;
   Link* from = nullptr;
   std::string connection;
   if (routing_id != nullptr) {
     connection.assign(static_cast<const char*>(routing_id->data()), routing_id->size());
   }
-  Status s = HandlePeerMessage(user_id, msg, reply, &from, routing_id ? &connection : nullptr);
-  auto env = ParseEnvelope(msg.header, options_.limits);
+  Status s =
+      HandlePeerMessage(user_id, env, msg, reply, &from, routing_id ? &connection : nullptr);
   if (!s.ok()) {
     reply.Clear();
     BuildErrorReply(reply, env.ok() ? (*env)->request_id() : 0, s);
@@ -851,13 +852,14 @@ PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* 
 
 Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
                                     flatbuffers::FlatBufferBuilder& reply) {
-  return HandlePeerMessage(user_id, msg, reply, nullptr, nullptr);
+  return HandlePeerMessage(user_id, ParseEnvelope(msg.header, options_.limits), msg, reply,
+                           nullptr, nullptr);
 }
 
-Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
+Status PeerLinks::HandlePeerMessage(const std::string& user_id,
+                                    const Result<const wire::Envelope*>& env_or, const Frames& msg,
                                     flatbuffers::FlatBufferBuilder& reply, Link** from_out,
                                     const std::string* connection) {
-  auto env_or = ParseEnvelope(msg.header, options_.limits);
   if (!env_or.ok()) {
     ++refused_unknown_;
     return env_or.status();

@@ -221,9 +221,11 @@ class PeerLinks {
   // Sends the acknowledgements the link has held past their time as messages of their own.
   void FlushAcks(Link& link, bool all);
   // Answers a request from a peer on `socket` (routing_id: the ROUTER's connection, null
-  // on a DEALER). Returns the link it came from, null if none could be named.
+  // on a DEALER; env: the message's header as the caller parsed it). Returns the link it
+  // came from, null if none could be named.
   Link* Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
-               const std::string& user_id, const Frames& msg);
+               const std::string& user_id, const Result<const wire::Envelope*>& env,
+               const Frames& msg);
   int CurrentTimeoutMs(const Link& link) const;
   // When the requests in flight count as lost; time_point::max() when none is.
   Clock::time_point Deadline(const Link& link) const;
@@ -231,9 +233,9 @@ class PeerLinks {
   Result<std::vector<Link*>> Select(const std::string& site);
 
   // `connection`: the ROUTER routing id the message came on (null: a DEALER, or a test).
-  Status HandlePeerMessage(const std::string& user_id, const Frames& msg,
-                           flatbuffers::FlatBufferBuilder& reply, Link** from_out,
-                           const std::string* connection);
+  Status HandlePeerMessage(const std::string& user_id, const Result<const wire::Envelope*>& env,
+                           const Frames& msg, flatbuffers::FlatBufferBuilder& reply,
+                           Link** from_out, const std::string* connection);
   Status HandleHello(Link& from, const wire::PeerHello* hello, uint64_t id,
                      flatbuffers::FlatBufferBuilder& reply, const std::string* connection);
   // Takes the peer's acknowledgements from a handshake (job -> held round) and marks the

@@ -637,7 +637,9 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
       auto it = merged.find(et.name);
       if (it == merged.end())
         return Status::Corruption("stored delta has unknown tensor " + et.name);
-      if (sent != nullptr && !codec::IsDeferred(et.bytes)) sent->insert(et.name);
+      // A deferred tensor decodes to zeros (checked when it arrived): nothing to add.
+      if (codec::IsDeferred(et.bytes)) continue;
+      if (sent != nullptr) sent->insert(et.name);
       decoded.assign(it->second.size(), 0.0f);
       ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
       float* out = it->second.data();

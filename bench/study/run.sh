@@ -169,14 +169,14 @@ run_point() {
   if ! deploy/two-site.sh --base "$base" --data-a demo-out/data/A --data-b demo-out/data/B \
       --model "$model" --train "$train --batch-size 8" --rounds $((steps / h)) \
       --steps-per-round "$h" --outer-lr "$olr" --outer-momentum "$omom" "${flags[@]}" \
-      --wan-rate "$rate" "${eval_sets[@]}" --eval-batches 32 --out "$out/work" \
-      --summary "$out/work/summary.json" > "$out/runs/$name.log" 2>&1; then
+      --wan-rate "$rate" "${eval_sets[@]}" --eval-batches 32 --out "$out/current" \
+      --summary "$out/current/summary.json" > "$out/runs/$name.log" 2>&1; then
     echo "study: $key: two-site.sh failed (log: $out/runs/$name.log)"
   fi
-  if [ ! -f "$out/work/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
-  cp "$out/work/summary.json" "$out/runs/$name.json"
+  if [ ! -f "$out/current/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
+  cp "$out/current/summary.json" "$out/runs/$name.json"
   record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "wan_rate": "%s", "flags": "%s"}' \
-    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rate" "${flags[*]}")" "$out/work/summary.json"
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rate" "${flags[*]}")" "$out/current/summary.json"
 }
 
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with
