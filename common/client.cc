@@ -64,6 +64,20 @@ SnapshotInfo SnapshotFromWire(const wire::SnapshotInfo* s) {
 
 }  // namespace
 
+Status CheckTensorViews(const std::vector<TensorView>& tensors) {
+  for (const auto& t : tensors) {
+    if (t.name.empty()) return Status::InvalidArgument("a tensor has an empty name");
+    const int64_t numel = NumElements(t.shape);
+    if (numel < 0) {
+      return Status::InvalidArgument("tensor '" + t.name + "' has a negative or huge shape");
+    }
+    if (numel > 0 && t.data == nullptr) {
+      return Status::InvalidArgument("tensor '" + t.name + "' has no data");
+    }
+  }
+  return Status::Ok();
+}
+
 flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>> BuildTensorMetas(
     flatbuffers::FlatBufferBuilder& fbb, const std::vector<TensorView>& tensors) {
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
@@ -248,11 +262,6 @@ std::vector<TensorInfo> InfosFrom(
   return out;
 }
 
-void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body type,
-                    flatbuffers::Offset<void> body) {
-  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, id, type, body));
-}
-
 }  // namespace
 
 Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
@@ -358,6 +367,7 @@ Result<PullView> ShardClient::PullInPlace(const std::string& job,
 Result<PushResult> ShardClient::Push(const std::string& job, const std::string& idempotency_key,
                                      uint64_t round, uint64_t tokens,
                                      const std::vector<TensorView>& deltas, uint64_t compute_ms) {
+  ISTHMUS_RETURN_IF_ERROR(CheckTensorViews(deltas));
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
   auto metas = BuildTensorMetas(fbb, deltas);
@@ -373,6 +383,7 @@ Result<PushResult> ShardClient::Push(const std::string& job, const std::string& 
 
 Result<JobInfo> ShardClient::CreateJob(const std::string& job, const std::string& base_hash,
                                        const std::vector<TensorView>& tensors) {
+  ISTHMUS_RETURN_IF_ERROR(CheckTensorViews(tensors));
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
   auto metas = BuildTensorMetas(fbb, tensors);

@@ -230,6 +230,11 @@ class ShardClient {
   uint64_t request_seq_;
 };
 
+// InvalidArgument naming the first tensor with an empty name, a negative or huge shape
+// (NumElements < 0) or no data; Push and CreateJob check their tensors with it before
+// anything is sent.
+Status CheckTensorViews(const std::vector<TensorView>& tensors);
+
 // Builds the TensorMeta list for `tensors` (frame i = tensor i) into `fbb`.
 flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>> BuildTensorMetas(
     flatbuffers::FlatBufferBuilder& fbb, const std::vector<TensorView>& tensors);

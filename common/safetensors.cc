@@ -225,7 +225,7 @@ Status ParseHeader(const std::string& path, const std::string& text, std::vector
     e.begin = off[0].get<uint64_t>();
     e.end = off[1].get<uint64_t>();
     if (e.end < e.begin) return Status::Corruption(what + "data_offsets end before begin");
-    // numel <= 2^62, so the product fits unless the dtype is > 4 bytes (never here).
+    // numel <= kMaxElements, so the product cannot wrap.
     const uint64_t want = static_cast<uint64_t>(numel) * DtypeSize(e.dtype);
     if (e.end - e.begin != want) {
       return Status::Corruption(what + "byte length " + std::to_string(e.end - e.begin) +

@@ -16,15 +16,27 @@ struct Tensor {
   int64_t numel() const { return static_cast<int64_t>(data.size()); }
 };
 
-// Product of the dims (1 for a scalar); -1 if a dim is negative or the product overflows.
+// The most elements a shape may describe. Shapes come from the network and from files:
+// with this bound, element count x any element size up to 64 bytes (and any offset added
+// to it) fits in int64_t and size_t, so no size computed from a valid shape can wrap.
+inline constexpr int64_t kMaxElements = int64_t{1} << 56;
+
+// Product of the dims (1 for a scalar, 0 if a dim is 0); -1 if a dim is negative or the
+// product of the non-zero dims exceeds kMaxElements. Zero dims are set aside so that the
+// answer does not depend on their position: [2^40, 2^40, 0] is refused like [0, 2^40, 2^40].
 inline int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
+  bool empty = false;
   for (int64_t d : shape) {
     if (d < 0) return -1;
-    if (d != 0 && n > (int64_t{1} << 62) / d) return -1;
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    if (n > kMaxElements / d) return -1;
     n *= d;
   }
-  return n;
+  return empty ? 0 : n;
 }
 
 }  // namespace isthmus

@@ -84,7 +84,7 @@ Status SendMessage(zmq::socket_t& socket, const zmq::message_t* routing_id,
 }
 
 Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
-                                            const WireLimits& limits) {
+                                            const WireLimits& limits, uint64_t* request_id) {
   if (header.size() > limits.max_header_bytes) {
     return Status::ResourceExhausted("header frame of " + std::to_string(header.size()) +
                                      " bytes exceeds the limit of " +
@@ -100,6 +100,13 @@ Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
                                    std::to_string(header.size()) + " bytes failed verification)");
   }
   const wire::Envelope* env = wire::GetEnvelope(bytes);
+  if (request_id != nullptr) *request_id = env->request_id();
+  if (env->schema_version() != kSchemaVersion) {
+    return Status::InvalidArgument(
+        "message has schema_version " + std::to_string(env->schema_version()) +
+        " but this isthmus speaks schema_version " + std::to_string(kSchemaVersion) +
+        ": run the same isthmus release on both ends");
+  }
   // The verifier accepts a union type whose value is absent; handlers may not.
   if (env->body_type() == wire::Body::NONE || env->body() == nullptr) {
     return Status::InvalidArgument("envelope has no body");
@@ -204,12 +211,16 @@ Code FromWireCode(wire::ErrorCode code) {
                                                               : Code::kInternal;
 }
 
+void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id, wire::Body type,
+                    flatbuffers::Offset<void> body) {
+  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, kSchemaVersion, request_id, type, body));
+}
+
 void BuildErrorReply(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id,
                      const Status& status) {
   auto msg = fbb.CreateString(status.message());
   auto err = wire::CreateErrorReply(fbb, ToWireCode(status.code()), msg);
-  auto env = wire::CreateEnvelope(fbb, 1, request_id, wire::Body::ErrorReply, err.Union());
-  wire::FinishEnvelopeBuffer(fbb, env);
+  FinishEnvelope(fbb, request_id, wire::Body::ErrorReply, err.Union());
 }
 
 Status ErrorFromEnvelope(const wire::Envelope* env) {

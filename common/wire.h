@@ -74,10 +74,18 @@ uint64_t HandshakeWireBytes(bool client_side, bool curve);
 uint64_t TcpIpBytesEstimate(uint64_t wire_bytes, uint64_t messages);
 inline constexpr uint64_t kTcpConnectionBytesEstimate = 74 + 74 + 66 + 4 * 66;
 
-// Runs the FlatBuffers verifier and size limit on a header frame. The returned pointer
-// points into `header` and lives as long as it.
+// The Envelope schema_version this build speaks (schemas/isthmus.fbs). A receiver refuses
+// any other version: a message whose meaning may differ is never acted on.
+inline constexpr uint32_t kSchemaVersion = 1;
+
+// Runs the FlatBuffers verifier and size limit on a header frame and refuses an Envelope
+// whose schema_version is not kSchemaVersion (InvalidArgument naming both versions).
+// `request_id`, when given, receives the Envelope's request id as soon as the frame has
+// verified, so a refusal of its version can still be answered to the right request. The
+// returned pointer points into `header` and lives as long as it.
 Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
-                                            const WireLimits& limits);
+                                            const WireLimits& limits,
+                                            uint64_t* request_id = nullptr);
 
 // Checks a list of tensor descriptions against the payload frames: names present, short,
 // unique; dtype F32; dims within limits and non-negative; element count x 4 == nbytes ==
@@ -97,6 +105,10 @@ std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta);
 // Status <-> wire error code (one to one).
 wire::ErrorCode ToWireCode(Code code);
 Code FromWireCode(wire::ErrorCode code);
+
+// Finishes `fbb` as an Envelope of this schema version around `body`.
+void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id, wire::Body type,
+                    flatbuffers::Offset<void> body);
 
 // A finished Envelope holding an ErrorReply for `status`.
 void BuildErrorReply(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id,

@@ -99,15 +99,6 @@ bool IsPeerRequest(wire::Body type) {
          type == wire::Body::PeerPing;
 }
 
-void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body type,
-                    flatbuffers::Offset<void> body) {
-  wire::EnvelopeBuilder env(fbb);
-  env.add_request_id(id);
-  env.add_body_type(type);
-  env.add_body(body);
-  fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
-}
-
 // A delta in the packed layout (schemas/isthmus.fbs, PeerDelta): byte counts in name
 // order, the bytes end to end; small tensors share a frame (one copy), a large one goes
 // alone without a copy, its frame keeping the outbox's delta alive.
@@ -567,7 +558,7 @@ void PeerLinks::OnDealerReadable(Link& link) {
       // The peer's own traffic over our connection: the CURVE server we dialled proved
       // its key, so the message is the peer's.
       Answer(*link.dealer, nullptr, options_.insecure_plaintext ? "" : link.spec.public_key, env,
-             *msg);
+             (*env)->request_id(), *msg);
       continue;
     }
     CountReceived(link, *msg);
@@ -774,7 +765,8 @@ void PeerLinks::OnRouterReadable() {
       continue;
     }
     std::string connection(static_cast<const char*>(routing_id.data()), routing_id.size());
-    auto env = ParseEnvelope(msg->header, options_.limits);
+    uint64_t request_id = 0;
+    auto env = ParseEnvelope(msg->header, options_.limits, &request_id);
     if (env.ok() && !IsPeerRequest((*env)->body_type())) {
       // A reply to a request of ours that went over a connection the peer dialled.
       Link* link = nullptr;
@@ -795,7 +787,7 @@ void PeerLinks::OnRouterReadable() {
       const char* uid = zmq_msg_gets(msg->header.handle(), "User-Id");
       if (uid != nullptr) user_id = uid;
     }
-    Link* from = Answer(*router_, &routing_id, user_id, env, *msg);
+    Link* from = Answer(*router_, &routing_id, user_id, env, request_id, *msg);
     // A routing id we have not seen from this peer is a new connection of theirs: its
     // handshake crossed the wire too.
     if (from != nullptr && connection != from->peer_connection) {
@@ -807,7 +799,8 @@ void PeerLinks::OnRouterReadable() {
 
 PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
                                    const std::string& user_id,
-                                   const Result<const wire::Envelope*>& env, const Frames& msg) {
+                                   const Result<const wire::Envelope*>& env,
+                                   uint64_t request_id, const Frames& msg) {
   flatbuffers::FlatBufferBuilder reply;
   Link* from = nullptr;
   std::string connection;
@@ -818,7 +811,7 @@ PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* 
       HandlePeerMessage(user_id, env, msg, reply, &from, routing_id ? &connection : nullptr);
   if (!s.ok()) {
     reply.Clear();
-    BuildErrorReply(reply, env.ok() ? (*env)->request_id() : 0, s);
+    BuildErrorReply(reply, request_id, s);
     spdlog::warn("refused a peer message: {}", s.ToString());
   } else if (from != nullptr && env.ok() && (*env)->body_type() == wire::Body::PeerDelta &&
              (*env)->body_as_PeerDelta()->ack_delay_ms() > 0) {
@@ -989,13 +982,11 @@ Status PeerLinks::UnlistDelta(const wire::PeerDelta* req, const Frames& msg,
     t.name = std::move(name);
     if (m->shape()) {
       if (m->shape()->size() > lim.max_dims) return Status::InvalidArgument("too many dims");
-      uint64_t numel = 1;
-      for (int64_t d : *m->shape()) {
-        if (d < 0 || d > (int64_t{1} << 40)) return Status::InvalidArgument("bad dimension");
-        numel *= static_cast<uint64_t>(d);
-        if (numel > lim.max_payload_bytes) return Status::InvalidArgument("tensor too large");
-      }
       t.shape.assign(m->shape()->begin(), m->shape()->end());
+      const int64_t numel = NumElements(t.shape);
+      if (numel < 0 || static_cast<uint64_t>(numel) > lim.max_payload_bytes) {
+        return Status::InvalidArgument("tensor '" + t.name + "' has a negative or huge shape");
+      }
     }
     t.bytes.assign(static_cast<const char*>(frame.data()), frame.size());
     delta->tensors.push_back(std::move(t));

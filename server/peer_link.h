@@ -221,11 +221,12 @@ class PeerLinks {
   // Sends the acknowledgements the link has held past their time as messages of their own.
   void FlushAcks(Link& link, bool all);
   // Answers a request from a peer on `socket` (routing_id: the ROUTER's connection, null
-  // on a DEALER; env: the message's header as the caller parsed it). Returns the link it
-  // came from, null if none could be named.
+  // on a DEALER; env: the message's header as the caller parsed it; request_id: the id it
+  // carried, 0 if it did not verify, echoed in a refusal). Returns the link it came from,
+  // null if none could be named.
   Link* Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
                const std::string& user_id, const Result<const wire::Envelope*>& env,
-               const Frames& msg);
+               uint64_t request_id, const Frames& msg);
   int CurrentTimeoutMs(const Link& link) const;
   // When the requests in flight count as lost; time_point::max() when none is.
   Clock::time_point Deadline(const Link& link) const;

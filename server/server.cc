@@ -63,14 +63,6 @@ Status ReplaceDbFiles(const std::string& data_dir, const std::string& checkpoint
   return Status::Ok();
 }
 
-void FinishReply(Reply& reply, uint64_t id, wire::Body type, flatbuffers::Offset<void> body) {
-  wire::EnvelopeBuilder env(reply.header);
-  env.add_request_id(id);
-  env.add_body_type(type);
-  env.add_body(body);
-  reply.header.Finish(env.Finish(), wire::EnvelopeIdentifier());
-}
-
 std::string EngineDetail(const SyncJobStatus& j) {
   std::string d;
   if (j.staged_round > 0) {
@@ -129,7 +121,7 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
       fbb, fbb.CreateString(c.sync_site), static_cast<int>(c.shard_index), engine != nullptr,
       fbb.CreateVector(link_infos), fbb.CreateVector(job_states),
       links != nullptr ? links->refused_unknown() : 0);
-  FinishReply(reply, id, wire::Body::SyncStatusReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::SyncStatusReply, body.Union());
   return Status::Ok();
 }
 
@@ -155,7 +147,7 @@ Status DoSyncControl(const wire::SyncControl* req, uint64_t id, PeerLinks* links
   std::vector<flatbuffers::Offset<flatbuffers::String>> names;
   for (const auto& s : sites) names.push_back(fbb.CreateString(s));
   auto body = wire::CreateSyncControlReply(fbb, fbb.CreateVector(names));
-  FinishReply(reply, id, wire::Body::SyncControlReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::SyncControlReply, body.Union());
   return Status::Ok();
 }
 
@@ -172,7 +164,7 @@ Status DoDigests(const wire::DigestsRequest* req, uint64_t id, SyncEngine* engin
   }
   auto body = wire::CreateDigestsReply(fbb, fbb.CreateString(job), engine->CommittedRound(job),
                                        fbb.CreateVector(out));
-  FinishReply(reply, id, wire::Body::DigestsReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::DigestsReply, body.Union());
   return Status::Ok();
 }
 

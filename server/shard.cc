@@ -88,10 +88,6 @@ bool AddAllFinite(const float* a, const uint8_t* delta, float* out, size_t n) {
   return first_ok && second_ok;
 }
 
-void Finish(Reply& reply, uint64_t id, wire::Body type, flatbuffers::Offset<void> body) {
-  wire::FinishEnvelopeBuffer(reply.header, wire::CreateEnvelope(reply.header, 1, id, type, body));
-}
-
 }  // namespace
 
 bool IsValidName(const std::string& name) {
@@ -171,7 +167,7 @@ Status Shard::Load() {
     for (auto& [tname, t] : job.tensors) {
       ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kTensors, JobKey(name, tname)));
       int64_t numel = NumElements(t.shape);
-      if (!bytes || bytes->size() != static_cast<size_t>(numel) * sizeof(float)) {
+      if (numel < 0 || !bytes || bytes->size() != static_cast<size_t>(numel) * sizeof(float)) {
         return Status::Corruption("tensor '" + tname + "' of job '" + name +
                                   "' is missing or has the wrong size in the store");
       }
@@ -198,7 +194,7 @@ Reply Shard::Handle(wire::Role role, const Frames& request) {
   if (!store_) {
     s = Status::Unavailable("shard storage is closed after a failed restore; restart the server");
   } else {
-    auto env = ParseEnvelope(request.header, options_.limits);
+    auto env = ParseEnvelope(request.header, options_.limits, &id);
     if (!env.ok()) {
       s = env.status();
     } else {
@@ -313,7 +309,7 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
   if (job_found) rounds = RoundStatusOf(reply.header, *job_found);
   auto body = wire::CreateHelloReplyDirect(reply.header, options_.shard_id.c_str(), kIsthmusVersion,
                                            version, base_hash.c_str(), count, role, rounds);
-  Finish(reply, id, wire::Body::HelloReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::HelloReply, body.Union());
   return Status::Ok();
 }
 
@@ -365,7 +361,7 @@ Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
   auto metas_v = reply.header.CreateVector(metas);
   auto body = wire::CreatePullReply(reply.header, VersionOf(*job), metas_v,
                                     RoundStatusOf(reply.header, *job));
-  Finish(reply, id, wire::Body::PullReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::PullReply, body.Union());
   return Status::Ok();
 }
 
@@ -385,7 +381,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
                  job_name, v);
     auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
-    Finish(reply, id, wire::Body::PushReply, body.Union());
+    FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
     return Status::Ok();
   }
   // No finiteness check here: AddAllFinite checks the sums, and a non-finite delta makes
@@ -459,7 +455,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   job->dedup_seq = next_job.dedup_seq;
   auto body =
       wire::CreatePushReply(reply.header, new_version, false, RoundStatusOf(reply.header, *job));
-  Finish(reply, id, wire::Body::PushReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
   return Status::Ok();
 }
 
@@ -536,7 +532,7 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
   }
   auto body = wire::CreatePushReply(reply.header, VersionOf(*job), duplicate,
                                     RoundStatusOf(reply.header, *job));
-  Finish(reply, id, wire::Body::PushReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
   return Status::Ok();
 }
 
@@ -583,7 +579,7 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
   }
   spdlog::info("created job '{}': {} tensors, {} bytes", name, count, total);
   auto body = wire::CreateJobCreateReply(reply.header, 1, count, total);
-  Finish(reply, id, wire::Body::JobCreateReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::JobCreateReply, body.Union());
   return Status::Ok();
 }
 
@@ -599,7 +595,7 @@ Status Shard::DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& re
       wire::CreateJobDescribeReply(reply.header, reply.header.CreateString(req->job()->str()),
                                    reply.header.CreateString(job->base_hash), VersionOf(*job),
                                    job->pushes, job->created_unix, v);
-  Finish(reply, id, wire::Body::JobDescribeReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::JobDescribeReply, body.Union());
   return Status::Ok();
 }
 
@@ -626,7 +622,7 @@ Status Shard::DoStats(uint64_t id, Reply& reply) {
                                      fbb.CreateString(kIsthmusVersion), uptime, requests_, errors_,
                                      bytes_in_, bytes_out_, store_->ApproximateBytes(),
                                      fbb.CreateVector(jobs));
-  Finish(reply, id, wire::Body::StatsReply, body.Union());
+  FinishEnvelope(reply.header, id, wire::Body::StatsReply, body.Union());
   return Status::Ok();
 }
 
@@ -706,7 +702,7 @@ Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Rep
   if (ec) return Status::IoError("cannot finish snapshot '" + name + "': " + ec.message());
   spdlog::info("snapshot '{}' created", name);
   ISTHMUS_ASSIGN_OR_RETURN(auto snap, SnapshotInfoFrom(reply.header, final_dir));
-  Finish(reply, id, wire::Body::SnapshotCreateReply,
+  FinishEnvelope(reply.header, id, wire::Body::SnapshotCreateReply,
          wire::CreateSnapshotCreateReply(reply.header, snap).Union());
   return Status::Ok();
 }
@@ -725,7 +721,7 @@ Status Shard::DoSnapshotList(uint64_t id, Reply& reply) {
       if (info.ok()) snaps.push_back(*info);
     }
   }
-  Finish(reply, id, wire::Body::SnapshotListReply,
+  FinishEnvelope(reply.header, id, wire::Body::SnapshotListReply,
          wire::CreateSnapshotListReply(reply.header, reply.header.CreateVector(snaps)).Union());
   return Status::Ok();
 }
@@ -757,7 +753,7 @@ Status Shard::DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, R
   }
   spdlog::info("restored snapshot '{}'", name);
   ISTHMUS_ASSIGN_OR_RETURN(auto snap, SnapshotInfoFrom(reply.header, dir));
-  Finish(reply, id, wire::Body::SnapshotRestoreReply,
+  FinishEnvelope(reply.header, id, wire::Body::SnapshotRestoreReply,
          wire::CreateSnapshotRestoreReply(reply.header, snap).Union());
   return Status::Ok();
 }

@@ -198,12 +198,19 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::ReadTensors(Store* store,
   ISTHMUS_RETURN_IF_ERROR(
       store->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
         json rec = json::parse(v, nullptr, false);
-        if (rec.is_discarded() || !rec.contains("shape")) {
+        std::vector<int64_t> shape;
+        bool ok = !rec.is_discarded() && rec.is_object() && rec.contains("shape") &&
+                  rec["shape"].is_array();
+        for (const json& d : ok ? rec["shape"] : json::array()) {
+          ok = ok && d.is_number_integer();
+          if (ok) shape.push_back(d.get<int64_t>());
+        }
+        if (!ok || NumElements(shape) < 0) {
           status = Status::Corruption("tensor record '" + std::string(k.substr(prefix.size())) +
                                       "' is bad");
           return false;
         }
-        out[std::string(k.substr(prefix.size()))].shape = rec["shape"].get<std::vector<int64_t>>();
+        out[std::string(k.substr(prefix.size()))].shape = std::move(shape);
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);

@@ -476,11 +476,6 @@ zmq::message_t HeaderFrame(const flatbuffers::FlatBufferBuilder& fbb) {
   return zmq::message_t(fbb.GetBufferPointer(), fbb.GetSize());
 }
 
-void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t id, wire::Body type,
-                    flatbuffers::Offset<void> body) {
-  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, id, type, body));
-}
-
 Frames JobCreateFrames(const TensorView& t, const std::string& job) {
   flatbuffers::FlatBufferBuilder fbb;
   auto metas = BuildTensorMetas(fbb, {t});

@@ -92,6 +92,72 @@ TEST(WireTest, GarbageAndTruncatedHeadersAreRefused) {
   EXPECT_EQ(ParseEnvelope(full, tiny).status().code(), Code::kResourceExhausted);
 }
 
+TEST(WireTest, ElementCountsStayWhereTheirByteCountsCannotWrap) {
+  const int64_t p31 = int64_t{1} << 31, p61 = int64_t{1} << 61, p62 = int64_t{1} << 62;
+  EXPECT_EQ(NumElements({}), 1);
+  EXPECT_EQ(NumElements({3, 0, 5}), 0);
+  EXPECT_EQ(NumElements({kMaxElements}), kMaxElements);
+  EXPECT_EQ(NumElements({int64_t{1} << 28, int64_t{1} << 28}), kMaxElements);
+  for (const std::vector<int64_t>& shape :
+       std::vector<std::vector<int64_t>>{{p62}, {p31, p31}, {p61, 2}, {2, p61}, {kMaxElements, 2},
+                                         {p31, 0, p31}, {0, p62}, {p62, 0}, {-1}, {4, -2},
+                                         {INT64_MAX}, {INT64_MAX, INT64_MAX}}) {
+    EXPECT_EQ(NumElements(shape), -1) << ::testing::PrintToString(shape);
+  }
+}
+
+// The shapes of the out-of-bounds read: nbytes 0 and an empty frame must not pass as a
+// tensor of 2^62 elements (x 4 bytes wraps to 0).
+TEST(WireTest, ShapesWhoseByteCountWrapsAreRefusedBeforeThePayloadIsRead) {
+  const int64_t p31 = int64_t{1} << 31, p61 = int64_t{1} << 61, p62 = int64_t{1} << 62;
+  for (const std::vector<int64_t>& shape :
+       std::vector<std::vector<int64_t>>{{p62}, {p31, p31}, {p61, 2}, {p31, 0, p31}}) {
+    flatbuffers::FlatBufferBuilder fbb;
+    auto meta = wire::CreateTensorMetaDirect(fbb, "w", &shape, wire::DType::F32, 0, 0, 0);
+    std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{meta};
+    auto body = wire::CreatePushRequestDirect(fbb, "j", "k", 0, 1, &metas);
+    FinishEnvelope(fbb, 1, wire::Body::PushRequest, body.Union());
+    zmq::message_t header = Copy(fbb);
+    auto env = ParseEnvelope(header, WireLimits{});
+    ASSERT_TRUE(env.ok()) << env.status().ToString();
+    const auto* v = (*env)->body_as_PushRequest()->tensors();
+    std::vector<zmq::message_t> frames;
+    frames.emplace_back();  // empty
+    Status s = ValidateTensors(v, frames, WireLimits{}, true);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("negative or huge shape"), std::string::npos) << s.ToString();
+  }
+}
+
+TEST(WireTest, OtherSchemaVersionsAreRefusedNamingBothVersions) {
+  for (uint32_t version : {0u, 2u, 999u}) {
+    flatbuffers::FlatBufferBuilder fbb;
+    auto body = wire::CreatePullRequestDirect(fbb, "job");
+    wire::FinishEnvelopeBuffer(
+        fbb, wire::CreateEnvelope(fbb, version, 77, wire::Body::PullRequest, body.Union()));
+    zmq::message_t m = Copy(fbb);
+    uint64_t id = 0;
+    auto env = ParseEnvelope(m, WireLimits{}, &id);
+    ASSERT_FALSE(env.ok());
+    EXPECT_EQ(env.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(env.status().message().find("schema_version " + std::to_string(version)),
+              std::string::npos)
+        << env.status().ToString();
+    EXPECT_NE(env.status().message().find("speaks schema_version " +
+                                          std::to_string(kSchemaVersion)),
+              std::string::npos)
+        << env.status().ToString();
+    EXPECT_EQ(id, 77u);  // a refusal can still answer the request
+  }
+  // What this build writes carries its own version and passes.
+  flatbuffers::FlatBufferBuilder fbb;
+  FinishEnvelope(fbb, 5, wire::Body::PullRequest, wire::CreatePullRequestDirect(fbb, "j").Union());
+  zmq::message_t m = Copy(fbb);
+  auto env = ParseEnvelope(m, WireLimits{});
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  EXPECT_EQ((*env)->schema_version(), kSchemaVersion);
+}
+
 TEST(WireTest, RandomMutationsNeverCrashTheVerifier) {
   PushFixture p;
   std::string bytes(reinterpret_cast<const char*>(p.fbb.GetBufferPointer()), p.fbb.GetSize());

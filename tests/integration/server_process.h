@@ -115,6 +115,7 @@ class ServerProcess {
   int last_exit_code() const { return last_exit_code_; }
   const KeyPair& server_keys() const { return server_keys_; }
   const KeyPair& worker_keys() const { return worker_keys_; }
+  const KeyPair& admin_keys() const { return admin_keys_; }
   std::filesystem::path dir() const { return dir_; }
   void set_extra(std::string extra) {
     extra_ = std::move(extra);

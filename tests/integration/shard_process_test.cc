@@ -154,13 +154,16 @@ TEST_F(ShardProcessTest, WorkerKeyCannotUseAdminSocket) {
 // error reply and change nothing; the server must stay up.
 class RawSocket {
  public:
-  explicit RawSocket(const ServerProcess& server) : socket_(ctx_, zmq::socket_type::dealer) {
-    ConfigureCurveClient(socket_, server.worker_keys(), server.server_keys().public_key);
+  explicit RawSocket(const ServerProcess& server, bool admin = false)
+      : socket_(ctx_, zmq::socket_type::dealer) {
+    ConfigureCurveClient(socket_, admin ? server.admin_keys() : server.worker_keys(),
+                         server.server_keys().public_key);
     socket_.set(zmq::sockopt::linger, 0);
-    socket_.connect(ServerProcess::Endpoint(server.worker_port()));
+    socket_.connect(ServerProcess::Endpoint(admin ? server.admin_port() : server.worker_port()));
   }
   // Sends the frames; returns the status carried by the reply (OK for a non-error reply).
-  Status Call(const std::vector<std::string>& frames) {
+  // `request_id`, when given, receives the id the reply echoed.
+  Status Call(const std::vector<std::string>& frames, uint64_t* request_id = nullptr) {
     for (size_t i = 0; i < frames.size(); ++i) {
       zmq::message_t m(frames[i].data(), frames[i].size());
       socket_.send(m, i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
@@ -171,6 +174,7 @@ class RawSocket {
     if (!reply.ok()) return reply.status();
     auto env = ParseEnvelope(reply->header, WireLimits{});
     if (!env.ok()) return Status::Internal("server sent an unparsable reply");
+    if (request_id != nullptr) *request_id = (*env)->request_id();
     return ErrorFromEnvelope(*env);
   }
 
@@ -180,12 +184,23 @@ class RawSocket {
 };
 
 std::string PushHeader(const std::string& key, const std::string& name, uint64_t nbytes,
-                       std::vector<int64_t> shape = kShape) {
+                       std::vector<int64_t> shape = kShape, uint32_t schema_version = 1) {
   flatbuffers::FlatBufferBuilder fbb;
   auto meta = wire::CreateTensorMetaDirect(fbb, name.c_str(), &shape, wire::DType::F32, 0, nbytes, 0);
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{meta};
   auto body = wire::CreatePushRequestDirect(fbb, "j", key.c_str(), 0, 1, &metas);
-  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, 42, wire::Body::PushRequest, body.Union()));
+  wire::FinishEnvelopeBuffer(
+      fbb, wire::CreateEnvelope(fbb, schema_version, 42, wire::Body::PushRequest, body.Union()));
+  return std::string(reinterpret_cast<const char*>(fbb.GetBufferPointer()), fbb.GetSize());
+}
+
+// A JobCreate for job `job` with one tensor "w" of `shape` whose header claims `nbytes`.
+std::string JobCreateHeader(const std::string& job, std::vector<int64_t> shape, uint64_t nbytes) {
+  flatbuffers::FlatBufferBuilder fbb;
+  auto meta = wire::CreateTensorMetaDirect(fbb, "w", &shape, wire::DType::F32, 0, nbytes, 0);
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{meta};
+  auto body = wire::CreateJobCreateDirect(fbb, job.c_str(), "h", &metas);
+  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, 43, wire::Body::JobCreate, body.Union()));
   return std::string(reinterpret_cast<const char*>(fbb.GetBufferPointer()), fbb.GetSize());
 }
 
@@ -238,6 +253,61 @@ TEST_F(ShardProcessTest, HostileFramesAreRefusedWithStateUnchanged) {
   ASSERT_TRUE(stats.ok());
   EXPECT_GE(stats->errors, 12u);
   EXPECT_EQ(stats->jobs.at(0).pushes, 1u);
+}
+
+// Shapes whose element count x 4 wraps to 0 in 64 bits, sent with nbytes 0 and an empty
+// frame: each is refused as a shape before a byte of payload is read (a reader that
+// trusted the wrapped size would go past the empty frame). On the admin socket's
+// JobCreate no job appears; on the worker socket's push nothing changes.
+TEST_F(ShardProcessTest, ShapesWhoseByteCountWrapsAreRefusedOnBothSockets) {
+  const int64_t p31 = int64_t{1} << 31, p61 = int64_t{1} << 61, p62 = int64_t{1} << 62;
+  const std::vector<std::vector<int64_t>> wrapping{{p62}, {p31, p31}, {p61, 2}, {2, p61},
+                                                   {p31, 0, p31}, {0, p62, 4}};
+  RawSocket admin(server_, /*admin=*/true), worker(server_);
+  auto w = server_.WorkerClient();
+  auto before = PullAll(*w);
+  for (const auto& shape : wrapping) {
+    std::string label = ::testing::PrintToString(shape);
+    Status created = admin.Call({JobCreateHeader("wrap", shape, 0), ""});
+    EXPECT_EQ(created.code(), Code::kInvalidArgument) << label << ": " << created.ToString();
+    EXPECT_NE(created.message().find("negative or huge shape"), std::string::npos)
+        << label << ": " << created.ToString();
+    Status pushed = worker.Call({PushHeader("wrap", "b", 0, shape), ""});
+    EXPECT_EQ(pushed.code(), Code::kInvalidArgument) << label << ": " << pushed.ToString();
+    EXPECT_NE(pushed.message().find("negative or huge shape"), std::string::npos)
+        << label << ": " << pushed.ToString();
+  }
+  EXPECT_EQ(server_.AdminClient()->DescribeJob("wrap").status().code(), Code::kNotFound);
+  EXPECT_EQ(PullAll(*w), before);
+}
+
+// A message of another schema version is refused on both sockets, the refusal names both
+// versions and answers the request's own id, and nothing is applied.
+TEST_F(ShardProcessTest, UnknownSchemaVersionIsRefusedNamingBothVersions) {
+  auto w = server_.WorkerClient();
+  auto before = PullAll(*w);
+  RawSocket worker(server_), admin(server_, /*admin=*/true);
+  std::vector<float> ones(32, 1.0f);
+  for (uint32_t version : {0u, 2u, 999u}) {
+    for (RawSocket* raw : {&worker, &admin}) {
+      uint64_t id = 0;
+      Status s = raw->Call(
+          {PushHeader("v" + std::to_string(version), "b", 128, kShape, version), Floats(ones)},
+          &id);
+      EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+      EXPECT_NE(s.message().find("schema_version " + std::to_string(version)), std::string::npos)
+          << s.ToString();
+      EXPECT_NE(s.message().find("speaks schema_version 1"), std::string::npos) << s.ToString();
+      EXPECT_EQ(id, 42u);
+    }
+  }
+  EXPECT_EQ(PullAll(*w), before);
+  auto job = server_.AdminClient()->DescribeJob("j");
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(job->pushes, 0u);
+  // The same push at version 1 is applied: the refusals were about the version alone.
+  EXPECT_TRUE(worker.Call({PushHeader("v1", "b", 128), Floats(ones)}).ok());
+  EXPECT_EQ(server_.AdminClient()->DescribeJob("j")->pushes, 1u);
 }
 
 // Random single-byte mutations of a valid push: the server must answer every one (or

@@ -576,6 +576,8 @@ struct DeltaMsg {
   std::vector<uint32_t> frames = {0, 1};
   std::vector<uint64_t> nbytes;  // default: actual sizes
   std::vector<std::string> payload = {"A:x", "bbbb"};
+  std::vector<int64_t> shape = {2};  // of every tensor
+  uint32_t schema_version = kSchemaVersion;
 };
 
 flatbuffers::FlatBufferBuilder BuildDelta(const DeltaMsg& m) {
@@ -586,12 +588,13 @@ flatbuffers::FlatBufferBuilder BuildDelta(const DeltaMsg& m) {
                      ? m.nbytes[i]
                      : (m.frames[i] < m.payload.size() ? m.payload[m.frames[i]].size() : 0);
     metas.push_back(wire::CreatePeerTensor(fbb, fbb.CreateString(m.names[i]),
-                                           fbb.CreateVector(std::vector<int64_t>{2}), m.frames[i],
+                                           fbb.CreateVector(m.shape), m.frames[i],
                                            n));
   }
   auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(m.job), fbb.CreateString(m.site), m.round,
                                     7, fbb.CreateVector(metas));
   wire::EnvelopeBuilder env(fbb);
+  env.add_schema_version(m.schema_version);
   env.add_request_id(42);
   env.add_body_type(wire::Body::PeerDelta);
   env.add_body(body.Union());
@@ -683,9 +686,30 @@ TEST_F(PeerLinkRefusals, MalformedDeltasAreRefusedWithoutStateChange) {
     m.job = "nosuchjob";
     cases.push_back({"unknown job", m});
   }
+  for (std::vector<int64_t> shape : {std::vector<int64_t>{int64_t{1} << 62},
+                                     {int64_t{1} << 31, int64_t{1} << 31},
+                                     {int64_t{1} << 61, 2}, {-2}}) {
+    DeltaMsg m = base;
+    m.shape = shape;
+    cases.push_back({"shape " + ::testing::PrintToString(shape), m});
+  }
+  for (uint32_t version : {0u, 2u, 999u}) {
+    DeltaMsg m = base;
+    m.schema_version = version;
+    cases.push_back({"schema_version " + std::to_string(version), m});
+  }
   for (const auto& [what, m] : cases) {
     auto r = alpha.Call(BuildDelta(m), m.payload);
     EXPECT_FALSE(r.ok()) << what;
+    if (what.rfind("shape", 0) == 0) {
+      EXPECT_NE(r.status().message().find("negative or huge shape"), std::string::npos)
+          << what << ": " << r.status().ToString();
+    }
+    if (what.rfind("schema_version", 0) == 0) {
+      EXPECT_NE(r.status().message().find(what + " but this isthmus speaks schema_version 1"),
+                std::string::npos)
+          << r.status().ToString();
+    }
   }
   EXPECT_EQ(eb_.InboxSize("alpha"), 0u);
   EXPECT_EQ(eb_.Held("alpha"), 0u);
