@@ -106,11 +106,11 @@ int RunEval(EvalArgs& a) {
     if (!t.ok()) return Fail("eval", t.status());
     tensors = std::move(t).value();
   } else if (!a.shards.servers.empty()) {
-    auto clients = ConnectShards(a.shards);
-    if (!clients.ok()) return Fail("eval", clients.status());
-    auto h = HelloAll(*clients, a.shards, (*gpt)->BaseHash());
+    auto site = ConnectSite(a.shards);
+    if (!site.ok()) return Fail("eval", site.status());
+    auto h = HelloSite(**site, (*gpt)->BaseHash());
     if (!h.ok()) return Fail("eval", h.status());
-    auto t = PullAll(*clients, a.shards.job);
+    auto t = PullSite(**site);
     if (!t.ok()) return Fail("eval", t.status());
     tensors = std::move(t).value();
   }
@@ -140,8 +140,8 @@ int RunExport(ExportArgs& a) {
     std::fprintf(stderr, "isthmus-worker export: give --out and/or --peft-dir\n");
     return kExitUsage;
   }
-  auto clients = ConnectShards(a.shards);
-  if (!clients.ok()) return Fail("export", clients.status());
+  auto site = ConnectSite(a.shards);
+  if (!site.ok()) return Fail("export", site.status());
   std::unique_ptr<model::Gpt> gpt;
   std::string hash;
   if (!a.model.base.empty()) {
@@ -153,9 +153,9 @@ int RunExport(ExportArgs& a) {
     std::fprintf(stderr, "isthmus-worker export: --peft-dir needs --base\n");
     return kExitUsage;
   }
-  auto h = HelloAll(*clients, a.shards, hash);
+  auto h = HelloSite(**site, hash);
   if (!h.ok()) return Fail("export", h.status());
-  auto t = PullAll(*clients, a.shards.job);
+  auto t = PullSite(**site);
   if (!t.ok()) return Fail("export", t.status());
   if (!a.out.empty()) {
     std::map<std::string, std::string> meta;

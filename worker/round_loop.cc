@@ -19,7 +19,6 @@
 
 #include "common/keys.h"
 #include "common/safetensors.h"
-#include "common/sharding.h"
 #include "ops/buffer.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
@@ -138,18 +137,18 @@ class RoundLoop {
 
     base_hash_ = gpt_->BaseHash();
     if (!s_.standalone) {
-      ISTHMUS_ASSIGN_OR_RETURN(clients_, ConnectShards(s_.shards));
-      ISTHMUS_ASSIGN_OR_RETURN(auto hellos, HelloAll(clients_, s_.shards, base_hash_));
+      ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards));
+      ISTHMUS_ASSIGN_OR_RETURN(auto hellos, HelloSite(*site_, base_hash_));
       for (const auto& h : hellos) {
         start_rounds_max_ = std::max<int64_t>(start_rounds_max_, h.rounds.local_round);
       }
-      std::vector<TensorSize> sizes;
-      for (const auto& p : gpt_->Trainable()) {
-        sizes.push_back({p.name, static_cast<uint64_t>(p.numel) * 4});
-      }
-      placement_ = AssignTensorsToShards(sizes, static_cast<int>(clients_.size()));
+      // Every rank knows where each tensor lives without pulling: the placement
+      // isthmusctl gave the job (a pull checks it).
+      std::vector<TensorView> trainable;
+      for (const auto& p : gpt_->Trainable()) trainable.push_back({p.name, {p.numel}, nullptr});
+      site_->SetPlacement(
+          SiteClient::PlaceTensors(trainable, static_cast<int>(site_->num_shards())));
     }
-    client_name_ = s_.shards.client_name.empty() ? "site" : s_.shards.client_name;
 
     ProgressOptions po;
     po.live = s_.progress && IsTerminal(stderr);
@@ -261,7 +260,7 @@ class RoundLoop {
     tokens_ = GetInt(plan, 6);
     ISTHMUS_RETURN_IF_ERROR(SetTrainerStep(*trainer_, step_));
     if (plan[9] > 0) {
-      ISTHMUS_RETURN_IF_ERROR(PullAndShare(/*check_placement=*/true));
+      ISTHMUS_RETURN_IF_ERROR(PullAndShare());
     }
     if (comm_) {
       // Rank 0's optimizer state and tensors for everyone (a rank may have no checkpoint,
@@ -279,13 +278,13 @@ class RoundLoop {
     return Status::Ok();
   }
 
-  // Rank 0 pulls every shard and loads the union; then every rank receives it.
-  Status PullAndShare(bool check_placement) {
+  // Rank 0 pulls every shard and loads the union; then every rank receives it. The pull
+  // checks that every tensor is on the shard the placement says.
+  Status PullAndShare() {
     float ok = 1.0f;
     Status pulled;
     if (leader()) {
-      std::vector<std::vector<std::string>> per_shard;
-      auto tensors = PullAll(clients_, s_.shards.job, check_placement ? &per_shard : nullptr);
+      auto tensors = PullSite(*site_);
       if (!tensors.ok()) {
         pulled = tensors.status();
       } else {
@@ -293,18 +292,6 @@ class RoundLoop {
         if (!pulled.ok()) {
           pulled = Refused("job '" + s_.shards.job +
                            "' does not hold this model's trainable tensors: " + pulled.message());
-        }
-      }
-      if (pulled.ok() && check_placement) {
-        auto params = gpt_->Trainable();
-        for (size_t i = 0; i < params.size(); ++i) {
-          const auto& names = per_shard[placement_[i]];
-          if (std::find(names.begin(), names.end(), params[i].name) == names.end()) {
-            pulled = Refused("tensor " + params[i].name + " is not on shard " +
-                             std::to_string(placement_[i]) +
-                             ": give --server in the order the job was created with");
-            break;
-          }
         }
       }
       ok = pulled.ok() ? 1.0f : 0.0f;
@@ -375,25 +362,15 @@ class RoundLoop {
   Status PushRound(uint64_t round_tokens, uint64_t compute_ms) {
     // The delta is computed on the backend and crosses to the host in one copy.
     ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> all, gpt_->TrainableDelta());
-    for (size_t s = 0; s < clients_.size(); ++s) {
-      if (static_cast<int>(s % world()) != s_.rank) continue;
-      std::vector<TensorView> views;
-      for (size_t i = 0; i < all.size(); ++i) {
-        if (placement_[i] == static_cast<int>(s)) {
-          views.push_back({all[i].name, all[i].shape, all[i].data.data()});
-        }
-      }
-      std::string key = s_.shards.job + "/" + client_name_ + "/r" + std::to_string(round_) + "/s" +
-                        std::to_string(s);
-      auto r = clients_[s]->Push(s_.shards.job, key, static_cast<uint64_t>(round_), round_tokens,
-                                 views, compute_ms);
-      if (!r.ok()) {
-        return Status(r.status().code(), "push of round " + std::to_string(round_) + " to shard " +
-                                             std::to_string(s) + ": " + r.status().message());
-      }
-      if (r->duplicate) {
-        spdlog::info("shard {} already had round {} (key {}): nothing applied twice", s, round_,
-                     key);
+    std::vector<TensorView> views;
+    for (const auto& t : all) views.push_back({t.name, t.shape, t.data.data()});
+    ISTHMUS_ASSIGN_OR_RETURN(auto pushed,
+                             site_->PushRound(static_cast<uint64_t>(round_), round_tokens,
+                                              compute_ms, views, s_.rank, world()));
+    for (const auto& p : pushed) {
+      if (p.duplicate) {
+        spdlog::info("shard {} already had round {} (key {}): nothing applied twice", p.shard,
+                     round_, p.key);
       }
     }
     return Status::Ok();
@@ -408,17 +385,10 @@ class RoundLoop {
       float flag = 0;  // 0 go on, 1 wait
       std::string why;
       if (leader()) {
-        for (size_t i = 0; i < clients_.size(); ++i) {
-          auto h = clients_[i]->Hello(s_.shards.job, wire::Role::Worker, base_hash_, client_name_);
-          if (!h.ok()) return h.status();
-          const auto& r = h->rounds;
-          if (r.max_rounds_ahead > 0 && r.local_round > r.committed_round &&
-              r.local_round - r.committed_round > r.max_rounds_ahead) {
-            flag = 1;
-            why = "waiting for the WAN: " + std::to_string(r.local_round - r.committed_round) +
-                  " rounds ahead of the last commit (limit " + std::to_string(r.max_rounds_ahead) +
-                  ") on shard " + std::to_string(i);
-          }
+        ISTHMUS_ASSIGN_OR_RETURN(Staleness st, site_->CheckStaleness());
+        if (st.too_far_ahead) {
+          flag = 1;
+          why = st.reason;
         }
         if (flag > 0 && stop_) flag = 0;  // interrupted: stop waiting, checkpoint and exit
       }
@@ -490,7 +460,7 @@ class RoundLoop {
             PushRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
         if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
         ISTHMUS_RETURN_IF_ERROR(WaitForWan());
-        ISTHMUS_RETURN_IF_ERROR(PullAndShare(false));
+        ISTHMUS_RETURN_IF_ERROR(PullAndShare());
         if (fault && std::atoll(fault) == round_) {
           spdlog::error("fault injection: exiting after pushing round {}", round_);
           std::fflush(nullptr);
@@ -561,10 +531,9 @@ class RoundLoop {
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;
   std::unique_ptr<data::TokenDataset> dataset_;
-  std::vector<std::unique_ptr<ShardClient>> clients_;
-  std::vector<int> placement_;  // shard of each trainable tensor
+  std::unique_ptr<SiteClient> site_;  // null when standalone
   std::unique_ptr<Progress> progress_;
-  std::string base_hash_, client_name_;
+  std::string base_hash_;
   int64_t start_rounds_max_ = 0;
   int64_t round_ = 0, step_ = 0;
   uint64_t tokens_ = 0, tokens_per_step_ = 0;
@@ -624,77 +593,40 @@ Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
   return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config, compute);
 }
 
-Result<std::vector<std::unique_ptr<ShardClient>>> ConnectShards(const ShardSettings& s) {
-  std::vector<std::unique_ptr<ShardClient>> clients;
-  KeyPair own;
+Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s) {
+  SiteOptions o;
+  o.job = s.job;
+  o.servers = s.servers;
+  o.insecure_plaintext = s.insecure_plaintext;
+  o.timeout_ms = s.timeout_ms;
+  o.client_name = s.client_name.empty() ? "site" : s.client_name;
   if (!s.insecure_plaintext) {
-    ISTHMUS_ASSIGN_OR_RETURN(own, LoadKeyPairFile(s.key));
-  }
-  for (size_t i = 0; i < s.servers.size(); ++i) {
-    ClientOptions o;
-    o.endpoint = s.servers[i];
-    o.insecure_plaintext = s.insecure_plaintext;
-    o.timeout_ms = s.timeout_ms;
-    if (!s.insecure_plaintext) {
-      const auto& file = s.server_keys.size() == 1 ? s.server_keys[0] : s.server_keys.at(i);
-      ISTHMUS_ASSIGN_OR_RETURN(o.server_public_key, LoadPublicKeyFile(file));
-      o.client_keys = own;
+    ISTHMUS_ASSIGN_OR_RETURN(o.client_keys, LoadKeyPairFile(s.key));
+    for (const auto& file : s.server_keys) {
+      ISTHMUS_ASSIGN_OR_RETURN(auto key, LoadPublicKeyFile(file));
+      o.server_public_keys.push_back(std::move(key));
     }
-    ISTHMUS_ASSIGN_OR_RETURN(auto c, ShardClient::Connect(o));
-    clients.push_back(std::move(c));
   }
-  return clients;
+  return SiteClient::Connect(o);
 }
 
-Result<std::vector<HelloInfo>> HelloAll(std::vector<std::unique_ptr<ShardClient>>& clients,
-                                        const ShardSettings& s, const std::string& base_hash) {
-  std::vector<HelloInfo> out;
-  for (size_t i = 0; i < clients.size(); ++i) {
-    auto h = clients[i]->Hello(s.job, wire::Role::Worker, base_hash,
-                               s.client_name.empty() ? "site" : s.client_name);
-    if (!h.ok()) {
-      std::string where = "shard " + std::to_string(i) + " (" + s.servers[i] + ")";
-      if (h.status().code() == Code::kFailedPrecondition) {
-        return Refused(where + " holds job '" + s.job + "' for another base model (ours is " +
-                       base_hash + "): " + h.status().message());
-      }
-      if (h.status().code() == Code::kPermissionDenied || h.status().code() == Code::kNotFound) {
-        return Refused(where + ": " + h.status().ToString());
-      }
-      if (h.status().code() == Code::kTimeout) {
-        return Status::Timeout(where +
-                               " did not answer (down, wrong endpoint, or our key is "
-                               "not on its worker allowlist): " +
-                               h.status().message());
-      }
-      return Status(h.status().code(), where + ": " + h.status().message());
+Result<std::vector<HelloInfo>> HelloSite(SiteClient& site, const std::string& base_hash) {
+  auto h = site.Hello(base_hash);
+  if (!h.ok()) {
+    const Code c = h.status().code();
+    if (c == Code::kFailedPrecondition || c == Code::kPermissionDenied || c == Code::kNotFound) {
+      return Refused(h.status().message());
     }
-    if (h->tensor_count == 0) {
-      return Refused("shard " + std::to_string(i) + " has no job '" + s.job +
-                     "' (create it with isthmusctl job create)");
-    }
-    out.push_back(std::move(h).value());
   }
-  return out;
+  return h;
 }
 
-Result<std::vector<Tensor>> PullAll(std::vector<std::unique_ptr<ShardClient>>& clients,
-                                    const std::string& job,
-                                    std::vector<std::vector<std::string>>* per_shard) {
-  std::vector<Tensor> all;
-  if (per_shard) per_shard->assign(clients.size(), {});
-  for (size_t i = 0; i < clients.size(); ++i) {
-    auto r = clients[i]->Pull(job);
-    if (!r.ok()) {
-      return Status(r.status().code(),
-                    "pull from shard " + std::to_string(i) + ": " + r.status().message());
-    }
-    for (auto& t : r->tensors) {
-      if (per_shard) (*per_shard)[i].push_back(t.name);
-      all.push_back(std::move(t));
-    }
+Result<std::vector<Tensor>> PullSite(SiteClient& site) {
+  auto t = site.Pull();
+  if (!t.ok() && t.status().code() == Code::kFailedPrecondition) {
+    return Refused(t.status().message());
   }
-  return all;
+  return t;
 }
 
 Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size, int rank,

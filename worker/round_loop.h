@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/client.h"
+#include "common/site_client.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "worker/comm/communicator.h"
@@ -68,18 +69,16 @@ Status HostCollective(comm::Communicator& comm, ops::Ops& ops, float* data, size
 Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
                                                const model::Compute& compute = {});
 
-// One connected client per --server (CURVE unless insecure). Order = shard order.
-Result<std::vector<std::unique_ptr<ShardClient>>> ConnectShards(const ShardSettings& s);
+// The site client for --server/--server-key/--key (CURVE unless insecure).
+Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s);
 
-// Hello to every shard as a worker with `base_hash`; a base mismatch is a Refused().
-Result<std::vector<HelloInfo>> HelloAll(std::vector<std::unique_ptr<ShardClient>>& clients,
-                                        const ShardSettings& s, const std::string& base_hash);
+// Hello to every shard as a worker with `base_hash`; a refusal (another base, a key not
+// allowed, no such job) is a Refused().
+Result<std::vector<HelloInfo>> HelloSite(SiteClient& site, const std::string& base_hash);
 
-// Pulls the job's tensors from every shard and returns their union (shard order). When
-// `per_shard` is not null it receives each shard's tensor names.
-Result<std::vector<Tensor>> PullAll(std::vector<std::unique_ptr<ShardClient>>& clients,
-                                    const std::string& job,
-                                    std::vector<std::vector<std::string>>* per_shard = nullptr);
+// Pulls the job's tensors from every shard and returns their union (shard order); a
+// tensor on another shard than the site's placement says is a Refused().
+Result<std::vector<Tensor>> PullSite(SiteClient& site);
 
 // Mean loss of `gpt` over the first `batches` batches (B x T, rank's slice) of `path`,
 // averaged over `comm`'s ranks when comm is not null (a collective then).

@@ -1,0 +1,213 @@
+// The site client (see site_client.h): a job's shards seen as one, for worker ranks.
+#include "common/site_client.h"
+
+#include <thread>
+
+#include "common/sharding.h"
+
+namespace isthmus {
+
+Result<std::unique_ptr<SiteClient>> SiteClient::Connect(const SiteOptions& options) {
+  if (options.job.empty()) return Status::InvalidArgument("no job named");
+  if (options.servers.empty()) return Status::InvalidArgument("no shard endpoints given");
+  if (!options.insecure_plaintext) {
+    const size_t keys = options.server_public_keys.size();
+    if (keys != 1 && keys != options.servers.size()) {
+      return Status::InvalidArgument(
+          "give one server public key for all shards or one per shard (got " +
+          std::to_string(keys) + " for " + std::to_string(options.servers.size()) + " shards)");
+    }
+    if (options.client_keys.secret_key.empty()) {
+      return Status::InvalidArgument("no client key pair given (or use insecure_plaintext)");
+    }
+  }
+  auto site = std::unique_ptr<SiteClient>(new SiteClient(options));
+  if (site->options_.client_name.empty()) site->options_.client_name = "site";
+  for (size_t i = 0; i < options.servers.size(); ++i) {
+    ClientOptions o;
+    o.endpoint = options.servers[i];
+    o.insecure_plaintext = options.insecure_plaintext;
+    o.timeout_ms = options.timeout_ms;
+    o.retries = options.retries;
+    if (!options.insecure_plaintext) {
+      const auto& keys = options.server_public_keys;
+      o.server_public_key = keys.size() == 1 ? keys[0] : keys[i];
+      o.client_keys = options.client_keys;
+    }
+    auto c = ShardClient::Connect(o);
+    if (!c.ok()) return site->AtShard(i, c.status());
+    site->shards_.push_back(std::move(c).value());
+  }
+  return site;
+}
+
+std::string SiteClient::Where(size_t i) const {
+  return "shard " + std::to_string(i) + " (" + options_.servers.at(i) + ")";
+}
+
+Status SiteClient::AtShard(size_t i, const Status& status) const {
+  return Status(status.code(), Where(i) + ": " + status.message());
+}
+
+std::string SiteClient::PushKey(uint64_t round, int shard) const {
+  return options_.job + "/" + options_.client_name + "/r" + std::to_string(round) + "/s" +
+         std::to_string(shard);
+}
+
+Result<std::vector<HelloInfo>> SiteClient::Hello(const std::string& base_hash) {
+  base_hash_ = base_hash;
+  std::vector<HelloInfo> out;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash, options_.client_name);
+    if (!h.ok()) {
+      const Status& s = h.status();
+      if (s.code() == Code::kFailedPrecondition) {
+        return AtShard(i, Status::FailedPrecondition("holds job '" + options_.job +
+                                                     "' for another base model (ours is " +
+                                                     base_hash + "): " + s.message()));
+      }
+      if (s.code() == Code::kTimeout) {
+        return AtShard(i, Status::Timeout("did not answer (down, wrong endpoint, or our key is "
+                                          "not on its worker allowlist): " +
+                                          s.message()));
+      }
+      return AtShard(i, s);
+    }
+    if (h->tensor_count == 0) {
+      return AtShard(i, Status::NotFound("has no job '" + options_.job +
+                                         "' (create it with isthmusctl job create)"));
+    }
+    out.push_back(std::move(h).value());
+  }
+  return out;
+}
+
+Status SiteClient::Place(const std::string& name, size_t i,
+                         std::map<std::string, int>& seen) const {
+  auto want = placement_.find(name);
+  if (want != placement_.end() && want->second != static_cast<int>(i)) {
+    return Status::FailedPrecondition(
+        "tensor " + name + " is on " + Where(i) + ", not on shard " +
+        std::to_string(want->second) + ": give the servers in the order the job was created with");
+  }
+  seen[name] = static_cast<int>(i);
+  return Status::Ok();
+}
+
+Result<std::vector<Tensor>> SiteClient::Pull() {
+  std::vector<Tensor> all;
+  std::map<std::string, int> seen;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    auto r = shards_[i]->Pull(options_.job);
+    if (!r.ok()) return AtShard(i, Status(r.status().code(), "pull: " + r.status().message()));
+    for (auto& t : r->tensors) {
+      ISTHMUS_RETURN_IF_ERROR(Place(t.name, i, seen));
+      all.push_back(std::move(t));
+    }
+  }
+  placement_ = std::move(seen);
+  return all;
+}
+
+Result<std::vector<PullView>> SiteClient::PullInPlace() {
+  std::vector<PullView> views;
+  std::map<std::string, int> seen;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    auto r = shards_[i]->PullInPlace(options_.job);
+    if (!r.ok()) return AtShard(i, Status(r.status().code(), "pull: " + r.status().message()));
+    for (const auto& t : r->tensors) ISTHMUS_RETURN_IF_ERROR(Place(t.name, i, seen));
+    views.push_back(std::move(r).value());
+  }
+  placement_ = std::move(seen);
+  return views;
+}
+
+std::map<std::string, int> SiteClient::PlaceTensors(const std::vector<TensorView>& tensors,
+                                                    int num_shards) {
+  std::vector<TensorSize> sizes;
+  for (const auto& t : tensors) {
+    sizes.push_back({t.name, static_cast<uint64_t>(std::max<int64_t>(0, NumElements(t.shape))) *
+                                 sizeof(float)});
+  }
+  const std::vector<int> shard = AssignTensorsToShards(sizes, num_shards);
+  std::map<std::string, int> out;
+  for (size_t i = 0; i < tensors.size(); ++i) out[tensors[i].name] = shard[i];
+  return out;
+}
+
+Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t tokens,
+                                                     uint64_t compute_ms,
+                                                     const std::vector<TensorView>& deltas,
+                                                     int rank, int world) {
+  if (world < 1 || rank < 0 || rank >= world) {
+    return Status::InvalidArgument("rank " + std::to_string(rank) + " of world size " +
+                                   std::to_string(world) + " is not a rank of the site");
+  }
+  ISTHMUS_RETURN_IF_ERROR(CheckTensorViews(deltas));
+  std::vector<std::vector<TensorView>> per_shard(shards_.size());
+  for (const auto& d : deltas) {
+    auto it = placement_.find(d.name);
+    if (it == placement_.end()) {
+      return Status::NotFound("tensor '" + d.name + "' is not a tensor of job '" + options_.job +
+                              "' on any shard" +
+                              (placement_.empty() ? " (pull first, or set the placement)" : ""));
+    }
+    per_shard.at(it->second).push_back(d);
+  }
+  std::vector<ShardPush> out;
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (static_cast<int>(s % world) != rank) continue;
+    ShardPush p;
+    p.shard = static_cast<int>(s);
+    p.key = PushKey(round, p.shard);
+    p.tensors = per_shard[s].size();
+    auto r = shards_[s]->Push(options_.job, p.key, round, tokens, per_shard[s], compute_ms);
+    if (!r.ok()) {
+      return AtShard(s, Status(r.status().code(), "push of round " + std::to_string(round) +
+                                                      ": " + r.status().message()));
+    }
+    p.duplicate = r->duplicate;
+    p.rounds = r->rounds;
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+Result<Staleness> SiteClient::CheckStaleness() {
+  Staleness st;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash_, options_.client_name);
+    if (!h.ok()) return AtShard(i, h.status());
+    const RoundInfo& r = h->rounds;
+    if (r.max_rounds_ahead == 0) continue;
+    const uint64_t ahead = r.local_round > r.committed_round ? r.local_round - r.committed_round : 0;
+    if (st.shard < 0 || ahead > st.rounds_ahead) {
+      st.shard = static_cast<int>(i);
+      st.rounds_ahead = ahead;
+      st.limit = r.max_rounds_ahead;
+    }
+    if (ahead > r.max_rounds_ahead && !st.too_far_ahead) {
+      st.too_far_ahead = true;
+      st.reason = "waiting for the WAN: " + std::to_string(ahead) +
+                  " rounds ahead of the last commit (limit " +
+                  std::to_string(r.max_rounds_ahead) + ") on shard " + std::to_string(i);
+    }
+  }
+  return st;
+}
+
+Result<Staleness> SiteClient::WaitWithinStaleness(std::chrono::milliseconds timeout,
+                                                  const std::atomic<bool>* stop,
+                                                  std::chrono::milliseconds poll) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    ISTHMUS_ASSIGN_OR_RETURN(Staleness st, CheckStaleness());
+    if (!st.too_far_ahead || (stop != nullptr && stop->load()) ||
+        std::chrono::steady_clock::now() + poll > deadline) {
+      return st;
+    }
+    std::this_thread::sleep_for(poll);
+  }
+}
+
+}  // namespace isthmus

@@ -1,0 +1,136 @@
+// The site client: the stable API a worker rank of any framework uses to take part in a
+// job through its site's shards. isthmus-worker and the Python package (worker/python)
+// both use it, so the round protocol a rank speaks is written once.
+//
+// A site holds a job's tensors spread over its shards (common/sharding.h). A rank:
+//   1. Connect()s to every shard (CURVE unless insecure_plaintext) and says Hello() with
+//      the hash of its base model: a shard holding the job for another base refuses;
+//   2. Pull()s the merged tensors (the union over shards), which also tells the client
+//      which shard holds which tensor;
+//   3. trains H steps, then PushRound()s the round's change of every tensor: each goes to
+//      the shard that holds it, with the round number, the tokens trained and the compute
+//      time; the idempotency key is "<job>/<client_name>/r<round>/s<shard>", so a retried
+//      or redone round (after a crash) is applied at most once;
+//   4. before the next round, WaitWithinStaleness(): while any shard's local round is more
+//      than its max_rounds_ahead past its last cross-site commit, the site waits.
+// Several ranks of one site split the shards: rank r pushes shard s when s % world == r
+// (every rank holds the same averaged values, so any rank can push any shard).
+//
+// Errors are Status values: PermissionDenied (a key not allowed), FailedPrecondition (the
+// job is held for another base model; a tensor on an unexpected shard), NotFound (no such
+// job or tensor), InvalidArgument (bad tensors: the shard changed nothing), Timeout and
+// Unavailable (a shard down or unreachable); each message names the shard. Threads: a
+// SiteClient belongs to one thread at a time.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/client.h"
+#include "common/keys.h"
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace isthmus {
+
+struct SiteOptions {
+  std::string job = "default";
+  std::vector<std::string> servers;             // shard worker endpoints, in shard order
+  std::vector<std::string> server_public_keys;  // Z85: one per server, or one for all
+  KeyPair client_keys;                          // this rank's key pair (on the allowlist)
+  bool insecure_plaintext = false;              // no CURVE: benchmarks and debugging only
+  int timeout_ms = 30000;                       // per request attempt
+  int retries = 2;                              // extra attempts after a timeout
+  std::string client_name = "site";             // part of every idempotency key
+};
+
+// What PushRound did on one shard.
+struct ShardPush {
+  int shard = 0;
+  std::string key;         // the idempotency key used
+  bool duplicate = false;  // the shard had this round already: nothing applied twice
+  uint64_t tensors = 0;    // tensors pushed to it
+  RoundInfo rounds;        // the shard's rounds after the push
+};
+
+// The bounded-staleness state of the site: the shard furthest ahead of its last commit.
+struct Staleness {
+  bool too_far_ahead = false;  // the site must wait before its next round
+  int shard = -1;              // the shard furthest ahead (-1: no shard has a limit)
+  uint64_t rounds_ahead = 0;   // its local round minus its committed round
+  uint64_t limit = 0;          // its max_rounds_ahead (0: none)
+  std::string reason;          // a sentence for logs when too_far_ahead
+};
+
+class SiteClient {
+ public:
+  // Connects to every shard (lazily, as ShardClient does: a shard that is down shows up
+  // as a Timeout on the first call). InvalidArgument for options that cannot work.
+  static Result<std::unique_ptr<SiteClient>> Connect(const SiteOptions& options);
+
+  // Hello to every shard as a worker with `base_hash` (empty: not checked). Returns one
+  // HelloInfo per shard. NotFound when a shard has no such job.
+  Result<std::vector<HelloInfo>> Hello(const std::string& base_hash);
+
+  // Pulls every shard's tensors of the job and returns their union in shard order, and
+  // records where each lives (placement()). FailedPrecondition when a tensor lives on
+  // another shard than a placement given by SetPlacement says.
+  Result<std::vector<Tensor>> Pull();
+  // As Pull, without copying tensor data out of the received messages: one PullView per
+  // shard, in shard order.
+  Result<std::vector<PullView>> PullInPlace();
+
+  // Tensor name -> index of the shard that holds it (from the last pull, or as set).
+  const std::map<std::string, int>& placement() const { return placement_; }
+  // Tells the client where tensors live without pulling (a rank that does not pull can
+  // compute it with PlaceTensors from the job's tensor list, as isthmusctl does).
+  void SetPlacement(std::map<std::string, int> placement) { placement_ = std::move(placement); }
+  // The placement isthmusctl gives a job of these tensors over `num_shards` shards.
+  static std::map<std::string, int> PlaceTensors(const std::vector<TensorView>& tensors,
+                                                 int num_shards);
+
+  // Pushes round `round`'s change of each tensor to the shard holding it: the shards s
+  // with s % world == rank, each with the deltas it holds (an empty push still records
+  // the round). `tokens`: tokens the site trained this round; `compute_ms`: its compute
+  // time (the shards size adaptive codecs by it, 0 = unknown). Every delta must be a
+  // tensor of the placement (NotFound otherwise); nothing is sent when one is not.
+  Result<std::vector<ShardPush>> PushRound(uint64_t round, uint64_t tokens, uint64_t compute_ms,
+                                           const std::vector<TensorView>& deltas, int rank = 0,
+                                           int world = 1);
+
+  // Asks every shard for its rounds (a Hello each, with the base hash of the last Hello).
+  Result<Staleness> CheckStaleness();
+  // Polls CheckStaleness every `poll` until the site may go on. Returns the last state:
+  // too_far_ahead is still true when `timeout` passed or `stop` became true first.
+  Result<Staleness> WaitWithinStaleness(std::chrono::milliseconds timeout,
+                                        const std::atomic<bool>* stop = nullptr,
+                                        std::chrono::milliseconds poll =
+                                            std::chrono::milliseconds(50));
+
+  size_t num_shards() const { return shards_.size(); }
+  ShardClient& shard(size_t i) { return *shards_.at(i); }
+  const SiteOptions& options() const { return options_; }
+  // "<job>/<client_name>/r<round>/s<shard>": the idempotency key PushRound uses.
+  std::string PushKey(uint64_t round, int shard) const;
+
+ private:
+  explicit SiteClient(SiteOptions options) : options_(std::move(options)) {}
+  // "shard I (ENDPOINT)": how messages name a shard.
+  std::string Where(size_t i) const;
+  // `status` with its message prefixed by Where(i).
+  Status AtShard(size_t i, const Status& status) const;
+  // Records that `name` lives on shard `i`, checking it against the placement set.
+  Status Place(const std::string& name, size_t i, std::map<std::string, int>& seen) const;
+
+  SiteOptions options_;
+  std::vector<std::unique_ptr<ShardClient>> shards_;
+  std::map<std::string, int> placement_;
+  std::string base_hash_;
+};
+
+}  // namespace isthmus
