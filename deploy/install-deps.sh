@@ -4,7 +4,7 @@
 # are present. Needs root (or sudo) only when something is missing.
 #
 #   deploy/install-deps.sh            build + test + demo packages
-#   deploy/install-deps.sh --bench    also python3-torch and python3-matplotlib (bench/)
+#   deploy/install-deps.sh --bench    also python3-matplotlib (bench/ plots)
 set -euo pipefail
 
 packages=(
@@ -18,10 +18,12 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   # demo and scripts: python3 for small helpers, iproute2 for WAN emulation
   python3 iproute2 procps
+  # the Python package (worker/python) and its tests, which train with PyTorch
+  pybind11-dev python3-dev python3-numpy python3-torch
 )
 for arg in "$@"; do
   case "$arg" in
-    --bench) packages+=(python3-torch python3-matplotlib) ;;
+    --bench) packages+=(python3-matplotlib) ;;
     -h|--help) sed -n 2,8p "$0"; exit 0 ;;
     *) echo "install-deps.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac

@@ -1,0 +1,162 @@
+"""isthmus: take part in an isthmus job from Python.
+
+A *site* is one cluster; its parameter-server shards hold the job's tensors and exchange
+the site's round deltas with the other sites over the WAN. A worker rank of a site, in
+any framework, does this every round:
+
+    site = isthmus.Site(["tcp://10.0.0.5:7000", "tcp://10.0.0.6:7000"], job="gpt",
+                        key="keys/worker.key", server_keys=["keys/shard.pub"])
+    site.hello(base_hash)          # refused if the job is held for another base model
+    merged = site.pull()           # {name: numpy.float32 array}, read in place
+    ... train H steps from `merged` ...
+    site.push_round(r, {name: new - merged[name]}, tokens=..., compute_ms=...)
+    site.wait_within_staleness()   # bounded staleness: waits while the site is too far
+                                   # ahead of the last cross-site commit
+
+isthmus.torch.SiteRank does all of that around a PyTorch training loop. The C++ core is
+the same site client isthmus-worker uses (common/site_client.h), so both kinds of worker
+speak one protocol. See docs/PYTHON.md.
+
+Errors: a refusal or failure of a shard raises ShardError (.code, e.g. "NotFound" or
+"InvalidArgument", and .message naming the shard); a delta that is not float32 or not
+contiguous raises TypeError or ValueError before anything is sent.
+"""
+
+from . import _isthmus
+from ._isthmus import (  # noqa: F401  (re-exported)
+    SCHEMA_VERSION,
+    ShardError,
+    __version__,
+    generate_keypair,
+    load_keypair,
+    load_public_key,
+    write_keypair,
+)
+
+__all__ = [
+    "Site",
+    "ShardError",
+    "generate_keypair",
+    "load_keypair",
+    "load_public_key",
+    "write_keypair",
+    "SCHEMA_VERSION",
+    "__version__",
+]
+
+
+def _shard_error(code, message):
+    """A ShardError raised from Python, shaped like the ones the C++ core raises."""
+    err = ShardError(f"{code}: {message}")
+    err.code = code
+    err.message = message
+    return err
+
+
+def _as_float32_buffer(name, value):
+    """Returns an object the C++ core can read in place: a numpy array stays as it is; a
+    torch tensor must be on the CPU, float32 and contiguous, and crosses via .numpy()
+    (no copy). Anything else is passed on and refused there if it has no float32 buffer."""
+    module = type(value).__module__
+    if module.startswith("torch"):
+        if value.device.type != "cpu":
+            raise ValueError(
+                f"delta '{name}' is on {value.device}; isthmus sends CPU memory: pass "
+                f"x.detach().cpu()")
+        if str(value.dtype) != "torch.float32":
+            raise TypeError(
+                f"delta '{name}' has dtype {value.dtype}; isthmus takes float32: pass x.float()")
+        if not value.is_contiguous():
+            raise ValueError(
+                f"delta '{name}' is not contiguous: pass x.contiguous()")
+        return value.detach().numpy()
+    return value
+
+
+class Site:
+    """The shards of one site, seen as one (C++: isthmus::SiteClient).
+
+    servers: the shards' worker endpoints, in the order the job was created with.
+    job: the job's name.
+    key: this rank's key pair file (written by `isthmusctl keygen` or write_keypair; its
+        public key must be on the shards' worker allowlist).
+    server_keys: public key files of the shards: one for all, or one per server.
+    insecure_plaintext: no CURVE (benchmarks and local debugging only; key and
+        server_keys are then ignored).
+    timeout_ms, retries: per request attempt, and extra attempts after a timeout (a
+        retried push keeps its idempotency key, so it is applied at most once).
+    client_name: part of every idempotency key, "<job>/<client_name>/r<round>/s<shard>";
+        ranks of one site share it (they push different shards).
+    """
+
+    def __init__(self, servers, job, key=None, server_keys=None, insecure_plaintext=False,
+                 timeout_ms=30000, retries=2, client_name="site"):
+        if isinstance(servers, str):
+            servers = [servers]
+        public = secret = ""
+        server_public = []
+        if not insecure_plaintext:
+            if key is None or not server_keys:
+                raise ValueError("give key= (this rank's key pair file) and server_keys= (the "
+                                 "shards' public key files), or insecure_plaintext=True")
+            if isinstance(server_keys, str):
+                server_keys = [server_keys]
+            public, secret = load_keypair(str(key))
+            server_public = [load_public_key(str(p)) for p in server_keys]
+        self._core = _isthmus.SiteClient(
+            job=job, servers=list(servers), server_public_keys=server_public,
+            public_key=public, secret_key=secret, insecure_plaintext=insecure_plaintext,
+            timeout_ms=int(timeout_ms), retries=int(retries), client_name=client_name)
+        self.job = job
+        self.servers = list(servers)
+
+    def hello(self, base_hash=""):
+        """Says hello to every shard as a worker. base_hash: the hash of the base model
+        this rank trains on (empty: not checked). Returns one dict per shard (shard_id,
+        job_version, tensor_count, local_round, committed_round, max_rounds_ahead, ...).
+        Raises ShardError: FailedPrecondition for another base model, NotFound when a
+        shard has no such job, PermissionDenied for a key not allowed, Timeout."""
+        return self._core.hello(base_hash)
+
+    def pull(self):
+        """The job's merged tensors from every shard: {name: numpy.float32 array}. The
+        arrays point into the received messages (no copy) and own them. Also records
+        which shard holds each tensor (placement)."""
+        return self._core.pull()
+
+    def push_round(self, round, deltas, tokens=0, compute_ms=0, rank=0, world=1):
+        """Pushes round `round`'s change of each tensor ({name: array}) to the shard that
+        holds it; with several ranks, rank r pushes the shards s with s % world == r (pass
+        every delta; each rank sends its shards' part). tokens: tokens the site trained
+        this round; compute_ms: its compute time (adaptive codecs size by it). Returns one
+        dict per shard pushed (shard, key, duplicate, tensors, rounds). duplicate=True:
+        the shard had this round already and applied nothing twice."""
+        converted = {str(n): _as_float32_buffer(n, v) for n, v in deltas.items()}
+        return self._core.push_round(int(round), converted, int(tokens), int(compute_ms),
+                                     int(rank), int(world))
+
+    def check_staleness(self):
+        """The rounds of every shard: too_far_ahead, shard, rounds_ahead, limit, reason."""
+        return self._core.check_staleness()
+
+    def wait_within_staleness(self, timeout_s=3600.0, poll_s=0.05):
+        """Waits until no shard is more than its max_rounds_ahead past its last commit, or
+        timeout_s passed; returns the last check_staleness() state (too_far_ahead is True
+        on timeout)."""
+        return self._core.wait_within_staleness(float(timeout_s), float(poll_s))
+
+    @property
+    def placement(self):
+        """{tensor name: shard index}, from the last pull (or set_placement)."""
+        return self._core.placement
+
+    def set_placement(self, placement):
+        self._core.set_placement(dict(placement))
+
+    @property
+    def num_shards(self):
+        return self._core.num_shards
+
+    def push_key(self, round, shard):
+        """The idempotency key push_round uses for `round` on `shard`."""
+        return self._core.push_key(int(round), int(shard))

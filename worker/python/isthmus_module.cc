@@ -1,0 +1,284 @@
+// isthmus._isthmus: the Python binding of the site client (common/site_client.h) and the
+// key helpers. The Python-facing API, with its docs, is worker/python/isthmus/__init__.py;
+// this file only crosses the boundary:
+//   - tensors go out without copies: each delta is read in place through the buffer
+//     protocol (float32, C-contiguous; anything else is refused, never silently copied);
+//   - pulled tensors come back without copies: each numpy array points into the received
+//     message, which a capsule keeps alive as long as any array of that pull lives;
+//   - a Status that is not OK becomes isthmus.ShardError carrying .code (the Status code
+//     name, e.g. "NotFound") and .message;
+//   - the GIL is released while a call waits on the network.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/keys.h"
+#include "common/site_client.h"
+#include "common/status.h"
+#include "common/version.h"
+
+namespace py = pybind11;
+
+namespace isthmus {
+namespace {
+
+py::object& ShardErrorType() {
+  static py::object type;
+  return type;
+}
+
+[[noreturn]] void Raise(const Status& s) {
+  py::object exc = ShardErrorType()(py::str(s.ToString()));
+  exc.attr("code") = py::str(std::string(CodeName(s.code())));
+  exc.attr("message") = py::str(s.message());
+  PyErr_SetObject(ShardErrorType().ptr(), exc.ptr());
+  throw py::error_already_set();
+}
+
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) Raise(r.status());
+  return std::move(r).value();
+}
+
+py::dict RoundsDict(const RoundInfo& r) {
+  py::dict d;
+  d["local_round"] = r.local_round;
+  d["committed_round"] = r.committed_round;
+  d["max_rounds_ahead"] = r.max_rounds_ahead;
+  return d;
+}
+
+py::dict StalenessDict(const Staleness& st) {
+  py::dict d;
+  d["too_far_ahead"] = st.too_far_ahead;
+  d["shard"] = st.shard;
+  d["rounds_ahead"] = st.rounds_ahead;
+  d["limit"] = st.limit;
+  d["reason"] = st.reason;
+  return d;
+}
+
+// A float32, C-contiguous buffer read in place as the delta `name`.
+struct HeldBuffer {
+  py::buffer_info info;
+  TensorView view;
+};
+
+HeldBuffer ViewOf(const std::string& name, const py::handle& obj) {
+  if (!PyObject_CheckBuffer(obj.ptr())) {
+    throw py::type_error("delta '" + name + "' is a " +
+                         std::string(py::str(py::type::of(obj).attr("__name__"))) +
+                         ", which has no buffer: pass a numpy array or a CPU torch tensor");
+  }
+  HeldBuffer h{py::reinterpret_borrow<py::buffer>(obj).request(), {}};
+  const std::string& f = h.info.format;
+  if (h.info.itemsize != 4 || (f != "f" && f != "<f" && f != "=f")) {
+    throw py::type_error("delta '" + name + "' has element format '" + f + "' (" +
+                         std::to_string(h.info.itemsize) +
+                         " bytes); isthmus takes float32: convert it with .astype(numpy.float32)"
+                         " or .float()");
+  }
+  int64_t expect = 4;
+  for (py::ssize_t d = h.info.ndim - 1; d >= 0; --d) {
+    if (h.info.shape[d] > 1 && h.info.strides[d] != expect) {
+      throw py::value_error("delta '" + name +
+                            "' is not C-contiguous: pass numpy.ascontiguousarray(x) or "
+                            "x.contiguous()");
+    }
+    expect *= h.info.shape[d];
+  }
+  h.view.name = name;
+  h.view.shape.assign(h.info.shape.begin(), h.info.shape.end());
+  h.view.data = static_cast<const float*>(h.info.ptr);
+  return h;
+}
+
+// The arrays of one shard's PullView, each pointing into it.
+void AddArrays(std::shared_ptr<PullView> view, py::dict& out) {
+  auto* keep = new std::shared_ptr<PullView>(view);
+  py::capsule owner(keep, [](void* p) { delete static_cast<std::shared_ptr<PullView>*>(p); });
+  for (const auto& t : view->tensors) {
+    std::vector<py::ssize_t> shape(t.shape.begin(), t.shape.end());
+    std::vector<py::ssize_t> strides(shape.size());
+    py::ssize_t stride = sizeof(float);
+    for (size_t d = shape.size(); d-- > 0;) {
+      strides[d] = stride;
+      stride *= shape[d];
+    }
+    out[py::str(t.name)] = py::array_t<float>(shape, strides, const_cast<float*>(t.data.data()),
+                                              owner);
+  }
+}
+
+class PySite {
+ public:
+  explicit PySite(const SiteOptions& o) {
+    py::gil_scoped_release nogil;
+    auto c = SiteClient::Connect(o);
+    if (!c.ok()) {
+      py::gil_scoped_acquire gil;
+      Raise(c.status());
+    }
+    site_ = std::move(c).value();
+  }
+
+  py::list Hello(const std::string& base_hash) {
+    Result<std::vector<HelloInfo>> r = Status::Internal("unset");
+    {
+      py::gil_scoped_release nogil;
+      r = site_->Hello(base_hash);
+    }
+    py::list out;
+    for (const auto& h : Take(std::move(r))) {
+      py::dict d = RoundsDict(h.rounds);
+      d["shard_id"] = h.shard_id;
+      d["server_version"] = h.server_version;
+      d["job_version"] = h.job_version;
+      d["base_hash"] = h.base_hash;
+      d["tensor_count"] = h.tensor_count;
+      out.append(d);
+    }
+    return out;
+  }
+
+  py::dict Pull() {
+    Result<std::vector<PullView>> r = Status::Internal("unset");
+    {
+      py::gil_scoped_release nogil;
+      r = site_->PullInPlace();
+    }
+    py::dict out;
+    for (auto& v : Take(std::move(r))) AddArrays(std::make_shared<PullView>(std::move(v)), out);
+    return out;
+  }
+
+  py::list PushRound(uint64_t round, const py::dict& deltas, uint64_t tokens, uint64_t compute_ms,
+                     int rank, int world) {
+    std::vector<HeldBuffer> held;
+    held.reserve(deltas.size());
+    for (const auto& [k, v] : deltas) {
+      if (!py::isinstance<py::str>(k)) throw py::type_error("delta names must be str");
+      held.push_back(ViewOf(k.cast<std::string>(), v));
+    }
+    std::vector<TensorView> views;
+    for (const auto& h : held) views.push_back(h.view);
+    Result<std::vector<ShardPush>> r = Status::Internal("unset");
+    {
+      py::gil_scoped_release nogil;
+      r = site_->PushRound(round, tokens, compute_ms, views, rank, world);
+    }
+    py::list out;
+    for (const auto& p : Take(std::move(r))) {
+      py::dict d = RoundsDict(p.rounds);
+      d["shard"] = p.shard;
+      d["key"] = p.key;
+      d["duplicate"] = p.duplicate;
+      d["tensors"] = p.tensors;
+      out.append(d);
+    }
+    return out;
+  }
+
+  py::dict CheckStaleness() {
+    Result<Staleness> r = Status::Internal("unset");
+    {
+      py::gil_scoped_release nogil;
+      r = site_->CheckStaleness();
+    }
+    return StalenessDict(Take(std::move(r)));
+  }
+
+  py::dict WaitWithinStaleness(double timeout_s, double poll_s) {
+    if (timeout_s < 0 || poll_s <= 0) throw py::value_error("timeout must be >= 0, poll > 0");
+    Result<Staleness> r = Status::Internal("unset");
+    {
+      py::gil_scoped_release nogil;
+      r = site_->WaitWithinStaleness(
+          std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3)), nullptr,
+          std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(poll_s * 1e3))));
+    }
+    return StalenessDict(Take(std::move(r)));
+  }
+
+  std::map<std::string, int> Placement() const { return site_->placement(); }
+  void SetPlacement(std::map<std::string, int> p) { site_->SetPlacement(std::move(p)); }
+  size_t NumShards() const { return site_->num_shards(); }
+  std::string PushKey(uint64_t round, int shard) const { return site_->PushKey(round, shard); }
+
+ private:
+  std::unique_ptr<SiteClient> site_;
+};
+
+}  // namespace
+}  // namespace isthmus
+
+PYBIND11_MODULE(_isthmus, m) {
+  using namespace isthmus;
+  m.doc() = "isthmus site client (C++ core); use the isthmus package, not this module";
+  m.attr("__version__") = std::string(kIsthmusVersion);
+  m.attr("SCHEMA_VERSION") = kSchemaVersion;
+  ShardErrorType() = py::reinterpret_steal<py::object>(
+      PyErr_NewExceptionWithDoc("isthmus.ShardError",
+                                "An isthmus operation failed. .code: the status code name "
+                                "(e.g. 'NotFound', 'InvalidArgument'); .message: what happened.",
+                                PyExc_RuntimeError, nullptr));
+  m.attr("ShardError") = ShardErrorType();
+  // The type must outlive the interpreter's module teardown order: keep a reference.
+  ShardErrorType().inc_ref();
+
+  m.def("generate_keypair", [] {
+    auto k = Take(GenerateKeyPair());
+    return py::make_tuple(k.public_key, k.secret_key);
+  });
+  m.def(
+      "write_keypair",
+      [](const std::string& prefix, bool overwrite) {
+        auto k = Take(GenerateKeyPair());
+        Status s = WriteKeyPairFiles(prefix, k, overwrite);
+        if (!s.ok()) Raise(s);
+        return k.public_key;
+      },
+      py::arg("prefix"), py::arg("overwrite") = false);
+  m.def("load_keypair", [](const std::string& path) {
+    auto k = Take(LoadKeyPairFile(path));
+    return py::make_tuple(k.public_key, k.secret_key);
+  });
+  m.def("load_public_key", [](const std::string& path) { return Take(LoadPublicKeyFile(path)); });
+
+  py::class_<PySite>(m, "SiteClient")
+      .def(py::init([](std::string job, std::vector<std::string> servers,
+                       std::vector<std::string> server_public_keys, std::string public_key,
+                       std::string secret_key, bool insecure_plaintext, int timeout_ms,
+                       int retries, std::string client_name) {
+             SiteOptions o;
+             o.job = std::move(job);
+             o.servers = std::move(servers);
+             o.server_public_keys = std::move(server_public_keys);
+             o.client_keys = KeyPair{std::move(public_key), std::move(secret_key)};
+             o.insecure_plaintext = insecure_plaintext;
+             o.timeout_ms = timeout_ms;
+             o.retries = retries;
+             o.client_name = std::move(client_name);
+             return std::make_unique<PySite>(o);
+           }),
+           py::arg("job"), py::arg("servers"), py::arg("server_public_keys"),
+           py::arg("public_key"), py::arg("secret_key"), py::arg("insecure_plaintext"),
+           py::arg("timeout_ms"), py::arg("retries"), py::arg("client_name"))
+      .def("hello", &PySite::Hello, py::arg("base_hash"))
+      .def("pull", &PySite::Pull)
+      .def("push_round", &PySite::PushRound, py::arg("round"), py::arg("deltas"),
+           py::arg("tokens"), py::arg("compute_ms"), py::arg("rank"), py::arg("world"))
+      .def("check_staleness", &PySite::CheckStaleness)
+      .def("wait_within_staleness", &PySite::WaitWithinStaleness, py::arg("timeout_s"),
+           py::arg("poll_s"))
+      .def_property_readonly("placement", &PySite::Placement)
+      .def("set_placement", &PySite::SetPlacement)
+      .def_property_readonly("num_shards", &PySite::NumShards)
+      .def("push_key", &PySite::PushKey);
+}
