@@ -44,9 +44,10 @@ def write_safetensors(path, tensors, metadata=None):
 
 
 class Site:
-    """One site: `shards` isthmus-server processes sharing a worker key and an admin key."""
+    """One site: `shards` isthmus-server processes sharing a worker key and an admin key.
+    peer_listen: give each a peer listener (needed with sync.peers in extra_config)."""
 
-    def __init__(self, shards=1, extra_config=""):
+    def __init__(self, shards=1, extra_config="", peer_listen=False):
         self.dir = tempfile.mkdtemp(prefix="isthmus-py-")
         self.server_bin = os.environ["ISTHMUS_SERVER"]
         self.ctl_bin = os.environ["ISTHMUS_CTL"]
@@ -70,7 +71,8 @@ class Site:
                         f'data_dir = "{self.dir}/data{i}"\n'
                         f'[listen]\nworker = "{self.worker_eps[i]}"\n'
                         f'admin = "{self.admin_eps[i]}"\n'
-                        f'[security]\nsecret_key = "{keys}/shard{i}.key"\n'
+                        + (f'peer = "tcp://127.0.0.1:{free_port()}"\n' if peer_listen else "")
+                        + f'[security]\nsecret_key = "{keys}/shard{i}.key"\n'
                         f'worker_keys = ["{keys}/workers"]\nadmin_keys = ["{keys}/admins"]\n'
                         + extra_config)
             log = open(os.path.join(self.dir, f"shard{i}.log"), "w")
