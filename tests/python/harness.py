@@ -43,41 +43,80 @@ def write_safetensors(path, tensors, metadata=None):
             f.write(b)
 
 
+def shard_key(root, site, i):
+    """The key pair prefix of shard i of `site` under `root` (written if missing)."""
+    prefix = os.path.join(root, "keys", f"{site}-{i}")
+    if not os.path.exists(prefix + ".key"):
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
+        isthmus.write_keypair(prefix)
+    return prefix
+
+
+def read_safetensors(path):
+    """({name: float32 array}, metadata) of a safetensors file of F32 tensors."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, e in header.items():
+        if e["dtype"] != "F32":
+            raise ValueError(f"{path}: tensor {name} is {e['dtype']}, not F32")
+        begin, end = e["data_offsets"]
+        out[name] = np.frombuffer(data[begin:end], dtype="<f4").reshape(e["shape"]).copy()
+    return out, meta
+
+
 class Site:
     """One site: `shards` isthmus-server processes sharing a worker key and an admin key.
-    peer_listen: give each a peer listener (needed with sync.peers in extra_config)."""
+    name: the site's name (files under root are named by it); root: a folder shared with
+    other sites (default: a fresh one, removed by close()); peer_listen: give each shard a
+    peer listener (on peer_ports[i] when given) and the allowlist root/keys/peers-i/ (needed
+    with sync.peers in extra_config)."""
 
-    def __init__(self, shards=1, extra_config="", peer_listen=False):
-        self.dir = tempfile.mkdtemp(prefix="isthmus-py-")
+    def __init__(self, shards=1, extra_config="", peer_listen=False, name="py", root=None,
+                 peer_ports=None):
+        self.own_dir = root is None
+        self.dir = root or tempfile.mkdtemp(prefix="isthmus-py-")
+        self.name = name
         self.server_bin = os.environ["ISTHMUS_SERVER"]
         self.ctl_bin = os.environ["ISTHMUS_CTL"]
         keys = os.path.join(self.dir, "keys")
-        for sub in ("workers", "admins"):
-            os.makedirs(os.path.join(keys, sub))
-        isthmus.write_keypair(os.path.join(keys, "workers", "w0"))
-        isthmus.write_keypair(os.path.join(keys, "admins", "a0"))
-        self.worker_key = os.path.join(keys, "workers", "w0.key")
+        os.makedirs(os.path.join(keys, f"workers-{name}"), exist_ok=True)
+        os.makedirs(os.path.join(keys, "admins"), exist_ok=True)
+        self.worker_key = os.path.join(keys, f"workers-{name}", "w0.key")
         self.admin_key = os.path.join(keys, "admins", "a0.key")
+        if not os.path.exists(self.worker_key):
+            isthmus.write_keypair(self.worker_key[:-4])
+        if not os.path.exists(self.admin_key):
+            isthmus.write_keypair(self.admin_key[:-4])
         self.procs, self.worker_eps, self.admin_eps, self.server_pubs = [], [], [], []
         for i in range(shards):
-            isthmus.write_keypair(os.path.join(keys, f"shard{i}"))
-            self.server_pubs.append(os.path.join(keys, f"shard{i}.pub"))
+            prefix = shard_key(self.dir, name, i)
+            self.server_pubs.append(prefix + ".pub")
             wp, ap = free_port(), free_port()
             self.worker_eps.append(f"tcp://127.0.0.1:{wp}")
             self.admin_eps.append(f"tcp://127.0.0.1:{ap}")
-            conf = os.path.join(self.dir, f"shard{i}.toml")
+            peer = ""
+            if peer_listen:
+                pp = peer_ports[i] if peer_ports else free_port()
+                os.makedirs(os.path.join(keys, f"peers-{i}"), exist_ok=True)
+                peer = f'peer = "tcp://127.0.0.1:{pp}"\n'
+            conf = os.path.join(self.dir, f"{name}-shard{i}.toml")
             with open(conf, "w") as f:
-                f.write(f'[shard]\nid = "py-{i}"\nindex = {i}\n'
-                        f'data_dir = "{self.dir}/data{i}"\n'
+                f.write(f'[shard]\nid = "{name}-{i}"\nindex = {i}\n'
+                        f'data_dir = "{self.dir}/{name}-data{i}"\n'
                         f'[listen]\nworker = "{self.worker_eps[i]}"\n'
-                        f'admin = "{self.admin_eps[i]}"\n'
-                        + (f'peer = "tcp://127.0.0.1:{free_port()}"\n' if peer_listen else "")
-                        + f'[security]\nsecret_key = "{keys}/shard{i}.key"\n'
-                        f'worker_keys = ["{keys}/workers"]\nadmin_keys = ["{keys}/admins"]\n'
+                        f'admin = "{self.admin_eps[i]}"\n' + peer
+                        + f'[security]\nsecret_key = "{prefix}.key"\n'
+                        f'worker_keys = ["{keys}/workers-{name}"]\n'
+                        f'admin_keys = ["{keys}/admins"]\n'
+                        + (f'peer_keys = ["{keys}/peers-{i}"]\n' if peer_listen else "")
                         + extra_config)
-            log = open(os.path.join(self.dir, f"shard{i}.log"), "w")
-            self.procs.append(subprocess.Popen([self.server_bin, "--config", conf],
-                                               stdout=log, stderr=subprocess.STDOUT))
+            with open(os.path.join(self.dir, f"{name}-shard{i}.log"), "w") as log:
+                self.procs.append(subprocess.Popen([self.server_bin, "--config", conf],
+                                                   stdout=log, stderr=subprocess.STDOUT))
         self._wait_ready()
 
     def _wait_ready(self):
@@ -97,7 +136,7 @@ class Site:
                     raise RuntimeError(f"shard {i} did not answer in 20 s: " + self.log(i))
 
     def log(self, i):
-        with open(os.path.join(self.dir, f"shard{i}.log")) as f:
+        with open(os.path.join(self.dir, f"{self.name}-shard{i}.log")) as f:
             return f.read()
 
     def client(self, job, **kw):
@@ -106,16 +145,18 @@ class Site:
 
     def ctl(self, *args, servers=None):
         cmd = [self.ctl_bin, *args]
-        for ep in servers or self.admin_eps:
+        for ep in self.admin_eps if servers is None else servers:
             cmd += ["--server", ep]
         for pub in self.server_pubs if servers is None else self.server_pubs[:len(servers)]:
             cmd += ["--server-key", pub]
         cmd += ["--key", self.admin_key]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
-    def create_job(self, job, tensors, base_hash="base-1"):
-        path = os.path.join(self.dir, f"{job}.safetensors")
-        write_safetensors(path, tensors)
+    def create_job(self, job, tensors, base_hash="base-1", path=None):
+        """Creates `job` from {name: array} (or from the safetensors file `path`)."""
+        if path is None:
+            path = os.path.join(self.dir, f"{self.name}-{job}.safetensors")
+            write_safetensors(path, tensors)
         r = self.ctl("job", "create", "--job", job, "--from", path, "--base-hash", base_hash)
         if r.returncode != 0:
             raise RuntimeError(f"job create failed ({r.returncode}): {r.stderr}")
@@ -137,4 +178,31 @@ class Site:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def synced_sites(names=("A", "B"), sync_config=""):
+    """Sites of one shard each that sync with each other. Returns (root, {name: Site});
+    close each Site, then remove root."""
+    root = tempfile.mkdtemp(prefix="isthmus-py-sites-")
+    ports = {(n, 0): free_port() for n in names}
+    os.makedirs(os.path.join(root, "keys", "peers-0"), exist_ok=True)
+    for n in names:
+        shutil.copy(shard_key(root, n, 0) + ".pub", os.path.join(root, "keys", "peers-0", f"{n}.pub"))
+    sites = {}
+    try:
+        for n in names:
+            peers = ", ".join(
+                f'"{m}=tcp://127.0.0.1:{ports[(m, 0)]}={shard_key(root, m, 0)}.pub"'
+                for m in names if m != n)
+            sites[n] = Site(shards=1, name=n, root=root, peer_listen=True,
+                            peer_ports=[ports[(n, 0)]],
+                            extra_config=f'[sync]\nsite = "{n}"\npeers = [{peers}]\n'
+                            + sync_config)
+    except Exception:
+        for site in sites.values():
+            site.close()
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    return root, sites

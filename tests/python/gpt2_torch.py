@@ -1,0 +1,86 @@
+"""A from-scratch PyTorch GPT-2 over isthmus's tensor names and layouts, for tests that
+train a PyTorch site in the same job as isthmus-worker: pre-LN blocks, tanh-GELU, learned
+positions, the head tied to wte, layer norm eps 1e-5, Conv1D weights [in, out]; LoRA on
+the adapted linears with lora_A [r, in] and lora_B [out, r], scale alpha / r, as
+worker/model/gpt.cc computes. The base stays frozen; the LoRA tensors train."""
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+class Gpt2Lora(torch.nn.Module):
+    def __init__(self, base, lora, heads, alpha):
+        """base: {name: array} of the base file; lora: {name: array} of the job's tensors."""
+        super().__init__()
+        self.base = {n: torch.tensor(np.asarray(a, dtype=np.float32)) for n, a in base.items()}
+        self.heads = heads
+        self.layers = 1 + max(int(n.split(".")[1]) for n in base if n.startswith("h."))
+        self.lora = torch.nn.ParameterDict()
+        self.names = {}  # isthmus name -> ParameterDict key (no dots allowed there)
+        rank = None
+        for n, a in sorted(lora.items()):
+            key = n.replace(".", "_")
+            self.lora[key] = torch.nn.Parameter(torch.tensor(np.asarray(a, dtype=np.float32)))
+            self.names[n] = key
+            if n.endswith("lora_A.weight"):
+                rank = a.shape[0]
+        self.scale = alpha / rank
+
+    def job_parameters(self):
+        """{isthmus tensor name: parameter}: what SiteRank pushes and pulls."""
+        return {n: self.lora[k] for n, k in self.names.items()}
+
+    def _linear(self, x, layer, target):
+        p = f"h.{layer}.{target}"
+        y = x @ self.base[p + ".weight"] + self.base[p + ".bias"]
+        a = self.names.get(p + ".lora_A.weight")
+        if a is not None:
+            b = self.names[p + ".lora_B.weight"]
+            y = y + (x @ self.lora[a].t() @ self.lora[b].t()) * self.scale
+        return y
+
+    def _ln(self, x, name):
+        return F.layer_norm(x, x.shape[-1:], self.base[name + ".weight"],
+                            self.base[name + ".bias"], eps=1e-5)
+
+    def forward(self, idx):
+        B, T = idx.shape
+        wte = self.base["wte.weight"]
+        x = wte[idx] + self.base["wpe.weight"][:T]
+        C = x.shape[-1]
+        hd = C // self.heads
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        for l in range(self.layers):
+            a = self._ln(x, f"h.{l}.ln_1")
+            q, k, v = self._linear(a, l, "attn.c_attn").split(C, dim=-1)
+            q, k, v = (t.view(B, T, self.heads, hd).transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+            att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+            y = (att @ v).transpose(1, 2).reshape(B, T, C)
+            x = x + self._linear(y, l, "attn.c_proj")
+            m = self._ln(x, f"h.{l}.ln_2")
+            h = F.gelu(self._linear(m, l, "mlp.c_fc"), approximate="tanh")
+            x = x + self._linear(h, l, "mlp.c_proj")
+        x = self._ln(x, "ln_f")
+        return x @ wte.t()
+
+    def loss(self, idx, targets):
+        logits = self(idx)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def token_batches(path, batch, context, seed):
+    """Endless random (tokens, targets) batches of `context` bytes from a uint16 token file
+    written by isthmus-data."""
+    tokens = np.fromfile(path, dtype="<u2").astype(np.int64)
+    rng = np.random.default_rng(seed)
+    while True:
+        starts = rng.integers(0, len(tokens) - context - 1, size=batch)
+        x = np.stack([tokens[s:s + context] for s in starts])
+        y = np.stack([tokens[s + 1:s + context + 1] for s in starts])
+        yield torch.from_numpy(x), torch.from_numpy(y)
