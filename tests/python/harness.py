@@ -7,12 +7,10 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import tempfile
 import time
 
-import numpy as np
 
 import isthmus
 
@@ -23,26 +21,6 @@ def free_port():
         return s.getsockname()[1]
 
 
-def write_safetensors(path, tensors, metadata=None):
-    """Writes {name: float32 array} as a safetensors file (little-endian F32)."""
-    header, blobs, offset = {}, [], 0
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name], dtype="<f4")
-        header[name] = {"dtype": "F32", "shape": list(a.shape),
-                        "data_offsets": [offset, offset + a.nbytes]}
-        blobs.append(a.tobytes())
-        offset += a.nbytes
-    if metadata:
-        header["__metadata__"] = metadata
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for b in blobs:
-            f.write(b)
-
-
 def shard_key(root, site, i):
     """The key pair prefix of shard i of `site` under `root` (written if missing)."""
     prefix = os.path.join(root, "keys", f"{site}-{i}")
@@ -50,22 +28,6 @@ def shard_key(root, site, i):
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
         isthmus.write_keypair(prefix)
     return prefix
-
-
-def read_safetensors(path):
-    """({name: float32 array}, metadata) of a safetensors file of F32 tensors."""
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    meta = header.pop("__metadata__", {})
-    out = {}
-    for name, e in header.items():
-        if e["dtype"] != "F32":
-            raise ValueError(f"{path}: tensor {name} is {e['dtype']}, not F32")
-        begin, end = e["data_offsets"]
-        out[name] = np.frombuffer(data[begin:end], dtype="<f4").reshape(e["shape"]).copy()
-    return out, meta
 
 
 class Site:
@@ -156,7 +118,7 @@ class Site:
         """Creates `job` from {name: array} (or from the safetensors file `path`)."""
         if path is None:
             path = os.path.join(self.dir, f"{self.name}-{job}.safetensors")
-            write_safetensors(path, tensors)
+            isthmus.write_safetensors(path, tensors)
         r = self.ctl("job", "create", "--job", job, "--from", path, "--base-hash", base_hash)
         if r.returncode != 0:
             raise RuntimeError(f"job create failed ({r.returncode}): {r.stderr}")

@@ -1,5 +1,5 @@
 """A PyTorch site and an isthmus-worker site train one LoRA job together over CURVE peer
-links: site A is a PyTorch loop (gpt2_torch.Gpt2Lora driven by isthmus.torch.SiteRank),
+links: site A is a PyTorch loop (isthmus.gpt2.Gpt2Lora driven by isthmus.torch.SiteRank),
 site B is isthmus-worker. Both train on real text (this repository's docs, built into
 token shards by isthmus-data), both finish every round, the rounds commit on both sites,
 and `isthmusctl sync verify` finds the committed digests equal, round for round."""
@@ -14,9 +14,9 @@ import unittest
 import numpy as np
 import torch
 
-import gpt2_torch
 import harness
 import isthmus
+import isthmus.gpt2
 import isthmus.torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -56,7 +56,10 @@ class InteropTest(unittest.TestCase):
         base, init = os.path.join(root, "base.safetensors"), os.path.join(root, "init.safetensors")
         base_hash = self.run_ok([self.worker, "init", *MODEL, "--write-base", base,
                                  "--out", init]).strip().splitlines()[-1]
-        lora0, _ = harness.read_safetensors(init)
+        lora0, _ = isthmus.read_safetensors(init)
+        base_tensors, _ = isthmus.read_safetensors(base)
+        # The Python side computes the same base hash as isthmus-worker.
+        self.assertEqual(isthmus.tensors_hash(base_tensors), base_hash)
         for site in (a, b):
             site.create_job("mix", lora0, base_hash=base_hash, path=init)
 
@@ -72,16 +75,15 @@ class InteropTest(unittest.TestCase):
             stdout=log_b, stderr=subprocess.STDOUT)
         try:
             # Site A: a PyTorch loop.
-            base_tensors, _ = harness.read_safetensors(base)
             torch.manual_seed(0)
-            model = gpt2_torch.Gpt2Lora(base_tensors, lora0, heads=2, alpha=8.0)
+            model = isthmus.gpt2.Gpt2Lora(base_tensors, lora0, heads=2, alpha=8.0)
             opt = torch.optim.AdamW(model.lora.parameters(), lr=3e-3)
             site = isthmus.Site(a.worker_eps, job="mix", key=a.worker_key,
                                 server_keys=a.server_pubs, client_name="A")
             rank = isthmus.torch.SiteRank(site, model.job_parameters(), steps_per_round=H,
                                           base_hash=base_hash, staleness_timeout_s=120)
             self.assertEqual(rank.start(), 0)
-            batches = gpt2_torch.token_batches(os.path.join(data, "train.bin"), 4, 16, seed=3)
+            batches = isthmus.gpt2.token_batches(os.path.join(data, "train.bin"), 4, 16, seed=3)
             losses = []
             for _ in range(ROUNDS * H):
                 x, y = next(batches)

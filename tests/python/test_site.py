@@ -136,6 +136,28 @@ class SiteTest(unittest.TestCase):
         del pulled, site
         np.testing.assert_array_equal(a, A0)
 
+    def test_safetensors_round_trip_and_hash(self):
+        import os
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "t.safetensors")
+            isthmus.write_safetensors(path, {"a": A0, "b": B0}, {"format": "pt"})
+            tensors, meta = isthmus.read_safetensors(path)
+            self.assertEqual(meta, {"format": "pt"})
+            np.testing.assert_array_equal(tensors["a"], A0)
+            np.testing.assert_array_equal(tensors["b"], B0)
+            h = isthmus.tensors_hash({"a": A0, "b": B0})
+            self.assertEqual(len(h), 64)
+            self.assertEqual(isthmus.tensors_hash({"b": B0, "a": A0}), h)  # order-free
+            self.assertNotEqual(isthmus.tensors_hash({"a": A0, "b": B0 + 1}), h)
+            with open(path, "r+b") as f:
+                f.write(b"\xff" * 8)  # a header length beyond the file
+            with self.assertRaises(isthmus.ShardError) as cm:
+                isthmus.read_safetensors(path)
+            self.assertEqual(cm.exception.code, "Corruption")
+            with self.assertRaises(TypeError):
+                isthmus.write_safetensors(path, {"a": np.zeros(3)})  # float64
+
     def test_keys_are_written_and_checked(self):
         import os
         import tempfile

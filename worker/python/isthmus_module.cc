@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "common/keys.h"
+#include "common/safetensors.h"
 #include "common/site_client.h"
 #include "common/status.h"
 #include "common/version.h"
@@ -114,6 +115,32 @@ void AddArrays(std::shared_ptr<PullView> view, py::dict& out) {
     out[py::str(t.name)] = py::array_t<float>(shape, strides, const_cast<float*>(t.data.data()),
                                               owner);
   }
+}
+
+// {name: array} -> fp32 Tensors (copied: files and hashes need owned data).
+std::vector<Tensor> TensorsOf(const py::dict& tensors) {
+  std::vector<Tensor> out;
+  for (const auto& [k, v] : tensors) {
+    if (!py::isinstance<py::str>(k)) throw py::type_error("tensor names must be str");
+    HeldBuffer h = ViewOf(k.cast<std::string>(), v);
+    Tensor t;
+    t.name = h.view.name;
+    t.shape = h.view.shape;
+    t.data.assign(h.view.data, h.view.data + NumElements(t.shape));
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+py::dict ArraysOf(std::vector<Tensor> tensors) {
+  py::dict out;
+  for (auto& t : tensors) {
+    std::vector<py::ssize_t> shape(t.shape.begin(), t.shape.end());
+    py::array_t<float> a(shape);
+    std::copy(t.data.begin(), t.data.end(), a.mutable_data());
+    out[py::str(t.name)] = std::move(a);
+  }
+  return out;
 }
 
 class PySite {
@@ -250,6 +277,20 @@ PYBIND11_MODULE(_isthmus, m) {
     return py::make_tuple(k.public_key, k.secret_key);
   });
   m.def("load_public_key", [](const std::string& path) { return Take(LoadPublicKeyFile(path)); });
+
+  m.def("read_safetensors", [](const std::string& path) {
+    auto f = Take(ReadSafetensors(path));
+    return py::make_tuple(ArraysOf(std::move(f.tensors)), f.metadata);
+  });
+  m.def(
+      "write_safetensors",
+      [](const std::string& path, const py::dict& tensors,
+         const std::map<std::string, std::string>& metadata) {
+        Status s = WriteSafetensors(path, TensorsOf(tensors), metadata);
+        if (!s.ok()) Raise(s);
+      },
+      py::arg("path"), py::arg("tensors"), py::arg("metadata") = std::map<std::string, std::string>{});
+  m.def("tensors_hash", [](const py::dict& tensors) { return TensorsContentHash(TensorsOf(tensors)); });
 
   py::class_<PySite>(m, "SiteClient")
       .def(py::init([](std::string job, std::vector<std::string> servers,

@@ -17,6 +17,11 @@ isthmus.torch.SiteRank does all of that around a PyTorch training loop. The C++ 
 the same site client isthmus-worker uses (common/site_client.h), so both kinds of worker
 speak one protocol. See docs/PYTHON.md.
 
+Files: read_safetensors(path) -> ({name: float32 array}, metadata) (F16/BF16 widened),
+write_safetensors(path, tensors, metadata={}) (atomic, F32), and tensors_hash(tensors):
+the content hash isthmus uses as a job's base hash (isthmus-worker init prints the same
+for its base).
+
 Errors: a refusal or failure of a shard raises ShardError (.code, e.g. "NotFound" or
 "InvalidArgument", and .message naming the shard); a delta that is not float32 or not
 contiguous raises TypeError or ValueError before anything is sent.
@@ -30,7 +35,10 @@ from ._isthmus import (  # noqa: F401  (re-exported)
     generate_keypair,
     load_keypair,
     load_public_key,
+    read_safetensors,
+    tensors_hash,
     write_keypair,
+    write_safetensors,
 )
 
 __all__ = [
@@ -40,6 +48,9 @@ __all__ = [
     "load_keypair",
     "load_public_key",
     "write_keypair",
+    "read_safetensors",
+    "write_safetensors",
+    "tensors_hash",
     "SCHEMA_VERSION",
     "__version__",
 ]

@@ -1,8 +1,18 @@
-"""A from-scratch PyTorch GPT-2 over isthmus's tensor names and layouts, for tests that
-train a PyTorch site in the same job as isthmus-worker: pre-LN blocks, tanh-GELU, learned
-positions, the head tied to wte, layer norm eps 1e-5, Conv1D weights [in, out]; LoRA on
-the adapted linears with lora_A [r, in] and lora_B [out, r], scale alpha / r, as
-worker/model/gpt.cc computes. The base stays frozen; the LoRA tensors train."""
+"""isthmus.gpt2: isthmus-worker's model in PyTorch, so a PyTorch site can train the same
+LoRA job as isthmus-worker sites (and read its files).
+
+The model is GPT-2 over isthmus's tensor names and layouts (worker/model/gpt.cc): pre-LN
+blocks, tanh-GELU, learned positions, the head tied to wte, layer norm eps 1e-5, Conv1D
+weights [in, out]; LoRA on the adapted linears with lora_A [r, in] and lora_B [out, r],
+scale alpha / r. The base stays frozen; the LoRA tensors are the parameters:
+
+    base, _ = isthmus.read_safetensors("base.safetensors")
+    lora, _ = isthmus.read_safetensors("init.safetensors")   # isthmus-worker init --out
+    model = isthmus.gpt2.Gpt2Lora(base, lora, heads=4, alpha=32.0)
+    rank = isthmus.torch.SiteRank(site, model.job_parameters(), ...)
+
+token_batches() reads the uint16 token shards isthmus-data writes.
+"""
 
 import math
 
