@@ -1,6 +1,7 @@
 """A PyTorch site and an isthmus-worker site train one LoRA job together over CURVE peer
 links: site A is a PyTorch loop (isthmus.gpt2.Gpt2Lora driven by isthmus.torch.SiteRank),
-site B is isthmus-worker. Both train on real text (this repository's docs, built into
+site B is isthmus-worker; and the same with docs/PYTHON.md's example script as site A,
+run with two torch ranks. Both train on real text (this repository's docs, built into
 token shards by isthmus-data), both finish every round, the rounds commit on both sites,
 and `isthmusctl sync verify` finds the committed digests equal, round for round."""
 
@@ -8,6 +9,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 import unittest
 
@@ -108,19 +110,8 @@ class InteropTest(unittest.TestCase):
         self.assertTrue(all(np.isfinite(losses)))
 
         # Both sites commit every round (bounded wait), then the digests agree.
-        deadline = time.monotonic() + 60
-        while min(self.committed(a), self.committed(b)) < ROUNDS:
-            self.assertLess(time.monotonic(), deadline, "rounds did not commit in 60 s")
-            time.sleep(0.2)
-        verify = a.ctl("sync", "verify", "--job", "mix", "--json",
-                       "--site", f"A={a.admin_eps[0]}", "--site", f"B={b.admin_eps[0]}",
-                       "--site-key", f"A={a.server_pubs[0]}", "--site-key", f"B={b.server_pubs[0]}",
-                       servers=[])
-        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
-        [report] = json.loads(verify.stdout)
-        self.assertTrue(report["agree"], report)
-        self.assertEqual(report["committed"], {"A": ROUNDS, "B": ROUNDS})
-        self.assertEqual(report["rounds_compared"], ROUNDS + 1)  # the initial state too
+        self.wait_committed(a, b)
+        self.check_verify(a, b)
 
         # The merged adapters moved away from the initial ones, identically on both sites.
         merged_a = isthmus.Site(a.worker_eps, job="mix", key=a.worker_key,
@@ -131,6 +122,79 @@ class InteropTest(unittest.TestCase):
         self.assertGreater(moved, 1e-4)
         for n in lora0:
             np.testing.assert_array_equal(merged_a[n], merged_b[n])
+
+    def test_the_python_md_example_with_two_torch_ranks(self):
+        """docs/PYTHON.md's site_a.py, as printed there, with two gloo ranks at site A."""
+        root, a, b = self.root, self.sites["A"], self.sites["B"]
+        with open(os.path.join(REPO, "docs", "PYTHON.md")) as f:
+            doc = f.read()
+        blocks = [blk.split("```", 1)[0] for blk in doc.split("```python\n")[1:]]
+        [script] = [blk for blk in blocks if blk.startswith("# site_a.py")]
+        with open(os.path.join(root, "site_a.py"), "w") as f:
+            f.write(script)
+        data_bin = os.path.join(os.path.dirname(self.worker), "data", "isthmus-data")
+        data = os.path.join(root, "data")
+        self.run_ok([data_bin, "build", "--out", data,
+                     *(os.path.join(REPO, p) for p in ("README.md", "docs/ARCHITECTURE.md",
+                                                        "docs/SYNC.md", "docs/WORKER.md"))])
+        base, init = os.path.join(root, "base.safetensors"), os.path.join(root, "init.safetensors")
+        base_hash = self.run_ok([self.worker, "init", *MODEL, "--write-base", base,
+                                 "--out", init]).strip().splitlines()[-1]
+        for site in (a, b):
+            site.create_job("mix", None, base_hash=base_hash, path=init)
+        with open(os.path.join(root, "worker-B.log"), "w") as log_b:
+            worker_b = subprocess.Popen(
+                [self.worker, "train", *MODEL, "--base", base, "--job", "mix",
+                 "--server", b.worker_eps[0], "--server-key", b.server_pubs[0],
+                 "--key", b.worker_key, "--client-name", "B", "--data", data,
+                 "--steps-per-round", str(H), "--max-rounds", str(ROUNDS), "--batch-size", "4",
+                 "--lr", "3e-3", "--warmup-steps", "0", "--no-progress"],
+                stdout=log_b, stderr=subprocess.STDOUT)
+        try:
+            env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                       MASTER_PORT=str(harness.free_port()))
+            ranks = [subprocess.Popen(
+                [sys.executable, os.path.join(root, "site_a.py"),
+                 "--server", a.worker_eps[0], "--server-key", a.server_pubs[0],
+                 "--key", a.worker_key, "--job", "mix", "--base", base, "--init", init,
+                 "--data", data, "--heads", "2", "--lora-alpha", "8", "--context", "16",
+                 "--batch-size", "4", "--steps-per-round", str(H), "--rounds", str(ROUNDS)],
+                env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                text=True) for r in (0, 1)]
+            outs = [p.communicate(timeout=240) for p in ranks]
+            for p, (out, err) in zip(ranks, outs):
+                self.assertEqual(p.returncode, 0, out[-2000:] + err[-3000:])
+            for r in range(1, ROUNDS + 1):
+                self.assertIn(f"round {r}: loss", outs[0][0])
+            code = worker_b.wait(timeout=240)
+            with open(os.path.join(root, "worker-B.log")) as f:
+                self.assertEqual(code, 0, f.read()[-3000:])
+        finally:
+            if worker_b.poll() is None:
+                worker_b.kill()
+                worker_b.wait()
+        self.wait_committed(a, b)
+        self.check_verify(a, b)
+        [hello] = isthmus.Site(a.worker_eps, job="mix", key=a.worker_key,
+                               server_keys=a.server_pubs).hello()
+        self.assertEqual(hello["local_round"], ROUNDS)
+
+    def wait_committed(self, a, b):
+        deadline = time.monotonic() + 60
+        while min(self.committed(a), self.committed(b)) < ROUNDS:
+            self.assertLess(time.monotonic(), deadline, "rounds did not commit in 60 s")
+            time.sleep(0.2)
+
+    def check_verify(self, a, b):
+        verify = a.ctl("sync", "verify", "--job", "mix", "--json",
+                       "--site", f"A={a.admin_eps[0]}", "--site", f"B={b.admin_eps[0]}",
+                       "--site-key", f"A={a.server_pubs[0]}", "--site-key", f"B={b.server_pubs[0]}",
+                       servers=[])
+        self.assertEqual(verify.returncode, 0, verify.stdout + verify.stderr)
+        [report] = json.loads(verify.stdout)
+        self.assertTrue(report["agree"], report)
+        self.assertEqual(report["committed"], {"A": ROUNDS, "B": ROUNDS})
+        self.assertEqual(report["rounds_compared"], ROUNDS + 1)  # the initial state too
 
 
 if __name__ == "__main__":
