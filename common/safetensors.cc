@@ -48,6 +48,13 @@ class Fd {
   }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
+  Fd& operator=(Fd&& other) noexcept {
+    if (this != &other) {
+      if (fd_ >= 0) ::close(fd_);
+      fd_ = other.Release();
+    }
+    return *this;
+  }
   int get() const { return fd_; }
   int Release() { return std::exchange(fd_, -1); }
 
@@ -236,10 +243,12 @@ Status ParseHeader(const std::string& path, const std::string& text, std::vector
   return Status::Ok();
 }
 
-}  // namespace
-
-Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+// Opens `path` and checks its header and the layout of its data buffer (everything but
+// the tensor bytes). On success `fd` is open, `entries` are sorted by offset and
+// `data_start` is the file offset of the data buffer.
+Status OpenAndCheck(const std::string& path, Fd& fd, std::vector<Entry>* entries,
+                    std::map<std::string, std::string>* metadata, uint64_t* data_start) {
+  fd = Fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) return Status::NotFound(path + ": no such file");
     return Status::IoError(path + ": cannot open: " + ErrnoText());
@@ -267,19 +276,17 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
   ISTHMUS_RETURN_IF_ERROR(PreadAll(fd.get(), text.data(), header_len, 8, path));
   if (text[0] != '{') return Status::Corruption(path + ": header does not start with '{'");
 
-  SafetensorsFile out;
-  std::vector<Entry> entries;
-  ISTHMUS_RETURN_IF_ERROR(ParseHeader(path, text, &entries, &out.metadata));
+  ISTHMUS_RETURN_IF_ERROR(ParseHeader(path, text, entries, metadata));
 
   // The byte buffer must be covered exactly: sorted by offset, each tensor starts where the
   // previous ended (this also rules out overlap), and the last ends at the end of the file.
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+  std::sort(entries->begin(), entries->end(), [](const Entry& a, const Entry& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
-  const uint64_t data_start = 8 + header_len;
-  const uint64_t data_len = file_size - data_start;
+  *data_start = 8 + header_len;
+  const uint64_t data_len = file_size - *data_start;
   uint64_t expect = 0;
-  for (const Entry& e : entries) {
+  for (const Entry& e : *entries) {
     if (e.begin != expect) {
       return Status::Corruption(path + ": tensor '" + e.name + "' data_offsets [" +
                                 std::to_string(e.begin) + ", " + std::to_string(e.end) +
@@ -298,6 +305,17 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
                               " trailing bytes after the last tensor");
   }
 
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
+  Fd fd(-1);
+  SafetensorsFile out;
+  std::vector<Entry> entries;
+  uint64_t data_start = 0;
+  ISTHMUS_RETURN_IF_ERROR(OpenAndCheck(path, fd, &entries, &out.metadata, &data_start));
   out.tensors.reserve(entries.size());
   std::vector<uint16_t> half;
   for (Entry& e : entries) {
@@ -319,6 +337,16 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
     }
     out.tensors.push_back(std::move(t));
   }
+  return out;
+}
+
+Result<SafetensorsInfo> ReadSafetensorsInfo(const std::string& path) {
+  Fd fd(-1);
+  SafetensorsInfo out;
+  std::vector<Entry> entries;
+  uint64_t data_start = 0;
+  ISTHMUS_RETURN_IF_ERROR(OpenAndCheck(path, fd, &entries, &out.metadata, &data_start));
+  for (Entry& e : entries) out.tensors.push_back({std::move(e.name), std::move(e.shape)});
   return out;
 }
 

@@ -29,6 +29,18 @@ struct SafetensorsFile {
 // file size. Thread-safe (no shared state).
 Result<SafetensorsFile> ReadSafetensors(const std::string& path);
 
+// A file's tensor names and shapes and its metadata, without the tensor bytes: the same
+// checks as ReadSafetensors except reading the data (so a huge file is cheap to inspect).
+struct SafetensorsInfo {
+  struct Entry {
+    std::string name;
+    std::vector<int64_t> shape;
+  };
+  std::vector<Entry> tensors;  // in the order of their data offsets
+  std::map<std::string, std::string> metadata;
+};
+Result<SafetensorsInfo> ReadSafetensorsInfo(const std::string& path);
+
 // Convenience: ReadSafetensors(path) without the metadata.
 Result<std::vector<Tensor>> ReadSafetensorsTensors(const std::string& path);
 

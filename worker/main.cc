@@ -54,7 +54,7 @@ int RunInit(InitArgs& a) {
     if (auto st = (*gpt)->SaveBase(a.write_base); !st.ok()) return Fail("init", st);
   }
   auto meta = (*gpt)->ConfigMetadata();
-  meta["train_mode"] = a.model.mode;
+  meta.merge(a.model.TrainableMetadata());
   if (auto st = WriteSafetensors(a.out, (*gpt)->ExportTrainable(), meta); !st.ok()) {
     return Fail("init", st);
   }
@@ -92,7 +92,26 @@ struct EvalArgs {
   bool json = false;
 };
 
+// The tensors of a trainable-tensors file (init --out, train --save, a checkpoint or an
+// export), without optimizer state; the model flags not given are taken from it.
+Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings& model) {
+  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
+  std::vector<Tensor> tensors;
+  for (auto& t : file.tensors) {
+    if (t.name.rfind("opt.", 0) != 0) tensors.push_back(std::move(t));
+  }
+  Status st = model.ResolveTrainable(tensors, file.metadata);
+  if (!st.ok()) return UsageError(path + ": " + st.message());
+  return tensors;
+}
+
 int RunEval(EvalArgs& a) {
+  std::vector<Tensor> tensors;
+  if (!a.trainable.empty()) {
+    auto t = ReadTrainable(a.trainable, a.model);
+    if (!t.ok()) return Fail("eval", t.status());
+    tensors = std::move(t).value();
+  }
   auto compute = OpenCompute(a.compute, 0);
   if (!compute.ok()) return Fail("eval", DeviceError(compute.status()));
   auto gpt = BuildModel(a.model, {compute->ops.get(), compute->precision});
@@ -100,12 +119,7 @@ int RunEval(EvalArgs& a) {
   if (auto st = (*gpt)->Reserve(a.batch_size, a.model.context); !st.ok()) {
     return Fail("eval", DeviceError(st));
   }
-  std::vector<Tensor> tensors;
-  if (!a.trainable.empty()) {
-    auto t = ReadSafetensorsTensors(a.trainable);
-    if (!t.ok()) return Fail("eval", t.status());
-    tensors = std::move(t).value();
-  } else if (!a.shards.servers.empty()) {
+  if (a.trainable.empty() && !a.shards.servers.empty()) {
     auto site = ConnectSite(a.shards);
     if (!site.ok()) return Fail("eval", site.status());
     auto h = HelloSite(**site, (*gpt)->BaseHash());
@@ -131,17 +145,35 @@ int RunEval(EvalArgs& a) {
 struct ExportArgs {
   ModelSettings model;
   ShardSettings shards;
+  std::string trainable;  // offline source; else the shards
   std::string out;
+  std::string hf_dir;
   std::string peft_dir;
 };
 
 int RunExport(ExportArgs& a) {
-  if (a.out.empty() && a.peft_dir.empty()) {
-    std::fprintf(stderr, "isthmus-worker export: give --out and/or --peft-dir\n");
+  auto usage = [](const std::string& m) {
+    std::fprintf(stderr, "isthmus-worker export: %s\n", m.c_str());
     return kExitUsage;
+  };
+  if (a.out.empty() && a.hf_dir.empty() && a.peft_dir.empty()) {
+    return usage("give --out, --hf-dir and/or --peft-dir");
   }
-  auto site = ConnectSite(a.shards);
-  if (!site.ok()) return Fail("export", site.status());
+  if (a.trainable.empty() == a.shards.servers.empty()) {
+    return usage("give --trainable FILE (offline) or --server (pull from the shards), not both");
+  }
+  if ((!a.hf_dir.empty() || !a.peft_dir.empty()) && a.model.base.empty()) {
+    return usage("--hf-dir and --peft-dir need --base");
+  }
+  std::vector<Tensor> tensors;
+  if (!a.trainable.empty()) {
+    auto t = ReadTrainable(a.trainable, a.model);
+    if (!t.ok()) return Fail("export", t.status());
+    tensors = std::move(t).value();
+  }
+  if (!a.peft_dir.empty() && a.model.mode == "full") {
+    return usage("--peft-dir: a full-mode job has no adapters; --hf-dir writes the model");
+  }
   std::unique_ptr<model::Gpt> gpt;
   std::string hash;
   if (!a.model.base.empty()) {
@@ -149,25 +181,35 @@ int RunExport(ExportArgs& a) {
     if (!g.ok()) return Fail("export", g.status());
     gpt = std::move(g).value();
     hash = gpt->BaseHash();
-  } else if (!a.peft_dir.empty()) {
-    std::fprintf(stderr, "isthmus-worker export: --peft-dir needs --base\n");
-    return kExitUsage;
   }
-  auto h = HelloSite(**site, hash);
-  if (!h.ok()) return Fail("export", h.status());
-  auto t = PullSite(**site);
-  if (!t.ok()) return Fail("export", t.status());
+  if (a.trainable.empty()) {
+    auto site = ConnectSite(a.shards);
+    if (!site.ok()) return Fail("export", site.status());
+    auto h = HelloSite(**site, hash);
+    if (!h.ok()) return Fail("export", h.status());
+    auto t = PullSite(**site);
+    if (!t.ok()) return Fail("export", t.status());
+    tensors = std::move(t).value();
+  }
   if (!a.out.empty()) {
-    std::map<std::string, std::string> meta;
-    if (gpt) meta = gpt->ConfigMetadata();
-    meta["job"] = a.shards.job;
-    if (auto st = WriteSafetensors(a.out, *t, meta); !st.ok()) return Fail("export", st);
-    std::fprintf(stderr, "wrote %s (%zu tensors)\n", a.out.c_str(), t->size());
+    std::map<std::string, std::string> meta = a.model.TrainableMetadata();
+    if (gpt) meta.merge(gpt->ConfigMetadata());
+    if (a.trainable.empty()) meta["job"] = a.shards.job;
+    if (auto st = WriteSafetensors(a.out, tensors, meta); !st.ok()) return Fail("export", st);
+    std::fprintf(stderr, "wrote %s (%zu tensors)\n", a.out.c_str(), tensors.size());
   }
+  if (!gpt) return kExitOk;
+  if (auto st = gpt->LoadTrainable(tensors, true); !st.ok()) return Fail("export", st);
+  // LoRA: the HF folder holds the frozen base the adapter applies to; full: the model.
+  std::string hf_dir = a.hf_dir;
+  if (hf_dir.empty()) hf_dir = a.peft_dir + "/base";
+  if (auto st = gpt->SaveHuggingFace(hf_dir); !st.ok()) return Fail("export", st);
+  std::fprintf(stderr, "wrote Hugging Face %s folder %s (config.json, model.safetensors)\n",
+               a.model.mode == "full" ? "model" : "base", hf_dir.c_str());
   if (!a.peft_dir.empty()) {
-    if (auto st = gpt->LoadTrainable(*t, true); !st.ok()) return Fail("export", st);
-    if (auto st = gpt->SavePeftAdapter(a.peft_dir); !st.ok()) return Fail("export", st);
-    std::fprintf(stderr, "wrote PEFT adapter to %s\n", a.peft_dir.c_str());
+    if (auto st = gpt->SavePeftAdapter(a.peft_dir, hf_dir); !st.ok()) return Fail("export", st);
+    std::fprintf(stderr, "wrote PEFT adapter %s (its base: %s)\n", a.peft_dir.c_str(),
+                 hf_dir.c_str());
   }
   return kExitOk;
 }
@@ -216,11 +258,25 @@ int main(int argc, char** argv) {
   eval_cmd->add_flag("--json", eval.json, "print {\"val_loss\": ...}");
 
   ExportArgs exp;
-  auto* export_cmd = app.add_subcommand("export", "pull a job's tensors and write them out");
+  auto* export_cmd = app.add_subcommand(
+      "export",
+      "write a job's tensors (pulled from the shards, or from a file offline) as safetensors, "
+      "a Hugging Face model folder and/or a PEFT adapter folder");
   AddModelFlags(*export_cmd, exp.model);
   AddShardFlags(*export_cmd, exp.shards);
+  export_cmd->add_option("--trainable", exp.trainable,
+                         "offline: trainable tensors from a file (train --save, init --out, a "
+                         "checkpoint or an export) instead of --server");
   export_cmd->add_option("--out", exp.out, "safetensors file of the job's tensors");
-  export_cmd->add_option("--peft-dir", exp.peft_dir, "write a PEFT adapter folder (needs --base)");
+  export_cmd->add_option("--hf-dir", exp.hf_dir,
+                         "Hugging Face folder (config.json + model.safetensors) that "
+                         "AutoModelForCausalLM opens: the trained model in full mode, the base "
+                         "in LoRA mode (needs --base)");
+  export_cmd->add_option("--peft-dir", exp.peft_dir,
+                         "LoRA: PEFT adapter folder that AutoPeftModelForCausalLM opens; its "
+                         "adapter_config.json names --hf-dir, or PEFT_DIR/base written for it "
+                         "(needs --base)");
+  export_cmd->footer(kExitCodes);
 
   try {
     app.parse(argc, argv);
@@ -228,9 +284,33 @@ int main(int argc, char** argv) {
     int rc = app.exit(e);
     return rc == 0 ? kExitOk : kExitUsage;
   }
-  if (init_cmd->parsed()) return RunInit(init);
-  if (train_cmd->parsed()) return RunTrain(train);
-  if (eval_cmd->parsed()) return RunEval(eval);
-  if (export_cmd->parsed()) return RunExport(exp);
+  // The model's shape comes from --base when there is one.
+  auto resolve = [](const char* what, ModelSettings& m) {
+    Status st = m.ResolveBaseShape();
+    if (st.ok()) return kExitOk;
+    if (st.code() != Code::kInvalidArgument) return Fail(what, st);
+    return Fail(what, UsageError(st.message()));
+  };
+  if (init_cmd->parsed()) {
+    if (int rc = resolve("init", init.model); rc != kExitOk) return rc;
+    return RunInit(init);
+  }
+  if (train_cmd->parsed()) {
+    if (int rc = resolve("train", train.model); rc != kExitOk) return rc;
+    if (train.standalone && !train.init.empty()) {
+      // The LoRA settings (or full mode) of the tensors it starts from.
+      auto t = ReadTrainable(train.init, train.model);
+      if (!t.ok()) return Fail("train", t.status());
+    }
+    return RunTrain(train);
+  }
+  if (eval_cmd->parsed()) {
+    if (int rc = resolve("eval", eval.model); rc != kExitOk) return rc;
+    return RunEval(eval);
+  }
+  if (export_cmd->parsed()) {
+    if (int rc = resolve("export", exp.model); rc != kExitOk) return rc;
+    return RunExport(exp);
+  }
   return kExitUsage;
 }

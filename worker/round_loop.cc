@@ -30,6 +30,7 @@ namespace {
 
 constexpr char kRefusedPrefix[] = "refused by shard: ";
 constexpr char kDevicePrefix[] = "device: ";
+constexpr char kUsagePrefix[] = "usage: ";
 using Clock = std::chrono::steady_clock;
 
 // Integers travel through float collectives in 24-bit pieces (exact in fp32).
@@ -493,7 +494,9 @@ class RoundLoop {
     if (s_.standalone && leader() && !s_.save.empty()) {
       auto tensors = gpt_->ExportTrainable();
       ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
-      ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, tensors, gpt_->ConfigMetadata()));
+      auto meta = gpt_->ConfigMetadata();
+      meta.merge(s_.model.TrainableMetadata());
+      ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, tensors, meta));
     }
     if (leader()) {
       char buf[256];
@@ -551,8 +554,13 @@ Status Refused(const std::string& message) {
   return Status::PermissionDenied(kRefusedPrefix + message);
 }
 
+Status UsageError(const std::string& message) {
+  return Status::InvalidArgument(kUsagePrefix + message);
+}
+
 int ExitCodeFor(const Status& status) {
   if (status.ok()) return kExitOk;
+  if (status.message().rfind(kUsagePrefix, 0) == 0) return kExitUsage;
   if (status.code() == Code::kPermissionDenied && status.message().rfind(kRefusedPrefix, 0) == 0) {
     return kExitRefused;
   }

@@ -31,11 +31,13 @@ inline constexpr int kExitOutOfMemory = 5;  // the model, optimizer or batch doe
 
 // A refusal by a shard (kPermissionDenied, message prefixed "refused by shard: ").
 Status Refused(const std::string& message);
+// A problem with how isthmus-worker was called (message prefixed "usage: "): exit code 2.
+Status UsageError(const std::string& message);
 // A problem with the compute device (message prefixed "device: "): one --device cannot
 // name here, or out of memory.
 Status DeviceError(const Status& status);
-// kExitRefused for Refused() statuses; for DeviceError() statuses kExitOutOfMemory when
-// out of memory, else kExitUsage; kExitFailure otherwise.
+// kExitRefused for Refused() statuses; kExitUsage for UsageError() ones; for DeviceError()
+// statuses kExitOutOfMemory when out of memory, else kExitUsage; kExitFailure otherwise.
 int ExitCodeFor(const Status& status);
 
 struct TrainSummary {

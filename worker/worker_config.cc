@@ -2,7 +2,12 @@
 #include "worker/worker_config.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "common/safetensors.h"
 #include "ops/device.h"
 
 namespace isthmus::worker {
@@ -30,6 +35,129 @@ Status ModelSettings::Validate() const {
   ISTHMUS_RETURN_IF_ERROR(model::ParseTrainMode(mode).status());
   if (mode == "lora") ISTHMUS_RETURN_IF_ERROR(Lora().Validate());
   return Status::Ok();
+}
+
+Status ModelSettings::ResolveBaseShape() {
+  if (base.empty()) return Status::Ok();
+  std::error_code ec;
+  std::string heads_from;  // where the head count came from
+  int file_heads = 0;
+  if (std::filesystem::is_directory(base, ec)) {
+    // A Hugging Face GPT-2 folder: model.safetensors and config.json.
+    const std::string config_path = base + "/config.json";
+    std::ifstream in(config_path);
+    if (!in) return Status::InvalidArgument("--base " + base + ": no config.json in the folder");
+    auto config = nlohmann::json::parse(in, nullptr, false);
+    if (config.is_discarded() || !config.is_object()) {
+      return Status::InvalidArgument(config_path + " is not a JSON object");
+    }
+    if (config.contains("n_head") && config["n_head"].is_number_integer()) {
+      file_heads = config["n_head"].get<int>();
+      heads_from = config_path;
+    }
+    base += "/model.safetensors";
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsInfo info, ReadSafetensorsInfo(base));
+  auto find = [&](const std::string& name) -> const std::vector<int64_t>* {
+    for (const auto& t : info.tensors) {
+      if (t.name == name) return &t.shape;
+    }
+    return nullptr;
+  };
+  const auto* wte = find("wte.weight");
+  const auto* wpe = find("wpe.weight");
+  if (wte == nullptr || wpe == nullptr || wte->size() != 2 || wpe->size() != 2) {
+    return Status::InvalidArgument("--base " + base +
+                                   ": not a GPT-2 base (needs wte.weight [V, C] and "
+                                   "wpe.weight [n_ctx, C])");
+  }
+  int64_t layers_in_file = 0;
+  for (const auto& t : info.tensors) {
+    if (t.name.rfind("h.", 0) != 0) continue;
+    const int64_t l = std::strtoll(t.name.c_str() + 2, nullptr, 10);
+    layers_in_file = std::max(layers_in_file, l + 1);
+  }
+  auto it = info.metadata.find("n_head");
+  if (it != info.metadata.end()) {
+    file_heads = std::atoi(it->second.c_str());
+    heads_from = base + " (metadata)";
+  }
+  auto take = [&](const char* flag, int& field, int64_t value) -> Status {
+    if (given.count(flag) && field != value) {
+      return Status::InvalidArgument(std::string(flag) + " " + std::to_string(field) +
+                                     " contradicts the base " + base + ", which has " +
+                                     std::to_string(value) + ": leave " + flag +
+                                     " out (the base sets it) or use another base");
+    }
+    field = static_cast<int>(value);
+    return Status::Ok();
+  };
+  ISTHMUS_RETURN_IF_ERROR(take("--layers", layers, layers_in_file));
+  ISTHMUS_RETURN_IF_ERROR(take("--width", width, (*wte)[1]));
+  ISTHMUS_RETURN_IF_ERROR(take("--context", context, (*wpe)[0]));
+  if (file_heads > 0) {
+    ISTHMUS_RETURN_IF_ERROR(take("--heads", heads, file_heads));
+  } else if (!given.count("--heads")) {
+    return Status::InvalidArgument("--base " + base +
+                                   " does not record its number of attention heads: give --heads");
+  }
+  return Status::Ok();
+}
+
+Status ModelSettings::ResolveTrainable(const std::vector<Tensor>& tensors,
+                                       const std::map<std::string, std::string>& metadata) {
+  auto contradiction = [](const std::string& flag, const std::string& ours,
+                          const std::string& file) {
+    return Status::InvalidArgument(flag + " " + ours + " contradicts the trainable tensors, " +
+                                   "which say " + file + ": leave " + flag + " out");
+  };
+  bool full = false;
+  int rank = 0;
+  std::set<std::string> targets;
+  for (const auto& t : tensors) {
+    if (t.name == "wte.weight") full = true;
+    const auto at = t.name.find(".lora_A.weight");
+    if (at == std::string::npos || t.shape.size() != 2) continue;
+    rank = static_cast<int>(t.shape[0]);
+    const auto layer_end = t.name.find('.', 2);  // "h.N."
+    if (layer_end != std::string::npos && layer_end < at) {
+      targets.insert(t.name.substr(layer_end + 1, at - layer_end - 1));
+    }
+  }
+  const std::string file_mode = full ? "full" : "lora";
+  if (given.count("--mode") && mode != file_mode) return contradiction("--mode", mode, file_mode);
+  mode = file_mode;
+  if (full) return Status::Ok();
+  if (rank > 0) {
+    if (given.count("--lora-rank") && lora_rank != rank) {
+      return contradiction("--lora-rank", std::to_string(lora_rank), std::to_string(rank));
+    }
+    lora_rank = rank;
+  }
+  if (!targets.empty() && !given.count("--lora-targets")) {
+    // In the canonical order, as the flag's default lists them.
+    std::vector<std::string> ordered;
+    for (const char* name : model::kLoraTargetNames) {
+      if (targets.count(name)) ordered.push_back(name);
+    }
+    lora_targets = ordered;
+  }
+  auto it = metadata.find("lora_alpha");
+  if (it != metadata.end() && !given.count("--lora-alpha")) {
+    lora_alpha = std::strtof(it->second.c_str(), nullptr);
+  }
+  return Status::Ok();
+}
+
+std::map<std::string, std::string> ModelSettings::TrainableMetadata() const {
+  std::string targets;
+  for (const auto& t : lora_targets) targets += (targets.empty() ? "" : ",") + t;
+  char alpha[32];
+  std::snprintf(alpha, sizeof alpha, "%.9g", lora_alpha);
+  return {{"train_mode", mode},
+          {"lora_rank", std::to_string(lora_rank)},
+          {"lora_alpha", alpha},
+          {"lora_targets", targets}};
 }
 
 Status ComputeSettings::Validate() const {
@@ -106,21 +234,47 @@ Status TrainSettings::Validate() const {
 }
 
 void AddModelFlags(CLI::App& app, ModelSettings& m) {
-  app.add_option("--layers", m.layers, "transformer blocks")->capture_default_str();
-  app.add_option("--width", m.width, "embedding width C")->capture_default_str();
-  app.add_option("--heads", m.heads, "attention heads (divide --width)")->capture_default_str();
-  app.add_option("--context", m.context, "context length (and sequence length per row)")
-      ->capture_default_str();
-  app.add_option("--lora-rank", m.lora_rank, "LoRA rank r")->capture_default_str();
-  app.add_option("--lora-alpha", m.lora_alpha, "LoRA alpha (scale alpha / r)")
-      ->capture_default_str();
+  auto note = [&m](const char* flag) {
+    return [&m, flag](const std::string&) { m.given.insert(flag); };
+  };
+  const char* from_base = " (with --base: the base's)";
+  app.add_option("--layers", m.layers, std::string("transformer blocks") + from_base)
+      ->capture_default_str()
+      ->each(note("--layers"));
+  app.add_option("--width", m.width, std::string("embedding width C") + from_base)
+      ->capture_default_str()
+      ->each(note("--width"));
+  app.add_option("--heads", m.heads,
+                 std::string("attention heads (divide --width)") + from_base +
+                     ", when the base records it")
+      ->capture_default_str()
+      ->each(note("--heads"));
+  app.add_option("--context", m.context,
+                 std::string("context length (and sequence length per row)") + from_base)
+      ->capture_default_str()
+      ->each(note("--context"));
+  const char* from_file = " (with a file of trainable tensors: the file's)";
+  app.add_option("--lora-rank", m.lora_rank, std::string("LoRA rank r") + from_file)
+      ->capture_default_str()
+      ->each(note("--lora-rank"));
+  app.add_option("--lora-alpha", m.lora_alpha,
+                 std::string("LoRA alpha (scale alpha / r)") + from_file)
+      ->capture_default_str()
+      ->each(note("--lora-alpha"));
   app.add_option("--lora-targets", m.lora_targets,
-                 "adapted layers: attn.c_attn attn.c_proj mlp.c_fc mlp.c_proj")
-      ->capture_default_str();
-  app.add_option("--mode", m.mode, "lora (base frozen) or full (every tensor trains)")
+                 std::string("adapted layers: attn.c_attn attn.c_proj mlp.c_fc mlp.c_proj") +
+                     from_file)
+      ->capture_default_str()
+      ->each(note("--lora-targets"));
+  app.add_option("--mode", m.mode,
+                 std::string("lora (base frozen) or full (every tensor trains)") + from_file)
       ->check(CLI::IsMember({"lora", "full"}))
-      ->capture_default_str();
-  app.add_option("--base", m.base, "base model safetensors (from `init` or a GPT-2 file)");
+      ->capture_default_str()
+      ->each(note("--mode"));
+  app.add_option("--base", m.base,
+                 "base model: a safetensors file (from `init --write-base` or a GPT-2 file) "
+                 "or a Hugging Face GPT-2 folder (config.json + model.safetensors); the "
+                 "model's shape is read from it");
   app.add_option("--seed", m.seed, "seed of LoRA init and of a random base")->capture_default_str();
 }
 

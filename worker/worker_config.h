@@ -6,11 +6,14 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "common/status.h"
+#include "common/tensor.h"
 #include "ops/ops.h"
 #include "worker/model/gpt.h"
 #include "worker/model/trainer.h"
@@ -27,8 +30,25 @@ struct ModelSettings {
   float lora_alpha = 32.0f;
   std::vector<std::string> lora_targets = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
   std::string mode = "lora";  // lora | full
-  std::string base;           // safetensors file of the base (isthmus-worker init writes one)
+  std::string base;           // safetensors file of the base, or a Hugging Face GPT-2 folder
   uint64_t seed = 1;          // LoRA init and, without --base, the random base
+  std::set<std::string> given;  // the shape flags set on the command line or in --config
+
+  // With a base: takes the model's shape from it (n_layer from its blocks, n_embd from
+  // wte, n_ctx from wpe, n_head from its metadata or the folder's config.json) and makes
+  // `base` the safetensors file when it named a folder. A shape flag that was given and
+  // contradicts the base is an InvalidArgument naming the flag and both values; so is a
+  // base that records no head count when --heads was not given. No-op without a base.
+  Status ResolveBaseShape();
+  // Takes what a file of trainable tensors (init --out, train --save, a checkpoint, an
+  // export) says about the training setup, for flags that were not given: the mode (full
+  // when it holds wte.weight), the LoRA rank (from the lora_A shapes), targets (from the
+  // names) and alpha (from its "lora_alpha" metadata). A given flag that contradicts the
+  // file is an InvalidArgument naming it.
+  Status ResolveTrainable(const std::vector<Tensor>& tensors,
+                          const std::map<std::string, std::string>& metadata);
+  // The metadata files of trainable tensors carry (what ResolveTrainable reads back).
+  std::map<std::string, std::string> TrainableMetadata() const;
 
   model::GptConfig Gpt() const;
   model::LoraConfig Lora() const;

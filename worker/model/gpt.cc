@@ -21,6 +21,21 @@
 namespace isthmus::model {
 namespace {
 
+// Writes `value` as indented JSON to `path` atomically (a temporary file renamed over it).
+Status WriteJsonFile(const std::string& path, const nlohmann::json& value) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << value.dump(2) << "\n";
+    out.close();
+    if (!out) return Status::IoError("cannot write " + tmp);
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return Status::IoError("cannot rename " + tmp + ": " + ec.message());
+  return Status::Ok();
+}
+
 enum Target { kCAttn = 0, kAttnProj = 1, kFc = 2, kMlpProj = 3, kNumTargets = 4 };
 
 // A small, fully specified generator (splitmix64) so that initial weights do not depend on
@@ -487,7 +502,8 @@ Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, 
 }
 
 std::map<std::string, std::string> Gpt::ConfigMetadata() const {
-  return {{"format", "isthmus-gpt2"},
+  return {{"format", "pt"},
+          {"isthmus", "gpt2"},
           {"n_layer", std::to_string(config_.n_layer)},
           {"n_embd", std::to_string(config_.n_embd)},
           {"n_head", std::to_string(config_.n_head)},
@@ -501,7 +517,7 @@ Status Gpt::SaveBase(const std::string& path) const {
   return WriteSafetensors(path, base, ConfigMetadata());
 }
 
-Status Gpt::SavePeftAdapter(const std::string& dir) const {
+Status Gpt::SavePeftAdapter(const std::string& dir, const std::string& base_dir) const {
   if (mode_ != TrainMode::kLora) {
     return Status::FailedPrecondition("full-mode model has no LoRA adapters to export");
   }
@@ -515,7 +531,10 @@ Status Gpt::SavePeftAdapter(const std::string& dir) const {
 
   nlohmann::json config = {{"peft_type", "LORA"},
                            {"task_type", "CAUSAL_LM"},
-                           {"base_model_name_or_path", nullptr},
+                           {"base_model_name_or_path",
+                            base_dir.empty()
+                                ? nlohmann::json(nullptr)
+                                : nlohmann::json(std::filesystem::absolute(base_dir).string())},
                            {"r", lora_.rank},
                            {"lora_alpha", lora_.alpha},
                            {"lora_dropout", 0.0},
@@ -523,17 +542,35 @@ Status Gpt::SavePeftAdapter(const std::string& dir) const {
                            {"fan_in_fan_out", true},
                            {"inference_mode", true},
                            {"target_modules", lora_.targets}};
-  const std::string path = dir + "/adapter_config.json";
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << config.dump(2) << "\n";
-    out.close();
-    if (!out) return Status::IoError("cannot write " + tmp);
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return Status::IoError("cannot rename " + tmp + ": " + ec.message());
-  return Status::Ok();
+  return WriteJsonFile(dir + "/adapter_config.json", config);
+}
+
+Status Gpt::SaveHuggingFace(const std::string& dir) const {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
+  std::vector<Tensor> base = ExportBase();
+  ISTHMUS_RETURN_IF_ERROR(ops_.status());
+  ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", base, {{"format", "pt"}}));
+  const nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}},
+                                 {"model_type", "gpt2"},
+                                 {"vocab_size", config_.vocab_size},
+                                 {"n_positions", config_.n_ctx},
+                                 {"n_ctx", config_.n_ctx},
+                                 {"n_embd", config_.n_embd},
+                                 {"n_layer", config_.n_layer},
+                                 {"n_head", config_.n_head},
+                                 {"n_inner", nullptr},
+                                 {"activation_function", "gelu_new"},
+                                 {"layer_norm_epsilon", 1e-5},
+                                 {"resid_pdrop", 0.0},
+                                 {"embd_pdrop", 0.0},
+                                 {"attn_pdrop", 0.0},
+                                 {"scale_attn_weights", true},
+                                 {"tie_word_embeddings", true},
+                                 {"use_cache", true},
+                                 {"torch_dtype", "float32"}};
+  return WriteJsonFile(dir + "/config.json", config);
 }
 
 std::vector<Tensor> Gpt::ExportBase() const { return DownloadGroup(*base_); }

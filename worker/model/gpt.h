@@ -222,9 +222,15 @@ class Gpt {
   Result<std::vector<Tensor>> TrainableDelta();
 
   // Writes the base tensors to a safetensors file (atomic), with metadata recording the
-  // config ("n_layer", "n_embd", "n_head", "n_ctx", "vocab_size") and "format" =
-  // "isthmus-gpt2".
+  // config ("n_layer", "n_embd", "n_head", "n_ctx", "vocab_size"), "format" = "pt" (what
+  // every transformers version accepts) and "isthmus" = "gpt2".
   Status SaveBase(const std::string& path) const;
+
+  // Writes a Hugging Face GPT-2 folder that transformers' AutoModelForCausalLM opens
+  // directly: `dir`/model.safetensors (the base tensors: in full mode the trained model)
+  // and `dir`/config.json (GPT2LMHeadModel, gelu_new, layer_norm_epsilon 1e-5, tied
+  // embeddings, no dropout). Creates `dir`; each file is written atomically.
+  Status SaveHuggingFace(const std::string& dir) const;
 
   // Metadata SaveBase writes (also useful for adapter files).
   std::map<std::string, std::string> ConfigMetadata() const;
@@ -233,9 +239,12 @@ class Gpt {
   // `dir`/adapter_model.safetensors with names "base_model.model.transformer.<name>" and
   // `dir`/adapter_config.json (peft_type LORA, r, lora_alpha, target_modules,
   // fan_in_fan_out true for GPT-2's Conv1D). Creates `dir` if needed; each file is written
-  // atomically. FailedPrecondition in kFull mode (there are no adapters), IoError on
-  // filesystem failures.
-  Status SavePeftAdapter(const std::string& dir) const;
+  // atomically. `base_dir`: the Hugging Face folder of the base (SaveHuggingFace), named
+  // in adapter_config.json as base_model_name_or_path (made absolute) so that PEFT's
+  // AutoPeftModelForCausalLM opens `dir` with no other argument; empty: null there.
+  // FailedPrecondition in kFull mode (there are no adapters), IoError on filesystem
+  // failures.
+  Status SavePeftAdapter(const std::string& dir, const std::string& base_dir = "") const;
 
  private:
   struct Layer;

@@ -25,7 +25,8 @@ TARGETS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 class Gpt2Lora(torch.nn.Module):
     def __init__(self, base, lora, heads, alpha):
-        """base: {name: array} of the base file; lora: {name: array} of the job's tensors."""
+        """base: {name: array} of the base file (or of a full-mode model); lora: {name:
+        array} of the job's LoRA tensors ({} for a plain GPT-2)."""
         super().__init__()
         self.base = {n: torch.tensor(np.asarray(a, dtype=np.float32)) for n, a in base.items()}
         self.heads = heads
@@ -39,7 +40,7 @@ class Gpt2Lora(torch.nn.Module):
             self.names[n] = key
             if n.endswith("lora_A.weight"):
                 rank = a.shape[0]
-        self.scale = alpha / rank
+        self.scale = alpha / rank if rank else 0.0  # no LoRA tensors: a plain GPT-2
 
     def job_parameters(self):
         """{isthmus tensor name: parameter}: what SiteRank pushes and pulls."""

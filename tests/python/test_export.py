@@ -1,0 +1,164 @@
+"""isthmus-worker export writes folders Hugging Face tools open without hand work, offline
+from a `train --save` file: for full mode a model folder (config.json + model.safetensors
+with format "pt"), for LoRA a PEFT folder whose adapter_config.json names the base
+folder. Each is read back tensor by tensor, and a from-scratch PyTorch GPT-2
+(isthmus.gpt2) on the exported files gives the validation loss `isthmus-worker eval`
+reports, to 1e-5 relative. Shape flags come from the base file; a contradicting one exits 2."""
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+
+import isthmus
+import isthmus.gpt2
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+SHAPE = ["--layers", "2", "--width", "32", "--heads", "2", "--context", "16"]
+B, T = 4, 16
+
+
+class ExportTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.worker = os.environ["ISTHMUS_WORKER"]
+        cls.dir = tempfile.mkdtemp(prefix="isthmus-export-")
+        with open(os.path.join(REPO, "docs", "ARCHITECTURE.md"), "rb") as f:
+            text = np.frombuffer(f.read(), dtype=np.uint8).astype("<u2")
+        cls.data = os.path.join(cls.dir, "data")
+        os.makedirs(cls.data)
+        text[:15000].tofile(os.path.join(cls.data, "train.bin"))
+        # Exactly B windows of T + 1 tokens: eval's one batch holds all of them, in an
+        # order that does not change their mean loss.
+        cls.val = text[16000:16000 + B * T + 1]
+        cls.val.tofile(os.path.join(cls.data, "val.bin"))
+        cls.base = os.path.join(cls.dir, "base.safetensors")
+        cls.run_ok(cls, [cls.worker, "init", *SHAPE, "--lora-rank", "4", "--lora-alpha", "8",
+                         "--write-base", cls.base, "--out", os.path.join(cls.dir, "lora0.st")])
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def run_ok(self, cmd):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd[:2])} exited {r.returncode}: {r.stderr[-2000:]}")
+        return r.stdout
+
+    def train_standalone(self, init, save, *flags):
+        self.run_ok([self.worker, "train", "--base", self.base, "--standalone", "--init", init,
+                     "--save", save, "--data", self.data, "--batch-size", str(B),
+                     "--max-steps", "15", "--lr", "3e-3", "--warmup-steps", "0",
+                     "--no-progress", *flags])
+
+    def eval_loss(self, trainable):
+        out = self.run_ok([self.worker, "eval", "--base", self.base, "--trainable", trainable,
+                           "--data", self.data, "--batch-size", str(B), "--batches", "1",
+                           "--json"])
+        return json.loads(out)["val_loss"]
+
+    def torch_loss(self, base, lora, heads, alpha):
+        model = isthmus.gpt2.Gpt2Lora(base, lora, heads=heads, alpha=alpha)
+        v = torch.from_numpy(self.val.astype(np.int64))
+        x = torch.stack([v[i * T:i * T + T] for i in range(B)])
+        y = torch.stack([v[i * T + 1:i * T + T + 1] for i in range(B)])
+        with torch.no_grad():
+            return model.loss(x, y).item()
+
+    def test_lora_exports_a_peft_folder_naming_its_base_folder(self):
+        saved = os.path.join(self.dir, "lora.st")
+        # No model flags at all: the shape comes from the base, LoRA settings from the file.
+        self.train_standalone(os.path.join(self.dir, "lora0.st"), saved)
+        peft = os.path.join(self.dir, "peft")
+        self.run_ok([self.worker, "export", "--base", self.base, "--trainable", saved,
+                     "--peft-dir", peft])
+
+        with open(os.path.join(peft, "adapter_config.json")) as f:
+            adapter = json.load(f)
+        base_dir = adapter["base_model_name_or_path"]
+        self.assertTrue(os.path.isabs(base_dir))
+        self.assertEqual(os.path.realpath(base_dir), os.path.realpath(os.path.join(peft, "base")))
+        self.assertEqual((adapter["peft_type"], adapter["r"], adapter["lora_alpha"]),
+                         ("LORA", 4, 8.0))
+        self.assertTrue(adapter["fan_in_fan_out"])
+        with open(os.path.join(base_dir, "config.json")) as f:
+            config = json.load(f)
+        self.assertEqual((config["model_type"], config["n_layer"], config["n_embd"],
+                          config["n_head"], config["n_positions"], config["vocab_size"]),
+                         ("gpt2", 2, 32, 2, 16, 256))
+
+        base_out, meta = isthmus.read_safetensors(os.path.join(base_dir, "model.safetensors"))
+        self.assertEqual(meta.get("format"), "pt")
+        base_in, base_meta = isthmus.read_safetensors(self.base)
+        self.assertEqual(base_meta.get("format"), "pt")  # transformers 4.x accepts only pt
+        self.assertEqual(sorted(base_out), sorted(base_in))
+        for n in base_in:
+            np.testing.assert_array_equal(base_out[n], base_in[n])
+        lora_out, _ = isthmus.read_safetensors(os.path.join(peft, "adapter_model.safetensors"))
+        trained, _ = isthmus.read_safetensors(saved)
+        prefix = "base_model.model.transformer."
+        self.assertTrue(all(n.startswith(prefix) for n in lora_out))
+        lora = {n[len(prefix):]: a for n, a in lora_out.items()}
+        self.assertEqual(sorted(lora), sorted(trained))
+        for n in trained:
+            np.testing.assert_array_equal(lora[n], trained[n])
+        lora0, _ = isthmus.read_safetensors(os.path.join(self.dir, "lora0.st"))
+        self.assertGreater(max(np.abs(trained[n] - lora0[n]).max() for n in lora0), 1e-4)
+
+        want = self.eval_loss(saved)
+        got = self.torch_loss(base_out, lora, config["n_head"], adapter["lora_alpha"])
+        print(f"\n{self._testMethodName}: torch {got:.7f} eval {want:.7f} rel {abs(got - want) / want:.2e}")
+        self.assertLess(abs(got - want) / want, 1e-5, (got, want))
+
+    def test_full_mode_exports_a_model_folder(self):
+        init = os.path.join(self.dir, "full0.st")
+        self.run_ok([self.worker, "init", "--mode", "full", "--base", self.base, "--out", init])
+        saved = os.path.join(self.dir, "full.st")
+        self.train_standalone(init, saved, "--mode", "full")
+        hf = os.path.join(self.dir, "hf")
+        self.run_ok([self.worker, "export", "--base", self.base, "--trainable", saved,
+                     "--hf-dir", hf])
+        with open(os.path.join(hf, "config.json")) as f:
+            config = json.load(f)
+        self.assertEqual(config["architectures"], ["GPT2LMHeadModel"])
+        self.assertEqual(config["n_positions"], 16)
+        model, meta = isthmus.read_safetensors(os.path.join(hf, "model.safetensors"))
+        self.assertEqual(meta.get("format"), "pt")
+        trained, _ = isthmus.read_safetensors(saved)
+        self.assertEqual(sorted(model), sorted(trained))
+        for n in trained:
+            np.testing.assert_array_equal(model[n], trained[n])
+        base_in, _ = isthmus.read_safetensors(self.base)
+        self.assertGreater(np.abs(model["wte.weight"] - base_in["wte.weight"]).max(), 1e-4)
+
+        want = self.eval_loss(saved)
+        got = self.torch_loss(model, {}, config["n_head"], 0.0)
+        print(f"\n{self._testMethodName}: torch {got:.7f} eval {want:.7f} rel {abs(got - want) / want:.2e}")
+        self.assertLess(abs(got - want) / want, 1e-5, (got, want))
+
+    def test_contradicting_flags_exit_2_naming_the_flag(self):
+        for flags, named in ((["--layers", "3"], "--layers"), (["--heads", "4"], "--heads"),
+                             (["--context", "32"], "--context")):
+            r = subprocess.run([self.worker, "eval", "--base", self.base, *flags,
+                                "--trainable", os.path.join(self.dir, "lora0.st"),
+                                "--data", self.data],
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 2, r.stderr)
+            self.assertIn(named, r.stderr)
+            self.assertIn("contradicts the base", r.stderr)
+        r = subprocess.run([self.worker, "export", "--base", self.base, "--lora-rank", "8",
+                            "--trainable", os.path.join(self.dir, "lora0.st"),
+                            "--out", os.path.join(self.dir, "x.st")],
+                           capture_output=True, text=True, timeout=60)
+        self.assertEqual(r.returncode, 2, r.stderr)
+        self.assertIn("--lora-rank 8 contradicts the trainable tensors", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
