@@ -58,6 +58,10 @@ Status ModelSettings::ResolveBaseShape() {
     base += "/model.safetensors";
   }
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsInfo info, ReadSafetensorsInfo(base));
+  // transformers' save_pretrained writes GPT2LMHeadModel's tensors as "transformer.<name>".
+  for (auto& t : info.tensors) {
+    if (t.name.rfind("transformer.", 0) == 0) t.name.erase(0, 12);
+  }
   auto find = [&](const std::string& name) -> const std::vector<int64_t>* {
     for (const auto& t : info.tensors) {
       if (t.name == name) return &t.shape;

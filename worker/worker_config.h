@@ -115,8 +115,8 @@ struct TrainSettings {
   std::string checkpoint_dir;
   bool standalone = false;  // no shards: plain local training
   std::string init;         // standalone: optional trainable tensors to start from
-  std::string save;         // standalone: write the final trainable tensors (and base in
-                            // full mode, `save`.base.safetensors) here
+  std::string save;         // standalone: write the final trainable tensors here (in full
+                            // mode they are the whole model); `export --trainable` reads it
   std::string json_summary;
   std::string log_level = "info";
   bool progress = true;  // the live line on a terminal (false: plain lines always)

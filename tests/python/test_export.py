@@ -142,6 +142,24 @@ class ExportTest(unittest.TestCase):
         print(f"\n{self._testMethodName}: torch {got:.7f} eval {want:.7f} rel {abs(got - want) / want:.2e}")
         self.assertLess(abs(got - want) / want, 1e-5, (got, want))
 
+    def test_a_hugging_face_folder_imports_as_the_same_base(self):
+        # transformers' save_pretrained layout: "transformer." names, a tied lm_head, and
+        # the head count only in config.json.
+        base, _ = isthmus.read_safetensors(self.base)
+        folder = os.path.join(self.dir, "hf-import")
+        os.makedirs(folder, exist_ok=True)
+        tensors = {"transformer." + n: a for n, a in base.items()}
+        tensors["lm_head.weight"] = base["wte.weight"]
+        isthmus.write_safetensors(os.path.join(folder, "model.safetensors"), tensors,
+                                  {"format": "pt"})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2,
+                       "n_positions": 16, "vocab_size": 256}, f)
+        hashes = [self.run_ok([self.worker, "init", "--base", b, "--out",
+                               os.path.join(self.dir, "imp.st")]).strip() for b in (folder, self.base)]
+        self.assertEqual(hashes[0], hashes[1])
+        self.assertEqual(hashes[0], isthmus.tensors_hash(base))
+
     def test_contradicting_flags_exit_2_naming_the_flag(self):
         for flags, named in ((["--layers", "3"], "--layers"), (["--heads", "4"], "--heads"),
                              (["--context", "32"], "--context")):
