@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import unittest
 
 
 import isthmus
@@ -168,3 +169,17 @@ def synced_sites(names=("A", "B"), sync_config=""):
         shutil.rmtree(root, ignore_errors=True)
         raise
     return root, sites
+
+
+class ShardsTestCase(unittest.TestCase):
+    """Tests sharing one running site of SHARDS shards (self.shards), started once."""
+
+    SHARDS = 2
+
+    @classmethod
+    def setUpClass(cls):
+        cls.shards = Site(shards=cls.SHARDS)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.shards.close()

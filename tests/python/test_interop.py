@@ -42,14 +42,10 @@ class InteropTest(unittest.TestCase):
         self.assertEqual(r.returncode, 0, f"{cmd[0]} failed: {r.stderr[-2000:]}")
         return r.stdout
 
-    def committed(self, site):
-        out = site.ctl("sync", "status", "--json")
-        self.assertEqual(out.returncode, 0, out.stderr)
-        rows = json.loads(out.stdout)
-        return min(j["committed_round"] for r in rows for j in r.get("jobs", []) if j["job"] == "mix")
-
-    def test_a_pytorch_site_and_an_isthmus_worker_site_commit_identical_rounds(self):
-        root, a, b = self.root, self.sites["A"], self.sites["B"]
+    def prepare_job(self):
+        """Token shards of this repository's docs, a base, the initial adapters, and job
+        "mix" created from them on both sites. Returns (data, base, init, base_hash)."""
+        root = self.root
         data_bin = os.path.join(os.path.dirname(self.worker), "data", "isthmus-data")
         data = os.path.join(root, "data")
         self.run_ok([data_bin, "build", "--out", data,
@@ -58,12 +54,23 @@ class InteropTest(unittest.TestCase):
         base, init = os.path.join(root, "base.safetensors"), os.path.join(root, "init.safetensors")
         base_hash = self.run_ok([self.worker, "init", *MODEL, "--write-base", base,
                                  "--out", init]).strip().splitlines()[-1]
+        for site in self.sites.values():
+            site.create_job("mix", None, base_hash=base_hash, path=init)
+        return data, base, init, base_hash
+
+    def committed(self, site):
+        out = site.ctl("sync", "status", "--json")
+        self.assertEqual(out.returncode, 0, out.stderr)
+        rows = json.loads(out.stdout)
+        return min(j["committed_round"] for r in rows for j in r.get("jobs", []) if j["job"] == "mix")
+
+    def test_a_pytorch_site_and_an_isthmus_worker_site_commit_identical_rounds(self):
+        root, a, b = self.root, self.sites["A"], self.sites["B"]
+        data, base, init, base_hash = self.prepare_job()
         lora0, _ = isthmus.read_safetensors(init)
         base_tensors, _ = isthmus.read_safetensors(base)
         # The Python side computes the same base hash as isthmus-worker.
         self.assertEqual(isthmus.tensors_hash(base_tensors), base_hash)
-        for site in (a, b):
-            site.create_job("mix", lora0, base_hash=base_hash, path=init)
 
         # Site B: isthmus-worker, in the background.
         log_b = open(os.path.join(root, "worker-B.log"), "w")
@@ -132,16 +139,7 @@ class InteropTest(unittest.TestCase):
         [script] = [blk for blk in blocks if blk.startswith("# site_a.py")]
         with open(os.path.join(root, "site_a.py"), "w") as f:
             f.write(script)
-        data_bin = os.path.join(os.path.dirname(self.worker), "data", "isthmus-data")
-        data = os.path.join(root, "data")
-        self.run_ok([data_bin, "build", "--out", data,
-                     *(os.path.join(REPO, p) for p in ("README.md", "docs/ARCHITECTURE.md",
-                                                        "docs/SYNC.md", "docs/WORKER.md"))])
-        base, init = os.path.join(root, "base.safetensors"), os.path.join(root, "init.safetensors")
-        base_hash = self.run_ok([self.worker, "init", *MODEL, "--write-base", base,
-                                 "--out", init]).strip().splitlines()[-1]
-        for site in (a, b):
-            site.create_job("mix", None, base_hash=base_hash, path=init)
+        data, base, init, base_hash = self.prepare_job()
         with open(os.path.join(root, "worker-B.log"), "w") as log_b:
             worker_b = subprocess.Popen(
                 [self.worker, "train", *MODEL, "--base", base, "--job", "mix",

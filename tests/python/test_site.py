@@ -13,15 +13,7 @@ A0 = np.arange(32, dtype=np.float32).reshape(4, 8)
 B0 = np.array([0.5, -1.0, 2.0], dtype=np.float32)
 
 
-class SiteTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.shards = harness.Site(shards=2)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.shards.close()
-
+class SiteTest(harness.ShardsTestCase):
     def fresh_job(self, name):
         self.shards.create_job(name, {"a": A0, "b": B0}, base_hash="base-1")
         return self.shards.client(name)

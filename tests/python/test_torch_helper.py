@@ -75,15 +75,7 @@ def two_rank_main(rank, init_file, servers, key, pubs, result_file):
         torch.distributed.destroy_process_group()
 
 
-class SiteRankTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.shards = harness.Site(shards=2)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.shards.close()
-
+class SiteRankTest(harness.ShardsTestCase):
     def final(self, job):
         return self.shards.client(job).pull()
 

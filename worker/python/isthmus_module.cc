@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -45,6 +46,17 @@ template <typename T>
 T Take(Result<T> r) {
   if (!r.ok()) Raise(r.status());
   return std::move(r).value();
+}
+
+// Runs `f` (a call that waits on the network) without the GIL, then takes its result.
+template <typename F>
+auto CallUnlocked(F&& f) {
+  std::optional<decltype(f())> r;
+  {
+    py::gil_scoped_release nogil;
+    r.emplace(f());
+  }
+  return Take(std::move(*r));
 }
 
 py::dict RoundsDict(const RoundInfo& r) {
@@ -156,13 +168,9 @@ class PySite {
   }
 
   py::list Hello(const std::string& base_hash) {
-    Result<std::vector<HelloInfo>> r = Status::Internal("unset");
-    {
-      py::gil_scoped_release nogil;
-      r = site_->Hello(base_hash);
-    }
+    auto result = CallUnlocked([&] { return site_->Hello(base_hash); });
     py::list out;
-    for (const auto& h : Take(std::move(r))) {
+    for (const auto& h : result) {
       py::dict d = RoundsDict(h.rounds);
       d["shard_id"] = h.shard_id;
       d["server_version"] = h.server_version;
@@ -175,13 +183,9 @@ class PySite {
   }
 
   py::dict Pull() {
-    Result<std::vector<PullView>> r = Status::Internal("unset");
-    {
-      py::gil_scoped_release nogil;
-      r = site_->PullInPlace();
-    }
+    auto result = CallUnlocked([&] { return site_->PullInPlace(); });
     py::dict out;
-    for (auto& v : Take(std::move(r))) AddArrays(std::make_shared<PullView>(std::move(v)), out);
+    for (auto& v : result) AddArrays(std::make_shared<PullView>(std::move(v)), out);
     return out;
   }
 
@@ -195,13 +199,10 @@ class PySite {
     }
     std::vector<TensorView> views;
     for (const auto& h : held) views.push_back(h.view);
-    Result<std::vector<ShardPush>> r = Status::Internal("unset");
-    {
-      py::gil_scoped_release nogil;
-      r = site_->PushRound(round, tokens, compute_ms, views, rank, world);
-    }
+    auto result = CallUnlocked(
+        [&] { return site_->PushRound(round, tokens, compute_ms, views, rank, world); });
     py::list out;
-    for (const auto& p : Take(std::move(r))) {
+    for (const auto& p : result) {
       py::dict d = RoundsDict(p.rounds);
       d["shard"] = p.shard;
       d["key"] = p.key;
@@ -213,24 +214,17 @@ class PySite {
   }
 
   py::dict CheckStaleness() {
-    Result<Staleness> r = Status::Internal("unset");
-    {
-      py::gil_scoped_release nogil;
-      r = site_->CheckStaleness();
-    }
-    return StalenessDict(Take(std::move(r)));
+    auto result = CallUnlocked([&] { return site_->CheckStaleness(); });
+    return StalenessDict(result);
   }
 
   py::dict WaitWithinStaleness(double timeout_s, double poll_s) {
     if (timeout_s < 0 || poll_s <= 0) throw py::value_error("timeout must be >= 0, poll > 0");
-    Result<Staleness> r = Status::Internal("unset");
-    {
-      py::gil_scoped_release nogil;
-      r = site_->WaitWithinStaleness(
-          std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3)), nullptr,
-          std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(poll_s * 1e3))));
-    }
-    return StalenessDict(Take(std::move(r)));
+    const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
+    const auto poll =
+        std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(poll_s * 1e3)));
+    return StalenessDict(
+        CallUnlocked([&] { return site_->WaitWithinStaleness(timeout, nullptr, poll); }));
   }
 
   std::map<std::string, int> Placement() const { return site_->placement(); }
