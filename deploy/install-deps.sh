@@ -13,7 +13,7 @@ packages=(
   # libraries the build links
   libzmq3-dev cppzmq-dev libsodium-dev libflatbuffers-dev flatbuffers-compiler
   librocksdb-dev libssl-dev libgloo-dev libopenblas-dev libzstd-dev zlib1g-dev
-  libcli11-dev libspdlog-dev libtoml11-dev nlohmann-json3-dev
+  libcli11-dev libspdlog-dev libtoml11-dev nlohmann-json3-dev libicu-dev
   # tests and benchmark programs
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   # demo and scripts: python3 for small helpers, iproute2 for WAN emulation

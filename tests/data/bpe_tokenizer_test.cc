@@ -1,0 +1,76 @@
+// GPT-2's byte-level BPE (worker/data/bpe_tokenizer.*) against GPT-2's real vocabulary and
+// merges, on fixed texts in several scripts and languages whose ids were produced by an
+// independent encoder (tests/data/gpt2/README.md): every text encodes to exactly those
+// ids and decodes back byte for byte.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "worker/data/bpe_tokenizer.h"
+
+namespace isthmus::data {
+namespace {
+
+std::unique_ptr<BpeTokenizer> Gpt2() {
+  auto t = BpeTokenizer::LoadFolder(ISTHMUS_GPT2_VOCAB_DIR);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? std::move(t).value() : nullptr;
+}
+
+TEST(BpeTokenizer, MatchesGpt2OnTextsInManyScripts) {
+  auto tok = Gpt2();
+  ASSERT_NE(tok, nullptr);
+  EXPECT_EQ(tok->vocab_size(), 50257);
+  std::ifstream in(std::string(ISTHMUS_GPT2_VOCAB_DIR) + "/expected.json");
+  auto cases = nlohmann::json::parse(in);
+  ASSERT_GE(cases.size(), 15u);
+  for (const auto& c : cases) {
+    const std::string text = c["text"].get<std::string>();
+    const std::vector<int32_t> want = c["ids"].get<std::vector<int32_t>>();
+    auto got = tok->Encode(text);
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    EXPECT_EQ(*got, want) << text;
+    auto back = tok->Decode(want);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, text);
+  }
+  // A second pass goes through the piece cache and must give the same ids.
+  for (const auto& c : cases) {
+    EXPECT_EQ(*tok->Encode(c["text"].get<std::string>()), c["ids"].get<std::vector<int32_t>>());
+  }
+}
+
+TEST(BpeTokenizer, BytesThatAreNotUtf8RoundTrip) {
+  auto tok = Gpt2();
+  ASSERT_NE(tok, nullptr);
+  const std::string text = std::string("ok \xff\xfe bytes \xc3") + "\x28 end\x80";
+  auto ids = tok->Encode(text);
+  ASSERT_TRUE(ids.ok()) << ids.status().ToString();
+  auto back = tok->Decode(*ids);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, text);
+}
+
+TEST(BpeTokenizer, BadIdsAndFilesAreRefusedWithTheirName) {
+  auto tok = Gpt2();
+  ASSERT_NE(tok, nullptr);
+  std::vector<int32_t> bad{15496, 50257};
+  auto d = tok->Decode(bad);
+  EXPECT_EQ(d.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("50257"), std::string::npos);
+  EXPECT_EQ(BpeTokenizer::LoadFolder("/nonexistent-folder").status().code(), Code::kNotFound);
+  const std::string dir = ::testing::TempDir() + "/bpe-bad";
+  std::filesystem::create_directories(dir);
+  std::ofstream(dir + "/vocab.json") << R"({"a": 0, "b": 1, "ab": 2})";
+  std::ofstream(dir + "/merges.txt") << "#version: 0.2\na b c\n";
+  auto t = BpeTokenizer::LoadFolder(dir);
+  EXPECT_EQ(t.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(t.status().message().find("merges.txt:2"), std::string::npos) << t.status().ToString();
+  std::ofstream(dir + "/vocab.json") << R"(["not", "an", "object"])";
+  EXPECT_EQ(BpeTokenizer::LoadFolder(dir).status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace isthmus::data
