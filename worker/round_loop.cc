@@ -131,6 +131,7 @@ class RoundLoop {
     d.rank = s_.rank;
     d.world_size = world();
     d.seed = s_.data_seed;
+    d.vocab_size = gpt_->config().vocab_size;  // 256 for bytes, GPT-2's 50257 for its BPE
     auto ds = data::TokenDataset::Open(s_.data_dir + "/train.bin", d);
     if (!ds.ok()) return ds.status();
     dataset_ = std::make_unique<data::TokenDataset>(std::move(ds).value());
@@ -645,6 +646,7 @@ Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batc
   d.rank = rank;
   d.world_size = world_size;
   d.seed = 0;
+  d.vocab_size = gpt.config().vocab_size;
   auto ds = data::TokenDataset::Open(path, d);
   // Every rank must reach the collective below even when its file is unusable.
   float sums[2] = {0, 0};

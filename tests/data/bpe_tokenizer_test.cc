@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "worker/data/bpe_tokenizer.h"
+#include "worker/data/shard_builder.h"
 
 namespace isthmus::data {
 namespace {
@@ -70,6 +71,50 @@ TEST(BpeTokenizer, BadIdsAndFilesAreRefusedWithTheirName) {
   EXPECT_NE(t.status().message().find("merges.txt:2"), std::string::npos) << t.status().ToString();
   std::ofstream(dir + "/vocab.json") << R"(["not", "an", "object"])";
   EXPECT_EQ(BpeTokenizer::LoadFolder(dir).status().code(), Code::kInvalidArgument);
+}
+
+// isthmus-data's shards with --tokenizer: GPT-2 ids that decode to the train documents
+// joined by the separator, and a manifest that says so.
+TEST(BpeTokenizer, ShardsBuiltWithItDecodeToTheirDocuments) {
+  const std::string dir = ::testing::TempDir() + "/bpe-shards";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  const std::string text =
+      "First paragraph, in English.\n\nZweiter Absatz: schöne Grüße.\n\n"
+      "Третий абзац.\n\n第四段。\n\nA fifth one, don't forget it.\n";
+  std::ofstream(dir + "/in.txt") << text;
+  BuildOptions o;
+  o.inputs = {dir + "/in.txt"};
+  o.out_dir = dir + "/out";
+  o.val_fraction = 0.3;
+  o.tokenizer_dir = ISTHMUS_GPT2_VOCAB_DIR;
+  auto built = BuildShards(o);
+  ASSERT_TRUE(built.ok()) << built.status().ToString();
+  std::string want[2];  // train, val
+  for (auto doc : SplitDocuments(text)) {
+    std::string& side = want[IsValidationDocument(doc, o.seed, o.val_fraction) ? 1 : 0];
+    side += (side.empty() ? "" : kDocumentSeparator) + std::string(doc);
+  }
+  auto tok = Gpt2();
+  ASSERT_NE(tok, nullptr);
+  const char* files[2] = {"/out/train.bin", "/out/val.bin"};
+  for (int k = 0; k < 2; ++k) {
+    std::vector<uint16_t> tokens;
+    std::ifstream in(dir + files[k], std::ios::binary);
+    uint16_t t;
+    while (in.read(reinterpret_cast<char*>(&t), 2)) tokens.push_back(t);
+    std::vector<int32_t> ids(tokens.begin(), tokens.end());
+    auto back = tok->Decode(ids);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    EXPECT_EQ(*back, want[k]) << files[k];
+    EXPECT_LT(ids.size(), want[k].size());  // BPE: fewer tokens than bytes
+  }
+  EXPECT_FALSE(want[0].empty());
+  EXPECT_FALSE(want[1].empty());
+  std::ifstream m(dir + "/out/manifest.json");
+  auto manifest = nlohmann::json::parse(m);
+  EXPECT_EQ(manifest["tokenizer"], "gpt2-bpe");
+  EXPECT_EQ(manifest["vocab_size"], 50257);
 }
 
 }  // namespace

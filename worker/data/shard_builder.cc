@@ -15,6 +15,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "worker/data/bpe_tokenizer.h"
 #include "worker/data/tokenizer.h"
 
 namespace isthmus::data {
@@ -132,19 +133,31 @@ bool IsBlank(std::string_view line) {
   return line.find_first_not_of(" \t\r") == std::string_view::npos;
 }
 
+// Text -> uint16 tokens: bytes, or GPT-2's BPE when `bpe` is set.
+struct Encoder {
+  BpeTokenizer* bpe = nullptr;
+
+  Status Append(std::string_view text, std::vector<uint16_t>* out) const {
+    if (bpe == nullptr) {
+      std::vector<uint16_t> t = ByteTokenizer::Encode(text);
+      out->insert(out->end(), t.begin(), t.end());
+      return Status::Ok();
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(std::vector<int32_t> ids, bpe->Encode(text));
+    for (int32_t id : ids) out->push_back(static_cast<uint16_t>(id));
+    return Status::Ok();
+  }
+};
+
 struct ShardBuffer {
   std::vector<uint16_t> tokens;
   uint64_t documents = 0;
 
-  void Add(std::string_view doc) {
-    if (documents > 0) {
-      for (char c : std::string_view(kDocumentSeparator)) {
-        tokens.push_back(static_cast<unsigned char>(c));
-      }
-    }
-    std::vector<uint16_t> t = ByteTokenizer::Encode(doc);
-    tokens.insert(tokens.end(), t.begin(), t.end());
+  Status Add(std::string_view doc, const Encoder& encoder) {
+    if (documents > 0) ISTHMUS_RETURN_IF_ERROR(encoder.Append(kDocumentSeparator, &tokens));
+    ISTHMUS_RETURN_IF_ERROR(encoder.Append(doc, &tokens));
     ++documents;
+    return Status::Ok();
   }
 };
 
@@ -221,6 +234,17 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
   if (ec) return Status::IoError(options.out_dir + ": cannot create folder: " + ec.message());
 
   BuildSummary summary;
+  Encoder encoder;
+  std::unique_ptr<BpeTokenizer> bpe;
+  if (!options.tokenizer_dir.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(bpe, BpeTokenizer::LoadFolder(options.tokenizer_dir));
+    if (bpe->vocab_size() > 65536) {
+      return Status::InvalidArgument(options.tokenizer_dir + ": " +
+                                     std::to_string(bpe->vocab_size()) +
+                                     " tokens do not fit the shards' uint16 ids");
+    }
+    encoder.bpe = bpe.get();
+  }
   ShardBuffer train;
   ShardBuffer val;
   nlohmann::ordered_json sources = nlohmann::ordered_json::array();
@@ -229,7 +253,9 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
     ISTHMUS_ASSIGN_OR_RETURN(std::string text, ReadTextFile(input, &raw_sha));
     uint64_t docs = 0;
     for (std::string_view doc : SplitDocuments(text)) {
-      (IsValidationDocument(doc, options.seed, options.val_fraction) ? val : train).Add(doc);
+      ISTHMUS_RETURN_IF_ERROR(
+          (IsValidationDocument(doc, options.seed, options.val_fraction) ? val : train)
+              .Add(doc, encoder));
       ++docs;
     }
     summary.source_bytes += text.size();
@@ -257,8 +283,8 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
   };
   nlohmann::ordered_json manifest = {
       {"format", kShardFormat},
-      {"tokenizer", "byte"},
-      {"vocab_size", ByteTokenizer::kVocabSize},
+      {"tokenizer", bpe ? "gpt2-bpe" : "byte"},
+      {"vocab_size", bpe ? bpe->vocab_size() : ByteTokenizer::kVocabSize},
       {"token_dtype", "uint16-le"},
       {"document_separator", kDocumentSeparator},
       {"seed", options.seed},
