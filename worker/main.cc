@@ -1,16 +1,21 @@
 // isthmus-worker: one process per rank of a site. Subcommands: init (initial trainable
-// tensors for `isthmusctl job create`), train (the round loop), eval (validation loss) and
-// export (a job's tensors from the shards as safetensors or a PEFT adapter).
+// tensors for `isthmusctl job create`), train (the round loop), eval (validation loss),
+// export (a job's tensors as safetensors, a Hugging Face folder or a PEFT adapter) and
+// generate (sample text from a model).
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
 #include "common/safetensors.h"
+#include "worker/data/bpe_tokenizer.h"
+#include "worker/data/tokenizer.h"
 #include "worker/round_loop.h"
 
 namespace {
@@ -214,6 +219,127 @@ int RunExport(ExportArgs& a) {
   return kExitOk;
 }
 
+struct GenerateArgs {
+  ModelSettings model;
+  ComputeSettings compute;
+  ShardSettings shards;
+  std::string trainable;  // else pulled from --server, else the base alone
+  std::string tokenizer;  // GPT-2 BPE folder; default: the base folder's, or bytes
+  std::string prompt;
+  int tokens = 200;
+  double temperature = 0.8;
+  int top_k = 40;
+  uint64_t seed = 1;
+};
+
+// Samples text from the model: the prompt's tokens, then one token at a time from the
+// softmax of the last position's logits (temperature, top-k; temperature 0 takes the most
+// likely token), the window sliding over the last n_ctx tokens.
+int RunGenerate(GenerateArgs& a) {
+  auto usage = [](const std::string& m) {
+    std::fprintf(stderr, "isthmus-worker generate: %s\n", m.c_str());
+    return kExitUsage;
+  };
+  if (a.model.base.empty()) return usage("give --base (the model to sample from)");
+  if (a.tokens < 0 || a.temperature < 0 || a.top_k < 0) {
+    return usage("--tokens, --temperature and --top-k must not be negative");
+  }
+  std::vector<Tensor> tensors;
+  if (!a.trainable.empty()) {
+    auto t = ReadTrainable(a.trainable, a.model);
+    if (!t.ok()) return Fail("generate", t.status());
+    tensors = std::move(t).value();
+  }
+  auto compute = OpenCompute(a.compute, 0);
+  if (!compute.ok()) return Fail("generate", DeviceError(compute.status()));
+  auto gpt = BuildModel(a.model, {compute->ops.get(), compute->precision});
+  if (!gpt.ok()) return Fail("generate", gpt.status());
+  const int n_ctx = (*gpt)->config().n_ctx;
+  const int vocab = (*gpt)->config().vocab_size;
+  if (auto st = (*gpt)->Reserve(1, n_ctx); !st.ok()) return Fail("generate", DeviceError(st));
+  if (a.trainable.empty() && !a.shards.servers.empty()) {
+    auto site = ConnectSite(a.shards);
+    if (!site.ok()) return Fail("generate", site.status());
+    auto h = HelloSite(**site, (*gpt)->BaseHash());
+    if (!h.ok()) return Fail("generate", h.status());
+    auto t = PullSite(**site);
+    if (!t.ok()) return Fail("generate", t.status());
+    tensors = std::move(t).value();
+  }
+  if (!tensors.empty()) {
+    if (auto st = (*gpt)->LoadTrainable(tensors, true); !st.ok()) return Fail("generate", st);
+  }
+  // The tokenizer: --tokenizer, else a Hugging Face base folder's own files, else bytes.
+  std::string tok_dir = a.tokenizer;
+  std::error_code ec;
+  if (tok_dir.empty() && std::filesystem::exists(a.model.given_base + "/vocab.json", ec)) {
+    tok_dir = a.model.given_base;
+  }
+  std::unique_ptr<data::BpeTokenizer> bpe;
+  if (!tok_dir.empty()) {
+    auto b = data::BpeTokenizer::LoadFolder(tok_dir);
+    if (!b.ok()) return Fail("generate", UsageError(b.status().message()));
+    bpe = std::move(b).value();
+  }
+  const int tok_vocab = bpe ? bpe->vocab_size() : data::ByteTokenizer::kVocabSize;
+  if (!bpe && vocab != tok_vocab) {
+    return usage("the model has " + std::to_string(vocab) +
+                 " tokens, not 256 bytes: give --tokenizer (its GPT-2 BPE folder)");
+  }
+  if (tok_vocab > vocab) {
+    return usage("the tokenizer has " + std::to_string(tok_vocab) + " tokens but the model " +
+                 std::to_string(vocab));
+  }
+  std::vector<int32_t> ids;
+  if (bpe) {
+    auto e = bpe->Encode(a.prompt);
+    if (!e.ok()) return Fail("generate", e.status());
+    ids = std::move(e).value();
+  } else {
+    for (uint16_t t : data::ByteTokenizer::Encode(a.prompt)) ids.push_back(t);
+  }
+  if (ids.empty()) return usage("give a --prompt of at least one character");
+  const size_t prompt_len = ids.size();
+  std::mt19937_64 rng(a.seed);
+  std::vector<std::pair<float, int>> ranked(tok_vocab);
+  for (int n = 0; n < a.tokens; ++n) {
+    const int T = static_cast<int>(std::min<size_t>(ids.size(), n_ctx));
+    (*gpt)->Forward(ids.data() + ids.size() - T, nullptr, 1, T);
+    if (auto st = (*gpt)->ops().status(); !st.ok()) return Fail("generate", st);
+    const std::vector<float> logits = (*gpt)->Logits();
+    const float* last = logits.data() + static_cast<size_t>(T - 1) * vocab;
+    // Only the tokenizer's ids can be written out (a model may pad its vocabulary).
+    for (int v = 0; v < tok_vocab; ++v) ranked[v] = {last[v], v};
+    int next = 0;
+    if (a.temperature == 0) {
+      next = std::max_element(ranked.begin(), ranked.end())->second;
+    } else {
+      const int k = a.top_k > 0 ? std::min(a.top_k, tok_vocab) : tok_vocab;
+      std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end(),
+                        [](const auto& x, const auto& y) { return x.first > y.first; });
+      std::vector<double> p(k);
+      for (int i = 0; i < k; ++i) {
+        p[i] = std::exp((ranked[i].first - ranked[0].first) / a.temperature);
+      }
+      next = ranked[std::discrete_distribution<int>(p.begin(), p.end())(rng)].second;
+    }
+    ids.push_back(next);
+  }
+  Result<std::string> text = Status::Internal("unset");
+  if (bpe) {
+    text = bpe->Decode(ids);
+  } else {
+    std::vector<uint16_t> bytes(ids.begin(), ids.end());
+    text = data::ByteTokenizer::Decode(bytes);
+  }
+  if (!text.ok()) return Fail("generate", text.status());
+  std::fwrite(text->data(), 1, text->size(), stdout);
+  std::fputc('\n', stdout);
+  std::fprintf(stderr, "generated %zu tokens after a prompt of %zu\n", ids.size() - prompt_len,
+               prompt_len);
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -278,6 +404,28 @@ int main(int argc, char** argv) {
                          "(needs --base)");
   export_cmd->footer(kExitCodes);
 
+  GenerateArgs gen;
+  auto* gen_cmd = app.add_subcommand(
+      "generate", "sample text from a model (the base, plus trainable tensors from a file or "
+                  "the shards) to see what training did");
+  AddModelFlags(*gen_cmd, gen.model);
+  AddComputeFlags(*gen_cmd, gen.compute);
+  AddShardFlags(*gen_cmd, gen.shards);
+  gen_cmd->add_option("--trainable", gen.trainable,
+                      "trainable tensors (else pulled from --server, else the base alone)");
+  gen_cmd->add_option("--tokenizer", gen.tokenizer,
+                      "GPT-2 BPE folder (vocab.json + merges.txt); default: the --base "
+                      "folder's, or one token per byte");
+  gen_cmd->add_option("--prompt", gen.prompt, "text to continue")->required();
+  gen_cmd->add_option("--tokens", gen.tokens, "tokens to generate")->capture_default_str();
+  gen_cmd->add_option("--temperature", gen.temperature,
+                      "softmax temperature; 0 takes the most likely token every time")
+      ->capture_default_str();
+  gen_cmd->add_option("--top-k", gen.top_k, "sample among the k most likely tokens (0: all)")
+      ->capture_default_str();
+  gen_cmd->add_option("--sample-seed", gen.seed, "seed of the sampling")->capture_default_str();
+  gen_cmd->footer(kExitCodes);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -307,6 +455,10 @@ int main(int argc, char** argv) {
   if (eval_cmd->parsed()) {
     if (int rc = resolve("eval", eval.model); rc != kExitOk) return rc;
     return RunEval(eval);
+  }
+  if (gen_cmd->parsed()) {
+    if (int rc = resolve("generate", gen.model); rc != kExitOk) return rc;
+    return RunGenerate(gen);
   }
   if (export_cmd->parsed()) {
     if (int rc = resolve("export", exp.model); rc != kExitOk) return rc;

@@ -18,7 +18,7 @@ model::GptConfig ModelSettings::Gpt() const {
   c.n_embd = width;
   c.n_head = heads;
   c.n_ctx = context;
-  c.vocab_size = 256;
+  c.vocab_size = vocab_size;
   return c;
 }
 
@@ -39,6 +39,7 @@ Status ModelSettings::Validate() const {
 
 Status ModelSettings::ResolveBaseShape() {
   if (base.empty()) return Status::Ok();
+  given_base = base;
   std::error_code ec;
   std::string heads_from;  // where the head count came from
   int file_heads = 0;
@@ -96,6 +97,7 @@ Status ModelSettings::ResolveBaseShape() {
     field = static_cast<int>(value);
     return Status::Ok();
   };
+  vocab_size = static_cast<int>((*wte)[0]);
   ISTHMUS_RETURN_IF_ERROR(take("--layers", layers, layers_in_file));
   ISTHMUS_RETURN_IF_ERROR(take("--width", width, (*wte)[1]));
   ISTHMUS_RETURN_IF_ERROR(take("--context", context, (*wpe)[0]));

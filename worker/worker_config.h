@@ -33,6 +33,8 @@ struct ModelSettings {
   std::string base;           // safetensors file of the base, or a Hugging Face GPT-2 folder
   uint64_t seed = 1;          // LoRA init and, without --base, the random base
   std::set<std::string> given;  // the shape flags set on the command line or in --config
+  std::string given_base;       // --base as given (ResolveBaseShape may point it into a folder)
+  int vocab_size = 256;         // bytes; a base's own vocabulary (ResolveBaseShape)
 
   // With a base: takes the model's shape from it (n_layer from its blocks, n_embd from
   // wte, n_ctx from wpe, n_head from its metadata or the folder's config.json) and makes

@@ -160,6 +160,84 @@ class ExportTest(unittest.TestCase):
         self.assertEqual(hashes[0], hashes[1])
         self.assertEqual(hashes[0], isthmus.tensors_hash(base))
 
+    def generate(self, *args):
+        r = subprocess.run([self.worker, "generate", *args], capture_output=True, timeout=120)
+        self.assertEqual(r.returncode, 0, r.stderr.decode(errors="replace")[-2000:])
+        self.assertTrue(r.stdout.endswith(b"\n"))
+        return r.stdout[:-1]
+
+    def test_generate_continues_a_prompt_as_the_model_predicts(self):
+        saved = os.path.join(self.dir, "gen.st")
+        self.train_standalone(os.path.join(self.dir, "lora0.st"), saved)
+        prompt = "The shard "
+        out = self.generate("--base", self.base, "--trainable", saved, "--prompt", prompt,
+                            "--tokens", "12", "--temperature", "0")
+        self.assertTrue(out.startswith(prompt.encode()))
+        self.assertEqual(len(out), len(prompt) + 12)
+        # Greedy decoding by the PyTorch model on the same tensors, window n_ctx = 16.
+        base, _ = isthmus.read_safetensors(self.base)
+        lora, meta = isthmus.read_safetensors(saved)
+        model = isthmus.gpt2.Gpt2Lora(base, lora, heads=2, alpha=float(meta["lora_alpha"]))
+        ids = list(prompt.encode())
+        with torch.no_grad():
+            for _ in range(12):
+                logits = model(torch.tensor([ids[-T:]]))
+                ids.append(int(logits[0, -1].argmax()))
+        self.assertEqual(out, bytes(ids))
+        # Sampling: the same seed gives the same text, another seed (almost surely) not.
+        a = self.generate("--base", self.base, "--trainable", saved, "--prompt", prompt,
+                          "--tokens", "40", "--sample-seed", "7")
+        b = self.generate("--base", self.base, "--trainable", saved, "--prompt", prompt,
+                          "--tokens", "40", "--sample-seed", "7")
+        c = self.generate("--base", self.base, "--trainable", saved, "--prompt", prompt,
+                          "--tokens", "40", "--sample-seed", "8")
+        self.assertEqual(a, b)
+        self.assertNotEqual(a, c)
+
+    def test_generate_with_a_hugging_face_folder_uses_its_bpe_tokenizer(self):
+        # A GPT-2 folder with GPT-2's vocabulary: model.safetensors, config.json and the
+        # tokenizer's vocab.json + merges.txt.
+        base, _ = isthmus.read_safetensors(self.base)
+        rng = np.random.default_rng(5)
+        base["wte.weight"] = (rng.standard_normal((50257, 32)) * 0.02).astype(np.float32)
+        folder = os.path.join(self.dir, "hf-bpe")
+        os.makedirs(folder, exist_ok=True)
+        isthmus.write_safetensors(os.path.join(folder, "model.safetensors"), base,
+                                  {"format": "pt"})
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump({"model_type": "gpt2", "n_head": 2}, f)
+        gpt2_vocab = os.path.join(REPO, "tests", "data", "gpt2")
+        shutil.copy(os.path.join(gpt2_vocab, "encoder.json"), os.path.join(folder, "vocab.json"))
+        shutil.copy(os.path.join(gpt2_vocab, "vocab.bpe"), os.path.join(folder, "merges.txt"))
+        prompt = "Hello, world"
+        out = self.generate("--base", folder, "--prompt", prompt, "--tokens", "6",
+                            "--temperature", "0")
+        self.assertTrue(out.startswith(prompt.encode()), out)
+        # Greedy in PyTorch from the prompt's GPT-2 ids (tests/data/gpt2/expected.json:
+        # "Hello, world" is 15496, 11, 995), decoded with the vocabulary's byte map.
+        model = isthmus.gpt2.Gpt2Lora(base, {}, heads=2, alpha=0.0)
+        ids = [15496, 11, 995]
+        with torch.no_grad():
+            for _ in range(6):
+                ids.append(int(model(torch.tensor([ids[-T:]]))[0, -1].argmax()))
+        with open(os.path.join(folder, "vocab.json")) as f:
+            tokens = {i: t for t, i in json.load(f).items()}
+        printable = (list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD))
+                     + list(range(0xAE, 0x100)))
+        byte_of, extra = {}, 0
+        for b in range(256):
+            if b in printable:
+                byte_of[chr(b)] = b
+            else:
+                byte_of[chr(256 + extra)] = b
+                extra += 1
+        want = bytes(byte_of[ch] for i in ids for ch in tokens[i])
+        self.assertEqual(out, want)
+        r = subprocess.run([self.worker, "generate", "--base", os.path.join(folder, "model.safetensors"),
+                            "--heads", "2", "--prompt", "x"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("give --tokenizer", r.stderr)
+
     def test_contradicting_flags_exit_2_naming_the_flag(self):
         for flags, named in ((["--layers", "3"], "--layers"), (["--heads", "4"], "--heads"),
                              (["--context", "32"], "--context")):
