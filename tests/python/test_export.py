@@ -92,6 +92,8 @@ class ExportTest(unittest.TestCase):
         self.assertEqual((config["model_type"], config["n_layer"], config["n_embd"],
                           config["n_head"], config["n_positions"], config["vocab_size"]),
                          ("gpt2", 2, 32, 2, 16, 256))
+        # A byte-level model has no <|endoftext|>: GPT-2's default id 50256 would not fit.
+        self.assertIsNone(config["eos_token_id"])
 
         base_out, meta = isthmus.read_safetensors(os.path.join(base_dir, "model.safetensors"))
         self.assertEqual(meta.get("format"), "pt")

@@ -552,7 +552,7 @@ Status Gpt::SaveHuggingFace(const std::string& dir) const {
   std::vector<Tensor> base = ExportBase();
   ISTHMUS_RETURN_IF_ERROR(ops_.status());
   ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", base, {{"format", "pt"}}));
-  const nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}},
+  nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}},
                                  {"model_type", "gpt2"},
                                  {"vocab_size", config_.vocab_size},
                                  {"n_positions", config_.n_ctx},
@@ -570,6 +570,11 @@ Status Gpt::SaveHuggingFace(const std::string& dir) const {
                                  {"tie_word_embeddings", true},
                                  {"use_cache", true},
                                  {"torch_dtype", "float32"}};
+  // GPT-2's vocabulary ends with <|endoftext|>; a byte-level model has no special token.
+  const nlohmann::json special =
+      config_.vocab_size == 50257 ? nlohmann::json(50256) : nlohmann::json(nullptr);
+  config["bos_token_id"] = special;
+  config["eos_token_id"] = special;
   return WriteJsonFile(dir + "/config.json", config);
 }
 
