@@ -251,8 +251,8 @@ void AddModelFlags(CLI::App& app, ModelSettings& m) {
       ->capture_default_str()
       ->each(note("--width"));
   app.add_option("--heads", m.heads,
-                 std::string("attention heads (divide --width)") + from_base +
-                     ", when the base records it")
+                 "attention heads, dividing --width (with --base: the base's, when it "
+                 "records them)")
       ->capture_default_str()
       ->each(note("--heads"));
   app.add_option("--context", m.context,
