@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <cassert>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -16,6 +15,8 @@
 #include <vector>
 
 #include "ops/codec.h"
+
+#include "common/check.h"
 
 #include "common/varint.h"
 
@@ -117,7 +118,7 @@ struct ByMagnitude {
 // Sorted indices of the kept entries of v[begin, end): the k largest magnitudes.
 void SelectTopK(const std::vector<float>& v, uint64_t begin, uint64_t end, uint64_t k,
                 std::vector<uint64_t>* kept) {
-  assert(end - begin <= UINT32_MAX);  // tensors beyond 4G elements are out of scope
+  ISTHMUS_CHECK(end - begin <= UINT32_MAX, "top-k over more than 4G elements");
   std::vector<uint32_t> order(end - begin);
   std::iota(order.begin(), order.end(), 0u);
   ByMagnitude cmp{v.data() + begin};
@@ -233,7 +234,8 @@ std::string EncodePlain(const Pipeline& p, const std::vector<float>& v) {
                                                                          ZSTD_freeCCtx);
     const size_t z = ZSTD_compressCCtx(cctx.get(), frame.data(), frame.size(), body.data(),
                                        body.size(), p.zstd_level);
-    assert(!ZSTD_isError(z));  // only fails on a too-small destination, which the bound rules out
+    // Only fails on a too-small destination, which the bound rules out.
+    ISTHMUS_CHECK(!ZSTD_isError(z), std::string("zstd: ") + ZSTD_getErrorName(z));
     frame.resize(z);
     std::string raw_len;
     PutVarint(&raw_len, body.size());
@@ -528,13 +530,13 @@ bool IsDeferred(std::string_view bytes) {
 std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<float> residual,
                                std::span<float> decoded) {
-  assert(residual.size() == delta.size() && decoded.size() == delta.size());
+  ISTHMUS_CHECK(residual.size() == delta.size() && decoded.size() == delta.size(),
+                "residual and decoded must be the delta's size");
   std::vector<float> v(delta.size());
   for (size_t i = 0; i < v.size(); ++i) v[i] = delta[i] + residual[i];
   std::string q = Encode(p, v, shape);
   const Status st = Decode(q, decoded);
-  assert(st.ok());  // our own encoding always decodes
-  (void)st;
+  ISTHMUS_CHECK(st.ok(), "our own encoding did not decode: " + st.ToString());
   for (size_t i = 0; i < v.size(); ++i) residual[i] = v[i] - decoded[i];
   return q;
 }

@@ -9,12 +9,12 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cassert>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
 
+#include "common/check.h"
 #include "ops/buffer.h"
 #include "ops/cpu_internal.h"
 #include "ops/ops.h"
@@ -149,7 +149,7 @@ class CpuOpsImpl : public Ops {
 
   void Matmul(CRef a, CRef b, Ref c, int m, int n, int k, bool trans_a, bool trans_b, float alpha,
               float beta) override {
-    assert(a.dtype == b.dtype);
+    ISTHMUS_CHECK(a.dtype == b.dtype, "operands of different dtypes");
     cpu::In av(a, static_cast<int64_t>(m) * k), bv(b, static_cast<int64_t>(k) * n);
     cpu::Out cv(c, static_cast<int64_t>(m) * n, beta != 0.0f);
     cpu::Sgemm(trans_a, trans_b, m, n, k, alpha, av.get(), trans_a ? m : k, bv.get(),

@@ -5,7 +5,7 @@
 // tests/ops/cuda_emu.h, sgemm). Compiled once per flavour; see ops/cuda_compat.h.
 #pragma once
 
-#include <cassert>
+#include "common/check.h"
 #include <string>
 #include <type_traits>
 
@@ -151,7 +151,7 @@ class KernelOps : public Ops {
 
   void GeluForward(CRef x, Ref out, int64_t n) override {
     if (Skip(n)) return;
-    assert(x.dtype == out.dtype);
+    ISTHMUS_CHECK(x.dtype == out.dtype, "input and output of different dtypes");
     WithType(x.dtype, [&](auto* t) {
       using T = std::remove_pointer_t<decltype(t)>;
       LaunchGeluForward<T>(As<T>(x), As<T>(out), n, stream());
@@ -161,7 +161,7 @@ class KernelOps : public Ops {
 
   void GeluBackward(CRef dout, CRef x, Ref dx, int64_t n) override {
     if (Skip(n)) return;
-    assert(dout.dtype == x.dtype && x.dtype == dx.dtype);
+    ISTHMUS_CHECK(dout.dtype == x.dtype && x.dtype == dx.dtype, "gradients of different dtypes");
     WithType(x.dtype, [&](auto* t) {
       using T = std::remove_pointer_t<decltype(t)>;
       LaunchGeluBackward<T>(As<T>(dout), As<T>(x), As<T>(dx), n, stream());

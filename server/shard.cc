@@ -129,19 +129,24 @@ Status Shard::Load() {
   ISTHMUS_RETURN_IF_ERROR(
       store_->Scan(Column::kJobs, "", [&](std::string_view k, std::string_view v) {
         json rec = json::parse(v, nullptr, false);
-        if (rec.is_discarded()) {
-          status = Status::Corruption("job record '" + std::string(k) + "' is not JSON");
+        if (!rec.is_object()) {
+          status = Status::Corruption("job record '" + std::string(k) + "' is not a JSON object");
           return false;
         }
         JobState job;
         job.name = std::string(k);
-        job.base_hash = rec.value("base_hash", "");
-        job.version = rec.value("version", uint64_t{0});
-        job.pushes = rec.value("pushes", uint64_t{0});
-        job.created_unix = rec.value("created_unix", uint64_t{0});
-        job.last_round = rec.value("last_round", uint64_t{0});
-        job.tokens = rec.value("tokens", uint64_t{0});
-        job.dedup_seq = rec.value("dedup_seq", uint64_t{0});
+        try {  // value() throws on a field of the wrong type
+          job.base_hash = rec.value("base_hash", "");
+          job.version = rec.value("version", uint64_t{0});
+          job.pushes = rec.value("pushes", uint64_t{0});
+          job.created_unix = rec.value("created_unix", uint64_t{0});
+          job.last_round = rec.value("last_round", uint64_t{0});
+          job.tokens = rec.value("tokens", uint64_t{0});
+          job.dedup_seq = rec.value("dedup_seq", uint64_t{0});
+        } catch (const json::exception& e) {
+          status = Status::Corruption("job record '" + std::string(k) + "' is bad: " + e.what());
+          return false;
+        }
         jobs_.emplace(std::string(k), std::move(job));
         return true;
       }));
@@ -152,13 +157,18 @@ Status Shard::Load() {
         store_->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
           std::string tname(k.substr(prefix.size()));
           json rec = json::parse(v, nullptr, false);
-          if (rec.is_discarded() || !rec.contains("shape")) {
+          TensorState t;
+          bool ok = rec.is_object() && rec.contains("shape") && rec["shape"].is_array() &&
+                    (!rec.contains("version") || rec["version"].is_number_unsigned());
+          for (const json& d : ok ? rec["shape"] : json::array()) {
+            ok = ok && d.is_number_integer();
+            if (ok) t.shape.push_back(d.get<int64_t>());
+          }
+          if (!ok || NumElements(t.shape) < 0) {
             status =
                 Status::Corruption("tensor record '" + tname + "' of job '" + name + "' is bad");
             return false;
           }
-          TensorState t;
-          t.shape = rec["shape"].get<std::vector<int64_t>>();
           t.version = rec.value("version", uint64_t{0});
           job.tensors.emplace(tname, std::move(t));
           return true;

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/check.h"
 #include "common/tensor.h"
 
 #include "ops/codec.h"
@@ -356,8 +357,12 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
           status = Status::Corruption("bad held-delta key in job '" + name + "'");
           return false;
         }
-        j.inbox[std::string(rest.substr(0, zero))][FromBigEndian64(rest.substr(zero + 1))] =
-            std::stoull(std::string(v));
+        auto held = ParseUint64(v, "held delta of job '" + name + "'");
+        if (!held.ok()) {
+          status = Status::Corruption(held.status().message());
+          return false;
+        }
+        j.inbox[std::string(rest.substr(0, zero))][FromBigEndian64(rest.substr(zero + 1))] = *held;
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);

@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "common/check.h"
 #include "common/keys.h"
 #include "common/safetensors.h"
 #include "ops/buffer.h"
@@ -210,9 +211,20 @@ class RoundLoop {
     ISTHMUS_ASSIGN_OR_RETURN(
         auto pos, data::DatasetPosition::Parse(MetaOr(file.metadata, "data_position", "")));
     ISTHMUS_RETURN_IF_ERROR(dataset_->Restore(pos));
-    round_ = std::stoll(MetaOr(file.metadata, "round", "0"));
-    step_ = std::stoll(MetaOr(file.metadata, "step", "0"));
-    tokens_ = std::stoull(MetaOr(file.metadata, "tokens", "0"));
+    // A damaged checkpoint is a Corruption naming the file and the field, never a crash.
+    const std::string what = "checkpoint " + CheckpointPath() + " metadata ";
+    auto round = ParseUint64(MetaOr(file.metadata, "round", "0"), what + "round");
+    auto step = ParseUint64(MetaOr(file.metadata, "step", "0"), what + "step");
+    auto tokens = ParseUint64(MetaOr(file.metadata, "tokens", "0"), what + "tokens");
+    for (const auto* r : {&round, &step, &tokens}) {
+      if (!r->ok() || **r > static_cast<uint64_t>(INT64_MAX)) {
+        return Status::Corruption(r->ok() ? what + "holds a count out of range"
+                                          : r->status().message());
+      }
+    }
+    round_ = static_cast<int64_t>(*round);
+    step_ = static_cast<int64_t>(*step);
+    tokens_ = *tokens;
     return true;
   }
 

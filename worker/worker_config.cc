@@ -7,6 +7,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "common/check.h"
 #include "common/safetensors.h"
 #include "ops/device.h"
 
@@ -84,7 +85,12 @@ Status ModelSettings::ResolveBaseShape() {
   }
   auto it = info.metadata.find("n_head");
   if (it != info.metadata.end()) {
-    file_heads = std::atoi(it->second.c_str());
+    auto parsed = ParseInt64(it->second, base + ": metadata n_head");
+    if (!parsed.ok() || *parsed <= 0 || *parsed > 4096) {
+      return Status::InvalidArgument(base + ": metadata n_head \"" + it->second +
+                                     "\" is not a head count");
+    }
+    file_heads = static_cast<int>(*parsed);
     heads_from = base + " (metadata)";
   }
   auto take = [&](const char* flag, int& field, int64_t value) -> Status {

@@ -240,6 +240,27 @@ class ExportTest(unittest.TestCase):
         self.assertEqual(r.returncode, 2)
         self.assertIn("give --tokenizer", r.stderr)
 
+    def test_a_damaged_checkpoint_is_an_error_naming_it(self):
+        ckpt = os.path.join(self.dir, "ckpt")
+        args = [self.worker, "train", "--base", self.base, "--standalone",
+                "--init", os.path.join(self.dir, "lora0.st"), "--data", self.data,
+                "--batch-size", str(B), "--steps-per-round", "5", "--max-rounds", "2",
+                "--checkpoint-dir", ckpt, "--no-progress"]
+        self.run_ok(args)
+        [name] = os.listdir(ckpt)
+        path = os.path.join(ckpt, name)
+        tensors, meta = isthmus.read_safetensors(path)
+        self.assertEqual(meta["round"], "2")
+        for field, value in (("round", "two"), ("step", "-5"), ("tokens", "1e9")):
+            isthmus.write_safetensors(path, tensors, dict(meta, **{field: value}))
+            r = subprocess.run(args[:-5] + ["--max-rounds", "3", "--checkpoint-dir", ckpt,
+                                            "--no-progress"],
+                               capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 1, r.stderr[-1500:])
+            self.assertIn(f"checkpoint {path} metadata {field}", r.stderr)
+            self.assertIn("Corruption", r.stderr)
+            self.assertNotIn("terminate", r.stderr)
+
     def test_contradicting_flags_exit_2_naming_the_flag(self):
         for flags, named in ((["--layers", "3"], "--layers"), (["--heads", "4"], "--heads"),
                              (["--context", "32"], "--context")):

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <map>
+#include <tuple>
 #include <cmath>
 
 #include "common/client.h"
@@ -258,24 +260,46 @@ TEST_F(ShardTest, HelloChecksBaseHash) {
   EXPECT_EQ(hello("other").code(), Code::kFailedPrecondition);
 }
 
-TEST_F(ShardTest, StateSurvivesReopenOfTheSameStore) {
-  std::shared_ptr<Store> shared(NewMemStore().release());
-  struct Borrowed : Store {
-    std::shared_ptr<Store> s;
-    Status Write(const WriteBatch& b) override { return s->Write(b); }
-    Result<std::optional<std::string>> Get(Column c, std::string_view k) override { return s->Get(c, k); }
-    Status Scan(Column c, std::string_view p, const std::function<bool(std::string_view, std::string_view)>& f) override {
-      return s->Scan(c, p, f);
-    }
-    Status Checkpoint(const std::string& d) override { return s->Checkpoint(d); }
-    uint64_t ApproximateBytes() override { return 0; }
-  };
+// A store that outlives the shards opened on it (each open borrows it).
+struct Borrowed : Store {
+  std::shared_ptr<Store> s;
+  Status Write(const WriteBatch& b) override { return s->Write(b); }
+  Result<std::optional<std::string>> Get(Column c, std::string_view k) override { return s->Get(c, k); }
+  Status Scan(Column c, std::string_view p, const std::function<bool(std::string_view, std::string_view)>& f) override {
+    return s->Scan(c, p, f);
+  }
+  Status Checkpoint(const std::string& d) override { return s->Checkpoint(d); }
+  uint64_t ApproximateBytes() override { return 0; }
+};
+
+ShardOptions OnShared(std::shared_ptr<Store> shared) {
   ShardOptions o;
   o.open_store = [shared]() -> Result<std::unique_ptr<Store>> {
     auto b = std::make_unique<Borrowed>();
     b->s = shared;
     return std::unique_ptr<Store>(std::move(b));
   };
+  return o;
+}
+
+// Every (column, key, value) of a store.
+std::map<std::tuple<int, std::string>, std::string> Contents(Store& store) {
+  std::map<std::tuple<int, std::string>, std::string> out;
+  for (int c = 0; c < static_cast<int>(Column::kCount); ++c) {
+    EXPECT_TRUE(store
+                    .Scan(static_cast<Column>(c), "",
+                          [&](std::string_view k, std::string_view v) {
+                            out[{c, std::string(k)}] = std::string(v);
+                            return true;
+                          })
+                    .ok());
+  }
+  return out;
+}
+
+TEST_F(ShardTest, StateSurvivesReopenOfTheSameStore) {
+  std::shared_ptr<Store> shared(NewMemStore().release());
+  ShardOptions o = OnShared(shared);
   shard_ = std::move(Shard::Open(o)).value();
   ASSERT_TRUE(CreateJob().ok());
   ASSERT_FALSE(*Push("k", {{"w", {1, 1, 1, 1}}}));
@@ -283,6 +307,57 @@ TEST_F(ShardTest, StateSurvivesReopenOfTheSameStore) {
   shard_ = std::move(Shard::Open(o)).value();  // reload from the store alone
   EXPECT_EQ(Pull(), before);
   EXPECT_TRUE(*Push("k", {{"w", {1, 1, 1, 1}}})) << "idempotency keys persist";
+}
+
+// Each stored format, damaged, makes the shard's open fail with Corruption naming the
+// record (never an exception or a crash), and the failed open writes nothing.
+TEST_F(ShardTest, EachCorruptStoredRecordFailsTheOpenWithItsNameAndChangesNothing) {
+  std::shared_ptr<Store> shared(NewMemStore().release());
+  ShardOptions o = OnShared(shared);
+  o.sync = SyncOptions{};
+  o.sync->site = "A";
+  shard_ = std::move(Shard::Open(o)).value();
+  ASSERT_TRUE(CreateJob().ok());
+  ASSERT_TRUE(PushRound("r1", 1, {{"w", {1, 1, 1, 1}}, {"b", {1, 1, 1}}}).ok());
+  shard_.reset();
+  const auto good = Contents(*shared);
+  ASSERT_TRUE(good.count({static_cast<int>(Column::kSync), JobKey("job", "job")}));
+
+  struct Case {
+    Column column;
+    std::string key, value, named;
+  };
+  const std::vector<Case> cases = {
+      {Column::kTensorMeta, JobKey("job", "w"), "not json", "tensor record 'w'"},
+      {Column::kTensorMeta, JobKey("job", "w"), R"({"shape": "2x2"})", "tensor record 'w'"},
+      {Column::kTensorMeta, JobKey("job", "w"), R"({"shape": [4611686018427387904]})",
+       "tensor record 'w'"},
+      {Column::kTensorMeta, JobKey("job", "w"), R"({"shape": [2, 2], "version": "v"})",
+       "tensor record 'w'"},
+      {Column::kTensors, JobKey("job", "w"), "abc", "tensor 'w'"},
+      {Column::kJobs, "job", "[1, 2]", "job record 'job'"},
+      {Column::kJobs, "job", R"({"base_hash": 5})", "job record 'job'"},
+      {Column::kSync, JobKey("job", "job"), "{", "sync record of job 'job'"},
+      {Column::kSync, JobKey("job", "job"), R"({"committed": "one"})", "sync record of job 'job'"},
+  };
+  for (const auto& c : cases) {
+    // Back to the good state, then damage one record.
+    for (const auto& [ck, v] : good) {
+      WriteBatch b;
+      b.Put(static_cast<Column>(std::get<0>(ck)), std::get<1>(ck), v);
+      ASSERT_TRUE(shared->Write(b).ok());
+    }
+    WriteBatch bad;
+    bad.Put(c.column, c.key, c.value);
+    ASSERT_TRUE(shared->Write(bad).ok());
+    const auto damaged = Contents(*shared);
+    auto s = Shard::Open(o);
+    ASSERT_FALSE(s.ok()) << c.value;
+    EXPECT_EQ(s.status().code(), Code::kCorruption) << c.value << ": " << s.status().ToString();
+    EXPECT_NE(s.status().message().find(c.named), std::string::npos)
+        << c.value << ": " << s.status().ToString();
+    EXPECT_EQ(Contents(*shared), damaged) << c.value;
+  }
 }
 
 TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {

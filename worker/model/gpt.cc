@@ -4,6 +4,8 @@
 // (activations).
 #include "worker/model/gpt.h"
 
+#include "common/check.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -472,13 +474,12 @@ Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, 
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
   auto it = file.metadata.find("n_head");
   if (it != file.metadata.end()) {
-    int from_file = 0;
-    try {
-      from_file = std::stoi(it->second);
-    } catch (...) {
+    auto parsed = ParseInt64(it->second, path + ": metadata n_head");
+    if (!parsed.ok() || *parsed <= 0 || *parsed > 4096) {
       return Status::InvalidArgument(path + ": metadata n_head \"" + it->second +
-                                     "\" is not a number");
+                                     "\" is not a head count");
     }
+    const int from_file = static_cast<int>(*parsed);
     if (n_head != 0 && n_head != from_file) {
       return Status::InvalidArgument(path + ": n_head " + std::to_string(n_head) +
                                      " requested but the file says " + it->second);
