@@ -1,9 +1,8 @@
 // isthmusctl: the operator's CLI for a site's shards: keys, status, jobs, snapshots,
 // export and cross-site sync (status, now, pause/resume, verify). Every command that talks to shards takes the same connection flags; a command
 // addressed to a site acts on all its shards (given in shard order with --server).
-// Exit codes: 0 success; 1 the server refused or failed the operation; 2 bad usage;
-// 3 key or permission problem; 4 not found; 5 a shard did not answer. `sync verify`
-// exits 1 when digests differ. docs/CLI.md is the reference.
+// Exit codes: the shared table (common/exit_codes.h); `sync verify` exits 1 when digests
+// differ. docs/CLI.md is the reference.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -15,6 +14,7 @@
 #include <optional>
 #include <nlohmann/json.hpp>
 
+#include "common/exit_codes.h"
 #include "common/client.h"
 #include "common/keys.h"
 #include "common/log.h"
@@ -35,17 +35,7 @@ struct Connection {
   int timeout_ms = 30000;
 };
 
-int ExitCode(const Status& s) {
-  switch (s.code()) {
-    case Code::kOk: return 0;
-    case Code::kInvalidArgument: return 2;
-    case Code::kPermissionDenied: return 3;
-    case Code::kNotFound: return 4;
-    case Code::kTimeout:
-    case Code::kUnavailable: return 5;
-    default: return 1;
-  }
-}
+int ExitCode(const Status& s) { return ExitCodeForStatus(s); }
 
 int Fail(const Status& s) {
   std::fprintf(stderr, "isthmusctl: %s\n", s.ToString().c_str());
@@ -585,8 +575,7 @@ void AddConnectionFlags(CLI::App* cmd, Connection& c) {
 int main(int argc, char** argv) {
   using namespace isthmus;
   CLI::App app{"isthmusctl: administer the parameter-server shards of an isthmus site"};
-  app.footer("Exit codes: 0 ok, 1 operation failed, 2 bad usage, 3 key/permission problem, "
-             "4 not found, 5 shard unreachable.");
+  app.footer(ExitCodesFooter());
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("isthmusctl ") + kIsthmusVersion);
   std::string log_level = "warn";

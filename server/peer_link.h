@@ -57,7 +57,7 @@ struct PeerLinkOptions {
   bool insecure_plaintext = false;  // no CURVE: the sender's claimed site is trusted
   std::vector<PeerLinkSpec> peers;
   int resend_ms = 2000;         // no reply for this long: reconnect and resend
-  int backoff_max_ms = 30000;   // cap of the doubling resend / retry interval; also the
+  int backoff_max_ms = 10000;   // cap of the doubling resend / retry interval; also the
                                 // keep-alive interval of an idle link
   int window = 4;               // deltas in flight per link
   // How long the peer may hold its acknowledgement of one of our deltas to carry it inside

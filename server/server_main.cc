@@ -10,6 +10,7 @@
 #include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
 
+#include "common/exit_codes.h"
 #include "common/log.h"
 #include "common/version.h"
 #include "server/config.h"
@@ -23,17 +24,6 @@ void OnSignal(int) {
   if (g_server != nullptr) g_server->RequestStop();  // async-signal-safe (eventfd write)
 }
 
-int ExitCodeFor(const isthmus::Status& s) {
-  switch (s.code()) {
-    case isthmus::Code::kInvalidArgument: return 2;
-    case isthmus::Code::kPermissionDenied:
-    case isthmus::Code::kNotFound: return 3;
-    case isthmus::Code::kIoError:
-    case isthmus::Code::kCorruption: return 4;
-    case isthmus::Code::kUnavailable: return 5;
-    default: return 1;
-  }
-}
 
 }  // namespace
 
@@ -41,6 +31,7 @@ int main(int argc, char** argv) {
   CLI::App app{"isthmus-server: a parameter-server shard of an isthmus site.\n"
                "Settings: every key of docs/CONFIG.md is a flag --section.name=VALUE, an\n"
                "environment variable ISTHMUS_SECTION_NAME, or a key in the --config file."};
+  app.footer(isthmus::ExitCodesFooter());
   std::string config_file;
   bool print_doc = false, version = false;
   app.add_option("-c,--config", config_file, "TOML config file")->check(CLI::ExistingFile);
@@ -74,11 +65,11 @@ int main(int argc, char** argv) {
   auto config = isthmus::LoadServerConfig(config_file, overrides);
   if (!config.ok()) {
     std::fprintf(stderr, "isthmus-server: %s\n", config.status().ToString().c_str());
-    return 2;
+    return isthmus::kExitUsage;
   }
   if (auto s = isthmus::InitLogging("isthmus-server", config->log_level); !s.ok()) {
     std::fprintf(stderr, "isthmus-server: %s\n", s.ToString().c_str());
-    return 2;
+    return isthmus::kExitUsage;
   }
   isthmus::ShardServer server(*config);
   g_server = &server;
@@ -90,13 +81,13 @@ int main(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   if (auto s = server.Start(); !s.ok()) {
     spdlog::error("cannot start: {}", s.ToString());
-    return ExitCodeFor(s);
+    return isthmus::ExitCodeForStatus(s);
   }
   auto s = server.Run();
   g_server = nullptr;
   if (!s.ok()) {
     spdlog::error("stopped: {}", s.ToString());
-    return 1;
+    return isthmus::ExitCodeForStatus(s);
   }
   spdlog::info("clean shutdown");
   return 0;

@@ -27,11 +27,7 @@ std::atomic<bool> g_stop{false};
 
 extern "C" void OnSignal(int) { g_stop.store(true); }  // lock-free atomic: signal-safe
 
-constexpr char kExitCodes[] =
-    "Exit codes: 0 ok, 1 runtime failure, 2 usage (flags, config, a --device not present),\n"
-    "3 refused by a shard (key, base hash, job), 4 interrupted by SIGINT/SIGTERM (the step\n"
-    "finished and a checkpoint was written), 5 out of memory on the device (lower\n"
-    "--batch-size or --context, or use --precision bf16).";
+const std::string kExitCodes = ExitCodesFooter();
 
 int Fail(const char* what, const Status& st) {
   std::fprintf(stderr, "isthmus-worker %s: %s\n", what, st.ToString().c_str());

@@ -580,7 +580,7 @@ int ExitCodeFor(const Status& status) {
   if (status.message().rfind(kDevicePrefix, 0) == 0) {
     return status.code() == Code::kResourceExhausted ? kExitOutOfMemory : kExitUsage;
   }
-  return kExitFailure;
+  return ExitCodeForStatus(status);
 }
 
 model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm) {

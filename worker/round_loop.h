@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/client.h"
+#include "common/exit_codes.h"
 #include "common/site_client.h"
 #include "common/status.h"
 #include "common/tensor.h"
@@ -21,13 +22,7 @@
 
 namespace isthmus::worker {
 
-// Process exit codes of isthmus-worker (also in --help and docs/WORKER.md).
-inline constexpr int kExitOk = 0;
-inline constexpr int kExitFailure = 1;      // runtime failure (I/O, peers, shards down)
-inline constexpr int kExitUsage = 2;        // bad flags or config
-inline constexpr int kExitRefused = 3;      // refused by a shard: key, base hash, placement
-inline constexpr int kExitInterrupted = 4;  // SIGINT/SIGTERM: checkpointed, then stopped
-inline constexpr int kExitOutOfMemory = 5;  // the model, optimizer or batch does not fit
+// Process exit codes: the shared table (common/exit_codes.h, docs/WORKER.md).
 
 // A refusal by a shard (kPermissionDenied, message prefixed "refused by shard: ").
 Status Refused(const std::string& message);
@@ -37,7 +32,8 @@ Status UsageError(const std::string& message);
 // name here, or out of memory.
 Status DeviceError(const Status& status);
 // kExitRefused for Refused() statuses; kExitUsage for UsageError() ones; for DeviceError()
-// statuses kExitOutOfMemory when out of memory, else kExitUsage; kExitFailure otherwise.
+// statuses kExitOutOfMemory when out of memory, else kExitUsage; otherwise the shared
+// mapping of the status code (ExitCodeForStatus).
 int ExitCodeFor(const Status& status);
 
 struct TrainSummary {

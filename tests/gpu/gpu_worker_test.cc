@@ -4,6 +4,7 @@
 // out of memory exits 5, each with a message naming what to change. Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include "common/exit_codes.h"
 #include "tests/gpu/gpu_test_util.h"
 #include "tests/worker/worker_harness.h"
 
@@ -40,7 +41,7 @@ TEST_F(GpuWorker, CompletesRoundsAndTheShardsHoldWhatItPushed) {
   }
 }
 
-TEST_F(GpuWorker, MissingDeviceExits2AndOutOfMemoryExits5) {
+TEST_F(GpuWorker, MissingDeviceExits2AndOutOfMemoryExits8) {
   WorkerProcess w;
   w.Start(TrainArgs(0, 1, 1, 1, "", {"--device", "cuda:64"}), (dir_ / "w1.log").string());
   EXPECT_EQ(w.Wait(), 2) << w.Log();
@@ -51,7 +52,7 @@ TEST_F(GpuWorker, MissingDeviceExits2AndOutOfMemoryExits5) {
     if (args[i] == "--batch-size") args[i + 1] = "50000000";
   }
   big.Start(args, (dir_ / "w2.log").string());
-  EXPECT_EQ(big.Wait(), 5) << big.Log();
+  EXPECT_EQ(big.Wait(), isthmus::kExitOutOfMemory) << big.Log();
   EXPECT_NE(big.Log().find("lower --batch-size"), std::string::npos) << big.Log();
   auto info = shards_[0].AdminClient()->DescribeJob("j");
   ASSERT_TRUE(info.ok());

@@ -256,7 +256,7 @@ class ExportTest(unittest.TestCase):
             r = subprocess.run(args[:-5] + ["--max-rounds", "3", "--checkpoint-dir", ckpt,
                                             "--no-progress"],
                                capture_output=True, text=True, timeout=120)
-            self.assertEqual(r.returncode, 1, r.stderr[-1500:])
+            self.assertEqual(r.returncode, 6, r.stderr[-1500:])  # damaged data
             self.assertIn(f"checkpoint {path} metadata {field}", r.stderr)
             self.assertIn("Corruption", r.stderr)
             self.assertNotIn("terminate", r.stderr)

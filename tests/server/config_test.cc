@@ -7,6 +7,8 @@
 #include <sstream>
 
 #include "server/config.h"
+#include "server/peer_link.h"
+#include "server/sync_engine.h"
 #include "tests/server/test_util.h"
 
 namespace isthmus {
@@ -58,6 +60,23 @@ TEST(ConfigTest, ValidationSaysWhatToSet) {
   EXPECT_NE(s.message().find("isthmusctl keygen"), std::string::npos);
   c.insecure_plaintext = true;
   EXPECT_TRUE(ValidateServerConfig(c).ok());
+}
+
+// A tunable has one default: the peer links' own defaults (used where no config is
+// loaded, as in tests and benchmarks) equal the config table's.
+TEST(ConfigTest, PeerLinkDefaultsAreTheConfigDefaults) {
+  const auto c = *LoadServerConfig("", {});
+  const PeerLinkOptions o;
+  EXPECT_EQ(o.resend_ms, c.sync_resend_ms);
+  EXPECT_EQ(o.backoff_max_ms, c.sync_backoff_max_ms);
+  EXPECT_EQ(o.ack_delay_ms, c.sync_ack_delay_ms);
+  // The same for the round protocol's own defaults.
+  const SyncOptions so;
+  EXPECT_EQ(so.outer_lr, c.sync_outer_lr);
+  EXPECT_EQ(so.outer_momentum, c.sync_outer_momentum);
+  EXPECT_EQ(so.fragments, c.sync_fragments);
+  EXPECT_EQ(so.max_rounds_ahead, c.sync_max_rounds_ahead);
+  EXPECT_EQ(so.adaptive, c.sync_adaptive);
 }
 
 TEST(ConfigTest, SyncSettings) {

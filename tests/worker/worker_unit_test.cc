@@ -222,8 +222,12 @@ TEST(Progress, PlainModeWritesEveryNthStep) {
 
 TEST(ExitCodes, RefusalsMapToThree) {
   EXPECT_EQ(ExitCodeFor(Refused("base hash")), kExitRefused);
-  EXPECT_EQ(ExitCodeFor(Status::PermissionDenied("key file too open")), kExitFailure);
-  EXPECT_EQ(ExitCodeFor(Status::Timeout("x")), kExitFailure);
+  // Everything else follows the shared table (common/exit_codes.h).
+  EXPECT_EQ(ExitCodeFor(Status::PermissionDenied("key file too open")), kExitRefused);
+  EXPECT_EQ(ExitCodeFor(Status::Timeout("x")), kExitUnreachable);
+  EXPECT_EQ(ExitCodeFor(Status::Corruption("checkpoint")), kExitDamaged);
+  EXPECT_EQ(ExitCodeFor(Status::Internal("bug")), kExitFailure);
+  EXPECT_EQ(ExitCodeFor(UsageError("--layers 3")), kExitUsage);
   EXPECT_EQ(ExitCodeFor(Status::Ok()), kExitOk);
 }
 
