@@ -15,7 +15,9 @@
 #include <system_error>
 #include <thread>
 
+#include "common/safetensors.h"
 #include "common/version.h"
+#include "server/records.h"
 
 namespace isthmus {
 namespace {
@@ -118,8 +120,22 @@ std::string Shard::JobRecord(const JobState& job) const {
   return json{{"base_hash", job.base_hash},   {"version", job.version},
               {"pushes", job.pushes},         {"created_unix", job.created_unix},
               {"last_round", job.last_round}, {"tokens", job.tokens},
-              {"dedup_seq", job.dedup_seq}}
+              {"dedup_seq", job.dedup_seq},   {"create_hash", job.create_hash}}
       .dump();
+}
+
+void Shard::ReleaseSyncedData(JobState& job) {
+  // The sync engine owns a synced job's tensors; the shard keeps names and shapes only.
+  for (auto& [_, t] : job.tensors) {
+    t.data.reset();
+    t.spare.reset();
+  }
+}
+
+uint64_t Shard::JobBytes(const JobState& job) {
+  uint64_t bytes = 0;
+  for (const auto& [_, t] : job.tensors) bytes += NumElements(t.shape) * sizeof(float);
+  return bytes;
 }
 
 Status Shard::Load() {
@@ -143,6 +159,7 @@ Status Shard::Load() {
           job.last_round = rec.value("last_round", uint64_t{0});
           job.tokens = rec.value("tokens", uint64_t{0});
           job.dedup_seq = rec.value("dedup_seq", uint64_t{0});
+          job.create_hash = rec.value("create_hash", "");
         } catch (const json::exception& e) {
           status = Status::Corruption("job record '" + std::string(k) + "' is bad: " + e.what());
           return false;
@@ -156,20 +173,14 @@ Status Shard::Load() {
     ISTHMUS_RETURN_IF_ERROR(
         store_->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
           std::string tname(k.substr(prefix.size()));
-          json rec = json::parse(v, nullptr, false);
-          TensorState t;
-          bool ok = rec.is_object() && rec.contains("shape") && rec["shape"].is_array() &&
-                    (!rec.contains("version") || rec["version"].is_number_unsigned());
-          for (const json& d : ok ? rec["shape"] : json::array()) {
-            ok = ok && d.is_number_integer();
-            if (ok) t.shape.push_back(d.get<int64_t>());
-          }
-          if (!ok || NumElements(t.shape) < 0) {
-            status =
-                Status::Corruption("tensor record '" + tname + "' of job '" + name + "' is bad");
+          auto rec = DecodeTensorRecord(v, "tensor record '" + tname + "' of job '" + name + "'");
+          if (!rec.ok()) {
+            status = rec.status();
             return false;
           }
-          t.version = rec.value("version", uint64_t{0});
+          TensorState t;
+          t.shape = std::move(rec->shape);
+          t.version = rec->version;
           job.tensors.emplace(tname, std::move(t));
           return true;
         }));
@@ -189,6 +200,7 @@ Status Shard::Load() {
       std::map<std::string, SyncTensor> tensors;
       for (const auto& [tname, t] : job.tensors) tensors[tname] = SyncTensor{t.shape, t.data};
       ISTHMUS_RETURN_IF_ERROR(sync_->AttachJob(name, std::move(tensors), job.version));
+      ReleaseSyncedData(job);
     }
     spdlog::info("loaded job '{}': {} tensors, version {}", name, job.tensors.size(),
                  VersionOf(job));
@@ -433,7 +445,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     }
     batch.Put(Column::kTensors, JobKey(job_name, m->name()->str()), Bytes(*next));
     batch.PutOwned(Column::kTensorMeta, JobKey(job_name, m->name()->str()),
-                   json{{"shape", t->shape}, {"version", new_version}}.dump());
+                   EncodeTensorRecord({t->shape, new_version}));
     updated.push_back(std::move(next));
   }
   JobState next_job = *job;  // copies map of shared pointers, not tensor data
@@ -553,7 +565,6 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
     return Status::InvalidArgument("job name '" + name +
                                    "' must be 1-64 characters of A-Z a-z 0-9 . _ - ");
   }
-  if (jobs_.count(name)) return Status::AlreadyExists("job '" + name + "' already exists");
   ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, true));
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
     return Status::InvalidArgument("a job needs at least one tensor");
@@ -565,28 +576,44 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
   job.created_unix = NowUnix();
   WriteBatch batch;
   uint64_t total = 0;
+  std::vector<Tensor> content;  // for the create hash
   for (const auto* m : *req->tensors()) {
     const auto& frame = frames.payload[m->frame()];
     auto data = std::make_shared<std::vector<float>>(frame.size() / sizeof(float));
     std::memcpy(data->data(), frame.data(), frame.size());
     TensorState t{ShapeOf(m), 1, data};
+    content.push_back(Tensor{m->name()->str(), t.shape, *data});
     batch.Put(Column::kTensors, JobKey(name, m->name()->str()), Bytes(*data));
     batch.PutOwned(Column::kTensorMeta, JobKey(name, m->name()->str()),
-                   json{{"shape", t.shape}, {"version", 1}}.dump());
+                   EncodeTensorRecord({t.shape, 1}));
     total += frame.size();
     job.tensors.emplace(m->name()->str(), std::move(t));
   }
+  // What identifies this create: a retry of it (a lost reply) is answered as it was.
+  job.create_hash = TensorsContentHash(content) + "/" + job.base_hash;
+  const size_t count = job.tensors.size();
+  if (auto existing = jobs_.find(name); existing != jobs_.end()) {
+    if (existing->second.create_hash != job.create_hash) {
+      return Status::AlreadyExists("job '" + name + "' already exists");
+    }
+    spdlog::info("job '{}' was created by this same request before: answered again", name);
+    auto body = wire::CreateJobCreateReply(reply.header, 1, count, total);
+    FinishEnvelope(reply.header, id, wire::Body::JobCreateReply, body.Union());
+    return Status::Ok();
+  }
+  // The job, its tensors and (synced) its round-0 sync state: one write, all or nothing.
+  std::map<std::string, SyncTensor> synced;
+  if (sync_) {
+    for (const auto& [tname, t] : job.tensors) synced[tname] = SyncTensor{t.shape, t.data};
+    sync_->AddNewJob(name, synced, job.version, &batch);
+  }
   batch.PutOwned(Column::kJobs, name, JobRecord(job));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  size_t count = job.tensors.size();
-  auto placed = jobs_.emplace(name, std::move(job)).first;
   if (sync_) {
-    std::map<std::string, SyncTensor> tensors;
-    for (const auto& [tname, t] : placed->second.tensors)
-      tensors[tname] = SyncTensor{t.shape, t.data};
-    // On failure the job is attached at the next start (its tensors are durable).
-    ISTHMUS_RETURN_IF_ERROR(sync_->AttachJob(name, std::move(tensors), placed->second.version));
+    sync_->AdoptNewJob(name, std::move(synced), job.version);
+    ReleaseSyncedData(job);
   }
+  jobs_.emplace(name, std::move(job));
   spdlog::info("created job '{}': {} tensors, {} bytes", name, count, total);
   auto body = wire::CreateJobCreateReply(reply.header, 1, count, total);
   FinishEnvelope(reply.header, id, wire::Body::JobCreateReply, body.Union());
@@ -596,9 +623,13 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
 Status Shard::DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& reply) {
   ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
+  // A synced job's tensors are versioned by the sync engine (every tensor carries the
+  // served version, as pulls report it).
+  const bool synced = sync_ && sync_->HasJob(job->name);
   for (const auto& [name, t] : job->tensors) {
     metas.push_back(wire::CreateTensorMetaDirect(reply.header, name.c_str(), &t.shape,
-                                                 wire::DType::F32, 0, 0, t.version));
+                                                 wire::DType::F32, 0, 0,
+                                                 synced ? VersionOf(*job) : t.version));
   }
   auto v = reply.header.CreateVector(metas);
   auto body =
@@ -621,9 +652,8 @@ Status Shard::DoStats(uint64_t id, Reply& reply) {
   auto& fbb = reply.header;
   std::vector<flatbuffers::Offset<wire::JobSummary>> jobs;
   for (const auto& [name, job] : jobs_) {
-    uint64_t bytes = 0;
-    for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
-    jobs.push_back(SummaryOf(fbb, name, VersionOf(job), job.tensors.size(), bytes, job.pushes));
+    jobs.push_back(
+        SummaryOf(fbb, name, VersionOf(job), job.tensors.size(), JobBytes(job), job.pushes));
   }
   auto uptime =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - started_)
@@ -688,8 +718,7 @@ Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Rep
   }
   json jobs = json::array();
   for (const auto& [jname, job] : jobs_) {
-    uint64_t bytes = 0;
-    for (const auto& [_, t] : job.tensors) bytes += t.data->size() * sizeof(float);
+    const uint64_t bytes = JobBytes(job);
     jobs.push_back({{"job", jname},
                     {"version", VersionOf(job)},
                     {"tensor_count", job.tensors.size()},

@@ -81,12 +81,18 @@ class Shard {
     uint64_t last_round = 0;
     uint64_t tokens = 0;
     uint64_t dedup_seq = 0;  // idempotency keys recorded so far
+    std::string create_hash;  // content hash of the create request (a retry is answered)
+    // Names, shapes, versions; the data only for plain jobs (the sync engine holds a
+    // synced job's tensors: ReleaseSyncedData).
     std::map<std::string, TensorState> tensors;
   };
 
   explicit Shard(ShardOptions options);
   Status Load();
   std::string JobRecord(const JobState& job) const;
+  static void ReleaseSyncedData(JobState& job);
+  // fp32 bytes of the job's tensors, from their shapes.
+  static uint64_t JobBytes(const JobState& job);
 
   Status DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply);
   Status DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply);

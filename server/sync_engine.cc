@@ -24,6 +24,7 @@
 
 #include "common/check.h"
 #include "common/tensor.h"
+#include "server/records.h"
 
 #include "ops/codec.h"
 
@@ -198,20 +199,13 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::ReadTensors(Store* store,
   Status status;
   ISTHMUS_RETURN_IF_ERROR(
       store->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
-        json rec = json::parse(v, nullptr, false);
-        std::vector<int64_t> shape;
-        bool ok = !rec.is_discarded() && rec.is_object() && rec.contains("shape") &&
-                  rec["shape"].is_array();
-        for (const json& d : ok ? rec["shape"] : json::array()) {
-          ok = ok && d.is_number_integer();
-          if (ok) shape.push_back(d.get<int64_t>());
-        }
-        if (!ok || NumElements(shape) < 0) {
-          status = Status::Corruption("tensor record '" + std::string(k.substr(prefix.size())) +
-                                      "' is bad");
+        auto rec = DecodeTensorRecord(
+            v, "tensor record '" + std::string(k.substr(prefix.size())) + "' of job '" + job + "'");
+        if (!rec.ok()) {
+          status = rec.status();
           return false;
         }
-        out[std::string(k.substr(prefix.size()))].shape = std::move(shape);
+        out[std::string(k.substr(prefix.size()))].shape = std::move(rec->shape);
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);
@@ -307,6 +301,33 @@ std::string SyncEngine::JobRecord(const Job& j) const {
       .dump();
 }
 
+SyncEngine::Job SyncEngine::NewJob(std::map<std::string, SyncTensor> tensors,
+                                   uint64_t version) const {
+  Job j;
+  j.theta = std::move(tensors);
+  j.version = version;
+  if (options_.outer_momentum != 0) {
+    for (const auto& [tname, t] : j.theta) {
+      j.momentum[tname] = std::make_shared<const std::vector<float>>(t.data->size(), 0.0f);
+    }
+  }
+  return j;
+}
+
+void SyncEngine::AddNewJob(const std::string& name,
+                           const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                           WriteBatch* batch) const {
+  const Job j = NewJob(tensors, version);
+  batch->PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(j));
+  batch->PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(0),
+                  StateDigest(0, j.theta, j.momentum));
+}
+
+void SyncEngine::AdoptNewJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
+                             uint64_t version) {
+  jobs_[name] = NewJob(std::move(tensors), version);
+}
+
 Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
                              uint64_t base_version) {
   Job j;
@@ -321,13 +342,11 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
   }
   ISTHMUS_ASSIGN_OR_RETURN(auto rec_text, store_->Get(Column::kSync, JobKey(name, "job")));
   if (!rec_text) {
-    j.version = base_version;
+    // A job created before it could be attached: its sync state starts now.
     WriteBatch batch;
-    batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(j));
-    batch.PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(0),
-                   StateDigest(0, j.theta, j.momentum));
+    AddNewJob(name, j.theta, base_version, &batch);
     ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-    jobs_[name] = std::move(j);
+    AdoptNewJob(name, std::move(j.theta), base_version);
     return Status::Ok();
   }
   json rec = json::parse(*rec_text, nullptr, false);
@@ -730,7 +749,7 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
     if (sent.count(tname) == 0) continue;  // unchanged: neither rewritten nor re-versioned
     batch.Put(Column::kTensors, JobKey(name, tname), FloatBytes(*t.data));
     batch.PutOwned(Column::kTensorMeta, JobKey(name, tname),
-                   json{{"shape", t.shape}, {"version", rec.version}}.dump());
+                   EncodeTensorRecord({t.shape, rec.version}));
     if (mu != 0.0f)
       batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*momentum[tname]));
   }
@@ -802,7 +821,7 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
     const auto& t = theta.at(n);
     batch.Put(Column::kTensors, JobKey(name, n), FloatBytes(*t.data));
     batch.PutOwned(Column::kTensorMeta, JobKey(name, n),
-                   json{{"shape", t.shape}, {"version", version}}.dump());
+                   EncodeTensorRecord({t.shape, version}));
   }
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));

@@ -105,6 +105,14 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // before a crash. Digest of round 0 = the initial state.
   Status AttachJob(const std::string& job, std::map<std::string, SyncTensor> tensors,
                    uint64_t base_version);
+  // A job being created, in two steps so that creating it is one write: AddNewJob puts its
+  // initial sync record and round-0 digest into `batch` (the caller's batch that creates
+  // the job) and changes nothing else; after that batch is durable, AdoptNewJob takes the
+  // job into memory (it cannot fail).
+  void AddNewJob(const std::string& job, const std::map<std::string, SyncTensor>& tensors,
+                 uint64_t version, WriteBatch* batch) const;
+  void AdoptNewJob(const std::string& job, std::map<std::string, SyncTensor> tensors,
+                   uint64_t version);
   bool HasJob(const std::string& job) const { return jobs_.count(job) > 0; }
   bool has_peers() const { return !options_.peer_sites.empty(); }
   const SyncOptions& options() const { return options_; }
@@ -199,6 +207,9 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   Result<Job*> FindJob(const std::string& job);
   Result<const Job*> FindJob(const std::string& job) const;
   std::string JobRecord(const Job& j) const;
+  // The state of a job that has just been created: `tensors` committed at round 0 as
+  // version `version`, zero outer momentum when the outer optimiser has one.
+  Job NewJob(std::map<std::string, SyncTensor> tensors, uint64_t version) const;
   std::vector<std::string> AllSites() const;  // sorted
   uint64_t HeldContiguous(const Job& j, const std::string& site) const;
   // Encodes the staged round and writes it to the outbox. `pushed`: the round's deltas in

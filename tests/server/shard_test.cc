@@ -78,6 +78,28 @@ class ShardTest : public ::testing::Test {
     return (*ParseEnvelope(m, WireLimits{}))->body_as_PushReply()->duplicate();
   }
 
+  Status DescribeStatus() {
+    flatbuffers::FlatBufferBuilder fbb;
+    Finish(fbb, wire::Body::JobDescribe,
+           wire::CreateJobDescribe(fbb, fbb.CreateString("job")).Union());
+    return Expect(shard_->Handle(wire::Role::Admin, MakeFrames(fbb, {})), wire::Body::JobDescribeReply);
+  }
+
+  // name -> version, via JobDescribe.
+  std::map<std::string, uint64_t> DescribeVersions() {
+    flatbuffers::FlatBufferBuilder fbb;
+    Finish(fbb, wire::Body::JobDescribe,
+           wire::CreateJobDescribe(fbb, fbb.CreateString("job")).Union());
+    Reply r = shard_->Handle(wire::Role::Admin, MakeFrames(fbb, {}));
+    EXPECT_TRUE(Expect(r, wire::Body::JobDescribeReply).ok());
+    zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
+    std::map<std::string, uint64_t> out;
+    for (const auto* t : *(*ParseEnvelope(m, WireLimits{}))->body_as_JobDescribeReply()->tensors()) {
+      out[t->name()->str()] = t->version();
+    }
+    return out;
+  }
+
   // name -> values, via a pull.
   std::map<std::string, std::vector<float>> Pull(uint64_t newer_than = 0, uint64_t* version = nullptr) {
     flatbuffers::FlatBufferBuilder fbb;
@@ -358,6 +380,44 @@ TEST_F(ShardTest, EachCorruptStoredRecordFailsTheOpenWithItsNameAndChangesNothin
         << c.value << ": " << s.status().ToString();
     EXPECT_EQ(Contents(*shared), damaged) << c.value;
   }
+}
+
+// A synced job's tensors are held once, by the sync engine: describe reports the versions
+// its commits made (it reported the creation's until a restart), as pulls do.
+TEST_F(ShardTest, DescribeOfASyncedJobShowsTheCommittedVersions) {
+  OpenSynced({});
+  ASSERT_TRUE(CreateJob().ok());
+  EXPECT_EQ(DescribeVersions(), (std::map<std::string, uint64_t>{{"b", 1}, {"w", 1}}));
+  ASSERT_TRUE(PushRound("r1", 1, {{"w", {1, 1, 1, 1}}, {"b", {1, 1, 1}}}).ok());
+  uint64_t served = 0;
+  Pull(0, &served);
+  ASSERT_GT(served, 1u);
+  EXPECT_EQ(DescribeVersions(), (std::map<std::string, uint64_t>{{"b", served}, {"w", served}}));
+}
+
+// Creating a synced job is one write: when it fails nothing exists (no job record, no
+// sync record); a retried create of the same job is answered as the first was, and a
+// different create under the name is refused.
+TEST_F(ShardTest, JobCreateIsAllOrNothingAndItsRetryIsIdempotent) {
+  std::shared_ptr<Store> shared(NewMemStore(/*fail_after_writes=*/0).release());
+  ShardOptions o = OnShared(shared);
+  o.sync = SyncOptions{};
+  o.sync->site = "A";
+  shard_ = std::move(Shard::Open(o)).value();
+  Status failed = CreateJob();
+  EXPECT_EQ(failed.code(), Code::kIoError) << failed.ToString();
+  EXPECT_TRUE(Contents(*shared).empty());
+  EXPECT_FALSE(shard_->sync()->HasJob("job"));
+  EXPECT_EQ(DescribeStatus().code(), Code::kNotFound);
+
+  OpenSynced({});
+  ASSERT_TRUE(CreateJob().ok());
+  ASSERT_TRUE(PushRound("r1", 1, {{"w", {1, 1, 1, 1}}, {"b", {1, 1, 1}}}).ok());
+  const auto after_round = Pull();
+  EXPECT_TRUE(CreateJob().ok()) << "a retry (lost reply) of the same create";
+  EXPECT_EQ(Pull(), after_round) << "the retry changed nothing";
+  w_[0] += 1;  // another create under the same name
+  EXPECT_EQ(CreateJob().code(), Code::kAlreadyExists);
 }
 
 TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {
