@@ -25,4 +25,39 @@ Result<TensorRecord> DecodeTensorRecord(std::string_view text, const std::string
   return out;
 }
 
+std::string EncodeSyncRecord(const SyncRecord& r) {
+  return nlohmann::json{{"committed", r.committed},
+                        {"local", r.local},
+                        {"version", r.version},
+                        {"staged_round", r.staged_round},
+                        {"staged_tokens", r.staged_tokens},
+                        {"staged", r.staged},
+                        {"acked", r.acked},
+                        {"bytes_encoded", r.bytes_encoded},
+                        {"raw_bytes", r.raw_bytes},
+                        {"pipelines", r.pipelines}}
+      .dump();
+}
+
+Result<SyncRecord> DecodeSyncRecord(std::string_view text, const std::string& job) {
+  const auto rec = nlohmann::json::parse(text, nullptr, false);
+  if (rec.is_discarded()) return Status::Corruption("sync record of job '" + job + "' is not JSON");
+  SyncRecord r;
+  try {  // at() and get() throw on a missing field or one of the wrong type
+    r.committed = rec.at("committed").get<uint64_t>();
+    r.local = rec.at("local").get<uint64_t>();
+    r.version = rec.at("version").get<uint64_t>();
+    r.staged_round = rec.at("staged_round").get<uint64_t>();
+    r.staged_tokens = rec.at("staged_tokens").get<uint64_t>();
+    r.staged = rec.at("staged").get<std::set<std::string>>();
+    r.acked = rec.at("acked").get<std::map<std::string, uint64_t>>();
+    r.bytes_encoded = rec.at("bytes_encoded").get<uint64_t>();
+    r.raw_bytes = rec.at("raw_bytes").get<uint64_t>();
+    r.pipelines = rec.at("pipelines").get<std::map<std::string, uint64_t>>();
+  } catch (const nlohmann::json::exception& e) {
+    return Status::Corruption("sync record of job '" + job + "' is bad: " + e.what());
+  }
+  return r;
+}
+
 }  // namespace isthmus

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -23,5 +25,23 @@ std::string EncodeTensorRecord(const TensorRecord& record);
 // of integers or whose element count is negative or huge, a version that is not an
 // unsigned integer (a record without a version reads as version 0).
 Result<TensorRecord> DecodeTensorRecord(std::string_view text, const std::string& what);
+
+// The sync engine's durable record of a job (column kSync: "job \0 job"), see docs/SYNC.md.
+struct SyncRecord {
+  uint64_t committed = 0;  // last round committed
+  uint64_t local = 0;      // last round this site closed
+  uint64_t version = 0;    // the served version
+  uint64_t staged_round = 0;
+  uint64_t staged_tokens = 0;
+  std::set<std::string> staged;           // tensors pushed for staged_round
+  std::map<std::string, uint64_t> acked;  // peer -> acked round
+  uint64_t bytes_encoded = 0, raw_bytes = 0;
+  std::map<std::string, uint64_t> pipelines;  // of the last closed round
+};
+
+std::string EncodeSyncRecord(const SyncRecord& record);
+// Corruption naming job `job` unless `text` is such a record with every field present and
+// of its type.
+Result<SyncRecord> DecodeSyncRecord(std::string_view text, const std::string& job);
 
 }  // namespace isthmus

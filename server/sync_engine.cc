@@ -287,19 +287,6 @@ Result<const SyncEngine::Job*> SyncEngine::FindJob(const std::string& job) const
   return &it->second;
 }
 
-std::string SyncEngine::JobRecord(const Job& j) const {
-  return json{{"committed", j.committed},
-              {"local", j.local},
-              {"version", j.version},
-              {"staged_round", j.staged_round},
-              {"staged_tokens", j.staged_tokens},
-              {"staged", j.staged},
-              {"acked", j.acked},
-              {"bytes_encoded", j.bytes_encoded},
-              {"raw_bytes", j.raw_bytes},
-              {"pipelines", j.pipelines}}
-      .dump();
-}
 
 SyncEngine::Job SyncEngine::NewJob(std::map<std::string, SyncTensor> tensors,
                                    uint64_t version) const {
@@ -349,23 +336,7 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
     AdoptNewJob(name, std::move(j.theta), base_version);
     return Status::Ok();
   }
-  json rec = json::parse(*rec_text, nullptr, false);
-  if (rec.is_discarded())
-    return Status::Corruption("sync record of job '" + name + "' is not JSON");
-  try {
-    j.committed = rec.at("committed").get<uint64_t>();
-    j.local = rec.at("local").get<uint64_t>();
-    j.version = rec.at("version").get<uint64_t>();
-    j.staged_round = rec.at("staged_round").get<uint64_t>();
-    j.staged_tokens = rec.at("staged_tokens").get<uint64_t>();
-    j.staged = rec.at("staged").get<std::set<std::string>>();
-    j.acked = rec.at("acked").get<std::map<std::string, uint64_t>>();
-    j.bytes_encoded = rec.at("bytes_encoded").get<uint64_t>();
-    j.raw_bytes = rec.at("raw_bytes").get<uint64_t>();
-    j.pipelines = rec.at("pipelines").get<std::map<std::string, uint64_t>>();
-  } catch (const std::exception& e) {
-    return Status::Corruption("sync record of job '" + name + "' is bad: " + e.what());
-  }
+  ISTHMUS_ASSIGN_OR_RETURN(static_cast<SyncRecord&>(j), DecodeSyncRecord(*rec_text, name));
   const std::string held_prefix = JobKey(name, "held" + std::string(1, '\0'));
   Status status;
   ISTHMUS_RETURN_IF_ERROR(
@@ -445,18 +416,11 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
                                         std::to_string(round));
     }
   }
-  Job next_rec = Job{};
-  next_rec.committed = j->committed;
-  next_rec.local = j->local;
-  next_rec.version = j->version;
+  SyncRecord next_rec = *j;
   next_rec.staged_round = round;
   next_rec.staged_tokens = std::max(j->staged_round == round ? j->staged_tokens : 0, tokens);
   next_rec.staged = j->staged_round == round ? j->staged : std::set<std::string>{};
   next_rec.staged.insert(names.begin(), names.end());
-  next_rec.acked = j->acked;
-  next_rec.bytes_encoded = j->bytes_encoded;
-  next_rec.raw_bytes = j->raw_bytes;
-  next_rec.pipelines = j->pipelines;
   if (j->staged_round != round && names.size() == j->theta.size()) {
     // One push brings the whole round: close it from memory, in one write batch with the
     // push's records (no staged copy written, then read back).
@@ -609,13 +573,14 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     raw += n * sizeof(float);
   }
   const std::string serialized = SerializeDelta(delta);
-  Job rec;
-  rec.committed = j.committed;
+  SyncRecord rec = j;  // the round is closed: nothing is staged any more
   rec.local = round;
   rec.version = j.version + 1;
-  rec.acked = j.acked;
-  rec.bytes_encoded = j.bytes_encoded + delta.WireBytes();
-  rec.raw_bytes = j.raw_bytes + raw;
+  rec.staged_round = 0;
+  rec.staged_tokens = 0;
+  rec.staged.clear();
+  rec.bytes_encoded += delta.WireBytes();
+  rec.raw_bytes += raw;
   rec.pipelines = pipelines;
   WriteBatch local;
   WriteBatch& batch = batch_in != nullptr ? *batch_in : local;
@@ -733,17 +698,9 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
     theta[tname] = SyncTensor{old.shape, std::move(next)};
   }
   const std::string digest = StateDigest(round, theta, momentum);
-  Job rec;
+  SyncRecord rec = j;
   rec.committed = round;
-  rec.local = j.local;
   rec.version = j.version + 1;
-  rec.staged_round = j.staged_round;
-  rec.staged_tokens = j.staged_tokens;
-  rec.staged = j.staged;
-  rec.acked = j.acked;
-  rec.bytes_encoded = j.bytes_encoded;
-  rec.raw_bytes = j.raw_bytes;
-  rec.pipelines = j.pipelines;
   WriteBatch batch;
   for (const auto& [tname, t] : theta) {
     if (sent.count(tname) == 0) continue;  // unchanged: neither rewritten nor re-versioned
@@ -809,14 +766,11 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
     it->second.data = std::move(next);
   }
   const uint64_t version = j->version + 1;
-  Job rec;
-  rec.committed = j->committed;
-  rec.local = j->local;
+  SyncRecord rec = *j;
   rec.version = version;
-  rec.acked = j->acked;
-  rec.bytes_encoded = j->bytes_encoded;
-  rec.raw_bytes = j->raw_bytes;
-  rec.pipelines = j->pipelines;
+  rec.staged_round = 0;  // as this record has always been written: nothing staged
+  rec.staged_tokens = 0;
+  rec.staged.clear();
   for (const auto& n : names) {
     const auto& t = theta.at(n);
     batch.Put(Column::kTensors, JobKey(name, n), FloatBytes(*t.data));
@@ -1056,17 +1010,8 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
     }
   }
   const std::string serialized = SerializeDelta(delta);
-  Job rec_view;  // only the record fields matter
-  rec_view.committed = j->committed;
-  rec_view.local = j->local;
+  SyncRecord rec_view = *j;
   rec_view.version = j->version + 1;
-  rec_view.staged_round = j->staged_round;
-  rec_view.staged_tokens = j->staged_tokens;
-  rec_view.staged = j->staged;
-  rec_view.acked = j->acked;
-  rec_view.bytes_encoded = j->bytes_encoded;
-  rec_view.raw_bytes = j->raw_bytes;
-  rec_view.pipelines = j->pipelines;
   WriteBatch batch;
   batch.Put(Column::kDeltas, DeltaKey(name, from_site, delta.round), serialized);
   batch.PutOwned(Column::kSync, HeldKey(name, from_site, delta.round),

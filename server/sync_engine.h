@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "server/records.h"
 #include "server/peer_io.h"
 #include "server/store.h"
 
@@ -180,20 +181,13 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   static Result<EncodedDelta> ParseDelta(std::string_view bytes);
 
  private:
-  struct Job {
+  // The durable fields are the SyncRecord (server/records.h): a batch writes a copy of
+  // them with its changes, and memory takes them once the batch is durable.
+  struct Job : SyncRecord {
     std::map<std::string, SyncTensor> theta;  // committed
     std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
-    uint64_t committed = 0;
-    uint64_t local = 0;  // last round this site closed
-    uint64_t version = 0;
-    uint64_t staged_round = 0;
-    uint64_t staged_tokens = 0;
-    std::set<std::string> staged;  // tensors pushed for staged_round
     // site -> uncommitted round held -> its tokens (own site: rounds closed, uncommitted).
     std::map<std::string, std::map<uint64_t, uint64_t>> inbox;
-    std::map<std::string, uint64_t> acked;  // peer -> acked round
-    uint64_t bytes_encoded = 0, raw_bytes = 0;
-    std::map<std::string, uint64_t> pipelines;  // last closed round
     // Round timing for adaptive sizing (memory only: a restart starts from the config).
     // staged_compute_ms: largest compute time reported by the staged round's pushes.
     std::optional<std::chrono::steady_clock::time_point> last_close;
@@ -206,7 +200,7 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   SyncEngine(Store* store, SyncOptions options);
   Result<Job*> FindJob(const std::string& job);
   Result<const Job*> FindJob(const std::string& job) const;
-  std::string JobRecord(const Job& j) const;
+  static std::string JobRecord(const SyncRecord& r) { return EncodeSyncRecord(r); }
   // The state of a job that has just been created: `tensors` committed at round 0 as
   // version `version`, zero outer momentum when the outer optimiser has one.
   Job NewJob(std::map<std::string, SyncTensor> tensors, uint64_t version) const;
