@@ -80,9 +80,32 @@ TEST(NcclCommunicatorTest, CollectivesMatchExactReference) {
       ASSERT_NEAR(host[i], expected, 1e-6f * expected) << "rank " << rank << " i " << i;
     }
     results[rank] = host;
+    // Several buffers in one average: rank r holds (r + 1) * (i % 5 + 1) at position i of
+    // the 1003 values; the mean, (n + 1) / 2 * (i % 5 + 1), is exact in fp32 for n <= 4.
+    std::vector<float> parts(1003);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      parts[i] = static_cast<float>((rank + 1) * (i % 5 + 1));
+    }
+    ASSERT_EQ(cudaMemcpy(dev, parts.data(), parts.size() * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
     std::vector<std::pair<float*, size_t>> list = {{dev, 1000}, {dev + 1000, 3}};
     ASSERT_TRUE((*comm)->AllReduceAverage(list).ok());
+    ASSERT_EQ(cudaMemcpy(parts.data(), dev, parts.size() * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      ASSERT_EQ(parts[i], static_cast<float>(n + 1) / 2 * static_cast<float>(i % 5 + 1))
+          << "rank " << rank << " multi-buffer average at " << i;
+    }
+    // Broadcast from the last rank: every rank ends with its values, 1000 * n + i % 997.
+    for (size_t i = 0; i < count; ++i) host[i] = static_cast<float>(1000 * (rank + 1) + i % 997);
+    ASSERT_EQ(cudaMemcpy(dev, host.data(), count * sizeof(float), cudaMemcpyHostToDevice),
+              cudaSuccess);
     ASSERT_TRUE((*comm)->Broadcast(dev, count, n - 1).ok());
+    ASSERT_EQ(cudaMemcpy(host.data(), dev, count * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (size_t i = 0; i < count; i += 991) {
+      ASSERT_EQ(host[i], static_cast<float>(1000 * n + i % 997)) << "rank " << rank << " i " << i;
+    }
     ASSERT_TRUE((*comm)->Barrier().ok());
     cudaFree(dev);
   });
