@@ -257,7 +257,23 @@ TEST_F(SyncProcessTest, PausedLinkStallsCommitsAndConvergesAfterResume) {
   for (uint64_t r = 2; r <= 4; ++r) {
     for (int i = 0; i < 3; ++i) Push(i, r);
   }
-  std::this_thread::sleep_for(1500ms);
+  // Evidence that the rounds travelled everywhere they could, instead of a sleep: gamma,
+  // whose links are open, holds alpha's and beta's deltas and commits round 4, and beta
+  // has had a delta of its refused by alpha's paused link.
+  auto end = std::chrono::steady_clock::now() + 30s;
+  auto beta_refused = [&] {
+    auto s = sites_[1]->AdminClient(2000, 0)->SyncStatus();
+    if (!s.ok()) return false;
+    for (const auto& l : s->links) {
+      if (l.site == "alpha" && l.refused > 0) return true;
+    }
+    return false;
+  };
+  while (Committed(2) < 4 || !beta_refused()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), end)
+        << "gamma committed " << Committed(2) << ", beta refused " << beta_refused();
+    std::this_thread::sleep_for(50ms);
+  }
   // alpha lacks beta's deltas and beta lacks alpha's: neither commits past round 1.
   EXPECT_EQ(Committed(0), 1u);
   EXPECT_EQ(Committed(1), 1u);
