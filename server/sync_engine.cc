@@ -223,6 +223,20 @@ SyncEngine::SyncEngine(Store* store, SyncOptions options)
     : store_(store), options_(std::move(options)) {
   hard_cap_ =
       options_.hard_cap_rounds ? options_.hard_cap_rounds : 4 * options_.max_rounds_ahead + 8;
+  auto parsed = [](const std::string& text) {
+    auto p = ParsePipe(text);
+    ISTHMUS_CHECK(p.ok(), "pipeline '" + text + "' was checked by Create: " + p.status().ToString());
+    return *p;
+  };
+  codec_pipe_ = parsed(options_.codec);
+  floor_pipe_ = parsed(options_.adaptive_floor);
+  ceiling_pipe_ = parsed(options_.adaptive_ceiling);
+  dense_pipe_ = parsed("dense");
+  defer_pipe_ = parsed("defer");
+  for (const auto& o : options_.codec_overrides) {
+    const auto eq = o.find('=');
+    override_pipes_.emplace_back(o.substr(0, eq), parsed(o.substr(eq + 1)));
+  }
 }
 
 Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions options) {
@@ -462,10 +476,10 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   return result;
 }
 
-std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
-                                    uint64_t total_numel) const {
+codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
+                                        uint64_t total_numel) const {
   // Alone, the delta never crosses a link: keep it exact.
-  if (options_.peer_sites.empty()) return "dense";
+  if (options_.peer_sites.empty()) return dense_pipe_;
   if (options_.adaptive && j.last_round_seconds > 0) {
     double min_bw = -1;
     for (const auto& p : options_.peer_sites) {
@@ -479,17 +493,14 @@ std::string SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uin
     if (min_bw > 0) {
       double budget = min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
                       static_cast<double>(std::max<uint64_t>(total_numel, 1));
-      auto floor = ParsePipe(options_.adaptive_floor);
-      auto ceiling = ParsePipe(options_.adaptive_ceiling);
-      return PipeText(codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)),
-                                            *floor, *ceiling));
+      return codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)),
+                                   floor_pipe_, ceiling_pipe_);
     }
   }
-  for (const auto& o : options_.codec_overrides) {
-    auto eq = o.find('=');
-    if (fnmatch(o.substr(0, eq).c_str(), tensor.c_str(), 0) == 0) return o.substr(eq + 1);
+  for (const auto& [glob, pipe] : override_pipes_) {
+    if (fnmatch(glob.c_str(), tensor.c_str(), 0) == 0) return pipe;
   }
-  return options_.codec;
+  return codec_pipe_;
 }
 
 std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint64_t>& numel,
@@ -561,8 +572,7 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     ISTHMUS_ASSIGN_OR_RETURN(auto residual,
                              GetFloats(store_, Column::kState, StateKey(name, 'e', tname), n));
     residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
-    std::string text = deferred(tname) ? "defer" : PipelineFor(j, tname, n, total_numel);
-    ISTHMUS_ASSIGN_OR_RETURN(Pipe pipe, ParsePipe(text));
+    const Pipe& pipe = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
     std::vector<float> decoded(n);
     EncodedTensor et;
     et.name = tname;

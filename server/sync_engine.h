@@ -21,8 +21,9 @@
 #include <vector>
 
 #include "common/status.h"
-#include "server/records.h"
+#include "ops/codec.h"
 #include "server/peer_io.h"
+#include "server/records.h"
 #include "server/store.h"
 
 namespace isthmus {
@@ -220,14 +221,17 @@ class SyncEngine : public DeltaSource, public DeltaSink {
                                                           uint64_t round,
                                                           const std::vector<std::string>& sites,
                                                           std::set<std::string>* sent = nullptr);
-  // Pipeline text for a tensor of the round being closed; `total_numel`: the values this
-  // round sends (its fragment's).
-  std::string PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
-                          uint64_t total_numel) const;
+  // Pipeline for a tensor of the round being closed; `total_numel`: the values this round
+  // sends (its fragment's). The configured pipelines were parsed once, at construction.
+  codec::Pipeline PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
+                              uint64_t total_numel) const;
   void CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const;
 
   Store* store_;
   SyncOptions options_;
+  // options_'s pipelines, parsed once (Create has checked that every one parses).
+  codec::Pipeline codec_pipe_, floor_pipe_, ceiling_pipe_, dense_pipe_, defer_pipe_;
+  std::vector<std::pair<std::string, codec::Pipeline>> override_pipes_;  // glob, pipeline
   uint64_t hard_cap_;
   std::map<std::string, Job> jobs_;
   std::map<std::string, double> bandwidth_;  // peer -> bytes/s
