@@ -21,8 +21,7 @@ Result<T> ParseNumber(std::string_view text, const std::string& what) {
   const char* end = text.data() + text.size();
   auto [at, ec] = std::from_chars(text.data(), end, value);
   if (text.empty() || ec != std::errc() || at != end) {
-    return Status::InvalidArgument(what + ": \"" + std::string(text.substr(0, 40)) +
-                                   "\" is not " +
+    return Status::InvalidArgument(what + ": \"" + std::string(text.substr(0, 40)) + "\" is not " +
                                    (std::is_signed_v<T> ? "an integer" : "a non-negative integer") +
                                    " in range");
   }

@@ -25,7 +25,7 @@ Result<uint64_t> ParseUint64(std::string_view text, const std::string& what);
 
 }  // namespace isthmus
 
-#define ISTHMUS_CHECK(cond, message)                                   \
-  do {                                                                 \
+#define ISTHMUS_CHECK(cond, message)                                           \
+  do {                                                                         \
     if (!(cond)) ::isthmus::CheckFailed(__FILE__, __LINE__, #cond, (message)); \
   } while (0)

@@ -491,8 +491,8 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
   auto body = wire::CreateSyncStatusRequest(fbb);
   FinishEnvelope(fbb, id, wire::Body::SyncStatusRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::SyncStatusReply>(reply, options_.limits,
-                                                                  wire::Body::SyncStatusReply));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      auto* r, BodyAs<wire::SyncStatusReply>(reply, options_.limits, wire::Body::SyncStatusReply));
   auto str = [](const flatbuffers::String* s) { return s ? s->str() : std::string(); };
   SyncStatusInfo out;
   out.site = str(r->site());
@@ -565,8 +565,8 @@ Result<DigestsInfo> ShardClient::Digests(const std::string& job, uint64_t from_r
   auto body = wire::CreateDigestsRequest(fbb, fbb.CreateString(job), from_round);
   FinishEnvelope(fbb, id, wire::Body::DigestsRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
-  ISTHMUS_ASSIGN_OR_RETURN(auto* r, BodyAs<wire::DigestsReply>(reply, options_.limits,
-                                                               wire::Body::DigestsReply));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      auto* r, BodyAs<wire::DigestsReply>(reply, options_.limits, wire::Body::DigestsReply));
   DigestsInfo out;
   out.job = r->job() ? r->job()->str() : job;
   out.committed_round = r->committed_round();

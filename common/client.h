@@ -139,7 +139,7 @@ struct PeerLinkReport {
   std::string last_error;
   std::vector<Job> jobs;
   uint64_t bytes_sent = 0, bytes_received = 0, raw_bytes_sent = 0;  // delta payload
-  double compression_ratio = 0, bandwidth_bps = 0;  // payload ratio
+  double compression_ratio = 0, bandwidth_bps = 0;                  // payload ratio
   uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0, auth_failures = 0, refused = 0;
   // On the wire (messages, framing, CURVE, handshakes; TCP/IP estimated): docs/SYNC.md.
   uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;

@@ -24,8 +24,7 @@ constexpr Row kRows[] = {
      "refused: a key or permission problem (key file mode, key not on an allowlist), or a "
      "shard refused the worker (base hash, no such job, tensor placement)"},
     {kExitNotFound, "not found", "not found (job, snapshot, peer site, file)"},
-    {kExitUnreachable, "unreachable",
-     "a shard or peer did not answer (timeout, unavailable)"},
+    {kExitUnreachable, "unreachable", "a shard or peer did not answer (timeout, unavailable)"},
     {kExitDamaged, "damaged data",
      "stored data is damaged or storage failed (a corrupt record, checkpoint or file; an I/O "
      "error)"},
@@ -41,15 +40,22 @@ constexpr Row kRows[] = {
 
 int ExitCodeForStatus(const Status& status) {
   switch (status.code()) {
-    case Code::kOk: return kExitOk;
-    case Code::kInvalidArgument: return kExitUsage;
-    case Code::kPermissionDenied: return kExitRefused;
-    case Code::kNotFound: return kExitNotFound;
+    case Code::kOk:
+      return kExitOk;
+    case Code::kInvalidArgument:
+      return kExitUsage;
+    case Code::kPermissionDenied:
+      return kExitRefused;
+    case Code::kNotFound:
+      return kExitNotFound;
     case Code::kTimeout:
-    case Code::kUnavailable: return kExitUnreachable;
+    case Code::kUnavailable:
+      return kExitUnreachable;
     case Code::kCorruption:
-    case Code::kIoError: return kExitDamaged;
-    default: return kExitFailure;
+    case Code::kIoError:
+      return kExitDamaged;
+    default:
+      return kExitFailure;
   }
 }
 
@@ -64,8 +70,8 @@ std::string ExitCodesMarkdown() {
 std::string ExitCodesFooter() {
   std::string out = "Exit codes:";
   for (const Row& r : kRows) {
-    out += std::string(r.code == 0 ? " " : ", ") + std::to_string(r.code) + " " +
-           std::string(r.brief);
+    out +=
+        std::string(r.code == 0 ? " " : ", ") + std::to_string(r.code) + " " + std::string(r.brief);
   }
   return out + " (docs/CLI.md).";
 }

@@ -102,8 +102,7 @@ Result<KeyPair> LoadKeyPairFile(const std::string& path) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", st.st_mode & 07777);
     return Status::PermissionDenied("secret key file '" + path + "' has mode " + mode +
-                                    "; it must be readable by its owner only: chmod 600 " +
-                                    path);
+                                    "; it must be readable by its owner only: chmod 600 " + path);
   }
   std::string text;
   ISTHMUS_RETURN_IF_ERROR(ReadWholeFile(path, &text));

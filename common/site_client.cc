@@ -86,9 +86,9 @@ Status SiteClient::Place(const std::string& name, size_t i,
                          std::map<std::string, int>& seen) const {
   auto want = placement_.find(name);
   if (want != placement_.end() && want->second != static_cast<int>(i)) {
-    return Status::FailedPrecondition(
-        "tensor " + name + " is on " + Where(i) + ", not on shard " +
-        std::to_string(want->second) + ": give the servers in the order the job was created with");
+    return Status::FailedPrecondition("tensor " + name + " is on " + Where(i) + ", not on shard " +
+                                      std::to_string(want->second) +
+                                      ": give the servers in the order the job was created with");
   }
   seen[name] = static_cast<int>(i);
   return Status::Ok();
@@ -163,8 +163,8 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
     p.tensors = per_shard[s].size();
     auto r = shards_[s]->Push(options_.job, p.key, round, tokens, per_shard[s], compute_ms);
     if (!r.ok()) {
-      return AtShard(s, Status(r.status().code(), "push of round " + std::to_string(round) +
-                                                      ": " + r.status().message()));
+      return AtShard(s, Status(r.status().code(), "push of round " + std::to_string(round) + ": " +
+                                                      r.status().message()));
     }
     p.duplicate = r->duplicate;
     p.rounds = r->rounds;
@@ -180,7 +180,8 @@ Result<Staleness> SiteClient::CheckStaleness() {
     if (!h.ok()) return AtShard(i, h.status());
     const RoundInfo& r = h->rounds;
     if (r.max_rounds_ahead == 0) continue;
-    const uint64_t ahead = r.local_round > r.committed_round ? r.local_round - r.committed_round : 0;
+    const uint64_t ahead =
+        r.local_round > r.committed_round ? r.local_round - r.committed_round : 0;
     if (st.shard < 0 || ahead > st.rounds_ahead) {
       st.shard = static_cast<int>(i);
       st.rounds_ahead = ahead;
@@ -189,8 +190,8 @@ Result<Staleness> SiteClient::CheckStaleness() {
     if (ahead > r.max_rounds_ahead && !st.too_far_ahead) {
       st.too_far_ahead = true;
       st.reason = "waiting for the WAN: " + std::to_string(ahead) +
-                  " rounds ahead of the last commit (limit " +
-                  std::to_string(r.max_rounds_ahead) + ") on shard " + std::to_string(i);
+                  " rounds ahead of the last commit (limit " + std::to_string(r.max_rounds_ahead) +
+                  ") on shard " + std::to_string(i);
     }
   }
   return st;

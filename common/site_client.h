@@ -107,10 +107,9 @@ class SiteClient {
   Result<Staleness> CheckStaleness();
   // Polls CheckStaleness every `poll` until the site may go on. Returns the last state:
   // too_far_ahead is still true when `timeout` passed or `stop` became true first.
-  Result<Staleness> WaitWithinStaleness(std::chrono::milliseconds timeout,
-                                        const std::atomic<bool>* stop = nullptr,
-                                        std::chrono::milliseconds poll =
-                                            std::chrono::milliseconds(50));
+  Result<Staleness> WaitWithinStaleness(
+      std::chrono::milliseconds timeout, const std::atomic<bool>* stop = nullptr,
+      std::chrono::milliseconds poll = std::chrono::milliseconds(50));
 
   size_t num_shards() const { return shards_.size(); }
   ShardClient& shard(size_t i) { return *shards_.at(i); }

@@ -5,18 +5,30 @@ namespace isthmus {
 
 std::string_view CodeName(Code code) {
   switch (code) {
-    case Code::kOk: return "OK";
-    case Code::kInvalidArgument: return "InvalidArgument";
-    case Code::kNotFound: return "NotFound";
-    case Code::kAlreadyExists: return "AlreadyExists";
-    case Code::kPermissionDenied: return "PermissionDenied";
-    case Code::kFailedPrecondition: return "FailedPrecondition";
-    case Code::kUnavailable: return "Unavailable";
-    case Code::kTimeout: return "Timeout";
-    case Code::kIoError: return "IoError";
-    case Code::kCorruption: return "Corruption";
-    case Code::kInternal: return "Internal";
-    case Code::kResourceExhausted: return "ResourceExhausted";
+    case Code::kOk:
+      return "OK";
+    case Code::kInvalidArgument:
+      return "InvalidArgument";
+    case Code::kNotFound:
+      return "NotFound";
+    case Code::kAlreadyExists:
+      return "AlreadyExists";
+    case Code::kPermissionDenied:
+      return "PermissionDenied";
+    case Code::kFailedPrecondition:
+      return "FailedPrecondition";
+    case Code::kUnavailable:
+      return "Unavailable";
+    case Code::kTimeout:
+      return "Timeout";
+    case Code::kIoError:
+      return "IoError";
+    case Code::kCorruption:
+      return "Corruption";
+    case Code::kInternal:
+      return "Internal";
+    case Code::kResourceExhausted:
+      return "ResourceExhausted";
   }
   return "Unknown";
 }

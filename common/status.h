@@ -17,17 +17,17 @@ namespace isthmus {
 // one), so never renumber an existing code.
 enum class Code : uint8_t {
   kOk = 0,
-  kInvalidArgument = 1,   // the request is malformed: bad shape, dtype, size, NaN, ...
-  kNotFound = 2,          // job, tensor, snapshot or file does not exist
-  kAlreadyExists = 3,     // job or snapshot with that name exists
-  kPermissionDenied = 4,  // key not allowed, secret key file too open
-  kFailedPrecondition = 5,// the state does not allow this now (e.g. base hash mismatch)
-  kUnavailable = 6,       // peer not reachable; retrying may help
-  kTimeout = 7,           // no answer in time; retrying may help
-  kIoError = 8,           // disk or RocksDB failure
-  kCorruption = 9,        // stored data fails its checks
-  kInternal = 10,         // a bug: an invariant did not hold
-  kResourceExhausted = 11,// message or tensor larger than the configured limit
+  kInvalidArgument = 1,     // the request is malformed: bad shape, dtype, size, NaN, ...
+  kNotFound = 2,            // job, tensor, snapshot or file does not exist
+  kAlreadyExists = 3,       // job or snapshot with that name exists
+  kPermissionDenied = 4,    // key not allowed, secret key file too open
+  kFailedPrecondition = 5,  // the state does not allow this now (e.g. base hash mismatch)
+  kUnavailable = 6,         // peer not reachable; retrying may help
+  kTimeout = 7,             // no answer in time; retrying may help
+  kIoError = 8,             // disk or RocksDB failure
+  kCorruption = 9,          // stored data fails its checks
+  kInternal = 10,           // a bug: an invariant did not hold
+  kResourceExhausted = 11,  // message or tensor larger than the configured limit
 };
 
 std::string_view CodeName(Code code);
@@ -42,13 +42,17 @@ class [[nodiscard]] Status {
   static Status NotFound(std::string m) { return {Code::kNotFound, std::move(m)}; }
   static Status AlreadyExists(std::string m) { return {Code::kAlreadyExists, std::move(m)}; }
   static Status PermissionDenied(std::string m) { return {Code::kPermissionDenied, std::move(m)}; }
-  static Status FailedPrecondition(std::string m) { return {Code::kFailedPrecondition, std::move(m)}; }
+  static Status FailedPrecondition(std::string m) {
+    return {Code::kFailedPrecondition, std::move(m)};
+  }
   static Status Unavailable(std::string m) { return {Code::kUnavailable, std::move(m)}; }
   static Status Timeout(std::string m) { return {Code::kTimeout, std::move(m)}; }
   static Status IoError(std::string m) { return {Code::kIoError, std::move(m)}; }
   static Status Corruption(std::string m) { return {Code::kCorruption, std::move(m)}; }
   static Status Internal(std::string m) { return {Code::kInternal, std::move(m)}; }
-  static Status ResourceExhausted(std::string m) { return {Code::kResourceExhausted, std::move(m)}; }
+  static Status ResourceExhausted(std::string m) {
+    return {Code::kResourceExhausted, std::move(m)};
+  }
 
   bool ok() const { return code_ == Code::kOk; }
   Code code() const { return code_; }
@@ -65,7 +69,7 @@ class [[nodiscard]] Status {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit by design
+  Result(T value) : v_(std::move(value)) {}         // NOLINT: implicit by design
   Result(Status status) : v_(std::move(status)) {}  // NOLINT: must not be OK
 
   bool ok() const { return std::holds_alternative<T>(v_); }

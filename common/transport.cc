@@ -56,8 +56,7 @@ Status ZapHandler::Start() {
       std::string mechanism = frames.size() > 5 ? frames[5].to_string() : "";
       std::string key;
       bool ok = false;
-      if (version == "1.0" && mechanism == "CURVE" && frames.size() > 6 &&
-          frames[6].size() == 32) {
+      if (version == "1.0" && mechanism == "CURVE" && frames.size() > 6 && frames[6].size() == 32) {
         char z85[41];
         zmq_z85_encode(z85, static_cast<const uint8_t*>(frames[6].data()), 32);
         key = z85;
@@ -71,8 +70,8 @@ Status ZapHandler::Start() {
         spdlog::warn("zap: refused {} key '{}' on the {} socket from {} (not in its allowlist)",
                      mechanism.empty() ? "unauthenticated" : mechanism, key, domain, address);
       }
-      std::array<std::string, 6> reply = {"1.0", request_id, ok ? "200" : "400",
-                                          ok ? "OK" : "key not allowed", ok ? key : "", ""};
+      std::array<std::string, 6> reply = {
+          "1.0", request_id, ok ? "200" : "400", ok ? "OK" : "key not allowed", ok ? key : "", ""};
       for (size_t i = 0; i < reply.size(); ++i) {
         sock.send(zmq::buffer(reply[i]),
                   i + 1 < reply.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);

@@ -19,8 +19,8 @@ Result<Frames> ReceiveMessage(zmq::socket_t& socket, zmq::message_t* routing_id)
   try {
     while (true) {
       zmq::message_t part;
-      auto got = socket.recv(part, parts.empty() ? zmq::recv_flags::dontwait
-                                                 : zmq::recv_flags::none);
+      auto got =
+          socket.recv(part, parts.empty() ? zmq::recv_flags::dontwait : zmq::recv_flags::none);
       if (!got) {
         if (parts.empty()) return Status::Timeout("no message");
         break;
@@ -74,8 +74,7 @@ Status SendMessage(zmq::socket_t& socket, const zmq::message_t* routing_id,
       } else {
         frame = zmq::message_t(p.data, p.size);
       }
-      socket.send(frame, i + 1 < payload.size() ? zmq::send_flags::sndmore
-                                                : zmq::send_flags::none);
+      socket.send(frame, i + 1 < payload.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
     }
   } catch (const zmq::error_t& e) {
     return Status::Unavailable(std::string("send failed: ") + e.what());
@@ -83,8 +82,8 @@ Status SendMessage(zmq::socket_t& socket, const zmq::message_t* routing_id,
   return Status::Ok();
 }
 
-Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
-                                            const WireLimits& limits, uint64_t* request_id) {
+Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header, const WireLimits& limits,
+                                            uint64_t* request_id) {
   if (header.size() > limits.max_header_bytes) {
     return Status::ResourceExhausted("header frame of " + std::to_string(header.size()) +
                                      " bytes exceeds the limit of " +
@@ -170,8 +169,7 @@ Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::Tenso
     int64_t numel = NumElements(shape);
     if (numel < 0) return Status::InvalidArgument(label + " has a negative or huge shape");
     if (m->frame() >= payload.size() || used[m->frame()]) {
-      return Status::InvalidArgument(label + " names payload frame " +
-                                     std::to_string(m->frame()) +
+      return Status::InvalidArgument(label + " names payload frame " + std::to_string(m->frame()) +
                                      " which is missing or used twice");
     }
     used[m->frame()] = true;
@@ -208,12 +206,13 @@ wire::ErrorCode ToWireCode(Code code) { return static_cast<wire::ErrorCode>(code
 Code FromWireCode(wire::ErrorCode code) {
   auto v = static_cast<uint8_t>(code);
   return v <= static_cast<uint8_t>(Code::kResourceExhausted) ? static_cast<Code>(v)
-                                                              : Code::kInternal;
+                                                             : Code::kInternal;
 }
 
 void FinishEnvelope(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id, wire::Body type,
                     flatbuffers::Offset<void> body) {
-  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, kSchemaVersion, request_id, type, body));
+  wire::FinishEnvelopeBuffer(fbb,
+                             wire::CreateEnvelope(fbb, kSchemaVersion, request_id, type, body));
 }
 
 void BuildErrorReply(flatbuffers::FlatBufferBuilder& fbb, uint64_t request_id,

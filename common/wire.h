@@ -20,10 +20,10 @@ namespace isthmus {
 
 // Limits a receiver enforces. Defaults suit a shard; the server's config overrides them.
 struct WireLimits {
-  size_t max_header_bytes = 1 << 20;            // one Envelope
+  size_t max_header_bytes = 1 << 20;               // one Envelope
   uint64_t max_payload_bytes = uint64_t{1} << 30;  // all payload frames of one message
-  uint32_t max_tensors = 100000;                // TensorMeta entries in one message
-  uint32_t max_name_bytes = 512;                // tensor and job names
+  uint32_t max_tensors = 100000;                   // TensorMeta entries in one message
+  uint32_t max_name_bytes = 512;                   // tensor and job names
   uint32_t max_dims = 8;
 };
 
@@ -83,8 +83,7 @@ inline constexpr uint32_t kSchemaVersion = 1;
 // `request_id`, when given, receives the Envelope's request id as soon as the frame has
 // verified, so a refusal of its version can still be answered to the right request. The
 // returned pointer points into `header` and lives as long as it.
-Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header,
-                                            const WireLimits& limits,
+Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header, const WireLimits& limits,
                                             uint64_t* request_id = nullptr);
 
 // Checks a list of tensor descriptions against the payload frames: names present, short,

@@ -29,7 +29,7 @@ constexpr uint8_t kVersion = 2;
 constexpr uint8_t kKindPlain = 0;
 constexpr uint8_t kKindLowRank = 1;
 constexpr uint8_t kKindDeferred = 2;  // no body: zeros (pipeline "defer")
-constexpr size_t kFixedHeader = 5;  // magic (2), version, kind, flags; varints follow
+constexpr size_t kFixedHeader = 5;    // magic (2), version, kind, flags; varints follow
 // Plain flags byte: bits 0-1 sparsifier, bits 2-3 width code, bit 4 body is zstd-compressed.
 constexpr uint8_t kFlagZstd = 1u << 4;
 constexpr uint8_t kFlagsReserved = 0xe0;

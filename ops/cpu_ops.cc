@@ -283,8 +283,8 @@ class CpuOpsImpl : public Ops {
     }
   }
 
-  void LinearForward(CRef x_ref, CRef w_ref, const float* bias, const float* residual,
-                     Ref out_ref, int N, int in_dim, int out_dim) override {
+  void LinearForward(CRef x_ref, CRef w_ref, const float* bias, const float* residual, Ref out_ref,
+                     int N, int in_dim, int out_dim) override {
     cpu::In x(x_ref, static_cast<int64_t>(N) * in_dim);
     cpu::In w(w_ref, static_cast<int64_t>(in_dim) * out_dim);
     cpu::Out out(out_ref, static_cast<int64_t>(N) * out_dim, false);
@@ -313,10 +313,10 @@ class CpuOpsImpl : public Ops {
     cpu::Out xa(xa_ref, static_cast<int64_t>(N) * rank, false);
     LinearInto(x.get(), w.get(), bias, residual, out.get(), N, in_dim, out_dim);
     // xa = x A^T, then out += scale * xa B^T.
-    cpu::Sgemm(false, true, N, rank, in_dim, 1.0f, x.get(), in_dim, a.get(), in_dim, 0.0f,
-               xa.get(), rank);
-    cpu::Sgemm(false, true, N, out_dim, rank, scale, xa.get(), rank, b.get(), rank, 1.0f,
-               out.get(), out_dim);
+    cpu::Sgemm(false, true, N, rank, in_dim, 1.0f, x.get(), in_dim, a.get(), in_dim, 0.0f, xa.get(),
+               rank);
+    cpu::Sgemm(false, true, N, out_dim, rank, scale, xa.get(), rank, b.get(), rank, 1.0f, out.get(),
+               out_dim);
     out.Commit();
     xa.Commit();
   }
@@ -394,8 +394,8 @@ class CpuOpsImpl : public Ops {
     out.Commit();
   }
 
-  void AttentionBackward(CRef dout_ref, CRef qkv_ref, CRef out_ref, const float* lse,
-                         Ref dqkv_ref, float* scratch, int B, int T, int C, int H) override {
+  void AttentionBackward(CRef dout_ref, CRef qkv_ref, CRef out_ref, const float* lse, Ref dqkv_ref,
+                         float* scratch, int B, int T, int C, int H) override {
     const int64_t n = static_cast<int64_t>(B) * T * C;
     cpu::In dout(dout_ref, n), qkv(qkv_ref, 3 * n), out(out_ref, n);
     cpu::Out dqkv(dqkv_ref, 3 * n, false);
@@ -403,8 +403,8 @@ class CpuOpsImpl : public Ops {
     dqkv.Commit();
   }
 
-  void SoftmaxCrossEntropy(CRef logits_ref, const int32_t* targets, float* losses,
-                           Ref dlogits_ref, const float* dloss, int N, int V) override {
+  void SoftmaxCrossEntropy(CRef logits_ref, const int32_t* targets, float* losses, Ref dlogits_ref,
+                           const float* dloss, int N, int V) override {
     const int64_t n = static_cast<int64_t>(N) * V;
     cpu::In logits_in(logits_ref, n);
     // A copy of the logits when the gradient overwrites them in place (fp32 aliasing).
@@ -426,8 +426,7 @@ class CpuOpsImpl : public Ops {
       double sum = 0.0;
       for (int j = 0; j < V; ++j) sum += std::exp(static_cast<double>(li[j] - max_logit));
       // log-sum-exp form; stays finite even when the target's probability underflows.
-      losses[i] =
-          target >= 0 ? static_cast<float>(std::log(sum) - (li[target] - max_logit)) : 0.0f;
+      losses[i] = target >= 0 ? static_cast<float>(std::log(sum) - (li[target] - max_logit)) : 0.0f;
       if (dl == nullptr) continue;
       float* di = dl + static_cast<int64_t>(i) * V;
       if (target < 0) {

@@ -54,7 +54,6 @@ constexpr int kThreads = 128;  // 4 warps per block on both paths
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
-
 // D[b,h,t] = sum over the head's channels of dout * out: one warp per row.
 template <typename T>
 __global__ void __launch_bounds__(256)
@@ -792,8 +791,10 @@ inline size_t MaxSmemBytes(int hs) {
   auto tc = [&m](size_t forward, size_t kv, size_t q) {
     for (size_t x : {forward, kv, q}) m = m > x + kAlignSlack ? m : x + kAlignSlack;
   };
-  if (hs == 32) tc(TcShape<32>::kForwardSmem, TcShape<32>::kBackwardKVSmem, TcShape<32>::kBackwardQSmem);
-  if (hs == 64) tc(TcShape<64>::kForwardSmem, TcShape<64>::kBackwardKVSmem, TcShape<64>::kBackwardQSmem);
+  if (hs == 32)
+    tc(TcShape<32>::kForwardSmem, TcShape<32>::kBackwardKVSmem, TcShape<32>::kBackwardQSmem);
+  if (hs == 64)
+    tc(TcShape<64>::kForwardSmem, TcShape<64>::kBackwardKVSmem, TcShape<64>::kBackwardQSmem);
   if (hs == 128) {
     tc(TcShape<128>::kForwardSmem, TcShape<128>::kBackwardKVSmem, TcShape<128>::kBackwardQSmem);
   }
@@ -914,8 +915,6 @@ void LaunchAttentionBackward(const T* dout, const T* qkv, const T* out, const fl
                              scratch, B, Tn, C, H, stream);
 }
 
-inline size_t AttentionSharedBytes(int C, int H) {
-  return attention_detail::MaxSmemBytes(C / H);
-}
+inline size_t AttentionSharedBytes(int C, int H) { return attention_detail::MaxSmemBytes(C / H); }
 
 }  // namespace isthmus::ops::ISTHMUS_CUDA_NS

@@ -5,9 +5,9 @@
 // tests/ops/cuda_emu.h, sgemm). Compiled once per flavour; see ops/cuda_compat.h.
 #pragma once
 
-#include "common/check.h"
 #include <string>
 #include <type_traits>
+#include "common/check.h"
 
 #include "ops/cuda_attention.cuh"
 #include "ops/cuda_compat.h"
@@ -115,8 +115,8 @@ class KernelOps : public Ops {
     Matmul(x, w, out, N, out_dim, in_dim, false, false, 1.0f, beta);
   }
 
-  void LinearBackward(CRef dout, CRef x, CRef w, Ref dx, float* dw, float* dbias, int N,
-                      int in_dim, int out_dim) override {
+  void LinearBackward(CRef dout, CRef x, CRef w, Ref dx, float* dw, float* dbias, int N, int in_dim,
+                      int out_dim) override {
     if (Skip(static_cast<int64_t>(N) * out_dim)) return;
     if (dx) Matmul(dout, w, dx, N, in_dim, out_dim, false, true, 1.0f, 0.0f);
     if (dw != nullptr) Matmul(x, dout, dw, in_dim, out_dim, N, true, false, 1.0f, 1.0f);
@@ -129,18 +129,17 @@ class KernelOps : public Ops {
     }
   }
 
-  void LoraLinearForward(CRef x, CRef w, const float* bias, CRef lora_a, CRef lora_b,
-                         float scale, const float* residual, Ref out, Ref xa, int N, int in_dim,
-                         int out_dim, int rank) override {
+  void LoraLinearForward(CRef x, CRef w, const float* bias, CRef lora_a, CRef lora_b, float scale,
+                         const float* residual, Ref out, Ref xa, int N, int in_dim, int out_dim,
+                         int rank) override {
     LinearForward(x, w, bias, residual, out, N, in_dim, out_dim);
     Matmul(x, lora_a, xa, N, rank, in_dim, false, true, 1.0f, 0.0f);
     Matmul(xa, lora_b, out, N, out_dim, rank, false, true, scale, 1.0f);
   }
 
-  void LoraLinearBackward(CRef dout, CRef x, CRef w, CRef lora_a, CRef lora_b, float scale,
-                          CRef xa, Ref dx, float* dw, float* dbias, float* dlora_a,
-                          float* dlora_b, Ref dxa, int N, int in_dim, int out_dim,
-                          int rank) override {
+  void LoraLinearBackward(CRef dout, CRef x, CRef w, CRef lora_a, CRef lora_b, float scale, CRef xa,
+                          Ref dx, float* dw, float* dbias, float* dlora_a, float* dlora_b, Ref dxa,
+                          int N, int in_dim, int out_dim, int rank) override {
     LinearBackward(dout, x, w, dx, dw, dbias, N, in_dim, out_dim);
     if (dlora_b != nullptr) Matmul(dout, xa, dlora_b, out_dim, rank, N, true, false, scale, 1.0f);
     if (!dx && dlora_a == nullptr) return;
@@ -178,13 +177,13 @@ class KernelOps : public Ops {
     Launched("AttentionForward", __FILE__, __LINE__);
   }
 
-  void AttentionBackward(CRef dout, CRef qkv, CRef out, const float* lse, Ref dqkv,
-                         float* scratch, int B, int T, int C, int H) override {
+  void AttentionBackward(CRef dout, CRef qkv, CRef out, const float* lse, Ref dqkv, float* scratch,
+                         int B, int T, int C, int H) override {
     if (Skip(static_cast<int64_t>(B) * T * C)) return;
     WithType(qkv.dtype, [&](auto* t) {
       using E = std::remove_pointer_t<decltype(t)>;
-      LaunchAttentionBackward<E>(As<E>(dout), As<E>(qkv), As<E>(out), lse, As<E>(dqkv), scratch,
-                                 B, T, C, H, stream());
+      LaunchAttentionBackward<E>(As<E>(dout), As<E>(qkv), As<E>(out), lse, As<E>(dqkv), scratch, B,
+                                 T, C, H, stream());
     });
     Launched("AttentionBackward", __FILE__, __LINE__);
   }

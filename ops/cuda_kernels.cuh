@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(kElemThreads)
     StorePack(out + i, r);
     return;
   }
-  for (int64_t j = i; j < n && j < i + kElemVec; ++j) out[j] = FromFloat<Tout>(op(ToFloat(in[j])...));
+  for (int64_t j = i; j < n && j < i + kElemVec; ++j)
+    out[j] = FromFloat<Tout>(op(ToFloat(in[j])...));
 }
 
 struct CopyOp {
@@ -260,7 +261,8 @@ __global__ void __launch_bounds__(kEmbWarps * 32)
   for (int j = 0; j < kVec; ++j) partial[warp][lane * kVec + j] = acc[j];
   __syncthreads();
   if (warp != 0 || c >= C) return;
-  float* g = is_wte ? dwte + static_cast<int64_t>(blockIdx.x) * C : dwpe + static_cast<int64_t>(t) * C;
+  float* g =
+      is_wte ? dwte + static_cast<int64_t>(blockIdx.x) * C : dwpe + static_cast<int64_t>(t) * C;
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
     float s = partial[0][lane * kVec + j];
@@ -342,8 +344,8 @@ constexpr int kLnForwardWarps = 4;
 
 template <typename Tout, int kCache>
 __global__ void __launch_bounds__(kLnForwardWarps * 32)
-    LayerNormForwardKernel(const float* x, const float* w, const float* b, Tout* out,
-                           float* mean, float* rstd, int N, int C) {
+    LayerNormForwardKernel(const float* x, const float* w, const float* b, Tout* out, float* mean,
+                           float* rstd, int N, int C) {
   const int lane = threadIdx.x & 31;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kLnForwardWarps + (threadIdx.x >> 5);
   if (row >= N) return;
@@ -555,8 +557,8 @@ constexpr int kCeWarpMaxV = 1024;  // up to here a warp per row; above, a block 
 // lanes and -inf logits never produce inf - inf.
 template <typename T, int kRowThreads, bool kVec>
 __global__ void __launch_bounds__(kRowThreads == 32 ? 128 : 256)
-    SoftmaxCrossEntropyKernel(const T* logits, const int32_t* targets, float* losses,
-                              T* dlogits, const float* dloss, int N, int V) {
+    SoftmaxCrossEntropyKernel(const T* logits, const int32_t* targets, float* losses, T* dlogits,
+                              const float* dloss, int N, int V) {
   constexpr int kBlockThreads = kRowThreads == 32 ? 128 : 256;
   constexpr int kRowsPerBlock = kBlockThreads / kRowThreads;
   constexpr int kStep = kRowThreads * (kVec ? 4 : 1);
@@ -647,8 +649,8 @@ constexpr int kSumThreads = 256;
 // dst[blockIdx.x] = the block's sum of x[i]^2 (kSquare) or x[i], grid-strided; the vector
 // path reads float4 and leaves the n % 4 tail to the first threads.
 template <bool kSquare>
-__global__ void __launch_bounds__(kSumThreads) SumKernel(const float* x, int64_t n, bool vec,
-                                                         float* dst) {
+__global__ void __launch_bounds__(kSumThreads)
+    SumKernel(const float* x, int64_t n, bool vec, float* dst) {
   __shared__ float scratch[32];
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -711,9 +713,8 @@ __global__ void __launch_bounds__(kAdamWThreads)
   k.eps = config.eps;
   k.decay = chunk.decay != 0 ? config.weight_decay : 0.0f;
   const float norm = sqrtf(sum_sq);
-  k.clip = config.grad_clip > 0.0f && norm > config.grad_clip
-               ? config.grad_clip / (norm + 1e-6f)
-               : 1.0f;
+  k.clip =
+      config.grad_clip > 0.0f && norm > config.grad_clip ? config.grad_clip / (norm + 1e-6f) : 1.0f;
   float* p = param + chunk.offset;
   const float* g = grad + chunk.offset;
   float* mm = m + chunk.offset;
@@ -764,9 +765,9 @@ inline int LayerNormCache(int C, bool vec_ok) {
 // ---- Plans (exposed so that tests can reach every path) ----------------------------------
 
 struct ColumnSumPlan {
-  int vec;             // columns per thread: 4 (cols % 4 == 0 and m aligned) or 1
-  int tiles;           // blocks across the columns (32 * vec columns each)
-  int slices;          // blocks down the rows; 1: one pass straight into out
+  int vec;     // columns per thread: 4 (cols % 4 == 0 and m aligned) or 1
+  int tiles;   // blocks across the columns (32 * vec columns each)
+  int slices;  // blocks down the rows; 1: one pass straight into out
   int rows_per_slice;
 };
 
@@ -775,8 +776,8 @@ inline ColumnSumPlan PlanColumnSum(int rows, int cols, bool aligned) {
   p.vec = aligned && cols % 4 == 0 ? 4 : 1;
   p.tiles = CeilDiv(cols, 32 * p.vec);
   constexpr int kMinRowsPerSlice = 64;
-  int64_t slices = std::min<int64_t>(CeilDiv(kColumnSumTargetBlocks, p.tiles),
-                                     CeilDiv(rows, kMinRowsPerSlice));
+  int64_t slices =
+      std::min<int64_t>(CeilDiv(kColumnSumTargetBlocks, p.tiles), CeilDiv(rows, kMinRowsPerSlice));
   slices = std::min<int64_t>(slices, kWorkspaceFloats / cols);
   slices = std::max<int64_t>(slices, 1);
   p.rows_per_slice = CeilDiv(rows, slices);
@@ -785,11 +786,11 @@ inline ColumnSumPlan PlanColumnSum(int rows, int cols, bool aligned) {
 }
 
 struct LayerNormBackwardPlan {
-  int warps;         // rows in flight per block (threads = 32 * warps)
+  int warps;  // rows in flight per block (threads = 32 * warps)
   int blocks;
-  size_t smem;       // bytes of per-warp dw/db accumulators in shared memory
-  bool global_acc;   // C too large for shared memory: per-warp accumulators in the workspace
-  int slices;        // partial sums of width 2C in the workspace (0: one pass, no workspace)
+  size_t smem;      // bytes of per-warp dw/db accumulators in shared memory
+  bool global_acc;  // C too large for shared memory: per-warp accumulators in the workspace
+  int slices;       // partial sums of width 2C in the workspace (0: one pass, no workspace)
 };
 
 inline LayerNormBackwardPlan PlanLayerNormBackward(int N, int C, bool want_acc) {
@@ -831,10 +832,10 @@ void LaunchMap(Op op, Tout* out, int64_t n, cudaStream_t stream, const Tin*... i
   if (n <= 0) return;
   const bool vec = detail::Aligned(out, detail::kElemVec * sizeof(Tout)) &&
                    (detail::Aligned(in, detail::kElemVec * sizeof(Tin)) && ...);
-  auto kernel = vec ? detail::MapKernel<true, Op, Tout, Tin...>
-                    : detail::MapKernel<false, Op, Tout, Tin...>;
-  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, op,
-                 out, n, in...);
+  auto kernel =
+      vec ? detail::MapKernel<true, Op, Tout, Tin...> : detail::MapKernel<false, Op, Tout, Tin...>;
+  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, op, out,
+                 n, in...);
 }
 
 template <typename Tin, typename Tout>
@@ -882,8 +883,8 @@ inline void LaunchEmbeddingForward(const int32_t* tokens, const float* wte, cons
   const bool vec = C % 4 == 0 && detail::Aligned(wte, 16) && detail::Aligned(wpe, 16) &&
                    detail::Aligned(out, 16);
   auto kernel = vec ? detail::EmbeddingForwardKernel<true> : detail::EmbeddingForwardKernel<false>;
-  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream,
-                 tokens, wte, wpe, out, n, Tn, C);
+  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, tokens,
+                 wte, wpe, out, n, Tn, C);
 }
 
 inline void LaunchEmbeddingBackward(const float* dout, const int32_t* order, const int32_t* starts,
@@ -907,13 +908,22 @@ void LaunchLayerNormForward(const float* x, const float* w, const float* b, Tout
   if (N <= 0 || C <= 0) return;
   const bool vec_ok = detail::Aligned(x, 16) && detail::Aligned(w, 16) && detail::Aligned(b, 16) &&
                       detail::Aligned(out, 4 * sizeof(Tout));
-  using Kernel = void (*)(const float*, const float*, const float*, Tout*, float*, float*, int, int);
+  using Kernel =
+      void (*)(const float*, const float*, const float*, Tout*, float*, float*, int, int);
   Kernel kernel;
   switch (detail::LayerNormCache(C, vec_ok)) {
-    case 2: kernel = detail::LayerNormForwardKernel<Tout, 2>; break;
-    case 8: kernel = detail::LayerNormForwardKernel<Tout, 8>; break;
-    case 16: kernel = detail::LayerNormForwardKernel<Tout, 16>; break;
-    default: kernel = detail::LayerNormForwardKernel<Tout, 0>; break;
+    case 2:
+      kernel = detail::LayerNormForwardKernel<Tout, 2>;
+      break;
+    case 8:
+      kernel = detail::LayerNormForwardKernel<Tout, 8>;
+      break;
+    case 16:
+      kernel = detail::LayerNormForwardKernel<Tout, 16>;
+      break;
+    default:
+      kernel = detail::LayerNormForwardKernel<Tout, 0>;
+      break;
   }
   ISTHMUS_LAUNCH(kernel, dim3(CeilDiv(N, detail::kLnForwardWarps)),
                  dim3(detail::kLnForwardWarps * 32), 0, stream, x, w, b, out, mean, rstd, N, C);
@@ -933,15 +943,23 @@ void LaunchLayerNormBackward(const Tin* dout, const float* x, const float* w, co
                           float*, float*, float*, int, int, float*, bool);
   Kernel kernel;
   switch (detail::LayerNormCache(C, vec_ok)) {
-    case 2: kernel = detail::LayerNormBackwardKernel<Tin, 2>; break;
-    case 8: kernel = detail::LayerNormBackwardKernel<Tin, 8>; break;
-    case 16: kernel = detail::LayerNormBackwardKernel<Tin, 16>; break;
-    default: kernel = detail::LayerNormBackwardKernel<Tin, 0>; break;
+    case 2:
+      kernel = detail::LayerNormBackwardKernel<Tin, 2>;
+      break;
+    case 8:
+      kernel = detail::LayerNormBackwardKernel<Tin, 8>;
+      break;
+    case 16:
+      kernel = detail::LayerNormBackwardKernel<Tin, 16>;
+      break;
+    default:
+      kernel = detail::LayerNormBackwardKernel<Tin, 0>;
+      break;
   }
   if (p.smem > 48 * 1024) ISTHMUS_ALLOW_SMEM(kernel, static_cast<int>(p.smem));
   float* partial = p.slices > 0 ? workspace : nullptr;
-  ISTHMUS_LAUNCH(kernel, dim3(p.blocks), dim3(p.warps * 32), p.smem, stream, dout, x, w, mean,
-                 rstd, dx, dw, db, N, C, partial, p.global_acc);
+  ISTHMUS_LAUNCH(kernel, dim3(p.blocks), dim3(p.warps * 32), p.smem, stream, dout, x, w, mean, rstd,
+                 dx, dw, db, N, C, partial, p.global_acc);
   if (partial == nullptr) return;
   ISTHMUS_LAUNCH(detail::SumPartialsKernel, dim3(CeilDiv(int64_t{2} * C, 32)), dim3(32, 8), 0,
                  stream, static_cast<const float*>(partial), p.slices, 2 * C, C, dw, db);
@@ -990,8 +1008,8 @@ inline void LaunchSumSquares(const float* x, int64_t n, float* out, float* works
   }
   const int blocks = SumSquaresBlocks(n);
   float* first = blocks > 1 ? workspace : out;
-  ISTHMUS_LAUNCH(detail::SumKernel<true>, dim3(blocks), dim3(detail::kSumThreads), 0, stream, x,
-                 n, detail::Aligned(x, 16), first);
+  ISTHMUS_LAUNCH(detail::SumKernel<true>, dim3(blocks), dim3(detail::kSumThreads), 0, stream, x, n,
+                 detail::Aligned(x, 16), first);
   if (blocks == 1) return;
   ISTHMUS_LAUNCH(detail::SumKernel<false>, dim3(1), dim3(detail::kSumThreads), 0, stream,
                  static_cast<const float*>(workspace), static_cast<int64_t>(blocks),

@@ -60,14 +60,14 @@ uint32_t Alignment(const void* p, int64_t ld, size_t elem) {
     }                                                                                     \
   } while (0)
 
-#define ISTHMUS_CUBLAS_CHECK(call)                                                           \
-  do {                                                                                       \
-    const cublasStatus_t isthmus_st_ = (call);                                               \
-    if (isthmus_st_ != CUBLAS_STATUS_SUCCESS) {                                              \
-      RecordError(std::string(#call) + ": " + cublasGetStatusName(isthmus_st_) + " (" +      \
-                      cublasGetStatusString(isthmus_st_) + ")",                              \
-                  __FILE__, __LINE__);                                                       \
-    }                                                                                        \
+#define ISTHMUS_CUBLAS_CHECK(call)                                                      \
+  do {                                                                                  \
+    const cublasStatus_t isthmus_st_ = (call);                                          \
+    if (isthmus_st_ != CUBLAS_STATUS_SUCCESS) {                                         \
+      RecordError(std::string(#call) + ": " + cublasGetStatusName(isthmus_st_) + " (" + \
+                      cublasGetStatusString(isthmus_st_) + ")",                         \
+                  __FILE__, __LINE__);                                                  \
+    }                                                                                   \
   } while (0)
 
 // Does nothing; asking for its attributes tells whether this build has code for the device.
@@ -331,8 +331,8 @@ class CudaOps final : public KernelOps {
       return;
     }
     if (a.dtype == Dtype::kF32 && c.dtype == Dtype::kBF16) {
-      RecordError("Matmul: fp32 operands with a bf16 result (cuBLAS has no such kernel)",
-                  __FILE__, __LINE__);
+      RecordError("Matmul: fp32 operands with a bf16 result (cuBLAS has no such kernel)", __FILE__,
+                  __LINE__);
       return;
     }
     // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: hand cuBLAS the
@@ -355,11 +355,11 @@ class CudaOps final : public KernelOps {
                                           lt_workspace_, kLtWorkspaceBytes, stream_));
       return;
     }
-    ISTHMUS_CUBLAS_CHECK(cublasGemmEx(
-        blas_, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k,
-        &alpha, b.data, CudaType(b.dtype), trans_b ? k : n, a.data, CudaType(a.dtype),
-        trans_a ? m : k, &beta, c.data, CudaType(c.dtype), n, CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT));
+    ISTHMUS_CUBLAS_CHECK(cublasGemmEx(blas_, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N,
+                                      trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, n, m, k, &alpha, b.data,
+                                      CudaType(b.dtype), trans_b ? k : n, a.data, CudaType(a.dtype),
+                                      trans_a ? m : k, &beta, c.data, CudaType(c.dtype), n,
+                                      CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
  protected:
@@ -374,8 +374,8 @@ class CudaOps final : public KernelOps {
       return;
     }
     if (error_.ok()) {
-      error_ = Status::Internal(Where(file, line) + ": " + what + " (cuda:" +
-                                std::to_string(device_) + ")");
+      error_ = Status::Internal(Where(file, line) + ": " + what +
+                                " (cuda:" + std::to_string(device_) + ")");
     }
   }
 

@@ -54,15 +54,13 @@ Result<DeviceChoice> ResolveDevice(const DeviceChoice& choice, int rank) {
   }
   if (count == 0) {
     return Status::FailedPrecondition("--device " + ToString(choice) +
-                                      ": no CUDA device is usable (" + why +
-                                      "); use --device cpu");
+                                      ": no CUDA device is usable (" + why + "); use --device cpu");
   }
   const int index = choice.index >= 0 ? choice.index : rank % count;
   if (index >= count) {
-    return Status::InvalidArgument("--device " + ToString(choice) + ": only " +
-                                   std::to_string(count) + " CUDA device" +
-                                   (count == 1 ? "" : "s") + " visible (cuda:0 to cuda:" +
-                                   std::to_string(count - 1) + ")");
+    return Status::InvalidArgument(
+        "--device " + ToString(choice) + ": only " + std::to_string(count) + " CUDA device" +
+        (count == 1 ? "" : "s") + " visible (cuda:0 to cuda:" + std::to_string(count - 1) + ")");
   }
   return DeviceChoice{DeviceChoice::Kind::kCuda, index};
 }

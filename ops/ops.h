@@ -72,9 +72,9 @@ struct Ref {
   Dtype dtype = Dtype::kF32;
 
   Ref() = default;
-  Ref(std::nullptr_t) {}                                   // NOLINT: "no buffer"
-  Ref(float* p) : data(p), dtype(Dtype::kF32) {}           // NOLINT: implicit by design
-  Ref(Bf16* p) : data(p), dtype(Dtype::kBF16) {}           // NOLINT
+  Ref(std::nullptr_t) {}                          // NOLINT: "no buffer"
+  Ref(float* p) : data(p), dtype(Dtype::kF32) {}  // NOLINT: implicit by design
+  Ref(Bf16* p) : data(p), dtype(Dtype::kBF16) {}  // NOLINT
   Ref(void* p, Dtype d) : data(p), dtype(d) {}
   explicit operator bool() const { return data != nullptr; }
   // The element `i` elements further on.
@@ -88,10 +88,10 @@ struct CRef {
   Dtype dtype = Dtype::kF32;
 
   CRef() = default;
-  CRef(std::nullptr_t) {}                                      // NOLINT
-  CRef(const float* p) : data(p), dtype(Dtype::kF32) {}        // NOLINT
-  CRef(const Bf16* p) : data(p), dtype(Dtype::kBF16) {}        // NOLINT
-  CRef(Ref r) : data(r.data), dtype(r.dtype) {}                // NOLINT
+  CRef(std::nullptr_t) {}                                // NOLINT
+  CRef(const float* p) : data(p), dtype(Dtype::kF32) {}  // NOLINT
+  CRef(const Bf16* p) : data(p), dtype(Dtype::kBF16) {}  // NOLINT
+  CRef(Ref r) : data(r.data), dtype(r.dtype) {}          // NOLINT
   CRef(const void* p, Dtype d) : data(p), dtype(d) {}
   explicit operator bool() const { return data != nullptr; }
   CRef At(int64_t i) const {
@@ -229,9 +229,9 @@ class Ops {
   virtual void LayerNormForward(const float* x, const float* weight, const float* bias, Ref out,
                                 float* mean, float* rstd, int N, int C) = 0;
   // dx += (the residual stream's gradient accumulates); dweight, dbias +=.
-  virtual void LayerNormBackward(CRef dout, const float* x, const float* weight,
-                                 const float* mean, const float* rstd, float* dx, float* dweight,
-                                 float* dbias, int N, int C) = 0;
+  virtual void LayerNormBackward(CRef dout, const float* x, const float* weight, const float* mean,
+                                 const float* rstd, float* dx, float* dweight, float* dbias, int N,
+                                 int C) = 0;
 
   // out[N,out_dim] = x[N,in_dim] W[in_dim,out_dim] + bias (+ residual). x and w share one
   // dtype; bias (may be null) and residual (may be null; may alias out, which must then be
@@ -252,10 +252,10 @@ class Ops {
                                  int in_dim, int out_dim, int rank) = 0;
   // dx written; dw/dbias (null for a frozen base) and dlora_a/dlora_b (fp32) accumulate.
   // dxa_scratch [N,rank] in the activations' dtype.
-  virtual void LoraLinearBackward(CRef dout, CRef x, CRef w, CRef lora_a, CRef lora_b,
-                                  float scale, CRef xa, Ref dx, float* dw, float* dbias,
-                                  float* dlora_a, float* dlora_b, Ref dxa_scratch, int N,
-                                  int in_dim, int out_dim, int rank) = 0;
+  virtual void LoraLinearBackward(CRef dout, CRef x, CRef w, CRef lora_a, CRef lora_b, float scale,
+                                  CRef xa, Ref dx, float* dw, float* dbias, float* dlora_a,
+                                  float* dlora_b, Ref dxa_scratch, int N, int in_dim, int out_dim,
+                                  int rank) = 0;
 
   // GELU, tanh approximation (as GPT-2). out / dx may alias their inputs.
   virtual void GeluForward(CRef x, Ref out, int64_t n) = 0;
@@ -277,8 +277,8 @@ class Ops {
   // dlogits is not null it receives (softmax(logits[i]) - onehot(target[i])) * dloss[0],
   // zero rows for ignored targets. dloss is one fp32 in backend memory (1 / counted rows
   // makes it the gradient of the mean loss). targets in [-1, V).
-  virtual void SoftmaxCrossEntropy(CRef logits, const int32_t* targets, float* losses,
-                                   Ref dlogits, const float* dloss, int N, int V) = 0;
+  virtual void SoftmaxCrossEntropy(CRef logits, const int32_t* targets, float* losses, Ref dlogits,
+                                   const float* dloss, int N, int V) = 0;
 
   // *out = sum of x[i]^2 over n fp32 elements (one fp32 in backend memory), accumulated in
   // at least fp32 pairwise/blocked order; deterministic for a given n.

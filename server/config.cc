@@ -27,70 +27,169 @@ const std::vector<Binding>& Bindings() {
   static const std::vector<Binding> kBindings = {
       {{"shard.id", T::kString, "shard0", "Name of this shard in logs and status (e.g. siteA-0)."},
        &ServerConfig::shard_id},
-      {{"shard.index", T::kInt, "-1", "This shard's position (0, 1, ...) in its site's shard list. When set, a peer link whose other end reports a different index is refused at the handshake (a sync.peers entry that points at the wrong shard). -1: not checked."},
-       nullptr, nullptr, nullptr, &ServerConfig::shard_index},
-      {{"shard.data_dir", T::kString, "", "Folder for the RocksDB database (db/) and snapshots (snapshots/). Required."},
+      {{"shard.index", T::kInt, "-1",
+        "This shard's position (0, 1, ...) in its site's shard list. When set, a peer link whose "
+        "other end reports a different index is refused at the handshake (a sync.peers entry that "
+        "points at the wrong shard). -1: not checked."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::shard_index},
+      {{"shard.data_dir", T::kString, "",
+        "Folder for the RocksDB database (db/) and snapshots (snapshots/). Required."},
        &ServerConfig::data_dir},
-      {{"listen.worker", T::kString, "tcp://127.0.0.1:7100", "ZeroMQ endpoint for workers (pull, push, hello)."},
+      {{"listen.worker", T::kString, "tcp://127.0.0.1:7100",
+        "ZeroMQ endpoint for workers (pull, push, hello)."},
        &ServerConfig::listen_worker},
-      {{"listen.admin", T::kString, "tcp://127.0.0.1:7101", "ZeroMQ endpoint for isthmusctl (jobs, stats, snapshots, export)."},
+      {{"listen.admin", T::kString, "tcp://127.0.0.1:7101",
+        "ZeroMQ endpoint for isthmusctl (jobs, stats, snapshots, export)."},
        &ServerConfig::listen_admin},
-      {{"security.secret_key", T::kString, "", "This server's key pair file (mode 0600; make one with isthmusctl keygen). Required unless insecure_plaintext."},
+      {{"security.secret_key", T::kString, "",
+        "This server's key pair file (mode 0600; make one with isthmusctl keygen). Required unless "
+        "insecure_plaintext."},
        &ServerConfig::secret_key},
-      {{"security.worker_keys", T::kStringList, "", "Public key files or folders of *.pub files allowed on the worker socket."},
-       nullptr, &ServerConfig::worker_keys},
-      {{"security.admin_keys", T::kStringList, "", "Public key files or folders allowed on the admin socket."},
-       nullptr, &ServerConfig::admin_keys},
-      {{"security.peer_keys", T::kStringList, "", "Public key files or folders of peer shards (cross-site links)."},
-       nullptr, &ServerConfig::peer_keys},
-      {{"security.insecure_plaintext", T::kBool, "false", "Disable CURVE: no encryption, no authentication. For local benchmarks only; prints a warning."},
-       nullptr, nullptr, &ServerConfig::insecure_plaintext},
-      {{"limits.max_message_bytes", T::kInt, "1073741824", "Largest payload of one request or reply (bytes); larger requests get ResourceExhausted."},
-       nullptr, nullptr, nullptr, &ServerConfig::max_message_bytes},
+      {{"security.worker_keys", T::kStringList, "",
+        "Public key files or folders of *.pub files allowed on the worker socket."},
+       nullptr,
+       &ServerConfig::worker_keys},
+      {{"security.admin_keys", T::kStringList, "",
+        "Public key files or folders allowed on the admin socket."},
+       nullptr,
+       &ServerConfig::admin_keys},
+      {{"security.peer_keys", T::kStringList, "",
+        "Public key files or folders of peer shards (cross-site links)."},
+       nullptr,
+       &ServerConfig::peer_keys},
+      {{"security.insecure_plaintext", T::kBool, "false",
+        "Disable CURVE: no encryption, no authentication. For local benchmarks only; prints a "
+        "warning."},
+       nullptr,
+       nullptr,
+       &ServerConfig::insecure_plaintext},
+      {{"limits.max_message_bytes", T::kInt, "1073741824",
+        "Largest payload of one request or reply (bytes); larger requests get ResourceExhausted."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::max_message_bytes},
       {{"limits.max_header_bytes", T::kInt, "1048576", "Largest header frame (bytes)."},
-       nullptr, nullptr, nullptr, &ServerConfig::max_header_bytes},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::max_header_bytes},
       {{"limits.max_tensors", T::kInt, "100000", "Most tensors in one request."},
-       nullptr, nullptr, nullptr, &ServerConfig::max_tensors},
-      {{"storage.sync_writes", T::kBool, "true", "fsync RocksDB's write-ahead log before acknowledging a change. false: acknowledged changes survive a process crash but not a power loss."},
-       nullptr, nullptr, &ServerConfig::sync_writes},
-      {{"storage.dedup_window", T::kInt, "65536", "Idempotency keys remembered per job; a retry older than this many pushes is applied again."},
-       nullptr, nullptr, nullptr, &ServerConfig::dedup_window},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::max_tensors},
+      {{"storage.sync_writes", T::kBool, "true",
+        "fsync RocksDB's write-ahead log before acknowledging a change. false: acknowledged "
+        "changes survive a process crash but not a power loss."},
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_writes},
+      {{"storage.dedup_window", T::kInt, "65536",
+        "Idempotency keys remembered per job; a retry older than this many pushes is applied "
+        "again."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::dedup_window},
       {{"runtime.io_threads", T::kInt, "2", "ZeroMQ I/O threads (CURVE encryption runs on them)."},
-       nullptr, nullptr, nullptr, &ServerConfig::io_threads},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::io_threads},
       {{"log.level", T::kString, "info", "trace, debug, info, warn, error or off."},
        &ServerConfig::log_level},
-      {{"listen.peer", T::kString, "", "ZeroMQ endpoint for peer shards of other sites (cross-site sync). Empty: no peer socket."},
+      {{"listen.peer", T::kString, "",
+        "ZeroMQ endpoint for peer shards of other sites (cross-site sync). Empty: no peer socket."},
        &ServerConfig::listen_peer},
-      {{"sync.site", T::kString, "", "This site's name (e.g. siteA). Setting it turns on the round protocol (docs/SYNC.md); required when sync.peers is set."},
+      {{"sync.site", T::kString, "",
+        "This site's name (e.g. siteA). Setting it turns on the round protocol (docs/SYNC.md); "
+        "required when sync.peers is set."},
        &ServerConfig::sync_site},
-      {{"sync.peers", T::kStringList, "", "Peer shards, each SITE=ENDPOINT=PUBKEYFILE: the same-numbered shard of another site."},
-       nullptr, &ServerConfig::sync_peers},
-      {{"sync.codec", T::kString, "", "Codec pipeline for round deltas (ops/codec.h syntax, e.g. topk:0.05+int4+zstd). Empty: the codec's default."},
+      {{"sync.peers", T::kStringList, "",
+        "Peer shards, each SITE=ENDPOINT=PUBKEYFILE: the same-numbered shard of another site."},
+       nullptr,
+       &ServerConfig::sync_peers},
+      {{"sync.codec", T::kString, "",
+        "Codec pipeline for round deltas (ops/codec.h syntax, e.g. topk:0.05+int4+zstd). Empty: "
+        "the codec's default."},
        &ServerConfig::sync_codec},
-      {{"sync.codec_overrides", T::kStringList, "", "Per-tensor pipelines, each GLOB=PIPELINE on tensor names; the first match wins."},
-       nullptr, &ServerConfig::sync_codec_overrides},
-      {{"sync.adaptive", T::kBool, "false", "Choose density and bit width per round so one round's transfer fits in one round's compute time on the slowest link."},
-       nullptr, nullptr, &ServerConfig::sync_adaptive},
-      {{"sync.adaptive_floor", T::kString, "", "Coarsest pipeline adaptive mode may use. Empty: sync.codec."},
+      {{"sync.codec_overrides", T::kStringList, "",
+        "Per-tensor pipelines, each GLOB=PIPELINE on tensor names; the first match wins."},
+       nullptr,
+       &ServerConfig::sync_codec_overrides},
+      {{"sync.adaptive", T::kBool, "false",
+        "Choose density and bit width per round so one round's transfer fits in one round's "
+        "compute time on the slowest link."},
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_adaptive},
+      {{"sync.adaptive_floor", T::kString, "",
+        "Coarsest pipeline adaptive mode may use. Empty: sync.codec."},
        &ServerConfig::sync_adaptive_floor},
-      {{"sync.adaptive_ceiling", T::kString, "", "Finest pipeline adaptive mode may use. Empty: dense."},
+      {{"sync.adaptive_ceiling", T::kString, "",
+        "Finest pipeline adaptive mode may use. Empty: dense."},
        &ServerConfig::sync_adaptive_ceiling},
-      {{"sync.outer_lr", T::kDouble, "1.0", "Outer learning rate applied to the merged round delta."},
-       nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_lr},
-      {{"sync.outer_momentum", T::kDouble, "0.0", "Outer Nesterov momentum in [0, 1). DiLoCo uses 0.9 with outer_lr 0.7 over hundreds of inner steps; on the demo's short LoRA fine-tune that diverged (docs/BENCHMARKS.md, section 8)."},
-       nullptr, nullptr, nullptr, nullptr, &ServerConfig::sync_outer_momentum},
-      {{"sync.fragments", T::kInt, "1", "Stream the model in this many fragments of about equal size: round r sends fragment (r-1) mod N and the others wait in the error-feedback residual, so a round carries 1/N of the model (1: every tensor every round; all sites should agree)."},
-       nullptr, nullptr, nullptr, &ServerConfig::sync_fragments},
-      {{"sync.max_rounds_ahead", T::kInt, "2", "K: workers wait while their site is more than K rounds ahead of the last committed round (0: never wait)."},
-       nullptr, nullptr, nullptr, &ServerConfig::sync_max_rounds_ahead},
-      {{"sync.dial", T::kString, "auto", "Which side of each peer pair opens the one connection they share: auto (the site whose name sorts first), always (this site dials every peer: the peers cannot reach it), never (it only listens: it cannot reach them)."},
+      {{"sync.outer_lr", T::kDouble, "1.0",
+        "Outer learning rate applied to the merged round delta."},
+       nullptr,
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_outer_lr},
+      {{"sync.outer_momentum", T::kDouble, "0.0",
+        "Outer Nesterov momentum in [0, 1). DiLoCo uses 0.9 with outer_lr 0.7 over hundreds of "
+        "inner steps; on the demo's short LoRA fine-tune that diverged (docs/BENCHMARKS.md, "
+        "section 8)."},
+       nullptr,
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_outer_momentum},
+      {{"sync.fragments", T::kInt, "1",
+        "Stream the model in this many fragments of about equal size: round r sends fragment (r-1) "
+        "mod N and the others wait in the error-feedback residual, so a round carries 1/N of the "
+        "model (1: every tensor every round; all sites should agree)."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_fragments},
+      {{"sync.max_rounds_ahead", T::kInt, "2",
+        "K: workers wait while their site is more than K rounds ahead of the last committed round "
+        "(0: never wait)."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_max_rounds_ahead},
+      {{"sync.dial", T::kString, "auto",
+        "Which side of each peer pair opens the one connection they share: auto (the site whose "
+        "name sorts first), always (this site dials every peer: the peers cannot reach it), never "
+        "(it only listens: it cannot reach them)."},
        &ServerConfig::sync_dial},
-      {{"sync.ack_delay_ms", T::kInt, "5000", "How long a peer may hold its acknowledgement of this site's delta to carry it in its own next delta instead of a message of its own (0: acknowledge at once). Also added to the time before an unacknowledged delta is sent again."},
-       nullptr, nullptr, nullptr, &ServerConfig::sync_ack_delay_ms},
-      {{"sync.resend_ms", T::kInt, "2000", "Resend unacknowledged deltas to a peer after this many milliseconds."},
-       nullptr, nullptr, nullptr, &ServerConfig::sync_resend_ms},
-      {{"sync.backoff_max_ms", T::kInt, "10000", "Longest wait between reconnection attempts to a peer (milliseconds); also how often an idle peer link sends its keep-alive."},
-       nullptr, nullptr, nullptr, &ServerConfig::sync_backoff_max_ms},
+      {{"sync.ack_delay_ms", T::kInt, "5000",
+        "How long a peer may hold its acknowledgement of this site's delta to carry it in its own "
+        "next delta instead of a message of its own (0: acknowledge at once). Also added to the "
+        "time before an unacknowledged delta is sent again."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_ack_delay_ms},
+      {{"sync.resend_ms", T::kInt, "2000",
+        "Resend unacknowledged deltas to a peer after this many milliseconds."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_resend_ms},
+      {{"sync.backoff_max_ms", T::kInt, "10000",
+        "Longest wait between reconnection attempts to a peer (milliseconds); also how often an "
+        "idle peer link sends its keep-alive."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_backoff_max_ms},
   };
   return kBindings;
 }
@@ -110,22 +209,28 @@ std::vector<std::string> SplitList(const std::string& text) {
 Status ApplyText(ServerConfig& cfg, const Binding& b, const std::string& text,
                  const std::string& origin) {
   switch (b.info.type) {
-    case SettingType::kString: cfg.*b.str = text; break;
-    case SettingType::kStringList: cfg.*b.list = SplitList(text); break;
+    case SettingType::kString:
+      cfg.*b.str = text;
+      break;
+    case SettingType::kStringList:
+      cfg.*b.list = SplitList(text);
+      break;
     case SettingType::kBool:
       if (text == "true" || text == "1" || text == "yes") {
         cfg.*b.flag = true;
       } else if (text == "false" || text == "0" || text == "no") {
         cfg.*b.flag = false;
       } else {
-        return Status::InvalidArgument(origin + ": " + b.info.key + " must be true or false, not '" + text + "'");
+        return Status::InvalidArgument(origin + ": " + b.info.key +
+                                       " must be true or false, not '" + text + "'");
       }
       break;
     case SettingType::kInt: {
       char* end = nullptr;
       long long v = std::strtoll(text.c_str(), &end, 10);
       if (text.empty() || *end != '\0') {
-        return Status::InvalidArgument(origin + ": " + b.info.key + " must be an integer, not '" + text + "'");
+        return Status::InvalidArgument(origin + ": " + b.info.key + " must be an integer, not '" +
+                                       text + "'");
       }
       cfg.*b.num = v;
       break;
@@ -134,7 +239,8 @@ Status ApplyText(ServerConfig& cfg, const Binding& b, const std::string& text,
       char* end = nullptr;
       double v = std::strtod(text.c_str(), &end);
       if (text.empty() || *end != '\0' || !std::isfinite(v)) {
-        return Status::InvalidArgument(origin + ": " + b.info.key + " must be a number, not '" + text + "'");
+        return Status::InvalidArgument(origin + ": " + b.info.key + " must be a number, not '" +
+                                       text + "'");
       }
       cfg.*b.real = v;
       break;
@@ -198,9 +304,15 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
         std::string text;
         try {
           switch (b->info.type) {
-            case SettingType::kString: text = toml::get<std::string>(value); break;
-            case SettingType::kBool: text = toml::get<bool>(value) ? "true" : "false"; break;
-            case SettingType::kInt: text = std::to_string(toml::get<int64_t>(value)); break;
+            case SettingType::kString:
+              text = toml::get<std::string>(value);
+              break;
+            case SettingType::kBool:
+              text = toml::get<bool>(value) ? "true" : "false";
+              break;
+            case SettingType::kInt:
+              text = std::to_string(toml::get<int64_t>(value));
+              break;
             case SettingType::kDouble: {
               std::ostringstream os;
               os.precision(17);
@@ -216,7 +328,8 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
             }
           }
         } catch (const std::exception&) {
-          return Status::InvalidArgument(config_file + ": setting '" + key + "' has the wrong type");
+          return Status::InvalidArgument(config_file + ": setting '" + key +
+                                         "' has the wrong type");
         }
         ISTHMUS_RETURN_IF_ERROR(ApplyText(cfg, *b, text, config_file));
       }
@@ -237,23 +350,30 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
 
 Status ValidateServerConfig(const ServerConfig& c) {
   if (c.data_dir.empty()) {
-    return Status::InvalidArgument("shard.data_dir is not set (use --shard.data_dir=DIR or [shard] data_dir in the config file)");
+    return Status::InvalidArgument(
+        "shard.data_dir is not set (use --shard.data_dir=DIR or [shard] data_dir in the config "
+        "file)");
   }
   if (!c.insecure_plaintext && c.secret_key.empty()) {
-    return Status::InvalidArgument("security.secret_key is not set: make a key pair with `isthmusctl keygen --out PREFIX` and pass --security.secret_key=PREFIX.key (or --security.insecure_plaintext=true for a local test)");
+    return Status::InvalidArgument(
+        "security.secret_key is not set: make a key pair with `isthmusctl keygen --out PREFIX` and "
+        "pass --security.secret_key=PREFIX.key (or --security.insecure_plaintext=true for a local "
+        "test)");
   }
   if (c.listen_worker.empty() || c.listen_admin.empty()) {
     return Status::InvalidArgument("listen.worker and listen.admin must both be set");
   }
   if (c.max_message_bytes <= 0 || c.max_header_bytes <= 0 || c.max_tensors <= 0 ||
       c.dedup_window <= 0 || c.io_threads <= 0) {
-    return Status::InvalidArgument("limits, storage.dedup_window and runtime.io_threads must be positive");
+    return Status::InvalidArgument(
+        "limits, storage.dedup_window and runtime.io_threads must be positive");
   }
   if (c.shard_index < -1) {
     return Status::InvalidArgument("shard.index must be >= 0 (or -1 to leave it unchecked)");
   }
   if (!c.sync_peers.empty() && c.sync_site.empty()) {
-    return Status::InvalidArgument("sync.peers is set but sync.site is not: name this site (--sync.site=NAME)");
+    return Status::InvalidArgument(
+        "sync.peers is set but sync.site is not: name this site (--sync.site=NAME)");
   }
   ISTHMUS_ASSIGN_OR_RETURN(auto peers, ParsePeerSpecs(c.sync_peers));
   for (const auto& p : peers) {
@@ -274,7 +394,8 @@ Status ValidateServerConfig(const ServerConfig& c) {
     return Status::InvalidArgument("sync.ack_delay_ms must be in [0, 60000]");
   }
   if (c.sync_max_rounds_ahead < 0 || c.sync_resend_ms <= 0 || c.sync_backoff_max_ms <= 0) {
-    return Status::InvalidArgument("sync.max_rounds_ahead must be >= 0, sync.resend_ms and sync.backoff_max_ms positive");
+    return Status::InvalidArgument(
+        "sync.max_rounds_ahead must be >= 0, sync.resend_ms and sync.backoff_max_ms positive");
   }
   return Status::Ok();
 }
@@ -286,7 +407,8 @@ Result<std::vector<PeerSpec>> ParsePeerSpecs(const std::vector<std::string>& ent
     auto a = e.find('=');
     auto b = a == std::string::npos ? a : e.find('=', a + 1);
     if (b == std::string::npos || a == 0 || b == a + 1 || b + 1 == e.size()) {
-      return Status::InvalidArgument("sync.peers entry '" + e + "' is not SITE=ENDPOINT=PUBKEYFILE");
+      return Status::InvalidArgument("sync.peers entry '" + e +
+                                     "' is not SITE=ENDPOINT=PUBKEYFILE");
     }
     PeerSpec p{e.substr(0, a), e.substr(a + 1, b - a - 1), e.substr(b + 1)};
     if (!sites.insert(p.site).second) {
@@ -327,8 +449,8 @@ std::string ServerConfigDoc() {
                        : s.type == SettingType::kBool       ? "bool"
                        : s.type == SettingType::kDouble     ? "number"
                                                             : "integer";
-    out << "| `" << s.key << "` | `" << SettingFlag(s.key) << "` | `" << SettingEnv(s.key)
-        << "` | " << type << " | `" << s.default_value << "` | " << s.doc << " |\n";
+    out << "| `" << s.key << "` | `" << SettingFlag(s.key) << "` | `" << SettingEnv(s.key) << "` | "
+        << type << " | `" << s.default_value << "` | " << s.doc << " |\n";
   }
   return out.str();
 }

@@ -70,7 +70,7 @@ Result<std::vector<PeerSpec>> ParsePeerSpecs(const std::vector<std::string>& ent
 enum class SettingType { kString, kStringList, kBool, kInt, kDouble };
 
 struct SettingInfo {
-  std::string key;            // "section.name"
+  std::string key;  // "section.name"
   SettingType type;
   std::string default_value;  // as text; lists comma-separated
   std::string doc;

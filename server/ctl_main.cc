@@ -1,21 +1,21 @@
 // isthmusctl: the operator's CLI for a site's shards: keys, status, jobs, snapshots,
-// export and cross-site sync (status, now, pause/resume, verify). Every command that talks to shards takes the same connection flags; a command
-// addressed to a site acts on all its shards (given in shard order with --server).
-// Exit codes: the shared table (common/exit_codes.h); `sync verify` exits 1 when digests
-// differ. docs/CLI.md is the reference.
+// export and cross-site sync (status, now, pause/resume, verify). Every command that talks to
+// shards takes the same connection flags; a command addressed to a site acts on all its shards
+// (given in shard order with --server). Exit codes: the shared table (common/exit_codes.h); `sync
+// verify` exits 1 when digests differ. docs/CLI.md is the reference.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 #include <iostream>
-#include <algorithm>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
-#include "common/exit_codes.h"
 #include "common/client.h"
+#include "common/exit_codes.h"
 #include "common/keys.h"
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -44,7 +44,8 @@ int Fail(const Status& s) {
 
 Result<std::vector<std::unique_ptr<ShardClient>>> ConnectAll(const Connection& c) {
   if (c.servers.empty()) {
-    return Status::InvalidArgument("no shard given: pass --server tcp://HOST:ADMIN_PORT (once per shard, in shard order)");
+    return Status::InvalidArgument(
+        "no shard given: pass --server tcp://HOST:ADMIN_PORT (once per shard, in shard order)");
   }
   ClientOptions base;
   base.insecure_plaintext = c.insecure;
@@ -52,11 +53,13 @@ Result<std::vector<std::unique_ptr<ShardClient>>> ConnectAll(const Connection& c
   base.retries = 1;
   if (!c.insecure) {
     if (c.key_file.empty()) {
-      return Status::InvalidArgument("no admin key: pass --key ADMIN.key (make one with isthmusctl keygen)");
+      return Status::InvalidArgument(
+          "no admin key: pass --key ADMIN.key (make one with isthmusctl keygen)");
     }
     ISTHMUS_ASSIGN_OR_RETURN(base.client_keys, LoadKeyPairFile(c.key_file));
     if (c.server_keys.size() != 1 && c.server_keys.size() != c.servers.size()) {
-      return Status::InvalidArgument("pass --server-key once (all shards share a key) or once per --server");
+      return Status::InvalidArgument(
+          "pass --server-key once (all shards share a key) or once per --server");
     }
   }
   std::vector<std::unique_ptr<ShardClient>> clients;
@@ -94,8 +97,8 @@ int CmdKeygen(const std::string& out, bool force) {
   auto pair = GenerateKeyPair();
   if (!pair.ok()) return Fail(pair.status());
   if (auto s = WriteKeyPairFiles(out, *pair, force); !s.ok()) return Fail(s);
-  std::printf("wrote %s.key (secret, mode 0600) and %s.pub (public)\npublic key: %s\n",
-              out.c_str(), out.c_str(), pair->public_key.c_str());
+  std::printf("wrote %s.key (secret, mode 0600) and %s.pub (public)\npublic key: %s\n", out.c_str(),
+              out.c_str(), pair->public_key.c_str());
   return 0;
 }
 
@@ -123,8 +126,11 @@ int CmdStatus(const Connection& c, bool as_json) {
       row["db_bytes"] = st->db_bytes;
       json jobs = json::array();
       for (const auto& j : st->jobs) {
-        jobs.push_back({{"job", j.job}, {"version", j.version}, {"tensors", j.tensor_count},
-                        {"bytes", j.total_bytes}, {"pushes", j.pushes}});
+        jobs.push_back({{"job", j.job},
+                        {"version", j.version},
+                        {"tensors", j.tensor_count},
+                        {"bytes", j.total_bytes},
+                        {"pushes", j.pushes}});
       }
       row["jobs"] = jobs;
     }
@@ -152,7 +158,8 @@ int CmdStatus(const Connection& c, bool as_json) {
                   HumanBytes(r["db_bytes"].get<uint64_t>()).c_str());
       for (const auto& j : r["jobs"]) {
         std::printf("       job %-20s version %-8llu tensors %-6llu %10s pushes %llu\n",
-                    j["job"].get<std::string>().c_str(), (unsigned long long)j["version"].get<uint64_t>(),
+                    j["job"].get<std::string>().c_str(),
+                    (unsigned long long)j["version"].get<uint64_t>(),
                     (unsigned long long)j["tensors"].get<uint64_t>(),
                     HumanBytes(j["bytes"].get<uint64_t>()).c_str(),
                     (unsigned long long)j["pushes"].get<uint64_t>());
@@ -166,7 +173,8 @@ int CmdJobCreate(const Connection& c, const std::string& job, const std::string&
                  std::string base_hash) {
   auto loaded = ReadSafetensors(file);
   if (!loaded.ok()) return Fail(loaded.status());
-  if (loaded->tensors.empty()) return Fail(Status::InvalidArgument("'" + file + "' holds no tensors"));
+  if (loaded->tensors.empty())
+    return Fail(Status::InvalidArgument("'" + file + "' holds no tensors"));
   if (base_hash.empty()) base_hash = TensorsContentHash(loaded->tensors);
   auto clients = ConnectAll(c);
   if (!clients.ok()) return Fail(clients.status());
@@ -206,9 +214,10 @@ int CmdJobDescribe(const Connection& c, const std::string& job, bool as_json) {
       out.push_back({{"shard", s}, {"name", t.name}, {"shape", t.shape}, {"version", t.version}});
     }
     if (!as_json) {
-      std::printf("shard %zu: job '%s' version %llu, %zu tensors, %llu pushes, base %s, created %s UTC\n",
-                  s, job.c_str(), (unsigned long long)r->version, r->tensors.size(),
-                  (unsigned long long)r->pushes, r->base_hash.c_str(), TimeText(r->created_unix).c_str());
+      std::printf(
+          "shard %zu: job '%s' version %llu, %zu tensors, %llu pushes, base %s, created %s UTC\n",
+          s, job.c_str(), (unsigned long long)r->version, r->tensors.size(),
+          (unsigned long long)r->pushes, r->base_hash.c_str(), TimeText(r->created_unix).c_str());
     }
   }
   if (out.empty()) return Fail(Status::NotFound("job '" + job + "' is on no shard"));
@@ -241,8 +250,8 @@ int CmdExport(const Connection& c, const std::string& job, const std::string& ou
   if (auto s = WriteSafetensors(out_file, all, meta); !s.ok()) return Fail(s);
   uint64_t bytes = 0;
   for (const auto& t : all) bytes += t.data.size() * sizeof(float);
-  std::printf("exported %zu tensors (%s) of job '%s' to %s\n", all.size(), HumanBytes(bytes).c_str(),
-              job.c_str(), out_file.c_str());
+  std::printf("exported %zu tensors (%s) of job '%s' to %s\n", all.size(),
+              HumanBytes(bytes).c_str(), job.c_str(), out_file.c_str());
   return 0;
 }
 
@@ -258,8 +267,11 @@ int CmdSnapshot(const Connection& c, const std::string& action, const std::strin
       for (const auto& snap : *r) {
         json jobs = json::array();
         for (const auto& j : snap.jobs) jobs.push_back({{"job", j.job}, {"version", j.version}});
-        out.push_back({{"shard", s}, {"name", snap.name}, {"created_unix", snap.created_unix},
-                       {"bytes", snap.bytes}, {"jobs", jobs}});
+        out.push_back({{"shard", s},
+                       {"name", snap.name},
+                       {"created_unix", snap.created_unix},
+                       {"bytes", snap.bytes},
+                       {"jobs", jobs}});
         if (!as_json) {
           std::printf("shard %zu  %-24s %s UTC  %10s", s, snap.name.c_str(),
                       TimeText(snap.created_unix).c_str(), HumanBytes(snap.bytes).c_str());
@@ -298,33 +310,48 @@ json SyncStatusJson(const SyncStatusInfo& st) {
   for (const auto& l : st.links) {
     json jobs = json::array();
     for (const auto& j : l.jobs) {
-      jobs.push_back({{"job", j.job}, {"acked_round", j.acked_round},
-                      {"outbox_round", j.outbox_round}, {"lag_rounds", j.lag_rounds}});
+      jobs.push_back({{"job", j.job},
+                      {"acked_round", j.acked_round},
+                      {"outbox_round", j.outbox_round},
+                      {"lag_rounds", j.lag_rounds}});
     }
-    links.push_back({{"site", l.site}, {"endpoint", l.endpoint}, {"connected", l.connected},
-                     {"paused", l.paused}, {"last_error", l.last_error}, {"jobs", jobs},
-                     {"bytes_sent", l.bytes_sent}, {"bytes_received", l.bytes_received},
+    links.push_back({{"site", l.site},
+                     {"endpoint", l.endpoint},
+                     {"connected", l.connected},
+                     {"paused", l.paused},
+                     {"last_error", l.last_error},
+                     {"jobs", jobs},
+                     {"bytes_sent", l.bytes_sent},
+                     {"bytes_received", l.bytes_received},
                      {"raw_bytes_sent", l.raw_bytes_sent},
                      {"compression_ratio", l.compression_ratio},
-                     {"bandwidth_bps", l.bandwidth_bps}, {"deltas_sent", l.deltas_sent},
-                     {"deltas_acked", l.deltas_acked}, {"resends", l.resends},
-                     {"auth_failures", l.auth_failures}, {"refused", l.refused},
+                     {"bandwidth_bps", l.bandwidth_bps},
+                     {"deltas_sent", l.deltas_sent},
+                     {"deltas_acked", l.deltas_acked},
+                     {"resends", l.resends},
+                     {"auth_failures", l.auth_failures},
+                     {"refused", l.refused},
                      {"wire_bytes_sent", l.wire_bytes_sent},
                      {"wire_bytes_received", l.wire_bytes_received},
-                     {"tcp_bytes_estimate", l.tcp_bytes_estimate}, {"wire_ratio", l.wire_ratio},
+                     {"tcp_bytes_estimate", l.tcp_bytes_estimate},
+                     {"wire_ratio", l.wire_ratio},
                      {"messages_sent", l.messages_sent},
                      {"messages_received", l.messages_received},
-                     {"connections", l.connections}, {"keepalives", l.keepalives},
+                     {"connections", l.connections},
+                     {"keepalives", l.keepalives},
                      {"dials", l.dials}});
   }
   json jobs = json::array();
   for (const auto& j : st.jobs) {
-    jobs.push_back({{"job", j.job}, {"local_round", j.local_round},
+    jobs.push_back({{"job", j.job},
+                    {"local_round", j.local_round},
                     {"committed_round", j.committed_round},
-                    {"max_rounds_ahead", j.max_rounds_ahead}, {"detail", j.detail}});
+                    {"max_rounds_ahead", j.max_rounds_ahead},
+                    {"detail", j.detail}});
   }
-  return {{"site", st.site}, {"shard_index", st.shard_index}, {"enabled", st.enabled},
-          {"refused_unknown", st.refused_unknown}, {"links", links}, {"jobs", jobs}};
+  return {{"site", st.site},       {"shard_index", st.shard_index},
+          {"enabled", st.enabled}, {"refused_unknown", st.refused_unknown},
+          {"links", links},        {"jobs", jobs}};
 }
 
 int CmdSyncStatus(const Connection& c, bool as_json) {
@@ -335,10 +362,11 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
   for (size_t i = 0; i < clients->size(); ++i) {
     auto st = (*clients)[i]->SyncStatus();
     if (!st.ok()) {
-      out.push_back({{"endpoint", c.servers[i]}, {"reachable", false},
-                     {"error", st.status().ToString()}});
+      out.push_back(
+          {{"endpoint", c.servers[i]}, {"reachable", false}, {"error", st.status().ToString()}});
       if (!as_json) {
-        std::printf("shard %zu (%s): %s\n", i, c.servers[i].c_str(), st.status().ToString().c_str());
+        std::printf("shard %zu (%s): %s\n", i, c.servers[i].c_str(),
+                    st.status().ToString().c_str());
       }
       if (worst.ok()) worst = st.status();
       continue;
@@ -359,32 +387,31 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
     if (st->links.empty()) continue;
     // The wire (everything sent and received for the peer, framing and handshakes
     // included) is the headline; the delta payload and its ratio follow.
-    std::printf("  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", "PEER", "STATE",
-                "JOB", "ACKED", "LAG", "WIRE SENT", "WIRE RECV", "WIRE x", "PAYLOAD", "PAYL x",
+    std::printf("  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", "PEER", "STATE", "JOB",
+                "ACKED", "LAG", "WIRE SENT", "WIRE RECV", "WIRE x", "PAYLOAD", "PAYL x",
                 "BANDWIDTH");
     for (const auto& l : st->links) {
       const char* state = l.paused ? "paused" : l.connected ? "connected" : "down";
       char ratio[16], wire_ratio[16];
       std::snprintf(ratio, sizeof ratio, l.compression_ratio > 0 ? "%.1fx" : "-",
                     l.compression_ratio);
-      std::snprintf(wire_ratio, sizeof wire_ratio, l.wire_ratio > 0 ? "%.1fx" : "-",
-                    l.wire_ratio);
+      std::snprintf(wire_ratio, sizeof wire_ratio, l.wire_ratio > 0 ? "%.1fx" : "-", l.wire_ratio);
       std::vector<PeerLinkReport::Job> jobs = l.jobs;
       if (jobs.empty()) jobs.push_back({"-", 0, 0, 0});
       for (const auto& j : jobs) {
-        std::printf("  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", l.site.c_str(),
-                    state, j.job.c_str(),
-                    l.jobs.empty() ? "-" : std::to_string(j.acked_round).c_str(),
-                    l.jobs.empty() ? "-" : std::to_string(j.lag_rounds).c_str(),
-                    HumanBytes(l.wire_bytes_sent).c_str(),
-                    HumanBytes(l.wire_bytes_received).c_str(), wire_ratio,
-                    HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
+        std::printf(
+            "  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", l.site.c_str(), state,
+            j.job.c_str(), l.jobs.empty() ? "-" : std::to_string(j.acked_round).c_str(),
+            l.jobs.empty() ? "-" : std::to_string(j.lag_rounds).c_str(),
+            HumanBytes(l.wire_bytes_sent).c_str(), HumanBytes(l.wire_bytes_received).c_str(),
+            wire_ratio, HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
       }
-      std::printf("  %-12s %s; %llu messages sent, %llu received, %llu connections, "
-                  "%llu keep-alives, TCP/IP headers ~%s (estimated)\n",
-                  "", l.dials ? "we dial" : "peer dials", (unsigned long long)l.messages_sent, (unsigned long long)l.messages_received,
-                  (unsigned long long)l.connections, (unsigned long long)l.keepalives,
-                  HumanBytes(l.tcp_bytes_estimate).c_str());
+      std::printf(
+          "  %-12s %s; %llu messages sent, %llu received, %llu connections, "
+          "%llu keep-alives, TCP/IP headers ~%s (estimated)\n",
+          "", l.dials ? "we dial" : "peer dials", (unsigned long long)l.messages_sent,
+          (unsigned long long)l.messages_received, (unsigned long long)l.connections,
+          (unsigned long long)l.keepalives, HumanBytes(l.tcp_bytes_estimate).c_str());
       if (!l.last_error.empty()) std::printf("  %-12s last error: %s\n", "", l.last_error.c_str());
     }
   }
@@ -395,9 +422,9 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
 int CmdSyncControl(const Connection& c, wire::SyncAction action, const std::string& peer) {
   auto clients = ConnectAll(c);
   if (!clients.ok()) return Fail(clients.status());
-  const char* verb = action == wire::SyncAction::Now      ? "sync now"
+  const char* verb = action == wire::SyncAction::Now     ? "sync now"
                      : action == wire::SyncAction::Pause ? "paused"
-                                                          : "resumed";
+                                                         : "resumed";
   for (size_t i = 0; i < clients->size(); ++i) {
     auto r = (*clients)[i]->SyncControl(action, peer);
     if (!r.ok()) {
@@ -419,18 +446,21 @@ struct SiteArg {
 
 // "NAME=A,B,C" -> name and list.
 Result<std::pair<std::string, std::vector<std::string>>> SplitSiteArg(const std::string& text,
-                                                                       const char* what) {
+                                                                      const char* what) {
   auto eq = text.find('=');
   if (eq == std::string::npos || eq == 0 || eq + 1 == text.size()) {
-    return Status::InvalidArgument(std::string(what) + " '" + text + "' is not NAME=VALUE[,VALUE...]");
+    return Status::InvalidArgument(std::string(what) + " '" + text +
+                                   "' is not NAME=VALUE[,VALUE...]");
   }
   std::vector<std::string> items;
   std::string rest = text.substr(eq + 1);
   size_t start = 0;
   while (start <= rest.size()) {
     size_t comma = rest.find(',', start);
-    std::string item = rest.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    if (item.empty()) return Status::InvalidArgument(std::string(what) + " '" + text + "' has an empty entry");
+    std::string item =
+        rest.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (item.empty())
+      return Status::InvalidArgument(std::string(what) + " '" + text + "' has an empty entry");
     items.push_back(item);
     if (comma == std::string::npos) break;
     start = comma + 1;
@@ -449,20 +479,23 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
     if (!p.ok()) return Fail(p.status());
     sites.push_back({p->first, p->second, {}});
   }
-  if (sites.size() < 2) return Fail(Status::InvalidArgument("sync verify needs --site for at least two sites"));
+  if (sites.size() < 2)
+    return Fail(Status::InvalidArgument("sync verify needs --site for at least two sites"));
   for (const auto& t : site_key_texts) {
     auto p = SplitSiteArg(t, "--site-key");
     if (!p.ok()) return Fail(p.status());
-    auto it = std::find_if(sites.begin(), sites.end(), [&](const SiteArg& s) { return s.name == p->first; });
-    if (it == sites.end()) return Fail(Status::InvalidArgument("--site-key names unknown site '" + p->first + "'"));
+    auto it = std::find_if(sites.begin(), sites.end(),
+                           [&](const SiteArg& s) { return s.name == p->first; });
+    if (it == sites.end())
+      return Fail(Status::InvalidArgument("--site-key names unknown site '" + p->first + "'"));
     it->key_files = p->second;
   }
   size_t shards = sites[0].endpoints.size();
   for (const auto& s : sites) {
     if (s.endpoints.size() != shards) {
-      return Fail(Status::InvalidArgument("site '" + s.name + "' lists " + std::to_string(s.endpoints.size()) +
-                                          " shards but site '" + sites[0].name + "' lists " +
-                                          std::to_string(shards)));
+      return Fail(Status::InvalidArgument(
+          "site '" + s.name + "' lists " + std::to_string(s.endpoints.size()) +
+          " shards but site '" + sites[0].name + "' lists " + std::to_string(shards)));
     }
   }
   // clients[site][shard]
@@ -472,7 +505,8 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
     sc.servers = s.endpoints;
     if (!s.key_files.empty()) sc.server_keys = s.key_files;
     auto cl = ConnectAll(sc);
-    if (!cl.ok()) return Fail(Status(cl.status().code(), "site '" + s.name + "': " + cl.status().message()));
+    if (!cl.ok())
+      return Fail(Status(cl.status().code(), "site '" + s.name + "': " + cl.status().message()));
     clients.push_back(std::move(*cl));
   }
   json report = json::array();
@@ -490,7 +524,8 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
         auto d = clients[s][shard]->Digests(job, 0);
         if (!d.ok()) {
           return Fail(Status(d.status().code(), "site '" + sites[s].name + "' shard " +
-                                                    std::to_string(shard) + ": " + d.status().message()));
+                                                    std::to_string(shard) + ": " +
+                                                    d.status().message()));
         }
         per_site.push_back(std::move(*d));
       }
@@ -502,7 +537,8 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
       }
       json row{{"shard", shard}, {"job", job}, {"common_round", common}};
       json committed = json::object();
-      for (size_t s = 0; s < sites.size(); ++s) committed[sites[s].name] = per_site[s].committed_round;
+      for (size_t s = 0; s < sites.size(); ++s)
+        committed[sites[s].name] = per_site[s].committed_round;
       row["committed"] = committed;
       std::optional<uint64_t> first_diff;
       uint64_t compared = 0;
@@ -539,11 +575,14 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
         if (!as_json) {
           std::string per;
           for (size_t s = 0; s < sites.size(); ++s) {
-            per += (s ? ", " : "") + sites[s].name + " " + std::to_string(per_site[s].committed_round);
+            per +=
+                (s ? ", " : "") + sites[s].name + " " + std::to_string(per_site[s].committed_round);
           }
-          std::printf("shard %zu job %s: %zu sites agree on rounds 0..%llu (%llu digests compared; committed: %s)\n",
-                      shard, job.c_str(), sites.size(), (unsigned long long)common,
-                      (unsigned long long)compared, per.c_str());
+          std::printf(
+              "shard %zu job %s: %zu sites agree on rounds 0..%llu (%llu digests compared; "
+              "committed: %s)\n",
+              shard, job.c_str(), sites.size(), (unsigned long long)common,
+              (unsigned long long)compared, per.c_str());
         }
       }
       report.push_back(row);
@@ -555,7 +594,8 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
 
 void AddConnectionFlags(CLI::App* cmd, Connection& c) {
   cmd->add_option("-s,--server", c.servers,
-                  "admin endpoint of a shard, e.g. tcp://127.0.0.1:7101; repeat once per shard, in shard order")
+                  "admin endpoint of a shard, e.g. tcp://127.0.0.1:7101; repeat once per shard, in "
+                  "shard order")
       ->envname("ISTHMUS_CTL_SERVERS")
       ->delimiter(',');
   cmd->add_option("--server-key", c.server_keys,
@@ -583,7 +623,8 @@ int main(int argc, char** argv) {
   Connection conn;
   bool as_json = false;
 
-  auto* keygen = app.add_subcommand("keygen", "write a new CURVE key pair: PREFIX.key (secret, 0600) and PREFIX.pub");
+  auto* keygen = app.add_subcommand(
+      "keygen", "write a new CURVE key pair: PREFIX.key (secret, 0600) and PREFIX.pub");
   std::string key_out;
   bool force = false;
   keygen->add_option("-o,--out", key_out, "path prefix of the two files")->required();
@@ -596,11 +637,15 @@ int main(int argc, char** argv) {
   auto* job = app.add_subcommand("job", "create or describe a job");
   job->require_subcommand(1);
   std::string job_name, from_file, base_hash;
-  auto* job_create = job->add_subcommand("create", "create a job from a safetensors file of initial tensors, spread over the shards");
+  auto* job_create = job->add_subcommand(
+      "create", "create a job from a safetensors file of initial tensors, spread over the shards");
   AddConnectionFlags(job_create, conn);
   job_create->add_option("-j,--job", job_name, "job name (1-64 of A-Z a-z 0-9 . _ -)")->required();
-  job_create->add_option("-f,--from", from_file, "safetensors file of initial tensors")->required()->check(CLI::ExistingFile);
-  job_create->add_option("--base-hash", base_hash, "base model hash workers must match (default: content hash of the file)");
+  job_create->add_option("-f,--from", from_file, "safetensors file of initial tensors")
+      ->required()
+      ->check(CLI::ExistingFile);
+  job_create->add_option("--base-hash", base_hash,
+                         "base model hash workers must match (default: content hash of the file)");
   auto* job_describe = job->add_subcommand("describe", "list a job's tensors and versions");
   AddConnectionFlags(job_describe, conn);
   job_describe->add_option("-j,--job", job_name, "job name")->required();
@@ -615,37 +660,54 @@ int main(int argc, char** argv) {
   auto* snap_list = snapshot->add_subcommand("list", "list snapshots on every shard");
   AddConnectionFlags(snap_list, conn);
   snap_list->add_flag("--json", as_json, "machine-readable output");
-  auto* snap_restore = snapshot->add_subcommand("restore", "replace every shard's state by snapshot NAME");
+  auto* snap_restore =
+      snapshot->add_subcommand("restore", "replace every shard's state by snapshot NAME");
   AddConnectionFlags(snap_restore, conn);
   snap_restore->add_option("name", snap_name, "snapshot name")->required();
 
-  auto* exp = app.add_subcommand("export", "write a job's current tensors from every shard to one safetensors file");
+  auto* exp = app.add_subcommand(
+      "export", "write a job's current tensors from every shard to one safetensors file");
   AddConnectionFlags(exp, conn);
   std::string out_file;
   exp->add_option("-j,--job", job_name, "job name")->required();
   exp->add_option("-o,--out", out_file, "output .safetensors file")->required();
 
-  auto* sync = app.add_subcommand("sync", "cross-site synchronisation: peer links, rounds, digests");
+  auto* sync =
+      app.add_subcommand("sync", "cross-site synchronisation: peer links, rounds, digests");
   sync->require_subcommand(1);
   std::string peer_site;
   std::vector<std::string> verify_sites, verify_site_keys, verify_jobs;
-  auto* sync_status = sync->add_subcommand("status", "per shard: the round protocol and every peer link (connected, acked round, lag, bytes, compression, bandwidth)");
+  auto* sync_status =
+      sync->add_subcommand("status",
+                           "per shard: the round protocol and every peer link (connected, acked "
+                           "round, lag, bytes, compression, bandwidth)");
   AddConnectionFlags(sync_status, conn);
   sync_status->add_flag("--json", as_json, "machine-readable output");
-  auto* sync_now = sync->add_subcommand("now", "resend at once what peers lack and reset the backoff");
+  auto* sync_now =
+      sync->add_subcommand("now", "resend at once what peers lack and reset the backoff");
   AddConnectionFlags(sync_now, conn);
   sync_now->add_option("--peer", peer_site, "only the link to this site (default: every link)");
-  auto* sync_pause = sync->add_subcommand("pause", "stop a peer link in both directions (its deltas are answered Unavailable)");
+  auto* sync_pause = sync->add_subcommand(
+      "pause", "stop a peer link in both directions (its deltas are answered Unavailable)");
   AddConnectionFlags(sync_pause, conn);
   sync_pause->add_option("--peer", peer_site, "the peer site")->required();
-  auto* sync_resume = sync->add_subcommand("resume", "restart a paused peer link and send what the peer lacks");
+  auto* sync_resume =
+      sync->add_subcommand("resume", "restart a paused peer link and send what the peer lacks");
   AddConnectionFlags(sync_resume, conn);
   sync_resume->add_option("--peer", peer_site, "the peer site")->required();
-  auto* sync_verify = sync->add_subcommand("verify", "compare committed-round digests of same-numbered shards across sites; exit 0 agree, 1 differ");
+  auto* sync_verify = sync->add_subcommand("verify",
+                                           "compare committed-round digests of same-numbered "
+                                           "shards across sites; exit 0 agree, 1 differ");
   AddConnectionFlags(sync_verify, conn);
-  sync_verify->add_option("--site", verify_sites, "NAME=ADMIN_EP[,ADMIN_EP...]: one per site, shard endpoints in shard order")->required();
-  sync_verify->add_option("--site-key", verify_site_keys, "NAME=PUBFILE[,PUBFILE...]: that site's shard public key(s); default --server-key");
-  sync_verify->add_option("-j,--job", verify_jobs, "job(s) to compare (default: every sync job of the first site)");
+  sync_verify
+      ->add_option("--site", verify_sites,
+                   "NAME=ADMIN_EP[,ADMIN_EP...]: one per site, shard endpoints in shard order")
+      ->required();
+  sync_verify->add_option(
+      "--site-key", verify_site_keys,
+      "NAME=PUBFILE[,PUBFILE...]: that site's shard public key(s); default --server-key");
+  sync_verify->add_option("-j,--job", verify_jobs,
+                          "job(s) to compare (default: every sync job of the first site)");
   sync_verify->add_flag("--json", as_json, "machine-readable output");
 
   try {

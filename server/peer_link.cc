@@ -56,8 +56,8 @@ struct PeerLinks::Link {
   Clock::time_point last_progress{};
   std::map<std::string, uint64_t> high_sent;  // per job, the highest round ever sent
   std::optional<BandwidthMeter> meter;
-  Clock::time_point last_traffic{};   // the last message sent or received on our connection
-  std::string peer_connection;        // routing id of the peer's connection to our ROUTER
+  Clock::time_point last_traffic{};  // the last message sent or received on our connection
+  std::string peer_connection;       // routing id of the peer's connection to our ROUTER
   // When the peer dials: the connection its last handshake came on, which carries our
   // requests too (empty until then, and after a send found it gone).
   std::string channel;
@@ -381,8 +381,7 @@ void PeerLinks::CountSent(Link& link, const flatbuffers::FlatBufferBuilder& head
 void PeerLinks::CountReceived(Link& link, const Frames& msg) {
   std::vector<uint64_t> sizes;
   for (const auto& p : msg.payload) sizes.push_back(p.size());
-  const uint64_t w =
-      ZmtpMessageWireBytes(msg.header.size(), sizes, !options_.insecure_plaintext);
+  const uint64_t w = ZmtpMessageWireBytes(msg.header.size(), sizes, !options_.insecure_plaintext);
   link.stats.wire_bytes_received += w;
   link.stats.tcp_bytes_estimate += TcpIpBytesEstimate(w, 1);
   ++link.stats.messages_received;
@@ -522,8 +521,8 @@ void PeerLinks::Pump(Link& link) {
       // Under CURVE the key names the sender; the site travels only in plaintext.
       auto body = wire::CreatePeerDelta(
           fbb, fbb.CreateString(job),
-          options_.insecure_plaintext ? fbb.CreateString(options_.site) : 0, jl.next, d->tokens,
-          0, packed.frame_ends.size() == 1 ? 0 : fbb.CreateVector(packed.frame_ends), data,
+          options_.insecure_plaintext ? fbb.CreateString(options_.site) : 0, jl.next, d->tokens, 0,
+          packed.frame_ends.size() == 1 ? 0 : fbb.CreateVector(packed.frame_ends), data,
           static_cast<uint32_t>(std::max(0, options_.ack_delay_ms)),
           acks.empty() ? 0 : fbb.CreateVectorOfStructs(acks),
           fbb.CreateVector(reinterpret_cast<const uint8_t*>(packed.sizes.data()),
@@ -534,8 +533,12 @@ void PeerLinks::Pump(Link& link) {
       FinishEnvelope(fbb, id, wire::Body::PeerDelta, body.Union());
       if (!Transmit(link, fbb, payload).ok()) return;
       uint64_t& high = link.high_sent[job];
-      link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kDelta, job, jl.next,
-                                         d->WireBytes(), Clock::now(), jl.next <= high};
+      link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kDelta,
+                                         job,
+                                         jl.next,
+                                         d->WireBytes(),
+                                         Clock::now(),
+                                         jl.next <= high};
       high = std::max(high, jl.next);
       link.stats.bytes_sent += d->WireBytes();
       link.stats.raw_bytes_sent += raw;
@@ -587,7 +590,7 @@ void PeerLinks::OnReply(Link& link, const wire::Envelope* env) {
   if (!err.ok()) {
     // The peer refused (paused, digest mismatch, malformed): back off and handshake again.
     ++link.stats.refused;
-    const char* what = sent.kind == Link::InFlight::Kind::kHello ? "the handshake"
+    const char* what = sent.kind == Link::InFlight::Kind::kHello  ? "the handshake"
                        : sent.kind == Link::InFlight::Kind::kPing ? "a keep-alive"
                                                                   : nullptr;
     Reset(link,
@@ -799,16 +802,15 @@ void PeerLinks::OnRouterReadable() {
 
 PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
                                    const std::string& user_id,
-                                   const Result<const wire::Envelope*>& env,
-                                   uint64_t request_id, const Frames& msg) {
+                                   const Result<const wire::Envelope*>& env, uint64_t request_id,
+                                   const Frames& msg) {
   flatbuffers::FlatBufferBuilder reply;
   Link* from = nullptr;
   std::string connection;
   if (routing_id != nullptr) {
     connection.assign(static_cast<const char*>(routing_id->data()), routing_id->size());
   }
-  Status s =
-      HandlePeerMessage(user_id, env, msg, reply, &from, routing_id ? &connection : nullptr);
+  Status s = HandlePeerMessage(user_id, env, msg, reply, &from, routing_id ? &connection : nullptr);
   if (!s.ok()) {
     reply.Clear();
     BuildErrorReply(reply, request_id, s);
@@ -845,8 +847,8 @@ PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* 
 
 Status PeerLinks::HandlePeerMessage(const std::string& user_id, const Frames& msg,
                                     flatbuffers::FlatBufferBuilder& reply) {
-  return HandlePeerMessage(user_id, ParseEnvelope(msg.header, options_.limits), msg, reply,
-                           nullptr, nullptr);
+  return HandlePeerMessage(user_id, ParseEnvelope(msg.header, options_.limits), msg, reply, nullptr,
+                           nullptr);
 }
 
 Status PeerLinks::HandlePeerMessage(const std::string& user_id,
@@ -875,7 +877,8 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id,
   }
   if (from_out != nullptr) *from_out = from;
   // Under CURVE a delta or ping need not name its site: the key does.
-  if (claimed.empty() && !options_.insecure_plaintext && env->body_type() != wire::Body::PeerHello) {
+  if (claimed.empty() && !options_.insecure_plaintext &&
+      env->body_type() != wire::Body::PeerHello) {
     claimed = from->spec.site;
   }
   const bool ping = env->body_type() == wire::Body::PeerPing;
@@ -1033,8 +1036,8 @@ Status PeerLinks::UnpackDelta(const wire::PeerDelta* req, const Frames& msg,
   }
   size_t tensor = 0;
   for (size_t f = 0; f < frames; ++f) {
-    const uint32_t end =
-        ends ? ends->Get(static_cast<flatbuffers::uoffset_t>(f)) : static_cast<uint32_t>(layout.size());
+    const uint32_t end = ends ? ends->Get(static_cast<flatbuffers::uoffset_t>(f))
+                              : static_cast<uint32_t>(layout.size());
     if (end < tensor || end > layout.size()) {
       return Status::InvalidArgument("packed delta frame boundaries out of order");
     }

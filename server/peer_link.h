@@ -49,17 +49,17 @@ enum class PeerDial { kAuto, kAlways, kNever };
 Result<PeerDial> ParsePeerDial(const std::string& text);
 
 struct PeerLinkOptions {
-  std::string site;                 // this site's name (sync.site)
+  std::string site;  // this site's name (sync.site)
   PeerDial dial = PeerDial::kAuto;
   int shard_index = -1;             // this shard's index; -1 = unknown (not checked)
   std::string listen_endpoint;      // listen.peer; empty = do not receive
   KeyPair keys;                     // this server's key pair (CURVE client and server)
   bool insecure_plaintext = false;  // no CURVE: the sender's claimed site is trusted
   std::vector<PeerLinkSpec> peers;
-  int resend_ms = 2000;         // no reply for this long: reconnect and resend
-  int backoff_max_ms = 10000;   // cap of the doubling resend / retry interval; also the
-                                // keep-alive interval of an idle link
-  int window = 4;               // deltas in flight per link
+  int resend_ms = 2000;        // no reply for this long: reconnect and resend
+  int backoff_max_ms = 10000;  // cap of the doubling resend / retry interval; also the
+                               // keep-alive interval of an idle link
+  int window = 4;              // deltas in flight per link
   // How long the peer may hold its acknowledgement of one of our deltas to carry it inside
   // its own next delta instead of a message of its own (sync.ack_delay_ms; 0 = at once).
   // Also added to the time our deltas in flight may go unanswered.
@@ -161,8 +161,9 @@ class PeerLinks {
   PeerLinks(const PeerLinks&) = delete;
   PeerLinks& operator=(const PeerLinks&) = delete;
 
-  // Binds the peer ROUTER and connects a DEALER to every peer this side dials. Unavailable if the endpoint
-  // cannot be bound; InvalidArgument for a bad peer list (duplicate site or key, own site).
+  // Binds the peer ROUTER and connects a DEALER to every peer this side dials. Unavailable if the
+  // endpoint cannot be bound; InvalidArgument for a bad peer list (duplicate site or key, own
+  // site).
   Status Start();
 
   // Poll-loop integration: the caller polls PollItemCount() items that FillPollItems()
@@ -224,9 +225,8 @@ class PeerLinks {
   // on a DEALER; env: the message's header as the caller parsed it; request_id: the id it
   // carried, 0 if it did not verify, echoed in a refusal). Returns the link it came from,
   // null if none could be named.
-  Link* Answer(zmq::socket_t& socket, const zmq::message_t* routing_id,
-               const std::string& user_id, const Result<const wire::Envelope*>& env,
-               uint64_t request_id, const Frames& msg);
+  Link* Answer(zmq::socket_t& socket, const zmq::message_t* routing_id, const std::string& user_id,
+               const Result<const wire::Envelope*>& env, uint64_t request_id, const Frames& msg);
   int CurrentTimeoutMs(const Link& link) const;
   // When the requests in flight count as lost; time_point::max() when none is.
   Clock::time_point Deadline(const Link& link) const;

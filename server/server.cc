@@ -66,11 +66,12 @@ Status ReplaceDbFiles(const std::string& data_dir, const std::string& checkpoint
 std::string EngineDetail(const SyncJobStatus& j) {
   std::string d;
   if (j.staged_round > 0) {
-    d += "pushing round " + std::to_string(j.staged_round) + " (" + std::to_string(j.staged_tensors) +
-         "/" + std::to_string(j.tensor_count) + " tensors)";
+    d += "pushing round " + std::to_string(j.staged_round) + " (" +
+         std::to_string(j.staged_tensors) + "/" + std::to_string(j.tensor_count) + " tensors)";
   }
   std::string held;
-  for (const auto& [site, r] : j.held) held += (held.empty() ? "" : " ") + site + "=" + std::to_string(r);
+  for (const auto& [site, r] : j.held)
+    held += (held.empty() ? "" : " ") + site + "=" + std::to_string(r);
   if (!held.empty()) d += std::string(d.empty() ? "" : "; ") + "held " + held;
   std::string pipes;
   for (const auto& [p, n] : j.pipelines) {
@@ -99,11 +100,11 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
       }
       link_infos.push_back(wire::CreatePeerLinkInfo(
           fbb, fbb.CreateString(st.site), fbb.CreateString(st.endpoint), st.connected, st.paused,
-          fbb.CreateString(st.last_error), fbb.CreateVector(jobs), st.bytes_sent,
-          st.bytes_received, st.raw_bytes_sent, st.CompressionRatio(), st.bandwidth_bps,
-          st.deltas_sent, st.deltas_acked, st.resends, st.auth_failures, st.refused,
-          st.wire_bytes_sent, st.wire_bytes_received, st.tcp_bytes_estimate, st.WireRatio(),
-          st.messages_sent, st.messages_received, st.connections, st.keepalives, st.dials));
+          fbb.CreateString(st.last_error), fbb.CreateVector(jobs), st.bytes_sent, st.bytes_received,
+          st.raw_bytes_sent, st.CompressionRatio(), st.bandwidth_bps, st.deltas_sent,
+          st.deltas_acked, st.resends, st.auth_failures, st.refused, st.wire_bytes_sent,
+          st.wire_bytes_received, st.tcp_bytes_estimate, st.WireRatio(), st.messages_sent,
+          st.messages_received, st.connections, st.keepalives, st.dials));
     }
   }
   std::vector<flatbuffers::Offset<wire::SyncJobState>> job_states;
@@ -112,8 +113,7 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
       auto js = engine->JobStatus(job);
       if (!js.ok()) continue;
       job_states.push_back(wire::CreateSyncJobState(fbb, fbb.CreateString(job), js->local_round,
-                                                    js->committed_round,
-                                                    engine->max_rounds_ahead(),
+                                                    js->committed_round, engine->max_rounds_ahead(),
                                                     fbb.CreateString(EngineDetail(*js))));
     }
   }
@@ -129,14 +129,22 @@ Status DoSyncControl(const wire::SyncControl* req, uint64_t id, PeerLinks* links
   std::string peer = req->peer() ? req->peer()->str() : "";
   std::vector<std::string> sites;
   if (links == nullptr) {
-    if (!peer.empty()) return Status::NotFound("no peer link to site '" + peer + "' (sync.peers is empty)");
+    if (!peer.empty())
+      return Status::NotFound("no peer link to site '" + peer + "' (sync.peers is empty)");
   } else {
     Result<std::vector<std::string>> r = Status::InvalidArgument("unknown sync action");
     switch (req->action()) {
-      case wire::SyncAction::Now: r = links->SyncNow(peer); break;
-      case wire::SyncAction::Pause: r = links->Pause(peer); break;
-      case wire::SyncAction::Resume: r = links->Resume(peer); break;
-      default: break;
+      case wire::SyncAction::Now:
+        r = links->SyncNow(peer);
+        break;
+      case wire::SyncAction::Pause:
+        r = links->Pause(peer);
+        break;
+      case wire::SyncAction::Resume:
+        r = links->Resume(peer);
+        break;
+      default:
+        break;
     }
     if (!r.ok()) return r.status();
     sites = *r;
@@ -178,10 +186,17 @@ std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits
   Reply reply;
   Status s;
   switch (env->body_type()) {
-    case wire::Body::SyncStatusRequest: s = DoSyncStatus(env->request_id(), c, engine, links, reply); break;
-    case wire::Body::SyncControl: s = DoSyncControl(env->body_as_SyncControl(), env->request_id(), links, reply); break;
-    case wire::Body::DigestsRequest: s = DoDigests(env->body_as_DigestsRequest(), env->request_id(), engine, reply); break;
-    default: return std::nullopt;
+    case wire::Body::SyncStatusRequest:
+      s = DoSyncStatus(env->request_id(), c, engine, links, reply);
+      break;
+    case wire::Body::SyncControl:
+      s = DoSyncControl(env->body_as_SyncControl(), env->request_id(), links, reply);
+      break;
+    case wire::Body::DigestsRequest:
+      s = DoDigests(env->body_as_DigestsRequest(), env->request_id(), engine, reply);
+      break;
+    default:
+      return std::nullopt;
   }
   if (!s.ok()) {
     reply.header.Clear();
@@ -252,7 +267,9 @@ Status ShardServer::Start() {
   std::string db_dir = LiveDbDir(c.data_dir);
   opts.open_store = [db_dir, store_opts]() { return OpenRocksStore(db_dir, store_opts); };
   std::string data_dir = c.data_dir;
-  opts.replace_store_files = [data_dir](const std::string& cp) { return ReplaceDbFiles(data_dir, cp); };
+  opts.replace_store_files = [data_dir](const std::string& cp) {
+    return ReplaceDbFiles(data_dir, cp);
+  };
   std::vector<PeerLinkSpec> peers;
   if (!c.sync_site.empty()) {
     ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
@@ -262,8 +279,9 @@ Status ShardServer::Start() {
 
   KeyPair server_keys;
   if (c.insecure_plaintext) {
-    spdlog::warn("security.insecure_plaintext is set: NO encryption and NO authentication on {} and {}",
-                 c.listen_worker, c.listen_admin);
+    spdlog::warn(
+        "security.insecure_plaintext is set: NO encryption and NO authentication on {} and {}",
+        c.listen_worker, c.listen_admin);
   } else {
     ISTHMUS_ASSIGN_OR_RETURN(server_keys, LoadKeyPairFile(c.secret_key));
   }
@@ -297,7 +315,8 @@ Status ShardServer::Start() {
       out->bind(endpoint);
     } catch (const zmq::error_t& e) {
       return Status::Unavailable("cannot bind " + std::string(domain) + " socket to '" + endpoint +
-                                 "': " + e.what() + " (is the port in use? set listen." + domain + ")");
+                                 "': " + e.what() + " (is the port in use? set listen." + domain +
+                                 ")");
     }
     return Status::Ok();
   };
@@ -305,7 +324,8 @@ Status ShardServer::Start() {
   ISTHMUS_RETURN_IF_ERROR(make_socket(c.listen_admin, kDomainAdmin, impl_->admin));
   if (SyncEngine* engine = impl_->shard->sync(); engine != nullptr && !peers.empty()) {
     if (c.listen_peer.empty()) {
-      return Status::InvalidArgument("sync.peers is set but listen.peer is not: peers cannot reach this shard");
+      return Status::InvalidArgument(
+          "sync.peers is set but listen.peer is not: peers cannot reach this shard");
     }
     PeerLinkOptions lo;
     lo.site = c.sync_site;
@@ -328,8 +348,8 @@ Status ShardServer::Start() {
     spdlog::info("site {}: peer links to {} site(s), peers connect on {}", c.sync_site,
                  peers.size(), c.listen_peer);
   }
-  spdlog::info("shard {} serving workers on {} and admins on {} ({})", c.shard_id,
-               c.listen_worker, c.listen_admin, c.insecure_plaintext ? "PLAINTEXT" : "CURVE");
+  spdlog::info("shard {} serving workers on {} and admins on {} ({})", c.shard_id, c.listen_worker,
+               c.listen_admin, c.insecure_plaintext ? "PLAINTEXT" : "CURVE");
   return Status::Ok();
 }
 
@@ -371,7 +391,8 @@ Status ShardServer::Run() {
         }
         std::optional<Reply> sync_reply;
         if (roles[i] == wire::Role::Admin) {
-          sync_reply = HandleSyncAdmin(*msg, impl_->limits, impl_->config, impl_->shard->sync(), links);
+          sync_reply =
+              HandleSyncAdmin(*msg, impl_->limits, impl_->config, impl_->shard->sync(), links);
         }
         Reply reply = sync_reply ? std::move(*sync_reply) : impl_->shard->Handle(roles[i], *msg);
         uint64_t out_bytes = reply.header.GetSize();

@@ -7,8 +7,8 @@
 #include <cstdio>
 #include <iostream>
 
-#include <CLI/CLI.hpp>
 #include <spdlog/spdlog.h>
+#include <CLI/CLI.hpp>
 
 #include "common/exit_codes.h"
 #include "common/log.h"
@@ -24,13 +24,13 @@ void OnSignal(int) {
   if (g_server != nullptr) g_server->RequestStop();  // async-signal-safe (eventfd write)
 }
 
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"isthmus-server: a parameter-server shard of an isthmus site.\n"
-               "Settings: every key of docs/CONFIG.md is a flag --section.name=VALUE, an\n"
-               "environment variable ISTHMUS_SECTION_NAME, or a key in the --config file."};
+  CLI::App app{
+      "isthmus-server: a parameter-server shard of an isthmus site.\n"
+      "Settings: every key of docs/CONFIG.md is a flag --section.name=VALUE, an\n"
+      "environment variable ISTHMUS_SECTION_NAME, or a key in the --config file."};
   app.footer(isthmus::ExitCodesFooter());
   std::string config_file;
   bool print_doc = false, version = false;

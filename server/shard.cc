@@ -742,7 +742,7 @@ Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Rep
   spdlog::info("snapshot '{}' created", name);
   ISTHMUS_ASSIGN_OR_RETURN(auto snap, SnapshotInfoFrom(reply.header, final_dir));
   FinishEnvelope(reply.header, id, wire::Body::SnapshotCreateReply,
-         wire::CreateSnapshotCreateReply(reply.header, snap).Union());
+                 wire::CreateSnapshotCreateReply(reply.header, snap).Union());
   return Status::Ok();
 }
 
@@ -760,8 +760,9 @@ Status Shard::DoSnapshotList(uint64_t id, Reply& reply) {
       if (info.ok()) snaps.push_back(*info);
     }
   }
-  FinishEnvelope(reply.header, id, wire::Body::SnapshotListReply,
-         wire::CreateSnapshotListReply(reply.header, reply.header.CreateVector(snaps)).Union());
+  FinishEnvelope(
+      reply.header, id, wire::Body::SnapshotListReply,
+      wire::CreateSnapshotListReply(reply.header, reply.header.CreateVector(snaps)).Union());
   return Status::Ok();
 }
 
@@ -793,7 +794,7 @@ Status Shard::DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, R
   spdlog::info("restored snapshot '{}'", name);
   ISTHMUS_ASSIGN_OR_RETURN(auto snap, SnapshotInfoFrom(reply.header, dir));
   FinishEnvelope(reply.header, id, wire::Body::SnapshotRestoreReply,
-         wire::CreateSnapshotRestoreReply(reply.header, snap).Union());
+                 wire::CreateSnapshotRestoreReply(reply.header, snap).Union());
   return Status::Ok();
 }
 

@@ -27,9 +27,9 @@ enum class Column : int {
   kDedup = 3,       // job \0 idempotency key -> push reply (JSON)
   kDedupLog = 4,    // job \0 big-endian seq -> idempotency key (bounds kDedup)
   // The round protocol (server/sync_engine.cc, docs/SYNC.md):
-  kSync = 5,        // job \0 ... -> small records: rounds, held-delta index, digests
-  kDeltas = 6,      // job \0 site \0 big-endian round -> encoded round delta (in/outbox)
-  kState = 7,       // job \0 kind \0 tensor -> fp32 staged delta, residual, momentum
+  kSync = 5,    // job \0 ... -> small records: rounds, held-delta index, digests
+  kDeltas = 6,  // job \0 site \0 big-endian round -> encoded round delta (in/outbox)
+  kState = 7,   // job \0 kind \0 tensor -> fp32 staged delta, residual, momentum
   kCount = 8,
 };
 const char* ColumnName(Column c);

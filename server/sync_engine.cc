@@ -225,7 +225,8 @@ SyncEngine::SyncEngine(Store* store, SyncOptions options)
       options_.hard_cap_rounds ? options_.hard_cap_rounds : 4 * options_.max_rounds_ahead + 8;
   auto parsed = [](const std::string& text) {
     auto p = ParsePipe(text);
-    ISTHMUS_CHECK(p.ok(), "pipeline '" + text + "' was checked by Create: " + p.status().ToString());
+    ISTHMUS_CHECK(p.ok(),
+                  "pipeline '" + text + "' was checked by Create: " + p.status().ToString());
     return *p;
   };
   codec_pipe_ = parsed(options_.codec);
@@ -300,7 +301,6 @@ Result<const SyncEngine::Job*> SyncEngine::FindJob(const std::string& job) const
   if (it == jobs_.end()) return Status::NotFound("job '" + job + "' does not sync on this shard");
   return &it->second;
 }
-
 
 SyncEngine::Job SyncEngine::NewJob(std::map<std::string, SyncTensor> tensors,
                                    uint64_t version) const {
@@ -493,8 +493,8 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
     if (min_bw > 0) {
       double budget = min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
                       static_cast<double>(std::max<uint64_t>(total_numel, 1));
-      return codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)),
-                                   floor_pipe_, ceiling_pipe_);
+      return codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)), floor_pipe_,
+                                   ceiling_pipe_);
     }
   }
   for (const auto& [glob, pipe] : override_pipes_) {
@@ -532,7 +532,8 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   }
   // Streaming: only this round's fragment crosses the WAN; the rest waits in the residual.
   std::map<std::string, uint32_t> fragment;
-  const uint32_t due = static_cast<uint32_t>((round - 1) % std::max<uint32_t>(options_.fragments, 1));
+  const uint32_t due =
+      static_cast<uint32_t>((round - 1) % std::max<uint32_t>(options_.fragments, 1));
   if (options_.fragments > 1) {
     std::map<std::string, uint64_t> sizes;
     for (const auto& [tname, t] : j.theta) sizes[tname] = t.data->size();
@@ -784,8 +785,7 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
   for (const auto& n : names) {
     const auto& t = theta.at(n);
     batch.Put(Column::kTensors, JobKey(name, n), FloatBytes(*t.data));
-    batch.PutOwned(Column::kTensorMeta, JobKey(name, n),
-                   EncodeTensorRecord({t.shape, version}));
+    batch.PutOwned(Column::kTensorMeta, JobKey(name, n), EncodeTensorRecord({t.shape, version}));
   }
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));

@@ -9,8 +9,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <random>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -402,8 +402,9 @@ int main(int argc, char** argv) {
 
   GenerateArgs gen;
   auto* gen_cmd = app.add_subcommand(
-      "generate", "sample text from a model (the base, plus trainable tensors from a file or "
-                  "the shards) to see what training did");
+      "generate",
+      "sample text from a model (the base, plus trainable tensors from a file or "
+      "the shards) to see what training did");
   AddModelFlags(*gen_cmd, gen.model);
   AddComputeFlags(*gen_cmd, gen.compute);
   AddShardFlags(*gen_cmd, gen.shards);
@@ -414,8 +415,9 @@ int main(int argc, char** argv) {
                       "folder's, or one token per byte");
   gen_cmd->add_option("--prompt", gen.prompt, "text to continue")->required();
   gen_cmd->add_option("--tokens", gen.tokens, "tokens to generate")->capture_default_str();
-  gen_cmd->add_option("--temperature", gen.temperature,
-                      "softmax temperature; 0 takes the most likely token every time")
+  gen_cmd
+      ->add_option("--temperature", gen.temperature,
+                   "softmax temperature; 0 takes the most likely token every time")
       ->capture_default_str();
   gen_cmd->add_option("--top-k", gen.top_k, "sample among the k most likely tokens (0: all)")
       ->capture_default_str();

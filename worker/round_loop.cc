@@ -322,8 +322,8 @@ class RoundLoop {
   Status BroadcastTrainable() {
     if (!comm_) return Status::Ok();
     ISTHMUS_RETURN_IF_ERROR(gpt_->ops().Synchronize());
-    ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(
-        gpt_->TrainableData(), static_cast<size_t>(gpt_->TrainableElements()), 0));
+    ISTHMUS_RETURN_IF_ERROR(
+        comm_->Broadcast(gpt_->TrainableData(), static_cast<size_t>(gpt_->TrainableElements()), 0));
     gpt_->TrainableChanged();
     return gpt_->ops().Synchronize();
   }
@@ -378,9 +378,9 @@ class RoundLoop {
     ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> all, gpt_->TrainableDelta());
     std::vector<TensorView> views;
     for (const auto& t : all) views.push_back({t.name, t.shape, t.data.data()});
-    ISTHMUS_ASSIGN_OR_RETURN(auto pushed,
-                             site_->PushRound(static_cast<uint64_t>(round_), round_tokens,
-                                              compute_ms, views, s_.rank, world()));
+    ISTHMUS_ASSIGN_OR_RETURN(
+        auto pushed, site_->PushRound(static_cast<uint64_t>(round_), round_tokens, compute_ms,
+                                      views, s_.rank, world()));
     for (const auto& p : pushed) {
       if (p.duplicate) {
         spdlog::info("shard {} already had round {} (key {}): nothing applied twice", p.shard,

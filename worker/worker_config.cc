@@ -273,9 +273,9 @@ void AddModelFlags(CLI::App& app, ModelSettings& m) {
                  std::string("LoRA alpha (scale alpha / r)") + from_file)
       ->capture_default_str()
       ->each(note("--lora-alpha"));
-  app.add_option("--lora-targets", m.lora_targets,
-                 std::string("adapted layers: attn.c_attn attn.c_proj mlp.c_fc mlp.c_proj") +
-                     from_file)
+  app.add_option(
+         "--lora-targets", m.lora_targets,
+         std::string("adapted layers: attn.c_attn attn.c_proj mlp.c_fc mlp.c_proj") + from_file)
       ->capture_default_str()
       ->each(note("--lora-targets"));
   app.add_option("--mode", m.mode,

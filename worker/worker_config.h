@@ -29,9 +29,9 @@ struct ModelSettings {
   int lora_rank = 16;
   float lora_alpha = 32.0f;
   std::vector<std::string> lora_targets = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
-  std::string mode = "lora";  // lora | full
-  std::string base;           // safetensors file of the base, or a Hugging Face GPT-2 folder
-  uint64_t seed = 1;          // LoRA init and, without --base, the random base
+  std::string mode = "lora";    // lora | full
+  std::string base;             // safetensors file of the base, or a Hugging Face GPT-2 folder
+  uint64_t seed = 1;            // LoRA init and, without --base, the random base
   std::set<std::string> given;  // the shape flags set on the command line or in --config
   std::string given_base;       // --base as given (ResolveBaseShape may point it into a folder)
   int vocab_size = 256;         // bytes; a base's own vocabulary (ResolveBaseShape)

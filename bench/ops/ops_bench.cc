@@ -149,7 +149,9 @@ void BM_LoraLinearFwdBwd(benchmark::State& state) {
   const double flops = 4.0 * kRows * in * out + 8.0 * kRows * r * (in + out);
   TimeFwdBwd(
       state, flops,
-      [&] { ops().LoraLinearForward(x, w, F(bias), a, b, 2.0f, nullptr, y, xa, kRows, in, out, r); },
+      [&] {
+        ops().LoraLinearForward(x, w, F(bias), a, b, 2.0f, nullptr, y, xa, kRows, in, out, r);
+      },
       [&] {
         ops().LoraLinearBackward(dout, x, w, a, b, 2.0f, xa, dx, nullptr, nullptr, F(da), F(db),
                                  dxa, kRows, in, out, r);
@@ -192,8 +194,7 @@ void BM_GeluFwdBwd(benchmark::State& state) {
   const int64_t n = static_cast<int64_t>(kRows) * 4 * state.range(0);
   Ref x = Act(n), dout = Act(n), y = Act(n), dx = Act(n);
   TimeFwdBwd(
-      state, 0.0, [&] { ops().GeluForward(x, y, n); },
-      [&] { ops().GeluBackward(dout, x, dx, n); });
+      state, 0.0, [&] { ops().GeluForward(x, y, n); }, [&] { ops().GeluBackward(dout, x, dx, n); });
 }
 
 // The GPT-2 head for one sequence (256 rows, 50257 classes), loss and gradient in one pass
@@ -314,8 +315,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   auto resolved = ops::ResolveDevice(*choice, 0);
-  auto backend = resolved.ok() ? ops::OpenBackend(*resolved) : Result<std::shared_ptr<ops::Ops>>(
-                                                                   resolved.status());
+  auto backend = resolved.ok() ? ops::OpenBackend(*resolved)
+                               : Result<std::shared_ptr<ops::Ops>>(resolved.status());
   if (!backend.ok()) {
     std::fprintf(stderr, "ops_bench: %s\n", backend.status().ToString().c_str());
     return 2;

@@ -34,7 +34,8 @@ Result<RecordedDeltas> LoadRecordedDeltas(const std::string& dir, int max_rounds
     const std::string path = RoundFile(dir, r);
     auto next = ReadSafetensorsTensors(path);
     if (!next.ok()) {
-      if (r == 1) return Status::NotFound("no recorded round " + path + ": " + next.status().message());
+      if (r == 1)
+        return Status::NotFound("no recorded round " + path + ": " + next.status().message());
       break;  // the last round recorded
     }
     if (next->size() != prev->size()) {
@@ -129,9 +130,10 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
 Status SyntheticSite::Push(uint64_t round, const std::vector<Tensor>& delta, uint64_t compute_ms) {
   for (size_t s = 0; s < shards_; ++s) {
     std::vector<TensorView> views;
-    for (size_t i : placement_[s]) views.push_back({delta[i].name, delta[i].shape, delta[i].data.data()});
-    const std::string key = o_.job + "/" + o_.client_name + "/r" + std::to_string(round) + "/s" +
-                            std::to_string(s);
+    for (size_t i : placement_[s])
+      views.push_back({delta[i].name, delta[i].shape, delta[i].data.data()});
+    const std::string key =
+        o_.job + "/" + o_.client_name + "/r" + std::to_string(round) + "/s" + std::to_string(s);
     auto r = clients_[s]->Push(o_.job, key, round, o_.tokens_per_round, views, compute_ms);
     if (!r.ok()) {
       return Status(r.status().code(), "push of round " + std::to_string(round) + " to shard " +
@@ -160,8 +162,8 @@ Status SyntheticSite::PullAll() {
   for (size_t s = 0; s < shards_; ++s) {
     auto r = clients_[s]->Pull(o_.job);
     if (!r.ok()) {
-      return Status(r.status().code(), "pull from shard " + std::to_string(s) + ": " +
-                                           r.status().message());
+      return Status(r.status().code(),
+                    "pull from shard " + std::to_string(s) + ": " + r.status().message());
     }
   }
   return Status::Ok();
@@ -210,8 +212,8 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
 
   std::vector<RoundTiming> out;
   std::vector<Clock::time_point> pushed_at;
-  const auto compute = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(o_.round_seconds));
+  const auto compute =
+      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.round_seconds));
   Status failed;
   for (int r = 1; r <= o_.rounds; ++r) {
     RoundTiming t;
@@ -243,8 +245,8 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
   // Let the last rounds commit (bounded) so their latency is known too.
   last_wanted = static_cast<uint64_t>(o_.rounds);
   const auto drain_until =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-                         std::max(10.0, 10 * o_.round_seconds)));
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(std::max(10.0, 10 * o_.round_seconds)));
   for (;;) {
     {
       std::lock_guard lk(mu);
@@ -257,7 +259,8 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
   if (!watch_status.ok()) return watch_status;
   for (size_t i = 0; i < out.size(); ++i) {
     auto it = committed_at.find(out[i].round);
-    if (it != committed_at.end()) out[i].commit_latency_s = std::max(0.0, Seconds(it->second - pushed_at[i]));
+    if (it != committed_at.end())
+      out[i].commit_latency_s = std::max(0.0, Seconds(it->second - pushed_at[i]));
   }
   return out;
 }

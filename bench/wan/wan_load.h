@@ -55,7 +55,7 @@ struct LoadSummary {
   double utilisation = 0;
   double compute_fraction = 0;  // compute / wall: stricter, the LAN work counts against it
   double wait_fraction = 0;     // wait / wall
-  size_t rounds_waited = 0;    // rounds with any WAN wait (> 1 ms)
+  size_t rounds_waited = 0;     // rounds with any WAN wait (> 1 ms)
   double mean_commit_latency_s = -1, max_commit_latency_s = -1;  // over committed rounds
 };
 // Sums the rounds after the first `skip` (start-up: the first rounds fill the pipeline).
@@ -63,11 +63,11 @@ LoadSummary Summarize(const std::vector<RoundTiming>& rounds, size_t skip);
 
 struct SiteOptions {
   std::string job;
-  std::string client_name;      // the idempotency keys' site part
-  double round_seconds = 3.0;   // emulated compute per round
+  std::string client_name;     // the idempotency keys' site part
+  double round_seconds = 3.0;  // emulated compute per round
   int rounds = 10;
   uint64_t tokens_per_round = 1;  // the merge weight (equal sites: equal tokens)
-  int poll_ms = 50;             // how often a waiting site asks the shards again (as isthmus-worker)
+  int poll_ms = 50;  // how often a waiting site asks the shards again (as isthmus-worker)
 };
 
 // Opens a fresh connection to shard i (the watcher thread needs its own).

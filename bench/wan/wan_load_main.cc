@@ -30,7 +30,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--deltas", deltas_dir, "folder of round-R.safetensors (bench/wan/record.sh)")
       ->required();
-  app.add_option("--max-recorded", max_recorded, "replay at most this many recorded rounds (0: all)")
+  app.add_option("--max-recorded", max_recorded,
+                 "replay at most this many recorded rounds (0: all)")
       ->capture_default_str();
   app.add_option("--round-seconds", round_seconds, "emulated compute time per round")
       ->capture_default_str();
@@ -72,11 +73,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_wan_load: %s\n", deltas.status().ToString().c_str());
     return 2;
   }
-  std::printf("bench_wan_load (synthetic site %s): %zu recorded rounds of %llu values, %d rounds "
-              "of %.2f s, %zu shard(s)\n",
-              client_name.c_str(), deltas->rounds.size(),
-              static_cast<unsigned long long>(deltas->numel), rounds, round_seconds,
-              servers.size());
+  std::printf(
+      "bench_wan_load (synthetic site %s): %zu recorded rounds of %llu values, %d rounds "
+      "of %.2f s, %zu shard(s)\n",
+      client_name.c_str(), deltas->rounds.size(), static_cast<unsigned long long>(deltas->numel),
+      rounds, round_seconds, servers.size());
   std::fflush(stdout);
   wanload::SiteOptions so;
   so.job = job;
@@ -100,19 +101,23 @@ int main(int argc, char** argv) {
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& t : *timings) {
     std::printf("%5llu  %9.3f  %6.3f  %6.3f  %6.3f  %16.3f\n",
-                static_cast<unsigned long long>(t.round), t.compute_s, t.push_s, t.wait_s,
-                t.pull_s, t.commit_latency_s);
-    rows.push_back({{"round", t.round}, {"compute_s", t.compute_s}, {"push_s", t.push_s},
-                    {"wait_s", t.wait_s}, {"pull_s", t.pull_s},
+                static_cast<unsigned long long>(t.round), t.compute_s, t.push_s, t.wait_s, t.pull_s,
+                t.commit_latency_s);
+    rows.push_back({{"round", t.round},
+                    {"compute_s", t.compute_s},
+                    {"push_s", t.push_s},
+                    {"wait_s", t.wait_s},
+                    {"pull_s", t.pull_s},
                     {"commit_latency_s", t.commit_latency_s}});
   }
   auto sum = wanload::Summarize(*timings, static_cast<size_t>(std::max(0, skip)));
-  std::printf("rounds %zu-%zu: utilisation %.1f%% (not waiting for the WAN), computing %.1f%% "
-              "(%.1f s of %.1f s); push %.2f s, WAN wait %.2f s (in %zu rounds), pull %.2f s; "
-              "commit latency mean %.2f s, max %.2f s\n",
-              static_cast<size_t>(skip) + 1, timings->size(), 100 * sum.utilisation,
-              100 * sum.compute_fraction, sum.compute_s, sum.wall_s, sum.push_s, sum.wait_s,
-              sum.rounds_waited, sum.pull_s, sum.mean_commit_latency_s, sum.max_commit_latency_s);
+  std::printf(
+      "rounds %zu-%zu: utilisation %.1f%% (not waiting for the WAN), computing %.1f%% "
+      "(%.1f s of %.1f s); push %.2f s, WAN wait %.2f s (in %zu rounds), pull %.2f s; "
+      "commit latency mean %.2f s, max %.2f s\n",
+      static_cast<size_t>(skip) + 1, timings->size(), 100 * sum.utilisation,
+      100 * sum.compute_fraction, sum.compute_s, sum.wall_s, sum.push_s, sum.wait_s,
+      sum.rounds_waited, sum.pull_s, sum.mean_commit_latency_s, sum.max_commit_latency_s);
   if (!json_path.empty()) {
     nlohmann::json j = {{"site", client_name},
                         {"round_seconds", round_seconds},

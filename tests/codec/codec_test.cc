@@ -53,10 +53,9 @@ std::vector<float> RoundTrip(const Pipeline& p, const std::vector<float>& x,
 }
 
 TEST(CodecParse, CanonicalRoundTrip) {
-  for (const char* t :
-       {"dense", "int8", "int8+zstd", "topk:0.01+int4+zstd", "blocktopk:0.05:256+int2+zstd",
-        "lowrank:4+zstd", "int4:128", "zstd:9", "lowrank:2+topk:0.5+int8:32+zstd:1", "topk:1",
-        "defer"}) {
+  for (const char* t : {"dense", "int8", "int8+zstd", "topk:0.01+int4+zstd",
+                        "blocktopk:0.05:256+int2+zstd", "lowrank:4+zstd", "int4:128", "zstd:9",
+                        "lowrank:2+topk:0.5+int8:32+zstd:1", "topk:1", "defer"}) {
     auto p = ParsePipeline(t);
     ASSERT_TRUE(p.ok()) << t << ": " << p.status().ToString();
     EXPECT_EQ(ToString(*p), t);
@@ -75,7 +74,7 @@ TEST(CodecParse, RejectsBadText) {
         "topk:1.5",   "topk:-0.1",  "topk:abc",      "blocktopk:0.1", "blocktopk:0.1:0",
         "int8+int4",  "zstd+int8",  "int8+topk:0.1", "lowrank:0",     "lowrank:999",
         "zstd:0",     "zstd:30",    "int8:0",        "int8+",         "+int8",
-        "topk:0.1:5", "snappy",     "defer+zstd",  "int8+defer"}) {
+        "topk:0.1:5", "snappy",     "defer+zstd",    "int8+defer"}) {
     auto p = ParsePipeline(t);
     EXPECT_FALSE(p.ok()) << "accepted '" << t << "'";
     if (!p.ok()) {
@@ -316,8 +315,8 @@ TEST(CodecFeedback, DeferSendsAHeaderAndKeepsEverythingInTheResidual) {
   EXPECT_EQ(residual, d1);
   EncodeWithFeedback(P("defer"), d2, shape, residual, decoded);
   // The round it is sent, the deferred rounds go with it.
-  std::string sent = EncodeWithFeedback(P("dense"), std::vector<float>(n, 0.0f), shape, residual,
-                                        decoded);
+  std::string sent =
+      EncodeWithFeedback(P("dense"), std::vector<float>(n, 0.0f), shape, residual, decoded);
   EXPECT_FALSE(IsDeferred(sent));
   for (size_t i = 0; i < n; ++i) ASSERT_EQ(decoded[i], d1[i] + d2[i]);
   EXPECT_EQ(residual, std::vector<float>(n, 0.0f));

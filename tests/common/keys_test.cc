@@ -15,8 +15,9 @@ namespace fs = std::filesystem;
 class KeysTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("isthmus-keys-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    dir_ = fs::temp_directory_path() /
+           ("isthmus-keys-" + std::to_string(::getpid()) + "-" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -72,7 +73,8 @@ TEST_F(KeysTest, MismatchedOrGarbageKeysAreRefused) {
   std::string path = (dir_ / "mixed.key").string();
   {
     std::ofstream out(path);
-    out << "curve\n  public-key = \"" << a.public_key << "\"\n  secret-key = \"" << b.secret_key << "\"\n";
+    out << "curve\n  public-key = \"" << a.public_key << "\"\n  secret-key = \"" << b.secret_key
+        << "\"\n";
   }
   ::chmod(path.c_str(), 0600);
   EXPECT_EQ(LoadKeyPairFile(path).status().code(), Code::kInvalidArgument);
@@ -89,7 +91,8 @@ TEST_F(KeysTest, AllowlistReadsFilesAndFolders) {
   std::vector<std::string> expect;
   for (int i = 0; i < 3; ++i) {
     auto p = *GenerateKeyPair();
-    ASSERT_TRUE(WriteKeyPairFiles((dir_ / "workers" / ("w" + std::to_string(i))).string(), p, false).ok());
+    ASSERT_TRUE(
+        WriteKeyPairFiles((dir_ / "workers" / ("w" + std::to_string(i))).string(), p, false).ok());
     expect.push_back(p.public_key);
   }
   auto admin = *GenerateKeyPair();

@@ -11,7 +11,8 @@ namespace {
 
 TEST(ShardingTest, BalancedAndOrderIndependent) {
   std::vector<TensorSize> t;
-  for (int i = 0; i < 40; ++i) t.push_back({"t" + std::to_string(i), uint64_t(1000 + 37 * (i % 7))});
+  for (int i = 0; i < 40; ++i)
+    t.push_back({"t" + std::to_string(i), uint64_t(1000 + 37 * (i % 7))});
   auto a = AssignTensorsToShards(t, 4);
   std::map<std::string, int> by_name;
   std::vector<uint64_t> load(4, 0);

@@ -29,10 +29,10 @@ struct PushFixture {
     views[0].data = a.data();
     views[1].data = b.data();
     auto metas = BuildTensorMetas(fbb, views);
-    auto body = wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString("key-1"),
-                                        7, 1234, metas);
-    wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, 99, wire::Body::PushRequest,
-                                                         body.Union()));
+    auto body = wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString("key-1"), 7,
+                                        1234, metas);
+    wire::FinishEnvelopeBuffer(
+        fbb, wire::CreateEnvelope(fbb, 1, 99, wire::Body::PushRequest, body.Union()));
   }
   std::vector<zmq::message_t> Frames() {
     std::vector<zmq::message_t> f;
@@ -99,9 +99,18 @@ TEST(WireTest, ElementCountsStayWhereTheirByteCountsCannotWrap) {
   EXPECT_EQ(NumElements({kMaxElements}), kMaxElements);
   EXPECT_EQ(NumElements({int64_t{1} << 28, int64_t{1} << 28}), kMaxElements);
   for (const std::vector<int64_t>& shape :
-       std::vector<std::vector<int64_t>>{{p62}, {p31, p31}, {p61, 2}, {2, p61}, {kMaxElements, 2},
-                                         {p31, 0, p31}, {0, p62}, {p62, 0}, {-1}, {4, -2},
-                                         {INT64_MAX}, {INT64_MAX, INT64_MAX}}) {
+       std::vector<std::vector<int64_t>>{{p62},
+                                         {p31, p31},
+                                         {p61, 2},
+                                         {2, p61},
+                                         {kMaxElements, 2},
+                                         {p31, 0, p31},
+                                         {0, p62},
+                                         {p62, 0},
+                                         {-1},
+                                         {4, -2},
+                                         {INT64_MAX},
+                                         {INT64_MAX, INT64_MAX}}) {
     EXPECT_EQ(NumElements(shape), -1) << ::testing::PrintToString(shape);
   }
 }
@@ -143,9 +152,9 @@ TEST(WireTest, OtherSchemaVersionsAreRefusedNamingBothVersions) {
     EXPECT_NE(env.status().message().find("schema_version " + std::to_string(version)),
               std::string::npos)
         << env.status().ToString();
-    EXPECT_NE(env.status().message().find("speaks schema_version " +
-                                          std::to_string(kSchemaVersion)),
-              std::string::npos)
+    EXPECT_NE(
+        env.status().message().find("speaks schema_version " + std::to_string(kSchemaVersion)),
+        std::string::npos)
         << env.status().ToString();
     EXPECT_EQ(id, 77u);  // a refusal can still answer the request
   }
@@ -230,35 +239,46 @@ TEST(WireTest, DuplicateNamesBadDtypeAndReusedFramesAreRefused) {
     auto metas = build(fbb, shape);
     auto body = wire::CreatePushRequest(fbb, fbb.CreateString("j"), fbb.CreateString("k"), 0, 0,
                                         fbb.CreateVector(metas));
-    wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, 1, wire::Body::PushRequest, body.Union()));
+    wire::FinishEnvelopeBuffer(
+        fbb, wire::CreateEnvelope(fbb, 1, 1, wire::Body::PushRequest, body.Union()));
     zmq::message_t header = Copy(fbb);
     auto env = ParseEnvelope(header, WireLimits{});
     ASSERT_TRUE(env.ok());
     std::vector<zmq::message_t> frames;
     frames.push_back(FloatFrame(v));
     frames.push_back(FloatFrame(v));
-    Status s = ValidateTensors((*env)->body_as_PushRequest()->tensors(), frames, WireLimits{}, true);
+    Status s =
+        ValidateTensors((*env)->body_as_PushRequest()->tensors(), frames, WireLimits{}, true);
     EXPECT_FALSE(s.ok());
     EXPECT_NE(s.message().find(needle), std::string::npos) << s.message();
   };
   using Metas = std::vector<flatbuffers::Offset<wire::TensorMeta>>;
-  check([](auto& fbb, auto& shape) {
-    return Metas{wire::CreateTensorMetaDirect(fbb, "x", &shape, wire::DType::F32, 0, 8),
-                 wire::CreateTensorMetaDirect(fbb, "x", &shape, wire::DType::F32, 1, 8)};
-  }, "appears twice");
-  check([](auto& fbb, auto& shape) {
-    return Metas{wire::CreateTensorMetaDirect(fbb, "x", &shape, wire::DType::F32, 0, 8),
-                 wire::CreateTensorMetaDirect(fbb, "y", &shape, wire::DType::F32, 0, 8)};
-  }, "used twice");
-  check([](auto& fbb, auto& shape) {
-    return Metas{wire::CreateTensorMetaDirect(fbb, "x", &shape, static_cast<wire::DType>(7), 0, 8),
-                 wire::CreateTensorMetaDirect(fbb, "y", &shape, wire::DType::F32, 1, 8)};
-  }, "only F32");
-  check([](auto& fbb, auto&) {
-    std::vector<int64_t> neg{-2};
-    return Metas{wire::CreateTensorMetaDirect(fbb, "x", &neg, wire::DType::F32, 0, 8),
-                 wire::CreateTensorMetaDirect(fbb, "y", &neg, wire::DType::F32, 1, 8)};
-  }, "negative");
+  check(
+      [](auto& fbb, auto& shape) {
+        return Metas{wire::CreateTensorMetaDirect(fbb, "x", &shape, wire::DType::F32, 0, 8),
+                     wire::CreateTensorMetaDirect(fbb, "x", &shape, wire::DType::F32, 1, 8)};
+      },
+      "appears twice");
+  check(
+      [](auto& fbb, auto& shape) {
+        return Metas{wire::CreateTensorMetaDirect(fbb, "x", &shape, wire::DType::F32, 0, 8),
+                     wire::CreateTensorMetaDirect(fbb, "y", &shape, wire::DType::F32, 0, 8)};
+      },
+      "used twice");
+  check(
+      [](auto& fbb, auto& shape) {
+        return Metas{
+            wire::CreateTensorMetaDirect(fbb, "x", &shape, static_cast<wire::DType>(7), 0, 8),
+            wire::CreateTensorMetaDirect(fbb, "y", &shape, wire::DType::F32, 1, 8)};
+      },
+      "only F32");
+  check(
+      [](auto& fbb, auto&) {
+        std::vector<int64_t> neg{-2};
+        return Metas{wire::CreateTensorMetaDirect(fbb, "x", &neg, wire::DType::F32, 0, 8),
+                     wire::CreateTensorMetaDirect(fbb, "y", &neg, wire::DType::F32, 1, 8)};
+      },
+      "negative");
 }
 
 }  // namespace

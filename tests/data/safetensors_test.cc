@@ -185,12 +185,18 @@ TEST_F(SafetensorsTest, RefusesEveryCorruptionKind) {
        R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,8]}})", f8, -1,
        Code::kCorruption, "overflows"},
       // Element counts whose byte count wraps to 0 in 64 bits, with an empty data range.
-      {"shape wrapping to 0 bytes", R"({"a":{"dtype":"F32","shape":[4611686018427387904],)"
-       R"("data_offsets":[0,0]}})", "", -1, Code::kCorruption, "overflows"},
-      {"two dims wrapping to 0 bytes", R"({"a":{"dtype":"F32","shape":[2147483648,2147483648],)"
-       R"("data_offsets":[0,0]}})", "", -1, Code::kCorruption, "overflows"},
-      {"bf16 wrapping to 0 bytes", R"({"a":{"dtype":"BF16","shape":[2305843009213693952,4],)"
-       R"("data_offsets":[0,0]}})", "", -1, Code::kCorruption, "overflows"},
+      {"shape wrapping to 0 bytes",
+       R"({"a":{"dtype":"F32","shape":[4611686018427387904],)"
+       R"("data_offsets":[0,0]}})",
+       "", -1, Code::kCorruption, "overflows"},
+      {"two dims wrapping to 0 bytes",
+       R"({"a":{"dtype":"F32","shape":[2147483648,2147483648],)"
+       R"("data_offsets":[0,0]}})",
+       "", -1, Code::kCorruption, "overflows"},
+      {"bf16 wrapping to 0 bytes",
+       R"({"a":{"dtype":"BF16","shape":[2305843009213693952,4],)"
+       R"("data_offsets":[0,0]}})",
+       "", -1, Code::kCorruption, "overflows"},
       {"fractional dim", R"({"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,8]}})", f8, -1,
        Code::kCorruption, "non-integer"},
       {"size mismatch", R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", f8, -1,

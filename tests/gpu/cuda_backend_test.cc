@@ -21,7 +21,8 @@ std::unique_ptr<Ops> MakeCuda(std::string* why) {
 
 INSTANTIATE_TEST_SUITE_P(Gpu, BackendTest,
                          ::testing::Values(BackendCase{"cuda", MakeCuda, {8, 256, 256, 4, 256, 16}},
-                                           BackendCase{"cuda", MakeCuda, {2, 1024, 768, 12, 256, 16}},
+                                           BackendCase{
+                                               "cuda", MakeCuda, {2, 1024, 768, 12, 256, 16}},
                                            BackendCase{"cuda", MakeCuda, {3, 77, 120, 5, 256, 8}}),
                          CaseName);
 

@@ -16,10 +16,10 @@ inline int GpuCount(std::string* why) { return ops::CudaDeviceCount(why); }
 
 }  // namespace isthmus::testing
 
-#define ISTHMUS_REQUIRE_GPU()                                                            \
-  do {                                                                                   \
-    std::string isthmus_why_;                                                            \
-    if (::isthmus::testing::GpuCount(&isthmus_why_) == 0) {                              \
+#define ISTHMUS_REQUIRE_GPU()                                                           \
+  do {                                                                                  \
+    std::string isthmus_why_;                                                           \
+    if (::isthmus::testing::GpuCount(&isthmus_why_) == 0) {                             \
       GTEST_SKIP() << "no CUDA device: " << isthmus_why_ << " (this test needs a GPU)"; \
-    }                                                                                    \
+    }                                                                                   \
   } while (0)

@@ -100,14 +100,16 @@ TEST(GpuTraining, StepsAllocateNothingOnceWarm) {
   ASSERT_TRUE(ops);
   const int B = 8, T = 256;
   const Batches data = RandomBatches(12, B, T, 2);
-  auto gpt = Gpt::CreateRandom(Small(), TrainMode::kFull, LoraConfig{}, 5,
-                               {ops.get(), ops::Dtype::kBF16});
+  auto gpt =
+      Gpt::CreateRandom(Small(), TrainMode::kFull, LoraConfig{}, 5, {ops.get(), ops::Dtype::kBF16});
   ASSERT_TRUE(gpt.ok());
   auto t = Trainer::Create(**gpt, TrainerConfig{});
   ASSERT_TRUE(t.ok());
-  for (int s = 0; s < 2; ++s) ASSERT_TRUE((*t)->Step(data.tokens[s].data(), data.targets[s].data(), B, T).ok());
+  for (int s = 0; s < 2; ++s)
+    ASSERT_TRUE((*t)->Step(data.tokens[s].data(), data.targets[s].data(), B, T).ok());
   const ops::MemoryInfo warm = ops->Memory();
-  for (int s = 2; s < 12; ++s) ASSERT_TRUE((*t)->Step(data.tokens[s].data(), data.targets[s].data(), B, T).ok());
+  for (int s = 2; s < 12; ++s)
+    ASSERT_TRUE((*t)->Step(data.tokens[s].data(), data.targets[s].data(), B, T).ok());
   const ops::MemoryInfo after = ops->Memory();
   EXPECT_EQ(after.allocated, warm.allocated);
   EXPECT_EQ(after.peak_allocated, warm.peak_allocated);
@@ -248,8 +250,8 @@ TEST(GpuErrors, OutOfMemorySaysWhichConfigurationAndWhatToLower) {
   ISTHMUS_REQUIRE_GPU();
   auto ops = Gpu();
   ASSERT_TRUE(ops);
-  auto gpt = Gpt::CreateRandom(Small(), TrainMode::kLora, LoraConfig{}, 5,
-                               {ops.get(), ops::Dtype::kBF16});
+  auto gpt =
+      Gpt::CreateRandom(Small(), TrainMode::kLora, LoraConfig{}, 5, {ops.get(), ops::Dtype::kBF16});
   ASSERT_TRUE(gpt.ok());
   const Status st = (*gpt)->Reserve(200000, 256);  // ~1 TB of activations
   EXPECT_EQ(st.code(), Code::kResourceExhausted) << st.ToString();
@@ -263,8 +265,8 @@ TEST(GpuErrors, OutOfMemorySaysWhichConfigurationAndWhatToLower) {
   huge.n_layer = 200;
   huge.n_embd = 8192;
   huge.n_head = 64;
-  auto too_big = Gpt::CreateRandom(huge, TrainMode::kFull, LoraConfig{}, 1,
-                                   {ops.get(), ops::Dtype::kBF16});
+  auto too_big =
+      Gpt::CreateRandom(huge, TrainMode::kFull, LoraConfig{}, 1, {ops.get(), ops::Dtype::kBF16});
   EXPECT_EQ(too_big.status().code(), Code::kResourceExhausted);
   EXPECT_NE(too_big.status().message().find("cannot hold the model's"), std::string::npos)
       << too_big.status().message();

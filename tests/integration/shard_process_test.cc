@@ -186,7 +186,8 @@ class RawSocket {
 std::string PushHeader(const std::string& key, const std::string& name, uint64_t nbytes,
                        std::vector<int64_t> shape = kShape, uint32_t schema_version = 1) {
   flatbuffers::FlatBufferBuilder fbb;
-  auto meta = wire::CreateTensorMetaDirect(fbb, name.c_str(), &shape, wire::DType::F32, 0, nbytes, 0);
+  auto meta =
+      wire::CreateTensorMetaDirect(fbb, name.c_str(), &shape, wire::DType::F32, 0, nbytes, 0);
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{meta};
   auto body = wire::CreatePushRequestDirect(fbb, "j", key.c_str(), 0, 1, &metas);
   wire::FinishEnvelopeBuffer(
@@ -200,7 +201,8 @@ std::string JobCreateHeader(const std::string& job, std::vector<int64_t> shape, 
   auto meta = wire::CreateTensorMetaDirect(fbb, "w", &shape, wire::DType::F32, 0, nbytes, 0);
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{meta};
   auto body = wire::CreateJobCreateDirect(fbb, job.c_str(), "h", &metas);
-  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, 1, 43, wire::Body::JobCreate, body.Union()));
+  wire::FinishEnvelopeBuffer(fbb,
+                             wire::CreateEnvelope(fbb, 1, 43, wire::Body::JobCreate, body.Union()));
   return std::string(reinterpret_cast<const char*>(fbb.GetBufferPointer()), fbb.GetSize());
 }
 
@@ -240,13 +242,15 @@ TEST_F(ShardProcessTest, HostileFramesAreRefusedWithStateUnchanged) {
   EXPECT_NE(raw.Call({PushHeader("t2", "b", 128, {8, 4}), Floats(ones)}).code(), Code::kOk);
   EXPECT_EQ(raw.Call({PushHeader("t3", "zz", 128), Floats(ones)}).code(), Code::kNotFound);
   // NaN and infinity in the payload.
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     std::vector<float> v(32, 1.0f);
     v[17] = bad;
     EXPECT_EQ(raw.Call({PushHeader("nan", "b", 128), Floats(v)}).code(), Code::kInvalidArgument);
   }
   // A huge claimed shape with a small frame.
-  EXPECT_NE(raw.Call({PushHeader("t4", "b", 128, {1 << 30, 1 << 30}), Floats(ones)}).code(), Code::kOk);
+  EXPECT_NE(raw.Call({PushHeader("t4", "b", 128, {1 << 30, 1 << 30}), Floats(ones)}).code(),
+            Code::kOk);
 
   EXPECT_EQ(PullAll(*w), before);
   auto stats = server_.AdminClient()->Stats();
@@ -261,8 +265,8 @@ TEST_F(ShardProcessTest, HostileFramesAreRefusedWithStateUnchanged) {
 // JobCreate no job appears; on the worker socket's push nothing changes.
 TEST_F(ShardProcessTest, ShapesWhoseByteCountWrapsAreRefusedOnBothSockets) {
   const int64_t p31 = int64_t{1} << 31, p61 = int64_t{1} << 61, p62 = int64_t{1} << 62;
-  const std::vector<std::vector<int64_t>> wrapping{{p62}, {p31, p31}, {p61, 2}, {2, p61},
-                                                   {p31, 0, p31}, {0, p62, 4}};
+  const std::vector<std::vector<int64_t>> wrapping{{p62},    {p31, p31},    {p61, 2},
+                                                   {2, p61}, {p31, 0, p31}, {0, p62, 4}};
   RawSocket admin(server_, /*admin=*/true), worker(server_);
   auto w = server_.WorkerClient();
   auto before = PullAll(*w);
@@ -334,8 +338,9 @@ TEST(ShardProcessLimits, OversizedMessageIsRefused) {
   ASSERT_TRUE(server.Start());
   std::vector<float> small(16, 0.0f);
   auto admin = server.AdminClient();
-  ASSERT_TRUE(admin->CreateJob("j", "", {{"big", {32768}, std::vector<float>(32768).data()}}).ok() ==
-              false);  // 128 KiB of payload: over the limit at creation too
+  ASSERT_TRUE(
+      admin->CreateJob("j", "", {{"big", {32768}, std::vector<float>(32768).data()}}).ok() ==
+      false);  // 128 KiB of payload: over the limit at creation too
   ASSERT_TRUE(admin->CreateJob("j", "", {{"s", {16}, small.data()}}).ok());
   auto w = server.WorkerClient();
   std::vector<float> big(32768, 1.0f);
@@ -351,7 +356,8 @@ TEST(ShardProcessLimits, OversizedMessageIsRefused) {
 // killed with SIGKILL at a random moment; after a restart every acknowledged push is
 // present, and re-sending the one in flight (same key) makes the total exact.
 TEST(ShardProcessCrash, SigkillDuringPushesLosesNothingAcknowledged) {
-  const int loops = std::getenv("ISTHMUS_CRASH_LOOPS") ? std::atoi(std::getenv("ISTHMUS_CRASH_LOOPS")) : 3;
+  const int loops =
+      std::getenv("ISTHMUS_CRASH_LOOPS") ? std::atoi(std::getenv("ISTHMUS_CRASH_LOOPS")) : 3;
   ServerProcess server;
   ASSERT_TRUE(server.Start());
   CreateJob(server);
@@ -390,7 +396,8 @@ TEST(ShardProcessCrash, SigkillDuringPushesLosesNothingAcknowledged) {
     EXPECT_GE(b, 1.0f + acked_total) << "loop " << loop;
     EXPECT_LE(b, 1.0f + acked_total + 1) << "loop " << loop;
     if (in_flight >= 0) {
-      auto p = w->Push("j", "key-" + std::to_string(in_flight.load()), 0, 1, {{"b", kShape, one.data()}});
+      auto p = w->Push("j", "key-" + std::to_string(in_flight.load()), 0, 1,
+                       {{"b", kShape, one.data()}});
       ASSERT_TRUE(p.ok()) << p.status().ToString();
       ++next_key;
       ++acked_total;

@@ -73,9 +73,7 @@ class Mem {
     return r;
   }
   // An output pre-filled with a value no kernel produces by accident.
-  Ref Out(size_t n, Dtype d = Dtype::kF32) {
-    return In(std::vector<float>(n, 1234.5f), d);
-  }
+  Ref Out(size_t n, Dtype d = Dtype::kF32) { return In(std::vector<float>(n, 1234.5f), d); }
   const int32_t* Ints(const std::vector<int32_t>& v) {
     Ref r = Alloc(v.size(), Dtype::kF32);
     ops_.Upload(r.data, v.data(), v.size() * sizeof(int32_t));
@@ -183,14 +181,15 @@ TEST_P(BackendTest, Matmul) {
         const auto a = Random(static_cast<size_t>(m) * k, rng);
         const auto b = Random(static_cast<size_t>(k) * n, rng);
         const auto c0 = Random(static_cast<size_t>(m) * n, rng);
-        Compare(std::string("matmul ") + DtypeName(in) + "->" + DtypeName(out) +
-                    (ta ? " aT" : "") + (tb ? " bT" : ""),
-                [&](Ops& o, Mem& mem) -> Outputs {
-                  Ref c = mem.In(c0, out);
-                  o.Matmul(mem.In(a, in), mem.In(b, in), c, m, n, k, ta, tb, 0.5f, 1.0f);
-                  return {{"c", mem.Read(c, c0.size())}};
-                },
-                Tol(out, kF32MatmulTol));
+        Compare(
+            std::string("matmul ") + DtypeName(in) + "->" + DtypeName(out) + (ta ? " aT" : "") +
+                (tb ? " bT" : ""),
+            [&](Ops& o, Mem& mem) -> Outputs {
+              Ref c = mem.In(c0, out);
+              o.Matmul(mem.In(a, in), mem.In(b, in), c, m, n, k, ta, tb, 0.5f, 1.0f);
+              return {{"c", mem.Read(c, c0.size())}};
+            },
+            Tol(out, kF32MatmulTol));
       }
     }
   }
@@ -201,21 +200,22 @@ TEST_P(BackendTest, CastSubtractSumSquares) {
   const size_t n = static_cast<size_t>(s.B) * s.T * s.C + 7;
   std::mt19937 rng(1);
   const auto a = Random(n, rng), b = Random(n, rng);
-  Compare("elementwise",
-          [&](Ops& o, Mem& mem) -> Outputs {
-            Ref h = mem.Out(n, Dtype::kBF16), back = mem.Out(n), d = mem.Out(n), sq = mem.Out(1);
-            o.Cast(mem.In(a), h, static_cast<int64_t>(n));
-            o.Cast(h, back, static_cast<int64_t>(n));
-            Ref ar = mem.In(a);
-            o.Subtract(static_cast<const float*>(ar.data), static_cast<const float*>(mem.In(b).data),
-                       static_cast<float*>(d.data), static_cast<int64_t>(n));
-            o.SumSquares(static_cast<const float*>(ar.data), static_cast<int64_t>(n),
-                         static_cast<float*>(sq.data));
-            return {{"cast round trip", mem.Read(back, n)},
-                    {"subtract", mem.Read(d, n)},
-                    {"sum of squares", mem.Read(sq, 1)}};
-          },
-          kF32Tol);
+  Compare(
+      "elementwise",
+      [&](Ops& o, Mem& mem) -> Outputs {
+        Ref h = mem.Out(n, Dtype::kBF16), back = mem.Out(n), d = mem.Out(n), sq = mem.Out(1);
+        o.Cast(mem.In(a), h, static_cast<int64_t>(n));
+        o.Cast(h, back, static_cast<int64_t>(n));
+        Ref ar = mem.In(a);
+        o.Subtract(static_cast<const float*>(ar.data), static_cast<const float*>(mem.In(b).data),
+                   static_cast<float*>(d.data), static_cast<int64_t>(n));
+        o.SumSquares(static_cast<const float*>(ar.data), static_cast<int64_t>(n),
+                     static_cast<float*>(sq.data));
+        return {{"cast round trip", mem.Read(back, n)},
+                {"subtract", mem.Read(d, n)},
+                {"sum of squares", mem.Read(sq, 1)}};
+      },
+      kF32Tol);
 }
 
 TEST_P(BackendTest, Embedding) {
@@ -231,20 +231,21 @@ TEST_P(BackendTest, Embedding) {
   const auto wpe = Random(static_cast<size_t>(s.T) * s.C, rng);
   const auto dout = Random(static_cast<size_t>(N) * s.C, rng);
   const auto dwte0 = Random(wte.size(), rng), dwpe0 = Random(wpe.size(), rng);
-  Compare("embedding",
-          [&](Ops& o, Mem& mem) -> Outputs {
-            Ref out = mem.Out(dout.size()), dwte = mem.In(dwte0), dwpe = mem.In(dwpe0);
-            o.EmbeddingForward(mem.Ints(tokens), static_cast<const float*>(mem.In(wte).data),
-                               static_cast<const float*>(mem.In(wpe).data),
-                               static_cast<float*>(out.data), s.B, s.T, s.C);
-            o.EmbeddingBackward(static_cast<const float*>(mem.In(dout).data), mem.Ints(order),
-                                mem.Ints(starts), static_cast<float*>(dwte.data),
-                                static_cast<float*>(dwpe.data), s.B, s.T, s.C, s.V);
-            return {{"out", mem.Read(out, dout.size())},
-                    {"dwte (accumulated)", mem.Read(dwte, wte.size())},
-                    {"dwpe (accumulated)", mem.Read(dwpe, wpe.size())}};
-          },
-          kF32Tol);
+  Compare(
+      "embedding",
+      [&](Ops& o, Mem& mem) -> Outputs {
+        Ref out = mem.Out(dout.size()), dwte = mem.In(dwte0), dwpe = mem.In(dwpe0);
+        o.EmbeddingForward(mem.Ints(tokens), static_cast<const float*>(mem.In(wte).data),
+                           static_cast<const float*>(mem.In(wpe).data),
+                           static_cast<float*>(out.data), s.B, s.T, s.C);
+        o.EmbeddingBackward(static_cast<const float*>(mem.In(dout).data), mem.Ints(order),
+                            mem.Ints(starts), static_cast<float*>(dwte.data),
+                            static_cast<float*>(dwpe.data), s.B, s.T, s.C, s.V);
+        return {{"out", mem.Read(out, dout.size())},
+                {"dwte (accumulated)", mem.Read(dwte, wte.size())},
+                {"dwpe (accumulated)", mem.Read(dwpe, wpe.size())}};
+      },
+      kF32Tol);
 }
 
 TEST_P(BackendTest, LayerNorm) {
@@ -257,23 +258,21 @@ TEST_P(BackendTest, LayerNorm) {
   const auto dx0 = Random(x.size(), rng), dw0 = Random(C, rng), db0 = Random(C, rng);
   for (Dtype d : kDtypes) {
     const auto dout = Random(x.size(), rng);
-    Compare(std::string("layernorm ") + DtypeName(d),
-            [&](Ops& o, Mem& mem) -> Outputs {
-              Ref out = mem.Out(x.size(), d), mean = mem.Out(N), rstd = mem.Out(N);
-              Ref xr = mem.In(x), wr = mem.In(w);
-              Ref dx = mem.In(dx0), dw = mem.In(dw0), db = mem.In(db0);
-              auto f = [](Ref r) { return static_cast<float*>(r.data); };
-              o.LayerNormForward(f(xr), f(wr), f(mem.In(b)), out, f(mean), f(rstd), N, C);
-              o.LayerNormBackward(mem.In(dout, d), f(xr), f(wr), f(mean), f(rstd), f(dx), f(dw),
-                                  f(db), N, C);
-              return {{"out", mem.Read(out, x.size())},
-                      {"mean", mem.Read(mean, N)},
-                      {"rstd", mem.Read(rstd, N)},
-                      {"dx (accumulated)", mem.Read(dx, x.size())},
-                      {"dweight", mem.Read(dw, C)},
-                      {"dbias", mem.Read(db, C)}};
-            },
-            Tol(d, kF32Tol));
+    Compare(
+        std::string("layernorm ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          Ref out = mem.Out(x.size(), d), mean = mem.Out(N), rstd = mem.Out(N);
+          Ref xr = mem.In(x), wr = mem.In(w);
+          Ref dx = mem.In(dx0), dw = mem.In(dw0), db = mem.In(db0);
+          auto f = [](Ref r) { return static_cast<float*>(r.data); };
+          o.LayerNormForward(f(xr), f(wr), f(mem.In(b)), out, f(mean), f(rstd), N, C);
+          o.LayerNormBackward(mem.In(dout, d), f(xr), f(wr), f(mean), f(rstd), f(dx), f(dw), f(db),
+                              N, C);
+          return {{"out", mem.Read(out, x.size())}, {"mean", mem.Read(mean, N)},
+                  {"rstd", mem.Read(rstd, N)},      {"dx (accumulated)", mem.Read(dx, x.size())},
+                  {"dweight", mem.Read(dw, C)},     {"dbias", mem.Read(db, C)}};
+        },
+        Tol(d, kF32Tol));
   }
 }
 
@@ -292,40 +291,42 @@ TEST_P(BackendTest, LinearAndLora) {
   const auto dw0 = Random(w.size(), rng), db0 = Random(out_dim, rng);
   const auto da0 = Random(a.size(), rng), dbb0 = Random(bb.size(), rng);
   for (Dtype d : kDtypes) {
-    Compare(std::string("linear ") + DtypeName(d),
-            [&](Ops& o, Mem& mem) -> Outputs {
-              auto f = [](Ref q) { return static_cast<float*>(q.data); };
-              Ref xr = mem.In(x, d), wr = mem.In(w, d);
-              Ref out = mem.Out(res.size(), d), out_res = mem.In(res);
-              Ref dx = mem.Out(x.size(), d), dw = mem.In(dw0), db = mem.In(db0);
-              o.LinearForward(xr, wr, f(mem.In(bias)), nullptr, out, N, in, out_dim);
-              o.LinearForward(xr, wr, f(mem.In(bias)), f(out_res), out_res, N, in, out_dim);
-              o.LinearBackward(mem.In(dout, d), xr, wr, dx, f(dw), f(db), N, in, out_dim);
-              return {{"out", mem.Read(out, res.size())},
-                      {"out + residual (aliased)", mem.Read(out_res, res.size())},
-                      {"dx", mem.Read(dx, x.size())},
-                      {"dw (accumulated)", mem.Read(dw, w.size())},
-                      {"dbias (accumulated)", mem.Read(db, bias.size())}};
-            },
-            Tol(d, kF32MatmulTol));
-    Compare(std::string("lora ") + DtypeName(d),
-            [&](Ops& o, Mem& mem) -> Outputs {
-              auto f = [](Ref q) { return static_cast<float*>(q.data); };
-              Ref xr = mem.In(x, d), wr = mem.In(w, d), ar = mem.In(a, d), br = mem.In(bb, d);
-              Ref out = mem.Out(res.size(), d), xa = mem.Out(static_cast<size_t>(N) * r, d);
-              Ref dx = mem.Out(x.size(), d), dxa = mem.Out(static_cast<size_t>(N) * r, d);
-              Ref da = mem.In(da0), dbb = mem.In(dbb0);
-              o.LoraLinearForward(xr, wr, f(mem.In(bias)), ar, br, scale, nullptr, out, xa, N, in,
-                                  out_dim, r);
-              o.LoraLinearBackward(mem.In(dout, d), xr, wr, ar, br, scale, xa, dx, nullptr,
-                                   nullptr, f(da), f(dbb), dxa, N, in, out_dim, r);
-              return {{"out", mem.Read(out, res.size())},
-                      {"xa", mem.Read(xa, static_cast<size_t>(N) * r)},
-                      {"dx", mem.Read(dx, x.size())},
-                      {"dA (accumulated)", mem.Read(da, a.size())},
-                      {"dB (accumulated)", mem.Read(dbb, bb.size())}};
-            },
-            Tol(d, kF32MatmulTol));
+    Compare(
+        std::string("linear ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          auto f = [](Ref q) { return static_cast<float*>(q.data); };
+          Ref xr = mem.In(x, d), wr = mem.In(w, d);
+          Ref out = mem.Out(res.size(), d), out_res = mem.In(res);
+          Ref dx = mem.Out(x.size(), d), dw = mem.In(dw0), db = mem.In(db0);
+          o.LinearForward(xr, wr, f(mem.In(bias)), nullptr, out, N, in, out_dim);
+          o.LinearForward(xr, wr, f(mem.In(bias)), f(out_res), out_res, N, in, out_dim);
+          o.LinearBackward(mem.In(dout, d), xr, wr, dx, f(dw), f(db), N, in, out_dim);
+          return {{"out", mem.Read(out, res.size())},
+                  {"out + residual (aliased)", mem.Read(out_res, res.size())},
+                  {"dx", mem.Read(dx, x.size())},
+                  {"dw (accumulated)", mem.Read(dw, w.size())},
+                  {"dbias (accumulated)", mem.Read(db, bias.size())}};
+        },
+        Tol(d, kF32MatmulTol));
+    Compare(
+        std::string("lora ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          auto f = [](Ref q) { return static_cast<float*>(q.data); };
+          Ref xr = mem.In(x, d), wr = mem.In(w, d), ar = mem.In(a, d), br = mem.In(bb, d);
+          Ref out = mem.Out(res.size(), d), xa = mem.Out(static_cast<size_t>(N) * r, d);
+          Ref dx = mem.Out(x.size(), d), dxa = mem.Out(static_cast<size_t>(N) * r, d);
+          Ref da = mem.In(da0), dbb = mem.In(dbb0);
+          o.LoraLinearForward(xr, wr, f(mem.In(bias)), ar, br, scale, nullptr, out, xa, N, in,
+                              out_dim, r);
+          o.LoraLinearBackward(mem.In(dout, d), xr, wr, ar, br, scale, xa, dx, nullptr, nullptr,
+                               f(da), f(dbb), dxa, N, in, out_dim, r);
+          return {{"out", mem.Read(out, res.size())},
+                  {"xa", mem.Read(xa, static_cast<size_t>(N) * r)},
+                  {"dx", mem.Read(dx, x.size())},
+                  {"dA (accumulated)", mem.Read(da, a.size())},
+                  {"dB (accumulated)", mem.Read(dbb, bb.size())}};
+        },
+        Tol(d, kF32MatmulTol));
   }
 }
 
@@ -335,14 +336,15 @@ TEST_P(BackendTest, Gelu) {
   std::mt19937 rng(5);
   const auto x = Random(n, rng, 3.0f), dout = Random(n, rng);
   for (Dtype d : kDtypes) {
-    Compare(std::string("gelu ") + DtypeName(d),
-            [&](Ops& o, Mem& mem) -> Outputs {
-              Ref xr = mem.In(x, d), out = mem.Out(n, d), dx = mem.In(dout, d);
-              o.GeluForward(xr, out, static_cast<int64_t>(n));
-              o.GeluBackward(dx, xr, dx, static_cast<int64_t>(n));  // in place
-              return {{"out", mem.Read(out, n)}, {"dx (in place)", mem.Read(dx, n)}};
-            },
-            Tol(d, kF32Tol));
+    Compare(
+        std::string("gelu ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          Ref xr = mem.In(x, d), out = mem.Out(n, d), dx = mem.In(dout, d);
+          o.GeluForward(xr, out, static_cast<int64_t>(n));
+          o.GeluBackward(dx, xr, dx, static_cast<int64_t>(n));  // in place
+          return {{"out", mem.Read(out, n)}, {"dx (in place)", mem.Read(dx, n)}};
+        },
+        Tol(d, kF32Tol));
   }
 }
 
@@ -353,20 +355,21 @@ TEST_P(BackendTest, Attention) {
   const auto qkv = Random(3 * n, rng), dout = Random(n, rng);
   const size_t rows = static_cast<size_t>(s.B) * s.H * s.T;
   for (Dtype d : kDtypes) {
-    Compare(std::string("attention ") + DtypeName(d),
-            [&](Ops& o, Mem& mem) -> Outputs {
-              Ref q = mem.In(qkv, d), out = mem.Out(n, d), lse = mem.Out(rows);
-              Ref dq = mem.Out(3 * n, d);
-              Ref scratch = mem.Out(AttentionScratchFloats(s.B, s.T, s.C, s.H));
-              o.AttentionForward(q, out, static_cast<float*>(lse.data), s.B, s.T, s.C, s.H);
-              o.AttentionBackward(mem.In(dout, d), q, out, static_cast<float*>(lse.data), dq,
-                                  static_cast<float*>(scratch.data), s.B, s.T, s.C, s.H);
-              return {{"out", mem.Read(out, n)},
-                      {"lse", mem.Read(lse, rows)},
-                      {"dqkv", mem.Read(dq, 3 * n)}};
-            },
-            // fp32: scores are sums over hs and the softmax sums run over up to T terms.
-            Tol(d, 2e-5));
+    Compare(
+        std::string("attention ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          Ref q = mem.In(qkv, d), out = mem.Out(n, d), lse = mem.Out(rows);
+          Ref dq = mem.Out(3 * n, d);
+          Ref scratch = mem.Out(AttentionScratchFloats(s.B, s.T, s.C, s.H));
+          o.AttentionForward(q, out, static_cast<float*>(lse.data), s.B, s.T, s.C, s.H);
+          o.AttentionBackward(mem.In(dout, d), q, out, static_cast<float*>(lse.data), dq,
+                              static_cast<float*>(scratch.data), s.B, s.T, s.C, s.H);
+          return {{"out", mem.Read(out, n)},
+                  {"lse", mem.Read(lse, rows)},
+                  {"dqkv", mem.Read(dq, 3 * n)}};
+        },
+        // fp32: scores are sums over hs and the softmax sums run over up to T terms.
+        Tol(d, 2e-5));
   }
 }
 
@@ -380,20 +383,21 @@ TEST_P(BackendTest, SoftmaxCrossEntropy) {
   for (int i = 0; i < N; ++i) targets[i] = i % 13 == 5 ? -1 : t(rng);
   const std::vector<float> dloss = {1.0f / static_cast<float>(N)};
   for (Dtype d : kDtypes) {
-    Compare(std::string("cross-entropy ") + DtypeName(d),
-            [&](Ops& o, Mem& mem) -> Outputs {
-              Ref lg = mem.In(logits, d), losses = mem.Out(N);
-              Ref dl = mem.Out(logits.size(), d), in_place = mem.In(logits, d);
-              Ref scale = mem.In(dloss), losses2 = mem.Out(N);
-              o.SoftmaxCrossEntropy(lg, mem.Ints(targets), static_cast<float*>(losses.data), dl,
-                                    static_cast<const float*>(scale.data), N, s.V);
-              o.SoftmaxCrossEntropy(in_place, mem.Ints(targets), static_cast<float*>(losses2.data),
-                                    in_place, static_cast<const float*>(scale.data), N, s.V);
-              return {{"losses", mem.Read(losses, N)},
-                      {"dlogits", mem.Read(dl, logits.size())},
-                      {"dlogits in place", mem.Read(in_place, logits.size())}};
-            },
-            Tol(d, kF32Tol));
+    Compare(
+        std::string("cross-entropy ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          Ref lg = mem.In(logits, d), losses = mem.Out(N);
+          Ref dl = mem.Out(logits.size(), d), in_place = mem.In(logits, d);
+          Ref scale = mem.In(dloss), losses2 = mem.Out(N);
+          o.SoftmaxCrossEntropy(lg, mem.Ints(targets), static_cast<float*>(losses.data), dl,
+                                static_cast<const float*>(scale.data), N, s.V);
+          o.SoftmaxCrossEntropy(in_place, mem.Ints(targets), static_cast<float*>(losses2.data),
+                                in_place, static_cast<const float*>(scale.data), N, s.V);
+          return {{"losses", mem.Read(losses, N)},
+                  {"dlogits", mem.Read(dl, logits.size())},
+                  {"dlogits in place", mem.Read(in_place, logits.size())}};
+        },
+        Tol(d, kF32Tol));
   }
 }
 
@@ -407,25 +411,26 @@ TEST_P(BackendTest, AdamW) {
   const auto chunks = MakeAdamWChunks({{0, n / 2, true}, {n / 2 + 5, n - n / 2 - 5, false}});
   const AdamWScalars sc{1e-3f, 0.1f, 0.05f, 0.0f};
   AdamWConfig cfg{0.9f, 0.95f, 1e-8f, 0.1f, 0.5f};
-  Compare("adamw",
-          [&](Ops& o, Mem& mem) -> Outputs {
-            auto f = [](Ref q) { return static_cast<float*>(q.data); };
-            Ref p = mem.In(p0), gr = mem.In(g), m = mem.In(m0), v = mem.In(v0);
-            Ref copy = mem.Out(n, Dtype::kBF16), sumsq = mem.Out(1);
-            Ref ch = mem.Out(chunks.size() * sizeof(AdamWChunk) / sizeof(float));
-            o.Upload(ch.data, chunks.data(), chunks.size() * sizeof(AdamWChunk));
-            Ref scal = mem.Out(sizeof(AdamWScalars) / sizeof(float));
-            o.Upload(scal.data, &sc, sizeof sc);
-            o.SumSquares(f(gr), n, f(sumsq));
-            o.AdamW(f(p), f(gr), f(m), f(v), copy, static_cast<const AdamWChunk*>(ch.data),
-                    static_cast<int>(chunks.size()), f(sumsq),
-                    static_cast<const AdamWScalars*>(scal.data), cfg);
-            return {{"param", mem.Read(p, n)},
-                    {"m", mem.Read(m, n)},
-                    {"v", mem.Read(v, n)},
-                    {"bf16 copy", mem.Read(copy, n)}};
-          },
-          kF32Tol);
+  Compare(
+      "adamw",
+      [&](Ops& o, Mem& mem) -> Outputs {
+        auto f = [](Ref q) { return static_cast<float*>(q.data); };
+        Ref p = mem.In(p0), gr = mem.In(g), m = mem.In(m0), v = mem.In(v0);
+        Ref copy = mem.Out(n, Dtype::kBF16), sumsq = mem.Out(1);
+        Ref ch = mem.Out(chunks.size() * sizeof(AdamWChunk) / sizeof(float));
+        o.Upload(ch.data, chunks.data(), chunks.size() * sizeof(AdamWChunk));
+        Ref scal = mem.Out(sizeof(AdamWScalars) / sizeof(float));
+        o.Upload(scal.data, &sc, sizeof sc);
+        o.SumSquares(f(gr), n, f(sumsq));
+        o.AdamW(f(p), f(gr), f(m), f(v), copy, static_cast<const AdamWChunk*>(ch.data),
+                static_cast<int>(chunks.size()), f(sumsq),
+                static_cast<const AdamWScalars*>(scal.data), cfg);
+        return {{"param", mem.Read(p, n)},
+                {"m", mem.Read(m, n)},
+                {"v", mem.Read(v, n)},
+                {"bf16 copy", mem.Read(copy, n)}};
+      },
+      kF32Tol);
 }
 
 // One training step of the whole model (forward, backward, clipping, AdamW) on the
@@ -482,8 +487,8 @@ TEST_P(BackendTest, TrainingStepMatchesCpu) {
         }
         return r;
       };
-      const std::string what = std::string("step ") + model::TrainModeName(mode) + " " +
-                               DtypeName(d);
+      const std::string what =
+          std::string("step ") + model::TrainModeName(mode) + " " + DtypeName(d);
       const Run ref = run(CpuOps()), got = run(*ops_);
       ASSERT_TRUE(ops_->Synchronize().ok()) << ops_->status().ToString();
       ExpectClose(what + " loss", {got.loss}, {ref.loss}, Tol(d, 1e-5));

@@ -48,8 +48,7 @@ Emulator& E() {
 
 [[noreturn]] void Die(const std::string& what) {
   const Emulator& e = E();
-  std::fprintf(stderr,
-               "cuda_emu: %s (block (%u,%u,%u) of grid (%u,%u,%u), blockDim (%u,%u,%u))\n",
+  std::fprintf(stderr, "cuda_emu: %s (block (%u,%u,%u) of grid (%u,%u,%u), blockDim (%u,%u,%u))\n",
                what.c_str(), e.block_idx.x, e.block_idx.y, e.block_idx.z, e.grid_dim.x,
                e.grid_dim.y, e.grid_dim.z, e.block_dim.x, e.block_dim.y, e.block_dim.z);
   std::abort();
@@ -77,8 +76,8 @@ void* NewStack() {
 }
 
 std::string Where(const Fiber& f) {
-  return "thread (" + std::to_string(f.thread.idx.x) + "," + std::to_string(f.thread.idx.y) +
-         "," + std::to_string(f.thread.idx.z) + ")";
+  return "thread (" + std::to_string(f.thread.idx.x) + "," + std::to_string(f.thread.idx.y) + "," +
+         std::to_string(f.thread.idx.z) + ")";
 }
 
 // Runs every fiber of the block to completion, opening barriers as they fill.
@@ -176,8 +175,8 @@ void RunGrid(const void* kernel, dim3 grid, dim3 block, size_t smem,
   Emulator& e = E();
   if (e.running) Die("a kernel launched another kernel (not emulated)");
   const int64_t n = static_cast<int64_t>(block.x) * block.y * block.z;
-  if (n <= 0 || n > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
-      grid.y > 65535 || grid.z > 65535 || block.z > 64) {
+  if (n <= 0 || n > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 ||
+      grid.z > 65535 || block.z > 64) {
     e.last_error = cudaErrorInvalidConfiguration;
     return;
   }

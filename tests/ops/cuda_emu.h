@@ -256,8 +256,7 @@ void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned
   using F = fragment<Use, M, N, K, T, Layout>;
   for (int r = 0; r < F::kRows; ++r) {
     for (int c = 0; c < F::kCols; ++c) {
-      f.x[r * F::kCols + c] =
-          std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r];
+      f.x[r * F::kCols + c] = std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r];
     }
   }
 }
@@ -289,8 +288,7 @@ void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f,
 }
 
 template <int M, int N, int K, typename T, typename LA, typename LB>
-void mma_sync(fragment<accumulator, M, N, K, float>& d,
-              const fragment<matrix_a, M, N, K, T, LA>& a,
+void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, T, LA>& a,
               const fragment<matrix_b, M, N, K, T, LB>& b,
               const fragment<accumulator, M, N, K, float>& c) {
   float out[M * N];

@@ -32,8 +32,7 @@ TEST(CudaEmuTest, BlockReductionWithShufflesAndSharedMemory) {
   std::vector<float> x(n);
   std::iota(x.begin(), x.end(), 1.0f);
   std::vector<float> out(blocks, -1.0f);
-  ISTHMUS_LAUNCH(BlockSumKernel, dim3(blocks), dim3(threads), 0, nullptr, x.data(), out.data(),
-                 n);
+  ISTHMUS_LAUNCH(BlockSumKernel, dim3(blocks), dim3(threads), 0, nullptr, x.data(), out.data(), n);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   double total = 0;
   for (float v : out) total += v;

@@ -75,7 +75,8 @@ std::vector<double> ToDouble(const std::vector<T>& v) {
 
 // Every got[i] within tol * (|ref[i]| + mean |ref|) of ref[i].
 template <typename T>
-void ExpectClose(const T* got, const std::vector<double>& ref, double tol, const std::string& what) {
+void ExpectClose(const T* got, const std::vector<double>& ref, double tol,
+                 const std::string& what) {
   double mean_abs = 0;
   for (double r : ref) mean_abs += std::fabs(r);
   mean_abs = ref.empty() ? 0 : mean_abs / ref.size();
@@ -85,8 +86,8 @@ void ExpectClose(const T* got, const std::vector<double>& ref, double tol, const
     const double bound = tol * (std::fabs(ref[i]) + mean_abs);
     if (!(std::fabs(g - ref[i]) <= bound)) {
       if (++failures <= 5) {
-        ADD_FAILURE() << what << "[" << i << "] = " << g << ", reference " << ref[i]
-                      << " (bound " << bound << ")";
+        ADD_FAILURE() << what << "[" << i << "] = " << g << ", reference " << ref[i] << " (bound "
+                      << bound << ")";
       }
     }
   }
@@ -183,14 +184,13 @@ void CheckBiasResidual(int N, int C, bool with_bias, bool with_residual, bool al
   std::vector<double> ref(residual.size());
   for (int i = 0; i < N; ++i) {
     for (int c = 0; c < C; ++c) {
-      ref[i * C + c] = (with_bias ? bias[c] : 0.0) +
-                       (with_residual ? residual[i * C + c] : 0.0);
+      ref[i * C + c] = (with_bias ? bias[c] : 0.0) + (with_residual ? residual[i * C + c] : 0.0);
     }
   }
   if constexpr (std::is_same_v<T, float>) {
     if (alias) {
-      LaunchBiasResidual<float>(with_bias ? bias.data() : nullptr, residual.data(),
-                                residual.data(), N, C, nullptr);
+      LaunchBiasResidual<float>(with_bias ? bias.data() : nullptr, residual.data(), residual.data(),
+                                N, C, nullptr);
       ExpectLaunchOk();
       ExpectClose(residual, ref, kF32Tol, "out (aliasing residual)");
       return;
@@ -269,8 +269,8 @@ TEST(CudaKernelsEmuTest, EmbeddingForwardAddsTokenAndPositionRows) {
       std::vector<double> ref(static_cast<size_t>(B) * Tn * C);
       for (int i = 0; i < B * Tn; ++i) {
         for (int c = 0; c < C; ++c) {
-          ref[i * C + c] = static_cast<double>(wte[offset + tokens[i] * C + c]) +
-                           wpe[offset + (i % Tn) * C + c];
+          ref[i * C + c] =
+              static_cast<double>(wte[offset + tokens[i] * C + c]) + wpe[offset + (i % Tn) * C + c];
         }
       }
       ExpectClose(out.data() + offset, ref, kF32Tol, "out");
@@ -289,8 +289,8 @@ void Group(const std::vector<int32_t>& tokens, int V, std::vector<int32_t>& orde
   for (size_t i = 0; i < tokens.size(); ++i) order[next[tokens[i]]++] = static_cast<int32_t>(i);
 }
 
-void CheckEmbeddingBackward(int B, int Tn, int C, int V, int distinct, bool with_wte,
-                            bool with_wpe, int offset) {
+void CheckEmbeddingBackward(int B, int Tn, int C, int V, int distinct, bool with_wte, bool with_wpe,
+                            int offset) {
   SCOPED_TRACE("B=" + std::to_string(B) + " T=" + std::to_string(Tn) + " C=" + std::to_string(C) +
                " wte=" + std::to_string(with_wte) + " wpe=" + std::to_string(with_wpe) +
                " offset=" + std::to_string(offset));
@@ -428,8 +428,8 @@ void CheckLayerNormBackward(int N, int C, bool with_dx, bool with_dw, bool with_
     }
     for (int c = 0; c < C; ++c) {
       const double xhat = (xi[c] - static_cast<double>(mean[i])) * rstd[i];
-      ref_dx[i * C + c] += rstd[i] * (F(di[c]) * static_cast<double>(d.w[c]) - g_sum / C -
-                                      xhat * gx_sum / C);
+      ref_dx[i * C + c] +=
+          rstd[i] * (F(di[c]) * static_cast<double>(d.w[c]) - g_sum / C - xhat * gx_sum / C);
     }
   }
   const bool want_acc = with_dw || with_db;
@@ -489,8 +489,8 @@ double GeluGradRef(double x) {
 
 template <typename T>
 void CheckGelu(int n, int offset, bool in_place) {
-  SCOPED_TRACE(std::string(Name<T>()) + " n=" + std::to_string(n) + " offset=" +
-               std::to_string(offset) + " in_place=" + std::to_string(in_place));
+  SCOPED_TRACE(std::string(Name<T>()) + " n=" + std::to_string(n) +
+               " offset=" + std::to_string(offset) + " in_place=" + std::to_string(in_place));
   std::vector<T> x = As<T>(Random(n + offset, 40, -6.0f, 6.0f));
   std::vector<T> dout = As<T>(Random(n + offset, 41));
   std::vector<double> ref_y(n), ref_dx(n);
@@ -551,8 +551,8 @@ void CheckCrossEntropy(int N, int V, bool with_dlogits, bool alias, int offset) 
   std::vector<float> losses(N, 42.0f);
   std::vector<T> dlogits(static_cast<size_t>(N) * V + offset, Make<T>(42.0f));
   T* d_ptr = !with_dlogits ? nullptr : alias ? logits.data() + offset : dlogits.data() + offset;
-  LaunchSoftmaxCrossEntropy(logits.data() + offset, targets.data(), losses.data(), d_ptr, &dloss,
-                            N, V, nullptr);
+  LaunchSoftmaxCrossEntropy(logits.data() + offset, targets.data(), losses.data(), d_ptr, &dloss, N,
+                            V, nullptr);
   ExpectLaunchOk();
   ExpectClose(losses, ref_loss, kF32Tol, "losses");
   if (with_dlogits) ExpectClose(d_ptr, ref_d, StoreTol<T>(), "dlogits");
@@ -609,8 +609,8 @@ TEST(CudaKernelsEmuTest, SoftmaxCrossEntropyExtremeLogits) {
 // ---- SumSquares -----------------------------------------------------------------------------
 
 TEST(CudaKernelsEmuTest, SumSquaresOneAndTwoStages) {
-  for (int64_t n : {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{1003}, int64_t{20000},
-                    int64_t{100001}}) {
+  for (int64_t n :
+       {int64_t{0}, int64_t{1}, int64_t{1000}, int64_t{1003}, int64_t{20000}, int64_t{100001}}) {
     for (int offset : {0, 1}) {
       SCOPED_TRACE("n=" + std::to_string(n) + " offset=" + std::to_string(offset));
       const std::vector<float> x = Random(n + offset, 60);
@@ -742,9 +742,9 @@ TEST(CudaKernelsEmuTest, AdamWUnalignedBuffersTakeTheScalarPath) {
   LaunchAdamW<float>(c.param.data(), c.grad.data(), c.m.data(), c.v.data(), nullptr,
                      c.chunks.data(), static_cast<int>(c.chunks.size()), &sumsq, &scalars, config,
                      nullptr);
-  LaunchAdamW<float>(a.param.data() + 1, a.grad.data() + 1, a.m.data() + 1, a.v.data() + 1,
-                     nullptr, c.chunks.data(), static_cast<int>(c.chunks.size()), &sumsq, &scalars,
-                     config, nullptr);
+  LaunchAdamW<float>(a.param.data() + 1, a.grad.data() + 1, a.m.data() + 1, a.v.data() + 1, nullptr,
+                     c.chunks.data(), static_cast<int>(c.chunks.size()), &sumsq, &scalars, config,
+                     nullptr);
   ExpectLaunchOk();
   // The same arithmetic element by element, whichever path.
   for (size_t i = 0; i < c.param.size(); ++i) {

@@ -42,8 +42,8 @@ class EmulatedCudaOps final : public KernelOps {
   float* workspace() override { return workspace_.data(); }
   bool failed() const override { return !error_.ok(); }
   void RecordError(const std::string& what, const char* file, int line) override {
-    if (error_.ok()) error_ = Status::Internal(std::string(file) + ":" + std::to_string(line) +
-                                               ": " + what);
+    if (error_.ok())
+      error_ = Status::Internal(std::string(file) + ":" + std::to_string(line) + ": " + what);
   }
 
  private:

@@ -233,8 +233,7 @@ TEST(LinearTest, ForwardMatchesReferenceWithBiasAndResidual) {
   Vec out_res = res;                                              // residual aliases out
   ops().LinearForward(x.data(), w.data(), b.data(), nullptr, out.data(), N, in, out_dim);
   ops().LinearForward(x.data(), w.data(), nullptr, nullptr, out_nobias.data(), N, in, out_dim);
-  ops().LinearForward(x.data(), w.data(), b.data(), out_res.data(), out_res.data(), N, in,
-                      out_dim);
+  ops().LinearForward(x.data(), w.data(), b.data(), out_res.data(), out_res.data(), N, in, out_dim);
   for (int i = 0; i < N; ++i) {
     for (int j = 0; j < out_dim; ++j) {
       double s = 0.0;
@@ -468,8 +467,8 @@ TEST(AttentionTest, GradientIsWritten) {
   };
   loss();
   Vec dqkv(qkv.size(), 31.0f);
-  ops().AttentionBackward(w.data(), qkv.data(), out.data(), lse.data(), dqkv.data(),
-                          scratch.data(), B, T, C, H);
+  ops().AttentionBackward(w.data(), qkv.data(), out.data(), lse.data(), dqkv.data(), scratch.data(),
+                          B, T, C, H);
   ExpectGradientMatches("attention dqkv", &qkv, dqkv, loss);
 }
 
@@ -516,8 +515,8 @@ TEST(CrossEntropyTest, KnownValuesAndGradientRows) {
   const std::vector<int32_t> targets = {2, 2, 1, -1};
   const float dloss = 1.0f / 3.0f;
   Vec losses(N, 9.0f), dlogits(N * V, 8.0f);
-  ops().SoftmaxCrossEntropy(logits.data(), targets.data(), losses.data(), dlogits.data(), &dloss,
-                            N, V);
+  ops().SoftmaxCrossEntropy(logits.data(), targets.data(), losses.data(), dlogits.data(), &dloss, N,
+                            V);
   EXPECT_NEAR(losses[0], std::log(4.0), 1e-6);
   EXPECT_NEAR(losses[1], -std::log(0.3), 1e-6);
   EXPECT_NEAR(losses[2], 1000.0, 1e-3);

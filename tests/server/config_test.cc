@@ -117,7 +117,8 @@ TEST(ConfigTest, DocsMatchTheTable) {
   std::stringstream ss;
   ss << in.rdbuf();
   EXPECT_NE(ss.str().find(ServerConfigDoc()), std::string::npos)
-      << "docs/CONFIG.md is out of date: regenerate the table with isthmus-server --print-config-doc";
+      << "docs/CONFIG.md is out of date: regenerate the table with isthmus-server "
+         "--print-config-doc";
   EXPECT_EQ(SettingEnv("storage.sync_writes"), "ISTHMUS_STORAGE_SYNC_WRITES");
   EXPECT_EQ(SettingFlag("storage.sync_writes"), "--storage.sync_writes");
 }

@@ -3,9 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cmath>
 #include <map>
 #include <tuple>
-#include <cmath>
 
 #include "common/client.h"
 #include "server/shard.h"
@@ -15,7 +15,8 @@ namespace isthmus {
 namespace {
 
 // Builds request Frames from an envelope and float payloads.
-Frames MakeFrames(const flatbuffers::FlatBufferBuilder& fbb, const std::vector<std::vector<float>>& p = {}) {
+Frames MakeFrames(const flatbuffers::FlatBufferBuilder& fbb,
+                  const std::vector<std::vector<float>>& p = {}) {
   Frames f;
   f.header = zmq::message_t(fbb.GetBufferPointer(), fbb.GetSize());
   for (const auto& v : p) f.payload.emplace_back(v.data(), v.size() * sizeof(float));
@@ -34,7 +35,9 @@ class ShardTest : public ::testing::Test {
     ShardOptions o;
     o.shard_id = "test";
     o.dedup_window = dedup_window;
-    o.open_store = [fail_after]() -> Result<std::unique_ptr<Store>> { return NewMemStore(fail_after); };
+    o.open_store = [fail_after]() -> Result<std::unique_ptr<Store>> {
+      return NewMemStore(fail_after);
+    };
     auto s = Shard::Open(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     shard_ = std::move(s).value();
@@ -55,11 +58,13 @@ class ShardTest : public ::testing::Test {
                               {"b", {3}, b_.data()}};
     auto metas = BuildTensorMetas(fbb, v);
     Finish(fbb, wire::Body::JobCreate,
-           wire::CreateJobCreate(fbb, fbb.CreateString("job"), fbb.CreateString("base1"), metas).Union());
+           wire::CreateJobCreate(fbb, fbb.CreateString("job"), fbb.CreateString("base1"), metas)
+               .Union());
     return Expect(shard_->Handle(role, MakeFrames(fbb, {w_, b_})), wire::Body::JobCreateReply);
   }
 
-  Result<bool> Push(const std::string& key, std::vector<std::pair<std::string, std::vector<float>>> deltas,
+  Result<bool> Push(const std::string& key,
+                    std::vector<std::pair<std::string, std::vector<float>>> deltas,
                     wire::Role role = wire::Role::Worker) {
     flatbuffers::FlatBufferBuilder fbb;
     std::vector<TensorView> views;
@@ -70,8 +75,10 @@ class ShardTest : public ::testing::Test {
       payload.push_back(d);
     }
     auto metas = BuildTensorMetas(fbb, views);
-    Finish(fbb, wire::Body::PushRequest,
-           wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString(key), 1, 10, metas).Union());
+    Finish(
+        fbb, wire::Body::PushRequest,
+        wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString(key), 1, 10, metas)
+            .Union());
     Reply r = shard_->Handle(role, MakeFrames(fbb, payload));
     ISTHMUS_RETURN_IF_ERROR(Expect(r, wire::Body::PushReply));
     zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
@@ -82,7 +89,8 @@ class ShardTest : public ::testing::Test {
     flatbuffers::FlatBufferBuilder fbb;
     Finish(fbb, wire::Body::JobDescribe,
            wire::CreateJobDescribe(fbb, fbb.CreateString("job")).Union());
-    return Expect(shard_->Handle(wire::Role::Admin, MakeFrames(fbb, {})), wire::Body::JobDescribeReply);
+    return Expect(shard_->Handle(wire::Role::Admin, MakeFrames(fbb, {})),
+                  wire::Body::JobDescribeReply);
   }
 
   // name -> version, via JobDescribe.
@@ -94,14 +102,16 @@ class ShardTest : public ::testing::Test {
     EXPECT_TRUE(Expect(r, wire::Body::JobDescribeReply).ok());
     zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
     std::map<std::string, uint64_t> out;
-    for (const auto* t : *(*ParseEnvelope(m, WireLimits{}))->body_as_JobDescribeReply()->tensors()) {
+    for (const auto* t :
+         *(*ParseEnvelope(m, WireLimits{}))->body_as_JobDescribeReply()->tensors()) {
       out[t->name()->str()] = t->version();
     }
     return out;
   }
 
   // name -> values, via a pull.
-  std::map<std::string, std::vector<float>> Pull(uint64_t newer_than = 0, uint64_t* version = nullptr) {
+  std::map<std::string, std::vector<float>> Pull(uint64_t newer_than = 0,
+                                                 uint64_t* version = nullptr) {
     flatbuffers::FlatBufferBuilder fbb;
     Finish(fbb, wire::Body::PullRequest,
            wire::CreatePullRequest(fbb, fbb.CreateString("job"), 0, newer_than).Union());
@@ -120,23 +130,28 @@ class ShardTest : public ::testing::Test {
   }
 
   // A push with a round number; returns the reply's RoundStatus (local, committed, K).
-  Result<std::array<uint64_t, 3>> PushRound(const std::string& key, uint64_t round,
-                                            std::vector<std::pair<std::string, std::vector<float>>> deltas) {
+  Result<std::array<uint64_t, 3>> PushRound(
+      const std::string& key, uint64_t round,
+      std::vector<std::pair<std::string, std::vector<float>>> deltas) {
     flatbuffers::FlatBufferBuilder fbb;
     std::vector<TensorView> views;
     std::vector<std::vector<float>> payload;
     for (auto& [name, d] : deltas) {
-      views.push_back({name, name == "w" ? std::vector<int64_t>{2, 2} : std::vector<int64_t>{3}, d.data()});
+      views.push_back(
+          {name, name == "w" ? std::vector<int64_t>{2, 2} : std::vector<int64_t>{3}, d.data()});
       payload.push_back(d);
     }
     auto metas = BuildTensorMetas(fbb, views);
     Finish(fbb, wire::Body::PushRequest,
-           wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString(key), round, 10, metas).Union());
+           wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString(key), round, 10,
+                                   metas)
+               .Union());
     Reply r = shard_->Handle(wire::Role::Worker, MakeFrames(fbb, payload));
     ISTHMUS_RETURN_IF_ERROR(Expect(r, wire::Body::PushReply));
     zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
     const auto* rs = (*ParseEnvelope(m, WireLimits{}))->body_as_PushReply()->rounds();
-    return std::array<uint64_t, 3>{rs->local_round(), rs->committed_round(), rs->max_rounds_ahead()};
+    return std::array<uint64_t, 3>{rs->local_round(), rs->committed_round(),
+                                   rs->max_rounds_ahead()};
   }
 
   void OpenSynced(std::vector<std::string> peers) {
@@ -265,9 +280,11 @@ TEST_F(ShardTest, AdminOnlyRequestsAreRefusedOnWorkerSocket) {
   EXPECT_EQ(CreateJob(wire::Role::Worker).code(), Code::kPermissionDenied);
   flatbuffers::FlatBufferBuilder fbb;
   Finish(fbb, wire::Body::StatsRequest, wire::CreateStatsRequest(fbb).Union());
-  EXPECT_EQ(Expect(shard_->Handle(wire::Role::Worker, MakeFrames(fbb)), wire::Body::StatsReply).code(),
-            Code::kPermissionDenied);
-  EXPECT_TRUE(Expect(shard_->Handle(wire::Role::Admin, MakeFrames(fbb)), wire::Body::StatsReply).ok());
+  EXPECT_EQ(
+      Expect(shard_->Handle(wire::Role::Worker, MakeFrames(fbb)), wire::Body::StatsReply).code(),
+      Code::kPermissionDenied);
+  EXPECT_TRUE(
+      Expect(shard_->Handle(wire::Role::Admin, MakeFrames(fbb)), wire::Body::StatsReply).ok());
 }
 
 TEST_F(ShardTest, HelloChecksBaseHash) {
@@ -286,8 +303,11 @@ TEST_F(ShardTest, HelloChecksBaseHash) {
 struct Borrowed : Store {
   std::shared_ptr<Store> s;
   Status Write(const WriteBatch& b) override { return s->Write(b); }
-  Result<std::optional<std::string>> Get(Column c, std::string_view k) override { return s->Get(c, k); }
-  Status Scan(Column c, std::string_view p, const std::function<bool(std::string_view, std::string_view)>& f) override {
+  Result<std::optional<std::string>> Get(Column c, std::string_view k) override {
+    return s->Get(c, k);
+  }
+  Status Scan(Column c, std::string_view p,
+              const std::function<bool(std::string_view, std::string_view)>& f) override {
     return s->Scan(c, p, f);
   }
   Status Checkpoint(const std::string& d) override { return s->Checkpoint(d); }

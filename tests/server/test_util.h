@@ -15,8 +15,8 @@ class TempDir {
   TempDir() {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
     path_ = std::filesystem::temp_directory_path() /
-            ("isthmus-" + std::string(info ? info->name() : "t") + "-" + std::to_string(::getpid()) +
-             "-" + std::to_string(counter_++));
+            ("isthmus-" + std::string(info ? info->name() : "t") + "-" +
+             std::to_string(::getpid()) + "-" + std::to_string(counter_++));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }

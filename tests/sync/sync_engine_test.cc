@@ -632,8 +632,8 @@ TEST(SyncEngineTest, StreamedFragmentsCrossOnTheirRoundsWithTheDeferredDeltas) {
       const uint64_t total = TokensOf("siteA", 2) + TokensOf("siteB", 2);
       std::vector<float> merged(want.size(), 0.0f);
       for (const std::string site : {"siteA", "siteB"}) {
-        const float w = static_cast<float>(static_cast<double>(TokensOf(site, 2)) /
-                                           static_cast<double>(total));
+        const float w =
+            static_cast<float>(static_cast<double>(TokensOf(site, 2)) / static_cast<double>(total));
         auto d1 = DeltaOf(site, 1, 2), d2 = DeltaOf(site, 2, 2);
         for (size_t k = 0; k < merged.size(); ++k) merged[k] += w * (d2[k] + d1[k]);
       }

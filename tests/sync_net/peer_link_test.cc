@@ -59,8 +59,10 @@ class MemoryEngine : public DeltaSource, public DeltaSink {
     std::string a = "A:" + site + ":" + std::to_string(round);
     if (a_bytes > a.size()) a.resize(a_bytes, static_cast<char>('k' + round % 8));
     d->tensors.push_back({"a.weight", {4, 8}, a});
-    d->tensors.push_back({"b.bias", {8}, std::string(std::max<size_t>(b_bytes, 100 + round),
-                                                      static_cast<char>('a' + round % 26))});
+    d->tensors.push_back(
+        {"b.bias",
+         {8},
+         std::string(std::max<size_t>(b_bytes, 100 + round), static_cast<char>('a' + round % 26))});
     return d;
   }
   void AddOwn(uint64_t round, const std::string& job = "job", size_t a_bytes = 0,
@@ -485,8 +487,8 @@ TEST(PeerLink, IdleLinkSendsOnlySmallKeepAlivesAndNoHandshakes) {
   const uint64_t idle_sent = after_a.wire_bytes_sent - before_a.wire_bytes_sent;
   const uint64_t idle_received = after_a.wire_bytes_received - before_a.wire_bytes_received;
   // A ping and its answer: a few tens of bytes each on the wire.
-  EXPECT_LE(idle_sent + idle_received, pings * 200) << idle_sent + idle_received << " bytes for "
-                                                    << pings << " pings";
+  EXPECT_LE(idle_sent + idle_received, pings * 200)
+      << idle_sent + idle_received << " bytes for " << pings << " pings";
   EXPECT_TRUE(after_a.connected);
   // Both ends saw the same idle traffic.
   EXPECT_EQ(idle_sent, after_b.wire_bytes_received - before_b.wire_bytes_received);
@@ -588,8 +590,7 @@ flatbuffers::FlatBufferBuilder BuildDelta(const DeltaMsg& m) {
                      ? m.nbytes[i]
                      : (m.frames[i] < m.payload.size() ? m.payload[m.frames[i]].size() : 0);
     metas.push_back(wire::CreatePeerTensor(fbb, fbb.CreateString(m.names[i]),
-                                           fbb.CreateVector(m.shape), m.frames[i],
-                                           n));
+                                           fbb.CreateVector(m.shape), m.frames[i], n));
   }
   auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(m.job), fbb.CreateString(m.site), m.round,
                                     7, fbb.CreateVector(metas));
@@ -688,7 +689,8 @@ TEST_F(PeerLinkRefusals, MalformedDeltasAreRefusedWithoutStateChange) {
   }
   for (std::vector<int64_t> shape : {std::vector<int64_t>{int64_t{1} << 62},
                                      {int64_t{1} << 31, int64_t{1} << 31},
-                                     {int64_t{1} << 61, 2}, {-2}}) {
+                                     {int64_t{1} << 61, 2},
+                                     {-2}}) {
     DeltaMsg m = base;
     m.shape = shape;
     cases.push_back({"shape " + ::testing::PrintToString(shape), m});
@@ -776,8 +778,8 @@ flatbuffers::FlatBufferBuilder BuildPacked(const PackedMsg& m) {
                                    : fbb.CreateVector(m.frame_ends);
   auto acks = m.acks.empty() ? flatbuffers::Offset<flatbuffers::Vector<const wire::PeerHeld*>>()
                              : fbb.CreateVectorOfStructs(m.acks);
-  auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(m.job), 0, m.round, 7, 0, ends,
-                                    data, 0, acks, sizes);
+  auto body = wire::CreatePeerDelta(fbb, fbb.CreateString(m.job), 0, m.round, 7, 0, ends, data, 0,
+                                    acks, sizes);
   wire::EnvelopeBuilder env(fbb);
   env.add_request_id(43);
   env.add_body_type(wire::Body::PeerDelta);

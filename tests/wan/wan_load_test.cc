@@ -16,9 +16,9 @@ namespace {
 namespace fs = std::filesystem;
 
 struct TempDir {
-  fs::path path = fs::temp_directory_path() /
-                  ("isthmus-wanload-" + std::to_string(::getpid()) + "-" +
-                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  fs::path path =
+      fs::temp_directory_path() / ("isthmus-wanload-" + std::to_string(::getpid()) + "-" +
+                                   ::testing::UnitTest::GetInstance()->current_test_info()->name());
   TempDir() { fs::create_directories(path); }
   ~TempDir() { fs::remove_all(path); }
 };
@@ -33,10 +33,9 @@ std::vector<Tensor> RecordedRound(int r) {
 
 void WriteRounds(const fs::path& dir, int rounds) {
   for (int r = 0; r <= rounds; ++r) {
-    ASSERT_TRUE(
-        WriteSafetensors((dir / ("round-" + std::to_string(r) + ".safetensors")).string(),
-                         RecordedRound(r))
-            .ok());
+    ASSERT_TRUE(WriteSafetensors((dir / ("round-" + std::to_string(r) + ".safetensors")).string(),
+                                 RecordedRound(r))
+                    .ok());
   }
 }
 
@@ -51,7 +50,8 @@ RecordedDeltas Recording(const TempDir& d, int rounds) {
 // A synthetic site of one shard, the given server's worker endpoint.
 SyntheticSite SiteOn(testing::ServerProcess& server, SiteOptions o) {
   return SyntheticSite(
-      1, [&server](size_t) -> Result<std::unique_ptr<ShardClient>> { return server.WorkerClient(); },
+      1,
+      [&server](size_t) -> Result<std::unique_ptr<ShardClient>> { return server.WorkerClient(); },
       std::move(o));
 }
 

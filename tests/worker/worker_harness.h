@@ -259,8 +259,8 @@ class WorkerWithShards : public ::testing::Test {
 class TwoSites {
  public:
   explicit TwoSites(const std::string& name)
-      : root_(fs::temp_directory_path() / ("isthmus-2site-" + name + "-" +
-                                           std::to_string(::getpid()))) {
+      : root_(fs::temp_directory_path() /
+              ("isthmus-2site-" + name + "-" + std::to_string(::getpid()))) {
     fs::remove_all(root_);
     fs::create_directories(root_ / "data");
     WriteTokens(root_ / "data" / "train.bin", 20000, 1);
@@ -287,7 +287,8 @@ class TwoSites {
     for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
     for (auto& s : sites_) {
       auto r = s->AdminClient()->CreateJob("j", base_hash_, views);
-      if (!r.ok()) return ::testing::AssertionFailure() << s->site() << ": " << r.status().ToString();
+      if (!r.ok())
+        return ::testing::AssertionFailure() << s->site() << ": " << r.status().ToString();
     }
     return ::testing::AssertionSuccess();
   }
@@ -300,13 +301,34 @@ class TwoSites {
       SiteProcess& s = *sites_[i];
       std::vector<std::string> a = {"train"};
       a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
-      std::vector<std::string> more = {
-          "--base", (root_ / "base.safetensors").string(), "--data", (root_ / "data").string(),
-          "--job", "j", "--server", ServerProcess::Endpoint(s.worker_port()), "--server-key",
-          (s.dir() / "server.pub").string(), "--key", (s.dir() / "workers" / "w0.key").string(),
-          "--client-name", s.site(), "--max-rounds", std::to_string(rounds),
-          "--steps-per-round", std::to_string(h), "--batch-size", "2", "--lr", "0.01",
-          "--warmup-steps", "1", "--val-batches", "2", "--log-every", "1"};
+      std::vector<std::string> more = {"--base",
+                                       (root_ / "base.safetensors").string(),
+                                       "--data",
+                                       (root_ / "data").string(),
+                                       "--job",
+                                       "j",
+                                       "--server",
+                                       ServerProcess::Endpoint(s.worker_port()),
+                                       "--server-key",
+                                       (s.dir() / "server.pub").string(),
+                                       "--key",
+                                       (s.dir() / "workers" / "w0.key").string(),
+                                       "--client-name",
+                                       s.site(),
+                                       "--max-rounds",
+                                       std::to_string(rounds),
+                                       "--steps-per-round",
+                                       std::to_string(h),
+                                       "--batch-size",
+                                       "2",
+                                       "--lr",
+                                       "0.01",
+                                       "--warmup-steps",
+                                       "1",
+                                       "--val-batches",
+                                       "2",
+                                       "--log-every",
+                                       "1"};
       a.insert(a.end(), more.begin(), more.end());
       a.insert(a.end(), flags[i]->begin(), flags[i]->end());
       workers_[i].Start(a, (root_ / (s.site() + ".log")).string());

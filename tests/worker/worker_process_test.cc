@@ -22,13 +22,13 @@
 namespace isthmus {
 namespace {
 
+using testing::kModelFlags;
 using testing::RunInit;
 using testing::ServerProcess;
 using testing::TwoSites;
 using testing::WorkerProcess;
 using testing::WorkerWithShards;
 using testing::WriteTokens;
-using testing::kModelFlags;
 namespace fs = std::filesystem;
 
 TEST_F(WorkerWithShards, TwoRanksTwoShardsCompleteRoundsAndShardsEqualWorker) {
@@ -113,7 +113,8 @@ TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
   ASSERT_TRUE(peer_keys.ok());
   ASSERT_TRUE(WriteKeyPairFiles((dir / "siteB").string(), *peer_keys, true).ok());
   shard.set_extra("[sync]\nsite = \"A\"\nmax_rounds_ahead = 1\npeers = [\"B=tcp://127.0.0.1:" +
-                  std::to_string(testing::FreePort()) + "=" + (dir / "siteB.pub").string() + "\"]\n");
+                  std::to_string(testing::FreePort()) + "=" + (dir / "siteB.pub").string() +
+                  "\"]\n");
   // listen.peer through the environment (the generated TOML already has a [listen] table).
   std::string peer_ep = ServerProcess::Endpoint(testing::FreePort());
   ::setenv("ISTHMUS_LISTEN_PEER", peer_ep.c_str(), 1);
@@ -129,14 +130,26 @@ TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
 
   std::vector<std::string> args = {"train"};
   args.insert(args.end(), kModelFlags.begin(), kModelFlags.end());
-  std::vector<std::string> more = {"--base", (dir / "base.safetensors").string(),
-                                   "--data", (dir / "data").string(),
-                                   "--job", "j",
-                                   "--server", ServerProcess::Endpoint(shard.worker_port()),
-                                   "--server-key", (shard.dir() / "server.pub").string(),
-                                   "--key", (shard.dir() / "workers" / "w0.key").string(),
-                                   "--max-rounds", "5", "--steps-per-round", "2",
-                                   "--batch-size", "2", "--log-every", "1"};
+  std::vector<std::string> more = {"--base",
+                                   (dir / "base.safetensors").string(),
+                                   "--data",
+                                   (dir / "data").string(),
+                                   "--job",
+                                   "j",
+                                   "--server",
+                                   ServerProcess::Endpoint(shard.worker_port()),
+                                   "--server-key",
+                                   (shard.dir() / "server.pub").string(),
+                                   "--key",
+                                   (shard.dir() / "workers" / "w0.key").string(),
+                                   "--max-rounds",
+                                   "5",
+                                   "--steps-per-round",
+                                   "2",
+                                   "--batch-size",
+                                   "2",
+                                   "--log-every",
+                                   "1"};
   args.insert(args.end(), more.begin(), more.end());
   WorkerProcess w;
   w.Start(args, (dir / "w.log").string());
@@ -175,8 +188,8 @@ TEST(WorkerDevice, DeviceMistakesExitWithTheUsageCodeAndSayWhatToDo) {
   auto run = [&](const std::vector<std::string>& extra) {
     std::vector<std::string> a = {"train"};
     a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
-    for (const char* f : {"--standalone", "--max-steps", "2", "--batch-size", "2",
-                          "--val-batches", "1", "--log-every", "1"}) {
+    for (const char* f : {"--standalone", "--max-steps", "2", "--batch-size", "2", "--val-batches",
+                          "1", "--log-every", "1"}) {
       a.push_back(f);
     }
     a.push_back("--data");

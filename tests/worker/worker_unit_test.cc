@@ -107,9 +107,9 @@ TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
       std::vector<int32_t> tok, tgt;
       MakeBatch(s, 2 * kRowsPerRank, &tok, &tgt);
       const float local_stop = (rank == 1 && s == kSteps - 1) ? 1.0f : 0.0f;
-      auto st = (*trainer)->Step(tok.data() + rank * kRowsPerRank * kT,
-                                 tgt.data() + rank * kRowsPerRank * kT, kRowsPerRank, kT,
-                                 local_stop);
+      auto st =
+          (*trainer)->Step(tok.data() + rank * kRowsPerRank * kT,
+                           tgt.data() + rank * kRowsPerRank * kT, kRowsPerRank, kT, local_stop);
       if (!st.ok()) {
         errors[rank] = st.status();
         break;

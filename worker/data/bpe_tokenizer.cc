@@ -35,8 +35,8 @@ Result<std::string> ReadFile(const std::string& path) {
 // The compiled pattern, shared (ICU patterns are immutable and thread-safe to share).
 Result<const icu::RegexPattern*> Pattern() {
   static UErrorCode status = U_ZERO_ERROR;
-  static std::unique_ptr<icu::RegexPattern> pattern(icu::RegexPattern::compile(
-      icu::UnicodeString::fromUTF8(kPattern), 0, status));
+  static std::unique_ptr<icu::RegexPattern> pattern(
+      icu::RegexPattern::compile(icu::UnicodeString::fromUTF8(kPattern), 0, status));
   if (U_FAILURE(status) || !pattern) {
     return Status::Internal(std::string("ICU cannot compile GPT-2's pattern: ") +
                             u_errorName(status));
@@ -48,8 +48,8 @@ Result<const icu::RegexPattern*> Pattern() {
 
 Result<std::unique_ptr<BpeTokenizer>> BpeTokenizer::LoadFolder(const std::string& dir) {
   namespace fs = std::filesystem;
-  for (const auto& [vocab, merges] : {std::pair{"vocab.json", "merges.txt"},
-                                      std::pair{"encoder.json", "vocab.bpe"}}) {
+  for (const auto& [vocab, merges] :
+       {std::pair{"vocab.json", "merges.txt"}, std::pair{"encoder.json", "vocab.bpe"}}) {
     if (fs::exists(fs::path(dir) / vocab) && fs::exists(fs::path(dir) / merges)) {
       return Load((fs::path(dir) / vocab).string(), (fs::path(dir) / merges).string());
     }

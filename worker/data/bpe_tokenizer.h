@@ -47,9 +47,9 @@ class BpeTokenizer {
   Status EncodePiece(std::string_view piece, std::vector<int32_t>* out);
 
   std::unordered_map<std::string, int32_t> vocab_;
-  std::vector<std::string> tokens_;                 // id -> token (byte-mapped UTF-8)
-  std::unordered_map<std::string, int> ranks_;      // "a b" -> merge rank
-  std::string byte_symbol_[256];                    // byte -> its printable code point
+  std::vector<std::string> tokens_;                    // id -> token (byte-mapped UTF-8)
+  std::unordered_map<std::string, int> ranks_;         // "a b" -> merge rank
+  std::string byte_symbol_[256];                       // byte -> its printable code point
   std::unordered_map<uint32_t, uint8_t> symbol_byte_;  // code point -> byte
   std::unordered_map<std::string, std::vector<int32_t>> cache_;
   int vocab_size_ = 0;

@@ -5,8 +5,8 @@
 #include <fstream>
 #include <iostream>
 
-#include "worker/data/shard_builder.h"
 #include "worker/data/bpe_tokenizer.h"
+#include "worker/data/shard_builder.h"
 #include "worker/data/tokenizer.h"
 
 namespace {

@@ -295,10 +295,9 @@ Status Gpt::Allocate() {
   auto out_of_memory = [&](const Status& st, const char* what) {
     return Status(st.code(), std::string("cannot hold the model's ") + what + " (" +
                                  std::to_string(config_.n_layer) + " layers x " +
-                                 std::to_string(config_.n_embd) + ", " +
-                                 TrainModeName(mode_) + ", " + ops::DtypeName(precision_) +
-                                 ") on " + ops_.Describe() + ": " + st.message() +
-                                 "; use a smaller model or another device");
+                                 std::to_string(config_.n_embd) + ", " + TrainModeName(mode_) +
+                                 ", " + ops::DtypeName(precision_) + ") on " + ops_.Describe() +
+                                 ": " + st.message() + "; use a smaller model or another device");
   };
   for (Group* g : {base_.get(), lora_tensors_.get()}) {
     auto data = ops::Buffer::Allocate(ops_, g->elements * sizeof(float));
@@ -344,8 +343,7 @@ std::vector<Tensor> Gpt::RandomBase(uint64_t seed) const {
       std::fill(t.data.begin(), t.data.end(), 1.0f);
     } else {
       const double stdev =
-          (n.ends_with("attn.c_proj.weight") || n.ends_with("mlp.c_proj.weight")) ? proj_std
-                                                                                   : 0.02;
+          (n.ends_with("attn.c_proj.weight") || n.ends_with("mlp.c_proj.weight")) ? proj_std : 0.02;
       Rng rng(StreamSeed(seed, n));
       for (float& x : t.data) x = static_cast<float>(stdev * rng.Normal());
     }
@@ -358,8 +356,7 @@ std::vector<Tensor> Gpt::RandomBase(uint64_t seed) const {
 Status Gpt::UploadGroup(Group& group, const std::vector<Tensor>& tensors) {
   std::vector<float> flat(static_cast<size_t>(group.elements), 0.0f);
   for (size_t i = 0; i < tensors.size(); ++i) {
-    std::copy(tensors[i].data.begin(), tensors[i].data.end(),
-              flat.begin() + group.slots[i].offset);
+    std::copy(tensors[i].data.begin(), tensors[i].data.end(), flat.begin() + group.slots[i].offset);
   }
   ops_.Upload(group.data.data(), flat.data(), flat.size() * sizeof(float));
   RefreshCopies(group);
@@ -489,8 +486,9 @@ Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, 
   if (n_head <= 0) {
     return Status::InvalidArgument(path + ": n_head not in the file's metadata; pass it");
   }
-  ISTHMUS_ASSIGN_OR_RETURN(std::unique_ptr<Gpt> gpt,
-                           FromBaseTensors(std::move(file.tensors), n_head, mode, lora, seed, compute));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      std::unique_ptr<Gpt> gpt,
+      FromBaseTensors(std::move(file.tensors), n_head, mode, lora, seed, compute));
   if (expected != nullptr && !(*expected == gpt->config())) {
     const GptConfig& c = gpt->config();
     return Status::FailedPrecondition(
@@ -530,19 +528,19 @@ Status Gpt::SavePeftAdapter(const std::string& dir, const std::string& base_dir)
   for (Tensor& t : named) t.name = "base_model.model.transformer." + t.name;
   ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/adapter_model.safetensors", named));
 
-  nlohmann::json config = {{"peft_type", "LORA"},
-                           {"task_type", "CAUSAL_LM"},
-                           {"base_model_name_or_path",
-                            base_dir.empty()
-                                ? nlohmann::json(nullptr)
-                                : nlohmann::json(std::filesystem::absolute(base_dir).string())},
-                           {"r", lora_.rank},
-                           {"lora_alpha", lora_.alpha},
-                           {"lora_dropout", 0.0},
-                           {"bias", "none"},
-                           {"fan_in_fan_out", true},
-                           {"inference_mode", true},
-                           {"target_modules", lora_.targets}};
+  nlohmann::json config = {
+      {"peft_type", "LORA"},
+      {"task_type", "CAUSAL_LM"},
+      {"base_model_name_or_path",
+       base_dir.empty() ? nlohmann::json(nullptr)
+                        : nlohmann::json(std::filesystem::absolute(base_dir).string())},
+      {"r", lora_.rank},
+      {"lora_alpha", lora_.alpha},
+      {"lora_dropout", 0.0},
+      {"bias", "none"},
+      {"fan_in_fan_out", true},
+      {"inference_mode", true},
+      {"target_modules", lora_.targets}};
   return WriteJsonFile(dir + "/adapter_config.json", config);
 }
 
@@ -554,23 +552,23 @@ Status Gpt::SaveHuggingFace(const std::string& dir) const {
   ISTHMUS_RETURN_IF_ERROR(ops_.status());
   ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", base, {{"format", "pt"}}));
   nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}},
-                                 {"model_type", "gpt2"},
-                                 {"vocab_size", config_.vocab_size},
-                                 {"n_positions", config_.n_ctx},
-                                 {"n_ctx", config_.n_ctx},
-                                 {"n_embd", config_.n_embd},
-                                 {"n_layer", config_.n_layer},
-                                 {"n_head", config_.n_head},
-                                 {"n_inner", nullptr},
-                                 {"activation_function", "gelu_new"},
-                                 {"layer_norm_epsilon", 1e-5},
-                                 {"resid_pdrop", 0.0},
-                                 {"embd_pdrop", 0.0},
-                                 {"attn_pdrop", 0.0},
-                                 {"scale_attn_weights", true},
-                                 {"tie_word_embeddings", true},
-                                 {"use_cache", true},
-                                 {"torch_dtype", "float32"}};
+                           {"model_type", "gpt2"},
+                           {"vocab_size", config_.vocab_size},
+                           {"n_positions", config_.n_ctx},
+                           {"n_ctx", config_.n_ctx},
+                           {"n_embd", config_.n_embd},
+                           {"n_layer", config_.n_layer},
+                           {"n_head", config_.n_head},
+                           {"n_inner", nullptr},
+                           {"activation_function", "gelu_new"},
+                           {"layer_norm_epsilon", 1e-5},
+                           {"resid_pdrop", 0.0},
+                           {"embd_pdrop", 0.0},
+                           {"attn_pdrop", 0.0},
+                           {"scale_attn_weights", true},
+                           {"tie_word_embeddings", true},
+                           {"use_cache", true},
+                           {"torch_dtype", "float32"}};
   // GPT-2's vocabulary ends with <|endoftext|>; a byte-level model has no special token.
   const nlohmann::json special =
       config_.vocab_size == 50257 ? nlohmann::json(50256) : nlohmann::json(nullptr);
@@ -628,8 +626,8 @@ std::vector<ParamView> Gpt::Trainable() {
   views.reserve(g.slots.size());
   for (size_t i = 0; i < g.slots.size(); ++i) {
     const TensorSlot& s = g.slots[i];
-    views.push_back({s.name, s.shape, g.F(static_cast<int>(i)), GradData() + s.offset, s.numel,
-                     s.offset});
+    views.push_back(
+        {s.name, s.shape, g.F(static_cast<int>(i)), GradData() + s.offset, s.numel, s.offset});
   }
   return views;
 }
@@ -785,12 +783,12 @@ Status Gpt::Reserve(int B, int T) {
   inputs(measure_in, false);
   inputs(measure_host, true);
   auto fail = [&](const Status& st) {
-    return Status(st.code(), "out of memory for activations (" + ShapeForMessages(B, T) +
-                                 ", " + GiB(measure.size()) + "): " + st.message() +
-                                 "; lower --batch-size or --context" +
-                                 (precision_ == ops::Dtype::kF32 && !ops_.HostMemory()
-                                      ? ", or use --precision bf16"
-                                      : ""));
+    return Status(
+        st.code(),
+        "out of memory for activations (" + ShapeForMessages(B, T) + ", " + GiB(measure.size()) +
+            "): " + st.message() + "; lower --batch-size or --context" +
+            (precision_ == ops::Dtype::kF32 && !ops_.HostMemory() ? ", or use --precision bf16"
+                                                                  : ""));
   };
   act_.reset();  // the old buffers go first, so that their memory can be reused
   auto arena = ops::Buffer::Allocate(ops_, measure.size());
@@ -802,8 +800,7 @@ Status Gpt::Reserve(int B, int T) {
   a->arena = std::move(arena).value();
   a->inputs = std::move(in).value();
   a->staging = std::move(staging).value();
-  Carver real(a->arena.as<char>()), real_in(a->inputs.as<char>()),
-      real_host(a->staging.as<char>());
+  Carver real(a->arena.as<char>()), real_in(a->inputs.as<char>()), real_host(a->staging.as<char>());
   carve(real);
   inputs(real_in, false);
   inputs(real_host, true);
@@ -883,8 +880,8 @@ void Gpt::EnqueueForward(bool with_grad) {
     ops_.AttentionForward(A.qkv, A.atty, A.lse, B, T, C, H);
     // The residual add is fused into the projection: res2 = residual + atty W + b.
     linear(L.lin[kAttnProj], A.atty, residual, A.res2, A.xa[kAttnProj]);
-    ops_.LayerNormForward(A.res2, BaseF(L.ln2_w), BaseF(L.ln2_b), A.ln2, A.ln2_mean, A.ln2_rstd,
-                          N, C);
+    ops_.LayerNormForward(A.res2, BaseF(L.ln2_w), BaseF(L.ln2_b), A.ln2, A.ln2_mean, A.ln2_rstd, N,
+                          C);
     linear(L.lin[kFc], A.ln2, nullptr, A.fch, A.xa[kFc]);
     ops_.GeluForward(A.fch, A.fch_gelu, static_cast<int64_t>(N) * 4 * C);
     linear(L.lin[kMlpProj], A.fch_gelu, A.res2, A.res3, A.xa[kMlpProj]);

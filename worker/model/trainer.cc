@@ -40,7 +40,7 @@ struct Trainer::Device {
   ops::Buffer m, v;
   ops::Buffer chunks;  // AdamWChunk[num_chunks]
   int num_chunks = 0;
-  ops::Buffer scalars;  // AdamWScalars, then the gradient's sum of squares
+  ops::Buffer scalars;   // AdamWScalars, then the gradient's sum of squares
   ops::HostBuffer host;  // AdamWScalars, control in, sum of squares out, control out
   std::unique_ptr<ops::Graph> forward_backward, optimizer;
   int graph_b = 0, graph_t = 0;
@@ -66,7 +66,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(Gpt& model, const TrainerConfig
   auto dev = std::make_unique<Device>();
   const size_t bytes = model.TrainableElements() * sizeof(float);
   std::vector<ops::AdamWSegment> segments;
-  for (const ParamView& p : t->params_) segments.push_back({p.offset, p.numel, p.shape.size() >= 2});
+  for (const ParamView& p : t->params_)
+    segments.push_back({p.offset, p.numel, p.shape.size() >= 2});
   const std::vector<ops::AdamWChunk> chunks = ops::MakeAdamWChunks(segments);
   auto fail = [&](const Status& st) {
     return Status(st.code(), "cannot hold the optimizer state (" + std::to_string(2 * bytes) +
@@ -96,15 +97,12 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(Gpt& model, const TrainerConfig
   return t;
 }
 
-float* Trainer::MomentData(int which) const {
-  return (which == 0 ? dev_->m : dev_->v).as<float>();
-}
+float* Trainer::MomentData(int which) const { return (which == 0 ? dev_->m : dev_->v).as<float>(); }
 
 void Trainer::EnqueueForwardBackward() {
   ops::Ops& ops = model_.ops();
   model_.ZeroGrad();
-  ops.UploadAsync(model_.GradData() + model_.TrainableElements(), dev_->h_floats(),
-                  sizeof(float));
+  ops.UploadAsync(model_.GradData() + model_.TrainableElements(), dev_->h_floats(), sizeof(float));
   model_.EnqueueForward(true);
   model_.Backward();
 }
@@ -180,8 +178,10 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
   const int64_t next = step_ + 1;
   ops::AdamWScalars* sc = dev_->h_scalars();
   sc->lr = stats.lr;
-  sc->bias_correction1 = 1.0f - static_cast<float>(std::pow(static_cast<double>(config_.beta1), next));
-  sc->bias_correction2 = 1.0f - static_cast<float>(std::pow(static_cast<double>(config_.beta2), next));
+  sc->bias_correction1 =
+      1.0f - static_cast<float>(std::pow(static_cast<double>(config_.beta1), next));
+  sc->bias_correction2 =
+      1.0f - static_cast<float>(std::pow(static_cast<double>(config_.beta2), next));
   sc->unused = 0.0f;
   dev_->h_floats()[0] = control;
   used_graph_ = false;

@@ -124,8 +124,8 @@ void AddArrays(std::shared_ptr<PullView> view, py::dict& out) {
       strides[d] = stride;
       stride *= shape[d];
     }
-    out[py::str(t.name)] = py::array_t<float>(shape, strides, const_cast<float*>(t.data.data()),
-                                              owner);
+    out[py::str(t.name)] =
+        py::array_t<float>(shape, strides, const_cast<float*>(t.data.data()), owner);
   }
 }
 
@@ -283,14 +283,16 @@ PYBIND11_MODULE(_isthmus, m) {
         Status s = WriteSafetensors(path, TensorsOf(tensors), metadata);
         if (!s.ok()) Raise(s);
       },
-      py::arg("path"), py::arg("tensors"), py::arg("metadata") = std::map<std::string, std::string>{});
-  m.def("tensors_hash", [](const py::dict& tensors) { return TensorsContentHash(TensorsOf(tensors)); });
+      py::arg("path"), py::arg("tensors"),
+      py::arg("metadata") = std::map<std::string, std::string>{});
+  m.def("tensors_hash",
+        [](const py::dict& tensors) { return TensorsContentHash(TensorsOf(tensors)); });
 
   py::class_<PySite>(m, "SiteClient")
       .def(py::init([](std::string job, std::vector<std::string> servers,
                        std::vector<std::string> server_public_keys, std::string public_key,
-                       std::string secret_key, bool insecure_plaintext, int timeout_ms,
-                       int retries, std::string client_name) {
+                       std::string secret_key, bool insecure_plaintext, int timeout_ms, int retries,
+                       std::string client_name) {
              SiteOptions o;
              o.job = std::move(job);
              o.servers = std::move(servers);
@@ -302,13 +304,13 @@ PYBIND11_MODULE(_isthmus, m) {
              o.client_name = std::move(client_name);
              return std::make_unique<PySite>(o);
            }),
-           py::arg("job"), py::arg("servers"), py::arg("server_public_keys"),
-           py::arg("public_key"), py::arg("secret_key"), py::arg("insecure_plaintext"),
-           py::arg("timeout_ms"), py::arg("retries"), py::arg("client_name"))
+           py::arg("job"), py::arg("servers"), py::arg("server_public_keys"), py::arg("public_key"),
+           py::arg("secret_key"), py::arg("insecure_plaintext"), py::arg("timeout_ms"),
+           py::arg("retries"), py::arg("client_name"))
       .def("hello", &PySite::Hello, py::arg("base_hash"))
       .def("pull", &PySite::Pull)
-      .def("push_round", &PySite::PushRound, py::arg("round"), py::arg("deltas"),
-           py::arg("tokens"), py::arg("compute_ms"), py::arg("rank"), py::arg("world"))
+      .def("push_round", &PySite::PushRound, py::arg("round"), py::arg("deltas"), py::arg("tokens"),
+           py::arg("compute_ms"), py::arg("rank"), py::arg("world"))
       .def("check_staleness", &PySite::CheckStaleness)
       .def("wait_within_staleness", &PySite::WaitWithinStaleness, py::arg("timeout_s"),
            py::arg("poll_s"))
