@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds isthmus and runs its test suite: the quick-start "test" command and what CI runs.
+# Checks the sources' format (deploy/format.sh), builds isthmus and runs its test suite: the
+# quick-start "test" command and what CI runs.
 #   deploy/check.sh           unit + integration + gpu tests (the default suite; the gpu
 #                             ones skip, each saying why, where no GPU is visible)
 #   deploy/check.sh --long    also the long campaigns (crash loops, soak; label "long")
@@ -10,13 +11,14 @@ labels='unit|integration|gpu'
 case "${1:-}" in
   --long) labels='unit|integration|gpu|long' ;;
   "") ;;
-  -h|--help) sed -n 2,6p "$0"; exit 0 ;;
+  -h|--help) sed -n 2,7p "$0"; exit 0 ;;
   *) echo "check.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
 esac
 build="${ISTHMUS_BUILD_DIR:-build}"
 jobs="${ISTHMUS_JOBS:-$(getconf _NPROCESSORS_ONLN)}"
 
 deploy/install-deps.sh
+deploy/format.sh
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build "$build" -j"$jobs"
 # One BLAS/OpenMP thread per test process, and no OpenMP spin-waiting: tests run side by
