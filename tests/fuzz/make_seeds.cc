@@ -1,0 +1,156 @@
+// Writes the fuzz targets' seed corpora under the folder given (tests/fuzz/corpus): valid
+// messages, files and encodings, and the hostile shapes and versions found before (the
+// [2^62] tensor with an empty frame, schema_version 999), in each target's input layout.
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "common/client.h"
+#include "common/safetensors.h"
+#include "common/wire.h"
+#include "ops/codec.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using namespace isthmus;
+
+void Write(const fs::path& path, const std::string& bytes) {
+  fs::create_directories(path.parent_path());
+  std::ofstream(path, std::ios::binary) << bytes;
+}
+
+// fuzz_wire's layout: 2-byte header length, header, frame count, (length / 4, bytes)...
+std::string Message(const flatbuffers::FlatBufferBuilder& fbb,
+                    const std::vector<std::string>& frames) {
+  std::string out;
+  const size_t n = fbb.GetSize();
+  out.push_back(static_cast<char>(n & 0xff));
+  out.push_back(static_cast<char>(n >> 8));
+  out.append(reinterpret_cast<const char*>(fbb.GetBufferPointer()), n);
+  out.push_back(static_cast<char>(frames.size()));
+  for (const auto& f : frames) {
+    out.push_back(static_cast<char>(f.size() / 4));
+    out += f.substr(0, (f.size() / 4) * 4);
+  }
+  return out;
+}
+
+std::string Floats(const std::vector<float>& v) {
+  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+}
+
+std::string Tensors(wire::Body type, const std::vector<std::pair<std::string, std::vector<int64_t>>>& ts,
+                    const std::vector<uint64_t>& nbytes, uint32_t version = kSchemaVersion) {
+  flatbuffers::FlatBufferBuilder fbb;
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
+  for (size_t i = 0; i < ts.size(); ++i) {
+    metas.push_back(wire::CreateTensorMetaDirect(fbb, ts[i].first.c_str(), &ts[i].second,
+                                                 wire::DType::F32, static_cast<uint32_t>(i),
+                                                 nbytes[i], 0));
+  }
+  flatbuffers::Offset<void> body;
+  if (type == wire::Body::PushRequest) {
+    body = wire::CreatePushRequestDirect(fbb, "j", "key", 1, 16, &metas).Union();
+  } else {
+    body = wire::CreateJobCreateDirect(fbb, "new", "h", &metas).Union();
+  }
+  wire::FinishEnvelopeBuffer(fbb, wire::CreateEnvelope(fbb, version, 7, type, body));
+  std::vector<std::string> frames;
+  for (uint64_t n : nbytes) frames.push_back(Floats(std::vector<float>(n / 4, 0.5f)));
+  return Message(fbb, frames);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: %s CORPUS_DIR\n", argv[0]);
+    return 2;
+  }
+  const fs::path root = argv[1];
+  const int64_t p31 = int64_t{1} << 31, p61 = int64_t{1} << 61, p62 = int64_t{1} << 62;
+  std::vector<std::pair<std::string, std::string>> msgs = {
+      {"push", Tensors(wire::Body::PushRequest, {{"a", {4, 8}}, {"b", {3}}}, {128, 12})},
+      {"push-v999", Tensors(wire::Body::PushRequest, {{"b", {3}}}, {12}, 999)},
+      {"create", Tensors(wire::Body::JobCreate, {{"w", {2, 2}}}, {16})},
+      {"create-wrap-2p62", Tensors(wire::Body::JobCreate, {{"w", {p62}}}, {0})},
+      {"create-wrap-2p31x2p31", Tensors(wire::Body::JobCreate, {{"w", {p31, p31}}}, {0})},
+      {"create-wrap-2p61x2", Tensors(wire::Body::JobCreate, {{"w", {p61, 2}}}, {0})},
+      {"push-wrap-2p62", Tensors(wire::Body::PushRequest, {{"a", {p62}}}, {0})},
+  };
+  {
+    flatbuffers::FlatBufferBuilder fbb;
+    FinishEnvelope(fbb, 3, wire::Body::PullRequest, wire::CreatePullRequestDirect(fbb, "j").Union());
+    msgs.push_back({"pull", Message(fbb, {})});
+  }
+  {
+    flatbuffers::FlatBufferBuilder fbb;
+    FinishEnvelope(fbb, 4, wire::Body::Hello,
+                   wire::CreateHelloDirect(fbb, "j", wire::Role::Worker, "h", "fuzz").Union());
+    msgs.push_back({"hello", Message(fbb, {})});
+  }
+  {
+    flatbuffers::FlatBufferBuilder fbb;
+    FinishEnvelope(fbb, 5, wire::Body::JobDescribe, wire::CreateJobDescribeDirect(fbb, "j").Union());
+    msgs.push_back({"describe", Message(fbb, {})});
+  }
+  for (const auto& [name, bytes] : msgs) {
+    Write(root / "wire" / name, bytes);
+    Write(root / "shard" / ("worker-" + name), std::string(1, '\0') + bytes);
+    Write(root / "shard" / ("admin-" + name), std::string(1, '\1') + bytes);
+  }
+
+  // Codec: 2 bytes (element count - 1), then an encoding of that many values.
+  std::vector<float> x(200);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i)) * 0.01f;
+  const std::vector<int64_t> shape{10, 20};
+  for (const char* text : {"dense", "int8", "int2+zstd", "topk:0.05+int2+zstd", "topk:0.1+int4",
+                           "lowrank:2+int8"}) {
+    auto pipe = codec::ParsePipeline(text);
+    if (!pipe.ok()) {
+      std::fprintf(stderr, "pipeline %s: %s\n", text, pipe.status().ToString().c_str());
+      return 1;
+    }
+    std::string seed = {static_cast<char>((x.size() - 1) & 0xff),
+                        static_cast<char>((x.size() - 1) >> 8)};
+    seed += codec::Encode(*pipe, x, shape);
+    std::string name = text;
+    for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+    Write(root / "codec" / name, seed);
+  }
+
+  // Safetensors: a valid file, a half-precision one, and the wrapping shape.
+  const fs::path tmp = fs::temp_directory_path() / "isthmus-seed.safetensors";
+  std::vector<Tensor> ts{{"wte.weight", {4, 2}, std::vector<float>(8, 0.25f)},
+                         {"b", {3}, {1, 2, 3}}};
+  if (!WriteSafetensors(tmp.string(), ts, {{"format", "pt"}, {"n_head", "2"}}).ok()) return 1;
+  std::ifstream in(tmp, std::ios::binary);
+  Write(root / "safetensors" / "valid", std::string((std::istreambuf_iterator<char>(in)), {}));
+  fs::remove(tmp);
+  auto raw = [](const std::string& header, const std::string& data) {
+    std::string out(8, '\0');
+    uint64_t n = header.size();
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+    return out + header + data;
+  };
+  Write(root / "safetensors" / "bf16",
+        raw(R"({"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}})", "\x80\x3f\x00\x40"));
+  Write(root / "safetensors" / "wrap-2p62",
+        raw(R"({"a":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0]}})", ""));
+
+  // Config: the example shard config and a synced one.
+  Write(root / "config" / "plain",
+        "[shard]\nid = \"s0\"\ndata_dir = \"/tmp/x\"\n[listen]\nworker = \"tcp://127.0.0.1:7100\"\n"
+        "admin = \"tcp://127.0.0.1:7101\"\n[security]\ninsecure_plaintext = true\n");
+  Write(root / "config" / "synced",
+        "[shard]\nid = \"A-0\"\nindex = 0\ndata_dir = \"/tmp/x\"\n[listen]\npeer = "
+        "\"tcp://127.0.0.1:7102\"\n[security]\ninsecure_plaintext = true\n[sync]\nsite = \"A\"\n"
+        "peers = [\"B=tcp://127.0.0.1:7202=b.pub\"]\ncodec = \"topk:0.05+int2+zstd\"\n"
+        "codec_overrides = [\"*.bias=dense\"]\nmax_rounds_ahead = 2\nouter_lr = 1.0\n");
+  std::printf("wrote the seed corpora under %s\n", root.c_str());
+  return 0;
+}
