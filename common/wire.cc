@@ -40,6 +40,14 @@ Result<Frames> ReceiveMessage(zmq::socket_t& socket, zmq::message_t* routing_id)
   if (parts.size() <= first) return Status::InvalidArgument("message has no header frame");
   Frames frames;
   frames.header = std::move(parts[first]);
+  // The sender's CURVE key (ZAP's User-Id), read before a copy below would drop it.
+  if (const char* uid = zmq_msg_gets(frames.header.handle(), "User-Id")) frames.user_id = uid;
+  // ZeroMQ may hand over a frame that points into its receive buffer at any offset; the
+  // header's FlatBuffers fields need their natural alignment (8 bytes), so a misaligned
+  // header is copied once into storage of its own.
+  if (reinterpret_cast<uintptr_t>(frames.header.data()) % 8 != 0) {
+    frames.header = zmq::message_t(frames.header.data(), frames.header.size());
+  }
   for (size_t i = first + 1; i < parts.size(); ++i) frames.payload.push_back(std::move(parts[i]));
   return frames;
 }
@@ -90,6 +98,11 @@ Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header, const 
                                      std::to_string(limits.max_header_bytes));
   }
   auto* bytes = static_cast<const uint8_t*>(header.data());
+  if (reinterpret_cast<uintptr_t>(bytes) % 8 != 0) {
+    // ReceiveMessage aligns every header it hands out; reading fields here would be
+    // undefined behaviour.
+    return Status::InvalidArgument("header frame is not 8-byte aligned");
+  }
   flatbuffers::Verifier::Options opts;
   opts.max_tables = 4 * static_cast<flatbuffers::uoffset_t>(limits.max_tensors) + 1024;
   flatbuffers::Verifier verifier(bytes, header.size(), opts);
@@ -120,11 +133,22 @@ bool AllFinite(const float* data, size_t n) {
   return acc == 0.0f;
 }
 
-std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta) {
+std::vector<int64_t> ShapeFrom(const flatbuffers::Vector<int64_t>* dims) {
   std::vector<int64_t> shape;
-  if (meta->shape() != nullptr) shape.assign(meta->shape()->begin(), meta->shape()->end());
+  if (dims == nullptr) return shape;
+  // The verifier checks the alignment of a vector's length, not of its 8-byte elements:
+  // a hostile header can place them anywhere, so each is copied out byte-wise.
+  const uint8_t* at = dims->Data();
+  shape.resize(dims->size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    int64_t d;
+    std::memcpy(&d, at + i * sizeof(d), sizeof(d));
+    shape[i] = flatbuffers::EndianScalar(d);
+  }
   return shape;
 }
+
+std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta) { return ShapeFrom(meta->shape()); }
 
 Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas,
                        const std::vector<zmq::message_t>& payload, const WireLimits& limits,

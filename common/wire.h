@@ -31,6 +31,7 @@ struct WireLimits {
 struct Frames {
   zmq::message_t header;
   std::vector<zmq::message_t> payload;
+  std::string user_id;  // the sender's User-Id (its CURVE public key), when ZAP set one
   uint64_t PayloadBytes() const;
 };
 
@@ -78,7 +79,8 @@ inline constexpr uint64_t kTcpConnectionBytesEstimate = 74 + 74 + 66 + 4 * 66;
 // any other version: a message whose meaning may differ is never acted on.
 inline constexpr uint32_t kSchemaVersion = 1;
 
-// Runs the FlatBuffers verifier and size limit on a header frame and refuses an Envelope
+// Runs the FlatBuffers verifier and size limit on a header frame (which must be 8-byte
+// aligned, as ReceiveMessage returns every header) and refuses an Envelope
 // whose schema_version is not kSchemaVersion (InvalidArgument naming both versions).
 // `request_id`, when given, receives the Envelope's request id as soon as the frame has
 // verified, so a refusal of its version can still be answered to the right request. The
@@ -98,7 +100,9 @@ Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::Tenso
 // True if every one of the n floats is finite.
 bool AllFinite(const float* data, size_t n);
 
-// Shape of a TensorMeta as a vector.
+// The dims of a received shape vector (safe for vectors at any alignment), and the shape
+// of a TensorMeta.
+std::vector<int64_t> ShapeFrom(const flatbuffers::Vector<int64_t>* dims);
 std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta);
 
 // Status <-> wire error code (one to one).

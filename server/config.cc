@@ -7,8 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <set>
 #include <sstream>
+#include <string_view>
 
 namespace isthmus {
 namespace {
@@ -275,6 +278,31 @@ std::string SettingEnv(const std::string& key) {
   return env;
 }
 
+namespace {
+
+// Offset of the first byte that does not belong to a well-formed UTF-8 sequence (no
+// overlong forms, surrogates or code points above U+10FFFF), or npos.
+size_t FirstInvalidUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return i;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc >> 6) != 0x2) return i;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += n;
+  }
+  return std::string_view::npos;
+}
+
+}  // namespace
+
 Result<ServerConfig> LoadServerConfig(const std::string& config_file,
                                       const std::map<std::string, std::string>& overrides) {
   ServerConfig cfg;
@@ -282,9 +310,19 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
     ISTHMUS_RETURN_IF_ERROR(ApplyText(cfg, b, b.info.default_value, "default"));
   }
   if (!config_file.empty()) {
+    std::ifstream in(config_file, std::ios::binary);
+    if (!in) return Status::InvalidArgument("cannot read config file '" + config_file + "'");
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    // TOML is UTF-8; toml11 reads past the end of some invalid sequences (found by
+    // fuzzing), so they never reach it.
+    if (const size_t bad = FirstInvalidUtf8(text); bad != std::string::npos) {
+      return Status::InvalidArgument("config file '" + config_file +
+                                     "' is not valid UTF-8 (byte " + std::to_string(bad) + ")");
+    }
     toml::value root;
     try {
-      root = toml::parse(config_file);
+      std::istringstream is(text);
+      root = toml::parse(is, config_file);
     } catch (const std::exception& e) {
       return Status::InvalidArgument("cannot read config file '" + config_file + "': " + e.what());
     }

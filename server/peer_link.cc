@@ -787,8 +787,7 @@ void PeerLinks::OnRouterReadable() {
     }
     std::string user_id;
     if (!options_.insecure_plaintext) {
-      const char* uid = zmq_msg_gets(msg->header.handle(), "User-Id");
-      if (uid != nullptr) user_id = uid;
+      user_id = msg->user_id;
     }
     Link* from = Answer(*router_, &routing_id, user_id, env, request_id, *msg);
     // A routing id we have not seen from this peer is a new connection of theirs: its
@@ -985,7 +984,7 @@ Status PeerLinks::UnlistDelta(const wire::PeerDelta* req, const Frames& msg,
     t.name = std::move(name);
     if (m->shape()) {
       if (m->shape()->size() > lim.max_dims) return Status::InvalidArgument("too many dims");
-      t.shape.assign(m->shape()->begin(), m->shape()->end());
+      t.shape = ShapeFrom(m->shape());
       const int64_t numel = NumElements(t.shape);
       if (numel < 0 || static_cast<uint64_t>(numel) > lim.max_payload_bytes) {
         return Status::InvalidArgument("tensor '" + t.name + "' has a negative or huge shape");

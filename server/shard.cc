@@ -168,7 +168,10 @@ Status Shard::Load() {
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);
-  for (auto& [name, job] : jobs_) {
+  for (auto& entry : jobs_) {
+    // Plain references, not structured bindings: lambdas below capture them.
+    const std::string& name = entry.first;
+    JobState& job = entry.second;
     std::string prefix = JobKey(name, "");
     ISTHMUS_RETURN_IF_ERROR(
         store_->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
@@ -580,7 +583,7 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
   for (const auto* m : *req->tensors()) {
     const auto& frame = frames.payload[m->frame()];
     auto data = std::make_shared<std::vector<float>>(frame.size() / sizeof(float));
-    std::memcpy(data->data(), frame.data(), frame.size());
+    if (frame.size() > 0) std::memcpy(data->data(), frame.data(), frame.size());
     TensorState t{ShapeOf(m), 1, data};
     content.push_back(Tensor{m->name()->str(), t.shape, *data});
     batch.Put(Column::kTensors, JobKey(name, m->name()->str()), Bytes(*data));

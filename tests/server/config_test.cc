@@ -51,6 +51,21 @@ TEST(ConfigTest, UnknownKeysAndBadValuesAreErrors) {
   EXPECT_FALSE(LoadServerConfig("", {{"no.such", "1"}}).ok());
 }
 
+// Found by fuzz_config: toml11 read past the end of a literal string holding invalid
+// UTF-8. Such files are refused before they reach it.
+TEST(ConfigTest, AFileThatIsNotUtf8IsRefusedNamingTheByte) {
+  testing::TempDir dir;
+  const std::string file = dir.str() + "/bad.toml";
+  std::ofstream(file, std::ios::binary) << "[shard]\nid = 'sh\xff\xff'\n";
+  auto c = LoadServerConfig(file, {});
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(c.status().message().find("not valid UTF-8 (byte 16)"), std::string::npos)
+      << c.status().ToString();
+  std::ofstream(file, std::ios::binary) << "[shard]\nid = 'Zürich ✓'\n";  // valid UTF-8
+  EXPECT_TRUE(LoadServerConfig(file, {}).ok());
+}
+
 TEST(ConfigTest, ValidationSaysWhatToSet) {
   auto c = *LoadServerConfig("", {});
   Status s = ValidateServerConfig(c);

@@ -552,14 +552,14 @@ class RawPeer {
     } else {
       ISTHMUS_RETURN_IF_ERROR(SendMessage(sock_, nullptr, fbb, refs));
     }
-    zmq::message_t head;
-    if (!sock_.recv(head)) return Status::Timeout("no reply");
-    while (head.more()) {
-      zmq::message_t extra;
-      (void)sock_.recv(extra);
+    // As every receiver does: ReceiveMessage (which aligns the header) after a poll.
+    zmq::pollitem_t item{sock_.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, std::chrono::milliseconds(5000)) <= 0) {
+      return Status::Timeout("no reply");
     }
+    ISTHMUS_ASSIGN_OR_RETURN(Frames reply, ReceiveMessage(sock_, nullptr));
     WireLimits lim;
-    ISTHMUS_ASSIGN_OR_RETURN(const wire::Envelope* env, ParseEnvelope(head, lim));
+    ISTHMUS_ASSIGN_OR_RETURN(const wire::Envelope* env, ParseEnvelope(reply.header, lim));
     ISTHMUS_RETURN_IF_ERROR(ErrorFromEnvelope(env));
     if (env->body_type() == wire::Body::PeerAck) return env->body_as_PeerAck()->held_round();
     if (env->body_type() == wire::Body::PeerHelloReply) return uint64_t{0};
