@@ -93,6 +93,13 @@ struct EvalArgs {
   bool json = false;
 };
 
+// The job's tensors from the shards of --server: hello with `base_hash`, then a pull.
+Result<std::vector<Tensor>> PullJob(const ShardSettings& shards, const std::string& base_hash) {
+  ISTHMUS_ASSIGN_OR_RETURN(auto site, ConnectSite(shards));
+  ISTHMUS_RETURN_IF_ERROR(HelloSite(*site, base_hash).status());
+  return PullSite(*site);
+}
+
 // The tensors of a trainable-tensors file (init --out, train --save, a checkpoint or an
 // export), without optimizer state; the model flags not given are taken from it.
 Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings& model) {
@@ -121,11 +128,7 @@ int RunEval(EvalArgs& a) {
     return Fail("eval", DeviceError(st));
   }
   if (a.trainable.empty() && !a.shards.servers.empty()) {
-    auto site = ConnectSite(a.shards);
-    if (!site.ok()) return Fail("eval", site.status());
-    auto h = HelloSite(**site, (*gpt)->BaseHash());
-    if (!h.ok()) return Fail("eval", h.status());
-    auto t = PullSite(**site);
+    auto t = PullJob(a.shards, (*gpt)->BaseHash());
     if (!t.ok()) return Fail("eval", t.status());
     tensors = std::move(t).value();
   }
@@ -184,11 +187,7 @@ int RunExport(ExportArgs& a) {
     hash = gpt->BaseHash();
   }
   if (a.trainable.empty()) {
-    auto site = ConnectSite(a.shards);
-    if (!site.ok()) return Fail("export", site.status());
-    auto h = HelloSite(**site, hash);
-    if (!h.ok()) return Fail("export", h.status());
-    auto t = PullSite(**site);
+    auto t = PullJob(a.shards, hash);
     if (!t.ok()) return Fail("export", t.status());
     tensors = std::move(t).value();
   }
@@ -254,11 +253,7 @@ int RunGenerate(GenerateArgs& a) {
   const int vocab = (*gpt)->config().vocab_size;
   if (auto st = (*gpt)->Reserve(1, n_ctx); !st.ok()) return Fail("generate", DeviceError(st));
   if (a.trainable.empty() && !a.shards.servers.empty()) {
-    auto site = ConnectSite(a.shards);
-    if (!site.ok()) return Fail("generate", site.status());
-    auto h = HelloSite(**site, (*gpt)->BaseHash());
-    if (!h.ok()) return Fail("generate", h.status());
-    auto t = PullSite(**site);
+    auto t = PullJob(a.shards, (*gpt)->BaseHash());
     if (!t.ok()) return Fail("generate", t.status());
     tensors = std::move(t).value();
   }
