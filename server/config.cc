@@ -301,6 +301,35 @@ size_t FirstInvalidUtf8(std::string_view s) {
   return std::string_view::npos;
 }
 
+// The deepest nesting of arrays and inline tables in TOML `text` (brackets and braces
+// outside strings and comments). toml11 parses nesting by recursion.
+int NestingDepth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  char quote = 0;
+  bool comment = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (comment) {
+      comment = c != '\n';
+    } else if (quote != 0) {
+      if (c == '\\' && quote == '"') {
+        ++i;  // an escaped character
+      } else if (c == quote) {
+        quote = 0;
+      }
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '#') {
+      comment = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if ((c == ']' || c == '}') && depth > 0) {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 }  // namespace
 
 Result<ServerConfig> LoadServerConfig(const std::string& config_file,
@@ -318,6 +347,13 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
     if (const size_t bad = FirstInvalidUtf8(text); bad != std::string::npos) {
       return Status::InvalidArgument("config file '" + config_file +
                                      "' is not valid UTF-8 (byte " + std::to_string(bad) + ")");
+    }
+    // toml11 recurses once per nesting level: deep nesting (found by fuzzing) overflows the
+    // stack. No setting nests more than two levels.
+    constexpr int kMaxNesting = 32;
+    if (NestingDepth(text) > kMaxNesting) {
+      return Status::InvalidArgument("config file '" + config_file + "' nests arrays or tables " +
+                                     "deeper than " + std::to_string(kMaxNesting) + " levels");
     }
     toml::value root;
     try {

@@ -66,6 +66,21 @@ TEST(ConfigTest, AFileThatIsNotUtf8IsRefusedNamingTheByte) {
   EXPECT_TRUE(LoadServerConfig(file, {}).ok());
 }
 
+// Found by fuzz_config: toml11 recursed once per "[" of "id = [[[[...", off the stack.
+TEST(ConfigTest, DeeplyNestedValuesAreRefusedBeforeParsing) {
+  testing::TempDir dir;
+  const std::string file = dir.str() + "/deep.toml";
+  std::ofstream(file) << "[shard]\nid = " << std::string(1000, '[') << "\n";
+  auto c = LoadServerConfig(file, {});
+  ASSERT_FALSE(c.ok());
+  EXPECT_NE(c.status().message().find("deeper than 32 levels"), std::string::npos)
+      << c.status().ToString();
+  // Brackets inside strings and comments do not count.
+  std::ofstream(file) << "[shard]\nid = '" << std::string(100, '[') << "' # "
+                      << std::string(100, '{') << "\n";
+  EXPECT_TRUE(LoadServerConfig(file, {}).ok());
+}
+
 TEST(ConfigTest, ValidationSaysWhatToSet) {
   auto c = *LoadServerConfig("", {});
   Status s = ValidateServerConfig(c);
