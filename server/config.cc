@@ -345,8 +345,8 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
     // TOML is UTF-8; toml11 reads past the end of some invalid sequences (found by
     // fuzzing), so they never reach it.
     if (const size_t bad = FirstInvalidUtf8(text); bad != std::string::npos) {
-      return Status::InvalidArgument("config file '" + config_file +
-                                     "' is not valid UTF-8 (byte " + std::to_string(bad) + ")");
+      return Status::InvalidArgument("config file '" + config_file + "' is not valid UTF-8 (byte " +
+                                     std::to_string(bad) + ")");
     }
     // toml11 recurses once per nesting level: deep nesting (found by fuzzing) overflows the
     // stack. No setting nests more than two levels.

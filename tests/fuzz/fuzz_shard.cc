@@ -41,9 +41,9 @@ isthmus::Shard& TheShard() {
     flatbuffers::FlatBufferBuilder fbb;
     std::vector<TensorView> views{{"a", {4, 8}, a.data()}, {"b", {3}, b.data()}};
     auto metas = BuildTensorMetas(fbb, views);
-    FinishEnvelope(fbb, 1, wire::Body::JobCreate,
-                   wire::CreateJobCreate(fbb, fbb.CreateString("j"), fbb.CreateString("h"), metas)
-                       .Union());
+    FinishEnvelope(
+        fbb, 1, wire::Body::JobCreate,
+        wire::CreateJobCreate(fbb, fbb.CreateString("j"), fbb.CreateString("h"), metas).Union());
     Frames f;
     f.header = zmq::message_t(fbb.GetBufferPointer(), fbb.GetSize());
     f.payload.emplace_back(a.data(), a.size() * 4);

@@ -43,7 +43,8 @@ std::string Floats(const std::vector<float>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * 4);
 }
 
-std::string Tensors(wire::Body type, const std::vector<std::pair<std::string, std::vector<int64_t>>>& ts,
+std::string Tensors(wire::Body type,
+                    const std::vector<std::pair<std::string, std::vector<int64_t>>>& ts,
                     const std::vector<uint64_t>& nbytes, uint32_t version = kSchemaVersion) {
   flatbuffers::FlatBufferBuilder fbb;
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
@@ -84,7 +85,8 @@ int main(int argc, char** argv) {
   };
   {
     flatbuffers::FlatBufferBuilder fbb;
-    FinishEnvelope(fbb, 3, wire::Body::PullRequest, wire::CreatePullRequestDirect(fbb, "j").Union());
+    FinishEnvelope(fbb, 3, wire::Body::PullRequest,
+                   wire::CreatePullRequestDirect(fbb, "j").Union());
     msgs.push_back({"pull", Message(fbb, {})});
   }
   {
@@ -95,7 +97,8 @@ int main(int argc, char** argv) {
   }
   {
     flatbuffers::FlatBufferBuilder fbb;
-    FinishEnvelope(fbb, 5, wire::Body::JobDescribe, wire::CreateJobDescribeDirect(fbb, "j").Union());
+    FinishEnvelope(fbb, 5, wire::Body::JobDescribe,
+                   wire::CreateJobDescribeDirect(fbb, "j").Union());
     msgs.push_back({"describe", Message(fbb, {})});
   }
   for (const auto& [name, bytes] : msgs) {
@@ -108,8 +111,8 @@ int main(int argc, char** argv) {
   std::vector<float> x(200);
   for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i)) * 0.01f;
   const std::vector<int64_t> shape{10, 20};
-  for (const char* text : {"dense", "int8", "int2+zstd", "topk:0.05+int2+zstd", "topk:0.1+int4",
-                           "lowrank:2+int8"}) {
+  for (const char* text :
+       {"dense", "int8", "int2+zstd", "topk:0.05+int2+zstd", "topk:0.1+int4", "lowrank:2+int8"}) {
     auto pipe = codec::ParsePipeline(text);
     if (!pipe.ok()) {
       std::fprintf(stderr, "pipeline %s: %s\n", text, pipe.status().ToString().c_str());
