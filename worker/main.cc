@@ -113,30 +113,42 @@ Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings
   return tensors;
 }
 
-int RunEval(EvalArgs& a) {
+// A model to evaluate or sample from, and the backend it lives on (which must outlive it).
+struct LoadedModel {
+  OpenedCompute compute;
+  std::unique_ptr<model::Gpt> gpt;
+};
+
+// eval's and generate's model: the base on the chosen device with activations for
+// `batch` rows of n_ctx, plus trainable tensors from `trainable` (a file), else pulled from
+// the shards of `shards`, else none (the base alone).
+Result<LoadedModel> LoadModel(ModelSettings& m, const ComputeSettings& c,
+                              const ShardSettings& shards, const std::string& trainable,
+                              int batch) {
   std::vector<Tensor> tensors;
-  if (!a.trainable.empty()) {
-    auto t = ReadTrainable(a.trainable, a.model);
-    if (!t.ok()) return Fail("eval", t.status());
-    tensors = std::move(t).value();
+  if (!trainable.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(tensors, ReadTrainable(trainable, m));
   }
-  auto compute = OpenCompute(a.compute, 0);
-  if (!compute.ok()) return Fail("eval", DeviceError(compute.status()));
-  auto gpt = BuildModel(a.model, {compute->ops.get(), compute->precision});
-  if (!gpt.ok()) return Fail("eval", gpt.status());
-  if (auto st = (*gpt)->Reserve(a.batch_size, a.model.context); !st.ok()) {
-    return Fail("eval", DeviceError(st));
+  LoadedModel out;
+  auto compute = OpenCompute(c, 0);
+  if (!compute.ok()) return DeviceError(compute.status());
+  out.compute = std::move(compute).value();
+  ISTHMUS_ASSIGN_OR_RETURN(out.gpt, BuildModel(m, {out.compute.ops.get(), out.compute.precision}));
+  if (auto st = out.gpt->Reserve(batch, out.gpt->config().n_ctx); !st.ok()) {
+    return DeviceError(st);
   }
-  if (a.trainable.empty() && !a.shards.servers.empty()) {
-    auto t = PullJob(a.shards, (*gpt)->BaseHash());
-    if (!t.ok()) return Fail("eval", t.status());
-    tensors = std::move(t).value();
+  if (trainable.empty() && !shards.servers.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(tensors, PullJob(shards, out.gpt->BaseHash()));
   }
-  if (!tensors.empty()) {
-    if (auto st = (*gpt)->LoadTrainable(tensors, true); !st.ok()) return Fail("eval", st);
-  }
-  auto loss =
-      ValidationLoss(**gpt, a.data_dir + "/val.bin", a.batch_size, 0, 1, a.batches, nullptr);
+  if (!tensors.empty()) ISTHMUS_RETURN_IF_ERROR(out.gpt->LoadTrainable(tensors, true));
+  return out;
+}
+
+int RunEval(EvalArgs& a) {
+  auto loaded = LoadModel(a.model, a.compute, a.shards, a.trainable, a.batch_size);
+  if (!loaded.ok()) return Fail("eval", loaded.status());
+  auto& gpt = loaded->gpt;
+  auto loss = ValidationLoss(*gpt, a.data_dir + "/val.bin", a.batch_size, 0, 1, a.batches, nullptr);
   if (!loss.ok()) return Fail("eval", loss.status());
   if (a.json) {
     std::printf("%s\n", nlohmann::json({{"val_loss", *loss}}).dump().c_str());
@@ -239,27 +251,11 @@ int RunGenerate(GenerateArgs& a) {
   if (a.tokens < 0 || a.temperature < 0 || a.top_k < 0) {
     return usage("--tokens, --temperature and --top-k must not be negative");
   }
-  std::vector<Tensor> tensors;
-  if (!a.trainable.empty()) {
-    auto t = ReadTrainable(a.trainable, a.model);
-    if (!t.ok()) return Fail("generate", t.status());
-    tensors = std::move(t).value();
-  }
-  auto compute = OpenCompute(a.compute, 0);
-  if (!compute.ok()) return Fail("generate", DeviceError(compute.status()));
-  auto gpt = BuildModel(a.model, {compute->ops.get(), compute->precision});
-  if (!gpt.ok()) return Fail("generate", gpt.status());
-  const int n_ctx = (*gpt)->config().n_ctx;
-  const int vocab = (*gpt)->config().vocab_size;
-  if (auto st = (*gpt)->Reserve(1, n_ctx); !st.ok()) return Fail("generate", DeviceError(st));
-  if (a.trainable.empty() && !a.shards.servers.empty()) {
-    auto t = PullJob(a.shards, (*gpt)->BaseHash());
-    if (!t.ok()) return Fail("generate", t.status());
-    tensors = std::move(t).value();
-  }
-  if (!tensors.empty()) {
-    if (auto st = (*gpt)->LoadTrainable(tensors, true); !st.ok()) return Fail("generate", st);
-  }
+  auto loaded = LoadModel(a.model, a.compute, a.shards, a.trainable, /*batch=*/1);
+  if (!loaded.ok()) return Fail("generate", loaded.status());
+  auto& gpt = loaded->gpt;
+  const int n_ctx = gpt->config().n_ctx;
+  const int vocab = gpt->config().vocab_size;
   // The tokenizer: --tokenizer, else a Hugging Face base folder's own files, else bytes.
   std::string tok_dir = a.tokenizer;
   std::error_code ec;
@@ -295,9 +291,9 @@ int RunGenerate(GenerateArgs& a) {
   std::vector<std::pair<float, int>> ranked(tok_vocab);
   for (int n = 0; n < a.tokens; ++n) {
     const int T = static_cast<int>(std::min<size_t>(ids.size(), n_ctx));
-    (*gpt)->Forward(ids.data() + ids.size() - T, nullptr, 1, T);
-    if (auto st = (*gpt)->ops().status(); !st.ok()) return Fail("generate", st);
-    const std::vector<float> logits = (*gpt)->Logits();
+    gpt->Forward(ids.data() + ids.size() - T, nullptr, 1, T);
+    if (auto st = gpt->ops().status(); !st.ok()) return Fail("generate", st);
+    const std::vector<float> logits = gpt->Logits();
     const float* last = logits.data() + static_cast<size_t>(T - 1) * vocab;
     // Only the tokenizer's ids can be written out (a model may pad its vocabulary).
     for (int v = 0; v < tok_vocab; ++v) ranked[v] = {last[v], v};

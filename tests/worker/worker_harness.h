@@ -30,6 +30,10 @@ namespace fs = std::filesystem;
 
 inline const std::vector<std::string> kModelFlags = {
     "--layers", "2", "--width", "32", "--heads", "2", "--context", "16", "--lora-rank", "4"};
+// The training settings every worker of these tests uses.
+inline const std::vector<std::string> kTrainFlags = {"--batch-size",   "2", "--lr",          "0.01",
+                                                     "--warmup-steps", "1", "--val-batches", "2",
+                                                     "--log-every",    "1"};
 
 // A running or finished isthmus-worker process.
 struct WorkerProcess {
@@ -177,21 +181,12 @@ class WorkerWithShards : public ::testing::Test {
                                      std::to_string(max_rounds),
                                      "--steps-per-round",
                                      std::to_string(h),
-                                     "--batch-size",
-                                     "2",
-                                     "--lr",
-                                     "0.01",
-                                     "--warmup-steps",
-                                     "1",
-                                     "--val-batches",
-                                     "2",
-                                     "--log-every",
-                                     "1",
                                      "--checkpoint-dir",
                                      (dir_ / "ckpt").string(),
                                      "--request-timeout-ms",
                                      "5000"};
     a.insert(a.end(), more.begin(), more.end());
+    a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
     if (!rendezvous.empty()) {
       a.push_back("--rendezvous");
       a.push_back(rendezvous);
@@ -318,18 +313,9 @@ class TwoSites {
                                        "--max-rounds",
                                        std::to_string(rounds),
                                        "--steps-per-round",
-                                       std::to_string(h),
-                                       "--batch-size",
-                                       "2",
-                                       "--lr",
-                                       "0.01",
-                                       "--warmup-steps",
-                                       "1",
-                                       "--val-batches",
-                                       "2",
-                                       "--log-every",
-                                       "1"};
+                                       std::to_string(h)};
       a.insert(a.end(), more.begin(), more.end());
+      a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
       a.insert(a.end(), flags[i]->begin(), flags[i]->end());
       workers_[i].Start(a, (root_ / (s.site() + ".log")).string());
     }
