@@ -47,6 +47,7 @@ JobInfo JobFromSummary(const wire::JobSummary* s) {
   j.tensor_count = s->tensor_count();
   j.total_bytes = s->total_bytes();
   j.pushes = s->pushes();
+  j.duplicate_pushes = s->duplicate_pushes();
   return j;
 }
 

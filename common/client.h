@@ -104,6 +104,7 @@ struct JobInfo {
   std::string base_hash;
   uint64_t version = 0;
   uint64_t pushes = 0;
+  uint64_t duplicate_pushes = 0;  // Stats only: answered as duplicates since the server started
   uint64_t created_unix = 0;
   uint64_t tensor_count = 0;
   uint64_t total_bytes = 0;

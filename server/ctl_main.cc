@@ -130,7 +130,8 @@ int CmdStatus(const Connection& c, bool as_json) {
                         {"version", j.version},
                         {"tensors", j.tensor_count},
                         {"bytes", j.total_bytes},
-                        {"pushes", j.pushes}});
+                        {"pushes", j.pushes},
+                        {"duplicate_pushes", j.duplicate_pushes}});
       }
       row["jobs"] = jobs;
     }
@@ -157,12 +158,13 @@ int CmdStatus(const Connection& c, bool as_json) {
                   HumanBytes(r["bytes_out"].get<uint64_t>()).c_str(),
                   HumanBytes(r["db_bytes"].get<uint64_t>()).c_str());
       for (const auto& j : r["jobs"]) {
-        std::printf("       job %-20s version %-8llu tensors %-6llu %10s pushes %llu\n",
-                    j["job"].get<std::string>().c_str(),
-                    (unsigned long long)j["version"].get<uint64_t>(),
-                    (unsigned long long)j["tensors"].get<uint64_t>(),
-                    HumanBytes(j["bytes"].get<uint64_t>()).c_str(),
-                    (unsigned long long)j["pushes"].get<uint64_t>());
+        std::printf(
+            "       job %-20s version %-8llu tensors %-6llu %10s pushes %llu (%llu duplicates)\n",
+            j["job"].get<std::string>().c_str(), (unsigned long long)j["version"].get<uint64_t>(),
+            (unsigned long long)j["tensors"].get<uint64_t>(),
+            HumanBytes(j["bytes"].get<uint64_t>()).c_str(),
+            (unsigned long long)j["pushes"].get<uint64_t>(),
+            (unsigned long long)j["duplicate_pushes"].get<uint64_t>());
       }
     }
   }

@@ -405,6 +405,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     uint64_t v = rec.is_discarded() ? job->version : rec.value("version", job->version);
     spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
                  job_name, v);
+    job->duplicate_pushes += 1;
     auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
     FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
     return Status::Ok();
@@ -543,6 +544,7 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
         sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch, req->compute_ms()));
     duplicate = r.duplicate;
     if (duplicate) {
+      job->duplicate_pushes += 1;
       spdlog::info(
           "push '{}' to job '{}' is for round {}, which this site closed already; "
           "not applied again",
@@ -646,8 +648,10 @@ Status Shard::DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& re
 namespace {
 flatbuffers::Offset<wire::JobSummary> SummaryOf(flatbuffers::FlatBufferBuilder& fbb,
                                                 const std::string& name, uint64_t version,
-                                                uint64_t count, uint64_t bytes, uint64_t pushes) {
-  return wire::CreateJobSummaryDirect(fbb, name.c_str(), version, count, bytes, pushes);
+                                                uint64_t count, uint64_t bytes, uint64_t pushes,
+                                                uint64_t duplicate_pushes = 0) {
+  return wire::CreateJobSummaryDirect(fbb, name.c_str(), version, count, bytes, pushes,
+                                      duplicate_pushes);
 }
 }  // namespace
 
@@ -655,8 +659,8 @@ Status Shard::DoStats(uint64_t id, Reply& reply) {
   auto& fbb = reply.header;
   std::vector<flatbuffers::Offset<wire::JobSummary>> jobs;
   for (const auto& [name, job] : jobs_) {
-    jobs.push_back(
-        SummaryOf(fbb, name, VersionOf(job), job.tensors.size(), JobBytes(job), job.pushes));
+    jobs.push_back(SummaryOf(fbb, name, VersionOf(job), job.tensors.size(), JobBytes(job),
+                             job.pushes, job.duplicate_pushes));
   }
   auto uptime =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - started_)

@@ -80,8 +80,9 @@ class Shard {
     uint64_t created_unix = 0;
     uint64_t last_round = 0;
     uint64_t tokens = 0;
-    uint64_t dedup_seq = 0;   // idempotency keys recorded so far
-    std::string create_hash;  // content hash of the create request (a retry is answered)
+    uint64_t dedup_seq = 0;         // idempotency keys recorded so far
+    uint64_t duplicate_pushes = 0;  // answered as duplicates since start (not stored)
+    std::string create_hash;        // content hash of the create request (a retry is answered)
     // Names, shapes, versions; the data only for plain jobs (the sync engine holds a
     // synced job's tensors: ReleaseSyncedData).
     std::map<std::string, TensorState> tensors;

@@ -107,6 +107,8 @@ TEST_F(ShardProcessTest, RepeatedKeyIsAppliedOnce) {
 // retries on a fresh socket; when the server resumes it sees both copies and applies one.
 TEST_F(ShardProcessTest, RetryAfterTimeoutIsAppliedOnce) {
   auto w = server_.WorkerClient(/*timeout_ms=*/400, /*retries=*/10);
+  // Connected before the freeze, so the first copy reaches the server's socket buffer.
+  ASSERT_TRUE(w->Hello("j", wire::Role::Worker, "", "test").ok());
   std::vector<float> d(32, 5.0f);
   server_.Signal(SIGSTOP);
   std::thread resume([&] {
@@ -116,10 +118,20 @@ TEST_F(ShardProcessTest, RetryAfterTimeoutIsAppliedOnce) {
   auto p = w->Push("j", "retried", 0, 1, {{"b", kShape, d.data()}});
   resume.join();
   ASSERT_TRUE(p.ok()) << p.status().ToString();
-  // Give the server time to drain the other copies of the request, then check.
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The copy sent before the freeze reached the server's socket buffer: wait until the
+  // server has answered a copy as a duplicate, then check it changed nothing.
+  auto admin = server_.AdminClient();
+  uint64_t duplicates = 0;
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (duplicates == 0 && std::chrono::steady_clock::now() < deadline) {
+    auto st = admin->Stats();
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    duplicates = st->jobs.at(0).duplicate_pushes;
+    if (duplicates == 0) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_GE(duplicates, 1u) << "no second copy of the push reached the server";
   EXPECT_EQ(PullAll(*w)["b"], std::vector<float>(32, 6.0f));
-  auto stats = server_.AdminClient()->Stats();
+  auto stats = admin->Stats();
   ASSERT_TRUE(stats.ok());
   EXPECT_EQ(stats->jobs.at(0).pushes, 1u);
 }
