@@ -729,8 +729,9 @@ void PeerLinks::OnMonitorReadable(Link& link) {
         CountConnection(link, /*client_side=*/true);
         link.key_refused = false;
         link.transport_up = true;
-        // A new connection: whatever was in flight on the old one may be lost.
-        if (link.reconnecting) SendHello(link);
+        // A new connection: whatever was in flight on the old one may be lost. A socket
+        // opened while the peer refused our key could not queue a handshake: send it now.
+        if (link.reconnecting || (!link.ready && link.inflight.empty())) SendHello(link);
         link.reconnecting = false;
         break;
       case ZMQ_EVENT_DISCONNECTED:
@@ -872,7 +873,10 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id,
   }
   if (from == nullptr) {
     ++refused_unknown_;
-    return Status::PermissionDenied("this key is not configured for any site in sync.peers");
+    return Status::PermissionDenied(
+        options_.insecure_plaintext
+            ? "site '" + claimed + "' is not configured in sync.peers"
+            : std::string("this key is not configured for any site in sync.peers"));
   }
   if (from_out != nullptr) *from_out = from;
   // Under CURVE a delta or ping need not name its site: the key does.
@@ -1156,6 +1160,14 @@ void PeerLinks::Tick() {
             "no answer from the peer within " + std::to_string(CurrentTimeoutMs(link)) +
                 " ms after the expected transfer time",
             true);
+      continue;
+    }
+    if (link.dials && link.key_refused && !link.transport_up && link.inflight.empty() &&
+        now >= link.retry_at) {
+      // ZeroMQ does not dial again after the peer refused our key. A fresh socket does,
+      // at the backoff's pace: the peer's operator may have added our key since.
+      ++link.failures;
+      if (Status s = OpenDealer(link); !s.ok()) link.stats.last_error = s.ToString();
       continue;
     }
     if (!link.ready && link.inflight.empty() && now >= link.retry_at) {
