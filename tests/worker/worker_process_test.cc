@@ -164,7 +164,22 @@ TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
     if (!waiting) ::usleep(50'000);
   }
   ASSERT_TRUE(waiting) << w.Log();
-  ::usleep(1'000'000);  // it keeps waiting: no further round is pushed
+  // It keeps waiting: it polls the shard (a Hello every 50 ms) and pushes no further
+  // round. Wait until the shard answered ten requests besides this test's own.
+  {
+    auto admin = shard.AdminClient();
+    auto first = admin->Stats();
+    ASSERT_TRUE(first.ok()) << first.status().ToString();
+    uint64_t calls = 1, others = 0;
+    for (int i = 0; i < 400 && others < 10; ++i) {
+      ::usleep(20'000);
+      auto st = admin->Stats();
+      ASSERT_TRUE(st.ok()) << st.status().ToString();
+      ++calls;
+      others = st->requests - first->requests - (calls - 1);
+    }
+    ASSERT_GE(others, 10u) << "the waiting worker stopped asking the shard";
+  }
   auto hello = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash, "probe");
   ASSERT_TRUE(hello.ok()) << hello.status().ToString();
   EXPECT_EQ(hello->rounds.committed_round, 0u);
