@@ -10,6 +10,7 @@
 
 #include "common/client.h"
 #include "common/safetensors.h"
+#include "common/varint.h"
 #include "common/wire.h"
 #include "ops/codec.h"
 
@@ -65,6 +66,71 @@ std::string Tensors(wire::Body type,
   return Message(fbb, frames);
 }
 
+// fuzz_peer's layout: 2-byte header length, header, frame count, (2-byte length, bytes)...
+std::string PeerMessage(const flatbuffers::FlatBufferBuilder& fbb,
+                        const std::vector<std::string>& frames = {}) {
+  std::string out;
+  const size_t n = fbb.GetSize();
+  out.push_back(static_cast<char>(n & 0xff));
+  out.push_back(static_cast<char>(n >> 8));
+  out.append(reinterpret_cast<const char*>(fbb.GetBufferPointer()), n);
+  out.push_back(static_cast<char>(frames.size()));
+  for (const auto& f : frames) {
+    out.push_back(static_cast<char>(f.size() & 0xff));
+    out.push_back(static_cast<char>(f.size() >> 8));
+    out += f;
+  }
+  return out;
+}
+
+// Site beta's round `round` of fuzz_peer's job "j" ("a" [4, 8], "b" [3]) under `pipeline`.
+std::vector<std::pair<std::string, std::string>> Encoded(const std::string& pipeline) {
+  auto p = codec::ParsePipeline(pipeline).value();
+  std::vector<float> a(32), b{0.25f, -0.5f, 0.125f};
+  for (size_t i = 0; i < a.size(); ++i) a[i] = std::cos(0.3f * static_cast<float>(i)) * 0.1f;
+  const std::vector<int64_t> sa{4, 8}, sb{3};
+  return {{"a", codec::Encode(p, a, sa)}, {"b", codec::Encode(p, b, sb)}};
+}
+
+// The packed layout senders write: sizes in name order, the bytes inline in the header.
+std::string PackedDelta(const std::string& site, uint64_t round, const std::string& pipeline,
+                        uint32_t version = kSchemaVersion, bool with_acks = false) {
+  std::string sizes, bytes;
+  for (const auto& [name, enc] : Encoded(pipeline)) {
+    PutVarint(&sizes, enc.size());
+    bytes += enc;
+  }
+  flatbuffers::FlatBufferBuilder fbb;
+  std::vector<wire::PeerHeld> acks{{9, 1, 2000}};
+  auto body = wire::CreatePeerDelta(
+      fbb, fbb.CreateString("j"), site.empty() ? 0 : fbb.CreateString(site), round, 500, 0, 0,
+      fbb.CreateVector(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), 500,
+      with_acks ? fbb.CreateVectorOfStructs(acks) : 0,
+      fbb.CreateVector(reinterpret_cast<const uint8_t*>(sizes.data()), sizes.size()));
+  wire::FinishEnvelopeBuffer(
+      fbb, wire::CreateEnvelope(fbb, version, 11, wire::Body::PeerDelta, body.Union()));
+  return PeerMessage(fbb);
+}
+
+// The listed layout: one PeerTensor and payload frame per tensor.
+std::string ListedDelta(uint64_t round) {
+  flatbuffers::FlatBufferBuilder fbb;
+  std::vector<flatbuffers::Offset<wire::PeerTensor>> metas;
+  std::vector<std::string> frames;
+  const std::vector<std::vector<int64_t>> shapes{{4, 8}, {3}};
+  uint32_t i = 0;
+  for (const auto& [name, enc] : Encoded("int8")) {
+    metas.push_back(wire::CreatePeerTensorDirect(fbb, name.c_str(), &shapes[i], i, enc.size()));
+    frames.push_back(enc);
+    ++i;
+  }
+  FinishEnvelope(fbb, 12, wire::Body::PeerDelta,
+                 wire::CreatePeerDelta(fbb, fbb.CreateString("j"), fbb.CreateString("beta"), round,
+                                       500, fbb.CreateVector(metas))
+                     .Union());
+  return PeerMessage(fbb, frames);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -106,6 +172,32 @@ int main(int argc, char** argv) {
     Write(root / "shard" / ("worker-" + name), std::string(1, '\0') + bytes);
     Write(root / "shard" / ("admin-" + name), std::string(1, '\1') + bytes);
   }
+
+  // Peer messages: a handshake, a ping, and beta's round-1 delta in both layouts and
+  // several codecs, with acks, claiming another site, of another schema version, round 0.
+  {
+    flatbuffers::FlatBufferBuilder fbb;
+    std::vector<flatbuffers::Offset<wire::PeerJob>> jobs{
+        wire::CreatePeerJobDirect(fbb, "j", "", 0)};
+    FinishEnvelope(fbb, 10, wire::Body::PeerHello,
+                   wire::CreatePeerHelloDirect(fbb, "beta", 0, &jobs).Union());
+    Write(root / "peer" / "hello", PeerMessage(fbb));
+  }
+  {
+    flatbuffers::FlatBufferBuilder fbb;
+    FinishEnvelope(fbb, 13, wire::Body::PeerPing, wire::CreatePeerPingDirect(fbb, "beta").Union());
+    Write(root / "peer" / "ping", PeerMessage(fbb));
+  }
+  for (const char* text : {"topk:0.05+int2+zstd", "dense", "int8", "lowrank:2+int8"}) {
+    std::string name = text;
+    for (char& c : name) c = std::isalnum(static_cast<unsigned char>(c)) ? c : '_';
+    Write(root / "peer" / ("delta-" + name), PackedDelta("beta", 1, text));
+  }
+  Write(root / "peer" / "delta-round2-acks", PackedDelta("beta", 2, "int8", kSchemaVersion, true));
+  Write(root / "peer" / "delta-listed", ListedDelta(1));
+  Write(root / "peer" / "delta-other-site", PackedDelta("gamma", 1, "int8"));
+  Write(root / "peer" / "delta-v999", PackedDelta("beta", 1, "int8", 999));
+  Write(root / "peer" / "delta-round0", PackedDelta("beta", 0, "int8"));
 
   // Codec: 2 bytes (element count - 1), then an encoding of that many values.
   std::vector<float> x(200);
