@@ -673,16 +673,32 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   const auto sites = AllSites();
   std::set<std::string> sent;
   ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites, &sent));
+  ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, merged, sent));
+  const std::string digest = StateDigest(round, next.theta, next.momentum);
+  SyncRecord rec = j;
+  rec.committed = round;
+  rec.version = j.version + 1;
+  WriteBatch batch;
+  CommitBatch(name, j, round, next, sent, sites, digest, rec, batch);
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  PublishCommit(j, round, std::move(next), sites, rec.version);
+  spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
+  return Status::Ok();
+}
+
+Result<SyncEngine::OuterState> SyncEngine::OuterStep(
+    const std::string& name, const Job& j, uint64_t round,
+    const std::map<std::string, std::vector<float>>& merged,
+    const std::set<std::string>& sent) const {
   const float lr = static_cast<float>(options_.outer_lr);
   const float mu = static_cast<float>(options_.outer_momentum);
-  std::map<std::string, SyncTensor> theta;
-  std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
-  for (auto& [tname, g] : merged) {
+  OuterState out;
+  for (const auto& [tname, g] : merged) {
     const SyncTensor& old = j.theta.at(tname);
     if (sent.count(tname) == 0) {
       // Every site deferred it (a streamed fragment not due): no outer step, momentum kept.
-      theta[tname] = old;
-      if (mu != 0.0f) momentum[tname] = j.momentum.at(tname);
+      out.theta[tname] = old;
+      if (mu != 0.0f) out.momentum[tname] = j.momentum.at(tname);
       continue;
     }
     auto next = std::make_shared<std::vector<float>>(*old.data);
@@ -697,7 +713,7 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
         mv[i] = mu * mv[i] + g[i];
         th[i] += lr * (g[i] + mu * mv[i]);
       }
-      momentum[tname] = std::move(m);
+      out.momentum[tname] = std::move(m);
     }
     for (size_t i = 0; i < n; ++i) {
       if (!std::isfinite(th[i])) {
@@ -706,22 +722,27 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
                                           "' non-finite; not committed");
       }
     }
-    theta[tname] = SyncTensor{old.shape, std::move(next)};
+    out.theta[tname] = SyncTensor{old.shape, std::move(next)};
   }
-  const std::string digest = StateDigest(round, theta, momentum);
-  SyncRecord rec = j;
-  rec.committed = round;
-  rec.version = j.version + 1;
-  WriteBatch batch;
-  for (const auto& [tname, t] : theta) {
+  return out;
+}
+
+void SyncEngine::CommitBatch(const std::string& name, const Job& j, uint64_t round,
+                             const OuterState& next, const std::set<std::string>& sent,
+                             const std::vector<std::string>& sites, const std::string& digest,
+                             const SyncRecord& rec, WriteBatch& batch) const {
+  const bool momentum = static_cast<float>(options_.outer_momentum) != 0.0f;  // as OuterStep
+  for (const auto& [tname, t] : next.theta) {
     if (sent.count(tname) == 0) continue;  // unchanged: neither rewritten nor re-versioned
     batch.Put(Column::kTensors, JobKey(name, tname), FloatBytes(*t.data));
     batch.PutOwned(Column::kTensorMeta, JobKey(name, tname),
                    EncodeTensorRecord({t.shape, rec.version}));
-    if (mu != 0.0f)
-      batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*momentum[tname]));
+    if (momentum) {
+      batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*next.momentum.at(tname)));
+    }
   }
   batch.PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(round), digest);
+  // The round's inputs go: held markers and the peers' deltas.
   for (const auto& s : sites) {
     batch.Delete(Column::kSync, HeldKey(name, s, round));
     if (s != options_.site) batch.Delete(Column::kDeltas, DeltaKey(name, s, round));
@@ -734,18 +755,19 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   }
   if (min_acked >= round) batch.Delete(Column::kDeltas, DeltaKey(name, options_.site, round));
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
-  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  j.theta = std::move(theta);
-  if (mu != 0.0f) j.momentum = std::move(momentum);
+}
+
+void SyncEngine::PublishCommit(Job& j, uint64_t round, OuterState next,
+                               const std::vector<std::string>& sites, uint64_t version) {
+  j.theta = std::move(next.theta);
+  if (static_cast<float>(options_.outer_momentum) != 0.0f) j.momentum = std::move(next.momentum);
   j.committed = round;
-  j.version = rec.version;
+  j.version = version;
   for (const auto& s : sites) {
     auto it = j.inbox.find(s);
     if (it != j.inbox.end()) it->second.erase(round);
   }
   j.view.reset();
-  spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
-  return Status::Ok();
 }
 
 Result<uint64_t> SyncEngine::AddNow(const std::string& name,

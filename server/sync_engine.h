@@ -214,7 +214,25 @@ class SyncEngine : public DeltaSource, public DeltaSink {
                     const std::map<std::string, std::span<const float>>* pushed = nullptr,
                     WriteBatch* batch = nullptr);
   Status CommitReady(const std::string& name, Job& j);
+  // Commits round committed + 1 in three steps: the outer optimiser's step from the merged
+  // deltas (OuterStep), one write batch with the new state, the round's digest and the
+  // removal of the round's inputs (CommitBatch), and, once that is durable, the new state
+  // in memory (PublishCommit).
   Status CommitOne(const std::string& name, Job& j);
+  // theta and momentum after round `round`; tensors not in `sent` (deferred by every site)
+  // are carried over unchanged. FailedPrecondition when a value becomes non-finite.
+  struct OuterState {
+    std::map<std::string, SyncTensor> theta;
+    std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+  };
+  Result<OuterState> OuterStep(const std::string& name, const Job& j, uint64_t round,
+                               const std::map<std::string, std::vector<float>>& merged,
+                               const std::set<std::string>& sent) const;
+  void CommitBatch(const std::string& name, const Job& j, uint64_t round, const OuterState& next,
+                   const std::set<std::string>& sent, const std::vector<std::string>& sites,
+                   const std::string& digest, const SyncRecord& rec, WriteBatch& batch) const;
+  void PublishCommit(Job& j, uint64_t round, OuterState next, const std::vector<std::string>& sites,
+                     uint64_t version);
   // Token-weighted merge of round `round` over `sites` (in the given order), decoded. When
   // `sent` is not null it receives the tensors some site did not defer.
   Result<std::map<std::string, std::vector<float>>> Merge(const std::string& name, const Job& j,
