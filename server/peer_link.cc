@@ -1076,9 +1076,14 @@ Status PeerLinks::HandleDelta(Link& from, const wire::PeerDelta* req, const Fram
   // this delta.
   if (req->acks() != nullptr) {
     const auto now = Clock::now();
-    for (const auto* a : *req->acks()) {
-      OnAcked(from, a->request_id(), a->held_round(),
-              now - std::chrono::microseconds(std::min<uint64_t>(a->delay_us(), kMaxAckDelayUs)));
+    // Copied out byte-wise: the verifier checks a vector's alignment for its length, not
+    // for its 8-byte structs, so a hostile header may place them at any offset.
+    const uint8_t* raw = req->acks()->Data();
+    for (uint32_t i = 0; i < req->acks()->size(); ++i) {
+      wire::PeerHeld a;
+      std::memcpy(&a, raw + size_t{i} * sizeof(wire::PeerHeld), sizeof(wire::PeerHeld));
+      OnAcked(from, a.request_id(), a.held_round(),
+              now - std::chrono::microseconds(std::min<uint64_t>(a.delay_us(), kMaxAckDelayUs)));
     }
   }
   if (req->round() == 0) return Status::InvalidArgument("peer delta with round 0");
