@@ -77,10 +77,10 @@ struct Site {
       views = {{"a", {4, 8}, delta[0].data()}, {"b", {3}, delta[1].data()}};
       flatbuffers::FlatBufferBuilder fbb;
       auto metas = BuildTensorMetas(fbb, views);
-      FinishEnvelope(fbb, 2, wire::Body::PushRequest,
-                     wire::CreatePushRequest(fbb, fbb.CreateString("j"), fbb.CreateString("r1"), 1,
-                                             100, metas)
-                         .Union());
+      FinishEnvelope(
+          fbb, 2, wire::Body::PushRequest,
+          wire::CreatePushRequest(fbb, fbb.CreateString("j"), fbb.CreateString("r1"), 1, 100, metas)
+              .Union());
       Send(*shard, wire::Role::Worker, fbb, delta);
     }
     PeerLinkOptions lo;
