@@ -5,6 +5,7 @@
 #include <toml.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
@@ -301,10 +302,9 @@ size_t FirstInvalidUtf8(std::string_view s) {
   return std::string_view::npos;
 }
 
-// The deepest nesting of arrays and inline tables in TOML `text` (brackets and braces
-// outside strings and comments). toml11 parses nesting by recursion.
-int NestingDepth(std::string_view text) {
-  int depth = 0, deepest = 0;
+// Calls on_bare(i) for every index of TOML `text` outside strings and comments.
+template <typename F>
+void VisitBare(std::string_view text, F&& on_bare) {
   char quote = 0;
   bool comment = false;
   for (size_t i = 0; i < text.size(); ++i) {
@@ -321,13 +321,46 @@ int NestingDepth(std::string_view text) {
       quote = c;
     } else if (c == '#') {
       comment = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if ((c == ']' || c == '}') && depth > 0) {
-      --depth;
+    } else {
+      on_bare(i);
     }
   }
+}
+
+// The deepest nesting of arrays and inline tables in TOML `text` (brackets and braces
+// outside strings and comments). toml11 parses nesting by recursion.
+int NestingDepth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  VisitBare(text, [&](size_t i) {
+    if (text[i] == '[' || text[i] == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if ((text[i] == ']' || text[i] == '}') && depth > 0) {
+      --depth;
+    }
+  });
   return deepest;
+}
+
+// Offset of the first binary integer literal (0b...) of more than 62 digits, or npos.
+size_t FirstLongBinaryInteger(std::string_view text) {
+  size_t found = std::string::npos;
+  VisitBare(text, [&](size_t i) {
+    if (found != std::string::npos || text[i] != '0' || i + 1 >= text.size() ||
+        text[i + 1] != 'b') {
+      return;
+    }
+    if (i > 0 && (std::isalnum(static_cast<unsigned char>(text[i - 1])) || text[i - 1] == '_' ||
+                  text[i - 1] == '-' || text[i - 1] == '.')) {
+      return;  // inside a bare key or another token
+    }
+    size_t digits = 0;
+    for (size_t j = i + 2; j < text.size() && (text[j] == '0' || text[j] == '1' || text[j] == '_');
+         ++j) {
+      digits += text[j] != '_';
+    }
+    if (digits > 62) found = i;
+  });
+  return found;
 }
 
 }  // namespace
@@ -354,6 +387,13 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
     if (NestingDepth(text) > kMaxNesting) {
       return Status::InvalidArgument("config file '" + config_file + "' nests arrays or tables " +
                                      "deeper than " + std::to_string(kMaxNesting) + " levels");
+    }
+    // toml11 doubles a signed 64-bit place value per binary digit: 63 or more digits
+    // overflow it (found by fuzzing).
+    if (const size_t at = FirstLongBinaryInteger(text); at != std::string::npos) {
+      return Status::InvalidArgument("config file '" + config_file +
+                                     "' has a binary integer of more than 62 digits (byte " +
+                                     std::to_string(at) + ")");
     }
     toml::value root;
     try {
