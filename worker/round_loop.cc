@@ -142,8 +142,10 @@ class RoundLoop {
     if (!s_.standalone) {
       ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards));
       ISTHMUS_ASSIGN_OR_RETURN(auto hellos, HelloSite(*site_, base_hash_));
+      start_rounds_min_ = hellos.empty() ? 0 : INT64_MAX;
       for (const auto& h : hellos) {
         start_rounds_max_ = std::max<int64_t>(start_rounds_max_, h.rounds.local_round);
+        start_rounds_min_ = std::min<int64_t>(start_rounds_min_, h.rounds.local_round);
       }
       // Every rank knows where each tensor lives without pulling: the placement
       // isthmusctl gave the job (a pull checks it).
@@ -187,6 +189,7 @@ class RoundLoop {
     meta["tokens"] = std::to_string(tokens_);
     meta["data_position"] = dataset_->position().ToString();
     meta["base_hash"] = base_hash_;
+    meta["world_size"] = std::to_string(world());
     return WriteSafetensors(CheckpointPath(), tensors, meta);
   }
 
@@ -216,7 +219,10 @@ class RoundLoop {
     auto round = ParseUint64(MetaOr(file.metadata, "round", "0"), what + "round");
     auto step = ParseUint64(MetaOr(file.metadata, "step", "0"), what + "step");
     auto tokens = ParseUint64(MetaOr(file.metadata, "tokens", "0"), what + "tokens");
-    for (const auto* r : {&round, &step, &tokens}) {
+    // Checkpoints from before the rank count was recorded: this run's.
+    auto ckpt_world = ParseUint64(MetaOr(file.metadata, "world_size", std::to_string(world())),
+                                  what + "world_size");
+    for (const auto* r : {&round, &step, &tokens, &ckpt_world}) {
       if (!r->ok() || **r > static_cast<uint64_t>(INT64_MAX)) {
         return Status::Corruption(r->ok() ? what + "holds a count out of range"
                                           : r->status().message());
@@ -225,6 +231,7 @@ class RoundLoop {
     round_ = static_cast<int64_t>(*round);
     step_ = static_cast<int64_t>(*step);
     tokens_ = *tokens;
+    checkpoint_world_ = static_cast<int64_t>(*ckpt_world);
     return true;
   }
 
@@ -248,6 +255,23 @@ class RoundLoop {
         // idempotency keys, so shards that got it answer duplicate and the rest apply it.
         const int64_t shard_round = start_rounds_max_;
         if (!have_ckpt) {
+          load_pulled = true;
+          round_ = shard_round;
+          step_ = shard_round * s_.StepsPerRound();
+        } else if (shard_round == round_ + 1 && checkpoint_world_ != world()) {
+          // Redoing round R+1 with another rank count would compute another delta than
+          // the one the shards hold. Every shard has it: take theirs. Only some have it:
+          // the ranks that pushed it must finish it first.
+          if (start_rounds_min_ != shard_round) {
+            return Refused("round " + std::to_string(shard_round) + " reached only some shards (" +
+                           std::to_string(start_rounds_min_) + " to " +
+                           std::to_string(shard_round) + ") and was computed by " +
+                           std::to_string(checkpoint_world_) + " ranks: restart with " +
+                           "--world-size " + std::to_string(checkpoint_world_) +
+                           " to finish it, then change the number of ranks");
+          }
+          spdlog::info("shards hold round {} from {} ranks; following the shards", shard_round,
+                       checkpoint_world_);
           load_pulled = true;
           round_ = shard_round;
           step_ = shard_round * s_.StepsPerRound();
@@ -425,6 +449,7 @@ class RoundLoop {
     auto t0 = Clock::now();
     uint64_t tokens_here = 0;
     const char* fault = std::getenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH");
+    const char* fault_before = std::getenv("ISTHMUS_WORKER_FAULT_CRASH_BEFORE_PUSH");
     for (;;) {
       if (s_.max_rounds > 0 && round_ >= s_.max_rounds) break;
       if (s_.max_steps > 0 && step_ >= s_.max_steps) break;
@@ -470,6 +495,11 @@ class RoundLoop {
       }
       ++round_;
       if (!s_.standalone) {
+        if (fault_before && std::atoll(fault_before) == round_) {
+          spdlog::error("fault injection: exiting before pushing round {}", round_);
+          std::fflush(nullptr);
+          ::_exit(137);
+        }
         ISTHMUS_RETURN_IF_ERROR(
             PushRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
         if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
@@ -550,7 +580,9 @@ class RoundLoop {
   std::unique_ptr<SiteClient> site_;  // null when standalone
   std::unique_ptr<Progress> progress_;
   std::string base_hash_;
-  int64_t start_rounds_max_ = 0;
+  int64_t start_rounds_max_ = 0;  // the highest and lowest local round among the shards
+  int64_t start_rounds_min_ = 0;
+  int64_t checkpoint_world_ = 0;  // ranks of the run that wrote the checkpoint
   int64_t round_ = 0, step_ = 0;
   uint64_t tokens_ = 0, tokens_per_step_ = 0;
   double step_seconds_ = 0, seconds_ = 0, rate_ = 0;

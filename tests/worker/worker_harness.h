@@ -40,15 +40,17 @@ struct WorkerProcess {
   pid_t pid = -1;
   std::string log;
 
+  // fault_env: the round at which the worker exits with 137 after pushing it (or, with
+  // fault_name ISTHMUS_WORKER_FAULT_CRASH_BEFORE_PUSH, before pushing it).
   void Start(const std::vector<std::string>& args, const std::string& log_path,
-             const std::string& fault_env = "") {
+             const std::string& fault_env = "",
+             const char* fault_name = "ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH") {
     log = log_path;
     pid = ::fork();
     if (pid == 0) {
       std::freopen(log_path.c_str(), "w", stderr);
       std::freopen("/dev/null", "w", stdout);
-      if (!fault_env.empty())
-        ::setenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH", fault_env.c_str(), 1);
+      if (!fault_env.empty()) ::setenv(fault_name, fault_env.c_str(), 1);
       ::setenv("OMP_NUM_THREADS", "1", 1);
       std::vector<char*> argv;
       const char* bin = BinaryPath("ISTHMUS_WORKER_BIN", ISTHMUS_WORKER_BIN);

@@ -1,7 +1,8 @@
 // The isthmus-worker binary against real isthmus-server processes on loopback with CURVE:
 // two ranks and two shards complete several rounds and the shards end up holding exactly
 // the worker's tensors; a worker killed mid-run resumes and finishes with no round applied
-// twice (also when it dies between pushing a round and checkpointing it); a worker whose
+// twice (also when it dies between pushing a round and checkpointing it); the number of
+// ranks changes between runs with no round lost or doubled; a worker whose
 // base differs from the job's is refused with exit code 3; --device mistakes are usage
 // errors that say what to do; two sites of different precision train one job and commit
 // identical rounds.
@@ -80,6 +81,83 @@ TEST_F(WorkerWithShards, CrashBetweenPushAndCheckpointIsRedoneAsDuplicate) {
   ASSERT_EQ(again.Wait(), 0) << again.Log();
   EXPECT_NE(again.Log().find("redoing it from the checkpoint"), std::string::npos) << again.Log();
   EXPECT_NE(again.Log().find("nothing applied twice"), std::string::npos) << again.Log();
+  ExpectShardsEqualCheckpoint(0, 4);
+}
+
+// Ranks come and go between rounds: 2 ranks for rounds 1-2, one (a rank lost) for 3-4,
+// three (a node added: rank 1's checkpoint is from round 2, rank 2 has none) for 5-6.
+// Rank 0 decides where training continues; no round is lost or applied twice.
+TEST_F(WorkerWithShards, RankCountChangesBetweenRoundsWithNoRoundLostOrDoubled) {
+  auto run = [&](int world, int max_rounds, const std::string& tag) {
+    std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+    std::vector<WorkerProcess> ranks(world);
+    for (int r = 0; r < world; ++r) {
+      ranks[r].Start(TrainArgs(r, world, max_rounds, 2, world > 1 ? rdv : ""),
+                     (dir_ / (tag + "-r" + std::to_string(r) + ".log")).string());
+    }
+    for (int r = 0; r < world; ++r) ASSERT_EQ(ranks[r].Wait(), 0) << ranks[r].Log();
+    EXPECT_NE(ranks[0].Log().find("done: " + std::to_string(max_rounds) + " rounds"),
+              std::string::npos)
+        << ranks[0].Log();
+  };
+  run(2, 2, "two");
+  ExpectShardsEqualCheckpoint(0, 2);
+  run(1, 4, "one");
+  ExpectShardsEqualCheckpoint(0, 4);
+  run(3, 6, "three");
+  ExpectShardsEqualCheckpoint(0, 6);
+  auto c0 = ReadSafetensorsTensors((dir_ / "ckpt" / "rank-0.safetensors").string());
+  ASSERT_TRUE(c0.ok());
+  for (int r : {1, 2}) {
+    auto c = ReadSafetensorsTensors(
+        (dir_ / "ckpt" / ("rank-" + std::to_string(r) + ".safetensors")).string());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_EQ(c->size(), c0->size());
+    for (size_t i = 0; i < c0->size(); ++i) EXPECT_EQ((*c)[i].data, (*c0)[i].data) << r;
+  }
+}
+
+// A rank lost in the middle of a round leaves the round on some shards only. Redoing it
+// with another rank count would push a different delta to the rest, so that is refused
+// (exit 3, saying what to do); the old rank count finishes the round, then the new one
+// carries on, and every shard applied every round once.
+TEST_F(WorkerWithShards, ARoundSplitByALostRankIsFinishedBeforeTheRankCountChanges) {
+  std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  WorkerProcess r0, r1;
+  r0.Start(TrainArgs(0, 2, 4, 2, rdv), (dir_ / "a-r0.log").string());
+  r1.Start(TrainArgs(1, 2, 4, 2, rdv), (dir_ / "a-r1.log").string(), "3",
+           "ISTHMUS_WORKER_FAULT_CRASH_BEFORE_PUSH");
+  ASSERT_EQ(r1.Wait(), 137) << r1.Log();
+  // Rank 0 pushed round 3 to its shard, then waits for rank 1 forever: the operator
+  // stops it.
+  bool pushed = false;
+  for (int i = 0; i < 600 && !pushed; ++i) {
+    auto h = shards_[0].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
+    pushed = h.ok() && h->rounds.local_round == 3;
+    if (!pushed) ::usleep(50'000);
+  }
+  ASSERT_TRUE(pushed) << r0.Log();
+  r0.Kill();
+  auto h1 = shards_[1].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
+  ASSERT_TRUE(h1.ok());
+  EXPECT_EQ(h1->rounds.local_round, 2u);
+
+  WorkerProcess alone;
+  alone.Start(TrainArgs(0, 1, 4, 2), (dir_ / "b.log").string());
+  EXPECT_EQ(alone.Wait(), 3) << alone.Log();
+  EXPECT_NE(alone.Log().find("restart with --world-size 2"), std::string::npos) << alone.Log();
+
+  std::string rdv2 = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  WorkerProcess f0, f1;
+  f0.Start(TrainArgs(0, 2, 3, 2, rdv2), (dir_ / "c-r0.log").string());
+  f1.Start(TrainArgs(1, 2, 3, 2, rdv2), (dir_ / "c-r1.log").string());
+  ASSERT_EQ(f0.Wait(), 0) << f0.Log();
+  ASSERT_EQ(f1.Wait(), 0) << f1.Log();
+  ExpectShardsEqualCheckpoint(0, 3);
+
+  WorkerProcess last;
+  last.Start(TrainArgs(0, 1, 4, 2), (dir_ / "d.log").string());
+  ASSERT_EQ(last.Wait(), 0) << last.Log();
   ExpectShardsEqualCheckpoint(0, 4);
 }
 
