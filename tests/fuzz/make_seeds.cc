@@ -24,9 +24,12 @@ void Write(const fs::path& path, const std::string& bytes) {
   std::ofstream(path, std::ios::binary) << bytes;
 }
 
-// fuzz_wire's layout: 2-byte header length, header, frame count, (length / 4, bytes)...
+// 2-byte header length, header, frame count, then the frames: fuzz_wire's layout gives each
+// a 1-byte length in 4-byte words (the frame is cut to whole words), fuzz_peer's a 2-byte
+// length in bytes.
+enum class Layout { kWire, kPeer };
 std::string Message(const flatbuffers::FlatBufferBuilder& fbb,
-                    const std::vector<std::string>& frames) {
+                    const std::vector<std::string>& frames, Layout layout = Layout::kWire) {
   std::string out;
   const size_t n = fbb.GetSize();
   out.push_back(static_cast<char>(n & 0xff));
@@ -34,8 +37,14 @@ std::string Message(const flatbuffers::FlatBufferBuilder& fbb,
   out.append(reinterpret_cast<const char*>(fbb.GetBufferPointer()), n);
   out.push_back(static_cast<char>(frames.size()));
   for (const auto& f : frames) {
-    out.push_back(static_cast<char>(f.size() / 4));
-    out += f.substr(0, (f.size() / 4) * 4);
+    if (layout == Layout::kWire) {
+      out.push_back(static_cast<char>(f.size() / 4));
+      out += f.substr(0, (f.size() / 4) * 4);
+    } else {
+      out.push_back(static_cast<char>(f.size() & 0xff));
+      out.push_back(static_cast<char>(f.size() >> 8));
+      out += f;
+    }
   }
   return out;
 }
@@ -66,21 +75,9 @@ std::string Tensors(wire::Body type,
   return Message(fbb, frames);
 }
 
-// fuzz_peer's layout: 2-byte header length, header, frame count, (2-byte length, bytes)...
 std::string PeerMessage(const flatbuffers::FlatBufferBuilder& fbb,
                         const std::vector<std::string>& frames = {}) {
-  std::string out;
-  const size_t n = fbb.GetSize();
-  out.push_back(static_cast<char>(n & 0xff));
-  out.push_back(static_cast<char>(n >> 8));
-  out.append(reinterpret_cast<const char*>(fbb.GetBufferPointer()), n);
-  out.push_back(static_cast<char>(frames.size()));
-  for (const auto& f : frames) {
-    out.push_back(static_cast<char>(f.size() & 0xff));
-    out.push_back(static_cast<char>(f.size() >> 8));
-    out += f;
-  }
-  return out;
+  return Message(fbb, frames, Layout::kPeer);
 }
 
 // Site beta's round `round` of fuzz_peer's job "j" ("a" [4, 8], "b" [3]) under `pipeline`.
