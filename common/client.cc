@@ -537,8 +537,25 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
   }
   if (r->jobs()) {
     for (const auto* j : *r->jobs()) {
-      out.jobs.push_back({str(j->job()), j->local_round(), j->committed_round(),
-                          j->max_rounds_ahead(), str(j->detail())});
+      SyncJobReport rep;
+      rep.job = str(j->job());
+      rep.local_round = j->local_round();
+      rep.committed_round = j->committed_round();
+      rep.max_rounds_ahead = j->max_rounds_ahead();
+      rep.detail = str(j->detail());
+      if (const auto* m = j->members()) {
+        rep.epoch = m->epoch();
+        rep.members_from = m->from_round();
+        if (m->sites()) {
+          for (const auto* site : *m->sites()) rep.members.push_back(site->str());
+        }
+      }
+      if (j->removed()) {
+        for (const auto* r : *j->removed()) rep.removed[str(r->site())] = r->from_round();
+      }
+      rep.change = str(j->change());
+      rep.change_pending = j->change_pending();
+      out.jobs.push_back(std::move(rep));
     }
   }
   return out;
@@ -556,6 +573,26 @@ Result<std::vector<std::string>> ShardClient::SyncControl(wire::SyncAction actio
   std::vector<std::string> out;
   if (r->peers()) {
     for (const auto* p : *r->peers()) out.push_back(p->str());
+  }
+  return out;
+}
+
+Result<std::map<std::string, uint64_t>> ShardClient::MembershipControl(
+    wire::MembershipAction action, const std::string& site, const std::string& job) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body =
+      wire::CreateMembershipControl(fbb, action, fbb.CreateString(site), fbb.CreateString(job));
+  FinishEnvelope(fbb, id, wire::Body::MembershipControl, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      auto* r, BodyAs<wire::MembershipControlReply>(reply, options_.limits,
+                                                    wire::Body::MembershipControlReply));
+  std::map<std::string, uint64_t> out;
+  if (r->jobs() && r->epochs() && r->jobs()->size() == r->epochs()->size()) {
+    for (uint32_t i = 0; i < r->jobs()->size(); ++i) {
+      out[r->jobs()->Get(i)->str()] = r->epochs()->Get(i);
+    }
   }
   return out;
 }

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -153,6 +154,12 @@ struct SyncJobReport {
   std::string job;
   uint64_t local_round = 0, committed_round = 0, max_rounds_ahead = 0;
   std::string detail;  // the engine's own summary
+  // Membership (docs/SYNC.md): epoch, member sites (sorted) and the first round they merge.
+  uint64_t epoch = 0, members_from = 0;
+  std::vector<std::string> members;
+  std::map<std::string, uint64_t> removed;  // site -> first round without it
+  std::string change;                       // under way, or the last outcome seen here
+  bool change_pending = false;
 };
 
 struct SyncStatusInfo {
@@ -205,6 +212,12 @@ class ShardClient {
   Result<SyncStatusInfo> SyncStatus();
   Result<std::vector<std::string>> SyncControl(wire::SyncAction action, const std::string& peer);
   Result<DigestsInfo> Digests(const std::string& job, uint64_t from_round = 0);
+  // Membership changes (admin role): starts removing `site` (kRemove), this site's leave
+  // (kLeave) or abandons the change this shard coordinates (kAbandon), for `job` or every
+  // sync job (empty). Returns job -> the epoch the change creates (kAbandon: the current).
+  Result<std::map<std::string, uint64_t>> MembershipControl(wire::MembershipAction action,
+                                                            const std::string& site,
+                                                            const std::string& job);
 
   const ClientOptions& options() const { return options_; }
 

@@ -7,12 +7,14 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <thread>
 
 #include "common/client.h"
 #include "common/exit_codes.h"
@@ -349,7 +351,13 @@ json SyncStatusJson(const SyncStatusInfo& st) {
                     {"local_round", j.local_round},
                     {"committed_round", j.committed_round},
                     {"max_rounds_ahead", j.max_rounds_ahead},
-                    {"detail", j.detail}});
+                    {"detail", j.detail},
+                    {"epoch", j.epoch},
+                    {"members", j.members},
+                    {"members_from", j.members_from},
+                    {"removed", j.removed},
+                    {"change", j.change},
+                    {"change_pending", j.change_pending}});
   }
   return {{"site", st.site},       {"shard_index", st.shard_index},
           {"enabled", st.enabled}, {"refused_unknown", st.refused_unknown},
@@ -385,6 +393,18 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
                   j.job.c_str(), (unsigned long long)j.local_round,
                   (unsigned long long)j.committed_round, (unsigned long long)j.max_rounds_ahead,
                   j.detail.empty() ? "" : "; ", j.detail.c_str());
+      std::string members;
+      for (const auto& m : j.members) members += (members.empty() ? "" : ",") + m;
+      std::printf("  %-20s members %s from round %llu (epoch %llu)", "", members.c_str(),
+                  (unsigned long long)j.members_from, (unsigned long long)j.epoch);
+      for (const auto& [site, from] : j.removed) {
+        std::printf("; %s out from round %llu", site.c_str(), (unsigned long long)from);
+      }
+      std::printf("\n");
+      if (!j.change.empty()) {
+        std::printf("  %-20s membership change%s: %s\n", "", j.change_pending ? " under way" : "",
+                    j.change.c_str());
+      }
     }
     if (st->links.empty()) continue;
     // The wire (everything sent and received for the peer, framing and handshakes
@@ -438,6 +458,78 @@ int CmdSyncControl(const Connection& c, wire::SyncAction action, const std::stri
     std::printf("shard %zu: %s: %s\n", i, verb, sites.empty() ? "(no peer links)" : sites.c_str());
   }
   return 0;
+}
+
+// Starts a membership change on every shard of the site (coordinated by each shard with the
+// same-numbered shards of the other sites) and waits up to `wait_s` for its outcome.
+int CmdMembership(const Connection& c, wire::MembershipAction action, const std::string& site,
+                  const std::string& job, int wait_s) {
+  auto clients = ConnectAll(c);
+  if (!clients.ok()) return Fail(clients.status());
+  std::vector<std::map<std::string, uint64_t>> started(clients->size());
+  for (size_t i = 0; i < clients->size(); ++i) {
+    auto r = (*clients)[i]->MembershipControl(action, site, job);
+    if (!r.ok()) {
+      return Fail(Status(r.status().code(), "shard " + std::to_string(i) + " (" + c.servers[i] +
+                                                "): " + r.status().message()));
+    }
+    started[i] = *r;
+  }
+  if (action == wire::MembershipAction::Abandon) {
+    for (size_t i = 0; i < clients->size(); ++i) {
+      for (const auto& [j, epoch] : started[i]) {
+        std::printf("shard %zu: job %s: change abandoned (epoch stays %llu)\n", i, j.c_str(),
+                    (unsigned long long)epoch);
+      }
+    }
+    return 0;
+  }
+  // Outcome per (shard, job): applied once the epoch is reached, refused once nothing is
+  // pending below it.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(wait_s);
+  std::vector<std::map<std::string, std::string>> outcome(clients->size());
+  Status worst;
+  bool refused = false;
+  for (;;) {
+    bool open = false;
+    for (size_t i = 0; i < clients->size(); ++i) {
+      auto st = (*clients)[i]->SyncStatus();
+      if (!st.ok()) {
+        open = true;
+        continue;
+      }
+      for (const auto& j : st->jobs) {
+        auto it = started[i].find(j.job);
+        if (it == started[i].end() || outcome[i].count(j.job)) continue;
+        if (j.epoch >= it->second) {
+          outcome[i][j.job] = j.change;  // "applied: ..."
+        } else if (!j.change_pending) {
+          outcome[i][j.job] = "not applied: " + j.change;
+          refused = true;
+        } else if (std::chrono::steady_clock::now() >= deadline) {
+          outcome[i][j.job] = "still under way after " + std::to_string(wait_s) +
+                              " s: " + j.change +
+                              " (it goes on: watch isthmusctl sync status, or give it up with "
+                              "isthmusctl sync abandon)";
+          if (worst.ok()) worst = Status::Unavailable(j.change);
+        } else {
+          open = true;
+        }
+      }
+    }
+    if (!open || std::chrono::steady_clock::now() >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  for (size_t i = 0; i < clients->size(); ++i) {
+    for (const auto& [j, epoch] : started[i]) {
+      auto it = outcome[i].find(j);
+      std::printf("shard %zu: job %s: epoch %llu: %s\n", i, j.c_str(), (unsigned long long)epoch,
+                  it == outcome[i].end() ? "(shard did not answer)" : it->second.c_str());
+      if (it == outcome[i].end() && worst.ok()) worst = Status::Unavailable("no answer");
+    }
+  }
+  if (refused) return kExitRefused;
+  return worst.ok() ? 0 : ExitCode(worst);
 }
 
 struct SiteArg {
@@ -711,6 +803,30 @@ int main(int argc, char** argv) {
   sync_verify->add_option("-j,--job", verify_jobs,
                           "job(s) to compare (default: every sync job of the first site)");
   sync_verify->add_flag("--json", as_json, "machine-readable output");
+  std::string member_job;
+  int wait_s = 60;
+  auto* sync_remove = sync->add_subcommand(
+      "remove",
+      "remove a member site from the job(s) from the next round (a dead site); every remaining "
+      "site must agree, and is refused when the sites stand at different rounds or epochs");
+  AddConnectionFlags(sync_remove, conn);
+  sync_remove->add_option("--peer", peer_site, "the site to remove")->required();
+  auto* sync_leave = sync->add_subcommand(
+      "leave",
+      "this site leaves the job(s) (stop its workers and let its rounds commit first); the "
+      "remaining sites must agree");
+  AddConnectionFlags(sync_leave, conn);
+  auto* sync_abandon = sync->add_subcommand(
+      "abandon", "give up the membership change this site coordinates (remove or leave)");
+  AddConnectionFlags(sync_abandon, conn);
+  for (auto* cmd : {sync_remove, sync_leave, sync_abandon}) {
+    cmd->add_option("-j,--job", member_job, "only this job (default: every sync job)");
+  }
+  for (auto* cmd : {sync_remove, sync_leave}) {
+    cmd->add_option("--wait", wait_s, "seconds to wait for the outcome (the change goes on after)")
+        ->check(CLI::Range(0, 86400))
+        ->capture_default_str();
+  }
 
   try {
     app.parse(argc, argv);
@@ -730,6 +846,14 @@ int main(int argc, char** argv) {
   if (*sync_now) return CmdSyncControl(conn, wire::SyncAction::Now, peer_site);
   if (*sync_pause) return CmdSyncControl(conn, wire::SyncAction::Pause, peer_site);
   if (*sync_resume) return CmdSyncControl(conn, wire::SyncAction::Resume, peer_site);
+  if (*sync_remove) {
+    return CmdMembership(conn, wire::MembershipAction::Remove, peer_site, member_job, wait_s);
+  }
+  if (*sync_leave)
+    return CmdMembership(conn, wire::MembershipAction::Leave, "", member_job, wait_s);
+  if (*sync_abandon) {
+    return CmdMembership(conn, wire::MembershipAction::Abandon, "", member_job, 0);
+  }
   if (*sync_verify) {
     return CmdSyncVerify(conn, verify_sites, verify_site_keys, verify_jobs, as_json);
   }

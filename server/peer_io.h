@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "server/membership.h"
 
 namespace isthmus {
 
@@ -57,6 +58,14 @@ class DeltaSource {
   // The link's measured throughput towards `peer_site` (bytes of delta per second of
   // transfer, smoothed); the engine's adaptive codec sizes the next rounds to fit it.
   virtual void OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) = 0;
+  // Whether this site's deltas of `job` go to `peer_site`: both are members of the job
+  // (a removed site gets nothing more, and a site that left sends nothing).
+  virtual bool SendsTo(const std::string& peer_site, const std::string& job) const = 0;
+  // Membership requests this site has for `peer_site` now (a change it coordinates, or the
+  // outcome of one it agreed to); the link sends them and hands back the answers.
+  virtual std::vector<MembershipRequest> MembershipRequests(const std::string& peer_site) = 0;
+  virtual void OnMembershipAnswer(const std::string& peer_site, const MembershipRequest& request,
+                                  const MembershipAnswer& answer) = 0;
 };
 
 // What links hand to the engine: deltas received from peers.
@@ -77,6 +86,13 @@ class DeltaSink {
   // a packed delta's tensors (PeerDelta.sizes). NotFound for a job not synced here.
   virtual Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> JobTensors(
       const std::string& job) const = 0;
+  // A membership request from authenticated peer `from_site`, answered from (and, for an
+  // accepted prepare, recorded in) durable state.
+  virtual MembershipAnswer OnMembershipRequest(const std::string& from_site,
+                                               const MembershipRequest& request) = 0;
+  // Why a handshake of `site` about `job` is refused (it was removed from the job), or
+  // empty.
+  virtual std::string RefusesPeer(const std::string& site, const std::string& job) const = 0;
 };
 
 }  // namespace isthmus

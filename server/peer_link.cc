@@ -25,13 +25,14 @@ struct PeerLinks::Link {
     uint64_t next = 1;  // next round to send
   };
   struct InFlight {
-    enum class Kind { kHello, kDelta, kPing };
+    enum class Kind { kHello, kDelta, kPing, kMembership };
     Kind kind = Kind::kHello;
     std::string job;  // kDelta
     uint64_t round = 0;
     uint64_t bytes = 0;
     Clock::time_point sent;
-    bool resent = false;  // this round was sent before (its ack may answer that copy)
+    bool resent = false;           // this round was sent before (its ack may answer that copy)
+    MembershipRequest membership;  // kMembership
   };
   bool transport_up = false;
   bool key_refused = false;   // the last CURVE handshake failed on the peer's allowlist
@@ -66,6 +67,7 @@ struct PeerLinks::Link {
   Clock::time_point job_probe_at{};
   int job_probe_interval_ms = 0;
   size_t jobs_at_probe = 0;
+  Clock::time_point membership_at{};  // next look for membership requests to send
 
   PeerLinkStats stats;
 };
@@ -96,7 +98,34 @@ std::string Str(const flatbuffers::String* s) { return s ? s->str() : std::strin
 // What a peer asks of us; every other body is an answer to a request of ours.
 bool IsPeerRequest(wire::Body type) {
   return type == wire::Body::PeerHello || type == wire::Body::PeerDelta ||
-         type == wire::Body::PeerPing;
+         type == wire::Body::PeerPing || type == wire::Body::PeerMembership;
+}
+
+flatbuffers::Offset<wire::MembershipState> WriteMembership(flatbuffers::FlatBufferBuilder& fbb,
+                                                           const Membership& m) {
+  std::vector<flatbuffers::Offset<flatbuffers::String>> sites;
+  for (const auto& s : m.sites) sites.push_back(fbb.CreateString(s));
+  return wire::CreateMembershipState(fbb, m.epoch, fbb.CreateVector(sites), m.from_round);
+}
+
+// A membership as a peer sent it; InvalidArgument unless its sites are sorted, distinct,
+// non-empty names within the limits.
+Result<Membership> ReadMembership(const wire::MembershipState* m, const WireLimits& lim) {
+  if (m == nullptr || m->sites() == nullptr || m->sites()->size() == 0 ||
+      m->sites()->size() > 4096) {
+    return Status::InvalidArgument("membership without sites");
+  }
+  Membership out;
+  out.epoch = m->epoch();
+  out.from_round = m->from_round();
+  for (const auto* s : *m->sites()) {
+    if (s->size() == 0 || s->size() > lim.max_name_bytes ||
+        (!out.sites.empty() && s->str() <= out.sites.back())) {
+      return Status::InvalidArgument("membership sites are not sorted, distinct names");
+    }
+    out.sites.push_back(s->str());
+  }
+  return out;
 }
 
 // A delta in the packed layout (schemas/isthmus.fbs, PeerDelta): byte counts in name
@@ -458,7 +487,73 @@ void PeerLinks::SendHello(Link& link) {
   }
   link.ready = false;
   link.inflight.clear();
-  link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kHello, "", 0, 0, Clock::now()};
+  link.inflight[id] =
+      Link::InFlight{Link::InFlight::Kind::kHello, "", 0, 0, Clock::now(), false, {}};
+}
+
+void PeerLinks::SendMembership(Link& link, Clock::time_point now) {
+  if (now < link.membership_at) return;
+  for (const auto& [id, f] : link.inflight) {
+    if (f.kind == Link::InFlight::Kind::kMembership) return;  // one at a time
+  }
+  link.membership_at = now + std::chrono::milliseconds(options_.resend_ms);
+  auto requests = source_->MembershipRequests(link.spec.site);
+  if (requests.empty()) return;
+  // One per look, the next look a resend interval later: changes are rare and small.
+  const MembershipRequest& req = requests.front();
+  flatbuffers::FlatBufferBuilder fbb;
+  auto body = wire::CreatePeerMembership(
+      fbb, options_.insecure_plaintext ? fbb.CreateString(options_.site) : 0,
+      fbb.CreateString(req.job),
+      req.step == MembershipStep::kPrepare ? wire::MembershipStepKind::Prepare
+                                           : wire::MembershipStepKind::Query,
+      WriteMembership(fbb, req.change.next), fbb.CreateString(req.change.coordinator));
+  uint64_t id = ++link.request_seq;
+  FinishEnvelope(fbb, id, wire::Body::PeerMembership, body.Union());
+  if (!Transmit(link, fbb, {}).ok()) return;
+  Link::InFlight f;
+  f.kind = Link::InFlight::Kind::kMembership;
+  f.sent = now;
+  f.membership = req;
+  link.inflight[id] = std::move(f);
+}
+
+Status PeerLinks::HandleMembership(Link& from, const wire::PeerMembership* req, uint64_t id,
+                                   flatbuffers::FlatBufferBuilder& reply) {
+  MembershipRequest r;
+  r.job = req->job()->str();
+  if (r.job.size() > options_.limits.max_name_bytes) {
+    return Status::InvalidArgument("job name too long");
+  }
+  r.step = req->step() == wire::MembershipStepKind::Query ? MembershipStep::kQuery
+                                                          : MembershipStep::kPrepare;
+  if (req->step() != wire::MembershipStepKind::Query &&
+      req->step() != wire::MembershipStepKind::Prepare) {
+    return Status::InvalidArgument("unknown membership step");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(r.change.next, ReadMembership(req->next(), options_.limits));
+  r.change.coordinator = Str(req->coordinator());
+  const MembershipAnswer a = sink_->OnMembershipRequest(from.spec.site, r);
+  wire::MembershipVoteKind vote = wire::MembershipVoteKind::Refused;
+  switch (a.vote) {
+    case MembershipVote::kPrepared:
+      vote = wire::MembershipVoteKind::Prepared;
+      break;
+    case MembershipVote::kApplied:
+      vote = wire::MembershipVoteKind::Applied;
+      break;
+    case MembershipVote::kPending:
+      vote = wire::MembershipVoteKind::Pending;
+      break;
+    case MembershipVote::kAbandoned:
+      vote = wire::MembershipVoteKind::Abandoned;
+      break;
+    case MembershipVote::kRefused:
+      break;
+  }
+  auto body = wire::CreatePeerMembershipReply(reply, vote, reply.CreateString(a.reason));
+  FinishEnvelope(reply, id, wire::Body::PeerMembershipReply, body.Union());
+  return Status::Ok();
 }
 
 void PeerLinks::SendPing(Link& link) {
@@ -469,7 +564,8 @@ void PeerLinks::SendPing(Link& link) {
   FinishEnvelope(fbb, id, wire::Body::PeerPing, body.Union());
   if (!Transmit(link, fbb, {}).ok()) return;
   ++link.stats.keepalives;
-  link.inflight[id] = Link::InFlight{Link::InFlight::Kind::kPing, "", 0, 0, Clock::now()};
+  link.inflight[id] =
+      Link::InFlight{Link::InFlight::Kind::kPing, "", 0, 0, Clock::now(), false, {}};
 }
 
 void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
@@ -490,6 +586,7 @@ void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
 void PeerLinks::Pump(Link& link) {
   if (!CanSend(link) || link.paused || !link.ready) return;
   for (auto& [job, jl] : link.jobs) {
+    if (!source_->SendsTo(link.spec.site, job)) continue;  // a member no more (or not yet)
     uint64_t high = source_->OutboxHighRound(job);
     while (link.inflight.size() < static_cast<size_t>(std::max(1, options_.window)) &&
            jl.next <= high) {
@@ -538,7 +635,8 @@ void PeerLinks::Pump(Link& link) {
                                          jl.next,
                                          d->WireBytes(),
                                          Clock::now(),
-                                         jl.next <= high};
+                                         jl.next <= high,
+                                         {}};
       high = std::max(high, jl.next);
       link.stats.bytes_sent += d->WireBytes();
       link.stats.raw_bytes_sent += raw;
@@ -603,6 +701,30 @@ void PeerLinks::OnReply(Link& link, const wire::Envelope* env) {
   link.failures = 0;
   if (sent.kind != Link::InFlight::Kind::kDelta) link.meter->OnOtherReply(now);
   if (env->body_type() == wire::Body::PeerPong && sent.kind == Link::InFlight::Kind::kPing) {
+    return;
+  }
+  if (env->body_type() == wire::Body::PeerMembershipReply &&
+      sent.kind == Link::InFlight::Kind::kMembership) {
+    const auto* r = env->body_as_PeerMembershipReply();
+    MembershipAnswer answer;
+    answer.reason = Str(r->reason());
+    switch (r->vote()) {
+      case wire::MembershipVoteKind::Prepared:
+        answer.vote = MembershipVote::kPrepared;
+        break;
+      case wire::MembershipVoteKind::Applied:
+        answer.vote = MembershipVote::kApplied;
+        break;
+      case wire::MembershipVoteKind::Pending:
+        answer.vote = MembershipVote::kPending;
+        break;
+      case wire::MembershipVoteKind::Abandoned:
+        answer.vote = MembershipVote::kAbandoned;
+        break;
+      default:
+        answer.vote = MembershipVote::kRefused;
+    }
+    source_->OnMembershipAnswer(link.spec.site, sent.membership, answer);
     return;
   }
   if (env->body_type() == wire::Body::PeerHelloReply && sent.kind == Link::InFlight::Kind::kHello) {
@@ -864,6 +986,9 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id,
   if (env->body_type() == wire::Body::PeerHello) claimed = env->body_as_PeerHello()->site()->str();
   if (env->body_type() == wire::Body::PeerDelta) claimed = Str(env->body_as_PeerDelta()->site());
   if (env->body_type() == wire::Body::PeerPing) claimed = Str(env->body_as_PeerPing()->site());
+  if (env->body_type() == wire::Body::PeerMembership) {
+    claimed = Str(env->body_as_PeerMembership()->site());
+  }
   Link* from = nullptr;
   if (options_.insecure_plaintext) {
     from = FindLink(claimed);
@@ -898,6 +1023,8 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id,
   } else if (ping) {
     FinishEnvelope(reply, env->request_id(), wire::Body::PeerPong,
                    wire::CreatePeerPong(reply).Union());
+  } else if (env->body_type() == wire::Body::PeerMembership) {
+    s = HandleMembership(*from, env->body_as_PeerMembership(), env->request_id(), reply);
   } else {
     s = HandleDelta(*from, env->body_as_PeerDelta(), msg, env->request_id(), reply);
   }
@@ -925,9 +1052,14 @@ Status PeerLinks::HandleHello(Link& from, const wire::PeerHello* hello, uint64_t
   }
   std::vector<flatbuffers::Offset<wire::PeerJob>> jobs;
   std::map<std::string, uint64_t> their_held;  // what the peer holds of our rounds
+  std::string refusal;                         // why a job the peer named is not synced with it
   for (const auto& job : source_->SyncJobs()) {
     auto it = theirs.find(job);
     if (it == theirs.end()) continue;
+    if (std::string why = sink_->RefusesPeer(from.spec.site, job); !why.empty()) {
+      refusal = why;
+      continue;
+    }
     std::string ours = options_.initial_digest ? options_.initial_digest(job) : "";
     std::string digest = Str(it->second->initial_digest());
     if (!ours.empty() && !digest.empty() && ours != digest) {
@@ -939,6 +1071,7 @@ Status PeerLinks::HandleHello(Link& from, const wire::PeerHello* hello, uint64_t
     jobs.push_back(wire::CreatePeerJob(reply, reply.CreateString(job), 0,
                                        sink_->HeldFrom(from.spec.site, job)));
   }
+  if (jobs.empty() && !refusal.empty()) return Status::PermissionDenied(refusal);
   auto body = wire::CreatePeerHelloReply(reply, 0, options_.shard_index, reply.CreateVector(jobs));
   FinishEnvelope(reply, id, wire::Body::PeerHelloReply, body.Union());
   if (!from.dials && connection != nullptr) {
@@ -1197,6 +1330,7 @@ void PeerLinks::Tick() {
         }
       }
       Pump(link);
+      SendMembership(link, now);
       // An idle link costs one small ping per keep-alive interval (backoff_max_ms), which
       // also notices a dead connection while there is nothing to send; the dialling side
       // pings, and reconnects if it goes unanswered.

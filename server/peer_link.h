@@ -210,6 +210,11 @@ class PeerLinks {
                   const std::vector<PayloadRef>& payload);
   void SendHello(Link& link);
   void SendPing(Link& link);
+  // Sends the engine's next membership request for this peer (one in flight at a time, a
+  // look per resend interval).
+  void SendMembership(Link& link, Clock::time_point now);
+  Status HandleMembership(Link& from, const wire::PeerMembership* req, uint64_t id,
+                          flatbuffers::FlatBufferBuilder& reply);
   void Pump(Link& link);
   void Reset(Link& link, const std::string& why, bool reopen);
   void OnDealerReadable(Link& link);

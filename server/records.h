@@ -5,12 +5,14 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "common/status.h"
+#include "server/membership.h"
 
 namespace isthmus {
 
@@ -37,6 +39,11 @@ struct SyncRecord {
   std::map<std::string, uint64_t> acked;  // peer -> acked round
   uint64_t bytes_encoded = 0, raw_bytes = 0;
   std::map<std::string, uint64_t> pipelines;  // of the last closed round
+  // Who merges into which rounds (empty `sites`: a record written before memberships
+  // existed; the engine fills in the configured sites).
+  Membership members;
+  std::map<std::string, uint64_t> removed;  // site -> first round it was no longer merged in
+  std::optional<MembershipChange> pending;  // a change this site agreed to or coordinates
 };
 
 std::string EncodeSyncRecord(const SyncRecord& record);

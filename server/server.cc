@@ -112,9 +112,18 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
     for (const auto& job : engine->SyncJobs()) {
       auto js = engine->JobStatus(job);
       if (!js.ok()) continue;
-      job_states.push_back(wire::CreateSyncJobState(fbb, fbb.CreateString(job), js->local_round,
-                                                    js->committed_round, engine->max_rounds_ahead(),
-                                                    fbb.CreateString(EngineDetail(*js))));
+      std::vector<flatbuffers::Offset<flatbuffers::String>> members;
+      for (const auto& m : js->members.sites) members.push_back(fbb.CreateString(m));
+      std::vector<flatbuffers::Offset<wire::RemovedSite>> removed;
+      for (const auto& [site, from] : js->removed) {
+        removed.push_back(wire::CreateRemovedSite(fbb, fbb.CreateString(site), from));
+      }
+      auto state = wire::CreateMembershipState(fbb, js->members.epoch, fbb.CreateVector(members),
+                                               js->members.from_round);
+      job_states.push_back(wire::CreateSyncJobState(
+          fbb, fbb.CreateString(job), js->local_round, js->committed_round,
+          engine->max_rounds_ahead(), fbb.CreateString(EngineDetail(*js)), state,
+          fbb.CreateVector(removed), fbb.CreateString(js->change_note), js->pending.has_value()));
     }
   }
   auto body = wire::CreateSyncStatusReply(
@@ -176,6 +185,45 @@ Status DoDigests(const wire::DigestsRequest* req, uint64_t id, SyncEngine* engin
   return Status::Ok();
 }
 
+Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, SyncEngine* engine,
+                           const ServerConfig& c, Reply& reply) {
+  if (engine == nullptr) {
+    return Status::FailedPrecondition("this shard does not sync (set sync.site to turn it on)");
+  }
+  std::vector<std::string> jobs;
+  if (req->job() != nullptr && req->job()->size() > 0) {
+    jobs.push_back(req->job()->str());
+  } else {
+    jobs = engine->SyncJobs();
+  }
+  if (jobs.empty()) return Status::NotFound("no job syncs on this shard");
+  const std::string site = req->action() == wire::MembershipAction::Leave
+                               ? c.sync_site
+                               : (req->site() ? req->site()->str() : std::string());
+  if (req->action() == wire::MembershipAction::Remove && (site.empty() || site == c.sync_site)) {
+    return Status::InvalidArgument(
+        "name the site to remove (--peer); for this site to leave, use isthmusctl sync leave");
+  }
+  std::vector<uint64_t> epochs;
+  for (const auto& job : jobs) {
+    if (req->action() == wire::MembershipAction::Abandon) {
+      ISTHMUS_RETURN_IF_ERROR(engine->AbandonChange(job));
+      ISTHMUS_ASSIGN_OR_RETURN(Membership m, engine->Members(job));
+      epochs.push_back(m.epoch);
+    } else {
+      ISTHMUS_ASSIGN_OR_RETURN(MembershipChange change, engine->ProposeRemoval(job, site));
+      epochs.push_back(change.next.epoch);
+    }
+  }
+  auto& fbb = reply.header;
+  std::vector<flatbuffers::Offset<flatbuffers::String>> names;
+  for (const auto& j : jobs) names.push_back(fbb.CreateString(j));
+  auto body =
+      wire::CreateMembershipControlReply(fbb, fbb.CreateVector(names), fbb.CreateVector(epochs));
+  FinishEnvelope(reply.header, id, wire::Body::MembershipControlReply, body.Union());
+  return Status::Ok();
+}
+
 // Admin requests about cross-site sync are answered here, beside the shard, because they
 // need the links. nullopt for every other message.
 std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits,
@@ -194,6 +242,10 @@ std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits
       break;
     case wire::Body::DigestsRequest:
       s = DoDigests(env->body_as_DigestsRequest(), env->request_id(), engine, reply);
+      break;
+    case wire::Body::MembershipControl:
+      s = DoMembershipControl(env->body_as_MembershipControl(), env->request_id(), engine, c,
+                              reply);
       break;
     default:
       return std::nullopt;

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "common/check.h"
@@ -121,7 +122,8 @@ float MergeWeight(uint64_t tokens, uint64_t total, size_t sites) {
 
 // ---- digest ----------------------------------------------------------------------------
 std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>& theta,
-                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m) {
+                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
+                        const Membership& members) {
   EVP_MD_CTX* ctx = EVP_MD_CTX_new();
   EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
   auto update = [&](std::string_view s) { EVP_DigestUpdate(ctx, s.data(), s.size()); };
@@ -136,6 +138,12 @@ std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>&
     auto it = m.find(name);
     if (it != m.end() && it->second) update(FloatBytes(*it->second));
   }
+  std::string tail;
+  PutU64(tail, members.epoch);
+  PutU64(tail, members.from_round);
+  PutU64(tail, members.sites.size());
+  for (const auto& s : members.sites) PutStr(tail, s);
+  update(tail);
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
   EVP_DigestFinal_ex(ctx, md, &len);
@@ -283,6 +291,14 @@ void SyncEngine::Reset(Store* store) {
   jobs_.clear();
 }
 
+std::vector<std::string> SyncEngine::MemberPeers(const Job& j) const {
+  std::vector<std::string> out;
+  for (const auto& s : j.members.sites) {
+    if (s != options_.site) out.push_back(s);
+  }
+  return out;
+}
+
 std::vector<std::string> SyncEngine::AllSites() const {
   std::vector<std::string> sites = options_.peer_sites;
   sites.push_back(options_.site);
@@ -307,6 +323,7 @@ SyncEngine::Job SyncEngine::NewJob(std::map<std::string, SyncTensor> tensors,
   Job j;
   j.theta = std::move(tensors);
   j.version = version;
+  j.members.sites = AllSites();
   if (options_.outer_momentum != 0) {
     for (const auto& [tname, t] : j.theta) {
       j.momentum[tname] = std::make_shared<const std::vector<float>>(t.data->size(), 0.0f);
@@ -321,7 +338,7 @@ void SyncEngine::AddNewJob(const std::string& name,
   const Job j = NewJob(tensors, version);
   batch->PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(j));
   batch->PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(0),
-                  StateDigest(0, j.theta, j.momentum));
+                  StateDigest(0, j.theta, j.momentum, j.members));
 }
 
 void SyncEngine::AdoptNewJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
@@ -351,6 +368,16 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
     return Status::Ok();
   }
   ISTHMUS_ASSIGN_OR_RETURN(static_cast<SyncRecord&>(j), DecodeSyncRecord(*rec_text, name));
+  if (j.members.sites.empty()) j.members.sites = AllSites();  // written before memberships
+  for (const auto& m : j.members.sites) {
+    if (m != options_.site && std::find(options_.peer_sites.begin(), options_.peer_sites.end(),
+                                        m) == options_.peer_sites.end()) {
+      spdlog::warn(
+          "job '{}': member site {} has no sync.peers entry; rounds cannot commit "
+          "until it has one or it is removed (isthmusctl sync remove)",
+          name, m);
+    }
+  }
   const std::string held_prefix = JobKey(name, "held" + std::string(1, '\0'));
   Status status;
   ISTHMUS_RETURN_IF_ERROR(
@@ -381,6 +408,10 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
 
 uint64_t SyncEngine::HeldContiguous(const Job& j, const std::string& site) const {
   if (site == options_.site) return j.local;
+  // A site no longer merged holds nothing here from its cut on.
+  if (auto it = j.removed.find(site); it != j.removed.end() && !j.members.Has(site)) {
+    return std::min(j.committed, it->second - 1);
+  }
   uint64_t h = j.committed;
   auto it = j.inbox.find(site);
   if (it == j.inbox.end()) return h;
@@ -395,6 +426,9 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   SyncPushResult result;
   if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
+  if (std::string why = NonMemberReason(name, *j, options_.site); !why.empty()) {
+    return Status::FailedPrecondition(why + "; this site's workers have nothing to push to");
+  }
   if (round <= j->local) {
     result.duplicate = true;
     result.version = j->version;
@@ -482,7 +516,7 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
   if (options_.peer_sites.empty()) return dense_pipe_;
   if (options_.adaptive && j.last_round_seconds > 0) {
     double min_bw = -1;
-    for (const auto& p : options_.peer_sites) {
+    for (const auto& p : MemberPeers(j)) {
       auto it = bandwidth_.find(p);
       if (it == bandwidth_.end()) {
         min_bw = -1;
@@ -657,9 +691,12 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
 }
 
 Status SyncEngine::CommitReady(const std::string& name, Job& j) {
-  const auto sites = AllSites();
+  const auto& sites = j.members.sites;
+  if (!j.members.Has(options_.site)) return Status::Ok();  // left or removed: no more rounds
   for (;;) {
     const uint64_t next = j.committed + 1;
+    // A membership change agreed to here decides who merges into `next`: wait for it.
+    if (j.pending && next >= j.pending->next.from_round) return Status::Ok();
     for (const auto& s : sites) {
       auto it = j.inbox.find(s);
       if (it == j.inbox.end() || !it->second.count(next)) return Status::Ok();
@@ -670,11 +707,11 @@ Status SyncEngine::CommitReady(const std::string& name, Job& j) {
 
 Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   const uint64_t round = j.committed + 1;
-  const auto sites = AllSites();
+  const auto sites = j.members.sites;
   std::set<std::string> sent;
   ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites, &sent));
   ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, merged, sent));
-  const std::string digest = StateDigest(round, next.theta, next.momentum);
+  const std::string digest = StateDigest(round, next.theta, next.momentum, j.members);
   SyncRecord rec = j;
   rec.committed = round;
   rec.version = j.version + 1;
@@ -749,7 +786,7 @@ void SyncEngine::CommitBatch(const std::string& name, const Job& j, uint64_t rou
   }
   // This site's own delta stays in the outbox until every peer holds it.
   uint64_t min_acked = round;
-  for (const auto& p : options_.peer_sites) {
+  for (const auto& p : MemberPeers(j)) {
     auto it = j.acked.find(p);
     min_acked = std::min(min_acked, it == j.acked.end() ? 0 : it->second);
   }
@@ -821,7 +858,7 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& na
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   if (j->view) return *j->view;
   std::map<uint64_t, std::vector<std::string>> rounds;  // round -> sites holding it (sorted)
-  for (const auto& s : AllSites()) {
+  for (const auto& s : j->members.sites) {
     auto it = j->inbox.find(s);
     if (it == j->inbox.end()) continue;
     for (const auto& [r, _] : it->second) {
@@ -878,8 +915,8 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
   s.staged_round = j->staged_round;
   s.staged_tensors = j->staged.size();
   s.tensor_count = j->theta.size();
-  for (const auto& site : AllSites()) s.held[site] = HeldContiguous(*j, site);
-  for (const auto& p : options_.peer_sites) {
+  for (const auto& site : j->members.sites) s.held[site] = HeldContiguous(*j, site);
+  for (const auto& p : MemberPeers(*j)) {
     auto it = j->acked.find(p);
     s.acked[p] = it == j->acked.end() ? 0 : it->second;
   }
@@ -890,6 +927,21 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
                        : 0.0;
   s.pipelines = j->pipelines;
   s.version = j->version;
+  s.members = j->members;
+  s.removed = j->removed;
+  s.pending = j->pending;
+  s.change_note = j->change_note;
+  if (j->pending && j->pending->coordinator == options_.site) {
+    std::string waiting;
+    for (const auto& p : j->pending->next.sites) {
+      if (p != options_.site && !j->votes.count(p)) waiting += (waiting.empty() ? "" : ",") + p;
+    }
+    s.change_note = "waiting for " + (waiting.empty() ? std::string("nobody") : waiting) +
+                    " to agree: " + j->pending->Describe(j->members);
+  } else if (j->pending) {
+    s.change_note = "agreed, waiting for the outcome from " + j->pending->coordinator + ": " +
+                    j->pending->Describe(j->members);
+  }
   return s;
 }
 
@@ -939,7 +991,7 @@ Result<std::shared_ptr<const EncodedDelta>> SyncEngine::OutboxDelta(const std::s
 
 void SyncEngine::CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const {
   uint64_t limit = j.committed;
-  for (const auto& p : options_.peer_sites) {
+  for (const auto& p : MemberPeers(j)) {
     auto it = j.acked.find(p);
     limit = std::min(limit, it == j.acked.end() ? 0 : it->second);
   }
@@ -956,8 +1008,7 @@ void SyncEngine::CollectGarbage(const std::string& name, const Job& j, WriteBatc
 void SyncEngine::OnPeerAck(const std::string& peer_site, const std::string& name,
                            uint64_t held_round) {
   auto it = jobs_.find(name);
-  if (it == jobs_.end() || std::find(options_.peer_sites.begin(), options_.peer_sites.end(),
-                                     peer_site) == options_.peer_sites.end()) {
+  if (it == jobs_.end() || peer_site == options_.site || !it->second.members.Has(peer_site)) {
     return;
   }
   Job& j = it->second;
@@ -1007,6 +1058,9 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   }
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(delta.job));
   const std::string& name = delta.job;
+  if (std::string why = NonMemberReason(name, *j, from_site); !why.empty()) {
+    return Status::PermissionDenied(why);
+  }
   if (delta.round == 0) return Status::InvalidArgument("delta for round 0");
   auto& held = j->inbox[from_site];
   if (delta.round <= j->committed || held.count(delta.round)) {
@@ -1055,6 +1109,280 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   j->view.reset();
   ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
   return HeldContiguous(*j, from_site);
+}
+
+// ---- membership ---------------------------------------------------------------------------
+
+std::string SyncEngine::NonMemberReason(const std::string& name, const Job& j,
+                                        const std::string& site) const {
+  if (j.members.Has(site)) return "";
+  const std::string who = site == options_.site ? "this site (" + site + ")" : "site " + site;
+  auto it = j.removed.find(site);
+  if (it != j.removed.end()) {
+    return who + " is no longer a member of job '" + name +
+           "': it left or was removed from round " + std::to_string(it->second) + " (epoch " +
+           std::to_string(j.members.epoch) + ", members " + j.members.SiteList() +
+           "); it must join again";
+  }
+  return who + " is not a member of job '" + name + "' (members " + j.members.SiteList() +
+         ", epoch " + std::to_string(j.members.epoch) + ")";
+}
+
+Result<Membership> SyncEngine::Members(const std::string& name) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  return j->members;
+}
+
+Result<MembershipChange> SyncEngine::ProposeRemoval(const std::string& name,
+                                                    const std::string& site) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (std::string why = NonMemberReason(name, *j, options_.site); !why.empty()) {
+    return Status::FailedPrecondition(why);
+  }
+  if (!j->members.Has(site)) {
+    return Status::FailedPrecondition("site " + site + " is not a member of job '" + name +
+                                      "' (members " + j->members.SiteList() + ")");
+  }
+  if (j->pending) {
+    if (j->pending->coordinator == options_.site && !j->pending->next.Has(site)) {
+      return *j->pending;  // the same change, still under way: asking again is harmless
+    }
+    return Status::FailedPrecondition("job '" + name + "': a membership change is under way (" +
+                                      j->pending->Describe(j->members) +
+                                      "); wait for its outcome or abandon it where it started");
+  }
+  MembershipChange change;
+  change.coordinator = options_.site;
+  change.next.epoch = j->members.epoch + 1;
+  change.next.from_round = j->committed + 1;
+  for (const auto& s : j->members.sites) {
+    if (s != site) change.next.sites.push_back(s);
+  }
+  if (change.next.sites.empty()) {
+    return Status::FailedPrecondition("job '" + name + "' has no other member");
+  }
+  if (site == options_.site && (j->staged_round != 0 || j->local != j->committed)) {
+    return Status::FailedPrecondition(
+        "job '" + name + "': this site has closed round " + std::to_string(j->local) +
+        " but committed only round " + std::to_string(j->committed) +
+        (j->staged_round ? " and round " + std::to_string(j->staged_round) + " is being pushed"
+                         : std::string()) +
+        "; to leave, stop this site's workers and run the leave again once its rounds have "
+        "committed (isthmusctl sync status)");
+  }
+  for (const auto& s : change.next.sites) {
+    if (s != options_.site && std::find(options_.peer_sites.begin(), options_.peer_sites.end(),
+                                        s) == options_.peer_sites.end()) {
+      return Status::FailedPrecondition("site " + s +
+                                        " stays a member but has no sync.peers entry here: "
+                                        "it cannot be asked to agree");
+    }
+  }
+  SyncRecord rec = *j;
+  rec.pending = change;
+  WriteBatch batch;
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->pending = change;
+  j->votes.clear();
+  j->change_note.clear();
+  spdlog::info("job '{}': proposing to {}", name, change.Describe(j->members));
+  if (change.next.sites == std::vector<std::string>{options_.site}) {
+    ISTHMUS_RETURN_IF_ERROR(ApplyChange(name, *j));  // nobody else to ask
+  }
+  return change;
+}
+
+Status SyncEngine::AbandonChange(const std::string& name) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (!j->pending) {
+    return Status::FailedPrecondition("job '" + name + "': no membership change is under way");
+  }
+  if (j->pending->coordinator != options_.site) {
+    return Status::FailedPrecondition("job '" + name + "': the change is coordinated by site " +
+                                      j->pending->coordinator +
+                                      "; abandon it there (this site learns the outcome from it)");
+  }
+  return DropChange(name, *j, "abandoned by the operator: " + j->pending->Describe(j->members));
+}
+
+Status SyncEngine::DropChange(const std::string& name, Job& j, const std::string& why) {
+  SyncRecord rec = j;
+  rec.pending.reset();
+  WriteBatch batch;
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j.pending.reset();
+  j.votes.clear();
+  j.change_note = why;
+  spdlog::warn("job '{}': membership change {}", name, why);
+  return CommitReady(name, j);  // commits held for the change may go ahead
+}
+
+Status SyncEngine::ApplyChange(const std::string& name, Job& j) {
+  ISTHMUS_CHECK(j.pending.has_value(), "ApplyChange without a pending change");
+  const MembershipChange change = *j.pending;
+  SyncRecord rec = j;
+  rec.members = change.next;
+  rec.pending.reset();
+  rec.version = j.version + 1;
+  WriteBatch batch;
+  std::vector<std::string> gone;
+  for (const auto& s : j.members.sites) {
+    if (change.next.Has(s)) continue;
+    gone.push_back(s);
+    rec.removed[s] = change.next.from_round;
+    rec.acked.erase(s);
+    // Its deltas for rounds from the cut on are dropped; every earlier round has been
+    // committed with its delta by every site of the new membership.
+    if (s == options_.site) continue;
+    auto it = j.inbox.find(s);
+    if (it == j.inbox.end()) continue;
+    for (const auto& [r, _] : it->second) {
+      batch.Delete(Column::kSync, HeldKey(name, s, r));
+      batch.Delete(Column::kDeltas, DeltaKey(name, s, r));
+    }
+  }
+  for (const auto& s : change.next.sites) rec.removed.erase(s);
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  const std::string what = change.Describe(j.members);
+  static_cast<SyncRecord&>(j) = rec;
+  for (const auto& s : gone) {
+    if (s != options_.site) j.inbox.erase(s);
+  }
+  j.votes.clear();
+  j.change_note = "applied: " + what;
+  j.view.reset();
+  spdlog::info("job '{}': membership changed: {}", name, what);
+  return CommitReady(name, j);
+}
+
+std::string SyncEngine::PrepareRefusal(const Job& j, const std::string& from,
+                                       const MembershipChange& c) const {
+  const std::string here = "site " + options_.site;
+  if (c.coordinator != from) {
+    return "site " + from + " sent a change coordinated by " + c.coordinator;
+  }
+  if (!j.members.Has(from)) return "site " + from + " is not a member here";
+  if (!c.next.Has(options_.site)) return here + " is not in the proposed membership";
+  if (c.next.epoch != j.members.epoch + 1) {
+    return here + " is at membership epoch " + std::to_string(j.members.epoch) + " (members " +
+           j.members.SiteList() + "), the change needs epoch " + std::to_string(c.next.epoch - 1) +
+           ": the sites disagree on the membership";
+  }
+  if (c.next.from_round != j.committed + 1) {
+    return here + " has committed round " + std::to_string(j.committed) + ", site " +
+           c.coordinator + " round " + std::to_string(c.next.from_round - 1) +
+           ": the sites disagree on rounds, so they would not merge the same deltas";
+  }
+  std::vector<std::string> gone;
+  for (const auto& s : j.members.sites) {
+    if (!c.next.Has(s)) gone.push_back(s);
+  }
+  if (gone.size() != 1 || c.next.sites.size() + 1 != j.members.sites.size()) {
+    return "the change is not the removal of one member of " + j.members.SiteList();
+  }
+  return "";
+}
+
+MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
+                                                 const MembershipRequest& req) {
+  auto it = jobs_.find(req.job);
+  if (it == jobs_.end()) {
+    return {MembershipVote::kRefused, "job '" + req.job + "' does not sync on this shard"};
+  }
+  Job& j = it->second;
+  const MembershipChange& c = req.change;
+  if (req.step == MembershipStep::kQuery) {
+    if (c.coordinator != options_.site) {
+      return {MembershipVote::kRefused, "site " + options_.site + " does not coordinate it"};
+    }
+    if (j.pending && *j.pending == c) return {MembershipVote::kPending, ""};
+    if (j.members == c.next || j.members.epoch > c.next.epoch)
+      return {MembershipVote::kApplied, ""};
+    return {MembershipVote::kAbandoned, j.change_note};
+  }
+  if (j.members == c.next) return {MembershipVote::kApplied, ""};  // a retry: already in effect
+  if (j.pending) {
+    if (*j.pending == c) return {MembershipVote::kPrepared, ""};
+    return {MembershipVote::kRefused, "another change is under way at site " + options_.site +
+                                          ": " + j.pending->Describe(j.members)};
+  }
+  if (std::string why = PrepareRefusal(j, from, c); !why.empty()) {
+    spdlog::warn("job '{}': refused {}: {}", req.job, c.Describe(j.members), why);
+    return {MembershipVote::kRefused, why};
+  }
+  SyncRecord rec = j;
+  rec.pending = c;
+  WriteBatch batch;
+  batch.PutOwned(Column::kSync, JobKey(req.job, "job"), JobRecord(rec));
+  if (Status s = store_->Write(batch); !s.ok()) {
+    return {MembershipVote::kRefused, "cannot record the change here: " + s.ToString()};
+  }
+  j.pending = c;
+  j.change_note.clear();
+  spdlog::info("job '{}': agreed to {}", req.job, c.Describe(j.members));
+  return {MembershipVote::kPrepared, ""};
+}
+
+std::vector<MembershipRequest> SyncEngine::MembershipRequests(const std::string& peer) {
+  std::vector<MembershipRequest> out;
+  for (const auto& [name, j] : jobs_) {
+    if (!j.pending) continue;
+    const MembershipChange& c = *j.pending;
+    if (c.coordinator == options_.site) {
+      if (peer != options_.site && c.next.Has(peer) && !j.votes.count(peer)) {
+        out.push_back({name, MembershipStep::kPrepare, c});
+      }
+    } else if (peer == c.coordinator) {
+      out.push_back({name, MembershipStep::kQuery, c});
+    }
+  }
+  return out;
+}
+
+void SyncEngine::OnMembershipAnswer(const std::string& peer, const MembershipRequest& req,
+                                    const MembershipAnswer& answer) {
+  auto it = jobs_.find(req.job);
+  if (it == jobs_.end()) return;
+  Job& j = it->second;
+  if (!j.pending || !(*j.pending == req.change)) return;  // an answer about an older change
+  Status s;
+  if (req.step == MembershipStep::kPrepare) {
+    if (answer.vote == MembershipVote::kPrepared || answer.vote == MembershipVote::kApplied) {
+      j.votes.insert(peer);
+      bool all = true;
+      for (const auto& p : j.pending->next.sites) all &= p == options_.site || j.votes.count(p);
+      if (all && std::getenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY") != nullptr) {
+        // Fault injection for tests (docs/TESTING.md): every site agreed, nothing applied yet.
+        spdlog::error("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY: exiting before the change applies");
+        std::_Exit(137);
+      }
+      if (all) s = ApplyChange(req.job, j);
+    } else if (answer.vote == MembershipVote::kRefused) {
+      s = DropChange(req.job, j, "refused by site " + peer + ": " + answer.reason);
+    }
+  } else if (answer.vote == MembershipVote::kApplied) {
+    s = ApplyChange(req.job, j);
+  } else if (answer.vote == MembershipVote::kAbandoned || answer.vote == MembershipVote::kRefused) {
+    s = DropChange(req.job, j,
+                   "abandoned by its coordinator " + peer +
+                       (answer.reason.empty() ? std::string() : " (" + answer.reason + ")"));
+  }
+  if (!s.ok()) spdlog::warn("job '{}': membership change: {}", req.job, s.ToString());
+}
+
+bool SyncEngine::SendsTo(const std::string& peer, const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it != jobs_.end() && it->second.members.Has(options_.site) && it->second.members.Has(peer);
+}
+
+std::string SyncEngine::RefusesPeer(const std::string& site, const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return "";
+  if (std::string why = NonMemberReason(job, it->second, options_.site); !why.empty()) return why;
+  return it->second.removed.count(site) ? NonMemberReason(job, it->second, site) : "";
 }
 
 }  // namespace isthmus

@@ -89,6 +89,10 @@ struct SyncJobStatus {
   // Pipeline text -> number of tensors that used it in the last closed round.
   std::map<std::string, uint64_t> pipelines;
   uint64_t version = 0;  // served version (increases whenever pulled values change)
+  Membership members;    // who merges into the rounds from members.from_round on
+  std::map<std::string, uint64_t> removed;  // site -> first round without it
+  std::optional<MembershipChange> pending;  // a change agreed to or coordinated here
+  std::string change_note;                  // outcome of the last change seen here (memory only)
 };
 
 class SyncEngine : public DeltaSource, public DeltaSink {
@@ -157,6 +161,18 @@ class SyncEngine : public DeltaSource, public DeltaSink {
                                                                 uint64_t from_round,
                                                                 uint64_t max) const;
 
+  // Membership (docs/SYNC.md, "Membership"). Starts the removal of `site` from `job`, this
+  // site coordinating it; `site` = this site is a planned leave. The change takes effect
+  // from round committed + 1 once every site of the new membership has agreed over the
+  // peer links (at once when no other site is left). FailedPrecondition, saying what to do,
+  // when it cannot start: not a member, another change under way, a leave while this
+  // site's own rounds are not all committed, a remaining site with no sync.peers entry.
+  Result<MembershipChange> ProposeRemoval(const std::string& job, const std::string& site);
+  // Gives up the change this site coordinates (the sites that agreed learn it when they
+  // ask). FailedPrecondition when there is none, or another site coordinates it.
+  Status AbandonChange(const std::string& job);
+  Result<Membership> Members(const std::string& job) const;
+
   // DeltaSource.
   std::vector<std::string> SyncJobs() const override;
   uint64_t OutboxHighRound(const std::string& job) const override;
@@ -165,12 +181,19 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   void OnPeerAck(const std::string& peer_site, const std::string& job,
                  uint64_t held_round) override;
   void OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) override;
+  bool SendsTo(const std::string& peer_site, const std::string& job) const override;
+  std::vector<MembershipRequest> MembershipRequests(const std::string& peer_site) override;
+  void OnMembershipAnswer(const std::string& peer_site, const MembershipRequest& request,
+                          const MembershipAnswer& answer) override;
 
   // DeltaSink.
   Result<uint64_t> ReceiveDelta(const std::string& from_site, const EncodedDelta& delta) override;
   uint64_t HeldFrom(const std::string& site, const std::string& job) const override;
   Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> JobTensors(
       const std::string& job) const override;
+  MembershipAnswer OnMembershipRequest(const std::string& from_site,
+                                       const MembershipRequest& request) override;
+  std::string RefusesPeer(const std::string& site, const std::string& job) const override;
 
   // Reads a job's committed tensors as the shard stores them (kTensorMeta JSON with a
   // "shape", kTensors raw fp32). Corruption when a record or size is bad.
@@ -196,6 +219,9 @@ class SyncEngine : public DeltaSource, public DeltaSink {
     uint64_t staged_compute_ms = 0;
     // Cached optimistic view; empty when stale.
     std::optional<std::map<std::string, SyncTensor>> view;
+    // The change this site coordinates: sites of the new membership that agreed to it.
+    std::set<std::string> votes;
+    std::string change_note;  // the last change's outcome, for status
   };
 
   SyncEngine(Store* store, SyncOptions options);
@@ -205,7 +231,19 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // The state of a job that has just been created: `tensors` committed at round 0 as
   // version `version`, zero outer momentum when the outer optimiser has one.
   Job NewJob(std::map<std::string, SyncTensor> tensors, uint64_t version) const;
-  std::vector<std::string> AllSites() const;  // sorted
+  std::vector<std::string> AllSites() const;  // the configured sites (sync.peers + own), sorted
+  // Member sites other than this one.
+  std::vector<std::string> MemberPeers(const Job& j) const;
+  // The membership change of `j` takes effect: one batch with the new membership and the
+  // deletion of removed sites' uncommitted deltas, then the commits it allows.
+  Status ApplyChange(const std::string& name, Job& j);
+  // Forgets `j`'s pending change (durably), noting `why`.
+  Status DropChange(const std::string& name, Job& j, const std::string& why);
+  // Why a prepare of `change` from `from` is refused here (empty: it can be agreed to).
+  std::string PrepareRefusal(const Job& j, const std::string& from,
+                             const MembershipChange& change) const;
+  // Why `site` may not take part in `j` (removed or never a member; empty if it may).
+  std::string NonMemberReason(const std::string& name, const Job& j, const std::string& site) const;
   uint64_t HeldContiguous(const Job& j, const std::string& site) const;
   // Encodes the staged round and writes it to the outbox. `pushed`: the round's deltas in
   // memory when one push brings them all (nothing was staged on disk); they are then
@@ -262,8 +300,10 @@ std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint
                                                 uint32_t fragments);
 
 // SHA-256 (hex) of a committed state: round, then for each tensor in name order its name,
-// shape, theta bytes and momentum bytes (momentum omitted when null).
+// shape, theta bytes and momentum bytes (momentum omitted when null), then the membership
+// the round was committed under (epoch, first round, sites).
 std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>& theta,
-                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m);
+                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
+                        const Membership& members);
 
 }  // namespace isthmus

@@ -737,5 +737,122 @@ TEST(SyncEngineTest, AdaptiveBudgetIsTheReportedComputeTimeNotTheWait) {
   EXPECT_LT(sized, raw / 2) << "pipelines of round 4: " << st->pipelines.begin()->first;
 }
 
+// Membership (docs/SYNC.md): the removal of a silent site, agreed in two phases, survives a
+// reopen of either side at any step, changes who merges from the cut on, and the digests
+// (which cover the membership) agree.
+TEST(SyncEngineTest, RemovalIsAgreedDurablyAndCutsAtTheNextRound) {
+  auto sites = ThreeSites("dense");
+  Site &a = *sites[0], &b = *sites[1], &c = *sites[2];
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(1).ok());
+  for (auto& from : sites)
+    for (auto& to : sites)
+      if (from != to) Deliver(*from, *to);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+  // Round 2: siteC's delta reaches nobody.
+  ASSERT_TRUE(a.PushRound(2).ok());
+  ASSERT_TRUE(b.PushRound(2).ok());
+  ASSERT_TRUE(c.PushRound(2).ok());
+  Deliver(a, b), Deliver(b, a);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+
+  // Refused up front: removing a non-member, leaving with an uncommitted round of ours.
+  EXPECT_EQ(a.engine().ProposeRemoval(kJob, "siteX").status().code(), Code::kFailedPrecondition);
+  EXPECT_EQ(a.engine().ProposeRemoval(kJob, "siteA").status().code(), Code::kFailedPrecondition);
+
+  auto change = a.engine().ProposeRemoval(kJob, "siteC");
+  ASSERT_TRUE(change.ok()) << change.status().ToString();
+  EXPECT_EQ(change->next.epoch, 1u);
+  EXPECT_EQ(change->next.from_round, 2u);
+  EXPECT_EQ(change->next.sites, (std::vector<std::string>{"siteA", "siteB"}));
+  EXPECT_TRUE(a.engine().MembershipRequests("siteC").empty());  // not asked: it is removed
+  auto prepare = a.engine().MembershipRequests("siteB");
+  ASSERT_EQ(prepare.size(), 1u);
+  EXPECT_EQ(prepare[0].step, MembershipStep::kPrepare);
+
+  // siteC (still at epoch 0, but not in the new membership) refuses to take part.
+  EXPECT_EQ(c.engine().OnMembershipRequest("siteA", prepare[0]).vote, MembershipVote::kRefused);
+  // A prepare that does not come from its coordinator is refused.
+  EXPECT_EQ(b.engine().OnMembershipRequest("siteC", prepare[0]).vote, MembershipVote::kRefused);
+  ASSERT_EQ(b.engine().OnMembershipRequest("siteA", prepare[0]).vote, MembershipVote::kPrepared);
+  // Both sides reopen as after a crash: the agreement and the proposal are durable, the
+  // coordinator's tally is not (it asks again).
+  b.Reopen();
+  a.Reopen();
+  auto query = b.engine().MembershipRequests("siteA");
+  ASSERT_EQ(query.size(), 1u);
+  EXPECT_EQ(query[0].step, MembershipStep::kQuery);
+  EXPECT_EQ(a.engine().OnMembershipRequest("siteB", query[0]).vote, MembershipVote::kPending);
+  // siteC's late delta would make round 2 complete; agreed sites hold their commits.
+  Deliver(c, b);
+  EXPECT_EQ(b.engine().CommittedRound(kJob), 1u);
+  prepare = a.engine().MembershipRequests("siteB");
+  ASSERT_EQ(prepare.size(), 1u);
+  MembershipAnswer again = b.engine().OnMembershipRequest("siteA", prepare[0]);
+  EXPECT_EQ(again.vote, MembershipVote::kPrepared);
+  a.engine().OnMembershipAnswer("siteB", prepare[0], again);
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 2u);  // applied, and round 2 merged A and B
+  MembershipAnswer outcome = a.engine().OnMembershipRequest("siteB", query[0]);
+  EXPECT_EQ(outcome.vote, MembershipVote::kApplied);
+  b.engine().OnMembershipAnswer("siteA", query[0], outcome);
+  EXPECT_EQ(b.engine().CommittedRound(kJob), 2u);
+  EXPECT_EQ(a.Digests(), b.Digests());
+
+  auto st = b.engine().JobStatus(kJob);
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->members.epoch, 1u);
+  EXPECT_FALSE(st->pending.has_value());
+  EXPECT_EQ(st->removed, (std::map<std::string, uint64_t>{{"siteC", 2}}));
+  EXPECT_EQ(st->held.count("siteC"), 0u);
+  // The removed site: refused, holds nothing from its cut on, and gets nothing sent.
+  auto late = c.engine().OutboxDelta(kJob, 2);
+  ASSERT_TRUE(late.ok());
+  auto refused = a.engine().ReceiveDelta("siteC", **late);
+  EXPECT_EQ(refused.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(refused.status().message().find("must join again"), std::string::npos);
+  EXPECT_EQ(a.engine().HeldFrom("siteC", kJob), 1u);
+  EXPECT_FALSE(a.engine().SendsTo("siteC", kJob));
+  EXPECT_TRUE(a.engine().SendsTo("siteB", kJob));
+  EXPECT_NE(a.engine().RefusesPeer("siteC", kJob), "");
+
+  // The digest covers the membership: the same tensors under other members differ.
+  auto theta = a.engine().Committed(kJob);
+  ASSERT_TRUE(theta.ok());
+  const Membership now = st->members;
+  Membership other = now;
+  other.sites.push_back("siteC");
+  EXPECT_EQ(StateDigest(2, *theta, {}, now), a.Digests()[2]);
+  EXPECT_NE(StateDigest(2, *theta, {}, other), a.Digests()[2]);
+
+  // From here A and B commit alone.
+  ASSERT_TRUE(a.PushRound(3).ok());
+  ASSERT_TRUE(b.PushRound(3).ok());
+  Deliver(a, b), Deliver(b, a);
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 3u);
+  EXPECT_EQ(a.Digests(), b.Digests());
+}
+
+TEST(SyncEngineTest, RecordsWithoutMembershipReadAsTheConfiguredSites) {
+  auto rec = DecodeSyncRecord(
+      R"({"committed":3,"local":3,"version":9,"staged_round":0,"staged_tokens":0,"staged":[],)"
+      R"("acked":{},"bytes_encoded":0,"raw_bytes":0,"pipelines":{}})",
+      "j");
+  ASSERT_TRUE(rec.ok()) << rec.status().ToString();
+  EXPECT_TRUE(rec->members.sites.empty());
+  EXPECT_FALSE(rec->pending.has_value());
+  SyncRecord r;
+  r.members = {2, {"a", "b"}, 5};
+  r.removed = {{"c", 5}};
+  r.pending = MembershipChange{{3, {"a"}, 7}, "a"};
+  auto back = DecodeSyncRecord(EncodeSyncRecord(r), "j");
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->members, r.members);
+  EXPECT_EQ(back->removed, r.removed);
+  EXPECT_EQ(back->pending, r.pending);
+  // Unsorted or repeated members are damage, not a membership.
+  std::string bad = EncodeSyncRecord(r);
+  bad.replace(bad.find(R"(["a","b"])"), 9, R"(["b","a"])");
+  EXPECT_EQ(DecodeSyncRecord(bad, "j").status().code(), Code::kCorruption);
+}
+
 }  // namespace
 }  // namespace isthmus

@@ -121,6 +121,17 @@ class MemoryEngine : public DeltaSource, public DeltaSink {
                                                                      {"b.bias", {8}}};
   }
 
+  // Membership is the sync engine's (tested in sync_engine_test and sync_process_test):
+  // this stand-in has every site a member and no changes.
+  bool SendsTo(const std::string&, const std::string&) const override { return true; }
+  std::vector<MembershipRequest> MembershipRequests(const std::string&) override { return {}; }
+  void OnMembershipAnswer(const std::string&, const MembershipRequest&,
+                          const MembershipAnswer&) override {}
+  MembershipAnswer OnMembershipRequest(const std::string&, const MembershipRequest&) override {
+    return {MembershipVote::kRefused, "no membership changes here"};
+  }
+  std::string RefusesPeer(const std::string&, const std::string&) const override { return ""; }
+
   uint64_t Held(const std::string& site) const { return HeldFrom(site, "job"); }
   size_t InboxSize(const std::string& site) const {
     std::lock_guard lk(mu_);

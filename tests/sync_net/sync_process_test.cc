@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -99,6 +100,98 @@ class SyncProcessTest : public ::testing::Test {
         sites_[i]->site() + "-r" + std::to_string(round) + "-" + (only.empty() ? "all" : only);
     auto r = sites_[i]->WorkerClient()->Push("job", key, round, Tokens(i), views);
     ASSERT_TRUE(r.ok()) << sites_[i]->site() << " round " << round << ": " << r.status().ToString();
+  }
+
+  // Membership helpers: the sites of `which` (indexes) only.
+  void WaitCommittedOn(const std::vector<int>& which, uint64_t round,
+                       std::chrono::seconds limit = 30s) {
+    auto end = std::chrono::steady_clock::now() + limit;
+    for (int i : which) {
+      while (Committed(i) < round) {
+        ASSERT_LT(std::chrono::steady_clock::now(), end)
+            << sites_[i]->site() << " did not commit round " << round << "; log:\n"
+            << sites_[i]->Log();
+        std::this_thread::sleep_for(50ms);
+      }
+    }
+  }
+  std::vector<std::pair<uint64_t, std::string>> DigestsOf(int i) {
+    auto d = sites_[i]->AdminClient()->Digests("job", 0);
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    return d.ok() ? d->digests : std::vector<std::pair<uint64_t, std::string>>{};
+  }
+  SyncJobReport JobState(int i) {
+    auto st = sites_[i]->AdminClient()->SyncStatus();
+    EXPECT_TRUE(st.ok()) << st.status().ToString();
+    if (!st.ok() || st->jobs.empty()) return {};
+    return st->jobs[0];
+  }
+  // Waits until site i's job state satisfies `pred`.
+  void WaitJobState(int i, const std::function<bool(const SyncJobReport&)>& pred,
+                    const std::string& what, std::chrono::seconds limit = 30s) {
+    auto end = std::chrono::steady_clock::now() + limit;
+    for (;;) {
+      auto st = sites_[i]->AdminClient()->SyncStatus();
+      if (st.ok() && !st->jobs.empty() && pred(st->jobs[0])) return;
+      ASSERT_LT(std::chrono::steady_clock::now(), end)
+          << sites_[i]->site() << ": " << what << "; log:\n"
+          << sites_[i]->Log();
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  // The committed tensors of the sites in `which` equal initial + the sum over rounds of
+  // the token-weighted mean of the deltas of the sites that were members in that round.
+  void ExpectStateWithMembers(uint64_t rounds, const std::vector<int>& which,
+                              const std::function<std::vector<int>(uint64_t)>& members) {
+    for (const std::string name : {"w", "b"}) {
+      size_t n = name == "w" ? kRows * kCols : kCols;
+      std::vector<double> want(n);
+      auto init = Initial(name, n);
+      for (size_t k = 0; k < n; ++k) want[k] = init[k];
+      for (uint64_t r = 1; r <= rounds; ++r) {
+        uint64_t total = 0;
+        for (int s : members(r)) total += Tokens(s);
+        for (int s : members(r)) {
+          auto d = Delta(s, r, name, n);
+          double wgt = static_cast<double>(Tokens(s)) / total;
+          for (size_t k = 0; k < n; ++k) want[k] += wgt * d[k];
+        }
+      }
+      for (int i : which) {
+        auto pulled = sites_[i]->WorkerClient()->Pull("job", {name});
+        ASSERT_TRUE(pulled.ok()) << pulled.status().ToString();
+        ASSERT_EQ(pulled->tensors.size(), 1u);
+        const auto& got = pulled->tensors[0].data;
+        ASSERT_EQ(got.size(), n);
+        double worst = 0;
+        for (size_t k = 0; k < n; ++k) worst = std::max(worst, std::abs(got[k] - want[k]));
+        EXPECT_LT(worst, 1e-5) << sites_[i]->site() << " tensor " << name;
+      }
+    }
+  }
+  // Three sites commit rounds 1..2 together; gamma is SIGKILLed; alpha and beta push round 3,
+  // which cannot commit without gamma.
+  void ThreeSitesThenGammaDies() {
+    StartSites({"alpha", "beta", "gamma"});
+    for (uint64_t r = 1; r <= 2; ++r) {
+      for (int i = 0; i < 3; ++i) Push(i, r);
+      WaitCommitted(r);
+    }
+    WaitAcked(2);
+    sites_[2]->Kill(SIGKILL);
+    Push(0, 3), Push(1, 3);
+    // Each holds the other's round 3 and waits for gamma's.
+    for (int i : {0, 1}) {
+      WaitJobState(
+          i,
+          [&](const SyncJobReport& j) {
+            return j.detail.find(std::string(i == 0 ? "beta" : "alpha") + "=3") !=
+                   std::string::npos;
+          },
+          "the other live site's round 3 never arrived");
+    }
+    ASSERT_EQ(Committed(0), 2u);
+    ASSERT_EQ(Committed(1), 2u);
   }
 
   uint64_t Committed(int i) {
@@ -513,18 +606,235 @@ TEST_F(SyncProcessTest, CtlSyncStatusPauseResumeAndVerify) {
 }
 
 TEST_F(SyncProcessTest, CtlVerifyReportsTheFirstDifferingRound) {
-  // Two sites that never talk: same initial state, different deltas from round 1 on.
-  StartSites({"alpha", "beta"}, /*peered=*/false);
+  // Two sites that commit round 1 together, then each removes the other (with two sites a
+  // removal needs nobody's agreement) and commits round 2 alone with its own delta.
+  StartSites({"alpha", "beta"});
   Push(0, 1), Push(1, 1);
   WaitCommitted(1);
+  for (auto [i, other] : {std::pair{0, "beta"}, std::pair{1, "alpha"}}) {
+    auto [rcode, rout] = Ctl("sync remove --peer " + std::string(other) + " " + SiteFlags(i));
+    ASSERT_EQ(rcode, 0) << rout;
+  }
+  Push(0, 2), Push(1, 2);
+  WaitCommitted(2);
   auto [code, out] = Ctl("sync verify" + VerifyFlags());
   EXPECT_EQ(code, 1) << out;
-  EXPECT_NE(out.find("DIFFER at round 1"), std::string::npos) << out;
+  EXPECT_NE(out.find("DIFFER at round 2"), std::string::npos) << out;
   auto [jcode, jout] = Ctl("sync verify --json -j job" + VerifyFlags());
   EXPECT_EQ(jcode, 1) << jout;
   auto j = nlohmann::json::parse(jout);
-  EXPECT_EQ(j[0]["first_differing_round"], 1);
+  EXPECT_EQ(j[0]["first_differing_round"], 2);
   EXPECT_EQ(j[0]["agree"], false);
+}
+
+// Membership (docs/SYNC.md, "Membership").
+
+TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
+  ThreeSitesThenGammaDies();
+  auto [code, out] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(0));
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("epoch 1: applied: remove gamma from round 3"), std::string::npos) << out;
+  WaitCommittedOn({0, 1}, 3);
+  for (uint64_t r = 4; r <= 6; ++r) {
+    Push(0, r), Push(1, r);
+    WaitCommittedOn({0, 1}, r);
+  }
+  // Same digests on both, round 0 to 6; rounds 1-2 merged three sites, 3-6 two.
+  auto a = DigestsOf(0), b = DigestsOf(1);
+  ASSERT_EQ(a.size(), 7u);
+  EXPECT_EQ(a, b);
+  ExpectStateWithMembers(6, {0, 1}, [](uint64_t r) {
+    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+  });
+  for (int i : {0, 1}) {
+    SyncJobReport j = JobState(i);
+    EXPECT_EQ(j.epoch, 1u);
+    EXPECT_EQ(j.members, (std::vector<std::string>{"alpha", "beta"}));
+    EXPECT_EQ(j.members_from, 3u);
+    EXPECT_EQ(j.removed, (std::map<std::string, uint64_t>{{"gamma", 3}}));
+    EXPECT_FALSE(j.change_pending);
+  }
+  auto [scode, sout] = Ctl("sync status " + SiteFlags(1));
+  EXPECT_EQ(scode, 0) << sout;
+  EXPECT_NE(sout.find("members alpha,beta from round 3 (epoch 1); gamma out from round 3"),
+            std::string::npos)
+      << sout;
+}
+
+TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
+  ThreeSitesThenGammaDies();
+  auto [code, out] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(0));
+  ASSERT_EQ(code, 0) << out;
+  WaitCommittedOn({0, 1}, 3);
+  const auto before = DigestsOf(0);
+  // gamma comes back, still believing it is a member, and sends its round 3.
+  ASSERT_TRUE(sites_[2]->Start());
+  Push(2, 3);
+  for (int i : {0, 1}) {
+    auto end = std::chrono::steady_clock::now() + 30s;
+    for (;;) {
+      auto st = sites_[i]->AdminClient()->SyncStatus();
+      ASSERT_TRUE(st.ok());
+      bool refused = false;
+      for (const auto& l : st->links) {
+        refused |= l.site == "gamma" && l.refused > 0 &&
+                   l.last_error.find("no longer a member") != std::string::npos;
+      }
+      if (refused) break;
+      if (std::chrono::steady_clock::now() >= end) {
+        std::string links;
+        for (const auto& l : st->links) {
+          links += l.site + ": refused " + std::to_string(l.refused) + ", " + l.last_error + "\n";
+        }
+        FAIL() << sites_[i]->site() << " never refused gamma; links:\n"
+               << links << "gamma's log:\n"
+               << sites_[2]->Log();
+      }
+      std::this_thread::sleep_for(50ms);
+    }
+  }
+  // gamma sees why.
+  WaitJobState(
+      2, [](const SyncJobReport&) { return true; }, "no status");
+  auto st = sites_[2]->AdminClient()->SyncStatus();
+  ASSERT_TRUE(st.ok());
+  bool told = false;
+  for (const auto& l : st->links) told |= l.last_error.find("must join again") != std::string::npos;
+  EXPECT_TRUE(told) << "gamma's links do not say it was removed";
+  // Nothing of gamma's reached alpha or beta: same state, and they go on without it.
+  EXPECT_EQ(DigestsOf(0), before);
+  EXPECT_EQ(DigestsOf(1), before);
+  Push(0, 4), Push(1, 4);
+  WaitCommittedOn({0, 1}, 4);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+  EXPECT_EQ(JobState(0).epoch, 1u);
+  EXPECT_EQ(Committed(2), 2u);
+}
+
+TEST_F(SyncProcessTest, RemovalTheSitesDisagreeOnIsRefusedAndChangesNothing) {
+  StartSites({"alpha", "beta", "gamma"});
+  for (int i = 0; i < 3; ++i) Push(i, 1);
+  WaitCommitted(1);
+  WaitAcked(1);
+  // gamma's round 2 reaches alpha but not beta: alpha commits round 2, beta cannot.
+  auto [pcode, pout] = Ctl("sync pause --peer gamma " + SiteFlags(1));
+  ASSERT_EQ(pcode, 0) << pout;
+  for (int i = 0; i < 3; ++i) Push(i, 2);
+  WaitCommittedOn({0}, 2);
+  sites_[2]->Kill(SIGKILL);
+  ASSERT_EQ(Committed(1), 1u);
+  const auto a_before = DigestsOf(0), b_before = DigestsOf(1);
+  // From either side, the other disagrees on rounds.
+  for (int coordinator : {0, 1}) {
+    auto [code, out] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(coordinator));
+    EXPECT_EQ(code, 3) << out;
+    EXPECT_NE(out.find("disagree on rounds"), std::string::npos) << out;
+    EXPECT_NE(out.find("not applied"), std::string::npos) << out;
+  }
+  for (int i : {0, 1}) {
+    SyncJobReport j = JobState(i);
+    EXPECT_EQ(j.epoch, 0u);
+    EXPECT_EQ(j.members, (std::vector<std::string>{"alpha", "beta", "gamma"}));
+    EXPECT_FALSE(j.change_pending) << j.change;
+    EXPECT_TRUE(j.removed.empty());
+  }
+  EXPECT_EQ(Committed(0), 2u);
+  EXPECT_EQ(Committed(1), 1u);
+  EXPECT_EQ(DigestsOf(0), a_before);
+  EXPECT_EQ(DigestsOf(1), b_before);
+}
+
+TEST_F(SyncProcessTest, CoordinatorKilledMidChangeFinishesItAfterRestart) {
+  ThreeSitesThenGammaDies();
+  // alpha dies once beta has agreed, before it applies the change itself.
+  sites_[0]->Kill(SIGKILL);
+  ::setenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY", "1", 1);
+  bool started = sites_[0]->Start();
+  ::unsetenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY");
+  ASSERT_TRUE(started);
+  auto [code, out] = Ctl("sync remove --peer gamma --wait 3 --timeout-ms 1000 " + SiteFlags(0));
+  EXPECT_NE(code, 0) << out;
+  // beta agreed and holds its commits; alpha is gone.
+  WaitJobState(
+      1, [](const SyncJobReport& j) { return j.change_pending; }, "beta never agreed");
+  EXPECT_EQ(sites_[0]->Kill(SIGKILL) & 0x7f, 0) << "alpha did not exit by itself";
+  EXPECT_EQ(JobState(1).epoch, 0u);
+  EXPECT_EQ(Committed(1), 2u);
+  // Restarted (without the fault), alpha finds the change in its store and finishes it.
+  ASSERT_TRUE(sites_[0]->Start());
+  for (int i : {0, 1}) {
+    WaitJobState(
+        i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
+        "the change did not complete");
+  }
+  WaitCommittedOn({0, 1}, 3);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+}
+
+TEST_F(SyncProcessTest, AbandonedChangeReleasesTheSiteThatAgreed) {
+  ThreeSitesThenGammaDies();
+  sites_[0]->Kill(SIGKILL);
+  ::setenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY", "1", 1);
+  bool started = sites_[0]->Start();
+  ::unsetenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY");
+  ASSERT_TRUE(started);
+  Ctl("sync remove --peer gamma --wait 3 --timeout-ms 1000 " + SiteFlags(0));
+  WaitJobState(
+      1, [](const SyncJobReport& j) { return j.change_pending; }, "beta never agreed");
+  sites_[0]->Kill(SIGKILL);
+  // beta keeps alpha away while alpha's operator gives the change up.
+  auto [pcode, pout] = Ctl("sync pause --peer alpha " + SiteFlags(1));
+  ASSERT_EQ(pcode, 0) << pout;
+  ASSERT_TRUE(sites_[0]->Start());
+  auto [code, out] = Ctl("sync abandon " + SiteFlags(0));
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("abandoned"), std::string::npos) << out;
+  auto [rcode, rout] = Ctl("sync resume --peer alpha " + SiteFlags(1));
+  ASSERT_EQ(rcode, 0) << rout;
+  WaitJobState(
+      1, [](const SyncJobReport& j) { return !j.change_pending; },
+      "beta never learnt that the change was abandoned");
+  for (int i : {0, 1}) {
+    SyncJobReport j = JobState(i);
+    EXPECT_EQ(j.epoch, 0u);
+    EXPECT_EQ(j.members.size(), 3u);
+  }
+  // Nothing changed: gamma comes back and round 3 commits with all three sites.
+  ASSERT_TRUE(sites_[2]->Start());
+  Push(2, 3);
+  WaitCommitted(3);
+  ExpectIdenticalDigests(3);
+  ExpectRecomputedState(3);
+}
+
+TEST_F(SyncProcessTest, PlannedLeaveDrainsThenTheOthersGoOn) {
+  StartSites({"alpha", "beta", "gamma"});
+  for (uint64_t r = 1; r <= 2; ++r) {
+    for (int i = 0; i < 3; ++i) Push(i, r);
+    WaitCommitted(r);
+  }
+  // gamma's workers stop after round 2; alpha and beta are one round ahead.
+  Push(0, 3), Push(1, 3);
+  // A leave needs every site at the same committed round: here 2 everywhere.
+  auto [code, out] = Ctl("sync leave --wait 30 " + SiteFlags(2));
+  ASSERT_EQ(code, 0) << out;
+  WaitCommittedOn({0, 1}, 3);
+  Push(0, 4), Push(1, 4);
+  WaitCommittedOn({0, 1}, 4);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+  ExpectStateWithMembers(4, {0, 1}, [](uint64_t r) {
+    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+  });
+  SyncJobReport g = JobState(2);
+  EXPECT_EQ(g.epoch, 1u);
+  EXPECT_EQ(g.members, (std::vector<std::string>{"alpha", "beta"}));
+  // A site that left takes no more rounds.
+  auto w = Delta(2, 3, "w", kRows * kCols), b = Delta(2, 3, "b", kCols);
+  auto r = sites_[2]->WorkerClient()->Push(
+      "job", "gamma-r3", 3, Tokens(2), {{"w", {kRows, kCols}, w.data()}, {"b", {kCols}, b.data()}});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("no longer a member"), std::string::npos)
+      << r.status().ToString();
 }
 
 }  // namespace
