@@ -22,7 +22,8 @@ constexpr Row kRows[] = {
      "of trainable tensors, a `--device` this machine lacks)"},
     {kExitRefused, "refused",
      "refused: a key or permission problem (key file mode, key not on an allowlist), or a "
-     "shard refused the worker (base hash, no such job, tensor placement)"},
+     "shard refused the worker (base hash, no such job, tensor placement), or a site refused a "
+     "membership change (`isthmusctl sync remove/leave`)"},
     {kExitNotFound, "not found", "not found (job, snapshot, peer site, file)"},
     {kExitUnreachable, "unreachable", "a shard or peer did not answer (timeout, unavailable)"},
     {kExitDamaged, "damaged data",

@@ -1,6 +1,7 @@
 // Fuzz target: the peer message handler (PeerLinks::HandlePeerMessage) in front of a real
 // sync engine on an in-memory store. Site "alpha" holds job "j" (tensors "a" [4, 8] and
-// "b" [3]) and has closed round 1; its one peer is "beta". The links run without CURVE,
+// "b" [3]) and has closed round 1; its one peer is "beta". Membership prepares and queries
+// reach the engine's membership rules too. The links run without CURVE,
 // so a message names its site itself (under CURVE the key does; the checks after that
 // are the same). A delta that passes every check is decoded and stored, and commits
 // round 1; then the state is built afresh, so that later inputs meet the same state.
@@ -118,6 +119,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Frames f = ToFrames(data, size);
   flatbuffers::FlatBufferBuilder reply;
   (void)site->links->HandlePeerMessage("", f, reply);
-  if (site->shard->sync()->HeldFrom("beta", "j") > 0) site = std::make_unique<Site>();
+  // An accepted delta or membership change altered the state: start the next input afresh.
+  auto st = site->shard->sync()->JobStatus("j");
+  if (site->shard->sync()->HeldFrom("beta", "j") > 0 || !st.ok() || st->pending ||
+      st->members.epoch > 0) {
+    site = std::make_unique<Site>();
+  }
   return 0;
 }

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/client.h"
@@ -195,6 +196,25 @@ int main(int argc, char** argv) {
   Write(root / "peer" / "delta-other-site", PackedDelta("gamma", 1, "int8"));
   Write(root / "peer" / "delta-v999", PackedDelta("beta", 1, "int8", 999));
   Write(root / "peer" / "delta-round0", PackedDelta("beta", 0, "int8"));
+  // Membership: beta's prepare of its own leave (alpha alone from round 1), a query, and a
+  // prepare whose sites are out of order.
+  for (auto [name, step, sites] :
+       {std::tuple{"membership-prepare", wire::MembershipStepKind::Prepare,
+                   std::vector<std::string>{"alpha"}},
+        std::tuple{"membership-query", wire::MembershipStepKind::Query,
+                   std::vector<std::string>{"alpha"}},
+        std::tuple{"membership-unsorted", wire::MembershipStepKind::Prepare,
+                   std::vector<std::string>{"beta", "alpha"}}}) {
+    flatbuffers::FlatBufferBuilder fbb;
+    std::vector<flatbuffers::Offset<flatbuffers::String>> names;
+    for (const auto& n : sites) names.push_back(fbb.CreateString(n));
+    auto next = wire::CreateMembershipState(fbb, 1, fbb.CreateVector(names), 1);
+    FinishEnvelope(fbb, 14, wire::Body::PeerMembership,
+                   wire::CreatePeerMembership(fbb, fbb.CreateString("beta"), fbb.CreateString("j"),
+                                              step, next, fbb.CreateString("beta"))
+                       .Union());
+    Write(root / "peer" / name, PeerMessage(fbb));
+  }
 
   // Codec: 2 bytes (element count - 1), then an encoding of that many values.
   std::vector<float> x(200);
