@@ -501,7 +501,10 @@ int CmdMembership(const Connection& c, wire::MembershipAction action, const std:
       for (const auto& j : st->jobs) {
         auto it = started[i].find(j.job);
         if (it == started[i].end() || outcome[i].count(j.job)) continue;
-        if (j.epoch >= it->second) {
+        const bool member =
+            std::find(j.members.begin(), j.members.end(), st->site) != j.members.end();
+        if (action == wire::MembershipAction::Join ? member && !j.change_pending
+                                                   : j.epoch >= it->second) {
           outcome[i][j.job] = j.change;  // "applied: ..."
         } else if (!j.change_pending) {
           outcome[i][j.job] = "not applied: " + j.change;
@@ -523,8 +526,13 @@ int CmdMembership(const Connection& c, wire::MembershipAction action, const std:
   for (size_t i = 0; i < clients->size(); ++i) {
     for (const auto& [j, epoch] : started[i]) {
       auto it = outcome[i].find(j);
-      std::printf("shard %zu: job %s: epoch %llu: %s\n", i, j.c_str(), (unsigned long long)epoch,
-                  it == outcome[i].end() ? "(shard did not answer)" : it->second.c_str());
+      std::string what = it == outcome[i].end() ? "(shard did not answer)" : it->second;
+      if (action == wire::MembershipAction::Join) {
+        std::printf("shard %zu: job %s: %s\n", i, j.c_str(), what.c_str());
+      } else {
+        std::printf("shard %zu: job %s: epoch %llu: %s\n", i, j.c_str(), (unsigned long long)epoch,
+                    what.c_str());
+      }
       if (it == outcome[i].end() && worst.ok()) worst = Status::Unavailable("no answer");
     }
   }
@@ -816,13 +824,22 @@ int main(int argc, char** argv) {
       "this site leaves the job(s) (stop its workers and let its rounds commit first); the "
       "remaining sites must agree");
   AddConnectionFlags(sync_leave, conn);
+  std::string join_from;
+  auto* sync_join = sync->add_subcommand(
+      "join",
+      "this site joins a running job: a member coordinates its addition, this site takes the "
+      "member's committed state, checked against every member's digest, and contributes from "
+      "the next round (run before this site's workers start)");
+  AddConnectionFlags(sync_join, conn);
+  sync_join->add_option("--from", join_from, "the member site to ask")->required();
   auto* sync_abandon = sync->add_subcommand(
       "abandon", "give up the membership change this site coordinates (remove or leave)");
   AddConnectionFlags(sync_abandon, conn);
   for (auto* cmd : {sync_remove, sync_leave, sync_abandon}) {
     cmd->add_option("-j,--job", member_job, "only this job (default: every sync job)");
   }
-  for (auto* cmd : {sync_remove, sync_leave}) {
+  sync_join->add_option("-j,--job", member_job, "the job to join")->required();
+  for (auto* cmd : {sync_remove, sync_leave, sync_join}) {
     cmd->add_option("--wait", wait_s, "seconds to wait for the outcome (the change goes on after)")
         ->check(CLI::Range(0, 86400))
         ->capture_default_str();
@@ -851,6 +868,9 @@ int main(int argc, char** argv) {
   }
   if (*sync_leave)
     return CmdMembership(conn, wire::MembershipAction::Leave, "", member_job, wait_s);
+  if (*sync_join) {
+    return CmdMembership(conn, wire::MembershipAction::Join, join_from, member_job, wait_s);
+  }
   if (*sync_abandon) {
     return CmdMembership(conn, wire::MembershipAction::Abandon, "", member_job, 0);
   }

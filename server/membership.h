@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,11 @@ struct MembershipChange {
 // One membership request between two sites' shards, for one job. kPrepare: the coordinator
 // asks a site of the new membership to agree (and hold its commits at the boundary until the
 // outcome is known). kQuery: a site that agreed asks the coordinator for the outcome.
-enum class MembershipStep { kPrepare, kQuery };
+// A joining site (not yet holding the job) sends: kJoin, asking a member to coordinate its
+// addition (`change.next.sites` = the joining site); kFetch, asking the coordinator for the
+// committed state the addition starts from; kDigest, asking any member for its digest of
+// that round.
+enum class MembershipStep { kPrepare, kQuery, kJoin, kFetch, kDigest };
 struct MembershipRequest {
   std::string job;
   MembershipStep step = MembershipStep::kPrepare;
@@ -44,9 +49,28 @@ struct MembershipRequest {
 // query) not decided yet. kRefused: no, for `reason`; nothing changed there. kAbandoned: (to a
 // query) the coordinator gave the change up.
 enum class MembershipVote { kPrepared, kApplied, kPending, kRefused, kAbandoned };
+
+// A job's committed state at one round, as a member hands it to a joining site.
+struct ImageTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::shared_ptr<const std::vector<float>> theta;
+  std::shared_ptr<const std::vector<float>> momentum;  // null when no momentum is kept
+};
+struct JobImage {
+  uint64_t round = 0;    // the committed round
+  std::string digest;    // its digest, as the member stores it
+  Membership members;    // the membership that round was committed under
+  uint64_t version = 0;  // the member's served version
+  std::string base_hash;
+  std::vector<ImageTensor> tensors;  // name order
+};
+
 struct MembershipAnswer {
   MembershipVote vote = MembershipVote::kRefused;
   std::string reason;
+  std::string digest;                     // kDigest: the round's digest
+  std::shared_ptr<const JobImage> image;  // kFetch
 };
 const char* MembershipVoteName(MembershipVote v);
 

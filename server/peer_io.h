@@ -58,9 +58,10 @@ class DeltaSource {
   // The link's measured throughput towards `peer_site` (bytes of delta per second of
   // transfer, smoothed); the engine's adaptive codec sizes the next rounds to fit it.
   virtual void OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) = 0;
-  // Whether this site's deltas of `job` go to `peer_site`: both are members of the job
-  // (a removed site gets nothing more, and a site that left sends nothing).
-  virtual bool SendsTo(const std::string& peer_site, const std::string& job) const = 0;
+  // The first round of this site's deltas of `job` that `peer_site` merges; 0 when none
+  // goes to it (it is not a member, or this site is not). A site that joined at round r
+  // starts from r: it holds the state of the rounds before.
+  virtual uint64_t FirstRoundTo(const std::string& peer_site, const std::string& job) const = 0;
   // Membership requests this site has for `peer_site` now (a change it coordinates, or the
   // outcome of one it agreed to); the link sends them and hands back the answers.
   virtual std::vector<MembershipRequest> MembershipRequests(const std::string& peer_site) = 0;

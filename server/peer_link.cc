@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <set>
 
@@ -126,6 +127,97 @@ Result<Membership> ReadMembership(const wire::MembershipState* m, const WireLimi
     out.sites.push_back(s->str());
   }
   return out;
+}
+
+wire::MembershipStepKind StepToWire(MembershipStep s) {
+  switch (s) {
+    case MembershipStep::kPrepare:
+      return wire::MembershipStepKind::Prepare;
+    case MembershipStep::kQuery:
+      return wire::MembershipStepKind::Query;
+    case MembershipStep::kJoin:
+      return wire::MembershipStepKind::Join;
+    case MembershipStep::kFetch:
+      return wire::MembershipStepKind::Fetch;
+    case MembershipStep::kDigest:
+      return wire::MembershipStepKind::Digest;
+  }
+  return wire::MembershipStepKind::Prepare;
+}
+
+Result<MembershipStep> StepFromWire(wire::MembershipStepKind s) {
+  switch (s) {
+    case wire::MembershipStepKind::Prepare:
+      return MembershipStep::kPrepare;
+    case wire::MembershipStepKind::Query:
+      return MembershipStep::kQuery;
+    case wire::MembershipStepKind::Join:
+      return MembershipStep::kJoin;
+    case wire::MembershipStepKind::Fetch:
+      return MembershipStep::kFetch;
+    case wire::MembershipStepKind::Digest:
+      return MembershipStep::kDigest;
+  }
+  return Status::InvalidArgument("unknown membership step");
+}
+
+// A joining site's view of a member's committed state: shapes and sizes checked against
+// the limits and the payload, values copied out of the frames.
+Result<std::shared_ptr<const JobImage>> ReadImage(const wire::JobImageMsg* m, const Frames& msg,
+                                                  const WireLimits& lim) {
+  if (m->tensors() == nullptr || m->members() == nullptr) {
+    return Status::InvalidArgument("job image without tensors or members");
+  }
+  auto image = std::make_shared<JobImage>();
+  image->round = m->round();
+  image->digest = Str(m->digest());
+  image->version = m->version();
+  image->base_hash = Str(m->base_hash());
+  ISTHMUS_ASSIGN_OR_RETURN(image->members, ReadMembership(m->members(), lim));
+  const auto* mf = m->momentum_frames();
+  if (mf != nullptr && mf->size() != m->tensors()->size()) {
+    return Status::InvalidArgument("job image: momentum frames do not match its tensors");
+  }
+  auto frame_floats = [&](uint32_t f,
+                          uint64_t numel) -> Result<std::shared_ptr<const std::vector<float>>> {
+    if (f >= msg.payload.size() || msg.payload[f].size() != numel * sizeof(float)) {
+      return Status::InvalidArgument("job image frame " + std::to_string(f) +
+                                     " has the wrong size");
+    }
+    auto v = std::make_shared<std::vector<float>>(numel);
+    if (numel > 0) std::memcpy(v->data(), msg.payload[f].data(), numel * sizeof(float));
+    for (float x : *v) {
+      if (!std::isfinite(x)) return Status::InvalidArgument("job image value is not finite");
+    }
+    return std::shared_ptr<const std::vector<float>>(std::move(v));
+  };
+  for (uint32_t i = 0; i < m->tensors()->size(); ++i) {
+    const auto* t = m->tensors()->Get(i);
+    ImageTensor it;
+    it.name = t->name()->str();
+    if (it.name.empty() || it.name.size() > lim.max_name_bytes ||
+        (!image->tensors.empty() && it.name <= image->tensors.back().name)) {
+      return Status::InvalidArgument("job image tensor names are not sorted, distinct names");
+    }
+    uint64_t numel = 1;
+    if (t->shape() == nullptr || t->shape()->size() > 8) {
+      return Status::InvalidArgument("job image tensor '" + it.name + "' has no usable shape");
+    }
+    for (int64_t d : *t->shape()) {
+      if (d < 0 || d > int64_t{1} << 40 ||
+          (d > 0 && numel > (uint64_t{1} << 40) / static_cast<uint64_t>(d))) {
+        return Status::InvalidArgument("job image tensor '" + it.name + "' is too large");
+      }
+      it.shape.push_back(d);
+      numel *= static_cast<uint64_t>(d);
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(it.theta, frame_floats(t->frame(), numel));
+    if (mf != nullptr) {
+      ISTHMUS_ASSIGN_OR_RETURN(it.momentum, frame_floats(mf->Get(i), numel));
+    }
+    image->tensors.push_back(std::move(it));
+  }
+  return std::shared_ptr<const JobImage>(std::move(image));
 }
 
 // A delta in the packed layout (schemas/isthmus.fbs, PeerDelta): byte counts in name
@@ -504,10 +596,8 @@ void PeerLinks::SendMembership(Link& link, Clock::time_point now) {
   flatbuffers::FlatBufferBuilder fbb;
   auto body = wire::CreatePeerMembership(
       fbb, options_.insecure_plaintext ? fbb.CreateString(options_.site) : 0,
-      fbb.CreateString(req.job),
-      req.step == MembershipStep::kPrepare ? wire::MembershipStepKind::Prepare
-                                           : wire::MembershipStepKind::Query,
-      WriteMembership(fbb, req.change.next), fbb.CreateString(req.change.coordinator));
+      fbb.CreateString(req.job), StepToWire(req.step), WriteMembership(fbb, req.change.next),
+      fbb.CreateString(req.change.coordinator));
   uint64_t id = ++link.request_seq;
   FinishEnvelope(fbb, id, wire::Body::PeerMembership, body.Union());
   if (!Transmit(link, fbb, {}).ok()) return;
@@ -525,12 +615,7 @@ Status PeerLinks::HandleMembership(Link& from, const wire::PeerMembership* req, 
   if (r.job.size() > options_.limits.max_name_bytes) {
     return Status::InvalidArgument("job name too long");
   }
-  r.step = req->step() == wire::MembershipStepKind::Query ? MembershipStep::kQuery
-                                                          : MembershipStep::kPrepare;
-  if (req->step() != wire::MembershipStepKind::Query &&
-      req->step() != wire::MembershipStepKind::Prepare) {
-    return Status::InvalidArgument("unknown membership step");
-  }
+  ISTHMUS_ASSIGN_OR_RETURN(r.step, StepFromWire(req->step()));
   ISTHMUS_ASSIGN_OR_RETURN(r.change.next, ReadMembership(req->next(), options_.limits));
   r.change.coordinator = Str(req->coordinator());
   const MembershipAnswer a = sink_->OnMembershipRequest(from.spec.site, r);
@@ -551,7 +636,34 @@ Status PeerLinks::HandleMembership(Link& from, const wire::PeerMembership* req, 
     case MembershipVote::kRefused:
       break;
   }
-  auto body = wire::CreatePeerMembershipReply(reply, vote, reply.CreateString(a.reason));
+  flatbuffers::Offset<wire::JobImageMsg> image = 0;
+  if (a.image) {
+    // The values travel as payload frames, without a copy; the reply keeps them alive.
+    std::vector<flatbuffers::Offset<wire::PeerTensor>> tensors;
+    std::vector<uint32_t> momentum;
+    for (const auto& t : a.image->tensors) {
+      const uint32_t frame = static_cast<uint32_t>(reply_payload_.size());
+      reply_payload_.push_back({t.theta->data(), t.theta->size() * sizeof(float), t.theta});
+      tensors.push_back(wire::CreatePeerTensor(reply, reply.CreateString(t.name),
+                                               reply.CreateVector(t.shape), frame,
+                                               t.theta->size() * sizeof(float)));
+      if (t.momentum) {
+        momentum.push_back(static_cast<uint32_t>(reply_payload_.size()));
+        reply_payload_.push_back(
+            {t.momentum->data(), t.momentum->size() * sizeof(float), t.momentum});
+      }
+    }
+    if (!momentum.empty() && momentum.size() != a.image->tensors.size()) {
+      return Status::Internal("job image has momentum for some tensors only");
+    }
+    image =
+        wire::CreateJobImageMsg(reply, a.image->round, reply.CreateString(a.image->digest),
+                                WriteMembership(reply, a.image->members), a.image->version,
+                                reply.CreateString(a.image->base_hash), reply.CreateVector(tensors),
+                                momentum.empty() ? 0 : reply.CreateVector(momentum));
+  }
+  auto body = wire::CreatePeerMembershipReply(reply, vote, reply.CreateString(a.reason),
+                                              reply.CreateString(a.digest), image);
   FinishEnvelope(reply, id, wire::Body::PeerMembershipReply, body.Union());
   return Status::Ok();
 }
@@ -586,7 +698,9 @@ void PeerLinks::Reset(Link& link, const std::string& why, bool reopen) {
 void PeerLinks::Pump(Link& link) {
   if (!CanSend(link) || link.paused || !link.ready) return;
   for (auto& [job, jl] : link.jobs) {
-    if (!source_->SendsTo(link.spec.site, job)) continue;  // a member no more (or not yet)
+    const uint64_t first = source_->FirstRoundTo(link.spec.site, job);
+    if (first == 0) continue;  // a member no more (or not yet)
+    jl.next = std::max(jl.next, first);
     uint64_t high = source_->OutboxHighRound(job);
     while (link.inflight.size() < static_cast<size_t>(std::max(1, options_.window)) &&
            jl.next <= high) {
@@ -667,11 +781,11 @@ void PeerLinks::OnDealerReadable(Link& link) {
       link.stats.last_error = "bad reply from peer: " + env.status().ToString();
       continue;
     }
-    OnReply(link, *env);
+    OnReply(link, *env, *msg);
   }
 }
 
-void PeerLinks::OnReply(Link& link, const wire::Envelope* env) {
+void PeerLinks::OnReply(Link& link, const wire::Envelope* env, const Frames& msg) {
   auto it = link.inflight.find(env->request_id());
   if (it == link.inflight.end()) return;  // a reply to a request we gave up on
   auto now = Clock::now();
@@ -708,6 +822,15 @@ void PeerLinks::OnReply(Link& link, const wire::Envelope* env) {
     const auto* r = env->body_as_PeerMembershipReply();
     MembershipAnswer answer;
     answer.reason = Str(r->reason());
+    answer.digest = Str(r->digest());
+    if (r->image() != nullptr) {
+      auto image = ReadImage(r->image(), msg, options_.limits);
+      if (!image.ok()) {
+        link.stats.last_error = "bad job image from the peer: " + image.status().ToString();
+        return;
+      }
+      answer.image = *image;
+    }
     switch (r->vote()) {
       case wire::MembershipVoteKind::Prepared:
         answer.vote = MembershipVote::kPrepared;
@@ -905,7 +1028,7 @@ void PeerLinks::OnRouterReadable() {
       }
       CountReceived(*link, *msg);
       link->last_traffic = Clock::now();
-      OnReply(*link, *env);
+      OnReply(*link, *env, *msg);
       continue;
     }
     std::string user_id;
@@ -932,6 +1055,7 @@ PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* 
   if (routing_id != nullptr) {
     connection.assign(static_cast<const char*>(routing_id->data()), routing_id->size());
   }
+  reply_payload_.clear();
   Status s = HandlePeerMessage(user_id, env, msg, reply, &from, routing_id ? &connection : nullptr);
   if (!s.ok()) {
     reply.Clear();
@@ -957,11 +1081,12 @@ PeerLinks::Link* PeerLinks::Answer(zmq::socket_t& socket, const zmq::message_t* 
     if (from->held_acks.size() > kMaxHeldAcks) FlushAcks(*from, /*all=*/true);
     return from;
   }
-  Status sent = SendMessage(socket, routing_id, reply, {});
+  if (!s.ok()) reply_payload_.clear();
+  Status sent = SendMessage(socket, routing_id, reply, reply_payload_);
   if (!sent.ok()) spdlog::warn("could not answer a peer: {}", sent.ToString());
   if (from != nullptr) {
     CountReceived(*from, msg);
-    if (sent.ok()) CountSent(*from, reply, {});
+    if (sent.ok()) CountSent(*from, reply, reply_payload_);
     from->last_traffic = Clock::now();
   }
   return from;

@@ -221,7 +221,7 @@ class PeerLinks {
   void OnMonitorReadable(Link& link);
   void OnRouterReadable();
   // A reply from the link's peer to one of our requests.
-  void OnReply(Link& link, const wire::Envelope* env);
+  void OnReply(Link& link, const wire::Envelope* env, const Frames& msg);
   // The peer holds every round up to `held` of the delta `request_id`, as of `at`.
   void OnAcked(Link& link, uint64_t request_id, uint64_t held, Clock::time_point at);
   // Sends the acknowledgements the link has held past their time as messages of their own.
@@ -267,6 +267,8 @@ class PeerLinks {
   std::map<std::string, Link*> by_key_;  // public key -> link
   uint64_t refused_unknown_ = 0;
   uint64_t monitor_seq_ = 0;
+  // Payload frames of the reply being built (a job image for a joining site).
+  std::vector<PayloadRef> reply_payload_;
   std::vector<int> poll_map_;  // poll item -> (link index * 2 + 0 dealer / 1 monitor), -1 router
 };
 

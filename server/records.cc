@@ -60,7 +60,8 @@ std::string EncodeSyncRecord(const SyncRecord& r) {
                      {"raw_bytes", r.raw_bytes},
                      {"pipelines", r.pipelines},
                      {"members", MembershipJson(r.members)},
-                     {"removed", r.removed}};
+                     {"removed", r.removed},
+                     {"joined", r.joined}};
   if (r.pending) {
     out["pending"] = {{"next", MembershipJson(r.pending->next)},
                       {"coordinator", r.pending->coordinator}};
@@ -85,8 +86,10 @@ Result<SyncRecord> DecodeSyncRecord(std::string_view text, const std::string& jo
     r.pipelines = rec.at("pipelines").get<std::map<std::string, uint64_t>>();
     // Records written before memberships existed have none of these.
     if (rec.contains("members")) r.members = MembershipFromJson(rec.at("members"));
-    if (rec.contains("removed"))
+    if (rec.contains("removed")) {
       r.removed = rec.at("removed").get<std::map<std::string, uint64_t>>();
+    }
+    if (rec.contains("joined")) r.joined = rec.at("joined").get<std::map<std::string, uint64_t>>();
     if (rec.contains("pending")) {
       const auto& p = rec.at("pending");
       r.pending = MembershipChange{MembershipFromJson(p.at("next")),

@@ -43,6 +43,7 @@ struct SyncRecord {
   // existed; the engine fills in the configured sites).
   Membership members;
   std::map<std::string, uint64_t> removed;  // site -> first round it was no longer merged in
+  std::map<std::string, uint64_t> joined;   // site -> first round it merged into, if it joined
   std::optional<MembershipChange> pending;  // a change this site agreed to or coordinates
 };
 

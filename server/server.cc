@@ -109,7 +109,7 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
   }
   std::vector<flatbuffers::Offset<wire::SyncJobState>> job_states;
   if (engine != nullptr) {
-    for (const auto& job : engine->SyncJobs()) {
+    for (const auto& job : engine->StatusJobs()) {
       auto js = engine->JobStatus(job);
       if (!js.ok()) continue;
       std::vector<flatbuffers::Offset<flatbuffers::String>> members;
@@ -191,6 +191,21 @@ Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, Sync
     return Status::FailedPrecondition("this shard does not sync (set sync.site to turn it on)");
   }
   std::vector<std::string> jobs;
+  if (req->action() == wire::MembershipAction::Join) {
+    if (req->job() == nullptr || req->job()->size() == 0 || req->site() == nullptr ||
+        req->site()->size() == 0) {
+      return Status::InvalidArgument("a join names the job (-j) and the member to ask (--from)");
+    }
+    ISTHMUS_RETURN_IF_ERROR(engine->StartJoin(req->job()->str(), req->site()->str()));
+    auto& fbb = reply.header;
+    std::vector<flatbuffers::Offset<flatbuffers::String>> names{
+        fbb.CreateString(req->job()->str())};
+    std::vector<uint64_t> epochs{0};
+    auto body =
+        wire::CreateMembershipControlReply(fbb, fbb.CreateVector(names), fbb.CreateVector(epochs));
+    FinishEnvelope(reply.header, id, wire::Body::MembershipControlReply, body.Union());
+    return Status::Ok();
+  }
   if (req->job() != nullptr && req->job()->size() > 0) {
     jobs.push_back(req->job()->str());
   } else {

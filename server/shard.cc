@@ -111,6 +111,18 @@ Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
   if (shard->options_.sync) {
     ISTHMUS_ASSIGN_OR_RETURN(shard->sync_,
                              SyncEngine::Create(shard->store_.get(), *shard->options_.sync));
+    Shard* self = shard.get();
+    SyncEngine::JobHooks hooks;
+    hooks.base_hash = [self](const std::string& job) {
+      auto it = self->jobs_.find(job);
+      return it == self->jobs_.end() ? std::string() : it->second.base_hash;
+    };
+    hooks.install = [self](const std::string& job, const std::string& base_hash,
+                           const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                           WriteBatch& batch) {
+      return self->InstallJoinedJob(job, base_hash, tensors, version, batch);
+    };
+    shard->sync_->SetJobHooks(std::move(hooks));
   }
   ISTHMUS_RETURN_IF_ERROR(shard->Load());
   return shard;
@@ -122,6 +134,30 @@ std::string Shard::JobRecord(const JobState& job) const {
               {"last_round", job.last_round}, {"tokens", job.tokens},
               {"dedup_seq", job.dedup_seq},   {"create_hash", job.create_hash}}
       .dump();
+}
+
+Status Shard::InstallJoinedJob(const std::string& name, const std::string& base_hash,
+                               const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                               WriteBatch& batch) {
+  if (jobs_.count(name)) return Status::AlreadyExists("job '" + name + "' already exists");
+  if (!IsValidName(name)) return Status::InvalidArgument("job name '" + name + "' is not valid");
+  JobState job;
+  job.name = name;
+  job.base_hash = base_hash;
+  job.version = version;
+  job.created_unix = NowUnix();
+  job.create_hash = "joined";  // no job create request made it: none is answered as a retry
+  for (const auto& [tname, t] : tensors) {
+    batch.Put(Column::kTensors, JobKey(name, tname), Bytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, JobKey(name, tname),
+                   EncodeTensorRecord({t.shape, version}));
+    job.tensors.emplace(tname, TensorState{t.shape, version, nullptr});
+  }
+  batch.PutOwned(Column::kJobs, name, JobRecord(job));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  jobs_.emplace(name, std::move(job));
+  spdlog::info("created job '{}' from a member's state: {} tensors", name, tensors.size());
+  return Status::Ok();
 }
 
 void Shard::ReleaseSyncedData(JobState& job) {

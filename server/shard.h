@@ -92,6 +92,10 @@ class Shard {
   Status Load();
   std::string JobRecord(const JobState& job) const;
   static void ReleaseSyncedData(JobState& job);
+  // A job a joining site builds from a member's state (SyncEngine::JobHooks::install).
+  Status InstallJoinedJob(const std::string& name, const std::string& base_hash,
+                          const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                          WriteBatch& batch);
   // fp32 bytes of the job's tensors, from their shapes.
   static uint64_t JobBytes(const JobState& job);
 

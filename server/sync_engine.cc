@@ -289,6 +289,7 @@ Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions
 void SyncEngine::Reset(Store* store) {
   store_ = store;
   jobs_.clear();
+  joining_.clear();
 }
 
 std::vector<std::string> SyncEngine::MemberPeers(const Job& j) const {
@@ -906,6 +907,16 @@ uint64_t SyncEngine::CommittedRound(const std::string& job) const {
 }
 
 Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
+  if (auto jt = joining_.find(name); jt != joining_.end() && !jobs_.count(name)) {
+    SyncJobStatus s;
+    s.job = name;
+    s.site = options_.site;
+    s.change_note = jt->second.note;
+    if (!jt->second.failed) {
+      s.pending = jt->second.change.value_or(MembershipChange{{}, jt->second.from});
+    }
+    return s;
+  }
   ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
   SyncJobStatus s;
   s.job = name;
@@ -967,6 +978,11 @@ Result<std::vector<std::pair<uint64_t, std::string>>> SyncEngine::Digests(const 
 std::vector<std::string> SyncEngine::SyncJobs() const {
   std::vector<std::string> out;
   for (const auto& [name, _] : jobs_) out.push_back(name);
+  // A job being joined is named in handshakes too, so that links to members get ready.
+  for (const auto& [name, jn] : joining_) {
+    if (!jn.failed && !jobs_.count(name)) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
   return out;
 }
 
@@ -1243,7 +1259,13 @@ Status SyncEngine::ApplyChange(const std::string& name, Job& j) {
       batch.Delete(Column::kDeltas, DeltaKey(name, s, r));
     }
   }
-  for (const auto& s : change.next.sites) rec.removed.erase(s);
+  for (const auto& s : change.next.sites) {
+    if (j.members.Has(s)) continue;
+    // An added site holds the state of every round before its first: it needs none of them.
+    rec.removed.erase(s);
+    rec.joined[s] = change.next.from_round;
+    if (s != options_.site) rec.acked[s] = std::max(rec.acked[s], change.next.from_round - 1);
+  }
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   const std::string what = change.Describe(j.members);
@@ -1276,12 +1298,19 @@ std::string SyncEngine::PrepareRefusal(const Job& j, const std::string& from,
            c.coordinator + " round " + std::to_string(c.next.from_round - 1) +
            ": the sites disagree on rounds, so they would not merge the same deltas";
   }
-  std::vector<std::string> gone;
+  std::vector<std::string> gone, added;
   for (const auto& s : j.members.sites) {
     if (!c.next.Has(s)) gone.push_back(s);
   }
-  if (gone.size() != 1 || c.next.sites.size() + 1 != j.members.sites.size()) {
-    return "the change is not the removal of one member of " + j.members.SiteList();
+  for (const auto& s : c.next.sites) {
+    if (!j.members.Has(s)) added.push_back(s);
+  }
+  if (gone.size() + added.size() != 1) {
+    return "the change is not the removal or the addition of one site to " + j.members.SiteList();
+  }
+  if (!added.empty() && !Configured(added[0])) {
+    return "site " + added[0] + " has no sync.peers entry at " + here +
+           ": add it (sync.peers and security.peer_keys) and restart this shard before it joins";
   }
   return "";
 }
@@ -1290,10 +1319,53 @@ MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
                                                  const MembershipRequest& req) {
   auto it = jobs_.find(req.job);
   if (it == jobs_.end()) {
+    if (joining_.count(req.job)) return OnJoiningRequest(from, req);
     return {MembershipVote::kRefused, "job '" + req.job + "' does not sync on this shard"};
   }
   Job& j = it->second;
   const MembershipChange& c = req.change;
+  if (req.step == MembershipStep::kJoin) {
+    if (std::string why = NonMemberReason(req.job, j, options_.site); !why.empty()) {
+      return {MembershipVote::kRefused, why};
+    }
+    if (j.members.Has(from)) {
+      return {MembershipVote::kRefused, "site " + from + " is already a member of job '" + req.job +
+                                            "' (epoch " + std::to_string(j.members.epoch) + ")"};
+    }
+    if (j.pending) {
+      if (j.pending->coordinator == options_.site && j.pending->next.Has(from)) {
+        return {MembershipVote::kPending, j.pending->Describe(j.members)};
+      }
+      return {MembershipVote::kRefused, "another change is under way at site " + options_.site +
+                                            ": " + j.pending->Describe(j.members)};
+    }
+    auto added = ProposeAddition(req.job, j, from);
+    if (!added.ok()) return {MembershipVote::kRefused, added.status().message()};
+    return {MembershipVote::kPending, added->Describe(j.members)};
+  }
+  if (req.step == MembershipStep::kFetch) {
+    if (!j.pending || !(*j.pending == c) || c.coordinator != options_.site || !c.next.Has(from)) {
+      return {MembershipVote::kRefused,
+              "no addition of site " + from + " is under way at site " + options_.site +
+                  (j.change_note.empty() ? std::string() : " (" + j.change_note + ")")};
+    }
+    auto image = Image(req.job, j);
+    if (!image.ok()) return {MembershipVote::kRefused, image.status().ToString()};
+    MembershipAnswer a{MembershipVote::kPrepared, "", (*image)->digest, *image};
+    return a;
+  }
+  if (req.step == MembershipStep::kDigest) {
+    const uint64_t round = c.next.from_round == 0 ? 0 : c.next.from_round - 1;
+    if (j.committed < round) {
+      return {MembershipVote::kPending,
+              "round " + std::to_string(round) + " is not committed here"};
+    }
+    auto d = Digests(req.job, round, 1);
+    if (!d.ok() || d->empty() || d->front().first != round) {
+      return {MembershipVote::kRefused, "no digest of round " + std::to_string(round) + " here"};
+    }
+    return {MembershipVote::kPrepared, "", d->front().second, nullptr};
+  }
   if (req.step == MembershipStep::kQuery) {
     if (c.coordinator != options_.site) {
       return {MembershipVote::kRefused, "site " + options_.site + " does not coordinate it"};
@@ -1328,6 +1400,18 @@ MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
 
 std::vector<MembershipRequest> SyncEngine::MembershipRequests(const std::string& peer) {
   std::vector<MembershipRequest> out;
+  for (const auto& [name, jn] : joining_) {
+    if (jn.failed || jobs_.count(name)) continue;
+    if (!jn.change) {
+      if (peer == jn.from) {
+        out.push_back({name, MembershipStep::kJoin, {{0, {options_.site}, 0}, jn.from}});
+      }
+    } else if (!jn.image) {
+      if (peer == jn.from) out.push_back({name, MembershipStep::kFetch, *jn.change});
+    } else if (jn.image->members.Has(peer) && !jn.digests.count(peer)) {
+      out.push_back({name, MembershipStep::kDigest, *jn.change});
+    }
+  }
   for (const auto& [name, j] : jobs_) {
     if (!j.pending) continue;
     const MembershipChange& c = *j.pending;
@@ -1345,7 +1429,10 @@ std::vector<MembershipRequest> SyncEngine::MembershipRequests(const std::string&
 void SyncEngine::OnMembershipAnswer(const std::string& peer, const MembershipRequest& req,
                                     const MembershipAnswer& answer) {
   auto it = jobs_.find(req.job);
-  if (it == jobs_.end()) return;
+  if (it == jobs_.end()) {
+    OnJoiningAnswer(peer, req, answer);
+    return;
+  }
   Job& j = it->second;
   if (!j.pending || !(*j.pending == req.change)) return;  // an answer about an older change
   Status s;
@@ -1373,9 +1460,23 @@ void SyncEngine::OnMembershipAnswer(const std::string& peer, const MembershipReq
   if (!s.ok()) spdlog::warn("job '{}': membership change: {}", req.job, s.ToString());
 }
 
-bool SyncEngine::SendsTo(const std::string& peer, const std::string& job) const {
+uint64_t SyncEngine::FirstRoundTo(const std::string& peer, const std::string& job) const {
   auto it = jobs_.find(job);
-  return it != jobs_.end() && it->second.members.Has(options_.site) && it->second.members.Has(peer);
+  if (it == jobs_.end() || !it->second.members.Has(options_.site) ||
+      !it->second.members.Has(peer)) {
+    return 0;
+  }
+  auto joined = it->second.joined.find(peer);
+  return joined == it->second.joined.end() ? 1 : joined->second;
+}
+
+std::vector<std::string> SyncEngine::StatusJobs() const {
+  std::vector<std::string> out = SyncJobs();
+  for (const auto& [name, jn] : joining_) {
+    if (jn.failed && !jobs_.count(name)) out.push_back(name);
+  }
+  std::sort(out.begin(), out.end());
+  return out;
 }
 
 std::string SyncEngine::RefusesPeer(const std::string& site, const std::string& job) const {
@@ -1383,6 +1484,200 @@ std::string SyncEngine::RefusesPeer(const std::string& site, const std::string& 
   if (it == jobs_.end()) return "";
   if (std::string why = NonMemberReason(job, it->second, options_.site); !why.empty()) return why;
   return it->second.removed.count(site) ? NonMemberReason(job, it->second, site) : "";
+}
+
+// ---- joining ------------------------------------------------------------------------------
+
+bool SyncEngine::Configured(const std::string& site) const {
+  return site == options_.site || std::find(options_.peer_sites.begin(), options_.peer_sites.end(),
+                                            site) != options_.peer_sites.end();
+}
+
+Result<MembershipChange> SyncEngine::ProposeAddition(const std::string& name, Job& j,
+                                                     const std::string& site) {
+  MembershipChange change;
+  change.coordinator = options_.site;
+  change.next = j.members;
+  change.next.sites.push_back(site);
+  std::sort(change.next.sites.begin(), change.next.sites.end());
+  change.next.epoch = j.members.epoch + 1;
+  change.next.from_round = j.committed + 1;
+  for (const auto& s : change.next.sites) {
+    if (!Configured(s)) {
+      return Status::FailedPrecondition("site " + s + " has no sync.peers entry at site " +
+                                        options_.site + ": it cannot be asked to agree");
+    }
+  }
+  SyncRecord rec = j;
+  rec.pending = change;
+  WriteBatch batch;
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j.pending = change;
+  j.votes.clear();
+  j.change_note.clear();
+  spdlog::info("job '{}': site {} asks to join: proposing to {}", name, site,
+               change.Describe(j.members));
+  return change;
+}
+
+Result<std::shared_ptr<const JobImage>> SyncEngine::Image(const std::string& name,
+                                                          const Job& j) const {
+  auto image = std::make_shared<JobImage>();
+  image->round = j.committed;
+  image->members = j.members;
+  image->version = j.version;
+  image->base_hash = hooks_.base_hash ? hooks_.base_hash(name) : "";
+  ISTHMUS_ASSIGN_OR_RETURN(auto d, Digests(name, j.committed, 1));
+  if (d.empty() || d.front().first != j.committed) {
+    return Status::Corruption("job '" + name + "' has no digest of its committed round");
+  }
+  image->digest = d.front().second;
+  for (const auto& [tname, t] : j.theta) {
+    ImageTensor it{tname, t.shape, t.data, nullptr};
+    if (auto m = j.momentum.find(tname); m != j.momentum.end()) it.momentum = m->second;
+    image->tensors.push_back(std::move(it));
+  }
+  return std::shared_ptr<const JobImage>(std::move(image));
+}
+
+Status SyncEngine::StartJoin(const std::string& name, const std::string& from) {
+  if (auto it = jobs_.find(name); it != jobs_.end()) {
+    return Status::FailedPrecondition("job '" + name + "' already syncs on this shard (members " +
+                                      it->second.members.SiteList() +
+                                      "): a site joins a job it does not hold yet");
+  }
+  if (from == options_.site || !Configured(from)) {
+    return Status::NotFound("site '" + from + "' has no sync.peers entry here");
+  }
+  if (!hooks_.install) return Status::FailedPrecondition("this shard cannot create joined jobs");
+  auto it = joining_.find(name);
+  if (it != joining_.end() && !it->second.failed && it->second.from == from) {
+    return Status::Ok();  // under way
+  }
+  Joining jn;
+  jn.from = from;
+  jn.note = "joining: asking site " + from + " to add this site";
+  joining_[name] = std::move(jn);
+  spdlog::info("job '{}': joining, asking site {} to coordinate", name, from);
+  return Status::Ok();
+}
+
+MembershipAnswer SyncEngine::OnJoiningRequest(const std::string& from,
+                                              const MembershipRequest& req) {
+  Joining& jn = joining_.at(req.job);
+  const MembershipChange& c = req.change;
+  if (jn.failed || req.step != MembershipStep::kPrepare || from != jn.from ||
+      c.coordinator != from || !c.next.Has(options_.site)) {
+    return {MembershipVote::kRefused, "site " + options_.site + " does not hold job '" + req.job +
+                                          "' yet and is not joining it through site " + from};
+  }
+  if (!jn.change || !(*jn.change == c)) {
+    jn.change = c;
+    jn.image.reset();
+    jn.digests.clear();
+  }
+  jn.note = "joining: fetching the state of round " + std::to_string(c.next.from_round - 1) +
+            " from site " + from;
+  return {MembershipVote::kPending, jn.note};
+}
+
+std::string SyncEngine::ImageProblem(const Joining& jn, const JobImage& image) const {
+  const MembershipChange& c = *jn.change;
+  Membership expect = image.members;
+  expect.sites.push_back(options_.site);
+  std::sort(expect.sites.begin(), expect.sites.end());
+  if (image.round + 1 != c.next.from_round || image.members.epoch + 1 != c.next.epoch ||
+      expect.sites != c.next.sites || image.members.Has(options_.site)) {
+    return "the state of round " + std::to_string(image.round) + " does not fit the addition (" +
+           c.Describe(image.members) + ")";
+  }
+  if (image.tensors.empty()) return "the state has no tensors";
+  std::map<std::string, SyncTensor> theta;
+  std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+  const bool keeps = options_.outer_momentum != 0;
+  for (const auto& t : image.tensors) {
+    if (static_cast<bool>(t.momentum) != keeps) {
+      return "site " + jn.from +
+             " keeps outer momentum and this site does not, or the reverse "
+             "(sync.outer_momentum must be the same on every site)";
+    }
+    theta[t.name] = SyncTensor{t.shape, t.theta};
+    if (t.momentum) momentum[t.name] = t.momentum;
+  }
+  const std::string digest = StateDigest(image.round, theta, momentum, image.members);
+  if (digest != image.digest) {
+    return "the state from site " + jn.from + " hashes to " + digest.substr(0, 16) +
+           ", not to its digest " + image.digest.substr(0, 16);
+  }
+  return "";
+}
+
+void SyncEngine::OnJoiningAnswer(const std::string& peer, const MembershipRequest& req,
+                                 const MembershipAnswer& answer) {
+  auto jt = joining_.find(req.job);
+  if (jt == joining_.end() || jt->second.failed) return;
+  Joining& jn = jt->second;
+  auto fail = [&](const std::string& why) {
+    jn.failed = true;
+    jn.note = "join failed: " + why;
+    spdlog::warn("job '{}': {}", req.job, jn.note);
+  };
+  if (answer.vote == MembershipVote::kRefused || answer.vote == MembershipVote::kAbandoned) {
+    if (req.step == MembershipStep::kDigest && jn.image && !jn.image->members.Has(peer)) return;
+    return fail("site " + peer + " refused: " + answer.reason);
+  }
+  if (req.step == MembershipStep::kFetch && answer.image && jn.change && *jn.change == req.change &&
+      !jn.image) {
+    if (std::string why = ImageProblem(jn, *answer.image); !why.empty()) return fail(why);
+    jn.image = answer.image;
+    jn.digests[peer] = answer.image->digest;
+    jn.note = "joining: checking the state of round " + std::to_string(jn.image->round) +
+              " against the members' digests";
+  } else if (req.step == MembershipStep::kDigest && jn.image && jn.change &&
+             *jn.change == req.change && answer.vote == MembershipVote::kPrepared) {
+    jn.digests[peer] = answer.digest;
+  }
+  if (!jn.image) return;
+  for (const auto& m : jn.image->members.sites) {
+    auto d = jn.digests.find(m);
+    if (d == jn.digests.end()) return;  // still asking
+    if (d->second != jn.image->digest) {
+      return fail("site " + m + " reports digest " + d->second.substr(0, 16) + " for round " +
+                  std::to_string(jn.image->round) + ", site " + jn.from + " " +
+                  jn.image->digest.substr(0, 16) + ": the members disagree");
+    }
+  }
+  if (Status s = InstallJoined(req.job, jn); !s.ok())
+    fail("cannot create the job: " + s.ToString());
+}
+
+Status SyncEngine::InstallJoined(const std::string& name, Joining& jn) {
+  const JobImage& image = *jn.image;
+  Job j;
+  for (const auto& t : image.tensors) {
+    j.theta[t.name] = SyncTensor{t.shape, t.theta};
+    if (t.momentum) j.momentum[t.name] = t.momentum;
+  }
+  j.committed = j.local = image.round;
+  j.version = image.version;
+  j.members = image.members;
+  j.pending = jn.change;
+  WriteBatch batch;
+  for (const auto& [tname, m] : j.momentum) {
+    batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*m));
+  }
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(j));
+  batch.PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(image.round), image.digest);
+  ISTHMUS_RETURN_IF_ERROR(hooks_.install(name, image.base_hash, j.theta, image.version, batch));
+  std::string members;
+  for (const auto& [site, _] : jn.digests) members += (members.empty() ? "" : ",") + site;
+  j.change_note = "joined at round " + std::to_string(image.round) + " with the state of site " +
+                  jn.from + ", digest " + image.digest.substr(0, 16) + " confirmed by " + members;
+  spdlog::info("job '{}': {}", name, j.change_note);
+  jobs_[name] = std::move(j);
+  joining_.erase(name);
+  return Status::Ok();
 }
 
 }  // namespace isthmus

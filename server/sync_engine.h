@@ -172,6 +172,26 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // ask). FailedPrecondition when there is none, or another site coordinates it.
   Status AbandonChange(const std::string& job);
   Result<Membership> Members(const std::string& job) const;
+  // Joining (this site does not hold `job` yet): asks member `from` to coordinate this
+  // site's addition, fetches the committed state the addition starts from, checks it against
+  // the digests every member reports, creates the job from it (JobHooks::install) and then
+  // agrees to the addition like any other site. Progress shows in JobStatus. NotFound when
+  // `from` has no sync.peers entry, FailedPrecondition when the job is held here already.
+  Status StartJoin(const std::string& job, const std::string& from);
+  // What the engine needs of the shard for joins: a job's base hash (for the image a
+  // member hands out), and the creation of a job from an image: the shard adds its own
+  // records (job, tensors) to `batch`, writes it, and takes the job into its registry.
+  struct JobHooks {
+    std::function<std::string(const std::string& job)> base_hash;
+    std::function<Status(const std::string& job, const std::string& base_hash,
+                         const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                         WriteBatch& batch)>
+        install;
+  };
+  void SetJobHooks(JobHooks hooks) { hooks_ = std::move(hooks); }
+
+  // SyncJobs() and the jobs whose join failed (their status says why).
+  std::vector<std::string> StatusJobs() const;
 
   // DeltaSource.
   std::vector<std::string> SyncJobs() const override;
@@ -181,7 +201,7 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   void OnPeerAck(const std::string& peer_site, const std::string& job,
                  uint64_t held_round) override;
   void OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) override;
-  bool SendsTo(const std::string& peer_site, const std::string& job) const override;
+  uint64_t FirstRoundTo(const std::string& peer_site, const std::string& job) const override;
   std::vector<MembershipRequest> MembershipRequests(const std::string& peer_site) override;
   void OnMembershipAnswer(const std::string& peer_site, const MembershipRequest& request,
                           const MembershipAnswer& answer) override;
@@ -242,6 +262,28 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // Why a prepare of `change` from `from` is refused here (empty: it can be agreed to).
   std::string PrepareRefusal(const Job& j, const std::string& from,
                              const MembershipChange& change) const;
+  // Starts adding `site` to `j`, this site coordinating (a joining site asked for it).
+  Result<MembershipChange> ProposeAddition(const std::string& name, Job& j,
+                                           const std::string& site);
+  // A member's committed state for a joining site.
+  Result<std::shared_ptr<const JobImage>> Image(const std::string& name, const Job& j) const;
+  // A joining site's progress (memory only: an interrupted join is started again).
+  struct Joining {
+    std::string from;
+    std::optional<MembershipChange> change;      // the addition `from` proposed
+    std::shared_ptr<const JobImage> image;       // the state that addition starts from
+    std::map<std::string, std::string> digests;  // member -> its digest of image->round
+    std::string note;
+    bool failed = false;
+  };
+  MembershipAnswer OnJoiningRequest(const std::string& from, const MembershipRequest& req);
+  void OnJoiningAnswer(const std::string& peer, const MembershipRequest& req,
+                       const MembershipAnswer& answer);
+  // Checks an image against its own digest and the change; empty when it fits.
+  std::string ImageProblem(const Joining& jn, const JobImage& image) const;
+  // Creates the job from a verified image, with the addition pending.
+  Status InstallJoined(const std::string& name, Joining& jn);
+  bool Configured(const std::string& site) const;
   // Why `site` may not take part in `j` (removed or never a member; empty if it may).
   std::string NonMemberReason(const std::string& name, const Job& j, const std::string& site) const;
   uint64_t HeldContiguous(const Job& j, const std::string& site) const;
@@ -291,6 +333,8 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   uint64_t hard_cap_;
   std::map<std::string, Job> jobs_;
   std::map<std::string, double> bandwidth_;  // peer -> bytes/s
+  std::map<std::string, Joining> joining_;
+  JobHooks hooks_;
 };
 
 // Splits tensors (name -> element count) into `fragments` groups of about equal size:

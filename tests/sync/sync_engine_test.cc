@@ -810,8 +810,8 @@ TEST(SyncEngineTest, RemovalIsAgreedDurablyAndCutsAtTheNextRound) {
   EXPECT_EQ(refused.status().code(), Code::kPermissionDenied);
   EXPECT_NE(refused.status().message().find("must join again"), std::string::npos);
   EXPECT_EQ(a.engine().HeldFrom("siteC", kJob), 1u);
-  EXPECT_FALSE(a.engine().SendsTo("siteC", kJob));
-  EXPECT_TRUE(a.engine().SendsTo("siteB", kJob));
+  EXPECT_EQ(a.engine().FirstRoundTo("siteC", kJob), 0u);
+  EXPECT_EQ(a.engine().FirstRoundTo("siteB", kJob), 1u);
   EXPECT_NE(a.engine().RefusesPeer("siteC", kJob), "");
 
   // The digest covers the membership: the same tensors under other members differ.

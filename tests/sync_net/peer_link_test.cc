@@ -123,7 +123,7 @@ class MemoryEngine : public DeltaSource, public DeltaSink {
 
   // Membership is the sync engine's (tested in sync_engine_test and sync_process_test):
   // this stand-in has every site a member and no changes.
-  bool SendsTo(const std::string&, const std::string&) const override { return true; }
+  uint64_t FirstRoundTo(const std::string&, const std::string&) const override { return 1; }
   std::vector<MembershipRequest> MembershipRequests(const std::string&) override { return {}; }
   void OnMembershipAnswer(const std::string&, const MembershipRequest&,
                           const MembershipAnswer&) override {}

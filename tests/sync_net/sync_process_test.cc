@@ -837,5 +837,97 @@ TEST_F(SyncProcessTest, PlannedLeaveDrainsThenTheOthersGoOn) {
       << r.status().ToString();
 }
 
+TEST_F(SyncProcessTest, FourthSiteJoinsARunningJobAndAgreesFromItsFirstRound) {
+  StartSites({"alpha", "beta", "gamma"});
+  for (uint64_t r = 1; r <= 3; ++r) {
+    for (int i = 0; i < 3; ++i) Push(i, r);
+    WaitCommitted(r);
+  }
+  WaitAcked(3);
+  // The members add delta to their peers and restart; delta starts without the job.
+  sites_.push_back(std::make_unique<SiteProcess>("delta", root_));
+  std::vector<SiteProcess*> all;
+  for (auto& s : sites_) all.push_back(s.get());
+  std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
+                             sites_[3]->dir() / "admins" / "shared.pub");
+  const std::string extra =
+      "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
+  for (auto& s : sites_) {
+    s->Kill(SIGTERM);
+    s->Configure(all, extra);
+    ASSERT_TRUE(s->Start());
+  }
+  auto [code, out] = Ctl("sync join --from alpha -j job --wait 30 " + SiteFlags(3));
+  ASSERT_EQ(code, 0) << out << sites_[3]->Log();
+  EXPECT_NE(out.find("applied: add delta from round 4 (epoch 1), coordinated by alpha"),
+            std::string::npos)
+      << out;
+  for (int i = 0; i < 4; ++i) {
+    WaitJobState(
+        i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
+        "the addition did not complete");
+    SyncJobReport j = JobState(i);
+    EXPECT_EQ(j.members, (std::vector<std::string>{"alpha", "beta", "delta", "gamma"}));
+    EXPECT_EQ(j.members_from, 4u);
+  }
+  // delta's workers start from the members' state: what it serves equals alpha's.
+  for (const std::string name : {"w", "b"}) {
+    auto a = sites_[0]->WorkerClient()->Pull("job", {name});
+    auto d = sites_[3]->WorkerClient()->Pull("job", {name});
+    ASSERT_TRUE(a.ok() && d.ok());
+    EXPECT_EQ(a->tensors[0].data, d->tensors[0].data) << name;
+  }
+  auto again = Ctl("sync join --from alpha -j job --wait 5 " + SiteFlags(3));
+  EXPECT_EQ(again.first, 1) << again.second;
+  EXPECT_NE(again.second.find("already syncs on this shard"), std::string::npos) << again.second;
+  for (uint64_t r = 4; r <= 5; ++r) {
+    for (int i = 0; i < 4; ++i) Push(i, r);
+    WaitCommittedOn({0, 1, 2, 3}, r);
+  }
+  // delta's digests, from the round it joined at, are everyone's.
+  auto a = DigestsOf(0), d = DigestsOf(3);
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(d.size(), 3u);
+  const std::vector<std::pair<uint64_t, std::string>> from_join(a.begin() + 3, a.end());
+  EXPECT_EQ(d, from_join);
+  for (int i = 1; i < 3; ++i) EXPECT_EQ(DigestsOf(i), a);
+  ExpectStateWithMembers(5, {0, 1, 2, 3}, [](uint64_t r) {
+    return r <= 3 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1, 2, 3};
+  });
+}
+
+TEST_F(SyncProcessTest, JoinAgainstAMemberWithoutTheJoiningSiteIsRefused) {
+  StartSites({"alpha", "beta", "gamma"});
+  for (int i = 0; i < 3; ++i) Push(i, 1);
+  WaitCommitted(1);
+  // delta lists the three, but only alpha lists delta: beta and gamma refuse the addition.
+  sites_.push_back(std::make_unique<SiteProcess>("delta", root_));
+  std::vector<SiteProcess*> all;
+  for (auto& s : sites_) all.push_back(s.get());
+  std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
+                             sites_[3]->dir() / "admins" / "shared.pub");
+  const std::string extra =
+      "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
+  for (int i : {0, 3}) {
+    sites_[i]->Kill(SIGTERM);
+    sites_[i]->Configure(all, extra);
+    ASSERT_TRUE(sites_[i]->Start());
+  }
+  auto [code, out] = Ctl("sync join --from alpha -j job --wait 30 " + SiteFlags(3));
+  EXPECT_EQ(code, 3) << out;
+  EXPECT_NE(out.find("join failed"), std::string::npos) << out;
+  EXPECT_NE(out.find("has no sync.peers entry"), std::string::npos) << out;
+  for (int i = 0; i < 3; ++i) {
+    WaitJobState(
+        i, [](const SyncJobReport& j) { return !j.change_pending; },
+        "the refused addition was not abandoned");
+    EXPECT_EQ(JobState(i).epoch, 0u);
+  }
+  // Nothing changed: the three go on.
+  for (int i = 0; i < 3; ++i) Push(i, 2);
+  WaitCommittedOn({0, 1, 2}, 2);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+}
+
 }  // namespace
 }  // namespace isthmus
