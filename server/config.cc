@@ -181,6 +181,17 @@ const std::vector<Binding>& Bindings() {
        nullptr,
        nullptr,
        &ServerConfig::sync_ack_delay_ms},
+      {{"sync.remove_silent_after_s", T::kInt, "0",
+        "Automatic removal, for jobs of three or more member sites: when members have sent "
+        "nothing for this many seconds, the first-named of the other members proposes removing "
+        "them from the next round; the change needs the remaining members to be a majority and "
+        "every one of them to agree (docs/SYNC.md, Membership). At least twice "
+        "sync.backoff_max_ms (a live idle peer is heard once per keep-alive interval). 0: "
+        "never. Two sites are never removed automatically."},
+       nullptr,
+       nullptr,
+       nullptr,
+       &ServerConfig::sync_remove_silent_after_s},
       {{"sync.resend_ms", T::kInt, "2000",
         "Resend unacknowledged deltas to a peer after this many milliseconds."},
        nullptr,
@@ -506,6 +517,17 @@ Status ValidateServerConfig(const ServerConfig& c) {
   }
   if (c.sync_ack_delay_ms < 0 || c.sync_ack_delay_ms > 60000) {
     return Status::InvalidArgument("sync.ack_delay_ms must be in [0, 60000]");
+  }
+  if (c.sync_remove_silent_after_s < 0 || c.sync_remove_silent_after_s > 30 * 86400) {
+    return Status::InvalidArgument(
+        "sync.remove_silent_after_s must be in [0, 2592000] (seconds; 0 turns it off)");
+  }
+  if (c.sync_remove_silent_after_s > 0 &&
+      c.sync_remove_silent_after_s * 1000 < 2 * c.sync_backoff_max_ms) {
+    return Status::InvalidArgument(
+        "sync.remove_silent_after_s must be at least twice sync.backoff_max_ms (" +
+        std::to_string(c.sync_backoff_max_ms) +
+        " ms): a live but idle peer is heard only once per keep-alive interval");
   }
   if (c.sync_max_rounds_ahead < 0 || c.sync_resend_ms <= 0 || c.sync_backoff_max_ms <= 0) {
     return Status::InvalidArgument(

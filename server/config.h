@@ -52,6 +52,7 @@ struct ServerConfig {
   int64_t sync_max_rounds_ahead = 2;
   std::string sync_dial = "auto";  // auto | always | never (server/peer_link.h, PeerDial)
   int64_t sync_ack_delay_ms = 5000;
+  int64_t sync_remove_silent_after_s = 0;
   int64_t sync_resend_ms = 2000;
   int64_t sync_backoff_max_ms = 10000;
 };

@@ -68,7 +68,8 @@ struct PeerLinks::Link {
   Clock::time_point job_probe_at{};
   int job_probe_interval_ms = 0;
   size_t jobs_at_probe = 0;
-  Clock::time_point membership_at{};  // next look for membership requests to send
+  Clock::time_point membership_at{};            // next look for membership requests to send
+  Clock::time_point last_heard = Clock::now();  // the last message from the peer (or start)
 
   PeerLinkStats stats;
 };
@@ -506,6 +507,7 @@ void PeerLinks::CountReceived(Link& link, const Frames& msg) {
   link.stats.wire_bytes_received += w;
   link.stats.tcp_bytes_estimate += TcpIpBytesEstimate(w, 1);
   ++link.stats.messages_received;
+  link.last_heard = Clock::now();
 }
 
 void PeerLinks::CountConnection(Link& link, bool client_side) {
@@ -1559,6 +1561,7 @@ std::vector<PeerLinkStats> PeerLinks::Stats() const {
   for (const auto& lp : links_) {
     PeerLinkStats s = lp->stats;
     s.connected = lp->ready && !lp->paused;
+    s.silent_seconds = std::chrono::duration<double>(Clock::now() - lp->last_heard).count();
     s.paused = lp->paused;
     for (const auto& job : jobs) {
       PeerLinkStats::Job j;

@@ -100,8 +100,9 @@ struct PeerLinkStats {
   // connection; TCP/IP headers estimated (common/wire.h).
   uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;
   uint64_t messages_sent = 0, messages_received = 0;
-  uint64_t connections = 0;  // handshakes, ours and the peer's
-  uint64_t keepalives = 0;   // pings sent while idle
+  uint64_t connections = 0;   // handshakes, ours and the peer's
+  uint64_t keepalives = 0;    // pings sent while idle
+  double silent_seconds = 0;  // since the last message from the peer (or since start)
   double CompressionRatio() const {
     return bytes_sent == 0 ? 0.0 : static_cast<double>(raw_bytes_sent) / bytes_sent;
   }

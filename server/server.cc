@@ -239,6 +239,27 @@ Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, Sync
   return Status::Ok();
 }
 
+// The automatic removal policy (sync.remove_silent_after_s), looked at once a second: the
+// member peers silent for that long are offered to the engine, which decides (docs/SYNC.md).
+void CheckSilentPeers(const ServerConfig& c, SyncEngine* engine, PeerLinks* links,
+                      std::chrono::steady_clock::time_point& next_check) {
+  const auto now = std::chrono::steady_clock::now();
+  if (c.sync_remove_silent_after_s <= 0 || engine == nullptr || now < next_check) return;
+  next_check = now + std::chrono::seconds(1);
+  std::set<std::string> silent;
+  for (const auto& st : links->Stats()) {
+    if (st.silent_seconds >= static_cast<double>(c.sync_remove_silent_after_s)) {
+      silent.insert(st.site);
+    }
+  }
+  if (silent.empty()) return;
+  for (const auto& job : engine->SyncJobs()) {
+    if (!engine->HasJob(job)) continue;
+    auto r = engine->ProposeSilentRemoval(job, silent);
+    if (!r.ok()) spdlog::warn("job '{}': automatic removal: {}", job, r.status().ToString());
+  }
+}
+
 // Admin requests about cross-site sync are answered here, beside the shard, because they
 // need the links. nullopt for every other message.
 std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits,
@@ -426,6 +447,7 @@ Status ShardServer::Run() {
   const wire::Role roles[2] = {wire::Role::Worker, wire::Role::Admin};
   PeerLinks* links = impl_->links.get();
   std::vector<zmq::pollitem_t> items;
+  auto next_silence_check = std::chrono::steady_clock::now();
   while (true) {
     // The peer links' sockets follow the three fixed items; their timer bounds the wait.
     items.assign(3 + (links ? links->PollItemCount() : 0), zmq::pollitem_t{});
@@ -473,6 +495,7 @@ Status ShardServer::Run() {
       links->OnPoll(items.data() + 3);
       // After worker pushes too: a round closed just now goes out at once.
       links->Tick();
+      CheckSilentPeers(impl_->config, impl_->shard->sync(), links, next_silence_check);
     }
   }
 }

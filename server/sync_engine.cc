@@ -1209,6 +1209,49 @@ Result<MembershipChange> SyncEngine::ProposeRemoval(const std::string& name,
   return change;
 }
 
+Result<bool> SyncEngine::ProposeSilentRemoval(const std::string& name,
+                                              const std::set<std::string>& silent) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (!j->members.Has(options_.site) || j->pending) return false;
+  std::vector<std::string> gone, remaining;
+  for (const auto& s : j->members.sites) {
+    (s != options_.site && silent.count(s) ? gone : remaining).push_back(s);
+  }
+  if (gone.empty()) return false;
+  std::string who;
+  for (const auto& s : gone) who += (who.empty() ? "" : ",") + s;
+  if (j->members.sites.size() < 3) {
+    j->change_note = "silent: " + who + "; with two sites nothing is removed automatically";
+    return false;
+  }
+  if (2 * remaining.size() <= j->members.sites.size()) {
+    j->change_note = "silent: " + who + "; the others are no majority of " + j->members.SiteList() +
+                     ", so nothing is removed automatically";
+    return false;
+  }
+  if (remaining.front() != options_.site) return false;  // the first-named remaining proposes
+  MembershipChange change;
+  change.coordinator = options_.site;
+  change.next.epoch = j->members.epoch + 1;
+  change.next.from_round = j->committed + 1;
+  change.next.sites = remaining;
+  for (const auto& s : remaining) {
+    if (!Configured(s)) return false;
+  }
+  SyncRecord rec = *j;
+  rec.pending = change;
+  WriteBatch batch;
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->pending = change;
+  j->votes.clear();
+  j->change_note.clear();
+  spdlog::warn("job '{}': {} silent past sync.remove_silent_after_s: proposing to {}", name, who,
+               change.Describe(j->members));
+  if (remaining.size() == 1) ISTHMUS_RETURN_IF_ERROR(ApplyChange(name, *j));
+  return true;
+}
+
 Status SyncEngine::AbandonChange(const std::string& name) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   if (!j->pending) {
@@ -1305,8 +1348,9 @@ std::string SyncEngine::PrepareRefusal(const Job& j, const std::string& from,
   for (const auto& s : c.next.sites) {
     if (!j.members.Has(s)) added.push_back(s);
   }
-  if (gone.size() + added.size() != 1) {
-    return "the change is not the removal or the addition of one site to " + j.members.SiteList();
+  if (gone.empty() == added.empty() || added.size() > 1) {
+    return "the change is neither a removal nor the addition of one site to " +
+           j.members.SiteList();
   }
   if (!added.empty() && !Configured(added[0])) {
     return "site " + added[0] + " has no sync.peers entry at " + here +

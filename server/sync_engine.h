@@ -171,6 +171,12 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // Gives up the change this site coordinates (the sites that agreed learn it when they
   // ask). FailedPrecondition when there is none, or another site coordinates it.
   Status AbandonChange(const std::string& job);
+  // The automatic removal policy (sync.remove_silent_after_s): `silent` are the peers that
+  // have sent nothing for the configured time. With three or more members, when the other
+  // members are a majority and this site is the first-named of them, starts removing the
+  // silent members (as ProposeRemoval; one at a time per job). Returns whether it did; why
+  // not shows in the job's status.
+  Result<bool> ProposeSilentRemoval(const std::string& job, const std::set<std::string>& silent);
   Result<Membership> Members(const std::string& job) const;
   // Joining (this site does not hold `job` yet): asks member `from` to coordinate this
   // site's addition, fetches the committed state the addition starts from, checks it against

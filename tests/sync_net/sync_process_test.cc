@@ -63,7 +63,8 @@ class SyncProcessTest : public ::testing::Test {
   // whose shard.index is not 0.
   void StartSites(const std::vector<std::string>& names, bool peered = true,
                   const std::set<std::string>& unlisted = {},
-                  const std::map<std::string, int>& shard_index = {}) {
+                  const std::map<std::string, int>& shard_index = {},
+                  const std::string& extra_sync = "") {
     for (const auto& n : names) {
       sites_.push_back(std::make_unique<SiteProcess>(n, root_));
       if (auto it = shard_index.find(n); it != shard_index.end()) {
@@ -77,9 +78,11 @@ class SyncProcessTest : public ::testing::Test {
       std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
                                  s->dir() / "admins" / "shared.pub",
                                  std::filesystem::copy_options::overwrite_existing);
-      s->Configure(peered ? all : std::vector<SiteProcess*>{s.get()},
-                   "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2",
-                   s->site() == "beta" ? unlisted : std::set<std::string>{});
+      s->Configure(
+          peered ? all : std::vector<SiteProcess*>{s.get()},
+          "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2\n" +
+              extra_sync,
+          s->site() == "beta" ? unlisted : std::set<std::string>{});
       ASSERT_TRUE(s->Start());
     }
     auto w = Initial("w", kRows * kCols), b = Initial("b", kCols);
@@ -927,6 +930,47 @@ TEST_F(SyncProcessTest, JoinAgainstAMemberWithoutTheJoiningSiteIsRefused) {
   for (int i = 0; i < 3; ++i) Push(i, 2);
   WaitCommittedOn({0, 1, 2}, 2);
   EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+}
+
+TEST_F(SyncProcessTest, SilentSiteIsRemovedAutomaticallyByTheMajority) {
+  StartSites({"alpha", "beta", "gamma"}, true, {}, {}, "remove_silent_after_s = 4");
+  for (uint64_t r = 1; r <= 2; ++r) {
+    for (int i = 0; i < 3; ++i) Push(i, r);
+    WaitCommitted(r);
+  }
+  WaitAcked(2);
+  sites_[2]->Kill(SIGKILL);
+  Push(0, 3), Push(1, 3);
+  // No command: alpha (first-named of the two left) proposes once gamma is silent 4 s.
+  WaitCommittedOn({0, 1}, 3);
+  for (int i : {0, 1}) {
+    SyncJobReport j = JobState(i);
+    EXPECT_EQ(j.epoch, 1u);
+    EXPECT_EQ(j.members, (std::vector<std::string>{"alpha", "beta"}));
+    EXPECT_EQ(j.removed, (std::map<std::string, uint64_t>{{"gamma", 3}}));
+  }
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+}
+
+TEST_F(SyncProcessTest, TwoSitesAreNeverRemovedAutomatically) {
+  StartSites({"alpha", "beta"}, true, {}, {}, "remove_silent_after_s = 4");
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  sites_[1]->Kill(SIGKILL);
+  Push(0, 2);
+  // The policy looks at beta's silence and declines, saying why.
+  WaitJobState(
+      0,
+      [](const SyncJobReport& j) {
+        return j.change.find("with two sites nothing is removed automatically") !=
+               std::string::npos;
+      },
+      "the policy never looked at beta's silence");
+  SyncJobReport j = JobState(0);
+  EXPECT_EQ(j.epoch, 0u);
+  EXPECT_FALSE(j.change_pending);
+  EXPECT_EQ(j.members.size(), 2u);
+  EXPECT_EQ(Committed(0), 1u);
 }
 
 }  // namespace
