@@ -973,5 +973,35 @@ TEST_F(SyncProcessTest, TwoSitesAreNeverRemovedAutomatically) {
   EXPECT_EQ(Committed(0), 1u);
 }
 
+TEST_F(SyncProcessTest, BothSidesKilledMidChangeFinishItAfterRestart) {
+  ThreeSitesThenGammaDies();
+  sites_[0]->Kill(SIGKILL);
+  ::setenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY", "1", 1);
+  bool started = sites_[0]->Start();
+  ::unsetenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY");
+  ASSERT_TRUE(started);
+  Ctl("sync remove --peer gamma --wait 3 --timeout-ms 1000 " + SiteFlags(0));
+  WaitJobState(
+      1, [](const SyncJobReport& j) { return j.change_pending; }, "beta never agreed");
+  // The coordinator died before applying; now the site that agreed dies too.
+  sites_[0]->Kill(SIGKILL);
+  sites_[1]->Kill(SIGKILL);
+  ASSERT_TRUE(sites_[0]->Start());
+  WaitJobState(
+      0, [](const SyncJobReport& j) { return j.change_pending && j.epoch == 0; },
+      "alpha lost its proposal");
+  ASSERT_TRUE(sites_[1]->Start());
+  for (int i : {0, 1}) {
+    WaitJobState(
+        i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
+        "the change did not complete");
+  }
+  WaitCommittedOn({0, 1}, 3);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+  ExpectStateWithMembers(3, {0, 1}, [](uint64_t r) {
+    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+  });
+}
+
 }  // namespace
 }  // namespace isthmus
