@@ -503,8 +503,12 @@ int CmdMembership(const Connection& c, wire::MembershipAction action, const std:
         if (it == started[i].end() || outcome[i].count(j.job)) continue;
         const bool member =
             std::find(j.members.begin(), j.members.end(), st->site) != j.members.end();
-        if (action == wire::MembershipAction::Join ? member && !j.change_pending
-                                                   : j.epoch >= it->second) {
+        const bool done = action == wire::MembershipAction::Join ? member && !j.change_pending
+                          : action == wire::MembershipAction::CatchUp
+                              ? !j.change_pending && (j.change.rfind("caught up", 0) == 0 ||
+                                                      j.change.rfind("nothing to catch up", 0) == 0)
+                              : j.epoch >= it->second;
+        if (done) {
           outcome[i][j.job] = j.change;  // "applied: ..."
         } else if (!j.change_pending) {
           outcome[i][j.job] = "not applied: " + j.change;
@@ -527,7 +531,7 @@ int CmdMembership(const Connection& c, wire::MembershipAction action, const std:
     for (const auto& [j, epoch] : started[i]) {
       auto it = outcome[i].find(j);
       std::string what = it == outcome[i].end() ? "(shard did not answer)" : it->second;
-      if (action == wire::MembershipAction::Join) {
+      if (action == wire::MembershipAction::Join || action == wire::MembershipAction::CatchUp) {
         std::printf("shard %zu: job %s: %s\n", i, j.c_str(), what.c_str());
       } else {
         std::printf("shard %zu: job %s: epoch %llu: %s\n", i, j.c_str(), (unsigned long long)epoch,
@@ -832,6 +836,14 @@ int main(int argc, char** argv) {
       "the next round (run before this site's workers start)");
   AddConnectionFlags(sync_join, conn);
   sync_join->add_option("--from", join_from, "the member site to ask")->required();
+  auto* sync_catch_up = sync->add_subcommand(
+      "catch-up",
+      "take a member's committed state when it has committed more rounds than this site (a "
+      "dead site delivered its last delta to some sites only; then a removal is refused)");
+  AddConnectionFlags(sync_catch_up, conn);
+  sync_catch_up->add_option("--from", join_from, "the member site to take the state from")
+      ->required();
+  sync_catch_up->add_option("-j,--job", member_job, "only this job (default: every sync job)");
   auto* sync_abandon = sync->add_subcommand(
       "abandon", "give up the membership change this site coordinates (remove or leave)");
   AddConnectionFlags(sync_abandon, conn);
@@ -839,7 +851,7 @@ int main(int argc, char** argv) {
     cmd->add_option("-j,--job", member_job, "only this job (default: every sync job)");
   }
   sync_join->add_option("-j,--job", member_job, "the job to join")->required();
-  for (auto* cmd : {sync_remove, sync_leave, sync_join}) {
+  for (auto* cmd : {sync_remove, sync_leave, sync_join, sync_catch_up}) {
     cmd->add_option("--wait", wait_s, "seconds to wait for the outcome (the change goes on after)")
         ->check(CLI::Range(0, 86400))
         ->capture_default_str();
@@ -868,6 +880,9 @@ int main(int argc, char** argv) {
   }
   if (*sync_leave)
     return CmdMembership(conn, wire::MembershipAction::Leave, "", member_job, wait_s);
+  if (*sync_catch_up) {
+    return CmdMembership(conn, wire::MembershipAction::CatchUp, join_from, member_job, wait_s);
+  }
   if (*sync_join) {
     return CmdMembership(conn, wire::MembershipAction::Join, join_from, member_job, wait_s);
   }

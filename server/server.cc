@@ -123,7 +123,8 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
       job_states.push_back(wire::CreateSyncJobState(
           fbb, fbb.CreateString(job), js->local_round, js->committed_round,
           engine->max_rounds_ahead(), fbb.CreateString(EngineDetail(*js)), state,
-          fbb.CreateVector(removed), fbb.CreateString(js->change_note), js->pending.has_value()));
+          fbb.CreateVector(removed), fbb.CreateString(js->change_note),
+          js->pending.has_value() || js->catching_up));
     }
   }
   auto body = wire::CreateSyncStatusReply(
@@ -191,6 +192,31 @@ Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, Sync
     return Status::FailedPrecondition("this shard does not sync (set sync.site to turn it on)");
   }
   std::vector<std::string> jobs;
+  if (req->action() == wire::MembershipAction::CatchUp) {
+    if (req->site() == nullptr || req->site()->size() == 0) {
+      return Status::InvalidArgument("name the member to catch up from (--from)");
+    }
+    std::vector<std::string> targets;
+    if (req->job() != nullptr && req->job()->size() > 0) {
+      targets.push_back(req->job()->str());
+    } else {
+      for (const auto& j : engine->SyncJobs()) {
+        if (engine->HasJob(j)) targets.push_back(j);
+      }
+    }
+    auto& fbb = reply.header;
+    std::vector<flatbuffers::Offset<flatbuffers::String>> names;
+    std::vector<uint64_t> rounds;
+    for (const auto& j : targets) {
+      ISTHMUS_RETURN_IF_ERROR(engine->StartCatchUp(j, req->site()->str()));
+      names.push_back(fbb.CreateString(j));
+      rounds.push_back(engine->CommittedRound(j));
+    }
+    auto body =
+        wire::CreateMembershipControlReply(fbb, fbb.CreateVector(names), fbb.CreateVector(rounds));
+    FinishEnvelope(reply.header, id, wire::Body::MembershipControlReply, body.Union());
+    return Status::Ok();
+  }
   if (req->action() == wire::MembershipAction::Join) {
     if (req->job() == nullptr || req->job()->size() == 0 || req->site() == nullptr ||
         req->site()->size() == 0) {

@@ -290,6 +290,7 @@ void SyncEngine::Reset(Store* store) {
   store_ = store;
   jobs_.clear();
   joining_.clear();
+  catching_up_.clear();
 }
 
 std::vector<std::string> SyncEngine::MemberPeers(const Job& j) const {
@@ -921,6 +922,7 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
   SyncJobStatus s;
   s.job = name;
   s.site = options_.site;
+  s.catching_up = catching_up_.count(name) > 0;
   s.local_round = j->local;
   s.committed_round = j->committed;
   s.staged_round = j->staged_round;
@@ -1339,7 +1341,11 @@ std::string SyncEngine::PrepareRefusal(const Job& j, const std::string& from,
   if (c.next.from_round != j.committed + 1) {
     return here + " has committed round " + std::to_string(j.committed) + ", site " +
            c.coordinator + " round " + std::to_string(c.next.from_round - 1) +
-           ": the sites disagree on rounds, so they would not merge the same deltas";
+           ": the sites disagree on rounds, so they would not merge the same deltas (run "
+           "isthmusctl sync catch-up --from " +
+           (j.committed < c.next.from_round - 1 ? c.coordinator + " on site " + options_.site
+                                                : options_.site + " on site " + c.coordinator) +
+           ", then try again)";
   }
   std::vector<std::string> gone, added;
   for (const auto& s : j.members.sites) {
@@ -1386,6 +1392,13 @@ MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
     auto added = ProposeAddition(req.job, j, from);
     if (!added.ok()) return {MembershipVote::kRefused, added.status().message()};
     return {MembershipVote::kPending, added->Describe(j.members)};
+  }
+  if (req.step == MembershipStep::kFetch && j.members.Has(from) && j.members.Has(options_.site) &&
+      c.coordinator == options_.site && c.next == j.members) {
+    // A member catching up: this site's committed state as it stands.
+    auto image = Image(req.job, j);
+    if (!image.ok()) return {MembershipVote::kRefused, image.status().ToString()};
+    return {MembershipVote::kPrepared, "", (*image)->digest, *image};
   }
   if (req.step == MembershipStep::kFetch) {
     if (!j.pending || !(*j.pending == c) || c.coordinator != options_.site || !c.next.Has(from)) {
@@ -1444,6 +1457,12 @@ MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
 
 std::vector<MembershipRequest> SyncEngine::MembershipRequests(const std::string& peer) {
   std::vector<MembershipRequest> out;
+  for (const auto& [name, from] : catching_up_) {
+    auto it = jobs_.find(name);
+    if (peer == from && it != jobs_.end()) {
+      out.push_back({name, MembershipStep::kFetch, {it->second.members, from}});
+    }
+  }
   for (const auto& [name, jn] : joining_) {
     if (jn.failed || jobs_.count(name)) continue;
     if (!jn.change) {
@@ -1478,6 +1497,10 @@ void SyncEngine::OnMembershipAnswer(const std::string& peer, const MembershipReq
     return;
   }
   Job& j = it->second;
+  if (req.step == MembershipStep::kFetch) {
+    OnCatchUpAnswer(req.job, j, peer, answer);
+    return;
+  }
   if (!j.pending || !(*j.pending == req.change)) return;  // an answer about an older change
   Status s;
   if (req.step == MembershipStep::kPrepare) {
@@ -1722,6 +1745,112 @@ Status SyncEngine::InstallJoined(const std::string& name, Joining& jn) {
   jobs_[name] = std::move(j);
   joining_.erase(name);
   return Status::Ok();
+}
+
+// ---- catching up --------------------------------------------------------------------------
+
+Status SyncEngine::StartCatchUp(const std::string& name, const std::string& from) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (std::string why = NonMemberReason(name, *j, options_.site); !why.empty()) {
+    return Status::FailedPrecondition(why);
+  }
+  if (from == options_.site || !j->members.Has(from)) {
+    return Status::FailedPrecondition("site " + from + " is not another member of job '" + name +
+                                      "' (members " + j->members.SiteList() + ")");
+  }
+  if (j->pending) {
+    return Status::FailedPrecondition("job '" + name + "': a membership change is under way (" +
+                                      j->pending->Describe(j->members) + ")");
+  }
+  catching_up_[name] = from;
+  j->change_note = "catching up: asking site " + from + " for its committed state";
+  spdlog::info("job '{}': catching up from site {}", name, from);
+  return Status::Ok();
+}
+
+void SyncEngine::OnCatchUpAnswer(const std::string& name, Job& j, const std::string& peer,
+                                 const MembershipAnswer& answer) {
+  auto it = catching_up_.find(name);
+  if (it == catching_up_.end() || it->second != peer) return;
+  catching_up_.erase(it);
+  auto fail = [&](const std::string& why) {
+    j.change_note = "catch-up failed: " + why;
+    spdlog::warn("job '{}': {}", name, j.change_note);
+  };
+  if (answer.vote != MembershipVote::kPrepared || !answer.image) {
+    return fail("site " + peer + " refused: " + answer.reason);
+  }
+  const JobImage& image = *answer.image;
+  if (image.members != j.members) {
+    return fail("site " + peer + " is at epoch " + std::to_string(image.members.epoch) +
+                " (members " + image.members.SiteList() + "), this site at epoch " +
+                std::to_string(j.members.epoch));
+  }
+  if (j.pending) return fail("a membership change started meanwhile");
+  if (image.round <= j.committed) {
+    j.change_note = "nothing to catch up: site " + peer + " has committed round " +
+                    std::to_string(image.round) + ", this site round " +
+                    std::to_string(j.committed);
+    return;
+  }
+  std::map<std::string, SyncTensor> theta;
+  std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+  for (const auto& t : image.tensors) {
+    auto mine = j.theta.find(t.name);
+    if (mine == j.theta.end() || mine->second.shape != t.shape) {
+      return fail("tensor '" + t.name + "' of site " + peer + " is not one of this job's");
+    }
+    if (static_cast<bool>(t.momentum) != (options_.outer_momentum != 0)) {
+      return fail("sync.outer_momentum differs between this site and site " + peer);
+    }
+    theta[t.name] = SyncTensor{t.shape, t.theta};
+    if (t.momentum) momentum[t.name] = t.momentum;
+  }
+  if (theta.size() != j.theta.size()) return fail("site " + peer + " sent another tensor set");
+  const std::string digest = StateDigest(image.round, theta, momentum, image.members);
+  if (digest != image.digest) {
+    return fail("the state from site " + peer + " does not hash to its digest");
+  }
+  // One batch: the state of round image.round, its digest, and the removal of the inputs of
+  // the rounds it covers (their result is that state).
+  SyncRecord rec = j;
+  rec.committed = image.round;
+  rec.local = std::max(j.local, image.round);
+  rec.version = std::max(j.version, image.version) + 1;
+  WriteBatch batch;
+  for (const auto& [tname, t] : theta) {
+    batch.Put(Column::kTensors, JobKey(name, tname), FloatBytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, JobKey(name, tname),
+                   EncodeTensorRecord({t.shape, rec.version}));
+    if (t.data && momentum.count(tname)) {
+      batch.Put(Column::kState, StateKey(name, 'm', tname), FloatBytes(*momentum.at(tname)));
+    }
+  }
+  batch.PutOwned(Column::kSync, DigestPrefix(name) + BigEndian64(image.round), image.digest);
+  for (const auto& [site, rounds] : j.inbox) {
+    for (const auto& [r, _] : rounds) {
+      if (r > image.round) continue;
+      batch.Delete(Column::kSync, HeldKey(name, site, r));
+      if (site != options_.site) batch.Delete(Column::kDeltas, DeltaKey(name, site, r));
+    }
+  }
+  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
+  if (Status s = store_->Write(batch); !s.ok()) return fail(s.ToString());
+  const uint64_t before = j.committed;
+  static_cast<SyncRecord&>(j) = rec;
+  j.theta = std::move(theta);
+  if (options_.outer_momentum != 0) j.momentum = std::move(momentum);
+  for (auto& [site, rounds] : j.inbox) {
+    for (auto r = rounds.begin(); r != rounds.end();) {
+      r = r->first <= image.round ? rounds.erase(r) : std::next(r);
+    }
+  }
+  j.view.reset();
+  j.change_note = "caught up from round " + std::to_string(before) + " to round " +
+                  std::to_string(image.round) + " with the state of site " + peer + " (digest " +
+                  image.digest.substr(0, 16) + ")";
+  spdlog::info("job '{}': {}", name, j.change_note);
+  if (Status s = CommitReady(name, j); !s.ok()) spdlog::warn("job '{}': {}", name, s.ToString());
 }
 
 }  // namespace isthmus

@@ -93,6 +93,7 @@ struct SyncJobStatus {
   std::map<std::string, uint64_t> removed;  // site -> first round without it
   std::optional<MembershipChange> pending;  // a change agreed to or coordinated here
   std::string change_note;                  // outcome of the last change seen here (memory only)
+  bool catching_up = false;                 // asking a member for its committed state
 };
 
 class SyncEngine : public DeltaSource, public DeltaSink {
@@ -195,6 +196,12 @@ class SyncEngine : public DeltaSource, public DeltaSink {
         install;
   };
   void SetJobHooks(JobHooks hooks) { hooks_ = std::move(hooks); }
+  // Catching up (a member that has committed fewer rounds than another, typically because a
+  // site died after delivering its last delta to some members only): asks member `from` for
+  // its committed state and, if it is further on, under the same membership and hashes to
+  // its digest, takes it as this site's committed state (the rounds it covers are
+  // committed; their held deltas go). Progress and outcome show in JobStatus.
+  Status StartCatchUp(const std::string& job, const std::string& from);
 
   // SyncJobs() and the jobs whose join failed (their status says why).
   std::vector<std::string> StatusJobs() const;
@@ -283,6 +290,8 @@ class SyncEngine : public DeltaSource, public DeltaSink {
     bool failed = false;
   };
   MembershipAnswer OnJoiningRequest(const std::string& from, const MembershipRequest& req);
+  void OnCatchUpAnswer(const std::string& name, Job& j, const std::string& peer,
+                       const MembershipAnswer& answer);
   void OnJoiningAnswer(const std::string& peer, const MembershipRequest& req,
                        const MembershipAnswer& answer);
   // Checks an image against its own digest and the change; empty when it fits.
@@ -340,6 +349,7 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   std::map<std::string, Job> jobs_;
   std::map<std::string, double> bandwidth_;  // peer -> bytes/s
   std::map<std::string, Joining> joining_;
+  std::map<std::string, std::string> catching_up_;  // job -> the member asked
   JobHooks hooks_;
 };
 

@@ -172,6 +172,21 @@ class SyncProcessTest : public ::testing::Test {
       }
     }
   }
+  // gamma's round 2 reaches alpha but not beta, then gamma dies: alpha commits round 2,
+  // beta cannot.
+  void GammaDeliversRound2ToAlphaOnly() {
+    StartSites({"alpha", "beta", "gamma"});
+    for (int i = 0; i < 3; ++i) Push(i, 1);
+    WaitCommitted(1);
+    WaitAcked(1);
+    auto [pcode, pout] = Ctl("sync pause --peer gamma " + SiteFlags(1));
+    ASSERT_EQ(pcode, 0) << pout;
+    for (int i = 0; i < 3; ++i) Push(i, 2);
+    WaitCommittedOn({0}, 2);
+    sites_[2]->Kill(SIGKILL);
+    ASSERT_EQ(Committed(1), 1u);
+  }
+
   // Three sites commit rounds 1..2 together; gamma is SIGKILLed; alpha and beta push round 3,
   // which cannot commit without gamma.
   void ThreeSitesThenGammaDies() {
@@ -715,17 +730,8 @@ TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
 }
 
 TEST_F(SyncProcessTest, RemovalTheSitesDisagreeOnIsRefusedAndChangesNothing) {
-  StartSites({"alpha", "beta", "gamma"});
-  for (int i = 0; i < 3; ++i) Push(i, 1);
-  WaitCommitted(1);
-  WaitAcked(1);
-  // gamma's round 2 reaches alpha but not beta: alpha commits round 2, beta cannot.
-  auto [pcode, pout] = Ctl("sync pause --peer gamma " + SiteFlags(1));
-  ASSERT_EQ(pcode, 0) << pout;
-  for (int i = 0; i < 3; ++i) Push(i, 2);
-  WaitCommittedOn({0}, 2);
-  sites_[2]->Kill(SIGKILL);
-  ASSERT_EQ(Committed(1), 1u);
+  GammaDeliversRound2ToAlphaOnly();
+  if (HasFatalFailure()) return;
   const auto a_before = DigestsOf(0), b_before = DigestsOf(1);
   // From either side, the other disagrees on rounds.
   for (int coordinator : {0, 1}) {
@@ -996,6 +1002,36 @@ TEST_F(SyncProcessTest, BothSidesKilledMidChangeFinishItAfterRestart) {
         i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
         "the change did not complete");
   }
+  WaitCommittedOn({0, 1}, 3);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+  ExpectStateWithMembers(3, {0, 1}, [](uint64_t r) {
+    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+  });
+}
+
+TEST_F(SyncProcessTest, LaggingSiteCatchesUpThenTheDeadSiteIsRemoved) {
+  GammaDeliversRound2ToAlphaOnly();
+  if (HasFatalFailure()) return;
+  auto [rcode, rout] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(0));
+  ASSERT_EQ(rcode, 3) << rout;
+  // beta takes alpha's round 2 (which merged gamma's delta beta never got).
+  auto [code, out] = Ctl("sync catch-up --from alpha --wait 30 " + SiteFlags(1));
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("caught up from round 1 to round 2 with the state of site alpha"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(Committed(1), 2u);
+  auto a = DigestsOf(0), b = DigestsOf(1);
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);  // rounds 0, 1 and (taken from alpha) 2
+  EXPECT_EQ(a, b);
+  auto [again, again_out] = Ctl("sync catch-up --from alpha --wait 30 " + SiteFlags(1));
+  EXPECT_EQ(again, 0) << again_out;
+  EXPECT_NE(again_out.find("nothing to catch up"), std::string::npos) << again_out;
+  // Now they agree: gamma goes, and round 3 commits with alpha and beta.
+  auto [code2, out2] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(0));
+  ASSERT_EQ(code2, 0) << out2;
+  Push(0, 3), Push(1, 3);
   WaitCommittedOn({0, 1}, 3);
   EXPECT_EQ(DigestsOf(0), DigestsOf(1));
   ExpectStateWithMembers(3, {0, 1}, [](uint64_t r) {
