@@ -11,6 +11,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -293,8 +294,51 @@ class TwoSites {
   // Runs one worker per site for `rounds` rounds of `h` steps; returns their exit codes.
   std::pair<int, int> Run(int rounds, int h, const std::vector<std::string>& alpha_flags,
                           const std::vector<std::string>& beta_flags) {
-    const std::vector<std::string>* flags[2] = {&alpha_flags, &beta_flags};
-    for (int i = 0; i < 2; ++i) {
+    auto rc = RunOn({0, 1}, rounds, h, {alpha_flags, beta_flags});
+    return {rc[0], rc[1]};
+  }
+
+  // A third site joins the running job (docs/SYNC.md, "Joining"): the members add it to
+  // their peers and restart, it starts without the job, and asks alpha to add it. Returns
+  // once the addition applied on every site.
+  ::testing::AssertionResult Join(const std::string& name) {
+    sites_.push_back(std::make_unique<SiteProcess>(name, root_));
+    workers_.resize(sites_.size());
+    std::vector<SiteProcess*> all;
+    for (auto& s : sites_) all.push_back(s.get());
+    for (auto& s : sites_) {
+      s->Kill(SIGTERM);
+      s->Configure(all, "max_rounds_ahead = 2");
+      if (auto r = s->Start(); !r) return r;
+    }
+    auto started =
+        sites_.back()->AdminClient()->MembershipControl(wire::MembershipAction::Join, "alpha", "j");
+    if (!started.ok()) return ::testing::AssertionFailure() << started.status().ToString();
+    for (int t = 0; t < 600; ++t) {
+      bool all_in = true;
+      for (auto& s : sites_) {
+        auto st = s->AdminClient(2000, 0)->SyncStatus();
+        bool in = st.ok() && !st->jobs.empty() && !st->jobs[0].change_pending &&
+                  std::find(st->jobs[0].members.begin(), st->jobs[0].members.end(), name) !=
+                      st->jobs[0].members.end();
+        all_in = all_in && in;
+      }
+      if (all_in) return ::testing::AssertionSuccess();
+      ::usleep(50'000);
+    }
+    auto st = sites_.back()->AdminClient()->SyncStatus();
+    return ::testing::AssertionFailure()
+           << name << " did not join: " << (st.ok() && !st->jobs.empty() ? st->jobs[0].change : "")
+           << "\n"
+           << sites_.back()->Log();
+  }
+
+  // Runs one worker on each site of `which` (indexes) for `rounds` rounds (the total a
+  // worker stops after) of `h` steps, with per-site extra flags; returns the exit codes.
+  std::vector<int> RunOn(const std::vector<int>& which, int rounds, int h,
+                         const std::vector<std::vector<std::string>>& extra = {}) {
+    for (size_t k = 0; k < which.size(); ++k) {
+      const int i = which[k];
       SiteProcess& s = *sites_[i];
       std::vector<std::string> a = {"train"};
       a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
@@ -318,11 +362,15 @@ class TwoSites {
                                        std::to_string(h)};
       a.insert(a.end(), more.begin(), more.end());
       a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
-      a.insert(a.end(), flags[i]->begin(), flags[i]->end());
-      workers_[i].Start(a, (root_ / (s.site() + ".log")).string());
+      if (k < extra.size()) a.insert(a.end(), extra[k].begin(), extra[k].end());
+      // Each site's checkpoints in its own folder, so a later run resumes from them.
+      a.push_back("--checkpoint-dir");
+      a.push_back((root_ / ("ckpt-" + s.site())).string());
+      workers_[i].Start(a, (root_ / (s.site() + "-" + std::to_string(runs_++) + ".log")).string());
     }
-    const int rc0 = workers_[0].Wait(240), rc1 = workers_[1].Wait(240);
-    return {rc0, rc1};
+    std::vector<int> rc;
+    for (int i : which) rc.push_back(workers_[i].Wait(240));
+    return rc;
   }
 
   // Waits until both sites committed `round`; then their digests of every round so far
@@ -345,10 +393,21 @@ class TwoSites {
       digests.push_back(d->digests);
     }
     ASSERT_GE(digests[0].size(), round + 1);
-    for (uint64_t r = 0; r <= round; ++r) {
-      ASSERT_GT(digests[1].size(), r);
-      EXPECT_EQ(digests[0][r], digests[1][r]) << "round " << r << " differs between the sites";
+    for (size_t i = 1; i < digests.size(); ++i) {
+      // A site that joined holds digests from the round it joined at on.
+      for (const auto& [r, d] : digests[i]) {
+        if (r > round) continue;
+        ASSERT_GT(digests[0].size(), r);
+        EXPECT_EQ(digests[0][r], std::make_pair(r, d))
+            << "round " << r << " differs between alpha and " << sites_[i]->site();
+      }
     }
+  }
+  // The digests site `i` holds (round, digest).
+  std::vector<std::pair<uint64_t, std::string>> Digests(int i) {
+    auto d = sites_[i]->AdminClient()->Digests("j", 0);
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    return d.ok() ? d->digests : std::vector<std::pair<uint64_t, std::string>>{};
   }
 
   const WorkerProcess& worker(int i) const { return workers_[i]; }
@@ -356,8 +415,9 @@ class TwoSites {
  private:
   fs::path root_;
   std::vector<std::unique_ptr<SiteProcess>> sites_;
-  WorkerProcess workers_[2];
+  std::vector<WorkerProcess> workers_ = std::vector<WorkerProcess>(2);
   std::string base_hash_;
+  int runs_ = 0;
 };
 
 }  // namespace isthmus::testing

@@ -5,7 +5,7 @@
 // ranks changes between runs with no round lost or doubled; a worker whose
 // base differs from the job's is refused with exit code 3; --device mistakes are usage
 // errors that say what to do; two sites of different precision train one job and commit
-// identical rounds.
+// identical rounds; a third site joins and its worker starts from the members' state.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -329,6 +329,30 @@ TEST(WorkerTwoSites, Fp32SiteAndBf16SiteCommitIdenticalRounds) {
   ASSERT_EQ(rc1, 0) << sites.worker(1).Log();
   EXPECT_NE(sites.worker(1).Log().find("precision bf16"), std::string::npos);
   sites.ExpectCommittedAlike(3);
+}
+
+// A site that joins a running job (docs/SYNC.md, "Joining"): its worker starts from the
+// members' committed state, and its rounds commit on every site with identical digests.
+TEST(WorkerTwoSites, ThirdSiteJoinsAndItsWorkerStartsFromTheMembersState) {
+  TwoSites sites("join");
+  ASSERT_TRUE(sites.Start());
+  auto rc = sites.RunOn({0, 1}, 2, 2);
+  ASSERT_EQ(rc[0], 0) << sites.worker(0).Log();
+  ASSERT_EQ(rc[1], 0) << sites.worker(1).Log();
+  sites.ExpectCommittedAlike(2);
+  ASSERT_TRUE(sites.Join("gamma"));
+  // alpha and beta resume from their checkpoints at round 2; gamma has none and takes the
+  // shards' round 2. Each trains round 3.
+  rc = sites.RunOn({0, 1, 2}, 3, 2);
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(rc[i], 0) << sites.worker(i).Log();
+  EXPECT_NE(sites.worker(2).Log().find("starting at round 2, step 4 from the shards' tensors"),
+            std::string::npos)
+      << sites.worker(2).Log();
+  sites.ExpectCommittedAlike(3);
+  auto gamma = sites.Digests(2);
+  ASSERT_EQ(gamma.size(), 2u);  // rounds 2 (taken at the join) and 3
+  EXPECT_EQ(gamma[0].first, 2u);
+  EXPECT_EQ(gamma[1].first, 3u);
 }
 
 }  // namespace
