@@ -124,7 +124,7 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
           fbb, fbb.CreateString(job), js->local_round, js->committed_round,
           engine->max_rounds_ahead(), fbb.CreateString(EngineDetail(*js)), state,
           fbb.CreateVector(removed), fbb.CreateString(js->change_note),
-          js->pending.has_value() || js->catching_up));
+          js->pending.has_value() || js->catching_up || js->draining));
     }
   }
   auto body = wire::CreateSyncStatusReply(

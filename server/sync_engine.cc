@@ -291,6 +291,7 @@ void SyncEngine::Reset(Store* store) {
   jobs_.clear();
   joining_.clear();
   catching_up_.clear();
+  draining_.clear();
 }
 
 std::vector<std::string> SyncEngine::MemberPeers(const Job& j) const {
@@ -430,6 +431,10 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
   if (std::string why = NonMemberReason(name, *j, options_.site); !why.empty()) {
     return Status::FailedPrecondition(why + "; this site's workers have nothing to push to");
+  }
+  if (draining_.count(name) && round > j->local && round != j->staged_round) {
+    return Status::FailedPrecondition("this site is leaving job '" + name +
+                                      "' (isthmusctl sync leave): it takes no new rounds");
   }
   if (round <= j->local) {
     result.duplicate = true;
@@ -693,6 +698,18 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
 }
 
 Status SyncEngine::CommitReady(const std::string& name, Job& j) {
+  ISTHMUS_RETURN_IF_ERROR(CommitRounds(name, j));
+  // A draining leave goes ahead once this site's last round has committed.
+  if (draining_.count(name) && !j.pending && j.staged_round == 0 && j.local == j.committed &&
+      j.members.Has(options_.site)) {
+    draining_.erase(name);
+    auto r = ProposeRemoval(name, options_.site);
+    if (!r.ok()) j.change_note = "leave not started: " + r.status().message();
+  }
+  return Status::Ok();
+}
+
+Status SyncEngine::CommitRounds(const std::string& name, Job& j) {
   const auto& sites = j.members.sites;
   if (!j.members.Has(options_.site)) return Status::Ok();  // left or removed: no more rounds
   for (;;) {
@@ -923,6 +940,7 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
   s.job = name;
   s.site = options_.site;
   s.catching_up = catching_up_.count(name) > 0;
+  s.draining = draining_.count(name) > 0;
   s.local_round = j->local;
   s.committed_round = j->committed;
   s.staged_round = j->staged_round;
@@ -1179,15 +1197,6 @@ Result<MembershipChange> SyncEngine::ProposeRemoval(const std::string& name,
   if (change.next.sites.empty()) {
     return Status::FailedPrecondition("job '" + name + "' has no other member");
   }
-  if (site == options_.site && (j->staged_round != 0 || j->local != j->committed)) {
-    return Status::FailedPrecondition(
-        "job '" + name + "': this site has closed round " + std::to_string(j->local) +
-        " but committed only round " + std::to_string(j->committed) +
-        (j->staged_round ? " and round " + std::to_string(j->staged_round) + " is being pushed"
-                         : std::string()) +
-        "; to leave, stop this site's workers and run the leave again once its rounds have "
-        "committed (isthmusctl sync status)");
-  }
   for (const auto& s : change.next.sites) {
     if (s != options_.site && std::find(options_.peer_sites.begin(), options_.peer_sites.end(),
                                         s) == options_.peer_sites.end()) {
@@ -1195,6 +1204,17 @@ Result<MembershipChange> SyncEngine::ProposeRemoval(const std::string& name,
                                         " stays a member but has no sync.peers entry here: "
                                         "it cannot be asked to agree");
     }
+  }
+  if (site == options_.site && (j->staged_round != 0 || j->local != j->committed)) {
+    // A planned leave drains first: no new rounds; the one being pushed may finish; the
+    // leave is proposed once every round of this site has committed (MaybeLeave).
+    draining_.insert(name);
+    j->change_note = "leaving: taking no new rounds, waiting until round " +
+                     std::to_string(j->staged_round ? j->staged_round : j->local) +
+                     " has committed (committed " + std::to_string(j->committed) + ")";
+    spdlog::info("job '{}': {}", name, j->change_note);
+    change.next.from_round = 0;  // decided when the leave is proposed
+    return change;
   }
   SyncRecord rec = *j;
   rec.pending = change;
@@ -1256,6 +1276,10 @@ Result<bool> SyncEngine::ProposeSilentRemoval(const std::string& name,
 
 Status SyncEngine::AbandonChange(const std::string& name) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (draining_.erase(name) > 0 && !j->pending) {
+    j->change_note = "leave abandoned by the operator: this site takes rounds again";
+    return Status::Ok();
+  }
   if (!j->pending) {
     return Status::FailedPrecondition("job '" + name + "': no membership change is under way");
   }

@@ -94,6 +94,7 @@ struct SyncJobStatus {
   std::optional<MembershipChange> pending;  // a change agreed to or coordinated here
   std::string change_note;                  // outcome of the last change seen here (memory only)
   bool catching_up = false;                 // asking a member for its committed state
+  bool draining = false;                    // leaving once this site's last round commits
 };
 
 class SyncEngine : public DeltaSource, public DeltaSink {
@@ -165,9 +166,11 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // Membership (docs/SYNC.md, "Membership"). Starts the removal of `site` from `job`, this
   // site coordinating it; `site` = this site is a planned leave. The change takes effect
   // from round committed + 1 once every site of the new membership has agreed over the
-  // peer links (at once when no other site is left). FailedPrecondition, saying what to do,
-  // when it cannot start: not a member, another change under way, a leave while this
-  // site's own rounds are not all committed, a remaining site with no sync.peers entry.
+  // peer links (at once when no other site is left). A leave while this site's own rounds
+  // are not all committed drains first: no new rounds are taken (the one being pushed may
+  // finish), and the leave is proposed once they have committed (the returned change's
+  // from_round is then 0). FailedPrecondition, saying what to do, when it cannot start:
+  // not a member, another change under way, a remaining site with no sync.peers entry.
   Result<MembershipChange> ProposeRemoval(const std::string& job, const std::string& site);
   // Gives up the change this site coordinates (the sites that agreed learn it when they
   // ask). FailedPrecondition when there is none, or another site coordinates it.
@@ -308,7 +311,10 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   Status CloseRound(const std::string& name, Job& j,
                     const std::map<std::string, std::span<const float>>* pushed = nullptr,
                     WriteBatch* batch = nullptr);
+  // Commits what can be committed (CommitRounds), then starts a draining leave that has
+  // become possible.
   Status CommitReady(const std::string& name, Job& j);
+  Status CommitRounds(const std::string& name, Job& j);
   // Commits round committed + 1 in three steps: the outer optimiser's step from the merged
   // deltas (OuterStep), one write batch with the new state, the round's digest and the
   // removal of the round's inputs (CommitBatch), and, once that is durable, the new state
@@ -350,6 +356,7 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   std::map<std::string, double> bandwidth_;  // peer -> bytes/s
   std::map<std::string, Joining> joining_;
   std::map<std::string, std::string> catching_up_;  // job -> the member asked
+  std::set<std::string> draining_;                  // jobs this site leaves once drained
   JobHooks hooks_;
 };
 

@@ -1039,5 +1039,39 @@ TEST_F(SyncProcessTest, LaggingSiteCatchesUpThenTheDeadSiteIsRemoved) {
   });
 }
 
+TEST_F(SyncProcessTest, PlannedLeaveWaitsForTheLeavingSitesLastRound) {
+  StartSites({"alpha", "beta", "gamma"});
+  for (int i = 0; i < 3; ++i) Push(i, 1);
+  WaitCommitted(1);
+  // gamma has closed round 2, which cannot commit before alpha and beta push theirs.
+  Push(2, 2);
+  auto [code, out] = Ctl("sync leave --wait 0 " + SiteFlags(2));
+  EXPECT_EQ(code, 5) << out;
+  EXPECT_NE(out.find("leaving: taking no new rounds, waiting until round 2 has committed"),
+            std::string::npos)
+      << out;
+  // Draining: gamma takes no new round.
+  auto w = Delta(2, 3, "w", kRows * kCols), b = Delta(2, 3, "b", kCols);
+  auto refused = sites_[2]->WorkerClient()->Push(
+      "job", "gamma-r3", 3, Tokens(2), {{"w", {kRows, kCols}, w.data()}, {"b", {kCols}, b.data()}});
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("is leaving"), std::string::npos)
+      << refused.status().ToString();
+  // Round 2 commits with gamma's delta; then gamma's leave goes through, from round 3.
+  Push(0, 2), Push(1, 2);
+  for (int i = 0; i < 3; ++i) {
+    WaitJobState(
+        i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
+        "the leave did not complete");
+  }
+  EXPECT_EQ(JobState(0).members_from, 3u);
+  Push(0, 3), Push(1, 3);
+  WaitCommittedOn({0, 1}, 3);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+  ExpectStateWithMembers(3, {0, 1}, [](uint64_t r) {
+    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+  });
+}
+
 }  // namespace
 }  // namespace isthmus
