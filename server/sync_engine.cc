@@ -1573,8 +1573,13 @@ std::vector<std::string> SyncEngine::StatusJobs() const {
 std::string SyncEngine::RefusesPeer(const std::string& site, const std::string& job) const {
   auto it = jobs_.find(job);
   if (it == jobs_.end()) return "";
-  if (std::string why = NonMemberReason(job, it->second, options_.site); !why.empty()) return why;
-  return it->second.removed.count(site) ? NonMemberReason(job, it->second, site) : "";
+  const Job& j = it->second;
+  if (!j.members.Has(options_.site)) {
+    // Joined and agreed, waiting for the addition to apply: the links must work.
+    if (j.pending && j.pending->next.Has(options_.site)) return "";
+    return NonMemberReason(job, j, options_.site);
+  }
+  return j.removed.count(site) ? NonMemberReason(job, j, site) : "";
 }
 
 // ---- joining ------------------------------------------------------------------------------

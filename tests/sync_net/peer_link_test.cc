@@ -514,9 +514,10 @@ TEST(PeerLink, ZeroAckDelayAcknowledgesEachDeltaAtOnce) {
 TEST(PeerLink, IdleLinkSendsOnlySmallKeepAlivesAndNoHandshakes) {
   SiteSpec a = MakeSite("alpha"), b = MakeSite("beta");
   MemoryEngine ea("alpha"), eb("beta");
-  // Keep-alive every backoff_max_ms = 400 ms.
-  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea, 200, 400);
-  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb, 200, 400);
+  // Keep-alive every backoff_max_ms = 400 ms; a ping counts as lost after resend_ms = 1 s
+  // (a sanitized build on a loaded machine can take a few hundred ms to answer).
+  Node na(a, {AsPeer(b)}, {b.keys.public_key}, &ea, 1000, 400);
+  Node nb(b, {AsPeer(a)}, {a.keys.public_key}, &eb, 1000, 400);
   ea.AddOwn(1);
   ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 1; }));
   auto before_a = na.StatsOf("beta"), before_b = nb.StatsOf("alpha");

@@ -1073,5 +1073,52 @@ TEST_F(SyncProcessTest, PlannedLeaveWaitsForTheLeavingSitesLastRound) {
   });
 }
 
+TEST_F(SyncProcessTest, JoiningSiteKilledMidChangeFinishesTheJoinAfterRestart) {
+  StartSites({"alpha", "beta", "gamma"});
+  for (int i = 0; i < 3; ++i) Push(i, 1);
+  WaitCommitted(1);
+  WaitAcked(1);
+  sites_.push_back(std::make_unique<SiteProcess>("delta", root_));
+  std::vector<SiteProcess*> all;
+  for (auto& s : sites_) all.push_back(s.get());
+  std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
+                             sites_[3]->dir() / "admins" / "shared.pub");
+  const std::string extra =
+      "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
+  for (auto& s : sites_) {
+    s->Kill(SIGTERM);
+    s->Configure(all, extra);
+    ASSERT_TRUE(s->Start());
+  }
+  // beta keeps alpha (the coordinator) away: the addition waits for beta's agreement.
+  auto [pcode, pout] = Ctl("sync pause --peer alpha " + SiteFlags(1));
+  ASSERT_EQ(pcode, 0) << pout;
+  auto [code, out] = Ctl("sync join --from alpha -j job --wait 0 " + SiteFlags(3));
+  EXPECT_EQ(code, 5) << out;
+  // delta takes the state (checked with every member's digest, beta's too) and agrees.
+  WaitJobState(
+      3,
+      [](const SyncJobReport& j) {
+        return j.members.size() == 3 && j.change_pending && j.committed_round == 1;
+      },
+      "delta never created the job");
+  sites_[3]->Kill(SIGKILL);
+  ASSERT_TRUE(sites_[3]->Start());
+  // The job and delta's agreement survived; once beta agrees, every site applies it.
+  auto [rcode, rout] = Ctl("sync resume --peer alpha " + SiteFlags(1));
+  ASSERT_EQ(rcode, 0) << rout;
+  for (int i = 0; i < 4; ++i) {
+    WaitJobState(
+        i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
+        "the join did not complete");
+  }
+  for (int i = 0; i < 4; ++i) Push(i, 2);
+  WaitCommittedOn({0, 1, 2, 3}, 2);
+  const auto a = DigestsOf(0);
+  for (int i = 1; i < 3; ++i) EXPECT_EQ(DigestsOf(i), a);
+  const std::vector<std::pair<uint64_t, std::string>> from_join(a.begin() + 1, a.end());
+  EXPECT_EQ(DigestsOf(3), from_join);
+}
+
 }  // namespace
 }  // namespace isthmus
