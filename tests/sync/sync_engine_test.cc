@@ -755,9 +755,15 @@ TEST(SyncEngineTest, RemovalIsAgreedDurablyAndCutsAtTheNextRound) {
   Deliver(a, b), Deliver(b, a);
   ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
 
-  // Refused up front: removing a non-member, leaving with an uncommitted round of ours.
+  // Refused up front: removing a non-member. Leaving with an uncommitted round of ours
+  // drains first (no round is proposed yet); abandoning calls that off.
   EXPECT_EQ(a.engine().ProposeRemoval(kJob, "siteX").status().code(), Code::kFailedPrecondition);
-  EXPECT_EQ(a.engine().ProposeRemoval(kJob, "siteA").status().code(), Code::kFailedPrecondition);
+  auto leave = a.engine().ProposeRemoval(kJob, "siteA");
+  ASSERT_TRUE(leave.ok()) << leave.status().ToString();
+  EXPECT_EQ(leave->next.from_round, 0u);
+  EXPECT_TRUE(a.engine().JobStatus(kJob)->draining);
+  ASSERT_TRUE(a.engine().AbandonChange(kJob).ok());
+  EXPECT_FALSE(a.engine().JobStatus(kJob)->draining);
 
   auto change = a.engine().ProposeRemoval(kJob, "siteC");
   ASSERT_TRUE(change.ok()) << change.status().ToString();
