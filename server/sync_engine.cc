@@ -1297,6 +1297,11 @@ Status SyncEngine::DropChange(const std::string& name, Job& j, const std::string
   WriteBatch batch;
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  // A site whose addition was given up is told why at its next join request, however the
+  // messages interleaved (it may never have seen this proposal).
+  for (const auto& s : j.pending->next.sites) {
+    if (!j.members.Has(s)) j.join_refusals[s] = why;
+  }
   j.pending.reset();
   j.votes.clear();
   j.change_note = why;
@@ -1400,6 +1405,11 @@ MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
   const MembershipChange& c = req.change;
   if (req.step == MembershipStep::kJoin) {
     if (std::string why = NonMemberReason(req.job, j, options_.site); !why.empty()) {
+      return {MembershipVote::kRefused, why};
+    }
+    if (auto r = j.join_refusals.find(from); r != j.join_refusals.end() && !j.pending) {
+      std::string why = "its addition was given up: " + r->second;
+      j.join_refusals.erase(r);  // a later join is proposed afresh
       return {MembershipVote::kRefused, why};
     }
     if (j.members.Has(from)) {

@@ -258,6 +258,8 @@ class SyncEngine : public DeltaSource, public DeltaSink {
     // The change this site coordinates: sites of the new membership that agreed to it.
     std::set<std::string> votes;
     std::string change_note;  // the last change's outcome, for status
+    // Sites whose addition was given up here, and why (told at their next join request).
+    std::map<std::string, std::string> join_refusals;
   };
 
   SyncEngine(Store* store, SyncOptions options);
