@@ -69,8 +69,8 @@ struct JobImage {
 struct MembershipAnswer {
   MembershipVote vote = MembershipVote::kRefused;
   std::string reason;
-  std::string digest;                     // kDigest: the round's digest
-  std::shared_ptr<const JobImage> image;  // kFetch
+  std::string digest = {};                          // kDigest: the round's digest
+  std::shared_ptr<const JobImage> image = nullptr;  // kFetch
 };
 const char* MembershipVoteName(MembershipVote v);
 

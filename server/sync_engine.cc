@@ -1216,19 +1216,25 @@ Result<MembershipChange> SyncEngine::ProposeRemoval(const std::string& name,
     change.next.from_round = 0;  // decided when the leave is proposed
     return change;
   }
-  SyncRecord rec = *j;
+  spdlog::info("job '{}': proposing to {}", name, change.Describe(j->members));
+  ISTHMUS_RETURN_IF_ERROR(StartChange(name, *j, change));
+  return change;
+}
+
+Status SyncEngine::StartChange(const std::string& name, Job& j, const MembershipChange& change) {
+  SyncRecord rec = j;
   rec.pending = change;
   WriteBatch batch;
   batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  j->pending = change;
-  j->votes.clear();
-  j->change_note.clear();
-  spdlog::info("job '{}': proposing to {}", name, change.Describe(j->members));
-  if (change.next.sites == std::vector<std::string>{options_.site}) {
-    ISTHMUS_RETURN_IF_ERROR(ApplyChange(name, *j));  // nobody else to ask
+  j.pending = change;
+  j.votes.clear();
+  j.change_note.clear();
+  if (change.coordinator == options_.site &&
+      change.next.sites == std::vector<std::string>{options_.site}) {
+    return ApplyChange(name, j);  // nobody else to ask
   }
-  return change;
+  return Status::Ok();
 }
 
 Result<bool> SyncEngine::ProposeSilentRemoval(const std::string& name,
@@ -1260,17 +1266,9 @@ Result<bool> SyncEngine::ProposeSilentRemoval(const std::string& name,
   for (const auto& s : remaining) {
     if (!Configured(s)) return false;
   }
-  SyncRecord rec = *j;
-  rec.pending = change;
-  WriteBatch batch;
-  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
-  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  j->pending = change;
-  j->votes.clear();
-  j->change_note.clear();
   spdlog::warn("job '{}': {} silent past sync.remove_silent_after_s: proposing to {}", name, who,
                change.Describe(j->members));
-  if (remaining.size() == 1) ISTHMUS_RETURN_IF_ERROR(ApplyChange(name, *j));
+  ISTHMUS_RETURN_IF_ERROR(StartChange(name, *j, change));
   return true;
 }
 
@@ -1476,15 +1474,9 @@ MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
     spdlog::warn("job '{}': refused {}: {}", req.job, c.Describe(j.members), why);
     return {MembershipVote::kRefused, why};
   }
-  SyncRecord rec = j;
-  rec.pending = c;
-  WriteBatch batch;
-  batch.PutOwned(Column::kSync, JobKey(req.job, "job"), JobRecord(rec));
-  if (Status s = store_->Write(batch); !s.ok()) {
+  if (Status s = StartChange(req.job, j, c); !s.ok()) {
     return {MembershipVote::kRefused, "cannot record the change here: " + s.ToString()};
   }
-  j.pending = c;
-  j.change_note.clear();
   spdlog::info("job '{}': agreed to {}", req.job, c.Describe(j.members));
   return {MembershipVote::kPrepared, ""};
 }
@@ -1614,16 +1606,9 @@ Result<MembershipChange> SyncEngine::ProposeAddition(const std::string& name, Jo
                                         options_.site + ": it cannot be asked to agree");
     }
   }
-  SyncRecord rec = j;
-  rec.pending = change;
-  WriteBatch batch;
-  batch.PutOwned(Column::kSync, JobKey(name, "job"), JobRecord(rec));
-  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  j.pending = change;
-  j.votes.clear();
-  j.change_note.clear();
   spdlog::info("job '{}': site {} asks to join: proposing to {}", name, site,
                change.Describe(j.members));
+  ISTHMUS_RETURN_IF_ERROR(StartChange(name, j, change));
   return change;
 }
 

@@ -275,6 +275,9 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   // The membership change of `j` takes effect: one batch with the new membership and the
   // deletion of removed sites' uncommitted deltas, then the commits it allows.
   Status ApplyChange(const std::string& name, Job& j);
+  // Records `change` as `j`'s pending change (one write), and applies it at once when this
+  // site coordinates it and is its only site.
+  Status StartChange(const std::string& name, Job& j, const MembershipChange& change);
   // Forgets `j`'s pending change (durably), noting `why`.
   Status DropChange(const std::string& name, Job& j, const std::string& why);
   // Why a prepare of `change` from `from` is refused here (empty: it can be agreed to).
