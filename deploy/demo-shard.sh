@@ -25,7 +25,7 @@ step "keys: one per shard, one admin, one worker (secret files are mode 0600)"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { /usr/bin/python3 deploy/free_port.py; }  # outside the ephemeral port range
 admins=()
 for i in 0 1; do
   "$ctl" keygen --out "$out/keys/shard$i"

@@ -152,7 +152,7 @@ site_prefix() {  # fills the array `prefix` for site $1
   prefix=()
   if [ -n "${netns_of[$1]}" ]; then prefix=(ip netns exec "${netns_of[$1]}"); fi
 }
-free_port() { /usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+free_port() { /usr/bin/python3 deploy/free_port.py; }  # outside the ephemeral port range
 quiet() { "$@" >/dev/null; }
 
 sites=(A B)

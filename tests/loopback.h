@@ -5,28 +5,50 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <string>
 
 namespace isthmus::testing {
 
-// A TCP port nobody listens on right now on 127.0.0.1: bound to port 0, read back,
-// released. Another process could take it in between; tests accept that small race.
+// A TCP port nobody listens on right now on 127.0.0.1, chosen outside the kernel's
+// ephemeral range (net.ipv4.ip_local_port_range). A port from inside that range (what
+// binding port 0 gives) can be taken at any moment as the source port of some outgoing
+// connection, and tests bind their ports later, often again after a restart: CI saw
+// "Address already in use" for a site's peer port that way. Ports are tried from a
+// random start and probed with bind(); two tests could still pick the same port in the
+// same instant, which the spread over ~20,000 ports makes unlikely.
 // Returns -1 if no port could be bound.
 inline int FreePort() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = 0;
-  socklen_t len = sizeof a;
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len) != 0) {
-    ::close(fd);
-    return -1;
+  int eph_lo = 32768, eph_hi = 60999;
+  if (std::FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d %d", &eph_lo, &eph_hi) != 2) eph_lo = 32768, eph_hi = 60999;
+    std::fclose(f);
   }
-  ::close(fd);
-  return ntohs(a.sin_port);
+  // The larger of the two gaps around the ephemeral range, above the well-known ports.
+  int lo = 10000, hi = eph_lo - 1;
+  if (65535 - eph_hi > hi - lo) lo = eph_hi + 1, hi = 65535;
+  if (hi <= lo) lo = 1024, hi = 65535;
+  static std::atomic<unsigned> counter{0};
+  unsigned seed = static_cast<unsigned>(::getpid()) * 2654435761u ^
+                  static_cast<unsigned>(
+                      std::chrono::steady_clock::now().time_since_epoch().count()) ^
+                  (counter.fetch_add(1) * 40503u);
+  const int span = hi - lo + 1;
+  for (int i = 0; i < span; ++i) {
+    int port = lo + static_cast<int>((seed + static_cast<unsigned>(i) * 7919u) % span);
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+    ::close(fd);
+    if (bound) return port;
+  }
+  return -1;
 }
 
 // The ZeroMQ endpoint for `port` on 127.0.0.1.

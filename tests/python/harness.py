@@ -6,20 +6,19 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
+import sys
 import tempfile
 import time
 import unittest
 
-
 import isthmus
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# free_port(): a loopback port outside the kernel's ephemeral range (deploy/free_port.py
+# says why that range is avoided).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                "deploy"))
+from free_port import free_port  # noqa: E402
 
 
 def shard_key(root, site, i):
