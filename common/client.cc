@@ -555,6 +555,12 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
       }
       rep.change = str(j->change());
       rep.change_pending = j->change_pending();
+      if (j->pipelines()) {
+        for (const auto* u : *j->pipelines()) rep.pipelines[str(u->pipeline())] = u->tensors();
+      }
+      if (j->held()) {
+        for (const auto* h : *j->held()) rep.held[str(h->site())] = h->round();
+      }
       out.jobs.push_back(std::move(rep));
     }
   }

@@ -160,6 +160,10 @@ struct SyncJobReport {
   std::map<std::string, uint64_t> removed;  // site -> first round without it
   std::string change;                       // under way, or the last outcome seen here
   bool change_pending = false;
+  // Codec pipeline -> tensors it encoded in the last round this site closed (adaptive
+  // mode may change it every round).
+  std::map<std::string, uint64_t> pipelines;
+  std::map<std::string, uint64_t> held;  // site -> highest contiguous round held here
 };
 
 struct SyncStatusInfo {

@@ -357,7 +357,9 @@ json SyncStatusJson(const SyncStatusInfo& st) {
                     {"members_from", j.members_from},
                     {"removed", j.removed},
                     {"change", j.change},
-                    {"change_pending", j.change_pending}});
+                    {"change_pending", j.change_pending},
+                    {"pipelines", j.pipelines},
+                    {"held", j.held}});
   }
   return {{"site", st.site},       {"shard_index", st.shard_index},
           {"enabled", st.enabled}, {"refused_unknown", st.refused_unknown},

@@ -120,11 +120,20 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
       }
       auto state = wire::CreateMembershipState(fbb, js->members.epoch, fbb.CreateVector(members),
                                                js->members.from_round);
+      std::vector<flatbuffers::Offset<wire::PipelineUse>> pipelines;
+      for (const auto& [p, n] : js->pipelines) {
+        pipelines.push_back(wire::CreatePipelineUse(fbb, fbb.CreateString(p), n));
+      }
+      std::vector<flatbuffers::Offset<wire::SiteRound>> held;
+      for (const auto& [site, r] : js->held) {
+        held.push_back(wire::CreateSiteRound(fbb, fbb.CreateString(site), r));
+      }
       job_states.push_back(wire::CreateSyncJobState(
           fbb, fbb.CreateString(job), js->local_round, js->committed_round,
           engine->max_rounds_ahead(), fbb.CreateString(EngineDetail(*js)), state,
           fbb.CreateVector(removed), fbb.CreateString(js->change_note),
-          js->pending.has_value() || js->catching_up || js->draining));
+          js->pending.has_value() || js->catching_up || js->draining,
+          fbb.CreateVector(pipelines), fbb.CreateVector(held)));
     }
   }
   auto body = wire::CreateSyncStatusReply(
