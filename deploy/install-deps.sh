@@ -14,10 +14,13 @@ packages=(
   libzmq3-dev cppzmq-dev libsodium-dev libflatbuffers-dev flatbuffers-compiler
   librocksdb-dev libssl-dev libgloo-dev libopenblas-dev libzstd-dev zlib1g-dev
   libcli11-dev libspdlog-dev libtoml11-dev nlohmann-json3-dev libicu-dev
+  libcpp-httplib-dev
   # tests and benchmark programs; the format check (deploy/format.sh)
   googletest libgtest-dev libgmock-dev libbenchmark-dev clang-format-14
   # demo and scripts: python3 for small helpers, iproute2 for WAN emulation
   python3 iproute2 procps
+  # operations tests: promtool (Prometheus) checks the metrics text
+  prometheus
   # the Python package (worker/python) and its tests, which train with PyTorch
   pybind11-dev python3-dev python3-numpy python3-torch
 )
