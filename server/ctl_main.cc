@@ -1,5 +1,6 @@
-// isthmusctl: the operator's CLI for a site's shards: keys, status, jobs, snapshots,
-// export and cross-site sync (status, now, pause/resume, verify). Every command that talks to
+// isthmusctl: the operator's CLI for a site's shards: keys, status, top, jobs, snapshots,
+// export, cross-site sync (status, now, pause/resume, verify) and fleet init (ctl_top.cc and
+// ctl_fleet.cc; what they share with this file is in ctl_common.h). Every command that talks to
 // shards takes the same connection flags; a command addressed to a site acts on all its shards
 // (given in shard order with --server). Exit codes: the shared table (common/exit_codes.h); `sync
 // verify` exits 1 when digests differ. docs/CLI.md is the reference.
@@ -9,7 +10,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <ctime>
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -23,77 +23,24 @@
 #include "common/safetensors.h"
 #include "common/sharding.h"
 #include "common/version.h"
+#include "server/ctl_common.h"
+#include "server/ctl_fleet.h"
+#include "server/ctl_top.h"
 
 namespace isthmus {
 namespace {
 
 using json = nlohmann::json;
-
-struct Connection {
-  std::vector<std::string> servers;
-  std::vector<std::string> server_keys;
-  std::string key_file;
-  bool insecure = false;
-  int timeout_ms = 30000;
-};
+using ctl::AddConnectionFlags;
+using ctl::ConnectAll;
+using ctl::Connection;
+using ctl::Fail;
+using ctl::HumanBytes;
+using ctl::Rate;
+using ctl::SyncStatusJson;
+using ctl::TimeText;
 
 int ExitCode(const Status& s) { return ExitCodeForStatus(s); }
-
-int Fail(const Status& s) {
-  std::fprintf(stderr, "isthmusctl: %s\n", s.ToString().c_str());
-  return ExitCode(s);
-}
-
-Result<std::vector<std::unique_ptr<ShardClient>>> ConnectAll(const Connection& c) {
-  if (c.servers.empty()) {
-    return Status::InvalidArgument(
-        "no shard given: pass --server tcp://HOST:ADMIN_PORT (once per shard, in shard order)");
-  }
-  ClientOptions base;
-  base.insecure_plaintext = c.insecure;
-  base.timeout_ms = c.timeout_ms;
-  base.retries = 1;
-  if (!c.insecure) {
-    if (c.key_file.empty()) {
-      return Status::InvalidArgument(
-          "no admin key: pass --key ADMIN.key (make one with isthmusctl keygen)");
-    }
-    ISTHMUS_ASSIGN_OR_RETURN(base.client_keys, LoadKeyPairFile(c.key_file));
-    if (c.server_keys.size() != 1 && c.server_keys.size() != c.servers.size()) {
-      return Status::InvalidArgument(
-          "pass --server-key once (all shards share a key) or once per --server");
-    }
-  }
-  std::vector<std::unique_ptr<ShardClient>> clients;
-  for (size_t i = 0; i < c.servers.size(); ++i) {
-    ClientOptions o = base;
-    o.endpoint = c.servers[i];
-    if (!c.insecure) {
-      ISTHMUS_ASSIGN_OR_RETURN(o.server_public_key,
-                               LoadPublicKeyFile(c.server_keys[c.server_keys.size() == 1 ? 0 : i]));
-    }
-    ISTHMUS_ASSIGN_OR_RETURN(auto client, ShardClient::Connect(o));
-    clients.push_back(std::move(client));
-  }
-  return clients;
-}
-
-std::string HumanBytes(uint64_t b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(b);
-  int u = 0;
-  while (v >= 1024 && u < 4) v /= 1024, ++u;
-  char buf[32];
-  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
-  return buf;
-}
-
-std::string TimeText(uint64_t unix_s) {
-  std::time_t t = static_cast<std::time_t>(unix_s);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", std::gmtime(&t));
-  return buf;
-}
 
 int CmdKeygen(const std::string& out, bool force) {
   auto pair = GenerateKeyPair();
@@ -117,25 +64,8 @@ int CmdStatus(const Connection& c, bool as_json) {
       row["error"] = st.status().ToString();
       if (worst.ok()) worst = st.status();
     } else {
+      row.update(ctl::StatsJson(*st));
       row["reachable"] = true;
-      row["shard_id"] = st->shard_id;
-      row["version"] = st->server_version;
-      row["uptime_s"] = st->uptime_s;
-      row["requests"] = st->requests;
-      row["errors"] = st->errors;
-      row["bytes_in"] = st->bytes_in;
-      row["bytes_out"] = st->bytes_out;
-      row["db_bytes"] = st->db_bytes;
-      json jobs = json::array();
-      for (const auto& j : st->jobs) {
-        jobs.push_back({{"job", j.job},
-                        {"version", j.version},
-                        {"tensors", j.tensor_count},
-                        {"bytes", j.total_bytes},
-                        {"pushes", j.pushes},
-                        {"duplicate_pushes", j.duplicate_pushes}});
-      }
-      row["jobs"] = jobs;
     }
     out.push_back(row);
   }
@@ -303,68 +233,6 @@ int CmdSnapshot(const Connection& c, const std::string& action, const std::strin
 }
 
 // --- sync ---------------------------------------------------------------------------------
-
-std::string Rate(double bytes_per_second) {
-  if (bytes_per_second <= 0) return "-";
-  return HumanBytes(static_cast<uint64_t>(bytes_per_second)) + "/s";
-}
-
-json SyncStatusJson(const SyncStatusInfo& st) {
-  json links = json::array();
-  for (const auto& l : st.links) {
-    json jobs = json::array();
-    for (const auto& j : l.jobs) {
-      jobs.push_back({{"job", j.job},
-                      {"acked_round", j.acked_round},
-                      {"outbox_round", j.outbox_round},
-                      {"lag_rounds", j.lag_rounds}});
-    }
-    links.push_back({{"site", l.site},
-                     {"endpoint", l.endpoint},
-                     {"connected", l.connected},
-                     {"paused", l.paused},
-                     {"last_error", l.last_error},
-                     {"jobs", jobs},
-                     {"bytes_sent", l.bytes_sent},
-                     {"bytes_received", l.bytes_received},
-                     {"raw_bytes_sent", l.raw_bytes_sent},
-                     {"compression_ratio", l.compression_ratio},
-                     {"bandwidth_bps", l.bandwidth_bps},
-                     {"deltas_sent", l.deltas_sent},
-                     {"deltas_acked", l.deltas_acked},
-                     {"resends", l.resends},
-                     {"auth_failures", l.auth_failures},
-                     {"refused", l.refused},
-                     {"wire_bytes_sent", l.wire_bytes_sent},
-                     {"wire_bytes_received", l.wire_bytes_received},
-                     {"tcp_bytes_estimate", l.tcp_bytes_estimate},
-                     {"wire_ratio", l.wire_ratio},
-                     {"messages_sent", l.messages_sent},
-                     {"messages_received", l.messages_received},
-                     {"connections", l.connections},
-                     {"keepalives", l.keepalives},
-                     {"dials", l.dials}});
-  }
-  json jobs = json::array();
-  for (const auto& j : st.jobs) {
-    jobs.push_back({{"job", j.job},
-                    {"local_round", j.local_round},
-                    {"committed_round", j.committed_round},
-                    {"max_rounds_ahead", j.max_rounds_ahead},
-                    {"detail", j.detail},
-                    {"epoch", j.epoch},
-                    {"members", j.members},
-                    {"members_from", j.members_from},
-                    {"removed", j.removed},
-                    {"change", j.change},
-                    {"change_pending", j.change_pending},
-                    {"pipelines", j.pipelines},
-                    {"held", j.held}});
-  }
-  return {{"site", st.site},       {"shard_index", st.shard_index},
-          {"enabled", st.enabled}, {"refused_unknown", st.refused_unknown},
-          {"links", links},        {"jobs", jobs}};
-}
 
 int CmdSyncStatus(const Connection& c, bool as_json) {
   auto clients = ConnectAll(c);
@@ -700,23 +568,6 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
   return differ ? 1 : 0;
 }
 
-void AddConnectionFlags(CLI::App* cmd, Connection& c) {
-  cmd->add_option("-s,--server", c.servers,
-                  "admin endpoint of a shard, e.g. tcp://127.0.0.1:7101; repeat once per shard, in "
-                  "shard order")
-      ->envname("ISTHMUS_CTL_SERVERS")
-      ->delimiter(',');
-  cmd->add_option("--server-key", c.server_keys,
-                  "the shard's public key file (.pub); once for all shards or once per --server")
-      ->envname("ISTHMUS_CTL_SERVER_KEYS")
-      ->delimiter(',');
-  cmd->add_option("-k,--key", c.key_file, "this admin's key pair file (.key, mode 0600)")
-      ->envname("ISTHMUS_CTL_KEY");
-  cmd->add_flag("--insecure-plaintext", c.insecure,
-                "talk without CURVE to a server started with security.insecure_plaintext");
-  cmd->add_option("--timeout-ms", c.timeout_ms, "per-request timeout")->capture_default_str();
-}
-
 }  // namespace
 }  // namespace isthmus
 
@@ -741,6 +592,23 @@ int main(int argc, char** argv) {
   auto* status = app.add_subcommand("status", "show every shard's health, traffic and jobs");
   AddConnectionFlags(status, conn);
   status->add_flag("--json", as_json, "machine-readable output");
+
+  auto* top = app.add_subcommand(
+      "top",
+      "live view of a site: per shard the rounds, peer links (lag, bandwidth, wire bytes and "
+      "their rates) and pushes/s; redrawn on a terminal, plain snapshots otherwise, --json lines");
+  AddConnectionFlags(top, conn);
+  ctl::TopOptions top_options;
+  ctl::AddTopFlags(top, top_options);
+
+  auto* fleet = app.add_subcommand("fleet", "bootstrap a fleet of sites");
+  fleet->require_subcommand(1);
+  auto* fleet_init = fleet->add_subcommand(
+      "init",
+      "write every key pair, the allowlist folders, one TOML per shard (consistent shard.index "
+      "and sync.peers), a worker TOML and an isthmusctl env file per site, and a summary");
+  ctl::FleetOptions fleet_options;
+  ctl::AddFleetInitFlags(fleet_init, fleet_options);
 
   auto* job = app.add_subcommand("job", "create or describe a job");
   job->require_subcommand(1);
@@ -867,6 +735,8 @@ int main(int argc, char** argv) {
   if (auto s = InitLogging("isthmusctl", log_level); !s.ok()) return Fail(s);
   if (*keygen) return CmdKeygen(key_out, force);
   if (*status) return CmdStatus(conn, as_json);
+  if (*top) return ctl::CmdTop(conn, top_options, top->count("--timeout-ms") > 0);
+  if (*fleet_init) return ctl::CmdFleetInit(fleet_options);
   if (*job_create) return CmdJobCreate(conn, job_name, from_file, base_hash);
   if (*job_describe) return CmdJobDescribe(conn, job_name, as_json);
   if (*snap_create) return CmdSnapshot(conn, "create", snap_name, as_json);

@@ -1,0 +1,94 @@
+// `isthmusctl fleet init`: writes everything a fleet of sites needs before its shards can
+// start: every CURVE key pair, the per-role allowlist folders, one isthmus-server TOML per
+// shard with consistent shard.index and sync.peers, a worker TOML and an isthmusctl env file
+// per site, and a summary (README.txt, fleet.json) saying which folder goes where and which
+// ports to open. PlanFleet checks the options and writes nothing; WriteFleet writes a plan.
+// docs/CLI.md ("fleet init") and docs/DEPLOY.md ("Bootstrap a fleet") are the reference.
+//
+// Layout of OUT (one folder per site, meant to become /etc/isthmus on its shard host):
+//   OUT/README.txt, OUT/fleet.json           the summary
+//   OUT/admin/admin.key, admin.pub           the operator's admin key pair (not for /etc)
+//   OUT/SITE/SITE-I.toml                     shard I (isthmus-server@SITE-I reads it)
+//   OUT/SITE/worker.toml                     isthmus-worker train --config
+//   OUT/SITE/isthmusctl.env                  ISTHMUS_CTL_SERVERS, _SERVER_KEYS, _KEY
+//   OUT/SITE/keys/SITE-I.key, .pub           shard key pairs (.key mode 0600)
+//   OUT/SITE/keys/worker.key, .pub           the key pair of the site's worker ranks
+//   OUT/SITE/keys/workers/, admins/, peers-I/  allowlists: *.pub only
+// Shard I of a site listens on base+10I (workers), base+10I+1 (admin, 127.0.0.1 only) and
+// base+10I+2 (peers).
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus::ctl {
+
+inline constexpr int kFleetDefaultBasePort = 7100;
+inline constexpr int kFleetPortsPerShard = 10;  // shard I: base + 10 I + {0, 1, 2}
+
+struct FleetOptions {
+  std::vector<std::string> sites;        // --sites A,B
+  int shards = 0;                        // --shards N, per site
+  std::string out_dir;                   // --out DIR
+  std::vector<std::string> hosts;        // --host SITE=ADDR (default 127.0.0.1)
+  std::vector<std::string> base_ports;   // --base-port PORT or SITE=PORT
+  std::string etc_dir = "/etc/isthmus";  // {site} is replaced by the site's name
+  std::string data_dir = "/var/lib/isthmus";
+  std::vector<std::string> settings;  // --set KEY=VALUE, into every shard TOML
+  // Where the admin key pair file will be on the machine that runs isthmusctl (written into
+  // the env files; $HOME is expanded when the file is sourced).
+  std::string operator_key = "$HOME/.config/isthmus/admin.key";
+  std::string job;  // the job name for worker.toml; empty: a placeholder
+  bool force = false;
+};
+
+struct FleetSite {
+  std::string name;
+  std::string host;  // address its worker and peer sockets bind to and peers dial
+  int base_port = 0;
+  std::string etc_dir;   // {site} replaced
+  std::string data_dir;  // {site} replaced
+  int WorkerPort(int shard) const { return base_port + kFleetPortsPerShard * shard; }
+  int AdminPort(int shard) const { return WorkerPort(shard) + 1; }
+  int PeerPort(int shard) const { return WorkerPort(shard) + 2; }
+};
+
+struct FleetPlan {
+  std::vector<FleetSite> sites;  // in --sites order
+  int shards = 0;
+  std::string out_dir;
+  // --set settings in the server's table order: key -> TOML value text.
+  std::vector<std::pair<std::string, std::string>> settings;
+  std::string dial = "auto";  // sync.dial of every shard
+  std::string operator_key;
+  std::string job;
+  bool force = false;
+};
+
+// Checks the options against the server's rules (site names, settings table and
+// validation, the codec pipelines) and lays out hosts and ports. InvalidArgument saying
+// what to change; nothing is written.
+Result<FleetPlan> PlanFleet(const FleetOptions& options);
+
+// The isthmus-server TOML of shard `shard` of plan.sites[site].
+std::string FleetShardToml(const FleetPlan& plan, size_t site, int shard);
+
+// Writes the plan into plan.out_dir (see the layout above) and returns the summary, also
+// written as README.txt. AlreadyExists when the folder is not empty and !plan.force; with
+// force, the sites' keys/ folders and admin/ are replaced (no stale key stays on an
+// allowlist) and the other files overwritten. Every shard TOML is loaded back with the
+// server's config loader before it returns.
+Result<std::string> WriteFleet(const FleetPlan& plan);
+
+// Adds fleet init's flags to `cmd`, bound to `o`.
+void AddFleetInitFlags(CLI::App* cmd, FleetOptions& o);
+
+// PlanFleet + WriteFleet, printing the summary. Exit codes: 0; 2 bad options; 1 when OUT is
+// not empty (without --force) or a file cannot be written.
+int CmdFleetInit(const FleetOptions& o);
+
+}  // namespace isthmus::ctl
