@@ -89,6 +89,26 @@ std::string TimestampText(double unix_time) {
   return TimeText(whole) + Printf(".%03d", std::clamp(ms, 0, 999)) + " UTC";
 }
 
+// `text` as lines of at most kColumns, broken at spaces; lines after the first start with
+// `indent`.
+void AppendWrapped(std::vector<std::string>& lines, const std::string& text,
+                   const std::string& indent) {
+  std::string line;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find(' ', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string word = text.substr(start, end - start);
+    if (!line.empty() && line != indent && line.size() + 1 + word.size() > kColumns) {
+      lines.push_back(line);
+      line = indent;
+    }
+    line += (line.empty() || line == indent ? "" : " ") + word;
+    start = end + 1;
+  }
+  if (!line.empty() && line != indent) lines.push_back(line);
+}
+
 std::string PipelinesText(const std::map<std::string, uint64_t>& pipelines) {
   std::string out;
   for (const auto& [pipe, tensors] : pipelines) {
@@ -100,8 +120,10 @@ std::string PipelinesText(const std::map<std::string, uint64_t>& pipelines) {
 void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSample& s,
                  const ShardRates& rates) {
   if (!s.status.ok()) {
-    lines.push_back(
-        Printf("shard %zu  DOWN  %s  %s", index, s.endpoint.c_str(), s.status.ToString().c_str()));
+    AppendWrapped(
+        lines,
+        "shard " + std::to_string(index) + "  DOWN  " + s.endpoint + "  " + s.status.ToString(),
+        "    ");
     return;
   }
   const ShardStats& st = *s.stats;
@@ -162,7 +184,9 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
       }
       lines.push_back(head);
     }
-    if (!l.last_error.empty()) lines.push_back("  " + l.site + " last error: " + l.last_error);
+    if (!l.last_error.empty()) {
+      AppendWrapped(lines, "  " + l.site + " last error: " + l.last_error, "    ");
+    }
   }
 }
 

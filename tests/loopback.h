@@ -12,6 +12,55 @@
 
 namespace isthmus::testing {
 
+// The part of [1024, 65535] outside the kernel's ephemeral port range
+// (net.ipv4.ip_local_port_range) where test ports are picked: the larger of the two gaps
+// around that range, above the well-known ports.
+inline void TestPortRange(int* lo, int* hi) {
+  int eph_lo = 32768, eph_hi = 60999;
+  if (std::FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d %d", &eph_lo, &eph_hi) != 2) eph_lo = 32768, eph_hi = 60999;
+    std::fclose(f);
+  }
+  *lo = 10000, *hi = eph_lo - 1;
+  if (65535 - eph_hi > *hi - *lo) *lo = eph_hi + 1, *hi = 65535;
+  if (*hi <= *lo) *lo = 1024, *hi = 65535;
+}
+
+// True if a TCP socket can bind `port` on 127.0.0.1 now.
+inline bool CanBindLoopback(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  ::close(fd);
+  return bound;
+}
+
+// The first of `count` consecutive TCP ports nobody listens on right now on 127.0.0.1,
+// chosen the same way as FreePort below (e.g. a fleet's base port: `isthmusctl fleet init` puts
+// shard i on base+10i .. base+10i+2). Returns -1 if no such run of ports was found.
+inline int FreePortRange(int count) {
+  int lo = 0, hi = 0;
+  TestPortRange(&lo, &hi);
+  static std::atomic<unsigned> counter{0};
+  unsigned seed =
+      static_cast<unsigned>(::getpid()) * 2654435761u ^
+      static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
+      (counter.fetch_add(1) * 40503u);
+  const int span = hi - lo + 1 - (count - 1);
+  if (count < 1 || span < 1) return -1;
+  for (int i = 0; i < span; ++i) {
+    const int base = lo + static_cast<int>((seed + static_cast<unsigned>(i) * 7919u) % span);
+    bool all = true;
+    for (int k = 0; k < count && all; ++k) all = CanBindLoopback(base + k);
+    if (all) return base;
+  }
+  return -1;
+}
+
 // A TCP port nobody listens on right now on 127.0.0.1, chosen outside the kernel's
 // ephemeral range (net.ipv4.ip_local_port_range). A port from inside that range (what
 // binding port 0 gives) can be taken at any moment as the source port of some outgoing
@@ -20,36 +69,7 @@ namespace isthmus::testing {
 // random start and probed with bind(); two tests could still pick the same port in the
 // same instant, which the spread over ~20,000 ports makes unlikely.
 // Returns -1 if no port could be bound.
-inline int FreePort() {
-  int eph_lo = 32768, eph_hi = 60999;
-  if (std::FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
-    if (std::fscanf(f, "%d %d", &eph_lo, &eph_hi) != 2) eph_lo = 32768, eph_hi = 60999;
-    std::fclose(f);
-  }
-  // The larger of the two gaps around the ephemeral range, above the well-known ports.
-  int lo = 10000, hi = eph_lo - 1;
-  if (65535 - eph_hi > hi - lo) lo = eph_hi + 1, hi = 65535;
-  if (hi <= lo) lo = 1024, hi = 65535;
-  static std::atomic<unsigned> counter{0};
-  unsigned seed = static_cast<unsigned>(::getpid()) * 2654435761u ^
-                  static_cast<unsigned>(
-                      std::chrono::steady_clock::now().time_since_epoch().count()) ^
-                  (counter.fetch_add(1) * 40503u);
-  const int span = hi - lo + 1;
-  for (int i = 0; i < span; ++i) {
-    int port = lo + static_cast<int>((seed + static_cast<unsigned>(i) * 7919u) % span);
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    a.sin_port = htons(static_cast<uint16_t>(port));
-    bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
-    ::close(fd);
-    if (bound) return port;
-  }
-  return -1;
-}
+inline int FreePort() { return FreePortRange(1); }
 
 // The ZeroMQ endpoint for `port` on 127.0.0.1.
 inline std::string LoopbackEndpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }

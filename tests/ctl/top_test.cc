@@ -1,0 +1,150 @@
+// isthmusctl top's pure parts on made-up samples: rates between two samples (none on the
+// first, none across a restart), the JSON object of a refresh, and the text view's width.
+#include <gtest/gtest.h>
+
+#include "server/ctl_top.h"
+
+namespace isthmus::ctl {
+namespace {
+
+ShardSample Up(const std::string& id, uint64_t uptime, uint64_t pushes, uint64_t sent,
+               uint64_t received, double at) {
+  ShardSample s;
+  s.endpoint = "tcp://127.0.0.1:7101";
+  s.at_s = at;
+  ShardStats st;
+  st.shard_id = id;
+  st.uptime_s = uptime;
+  JobInfo j;
+  j.job = "job";
+  j.pushes = pushes;
+  st.jobs.push_back(j);
+  s.stats = st;
+  SyncStatusInfo sync;
+  sync.site = "alpha";
+  sync.enabled = true;
+  PeerLinkReport l;
+  l.site = "beta";
+  l.connected = true;
+  l.wire_bytes_sent = sent;
+  l.wire_bytes_received = received;
+  l.jobs.push_back({"job", 3, 4, 1});
+  sync.links.push_back(l);
+  SyncJobReport r;
+  r.job = "job";
+  r.local_round = 4;
+  r.committed_round = 3;
+  r.members = {"alpha", "beta"};
+  r.pipelines = {{"int8+zstd", 6}, {"dense", 2}};
+  sync.jobs.push_back(r);
+  s.sync = sync;
+  return s;
+}
+
+TEST(TopRates, FromTheDifferenceWithThePreviousSample) {
+  const ShardSample a = Up("alpha-0", 100, 10, 1000, 500, 50.0);
+  const ShardSample b = Up("alpha-0", 102, 14, 5000, 900, 52.0);
+  const ShardRates first = RatesOf(a, nullptr);
+  EXPECT_FALSE(first.pushes_per_s.has_value());
+  ASSERT_TRUE(first.links.count("beta"));
+  EXPECT_FALSE(first.links.at("beta").sent_per_s.has_value());
+  const ShardRates r = RatesOf(b, &a);
+  ASSERT_TRUE(r.pushes_per_s.has_value());
+  EXPECT_DOUBLE_EQ(*r.pushes_per_s, 2.0);
+  EXPECT_DOUBLE_EQ(*r.job_pushes.at("job"), 2.0);
+  EXPECT_DOUBLE_EQ(*r.links.at("beta").sent_per_s, 2000.0);
+  EXPECT_DOUBLE_EQ(*r.links.at("beta").received_per_s, 200.0);
+}
+
+TEST(TopRates, NoneAcrossARestartOrAnotherShard) {
+  const ShardSample a = Up("alpha-0", 100, 10, 1000, 500, 50.0);
+  // Restarted: uptime went down, the link counters began again; pushes are persistent.
+  const ShardSample restarted = Up("alpha-0", 1, 12, 100, 50, 52.0);
+  const ShardRates r = RatesOf(restarted, &a);
+  EXPECT_FALSE(r.links.at("beta").sent_per_s.has_value());
+  EXPECT_FALSE(r.links.at("beta").received_per_s.has_value());
+  ASSERT_TRUE(r.pushes_per_s.has_value());
+  EXPECT_DOUBLE_EQ(*r.pushes_per_s, 1.0);
+  // A snapshot restore took the push counter back.
+  const ShardSample restored = Up("alpha-0", 103, 3, 1100, 600, 53.0);
+  EXPECT_FALSE(RatesOf(restored, &a).pushes_per_s.has_value());
+  // Another shard behind the endpoint.
+  const ShardSample other = Up("alpha-1", 200, 20, 2000, 900, 52.0);
+  EXPECT_FALSE(RatesOf(other, &a).pushes_per_s.has_value());
+}
+
+TEST(TopJson, OneObjectPerRefreshWithTheDocumentedFields) {
+  TopSample first, second;
+  first.unix_time = 1000.0;
+  second.unix_time = 1002.0;
+  first.shards = {Up("alpha-0", 100, 10, 1000, 500, 50.0), {}};
+  second.shards = {Up("alpha-0", 102, 14, 5000, 900, 52.0), {}};
+  for (auto* t : {&first, &second}) {
+    t->shards[1].endpoint = "tcp://127.0.0.1:7111";
+    t->shards[1].status = Status::Timeout("no reply");
+  }
+  const auto j = TopJson(second, &first, 2.0);
+  EXPECT_DOUBLE_EQ(j["time"].get<double>(), 1002.0);
+  EXPECT_DOUBLE_EQ(j["interval_s"].get<double>(), 2.0);
+  ASSERT_EQ(j["shards"].size(), 2u);
+  const auto& up = j["shards"][0];
+  EXPECT_EQ(up["shard"], 0);
+  EXPECT_TRUE(up["reachable"].get<bool>());
+  EXPECT_FALSE(up.contains("error"));
+  EXPECT_EQ(up["stats"], StatsJson(*second.shards[0].stats));
+  EXPECT_EQ(up["sync"], SyncStatusJson(*second.shards[0].sync));
+  EXPECT_DOUBLE_EQ(up["rates"]["pushes_per_s"].get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(up["rates"]["links"]["beta"]["wire_sent_bytes_per_s"].get<double>(), 2000.0);
+  EXPECT_DOUBLE_EQ(up["rates"]["links"]["beta"]["wire_received_bytes_per_s"].get<double>(), 200.0);
+  const auto& down = j["shards"][1];
+  EXPECT_FALSE(down["reachable"].get<bool>());
+  EXPECT_NE(down["error"].get<std::string>().find("no reply"), std::string::npos);
+  EXPECT_TRUE(down["stats"].is_null());
+  EXPECT_TRUE(down["rates"]["pushes_per_s"].is_null());
+  EXPECT_TRUE(TopJson(first, nullptr, 2.0)["shards"][0]["rates"]["pushes_per_s"].is_null());
+}
+
+TEST(TopText, ShardsJobsLinksAndDownWithin120Columns) {
+  TopSample first, second;
+  first.unix_time = 1000.0;
+  second.unix_time = 1002.0;
+  ShardSample a = Up("alpha-0", 100, 10, 1000, 500, 50.0);
+  ShardSample b = Up("alpha-0", 3700, 14, 5000, 900, 52.0);
+  // Long names and many pipelines must not push lines past 120 columns.
+  b.sync->jobs[0].members = {"a-very-long-site-name", "another-very-long-site-name"};
+  for (int i = 0; i < 20; ++i) b.sync->jobs[0].pipelines["topk:0.0" + std::to_string(i)] = i;
+  b.sync->links[0].last_error = std::string(300, 'x');
+  ShardSample down;
+  down.endpoint = "tcp://127.0.0.1:7111";
+  down.status = Status::Timeout(
+      "no reply from tcp://127.0.0.1:7111 after 1 attempt(s) of 2000 ms: is isthmus-server "
+      "running there, and is the server key right? (the end of a long error stays)");
+  first.shards = {a, down};
+  second.shards = {b, down};
+  const auto lines = TopText(second, &first, 2.0);
+  std::string all;
+  for (const auto& l : lines) {
+    EXPECT_LE(l.size(), 120u) << l;
+    all += l + "\n";
+  }
+  EXPECT_EQ(lines[0].rfind("=== ", 0), 0u) << lines[0];
+  EXPECT_NE(lines[0].find("1 of 2 shards up"), std::string::npos) << lines[0];
+  EXPECT_NE(all.find("shard 0  alpha-0  up"), std::string::npos) << all;
+  EXPECT_NE(all.find("uptime 1h01m"), std::string::npos) << all;
+  EXPECT_NE(all.find("shard 1  DOWN  tcp://127.0.0.1:7111  Timeout"), std::string::npos) << all;
+  const size_t tail = all.find("the server key right? (the end of a long error stays)\n");
+  ASSERT_NE(tail, std::string::npos) << "a DOWN shard's error wraps, nothing cut\n" << all;
+  EXPECT_EQ(all.substr(all.rfind('\n', tail) + 1, 4), "    ") << all;
+  EXPECT_NE(all.find("2.00"), std::string::npos) << "pushes/s\n" << all;
+  EXPECT_NE(all.find("2.0 KiB/s"), std::string::npos) << "wire sent/s\n" << all;
+  EXPECT_NE(all.find("beta         connected"), std::string::npos) << all;
+  // The first view has no rates yet.
+  const auto before = TopText(first, nullptr, 2.0);
+  std::string first_text;
+  for (const auto& l : before) first_text += l + "\n";
+  EXPECT_EQ(first_text.find("KiB/s"), std::string::npos) << first_text;
+  EXPECT_NE(first_text.find("int8+zstd 6"), std::string::npos) << first_text;
+}
+
+}  // namespace
+}  // namespace isthmus::ctl
