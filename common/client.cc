@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 #include <zmq.h>
 
+#include <cerrno>
 #include <cstring>
 #include "common/transport.h"
 
@@ -184,7 +185,15 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
       if (left.count() <= 0) break;
       zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
                                  {monitor_->handle(), 0, ZMQ_POLLIN, 0}};
-      zmq::poll(items, 2, left);
+      try {
+        zmq::poll(items, 2, left);
+      } catch (const zmq::error_t& e) {
+        // A signal (e.g. the SIGTERM that asks a worker to checkpoint and stop) interrupts
+        // the wait: wait on for the reply. cppzmq throws on EINTR instead of returning.
+        if (e.num() == EINTR) continue;
+        failure = Status::Internal(std::string("waiting for a reply failed: ") + e.what());
+        break;
+      }
       if (items[1].revents & ZMQ_POLLIN) {
         zmq::message_t ev;
         (void)monitor_->recv(ev);

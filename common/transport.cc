@@ -3,6 +3,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cerrno>
+
 namespace isthmus {
 
 ZapHandler::ZapHandler(zmq::context_t& ctx) : ctx_(ctx) {}
@@ -37,8 +39,9 @@ Status ZapHandler::Start() {
       zmq::pollitem_t item{sock.handle(), 0, ZMQ_POLLIN, 0};
       try {
         if (zmq::poll(&item, 1, std::chrono::milliseconds(100)) == 0) continue;
-      } catch (const zmq::error_t&) {
-        break;  // context terminated
+      } catch (const zmq::error_t& e) {
+        if (e.num() == EINTR) continue;  // a signal landed on this thread
+        break;                           // context terminated
       }
       std::vector<zmq::message_t> frames;
       while (true) {

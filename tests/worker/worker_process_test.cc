@@ -50,6 +50,30 @@ TEST_F(WorkerWithShards, TwoRanksTwoShardsCompleteRoundsAndShardsEqualWorker) {
   for (size_t i = 0; i < c0->size(); ++i) EXPECT_EQ((*c0)[i].data, (*c1)[i].data) << (*c0)[i].name;
 }
 
+// SIGTERM asks a worker to checkpoint and stop. One that lands while the worker waits for a
+// shard's reply interrupts that wait (EINTR): the worker must wait on, not abort (it did:
+// cppzmq throws on EINTR). Here shard 1 is stopped (SIGSTOP) while the worker trains, so
+// the worker is inside a push or pull to it when SIGTERM arrives; then the shard resumes.
+TEST_F(WorkerWithShards, SigtermWhileAShardIsSlowToAnswerStopsCleanly) {
+  WorkerProcess w;
+  w.Start(TrainArgs(0, 1, 100000, 2), (dir_ / "w.log").string());
+  bool reached = false;
+  for (int i = 0; i < 600 && !reached; ++i) {
+    auto h = shards_[1].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
+    reached = h.ok() && h->rounds.local_round >= 2;
+    if (!reached) ::usleep(50'000);
+  }
+  ASSERT_TRUE(reached) << w.Log();
+  shards_[1].Signal(SIGSTOP);
+  ::usleep(500'000);  // rounds take milliseconds: the worker now waits for shard 1
+  ::kill(w.pid, SIGTERM);
+  ::usleep(300'000);
+  shards_[1].Signal(SIGCONT);
+  const int rc = w.Wait(60);
+  EXPECT_EQ(rc, 7) << "exit code 7: interrupted and checkpointed\n" << w.Log();
+  EXPECT_NE(w.Log().find("checkpointed"), std::string::npos) << w.Log();
+}
+
 TEST_F(WorkerWithShards, KilledWorkerResumesWithoutApplyingARoundTwice) {
   WorkerProcess w;
   w.Start(TrainArgs(0, 1, 6, 2), (dir_ / "w1.log").string());
