@@ -14,6 +14,8 @@
 #include <sstream>
 #include <string_view>
 
+#include "common/metrics.h"
+
 namespace isthmus {
 namespace {
 
@@ -48,6 +50,11 @@ const std::vector<Binding>& Bindings() {
       {{"listen.admin", T::kString, "tcp://127.0.0.1:7101",
         "ZeroMQ endpoint for isthmusctl (jobs, stats, snapshots, export)."},
        &ServerConfig::listen_admin},
+      {{"listen.metrics", T::kString, "",
+        "HOST:PORT where Prometheus metrics are served over plain HTTP at /metrics (docs/"
+        "METRICS.md). Empty: off. Unauthenticated and unencrypted: bind it to loopback or a "
+        "monitoring network only."},
+       &ServerConfig::listen_metrics},
       {{"security.secret_key", T::kString, "",
         "This server's key pair file (mode 0600; make one with isthmusctl keygen). Required unless "
         "insecure_plaintext."},
@@ -528,6 +535,10 @@ Status ValidateServerConfig(const ServerConfig& c) {
         "sync.remove_silent_after_s must be at least twice sync.backoff_max_ms (" +
         std::to_string(c.sync_backoff_max_ms) +
         " ms): a live but idle peer is heard only once per keep-alive interval");
+  }
+  if (!c.listen_metrics.empty()) {
+    auto hp = metrics::ParseHostPort(c.listen_metrics, "listen.metrics");
+    if (!hp.ok()) return hp.status();
   }
   if (c.sync_max_rounds_ahead < 0 || c.sync_resend_ms <= 0 || c.sync_backoff_max_ms <= 0) {
     return Status::InvalidArgument(

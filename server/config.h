@@ -25,6 +25,7 @@ struct ServerConfig {
   std::string data_dir;
   std::string listen_worker;
   std::string listen_admin;
+  std::string listen_metrics;  // HOST:PORT of the Prometheus endpoint; empty: off
   std::string secret_key;
   std::vector<std::string> worker_keys;
   std::vector<std::string> admin_keys;

@@ -8,12 +8,17 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <deque>
 #include <filesystem>
+#include <future>
+#include <mutex>
 #include <optional>
 #include <zmq.hpp>
 
 #include "common/keys.h"
+#include "common/metrics.h"
 #include "common/transport.h"
+#include "common/version.h"
 #include "common/wire.h"
 #include "server/peer_link.h"
 #include "server/shard.h"
@@ -132,8 +137,8 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
           fbb, fbb.CreateString(job), js->local_round, js->committed_round,
           engine->max_rounds_ahead(), fbb.CreateString(EngineDetail(*js)), state,
           fbb.CreateVector(removed), fbb.CreateString(js->change_note),
-          js->pending.has_value() || js->catching_up || js->draining,
-          fbb.CreateVector(pipelines), fbb.CreateVector(held)));
+          js->pending.has_value() || js->catching_up || js->draining, fbb.CreateVector(pipelines),
+          fbb.CreateVector(held)));
     }
   }
   auto body = wire::CreateSyncStatusReply(
@@ -298,10 +303,12 @@ void CheckSilentPeers(const ServerConfig& c, SyncEngine* engine, PeerLinks* link
 // Admin requests about cross-site sync are answered here, beside the shard, because they
 // need the links. nullopt for every other message.
 std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits,
-                                     const ServerConfig& c, SyncEngine* engine, PeerLinks* links) {
+                                     const ServerConfig& c, Shard* shard, PeerLinks* links) {
   auto env_or = ParseEnvelope(msg.header, limits);
   if (!env_or.ok()) return std::nullopt;
   const wire::Envelope* env = *env_or;
+  SyncEngine* engine = shard->sync();
+  const auto t0 = std::chrono::steady_clock::now();
   Reply reply;
   Status s;
   switch (env->body_type()) {
@@ -326,7 +333,213 @@ std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits
     BuildErrorReply(reply.header, env->request_id(), s);
     reply.is_error = true;
   }
+  shard->RecordRequest(
+      wire::Role::Admin, OpName(env->body_type()), s.code(),
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return reply;
+}
+
+// Hands metrics scrapes from the HTTP thread to the event loop, which owns every state
+// they read (shard, engine, links), and the rendered text back.
+class MetricsBridge {
+ public:
+  MetricsBridge() : fd_(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) {}
+  ~MetricsBridge() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int fd() const { return fd_; }
+
+  // HTTP thread: queues a scrape, wakes the loop and waits up to `timeout` for the text.
+  Result<std::string> Request(std::chrono::milliseconds timeout) {
+    auto pending = std::make_shared<std::promise<Result<std::string>>>();
+    auto answer = pending->get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return Status::Unavailable("the shard is shutting down");
+      queue_.push_back(pending);
+    }
+    uint64_t one = 1;
+    ssize_t ignored = ::write(fd_, &one, sizeof one);
+    (void)ignored;
+    if (answer.wait_for(timeout) != std::future_status::ready) {
+      return Status::Timeout("the shard's event loop did not answer within " +
+                             std::to_string(timeout.count()) + " ms (a long request in hand?)");
+    }
+    return answer.get();
+  }
+  // Event-loop thread: renders once for every scrape waiting.
+  void Serve(const std::function<std::string()>& render) {
+    uint64_t n = 0;
+    ssize_t ignored = ::read(fd_, &n, sizeof n);
+    (void)ignored;
+    std::deque<std::shared_ptr<std::promise<Result<std::string>>>> waiting;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      waiting.swap(queue_);
+    }
+    if (waiting.empty()) return;
+    const std::string text = render();
+    for (auto& p : waiting) p->set_value(text);
+  }
+  // Event-loop thread, when it stops: answers every waiting and later scrape Unavailable.
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    for (auto& p : queue_) p->set_value(Status::Unavailable("the shard is shutting down"));
+    queue_.clear();
+  }
+
+ private:
+  const int fd_;
+  std::mutex mu_;
+  bool closed_ = false;                                                   // guarded by mu_
+  std::deque<std::shared_ptr<std::promise<Result<std::string>>>> queue_;  // guarded by mu_
+};
+
+// The cross-site part of the metrics: the engine's jobs and the peer links.
+void WriteSyncMetrics(metrics::TextWriter& w, SyncEngine* engine, PeerLinks* links,
+                      const std::map<std::string, metrics::Histogram>& commit_seconds) {
+  using metrics::Type;
+  if (engine != nullptr) {
+    std::vector<SyncJobStatus> jobs;
+    for (const auto& job : engine->StatusJobs()) {
+      auto js = engine->JobStatus(job);
+      if (js.ok()) jobs.push_back(std::move(*js));
+    }
+    auto per_job = [&](const char* name, Type type, const char* help, auto value) {
+      w.Begin(name, type, help);
+      for (const auto& j : jobs) w.Sample({{"job", j.job}}, static_cast<double>(value(j)));
+    };
+    per_job("isthmus_sync_local_round", Type::kGauge, "The last round this site closed.",
+            [](const SyncJobStatus& j) { return j.local_round; });
+    per_job("isthmus_sync_committed_round", Type::kGauge, "The last round committed on this shard.",
+            [](const SyncJobStatus& j) { return j.committed_round; });
+    per_job("isthmus_sync_rounds_ahead", Type::kGauge,
+            "Rounds this site has closed beyond the last commit (workers wait past "
+            "sync.max_rounds_ahead).",
+            [](const SyncJobStatus& j) {
+              return j.local_round > j.committed_round ? j.local_round - j.committed_round : 0;
+            });
+    per_job("isthmus_sync_membership_epoch", Type::kGauge,
+            "The job's membership epoch (0 for the sites it started with, +1 per change).",
+            [](const SyncJobStatus& j) { return j.members.epoch; });
+    per_job("isthmus_sync_members", Type::kGauge, "Member sites of the job.",
+            [](const SyncJobStatus& j) { return j.members.sites.size(); });
+    per_job("isthmus_sync_membership_change_pending", Type::kGauge,
+            "1 while a membership change, join or catch-up is under way here.",
+            [](const SyncJobStatus& j) {
+              return j.pending.has_value() || j.catching_up || j.draining ? 1 : 0;
+            });
+    per_job("isthmus_sync_encoded_bytes_total", Type::kCounter,
+            "Encoded bytes of this site's round deltas (the payload each peer is sent).",
+            [](const SyncJobStatus& j) { return j.bytes_encoded; });
+    per_job("isthmus_sync_raw_bytes_total", Type::kCounter,
+            "The same round deltas as fp32 (what dense deltas would take).",
+            [](const SyncJobStatus& j) { return j.raw_bytes; });
+    w.Begin("isthmus_sync_codec_tensors", Type::kGauge,
+            "Tensors each codec pipeline encoded in the last round this site closed (adaptive "
+            "mode may change the pipeline every round).");
+    for (const auto& j : jobs) {
+      for (const auto& [p, n] : j.pipelines) {
+        w.Sample({{"job", j.job}, {"pipeline", p}}, static_cast<double>(n));
+      }
+    }
+    w.Begin("isthmus_sync_held_round", Type::kGauge,
+            "Per member site: the highest round of its deltas held or committed here.");
+    for (const auto& j : jobs) {
+      for (const auto& [site, r] : j.held) {
+        w.Sample({{"job", j.job}, {"site", site}}, static_cast<double>(r));
+      }
+    }
+    w.Begin("isthmus_sync_commit_duration_seconds", Type::kHistogram,
+            "From this site closing a round (its workers' last push) to the round's commit: the "
+            "wait for every member's delta plus the merge.");
+    for (const auto& [job, h] : commit_seconds) h.Write(w, {{"job", job}});
+  }
+  if (links == nullptr) return;
+  const auto stats = links->Stats();
+  auto per_link = [&](const char* name, Type type, const char* help, auto value) {
+    w.Begin(name, type, help);
+    for (const auto& l : stats) w.Sample({{"peer", l.site}}, static_cast<double>(value(l)));
+  };
+  using L = PeerLinkStats;
+  per_link("isthmus_peer_connected", Type::kGauge,
+           "1 while the link's transport is up and its handshake answered.",
+           [](const L& l) { return l.connected ? 1 : 0; });
+  per_link("isthmus_peer_paused", Type::kGauge,
+           "1 while the link is paused (isthmusctl sync pause).",
+           [](const L& l) { return l.paused ? 1 : 0; });
+  per_link("isthmus_peer_wire_sent_bytes_total", Type::kCounter,
+           "Bytes sent to the peer on the wire: every message with ZeroMQ framing and CURVE boxes, "
+           "and the connections' handshakes (TCP/IP headers not included).",
+           [](const L& l) { return l.wire_bytes_sent; });
+  per_link(
+      "isthmus_peer_wire_received_bytes_total", Type::kCounter,
+      "Bytes received from the peer on the wire, counted as isthmus_peer_wire_sent_bytes_total.",
+      [](const L& l) { return l.wire_bytes_received; });
+  per_link("isthmus_peer_tcpip_header_bytes_estimated_total", Type::kCounter,
+           "TCP/IP header bytes of the link in both directions, estimated from the segments its "
+           "messages need (not counted).",
+           [](const L& l) { return l.tcp_bytes_estimate; });
+  per_link("isthmus_peer_payload_sent_bytes_total", Type::kCounter,
+           "Encoded delta bytes sent to the peer (resends included): the payload inside the wire "
+           "bytes.",
+           [](const L& l) { return l.bytes_sent; });
+  per_link("isthmus_peer_payload_received_bytes_total", Type::kCounter,
+           "Encoded delta bytes received from the peer.",
+           [](const L& l) { return l.bytes_received; });
+  per_link("isthmus_peer_payload_raw_bytes_total", Type::kCounter,
+           "fp32 bytes of the deltas sent to the peer (what dense deltas would have taken).",
+           [](const L& l) { return l.raw_bytes_sent; });
+  per_link("isthmus_peer_messages_sent_total", Type::kCounter, "Messages sent to the peer.",
+           [](const L& l) { return l.messages_sent; });
+  per_link("isthmus_peer_messages_received_total", Type::kCounter,
+           "Messages received from the peer.", [](const L& l) { return l.messages_received; });
+  per_link("isthmus_peer_deltas_sent_total", Type::kCounter,
+           "Round deltas sent to the peer, resends included.",
+           [](const L& l) { return l.deltas_sent; });
+  per_link("isthmus_peer_deltas_acked_total", Type::kCounter, "Round deltas the peer acknowledged.",
+           [](const L& l) { return l.deltas_acked; });
+  per_link("isthmus_peer_deltas_resent_total", Type::kCounter,
+           "Round deltas sent again (after a timeout, a reconnect or a restart).",
+           [](const L& l) { return l.resends; });
+  per_link("isthmus_peer_keepalives_total", Type::kCounter, "Keep-alive pings sent while idle.",
+           [](const L& l) { return l.keepalives; });
+  per_link("isthmus_peer_connections_total", Type::kCounter,
+           "Connection handshakes on the link, this side's and the peer's.",
+           [](const L& l) { return l.connections; });
+  per_link("isthmus_peer_auth_failures_total", Type::kCounter,
+           "Times the peer refused this shard's CURVE key.",
+           [](const L& l) { return l.auth_failures; });
+  per_link("isthmus_peer_refused_messages_total", Type::kCounter,
+           "Messages from the peer this shard refused (malformed, wrong site, ...).",
+           [](const L& l) { return l.refused; });
+  per_link("isthmus_peer_bandwidth_bytes_per_second", Type::kGauge,
+           "The link's measured bandwidth (from acknowledged deltas; 0 before a measurement).",
+           [](const L& l) { return l.bandwidth_bps; });
+  per_link("isthmus_peer_silent_seconds", Type::kGauge,
+           "Seconds since the last message from the peer.",
+           [](const L& l) { return l.silent_seconds; });
+  w.Begin("isthmus_peer_acked_round", Type::kGauge,
+          "The highest round of ours the peer holds with every round before it.");
+  for (const auto& l : stats) {
+    for (const auto& j : l.jobs) {
+      w.Sample({{"peer", l.site}, {"job", j.job}}, static_cast<double>(j.acked_round));
+    }
+  }
+  w.Begin("isthmus_peer_lag_rounds", Type::kGauge,
+          "Rounds of ours the peer has not acknowledged yet (our highest round minus its acked "
+          "round).");
+  for (const auto& l : stats) {
+    for (const auto& j : l.jobs) {
+      w.Sample(
+          {{"peer", l.site}, {"job", j.job}},
+          static_cast<double>(j.outbox_round > j.acked_round ? j.outbox_round - j.acked_round : 0));
+    }
+  }
+  w.Single("isthmus_peer_refused_unknown_total", Type::kCounter,
+           "Peer messages refused before a site could be named (bad handshake, unknown site).",
+           static_cast<double>(links->refused_unknown()));
 }
 
 }  // namespace
@@ -345,7 +558,46 @@ struct ShardServer::Impl {
   std::unique_ptr<Shard> shard;
   std::unique_ptr<PeerLinks> links;  // null unless the shard syncs with peer sites
   WireLimits limits;
+  // Metrics (listen.metrics): the endpoint's thread asks the loop through the bridge.
+  MetricsBridge metrics_bridge;
+  std::unique_ptr<metrics::MetricsEndpoint> metrics_endpoint;
+  std::map<std::string, metrics::Histogram> commit_seconds;  // per job; event-loop thread
+  double started_unix = 0;
+  std::string RenderMetrics();
 };
+
+std::string ShardServer::Impl::RenderMetrics() {
+  using metrics::Type;
+  metrics::TextWriter w;
+  w.Begin("isthmus_server_info", Type::kGauge,
+          "Constant 1, labelled with the server's version, shard id, site and shard index.");
+  w.Sample({{"version", kIsthmusVersion},
+            {"shard", config.shard_id},
+            {"site", config.sync_site},
+            {"shard_index", std::to_string(config.shard_index)}},
+           1);
+  w.Single("process_start_time_seconds", Type::kGauge,
+           "Start time of the process since the Unix epoch, in seconds.", started_unix);
+  shard->WriteMetrics(w);
+  uint64_t peer_in = 0, peer_out = 0;
+  if (links) {
+    for (const auto& l : links->Stats()) {
+      peer_in += l.wire_bytes_received;
+      peer_out += l.wire_bytes_sent;
+    }
+  }
+  w.Begin("isthmus_socket_received_bytes_total", Type::kCounter,
+          "Bytes received per socket: requests on the worker and admin sockets (headers and "
+          "payload), wire bytes on the peer links.");
+  for (const auto& [role, b] : shard->socket_bytes()) w.Sample({{"socket", role}}, b.first);
+  if (links) w.Sample({{"socket", "peer"}}, static_cast<double>(peer_in));
+  w.Begin("isthmus_socket_sent_bytes_total", Type::kCounter,
+          "Bytes sent per socket, counted as isthmus_socket_received_bytes_total.");
+  for (const auto& [role, b] : shard->socket_bytes()) w.Sample({{"socket", role}}, b.second);
+  if (links) w.Sample({{"socket", "peer"}}, static_cast<double>(peer_out));
+  WriteSyncMetrics(w, shard->sync(), links.get(), commit_seconds);
+  return w.Take();
+}
 
 ShardServer::ShardServer(ServerConfig config) : impl_(std::make_unique<Impl>()) {
   impl_->config = std::move(config);
@@ -353,6 +605,8 @@ ShardServer::ShardServer(ServerConfig config) : impl_(std::make_unique<Impl>()) 
 }
 
 ShardServer::~ShardServer() {
+  impl_->metrics_bridge.Close();
+  impl_->metrics_endpoint.reset();
   impl_->links.reset();
   impl_->worker.reset();
   impl_->admin.reset();
@@ -397,6 +651,14 @@ Status ShardServer::Start() {
   if (!c.sync_site.empty()) {
     ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
     opts.sync = SyncOptionsFrom(c);
+    Impl* impl = impl_.get();
+    opts.sync->on_commit = [impl](const std::string& job, uint64_t, double seconds) {
+      auto it = impl->commit_seconds.find(job);
+      if (it == impl->commit_seconds.end()) {
+        it = impl->commit_seconds.emplace(job, metrics::Histogram(metrics::LatencyBuckets())).first;
+      }
+      it->second.Observe(seconds);
+    };
   }
   ISTHMUS_ASSIGN_OR_RETURN(impl_->shard, Shard::Open(opts));
 
@@ -471,6 +733,19 @@ Status ShardServer::Start() {
     spdlog::info("site {}: peer links to {} site(s), peers connect on {}", c.sync_site,
                  peers.size(), c.listen_peer);
   }
+  impl_->started_unix =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  if (!c.listen_metrics.empty()) {
+    MetricsBridge* bridge = &impl_->metrics_bridge;
+    ISTHMUS_ASSIGN_OR_RETURN(
+        impl_->metrics_endpoint,
+        metrics::MetricsEndpoint::Start(c.listen_metrics, "listen.metrics", [bridge]() {
+          return bridge->Request(std::chrono::milliseconds(10000));
+        }));
+    spdlog::info("metrics at http://{}:{}/metrics",
+                 c.listen_metrics.substr(0, c.listen_metrics.rfind(':')),
+                 impl_->metrics_endpoint->port());
+  }
   spdlog::info("shard {} serving workers on {} and admins on {} ({})", c.shard_id, c.listen_worker,
                c.listen_admin, c.insecure_plaintext ? "PLAINTEXT" : "CURVE");
   return Status::Ok();
@@ -483,13 +758,20 @@ Status ShardServer::Run() {
   PeerLinks* links = impl_->links.get();
   std::vector<zmq::pollitem_t> items;
   auto next_silence_check = std::chrono::steady_clock::now();
+  // Scrapes still waiting when the loop stops are answered Unavailable.
+  struct CloseBridge {
+    MetricsBridge& bridge;
+    ~CloseBridge() { bridge.Close(); }
+  } close_bridge{impl_->metrics_bridge};
+  constexpr size_t kFixedItems = 4;
   while (true) {
-    // The peer links' sockets follow the three fixed items; their timer bounds the wait.
-    items.assign(3 + (links ? links->PollItemCount() : 0), zmq::pollitem_t{});
+    // The peer links' sockets follow the fixed items; their timer bounds the wait.
+    items.assign(kFixedItems + (links ? links->PollItemCount() : 0), zmq::pollitem_t{});
     items[0] = {sockets[0]->handle(), 0, ZMQ_POLLIN, 0};
     items[1] = {sockets[1]->handle(), 0, ZMQ_POLLIN, 0};
     items[2] = {nullptr, impl_->wake_fd, ZMQ_POLLIN, 0};
-    if (links) links->FillPollItems(items.data() + 3);
+    items[3] = {nullptr, impl_->metrics_bridge.fd(), ZMQ_POLLIN, 0};
+    if (links) links->FillPollItems(items.data() + kFixedItems);
     try {
       zmq::poll(items.data(), items.size(),
                 std::chrono::milliseconds(links ? links->NextTimeoutMs() : -1));
@@ -500,6 +782,9 @@ Status ShardServer::Run() {
     if (items[2].revents & ZMQ_POLLIN) {
       spdlog::info("stop requested; shutting down");
       return Status::Ok();
+    }
+    if (items[3].revents & ZMQ_POLLIN) {
+      impl_->metrics_bridge.Serve([this] { return impl_->RenderMetrics(); });
     }
     for (int i = 0; i < 2; ++i) {
       if (!(items[i].revents & ZMQ_POLLIN)) continue;
@@ -516,18 +801,18 @@ Status ShardServer::Run() {
         std::optional<Reply> sync_reply;
         if (roles[i] == wire::Role::Admin) {
           sync_reply =
-              HandleSyncAdmin(*msg, impl_->limits, impl_->config, impl_->shard->sync(), links);
+              HandleSyncAdmin(*msg, impl_->limits, impl_->config, impl_->shard.get(), links);
         }
         Reply reply = sync_reply ? std::move(*sync_reply) : impl_->shard->Handle(roles[i], *msg);
         uint64_t out_bytes = reply.header.GetSize();
         for (const auto& p : reply.payload) out_bytes += p.size;
-        impl_->shard->CountBytes(msg->header.size() + msg->PayloadBytes(), out_bytes);
+        impl_->shard->CountBytes(roles[i], msg->header.size() + msg->PayloadBytes(), out_bytes);
         Status s = SendMessage(*sockets[i], &routing_id, reply.header, reply.payload);
         if (!s.ok()) spdlog::warn("could not send a reply: {}", s.ToString());
       }
     }
     if (links) {
-      links->OnPoll(items.data() + 3);
+      links->OnPoll(items.data() + kFixedItems);
       // After worker pushes too: a round closed just now goes out at once.
       links->Tick();
       CheckSilentPeers(impl_->config, impl_->shard->sync(), links, next_silence_check);

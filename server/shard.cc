@@ -247,8 +247,126 @@ Status Shard::Load() {
   return Status::Ok();
 }
 
+std::string OpName(wire::Body body) {
+  std::string name = wire::EnumNameBody(body);
+  const std::string_view suffix = "Request";
+  if (name.size() > suffix.size() && name.ends_with(suffix))
+    name.resize(name.size() - suffix.size());
+  std::string out;
+  for (char c : name) {
+    if (c >= 'A' && c <= 'Z') {
+      if (!out.empty()) out += '_';
+      out += static_cast<char>(c - 'A' + 'a');
+    } else {
+      out += c;
+    }
+  }
+  return out.empty() ? "unknown" : out;
+}
+
+std::string RoleName(wire::Role role) {
+  switch (role) {
+    case wire::Role::Worker:
+      return "worker";
+    case wire::Role::Admin:
+      return "admin";
+    case wire::Role::Peer:
+      return "peer";
+  }
+  return "unknown";
+}
+
+void Shard::CountBytes(wire::Role role, uint64_t in, uint64_t out) {
+  bytes_in_ += in;
+  bytes_out_ += out;
+  auto& b = socket_bytes_[RoleName(role)];
+  b.first += in;
+  b.second += out;
+}
+
+void Shard::RecordRequest(wire::Role role, std::string_view op, Code outcome, double seconds) {
+  const std::string socket = RoleName(role);
+  ++request_counts_[{socket, std::string(op), std::string(CodeName(outcome))}];
+  auto it = request_seconds_.find({socket, std::string(op)});
+  if (it == request_seconds_.end()) {
+    it = request_seconds_
+             .emplace(std::make_pair(socket, std::string(op)),
+                      metrics::Histogram(metrics::LatencyBuckets()))
+             .first;
+  }
+  it->second.Observe(seconds);
+}
+
+void Shard::WriteMetrics(metrics::TextWriter& w) {
+  using metrics::Type;
+  w.Begin("isthmus_requests_total", Type::kCounter,
+          "Requests answered, by socket (worker, admin), operation and outcome (OK or the error "
+          "code).");
+  for (const auto& [key, n] : request_counts_) {
+    const auto& [socket, op, outcome] = key;
+    w.Sample({{"socket", socket}, {"op", op}, {"outcome", outcome}}, static_cast<double>(n));
+  }
+  w.Begin("isthmus_request_duration_seconds", Type::kHistogram,
+          "Time the shard took to handle a request (from its arrival to its reply being built; "
+          "durable writes included), by socket and operation.");
+  for (const auto& [key, h] : request_seconds_)
+    h.Write(w, {{"socket", key.first}, {"op", key.second}});
+  auto per_job = [&](const char* name, Type type, const char* help, auto value) {
+    w.Begin(name, type, help);
+    for (const auto& [job_name, job] : jobs_) {
+      w.Sample({{"job", job_name}}, static_cast<double>(value(job)));
+    }
+  };
+  per_job("isthmus_job_pushes_total", Type::kCounter,
+          "Worker pushes applied to the job on this shard (duplicates not counted).",
+          [](const JobState& j) { return j.pushes; });
+  per_job("isthmus_job_duplicate_pushes_total", Type::kCounter,
+          "Pushes answered as duplicates of an applied one since the server started (retries).",
+          [](const JobState& j) { return j.duplicate_pushes; });
+  per_job("isthmus_job_version", Type::kGauge,
+          "The job's served version on this shard (it rises whenever pulled values change).",
+          [this](const JobState& j) { return VersionOf(j); });
+  per_job("isthmus_job_tensors", Type::kGauge, "Tensors of the job this shard owns.",
+          [](const JobState& j) { return j.tensors.size(); });
+  per_job("isthmus_job_size_bytes", Type::kGauge,
+          "fp32 bytes of the job's tensors this shard owns.",
+          [](const JobState& j) { return JobBytes(j); });
+  if (!store_) return;
+  const StoreMetrics m = store_->Metrics();
+  w.Single("isthmus_store_disk_bytes", Type::kGauge,
+           "Bytes of the live store's files on disk (RocksDB files and tensor slot files).",
+           static_cast<double>(m.disk_bytes));
+  if (!m.rocksdb) return;
+  w.Single("isthmus_store_slot_file_bytes", Type::kGauge,
+           "Bytes of large tensor values in use in slot files (kept outside RocksDB).",
+           static_cast<double>(m.slot_bytes));
+  w.Single("isthmus_rocksdb_sst_bytes", Type::kGauge, "Size of RocksDB's SST files.",
+           static_cast<double>(m.sst_bytes));
+  w.Single("isthmus_rocksdb_blob_bytes", Type::kGauge, "Size of RocksDB's blob files.",
+           static_cast<double>(m.blob_bytes));
+  w.Single("isthmus_rocksdb_memtable_bytes", Type::kGauge,
+           "Size of RocksDB's memtables (active and not yet flushed).",
+           static_cast<double>(m.memtable_bytes));
+  w.Single("isthmus_rocksdb_live_data_bytes", Type::kGauge,
+           "RocksDB's estimate of the live data it holds.", static_cast<double>(m.live_data_bytes));
+  w.Single("isthmus_rocksdb_pending_compaction_bytes", Type::kGauge,
+           "RocksDB's estimate of the bytes compaction still has to rewrite.",
+           static_cast<double>(m.pending_compaction_bytes));
+  w.Single("isthmus_rocksdb_write_stall_seconds_total", Type::kCounter,
+           "Time RocksDB delayed or stopped writes (write stalls) since the store was opened.",
+           static_cast<double>(m.write_stall_micros) / 1e6);
+  w.Single("isthmus_rocksdb_write_stopped", Type::kGauge,
+           "1 while RocksDB stops writes (too many level-0 files or pending compaction).",
+           m.write_stopped ? 1.0 : 0.0);
+  w.Single("isthmus_rocksdb_delayed_write_rate_bytes_per_second", Type::kGauge,
+           "The rate RocksDB holds writes to while it delays them (0: not delayed).",
+           static_cast<double>(m.delayed_write_rate));
+}
+
 Reply Shard::Handle(wire::Role role, const Frames& request) {
   ++requests_;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string op = "malformed";  // until the envelope parses
   Reply reply;
   uint64_t id = 0;
   Status s;
@@ -261,6 +379,7 @@ Reply Shard::Handle(wire::Role role, const Frames& request) {
     } else {
       const wire::Envelope* e = *env;
       id = e->request_id();
+      op = OpName(e->body_type());
       bool admin = role == wire::Role::Admin;
       auto need_admin = [&]() {
         return Status::PermissionDenied(std::string(wire::EnumNameBody(e->body_type())) +
@@ -319,6 +438,8 @@ Reply Shard::Handle(wire::Role role, const Frames& request) {
     BuildErrorReply(reply.header, id, s);
     reply.is_error = true;
   }
+  RecordRequest(role, op, s.code(),
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   return reply;
 }
 

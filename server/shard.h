@@ -14,8 +14,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <tuple>
 #include <vector>
 
+#include "common/metrics.h"
 #include "common/status.h"
 #include "common/wire.h"
 #include "server/store.h"
@@ -57,7 +60,20 @@ class Shard {
 
   uint64_t requests() const { return requests_; }
   uint64_t errors() const { return errors_; }
-  void CountBytes(uint64_t in, uint64_t out) { bytes_in_ += in, bytes_out_ += out; }
+  // Bytes of one request and its reply on the socket of `role` (headers and payload).
+  void CountBytes(wire::Role role, uint64_t in, uint64_t out);
+  // Counts one request answered on the socket of `role`: its operation (a short name such
+  // as "push", see OpName), its outcome and how long handling it took. Handle() records
+  // its own; the server records the sync admin requests it answers beside the shard.
+  void RecordRequest(wire::Role role, std::string_view op, Code outcome, double seconds);
+  // The metrics of the shard itself (docs/METRICS.md): requests by socket, operation and
+  // outcome, their handling time, each job's pushes, version and size, and the store's
+  // sizes and write stalls.
+  void WriteMetrics(metrics::TextWriter& w);
+  // Per socket role name ("worker", "admin"): {bytes received, bytes sent}.
+  const std::map<std::string, std::pair<uint64_t, uint64_t>>& socket_bytes() const {
+    return socket_bytes_;
+  }
 
   // The round protocol engine (every job of this shard takes part), or nullptr when sync
   // is off. Owned by the shard; valid until the shard dies. The peer links use it as their
@@ -131,7 +147,17 @@ class Shard {
   std::map<std::string, JobState> jobs_;
   std::chrono::steady_clock::time_point started_;
   uint64_t requests_ = 0, errors_ = 0, bytes_in_ = 0, bytes_out_ = 0;
+  // Metrics: (socket, op, outcome) -> requests; (socket, op) -> handling seconds.
+  std::map<std::tuple<std::string, std::string, std::string>, uint64_t> request_counts_;
+  std::map<std::pair<std::string, std::string>, metrics::Histogram> request_seconds_;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> socket_bytes_;
 };
+
+// The operation label of a message type: "PushRequest" -> "push", "JobCreate" ->
+// "job_create", "SyncStatusRequest" -> "sync_status".
+std::string OpName(wire::Body body);
+// "worker", "admin" or "peer".
+std::string RoleName(wire::Role role);
 
 // Valid names for jobs and snapshots: 1-64 of [A-Za-z0-9._-], not starting with '.'.
 bool IsValidName(const std::string& name);

@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <rocksdb/db.h>
+#include <rocksdb/statistics.h>
 #include <rocksdb/utilities/checkpoint.h>
 #include <rocksdb/write_batch.h>
 #include <sys/stat.h>
@@ -181,6 +182,9 @@ class RocksStore : public Store {
     db_opts.create_missing_column_families = true;
     db_opts.paranoid_checks = true;
     db_opts.max_total_wal_size = options.max_wal_bytes;
+    // Tickers only (no per-operation timers): write stalls for the metrics endpoint.
+    db_opts.statistics = rocksdb::CreateDBStatistics();
+    db_opts.statistics->set_stats_level(rocksdb::StatsLevel::kExceptTimers);
     // Tensors are large values: big memtables keep a 64 MiB tensor from forcing a flush
     // per write, and blob files keep compaction from rewriting them.
     rocksdb::ColumnFamilyOptions small;
@@ -206,6 +210,7 @@ class RocksStore : public Store {
       return FromRocks(s, "cannot open RocksDB at '" + dir +
                               "' (is another isthmus-server using this data dir?)");
     }
+    store->statistics_ = db_opts.statistics;
     store->db_.reset(db);
     store->default_ = handles[0];
     store->handles_ = handles;
@@ -386,6 +391,30 @@ class RocksStore : public Store {
     return total;
   }
 
+  StoreMetrics Metrics() override {
+    StoreMetrics m;
+    m.rocksdb = true;
+    m.disk_bytes = ApproximateBytes();
+    auto sum = [&](const char* property) {
+      uint64_t v = 0;
+      return db_->GetAggregatedIntProperty(property, &v) ? v : uint64_t{0};
+    };
+    m.sst_bytes = sum(rocksdb::DB::Properties::kTotalSstFilesSize.c_str());
+    m.blob_bytes = sum(rocksdb::DB::Properties::kTotalBlobFileSize.c_str());
+    m.memtable_bytes = sum(rocksdb::DB::Properties::kCurSizeAllMemTables.c_str());
+    m.live_data_bytes = sum(rocksdb::DB::Properties::kEstimateLiveDataSize.c_str());
+    m.pending_compaction_bytes =
+        sum(rocksdb::DB::Properties::kEstimatePendingCompactionBytes.c_str());
+    uint64_t v = 0;
+    if (db_->GetIntProperty(rocksdb::DB::Properties::kIsWriteStopped, &v)) m.write_stopped = v != 0;
+    if (db_->GetIntProperty(rocksdb::DB::Properties::kActualDelayedWriteRate, &v)) {
+      m.delayed_write_rate = v;
+    }
+    if (statistics_) m.write_stall_micros = statistics_->getTickerCount(rocksdb::STALL_MICROS);
+    for (const auto& [key, ref] : slots_) m.slot_bytes += ref.size;
+    return m;
+  }
+
  private:
   RocksStore() = default;
   rocksdb::ColumnFamilyHandle* Handle(Column c) { return handles_[1 + static_cast<int>(c)]; }
@@ -492,6 +521,7 @@ class RocksStore : public Store {
     fs::remove(SlotPath(id, 1), ec);
   }
 
+  std::shared_ptr<rocksdb::Statistics> statistics_;
   std::unique_ptr<rocksdb::DB> db_;
   rocksdb::ColumnFamilyHandle* default_ = nullptr;
   std::vector<rocksdb::ColumnFamilyHandle*> handles_;

@@ -74,6 +74,21 @@ struct StoreOptions {
   uint64_t max_wal_bytes = uint64_t{2} << 30;
 };
 
+// What a store reports for monitoring (docs/METRICS.md); zeros where it has no such thing.
+struct StoreMetrics {
+  bool rocksdb = false;                   // the fields below the next line are RocksDB's
+  uint64_t disk_bytes = 0;                // ApproximateBytes()
+  uint64_t sst_bytes = 0;                 // SST files, every column family
+  uint64_t blob_bytes = 0;                // blob files
+  uint64_t memtable_bytes = 0;            // memtables, active and unflushed
+  uint64_t live_data_bytes = 0;           // RocksDB's estimate of live data
+  uint64_t pending_compaction_bytes = 0;  // estimate of bytes compaction still has to rewrite
+  uint64_t slot_bytes = 0;                // large tensor values kept in slot files (in use)
+  uint64_t write_stall_micros = 0;        // time writes were delayed or stopped, since open
+  bool write_stopped = false;             // writes are stopped now (too many files)
+  uint64_t delayed_write_rate = 0;        // bytes/s writes are held to now (0: not delayed)
+};
+
 class Store {
  public:
   virtual ~Store() = default;
@@ -90,6 +105,12 @@ class Store {
   virtual Status Checkpoint(const std::string& dir) = 0;
   // Approximate bytes on disk (0 for memory).
   virtual uint64_t ApproximateBytes() = 0;
+  // Sizes and write stalls for the metrics endpoint; cheap enough to call per scrape.
+  virtual StoreMetrics Metrics() {
+    StoreMetrics m;
+    m.disk_bytes = ApproximateBytes();
+    return m;
+  }
 };
 
 // Values in Column::kTensors of at least this many bytes are kept by the RocksDB store

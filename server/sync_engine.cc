@@ -656,6 +656,7 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   j.inbox[options_.site][round] = delta.tokens;
   j.view.reset();
   j.last_close = now;
+  j.closed_at[round] = now;
   j.staged_compute_ms = 0;
   spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
                 raw, delta.WireBytes());
@@ -739,6 +740,11 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   PublishCommit(j, round, std::move(next), sites, rec.version);
   spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
+  if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
+    const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
+    if (options_.on_commit) options_.on_commit(name, round, seconds);
+  }
+  j.closed_at.erase(j.closed_at.begin(), j.closed_at.upper_bound(round));
   return Status::Ok();
 }
 

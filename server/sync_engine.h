@@ -52,6 +52,10 @@ struct SyncOptions {
   uint64_t hard_cap_rounds = 0;
   // Clock for round durations (adaptive sizing); tests replace it.
   std::function<std::chrono::steady_clock::time_point()> now = &std::chrono::steady_clock::now;
+  // Called (event-loop thread) after a round this site closed has committed, with the
+  // seconds from its close to its commit: the wait for every member's delta plus the merge
+  // (the commit latency of docs/METRICS.md). Rounds closed before a restart are not timed.
+  std::function<void(const std::string& job, uint64_t round, double seconds)> on_commit;
 };
 
 // A tensor of a job as the shard holds it. `data` is shared, never mutated.
@@ -251,6 +255,8 @@ class SyncEngine : public DeltaSource, public DeltaSink {
     // Round timing for adaptive sizing (memory only: a restart starts from the config).
     // staged_compute_ms: largest compute time reported by the staged round's pushes.
     std::optional<std::chrono::steady_clock::time_point> last_close;
+    // Close time of each uncommitted round of this site (for SyncOptions::on_commit).
+    std::map<uint64_t, std::chrono::steady_clock::time_point> closed_at;
     double last_round_seconds = 0;
     uint64_t staged_compute_ms = 0;
     // Cached optimistic view; empty when stale.

@@ -25,6 +25,7 @@
 #include "worker/comm/nccl_communicator.h"
 #include "worker/data/token_dataset.h"
 #include "worker/progress.h"
+#include "worker/telemetry.h"
 
 namespace isthmus::worker {
 namespace {
@@ -166,6 +167,55 @@ class RoundLoop {
       std::error_code ec;
       std::filesystem::create_directories(s_.checkpoint_dir, ec);
       if (ec) return Status::IoError("cannot create " + s_.checkpoint_dir + ": " + ec.message());
+    }
+    for (const auto& e : s_.eval_sets) {
+      const std::string dir = e.substr(e.find('=') + 1);
+      if (!std::filesystem::exists(dir + "/val.bin")) {
+        return UsageError("--eval-set " + e + ": " + dir +
+                          "/val.bin does not exist (make it with isthmus-data build)");
+      }
+    }
+    if (leader()) {
+      ISTHMUS_ASSIGN_OR_RETURN(telemetry_, Telemetry::Open(s_.metrics_listen, s_.events));
+      if (telemetry_->metrics_port() > 0) {
+        spdlog::info("rank 0: metrics at http://{}:{}/metrics",
+                     s_.metrics_listen.substr(0, s_.metrics_listen.rfind(':')),
+                     telemetry_->metrics_port());
+      }
+    } else {
+      telemetry_ = Telemetry::Off();
+      if (!s_.metrics_listen.empty() || !s_.events.empty()) {
+        spdlog::info("rank {}: --metrics-listen and --events are served by rank 0 only", s_.rank);
+      }
+    }
+    return Status::Ok();
+  }
+
+  // The merged model on the site's own validation data and on every --eval-set, recorded
+  // by the telemetry (rank 0); every rank takes part in each evaluation.
+  Status EvaluateSets() {
+    std::vector<std::pair<std::string, std::string>> sets = {{"site", s_.data_dir}};
+    for (const auto& e : s_.eval_sets) {
+      const size_t eq = e.find('=');
+      sets.emplace_back(e.substr(0, eq), e.substr(eq + 1));
+    }
+    std::string line;
+    for (const auto& [name, dir] : sets) {
+      auto v = ValidationLoss(*gpt_, dir + "/val.bin", s_.batch_size, s_.rank, world(),
+                              s_.val_batches, comm_.get());
+      if (!v.ok()) {
+        const Code c = v.status().code();
+        if (c == Code::kUnavailable || c == Code::kTimeout) return v.status();
+        progress_->Message("evaluation on '" + name + "' skipped: " + v.status().ToString());
+        continue;
+      }
+      telemetry_->OnValidation(round_, step_, name, *v);
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%s%s %.4f", line.empty() ? "" : ", ", name.c_str(), *v);
+      line += buf;
+    }
+    if (leader() && !line.empty()) {
+      progress_->Message("evaluation after round " + std::to_string(round_) + ": " + line);
     }
     return Status::Ok();
   }
@@ -313,6 +363,16 @@ class RoundLoop {
       progress_->Message("starting at round " + std::to_string(round_) + ", step " +
                          std::to_string(step_) + (plan[9] > 0 ? " from the shards' tensors" : ""));
     }
+    RunInfo info;
+    info.site = s_.shards.client_name.empty() ? "site" : s_.shards.client_name;
+    info.job = s_.shards.job;
+    info.device = compute_.ops->Describe();
+    info.precision = ops::DtypeName(compute_.precision);
+    info.mode = model::TrainModeName(gpt_->mode());
+    info.world_size = world();
+    info.steps_per_round = s_.round_seconds > 0 ? 0 : s_.StepsPerRound();
+    info.standalone = s_.standalone;
+    telemetry_->OnStart(info, round_, step_);
     return Status::Ok();
   }
 
@@ -386,6 +446,7 @@ class RoundLoop {
       return Status::Ok();
     }
     val_loss_ = *v;
+    telemetry_->OnValidation(round_ + in_round_, step_, "site", *v);
     if (leader()) {
       char buf[128];
       std::snprintf(buf, sizeof buf, "validation %s step %lld round %lld: loss %.4f", when,
@@ -432,15 +493,17 @@ class RoundLoop {
       }
       ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&flag, 1));
       if (flag == 0) break;
+      if (!said) telemetry_->OnWanWaitBegin();
       if (!said && leader()) progress_->Message(why);
       said = true;
       // Asked often: a GPU round takes seconds, and every poll interval waited is lost.
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
+    const double waited =
+        said ? std::chrono::duration<double>(Clock::now() - waited_from).count() : 0.0;
+    telemetry_->OnWanWait(waited);
     if (said && leader()) {
-      progress_->Message("WAN caught up after " +
-                         Progress::FormatDuration(
-                             std::chrono::duration<double>(Clock::now() - waited_from).count()));
+      progress_->Message("WAN caught up after " + Progress::FormatDuration(waited));
     }
     return Status::Ok();
   }
@@ -454,6 +517,7 @@ class RoundLoop {
       if (s_.max_rounds > 0 && round_ >= s_.max_rounds) break;
       if (s_.max_steps > 0 && step_ >= s_.max_steps) break;
       ISTHMUS_ASSIGN_OR_RETURN(int64_t h, NextRoundSteps());
+      const auto round_t0 = Clock::now();
       if (!s_.standalone) ISTHMUS_RETURN_IF_ERROR(gpt_->SnapshotTrainable());
       uint64_t round_tokens = 0;
       double compute_s = 0;  // steps only: no validation, no WAN wait
@@ -465,7 +529,9 @@ class RoundLoop {
             model::StepStats st,
             trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size,
                            s_.model.context, stop_ ? 1.0f : 0.0f));
-        compute_s += std::chrono::duration<double>(Clock::now() - step_t0).count();
+        const double step_s = std::chrono::duration<double>(Clock::now() - step_t0).count();
+        compute_s += step_s;
+        telemetry_->OnStep(step_s, st.loss, tokens_per_step_, st.skipped);
         if (!trainer_->graph_error().empty() && !said_graphs_ && leader()) {
           progress_->Message("CUDA graphs off, launching kernels one by one: " +
                              trainer_->graph_error());
@@ -500,16 +566,25 @@ class RoundLoop {
           std::fflush(nullptr);
           ::_exit(137);
         }
+        auto t = Clock::now();
         ISTHMUS_RETURN_IF_ERROR(
             PushRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
         if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
+        telemetry_->OnPush(std::chrono::duration<double>(Clock::now() - t).count());
         ISTHMUS_RETURN_IF_ERROR(WaitForWan());
+        t = Clock::now();
         ISTHMUS_RETURN_IF_ERROR(PullAndShare());
+        telemetry_->OnPull(std::chrono::duration<double>(Clock::now() - t).count());
         if (fault && std::atoll(fault) == round_) {
           spdlog::error("fault injection: exiting after pushing round {}", round_);
           std::fflush(nullptr);
           ::_exit(137);
         }
+      }
+      telemetry_->OnRound(round_, step_, tokens_, compute_s, round_tokens,
+                          std::chrono::duration<double>(Clock::now() - round_t0).count());
+      if (s_.eval_every_rounds > 0 && round_ % s_.eval_every_rounds == 0 && !interrupted_) {
+        ISTHMUS_RETURN_IF_ERROR(EvaluateSets());
       }
       ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
       if (interrupted_) {
@@ -525,6 +600,7 @@ class RoundLoop {
 
   Result<TrainSummary> Finish() {
     if (!interrupted_ && validated_step_ != step_) ISTHMUS_RETURN_IF_ERROR(Validate("final,"));
+    telemetry_->OnEnd(round_, step_, tokens_, interrupted_);
     progress_->Finish();
     TrainSummary sum;
     sum.val_loss = val_loss_;
@@ -579,6 +655,7 @@ class RoundLoop {
   std::unique_ptr<data::TokenDataset> dataset_;
   std::unique_ptr<SiteClient> site_;  // null when standalone
   std::unique_ptr<Progress> progress_;
+  std::unique_ptr<Telemetry> telemetry_;  // rank 0's metrics and events (no-op elsewhere)
   std::string base_hash_;
   int64_t start_rounds_max_ = 0;  // the highest and lowest local round among the shards
   int64_t start_rounds_min_ = 0;

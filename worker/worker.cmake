@@ -1,8 +1,9 @@
 # The isthmus-worker binary (worker/*.cc at this level): library isthmus_worker for the
-# round loop, progress and settings (tests link it), and the executable around it.
+# round loop, progress, telemetry and settings (tests link it), and the executable around it.
 add_library(isthmus_worker STATIC
   ${CMAKE_CURRENT_LIST_DIR}/round_loop.cc
   ${CMAKE_CURRENT_LIST_DIR}/progress.cc
+  ${CMAKE_CURRENT_LIST_DIR}/telemetry.cc
   ${CMAKE_CURRENT_LIST_DIR}/worker_config.cc)
 target_include_directories(isthmus_worker PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(isthmus_worker

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/check.h"
+#include "common/metrics.h"
 #include "common/safetensors.h"
 #include "ops/device.h"
 
@@ -242,6 +243,20 @@ Status TrainSettings::Validate() const {
       return Status::InvalidArgument("--init and --save are for --standalone runs");
     }
   }
+  if (eval_every_rounds < 0) return Status::InvalidArgument("--eval-every-rounds must be >= 0");
+  for (const auto& e : eval_sets) {
+    const size_t eq = e.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == e.size()) {
+      return Status::InvalidArgument("--eval-set '" + e + "' is not NAME=DIR");
+    }
+  }
+  if (!eval_sets.empty() && eval_every_rounds == 0) {
+    return Status::InvalidArgument("--eval-set needs --eval-every-rounds N (N >= 1)");
+  }
+  if (!metrics_listen.empty()) {
+    auto hp = metrics::ParseHostPort(metrics_listen, "--metrics-listen");
+    if (!hp.ok()) return hp.status();
+  }
   return Trainer().Validate();
 }
 
@@ -357,6 +372,18 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   app.add_option("--init", t.init, "standalone: trainable tensors to start from");
   app.add_option("--save", t.save, "standalone: write final trainable tensors here");
   app.add_option("--json-summary", t.json_summary, "write final figures as JSON here");
+  app.add_option("--metrics-listen", t.metrics_listen,
+                 "rank 0 serves Prometheus metrics at http://HOST:PORT/metrics (plain HTTP: "
+                 "loopback or a monitoring network)");
+  app.add_option("--events", t.events,
+                 "rank 0 appends one JSON line per round and per validation to this file");
+  app.add_option("--eval-set", t.eval_sets,
+                 "NAME=DIR: a validation set (DIR/val.bin) evaluated with --eval-every-rounds; "
+                 "repeatable (e.g. one per language)");
+  app.add_option("--eval-every-rounds", t.eval_every_rounds,
+                 "after the pull of every Nth round, evaluate the merged model on the site's "
+                 "own validation data and every --eval-set (0: off)")
+      ->capture_default_str();
   app.add_option("--log-level", t.log_level, "trace debug info warn error off")
       ->capture_default_str();
   app.add_flag("!--no-progress", t.progress, "plain log lines even on a terminal");

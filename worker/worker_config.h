@@ -120,6 +120,12 @@ struct TrainSettings {
   std::string save;         // standalone: write the final trainable tensors here (in full
                             // mode they are the whole model); `export --trainable` reads it
   std::string json_summary;
+  // Telemetry of rank 0 (docs/METRICS.md, docs/WORKER.md): a Prometheus endpoint, a JSON
+  // Lines log of rounds and validations, and validation sets evaluated every N rounds.
+  std::string metrics_listen;          // HOST:PORT; empty: off
+  std::string events;                  // file the JSON Lines go to (appended); empty: off
+  std::vector<std::string> eval_sets;  // NAME=DIR, DIR holding val.bin (isthmus-data build)
+  int64_t eval_every_rounds = 0;       // 0: off; else after the pull of every Nth round
   std::string log_level = "info";
   bool progress = true;  // the live line on a terminal (false: plain lines always)
 
