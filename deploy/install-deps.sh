@@ -4,7 +4,8 @@
 # are present. Needs root (or sudo) only when something is missing.
 #
 #   deploy/install-deps.sh            build + test + demo packages
-#   deploy/install-deps.sh --bench    also python3-matplotlib (bench/ plots)
+#   deploy/install-deps.sh --bench    the same (kept for old callers: python3-matplotlib,
+#                                     once bench/ only, is now in the default list)
 set -euo pipefail
 
 packages=(
@@ -19,6 +20,8 @@ packages=(
   googletest libgtest-dev libgmock-dev libbenchmark-dev clang-format-14
   # demo and scripts: python3 for small helpers, iproute2 for WAN emulation
   python3 iproute2 procps
+  # the run report (deploy/report.py, its test) and bench/ plots
+  python3-matplotlib
   # operations tests: promtool (Prometheus) checks the metrics text
   prometheus
   # the Python package (worker/python) and its tests, which train with PyTorch
@@ -26,8 +29,8 @@ packages=(
 )
 for arg in "$@"; do
   case "$arg" in
-    --bench) packages+=(python3-matplotlib) ;;
-    -h|--help) sed -n 2,8p "$0"; exit 0 ;;
+    --bench) ;;
+    -h|--help) sed -n 2,9p "$0"; exit 0 ;;
     *) echo "install-deps.sh: unknown option '$arg' (try --help)" >&2; exit 2 ;;
   esac
 done
