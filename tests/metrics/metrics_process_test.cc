@@ -43,6 +43,16 @@ std::string ScrapeChecked(int port) {
 
 double Or(const std::optional<double>& v, double fallback = -1) { return v.value_or(fallback); }
 
+// Every family a live process serves is documented in docs/METRICS.md.
+void ExpectDocumented(const std::string& text) {
+  std::ifstream in(std::string(ISTHMUS_SOURCE_DIR) + "/docs/METRICS.md");
+  ASSERT_TRUE(in) << "docs/METRICS.md is missing";
+  const std::string doc((std::istreambuf_iterator<char>(in)), {});
+  for (const auto& f : Families(text)) {
+    EXPECT_NE(doc.find("`" + f + "`"), std::string::npos) << f << " is not in docs/METRICS.md";
+  }
+}
+
 bool HasSeriesStarting(const std::string& text, const std::string& prefix) {
   return text.find("\n" + prefix) != std::string::npos;
 }
@@ -104,6 +114,7 @@ TEST(ShardMetrics, ScrapesPassPromtoolAndCountersFollowPushesAndPulls) {
   EXPECT_GE(Or(Value(after, "isthmus_socket_sent_bytes_total{socket=\"worker\"}")), 4096);
   EXPECT_GT(Or(Value(after, "isthmus_socket_received_bytes_total{socket=\"admin\"}")),
             Or(Value(before, "isthmus_socket_received_bytes_total{socket=\"admin\"}")));
+  ExpectDocumented(after);
 }
 
 TEST(ShardMetrics, TwoSitesShowCommitsLinksAndTheirWireBytes) {
@@ -168,6 +179,7 @@ TEST(ShardMetrics, TwoSitesShowCommitsLinksAndTheirWireBytes) {
     EXPECT_TRUE(Value(text, "isthmus_peer_bandwidth_bytes_per_second" + p));
   }
   EXPECT_EQ(Value(a_text, "isthmus_sync_held_round{job=\"job\",site=\"beta\"}"), 3);
+  ExpectDocumented(a_text);
   fs::remove_all(root);
 }
 
@@ -256,6 +268,7 @@ TEST(WorkerMetrics, ALiveWorkerIsScrapedAndItsEventsRecordTheRun) {
   EXPECT_GT(Or(Value(second, "isthmus_worker_tokens_total")),
             Or(Value(first, "isthmus_worker_tokens_total")));
   EXPECT_GT(Or(Value(second, "isthmus_worker_round")), Or(Value(first, "isthmus_worker_round")));
+  ExpectDocumented(second);
   // The shard saw the pushes the worker counted.
   auto stats = shard.AdminClient()->Stats();
   ASSERT_TRUE(stats.ok());

@@ -9,6 +9,7 @@
 #include <optional>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace isthmus::testing {
 
@@ -34,6 +35,17 @@ inline std::optional<double> Value(const std::string& text, const std::string& s
     }
   }
   return std::nullopt;
+}
+
+// The family names of an exposition (its "# TYPE name ..." lines).
+inline std::vector<std::string> Families(const std::string& text) {
+  std::vector<std::string> out;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("# TYPE ", 0) == 0) out.push_back(line.substr(7, line.find(' ', 7) - 7));
+  }
+  return out;
 }
 
 struct PromtoolResult {
