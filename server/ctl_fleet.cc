@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/exit_codes.h"
 #include "common/keys.h"
 #include "server/config.h"
 #include "server/ctl_common.h"
@@ -793,6 +794,12 @@ void AddFleetInitFlags(CLI::App* cmd, FleetOptions& o) {
   cmd->add_option("--job", o.job, "the job name for worker.toml (default: a placeholder, JOB)");
   cmd->add_flag("--force", o.force,
                 "write into a non-empty --out (replaces the sites' keys/ and admin/: new keys)");
+  cmd->footer(
+      "Writes OUT/SITE/ (SITE-i.toml, worker.toml, isthmusctl.env, keys/), OUT/admin/admin.key "
+      "and OUT/README.txt + fleet.json (where each folder goes, which ports to open). Exit 1 when "
+      "OUT is not empty (without --force), 2 for bad options, 6 when a file cannot be written. "
+      "docs/CLI.md, \"fleet init\"; walk-through: docs/DEPLOY.md.\n" +
+      ExitCodesFooter());
 }
 
 int CmdFleetInit(const FleetOptions& o) {

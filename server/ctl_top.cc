@@ -286,6 +286,16 @@ void AddTopFlags(CLI::App* cmd, TopOptions& o) {
       ->capture_default_str();
   cmd->add_flag("--json", o.json,
                 "one JSON object per refresh, one per line (JSON Lines), flushed each time");
+  if (CLI::Option* t = cmd->get_option_no_throw("--timeout-ms")) {
+    t->description(
+         "per-request timeout, one attempt (default: the longer of 2000 and the interval, at most "
+         "30000)")
+        ->default_str("");
+  }
+  cmd->footer(
+      "Ends with exit 0 on Ctrl-C or SIGTERM; after --count refreshes, with the code of the last "
+      "one (0, or 5 when a shard did not answer). Fields: docs/CLI.md, \"top\".\n" +
+      ExitCodesFooter());
 }
 
 namespace {
