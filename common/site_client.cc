@@ -179,7 +179,6 @@ Result<Staleness> SiteClient::CheckStaleness() {
     auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash_, options_.client_name);
     if (!h.ok()) return AtShard(i, h.status());
     const RoundInfo& r = h->rounds;
-    if (r.max_rounds_ahead == 0) continue;
     const uint64_t ahead =
         r.local_round > r.committed_round ? r.local_round - r.committed_round : 0;
     if (st.shard < 0 || ahead > st.rounds_ahead) {

@@ -61,9 +61,9 @@ struct ShardPush {
 // The bounded-staleness state of the site: the shard furthest ahead of its last commit.
 struct Staleness {
   bool too_far_ahead = false;  // the site must wait before its next round
-  int shard = -1;              // the shard furthest ahead (-1: no shard has a limit)
+  int shard = -1;              // the shard furthest ahead (-1: no shard answered)
   uint64_t rounds_ahead = 0;   // its local round minus its committed round
-  uint64_t limit = 0;          // its max_rounds_ahead (0: none)
+  uint64_t limit = 0;          // its max_rounds_ahead (0: every round must commit first)
   std::string reason;          // a sentence for logs when too_far_ahead
 };
 

@@ -169,8 +169,9 @@ const std::vector<Binding>& Bindings() {
        nullptr,
        &ServerConfig::sync_fragments},
       {{"sync.max_rounds_ahead", T::kInt, "2",
-        "K: workers wait while their site is more than K rounds ahead of the last committed round "
-        "(0: never wait)."},
+        "K: workers wait while their site is more than K rounds ahead of the last committed round. "
+        "0: synchronous rounds (workers wait until each round has committed before the next, as "
+        "DiLoCo does); larger K overlaps the WAN with compute."},
        nullptr,
        nullptr,
        nullptr,

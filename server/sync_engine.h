@@ -47,7 +47,8 @@ struct SyncOptions {
   // crosses the WAN every `fragments` rounds and a round carries 1/fragments of the model.
   // 1 = every tensor every round.
   uint32_t fragments = 1;
-  uint64_t max_rounds_ahead = 2;  // K: workers wait while local - committed > K (0: never)
+  // K: workers wait while local - committed > K (0: synchronous rounds, each commits first)
+  uint64_t max_rounds_ahead = 2;
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
   // Clock for round durations (adaptive sizing); tests replace it.

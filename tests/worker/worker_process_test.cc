@@ -203,9 +203,13 @@ TEST_F(WorkerWithShards, BaseHashMismatchIsRefusedWithExitCode3) {
 
 // Bounded staleness: a synced shard whose only peer site never answers can commit
 // nothing, so a worker may run K = sync.max_rounds_ahead rounds ahead and must then wait
-// (and say so) instead of pushing more.
-TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
-  fs::path dir = fs::temp_directory_path() / ("isthmus-wan-" + std::to_string(::getpid()));
+// (and say so) instead of pushing more. K = 0: synchronous rounds, a wait after each.
+class WorkerWanWait : public ::testing::TestWithParam<int> {};
+
+TEST_P(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
+  const int k = GetParam();
+  fs::path dir = fs::temp_directory_path() /
+                 ("isthmus-wan-" + std::to_string(::getpid()) + "-" + std::to_string(k));
   fs::remove_all(dir);
   fs::create_directories(dir / "data");
   WriteTokens(dir / "data" / "train.bin", 20000, 1);
@@ -214,9 +218,9 @@ TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
   auto peer_keys = GenerateKeyPair();
   ASSERT_TRUE(peer_keys.ok());
   ASSERT_TRUE(WriteKeyPairFiles((dir / "siteB").string(), *peer_keys, true).ok());
-  shard.set_extra("[sync]\nsite = \"A\"\nmax_rounds_ahead = 1\npeers = [\"B=tcp://127.0.0.1:" +
-                  std::to_string(testing::FreePort()) + "=" + (dir / "siteB.pub").string() +
-                  "\"]\n");
+  shard.set_extra("[sync]\nsite = \"A\"\nmax_rounds_ahead = " + std::to_string(k) +
+                  "\npeers = [\"B=tcp://127.0.0.1:" + std::to_string(testing::FreePort()) + "=" +
+                  (dir / "siteB.pub").string() + "\"]\n");
   // listen.peer through the environment (the generated TOML already has a [listen] table).
   std::string peer_ep = ServerProcess::Endpoint(testing::FreePort());
   ::setenv("ISTHMUS_LISTEN_PEER", peer_ep.c_str(), 1);
@@ -285,14 +289,17 @@ TEST(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
   auto hello = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash, "probe");
   ASSERT_TRUE(hello.ok()) << hello.status().ToString();
   EXPECT_EQ(hello->rounds.committed_round, 0u);
-  EXPECT_EQ(hello->rounds.local_round, 2u);  // K + 1 rounds closed, then the worker waits
-  EXPECT_EQ(hello->rounds.max_rounds_ahead, 1u);
+  // K + 1 rounds closed, then the worker waits.
+  EXPECT_EQ(hello->rounds.local_round, static_cast<uint64_t>(k + 1));
+  EXPECT_EQ(hello->rounds.max_rounds_ahead, static_cast<uint64_t>(k));
   int status = 0;
   EXPECT_EQ(::waitpid(w.pid, &status, WNOHANG), 0) << "the worker should still be waiting";
-  EXPECT_NE(w.Log().find("limit 1"), std::string::npos) << w.Log();
+  EXPECT_NE(w.Log().find("limit " + std::to_string(k) + ")"), std::string::npos) << w.Log();
   w.Kill();
   fs::remove_all(dir);
 }
+
+INSTANTIATE_TEST_SUITE_P(K, WorkerWanWait, ::testing::Values(0, 1));
 
 // --device and --precision mistakes are usage errors (exit code 2) whose message says what
 // to do; on a machine without a GPU, asking for one is such a mistake.
