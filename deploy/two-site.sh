@@ -28,7 +28,18 @@
 #   --eval-set NAME=DIR    also evaluate each site's committed model on DIR's val.bin
 #                          (repeatable; e.g. one per language), reported as val_loss_sets
 #   --eval-batches N       batches per evaluation (default 16, isthmus-worker eval's)
-#   --summary FILE         write the final figures as JSON here
+#   --eval-every-rounds N  also have the workers evaluate the merged model after every Nth
+#                          round on their site's validation data and on every --eval-set
+#                          (isthmus-worker train --eval-every-rounds; off by default)
+#   --summary FILE         write the final figures as JSON here (they are always written to
+#                          OUT/summary.json as well)
+#   --top-interval S       seconds between the isthmusctl top samples (default 1)
+#   --report DIR           at the end, write the run report (deploy/report.py: PNG plots and
+#                          DIR/index.html) and print its path as the last line
+# What OUT holds for deploy/report.py: summary.json; events-<site>.jsonl (rank 0's
+# isthmus-worker --events: rounds and validations); top-<site>.jsonl (isthmusctl top --json
+# --interval S of the site's shards, from the shards' start to after the final evaluations);
+# worker-<site>-<rank>.json (--json-summary); eval-*.json and sync-<site>.json (final).
 # Environment: ISTHMUS_BUILD_DIR (default build); binaries must be built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +54,7 @@ out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
+eval_every=0 report="" top_interval=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -64,10 +76,13 @@ while [ $# -gt 0 ]; do
     --idle-seconds) idle_seconds="$2"; shift 2 ;;
     --eval-set) eval_sets+=("$2"); shift 2 ;;
     --eval-batches) eval_batches="$2"; shift 2 ;;
+    --eval-every-rounds) eval_every="$2"; shift 2 ;;
+    --report) report="$2"; shift 2 ;;
+    --top-interval) top_interval="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
-    -h|--help) sed -n 2,36p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,43p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -82,6 +97,12 @@ steps_b="${steps_b:-$steps}"
 model_flags=($model)
 # shellcheck disable=SC2206
 train_flags=($train_extra)
+# Per-round evaluation by the workers (their --events record it): the site's own data and
+# every --eval-set. Without --eval-every-rounds the sets are evaluated once, at the end.
+if [ "$eval_every" -gt 0 ]; then
+  train_flags+=(--eval-every-rounds "$eval_every")
+  for e in "${eval_sets[@]}"; do train_flags+=(--eval-set "$e"); done
+fi
 
 rm -rf "$out"
 mkdir -p "$out/keys/admins" "$out/logs"
@@ -202,6 +223,17 @@ for s in "${sites[@]}"; do
   site_prefix "$s"
   for _ in $(seq 100); do "${prefix[@]}" "$ctl" status "${a[@]}" --timeout-ms 300 >/dev/null 2>&1 && break; sleep 0.2; done
 done
+# One `isthmusctl top --json` per site, where the site's processes run (site B's admin
+# sockets are on its namespace's loopback, so its samples never cross the WAN): the
+# report's per-round WAN bytes, lag, bandwidth and codec come from these samples.
+tpids=()
+for s in "${sites[@]}"; do
+  mapfile -t a < <(admin_args "$s")
+  site_prefix "$s"
+  "${prefix[@]}" "$ctl" top --json --interval "$top_interval" "${a[@]}" > "$out/top-$s.jsonl" 2> "$out/logs/top-$s.log" &
+  tpids+=($!)
+done
+pids+=("${tpids[@]}")
 
 # The same initial adapters and base hash on both sites.
 base_hash=$("$worker" init "${model_flags[@]}" --base "$base" --out "$out/init.safetensors" 2>/dev/null | tail -1)
@@ -226,6 +258,7 @@ for s in "${sites[@]}"; do
       --rank "$r" --world-size "$ranks" --rendezvous "file:$out/rendezvous-$s" \
       --steps-per-round "${steps_of[$s]}" --max-rounds "$rounds" \
       --checkpoint-dir "$out/checkpoints-$s" --json-summary "$out/worker-$s-$r.json" \
+      --events "$out/events-$s.jsonl" \
       --no-progress --log-every 20 "${train_flags[@]}" > "$out/logs/worker-$s-$r.log" 2>&1 &
     wpids+=($!)
   done
@@ -284,6 +317,9 @@ for s in "${sites[@]}"; do
       > "$out/eval-$s-set-${e%%=*}.json" 2> "$out/logs/eval-$s-set-${e%%=*}.log"
   done
 done
+# The top samples end here (SIGTERM is top's normal end: exit 0).
+for p in "${tpids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+for p in "${tpids[@]}"; do wait "$p" 2>/dev/null || echo "two-site: isthmusctl top (pid $p) ended with exit $?" >&2; done
 verify_args=()
 for s in "${sites[@]}"; do
   eps=""
@@ -299,6 +335,7 @@ set -e
 
 set_names=""
 for e in "${eval_sets[@]}"; do set_names+="${e%%=*},"; done
+set +e
 /usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -374,7 +411,18 @@ if wan_rate:
         result["idle_bytes_per_second"] = idle_bytes / idle_seconds
         print(f"idle WAN after the last round: kernel counted {idle_bytes:,} bytes in "
               f"{idle_seconds} s = {idle_bytes / idle_seconds:.1f} bytes/s")
-if summary:
+json.dump(result, open(f"{out}/summary.json", "w"), indent=2)
+if summary and os.path.abspath(summary) != os.path.abspath(f"{out}/summary.json"):
     json.dump(result, open(summary, "w"), indent=2)
 sys.exit(0 if agree and all(r["committed_round"] >= rounds for r in result["sites"].values()) else 1)
 PY
+rc=$?
+set -e
+if [ -n "$report" ]; then
+  # The report is written whatever the run's outcome: a failed run is worth a look too.
+  /usr/bin/python3 deploy/report.py --run "$out" --out "$report" || {
+    echo "two-site: the report was not written (deploy/report.py failed)" >&2
+    [ "$rc" -ne 0 ] || rc=1
+  }
+fi
+exit "$rc"
