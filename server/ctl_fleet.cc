@@ -182,6 +182,10 @@ Result<std::string> TomlValue(const SettingInfo& info, const std::string& value)
 std::string Section(const std::string& key) { return key.substr(0, key.find('.')); }
 std::string Name(const std::string& key) { return key.substr(key.find('.') + 1); }
 
+std::string MetricsAddress(const FleetSite& s, int shard) {
+  return std::string(kLoopback) + ":" + std::to_string(s.MetricsPort(shard));
+}
+
 std::string ShardName(const FleetSite& s, int shard) {
   return s.name + "-" + std::to_string(shard);
 }
@@ -202,15 +206,16 @@ std::vector<std::string> PeerEntries(const FleetPlan& plan, size_t site, int sha
   return out;
 }
 
-// True when sites x and y are on one host and some port of theirs is the same (*port).
-bool SharedPort(const FleetSite& x, const FleetSite& y, int shards, int* port) {
+// True when sites x and y are on one host and some port of theirs (the first `per_shard` of
+// each shard's) is the same (*port).
+bool SharedPort(const FleetSite& x, const FleetSite& y, int shards, int per_shard, int* port) {
   if (x.host != y.host) return false;
   std::set<int> xs;
   for (int i = 0; i < shards; ++i) {
-    for (int k = 0; k < 3; ++k) xs.insert(x.WorkerPort(i) + k);
+    for (int k = 0; k < per_shard; ++k) xs.insert(x.WorkerPort(i) + k);
   }
   for (int i = 0; i < shards; ++i) {
-    for (int k = 0; k < 3; ++k) {
+    for (int k = 0; k < per_shard; ++k) {
       if (xs.count(y.WorkerPort(i) + k)) {
         *port = y.WorkerPort(i) + k;
         return true;
@@ -353,8 +358,8 @@ std::string Summary(const FleetPlan& plan) {
       << plan.operator_key
       << ", which the isthmusctl.env files name), not in /etc/isthmus.\n  Its public half is on "
          "every site's admin allowlist (keys/admins/).\n\n";
-  out << "Ports (TCP; shard i: base+10i workers, base+10i+1 admin on 127.0.0.1, base+10i+2 "
-         "peers)\n";
+  out << "Ports (TCP; shard i: base+10i workers, base+10i+1 admin on 127.0.0.1, base+10i+2 peers"
+      << (plan.metrics ? ", base+10i+3 metrics on 127.0.0.1" : "") << ")\n";
   for (size_t k = 0; k < plan.sites.size(); ++k) {
     const auto& s = plan.sites[k];
     out << "  site " << s.name << ", host " << s.host << ", base " << s.base_port << ":\n";
@@ -362,6 +367,11 @@ std::string Summary(const FleetPlan& plan) {
         << "'s worker nodes\n";
     out << "    " << PortList(s, plan.shards, 1)
         << "  admin: 127.0.0.1 only (isthmusctl on the host, or an ssh tunnel)\n";
+    if (plan.metrics) {
+      out << "    " << PortList(s, plan.shards, 3)
+          << "  metrics: 127.0.0.1 only (Prometheus /metrics; scrape through an agent on the "
+             "host)\n";
+    }
     const auto dialers = DialersOf(plan, k);
     if (plan.sites.size() == 1) {
       out << "    " << PortList(s, plan.shards, 2) << "  peers: no other site yet\n";
@@ -412,14 +422,16 @@ json FleetJson(const FleetPlan& plan) {
     const auto& s = plan.sites[k];
     json shards = json::array();
     for (int i = 0; i < plan.shards; ++i) {
-      shards.push_back({{"index", i},
-                        {"id", ShardName(s, i)},
-                        {"config", s.name + "/" + ShardName(s, i) + ".toml"},
-                        {"unit", "isthmus-server@" + ShardName(s, i)},
-                        {"worker_endpoint", Endpoint(s.host, s.WorkerPort(i))},
-                        {"admin_endpoint", Endpoint(kLoopback, s.AdminPort(i))},
-                        {"peer_endpoint", Endpoint(s.host, s.PeerPort(i))},
-                        {"public_key", s.name + "/keys/" + ShardName(s, i) + ".pub"}});
+      shards.push_back(
+          {{"index", i},
+           {"id", ShardName(s, i)},
+           {"config", s.name + "/" + ShardName(s, i) + ".toml"},
+           {"unit", "isthmus-server@" + ShardName(s, i)},
+           {"worker_endpoint", Endpoint(s.host, s.WorkerPort(i))},
+           {"admin_endpoint", Endpoint(kLoopback, s.AdminPort(i))},
+           {"peer_endpoint", Endpoint(s.host, s.PeerPort(i))},
+           {"metrics_address", plan.metrics ? json(MetricsAddress(s, i)) : json(nullptr)},
+           {"public_key", s.name + "/keys/" + ShardName(s, i) + ".pub"}});
     }
     json dialers = json::array();
     for (size_t t : DialersOf(plan, k)) dialers.push_back(plan.sites[t].name);
@@ -450,6 +462,7 @@ Result<FleetPlan> PlanFleet(const FleetOptions& o) {
   plan.force = o.force;
   plan.job = o.job;
   plan.operator_key = o.operator_key;
+  plan.metrics = o.metrics;
   if (o.out_dir.empty()) return Status::InvalidArgument("--out DIR is required");
   if (o.sites.empty()) return Status::InvalidArgument("--sites lists no site (e.g. --sites A,B)");
   if (o.shards < 1 || o.shards > 1000) {
@@ -551,21 +564,21 @@ Result<FleetPlan> PlanFleet(const FleetOptions& o) {
       for (size_t a = 0; a < b && !moved; ++a) {
         const FleetSite& x = plan.sites[a];
         int port = 0;
-        if (!SharedPort(x, y, plan.shards, &port)) continue;
+        if (!SharedPort(x, y, plan.shards, plan.metrics ? 4 : 3, &port)) continue;
         if (ports_given.count(y.name)) {
           return Status::InvalidArgument("sites " + x.name + " and " + y.name +
                                          " are both on host " + x.host + " and would share port " +
                                          std::to_string(port) + ": give " + y.name +
                                          " another --base-port");
         }
-        const int top = std::max(x.PeerPort(plan.shards - 1), y.PeerPort(plan.shards - 1));
+        const int top = std::max(x.base_port, y.base_port) + plan.PortSpan();
         y.base_port = (top / 100 + 1) * 100;
         moved = true;
       }
     }
   }
   for (auto& s : plan.sites) {
-    const int last = s.PeerPort(plan.shards - 1);
+    const int last = s.base_port + plan.PortSpan();
     if (last > 65535) {
       return Status::InvalidArgument("site " + s.name + ": " + std::to_string(plan.shards) +
                                      " shards from base port " + std::to_string(s.base_port) +
@@ -619,6 +632,7 @@ Result<FleetPlan> PlanFleet(const FleetOptions& o) {
   overrides["listen.worker"] = Endpoint(first.host, first.WorkerPort(0));
   overrides["listen.admin"] = Endpoint(kLoopback, first.AdminPort(0));
   overrides["listen.peer"] = Endpoint(first.host, first.PeerPort(0));
+  if (plan.metrics) overrides["listen.metrics"] = MetricsAddress(first, 0);
   overrides["security.secret_key"] = KeysDir(first) + "/" + ShardName(first, 0) + ".key";
   overrides["sync.site"] = first.name;
   std::string peers;
@@ -654,6 +668,10 @@ std::string FleetShardToml(const FleetPlan& plan, size_t site, int shard) {
       << "  # isthmusctl on this host\n"
       << "peer = " << TomlString(Endpoint(s.host, s.PeerPort(shard))) << "  # shard " << shard
       << " of the other sites\n";
+  if (plan.metrics) {
+    out << "metrics = " << TomlString(MetricsAddress(s, shard))
+        << "  # Prometheus /metrics, plain HTTP: loopback only\n";
+  }
   out << "\n[security]\n"
       << "secret_key = " << TomlString(KeysDir(s) + "/" + name + ".key") << "\n"
       << "worker_keys = " << TomlList({KeysDir(s) + "/workers"}) << "\n"
@@ -792,6 +810,8 @@ void AddFleetInitFlags(CLI::App* cmd, FleetOptions& o) {
                   "into the isthmusctl.env files")
       ->capture_default_str();
   cmd->add_option("--job", o.job, "the job name for worker.toml (default: a placeholder, JOB)");
+  cmd->add_flag("--metrics", o.metrics,
+                "each shard serves Prometheus metrics (listen.metrics) on 127.0.0.1:base+10i+3");
   cmd->add_flag("--force", o.force,
                 "write into a non-empty --out (replaces the sites' keys/ and admin/: new keys)");
   cmd->footer(

@@ -14,8 +14,8 @@
 //   OUT/SITE/keys/SITE-I.key, .pub           shard key pairs (.key mode 0600)
 //   OUT/SITE/keys/worker.key, .pub           the key pair of the site's worker ranks
 //   OUT/SITE/keys/workers/, admins/, peers-I/  allowlists: *.pub only
-// Shard I of a site listens on base+10I (workers), base+10I+1 (admin, 127.0.0.1 only) and
-// base+10I+2 (peers).
+// Shard I of a site listens on base+10I (workers), base+10I+1 (admin, 127.0.0.1 only),
+// base+10I+2 (peers) and, with --metrics, base+10I+3 (Prometheus, 127.0.0.1 only).
 #pragma once
 
 #include <CLI/CLI.hpp>
@@ -42,7 +42,8 @@ struct FleetOptions {
   // Where the admin key pair file will be on the machine that runs isthmusctl (written into
   // the env files; $HOME is expanded when the file is sourced).
   std::string operator_key = "$HOME/.config/isthmus/admin.key";
-  std::string job;  // the job name for worker.toml; empty: a placeholder
+  std::string job;       // the job name for worker.toml; empty: a placeholder
+  bool metrics = false;  // listen.metrics on 127.0.0.1:base+10i+3
   bool force = false;
 };
 
@@ -55,6 +56,7 @@ struct FleetSite {
   int WorkerPort(int shard) const { return base_port + kFleetPortsPerShard * shard; }
   int AdminPort(int shard) const { return WorkerPort(shard) + 1; }
   int PeerPort(int shard) const { return WorkerPort(shard) + 2; }
+  int MetricsPort(int shard) const { return WorkerPort(shard) + 3; }
 };
 
 struct FleetPlan {
@@ -66,7 +68,10 @@ struct FleetPlan {
   std::string dial = "auto";  // sync.dial of every shard
   std::string operator_key;
   std::string job;
+  bool metrics = false;
   bool force = false;
+  // The last port a site's shards use, from base.
+  int PortSpan() const { return kFleetPortsPerShard * (shards - 1) + (metrics ? 3 : 2); }
 };
 
 // Checks the options against the server's rules (site names, settings table and

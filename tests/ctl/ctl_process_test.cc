@@ -30,6 +30,7 @@
 #include "common/keys.h"
 #include "common/safetensors.h"
 #include "tests/loopback.h"
+#include "tests/metrics/scrape.h"
 #include "tests/sync_net/site_process.h"
 
 namespace isthmus {
@@ -166,14 +167,14 @@ class FleetProcessTest : public ::testing::Test {
 };
 
 TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree) {
-  // Two bases whose 13 ports (shards 0 and 1: base..base+2, base+10..base+12) are free.
-  const int base_a = testing::FreePortRange(13);
-  int base_b = testing::FreePortRange(13);
-  for (int tries = 0; std::abs(base_b - base_a) < 13 && tries < 100; ++tries) {
-    base_b = testing::FreePortRange(13);
+  // Two bases whose 14 ports (shards 0 and 1: base..base+3, base+10..base+13) are free.
+  const int base_a = testing::FreePortRange(14);
+  int base_b = testing::FreePortRange(14);
+  for (int tries = 0; std::abs(base_b - base_a) < 14 && tries < 100; ++tries) {
+    base_b = testing::FreePortRange(14);
   }
   ASSERT_GT(base_a, 0);
-  ASSERT_GE(std::abs(base_b - base_a), 13);
+  ASSERT_GE(std::abs(base_b - base_a), 14);
   const fs::path out = root_ / "fleet";
   auto [code, summary] = Shell(
       std::string(Ctl()) + " fleet init --sites A,B --shards 2 --out " + Quote(out.string()) +
@@ -181,7 +182,7 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
       " --base-port B=" + std::to_string(base_b) + " --etc " + Quote((out / "{site}").string()) +
       " --data " + Quote((out / "data" / "{site}").string()) + " --operator-key " +
       Quote((out / "admin" / "admin.key").string()) +
-      " --job j --set sync.codec=int8+zstd --set sync.resend_ms=300 --set "
+      " --job j --metrics --set sync.codec=int8+zstd --set sync.resend_ms=300 --set "
       "sync.backoff_max_ms=1500");
   ASSERT_EQ(code, 0) << summary;
   EXPECT_NE(summary.find("isthmus fleet: sites A, B; 2 shards per site"), std::string::npos)
@@ -310,6 +311,14 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
   EXPECT_NE(vout.find("shard 1 job j: 2 sites agree on rounds 0.." + std::to_string(kRounds)),
             std::string::npos)
       << vout;
+  // Each shard serves its metrics where fleet init put them.
+  for (int base : {base_a, base_b}) {
+    for (int i = 0; i < 2; ++i) {
+      auto text = testing::Scrape(base + 10 * i + 3);
+      ASSERT_TRUE(text.has_value()) << "no metrics on port " << base + 10 * i + 3;
+      EXPECT_NE(text->find("isthmus_job_pushes_total"), std::string::npos);
+    }
+  }
   // And the site's view, from the env file alone.
   auto [tcode, tout] = with_env("B", "top --count 1");
   EXPECT_EQ(tcode, 0) << tout;

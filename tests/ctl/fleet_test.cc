@@ -190,6 +190,7 @@ TEST(FleetInit, WorkerTomlAndEnvFileNameTheShardsInOrder) {
   o.shards = 3;
   o.job = "demo";
   o.operator_key = "/home/op/admin.key";
+  o.metrics = true;
   ASSERT_TRUE(Init(o).ok());
   for (const std::string site : {"alpha", "beta"}) {
     const auto w = toml::parse((out / site / "worker.toml").string());
@@ -207,6 +208,7 @@ TEST(FleetInit, WorkerTomlAndEnvFileNameTheShardsInOrder) {
     for (int i = 0; i < 3; ++i) {
       const ServerConfig c = LoadShard(out, site, i);
       EXPECT_EQ(servers[i], c.listen_worker);
+      EXPECT_EQ(c.listen_metrics, "127.0.0.1:" + std::to_string(7100 + 10 * i + 3));
       EXPECT_EQ(LoadPublicKeyFile(keys[i]).value(), LoadKeyPairFile(c.secret_key)->public_key);
       admins += (i ? "," : "") + c.listen_admin;
     }
@@ -349,6 +351,14 @@ TEST(FleetInit, ChecksSitesShardsHostsAndPorts) {
   EXPECT_EQ(plan->sites[0].base_port, 7100);
   EXPECT_EQ(plan->sites[1].base_port, 7300);
   EXPECT_EQ(plan->sites[2].base_port, 7500);
+  // With metrics a shard uses base+10i+3 too: interleaved bases 5 apart still fit, 3 do not.
+  o = TwoSites(out);
+  o.hosts = {};
+  o.metrics = true;
+  o.base_ports = {"alpha=7100", "beta=7105"};
+  EXPECT_TRUE(PlanFleet(o).ok());
+  o.base_ports = {"alpha=7100", "beta=7103"};
+  refused(o, "would share port 7103");
 }
 
 TEST(FleetInit, OneSiteHasNoPeers) {
