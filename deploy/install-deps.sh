@@ -24,6 +24,10 @@ packages=(
   python3-matplotlib
   # operations tests: promtool (Prometheus) checks the metrics text
   prometheus
+  # deploy tests (tests/deploy): systemd-analyze verify/security and systemd-sysusers/
+  # -tmpfiles (systemd), cpack's .deb (dpkg-dev's dpkg-shlibdeps, file), dpkg as another
+  # user (fakeroot), the units' seccomp filters without systemd (python3-seccomp)
+  systemd dpkg-dev file fakeroot python3-seccomp
   # the Python package (worker/python) and its tests, which train with PyTorch
   pybind11-dev python3-dev python3-numpy python3-torch
 )

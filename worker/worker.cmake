@@ -12,4 +12,4 @@ target_link_libraries(isthmus_worker
 
 add_executable(isthmus-worker ${CMAKE_CURRENT_LIST_DIR}/main.cc)
 target_link_libraries(isthmus-worker PRIVATE isthmus_worker nlohmann_json::nlohmann_json)
-install(TARGETS isthmus-worker RUNTIME DESTINATION bin)
+install(TARGETS isthmus-worker RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
