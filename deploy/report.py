@@ -358,6 +358,8 @@ def plot_bandwidth(run, series, path):
     fig, (a1, a2) = plt.subplots(2, 1, figsize=(13, 7), sharex=True,
                                  gridspec_kw={"height_ratios": [3, 1.4]})
     for i, (name, pts) in enumerate(sorted(bw.items())):
+        if all(v is None for _, v in pts):
+            continue  # never measured: no line, no legend entry
         a1.plot([t for t, _ in pts], [v if v is not None else math.nan for _, v in pts],
                 color=f"C{i}", marker=".", ms=3, label=f"{name} estimate")
     k = len(bw)
