@@ -11,6 +11,8 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <string>
+#include <string_view>
 
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -32,6 +34,37 @@ const std::string kExitCodes = ExitCodesFooter();
 int Fail(const char* what, const Status& st) {
   std::fprintf(stderr, "isthmus-worker %s: %s\n", what, st.ToString().c_str());
   return ExitCodeFor(st);
+}
+
+// CLI11 reads a config file only for the top-level command, so the file of `train --config
+// FILE` would be ignored. This reads it into `t` with a parser of its own before the
+// command line is parsed (so a flag on the command line wins) and refuses a key that is no
+// flag of train. Returns kExitOk, or kExitUsage after saying why.
+int ReadTrainConfig(int argc, char** argv, TrainSettings& t) {
+  if (argc < 2 || std::string_view(argv[1]) != "train") return kExitOk;
+  std::string path;
+  for (int i = 2; i < argc; ++i) {
+    std::string_view arg = argv[i];
+    if (arg == "--config" && i + 1 < argc) {
+      path = argv[i + 1];
+    } else if (arg.starts_with("--config=")) {
+      path = std::string(arg.substr(9));
+    }
+  }
+  if (path.empty()) return kExitOk;
+  CLI::App file_app{"isthmus-worker train --config"};
+  file_app.set_config("--config", "", "", /*config_required=*/true);
+  file_app.allow_config_extras(CLI::config_extras_mode::error);
+  AddTrainFlags(file_app, t);
+  std::string flag = "--config=" + path;
+  char* args[] = {argv[0], flag.data()};
+  try {
+    file_app.parse(2, args);
+  } catch (const CLI::ParseError& e) {
+    std::fprintf(stderr, "isthmus-worker train: --config %s: %s\n", path.c_str(), e.what());
+    return kExitUsage;
+  }
+  return kExitOk;
 }
 
 struct InitArgs {
@@ -356,6 +389,7 @@ int main(int argc, char** argv) {
   train_cmd->set_config("--config", "", "TOML file with the same keys as the flags (flags win)");
   AddTrainFlags(*train_cmd, train);
   train_cmd->footer(kExitCodes);
+  if (int rc = ReadTrainConfig(argc, argv, train); rc != kExitOk) return rc;
 
   EvalArgs eval;
   auto* eval_cmd = app.add_subcommand("eval", "validation loss of a model");
