@@ -196,43 +196,13 @@ TEST(WorkerMetrics, ALiveWorkerIsScrapedAndItsEventsRecordTheRun) {
   WriteTokens(dir / "other" / "val.bin", 2000, 3);
   ServerProcess shard;
   ASSERT_TRUE(shard.Start());
-  const std::string base_hash = RunInit(dir, 1, "base");
-  auto init = ReadSafetensorsTensors((dir / "base.init.safetensors").string());
-  ASSERT_TRUE(init.ok());
-  std::vector<TensorView> views;
-  for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
-  ASSERT_TRUE(shard.AdminClient()->CreateJob("j", base_hash, views).ok());
-
+  CreateJobFromInit(shard, dir);
   const int port = FreePort();
-  std::vector<std::string> args = {"train"};
-  args.insert(args.end(), kModelFlags.begin(), kModelFlags.end());
-  args.insert(args.end(), kTrainFlags.begin(), kTrainFlags.end());
-  for (const std::string& a : {std::string("--base"),
-                               (dir / "base.safetensors").string(),
-                               std::string("--data"),
-                               (dir / "data").string(),
-                               std::string("--job"),
-                               std::string("j"),
-                               std::string("--server"),
-                               ServerProcess::Endpoint(shard.worker_port()),
-                               std::string("--server-key"),
-                               (shard.dir() / "server.pub").string(),
-                               std::string("--key"),
-                               (shard.dir() / "workers" / "w0.key").string(),
-                               std::string("--max-rounds"),
-                               std::string("100000"),
-                               std::string("--steps-per-round"),
-                               std::string("2"),
-                               std::string("--metrics-listen"),
-                               "127.0.0.1:" + std::to_string(port),
-                               std::string("--events"),
-                               (dir / "events.jsonl").string(),
-                               std::string("--eval-set"),
-                               "other=" + (dir / "other").string(),
-                               std::string("--eval-every-rounds"),
-                               std::string("2")}) {
-    args.push_back(a);
-  }
+  const auto args = SingleShardTrainArgs(
+      shard, dir,
+      {"--max-rounds", "100000", "--steps-per-round", "2", "--metrics-listen",
+       "127.0.0.1:" + std::to_string(port), "--events", (dir / "events.jsonl").string(),
+       "--eval-set", "other=" + (dir / "other").string(), "--eval-every-rounds", "2"});
   WorkerProcess w;
   w.Start(args, (dir / "w.log").string());
   // Scrape until it has finished a few rounds, then until it has finished more.
@@ -325,37 +295,13 @@ TEST(WorkerMetrics, AWaitForTheWanIsVisibleOnBothSides) {
   WriteTokens(dir / "data" / "train.bin", 20000, 1);
   WriteTokens(dir / "data" / "val.bin", 2000, 2);
   ServerProcess shard;
-  auto peer_keys = GenerateKeyPair();
-  ASSERT_TRUE(peer_keys.ok());
-  ASSERT_TRUE(WriteKeyPairFiles((dir / "siteB").string(), *peer_keys, true).ok());
-  shard.set_extra("[sync]\nsite = \"A\"\nmax_rounds_ahead = 1\npeers = [\"B=tcp://127.0.0.1:" +
-                  std::to_string(FreePort()) + "=" + (dir / "siteB.pub").string() + "\"]\n");
-  const std::string peer_ep = ServerProcess::Endpoint(FreePort());
-  ::setenv("ISTHMUS_LISTEN_PEER", peer_ep.c_str(), 1);
-  const int shard_port = StartWithMetrics(shard);
-  ::unsetenv("ISTHMUS_LISTEN_PEER");
-  ASSERT_GT(shard_port, 0) << shard.Log();
-  const std::string base_hash = RunInit(dir, 1, "base");
-  auto init = ReadSafetensorsTensors((dir / "base.init.safetensors").string());
-  ASSERT_TRUE(init.ok());
-  std::vector<TensorView> views;
-  for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
-  ASSERT_TRUE(shard.AdminClient()->CreateJob("j", base_hash, views).ok());
-
+  const int shard_port = FreePort();
+  ASSERT_TRUE(StartSiteWithSilentPeer(shard, dir, 1, shard_port));
+  CreateJobFromInit(shard, dir);
   const int port = FreePort();
-  std::vector<std::string> args = {"train"};
-  args.insert(args.end(), kModelFlags.begin(), kModelFlags.end());
-  args.insert(args.end(), kTrainFlags.begin(), kTrainFlags.end());
-  for (const std::string& a :
-       {std::string("--base"), (dir / "base.safetensors").string(), std::string("--data"),
-        (dir / "data").string(), std::string("--job"), std::string("j"), std::string("--server"),
-        ServerProcess::Endpoint(shard.worker_port()), std::string("--server-key"),
-        (shard.dir() / "server.pub").string(), std::string("--key"),
-        (shard.dir() / "workers" / "w0.key").string(), std::string("--max-rounds"),
-        std::string("5"), std::string("--steps-per-round"), std::string("2"),
-        std::string("--metrics-listen"), "127.0.0.1:" + std::to_string(port)}) {
-    args.push_back(a);
-  }
+  const auto args = SingleShardTrainArgs(shard, dir,
+                                         {"--max-rounds", "5", "--steps-per-round", "2",
+                                          "--metrics-listen", "127.0.0.1:" + std::to_string(port)});
   WorkerProcess w;
   w.Start(args, (dir / "w.log").string());
   std::string text;
@@ -376,6 +322,7 @@ TEST(WorkerMetrics, AWaitForTheWanIsVisibleOnBothSides) {
   EXPECT_EQ(Value(text, "isthmus_worker_push_duration_seconds_count"), 2);
   EXPECT_EQ(Value(text, "isthmus_worker_wan_waits_total"), 0);  // counted once a wait ends
   const std::string s = ScrapeChecked(shard_port);
+  ASSERT_FALSE(s.empty()) << shard.Log();
   EXPECT_EQ(Value(s, "isthmus_sync_local_round{job=\"j\"}"), 2) << s;
   EXPECT_EQ(Value(s, "isthmus_sync_committed_round{job=\"j\"}"), 0);
   EXPECT_EQ(Value(s, "isthmus_sync_rounds_ahead{job=\"j\"}"), 2);

@@ -115,6 +115,64 @@ inline void WriteTokens(const fs::path& path, size_t n, uint32_t seed) {
   out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * 2));
 }
 
+// Creates job "j" on one shard from the initial tensors `isthmus-worker init` wrote into
+// `dir` (base name "base") and returns the base hash.
+inline std::string CreateJobFromInit(ServerProcess& shard, const fs::path& dir) {
+  const std::string base_hash = RunInit(dir, 1, "base");
+  auto init = ReadSafetensorsTensors((dir / "base.init.safetensors").string());
+  EXPECT_TRUE(init.ok());
+  if (!init.ok()) return base_hash;
+  std::vector<TensorView> views;
+  for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
+  auto r = shard.AdminClient()->CreateJob("j", base_hash, views);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return base_hash;
+}
+
+// The `isthmus-worker train` command line of one rank training job j on a single shard,
+// with the model of kModelFlags, the base and data in `dir`, and `extra` flags.
+inline std::vector<std::string> SingleShardTrainArgs(const ServerProcess& shard,
+                                                     const fs::path& dir,
+                                                     const std::vector<std::string>& extra) {
+  std::vector<std::string> a = {"train"};
+  a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
+  a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
+  for (const std::string& f :
+       {std::string("--base"), (dir / "base.safetensors").string(), std::string("--data"),
+        (dir / "data").string(), std::string("--job"), std::string("j"), std::string("--server"),
+        ServerProcess::Endpoint(shard.worker_port()), std::string("--server-key"),
+        (shard.dir() / "server.pub").string(), std::string("--key"),
+        (shard.dir() / "workers" / "w0.key").string()}) {
+    a.push_back(f);
+  }
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// Starts `shard` as the only shard of site A whose one peer, site B, never runs (its key
+// pair is written into `dir`): nothing ever commits, so a worker runs K =
+// sync.max_rounds_ahead rounds ahead and then waits. listen.peer, and listen.metrics on
+// `metrics_port` when positive, go through the environment (the config already has its
+// [listen] table).
+inline ::testing::AssertionResult StartSiteWithSilentPeer(ServerProcess& shard, const fs::path& dir,
+                                                          int k, int metrics_port = 0) {
+  auto peer_keys = GenerateKeyPair();
+  if (!peer_keys.ok() || !WriteKeyPairFiles((dir / "siteB").string(), *peer_keys, true).ok()) {
+    return ::testing::AssertionFailure() << "cannot write site B's keys";
+  }
+  shard.set_extra("[sync]\nsite = \"A\"\nmax_rounds_ahead = " + std::to_string(k) +
+                  "\npeers = [\"B=tcp://127.0.0.1:" + std::to_string(FreePort()) + "=" +
+                  (dir / "siteB.pub").string() + "\"]\n");
+  const std::string peer_ep = ServerProcess::Endpoint(FreePort());
+  const std::string metrics = "127.0.0.1:" + std::to_string(metrics_port);
+  ::setenv("ISTHMUS_LISTEN_PEER", peer_ep.c_str(), 1);
+  if (metrics_port > 0) ::setenv("ISTHMUS_LISTEN_METRICS", metrics.c_str(), 1);
+  auto started = shard.Start();
+  ::unsetenv("ISTHMUS_LISTEN_PEER");
+  ::unsetenv("ISTHMUS_LISTEN_METRICS");
+  return started;
+}
+
 class WorkerWithShards : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -135,6 +193,16 @@ class WorkerWithShards : public ::testing::Test {
     CreateJob();
   }
   void TearDown() override { fs::remove_all(dir_); }
+
+  // Waits (up to 30 s) until shard `s` has closed round `round` of job j.
+  bool ShardReachedRound(int s, uint64_t round) {
+    for (int i = 0; i < 600; ++i) {
+      auto h = shards_[s].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
+      if (h.ok() && h->rounds.local_round >= round) return true;
+      ::usleep(50'000);
+    }
+    return false;
+  }
 
   void CreateJob() {
     auto init = ReadSafetensorsTensors((dir_ / "base.init.safetensors").string());

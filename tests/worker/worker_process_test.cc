@@ -57,13 +57,7 @@ TEST_F(WorkerWithShards, TwoRanksTwoShardsCompleteRoundsAndShardsEqualWorker) {
 TEST_F(WorkerWithShards, SigtermWhileAShardIsSlowToAnswerStopsCleanly) {
   WorkerProcess w;
   w.Start(TrainArgs(0, 1, 100000, 2), (dir_ / "w.log").string());
-  bool reached = false;
-  for (int i = 0; i < 600 && !reached; ++i) {
-    auto h = shards_[1].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
-    reached = h.ok() && h->rounds.local_round >= 2;
-    if (!reached) ::usleep(50'000);
-  }
-  ASSERT_TRUE(reached) << w.Log();
+  ASSERT_TRUE(ShardReachedRound(1, 2)) << w.Log();
   shards_[1].Signal(SIGSTOP);
   ::usleep(500'000);  // rounds take milliseconds: the worker now waits for shard 1
   ::kill(w.pid, SIGTERM);
@@ -78,13 +72,7 @@ TEST_F(WorkerWithShards, KilledWorkerResumesWithoutApplyingARoundTwice) {
   WorkerProcess w;
   w.Start(TrainArgs(0, 1, 6, 2), (dir_ / "w1.log").string());
   // Kill once the shards have seen round 2.
-  bool reached = false;
-  for (int i = 0; i < 600 && !reached; ++i) {
-    auto h = shards_[1].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
-    reached = h.ok() && h->rounds.local_round >= 2;
-    if (!reached) ::usleep(50'000);
-  }
-  ASSERT_TRUE(reached) << w.Log();
+  ASSERT_TRUE(ShardReachedRound(1, 2)) << w.Log();
   w.Kill();
   WorkerProcess again;
   again.Start(TrainArgs(0, 1, 6, 2), (dir_ / "w2.log").string());
@@ -215,48 +203,10 @@ TEST_P(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
   WriteTokens(dir / "data" / "train.bin", 20000, 1);
   WriteTokens(dir / "data" / "val.bin", 2000, 2);
   ServerProcess shard;
-  auto peer_keys = GenerateKeyPair();
-  ASSERT_TRUE(peer_keys.ok());
-  ASSERT_TRUE(WriteKeyPairFiles((dir / "siteB").string(), *peer_keys, true).ok());
-  shard.set_extra("[sync]\nsite = \"A\"\nmax_rounds_ahead = " + std::to_string(k) +
-                  "\npeers = [\"B=tcp://127.0.0.1:" + std::to_string(testing::FreePort()) + "=" +
-                  (dir / "siteB.pub").string() + "\"]\n");
-  // listen.peer through the environment (the generated TOML already has a [listen] table).
-  std::string peer_ep = ServerProcess::Endpoint(testing::FreePort());
-  ::setenv("ISTHMUS_LISTEN_PEER", peer_ep.c_str(), 1);
-  bool started = shard.Start();
-  ::unsetenv("ISTHMUS_LISTEN_PEER");
-  ASSERT_TRUE(started);
-  std::string base_hash = RunInit(dir, 1, "base");
-  auto init = ReadSafetensorsTensors((dir / "base.init.safetensors").string());
-  ASSERT_TRUE(init.ok());
-  std::vector<TensorView> views;
-  for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
-  ASSERT_TRUE(shard.AdminClient()->CreateJob("j", base_hash, views).ok());
-
-  std::vector<std::string> args = {"train"};
-  args.insert(args.end(), kModelFlags.begin(), kModelFlags.end());
-  std::vector<std::string> more = {"--base",
-                                   (dir / "base.safetensors").string(),
-                                   "--data",
-                                   (dir / "data").string(),
-                                   "--job",
-                                   "j",
-                                   "--server",
-                                   ServerProcess::Endpoint(shard.worker_port()),
-                                   "--server-key",
-                                   (shard.dir() / "server.pub").string(),
-                                   "--key",
-                                   (shard.dir() / "workers" / "w0.key").string(),
-                                   "--max-rounds",
-                                   "5",
-                                   "--steps-per-round",
-                                   "2",
-                                   "--batch-size",
-                                   "2",
-                                   "--log-every",
-                                   "1"};
-  args.insert(args.end(), more.begin(), more.end());
+  ASSERT_TRUE(StartSiteWithSilentPeer(shard, dir, k));
+  const std::string base_hash = CreateJobFromInit(shard, dir);
+  const auto args =
+      SingleShardTrainArgs(shard, dir, {"--max-rounds", "5", "--steps-per-round", "2"});
   WorkerProcess w;
   w.Start(args, (dir / "w.log").string());
   bool waiting = false;
