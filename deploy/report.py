@@ -44,18 +44,22 @@ STYLES = ["-", "--", ":", "-."]
 
 def read_jsonl(path, notes):
     """The objects of a JSON Lines file; lines that do not parse (a line cut short when its
-    writer was stopped) are skipped and counted in the notes."""
+    writer was stopped) or carry no time are skipped and counted in the notes."""
     rows, bad = [], 0
     with open(path) as f:
         for line in f:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("time"), (int, float)):
+                rows.append(row)
+            else:
                 bad += 1
     if bad:
-        notes.append(f"{os.path.basename(path)}: {bad} line(s) that are not JSON were skipped")
+        notes.append(f"{os.path.basename(path)}: {bad} line(s) skipped (not JSON, or no time)")
     return rows
 
 
@@ -137,10 +141,13 @@ def site_series(run, site):
     """Per sample of the site: time, rounds (min over shards; None unless every shard
     answered), per peer the wire/payload counters of every shard, the worst lag, each
     shard link's bandwidth, the site's wire send rate, and each shard's pipelines."""
-    out = []
+    out, silent = [], {}
     for t in run.top.get(site, []):
         shards = t.get("shards") or []
         answered = [sh for sh in shards if sh.get("reachable") and sh.get("sync")]
+        for sh in shards:
+            if sh not in answered:
+                silent[sh.get("shard")] = silent.get(sh.get("shard"), 0) + 1
         rows = [job_row(sh["sync"], run.job) for sh in answered]
         complete = bool(shards) and len(answered) == len(shards) and all(rows)
         smp = {"t": t["time"] - run.t0,
@@ -157,7 +164,7 @@ def site_series(run, site):
                 peer = link["site"]
                 d = smp["links"].setdefault(peer, {"wire": {}, "payload": {}, "raw": {}, "lag": None,
                                                    "acked": {}, "outbox": {}, "bandwidth": {},
-                                                   "rate": 0.0, "rate_known": True})
+                                                   "rate": 0.0, "rate_known": complete})
                 d["wire"][idx] = link.get("wire_bytes_sent", 0)
                 d["payload"][idx] = link.get("bytes_sent", 0)
                 d["raw"][idx] = link.get("raw_bytes_sent", 0)
@@ -174,9 +181,10 @@ def site_series(run, site):
                     d["rate_known"] = False
                 else:
                     d["rate"] += r_
-            # every shard's link to a peer, even one that did not answer, is in d["wire"] only
-            # when it answered: the per-shard increases below skip the others
         out.append(smp)
+    for idx, n in sorted(silent.items(), key=lambda kv: str(kv[0])):
+        run.notes.append(f"site {site}: shard {idx} did not answer in {n} of {len(out)} samples "
+                         "(no rounds for the site then; its bytes are counted when it answers again)")
     return out
 
 
@@ -232,7 +240,8 @@ def plot_validation(run, path):
     last = {}
     for s in run.sites:
         for e in run.events.get(s, []):
-            if e.get("event") == "validation" and e.get("loss") is not None:
+            if (e.get("event") == "validation" and e.get("loss") is not None
+                    and e.get("round") is not None and e.get("set")):
                 last[(s, e["set"], e["round"])] = (e["time"] - run.t0, e["loss"])
     series = {}
     for (s, name, r), (t, loss) in sorted(last.items()):
@@ -413,7 +422,8 @@ def plot_bandwidth(run, series, path):
 
 
 def plot_training(run, path):
-    per = {s: [e for e in run.events.get(s, []) if e.get("event") == "round"] for s in run.sites}
+    per = {s: [e for e in run.events.get(s, []) if e.get("event") == "round" and e.get("round") is not None]
+           for s in run.sites}
     per = {s: v for s, v in per.items() if v}
     if not per:
         return None, "no round events: no training loss or tokens/s to draw"
