@@ -5,7 +5,8 @@
 # validation split evaluated by the workers after every round; --report writes the report.
 # check_report.py then holds the PNGs, the page and report.json to the run's own files.
 # Also checks that two-site.sh prints the report's path last and leaves no process behind.
-# Usage: report_test.sh BUILD_DIR. Exit 77 (skipped) without python3-matplotlib.
+# Usage: report_test.sh BUILD_DIR (KEEP_WORK=1 keeps its scratch folder). Exit 77 (skipped)
+# without python3-matplotlib.
 set -euo pipefail
 build=$(cd "$1" && pwd)
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -56,6 +57,9 @@ ISTHMUS_BUILD_DIR="$build" "$root/deploy/two-site.sh" --base "$work/base.safeten
 cat "$work/two-site.out"
 echo "two-site run and report: $(( $(date +%s) - t0 )) s"
 
+if grep -q "isthmusctl top .* ended with exit" "$work/two-site.out"; then
+  echo "FAIL: an isthmusctl top of the run did not end cleanly (its log: run/logs/top-<site>.log)"; exit 1
+fi
 last=$(tail -n 1 "$work/two-site.out")
 if [ "$last" != "report: $work/report/index.html" ]; then
   echo "FAIL: two-site.sh's last line is '$last', not the report's path"; exit 1
