@@ -466,7 +466,8 @@ def fmt_yes(v):
 
 def table_rows(run):
     """(label, [(data-key, text)]) rows of the figures table; data-key is the value's path
-    in summary.json, so that a script can hold the page to the file."""
+    in summary.json (or sum(PATH) over the sites), so that a script can hold the page to
+    the file."""
     s = run.summary or {}
     sites = s.get("sites", {})
     names = sorted(sites)
@@ -493,7 +494,10 @@ def table_rows(run):
 
 def run_rows(run):
     s = run.summary or {}
+    wire = [v.get("wire_bytes_sent") for v in s.get("sites", {}).values()]
+    total = sum(wire) if wire and all(isinstance(v, int) for v in wire) else None
     rows = [("rounds asked", "rounds", fmt_int(s.get("rounds"))),
+            ("wire bytes sent, all sites together", "sum(sites.*.wire_bytes_sent)", fmt_int(total)),
             ("training wall time, s", "train_seconds", fmt_int(s.get("train_seconds"))),
             ("committed digests agree across sites", "digests_agree", fmt_yes(s.get("digests_agree"))),
             ("rounds compared per shard", "rounds_verified", fmt_int(s.get("rounds_verified")))]

@@ -56,6 +56,9 @@ class Page(html.parser.HTMLParser):
 
 
 def lookup(d, path):
+    if path.startswith("sum(sites.*.") and path.endswith(")"):
+        field = path[len("sum(sites.*."):-1]
+        return sum(site[field] for site in d["sites"].values())
     for part in path.split("."):
         d = d[part]
     return d
@@ -112,7 +115,7 @@ def main():
     for p in PLOTS:
         if f"]({p})" not in md:
             fail(f"report.md does not embed {p}")
-    needed = ["digests_agree", "rounds"]
+    needed = ["digests_agree", "rounds", "sum(sites.*.wire_bytes_sent)"]
     for s in sites:
         needed += [f"sites.{s}.committed_round", f"sites.{s}.wire_bytes_sent", f"sites.{s}.wire_ratio",
                    f"sites.{s}.wan_bytes_sent"]
