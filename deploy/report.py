@@ -614,10 +614,10 @@ def write_page(run, out, plots, data):
 
 
 def main():
-    ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0],
-        epilog="The files it reads and writes: see the top of deploy/report.py or docs/DEPLOY.md "
-               "(\"Run report\"). Exit codes: 0 written, 1 nothing to report, 2 bad usage.")
+    ap = argparse.ArgumentParser(description=__doc__.split("\nUsage:")[0],
+                                 epilog="Exit codes: 0 written, 1 nothing to report, 2 bad usage. "
+                                        "docs/DEPLOY.md, \"Run report\".",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", required=True, help="the run folder (deploy/two-site.sh --out)")
     ap.add_argument("--out", help="where the report goes (default RUN/report)")
     ap.add_argument("--job", help="the job to report (default: the one the workers trained)")
