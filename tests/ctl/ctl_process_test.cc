@@ -2,7 +2,8 @@
 // RocksDB). Fleet: a two-site, two-shard fleet written by fleet init starts from its files
 // unchanged, the job is created with nothing but the generated env files, rounds pushed with
 // the generated worker settings commit on every shard, and sync verify finds the sites
-// agreeing. Top: JSON lines with rates from pushes made between two samples, plain
+// agreeing; and isthmus-worker ranks train with `--config worker.toml` as fleet init wrote
+// it. Top: JSON lines with rates from pushes made between two samples, plain
 // snapshots off a terminal, a shard that does not answer, and a clean stop by signal (on a
 // pseudo-terminal too).
 #include <fcntl.h>
@@ -32,6 +33,7 @@
 #include "tests/loopback.h"
 #include "tests/metrics/scrape.h"
 #include "tests/sync_net/site_process.h"
+#include "tests/worker/worker_harness.h"
 
 namespace isthmus {
 namespace {
@@ -140,6 +142,7 @@ class FleetProcessTest : public ::testing::Test {
  protected:
   void SetUp() override {
     root_ = TestRoot("fleet");
+    out_ = root_ / "fleet";
     fs::remove_all(root_);
     fs::create_directories(root_ / "logs");
   }
@@ -149,76 +152,137 @@ class FleetProcessTest : public ::testing::Test {
     if (!HasFailure()) fs::remove_all(root_);
   }
 
-  // An admin client of shard `i` of `site`, from the fleet's own files.
-  std::unique_ptr<ShardClient> Admin(const fs::path& out, const json& site, int i) {
+  // fleet init for sites A and B, two shards each, on loopback: each site's folder at
+  // OUT/SITE as its configs say, data under OUT/data, bases from free ports.
+  void InitFleet() {
+    // Two bases whose 14 ports (shards 0 and 1: base..base+3, base+10..base+13) are free.
+    base_a_ = testing::FreePortRange(14);
+    base_b_ = testing::FreePortRange(14);
+    for (int tries = 0; std::abs(base_b_ - base_a_) < 14 && tries < 100; ++tries) {
+      base_b_ = testing::FreePortRange(14);
+    }
+    ASSERT_GT(base_a_, 0);
+    ASSERT_GE(std::abs(base_b_ - base_a_), 14);
+    auto [code, summary] = Shell(
+        std::string(Ctl()) + " fleet init --sites A,B --shards 2 --out " + Quote(out_.string()) +
+        " --host A=127.0.0.1 --host B=127.0.0.1 --base-port A=" + std::to_string(base_a_) +
+        " --base-port B=" + std::to_string(base_b_) + " --etc " +
+        Quote((out_ / "{site}").string()) + " --data " +
+        Quote((out_ / "data" / "{site}").string()) + " --operator-key " +
+        Quote((out_ / "admin" / "admin.key").string()) +
+        " --job j --metrics --set sync.codec=int8+zstd --set sync.resend_ms=300 --set "
+        "sync.backoff_max_ms=1500");
+    ASSERT_EQ(code, 0) << summary;
+    EXPECT_NE(summary.find("isthmus fleet: sites A, B; 2 shards per site"), std::string::npos)
+        << summary;
+    std::ifstream fleet_file(out_ / "fleet.json");
+    fleet_ = json::parse(fleet_file);
+    ASSERT_EQ(fleet_["sites"].size(), 2u);
+  }
+
+  // The four shards, each from its generated TOML as it is; returns once each site's shards
+  // answer `isthmusctl status` run with nothing but the site's env file.
+  void StartShards() {
+    for (const std::string site : {"A", "B"}) {
+      for (int i = 0; i < 2; ++i) {
+        const std::string name = site + "-" + std::to_string(i);
+        servers_.push_back(std::make_unique<Process>());
+        servers_.back()->Start({Server(), "--config", (out_ / site / (name + ".toml")).string()},
+                               (root_ / "logs" / (name + ".log")).string());
+      }
+    }
+    for (const std::string site : {"A", "B"}) {
+      int rc = -1;
+      std::string text;
+      for (int t = 0; t < 100 && rc != 0; ++t) {
+        std::tie(rc, text) = WithEnv(site, "status --timeout-ms 500");
+        if (rc != 0) std::this_thread::sleep_for(200ms);
+      }
+      ASSERT_EQ(rc, 0) << text << servers_[0]->Log();
+      EXPECT_NE(text.find(site + "-0"), std::string::npos) << text;
+      EXPECT_NE(text.find(site + "-1"), std::string::npos) << text;
+    }
+  }
+
+  // isthmusctl ARGS with nothing but the site's env file (sourced, as an operator would).
+  std::pair<int, std::string> WithEnv(const std::string& site, const std::string& args) {
+    return Shell(
+        "env -u ISTHMUS_CTL_SERVERS -u ISTHMUS_CTL_SERVER_KEYS -u ISTHMUS_CTL_KEY sh -c " +
+        Quote(". " + (out_ / site / "isthmusctl.env").string() + " && exec " + Ctl() + " " + args));
+  }
+
+  // The job on both sites from `init` (the same file and base hash), with the env files.
+  void CreateJob(const fs::path& init, const std::string& base_hash = "") {
+    for (const std::string site : {"A", "B"}) {
+      auto [rc, text] = WithEnv(site, "job create -j j -f " + init.string() +
+                                          (base_hash.empty() ? "" : " --base-hash " + base_hash));
+      ASSERT_EQ(rc, 0) << text;
+      EXPECT_NE(text.find("shard 0: job 'j' created"), std::string::npos) << text;
+      EXPECT_NE(text.find("shard 1: job 'j' created"), std::string::npos) << text;
+    }
+  }
+
+  // An admin client of shard `i` of fleet.json's site `s`, from the fleet's own files.
+  std::unique_ptr<ShardClient> Admin(size_t s, int i) {
+    const json& shard = fleet_["sites"][s]["shards"][i];
     ClientOptions o;
-    o.endpoint = site["shards"][i]["admin_endpoint"].get<std::string>();
+    o.endpoint = shard["admin_endpoint"].get<std::string>();
     o.server_public_key =
-        LoadPublicKeyFile((out / site["shards"][i]["public_key"].get<std::string>()).string())
-            .value();
-    o.client_keys = LoadKeyPairFile((out / "admin" / "admin.key").string()).value();
+        LoadPublicKeyFile((out_ / shard["public_key"].get<std::string>()).string()).value();
+    o.client_keys = LoadKeyPairFile((out_ / "admin" / "admin.key").string()).value();
     o.timeout_ms = 2000;
     o.retries = 0;
     return ShardClient::Connect(o).value();
   }
 
-  fs::path root_;
+  // Every shard of both sites commits `rounds`; then sync verify, with the endpoints and
+  // keys fleet.json names, finds the sites agreeing on every round.
+  void ExpectCommittedAndAgreeing(uint64_t rounds) {
+    for (size_t s = 0; s < 2; ++s) {
+      for (int i = 0; i < 2; ++i) {
+        auto admin = Admin(s, i);
+        const auto end = std::chrono::steady_clock::now() + 60s;
+        uint64_t committed = 0;
+        while (committed < rounds && std::chrono::steady_clock::now() < end) {
+          auto d = admin->Digests("j", 0);
+          if (d.ok()) committed = d->committed_round;
+          if (committed < rounds) std::this_thread::sleep_for(100ms);
+        }
+        EXPECT_EQ(committed, rounds) << fleet_["sites"][s]["site"] << " shard " << i << " log:\n"
+                                     << servers_[s * 2 + i]->Log();
+      }
+    }
+    std::string verify =
+        std::string(Ctl()) + " sync verify -k " + Quote((out_ / "admin" / "admin.key").string());
+    for (const auto& site : fleet_["sites"]) {
+      std::string eps, keys;
+      for (const auto& shard : site["shards"]) {
+        eps += (eps.empty() ? "" : ",") + shard["admin_endpoint"].get<std::string>();
+        keys +=
+            (keys.empty() ? "" : ",") + (out_ / shard["public_key"].get<std::string>()).string();
+      }
+      const std::string name = site["site"].get<std::string>();
+      verify += " --site " + name + "=" + eps + " --site-key " + name + "=" + keys;
+    }
+    auto [vcode, vout] = Shell(verify);
+    EXPECT_EQ(vcode, 0) << vout;
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_NE(vout.find("shard " + std::to_string(i) + " job j: 2 sites agree on rounds 0.." +
+                          std::to_string(rounds)),
+                std::string::npos)
+          << vout;
+    }
+  }
+
+  fs::path root_, out_;
+  int base_a_ = 0, base_b_ = 0;
+  json fleet_;
   std::vector<std::unique_ptr<Process>> servers_;
 };
 
 TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree) {
-  // Two bases whose 14 ports (shards 0 and 1: base..base+3, base+10..base+13) are free.
-  const int base_a = testing::FreePortRange(14);
-  int base_b = testing::FreePortRange(14);
-  for (int tries = 0; std::abs(base_b - base_a) < 14 && tries < 100; ++tries) {
-    base_b = testing::FreePortRange(14);
-  }
-  ASSERT_GT(base_a, 0);
-  ASSERT_GE(std::abs(base_b - base_a), 14);
-  const fs::path out = root_ / "fleet";
-  auto [code, summary] = Shell(
-      std::string(Ctl()) + " fleet init --sites A,B --shards 2 --out " + Quote(out.string()) +
-      " --host A=127.0.0.1 --host B=127.0.0.1 --base-port A=" + std::to_string(base_a) +
-      " --base-port B=" + std::to_string(base_b) + " --etc " + Quote((out / "{site}").string()) +
-      " --data " + Quote((out / "data" / "{site}").string()) + " --operator-key " +
-      Quote((out / "admin" / "admin.key").string()) +
-      " --job j --metrics --set sync.codec=int8+zstd --set sync.resend_ms=300 --set "
-      "sync.backoff_max_ms=1500");
-  ASSERT_EQ(code, 0) << summary;
-  EXPECT_NE(summary.find("isthmus fleet: sites A, B; 2 shards per site"), std::string::npos)
-      << summary;
-  std::ifstream fleet_file(out / "fleet.json");
-  const json fleet = json::parse(fleet_file);
-  ASSERT_EQ(fleet["sites"].size(), 2u);
-
-  // The four shards, each from its generated TOML as it is.
-  for (const std::string site : {"A", "B"}) {
-    for (int i = 0; i < 2; ++i) {
-      const std::string name = site + "-" + std::to_string(i);
-      servers_.push_back(std::make_unique<Process>());
-      servers_.back()->Start({Server(), "--config", (out / site / (name + ".toml")).string()},
-                             (root_ / "logs" / (name + ".log")).string());
-    }
-  }
-  // isthmusctl with nothing but a site's env file.
-  auto with_env = [&](const std::string& site, const std::string& args) {
-    return Shell(
-        "env -u ISTHMUS_CTL_SERVERS -u ISTHMUS_CTL_SERVER_KEYS -u ISTHMUS_CTL_KEY sh -c " +
-        Quote(". " + (out / site / "isthmusctl.env").string() + " && exec " + Ctl() + " " + args));
-  };
-  for (const std::string site : {"A", "B"}) {
-    int rc = -1;
-    std::string text;
-    for (int t = 0; t < 100 && rc != 0; ++t) {
-      std::tie(rc, text) = with_env(site, "status --timeout-ms 500");
-      if (rc != 0) std::this_thread::sleep_for(200ms);
-    }
-    ASSERT_EQ(rc, 0) << text << servers_[0]->Log();
-    EXPECT_NE(text.find(site + "-0"), std::string::npos) << text;
-    EXPECT_NE(text.find(site + "-1"), std::string::npos) << text;
-  }
-
-  // The job: the same initial tensors on both sites, spread over the two shards.
+  ASSERT_NO_FATAL_FAILURE(InitFleet());
+  ASSERT_NO_FATAL_FAILURE(StartShards());
   std::vector<float> w(16 * 8), b(8), c(4 * 4), d(32);
   for (auto* v : {&w, &b, &c, &d}) {
     for (size_t k = 0; k < v->size(); ++k) (*v)[k] = 0.01f * std::sin(0.3f * k + v->size());
@@ -228,19 +292,15 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
                                {{"w", {16, 8}, w}, {"b", {8}, b}, {"c", {4, 4}, c}, {"d", {32}, d}},
                                {})
                   .ok());
-  for (const std::string site : {"A", "B"}) {
-    auto [rc, text] = with_env(site, "job create -j j -f " + init.string());
-    ASSERT_EQ(rc, 0) << text;
-    EXPECT_NE(text.find("shard 0: job 'j' created"), std::string::npos) << text;
-    EXPECT_NE(text.find("shard 1: job 'j' created"), std::string::npos) << text;
-  }
+  ASSERT_NO_FATAL_FAILURE(CreateJob(init));
 
   // Rounds pushed as a site's workers would, with the generated worker settings: shards in
   // order, their keys, the site's worker key.
   constexpr uint64_t kRounds = 3;
   for (uint64_t round = 1; round <= kRounds; ++round) {
-    for (const std::string site : {"A", "B"}) {
-      const auto cfg = toml::parse((out / site / "worker.toml").string());
+    for (size_t s = 0; s < 2; ++s) {
+      const std::string site = fleet_["sites"][s]["site"].get<std::string>();
+      const auto cfg = toml::parse((out_ / site / "worker.toml").string());
       const auto servers = toml::find<std::vector<std::string>>(cfg, "server");
       const auto keys = toml::find<std::vector<std::string>>(cfg, "server-key");
       ASSERT_EQ(toml::find<std::string>(cfg, "job"), "j");
@@ -252,8 +312,7 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
         o.client_keys = LoadKeyPairFile(toml::find<std::string>(cfg, "key")).value();
         o.timeout_ms = 5000;
         auto client = ShardClient::Connect(o).value();
-        auto describe =
-            Admin(out, fleet["sites"][site == "A" ? 0 : 1], static_cast<int>(i))->DescribeJob("j");
+        auto describe = Admin(s, static_cast<int>(i))->DescribeJob("j");
         ASSERT_TRUE(describe.ok()) << describe.status().ToString();
         std::vector<std::vector<float>> deltas;
         std::vector<TensorView> views;
@@ -262,7 +321,7 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
           for (auto dim : t.shape) n *= static_cast<size_t>(dim);
           deltas.emplace_back(n);
           for (size_t k = 0; k < n; ++k) {
-            deltas.back()[k] = 0.001f * std::cos(0.7f * k + round + (site == "A" ? 0.f : 2.f));
+            deltas.back()[k] = 0.001f * std::cos(0.7f * k + round + 2.f * s);
           }
         }
         for (size_t t = 0; t < describe->tensors.size(); ++t) {
@@ -276,43 +335,9 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
       }
     }
   }
-  // Every shard of both sites commits every round.
-  for (size_t s = 0; s < 2; ++s) {
-    for (int i = 0; i < 2; ++i) {
-      auto admin = Admin(out, fleet["sites"][s], i);
-      const auto end = std::chrono::steady_clock::now() + 60s;
-      uint64_t committed = 0;
-      while (committed < kRounds && std::chrono::steady_clock::now() < end) {
-        auto d = admin->Digests("j", 0);
-        if (d.ok()) committed = d->committed_round;
-        if (committed < kRounds) std::this_thread::sleep_for(100ms);
-      }
-      EXPECT_EQ(committed, kRounds) << fleet["sites"][s]["site"] << " shard " << i << " log:\n"
-                                    << servers_[s * 2 + i]->Log();
-    }
-  }
-  // sync verify over both sites, with the endpoints and keys fleet.json names.
-  std::string verify =
-      std::string(Ctl()) + " sync verify -k " + Quote((out / "admin" / "admin.key").string());
-  for (const auto& site : fleet["sites"]) {
-    std::string eps, keys;
-    for (const auto& shard : site["shards"]) {
-      eps += (eps.empty() ? "" : ",") + shard["admin_endpoint"].get<std::string>();
-      keys += (keys.empty() ? "" : ",") + (out / shard["public_key"].get<std::string>()).string();
-    }
-    const std::string name = site["site"].get<std::string>();
-    verify += " --site " + name + "=" + eps + " --site-key " + name + "=" + keys;
-  }
-  auto [vcode, vout] = Shell(verify);
-  EXPECT_EQ(vcode, 0) << vout;
-  EXPECT_NE(vout.find("shard 0 job j: 2 sites agree on rounds 0.." + std::to_string(kRounds)),
-            std::string::npos)
-      << vout;
-  EXPECT_NE(vout.find("shard 1 job j: 2 sites agree on rounds 0.." + std::to_string(kRounds)),
-            std::string::npos)
-      << vout;
+  ExpectCommittedAndAgreeing(kRounds);
   // Each shard serves its metrics where fleet init put them.
-  for (int base : {base_a, base_b}) {
+  for (int base : {base_a_, base_b_}) {
     for (int i = 0; i < 2; ++i) {
       auto text = testing::Scrape(base + 10 * i + 3);
       ASSERT_TRUE(text.has_value()) << "no metrics on port " << base + 10 * i + 3;
@@ -320,10 +345,42 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
     }
   }
   // And the site's view, from the env file alone.
-  auto [tcode, tout] = with_env("B", "top --count 1");
+  auto [tcode, tout] = WithEnv("B", "top --count 1");
   EXPECT_EQ(tcode, 0) << tout;
   EXPECT_NE(tout.find("2 of 2 shards up"), std::string::npos) << tout;
   EXPECT_NE(tout.find("int8+zstd"), std::string::npos) << "the codec of the last round\n" << tout;
+}
+
+TEST_F(FleetProcessTest, WorkersTrainFromTheGeneratedWorkerToml) {
+  ASSERT_NO_FATAL_FAILURE(InitFleet());
+  ASSERT_NO_FATAL_FAILURE(StartShards());
+  const std::string base_hash = testing::RunInit(root_, 1, "base");
+  ASSERT_EQ(base_hash.size(), 64u);
+  ASSERT_NO_FATAL_FAILURE(CreateJob(root_ / "base.init.safetensors", base_hash));
+  // One rank per site, each on its own data, with worker.toml for the job, the shards,
+  // their keys and the worker key; the rest on the command line.
+  constexpr int kRounds = 2;
+  testing::WorkerProcess workers[2];
+  for (int s = 0; s < 2; ++s) {
+    const std::string site = s == 0 ? "A" : "B";
+    const fs::path data = root_ / ("data-" + site);
+    fs::create_directories(data);
+    testing::WriteTokens(data / "train.bin", 20000, 1 + s);
+    testing::WriteTokens(data / "val.bin", 2000, 11 + s);
+    std::vector<std::string> args = {"train", "--config", (out_ / site / "worker.toml").string()};
+    args.insert(args.end(), testing::kModelFlags.begin(), testing::kModelFlags.end());
+    args.insert(args.end(), testing::kTrainFlags.begin(), testing::kTrainFlags.end());
+    for (const std::string& a :
+         {std::string("--base"), (root_ / "base.safetensors").string(), std::string("--data"),
+          data.string(), std::string("--max-rounds"), std::to_string(kRounds),
+          std::string("--steps-per-round"), std::string("2"), std::string("--checkpoint-dir"),
+          (root_ / ("ckpt-" + site)).string()}) {
+      args.push_back(a);
+    }
+    workers[s].Start(args, (root_ / "logs" / ("worker-" + site + ".log")).string());
+  }
+  for (auto& w : workers) EXPECT_EQ(w.Wait(100), 0) << w.Log();
+  ExpectCommittedAndAgreeing(kRounds);
 }
 
 // --- top ----------------------------------------------------------------------------------
