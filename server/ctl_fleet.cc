@@ -393,10 +393,12 @@ std::string Summary(const FleetPlan& plan) {
     out << "\n";
   }
   out << "  check a site:  . " << etc << "/isthmusctl.env && isthmusctl status\n"
-      << "  create the job on every site from the same file:  isthmusctl job create -j "
-      << (plan.job.empty() ? kJobPlaceholder : plan.job) << " -f init.safetensors\n"
+      << "  create the job on every site from the same files (isthmus-worker init --write-base "
+         "base.safetensors\n    --out init.safetensors prints HASH):  isthmusctl job create -j "
+      << (plan.job.empty() ? kJobPlaceholder : plan.job)
+      << " -f init.safetensors --base-hash HASH\n"
       << "  start each site's ranks:  isthmus-worker train --config " << etc
-      << "/worker.toml --data DIR --rank R --world-size N ...\n"
+      << "/worker.toml --base base.safetensors --data DIR\n    --rank R --world-size N ...\n"
       << "  watch:  isthmusctl top\n";
   if (plan.sites.size() > 1) {
     out << "  sites agree (from a machine that reaches every site's admin port, e.g. through\n"
