@@ -150,7 +150,8 @@ Status SyntheticSite::WaitForWan() {
       auto h = clients_[s]->Hello(o_.job, wire::Role::Worker, "", o_.client_name);
       if (!h.ok()) return h.status();
       const auto& r = h->rounds;
-      ahead |= r.max_rounds_ahead > 0 && r.local_round > r.committed_round &&
+      // The workers' rule (SiteClient::CheckStaleness): K = 0 waits for every commit.
+      ahead |= r.local_round > r.committed_round &&
                r.local_round - r.committed_round > r.max_rounds_ahead;
     }
     if (!ahead) return Status::Ok();
