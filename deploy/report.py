@@ -163,11 +163,14 @@ def site_series(run, site):
             for link in sh["sync"].get("links") or []:
                 peer = link["site"]
                 d = smp["links"].setdefault(peer, {"wire": {}, "payload": {}, "raw": {}, "lag": None,
-                                                   "acked": {}, "outbox": {}, "bandwidth": {},
+                                                   "acked": {}, "outbox": {}, "deltas_sent": {},
+                                                   "resends": {}, "bandwidth": {},
                                                    "rate": 0.0, "rate_known": complete})
                 d["wire"][idx] = link.get("wire_bytes_sent", 0)
                 d["payload"][idx] = link.get("bytes_sent", 0)
                 d["raw"][idx] = link.get("raw_bytes_sent", 0)
+                d["deltas_sent"][idx] = link.get("deltas_sent", 0)
+                d["resends"][idx] = link.get("resends", 0)
                 lj = [j for j in link.get("jobs") or [] if j.get("job") == run.job]
                 if lj:
                     d["acked"][idx], d["outbox"][idx] = lj[0]["acked_round"], lj[0]["outbox_round"]
@@ -190,33 +193,41 @@ def site_series(run, site):
 
 def per_round_bytes(series, peer, counter):
     """Bytes of `counter` ("wire" or "payload") sent to `peer`, attributed to the job's
-    rounds. Per shard and per pair of consecutive samples, the counter's increase (a
-    counter that went down belongs to a restarted shard and counts from zero) goes to the
-    rounds that entered that shard's outbox in between (a round's delta is sent when it
-    enters), split evenly when several did; when none did, to the rounds still in flight
-    (above the round the peer had acknowledged: resends, or a delta still going out); when
-    none was in flight either (handshakes, keep-alives, acks of the peer's rounds), apart.
-    Returns ({round: bytes}, bytes sent with no round of ours going out, total)."""
+    rounds. Per shard and per pair of consecutive samples, the counter's increase goes to
+    the rounds whose deltas the link transmitted in between: a link sends its outbox in
+    round order, so the deltas_sent counter's increase n names the next n rounds after the
+    last one sent (after a reconnect, counted by resends, it starts again above the round
+    the peer had acknowledged), capped at the highest round in the outbox; the increase is
+    split evenly among them. An interval in which no delta went out (handshakes,
+    keep-alives, acks of the peer's rounds) is counted apart. A counter that went down
+    belongs to a restarted shard and counts from zero. deltas_sent counts every job's
+    deltas: with several jobs on a link this is approximate.
+    Returns ({round: bytes}, bytes sent with no delta going out, total)."""
     rounds, other, total, last = {}, 0.0, 0.0, {}
     for smp in series:
         d = smp["links"].get(peer)
         if not d:
             continue
         for idx, v in d[counter].items():
-            prev_v, prev_acked, prev_outbox = last.get(idx, (None, 0, 0))
-            inc = v - prev_v if prev_v is not None and v >= prev_v else v
+            prev_v, prev_acked, prev_n, prev_res, sent = last.get(idx, (None, 0, 0, 0, 0))
+            n, res = d["deltas_sent"].get(idx, prev_n), d["resends"].get(idx, prev_res)
+            restarted = prev_v is not None and (v < prev_v or n < prev_n)
+            inc = v if prev_v is None or restarted else v - prev_v
+            dn = n if restarted else n - prev_n
             acked = d["acked"].get(idx, prev_acked)
-            outbox = d["outbox"].get(idx, prev_outbox)
-            to = range(prev_outbox + 1, outbox + 1)  # entered the outbox
-            if not len(to):
-                to = range(prev_acked + 1, outbox + 1)  # still in flight
+            outbox = d["outbox"].get(idx, 0)
+            first = (prev_acked if restarted or res > prev_res else sent) + 1
+            to = range(first, min(first + dn, outbox + 1)) if dn > 0 else range(0)
+            if dn > 0 and not len(to):  # more deltas than rounds we know of: the unacked ones
+                to = range(prev_acked + 1, outbox + 1)
             total += inc
             if len(to):
                 for r in to:
                     rounds[r] = rounds.get(r, 0.0) + inc / len(to)
+                sent = max(sent, to[-1])
             else:
                 other += inc
-            last[idx] = (v, acked, outbox)
+            last[idx] = (v, acked, n, res, sent)
     return rounds, other, total
 
 
@@ -279,13 +290,13 @@ def plot_wan_bytes(run, series, path):
     for s, p in links:
         wire, wire_other, wire_total = per_round_bytes(series[s], p, "wire")
         pay, pay_other, pay_total = per_round_bytes(series[s], p, "payload")
-        data[f"{s}->{p}"] = {"wire": wire, "payload": pay, "wire_no_round_in_flight": wire_other,
-                             "payload_no_round_in_flight": pay_other, "wire_total": wire_total,
+        data[f"{s}->{p}"] = {"wire": wire, "payload": pay, "wire_no_delta_sent": wire_other,
+                             "payload_no_delta_sent": pay_other, "wire_total": wire_total,
                              "payload_total": pay_total}
     rounds = sorted({r for d in data.values() for r in d["wire"]})
     if not rounds:
-        return data, ("no round of this site was in flight in the shard samples "
-                      "(top-<site>.jsonl): nothing to attribute bytes to")
+        return data, ("no delta was sent in the shard samples (top-<site>.jsonl): "
+                      "nothing to attribute bytes to")
     fig, ax = plt.subplots(figsize=(13, 5))
     n = len(data)
     width = 0.8 / (2 * n)
@@ -293,13 +304,13 @@ def plot_wan_bytes(run, series, path):
         xs = [r - 0.4 + width * (2 * i + 0.5) for r in rounds]
         ax.bar(xs, [d["wire"].get(r, 0) for r in rounds], width, color=f"C{i}",
                label=f"{name}: wire ({d['wire_total']:,.0f} B in all, "
-                     f"{d['wire_no_round_in_flight']:,.0f} B with no round in flight)")
+                     f"{d['wire_no_delta_sent']:,.0f} B while no delta went out)")
         ax.bar([x + width for x in xs], [d["payload"].get(r, 0) for r in rounds], width,
                color=f"C{i}", alpha=0.45, hatch="//",
                label=f"{name}: payload ({d['payload_total']:,.0f} B in all)")
     ax.set_xticks(rounds)
-    ax.set_xlabel("round (bytes sent as the round entered the outbox, or while it was unacknowledged; "
-                  "from the shard samples)")
+    ax.set_xlabel("round (the bytes a link sent in the sample intervals in which it transmitted "
+                  "the round's delta)")
     ax.set_ylabel("bytes sent to the peer (all shards)")
     ax.yaxis.set_major_formatter(THOUSANDS)
     ax.set_title("WAN bytes per round per link: wire (every message, framing, CURVE, handshakes) "
@@ -538,13 +549,13 @@ READ = {
 
 ATTRIBUTION = ("Bytes are attributed to rounds from the shard samples (isthmusctl top, one "
                "per {interval}): for each shard link and each pair of consecutive samples, the "
-               "increase of its wire (and payload) counter goes to the rounds that entered the "
-               "link's outbox in between (a round's delta is sent as it enters); when none did, "
-               "to the rounds still unacknowledged (resends, a delta still going out); the "
-               "shards' shares are added up. Rounds that meet in one interval share its bytes "
-               "evenly: the attribution is only as fine as the samples. What a link sent with no "
-               "round of this site going out (handshakes, keep-alives, acks of the peer's rounds) "
-               "is not in the bars; the legend gives it.")
+               "increase of its wire (and payload) counter goes to the rounds whose deltas it "
+               "transmitted in between (a link sends its outbox in round order, so the count of "
+               "deltas sent names them; after a reconnect it resends from the peer's "
+               "acknowledged round), and the shards' shares are added up. Rounds sent in one "
+               "interval share its bytes evenly: the attribution is only as fine as the "
+               "samples. What a link sent in intervals with no delta (handshakes, keep-alives, "
+               "acks of the peer's rounds) is not in the bars; the legend gives it.")
 
 
 def write_page(run, out, plots, data):

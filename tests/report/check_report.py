@@ -9,7 +9,7 @@ Checks, and fails with the first difference:
     report must show are there; report.md has the same numbers;
   - the run itself: every round committed on both sites, digests agree;
   - report.json: each link's wire and payload bytes attributed to rounds 1..N, every round
-    > 0, the rounds plus the bytes sent with no round in flight adding up to the counters of the
+    > 0, the rounds plus the bytes sent while no delta went out adding up to the counters of the
     last shard sample (read here from top-<site>.jsonl), and at least the summary's count;
     every site's validation curve has every round of every set, equal to the events file
     (the last evaluation of each round).
@@ -155,7 +155,7 @@ def main():
                 fail(f"{s}->{peer} {kind} bytes are attributed to rounds {sorted(per)}")
             if min(per.values()) <= 0:
                 fail(f"{s}->{peer}: a round with no {kind} bytes: {per}")
-            total = sum(per.values()) + link[f"{kind}_no_round_in_flight"]
+            total = sum(per.values()) + link[f"{kind}_no_delta_sent"]
             if abs(total - counters[kind]) > 0.5 or abs(link[f"{kind}_total"] - counters[kind]) > 0.5:
                 fail(f"{s}->{peer} {kind}: rounds + after = {total}, the last sample says {counters[kind]}")
         if counters["wire"] < summary["sites"][s]["wire_bytes_sent"]:
