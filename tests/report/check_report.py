@@ -9,7 +9,7 @@ Checks, and fails with the first difference:
     report must show are there; report.md has the same numbers;
   - the run itself: every round committed on both sites, digests agree;
   - report.json: each link's wire and payload bytes attributed to rounds 1..N, every round
-    > 0, the rounds plus the bytes sent while no delta went out adding up to the counters of the
+    > 0, the same payload for every round (the deltas are dense) unless the link resent, the rounds plus the bytes sent while no delta went out adding up to the counters of the
     last shard sample (read here from top-<site>.jsonl), and at least the summary's count;
     every site's validation curve has every round of every set, equal to the events file
     (the last evaluation of each round).
@@ -158,6 +158,13 @@ def main():
             total = sum(per.values()) + link[f"{kind}_no_delta_sent"]
             if abs(total - counters[kind]) > 0.5 or abs(link[f"{kind}_total"] - counters[kind]) > 0.5:
                 fail(f"{s}->{peer} {kind}: rounds + after = {total}, the last sample says {counters[kind]}")
+        # The run's deltas are dense, the same size every round: unless a link resent some
+        # (a reconnect), each round's attributed payload is one round's share of the total.
+        resends = sum(l["resends"] for sh in last["shards"] for l in sh["sync"]["links"])
+        per = {int(r): v for r, v in link["payload"].items()}
+        mean = sum(per.values()) / len(per)
+        if resends == 0 and any(abs(v - mean) > 0.1 * mean for v in per.values()):
+            fail(f"{s}->{peer}: payload per round {per} is not one equal delta per round")
         if counters["wire"] < summary["sites"][s]["wire_bytes_sent"]:
             fail(f"{s}: the last top sample counts {counters['wire']} wire bytes, fewer than the "
                  f"summary's {summary['sites'][s]['wire_bytes_sent']}")

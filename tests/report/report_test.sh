@@ -42,15 +42,15 @@ model="--layers 2 --width 64 --heads 2 --context 64"
   --out "$work/unused-init.safetensors" --write-base "$work/base.safetensors" >/dev/null 2>&1
 
 rounds=5
-# Adaptive from dense, as bench/sync/run.sh's adaptive point: dense deltas (64 KiB a round)
-# are large enough for the links to measure their bandwidth, which the adaptive codec then
-# sizes the rounds by (the default pipeline's few hundred bytes a round would give the
-# links nothing to measure, and the bandwidth plot only its codec strip).
+# Dense deltas (64 KiB a round): large enough for the links to measure their bandwidth (the
+# default pipeline's few hundred bytes a round would give them nothing to measure), and the
+# same size every round, so check_report.py can tell a misattributed round. (Not adaptive:
+# its choice of codec after the first measurement depends on the machine's speed.)
 t0=$(date +%s)
 ISTHMUS_BUILD_DIR="$build" "$root/deploy/two-site.sh" --base "$work/base.safetensors" \
   --data-a "$work/A" --data-b "$work/B" --model "$model --lora-rank 8 --lora-alpha 16" \
   --train "--lr 3e-3 --min-lr 3e-4 --warmup-steps 2 --batch-size 4 --val-batches 2" \
-  --codec dense --adaptive --adaptive-floor topk:0.05+int2+zstd \
+  --codec dense \
   --rounds "$rounds" --steps-per-round 8 "${eval_sets[@]}" --eval-every-rounds 1 \
   --eval-batches 4 --top-interval 0.2 --out "$work/run" --report "$work/report" \
   > "$work/two-site.out" 2>&1 || { cat "$work/two-site.out"; echo "FAIL: two-site.sh failed"; exit 1; }
