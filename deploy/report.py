@@ -196,9 +196,10 @@ def per_round_bytes(series, peer, counter):
     rounds. Per shard and per pair of consecutive samples, the counter's increase goes to
     the rounds whose deltas the link transmitted in between: a link sends its outbox in
     round order, so the deltas_sent counter's increase n names the next n rounds after the
-    last one sent (after a reconnect, counted by resends, it starts again above the round
-    the peer had acknowledged), capped at the highest round in the outbox; the increase is
-    split evenly among them. An interval in which no delta went out (handshakes,
+    last one sent, capped at the highest round in the outbox (after a reconnect, counted by
+    resends, or a restart it sends everything above what the peer holds again: the last n
+    rounds up to the outbox's, none at or below the round acknowledged before); the
+    increase is split evenly among them. An interval in which no delta went out (handshakes,
     keep-alives, acks of the peer's rounds) is counted apart. A counter that went down
     belongs to a restarted shard and counts from zero. deltas_sent counts every job's
     deltas: with several jobs on a link this is approximate.
@@ -216,7 +217,10 @@ def per_round_bytes(series, peer, counter):
             dn = n if restarted else n - prev_n
             acked = d["acked"].get(idx, prev_acked)
             outbox = d["outbox"].get(idx, 0)
-            first = (prev_acked if restarted or res > prev_res else sent) + 1
+            if restarted or res > prev_res:  # it resent everything above what the peer held
+                first = max(prev_acked + 1, outbox - dn + 1)
+            else:
+                first = sent + 1
             to = range(first, min(first + dn, outbox + 1)) if dn > 0 else range(0)
             if dn > 0 and not len(to):  # more deltas than rounds we know of: the unacked ones
                 to = range(prev_acked + 1, outbox + 1)
