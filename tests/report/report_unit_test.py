@@ -12,9 +12,7 @@ import sys
 import tempfile
 import unittest
 
-try:
-    import matplotlib  # noqa: F401
-except ImportError:
+if importlib.util.find_spec("matplotlib") is None:
     print("SKIP: /usr/bin/python3 has no matplotlib (apt-get install python3-matplotlib)")
     sys.exit(77)
 
