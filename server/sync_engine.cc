@@ -894,13 +894,34 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& na
     j->view = j->theta;
     return *j->view;
   }
-  std::map<std::string, std::vector<float>> acc;
-  for (const auto& [tname, t] : j->theta) acc[tname] = *t.data;
+  // Each uncommitted round takes the outer step its commit will take (OuterStep's
+  // arithmetic, momentum carried from round to round), with the merge of the deltas known
+  // so far standing in for the full merge. A worker thus starts where the commit will most
+  // likely put it; raw deltas would be off by the outer learning rate and the momentum
+  // (with DiLoCo's Nesterov, far off: the commit moves several times the merged delta).
+  const float lr = static_cast<float>(options_.outer_lr);
+  const float mu = static_cast<float>(options_.outer_momentum);
+  std::map<std::string, std::vector<float>> acc, mom;
+  for (const auto& [tname, t] : j->theta) {
+    acc[tname] = *t.data;
+    if (mu != 0.0f) mom[tname] = *j->momentum.at(tname);
+  }
   for (const auto& [r, sites] : rounds) {
-    ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, *j, r, sites));
+    std::set<std::string> sent;
+    ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, *j, r, sites, &sent));
     for (auto& [tname, g] : merged) {
+      if (sent.count(tname) == 0) continue;  // deferred by every site: no outer step
       float* a = acc[tname].data();
-      for (size_t i = 0; i < g.size(); ++i) a[i] += g[i];
+      const size_t n = g.size();
+      if (mu == 0.0f) {
+        for (size_t i = 0; i < n; ++i) a[i] += lr * g[i];
+      } else {
+        float* mv = mom[tname].data();
+        for (size_t i = 0; i < n; ++i) {
+          mv[i] = mu * mv[i] + g[i];
+          a[i] += lr * (g[i] + mu * mv[i]);
+        }
+      }
     }
   }
   std::map<std::string, SyncTensor> view;

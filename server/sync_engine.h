@@ -149,9 +149,11 @@ class SyncEngine : public DeltaSource, public DeltaSink {
   Result<uint64_t> AddNow(const std::string& job, const std::vector<SyncPushTensor>& tensors,
                           WriteBatch& batch);
 
-  // What a worker pulls: committed tensors plus every known uncommitted round's merge of
-  // the deltas held so far (token-weighted over the sites held, no momentum). Shared
-  // buffers, valid as long as the caller keeps them. Recomputed only after a change.
+  // What a worker pulls: the committed tensors moved, for every known uncommitted round in
+  // order, by the outer step its commit will take, with the token-weighted merge of the
+  // deltas held so far (over the sites held) in place of the full merge and the outer
+  // momentum carried along (docs/SYNC.md, "Optimistic view"). Shared buffers, valid as
+  // long as the caller keeps them. Recomputed only after a change.
   Result<std::map<std::string, SyncTensor>> View(const std::string& job);
   // The committed tensors alone.
   Result<std::map<std::string, SyncTensor>> Committed(const std::string& job) const;

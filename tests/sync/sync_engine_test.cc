@@ -492,6 +492,67 @@ TEST(SyncEngineTest, NoPeerModeEqualsPlainAdd) {
             Code::kFailedPrecondition);
 }
 
+// The view takes each uncommitted round's outer step with the deltas held so far. When
+// the missing site's delta turns out equal to the held one, the commit lands exactly where
+// the view was; under Nesterov momentum the raw delta would be far from it.
+TEST(SyncEngineTest, OptimisticViewTakesTheOuterStepTheCommitWillTake) {
+  testing::TempDir da, db;
+  std::vector<std::unique_ptr<Store>> stores;
+  std::vector<std::unique_ptr<SyncEngine>> engines;
+  for (auto [dir, site, peer] : {std::tuple{&da, "A", "B"}, std::tuple{&db, "B", "A"}}) {
+    stores.push_back(std::move(OpenRocksStore(dir->str(), StoreOptions{})).value());
+    SyncOptions o;
+    o.site = site;
+    o.peer_sites = {peer};
+    o.codec = "dense";
+    o.outer_lr = 0.7;
+    o.outer_momentum = 0.9;
+    engines.push_back(std::move(SyncEngine::Create(stores.back().get(), o)).value());
+    std::map<std::string, SyncTensor> t;
+    t["w"] = {{3}, std::make_shared<const std::vector<float>>(std::vector<float>{1, 2, 3})};
+    ASSERT_TRUE(engines.back()->AttachJob(kJob, t, 1).ok());
+  }
+  auto push = [&](int e, uint64_t r, std::vector<float> v) {
+    WriteBatch b;
+    ASSERT_TRUE(engines[e]->PushRound(kJob, r, 100, {{"w", v}}, b).ok());
+  };
+  auto deliver = [&](int from, int to, uint64_t r) {
+    auto x = engines[from]->OutboxDelta(kJob, r);
+    ASSERT_TRUE(x.ok());
+    ASSERT_TRUE(engines[to]->ReceiveDelta(from == 0 ? "A" : "B", **x).ok());
+  };
+  // Round 1 commits on both: momentum is now non-zero.
+  push(0, 1, {0.5f, -0.25f, 1.0f});
+  push(1, 1, {0.25f, 0.5f, -1.0f});
+  deliver(0, 1, 1);
+  deliver(1, 0, 1);
+  ASSERT_EQ(engines[0]->CommittedRound(kJob), 1u);
+  const std::vector<float> theta1 = *engines[0]->Committed(kJob)->at("w").data;
+  // Rounds 2 and 3 from A only: A's view steps twice with A's deltas.
+  const std::vector<float> d2 = {0.125f, 0.0625f, -0.5f}, d3 = {-0.25f, 0.125f, 0.25f};
+  push(0, 2, d2);
+  push(0, 3, d3);
+  const std::vector<float> view = *engines[0]->View(kJob)->at("w").data;
+  // By hand: m1 = g1, then m2 = 0.9 m1 + d2, theta2 = theta1 + 0.7 (d2 + 0.9 m2), ...
+  const std::vector<float> g1 = {0.375f, 0.125f, 0.0f};
+  for (size_t i = 0; i < 3; ++i) {
+    const float m2 = 0.9f * g1[i] + d2[i];
+    const float t2 = theta1[i] + 0.7f * (d2[i] + 0.9f * m2);
+    const float m3 = 0.9f * m2 + d3[i];
+    const float t3 = t2 + 0.7f * (d3[i] + 0.9f * m3);
+    EXPECT_NEAR(view[i], t3, 1e-6) << i;
+    EXPECT_GT(std::fabs(view[i] - (theta1[i] + d2[i] + d3[i])), 0.05f) << i;  // raw deltas
+  }
+  // B sends the same deltas: both rounds commit where A's view was.
+  push(1, 2, d2);
+  push(1, 3, d3);
+  deliver(1, 0, 2);
+  deliver(1, 0, 3);
+  ASSERT_EQ(engines[0]->CommittedRound(kJob), 3u);
+  const auto committed = *engines[0]->Committed(kJob)->at("w").data;
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(committed[i], view[i], 1e-6) << i;
+}
+
 TEST(SyncEngineTest, NesterovMatchesHandComputation) {
   // Two sites, one 2-element tensor: g1 = 0.25 * [1, 0] + 0.75 * [3, 4] = [2.5, 3].
   // lr 0.5, mu 0.9:  m1 = g1;  theta1 = [1, 2] + 0.5 * (g1 + 0.9 * m1) = [3.375, 4.85].
