@@ -28,6 +28,22 @@ std::string MembershipChange::Describe(const Membership& current) const {
          std::to_string(next.epoch) + "), coordinated by " + coordinator;
 }
 
+const char* MembershipStepName(MembershipStep s) {
+  switch (s) {
+    case MembershipStep::kPrepare:
+      return "prepare";
+    case MembershipStep::kQuery:
+      return "query";
+    case MembershipStep::kJoin:
+      return "join";
+    case MembershipStep::kFetch:
+      return "fetch";
+    case MembershipStep::kDigest:
+      return "digest";
+  }
+  return "?";
+}
+
 const char* MembershipVoteName(MembershipVote v) {
   switch (v) {
     case MembershipVote::kPrepared:

@@ -73,5 +73,6 @@ struct MembershipAnswer {
   std::shared_ptr<const JobImage> image = nullptr;  // kFetch
 };
 const char* MembershipVoteName(MembershipVote v);
+const char* MembershipStepName(MembershipStep s);
 
 }  // namespace isthmus

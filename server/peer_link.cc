@@ -603,6 +603,8 @@ void PeerLinks::SendMembership(Link& link, Clock::time_point now) {
   uint64_t id = ++link.request_seq;
   FinishEnvelope(fbb, id, wire::Body::PeerMembership, body.Union());
   if (!Transmit(link, fbb, {}).ok()) return;
+  spdlog::debug("peer {}: membership {} for job '{}' sent (request {})", link.spec.site,
+                MembershipStepName(req.step), req.job, id);
   Link::InFlight f;
   f.kind = Link::InFlight::Kind::kMembership;
   f.sent = now;
@@ -621,6 +623,9 @@ Status PeerLinks::HandleMembership(Link& from, const wire::PeerMembership* req, 
   ISTHMUS_ASSIGN_OR_RETURN(r.change.next, ReadMembership(req->next(), options_.limits));
   r.change.coordinator = Str(req->coordinator());
   const MembershipAnswer a = sink_->OnMembershipRequest(from.spec.site, r);
+  spdlog::debug("peer {}: membership {} for job '{}' (request {}) answered {}{}", from.spec.site,
+                MembershipStepName(r.step), r.job, id, MembershipVoteName(a.vote),
+                a.reason.empty() ? "" : ": " + a.reason);
   wire::MembershipVoteKind vote = wire::MembershipVoteKind::Refused;
   switch (a.vote) {
     case MembershipVote::kPrepared:
@@ -849,6 +854,10 @@ void PeerLinks::OnReply(Link& link, const wire::Envelope* env, const Frames& msg
       default:
         answer.vote = MembershipVote::kRefused;
     }
+    spdlog::debug("peer {}: membership {} for job '{}' got {}{}", link.spec.site,
+                  MembershipStepName(sent.membership.step), sent.membership.job,
+                  MembershipVoteName(answer.vote),
+                  answer.reason.empty() ? "" : ": " + answer.reason);
     source_->OnMembershipAnswer(link.spec.site, sent.membership, answer);
     return;
   }

@@ -1524,6 +1524,11 @@ std::vector<MembershipRequest> SyncEngine::MembershipRequests(const std::string&
       }
     } else if (!jn.image) {
       if (peer == jn.from) out.push_back({name, MembershipStep::kFetch, *jn.change});
+    } else if (peer == jn.from) {
+      // The state is here and the members' digests are being asked for. The coordinator may
+      // have given the addition up since it sent the state (a member refused it), and such a
+      // member never answers this site: ask the coordinator how the change stands meanwhile.
+      out.push_back({name, MembershipStep::kQuery, *jn.change});
     } else if (jn.image->members.Has(peer) && !jn.digests.count(peer)) {
       out.push_back({name, MembershipStep::kDigest, *jn.change});
     }
@@ -1695,8 +1700,10 @@ MembershipAnswer SyncEngine::OnJoiningRequest(const std::string& from,
     jn.image.reset();
     jn.digests.clear();
   }
-  jn.note = "joining: fetching the state of round " + std::to_string(c.next.from_round - 1) +
-            " from site " + from;
+  if (!jn.image) {
+    jn.note = "joining: fetching the state of round " + std::to_string(c.next.from_round - 1) +
+              " from site " + from;
+  }
   return {MembershipVote::kPending, jn.note};
 }
 

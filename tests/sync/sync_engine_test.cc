@@ -798,6 +798,67 @@ TEST(SyncEngineTest, AdaptiveBudgetIsTheReportedComputeTimeNotTheWait) {
   EXPECT_LT(sized, raw / 2) << "pipelines of round 4: " << st->pipelines.begin()->first;
 }
 
+// A join given up after the coordinator sent the state: site D holds siteA's state and
+// waits for the members' digests, but siteB refused the addition (it does not list D), so
+// siteB never answers D. D must learn the outcome from its coordinator, not wait for ever
+// (seen under load: the refusal reached siteA just after D's fetch).
+TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
+  Site a("siteA", {"siteB", "siteC"}, "dense"), b("siteB", {"siteA", "siteC"}, "dense"),
+      c("siteC", {"siteA", "siteB"}, "dense");
+  for (Site* s : {&a, &b, &c}) ASSERT_TRUE(s->PushRound(1).ok());
+  for (Site* from : {&a, &b, &c})
+    for (Site* to : {&a, &b, &c})
+      if (from != to) Deliver(*from, *to);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+  // siteA now lists D as a peer (its operator added it before the join); B and C do not.
+  a.options().peer_sites = {"siteB", "siteC", "siteD"};
+  a.Reopen();
+  testing::TempDir ddir;
+  auto dstore = std::move(OpenRocksStore(ddir.str(), StoreOptions{})).value();
+  SyncOptions dopt;
+  dopt.site = "siteD";
+  dopt.peer_sites = {"siteA", "siteB", "siteC"};
+  dopt.codec = "dense";
+  auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
+  SyncEngine::JobHooks hooks;
+  hooks.install = [](const std::string&, const std::string&,
+                     const std::map<std::string, SyncTensor>&, uint64_t,
+                     WriteBatch&) { return Status::Ok(); };
+  d->SetJobHooks(hooks);
+  ASSERT_TRUE(d->StartJoin(kJob, "siteA").ok());
+  // D asks A; A proposes the addition and sends D its prepare; D fetches A's state.
+  auto ask = [&](SyncEngine& from, const std::string& from_name, SyncEngine& to,
+                 const std::string& to_name, MembershipStep step) {
+    auto reqs = from.MembershipRequests(to_name);
+    EXPECT_EQ(reqs.size(), 1u) << from_name << " -> " << to_name;
+    if (reqs.empty()) return MembershipAnswer{};
+    EXPECT_EQ(reqs[0].step, step) << from_name << " -> " << to_name;
+    MembershipAnswer answer = to.OnMembershipRequest(from_name, reqs[0]);
+    from.OnMembershipAnswer(to_name, reqs[0], answer);
+    return answer;
+  };
+  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
+            MembershipVote::kPending);
+  EXPECT_EQ(ask(a.engine(), "siteA", *d, "siteD", MembershipStep::kPrepare).vote,
+            MembershipVote::kPending);
+  auto fetched = ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kFetch);
+  ASSERT_EQ(fetched.vote, MembershipVote::kPrepared);
+  ASSERT_TRUE(fetched.image != nullptr);
+  EXPECT_NE(d->JobStatus(kJob)->change_note.find("checking the state"), std::string::npos);
+  // Now siteB refuses the addition and siteA gives it up.
+  EXPECT_EQ(ask(a.engine(), "siteA", b.engine(), "siteB", MembershipStep::kPrepare).vote,
+            MembershipVote::kRefused);
+  EXPECT_FALSE(a.engine().JobStatus(kJob)->pending.has_value());
+  // D, which siteB will never answer, asks its coordinator and fails with the reason.
+  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kQuery).vote,
+            MembershipVote::kAbandoned);
+  const std::string note = d->JobStatus(kJob)->change_note;
+  EXPECT_NE(note.find("join failed"), std::string::npos) << note;
+  EXPECT_NE(note.find("has no sync.peers entry"), std::string::npos) << note;
+  EXPECT_TRUE(d->MembershipRequests("siteA").empty());
+  EXPECT_TRUE(d->MembershipRequests("siteB").empty());
+}
+
 // Membership (docs/SYNC.md): the removal of a silent site, agreed in two phases, survives a
 // reopen of either side at any step, changes who merges from the cut on, and the digests
 // (which cover the membership) agree.
