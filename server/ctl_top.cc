@@ -93,20 +93,24 @@ std::string TimestampText(double unix_time) {
 // `indent`.
 void AppendWrapped(std::vector<std::string>& lines, const std::string& text,
                    const std::string& indent) {
-  std::string line;
-  size_t start = 0;
+  const size_t lead = std::min(text.find_first_not_of(' '), text.size());
+  std::string line = text.substr(0, lead);  // the text's own indentation stays
+  bool fresh = true;                        // nothing but indentation on `line` yet
+  size_t start = lead;
   while (start < text.size()) {
     size_t end = text.find(' ', start);
     if (end == std::string::npos) end = text.size();
     const std::string word = text.substr(start, end - start);
-    if (!line.empty() && line != indent && line.size() + 1 + word.size() > kColumns) {
+    if (!fresh && line.size() + 1 + word.size() > kColumns) {
       lines.push_back(line);
       line = indent;
+      fresh = true;
     }
-    line += (line.empty() || line == indent ? "" : " ") + word;
+    line += (fresh ? "" : " ") + word;
+    fresh = false;
     start = end + 1;
   }
-  if (!line.empty() && line != indent) lines.push_back(line);
+  if (!fresh) lines.push_back(line);
 }
 
 std::string PipelinesText(const std::map<std::string, uint64_t>& pipelines) {

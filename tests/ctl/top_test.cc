@@ -113,7 +113,7 @@ TEST(TopText, ShardsJobsLinksAndDownWithin120Columns) {
   // Long names and many pipelines must not push lines past 120 columns.
   b.sync->jobs[0].members = {"a-very-long-site-name", "another-very-long-site-name"};
   for (int i = 0; i < 20; ++i) b.sync->jobs[0].pipelines["topk:0.0" + std::to_string(i)] = i;
-  b.sync->links[0].last_error = std::string(300, 'x');
+  b.sync->links[0].last_error = "refused a message from the peer: " + std::string(300, 'x');
   ShardSample down;
   down.endpoint = "tcp://127.0.0.1:7111";
   down.status = Status::Timeout(
@@ -138,6 +138,10 @@ TEST(TopText, ShardsJobsLinksAndDownWithin120Columns) {
   EXPECT_NE(all.find("2.00"), std::string::npos) << "pushes/s\n" << all;
   EXPECT_NE(all.find("2.0 KiB/s"), std::string::npos) << "wire sent/s\n" << all;
   EXPECT_NE(all.find("beta         connected"), std::string::npos) << all;
+  EXPECT_NE(all.find("\n  beta last error: refused a message from the peer:\n    xxx"),
+            std::string::npos)
+      << "indented under its link, the long word on a line of its own\n"
+      << all;
   // The first view has no rates yet.
   const auto before = TopText(first, nullptr, 2.0);
   std::string first_text;
