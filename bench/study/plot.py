@@ -3,9 +3,9 @@
 
 Reads the study's results.jsonl (one JSON object per point) and writes, next to it,
   loss-vs-bytes.png   mean validation loss vs kernel-counted WAN bytes (log x), one colour
-                      per codec, one marker per H, solid lines for plain averaging and
-                      other line styles for other outer optimisers; the centralised loss and dense per-step sync / 1000
-                      as reference lines
+                      per codec, one marker per H, one line style per outer optimiser and
+                      sync.max_rounds_ahead K (filled markers: K = 0, synchronous rounds);
+                      the centralised loss and dense per-step sync / 1000 as reference lines
   per-language.png    relative loss vs centralised per language: the 3 points closest to
                       centralised, and the 3 closest among those with >= 1000x fewer bytes
   table.md            what --table prints
@@ -18,6 +18,7 @@ Usage: bench/study/plot.py [--results demo-out/study/results.jsonl] [--table]
 import argparse
 import json
 import os
+import re
 import sys
 
 import matplotlib
@@ -30,7 +31,7 @@ CODECS = ["dense", "int8+zstd", "int4+zstd", "int2+zstd", "topk:0.1+int8+zstd", 
           "topk:0.01+int2+zstd", "topk:0.002+int2+zstd", "adaptive"]
 LABEL = {"default": "default (topk:0.05+int2+zstd)",
          "adaptive": "adaptive (floor topk:0.002+int2+zstd, 200kbit)"}
-MARKER = {10: "o", 20: "s", 50: "^", 100: "D"}
+MARKER = {10: "o", 20: "s", 50: "^", 80: "v", 100: "D", 200: "P"}
 GAP_GOAL_PCT, BYTES_GOAL_X = 1.0, 1000.0
 
 
@@ -51,16 +52,19 @@ def plot_loss_vs_bytes(central, points, path):
     fig, ax = plt.subplots(figsize=(13, 6))
     for i, codec in enumerate(c for c in CODECS if any(p["codec"] == c for p in points)):
         colour = f"C{i}"
-        for outer, style in zip(outers(points), ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3)))):
-            s = sorted((p for p in points if p["codec"] == codec and p["outer"] == outer),
+        styles = ("-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3)), (0, (3, 1, 1, 1)), (0, (8, 2)))
+        for (outer, k), style in zip(series(points), styles * 4):
+            s = sorted((p for p in points
+                        if p["codec"] == codec and p["outer"] == outer and k_of(p) == k),
                        key=lambda p: p["H"])
             if not s:
                 continue
             ax.plot([p["kernel_wan_bytes"] for p in s], [p["mean_val_loss"] for p in s], ls=style,
-                    color=colour, alpha=0.6, label=f"{LABEL.get(codec, codec)}, {outer_label(s[0])}")
+                    color=colour, alpha=0.6,
+                    label=f"{LABEL.get(codec, codec)}, {outer_label(s[0])}, {k_label(k)}")
             for p in s:
                 ax.plot(p["kernel_wan_bytes"], p["mean_val_loss"], MARKER.get(p["H"], "x"),
-                        color=colour, mfc=colour if outer == "avg" else "white")
+                        color=colour, mfc=colour if k == 0 else "white")
     for h, m in MARKER.items():
         ax.plot([], [], m, color="gray", label=f"H = {h}")
     if central:
@@ -87,7 +91,7 @@ def plot_loss_vs_bytes(central, points, path):
     ax.set_xlabel(xlabel)
     ax.set_ylabel("mean validation loss (en, fr, de, es)")
     ax.set_title(f"Loss vs WAN bytes, T = {points[0]['steps']} steps per rank "
-                 "(filled: plain averaging, hollow: other outer optimisers)")
+                 "(filled: K = 0, synchronous rounds; hollow: K > 0)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
@@ -124,6 +128,23 @@ def outers(points):  # plain averaging first
     return sorted({p["outer"] for p in points}, key=lambda o: (o != "avg", o))
 
 
+def k_of(p):
+    """sync.max_rounds_ahead of a point: recorded by run.sh, or the key's /kK suffix."""
+    if "max_rounds_ahead" in p:
+        return p["max_rounds_ahead"]
+    m = re.search(r"/k(\d+)$", p["key"])
+    return int(m.group(1)) if m else None
+
+
+def k_label(k):
+    return "K ?" if k is None else ("K 0 (synchronous)" if k == 0 else f"K {k}")
+
+
+def series(points):  # (outer, K) pairs: plain averaging first, then by K
+    return sorted({(p["outer"], k_of(p)) for p in points},
+                  key=lambda s: (s[0] != "avg", s[0], -1 if s[1] is None else s[1]))
+
+
 def outer_label(p):
     lr, m = p["outer_lr"], p["outer_momentum"]
     if lr == 1 and m == 0:
@@ -132,32 +153,36 @@ def outer_label(p):
 
 
 def name(p):
-    return f"{p['codec']} H{p['H']} {outer_label(p)}"
+    return f"{p['codec']} H{p['H']} {outer_label(p)} {k_label(k_of(p))}"
 
 
 def table(central, points):
-    lines = ["| codec | H | outer | en | fr | de | es | mean | worst gap | wire bytes | x fewer than dense per-step |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| codec | H | outer | K | en | fr | de | es | mean | worst gap | wire bytes | x fewer than dense per-step |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     if central:
         v = central["val_loss"]
-        lines.append("| centralised (batch 32) | - | - | " + " | ".join(f"{v[l]:.4f}" for l in LANGS)
+        lines.append("| centralised (batch 32) | - | - | - | " + " | ".join(f"{v[l]:.4f}" for l in LANGS)
                      + f" | {central['mean_val_loss']:.4f} | 0 | 0 | - |")
-        lines.append("| dense per-step sync (reference: payload only) | 1 | - | | | | | | | "
+        lines.append("| dense per-step sync (reference: payload only) | 1 | - | - | | | | | | | "
                      f"{points[0]['dense_per_step_bytes']:,} | 1x |")
     order = {c: i for i, c in enumerate(CODECS)}
     rank = {o: i for i, o in enumerate(outers(points))}
     seen = set()
-    for p in sorted(points, key=lambda p: (rank[p["outer"]], order.get(p["codec"], 99), p["H"])):
+    def k_sort(p):
+        return -1 if k_of(p) is None else k_of(p)
+
+    for p in sorted(points, key=lambda p: (k_sort(p), rank[p["outer"]], order.get(p["codec"], 99),
+                                           p["H"])):
         v = p["val_loss"]
         flag = "" if p["digests_agree"] else " (digests differ)"
-        setting = (p["codec"], p["H"], p["outer_lr"], p["outer_momentum"])
+        setting = (p["codec"], p["H"], p["outer_lr"], p["outer_momentum"], k_of(p))
         if setting in seen:  # the same setting run again (another key, e.g. lr1m0 for avg)
             flag += " (repeat)"
         seen.add(setting)
         if p["codec"] == "adaptive":  # what it chose for the last round
             flag += " -> " + ", ".join(p.get("last_round_codecs", []))
         lines.append(f"| {LABEL.get(p['codec'], p['codec'])}{flag} | {p['H']} | "
-                     f"{outer_label(p)} | "
+                     f"{outer_label(p)} | {'?' if k_of(p) is None else k_of(p)} | "
                      + " | ".join(f"{v[l]:.4f}" for l in LANGS)
                      + f" | {p['mean_val_loss']:.4f} | {p['worst_rel_gap_pct']:+.2f}% | "
                      f"{p['kernel_wan_bytes']:,} | {p['x_fewer_than_dense_per_step']:,.0f}x |")

@@ -10,10 +10,12 @@
 # appended as one JSON line to OUT/results.jsonl; points already there are skipped, so an
 # interrupted study resumes where it stopped. bench/study/plot.py reads the file.
 #
-# Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--points "C/H/O ..."]
+# Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--rounds-ahead K] [--points "C/H/O ..."]
 #   --quick     smoke test: T = 40, H = 20 only, into demo-out/study-quick
 #   --steps T   total steps per rank (default 800)
 #   --out DIR   results folder (default demo-out/study)
+#   --rounds-ahead K   sync.max_rounds_ahead of every shard (default: the server's default);
+#               0 = synchronous rounds. Part of every point's key (".../kK").
 #   --points    run only these points after the baseline: CODEC/H/OUTER, OUTER one of avg
 #               (lr 1, no momentum), nesterov (DiLoCo's lr 0.7, momentum 0.9), lrX (lr X,
 #               no momentum) or lrXmY (lr X, Nesterov momentum Y), e.g. int8+zstd/50/lr1.5
@@ -22,14 +24,15 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false points=""
+steps="" out="" quick=false points="" rounds_ahead=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
     --steps) steps="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --points) points="$2"; shift 2 ;;
-    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    --rounds-ahead) rounds_ahead="$2"; shift 2 ;;
+    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -39,6 +42,14 @@ else
   out="${out:-demo-out/study}" steps="${steps:-800}"
 fi
 export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+# K for every shard of every point: given, or the server's own default (read from its
+# settings table, so a point's key always names the K it ran with).
+if [ -z "$rounds_ahead" ]; then
+  rounds_ahead=$("$build/server/isthmus-server" --print-config-doc |
+    awk -F'|' '/`sync.max_rounds_ahead`/ {gsub(/[ `]/, "", $6); print $6}')
+fi
+case "$rounds_ahead" in ''|*[!0-9]*) echo "run.sh: --rounds-ahead takes a whole number" >&2; exit 2 ;; esac
+export ISTHMUS_SYNC_MAX_ROUNDS_AHEAD="$rounds_ahead"
 base=demo-out/base/base-2x128-1000.safetensors
 [ -f "$base" ] || base=$(deploy/demo-prepare.sh | tail -1)
 worker="$build/worker/isthmus-worker"
@@ -147,7 +158,7 @@ fi
 # may go from dense down to the sparsest pipeline), H, outer ("avg" or "nesterov").
 n=0 total=0
 run_point() {
-  local codec="$1" h="$2" outer="$3" key="T$steps/$1/H$2/$3" rate=100mbit flags=() olr omom t0
+  local codec="$1" h="$2" outer="$3" key="T$steps/$1/H$2/$3/k$rounds_ahead" rate=100mbit flags=() olr omom t0
   n=$((n + 1))
   if [ $((steps % h)) -ne 0 ]; then echo "study: [$n/$total] skip $key: H does not divide T"; return; fi
   if done_already "$key"; then echo "study: [$n/$total] skip $key"; return; fi
@@ -175,8 +186,8 @@ run_point() {
   fi
   if [ ! -f "$out/current/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
   cp "$out/current/summary.json" "$out/runs/$name.json"
-  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "wan_rate": "%s", "flags": "%s"}' \
-    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rate" "${flags[*]}")" "$out/current/summary.json"
+  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s"}' \
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}")" "$out/current/summary.json"
 }
 
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with
