@@ -366,48 +366,36 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- Tensor-core path (bf16, hs in {32, 64, 128}) -----------------------------------------
-// Tiles of 64 queries and 64 keys; each of the 4 warps owns 16 rows of the block's tile
-// (queries in the forward and dQ kernels, keys in the dK/dV kernel) and computes its 16x64
-// score tile with 16x16x16 WMMA products. WMMA's register layout is opaque, so per-row work
-// goes through a per-warp fp32 scratch tile: store the scores, let each lane pair own one
-// row (lane/2) and every other column of it, write P (or dS) back as bf16 and load it as a
-// matrix_a operand. Per-row factors that must scale an accumulator (the online-softmax
-// rescale, 1/l) are written as a 16x16 tile whose row r holds row r's factor and loaded as
-// an accumulator fragment: two accumulator fragments share one element layout, so an
-// element-wise product applies the right factor to every element.
-// Output accumulators (O, dQ, dK, dV) stay in registers for the whole kernel.
-namespace wmma = nvcuda::wmma;
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major>;
-using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major>;
-using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major>;
-using FragAcc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-constexpr int kTTile = 64;             // queries or keys per tile
-constexpr int kTBlocks = kTTile / 16;  // 16-row blocks per tile, one per warp
-constexpr int kPLd = kTTile + 8;       // bf16 elements per P/dS row: 16-byte multiple, and
-                                       // rows 4 banks apart for the fragment loads
-constexpr int kAlignSlack = 16;        // dynamic smem is 16-byte aligned; WMMA needs 32
+// FlashAttention-2 on mma.sync: tiles of 64 queries and 64 keys; each of the 4 warps owns
+// 16 rows of the block's tile (queries in the forward and dQ kernels, keys in the dK/dV
+// kernel) and computes its 16x64 score tile as eight 16x8 products (MmaBf16, fp32
+// accumulate). The accumulator layout is fixed by the PTX ISA (ops/cuda_compat.h): lane
+// l = 4g + t holds rows g and g + 8, columns 2t and 2t + 1 of each 8-column block. So
+// softmax runs in registers (a row's max and sum are reduced over the 4 lanes of its
+// quad), and the score accumulators of two adjacent 8-column blocks, rounded to bf16, are
+// the matrix_a fragment of the next product (P V, P^T dO, dS K, dS^T Q) as they are.
+// Operands that enter a product transposed (V, dO, Q, K as the right-hand side over the
+// key or query axis) are read from shared memory with ldmatrix.trans. Tiles live in
+// shared memory with rows padded by 8 elements (16 bytes), which makes the 32-bit fragment
+// loads and the ldmatrix rows free of bank conflicts. Output accumulators (O, dQ, dK, dV)
+// stay in registers for the whole kernel.
+constexpr int kTTile = 64;            // queries or keys per tile
+constexpr int kTBlocks = kTTile / 8;  // 8-column score blocks per tile
+constexpr float kLog2e = 1.4426950408889634f;
 
 inline bool TensorCoreHeadSize(int hs) { return hs == 32 || hs == 64 || hs == 128; }
 
 template <int HS>
 struct TcShape {
-  static constexpr int kCb = HS / 16;  // 16-channel blocks
+  static constexpr int kKc = HS / 16;  // 16-channel chunks (the k of Q K^T)
+  static constexpr int kNd = HS / 8;   // 8-channel blocks of an output row
   static constexpr int kLd = HS + 8;   // bf16 elements per row of a Q/K/V/dO tile
   static constexpr int kTileBytes = kTTile * kLd * 2;
-  static constexpr int kFLd = (HS > kTTile ? HS : kTTile) + 4;  // floats per scratch row
-  static constexpr int kFBytes = 16 * kFLd * 4;                 // a warp's [16][kFLd] fp32 scratch
-  static constexpr int kPBytes = 16 * kPLd * 2;                 // a warp's [16][kPLd] bf16 P or dS
-  static constexpr int kForwardSmem = 2 * kTileBytes + kWarps * (kFBytes + kPBytes + 1024);
-  static constexpr int kBackwardKVSmem =
-      4 * kTileBytes + 2 * kTTile * 4 + kWarps * (2 * kFBytes + 2 * kPBytes);
-  static constexpr int kBackwardQSmem = 4 * kTileBytes + kWarps * (2 * kFBytes + kPBytes);
-  static_assert(HS % 16 == 0 && kTileBytes % 32 == 0 && kFBytes % 32 == 0 && kPBytes % 32 == 0);
+  static constexpr int kForwardSmem = 2 * kTileBytes;
+  static constexpr int kBackwardKVSmem = 4 * kTileBytes + 2 * kTTile * 4;
+  static constexpr int kBackwardQSmem = 4 * kTileBytes;
+  static_assert(HS % 16 == 0 && kTileBytes % 16 == 0);
 };
-
-__device__ __forceinline__ unsigned char* AlignSmem32(unsigned char* p) {
-  return p + (32 - reinterpret_cast<uintptr_t>(p) % 32) % 32;
-}
 
 // Copies rows [0, 64) of a [rows][HS] bf16 tile (global rows `ld` elements apart) into a
 // [64][HS+8] shared tile, 16 bytes per thread and step; rows >= valid become zeros.
@@ -422,15 +410,95 @@ __device__ __forceinline__ void LoadTile(bf16* dst, const bf16* src, int64_t ld,
   }
 }
 
-// Writes a warp's 16 rows of fp32 scratch (row r holds row0 + r) to bf16 global rows `ld`
-// apart, skipping rows >= Tn.
+__device__ __forceinline__ uint32_t Ld32(const bf16* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// The matrix_a fragment of rows [0, 16) and channels [16c, 16c + 16) of a shared tile whose
+// rows are `ld` elements apart (this lane: rows g and g + 8, channels 2t, 2t + 1 and 8 on).
+__device__ __forceinline__ void LoadA(uint32_t (&a)[4], const bf16* tile, int ld, int c) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const bf16* p = tile + g * ld + 16 * c + 2 * t;
+  a[0] = Ld32(p);
+  a[1] = Ld32(p + 8 * ld);
+  a[2] = Ld32(p + 8);
+  a[3] = Ld32(p + 8 * ld + 8);
+}
+
+// s[j] += a-rows x (rows [8j, 8j + 8) of `tile`)^T over HS channels, for the 8-row blocks j
+// in [lo, hi): the 16x64 score-shaped product of a warp's rows (fragments from `arows`,
+// rows `ld` apart) with a 64-row tile.
 template <int HS>
-__device__ __forceinline__ void StoreRows(bf16* dst, int64_t ld, const float* sw, int row0,
-                                          int Tn) {
+__device__ __forceinline__ void ScoreProduct(float (&s)[kTBlocks][4], const bf16* arows,
+                                             const bf16* tile, int lo, int hi) {
+  using S = TcShape<HS>;
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < kTBlocks; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
+  }
+#pragma unroll
+  for (int c = 0; c < S::kKc; ++c) {
+    uint32_t a[4];
+    LoadA(a, arows, S::kLd, c);
+#pragma unroll
+    for (int j = 0; j < kTBlocks; ++j) {
+      if (j >= lo && j < hi) {
+        const bf16* p = tile + (8 * j + g) * S::kLd + 16 * c + 2 * t;
+        const uint32_t b[2] = {Ld32(p), Ld32(p + 8)};
+        MmaBf16(s[j], a, b);
+      }
+    }
+  }
+}
+
+// acc[n] += P x tile over the 64 rows of `tile` (keys or queries), for the 16-row chunks
+// kc in [lo, 4): P is a warp's 16x64 score-shaped accumulator (p), rounded to bf16; tile
+// rows are the k axis, its HS channels the n axis (read transposed by ldmatrix).
+template <int HS>
+__device__ __forceinline__ void ProductWithTile(float (&acc)[TcShape<HS>::kNd][4],
+                                                const float (&p)[kTBlocks][4], const bf16* tile,
+                                                int lo, int hi) {
+  using S = TcShape<HS>;
   const int lane = threadIdx.x % 32;
-  for (int i = lane; i < 16 * HS; i += 32) {
-    const int r = i / HS, c = i % HS;
-    if (row0 + r < Tn) dst[(row0 + r) * ld + c] = __float2bfloat16(sw[r * TcShape<HS>::kFLd + c]);
+  const int mat = lane / 8, mrow = lane % 8;  // the ldmatrix row this lane addresses
+#pragma unroll
+  for (int kc = 0; kc < kTTile / 16; ++kc) {
+    if (kc >= lo && kc < hi) {
+      const uint32_t a[4] = {PackBf16x2(p[2 * kc][0], p[2 * kc][1]),
+                             PackBf16x2(p[2 * kc][2], p[2 * kc][3]),
+                             PackBf16x2(p[2 * kc + 1][0], p[2 * kc + 1][1]),
+                             PackBf16x2(p[2 * kc + 1][2], p[2 * kc + 1][3])};
+      const bf16* rows = tile + (16 * kc + (mat % 2) * 8 + mrow) * S::kLd + (mat / 2) * 8;
+#pragma unroll
+      for (int n = 0; n < S::kNd; n += 2) {
+        uint32_t b[4];
+        LdMatrixX4Trans(b, rows + 8 * n);
+        const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+        MmaBf16(acc[n], a, b0);
+        MmaBf16(acc[n + 1], a, b1);
+      }
+    }
+  }
+}
+
+// Writes a warp's 16 x HS accumulator (rows row0 + g and row0 + g + 8), times `mul`, to bf16
+// global rows `ld` apart, skipping rows >= Tn.
+template <int HS>
+__device__ __forceinline__ void StoreAcc(bf16* dst, int64_t ld, const float (&acc)[HS / 8][4],
+                                         int row0, int Tn, float mul0, float mul1) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + g + 8 * half;
+    if (row >= Tn) continue;
+    const float mul = half == 0 ? mul0 : mul1;
+#pragma unroll
+    for (int n = 0; n < HS / 8; ++n) {
+      *reinterpret_cast<uint32_t*>(dst + row * ld + 8 * n + 2 * t) =
+          PackBf16x2(acc[n][2 * half] * mul, acc[n][2 * half + 1] * mul);
+    }
   }
 }
 
@@ -438,17 +506,9 @@ template <int HS>
 __global__ void __launch_bounds__(kThreads)
     ForwardTcKernel(const bf16* qkv, bf16* out, float* lse, int Tn, int C, int H, float scale) {
   using S = TcShape<HS>;
-  constexpr int kLd = S::kLd, kFLd = S::kFLd, kCb = S::kCb;
-  ISTHMUS_DYNAMIC_SMEM(unsigned char, raw);
-  unsigned char* smem = AlignSmem32(raw);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  bf16* ks = reinterpret_cast<bf16*>(smem);  // [64][kLd]; holds Q before the loop
-  bf16* vs = ks + kTTile * kLd;              // [64][kLd]
-  unsigned char* mine = smem + 2 * S::kTileBytes + warp * (S::kFBytes + S::kPBytes + 1024);
-  float* sw = reinterpret_cast<float*>(mine);                            // [16][kFLd]
-  bf16* pw = reinterpret_cast<bf16*>(mine + S::kFBytes);                 // [16][kPLd]
-  float* aw = reinterpret_cast<float*>(mine + S::kFBytes + S::kPBytes);  // [16][16]
-
+  ISTHMUS_DYNAMIC_SMEM(bf16, ks);  // [64][kLd]; holds Q before the loop
+  bf16* vs = ks + kTTile * S::kLd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
   const int nq = (Tn + kTTile - 1) / kTTile;
   const int qt = nq - 1 - static_cast<int>(blockIdx.y), q0 = qt * kTTile;
@@ -457,169 +517,115 @@ __global__ void __launch_bounds__(kThreads)
 
   LoadTile<HS>(ks, base + q0 * ld, ld, Tn - q0);
   __syncthreads();
-  FragA qf[kCb];
+  uint32_t qa[S::kKc][4];
 #pragma unroll
-  for (int cb = 0; cb < kCb; ++cb)
-    wmma::load_matrix_sync(qf[cb], ks + warp * 16 * kLd + cb * 16, kLd);
-  FragAcc of[kCb];
+  for (int c = 0; c < S::kKc; ++c) LoadA(qa[c], ks + warp * 16 * S::kLd, S::kLd, c);
+  float o[S::kNd][4];
 #pragma unroll
-  for (int cb = 0; cb < kCb; ++cb) wmma::fill_fragment(of[cb], 0.0f);
-
-  const int r = lane / 2, half = lane % 2;  // this lane's softmax row and column parity
-  const int t = q0 + warp * 16 + r;
-  float m = -INFINITY, l = 0.0f;
+  for (int n = 0; n < S::kNd; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
+  }
+  // Per row (g, g + 8): running max of the scaled scores in log2 units, and this lane's
+  // part of the running sum (the quad's four parts add up at the end).
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const float sl2 = scale * kLog2e;
+  const int row_lo = q0 + warp * 16 + g;  // this lane's first row; the second is + 8
   for (int kt = 0; kt <= qt; ++kt) {
     const int k0 = kt * kTTile;
-    // On the diagonal, key blocks after this warp's block are entirely in the future.
-    const int nkb = kt == qt ? warp + 1 : kTBlocks;
+    // On the diagonal, key blocks after this warp's rows are entirely in the future.
+    const bool diag = kt == qt;
+    const int nj = diag ? 2 * warp + 2 : kTBlocks;
     __syncthreads();
     LoadTile<HS>(ks, base + k0 * ld + C, ld, Tn - k0);
     LoadTile<HS>(vs, base + k0 * ld + 2 * C, ld, Tn - k0);
     __syncthreads();
-    {
-      FragAcc sf[kTBlocks];
+    float s[kTBlocks][4];
+    // Scores of the warp's Q rows (in registers) against the key tile.
 #pragma unroll
-      for (int kb = 0; kb < kTBlocks; ++kb) wmma::fill_fragment(sf[kb], 0.0f);
+    for (int j = 0; j < kTBlocks; ++j) {
 #pragma unroll
-      for (int cb = 0; cb < kCb; ++cb) {
-#pragma unroll
-        for (int kb = 0; kb < kTBlocks; ++kb) {
-          if (kb < nkb) {
-            FragBCol kf;  // K^T: K row-major is K^T column-major
-            wmma::load_matrix_sync(kf, ks + kb * 16 * kLd + cb * 16, kLd);
-            wmma::mma_sync(sf[kb], qf[cb], kf, sf[kb]);
-          }
-        }
-      }
-#pragma unroll
-      for (int kb = 0; kb < kTBlocks; ++kb) {
-        if (kb < nkb) wmma::store_matrix_sync(sw + kb * 16, sf[kb], kFLd, wmma::mem_row_major);
-      }
-    }
-    __syncwarp();
-    const int ncol = nkb * 16;
-    float mx = -INFINITY;
-    for (int k = 0; k < kTTile / 2; ++k) {
-      const int col = 2 * k + half;
-      if (col < ncol && k0 + col <= t) mx = fmaxf(mx, sw[r * kFLd + col]);
-    }
-    mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
-    const float m_new = fmaxf(m, mx * scale);  // finite: key 0 / the diagonal is in every row
-    const float alpha = __expf(m - m_new);
-    float sum = 0.0f;
-    for (int k = 0; k < kTTile / 2; ++k) {
-      const int col = 2 * k + half;
-      if (col < ncol) {
-        const float p = k0 + col <= t ? __expf(sw[r * kFLd + col] * scale - m_new) : 0.0f;
-        pw[r * kPLd + col] = __float2bfloat16(p);
-        sum += p;
-      }
-    }
-    sum += __shfl_xor_sync(kFullMask, sum, 1);
-    l = l * alpha + sum;
-    m = m_new;
-    for (int k = 0; k < 8; ++k) aw[r * 16 + half * 8 + k] = alpha;
-    __syncwarp();
-    FragAcc af;
-    wmma::load_matrix_sync(af, aw, 16, wmma::mem_row_major);
-#pragma unroll
-    for (int cb = 0; cb < kCb; ++cb) {
-      for (int i = 0; i < af.num_elements; ++i) of[cb].x[i] *= af.x[i];
+      for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
     }
 #pragma unroll
-    for (int kb = 0; kb < kTBlocks; ++kb) {
-      if (kb < nkb) {
-        FragA pf;
-        wmma::load_matrix_sync(pf, pw + kb * 16, kPLd);
+    for (int c = 0; c < S::kKc; ++c) {
 #pragma unroll
-        for (int cb = 0; cb < kCb; ++cb) {
-          FragBRow vf;
-          wmma::load_matrix_sync(vf, vs + kb * 16 * kLd + cb * 16, kLd);
-          wmma::mma_sync(of[cb], pf, vf, of[cb]);
+      for (int j = 0; j < kTBlocks; ++j) {
+        if (j < nj) {
+          const bf16* p = ks + (8 * j + g) * S::kLd + 16 * c + 2 * t;
+          const uint32_t bb[2] = {Ld32(p), Ld32(p + 8)};
+          MmaBf16(s[j], qa[c], bb);
         }
       }
     }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kTBlocks; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + 8 * j + 2 * t + e % 2, row = row_lo + 8 * (e / 2);
+        s[j][e] = diag && key > row ? -INFINITY : s[j][e] * sl2;
+        mx[e / 2] = fmaxf(mx[e / 2], s[j][e]);
+      }
+    }
+    float alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(kFullMask, mx[r], 2));
+      const float m_new = fmaxf(m[r], mx[r]);  // finite: key 0 / the diagonal is in every row
+      alpha[r] = exp2f(m[r] - m_new);
+      m[r] = m_new;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int j = 0; j < kTBlocks; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[j][e] = exp2f(s[j][e] - m[e / 2]);
+        l[e / 2] += s[j][e];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < S::kNd; ++n) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[n][e] *= alpha[e / 2];
+    }
+    ProductWithTile<HS>(o, s, vs, 0, diag ? warp + 1 : kTTile / 16);
   }
-  __syncwarp();  // every lane has loaded the last factors from aw
-  const float inv = 1.0f / l;
-  for (int k = 0; k < 8; ++k) aw[r * 16 + half * 8 + k] = inv;
-  __syncwarp();
-  FragAcc af;
-  wmma::load_matrix_sync(af, aw, 16, wmma::mem_row_major);
+  float inv[2];
 #pragma unroll
-  for (int cb = 0; cb < kCb; ++cb) {
-    for (int i = 0; i < af.num_elements; ++i) of[cb].x[i] *= af.x[i];
-    wmma::store_matrix_sync(sw + cb * 16, of[cb], kFLd, wmma::mem_row_major);
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(kFullMask, l[r], 1);
+    l[r] += __shfl_xor_sync(kFullMask, l[r], 2);
+    inv[r] = 1.0f / l[r];
   }
-  __syncwarp();
-  StoreRows<HS>(out + static_cast<int64_t>(b) * Tn * C + static_cast<int64_t>(h) * HS, C, sw,
-                q0 + warp * 16, Tn);
-  if (half == 0 && t < Tn) lse[static_cast<int64_t>(bh) * Tn + t] = m + logf(l);
-}
-
-// The two score-shaped products of a backward warp: out0 = a0 b0^T and out1 = a1 b1^T,
-// where a0/a1 are the warp's 16 rows (HS channels, rows kLd apart) and b0/b1 64-row tiles,
-// for the 16-column blocks [lo, hi) only; written as fp32 rows kFLd apart.
-template <int HS>
-__device__ __forceinline__ void TwoProducts(const bf16* a0, const bf16* b0, float* out0,
-                                            const bf16* a1, const bf16* b1, float* out1, int lo,
-                                            int hi) {
-  using S = TcShape<HS>;
-  FragAcc sf[kTBlocks];
+  StoreAcc<HS>(out + static_cast<int64_t>(b) * Tn * C + static_cast<int64_t>(h) * HS, C, o,
+               q0 + warp * 16, Tn, inv[0], inv[1]);
+  if (t == 0) {
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const bf16* a = pass == 0 ? a0 : a1;
-    const bf16* bt = pass == 0 ? b0 : b1;
-#pragma unroll
-    for (int nb = 0; nb < kTBlocks; ++nb) wmma::fill_fragment(sf[nb], 0.0f);
-#pragma unroll
-    for (int cb = 0; cb < S::kCb; ++cb) {
-      FragA af;
-      wmma::load_matrix_sync(af, a + cb * 16, S::kLd);
-#pragma unroll
-      for (int nb = 0; nb < kTBlocks; ++nb) {
-        if (nb >= lo && nb < hi) {
-          FragBCol bf;
-          wmma::load_matrix_sync(bf, bt + nb * 16 * S::kLd + cb * 16, S::kLd);
-          wmma::mma_sync(sf[nb], af, bf, sf[nb]);
-        }
-      }
-    }
-    float* dst = pass == 0 ? out0 : out1;
-#pragma unroll
-    for (int nb = 0; nb < kTBlocks; ++nb) {
-      if (nb >= lo && nb < hi) {
-        wmma::store_matrix_sync(dst + nb * 16, sf[nb], S::kFLd, wmma::mem_row_major);
-      }
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_lo + 8 * r;
+      if (row < Tn) lse[static_cast<int64_t>(bh) * Tn + row] = m[r] / kLog2e + logf(l[r]);
     }
   }
 }
 
 // dK and dV of one 64-key tile (warp w: keys 16w..16w+15), over the query tiles at or
-// after it. Scores are computed transposed (keys x queries) so that P^T and dS^T are the
-// matrix_a operands of dV += P^T dO and dK += dS^T Q.
+// after it. Scores are computed transposed (keys x queries), so that P^T and dS^T are the
+// matrix_a operands of dV += P^T dO and dK += dS^T Q straight from the accumulators.
 template <int HS>
 __global__ void __launch_bounds__(kThreads)
     BackwardKVTcKernel(const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,
                        bf16* dqkv, int Tn, int C, int H, float scale) {
   using S = TcShape<HS>;
-  constexpr int kLd = S::kLd, kFLd = S::kFLd, kCb = S::kCb;
-  ISTHMUS_DYNAMIC_SMEM(unsigned char, raw);
-  unsigned char* smem = AlignSmem32(raw);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  bf16* ks = reinterpret_cast<bf16*>(smem);  // [64][kLd] this block's keys
-  bf16* vs = ks + kTTile * kLd;
-  bf16* qs = vs + kTTile * kLd;  // [64][kLd] the current query tile
-  bf16* dos = qs + kTTile * kLd;
-  float* ls = reinterpret_cast<float*>(dos + kTTile * kLd);  // [64] lse, +inf past Tn
-  float* dd = ls + kTTile;                                   // [64] D
-  unsigned char* mine =
-      reinterpret_cast<unsigned char*>(dd + kTTile) + warp * (2 * S::kFBytes + 2 * S::kPBytes);
-  float* sw = reinterpret_cast<float*>(mine);                               // S^T
-  float* dpw = reinterpret_cast<float*>(mine + S::kFBytes);                 // dP^T
-  bf16* pw = reinterpret_cast<bf16*>(mine + 2 * S::kFBytes);                // P^T
-  bf16* dsw = reinterpret_cast<bf16*>(mine + 2 * S::kFBytes + S::kPBytes);  // dS^T
-
+  ISTHMUS_DYNAMIC_SMEM(bf16, ks);  // [64][kLd] this block's keys
+  bf16* vs = ks + kTTile * S::kLd;
+  bf16* qs = vs + kTTile * S::kLd;  // [64][kLd] the current query tile
+  bf16* dos = qs + kTTile * S::kLd;
+  float* ls = reinterpret_cast<float*>(dos + kTTile * S::kLd);  // [64] lse in log2 units
+  float* dd = ls + kTTile;                                      // [64] D
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
   const int nq = (Tn + kTTile - 1) / kTTile;
   const int kt = blockIdx.y, k0 = kt * kTTile;  // the longest loops start first
@@ -630,74 +636,51 @@ __global__ void __launch_bounds__(kThreads)
 
   LoadTile<HS>(ks, base + k0 * ld + C, ld, Tn - k0);
   LoadTile<HS>(vs, base + k0 * ld + 2 * C, ld, Tn - k0);
-  FragAcc dkf[kCb], dvf[kCb];
+  float dk[S::kNd][4], dv[S::kNd][4];
 #pragma unroll
-  for (int cb = 0; cb < kCb; ++cb) {
-    wmma::fill_fragment(dkf[cb], 0.0f);
-    wmma::fill_fragment(dvf[cb], 0.0f);
+  for (int n = 0; n < S::kNd; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
   }
-  const int r = lane / 2, half = lane % 2;
-  const int key = k0 + warp * 16 + r;
-  const bf16* kw = ks + warp * 16 * kLd;
-  const bf16* vw = vs + warp * 16 * kLd;
+  const float sl2 = scale * kLog2e;
+  const int key_lo = k0 + warp * 16 + g;  // this lane's first key row; the second is + 8
+  const bf16* kw = ks + warp * 16 * S::kLd;
+  const bf16* vw = vs + warp * 16 * S::kLd;
   for (int qt = kt; qt < nq; ++qt) {
     const int q0 = qt * kTTile;
-    // On the diagonal, query blocks before this warp's block are entirely in the past.
-    const int nb0 = qt == kt ? warp : 0;
+    // On the diagonal, query blocks before this warp's keys are entirely in the past.
+    const bool diag = qt == kt;
     __syncthreads();
     LoadTile<HS>(qs, base + q0 * ld, ld, Tn - q0);
     LoadTile<HS>(dos, dbase + q0 * static_cast<int64_t>(C), C, Tn - q0);
     if (threadIdx.x < kTTile) {
-      const int t = q0 + threadIdx.x;
-      ls[threadIdx.x] = t < Tn ? lse[static_cast<int64_t>(bh) * Tn + t] : INFINITY;
-      dd[threadIdx.x] = t < Tn ? dsum[static_cast<int64_t>(bh) * Tn + t] : 0.0f;
+      const int q = q0 + threadIdx.x;
+      ls[threadIdx.x] = q < Tn ? lse[static_cast<int64_t>(bh) * Tn + q] * kLog2e : INFINITY;
+      dd[threadIdx.x] = q < Tn ? dsum[static_cast<int64_t>(bh) * Tn + q] : 0.0f;
     }
     __syncthreads();
-    // S^T = K_w Q^T, then dP^T = V_w dO^T.
-    TwoProducts<HS>(kw, qs, sw, vw, dos, dpw, nb0, kTBlocks);
-    __syncwarp();
-    for (int k = 0; k < kTTile / 2; ++k) {
-      const int col = 2 * k + half;  // query q0 + col
-      if (col >= nb0 * 16) {
-        const float p = q0 + col >= key ? __expf(sw[r * kFLd + col] * scale - ls[col]) : 0.0f;
-        pw[r * kPLd + col] = __float2bfloat16(p);
-        dsw[r * kPLd + col] = __float2bfloat16(p * (dpw[r * kFLd + col] - dd[col]));
+    float s[kTBlocks][4], dp[kTBlocks][4];
+    const int j0 = diag ? 2 * warp : 0;
+    ScoreProduct<HS>(s, kw, qs, j0, kTBlocks);    // S^T = K_w Q^T
+    ScoreProduct<HS>(dp, vw, dos, j0, kTBlocks);  // dP^T = V_w dO^T
+#pragma unroll
+    for (int j = 0; j < kTBlocks; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int col = 8 * j + 2 * t + e % 2;  // query q0 + col
+        const float p =
+            q0 + col >= key_lo + 8 * (e / 2) ? exp2f(s[j][e] * sl2 - ls[col]) : 0.0f;
+        s[j][e] = p;
+        dp[j][e] = p * (dp[j][e] - dd[col]);
       }
     }
-    __syncwarp();
-#pragma unroll
-    for (int nb = 0; nb < kTBlocks; ++nb) {
-      if (nb >= nb0) {
-        FragA pf, dsf;
-        wmma::load_matrix_sync(pf, pw + nb * 16, kPLd);
-        wmma::load_matrix_sync(dsf, dsw + nb * 16, kPLd);
-#pragma unroll
-        for (int cb = 0; cb < kCb; ++cb) {
-          FragBRow bf;
-          wmma::load_matrix_sync(bf, dos + nb * 16 * kLd + cb * 16, kLd);
-          wmma::mma_sync(dvf[cb], pf, bf, dvf[cb]);
-          wmma::load_matrix_sync(bf, qs + nb * 16 * kLd + cb * 16, kLd);
-          wmma::mma_sync(dkf[cb], dsf, bf, dkf[cb]);
-        }
-      }
-    }
+    const int kc0 = diag ? warp : 0;
+    ProductWithTile<HS>(dv, s, dos, kc0, kTTile / 16);  // dV += P^T dO
+    ProductWithTile<HS>(dk, dp, qs, kc0, kTTile / 16);  // dK += dS^T Q
   }
   bf16* dst = dqkv + static_cast<int64_t>(b) * Tn * ld + head;
-  __syncwarp();  // sw is reused for staging
-#pragma unroll
-  for (int cb = 0; cb < kCb; ++cb) {
-    for (int i = 0; i < dkf[cb].num_elements; ++i) dkf[cb].x[i] *= scale;
-    wmma::store_matrix_sync(sw + cb * 16, dkf[cb], kFLd, wmma::mem_row_major);
-  }
-  __syncwarp();
-  StoreRows<HS>(dst + C, ld, sw, k0 + warp * 16, Tn);
-  __syncwarp();
-#pragma unroll
-  for (int cb = 0; cb < kCb; ++cb) {
-    wmma::store_matrix_sync(sw + cb * 16, dvf[cb], kFLd, wmma::mem_row_major);
-  }
-  __syncwarp();
-  StoreRows<HS>(dst + 2 * C, ld, sw, k0 + warp * 16, Tn);
+  StoreAcc<HS>(dst + C, ld, dk, k0 + warp * 16, Tn, scale, scale);
+  StoreAcc<HS>(dst + 2 * C, ld, dv, k0 + warp * 16, Tn, 1.0f, 1.0f);
 }
 
 // dQ of one 64-query tile (warp w: queries 16w..16w+15), over the key tiles at or before it.
@@ -706,19 +689,11 @@ __global__ void __launch_bounds__(kThreads)
     BackwardQTcKernel(const bf16* dout, const bf16* qkv, const float* lse, const float* dsum,
                       bf16* dqkv, int Tn, int C, int H, float scale) {
   using S = TcShape<HS>;
-  constexpr int kLd = S::kLd, kFLd = S::kFLd, kCb = S::kCb;
-  ISTHMUS_DYNAMIC_SMEM(unsigned char, raw);
-  unsigned char* smem = AlignSmem32(raw);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  bf16* qs = reinterpret_cast<bf16*>(smem);  // [64][kLd] this block's queries
-  bf16* dos = qs + kTTile * kLd;
-  bf16* ks = dos + kTTile * kLd;  // [64][kLd] the current key tile
-  bf16* vs = ks + kTTile * kLd;
-  unsigned char* mine = smem + 4 * S::kTileBytes + warp * (2 * S::kFBytes + S::kPBytes);
-  float* sw = reinterpret_cast<float*>(mine);                  // S
-  float* dpw = reinterpret_cast<float*>(mine + S::kFBytes);    // dP
-  bf16* dsw = reinterpret_cast<bf16*>(mine + 2 * S::kFBytes);  // dS
-
+  ISTHMUS_DYNAMIC_SMEM(bf16, qs);  // [64][kLd] this block's queries
+  bf16* dos = qs + kTTile * S::kLd;
+  bf16* ks = dos + kTTile * S::kLd;  // [64][kLd] the current key tile
+  bf16* vs = ks + kTTile * S::kLd;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
   const int nq = (Tn + kTTile - 1) / kTTile;
   const int qt = nq - 1 - static_cast<int>(blockIdx.y), q0 = qt * kTTile;
@@ -729,55 +704,47 @@ __global__ void __launch_bounds__(kThreads)
 
   LoadTile<HS>(qs, base + q0 * ld, ld, Tn - q0);
   LoadTile<HS>(dos, dbase + q0 * static_cast<int64_t>(C), C, Tn - q0);
-  const int r = lane / 2, half = lane % 2;
-  const int t = q0 + warp * 16 + r;
-  const float lr = t < Tn ? lse[static_cast<int64_t>(bh) * Tn + t] : 0.0f;
-  const float dr = t < Tn ? dsum[static_cast<int64_t>(bh) * Tn + t] : 0.0f;
-  FragAcc dqf[kCb];
+  const float sl2 = scale * kLog2e;
+  const int row_lo = q0 + warp * 16 + g;  // this lane's first query row; the second is + 8
+  float lr[2], dr[2];
 #pragma unroll
-  for (int cb = 0; cb < kCb; ++cb) wmma::fill_fragment(dqf[cb], 0.0f);
-  const bf16* qw = qs + warp * 16 * kLd;
-  const bf16* dw = dos + warp * 16 * kLd;
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_lo + 8 * r;
+    lr[r] = row < Tn ? lse[static_cast<int64_t>(bh) * Tn + row] * kLog2e : 0.0f;
+    dr[r] = row < Tn ? dsum[static_cast<int64_t>(bh) * Tn + row] : 0.0f;
+  }
+  float dq[S::kNd][4];
+#pragma unroll
+  for (int n = 0; n < S::kNd; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
+  }
+  const bf16* qw = qs + warp * 16 * S::kLd;
+  const bf16* dw = dos + warp * 16 * S::kLd;
   for (int kt = 0; kt <= qt; ++kt) {
     const int k0 = kt * kTTile;
-    const int nkb = kt == qt ? warp + 1 : kTBlocks;
+    const bool diag = kt == qt;
+    const int nj = diag ? 2 * warp + 2 : kTBlocks;
     __syncthreads();
     LoadTile<HS>(ks, base + k0 * ld + C, ld, Tn - k0);
     LoadTile<HS>(vs, base + k0 * ld + 2 * C, ld, Tn - k0);
     __syncthreads();
-    // S = Q_w K^T, then dP = dO_w V^T.
-    TwoProducts<HS>(qw, ks, sw, dw, vs, dpw, 0, nkb);
-    __syncwarp();
-    for (int k = 0; k < kTTile / 2; ++k) {
-      const int col = 2 * k + half;  // key k0 + col
-      if (col < nkb * 16) {
-        const float p = k0 + col <= t ? __expf(sw[r * kFLd + col] * scale - lr) : 0.0f;
-        dsw[r * kPLd + col] = __float2bfloat16(p * (dpw[r * kFLd + col] - dr));
+    float s[kTBlocks][4], dp[kTBlocks][4];
+    ScoreProduct<HS>(s, qw, ks, 0, nj);   // S = Q_w K^T
+    ScoreProduct<HS>(dp, dw, vs, 0, nj);  // dP = dO_w V^T
+#pragma unroll
+    for (int j = 0; j < kTBlocks; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = k0 + 8 * j + 2 * t + e % 2;
+        const float p = key <= row_lo + 8 * (e / 2) ? exp2f(s[j][e] * sl2 - lr[e / 2]) : 0.0f;
+        dp[j][e] = p * (dp[j][e] - dr[e / 2]);
       }
     }
-    __syncwarp();
-#pragma unroll
-    for (int kb = 0; kb < kTBlocks; ++kb) {
-      if (kb < nkb) {
-        FragA dsf;
-        wmma::load_matrix_sync(dsf, dsw + kb * 16, kPLd);
-#pragma unroll
-        for (int cb = 0; cb < kCb; ++cb) {
-          FragBRow kf;
-          wmma::load_matrix_sync(kf, ks + kb * 16 * kLd + cb * 16, kLd);
-          wmma::mma_sync(dqf[cb], dsf, kf, dqf[cb]);
-        }
-      }
-    }
+    ProductWithTile<HS>(dq, dp, ks, 0, diag ? warp + 1 : kTTile / 16);  // dQ += dS K
   }
-  __syncwarp();
-#pragma unroll
-  for (int cb = 0; cb < kCb; ++cb) {
-    for (int i = 0; i < dqf[cb].num_elements; ++i) dqf[cb].x[i] *= scale;
-    wmma::store_matrix_sync(sw + cb * 16, dqf[cb], kFLd, wmma::mem_row_major);
-  }
-  __syncwarp();
-  StoreRows<HS>(dqkv + static_cast<int64_t>(b) * Tn * ld + head, ld, sw, q0 + warp * 16, Tn);
+  StoreAcc<HS>(dqkv + static_cast<int64_t>(b) * Tn * ld + head, ld, dq, q0 + warp * 16, Tn, scale,
+               scale);
 }
 
 // ---- Dispatch -------------------------------------------------------------------------------
@@ -789,7 +756,7 @@ inline size_t MaxSmemBytes(int hs) {
   m = m > BackwardKVGenericSmem(hs) ? m : BackwardKVGenericSmem(hs);
   m = m > BackwardQGenericSmem(hs) ? m : BackwardQGenericSmem(hs);
   auto tc = [&m](size_t forward, size_t kv, size_t q) {
-    for (size_t x : {forward, kv, q}) m = m > x + kAlignSlack ? m : x + kAlignSlack;
+    for (size_t x : {forward, kv, q}) m = m > x ? m : x;
   };
   if (hs == 32)
     tc(TcShape<32>::kForwardSmem, TcShape<32>::kBackwardKVSmem, TcShape<32>::kBackwardQSmem);
@@ -826,7 +793,7 @@ inline float Scale(int C, int H) { return 1.0f / sqrtf(static_cast<float>(C / H)
 template <int HS>
 void ForwardTc(const bf16* qkv, bf16* out, float* lse, int B, int Tn, int C, int H,
                cudaStream_t stream) {
-  const size_t smem = TcShape<HS>::kForwardSmem + kAlignSlack;
+  const size_t smem = TcShape<HS>::kForwardSmem;
   AllowSmem(ForwardTcKernel<HS>, smem);
   ISTHMUS_LAUNCH(ForwardTcKernel<HS>, dim3(B * H, CeilDiv(Tn, kTTile)), dim3(kThreads), smem,
                  stream, qkv, out, lse, Tn, C, H, Scale(C, H));
@@ -836,11 +803,11 @@ template <int HS>
 void BackwardTc(const bf16* dout, const bf16* qkv, const float* lse, const float* dsum, bf16* dqkv,
                 int B, int Tn, int C, int H, cudaStream_t stream) {
   const dim3 grid(B * H, CeilDiv(Tn, kTTile));
-  const size_t kv_smem = TcShape<HS>::kBackwardKVSmem + kAlignSlack;
+  const size_t kv_smem = TcShape<HS>::kBackwardKVSmem;
   AllowSmem(BackwardKVTcKernel<HS>, kv_smem);
   ISTHMUS_LAUNCH(BackwardKVTcKernel<HS>, grid, dim3(kThreads), kv_smem, stream, dout, qkv, lse,
                  dsum, dqkv, Tn, C, H, Scale(C, H));
-  const size_t q_smem = TcShape<HS>::kBackwardQSmem + kAlignSlack;
+  const size_t q_smem = TcShape<HS>::kBackwardQSmem;
   AllowSmem(BackwardQTcKernel<HS>, q_smem);
   ISTHMUS_LAUNCH(BackwardQTcKernel<HS>, grid, dim3(kThreads), q_smem, stream, dout, qkv, lse, dsum,
                  dqkv, Tn, C, H, Scale(C, H));

@@ -6,6 +6,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <string>
 #include <vector>
@@ -33,7 +34,7 @@ struct Emulator {
   int current = -1;
   dim3 block_idx, block_dim, grid_dim;
   std::vector<unsigned char> smem;
-  std::vector<uint64_t> warp_slots;  // 32 per warp
+  std::vector<std::array<uint64_t, 4>> warp_slots;  // 32 per warp, 32 bytes each
   const std::function<void()>* body = nullptr;
   cudaError_t last_error = cudaSuccess;
   std::map<const void*, size_t> allowed_smem;
@@ -161,7 +162,7 @@ void SyncWarp(unsigned mask) {
 
 void* WarpSlot(int lane) {
   Emulator& e = E();
-  return &e.warp_slots[static_cast<size_t>(Current().warp) * 32 + lane];
+  return e.warp_slots[static_cast<size_t>(Current().warp) * 32 + lane].data();
 }
 
 void* DynamicShared() { return E().smem.data(); }
@@ -191,7 +192,7 @@ void RunGrid(const void* kernel, dim3 grid, dim3 block, size_t smem,
   e.grid_dim = grid;
   e.block_dim = block;
   e.smem.assign(smem + 16, 0xFF);  // all-ones bytes read as NaN floats / -1 ints
-  e.warp_slots.assign(static_cast<size_t>((n + 31) / 32) * 32, 0);
+  e.warp_slots.assign(static_cast<size_t>((n + 31) / 32) * 32, {});
   while (static_cast<int64_t>(e.fibers.size()) < n) {
     e.fibers.emplace_back();
     e.fibers.back().stack = NewStack();
@@ -236,20 +237,77 @@ cudaError_t TakeLastError(bool clear) {
 
 }  // namespace isthmus::emu
 
-namespace nvcuda::wmma::detail {
+namespace isthmus::emu {
+namespace {
 
-void CheckPointer(const void* p, unsigned ldm, size_t elem_size, const char* what) {
-  if (reinterpret_cast<uintptr_t>(p) % 32 != 0) {
-    std::fprintf(stderr, "cuda_emu: %s: pointer %p is not 256-bit aligned\n", what, p);
-    std::abort();
+float Bf16Half(uint32_t reg, int half) {
+  return __bfloat162float(__nv_bfloat16{static_cast<uint16_t>(reg >> (16 * half))});
+}
+
+}  // namespace
+
+void MmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  const int lane = Current().lane;
+  uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+  std::memcpy(WarpSlot(lane), mine, sizeof mine);
+  SyncWarp(0xffffffffu);
+  // The whole A (16x16) and B (16x8) from every lane's registers.
+  float am[16][16], bm[16][8];
+  for (int l = 0; l < 32; ++l) {
+    uint32_t r[6];
+    std::memcpy(r, WarpSlot(l), sizeof r);
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = g + 8 * (i % 2), col = 2 * t + 8 * (i / 2);
+      am[row][col] = Bf16Half(r[i], 0);
+      am[row][col + 1] = Bf16Half(r[i], 1);
+    }
+    for (int i = 0; i < 2; ++i) {
+      const int k = 2 * t + 8 * i;
+      bm[k][g] = Bf16Half(r[4 + i], 0);
+      bm[k + 1][g] = Bf16Half(r[4 + i], 1);
+    }
   }
-  if ((ldm * elem_size) % 16 != 0) {
-    std::fprintf(stderr, "cuda_emu: %s: ldm %u is not a multiple of 16 bytes\n", what, ldm);
-    std::abort();
+  SyncWarp(0xffffffffu);
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+    float s = d[i];
+    for (int k = 0; k < 16; ++k) s += am[row][k] * bm[k][col];
+    d[i] = s;
   }
 }
 
-}  // namespace nvcuda::wmma::detail
+void LdMatrixX4(uint32_t (&r)[4], const void* row, bool trans) {
+  Emulator& e = E();
+  const auto* p = static_cast<const unsigned char*>(row);
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) Die("ldmatrix: a row address is not 16-byte aligned");
+  if (p < e.smem.data() || p + 16 > e.smem.data() + e.smem.size()) {
+    Die("ldmatrix: a row address is outside the block's dynamic shared memory");
+  }
+  const int lane = Current().lane;
+  std::memcpy(WarpSlot(lane), &p, sizeof p);
+  SyncWarp(0xffffffffu);
+  auto element = [](int source_lane, int col) {
+    const unsigned char* q;
+    std::memcpy(&q, WarpSlot(source_lane), sizeof q);
+    uint16_t v;
+    std::memcpy(&v, q + 2 * col, sizeof v);
+    return static_cast<uint32_t>(v);
+  };
+  const int g = lane / 4, t = lane % 4;
+  uint32_t out[4];
+  for (int i = 0; i < 4; ++i) {
+    // Matrix i's rows come from lanes 8i..8i+7. This lane gets row g, columns 2t and 2t + 1,
+    // or transposed: rows 2t and 2t + 1 of column g.
+    out[i] = trans ? element(8 * i + 2 * t, g) | element(8 * i + 2 * t + 1, g) << 16
+                   : element(8 * i + g, 2 * t) | element(8 * i + g, 2 * t + 1) << 16;
+  }
+  SyncWarp(0xffffffffu);
+  for (int i = 0; i < 4; ++i) r[i] = out[i];
+}
+
+}  // namespace isthmus::emu
 
 const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {

@@ -15,10 +15,8 @@
 // before writing shows. Odd-numbered blocks run their threads in reverse order, so a
 // missing barrier tends to give different numbers in different blocks.
 //
-// WMMA: a fragment holds its whole 16x16 tile in every lane (the real per-lane layout is
-// opaque, so kernels cannot depend on it), but a store writes only the lane's share, so a
-// tile read back without __syncwarp is caught; load/store check the alignment and leading
-// dimension rules of the real API.
+// Tensor cores (mma.sync m16n8k16 bf16, ldmatrix.x4): warp-collective, with the PTX ISA's
+// per-lane register layouts, so fragment bookkeeping is checked here as on the GPU.
 //
 // Not emulated: atomics, cooperative groups, warp-level votes, inline PTX, timing and
 // memory spaces (everything is host memory). Not thread-safe: one launch at a time.
@@ -140,7 +138,7 @@ const dim3& GridDim();
 // Barriers. SyncWarp requires every existing lane of the calling warp (mask must be full).
 void SyncThreads();
 void SyncWarp(unsigned mask);
-// The calling warp's exchange slot of `lane` (8 bytes), for shuffles.
+// The calling warp's exchange slot of `lane` (32 bytes), for shuffles and tensor cores.
 void* WarpSlot(int lane);
 // Dynamic shared memory of the current block.
 void* DynamicShared();
@@ -220,88 +218,14 @@ T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
   return ::isthmus::emu::Shuffle(mask, v, lane - lane % width + src % width);
 }
 
-// ---- WMMA ------------------------------------------------------------------------------
-namespace nvcuda::wmma {
-
-struct matrix_a {};
-struct matrix_b {};
-struct accumulator {};
-struct row_major {};
-struct col_major {};
-enum layout_t { mem_row_major, mem_col_major };
-
-template <typename Use, int M, int N, int K, typename T, typename Layout = void>
-struct fragment {
-  static constexpr int kRows = std::is_same_v<Use, matrix_b> ? K : M;
-  static constexpr int kCols = std::is_same_v<Use, matrix_a> ? K : N;
-  static constexpr int num_elements = kRows * kCols;
-  T x[num_elements];  // the whole tile, row-major (emulation only)
-};
-
-namespace detail {
-void CheckPointer(const void* p, unsigned ldm, size_t elem_size, const char* what);
-inline float AsFloat(float v) { return v; }
-inline float AsFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-}  // namespace detail
-
-template <typename Use, int M, int N, int K, typename T, typename Layout>
-void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, T value) {
-  for (int i = 0; i < f.num_elements; ++i) f.x[i] = value;
-}
-
-template <typename Use, int M, int N, int K, typename T, typename Layout>
-void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ldm) {
-  static_assert(!std::is_same_v<Use, accumulator>, "accumulators need a layout_t");
-  detail::CheckPointer(p, ldm, sizeof(T), "load_matrix_sync");
-  using F = fragment<Use, M, N, K, T, Layout>;
-  for (int r = 0; r < F::kRows; ++r) {
-    for (int c = 0; c < F::kCols; ++c) {
-      f.x[r * F::kCols + c] = std::is_same_v<Layout, row_major> ? p[r * ldm + c] : p[c * ldm + r];
-    }
-  }
-}
-
-template <int M, int N, int K>
-void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* p, unsigned ldm,
-                      layout_t layout) {
-  detail::CheckPointer(p, ldm, sizeof(float), "load_matrix_sync");
-  for (int r = 0; r < M; ++r) {
-    for (int c = 0; c < N; ++c) {
-      f.x[r * N + c] = layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r];
-    }
-  }
-}
-
-// Each lane writes only its share of the tile (every 32nd element), as on the GPU where the
-// store is cooperative: reading the tile back before __syncwarp shows up as stale data.
-template <int M, int N, int K>
-void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ldm,
-                       layout_t layout) {
-  detail::CheckPointer(p, ldm, sizeof(float), "store_matrix_sync");
-  const int lane = ::isthmus::emu::Current().lane;
-  for (int r = 0; r < M; ++r) {
-    for (int c = 0; c < N; ++c) {
-      if ((r * N + c) % 32 != lane) continue;
-      (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r * N + c];
-    }
-  }
-}
-
-template <int M, int N, int K, typename T, typename LA, typename LB>
-void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, T, LA>& a,
-              const fragment<matrix_b, M, N, K, T, LB>& b,
-              const fragment<accumulator, M, N, K, float>& c) {
-  float out[M * N];
-  for (int i = 0; i < M; ++i) {
-    for (int j = 0; j < N; ++j) {
-      float s = c.x[i * N + j];
-      for (int k = 0; k < K; ++k) {
-        s += detail::AsFloat(a.x[i * K + k]) * detail::AsFloat(b.x[k * N + j]);
-      }
-      out[i * N + j] = s;
-    }
-  }
-  for (int i = 0; i < M * N; ++i) d.x[i] = out[i];
-}
-
-}  // namespace nvcuda::wmma
+// ---- Tensor-core primitives of ops/cuda_compat.h ------------------------------------------
+// Warp-collective, like the hardware's: every lane deposits its registers, the warp meets
+// at a barrier, and each lane computes its own share with the PTX ISA's register layouts,
+// so a kernel that misplaces a fragment element gets wrong numbers here too.
+namespace isthmus::emu {
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 with d as accumulator (fp32 sums).
+void MmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16; aborts on a row that is not 16-byte
+// aligned or not in the block's shared memory.
+void LdMatrixX4(uint32_t (&r)[4], const void* row, bool trans);
+}  // namespace isthmus::emu

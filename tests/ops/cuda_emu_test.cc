@@ -1,5 +1,5 @@
 // Tests of the CUDA emulator itself (tests/ops/cuda_emu.h): kernels whose results are
-// known, barriers and shuffles, WMMA, and the failures it must report rather than hide.
+// known, barriers and shuffles, the tensor-core primitives, and the failures it must report rather than hide.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -61,37 +61,63 @@ TEST(CudaEmuTest, DynamicSharedMemoryAndBarrier) {
   }
 }
 
-// One warp: C[16,16] = A[16,16] B[16,16] with bf16 inputs.
-__global__ void WmmaKernel(const bf16* a, const bf16* b, float* c) {
-  namespace wmma = nvcuda::wmma;
-  wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> fa;
-  wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::col_major> fb;
-  wmma::fragment<wmma::accumulator, 16, 16, 16, float> fc;
-  wmma::fill_fragment(fc, 0.0f);
-  wmma::load_matrix_sync(fa, a, 16);
-  wmma::load_matrix_sync(fb, b, 16);  // column-major B = row-major B^T
-  wmma::mma_sync(fc, fa, fb, fc);
-  for (int i = 0; i < fc.num_elements; ++i) fc.x[i] *= 2.0f;
-  wmma::store_matrix_sync(c, fc, 16, wmma::mem_row_major);
+// One warp: C[16,16] = 2 A[16,16] B[16,16] with bf16 inputs, through the tensor-core
+// primitives: A's fragments by 32-bit loads in the documented layout, B ([k][n] row-major
+// in shared memory) by ldmatrix.trans, two m16n8k16 products, and C written from the
+// accumulator layout.
+__global__ void MmaKernel(const bf16* a, const bf16* b, float* c) {
+  ISTHMUS_DYNAMIC_SMEM(bf16, bs);  // [16][24]: rows padded to 48 bytes
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  for (int i = lane; i < 256; i += 32) bs[(i / 16) * 24 + i % 16] = b[i];
+  __syncwarp();
+  uint32_t af[4];
+  for (int i = 0; i < 4; ++i) {
+    const bf16* p = a + (g + 8 * (i % 2)) * 16 + 2 * t + 8 * (i / 2);
+    af[i] = PackBf16x2(__bfloat162float(p[0]), __bfloat162float(p[1]));
+  }
+  uint32_t bf[4];
+  const int mat = lane / 8;
+  LdMatrixX4Trans(bf, bs + ((mat % 2) * 8 + lane % 8) * 24 + (mat / 2) * 8);
+  float acc[2][4] = {};
+  const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+  MmaBf16(acc[0], af, b0);
+  MmaBf16(acc[1], af, b1);
+  for (int n = 0; n < 2; ++n) {
+    for (int i = 0; i < 4; ++i) c[(g + 8 * (i / 2)) * 16 + 8 * n + 2 * t + i % 2] = 2 * acc[n][i];
+  }
 }
 
-TEST(CudaEmuTest, WmmaMatchesNaiveProduct) {
-  alignas(32) bf16 a[256], bt[256];
-  alignas(32) float c[256];
+TEST(CudaEmuTest, MmaAndLdMatrixMatchNaiveProduct) {
+  bf16 a[256], b[256];
+  float c[256];
   for (int i = 0; i < 256; ++i) {
     a[i] = __float2bfloat16(static_cast<float>(i % 7) - 3.0f);
-    bt[i] = __float2bfloat16(static_cast<float>(i % 5) * 0.5f);
+    b[i] = __float2bfloat16(static_cast<float>(i % 5) * 0.5f + static_cast<float>(i / 16));
+    c[i] = NAN;
   }
-  ISTHMUS_LAUNCH(WmmaKernel, dim3(1), dim3(32), 0, nullptr, a, bt, c);
+  ISTHMUS_LAUNCH(MmaKernel, dim3(1), dim3(32), 16 * 24 * sizeof(bf16), nullptr, a, b, c);
   for (int i = 0; i < 16; ++i) {
     for (int j = 0; j < 16; ++j) {
       float s = 0;
       for (int k = 0; k < 16; ++k) {
-        s += __bfloat162float(a[i * 16 + k]) * __bfloat162float(bt[j * 16 + k]);
+        s += __bfloat162float(a[i * 16 + k]) * __bfloat162float(b[k * 16 + j]);
       }
       EXPECT_EQ(c[i * 16 + j], 2 * s) << i << "," << j;
     }
   }
+}
+
+// ldmatrix takes 16-byte-aligned rows of shared memory only.
+__global__ void MisalignedLdMatrixKernel(int offset) {
+  ISTHMUS_DYNAMIC_SMEM(bf16, s);
+  uint32_t r[4];
+  LdMatrixX4Trans(r, s + offset + threadIdx.x % 8 * 8);
+}
+
+TEST(CudaEmuDeathTest, MisalignedLdMatrixAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(ISTHMUS_LAUNCH(MisalignedLdMatrixKernel, dim3(1), dim3(32), 256, nullptr, 1),
+               "not 16-byte aligned");
 }
 
 TEST(CudaEmuTest, Bf16RoundsToNearestEven) {
