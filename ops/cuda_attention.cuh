@@ -391,7 +391,7 @@ struct TcShape {
   static constexpr int kNd = HS / 8;   // 8-channel blocks of an output row
   static constexpr int kLd = HS + 8;   // bf16 elements per row of a Q/K/V/dO tile
   static constexpr int kTileBytes = kTTile * kLd * 2;
-  static constexpr int kForwardSmem = 2 * kTileBytes;
+  static constexpr int kForwardSmem = 3 * kTileBytes;
   static constexpr int kBackwardKVSmem = 4 * kTileBytes + 2 * kTTile * 4;
   static constexpr int kBackwardQSmem = 4 * kTileBytes;
   static_assert(HS % 16 == 0 && kTileBytes % 16 == 0);
@@ -407,6 +407,15 @@ __device__ __forceinline__ void LoadTile(bf16* dst, const bf16* src, int64_t ld,
     int4 x = {0, 0, 0, 0};
     if (r < valid) x = *reinterpret_cast<const int4*>(src + r * ld + v * 8);
     *reinterpret_cast<int4*>(dst + r * TcShape<HS>::kLd + v * 8) = x;
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void Zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
   }
 }
 
@@ -433,11 +442,7 @@ __device__ __forceinline__ void ScoreProduct(float (&s)[kTBlocks][4], const bf16
                                              const bf16* tile, int lo, int hi) {
   using S = TcShape<HS>;
   const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-#pragma unroll
-  for (int j = 0; j < kTBlocks; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
-  }
+  Zero(s);
 #pragma unroll
   for (int c = 0; c < S::kKc; ++c) {
     uint32_t a[4];
@@ -506,7 +511,8 @@ template <int HS>
 __global__ void __launch_bounds__(kThreads)
     ForwardTcKernel(const bf16* qkv, bf16* out, float* lse, int Tn, int C, int H, float scale) {
   using S = TcShape<HS>;
-  ISTHMUS_DYNAMIC_SMEM(bf16, ks);  // [64][kLd]; holds Q before the loop
+  ISTHMUS_DYNAMIC_SMEM(bf16, qs);  // [64][kLd] this block's queries
+  bf16* ks = qs + kTTile * S::kLd;  // [64][kLd] the current key tile
   bf16* vs = ks + kTTile * S::kLd;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int bh = blockIdx.x, b = bh / H, h = bh % H;
@@ -515,49 +521,25 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t ld = 3 * static_cast<int64_t>(C);
   const bf16* base = qkv + static_cast<int64_t>(b) * Tn * ld + static_cast<int64_t>(h) * HS;
 
-  LoadTile<HS>(ks, base + q0 * ld, ld, Tn - q0);
-  __syncthreads();
-  uint32_t qa[S::kKc][4];
-#pragma unroll
-  for (int c = 0; c < S::kKc; ++c) LoadA(qa[c], ks + warp * 16 * S::kLd, S::kLd, c);
+  LoadTile<HS>(qs, base + q0 * ld, ld, Tn - q0);
   float o[S::kNd][4];
-#pragma unroll
-  for (int n = 0; n < S::kNd; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) o[n][e] = 0.0f;
-  }
+  Zero(o);
   // Per row (g, g + 8): running max of the scaled scores in log2 units, and this lane's
   // part of the running sum (the quad's four parts add up at the end).
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const float sl2 = scale * kLog2e;
   const int row_lo = q0 + warp * 16 + g;  // this lane's first row; the second is + 8
+  const bf16* qw = qs + warp * 16 * S::kLd;
   for (int kt = 0; kt <= qt; ++kt) {
     const int k0 = kt * kTTile;
     // On the diagonal, key blocks after this warp's rows are entirely in the future.
     const bool diag = kt == qt;
-    const int nj = diag ? 2 * warp + 2 : kTBlocks;
     __syncthreads();
     LoadTile<HS>(ks, base + k0 * ld + C, ld, Tn - k0);
     LoadTile<HS>(vs, base + k0 * ld + 2 * C, ld, Tn - k0);
     __syncthreads();
     float s[kTBlocks][4];
-    // Scores of the warp's Q rows (in registers) against the key tile.
-#pragma unroll
-    for (int j = 0; j < kTBlocks; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = 0.0f;
-    }
-#pragma unroll
-    for (int c = 0; c < S::kKc; ++c) {
-#pragma unroll
-      for (int j = 0; j < kTBlocks; ++j) {
-        if (j < nj) {
-          const bf16* p = ks + (8 * j + g) * S::kLd + 16 * c + 2 * t;
-          const uint32_t bb[2] = {Ld32(p), Ld32(p + 8)};
-          MmaBf16(s[j], qa[c], bb);
-        }
-      }
-    }
+    ScoreProduct<HS>(s, qw, ks, 0, diag ? 2 * warp + 2 : kTBlocks);  // S = Q_w K^T
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < kTBlocks; ++j) {
@@ -637,11 +619,8 @@ __global__ void __launch_bounds__(kThreads)
   LoadTile<HS>(ks, base + k0 * ld + C, ld, Tn - k0);
   LoadTile<HS>(vs, base + k0 * ld + 2 * C, ld, Tn - k0);
   float dk[S::kNd][4], dv[S::kNd][4];
-#pragma unroll
-  for (int n = 0; n < S::kNd; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
-  }
+  Zero(dk);
+  Zero(dv);
   const float sl2 = scale * kLog2e;
   const int key_lo = k0 + warp * 16 + g;  // this lane's first key row; the second is + 8
   const bf16* kw = ks + warp * 16 * S::kLd;
@@ -714,11 +693,7 @@ __global__ void __launch_bounds__(kThreads)
     dr[r] = row < Tn ? dsum[static_cast<int64_t>(bh) * Tn + row] : 0.0f;
   }
   float dq[S::kNd][4];
-#pragma unroll
-  for (int n = 0; n < S::kNd; ++n) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
-  }
+  Zero(dq);
   const bf16* qw = qs + warp * 16 * S::kLd;
   const bf16* dw = dos + warp * 16 * S::kLd;
   for (int kt = 0; kt <= qt; ++kt) {
