@@ -13,13 +13,8 @@ set -euo pipefail
 src="$1"
 server="$2"
 worker="$3"
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
+# shellcheck source=tests/deploy/checks.sh
+. "$(dirname "$0")/checks.sh"
 examples="$src/deploy/examples"
 units="$src/deploy/systemd"
 export OMP_WAIT_POLICY=PASSIVE
@@ -78,8 +73,4 @@ while IFS= read -r line; do
   fi
 done <"$examples/worker.env"
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed"
-  exit 1
-fi
-echo "PASS: the examples are read by the programs and the units pass flags they have"
+finish "the examples are read by the programs and the units pass flags they have"

@@ -27,13 +27,8 @@ if [ "$(id -u)" -ne 0 ]; then
   exec fakeroot -- bash "$0" "$@"
 fi
 
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
+# shellcheck source=tests/deploy/checks.sh
+. "$(dirname "$0")/checks.sh"
 
 # 1. Build. cpack runs the build tree's install rules with the /usr prefix into its own
 # staging folder, here under $tmp; the build tree is left as it was.
@@ -197,8 +192,4 @@ fi
 [ "$(cat /etc/passwd /etc/group | sha256sum)" = "$host_db_before" ] ||
   fail "the running system's /etc/passwd or /etc/group changed"
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed"
-  exit 1
-fi
-echo "PASS: $(basename "$deb") built, inspected, installed into a scratch root and purged"
+finish "$(basename "$deb") built, inspected, installed into a scratch root and purged"

@@ -15,13 +15,8 @@ if ! command -v systemd-analyze >/dev/null; then
   echo "SKIP: systemd-analyze not found (Debian: apt-get install systemd; deploy/install-deps.sh installs it)"
   exit 77
 fi
-failures=0
-fail() {
-  echo "FAIL: $*"
-  failures=$((failures + 1))
-}
-tmp="$(mktemp -d)"
-trap 'rm -rf "$tmp"' EXIT
+# shellcheck source=tests/deploy/checks.sh
+. "$(dirname "$0")/checks.sh"
 prefix="$tmp/prefix"
 
 if ! cmake --install "$build" --prefix "$prefix" >"$tmp/install.log" 2>&1; then
@@ -135,8 +130,4 @@ if grep -nE '^(PrivateDevices=yes|DevicePolicy=|DeviceAllow=|ProtectClock=yes|Me
   fail "isthmus-worker@.service would keep CUDA from its GPUs (see the unit's comments)"
 fi
 
-if [ "$failures" -ne 0 ]; then
-  echo "$failures check(s) failed"
-  exit 1
-fi
-echo "PASS: layout, unit paths, systemd-analyze verify, exposure"
+finish "layout, unit paths, systemd-analyze verify, exposure"
