@@ -17,7 +17,7 @@
 #   --steps-per-round H    inner steps per round (default 20)
 #   --site-b-steps H       inner steps per round at site B (default: same as A)
 #   --train "FLAGS"        extra isthmus-worker train flags (lr, batch size, ...)
-#   --outer-lr X --outer-momentum X   the outer optimizer (default 1.0 / 0.0)
+#   --outer-lr X --outer-momentum X   the outer optimizer (default 1.0 / 0.5, as the server)
 #   --shards S --ranks R   per site (default 2 / 2)
 #   --wan-rate RATE        shape the WAN: site B runs in its own network namespace joined
 #                          to site A by a veth pair with a tc tbf qdisc of RATE (e.g.
@@ -52,7 +52,7 @@ worker="$build/worker/isthmus-worker"
 
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
-codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.0
+codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.5
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
 eval_every=0 report="" top_interval=1
 while [ $# -gt 0 ]; do

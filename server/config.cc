@@ -151,10 +151,11 @@ const std::vector<Binding>& Bindings() {
        nullptr,
        nullptr,
        &ServerConfig::sync_outer_lr},
-      {{"sync.outer_momentum", T::kDouble, "0.0",
-        "Outer Nesterov momentum in [0, 1). DiLoCo uses 0.9 with outer_lr 0.7 over hundreds of "
-        "inner steps; on the demo's short LoRA fine-tune that diverged (docs/BENCHMARKS.md, "
-        "section 8)."},
+      {{"sync.outer_momentum", T::kDouble, "0.5",
+        "Outer Nesterov momentum in [0, 1); 0: plain averaging. 0.5 with outer_lr 1 was the "
+        "best outer optimiser of the loss-versus-bytes study with every codec "
+        "(docs/BENCHMARKS.md, section 8); DiLoCo's 0.9 with outer_lr 0.7 diverged there with "
+        "sparse codecs. Every site of a job must use the same value."},
        nullptr,
        nullptr,
        nullptr,

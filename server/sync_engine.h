@@ -40,7 +40,7 @@ struct SyncOptions {
   std::string adaptive_floor;    // coarsest pipeline allowed (empty: codec default ladder end)
   std::string adaptive_ceiling;  // finest pipeline allowed (empty: dense)
   double outer_lr = 1.0;
-  double outer_momentum = 0.0;
+  double outer_momentum = 0.5;
   // Streaming: the job's tensors fall into this many fragments of about equal size
   // (AssignFragments); round r sends fragment (r - 1) % fragments and defers the others
   // (codec "defer": their deltas wait in the error-feedback residual), so each fragment

@@ -161,6 +161,7 @@ class ShardTest : public ::testing::Test {
     SyncOptions so;
     so.site = "A";
     so.peer_sites = std::move(peers);
+    so.outer_momentum = 0.0;  // plain averaging: a commit adds the round's merged delta
     o.sync = so;
     auto s = Shard::Open(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();

@@ -819,6 +819,7 @@ TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
   dopt.site = "siteD";
   dopt.peer_sites = {"siteA", "siteB", "siteC"};
   dopt.codec = "dense";
+  dopt.outer_momentum = 0.0;  // as the Site helper's sites
   auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
   SyncEngine::JobHooks hooks;
   hooks.install = [](const std::string&, const std::string&,
