@@ -511,7 +511,7 @@ template <int HS>
 __global__ void __launch_bounds__(kThreads)
     ForwardTcKernel(const bf16* qkv, bf16* out, float* lse, int Tn, int C, int H, float scale) {
   using S = TcShape<HS>;
-  ISTHMUS_DYNAMIC_SMEM(bf16, qs);  // [64][kLd] this block's queries
+  ISTHMUS_DYNAMIC_SMEM(bf16, qs);   // [64][kLd] this block's queries
   bf16* ks = qs + kTTile * S::kLd;  // [64][kLd] the current key tile
   bf16* vs = ks + kTTile * S::kLd;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -647,8 +647,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = 8 * j + 2 * t + e % 2;  // query q0 + col
-        const float p =
-            q0 + col >= key_lo + 8 * (e / 2) ? exp2f(s[j][e] * sl2 - ls[col]) : 0.0f;
+        const float p = q0 + col >= key_lo + 8 * (e / 2) ? exp2f(s[j][e] * sl2 - ls[col]) : 0.0f;
         s[j][e] = p;
         dp[j][e] = p * (dp[j][e] - dd[col]);
       }

@@ -281,7 +281,8 @@ void MmaM16N8K16Bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[
 void LdMatrixX4(uint32_t (&r)[4], const void* row, bool trans) {
   Emulator& e = E();
   const auto* p = static_cast<const unsigned char*>(row);
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) Die("ldmatrix: a row address is not 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0)
+    Die("ldmatrix: a row address is not 16-byte aligned");
   if (p < e.smem.data() || p + 16 > e.smem.data() + e.smem.size()) {
     Die("ldmatrix: a row address is outside the block's dynamic shared memory");
   }

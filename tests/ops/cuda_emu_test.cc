@@ -1,5 +1,6 @@
 // Tests of the CUDA emulator itself (tests/ops/cuda_emu.h): kernels whose results are
-// known, barriers and shuffles, the tensor-core primitives, and the failures it must report rather than hide.
+// known, barriers and shuffles, the tensor-core primitives, and the failures it must report rather
+// than hide.
 #include <gtest/gtest.h>
 
 #include <numeric>
