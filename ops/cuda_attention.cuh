@@ -2,7 +2,7 @@
 // tiles, the forward keeps a running max and sum per query row (online softmax) and saves
 // each row's log-sum-exp, and the backward recomputes the probabilities from it
 // (FlashAttention-2). Two implementations behind one launcher: a CUDA-core path for any
-// element type and head size, and a tensor-core path (WMMA, bf16 in, fp32 accumulate) for
+// element type and head size, and a tensor-core path (mma.sync, bf16 in, fp32 accumulate) for
 // bf16 with head sizes 32, 64 and 128. Both are deterministic: every output element is
 // written by one thread, with no atomics, so dK/dV (per key tile) and dQ (per query tile)
 // come from separate kernels that each recompute the probabilities.
