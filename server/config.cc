@@ -152,10 +152,11 @@ const std::vector<Binding>& Bindings() {
        nullptr,
        &ServerConfig::sync_outer_lr},
       {{"sync.outer_momentum", T::kDouble, "0.5",
-        "Outer Nesterov momentum in [0, 1); 0: plain averaging. 0.5 with outer_lr 1 was the "
-        "best outer optimiser of the loss-versus-bytes study with every codec "
-        "(docs/BENCHMARKS.md, section 8); DiLoCo's 0.9 with outer_lr 0.7 diverged there with "
-        "sparse codecs. Every site of a job must use the same value."},
+        "Outer Nesterov momentum in [0, 1); 0: plain averaging. With outer_lr 1, 0.5 was the "
+        "best or near-best setting for every codec of the loss-versus-bytes study "
+        "(docs/BENCHMARKS.md, section 8); its best point (int2:256+zstd, 80 steps per round, "
+        "max_rounds_ahead 0) used 0.6 with outer_lr 1.25. Every site of a job must use the "
+        "same value."},
        nullptr,
        nullptr,
        nullptr,
