@@ -35,9 +35,20 @@ MARKER = {10: "o", 20: "s", 50: "^", 80: "v", 100: "D", 200: "P"}
 GAP_GOAL_PCT, BYTES_GOAL_X = 1.0, 1000.0
 
 
-def load(path):
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    steps = max(r["steps"] for r in rows)  # one study per file; take the longest if mixed
+def load(paths):
+    """The points of one or more results files (e.g. a K = 0 and a K = 2 study); the first
+    centralised baseline found is the reference, and a point key seen twice counts once."""
+    rows, seen = [], set()
+    for path in paths:
+        for line in open(path):
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            ident = (r["key"], r.get("max_rounds_ahead"))
+            if ident not in seen:
+                seen.add(ident)
+                rows.append(r)
+    steps = max(r["steps"] for r in rows)  # one study length; take the longest if mixed
     rows = [r for r in rows if r["steps"] == steps]
     central = next((r for r in rows if r["kind"] == "centralised"), None)
     points = [r for r in rows if r["kind"] == "two-site"]
@@ -214,15 +225,20 @@ def table(central, points):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default="demo-out/study/results.jsonl")
+    ap.add_argument("--results", nargs="+", default=["demo-out/study/results.jsonl"],
+                    help="results.jsonl files of bench/study/run.sh (one or more)")
+    ap.add_argument("--out", help="folder for the figures and table (default: the first "
+                    "results file's folder)")
     ap.add_argument("--table", action="store_true", help="print the markdown table")
     a = ap.parse_args()
     central, points = load(a.results)
     if not points:
-        raise SystemExit(f"plot.py: no two-site points in {a.results}")
+        raise SystemExit(f"plot.py: no two-site points in {' '.join(a.results)}")
     if central is None:
-        raise SystemExit(f"plot.py: no centralised point in {a.results} (run.sh runs it first)")
-    out = os.path.dirname(a.results) or "."
+        raise SystemExit(f"plot.py: no centralised point in {' '.join(a.results)} "
+                         "(run.sh runs it first)")
+    out = a.out or os.path.dirname(a.results[0]) or "."
+    os.makedirs(out, exist_ok=True)
     plot_loss_vs_bytes(central, points, f"{out}/loss-vs-bytes.png")
     plot_per_language(points, f"{out}/per-language.png")
     md = table(central, points)
