@@ -748,6 +748,24 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   return Status::Ok();
 }
 
+// The outer optimiser on one tensor: theta += lr * g (mu == 0; m unused), or Nesterov:
+// m = mu * m + g, theta += lr * (g + mu * m). The commit's arithmetic (this file has no
+// fused multiply-adds, so every site gets the same bits), also the optimistic view's.
+namespace {
+
+void ApplyOuterStep(float* theta, float* m, const float* g, size_t n, float lr, float mu) {
+  if (mu == 0.0f) {
+    for (size_t i = 0; i < n; ++i) theta[i] += lr * g[i];
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    m[i] = mu * m[i] + g[i];
+    theta[i] += lr * (g[i] + mu * m[i]);
+  }
+}
+
+}  // namespace
+
 Result<SyncEngine::OuterState> SyncEngine::OuterStep(
     const std::string& name, const Job& j, uint64_t round,
     const std::map<std::string, std::vector<float>>& merged,
@@ -766,17 +784,10 @@ Result<SyncEngine::OuterState> SyncEngine::OuterStep(
     auto next = std::make_shared<std::vector<float>>(*old.data);
     float* th = next->data();
     const size_t n = g.size();
-    if (mu == 0.0f) {
-      for (size_t i = 0; i < n; ++i) th[i] += lr * g[i];
-    } else {
-      auto m = std::make_shared<std::vector<float>>(*j.momentum.at(tname));
-      float* mv = m->data();
-      for (size_t i = 0; i < n; ++i) {
-        mv[i] = mu * mv[i] + g[i];
-        th[i] += lr * (g[i] + mu * mv[i]);
-      }
-      out.momentum[tname] = std::move(m);
-    }
+    std::shared_ptr<std::vector<float>> m;
+    if (mu != 0.0f) m = std::make_shared<std::vector<float>>(*j.momentum.at(tname));
+    ApplyOuterStep(th, m ? m->data() : nullptr, g.data(), n, lr, mu);
+    if (m) out.momentum[tname] = std::move(m);
     for (size_t i = 0; i < n; ++i) {
       if (!std::isfinite(th[i])) {
         return Status::FailedPrecondition("committing round " + std::to_string(round) +
@@ -911,17 +922,8 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& na
     ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, *j, r, sites, &sent));
     for (auto& [tname, g] : merged) {
       if (sent.count(tname) == 0) continue;  // deferred by every site: no outer step
-      float* a = acc[tname].data();
-      const size_t n = g.size();
-      if (mu == 0.0f) {
-        for (size_t i = 0; i < n; ++i) a[i] += lr * g[i];
-      } else {
-        float* mv = mom[tname].data();
-        for (size_t i = 0; i < n; ++i) {
-          mv[i] = mu * mv[i] + g[i];
-          a[i] += lr * (g[i] + mu * mv[i]);
-        }
-      }
+      ApplyOuterStep(acc[tname].data(), mu != 0.0f ? mom[tname].data() : nullptr, g.data(),
+                     g.size(), lr, mu);
     }
   }
   std::map<std::string, SyncTensor> view;

@@ -492,26 +492,45 @@ TEST(SyncEngineTest, NoPeerModeEqualsPlainAdd) {
             Code::kFailedPrecondition);
 }
 
-// The view takes each uncommitted round's outer step with the deltas held so far. When
-// the missing site's delta turns out equal to the held one, the commit lands exactly where
-// the view was; under Nesterov momentum the raw delta would be far from it.
-TEST(SyncEngineTest, OptimisticViewTakesTheOuterStepTheCommitWillTake) {
+// Two sites A and B on fresh stores (dense codec, the given outer optimiser), each with the
+// job attached holding one tensor "w" = w0: for tests that check the outer step by hand.
+struct HandPair {
   testing::TempDir da, db;
+  double lr = 1.0, mu = 0.0;
   std::vector<std::unique_ptr<Store>> stores;
   std::vector<std::unique_ptr<SyncEngine>> engines;
-  for (auto [dir, site, peer] : {std::tuple{&da, "A", "B"}, std::tuple{&db, "B", "A"}}) {
-    stores.push_back(std::move(OpenRocksStore(dir->str(), StoreOptions{})).value());
+
+  SyncOptions Options(const char* site, const char* peer) const {
     SyncOptions o;
     o.site = site;
     o.peer_sites = {peer};
     o.codec = "dense";
-    o.outer_lr = 0.7;
-    o.outer_momentum = 0.9;
-    engines.push_back(std::move(SyncEngine::Create(stores.back().get(), o)).value());
-    std::map<std::string, SyncTensor> t;
-    t["w"] = {{3}, std::make_shared<const std::vector<float>>(std::vector<float>{1, 2, 3})};
-    ASSERT_TRUE(engines.back()->AttachJob(kJob, t, 1).ok());
+    o.outer_lr = lr;
+    o.outer_momentum = mu;
+    return o;
   }
+  void Open(double outer_lr, double outer_momentum, const std::vector<float>& w0) {
+    lr = outer_lr;
+    mu = outer_momentum;
+    for (auto [dir, site, peer] : {std::tuple{&da, "A", "B"}, std::tuple{&db, "B", "A"}}) {
+      stores.push_back(std::move(OpenRocksStore(dir->str(), StoreOptions{})).value());
+      engines.push_back(
+          std::move(SyncEngine::Create(stores.back().get(), Options(site, peer))).value());
+      std::map<std::string, SyncTensor> t;
+      t["w"] = {{static_cast<int64_t>(w0.size())}, std::make_shared<const std::vector<float>>(w0)};
+      ASSERT_TRUE(engines.back()->AttachJob(kJob, t, 1).ok());
+    }
+  }
+};
+
+// The view takes each uncommitted round's outer step with the deltas held so far. When
+// the missing site's delta turns out equal to the held one, the commit lands exactly where
+// the view was; under Nesterov momentum the raw delta would be far from it.
+TEST(SyncEngineTest, OptimisticViewTakesTheOuterStepTheCommitWillTake) {
+  HandPair pair;
+  pair.Open(0.7, 0.9, {1, 2, 3});
+  if (HasFatalFailure()) return;
+  auto& engines = pair.engines;
   auto push = [&](int e, uint64_t r, std::vector<float> v) {
     WriteBatch b;
     ASSERT_TRUE(engines[e]->PushRound(kJob, r, 100, {{"w", v}}, b).ok());
@@ -558,22 +577,11 @@ TEST(SyncEngineTest, NesterovMatchesHandComputation) {
   // lr 0.5, mu 0.9:  m1 = g1;  theta1 = [1, 2] + 0.5 * (g1 + 0.9 * m1) = [3.375, 4.85].
   // Round 2, zero deltas: m2 = 0.9 * m1 = [2.25, 2.7]; theta2 = theta1 + 0.5 * 0.9 * m2
   // = [4.3875, 6.065].
-  testing::TempDir da, db;
-  std::vector<std::unique_ptr<Store>> stores;
-  std::vector<std::unique_ptr<SyncEngine>> engines;
-  for (auto [dir, site, peer] : {std::tuple{&da, "A", "B"}, std::tuple{&db, "B", "A"}}) {
-    stores.push_back(std::move(OpenRocksStore(dir->str(), StoreOptions{})).value());
-    SyncOptions o;
-    o.site = site;
-    o.peer_sites = {peer};
-    o.codec = "dense";
-    o.outer_lr = 0.5;
-    o.outer_momentum = 0.9;
-    engines.push_back(std::move(SyncEngine::Create(stores.back().get(), o)).value());
-    std::map<std::string, SyncTensor> t;
-    t["w"] = {{2}, std::make_shared<const std::vector<float>>(std::vector<float>{1.0f, 2.0f})};
-    ASSERT_TRUE(engines.back()->AttachJob(kJob, t, 1).ok());
-  }
+  HandPair pair;
+  pair.Open(0.5, 0.9, {1.0f, 2.0f});
+  if (HasFatalFailure()) return;
+  auto& stores = pair.stores;
+  auto& engines = pair.engines;
   auto push = [&](int e, uint64_t r, std::vector<float> v, uint64_t tokens) {
     WriteBatch b;
     ASSERT_TRUE(engines[e]->PushRound(kJob, r, tokens, {{"w", v}}, b).ok());
@@ -606,14 +614,8 @@ TEST(SyncEngineTest, NesterovMatchesHandComputation) {
   // Momentum survives a restart: reopen A and commit round 3 (zero deltas) on both.
   engines[0].reset();
   stores[0].reset();
-  stores[0] = std::move(OpenRocksStore(da.str(), StoreOptions{})).value();
-  SyncOptions o;
-  o.site = "A";
-  o.peer_sites = {"B"};
-  o.codec = "dense";
-  o.outer_lr = 0.5;
-  o.outer_momentum = 0.9;
-  engines[0] = std::move(SyncEngine::Create(stores[0].get(), o)).value();
+  stores[0] = std::move(OpenRocksStore(pair.da.str(), StoreOptions{})).value();
+  engines[0] = std::move(SyncEngine::Create(stores[0].get(), pair.Options("A", "B"))).value();
   ASSERT_TRUE(engines[0]->AttachJob(kJob, *SyncEngine::ReadTensors(stores[0].get(), kJob), 1).ok());
   push(0, 3, {0, 0}, 1);
   push(1, 3, {0, 0}, 1);
