@@ -37,10 +37,11 @@
 #include "common/status.h"
 #include "common/transport.h"
 #include "common/wire.h"
-#include "server/config.h"
-#include "server/server.h"
-#include "server/shard.h"
-#include "server/store.h"
+#include "server/config/config.h"
+#include "server/shard/server.h"
+#include "server/shard/shard.h"
+#include "server/storage/keys.h"
+#include "server/storage/store.h"
 
 namespace isthmus::bench {
 namespace {
@@ -625,7 +626,7 @@ Result<std::vector<Part>> Breakdown(const std::string& parent, uint64_t bytes, i
     std::string_view value(reinterpret_cast<const char*>(next->data()), bytes);
     double ms = MedianMs(reps, [&] {
       WriteBatch b;
-      b.Put(Column::kTensors, JobKey("j", "w"), value);
+      b.Put(Column::kTensors, keys::JobKey("j", "w"), value);
       Status s = store->Write(b);
       if (!s.ok()) st = s;
     });

@@ -12,8 +12,8 @@
 #include <toml.hpp>
 
 #include "common/keys.h"
-#include "server/config.h"
-#include "server/ctl_fleet.h"
+#include "server/config/config.h"
+#include "server/ctl/fleet.h"
 #include "tests/server/test_util.h"
 
 namespace isthmus::ctl {
@@ -137,7 +137,7 @@ TEST(FleetInit, ShardConfigsAreAcceptedAndTheirPeersConsistent) {
       const std::string id = site + "-" + std::to_string(i);
       EXPECT_EQ(c.shard_id, id);
       EXPECT_EQ(c.shard_index, i);
-      EXPECT_EQ(c.sync_site, site);
+      EXPECT_EQ(c.sync.site, site);
       EXPECT_EQ(c.data_dir, (out / "data" / site / id).string());
       const int port = base.at(site) + 10 * i;
       EXPECT_EQ(c.listen_worker, "tcp://" + host.at(site) + ":" + std::to_string(port));
@@ -235,11 +235,11 @@ TEST(FleetInit, SettingsGoIntoEveryShardAndTyposAreRefused) {
   for (const std::string site : {"alpha", "beta"}) {
     for (int i = 0; i < 2; ++i) {
       const ServerConfig c = LoadShard(out, site, i);
-      EXPECT_EQ(c.sync_codec, "int8+zstd");
+      EXPECT_EQ(c.sync.codec, "int8+zstd");
       EXPECT_FALSE(c.sync_writes);
-      EXPECT_DOUBLE_EQ(c.sync_outer_lr, 0.7);
-      EXPECT_EQ(c.sync_max_rounds_ahead, 4);
-      EXPECT_EQ(c.sync_codec_overrides,
+      EXPECT_DOUBLE_EQ(c.sync.outer_lr, 0.7);
+      EXPECT_EQ(c.sync.max_rounds_ahead, 4);
+      EXPECT_EQ(c.sync.codec_overrides,
                 (std::vector<std::string>{"*.bias=dense", "wte.*=int4+zstd"}));
     }
   }
@@ -371,7 +371,7 @@ TEST(FleetInit, OneSiteHasNoPeers) {
   auto summary = Init(o);
   ASSERT_TRUE(summary.ok()) << summary.status().ToString();
   const ServerConfig c = LoadShard(out, "solo", 0);
-  EXPECT_EQ(c.sync_site, "solo");
+  EXPECT_EQ(c.sync.site, "solo");
   EXPECT_TRUE(c.sync_peers.empty());
   EXPECT_TRUE(fs::is_empty(out / "solo" / "keys" / "peers-0"));
   EXPECT_EQ(summary->find("sync verify"), std::string::npos) << "nothing to compare with";

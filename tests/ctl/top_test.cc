@@ -2,7 +2,7 @@
 // first, none across a restart), the JSON object of a refresh, and the text view's width.
 #include <gtest/gtest.h>
 
-#include "server/ctl_top.h"
+#include "server/ctl/top.h"
 
 namespace isthmus::ctl {
 namespace {

@@ -2,7 +2,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "server/config.h"
+#include "server/config/config.h"
 #include "tests/fuzz/fuzz_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

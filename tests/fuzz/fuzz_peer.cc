@@ -15,10 +15,10 @@
 #include <spdlog/spdlog.h>
 
 #include "common/client.h"
-#include "server/peer_link.h"
-#include "server/shard.h"
-#include "server/store.h"
-#include "server/sync_engine.h"
+#include "server/shard/shard.h"
+#include "server/storage/store.h"
+#include "server/sync/peer_link.h"
+#include "server/sync/sync_engine.h"
 
 namespace {
 

@@ -9,8 +9,8 @@
 #include <spdlog/spdlog.h>
 
 #include "common/client.h"
-#include "server/shard.h"
-#include "server/store.h"
+#include "server/shard/shard.h"
+#include "server/storage/store.h"
 
 namespace {
 

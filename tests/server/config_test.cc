@@ -6,9 +6,9 @@
 #include <fstream>
 #include <sstream>
 
-#include "server/config.h"
-#include "server/peer_link.h"
-#include "server/sync_engine.h"
+#include "server/config/config.h"
+#include "server/sync/peer_link.h"
+#include "server/sync/sync_engine.h"
 #include "tests/server/test_util.h"
 
 namespace isthmus {
@@ -124,11 +124,11 @@ TEST(ConfigTest, PeerLinkDefaultsAreTheConfigDefaults) {
   EXPECT_EQ(o.ack_delay_ms, c.sync_ack_delay_ms);
   // The same for the round protocol's own defaults.
   const SyncOptions so;
-  EXPECT_EQ(so.outer_lr, c.sync_outer_lr);
-  EXPECT_EQ(so.outer_momentum, c.sync_outer_momentum);
-  EXPECT_EQ(so.fragments, c.sync_fragments);
-  EXPECT_EQ(so.max_rounds_ahead, c.sync_max_rounds_ahead);
-  EXPECT_EQ(so.adaptive, c.sync_adaptive);
+  EXPECT_EQ(so.outer_lr, c.sync.outer_lr);
+  EXPECT_EQ(so.outer_momentum, c.sync.outer_momentum);
+  EXPECT_EQ(so.fragments, c.sync.fragments);
+  EXPECT_EQ(so.max_rounds_ahead, c.sync.max_rounds_ahead);
+  EXPECT_EQ(so.adaptive, c.sync.adaptive);
 }
 
 TEST(ConfigTest, SyncSettings) {
@@ -138,10 +138,10 @@ TEST(ConfigTest, SyncSettings) {
                          "peers = [\"siteB=tcp://b:7102=b.pub\", \"siteC=tcp://c:7102=c.pub\"]\n";
   auto c = LoadServerConfig(file, {{"sync.max_rounds_ahead", "3"}});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
-  EXPECT_EQ(c->sync_site, "siteA");
-  EXPECT_DOUBLE_EQ(c->sync_outer_lr, 0.7);
-  EXPECT_DOUBLE_EQ(c->sync_outer_momentum, 0.0);  // a TOML integer is accepted
-  EXPECT_EQ(c->sync_max_rounds_ahead, 3);
+  EXPECT_EQ(c->sync.site, "siteA");
+  EXPECT_DOUBLE_EQ(c->sync.outer_lr, 0.7);
+  EXPECT_DOUBLE_EQ(c->sync.outer_momentum, 0.0);  // a TOML integer is accepted
+  EXPECT_EQ(c->sync.max_rounds_ahead, 3);
   EXPECT_EQ(c->sync_resend_ms, 2000);
   auto peers = ParsePeerSpecs(c->sync_peers);
   ASSERT_TRUE(peers.ok());
@@ -152,11 +152,11 @@ TEST(ConfigTest, SyncSettings) {
   c->data_dir = "/d";
   c->insecure_plaintext = true;
   EXPECT_TRUE(ValidateServerConfig(*c).ok());
-  c->sync_site = "";
+  c->sync.site = "";
   EXPECT_NE(ValidateServerConfig(*c).message().find("sync.site"), std::string::npos);
-  c->sync_site = "siteB";  // names itself as a peer
+  c->sync.site = "siteB";  // names itself as a peer
   EXPECT_FALSE(ValidateServerConfig(*c).ok());
-  c->sync_site = "siteA";
+  c->sync.site = "siteA";
   c->sync_peers.push_back("siteD=tcp://d:1");
   EXPECT_FALSE(ValidateServerConfig(*c).ok());
   EXPECT_FALSE(LoadServerConfig("", {{"sync.outer_lr", "fast"}}).ok());

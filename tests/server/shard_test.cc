@@ -8,8 +8,9 @@
 #include <tuple>
 
 #include "common/client.h"
-#include "server/shard.h"
-#include "server/store.h"
+#include "server/shard/shard.h"
+#include "server/storage/keys.h"
+#include "server/storage/store.h"
 
 namespace isthmus {
 namespace {
@@ -364,24 +365,25 @@ TEST_F(ShardTest, EachCorruptStoredRecordFailsTheOpenWithItsNameAndChangesNothin
   ASSERT_TRUE(PushRound("r1", 1, {{"w", {1, 1, 1, 1}}, {"b", {1, 1, 1}}}).ok());
   shard_.reset();
   const auto good = Contents(*shared);
-  ASSERT_TRUE(good.count({static_cast<int>(Column::kSync), JobKey("job", "job")}));
+  ASSERT_TRUE(good.count({static_cast<int>(Column::kSync), keys::JobKey("job", "job")}));
 
   struct Case {
     Column column;
     std::string key, value, named;
   };
   const std::vector<Case> cases = {
-      {Column::kTensorMeta, JobKey("job", "w"), "not json", "tensor record 'w'"},
-      {Column::kTensorMeta, JobKey("job", "w"), R"({"shape": "2x2"})", "tensor record 'w'"},
-      {Column::kTensorMeta, JobKey("job", "w"), R"({"shape": [4611686018427387904]})",
+      {Column::kTensorMeta, keys::JobKey("job", "w"), "not json", "tensor record 'w'"},
+      {Column::kTensorMeta, keys::JobKey("job", "w"), R"({"shape": "2x2"})", "tensor record 'w'"},
+      {Column::kTensorMeta, keys::JobKey("job", "w"), R"({"shape": [4611686018427387904]})",
        "tensor record 'w'"},
-      {Column::kTensorMeta, JobKey("job", "w"), R"({"shape": [2, 2], "version": "v"})",
+      {Column::kTensorMeta, keys::JobKey("job", "w"), R"({"shape": [2, 2], "version": "v"})",
        "tensor record 'w'"},
-      {Column::kTensors, JobKey("job", "w"), "abc", "tensor 'w'"},
+      {Column::kTensors, keys::JobKey("job", "w"), "abc", "tensor 'w'"},
       {Column::kJobs, "job", "[1, 2]", "job record 'job'"},
       {Column::kJobs, "job", R"({"base_hash": 5})", "job record 'job'"},
-      {Column::kSync, JobKey("job", "job"), "{", "sync record of job 'job'"},
-      {Column::kSync, JobKey("job", "job"), R"({"committed": "one"})", "sync record of job 'job'"},
+      {Column::kSync, keys::JobKey("job", "job"), "{", "sync record of job 'job'"},
+      {Column::kSync, keys::JobKey("job", "job"), R"({"committed": "one"})",
+       "sync record of job 'job'"},
   };
   for (const auto& c : cases) {
     // Back to the good state, then damage one record.

@@ -13,7 +13,8 @@
 #include <fstream>
 #include <thread>
 
-#include "server/store.h"
+#include "server/storage/keys.h"
+#include "server/storage/store.h"
 #include "tests/server/test_util.h"
 
 namespace isthmus {
@@ -37,10 +38,10 @@ class StoreTest : public ::testing::TestWithParam<bool> {  // true = RocksDB
 TEST_P(StoreTest, BatchPutGetDelete) {
   WriteBatch b;
   std::string big(1 << 20, 'x');
-  b.Put(Column::kTensors, JobKey("j", "w"), big);
+  b.Put(Column::kTensors, keys::JobKey("j", "w"), big);
   b.PutOwned(Column::kJobs, "j", "{}");
   ASSERT_TRUE(store().Write(b).ok());
-  auto v = store().Get(Column::kTensors, JobKey("j", "w"));
+  auto v = store().Get(Column::kTensors, keys::JobKey("j", "w"));
   ASSERT_TRUE(v.ok());
   ASSERT_TRUE(v->has_value());
   EXPECT_EQ(**v, big);
@@ -53,12 +54,12 @@ TEST_P(StoreTest, BatchPutGetDelete) {
 
 TEST_P(StoreTest, ScanStopsAtPrefixEnd) {
   WriteBatch b;
-  for (const char* k : {"a", "b", "c"}) b.PutOwned(Column::kTensorMeta, JobKey("job1", k), k);
-  b.PutOwned(Column::kTensorMeta, JobKey("job10", "z"), "z");  // shares "job1" as text prefix
+  for (const char* k : {"a", "b", "c"}) b.PutOwned(Column::kTensorMeta, keys::JobKey("job1", k), k);
+  b.PutOwned(Column::kTensorMeta, keys::JobKey("job10", "z"), "z");  // shares "job1" as text prefix
   ASSERT_TRUE(store().Write(b).ok());
   std::vector<std::string> seen;
   ASSERT_TRUE(store()
-                  .Scan(Column::kTensorMeta, JobKey("job1", ""),
+                  .Scan(Column::kTensorMeta, keys::JobKey("job1", ""),
                         [&](auto k, auto v) {
                           seen.emplace_back(v);
                           return true;
@@ -127,31 +128,31 @@ TEST(RocksSlotTest, LargeValuesSurviveReopenAndAlternateSlots) {
   const std::string db = (dir.path() / "db").string();
   auto store = MustOpen(db);
   for (int v = 1; v <= 3; ++v)
-    ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, v)).ok());
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 3));
+    ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, v)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 3));
   EXPECT_EQ(CountSlotFiles(db), 2) << "one key uses two slot files, reused";
   EXPECT_GE(store->ApproximateBytes(), 2 * kBig);
   store.reset();
   store = MustOpen(db);
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 3));
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 4)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 3));
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, 4)).ok());
   store.reset();
   store = MustOpen(db);
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 4));
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 4));
   // Shrinking below the threshold moves the value back inline and frees the slots.
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), "small").ok());
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), "small");
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), "small").ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), "small");
   EXPECT_EQ(CountSlotFiles(db), 0);
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 5)).ok());
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 5));
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, 5)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 5));
   WriteBatch d;
-  d.Delete(Column::kTensors, JobKey("j", "w"));
+  d.Delete(Column::kTensors, keys::JobKey("j", "w"));
   ASSERT_TRUE(store->Write(d).ok());
-  EXPECT_FALSE(store->Get(Column::kTensors, JobKey("j", "w"))->has_value());
+  EXPECT_FALSE(store->Get(Column::kTensors, keys::JobKey("j", "w"))->has_value());
   EXPECT_EQ(CountSlotFiles(db), 0);
   store.reset();
   store = MustOpen(db);
-  EXPECT_FALSE(store->Get(Column::kTensors, JobKey("j", "w"))->has_value());
+  EXPECT_FALSE(store->Get(Column::kTensors, keys::JobKey("j", "w"))->has_value());
 }
 
 // Rounds of tensor-sized state with a few bytes of bookkeeping in each batch (as a sync
@@ -209,16 +210,16 @@ TEST(RocksSlotTest, ScanMergesSlotAndInlineValuesInKeyOrder) {
   auto store = MustOpen((dir.path() / "db").string(), false);
   WriteBatch b;
   std::string big_b = Pattern(kBig, 7), big_d = Pattern(kBig, 8);
-  b.Put(Column::kTensors, JobKey("j", "a"), "inline-a");
-  b.Put(Column::kTensors, JobKey("j", "b"), big_b);
-  b.Put(Column::kTensors, JobKey("j", "c"), "inline-c");
-  b.Put(Column::kTensors, JobKey("j", "d"), big_d);
-  b.Put(Column::kTensors, JobKey("k", "a"), big_d);  // other prefix
+  b.Put(Column::kTensors, keys::JobKey("j", "a"), "inline-a");
+  b.Put(Column::kTensors, keys::JobKey("j", "b"), big_b);
+  b.Put(Column::kTensors, keys::JobKey("j", "c"), "inline-c");
+  b.Put(Column::kTensors, keys::JobKey("j", "d"), big_d);
+  b.Put(Column::kTensors, keys::JobKey("k", "a"), big_d);  // other prefix
   ASSERT_TRUE(store->Write(b).ok());
   std::vector<std::string> keys;
   std::vector<size_t> sizes;
   ASSERT_TRUE(store
-                  ->Scan(Column::kTensors, JobKey("j", ""),
+                  ->Scan(Column::kTensors, keys::JobKey("j", ""),
                          [&](auto k, auto v) {
                            keys.emplace_back(k.substr(2));
                            sizes.push_back(v.size());
@@ -237,31 +238,31 @@ TEST(RocksSlotTest, CheckpointKeepsItsSlotsWhileTheLiveStoreMovesOn) {
   testing::TempDir dir;
   const auto db = dir.path() / "db";
   auto store = MustOpen(db.string());
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 1)).ok());
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, 1)).ok());
   ASSERT_TRUE(store->Checkpoint((dir.path() / "cp").string()).ok());
   // Two more writes touch both slots, including the one the checkpoint links to.
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 2)).ok());
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 3)).ok());
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 3));
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, 2)).ok());
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, 3)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 3));
   {
     auto cp = MustOpen((dir.path() / "cp").string());
-    EXPECT_EQ(**cp->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 1));
+    EXPECT_EQ(**cp->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 1));
   }
   // Restore as the server does: copy the checkpoint folder over the live one.
   store.reset();
   std::filesystem::remove_all(db);
   std::filesystem::copy(dir.path() / "cp", db, std::filesystem::copy_options::recursive);
   store = MustOpen(db.string());
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 1));
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 4)).ok());
-  EXPECT_EQ(**store->Get(Column::kTensors, JobKey("j", "w")), Pattern(kBig, 4));
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 1));
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, 4)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, keys::JobKey("j", "w")), Pattern(kBig, 4));
 }
 
 TEST(RocksSlotTest, DamagedSlotFileIsCorruption) {
   testing::TempDir dir;
   const auto db = dir.path() / "db";
   auto store = MustOpen(db.string());
-  ASSERT_TRUE(PutTensor(*store, JobKey("j", "w"), Pattern(kBig, 1)).ok());
+  ASSERT_TRUE(PutTensor(*store, keys::JobKey("j", "w"), Pattern(kBig, 1)).ok());
   store.reset();
   int damaged = 0;
   for (const auto& e : std::filesystem::directory_iterator(db / "slots")) {
@@ -272,7 +273,7 @@ TEST(RocksSlotTest, DamagedSlotFileIsCorruption) {
   }
   ASSERT_EQ(damaged, 1);
   store = MustOpen(db.string());
-  auto v = store->Get(Column::kTensors, JobKey("j", "w"));
+  auto v = store->Get(Column::kTensors, keys::JobKey("j", "w"));
   EXPECT_EQ(v.status().code(), Code::kCorruption);
 }
 
@@ -290,7 +291,7 @@ TEST(RocksSlotCrashTest, ChildWriter) {
     ++i;
     std::string value = Pattern(kBig, i), counter = std::to_string(i);
     WriteBatch b;
-    b.Put(Column::kTensors, JobKey("j", "w"), value);
+    b.Put(Column::kTensors, keys::JobKey("j", "w"), value);
     b.Put(Column::kJobs, "j", counter);
     if (!store->Write(b).ok()) std::_Exit(3);
     // Acknowledge: this write is durable from here on.
@@ -336,7 +337,7 @@ TEST(RocksSlotCrashTest, KillMidWrites) {
     int committed = std::stoi(**rec);
     EXPECT_GE(committed, last_acked) << "an acknowledged write was lost";
     EXPECT_LE(committed, last_acked + 1);
-    auto value = store->Get(Column::kTensors, JobKey("j", "w"));
+    auto value = store->Get(Column::kTensors, keys::JobKey("j", "w"));
     ASSERT_TRUE(value.ok()) << value.status().ToString();
     ASSERT_TRUE(value->has_value());
     EXPECT_TRUE(**value == Pattern(kBig, committed)) << "tensor and record of one batch differ";

@@ -10,7 +10,8 @@
 
 #include "common/tensor.h"
 #include "ops/codec.h"
-#include "server/sync_engine.h"
+#include "server/storage/keys.h"
+#include "server/sync/sync_engine.h"
 #include "tests/server/test_util.h"
 
 namespace isthmus {
@@ -83,13 +84,13 @@ class Site {
         keep.push_back(Random(Numel(kTensors[i].shape), 1000 + i, 1.0f));  // same on all sites
       }
       for (size_t i = 0; i < kTensors.size(); ++i) {
-        b.Put(Column::kTensors, JobKey(kJob, kTensors[i].name),
+        b.Put(Column::kTensors, keys::JobKey(kJob, kTensors[i].name),
               {reinterpret_cast<const char*>(keep[i].data()), keep[i].size() * 4});
         std::string shape;
         for (size_t d = 0; d < kTensors[i].shape.size(); ++d) {
           shape += (d ? "," : "") + std::to_string(kTensors[i].shape[d]);
         }
-        b.PutOwned(Column::kTensorMeta, JobKey(kJob, kTensors[i].name),
+        b.PutOwned(Column::kTensorMeta, keys::JobKey(kJob, kTensors[i].name),
                    "{\"shape\":[" + shape + "],\"version\":1}");
       }
       ASSERT_TRUE(store_->Write(b).ok());
@@ -113,7 +114,8 @@ class Site {
     std::vector<std::vector<float>> deltas;
     std::vector<SyncPushTensor> ts;
     for (size_t i = 0; i < kTensors.size(); ++i) deltas.push_back(DeltaOf(name_, r, i));
-    for (size_t i = 0; i < kTensors.size(); ++i) ts.push_back({kTensors[i].name, deltas[i]});
+    for (size_t i = 0; i < kTensors.size(); ++i)
+      ts.push_back({kTensors[i].name, deltas[i], kTensors[i].shape});
     WriteBatch b;
     return engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b);
   }
@@ -127,7 +129,7 @@ class Site {
       if (part >= 0 && p != part) continue;
       std::vector<SyncPushTensor> ts;
       for (size_t i = 0; i < kTensors.size(); ++i) {
-        if ((i == 0) == (p == 0)) ts.push_back({kTensors[i].name, deltas[i]});
+        if ((i == 0) == (p == 0)) ts.push_back({kTensors[i].name, deltas[i], kTensors[i].shape});
       }
       WriteBatch b;
       last = engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b, compute_ms);
@@ -480,7 +482,7 @@ TEST(SyncEngineTest, NoPeerModeEqualsPlainAdd) {
   // Round-less adds are allowed without peers.
   std::vector<float> one(16, 1.0f);
   WriteBatch batch;
-  auto v = solo.engine().AddNow(kJob, {{"b.bias", one}}, batch);
+  auto v = solo.engine().AddNow(kJob, {{"b.bias", one, {16}}}, batch);
   ASSERT_TRUE(v.ok());
   solo.Reopen();
   EXPECT_EQ(solo.engine().CommittedRound(kJob), 3u);
@@ -488,7 +490,7 @@ TEST(SyncEngineTest, NoPeerModeEqualsPlainAdd) {
   // ...and refused with peers.
   Site paired("siteA", {"siteB"}, "dense");
   WriteBatch b2;
-  EXPECT_EQ(paired.engine().AddNow(kJob, {{"b.bias", one}}, b2).status().code(),
+  EXPECT_EQ(paired.engine().AddNow(kJob, {{"b.bias", one, {16}}}, b2).status().code(),
             Code::kFailedPrecondition);
 }
 
@@ -533,7 +535,8 @@ TEST(SyncEngineTest, OptimisticViewTakesTheOuterStepTheCommitWillTake) {
   auto& engines = pair.engines;
   auto push = [&](int e, uint64_t r, std::vector<float> v) {
     WriteBatch b;
-    ASSERT_TRUE(engines[e]->PushRound(kJob, r, 100, {{"w", v}}, b).ok());
+    ASSERT_TRUE(
+        engines[e]->PushRound(kJob, r, 100, {{"w", v, {static_cast<int64_t>(v.size())}}}, b).ok());
   };
   auto deliver = [&](int from, int to, uint64_t r) {
     auto x = engines[from]->OutboxDelta(kJob, r);
@@ -584,7 +587,9 @@ TEST(SyncEngineTest, NesterovMatchesHandComputation) {
   auto& engines = pair.engines;
   auto push = [&](int e, uint64_t r, std::vector<float> v, uint64_t tokens) {
     WriteBatch b;
-    ASSERT_TRUE(engines[e]->PushRound(kJob, r, tokens, {{"w", v}}, b).ok());
+    ASSERT_TRUE(engines[e]
+                    ->PushRound(kJob, r, tokens, {{"w", v, {static_cast<int64_t>(v.size())}}}, b)
+                    .ok());
   };
   auto exchange = [&](uint64_t r) {
     auto x = engines[0]->OutboxDelta(kJob, r);
@@ -726,12 +731,12 @@ TEST(SyncEngineTest, PushRules) {
   EXPECT_TRUE(dup->duplicate);
   WriteBatch b;
   std::vector<float> wrong(3);
-  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"nope", wrong}}, b).status().code(),
+  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"nope", wrong, {3}}}, b).status().code(),
             Code::kNotFound);
-  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", wrong}}, b).status().code(),
+  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", wrong, {3}}}, b).status().code(),
             Code::kInvalidArgument);
   std::vector<float> nan(16, std::nanf(""));
-  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", nan}}, b).status().code(),
+  EXPECT_EQ(a.engine().PushRound(kJob, 2, 1, {{"b.bias", nan, {16}}}, b).status().code(),
             Code::kInvalidArgument);
   ASSERT_TRUE(a.PushRound(2).ok());
   auto over = a.PushRound(3);
@@ -828,7 +833,7 @@ TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
                      const std::map<std::string, SyncTensor>&, uint64_t,
                      WriteBatch&) { return Status::Ok(); };
   d->SetJobHooks(hooks);
-  ASSERT_TRUE(d->StartJoin(kJob, "siteA").ok());
+  ASSERT_TRUE(d->membership().StartJoin(kJob, "siteA").ok());
   // D asks A; A proposes the addition and sends D its prepare; D fetches A's state.
   auto ask = [&](SyncEngine& from, const std::string& from_name, SyncEngine& to,
                  const std::string& to_name, MembershipStep step) {
@@ -882,15 +887,16 @@ TEST(SyncEngineTest, RemovalIsAgreedDurablyAndCutsAtTheNextRound) {
 
   // Refused up front: removing a non-member. Leaving with an uncommitted round of ours
   // drains first (no round is proposed yet); abandoning calls that off.
-  EXPECT_EQ(a.engine().ProposeRemoval(kJob, "siteX").status().code(), Code::kFailedPrecondition);
-  auto leave = a.engine().ProposeRemoval(kJob, "siteA");
+  EXPECT_EQ(a.engine().membership().ProposeRemoval(kJob, "siteX").status().code(),
+            Code::kFailedPrecondition);
+  auto leave = a.engine().membership().ProposeRemoval(kJob, "siteA");
   ASSERT_TRUE(leave.ok()) << leave.status().ToString();
   EXPECT_EQ(leave->next.from_round, 0u);
   EXPECT_TRUE(a.engine().JobStatus(kJob)->draining);
-  ASSERT_TRUE(a.engine().AbandonChange(kJob).ok());
+  ASSERT_TRUE(a.engine().membership().AbandonChange(kJob).ok());
   EXPECT_FALSE(a.engine().JobStatus(kJob)->draining);
 
-  auto change = a.engine().ProposeRemoval(kJob, "siteC");
+  auto change = a.engine().membership().ProposeRemoval(kJob, "siteC");
   ASSERT_TRUE(change.ok()) << change.status().ToString();
   EXPECT_EQ(change->next.epoch, 1u);
   EXPECT_EQ(change->next.from_round, 2u);

@@ -2,7 +2,7 @@
 // may go unanswered, and how acks become bandwidth samples. Pure, so no shaped link needed.
 #include <gtest/gtest.h>
 
-#include "server/peer_link.h"
+#include "server/sync/peer_link.h"
 
 namespace isthmus {
 namespace {

@@ -17,7 +17,7 @@
 #include "common/keys.h"
 #include "common/transport.h"
 #include "common/varint.h"
-#include "server/peer_link.h"
+#include "server/sync/peer_link.h"
 #include "tests/loopback.h"
 
 namespace isthmus {

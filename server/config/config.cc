@@ -1,0 +1,612 @@
+// The settings table and the loaders that map TOML keys, flags and environment variables
+// onto it.
+#include "server/config/config.h"
+
+#include <toml.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <cmath>
+#include <concepts>
+#include <cstdlib>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <set>
+#include <sstream>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "common/metrics.h"
+
+namespace isthmus {
+namespace {
+
+// A setting bound to its ServerConfig field. Bind() takes the field as a generic lambda
+// ([](auto& c) -> auto& { return c.x; }), so one accessor serves reads (the default's text,
+// from ServerConfig{}) and writes (parsing a value), and the field's type picks the parser.
+struct Binding {
+  SettingInfo info;
+  std::function<Status(ServerConfig&, const std::string& text, const std::string& origin)> set;
+  std::function<std::string(const ServerConfig&)> text;
+};
+
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    auto a = item.find_first_not_of(" \t");
+    auto b = item.find_last_not_of(" \t");
+    if (a != std::string::npos) out.push_back(item.substr(a, b - a + 1));
+  }
+  return out;
+}
+
+std::string ToText(const std::string& v) { return v; }
+std::string ToText(const std::vector<std::string>& v) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? "," : "") + v[i];
+  return out;
+}
+std::string ToText(bool v) { return v ? "true" : "false"; }
+std::string ToText(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  std::string s = os.str();
+  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  return s;
+}
+template <std::integral T>
+std::string ToText(T v) {
+  return std::to_string(v);
+}
+
+template <typename T>
+constexpr SettingType TypeOf() {
+  if constexpr (std::is_same_v<T, std::string>) return SettingType::kString;
+  if constexpr (std::is_same_v<T, std::vector<std::string>>) return SettingType::kStringList;
+  if constexpr (std::is_same_v<T, bool>) return SettingType::kBool;
+  if constexpr (std::is_same_v<T, double>) return SettingType::kDouble;
+  return SettingType::kInt;
+}
+
+Status Parse(const std::string& text, std::string& out, const std::string&, const std::string&) {
+  out = text;
+  return Status::Ok();
+}
+Status Parse(const std::string& text, std::vector<std::string>& out, const std::string&,
+             const std::string&) {
+  out = SplitList(text);
+  return Status::Ok();
+}
+Status Parse(const std::string& text, bool& out, const std::string& key,
+             const std::string& origin) {
+  if (text == "true" || text == "1" || text == "yes") {
+    out = true;
+  } else if (text == "false" || text == "0" || text == "no") {
+    out = false;
+  } else {
+    return Status::InvalidArgument(origin + ": " + key + " must be true or false, not '" + text +
+                                   "'");
+  }
+  return Status::Ok();
+}
+Status Parse(const std::string& text, double& out, const std::string& key,
+             const std::string& origin) {
+  char* end = nullptr;
+  double v = std::strtod(text.c_str(), &end);
+  if (text.empty() || *end != '\0' || !std::isfinite(v)) {
+    return Status::InvalidArgument(origin + ": " + key + " must be a number, not '" + text + "'");
+  }
+  out = v;
+  return Status::Ok();
+}
+template <std::integral T>
+Status Parse(const std::string& text, T& out, const std::string& key, const std::string& origin) {
+  char* end = nullptr;
+  errno = 0;
+  long long v = std::strtoll(text.c_str(), &end, 10);
+  if (text.empty() || *end != '\0' || errno == ERANGE) {
+    return Status::InvalidArgument(origin + ": " + key + " must be an integer, not '" + text + "'");
+  }
+  if (!std::in_range<T>(v)) {
+    return Status::InvalidArgument(origin + ": " + key + " must be an integer in [" +
+                                   std::to_string(std::numeric_limits<T>::min()) + ", " +
+                                   std::to_string(std::numeric_limits<T>::max()) + "], not '" +
+                                   text + "'");
+  }
+  out = static_cast<T>(v);
+  return Status::Ok();
+}
+
+template <typename F>
+Binding Bind(std::string key, F field, std::string doc) {
+  using T = std::decay_t<decltype(field(std::declval<ServerConfig&>()))>;
+  Binding b;
+  const ServerConfig defaults;
+  b.info = SettingInfo{key, TypeOf<T>(), ToText(field(defaults)), std::move(doc)};
+  b.set = [field, key](ServerConfig& c, const std::string& text, const std::string& origin) {
+    return Parse(text, field(c), key, origin);
+  };
+  b.text = [field](const ServerConfig& c) { return ToText(field(c)); };
+  return b;
+}
+
+const std::vector<Binding>& Bindings() {
+  using T = SettingType;
+  static const std::vector<Binding> kBindings = {
+      Bind(
+          "shard.id", [](auto& c) -> auto& { return c.shard_id; },
+          "Name of this shard in logs and status (e.g. siteA-0)."),
+      Bind(
+          "shard.index", [](auto& c) -> auto& { return c.shard_index; },
+          "This shard's position (0, 1, ...) in its site's shard list. When set, a peer link whose "
+          "other end reports a different index is refused at the handshake (a sync.peers entry "
+          "that "
+          "points at the wrong shard). -1: not checked."),
+      Bind(
+          "shard.data_dir", [](auto& c) -> auto& { return c.data_dir; },
+          "Folder for the RocksDB database (db/) and snapshots (snapshots/). Required."),
+      Bind(
+          "listen.worker", [](auto& c) -> auto& { return c.listen_worker; },
+          "ZeroMQ endpoint for workers (pull, push, hello)."),
+      Bind(
+          "listen.admin", [](auto& c) -> auto& { return c.listen_admin; },
+          "ZeroMQ endpoint for isthmusctl (jobs, stats, snapshots, export)."),
+      Bind(
+          "listen.metrics", [](auto& c) -> auto& { return c.listen_metrics; },
+          "HOST:PORT where Prometheus metrics are served over plain HTTP at /metrics (docs/"
+          "METRICS.md). Empty: off. Unauthenticated and unencrypted: bind it to loopback or a "
+          "monitoring network only."),
+      Bind(
+          "security.secret_key", [](auto& c) -> auto& { return c.secret_key; },
+          "This server's key pair file (mode 0600; make one with isthmusctl keygen). Required "
+          "unless "
+          "insecure_plaintext."),
+      Bind(
+          "security.worker_keys", [](auto& c) -> auto& { return c.worker_keys; },
+          "Public key files or folders of *.pub files allowed on the worker socket."),
+      Bind(
+          "security.admin_keys", [](auto& c) -> auto& { return c.admin_keys; },
+          "Public key files or folders allowed on the admin socket."),
+      Bind(
+          "security.peer_keys", [](auto& c) -> auto& { return c.peer_keys; },
+          "Public key files or folders of peer shards (cross-site links)."),
+      Bind(
+          "security.insecure_plaintext", [](auto& c) -> auto& { return c.insecure_plaintext; },
+          "Disable CURVE: no encryption, no authentication. For local benchmarks only; prints a "
+          "warning."),
+      Bind(
+          "limits.max_message_bytes", [](auto& c) -> auto& { return c.max_message_bytes; },
+          "Largest payload of one request or reply (bytes); larger requests get "
+          "ResourceExhausted."),
+      Bind(
+          "limits.max_header_bytes", [](auto& c) -> auto& { return c.max_header_bytes; },
+          "Largest header frame (bytes)."),
+      Bind(
+          "limits.max_tensors", [](auto& c) -> auto& { return c.max_tensors; },
+          "Most tensors in one request."),
+      Bind(
+          "storage.sync_writes", [](auto& c) -> auto& { return c.sync_writes; },
+          "fsync RocksDB's write-ahead log before acknowledging a change. false: acknowledged "
+          "changes survive a process crash but not a power loss."),
+      Bind(
+          "storage.dedup_window", [](auto& c) -> auto& { return c.dedup_window; },
+          "Idempotency keys remembered per job; a retry older than this many pushes is applied "
+          "again."),
+      Bind(
+          "runtime.io_threads", [](auto& c) -> auto& { return c.io_threads; },
+          "ZeroMQ I/O threads (CURVE encryption runs on them)."),
+      Bind(
+          "log.level", [](auto& c) -> auto& { return c.log_level; },
+          "trace, debug, info, warn, error or off."),
+      Bind(
+          "listen.peer", [](auto& c) -> auto& { return c.listen_peer; },
+          "ZeroMQ endpoint for peer shards of other sites (cross-site sync). Empty: no peer "
+          "socket."),
+      Bind(
+          "sync.site", [](auto& c) -> auto& { return c.sync.site; },
+          "This site's name (e.g. siteA). Setting it turns on the round protocol (docs/SYNC.md); "
+          "required when sync.peers is set."),
+      Bind(
+          "sync.peers", [](auto& c) -> auto& { return c.sync_peers; },
+          "Peer shards, each SITE=ENDPOINT=PUBKEYFILE: the same-numbered shard of another site."),
+      Bind(
+          "sync.codec", [](auto& c) -> auto& { return c.sync.codec; },
+          "Codec pipeline for round deltas (ops/codec.h syntax, e.g. topk:0.05+int4+zstd). Empty: "
+          "the codec's default."),
+      Bind(
+          "sync.codec_overrides", [](auto& c) -> auto& { return c.sync.codec_overrides; },
+          "Per-tensor pipelines, each GLOB=PIPELINE on tensor names; the first match wins."),
+      Bind(
+          "sync.adaptive", [](auto& c) -> auto& { return c.sync.adaptive; },
+          "Choose density and bit width per round so one round's transfer fits in one round's "
+          "compute time on the slowest link."),
+      Bind(
+          "sync.adaptive_floor", [](auto& c) -> auto& { return c.sync.adaptive_floor; },
+          "Coarsest pipeline adaptive mode may use. Empty: sync.codec."),
+      Bind(
+          "sync.adaptive_ceiling", [](auto& c) -> auto& { return c.sync.adaptive_ceiling; },
+          "Finest pipeline adaptive mode may use. Empty: dense."),
+      Bind(
+          "sync.outer_lr", [](auto& c) -> auto& { return c.sync.outer_lr; },
+          "Outer learning rate applied to the merged round delta."),
+      Bind(
+          "sync.outer_momentum", [](auto& c) -> auto& { return c.sync.outer_momentum; },
+          "Outer Nesterov momentum in [0, 1); 0: plain averaging. With outer_lr 1, 0.5 was the "
+          "best or near-best setting for every codec of the loss-versus-bytes study "
+          "(docs/BENCHMARKS.md, section 8); its best point (int2:256+zstd, 80 steps per round, "
+          "max_rounds_ahead 0) used 0.6 with outer_lr 1.25. Every site of a job must use the "
+          "same value."),
+      Bind(
+          "sync.fragments", [](auto& c) -> auto& { return c.sync.fragments; },
+          "Stream the model in this many fragments of about equal size: round r sends fragment "
+          "(r-1) "
+          "mod N and the others wait in the error-feedback residual, so a round carries 1/N of the "
+          "model (1: every tensor every round; all sites should agree)."),
+      Bind(
+          "sync.max_rounds_ahead", [](auto& c) -> auto& { return c.sync.max_rounds_ahead; },
+          "K: workers wait while their site is more than K rounds ahead of the last committed "
+          "round. "
+          "0: synchronous rounds (workers wait until each round has committed before the next, as "
+          "DiLoCo does); larger K overlaps the WAN with compute."),
+      Bind(
+          "sync.dial", [](auto& c) -> auto& { return c.sync_dial; },
+          "Which side of each peer pair opens the one connection they share: auto (the site whose "
+          "name sorts first), always (this site dials every peer: the peers cannot reach it), "
+          "never "
+          "(it only listens: it cannot reach them)."),
+      Bind(
+          "sync.ack_delay_ms", [](auto& c) -> auto& { return c.sync_ack_delay_ms; },
+          "How long a peer may hold its acknowledgement of this site's delta to carry it in its "
+          "own "
+          "next delta instead of a message of its own (0: acknowledge at once). Also added to the "
+          "time before an unacknowledged delta is sent again."),
+      Bind(
+          "sync.remove_silent_after_s",
+          [](auto& c) -> auto& { return c.sync_remove_silent_after_s; },
+          "Automatic removal, for jobs of three or more member sites: when members have sent "
+          "nothing for this many seconds, the first-named of the other members proposes removing "
+          "them from the next round; the change needs the remaining members to be a majority and "
+          "every one of them to agree (docs/SYNC.md, Membership). At least twice "
+          "sync.backoff_max_ms (a live idle peer is heard once per keep-alive interval). 0: "
+          "never. Two sites are never removed automatically."),
+      Bind(
+          "sync.resend_ms", [](auto& c) -> auto& { return c.sync_resend_ms; },
+          "Resend unacknowledged deltas to a peer after this many milliseconds."),
+      Bind(
+          "sync.backoff_max_ms", [](auto& c) -> auto& { return c.sync_backoff_max_ms; },
+          "Longest wait between reconnection attempts to a peer (milliseconds); also how often an "
+          "idle peer link sends its keep-alive."),
+  };
+  return kBindings;
+}
+
+const Binding* FindBinding(const std::string& key) {
+  for (const auto& b : Bindings()) {
+    if (b.info.key == key) return &b;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+const std::vector<SettingInfo>& ServerSettings() {
+  static const std::vector<SettingInfo> kInfos = [] {
+    std::vector<SettingInfo> v;
+    for (const auto& b : Bindings()) v.push_back(b.info);
+    return v;
+  }();
+  return kInfos;
+}
+
+std::string SettingFlag(const std::string& key) { return "--" + key; }
+
+std::string SettingEnv(const std::string& key) {
+  std::string env = "ISTHMUS_";
+  for (char c : key) env.push_back(c == '.' ? '_' : static_cast<char>(std::toupper(c)));
+  return env;
+}
+
+namespace {
+
+// Offset of the first byte that does not belong to a well-formed UTF-8 sequence (no
+// overlong forms, surrogates or code points above U+10FFFF), or npos.
+size_t FirstInvalidUtf8(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size()) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (n == 0 || i + n > s.size()) return i;
+    uint32_t cp = n == 1 ? c : c & (0x7F >> n);
+    for (size_t k = 1; k < n; ++k) {
+      const auto cc = static_cast<unsigned char>(s[i + k]);
+      if ((cc >> 6) != 0x2) return i;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += n;
+  }
+  return std::string_view::npos;
+}
+
+// Calls on_bare(i) for every index of TOML `text` outside strings and comments.
+template <typename F>
+void VisitBare(std::string_view text, F&& on_bare) {
+  char quote = 0;
+  bool comment = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (comment) {
+      comment = c != '\n';
+    } else if (quote != 0) {
+      if (c == '\\' && quote == '"') {
+        ++i;  // an escaped character
+      } else if (c == quote) {
+        quote = 0;
+      }
+    } else if (c == '"' || c == '\'') {
+      quote = c;
+    } else if (c == '#') {
+      comment = true;
+    } else {
+      on_bare(i);
+    }
+  }
+}
+
+// The deepest nesting of arrays and inline tables in TOML `text` (brackets and braces
+// outside strings and comments). toml11 parses nesting by recursion.
+int NestingDepth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  VisitBare(text, [&](size_t i) {
+    if (text[i] == '[' || text[i] == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if ((text[i] == ']' || text[i] == '}') && depth > 0) {
+      --depth;
+    }
+  });
+  return deepest;
+}
+
+// Offset of the first binary integer literal (0b...) of more than 62 digits, or npos.
+size_t FirstLongBinaryInteger(std::string_view text) {
+  size_t found = std::string::npos;
+  VisitBare(text, [&](size_t i) {
+    if (found != std::string::npos || text[i] != '0' || i + 1 >= text.size() ||
+        text[i + 1] != 'b') {
+      return;
+    }
+    if (i > 0 && (std::isalnum(static_cast<unsigned char>(text[i - 1])) || text[i - 1] == '_' ||
+                  text[i - 1] == '-' || text[i - 1] == '.')) {
+      return;  // inside a bare key or another token
+    }
+    size_t digits = 0;
+    for (size_t j = i + 2; j < text.size() && (text[j] == '0' || text[j] == '1' || text[j] == '_');
+         ++j) {
+      digits += text[j] != '_';
+    }
+    if (digits > 62) found = i;
+  });
+  return found;
+}
+
+}  // namespace
+
+Result<ServerConfig> LoadServerConfig(const std::string& config_file,
+                                      const std::map<std::string, std::string>& overrides) {
+  ServerConfig cfg;  // the defaults
+  if (!config_file.empty()) {
+    std::ifstream in(config_file, std::ios::binary);
+    if (!in) return Status::InvalidArgument("cannot read config file '" + config_file + "'");
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    // TOML is UTF-8; toml11 reads past the end of some invalid sequences (found by
+    // fuzzing), so they never reach it.
+    if (const size_t bad = FirstInvalidUtf8(text); bad != std::string::npos) {
+      return Status::InvalidArgument("config file '" + config_file + "' is not valid UTF-8 (byte " +
+                                     std::to_string(bad) + ")");
+    }
+    // toml11 recurses once per nesting level: deep nesting (found by fuzzing) overflows the
+    // stack. No setting nests more than two levels.
+    constexpr int kMaxNesting = 32;
+    if (NestingDepth(text) > kMaxNesting) {
+      return Status::InvalidArgument("config file '" + config_file + "' nests arrays or tables " +
+                                     "deeper than " + std::to_string(kMaxNesting) + " levels");
+    }
+    // toml11 doubles a signed 64-bit place value per binary digit: 63 or more digits
+    // overflow it (found by fuzzing).
+    if (const size_t at = FirstLongBinaryInteger(text); at != std::string::npos) {
+      return Status::InvalidArgument("config file '" + config_file +
+                                     "' has a binary integer of more than 62 digits (byte " +
+                                     std::to_string(at) + ")");
+    }
+    toml::value root;
+    try {
+      std::istringstream is(text);
+      root = toml::parse(is, config_file);
+    } catch (const std::exception& e) {
+      return Status::InvalidArgument("cannot read config file '" + config_file + "': " + e.what());
+    }
+    if (!root.is_table()) return Status::InvalidArgument("config file is not a TOML table");
+    for (const auto& [section, table] : root.as_table()) {
+      if (!table.is_table()) {
+        return Status::InvalidArgument(config_file + ": top-level key '" + section +
+                                       "' must be a [section]");
+      }
+      for (const auto& [name, value] : table.as_table()) {
+        std::string key = section + "." + name;
+        const Binding* b = FindBinding(key);
+        if (b == nullptr) {
+          return Status::InvalidArgument(config_file + ": unknown setting '" + key +
+                                         "' (see docs/CONFIG.md)");
+        }
+        std::string text;
+        try {
+          switch (b->info.type) {
+            case SettingType::kString:
+              text = toml::get<std::string>(value);
+              break;
+            case SettingType::kBool:
+              text = toml::get<bool>(value) ? "true" : "false";
+              break;
+            case SettingType::kInt:
+              text = std::to_string(toml::get<int64_t>(value));
+              break;
+            case SettingType::kDouble: {
+              std::ostringstream os;
+              os.precision(17);
+              os << (value.is_integer() ? static_cast<double>(toml::get<int64_t>(value))
+                                        : toml::get<double>(value));
+              text = os.str();
+              break;
+            }
+            case SettingType::kStringList: {
+              auto items = toml::get<std::vector<std::string>>(value);
+              for (size_t i = 0; i < items.size(); ++i) text += (i ? "," : "") + items[i];
+              break;
+            }
+          }
+        } catch (const std::exception&) {
+          return Status::InvalidArgument(config_file + ": setting '" + key +
+                                         "' has the wrong type");
+        }
+        ISTHMUS_RETURN_IF_ERROR(b->set(cfg, text, config_file));
+      }
+    }
+  }
+  for (const auto& b : Bindings()) {
+    if (const char* v = std::getenv(SettingEnv(b.info.key).c_str())) {
+      ISTHMUS_RETURN_IF_ERROR(b.set(cfg, v, SettingEnv(b.info.key)));
+    }
+  }
+  for (const auto& [key, text] : overrides) {
+    const Binding* b = FindBinding(key);
+    if (b == nullptr) return Status::InvalidArgument("unknown setting '" + key + "'");
+    ISTHMUS_RETURN_IF_ERROR(b->set(cfg, text, SettingFlag(key)));
+  }
+  return cfg;
+}
+
+Status ValidateServerConfig(const ServerConfig& c) {
+  if (c.data_dir.empty()) {
+    return Status::InvalidArgument(
+        "shard.data_dir is not set (use --shard.data_dir=DIR or [shard] data_dir in the config "
+        "file)");
+  }
+  if (!c.insecure_plaintext && c.secret_key.empty()) {
+    return Status::InvalidArgument(
+        "security.secret_key is not set: make a key pair with `isthmusctl keygen --out PREFIX` and "
+        "pass --security.secret_key=PREFIX.key (or --security.insecure_plaintext=true for a local "
+        "test)");
+  }
+  if (c.listen_worker.empty() || c.listen_admin.empty()) {
+    return Status::InvalidArgument("listen.worker and listen.admin must both be set");
+  }
+  if (c.max_message_bytes <= 0 || c.max_header_bytes <= 0 || c.max_tensors <= 0 ||
+      c.dedup_window <= 0 || c.io_threads <= 0) {
+    return Status::InvalidArgument(
+        "limits, storage.dedup_window and runtime.io_threads must be positive");
+  }
+  if (c.shard_index < -1) {
+    return Status::InvalidArgument("shard.index must be >= 0 (or -1 to leave it unchecked)");
+  }
+  if (!c.sync_peers.empty() && c.sync.site.empty()) {
+    return Status::InvalidArgument(
+        "sync.peers is set but sync.site is not: name this site (--sync.site=NAME)");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(auto peers, ParsePeerSpecs(c.sync_peers));
+  for (const auto& p : peers) {
+    if (p.site == c.sync.site) {
+      return Status::InvalidArgument("sync.peers names this site (" + p.site + ") as a peer");
+    }
+  }
+  if (c.sync.fragments < 1 || c.sync.fragments > 1024) {
+    return Status::InvalidArgument("sync.fragments must be in [1, 1024]");
+  }
+  if (c.sync.outer_momentum < 0 || c.sync.outer_momentum >= 1) {
+    return Status::InvalidArgument("sync.outer_momentum must be in [0, 1)");
+  }
+  if (c.sync_dial != "auto" && c.sync_dial != "always" && c.sync_dial != "never") {
+    return Status::InvalidArgument("sync.dial is '" + c.sync_dial + "'; use auto, always or never");
+  }
+  if (c.sync_ack_delay_ms < 0 || c.sync_ack_delay_ms > 60000) {
+    return Status::InvalidArgument("sync.ack_delay_ms must be in [0, 60000]");
+  }
+  if (c.sync_remove_silent_after_s < 0 || c.sync_remove_silent_after_s > 30 * 86400) {
+    return Status::InvalidArgument(
+        "sync.remove_silent_after_s must be in [0, 2592000] (seconds; 0 turns it off)");
+  }
+  if (c.sync_remove_silent_after_s > 0 &&
+      c.sync_remove_silent_after_s * 1000 < 2 * c.sync_backoff_max_ms) {
+    return Status::InvalidArgument(
+        "sync.remove_silent_after_s must be at least twice sync.backoff_max_ms (" +
+        std::to_string(c.sync_backoff_max_ms) +
+        " ms): a live but idle peer is heard only once per keep-alive interval");
+  }
+  if (!c.listen_metrics.empty()) {
+    auto hp = metrics::ParseHostPort(c.listen_metrics, "listen.metrics");
+    if (!hp.ok()) return hp.status();
+  }
+  if (c.sync_resend_ms <= 0 || c.sync_backoff_max_ms <= 0) {
+    return Status::InvalidArgument("sync.resend_ms and sync.backoff_max_ms must be positive");
+  }
+  if (auto sync = SyncOptionsFrom(c)) {
+    // The engine's own check, so that isthmusctl refuses what the server would.
+    ISTHMUS_RETURN_IF_ERROR(NormalizeSyncOptions(*sync));
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<PeerSpec>> ParsePeerSpecs(const std::vector<std::string>& entries) {
+  std::vector<PeerSpec> out;
+  std::set<std::string> sites;
+  for (const auto& e : entries) {
+    auto a = e.find('=');
+    auto b = a == std::string::npos ? a : e.find('=', a + 1);
+    if (b == std::string::npos || a == 0 || b == a + 1 || b + 1 == e.size()) {
+      return Status::InvalidArgument("sync.peers entry '" + e +
+                                     "' is not SITE=ENDPOINT=PUBKEYFILE");
+    }
+    PeerSpec p{e.substr(0, a), e.substr(a + 1, b - a - 1), e.substr(b + 1)};
+    if (!sites.insert(p.site).second) {
+      return Status::InvalidArgument("sync.peers names site '" + p.site + "' twice");
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
+std::optional<SyncOptions> SyncOptionsFrom(const ServerConfig& c) {
+  if (c.sync.site.empty()) return std::nullopt;
+  SyncOptions o = c.sync;
+  o.peer_sites.clear();
+  auto peers = ParsePeerSpecs(c.sync_peers);
+  if (peers.ok()) {
+    for (const auto& p : *peers) o.peer_sites.push_back(p.site);
+  }
+  return o;
+}
+
+std::string ServerConfigDoc() {
+  std::ostringstream out;
+  out << "| key (TOML `[section] name`) | flag | environment | type | default | meaning |\n";
+  out << "|---|---|---|---|---|---|\n";
+  for (const auto& s : ServerSettings()) {
+    const char* type = s.type == SettingType::kString       ? "string"
+                       : s.type == SettingType::kStringList ? "list of strings"
+                       : s.type == SettingType::kBool       ? "bool"
+                       : s.type == SettingType::kDouble     ? "number"
+                                                            : "integer";
+    out << "| `" << s.key << "` | `" << SettingFlag(s.key) << "` | `" << SettingEnv(s.key) << "` | "
+        << type << " | `" << s.default_value << "` | " << s.doc << " |\n";
+  }
+  return out.str();
+}
+
+}  // namespace isthmus

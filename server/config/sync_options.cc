@@ -1,0 +1,50 @@
+// The round protocol options' one check (see sync_options.h).
+#include "server/config/sync_options.h"
+
+#include <cmath>
+#include <set>
+
+#include "ops/codec.h"
+
+namespace isthmus {
+
+Status NormalizeSyncOptions(SyncOptions& options) {
+  if (options.site.empty()) return Status::InvalidArgument("sync.site is not set");
+  std::set<std::string> seen{options.site};
+  for (const auto& p : options.peer_sites) {
+    if (p.empty() || p.find('\0') != std::string::npos) {
+      return Status::InvalidArgument("a peer site name is empty");
+    }
+    if (!seen.insert(p).second) {
+      return Status::InvalidArgument("site '" + p +
+                                     "' is listed twice (or is this site) in sync.peers");
+    }
+  }
+  if (!std::isfinite(options.outer_lr) || !std::isfinite(options.outer_momentum) ||
+      options.outer_momentum < 0 || options.outer_momentum >= 1) {
+    return Status::InvalidArgument(
+        "sync.outer_lr must be finite and sync.outer_momentum in [0, 1)");
+  }
+  if (options.codec.empty()) options.codec = std::string(codec::kDefaultPipeline);
+  std::vector<std::string> texts{options.codec};
+  for (const auto& o : options.codec_overrides) {
+    auto eq = o.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      return Status::InvalidArgument("sync.codec_overrides entry '" + o + "' is not GLOB=PIPELINE");
+    }
+    texts.push_back(o.substr(eq + 1));
+  }
+  if (options.adaptive_floor.empty()) options.adaptive_floor = options.codec;
+  if (options.adaptive_ceiling.empty()) options.adaptive_ceiling = "dense";
+  texts.push_back(options.adaptive_floor);
+  texts.push_back(options.adaptive_ceiling);
+  for (const auto& t : texts) {
+    auto p = codec::ParsePipeline(t);
+    if (!p.ok()) {
+      return Status::InvalidArgument("codec pipeline '" + t + "': " + p.status().message());
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace isthmus

@@ -1,0 +1,57 @@
+// The round protocol's options (docs/SYNC.md), declared once: the server's settings table
+// (config.h) binds its sync.* keys to these fields, and their initial values below are the
+// defaults that table prints. The sync engine takes a copy.
+//
+// Plain data plus two hooks; no storage, no sockets, so isthmusctl can check a shard's
+// sync settings exactly as the server would without linking the engine.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus {
+
+struct SyncOptions {
+  std::string site;                     // this site's name; required
+  std::vector<std::string> peer_sites;  // the other sites; empty = commit on close
+  // Codec pipeline text for every tensor (empty: the codec's default pipeline).
+  std::string codec;
+  // "glob=pipeline" entries (fnmatch globs on tensor names); the first match wins.
+  std::vector<std::string> codec_overrides;
+  // Adaptive mode: size each round's encoding to the slowest link, within floor/ceiling.
+  bool adaptive = false;
+  std::string adaptive_floor;    // coarsest pipeline allowed (empty: codec)
+  std::string adaptive_ceiling;  // finest pipeline allowed (empty: dense)
+  double outer_lr = 1.0;
+  double outer_momentum = 0.5;
+  // Streaming: the job's tensors fall into this many fragments of about equal size
+  // (AssignFragments); round r sends fragment (r - 1) % fragments and defers the others
+  // (codec "defer": their deltas wait in the error-feedback residual), so each fragment
+  // crosses the WAN every `fragments` rounds and a round carries 1/fragments of the model.
+  // 1 = every tensor every round.
+  uint32_t fragments = 1;
+  // K: workers wait while local - committed > K (0: synchronous rounds, each commits first)
+  uint64_t max_rounds_ahead = 2;
+  // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
+  uint64_t hard_cap_rounds = 0;
+  // Clock for round durations (adaptive sizing); tests replace it.
+  std::function<std::chrono::steady_clock::time_point()> now = &std::chrono::steady_clock::now;
+  // Called (event-loop thread) after a round this site closed has committed, with the
+  // seconds from its close to its commit: the wait for every member's delta plus the merge
+  // (the commit latency of docs/METRICS.md). Rounds closed before a restart are not timed.
+  std::function<void(const std::string& job, uint64_t round, double seconds)> on_commit;
+};
+
+// Checks `options` as the engine needs them and fills in what an empty field means: site
+// set and a valid site name, peers distinct from it and from each other, every pipeline
+// parses (codec, overrides, floor, ceiling), outer lr finite and positive, momentum in
+// [0, 1), fragments in [1, 1024], K and the hard cap in range. InvalidArgument naming the
+// setting (sync.codec, ...) and what to change.
+Status NormalizeSyncOptions(SyncOptions& options);
+
+}  // namespace isthmus

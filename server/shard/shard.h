@@ -1,0 +1,155 @@
+// The shard's state machine, separate from sockets so it can be driven in one process by
+// tests: it takes a verified request (role, header, payload frames) and produces a reply
+// (header + zero-copy payload). It owns the job tensors (a copy in memory for fast pulls,
+// the authoritative copy in the Store) and applies each change as one atomic write batch,
+// updating memory only after the batch is durable.
+//
+// Threads: one thread (the server's event loop) calls everything.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "common/metrics.h"
+#include "common/status.h"
+#include "common/wire.h"
+#include "server/storage/records.h"
+#include "server/storage/store.h"
+#include "server/sync/sync_engine.h"
+
+namespace isthmus {
+
+struct ShardOptions {
+  std::string shard_id = "shard";
+  // Folder for snapshots (<snapshot_dir>/<name>/). Empty disables snapshots.
+  std::string snapshot_dir;
+  // Closes nothing, opens the live store: used at start and after a restore.
+  std::function<Result<std::unique_ptr<Store>>()> open_store;
+  // Replaces the live store's files with the checkpoint in `checkpoint_dir`. Called with
+  // the store closed. Null disables restore.
+  std::function<Status(const std::string& checkpoint_dir)> replace_store_files;
+  WireLimits limits;
+  // How many idempotency keys per job are remembered (older ones are forgotten).
+  uint64_t dedup_window = 65536;
+  // Cross-site round protocol (docs/SYNC.md); nullopt = off (pushes add at once).
+  std::optional<SyncOptions> sync;
+};
+
+// A reply ready to send.
+struct Reply {
+  flatbuffers::FlatBufferBuilder header;
+  std::vector<PayloadRef> payload;
+  bool is_error = false;
+};
+
+class Shard {
+ public:
+  // Opens the store and loads every job into memory.
+  static Result<std::unique_ptr<Shard>> Open(ShardOptions options);
+
+  // Handles one request that arrived on the socket of `role`. Never throws; any problem
+  // becomes an error reply, and an error reply means no state changed.
+  Reply Handle(wire::Role role, const Frames& request);
+
+  uint64_t requests() const { return requests_; }
+  uint64_t errors() const { return errors_; }
+  // Bytes of one request and its reply on the socket of `role` (headers and payload).
+  void CountBytes(wire::Role role, uint64_t in, uint64_t out);
+  // Counts one request answered on the socket of `role`: its operation (a short name such
+  // as "push", see OpName), its outcome and how long handling it took. Handle() records
+  // its own; the server records the sync admin requests it answers beside the shard.
+  void RecordRequest(wire::Role role, std::string_view op, Code outcome, double seconds);
+  // The metrics of the shard itself (docs/METRICS.md): requests by socket, operation and
+  // outcome, their handling time, each job's pushes, version and size, and the store's
+  // sizes and write stalls.
+  void WriteMetrics(metrics::TextWriter& w);
+  // Per socket role name ("worker", "admin"): {bytes received, bytes sent}.
+  const std::map<std::string, std::pair<uint64_t, uint64_t>>& socket_bytes() const {
+    return socket_bytes_;
+  }
+
+  // The round protocol engine (every job of this shard takes part), or nullptr when sync
+  // is off. Owned by the shard; valid until the shard dies. The peer links use it as their
+  // DeltaSource and DeltaSink. Event-loop thread only, like everything here.
+  SyncEngine* sync() { return sync_.get(); }
+
+ private:
+  struct TensorState {
+    std::vector<int64_t> shape;
+    uint64_t version = 0;
+    std::shared_ptr<const std::vector<float>> data;  // replaced, never mutated
+    // A buffer of the same size no one else references, reused by the next push.
+    std::shared_ptr<std::vector<float>> spare = nullptr;
+  };
+  // A job in memory: its durable record (storage/records.h) and what is derived from it.
+  struct JobState : JobRecord {
+    std::string name;
+    uint64_t duplicate_pushes = 0;  // answered as duplicates since start (not stored)
+    // Names, shapes, versions; the data only for plain jobs (the sync engine holds a
+    // synced job's tensors: ReleaseSyncedData).
+    std::map<std::string, TensorState> tensors;
+  };
+
+  explicit Shard(ShardOptions options);
+  Status Load();
+  static void ReleaseSyncedData(JobState& job);
+  // A job a joining site builds from a member's state (SyncEngine::JobHooks::install).
+  Status InstallJoinedJob(const std::string& name, const std::string& base_hash,
+                          const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                          WriteBatch& batch);
+  // fp32 bytes of the job's tensors, from their shapes.
+  static uint64_t JobBytes(const JobState& job);
+
+  Status DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply);
+  Status DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply);
+  Status DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply);
+  // A push to a job of the round protocol: staged by the engine (round >= 1) or added at
+  // once (round 0, only without peers). Validated by DoPush up to the tensor list.
+  Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames, uint64_t id,
+                    Reply& reply);
+  // Adds the idempotency record of `key` (and forgets the oldest) to `batch`; counts it
+  // in `next`.
+  Status AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
+                  JobRecord& next, WriteBatch& batch);
+  // Served version of a job: the engine's for synced jobs.
+  uint64_t VersionOf(const JobState& job) const;
+  Status DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint64_t id, Reply& reply);
+  Status DoJobDescribe(const wire::JobDescribe* req, uint64_t id, Reply& reply);
+  Status DoStats(uint64_t id, Reply& reply);
+  Status DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Reply& reply);
+  Status DoSnapshotList(uint64_t id, Reply& reply);
+  Status DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, Reply& reply);
+
+  Result<JobState*> FindJob(const flatbuffers::String* job);
+  // The job's round position for replies. Without cross-site sync every round this site
+  // pushes is committed at once.
+  flatbuffers::Offset<wire::RoundStatus> RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
+                                                       const JobState& job);
+
+  ShardOptions options_;
+  std::unique_ptr<Store> store_;
+  std::unique_ptr<SyncEngine> sync_;  // after store_: destroyed first
+  std::map<std::string, JobState> jobs_;
+  std::chrono::steady_clock::time_point started_;
+  uint64_t requests_ = 0, errors_ = 0, bytes_in_ = 0, bytes_out_ = 0;
+  // Metrics: (socket, op, outcome) -> requests; (socket, op) -> handling seconds.
+  std::map<std::tuple<std::string, std::string, std::string>, uint64_t> request_counts_;
+  std::map<std::pair<std::string, std::string>, metrics::Histogram> request_seconds_;
+  std::map<std::string, std::pair<uint64_t, uint64_t>> socket_bytes_;
+};
+
+// The operation label of a message type: "PushRequest" -> "push", "JobCreate" ->
+// "job_create", "SyncStatusRequest" -> "sync_status".
+std::string OpName(wire::Body body);
+// "worker", "admin" or "peer".
+std::string RoleName(wire::Role role);
+
+}  // namespace isthmus

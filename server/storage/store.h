@@ -1,0 +1,138 @@
+// The shard's storage seam: an ordered key-value store with named columns and atomic
+// multi-column write batches. Two implementations: RocksDB (the real one, one column
+// family per column) and in-memory (for tests and fault injection). Every state change of
+// a shard is exactly one Write() of one WriteBatch, so a crash leaves either all of a
+// change or none of it.
+//
+// Threads: a Store is used by one thread (the shard's event loop) at a time.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace isthmus {
+
+// Column names. Adding one is compatible (RocksDB creates missing families on open). What
+// each holds, key by key: keys.h; the records themselves: records.h.
+enum class Column : int {
+  kJobs = 0,        // the shard's job records
+  kTensorMeta = 1,  // tensor records (shape, version)
+  kTensors = 2,     // committed tensor values (fp32)
+  kDedup = 3,       // push idempotency records
+  kDedupLog = 4,    // their order (bounds kDedup)
+  // The round protocol (server/sync/, docs/SYNC.md):
+  kSync = 5,    // small records: rounds, held-delta index, digests
+  kDeltas = 6,  // encoded round deltas (in/outbox)
+  kState = 7,   // per-tensor fp32 state: staged delta, residual, momentum
+  kCount = 8,
+};
+const char* ColumnName(Column c);
+
+// Puts and deletes applied together. Values are referenced, not copied: they must stay
+// valid until Store::Write returns.
+class WriteBatch {
+ public:
+  struct Op {
+    Column column;
+    std::string key;
+    std::string_view value;
+    bool is_delete;
+  };
+  void Put(Column c, std::string key, std::string_view value) {
+    ops_.push_back({c, std::move(key), value, false});
+  }
+  // Put that owns its value (small values: records, keys).
+  void PutOwned(Column c, std::string key, std::string value) {
+    owned_.push_back(std::make_unique<std::string>(std::move(value)));
+    ops_.push_back({c, std::move(key), *owned_.back(), false});
+  }
+  void Delete(Column c, std::string key) { ops_.push_back({c, std::move(key), {}, true}); }
+  const std::vector<Op>& ops() const { return ops_; }
+  bool empty() const { return ops_.empty(); }
+
+ private:
+  std::vector<Op> ops_;
+  std::vector<std::unique_ptr<std::string>> owned_;
+};
+
+struct StoreOptions {
+  // fsync the write-ahead log before Write() returns. With false, an acknowledged write
+  // survives a process crash (the OS holds it) but not a power loss.
+  bool sync_writes = true;
+  // Bound on the write-ahead logs kept on disk: past it RocksDB flushes the column families
+  // that keep the oldest log alive. The small columns take a few bytes in every batch and
+  // would otherwise pin every log (~700 MB per full-model round of GPT-2-small's size)
+  // until RocksDB's own bound, 4x all memtables (~6 GiB here). 2 GiB keeps about three
+  // such rounds; lower forces a flush every round, which slowed the rounds in
+  // bench/wan/run.sh (docs/BENCHMARKS.md, section 7).
+  uint64_t max_wal_bytes = uint64_t{2} << 30;
+};
+
+// What a store reports for monitoring (docs/METRICS.md); zeros where it has no such thing.
+struct StoreMetrics {
+  bool rocksdb = false;                   // the fields below the next line are RocksDB's
+  uint64_t disk_bytes = 0;                // ApproximateBytes()
+  uint64_t sst_bytes = 0;                 // SST files, every column family
+  uint64_t blob_bytes = 0;                // blob files
+  uint64_t memtable_bytes = 0;            // memtables, active and unflushed
+  uint64_t live_data_bytes = 0;           // RocksDB's estimate of live data
+  uint64_t pending_compaction_bytes = 0;  // estimate of bytes compaction still has to rewrite
+  uint64_t slot_bytes = 0;                // large tensor values kept in slot files (in use)
+  uint64_t write_stall_micros = 0;        // time writes were delayed or stopped, since open
+  bool write_stopped = false;             // writes are stopped now (too many files)
+  uint64_t delayed_write_rate = 0;        // bytes/s writes are held to now (0: not delayed)
+};
+
+class Store {
+ public:
+  virtual ~Store() = default;
+
+  // Applies every op of `batch` atomically.
+  virtual Status Write(const WriteBatch& batch) = 0;
+  // The value, or nullopt if absent.
+  virtual Result<std::optional<std::string>> Get(Column c, std::string_view key) = 0;
+  // Calls `fn(key, value)` for every key starting with `prefix`, in key order, until it
+  // returns false.
+  virtual Status Scan(Column c, std::string_view prefix,
+                      const std::function<bool(std::string_view, std::string_view)>& fn) = 0;
+  // A consistent point-in-time copy of the whole store in the new folder `dir`.
+  virtual Status Checkpoint(const std::string& dir) = 0;
+  // Approximate bytes on disk (0 for memory).
+  virtual uint64_t ApproximateBytes() = 0;
+  // Sizes and write stalls for the metrics endpoint; cheap enough to call per scrape.
+  virtual StoreMetrics Metrics() {
+    StoreMetrics m;
+    m.disk_bytes = ApproximateBytes();
+    return m;
+  }
+};
+
+// Values in Column::kTensors of at least this many bytes are kept by the RocksDB store
+// outside RocksDB (see OpenRocksStore); smaller ones go through RocksDB as usual.
+inline constexpr size_t kSlotFileMinBytes = size_t{1} << 20;
+
+// Opens (creating if needed) a RocksDB store in folder `dir`.
+//
+// Large tensor values (>= kSlotFileMinBytes in Column::kTensors) skip RocksDB's WAL and
+// memtable: each key owns two slot files in <dir>/slots/, and a write fills the slot the
+// committed state does not name (pwrite into the reused file, fdatasync when
+// sync_writes), then commits a small pointer record {file, slot, size, crc32c} in the same
+// RocksDB batch as the rest. A crash before that commit leaves the old slot and record
+// intact, so the batch stays atomic. Get and Scan read the slot back and check its crc32c
+// (Corruption on mismatch). Checkpoint() hard-links (or copies) the slots in use into
+// <checkpoint>/slots/; a slot file shared with a checkpoint is replaced, never rewritten
+// in place. Copying a checkpoint folder recursively over `dir` restores it.
+Result<std::unique_ptr<Store>> OpenRocksStore(const std::string& dir, const StoreOptions& options);
+
+// A store in memory. Write() can be made to fail after `fail_after_writes` successful
+// writes (fault injection for tests); -1 never fails.
+std::unique_ptr<Store> NewMemStore(int fail_after_writes = -1);
+
+}  // namespace isthmus

@@ -1,0 +1,1201 @@
+// The round protocol engine: staging, round close with error feedback, inbox, commit with
+// Nesterov momentum, digests and the optimistic view. Its durable state is the SyncRecord,
+// held-delta markers, digests, deltas and per-tensor state rows of storage/keys.h.
+// Floating-point order is fixed (site-name order, element order) and the file is built
+// without FMA contraction, so every site computes bitwise the same committed state.
+#include "server/sync/sync_engine.h"
+
+#include <fnmatch.h>
+
+#include <spdlog/spdlog.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "common/check.h"
+#include "common/tensor.h"
+#include "server/storage/keys.h"
+
+#include "ops/codec.h"
+
+namespace isthmus {
+namespace {
+
+using json = nlohmann::json;
+
+// ---- codec ---------------------------------------------------------------------------
+using Pipe = codec::Pipeline;
+Result<Pipe> ParsePipe(std::string_view text) { return codec::ParsePipeline(text); }
+std::string PipeText(const Pipe& p) { return codec::ToString(p); }
+
+// ---- keys and bytes ------------------------------------------------------------------
+using keys::BigEndian64;
+using keys::DeltaKey;
+using keys::DigestKey;
+using keys::FromBigEndian64;
+using keys::HeldKey;
+using keys::StateKey;
+using keys::StateKind;
+using keys::SyncRecordKey;
+std::string_view FloatBytes(const std::vector<float>& v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)};
+}
+std::string_view FloatBytes(std::span<const float> v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float)};
+}
+
+// Reads an fp32 array of exactly n elements; nullopt if absent.
+Result<std::optional<std::vector<float>>> GetFloats(Store* store, Column c, const std::string& key,
+                                                    size_t n) {
+  ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store->Get(c, key));
+  if (!bytes) return std::optional<std::vector<float>>();
+  if (bytes->size() != n * sizeof(float)) {
+    return Status::Corruption("stored array '" + key + "' has " + std::to_string(bytes->size()) +
+                              " bytes, expected " + std::to_string(n * sizeof(float)));
+  }
+  std::vector<float> v(n);
+  std::memcpy(v.data(), bytes->data(), bytes->size());
+  return std::optional<std::vector<float>>(std::move(v));
+}
+
+float MergeWeight(uint64_t tokens, uint64_t total, size_t sites) {
+  if (total == 0) return static_cast<float>(1.0 / static_cast<double>(sites));
+  return static_cast<float>(static_cast<double>(tokens) / static_cast<double>(total));
+}
+
+}  // namespace
+
+Result<std::map<std::string, SyncTensor>> SyncEngine::ReadTensors(Store* store,
+                                                                  const std::string& job) {
+  std::map<std::string, SyncTensor> out;
+  const std::string prefix = keys::JobPrefix(job);
+  Status status;
+  ISTHMUS_RETURN_IF_ERROR(
+      store->Scan(Column::kTensorMeta, prefix, [&](std::string_view k, std::string_view v) {
+        auto rec = DecodeTensorRecord(
+            v, "tensor record '" + std::string(k.substr(prefix.size())) + "' of job '" + job + "'");
+        if (!rec.ok()) {
+          status = rec.status();
+          return false;
+        }
+        out[std::string(k.substr(prefix.size()))].shape = std::move(rec->shape);
+        return true;
+      }));
+  ISTHMUS_RETURN_IF_ERROR(status);
+  for (auto& [name, t] : out) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto v, GetFloats(store, Column::kTensors, keys::TensorKey(job, name),
+                                               static_cast<size_t>(NumElements(t.shape))));
+    if (!v) return Status::Corruption("tensor '" + name + "' of job '" + job + "' is missing");
+    t.data = std::make_shared<const std::vector<float>>(std::move(*v));
+  }
+  return out;
+}
+
+// ---- engine --------------------------------------------------------------------------
+SyncEngine::SyncEngine(Store* store, SyncOptions options)
+    : store_(store),
+      options_(std::move(options)),
+      membership_(options_.site, options_.peer_sites, keeps_momentum(), this) {
+  hard_cap_ =
+      options_.hard_cap_rounds ? options_.hard_cap_rounds : 4 * options_.max_rounds_ahead + 8;
+  auto parsed = [](const std::string& text) {
+    auto p = ParsePipe(text);
+    ISTHMUS_CHECK(p.ok(),
+                  "pipeline '" + text + "' was checked by Create: " + p.status().ToString());
+    return *p;
+  };
+  codec_pipe_ = parsed(options_.codec);
+  floor_pipe_ = parsed(options_.adaptive_floor);
+  ceiling_pipe_ = parsed(options_.adaptive_ceiling);
+  dense_pipe_ = parsed("dense");
+  defer_pipe_ = parsed("defer");
+  for (const auto& o : options_.codec_overrides) {
+    const auto eq = o.find('=');
+    override_pipes_.emplace_back(o.substr(0, eq), parsed(o.substr(eq + 1)));
+  }
+}
+
+Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions options) {
+  ISTHMUS_RETURN_IF_ERROR(NormalizeSyncOptions(options));
+  return std::unique_ptr<SyncEngine>(new SyncEngine(store, std::move(options)));
+}
+
+void SyncEngine::Reset(Store* store) {
+  store_ = store;
+  jobs_.clear();
+  membership_.Reset();
+}
+
+std::vector<std::string> SyncEngine::MemberPeers(const Job& j) const {
+  std::vector<std::string> out;
+  for (const auto& s : j.members.sites) {
+    if (s != options_.site) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<std::string> SyncEngine::AllSites() const {
+  std::vector<std::string> sites = options_.peer_sites;
+  sites.push_back(options_.site);
+  std::sort(sites.begin(), sites.end());
+  return sites;
+}
+
+Result<SyncEngine::Job*> SyncEngine::FindJob(const std::string& job) {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return Status::NotFound("job '" + job + "' does not sync on this shard");
+  return &it->second;
+}
+
+Result<const SyncEngine::Job*> SyncEngine::FindJob(const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return Status::NotFound("job '" + job + "' does not sync on this shard");
+  return &it->second;
+}
+
+SyncEngine::Job SyncEngine::NewJob(std::map<std::string, SyncTensor> tensors,
+                                   uint64_t version) const {
+  Job j;
+  j.theta = std::move(tensors);
+  j.version = version;
+  j.members.sites = AllSites();
+  if (options_.outer_momentum != 0) {
+    for (const auto& [tname, t] : j.theta) {
+      j.momentum[tname] = std::make_shared<const std::vector<float>>(t.data->size(), 0.0f);
+    }
+  }
+  return j;
+}
+
+void SyncEngine::AddNewJob(const std::string& name,
+                           const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                           WriteBatch* batch) const {
+  const Job j = NewJob(tensors, version);
+  batch->PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(j));
+  batch->PutOwned(Column::kSync, DigestKey(name, 0),
+                  StateDigest(0, j.theta, j.momentum, j.members));
+}
+
+void SyncEngine::AdoptNewJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
+                             uint64_t version) {
+  jobs_[name] = NewJob(std::move(tensors), version);
+}
+
+Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
+                             uint64_t base_version) {
+  Job j;
+  j.theta = std::move(tensors);
+  if (options_.outer_momentum != 0) {
+    for (const auto& [tname, t] : j.theta) {
+      ISTHMUS_ASSIGN_OR_RETURN(
+          auto m, GetFloats(store_, Column::kState, StateKey(name, StateKind::kMomentum, tname),
+                            t.data->size()));
+      j.momentum[tname] = std::make_shared<const std::vector<float>>(
+          m ? std::move(*m) : std::vector<float>(t.data->size(), 0.0f));
+    }
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(auto rec_text, store_->Get(Column::kSync, SyncRecordKey(name)));
+  if (!rec_text) {
+    // A job created before it could be attached: its sync state starts now.
+    WriteBatch batch;
+    AddNewJob(name, j.theta, base_version, &batch);
+    ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+    AdoptNewJob(name, std::move(j.theta), base_version);
+    return Status::Ok();
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(static_cast<SyncRecord&>(j), DecodeSyncRecord(*rec_text, name));
+  if (j.members.sites.empty()) j.members.sites = AllSites();  // written before memberships
+  for (const auto& m : j.members.sites) {
+    if (m != options_.site && std::find(options_.peer_sites.begin(), options_.peer_sites.end(),
+                                        m) == options_.peer_sites.end()) {
+      spdlog::warn(
+          "job '{}': member site {} has no sync.peers entry; rounds cannot commit "
+          "until it has one or it is removed (isthmusctl sync remove)",
+          name, m);
+    }
+  }
+  const std::string held_prefix = keys::HeldPrefix(name);
+  Status status;
+  ISTHMUS_RETURN_IF_ERROR(
+      store_->Scan(Column::kSync, held_prefix, [&](std::string_view k, std::string_view v) {
+        auto id = keys::ParseHeldSuffix(k.substr(held_prefix.size()));
+        if (!id) {
+          status = Status::Corruption("bad held-delta key in job '" + name + "'");
+          return false;
+        }
+        auto held = DecodeHeldTokens(v, name);
+        if (!held.ok()) {
+          status = held.status();
+          return false;
+        }
+        j.inbox[id->site][id->round] = *held;
+        return true;
+      }));
+  ISTHMUS_RETURN_IF_ERROR(status);
+  Job& placed = jobs_[name] = std::move(j);
+  // A crash may have come between the batch that completed a round and its close or
+  // commit; finish them now.
+  if (placed.staged_round != 0 && placed.staged.size() == placed.theta.size()) {
+    ISTHMUS_RETURN_IF_ERROR(CloseRound(name, placed));
+  }
+  return CommitReady(name, placed);
+}
+
+uint64_t SyncEngine::HeldContiguous(const Job& j, const std::string& site) const {
+  if (site == options_.site) return j.local;
+  // A site no longer merged holds nothing here from its cut on.
+  if (auto it = j.removed.find(site); it != j.removed.end() && !j.members.Has(site)) {
+    return std::min(j.committed, it->second - 1);
+  }
+  uint64_t h = j.committed;
+  auto it = j.inbox.find(site);
+  if (it == j.inbox.end()) return h;
+  while (it->second.count(h + 1)) ++h;
+  return h;
+}
+
+Result<std::set<std::string>> SyncEngine::CheckPushed(
+    const std::string& name, const Job& j, const std::vector<SyncPushTensor>& tensors) const {
+  std::set<std::string> names;
+  for (const auto& t : tensors) {
+    auto it = j.theta.find(t.name);
+    if (it == j.theta.end()) {
+      return Status::NotFound("tensor '" + t.name + "' is not in job '" + name + "'");
+    }
+    if (t.shape != it->second.shape || t.delta.size() != it->second.data->size()) {
+      return Status::InvalidArgument("tensor '" + t.name +
+                                     "': pushed shape differs from the job's shape");
+    }
+    if (!names.insert(t.name).second) {
+      return Status::FailedPrecondition("tensor '" + t.name + "' is pushed twice");
+    }
+  }
+  return names;
+}
+
+Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t round,
+                                             uint64_t tokens,
+                                             const std::vector<SyncPushTensor>& tensors,
+                                             WriteBatch& batch, uint64_t compute_ms) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  SyncPushResult result;
+  if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
+  if (std::string why = NonMemberReason(name, *j, options_.site, options_.site); !why.empty()) {
+    return Status::FailedPrecondition(why + "; this site's workers have nothing to push to");
+  }
+  if (membership_.Draining(name) && round > j->local && round != j->staged_round) {
+    return Status::FailedPrecondition("this site is leaving job '" + name +
+                                      "' (isthmusctl sync leave): it takes no new rounds");
+  }
+  if (round <= j->local) {
+    result.duplicate = true;
+    result.version = j->version;
+    return result;
+  }
+  if (round > j->local + 1) {
+    return Status::FailedPrecondition("push for round " + std::to_string(round) +
+                                      " skips ahead: this site's last closed round is " +
+                                      std::to_string(j->local));
+  }
+  if (round - j->committed > hard_cap_) {
+    return Status::FailedPrecondition("round " + std::to_string(round) + " would put this site " +
+                                      std::to_string(round - j->committed) +
+                                      " rounds ahead of the last committed round " +
+                                      std::to_string(j->committed) + " (hard cap " +
+                                      std::to_string(hard_cap_) + "): wait for peers' deltas");
+  }
+  if (tensors.empty()) return Status::InvalidArgument("push carries no tensors");
+  ISTHMUS_ASSIGN_OR_RETURN(std::set<std::string> names, CheckPushed(name, *j, tensors));
+  for (const auto& t : tensors) {
+    if (!std::all_of(t.delta.begin(), t.delta.end(), [](float f) { return std::isfinite(f); })) {
+      return Status::InvalidArgument("tensor '" + t.name + "': the delta is not finite");
+    }
+    if (j->staged_round == round && j->staged.count(t.name)) {
+      return Status::FailedPrecondition("tensor '" + t.name + "' was already pushed for round " +
+                                        std::to_string(round));
+    }
+  }
+  SyncRecord next_rec = *j;
+  next_rec.staged_round = round;
+  next_rec.staged_tokens = std::max(j->staged_round == round ? j->staged_tokens : 0, tokens);
+  next_rec.staged = j->staged_round == round ? j->staged : std::set<std::string>{};
+  next_rec.staged.insert(names.begin(), names.end());
+  if (j->staged_round != round && names.size() == j->theta.size()) {
+    // One push brings the whole round: close it from memory, in one write batch with the
+    // push's records (no staged copy written, then read back).
+    std::map<std::string, std::span<const float>> pushed;
+    for (const auto& t : tensors) pushed[t.name] = t.delta;
+    j->staged_compute_ms = compute_ms;
+    j->staged_round = round;
+    j->staged_tokens = tokens;
+    j->staged = names;
+    Status closed = CloseRound(name, *j, &pushed, &batch);
+    if (!closed.ok()) {
+      j->staged_round = 0;  // nothing was written: the push failed as a whole
+      j->staged_tokens = 0;
+      j->staged.clear();
+      j->staged_compute_ms = 0;
+      return closed;
+    }
+    result.closed = true;
+    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+    result.version = j->version;
+    return result;
+  }
+  for (const auto& t : tensors)
+    batch.Put(Column::kState, StateKey(name, StateKind::kStaged, t.name), FloatBytes(t.delta));
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->staged_compute_ms =
+      std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms);
+  j->staged_round = round;
+  j->staged_tokens = next_rec.staged_tokens;
+  j->staged = std::move(next_rec.staged);
+  if (j->staged.size() == j->theta.size()) {
+    // The stage is durable; a failed close is retried at the next attach.
+    ISTHMUS_RETURN_IF_ERROR(CloseRound(name, *j));
+    result.closed = true;
+    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+  }
+  result.version = j->version;
+  return result;
+}
+
+codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
+                                        uint64_t total_numel) const {
+  // Alone, the delta never crosses a link: keep it exact.
+  if (options_.peer_sites.empty()) return dense_pipe_;
+  if (options_.adaptive && j.last_round_seconds > 0) {
+    double min_bw = -1;
+    for (const auto& p : MemberPeers(j)) {
+      auto it = bandwidth_.find(p);
+      if (it == bandwidth_.end()) {
+        min_bw = -1;
+        break;
+      }
+      min_bw = min_bw < 0 ? it->second : std::min(min_bw, it->second);
+    }
+    if (min_bw > 0) {
+      double budget = min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
+                      static_cast<double>(std::max<uint64_t>(total_numel, 1));
+      return codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)), floor_pipe_,
+                                   ceiling_pipe_);
+    }
+  }
+  for (const auto& [glob, pipe] : override_pipes_) {
+    if (fnmatch(glob.c_str(), tensor.c_str(), 0) == 0) return pipe;
+  }
+  return codec_pipe_;
+}
+
+std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint64_t>& numel,
+                                                uint32_t fragments) {
+  std::vector<std::pair<std::string, uint64_t>> order(numel.begin(), numel.end());
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.second > b.second; });
+  std::vector<uint64_t> load(std::max<uint32_t>(fragments, 1), 0);
+  std::map<std::string, uint32_t> out;
+  for (const auto& [tname, n] : order) {
+    auto least = static_cast<uint32_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    out[tname] = least;
+    load[least] += n;
+  }
+  return out;
+}
+
+Status SyncEngine::CloseRound(const std::string& name, Job& j,
+                              const std::map<std::string, std::span<const float>>* pushed,
+                              WriteBatch* batch_in) {
+  const uint64_t round = j.staged_round;
+  // The workers' compute time for this round, when they reported it, is the time its
+  // transfer should fit in; otherwise the time since the previous close stands in.
+  const auto now = options_.now();
+  if (j.staged_compute_ms > 0) {
+    j.last_round_seconds = static_cast<double>(j.staged_compute_ms) / 1e3;
+  } else if (j.last_close) {
+    j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
+  }
+  // Streaming: only this round's fragment crosses the WAN; the rest waits in the residual.
+  std::map<std::string, uint32_t> fragment;
+  const uint32_t due =
+      static_cast<uint32_t>((round - 1) % std::max<uint32_t>(options_.fragments, 1));
+  if (options_.fragments > 1) {
+    std::map<std::string, uint64_t> sizes;
+    for (const auto& [tname, t] : j.theta) sizes[tname] = t.data->size();
+    fragment = AssignFragments(sizes, options_.fragments);
+  }
+  auto deferred = [&](const std::string& tname) {
+    return !fragment.empty() && fragment.at(tname) != due;
+  };
+  uint64_t total_numel = 0;
+  for (const auto& [tname, t] : j.theta) {
+    if (!deferred(tname)) total_numel += t.data->size();
+  }
+  EncodedDelta delta;
+  delta.job = name;
+  delta.site = options_.site;
+  delta.round = round;
+  delta.tokens = j.staged_tokens;
+  std::vector<std::vector<float>> residuals;
+  residuals.reserve(j.theta.size());
+  std::map<std::string, uint64_t> pipelines;
+  uint64_t raw = 0;
+  for (const auto& [tname, t] : j.theta) {
+    const size_t n = t.data->size();
+    std::optional<std::vector<float>> read;
+    std::span<const float> staged;
+    if (pushed != nullptr) {
+      staged = pushed->at(tname);
+    } else {
+      ISTHMUS_ASSIGN_OR_RETURN(
+          read, GetFloats(store_, Column::kState, StateKey(name, StateKind::kStaged, tname), n));
+      if (!read) {
+        return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
+                                  "' is missing");
+      }
+      staged = *read;
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(
+        auto residual,
+        GetFloats(store_, Column::kState, StateKey(name, StateKind::kResidual, tname), n));
+    residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
+    const Pipe& pipe = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
+    std::vector<float> decoded(n);
+    EncodedTensor et;
+    et.name = tname;
+    et.shape = t.shape;
+    et.bytes = codec::EncodeWithFeedback(pipe, staged, t.shape, residuals.back(), decoded);
+    delta.tensors.push_back(std::move(et));
+    pipelines[PipeText(pipe)] += 1;
+    raw += n * sizeof(float);
+  }
+  const std::string serialized = EncodeDelta(delta);
+  SyncRecord rec = j;  // the round is closed: nothing is staged any more
+  rec.local = round;
+  rec.version = j.version + 1;
+  rec.staged_round = 0;
+  rec.staged_tokens = 0;
+  rec.staged.clear();
+  rec.bytes_encoded += delta.WireBytes();
+  rec.raw_bytes += raw;
+  rec.pipelines = pipelines;
+  WriteBatch local;
+  WriteBatch& batch = batch_in != nullptr ? *batch_in : local;
+  batch.Put(Column::kDeltas, DeltaKey(name, options_.site, round), serialized);
+  batch.PutOwned(Column::kSync, HeldKey(name, options_.site, round),
+                 EncodeHeldTokens(delta.tokens));
+  size_t i = 0;
+  for (const auto& [tname, _] : j.theta) {
+    batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
+              FloatBytes(residuals[i++]));
+    if (pushed == nullptr) batch.Delete(Column::kState, StateKey(name, StateKind::kStaged, tname));
+  }
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j.local = round;
+  j.version = rec.version;
+  j.staged_round = 0;
+  j.staged_tokens = 0;
+  j.staged.clear();
+  j.bytes_encoded = rec.bytes_encoded;
+  j.raw_bytes = rec.raw_bytes;
+  j.pipelines = std::move(pipelines);
+  j.inbox[options_.site][round] = delta.tokens;
+  j.view.reset();
+  j.last_close = now;
+  j.closed_at[round] = now;
+  j.staged_compute_ms = 0;
+  spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
+                raw, delta.WireBytes());
+  return Status::Ok();
+}
+
+Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
+    const std::string& name, const Job& j, uint64_t round, const std::vector<std::string>& sites,
+    std::set<std::string>* sent) {
+  uint64_t total = 0;
+  for (const auto& s : sites) total += j.inbox.at(s).at(round);
+  std::map<std::string, std::vector<float>> merged;
+  for (const auto& [tname, t] : j.theta) merged[tname].assign(t.data->size(), 0.0f);
+  for (const auto& s : sites) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, s, round)));
+    if (!bytes) {
+      return Status::Corruption("delta of site " + s + " round " + std::to_string(round) +
+                                " of job '" + name + "' is missing");
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta d, DecodeDelta(*bytes));
+    if (d.tensors.size() != merged.size()) {
+      return Status::Corruption("stored delta of site " + s + " has the wrong tensor set");
+    }
+    const float w = MergeWeight(j.inbox.at(s).at(round), total, sites.size());
+    std::vector<float> decoded;
+    for (const auto& et : d.tensors) {
+      auto it = merged.find(et.name);
+      if (it == merged.end())
+        return Status::Corruption("stored delta has unknown tensor " + et.name);
+      // A deferred tensor decodes to zeros (checked when it arrived): nothing to add.
+      if (codec::IsDeferred(et.bytes)) continue;
+      if (sent != nullptr) sent->insert(et.name);
+      decoded.assign(it->second.size(), 0.0f);
+      ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
+      float* out = it->second.data();
+      for (size_t i = 0; i < decoded.size(); ++i) out[i] += w * decoded[i];
+    }
+  }
+  return merged;
+}
+
+Status SyncEngine::CommitReady(const std::string& name, Job& j) {
+  ISTHMUS_RETURN_IF_ERROR(CommitRounds(name, j));
+  membership_.OnRoundsCommitted(name);  // a draining leave goes ahead once drained
+  return Status::Ok();
+}
+
+Status SyncEngine::CommitRounds(const std::string& name, Job& j) {
+  const auto& sites = j.members.sites;
+  if (!j.members.Has(options_.site)) return Status::Ok();  // left or removed: no more rounds
+  for (;;) {
+    const uint64_t next = j.committed + 1;
+    // A membership change agreed to here decides who merges into `next`: wait for it.
+    if (j.pending && next >= j.pending->next.from_round) return Status::Ok();
+    for (const auto& s : sites) {
+      auto it = j.inbox.find(s);
+      if (it == j.inbox.end() || !it->second.count(next)) return Status::Ok();
+    }
+    ISTHMUS_RETURN_IF_ERROR(CommitOne(name, j));
+  }
+}
+
+Status SyncEngine::CommitOne(const std::string& name, Job& j) {
+  const uint64_t round = j.committed + 1;
+  const auto sites = j.members.sites;
+  std::set<std::string> sent;
+  ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites, &sent));
+  ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, merged, sent));
+  const std::string digest = StateDigest(round, next.theta, next.momentum, j.members);
+  SyncRecord rec = j;
+  rec.committed = round;
+  rec.version = j.version + 1;
+  WriteBatch batch;
+  CommitBatch(name, j, round, next, sent, sites, digest, rec, batch);
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  PublishCommit(j, round, std::move(next), sites, rec.version);
+  spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
+  if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
+    const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
+    if (options_.on_commit) options_.on_commit(name, round, seconds);
+  }
+  j.closed_at.erase(j.closed_at.begin(), j.closed_at.upper_bound(round));
+  return Status::Ok();
+}
+
+// The outer optimiser on one tensor: theta += lr * g (mu == 0; m unused), or Nesterov:
+// m = mu * m + g, theta += lr * (g + mu * m). The commit's arithmetic (this file has no
+// fused multiply-adds, so every site gets the same bits), also the optimistic view's.
+namespace {
+
+void ApplyOuterStep(float* theta, float* m, const float* g, size_t n, float lr, float mu) {
+  if (mu == 0.0f) {
+    for (size_t i = 0; i < n; ++i) theta[i] += lr * g[i];
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    m[i] = mu * m[i] + g[i];
+    theta[i] += lr * (g[i] + mu * m[i]);
+  }
+}
+
+}  // namespace
+
+Result<SyncEngine::OuterState> SyncEngine::OuterStep(
+    const std::string& name, const Job& j, uint64_t round,
+    const std::map<std::string, std::vector<float>>& merged,
+    const std::set<std::string>& sent) const {
+  const float lr = static_cast<float>(options_.outer_lr);
+  const float mu = static_cast<float>(options_.outer_momentum);
+  OuterState out;
+  for (const auto& [tname, g] : merged) {
+    const SyncTensor& old = j.theta.at(tname);
+    if (sent.count(tname) == 0) {
+      // Every site deferred it (a streamed fragment not due): no outer step, momentum kept.
+      out.theta[tname] = old;
+      if (mu != 0.0f) out.momentum[tname] = j.momentum.at(tname);
+      continue;
+    }
+    auto next = std::make_shared<std::vector<float>>(*old.data);
+    float* th = next->data();
+    const size_t n = g.size();
+    std::shared_ptr<std::vector<float>> m;
+    if (mu != 0.0f) m = std::make_shared<std::vector<float>>(*j.momentum.at(tname));
+    ApplyOuterStep(th, m ? m->data() : nullptr, g.data(), n, lr, mu);
+    if (m) out.momentum[tname] = std::move(m);
+    for (size_t i = 0; i < n; ++i) {
+      if (!std::isfinite(th[i])) {
+        return Status::FailedPrecondition("committing round " + std::to_string(round) +
+                                          " of job '" + name + "' makes tensor '" + tname +
+                                          "' non-finite; not committed");
+      }
+    }
+    out.theta[tname] = SyncTensor{old.shape, std::move(next)};
+  }
+  return out;
+}
+
+void SyncEngine::CommitBatch(const std::string& name, const Job& j, uint64_t round,
+                             const OuterState& next, const std::set<std::string>& sent,
+                             const std::vector<std::string>& sites, const std::string& digest,
+                             const SyncRecord& rec, WriteBatch& batch) const {
+  const bool momentum = static_cast<float>(options_.outer_momentum) != 0.0f;  // as OuterStep
+  for (const auto& [tname, t] : next.theta) {
+    if (sent.count(tname) == 0) continue;  // unchanged: neither rewritten nor re-versioned
+    batch.Put(Column::kTensors, keys::TensorKey(name, tname), FloatBytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, keys::TensorKey(name, tname),
+                   EncodeTensorRecord({t.shape, rec.version}));
+    if (momentum) {
+      batch.Put(Column::kState, StateKey(name, StateKind::kMomentum, tname),
+                FloatBytes(*next.momentum.at(tname)));
+    }
+  }
+  batch.PutOwned(Column::kSync, DigestKey(name, round), digest);
+  // The round's inputs go: held markers and the peers' deltas.
+  for (const auto& s : sites) {
+    batch.Delete(Column::kSync, HeldKey(name, s, round));
+    if (s != options_.site) batch.Delete(Column::kDeltas, DeltaKey(name, s, round));
+  }
+  // This site's own delta stays in the outbox until every peer holds it.
+  uint64_t min_acked = round;
+  for (const auto& p : MemberPeers(j)) {
+    auto it = j.acked.find(p);
+    min_acked = std::min(min_acked, it == j.acked.end() ? 0 : it->second);
+  }
+  if (min_acked >= round) batch.Delete(Column::kDeltas, DeltaKey(name, options_.site, round));
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
+}
+
+void SyncEngine::PublishCommit(Job& j, uint64_t round, OuterState next,
+                               const std::vector<std::string>& sites, uint64_t version) {
+  j.theta = std::move(next.theta);
+  if (static_cast<float>(options_.outer_momentum) != 0.0f) j.momentum = std::move(next.momentum);
+  j.committed = round;
+  j.version = version;
+  for (const auto& s : sites) {
+    auto it = j.inbox.find(s);
+    if (it != j.inbox.end()) it->second.erase(round);
+  }
+  j.view.reset();
+}
+
+Result<uint64_t> SyncEngine::AddNow(const std::string& name,
+                                    const std::vector<SyncPushTensor>& tensors, WriteBatch& batch) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (has_peers()) {
+    return Status::FailedPrecondition("job '" + name +
+                                      "' syncs with other sites: push deltas with a round (>= 1)");
+  }
+  if (j->staged_round != 0) {
+    return Status::FailedPrecondition("round " + std::to_string(j->staged_round) +
+                                      " is being pushed; a round-less push would mix into it");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(std::set<std::string> names, CheckPushed(name, *j, tensors));
+  std::map<std::string, SyncTensor> theta = j->theta;
+  for (const auto& t : tensors) {
+    auto it = theta.find(t.name);
+    auto next = std::make_shared<std::vector<float>>(*it->second.data);
+    for (size_t i = 0; i < next->size(); ++i) (*next)[i] += t.delta[i];
+    if (!std::all_of(next->begin(), next->end(), [](float f) { return std::isfinite(f); })) {
+      return Status::InvalidArgument("adding the delta to tensor '" + t.name +
+                                     "' overflows to a non-finite value");
+    }
+    it->second.data = std::move(next);
+  }
+  const uint64_t version = j->version + 1;
+  SyncRecord rec = *j;
+  rec.version = version;
+  rec.staged_round = 0;  // as this record has always been written: nothing staged
+  rec.staged_tokens = 0;
+  rec.staged.clear();
+  for (const auto& n : names) {
+    const auto& t = theta.at(n);
+    batch.Put(Column::kTensors, keys::TensorKey(name, n), FloatBytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, keys::TensorKey(name, n),
+                   EncodeTensorRecord({t.shape, version}));
+  }
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->theta = std::move(theta);
+  j->version = version;
+  j->view.reset();
+  return version;
+}
+
+Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& name) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (j->view) return *j->view;
+  std::map<uint64_t, std::vector<std::string>> rounds;  // round -> sites holding it (sorted)
+  for (const auto& s : j->members.sites) {
+    auto it = j->inbox.find(s);
+    if (it == j->inbox.end()) continue;
+    for (const auto& [r, _] : it->second) {
+      if (r > j->committed) rounds[r].push_back(s);
+    }
+  }
+  if (rounds.empty()) {
+    j->view = j->theta;
+    return *j->view;
+  }
+  // Each uncommitted round takes the outer step its commit will take (OuterStep's
+  // arithmetic, momentum carried from round to round), with the merge of the deltas known
+  // so far standing in for the full merge. A worker thus starts where the commit will most
+  // likely put it; raw deltas would be off by the outer learning rate and the momentum
+  // (with DiLoCo's Nesterov, far off: the commit moves several times the merged delta).
+  const float lr = static_cast<float>(options_.outer_lr);
+  const float mu = static_cast<float>(options_.outer_momentum);
+  std::map<std::string, std::vector<float>> acc, mom;
+  for (const auto& [tname, t] : j->theta) {
+    acc[tname] = *t.data;
+    if (mu != 0.0f) mom[tname] = *j->momentum.at(tname);
+  }
+  for (const auto& [r, sites] : rounds) {
+    std::set<std::string> sent;
+    ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, *j, r, sites, &sent));
+    for (auto& [tname, g] : merged) {
+      if (sent.count(tname) == 0) continue;  // deferred by every site: no outer step
+      ApplyOuterStep(acc[tname].data(), mu != 0.0f ? mom[tname].data() : nullptr, g.data(),
+                     g.size(), lr, mu);
+    }
+  }
+  std::map<std::string, SyncTensor> view;
+  for (auto& [tname, v] : acc) {
+    view[tname] = SyncTensor{j->theta.at(tname).shape,
+                             std::make_shared<const std::vector<float>>(std::move(v))};
+  }
+  j->view = std::move(view);
+  return *j->view;
+}
+
+Result<std::map<std::string, SyncTensor>> SyncEngine::Committed(const std::string& name) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  return j->theta;
+}
+
+uint64_t SyncEngine::Version(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : it->second.version;
+}
+uint64_t SyncEngine::LocalRound(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : it->second.local;
+}
+uint64_t SyncEngine::CommittedRound(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : it->second.committed;
+}
+
+Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
+  SyncJobStatus s;
+  s.job = name;
+  s.site = options_.site;
+  const std::optional<MembershipStatus> ms = membership_.StatusOf(name);
+  if (ms) {
+    s.pending = ms->pending;
+    s.change_note = ms->note;
+    s.catching_up = ms->catching_up;
+    s.draining = ms->draining;
+  }
+  auto found = FindJob(name);
+  if (!found.ok()) {
+    if (ms) return s;  // being joined: the protocol's part is all there is
+    return found.status();
+  }
+  const Job* j = *found;
+  s.local_round = j->local;
+  s.committed_round = j->committed;
+  s.staged_round = j->staged_round;
+  s.staged_tensors = j->staged.size();
+  s.tensor_count = j->theta.size();
+  for (const auto& site : j->members.sites) s.held[site] = HeldContiguous(*j, site);
+  for (const auto& p : MemberPeers(*j)) {
+    auto it = j->acked.find(p);
+    s.acked[p] = it == j->acked.end() ? 0 : it->second;
+  }
+  s.bytes_encoded = j->bytes_encoded;
+  s.raw_bytes = j->raw_bytes;
+  s.compression_ratio =
+      j->bytes_encoded ? static_cast<double>(j->raw_bytes) / static_cast<double>(j->bytes_encoded)
+                       : 0.0;
+  s.pipelines = j->pipelines;
+  s.version = j->version;
+  s.members = j->members;
+  s.removed = j->removed;
+  return s;
+}
+
+Result<std::vector<std::pair<uint64_t, std::string>>> SyncEngine::Digests(const std::string& name,
+                                                                          uint64_t from_round,
+                                                                          uint64_t max) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  (void)j;
+  std::vector<std::pair<uint64_t, std::string>> out;
+  const std::string prefix = keys::DigestPrefix(name);
+  ISTHMUS_RETURN_IF_ERROR(
+      store_->Scan(Column::kSync, prefix, [&](std::string_view k, std::string_view v) {
+        if (k.size() != prefix.size() + 8) return true;
+        uint64_t r = FromBigEndian64(k.substr(prefix.size()));
+        if (r < from_round) return true;
+        if (out.size() >= max) return false;
+        out.emplace_back(r, std::string(v));
+        return true;
+      }));
+  return out;
+}
+
+std::vector<std::string> SyncEngine::SyncJobs() const {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : jobs_) out.push_back(name);
+  // A job being joined is named in handshakes too, so that links to members get ready.
+  for (const auto& name : membership_.JoiningJobs(/*failed=*/false)) out.push_back(name);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+uint64_t SyncEngine::OutboxHighRound(const std::string& job) const { return LocalRound(job); }
+
+Result<std::shared_ptr<const EncodedDelta>> SyncEngine::OutboxDelta(const std::string& name,
+                                                                    uint64_t round) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (round == 0 || round > j->local) {
+    return Status::NotFound("round " + std::to_string(round) + " of job '" + name +
+                            "' has not been closed on this site");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(auto bytes,
+                           store_->Get(Column::kDeltas, DeltaKey(name, options_.site, round)));
+  if (!bytes) {
+    return Status::NotFound("round " + std::to_string(round) + " of job '" + name +
+                            "' was acknowledged by every peer and dropped");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta d, DecodeDelta(*bytes));
+  return std::shared_ptr<const EncodedDelta>(std::make_shared<EncodedDelta>(std::move(d)));
+}
+
+void SyncEngine::CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const {
+  uint64_t limit = j.committed;
+  for (const auto& p : MemberPeers(j)) {
+    auto it = j.acked.find(p);
+    limit = std::min(limit, it == j.acked.end() ? 0 : it->second);
+  }
+  if (limit == 0) return;
+  const std::string prefix = keys::DeltaPrefix(name, options_.site);
+  (void)store_->Scan(Column::kDeltas, prefix, [&](std::string_view k, std::string_view) {
+    if (k.size() != prefix.size() + 8) return true;
+    if (FromBigEndian64(k.substr(prefix.size())) > limit) return false;
+    batch.Delete(Column::kDeltas, std::string(k));
+    return true;
+  });
+}
+
+void SyncEngine::OnPeerAck(const std::string& peer_site, const std::string& name,
+                           uint64_t held_round) {
+  auto it = jobs_.find(name);
+  if (it == jobs_.end() || peer_site == options_.site || !it->second.members.Has(peer_site)) {
+    return;
+  }
+  Job& j = it->second;
+  held_round = std::min(held_round, j.local);  // a peer cannot hold more than we produced
+  uint64_t& acked = j.acked[peer_site];
+  if (held_round <= acked) return;
+  const uint64_t before = acked;
+  acked = held_round;
+  WriteBatch batch;
+  CollectGarbage(name, j, batch);
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(j));
+  Status s = store_->Write(batch);
+  if (!s.ok()) {
+    acked = before;  // memory follows the store only
+    spdlog::warn("job '{}': cannot record ack of {} for round {}: {}", name, peer_site, held_round,
+                 s.ToString());
+  }
+}
+
+void SyncEngine::OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) {
+  if (std::isfinite(bytes_per_second) && bytes_per_second > 0)
+    bandwidth_[peer_site] = bytes_per_second;
+}
+
+Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> SyncEngine::JobTensors(
+    const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return Status::NotFound("job '" + job + "' is not synced on this shard");
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& [name, t] : it->second.theta) out.emplace_back(name, t.shape);  // name order
+  return out;
+}
+
+uint64_t SyncEngine::HeldFrom(const std::string& site, const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? 0 : HeldContiguous(it->second, site);
+}
+
+Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const EncodedDelta& delta) {
+  if (delta.site != from_site) {
+    return Status::PermissionDenied("peer " + from_site + " sent a delta labelled as site '" +
+                                    delta.site + "'");
+  }
+  if (std::find(options_.peer_sites.begin(), options_.peer_sites.end(), from_site) ==
+      options_.peer_sites.end()) {
+    return Status::PermissionDenied("site '" + from_site + "' is not a configured peer");
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(delta.job));
+  const std::string& name = delta.job;
+  if (std::string why = NonMemberReason(name, *j, from_site, options_.site); !why.empty()) {
+    return Status::PermissionDenied(why);
+  }
+  if (delta.round == 0) return Status::InvalidArgument("delta for round 0");
+  auto& held = j->inbox[from_site];
+  if (delta.round <= j->committed || held.count(delta.round)) {
+    return HeldContiguous(*j, from_site);  // duplicate: already held or committed
+  }
+  if (delta.round > j->committed + 2 * hard_cap_ + 1) {
+    return Status::FailedPrecondition("delta for round " + std::to_string(delta.round) +
+                                      " is too far ahead of committed round " +
+                                      std::to_string(j->committed));
+  }
+  if (delta.tensors.size() != j->theta.size()) {
+    return Status::InvalidArgument("delta of site " + from_site + " round " +
+                                   std::to_string(delta.round) + " has " +
+                                   std::to_string(delta.tensors.size()) + " tensors, the job " +
+                                   std::to_string(j->theta.size()));
+  }
+  std::set<std::string> seen;
+  std::vector<float> scratch;
+  for (const auto& et : delta.tensors) {
+    auto it = j->theta.find(et.name);
+    if (it == j->theta.end() || !seen.insert(et.name).second) {
+      return Status::InvalidArgument("delta tensor '" + et.name + "' is unknown or repeated");
+    }
+    if (et.shape != it->second.shape) {
+      return Status::InvalidArgument("delta tensor '" + et.name + "' has the wrong shape");
+    }
+    scratch.assign(it->second.data->size(), 0.0f);
+    Status s = codec::Decode(et.bytes, scratch);
+    if (!s.ok()) return Status::InvalidArgument("delta tensor '" + et.name + "': " + s.message());
+    for (float f : scratch) {
+      if (!std::isfinite(f))
+        return Status::InvalidArgument("delta tensor '" + et.name + "' is not finite");
+    }
+  }
+  const std::string serialized = EncodeDelta(delta);
+  SyncRecord rec_view = *j;
+  rec_view.version = j->version + 1;
+  WriteBatch batch;
+  batch.Put(Column::kDeltas, DeltaKey(name, from_site, delta.round), serialized);
+  batch.PutOwned(Column::kSync, HeldKey(name, from_site, delta.round),
+                 EncodeHeldTokens(delta.tokens));
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec_view));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  held[delta.round] = delta.tokens;
+  j->version = rec_view.version;
+  j->view.reset();
+  ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+  return HeldContiguous(*j, from_site);
+}
+
+// ---- membership: the peer links' requests go to the protocol --------------------------
+
+Result<Membership> SyncEngine::Members(const std::string& name) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  return j->members;
+}
+
+uint64_t SyncEngine::FirstRoundTo(const std::string& peer, const std::string& job) const {
+  return membership_.FirstRoundTo(peer, job);
+}
+
+std::string SyncEngine::RefusesPeer(const std::string& site, const std::string& job) const {
+  return membership_.RefusesPeer(site, job);
+}
+
+std::vector<MembershipRequest> SyncEngine::MembershipRequests(const std::string& peer) {
+  return membership_.Requests(peer);
+}
+
+void SyncEngine::OnMembershipAnswer(const std::string& peer, const MembershipRequest& req,
+                                    const MembershipAnswer& answer) {
+  membership_.OnAnswer(peer, req, answer);
+}
+
+MembershipAnswer SyncEngine::OnMembershipRequest(const std::string& from,
+                                                 const MembershipRequest& req) {
+  return membership_.OnRequest(from, req);
+}
+
+std::vector<std::string> SyncEngine::StatusJobs() const {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : jobs_) out.push_back(name);
+  for (const auto& name : membership_.JoiningJobs(/*failed=*/true)) out.push_back(name);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// ---- MembershipHost: the writes of a membership change that touch rounds ----------------
+
+std::vector<std::string> SyncEngine::Jobs() const {
+  std::vector<std::string> out;
+  for (const auto& [name, _] : jobs_) out.push_back(name);
+  return out;
+}
+
+const SyncRecord* SyncEngine::Record(const std::string& job) const {
+  auto it = jobs_.find(job);
+  return it == jobs_.end() ? nullptr : &it->second;
+}
+
+Status SyncEngine::WritePending(const std::string& name,
+                                const std::optional<MembershipChange>& pending) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  SyncRecord rec = *j;
+  rec.pending = pending;
+  WriteBatch batch;
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j->pending = pending;
+  return Status::Ok();
+}
+
+Status SyncEngine::ApplyMembership(const std::string& name, const SyncRecord& next,
+                                   const std::vector<std::string>& gone) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  WriteBatch batch;
+  // A site that goes: its deltas for rounds from the cut on are dropped; every earlier round
+  // has been committed with its delta by every site of the new membership.
+  for (const auto& s : gone) {
+    if (s == options_.site) continue;
+    auto it = j->inbox.find(s);
+    if (it == j->inbox.end()) continue;
+    for (const auto& [r, _] : it->second) {
+      batch.Delete(Column::kSync, HeldKey(name, s, r));
+      batch.Delete(Column::kDeltas, DeltaKey(name, s, r));
+    }
+  }
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  static_cast<SyncRecord&>(*j) = next;
+  for (const auto& s : gone) {
+    if (s != options_.site) j->inbox.erase(s);
+  }
+  j->view.reset();
+  return Status::Ok();
+}
+
+Status SyncEngine::CommitReady(const std::string& name) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  return CommitReady(name, *j);
+}
+
+Result<std::shared_ptr<const JobImage>> SyncEngine::Image(const std::string& name) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  auto image = std::make_shared<JobImage>();
+  image->round = j->committed;
+  image->members = j->members;
+  image->version = j->version;
+  image->base_hash = hooks_.base_hash ? hooks_.base_hash(name) : "";
+  ISTHMUS_ASSIGN_OR_RETURN(auto digest, Digest(name, j->committed));
+  if (!digest) {
+    return Status::Corruption("job '" + name + "' has no digest of its committed round");
+  }
+  image->digest = *digest;
+  for (const auto& [tname, t] : j->theta) {
+    ImageTensor it{tname, t.shape, t.data, nullptr};
+    if (auto m = j->momentum.find(tname); m != j->momentum.end()) it.momentum = m->second;
+    image->tensors.push_back(std::move(it));
+  }
+  return std::shared_ptr<const JobImage>(std::move(image));
+}
+
+Result<std::optional<std::string>> SyncEngine::Digest(const std::string& name,
+                                                      uint64_t round) const {
+  ISTHMUS_ASSIGN_OR_RETURN(auto d, Digests(name, round, 1));
+  if (d.empty() || d.front().first != round) return std::optional<std::string>();
+  return std::optional<std::string>(d.front().second);
+}
+
+Status SyncEngine::InstallImage(const std::string& name, const JobImage& image,
+                                const MembershipChange& change) {
+  if (!hooks_.install) return Status::FailedPrecondition("this shard cannot create joined jobs");
+  Job j;
+  for (const auto& t : image.tensors) {
+    j.theta[t.name] = SyncTensor{t.shape, t.theta};
+    if (t.momentum) j.momentum[t.name] = t.momentum;
+  }
+  j.committed = j.local = image.round;
+  j.version = image.version;
+  j.members = image.members;
+  j.pending = change;
+  WriteBatch batch;
+  for (const auto& [tname, m] : j.momentum) {
+    batch.Put(Column::kState, StateKey(name, StateKind::kMomentum, tname), FloatBytes(*m));
+  }
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(j));
+  batch.PutOwned(Column::kSync, DigestKey(name, image.round), image.digest);
+  ISTHMUS_RETURN_IF_ERROR(hooks_.install(name, image.base_hash, j.theta, image.version, batch));
+  jobs_[name] = std::move(j);
+  return Status::Ok();
+}
+
+Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  std::map<std::string, SyncTensor> theta;
+  std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+  for (const auto& t : image.tensors) {
+    auto mine = j->theta.find(t.name);
+    if (mine == j->theta.end() || mine->second.shape != t.shape) {
+      return Status::InvalidArgument("tensor '" + t.name +
+                                     "' of the state is not one of this job's");
+    }
+    theta[t.name] = SyncTensor{t.shape, t.theta};
+    if (t.momentum) momentum[t.name] = t.momentum;
+  }
+  if (theta.size() != j->theta.size()) {
+    return Status::InvalidArgument("the state has another tensor set");
+  }
+  // One batch: the state of round image.round, its digest, and the removal of the inputs of
+  // the rounds it covers (their result is that state).
+  SyncRecord rec = *j;
+  rec.committed = image.round;
+  rec.local = std::max(j->local, image.round);
+  rec.version = std::max(j->version, image.version) + 1;
+  WriteBatch batch;
+  for (const auto& [tname, t] : theta) {
+    batch.Put(Column::kTensors, keys::TensorKey(name, tname), FloatBytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, keys::TensorKey(name, tname),
+                   EncodeTensorRecord({t.shape, rec.version}));
+    if (t.data && momentum.count(tname)) {
+      batch.Put(Column::kState, StateKey(name, StateKind::kMomentum, tname),
+                FloatBytes(*momentum.at(tname)));
+    }
+  }
+  batch.PutOwned(Column::kSync, DigestKey(name, image.round), image.digest);
+  for (const auto& [site, rounds] : j->inbox) {
+    for (const auto& [r, _] : rounds) {
+      if (r > image.round) continue;
+      batch.Delete(Column::kSync, HeldKey(name, site, r));
+      if (site != options_.site) batch.Delete(Column::kDeltas, DeltaKey(name, site, r));
+    }
+  }
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
+  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  static_cast<SyncRecord&>(*j) = rec;
+  j->theta = std::move(theta);
+  if (keeps_momentum()) j->momentum = std::move(momentum);
+  for (auto& [site, rounds] : j->inbox) {
+    for (auto r = rounds.begin(); r != rounds.end();) {
+      r = r->first <= image.round ? rounds.erase(r) : std::next(r);
+    }
+  }
+  j->view.reset();
+  return Status::Ok();
+}
+
+}  // namespace isthmus

@@ -1,0 +1,297 @@
+// The round protocol of one shard (DESIGN.md "The round protocol", docs/SYNC.md): stages a
+// site's round delta as its workers push it, closes the round by encoding it with error
+// feedback into the outbox, holds peers' deltas in the inbox, commits a round once every
+// site's delta for it is held (token-weighted merge in site-name order, then Nesterov
+// momentum), and serves committed state plus the known uncommitted deltas to workers.
+// Every state change is one Store write batch; memory follows only after it succeeded.
+// Who takes part, and how that changes, is the MembershipProtocol's (membership.h), which
+// the engine owns and serves as its MembershipHost.
+//
+// Threads: one thread (the shard's event loop) calls everything; nothing is locked.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/status.h"
+#include "ops/codec.h"
+#include "server/config/sync_options.h"
+#include "server/storage/records.h"
+#include "server/storage/store.h"
+#include "server/sync/digest.h"
+#include "server/sync/membership.h"
+#include "server/sync/peer_io.h"
+
+namespace isthmus {
+
+// One tensor of a worker's round push: the values to add, and the shape the worker gave
+// them (the engine checks it against the job's: the one check of a synced push's tensors).
+struct SyncPushTensor {
+  std::string name;
+  std::span<const float> delta;
+  std::vector<int64_t> shape;
+};
+
+struct SyncPushResult {
+  bool duplicate = false;  // the round was already closed: nothing changed
+  bool closed = false;     // this push completed the round
+  uint64_t version = 0;    // the job's served version after the push
+};
+
+// Where a job stands (isthmusctl sync status).
+struct SyncJobStatus {
+  std::string job;
+  std::string site;
+  uint64_t local_round = 0;      // last round this site closed
+  uint64_t committed_round = 0;  // last round committed on this shard
+  uint64_t staged_round = 0;     // round being pushed now (0: none)
+  uint64_t staged_tensors = 0;   // tensors of staged_round pushed so far
+  uint64_t tensor_count = 0;
+  std::map<std::string, uint64_t> held;   // site -> highest contiguous round held/committed
+  std::map<std::string, uint64_t> acked;  // peer -> highest round of ours it acknowledged
+  uint64_t bytes_encoded = 0;             // total encoded bytes of this site's deltas
+  uint64_t raw_bytes = 0;                 // the same deltas as fp32
+  double compression_ratio = 0;           // raw / encoded (0 before any round)
+  // Pipeline text -> number of tensors that used it in the last closed round.
+  std::map<std::string, uint64_t> pipelines;
+  uint64_t version = 0;  // served version (increases whenever pulled values change)
+  Membership members;    // who merges into the rounds from members.from_round on
+  std::map<std::string, uint64_t> removed;  // site -> first round without it
+  std::optional<MembershipChange> pending;  // a change agreed to or coordinated here
+  std::string change_note;                  // outcome of the last change seen here (memory only)
+  bool catching_up = false;                 // asking a member for its committed state
+  bool draining = false;                    // leaving once this site's last round commits
+};
+
+class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost {
+ public:
+  // Checks options (NormalizeSyncOptions) and makes an engine with no jobs. `store` is not owned
+  // and must outlive the engine (or be replaced with SetStore).
+  static Result<std::unique_ptr<SyncEngine>> Create(Store* store, SyncOptions options);
+
+  // Forgets every job and uses `store` from now on (after a snapshot restore).
+  void Reset(Store* store);
+
+  // Takes part in sync for `job`, whose committed tensors (as in the store's kTensors
+  // column) are `tensors`. Loads the job's durable sync state (none for a new job; then
+  // `base_version` is the served version) and commits any round that became committable
+  // before a crash. Digest of round 0 = the initial state.
+  Status AttachJob(const std::string& job, std::map<std::string, SyncTensor> tensors,
+                   uint64_t base_version);
+  // A job being created, in two steps so that creating it is one write: AddNewJob puts its
+  // initial sync record and round-0 digest into `batch` (the caller's batch that creates
+  // the job) and changes nothing else; after that batch is durable, AdoptNewJob takes the
+  // job into memory (it cannot fail).
+  void AddNewJob(const std::string& job, const std::map<std::string, SyncTensor>& tensors,
+                 uint64_t version, WriteBatch* batch) const;
+  void AdoptNewJob(const std::string& job, std::map<std::string, SyncTensor> tensors,
+                   uint64_t version);
+  bool HasJob(const std::string& job) const { return jobs_.count(job) > 0; }
+  bool has_peers() const { return !options_.peer_sites.empty(); }
+  const SyncOptions& options() const { return options_; }
+
+  // A worker's push for round `round` (>= 1) of `job`, `tokens` = the site's tokens of the
+  // round. Rounds <= the last closed round are answered as duplicates. Refuses
+  // (FailedPrecondition, saying why) a round past local + 1, a round that would put the site
+  // more than the hard cap ahead of the last commit, and a tensor pushed twice for a round;
+  // NotFound for an unknown tensor, InvalidArgument for a wrong shape or size or a delta
+  // that is not finite. `batch` may hold the
+  // caller's own ops (its idempotency record): they are written in the same batch, and
+  // only if everything succeeded. The push that completes the round closes it (encode,
+  // residual, outbox), and the commits that become possible follow, each its own batch.
+  // `compute_ms`: the pushing worker's compute time for the round (0 = unknown); the
+  // largest of a round's pushes sizes adaptive codecs at its close.
+  Result<SyncPushResult> PushRound(const std::string& job, uint64_t round, uint64_t tokens,
+                                   const std::vector<SyncPushTensor>& tensors, WriteBatch& batch,
+                                   uint64_t compute_ms = 0);
+
+  // Round-less add (push with round 0) for a job that syncs with no peers: theta += delta
+  // at once. FailedPrecondition when peers are configured.
+  Result<uint64_t> AddNow(const std::string& job, const std::vector<SyncPushTensor>& tensors,
+                          WriteBatch& batch);
+
+  // What a worker pulls: the committed tensors moved, for every known uncommitted round in
+  // order, by the outer step its commit will take, with the token-weighted merge of the
+  // deltas held so far (over the sites held) in place of the full merge and the outer
+  // momentum carried along (docs/SYNC.md, "Optimistic view"). Shared buffers, valid as
+  // long as the caller keeps them. Recomputed only after a change.
+  Result<std::map<std::string, SyncTensor>> View(const std::string& job);
+  // The committed tensors alone.
+  Result<std::map<std::string, SyncTensor>> Committed(const std::string& job) const;
+
+  uint64_t Version(const std::string& job) const;
+  uint64_t LocalRound(const std::string& job) const;
+  uint64_t CommittedRound(const std::string& job) const;
+  uint64_t max_rounds_ahead() const { return options_.max_rounds_ahead; }
+  uint64_t hard_cap() const { return hard_cap_; }
+
+  Result<SyncJobStatus> JobStatus(const std::string& job) const;
+  // Committed-round digests (hex SHA-256) of rounds from_round.. (at most `max`), in order.
+  Result<std::vector<std::pair<uint64_t, std::string>>> Digests(const std::string& job,
+                                                                uint64_t from_round,
+                                                                uint64_t max) const;
+
+  // Who takes part and how that changes: removal, leave, join, catch-up (membership.h).
+  MembershipProtocol& membership() { return membership_; }
+  const MembershipProtocol& membership() const { return membership_; }
+  Result<Membership> Members(const std::string& job) const;
+  // What the engine needs of the shard for joins: a job's base hash (for the image a
+  // member hands out), and the creation of a job from an image: the shard adds its own
+  // records (job, tensors) to `batch`, writes it, and takes the job into its registry.
+  struct JobHooks {
+    std::function<std::string(const std::string& job)> base_hash;
+    std::function<Status(const std::string& job, const std::string& base_hash,
+                         const std::map<std::string, SyncTensor>& tensors, uint64_t version,
+                         WriteBatch& batch)>
+        install;
+  };
+  void SetJobHooks(JobHooks hooks) { hooks_ = std::move(hooks); }
+
+  // SyncJobs() and the jobs whose join failed (their status says why).
+  std::vector<std::string> StatusJobs() const;
+
+  // DeltaSource.
+  std::vector<std::string> SyncJobs() const override;
+  uint64_t OutboxHighRound(const std::string& job) const override;
+  Result<std::shared_ptr<const EncodedDelta>> OutboxDelta(const std::string& job,
+                                                          uint64_t round) override;
+  void OnPeerAck(const std::string& peer_site, const std::string& job,
+                 uint64_t held_round) override;
+  void OnLinkBandwidth(const std::string& peer_site, double bytes_per_second) override;
+  uint64_t FirstRoundTo(const std::string& peer_site, const std::string& job) const override;
+  std::vector<MembershipRequest> MembershipRequests(const std::string& peer_site) override;
+  void OnMembershipAnswer(const std::string& peer_site, const MembershipRequest& request,
+                          const MembershipAnswer& answer) override;
+
+  // DeltaSink.
+  Result<uint64_t> ReceiveDelta(const std::string& from_site, const EncodedDelta& delta) override;
+  uint64_t HeldFrom(const std::string& site, const std::string& job) const override;
+  Result<std::vector<std::pair<std::string, std::vector<int64_t>>>> JobTensors(
+      const std::string& job) const override;
+  MembershipAnswer OnMembershipRequest(const std::string& from_site,
+                                       const MembershipRequest& request) override;
+  std::string RefusesPeer(const std::string& site, const std::string& job) const override;
+
+  // Reads a job's committed tensors as the shard stores them (TensorRecord, raw fp32 in
+  // kTensors). Corruption when a record or size is bad.
+  static Result<std::map<std::string, SyncTensor>> ReadTensors(Store* store,
+                                                               const std::string& job);
+
+ private:
+  // The durable fields are the SyncRecord (storage/records.h): a batch writes a copy of
+  // them with its changes, and memory takes them once the batch is durable.
+  struct Job : SyncRecord {
+    std::map<std::string, SyncTensor> theta;  // committed
+    std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+    // site -> uncommitted round held -> its tokens (own site: rounds closed, uncommitted).
+    std::map<std::string, std::map<uint64_t, uint64_t>> inbox;
+    // Round timing for adaptive sizing (memory only: a restart starts from the config).
+    // staged_compute_ms: largest compute time reported by the staged round's pushes.
+    std::optional<std::chrono::steady_clock::time_point> last_close;
+    // Close time of each uncommitted round of this site (for SyncOptions::on_commit).
+    std::map<uint64_t, std::chrono::steady_clock::time_point> closed_at;
+    double last_round_seconds = 0;
+    uint64_t staged_compute_ms = 0;
+    // Cached optimistic view; empty when stale.
+    std::optional<std::map<std::string, SyncTensor>> view;
+  };
+
+  SyncEngine(Store* store, SyncOptions options);
+  Result<Job*> FindJob(const std::string& job);
+  Result<const Job*> FindJob(const std::string& job) const;
+  // The state of a job that has just been created: `tensors` committed at round 0 as
+  // version `version`, zero outer momentum when the outer optimiser has one.
+  Job NewJob(std::map<std::string, SyncTensor> tensors, uint64_t version) const;
+  // Checks a push's tensors against the job's: each known, of the job's shape and size,
+  // named once. Returns their names.
+  Result<std::set<std::string>> CheckPushed(const std::string& name, const Job& j,
+                                            const std::vector<SyncPushTensor>& tensors) const;
+  std::vector<std::string> AllSites() const;  // the configured sites (sync.peers + own), sorted
+  // Member sites other than this one.
+  std::vector<std::string> MemberPeers(const Job& j) const;
+  bool keeps_momentum() const { return static_cast<float>(options_.outer_momentum) != 0.0f; }
+
+  // MembershipHost.
+  std::vector<std::string> Jobs() const override;
+  const SyncRecord* Record(const std::string& job) const override;
+  Status WritePending(const std::string& job,
+                      const std::optional<MembershipChange>& pending) override;
+  Status ApplyMembership(const std::string& job, const SyncRecord& next,
+                         const std::vector<std::string>& gone) override;
+  Status CommitReady(const std::string& job) override;
+  Result<std::shared_ptr<const JobImage>> Image(const std::string& job) const override;
+  Result<std::optional<std::string>> Digest(const std::string& job, uint64_t round) const override;
+  Status InstallImage(const std::string& job, const JobImage& image,
+                      const MembershipChange& change) override;
+  Status AdoptImage(const std::string& job, const JobImage& image) override;
+
+  uint64_t HeldContiguous(const Job& j, const std::string& site) const;
+  // Encodes the staged round and writes it to the outbox. `pushed`: the round's deltas in
+  // memory when one push brings them all (nothing was staged on disk); they are then
+  // written with `batch` (the push's own records) in the close's single write batch.
+  Status CloseRound(const std::string& name, Job& j,
+                    const std::map<std::string, std::span<const float>>* pushed = nullptr,
+                    WriteBatch* batch = nullptr);
+  // Commits what can be committed (CommitRounds), then lets the membership protocol start
+  // a draining leave that has become possible.
+  Status CommitReady(const std::string& name, Job& j);
+  Status CommitRounds(const std::string& name, Job& j);
+  // Commits round committed + 1 in three steps: the outer optimiser's step from the merged
+  // deltas (OuterStep), one write batch with the new state, the round's digest and the
+  // removal of the round's inputs (CommitBatch), and, once that is durable, the new state
+  // in memory (PublishCommit).
+  Status CommitOne(const std::string& name, Job& j);
+  // theta and momentum after round `round`; tensors not in `sent` (deferred by every site)
+  // are carried over unchanged. FailedPrecondition when a value becomes non-finite.
+  struct OuterState {
+    std::map<std::string, SyncTensor> theta;
+    std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+  };
+  Result<OuterState> OuterStep(const std::string& name, const Job& j, uint64_t round,
+                               const std::map<std::string, std::vector<float>>& merged,
+                               const std::set<std::string>& sent) const;
+  void CommitBatch(const std::string& name, const Job& j, uint64_t round, const OuterState& next,
+                   const std::set<std::string>& sent, const std::vector<std::string>& sites,
+                   const std::string& digest, const SyncRecord& rec, WriteBatch& batch) const;
+  void PublishCommit(Job& j, uint64_t round, OuterState next, const std::vector<std::string>& sites,
+                     uint64_t version);
+  // Token-weighted merge of round `round` over `sites` (in the given order), decoded. When
+  // `sent` is not null it receives the tensors some site did not defer.
+  Result<std::map<std::string, std::vector<float>>> Merge(const std::string& name, const Job& j,
+                                                          uint64_t round,
+                                                          const std::vector<std::string>& sites,
+                                                          std::set<std::string>* sent = nullptr);
+  // Pipeline for a tensor of the round being closed; `total_numel`: the values this round
+  // sends (its fragment's). The configured pipelines were parsed once, at construction.
+  codec::Pipeline PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
+                              uint64_t total_numel) const;
+  void CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const;
+
+  Store* store_;
+  SyncOptions options_;
+  // options_'s pipelines, parsed once (Create has checked that every one parses).
+  codec::Pipeline codec_pipe_, floor_pipe_, ceiling_pipe_, dense_pipe_, defer_pipe_;
+  std::vector<std::pair<std::string, codec::Pipeline>> override_pipes_;  // glob, pipeline
+  uint64_t hard_cap_;
+  std::map<std::string, Job> jobs_;
+  std::map<std::string, double> bandwidth_;  // peer -> bytes/s
+  JobHooks hooks_;
+  MembershipProtocol membership_;  // after jobs_: it reads them through MembershipHost
+};
+
+// Splits tensors (name -> element count) into `fragments` groups of about equal size:
+// largest first, each to the group holding the fewest values so far (ties: lower group,
+// then name order). Deterministic, so every site that streams computes the same groups.
+std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint64_t>& numel,
+                                                uint32_t fragments);
+
+}  // namespace isthmus
