@@ -126,7 +126,7 @@ struct SnapshotInfo {
   std::vector<JobInfo> jobs;  // summaries
 };
 
-// --- cross-site sync administration (admin role; server/peer_link.h, docs/SYNC.md) -------
+// --- cross-site sync administration (admin role; server/sync/peer_link.h, docs/SYNC.md) -------
 
 // One peer link of a shard, as `isthmusctl sync status` shows it (see wire::PeerLinkInfo).
 struct PeerLinkReport {

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "common/check.h"
 #include "ops/cuda_compat.h"
 #include "ops/ops.h"
 
@@ -811,7 +812,7 @@ inline LayerNormBackwardPlan PlanLayerNormBackward(int N, int C, bool want_acc) 
   int64_t blocks = std::min<int64_t>(CeilDiv(N, p.warps), CeilDiv(kTargetWarps, p.warps));
   if (want_acc) {
     const int64_t slice_floats = width * (p.global_acc ? p.warps : 1);
-    assert(slice_floats <= kWorkspaceFloats);
+    ISTHMUS_CHECK(slice_floats <= kWorkspaceFloats, "column-sum slices overflow the workspace");
     blocks = std::max<int64_t>(1, std::min(blocks, kWorkspaceFloats / slice_floats));
     p.slices = static_cast<int>(p.global_acc ? blocks * p.warps : (blocks > 1 ? blocks : 0));
   }
@@ -867,7 +868,8 @@ void LaunchColumnSumAccumulate(const T* m, float* out, int rows, int cols, float
   const ColumnSumPlan p = PlanColumnSum(rows, cols, detail::Aligned(m, 4 * sizeof(T)));
   auto kernel = p.vec == 4 ? detail::ColumnSumKernel<T, 4> : detail::ColumnSumKernel<T, 1>;
   float* partial = p.slices > 1 ? workspace : nullptr;
-  assert(p.slices == 1 || static_cast<int64_t>(p.slices) * cols <= kWorkspaceFloats);
+  ISTHMUS_CHECK(p.slices == 1 || static_cast<int64_t>(p.slices) * cols <= kWorkspaceFloats,
+                "column-sum partials overflow the workspace");
   ISTHMUS_LAUNCH(kernel, dim3(p.tiles, p.slices), dim3(32, 8), 0, stream, m, rows, cols,
                  p.rows_per_slice, partial, out);
   if (partial == nullptr) return;

@@ -138,7 +138,6 @@ Binding Bind(std::string key, F field, std::string doc) {
 }
 
 const std::vector<Binding>& Bindings() {
-  using T = SettingType;
   static const std::vector<Binding> kBindings = {
       Bind(
           "shard.id", [](auto& c) -> auto& { return c.shard_id; },

@@ -430,7 +430,7 @@ void RoundTrip(TrainMode mode, ops::Dtype precision = ops::Dtype::kF32) {
   tc.warmup_steps = 2;
   tc.total_steps = 20;
   tc.weight_decay = 0.1f;
-  const Compute compute{nullptr, precision};
+  const Compute compute{&ops::CpuOps(), precision};
   auto a = MustCreate(c, mode, lora, 77, compute);
   auto ta_owner = MustTrainer(*a, tc);
   Trainer& ta = *ta_owner;

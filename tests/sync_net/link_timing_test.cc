@@ -1,4 +1,4 @@
-// Unit tests of the peer links' timing rules (server/peer_link.h): how long bytes in flight
+// Unit tests of the peer links' timing rules (server/sync/peer_link.h): how long bytes in flight
 // may go unanswered, and how acks become bandwidth samples. Pure, so no shaped link needed.
 #include <gtest/gtest.h>
 

@@ -212,6 +212,27 @@ class SyncProcessTest : public ::testing::Test {
     ASSERT_EQ(Committed(1), 2u);
   }
 
+  // A fourth site, "delta", enters the fleet: it lists every site as a peer and shares
+  // alpha's admin key; the sites at `restart` (every site when empty) list it too and are
+  // restarted with that configuration. delta starts without the job.
+  void AddDeltaSite(std::vector<int> restart = {}) {
+    sites_.push_back(std::make_unique<SiteProcess>("delta", root_));
+    std::vector<SiteProcess*> all;
+    for (auto& s : sites_) all.push_back(s.get());
+    std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
+                               sites_[3]->dir() / "admins" / "shared.pub");
+    const std::string extra =
+        "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
+    if (restart.empty()) {
+      for (int i = 0; i < static_cast<int>(sites_.size()); ++i) restart.push_back(i);
+    }
+    for (int i : restart) {
+      sites_[i]->Kill(SIGTERM);
+      sites_[i]->Configure(all, extra);
+      ASSERT_TRUE(sites_[i]->Start());
+    }
+  }
+
   uint64_t Committed(int i) {
     auto d = sites_[i]->AdminClient(2000, 0)->Digests("job", 0);
     return d.ok() ? d->committed_round : 0;
@@ -857,18 +878,8 @@ TEST_F(SyncProcessTest, FourthSiteJoinsARunningJobAndAgreesFromItsFirstRound) {
   }
   WaitAcked(3);
   // The members add delta to their peers and restart; delta starts without the job.
-  sites_.push_back(std::make_unique<SiteProcess>("delta", root_));
-  std::vector<SiteProcess*> all;
-  for (auto& s : sites_) all.push_back(s.get());
-  std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
-                             sites_[3]->dir() / "admins" / "shared.pub");
-  const std::string extra =
-      "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
-  for (auto& s : sites_) {
-    s->Kill(SIGTERM);
-    s->Configure(all, extra);
-    ASSERT_TRUE(s->Start());
-  }
+  AddDeltaSite();
+  if (HasFatalFailure()) return;
   auto [code, out] = Ctl("sync join --from alpha -j job --wait 30 " + SiteFlags(3));
   ASSERT_EQ(code, 0) << out << sites_[3]->Log();
   EXPECT_NE(out.find("applied: add delta from round 4 (epoch 1), coordinated by alpha"),
@@ -913,18 +924,8 @@ TEST_F(SyncProcessTest, JoinAgainstAMemberWithoutTheJoiningSiteIsRefused) {
   for (int i = 0; i < 3; ++i) Push(i, 1);
   WaitCommitted(1);
   // delta lists the three, but only alpha lists delta: beta and gamma refuse the addition.
-  sites_.push_back(std::make_unique<SiteProcess>("delta", root_));
-  std::vector<SiteProcess*> all;
-  for (auto& s : sites_) all.push_back(s.get());
-  std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
-                             sites_[3]->dir() / "admins" / "shared.pub");
-  const std::string extra =
-      "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
-  for (int i : {0, 3}) {
-    sites_[i]->Kill(SIGTERM);
-    sites_[i]->Configure(all, extra);
-    ASSERT_TRUE(sites_[i]->Start());
-  }
+  AddDeltaSite({0, 3});
+  if (HasFatalFailure()) return;
   auto [code, out] = Ctl("sync join --from alpha -j job --wait 30 " + SiteFlags(3));
   EXPECT_EQ(code, 3) << out;
   EXPECT_NE(out.find("join failed"), std::string::npos) << out;
@@ -1081,18 +1082,8 @@ TEST_F(SyncProcessTest, JoiningSiteKilledMidChangeFinishesTheJoinAfterRestart) {
   for (int i = 0; i < 3; ++i) Push(i, 1);
   WaitCommitted(1);
   WaitAcked(1);
-  sites_.push_back(std::make_unique<SiteProcess>("delta", root_));
-  std::vector<SiteProcess*> all;
-  for (auto& s : sites_) all.push_back(s.get());
-  std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
-                             sites_[3]->dir() / "admins" / "shared.pub");
-  const std::string extra =
-      "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
-  for (auto& s : sites_) {
-    s->Kill(SIGTERM);
-    s->Configure(all, extra);
-    ASSERT_TRUE(s->Start());
-  }
+  AddDeltaSite();
+  if (HasFatalFailure()) return;
   // beta keeps alpha (the coordinator) away: the addition waits for beta's agreement.
   auto [pcode, pout] = Ctl("sync pause --peer alpha " + SiteFlags(1));
   ASSERT_EQ(pcode, 0) << pout;

@@ -8,6 +8,19 @@
 
 namespace isthmus::comm {
 
+Status Communicator::CheckCall(const char* what, const Status& broken, const float* data,
+                               size_t count) {
+  if (!broken.ok()) {
+    return Status::FailedPrecondition(
+        std::string(what) + ": communicator broken by an earlier error: " + broken.ToString());
+  }
+  if (data == nullptr && count > 0) {
+    return Status::InvalidArgument(std::string(what) + ": null buffer with " +
+                                   std::to_string(count) + " elements");
+  }
+  return Status::Ok();
+}
+
 Status Communicator::AllReduceAverage(std::vector<std::pair<float*, size_t>> buffers) {
   for (const auto& [ptr, count] : buffers) {
     if (ptr == nullptr && count > 0) {

@@ -78,6 +78,11 @@ class Communicator {
 
   // Bytes up to which the default multi-buffer all-reduce packs buffers together.
   virtual size_t FusionBytes() const { return kDefaultFusionBytes; }
+
+  // The checks every implementation makes before collective `what` on `count` elements at
+  // `data`: FailedPrecondition once `broken` (the error that broke the group) is set,
+  // InvalidArgument for a null buffer with elements.
+  static Status CheckCall(const char* what, const Status& broken, const float* data, size_t count);
 };
 
 }  // namespace isthmus::comm

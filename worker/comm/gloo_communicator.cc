@@ -100,15 +100,7 @@ class GlooCommunicator final : public Communicator {
 
  private:
   Status Check(const char* what, const float* data, size_t count) const {
-    if (!broken_.ok()) {
-      return Status::FailedPrecondition(
-          std::string(what) + ": communicator broken by an earlier error: " + broken_.ToString());
-    }
-    if (data == nullptr && count > 0) {
-      return Status::InvalidArgument(std::string(what) + ": null buffer with " +
-                                     std::to_string(count) + " elements");
-    }
-    return Status::Ok();
+    return CheckCall(what, broken_, data, count);
   }
 
   // Every rank issues collectives in the same order, so a counter gives matching tags; a

@@ -139,14 +139,7 @@ class NcclCommunicator final : public Communicator {
 
  private:
   Status Check(const char* what, const float* data, size_t count) const {
-    if (!broken_.ok()) {
-      return Status::FailedPrecondition(
-          std::string(what) + ": communicator broken by an earlier error: " + broken_.ToString());
-    }
-    if (data == nullptr && count > 0) {
-      return Status::InvalidArgument(std::string(what) + ": null buffer");
-    }
-    return Status::Ok();
+    return CheckCall(what, broken_, data, count);
   }
 
   Status AllReduce(const char* what, float* data, size_t count, ncclRedOp_t op) {

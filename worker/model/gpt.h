@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "common/check.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "ops/buffer.h"
@@ -58,10 +59,13 @@ Result<TrainMode> ParseTrainMode(const std::string& name);
 // How a model computes: the backend its tensors live on and the precision of its matmuls
 // and activations.
 struct Compute {
-  ops::Ops* ops = nullptr;                  // null: the CPU reference, ops::CpuOps()
+  ops::Ops* ops = &ops::CpuOps();           // never null; the CPU reference by default
   ops::Dtype precision = ops::Dtype::kF32;  // kBF16: bf16 matmul weight copies and
                                             // activations; fp32 masters and gradients
-  ops::Ops& backend() const { return ops != nullptr ? *ops : ops::CpuOps(); }
+  ops::Ops& backend() const {
+    ISTHMUS_CHECK(ops != nullptr, "model::Compute without a backend (ops::CpuOps() for the CPU)");
+    return *ops;
+  }
 };
 
 // "fp32" / "bf16"; InvalidArgument on anything else.
