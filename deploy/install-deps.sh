@@ -26,8 +26,11 @@ packages=(
   prometheus
   # deploy tests (tests/deploy): systemd-analyze verify/security and systemd-sysusers/
   # -tmpfiles (systemd), cpack's .deb (dpkg-dev's dpkg-shlibdeps, file), dpkg as another
-  # user (fakeroot), the units' seccomp filters without systemd (python3-seccomp)
-  systemd dpkg-dev file fakeroot python3-seccomp
+  # user (fakeroot), the units' seccomp filters without systemd (python3-seccomp), the
+  # package's Debian policy check (lintian)
+  systemd dpkg-dev file fakeroot python3-seccomp lintian
+  # the build: the programs' manual pages, written from their --help (deploy/man)
+  help2man
   # the Python package (worker/python) and its tests, which train with PyTorch
   pybind11-dev python3-dev python3-numpy python3-torch
 )

@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
 # DeployInstall.ExamplesAndUnitsMatchThePrograms: the example configs and the units agree
 # with the programs they are for.
-#  - isthmus-server reads deploy/examples/shard.toml (it then stops at the missing key
-#    file the example names, exit 4: every key of the file was accepted; an unknown key
-#    would have been exit 2);
+#  - isthmus-server reads deploy/examples/shard.toml (it then stops at the first missing
+#    key file the example names, exit 4: every key of the file was accepted; an unknown
+#    key would have been exit 2);
 #  - isthmus-worker train reads deploy/examples/worker.toml (it stops at the missing base
 #    the example names), refuses a key that is no flag, and a flag wins over the file;
+#  - shard.toml and worker.toml are one site's, laid out as `isthmusctl fleet init` writes
+#    it (docs/DEPLOY.md): every setting fleet init writes has fleet init's value in them
+#    (key paths included), and they agree with each other (site name, shard 0's endpoint
+#    and key pair);
+#  - docs/CONFIG.md's example is shard.toml, verbatim;
 #  - every flag the units pass is a flag of the program (--help), every variable the unit
 #    expands has a default in the unit, and worker.env sets only variables the unit reads.
-#   examples_test.sh SOURCE_DIR SERVER WORKER
+#   examples_test.sh SOURCE_DIR SERVER WORKER ISTHMUSCTL
 set -euo pipefail
+if [ "${1:-}" = --help ] || [ "$#" -ne 4 ]; then
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  [ "${1:-}" = --help ] && exit 0
+  exit 2
+fi
 src="$1"
 server="$2"
 worker="$3"
+ctl="$4"
 # shellcheck source=tests/deploy/checks.sh
 . "$(dirname "$0")/checks.sh"
 examples="$src/deploy/examples"
@@ -32,11 +43,72 @@ run() {
   fi
 }
 
+# (its data_dir moved to a scratch folder: the shard opens its database before its keys;
+# the first key file it opens is sync.peers' peer key)
+peer_key_path="$(sed -n 's/^ *"[^=]*=[^=]*=\(\/[^"]*\)",*$/\1/p' "$examples/shard.toml" | head -n 1)"
+[ -n "$peer_key_path" ] || fail "shard.toml names no sync.peers entry with a key file"
+run "shard.toml" 4 "$peer_key_path" "$server" --config "$examples/shard.toml" \
+  --shard.data_dir="$tmp/shard-data"
+# With that peer key found, the next file it opens: security.secret_key.
 key_path="$(sed -n 's/^secret_key = "\([^"]*\)".*/\1/p' "$examples/shard.toml")"
 [ -n "$key_path" ] || fail "shard.toml names no security.secret_key"
-# (its data_dir moved to a scratch folder: the shard opens its database before its keys)
-run "shard.toml" 4 "$key_path" "$server" --config "$examples/shard.toml" \
-  --shard.data_dir="$tmp/shard-data"
+"$ctl" keygen --out "$tmp/B-0" >/dev/null
+run "shard.toml with its peer key" 4 "$key_path" "$server" --config "$examples/shard.toml" \
+  --shard.data_dir="$tmp/shard-data" --sync.peers="B=tcp://10.1.0.1:7102=$tmp/B-0.pub"
+
+# The examples against the site fleet init writes with the options their header names.
+"$ctl" fleet init --sites A,B --shards 2 --host A=10.0.0.1 --host B=10.1.0.1 --job demo \
+  --metrics --out "$tmp/fleet" >/dev/null || fail "isthmusctl fleet init failed"
+python3 - "$examples/shard.toml" "$tmp/fleet/A/A-0.toml" "$examples/worker.toml" \
+  "$tmp/fleet/A/worker.toml" <<'PY' || fail "the examples do not follow fleet init's layout (above)"
+import sys, tomllib
+
+def load(path):
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+def flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(flat(v, prefix + k + "."))
+        else:
+            out[prefix + k] = v
+    return out
+
+shard, fleet_shard, wk, fleet_wk = (flat(load(p)) for p in sys.argv[1:5])
+bad = []
+for name, example, fleet in (("shard.toml", shard, fleet_shard), ("worker.toml", wk, fleet_wk)):
+    for key, value in fleet.items():
+        if example.get(key) != value:
+            bad.append(f"{name}: {key} is {example.get(key)!r}, fleet init writes {value!r}")
+# The two examples are one site: its name, shard 0's worker endpoint and key pair.
+if wk.get("client-name") != shard.get("sync.site"):
+    bad.append(f"worker.toml's client-name {wk.get('client-name')!r} is not shard.toml's "
+               f"sync.site {shard.get('sync.site')!r}")
+if not wk.get("server") or wk["server"][0] != shard.get("listen.worker"):
+    bad.append(f"worker.toml's first server {wk.get('server')} is not shard.toml's "
+               f"listen.worker {shard.get('listen.worker')!r}")
+secret = shard.get("security.secret_key", "")
+if not wk.get("server-key") or wk["server-key"][0] != secret.removesuffix(".key") + ".pub":
+    bad.append(f"worker.toml's first server-key {wk.get('server-key')} is not the public half "
+               f"of shard.toml's security.secret_key {secret!r}")
+keys_dir = secret.rsplit("/", 1)[0]
+for path in [wk.get("key", "")] + shard.get("security.worker_keys", []):
+    if path.rsplit("/", 1)[0] != keys_dir:
+        bad.append(f"{path!r} is not in the keys folder {keys_dir!r} of shard.toml's secret_key")
+for b in bad:
+    print("  " + b)
+sys.exit(1 if bad else 0)
+PY
+echo "shard.toml and worker.toml: fleet init's layout, one site"
+
+# docs/CONFIG.md's example is shard.toml, verbatim (the block after "Example").
+awk '/^Example/ { ex = 1 } ex && /^```toml$/ { on = 1; next } on && /^```$/ { exit } on' \
+  "$src/docs/CONFIG.md" >"$tmp/config-md-example.toml"
+if ! diff -u "$examples/shard.toml" "$tmp/config-md-example.toml"; then
+  fail "docs/CONFIG.md's example differs from deploy/examples/shard.toml (above): copy the file into it"
+fi
 
 base_path="$(sed -n 's/^base = "\([^"]*\)".*/\1/p' "$examples/worker.toml")"
 [ -n "$base_path" ] || fail "worker.toml names no base"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # DeployPackage.Deb: builds the Debian package with cpack from the build tree, inspects it
-# with dpkg-deb (name, control fields, Depends against the libraries the binaries load,
-# contents, maintainer scripts), installs it into a scratch root with dpkg --root and
+# with dpkg-deb (name, control fields, Depends against the libraries the binaries load and
+# the CPython the Python module is built for, contents: manual pages, copyright,
+# changelog; maintainer scripts), runs lintian on it (any error fails; skipped, saying so,
+# without lintian), installs it into a scratch root with dpkg --root and
 # --force-script-chrootless (the maintainer scripts then run with DPKG_ROOT set), checks
 # what landed there (files, the isthmus user in the scratch root's passwd, directories
 # and their owners, no unit enabled) and that the running system was not touched, then
@@ -10,6 +12,11 @@
 # Needs root for dpkg; as another user it runs itself under fakeroot. Exit 77 (skipped)
 # when cpack, dpkg, dpkg-deb or dpkg-shlibdeps (or, not as root, fakeroot) is missing.
 set -euo pipefail
+if [ "${1:-}" = --help ] || [ "$#" -ne 3 ]; then
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  [ "${1:-}" = --help ] && exit 0
+  exit 2
+fi
 build="$1"
 version="$2"
 have_cuda="$3"
@@ -78,11 +85,79 @@ done
 if grep -E '^/(etc|var|usr/local)(/|$)' "$tmp/contents"; then
   fail "the package ships files under /etc, /var or /usr/local"
 fi
+for f in /usr/share/isthmus/prometheus/isthmus-alerts.yml /usr/share/lintian/overrides/isthmus; do
+  grep -qx "$f" "$tmp/contents" || fail "the package lacks $f"
+done
+dpkg-deb -x "$deb" "$tmp/x"
+
+# Debian's documentation files: a manual page per program (gzip -9n, with a NAME
+# section naming the program), the machine-readable copyright file, and the changelog of
+# a native package (changelog.gz) whose latest entry is this version.
+for prog in isthmus-server isthmusctl isthmus-worker isthmus-data; do
+  page="/usr/share/man/man1/$prog.1.gz"
+  if ! grep -qx "$page" "$tmp/contents"; then
+    fail "the package lacks $page (the build writes it with help2man: apt-get install help2man, re-run cmake and build)"
+    continue
+  fi
+  gzip -t "$tmp/x$page" || fail "$page is not a valid gzip file"
+  # (roff escapes every hyphen: isthmus\-server \- ...)
+  zcat "$tmp/x$page" | sed 's/\\-/-/g' >"$tmp/page"
+  grep -qx "$prog - .*" "$tmp/page" || fail "$page has no NAME line for $prog"
+done
+copyright="$tmp/x/usr/share/doc/isthmus/copyright"
+if [ ! -f "$copyright" ]; then
+  fail "the package lacks /usr/share/doc/isthmus/copyright"
+else
+  head -n 1 "$copyright" | grep -qx 'Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/' ||
+    fail "/usr/share/doc/isthmus/copyright is not machine-readable (no DEP 5 Format line)"
+  grep -q '^License: ' "$copyright" || fail "/usr/share/doc/isthmus/copyright names no License"
+fi
+changelog="$tmp/x/usr/share/doc/isthmus/changelog.gz"
+if [ ! -f "$changelog" ]; then
+  fail "the package lacks /usr/share/doc/isthmus/changelog.gz"
+else
+  zcat "$changelog" >"$tmp/changelog"
+  top="$(dpkg-parsechangelog -l "$tmp/changelog" -SVersion)"
+  [ "$top" = "$version" ] ||
+    fail "the changelog's latest entry is $top, not $version: add one to deploy/package/changelog (dch -v $version)"
+fi
+maintainer="$(field Maintainer)"
+case "$maintainer" in *@localhost*) fail "Maintainer is $maintainer: set ISTHMUS_PACKAGE_MAINTAINER" ;; esac
+
+# The Python module is built for one CPython: Depends must hold python3 to that minor
+# version (the cpython-3XY tag in the module's file name), and python3-torch is suggested
+# for isthmus.torch.
+module="$(grep -oE '/usr/lib/python3/dist-packages/isthmus/_isthmus\.cpython-[0-9]+-[^/]*\.so$' "$tmp/contents" || true)"
+if [ -n "$module" ]; then
+  tag="$(sed -E 's/.*cpython-([0-9]+)-.*/\1/' <<<"$module")"
+  major="${tag:0:1}" minor="${tag:1}"
+  for want in "python3 (>= $major.$minor)" "python3 (<< $major.$((minor + 1)))"; do
+    grep -qF "$want" <<<"$depends" || fail "the module $(basename "$module") is for CPython $major.$minor, but Depends lacks '$want': $depends"
+  done
+  grep -qw python3-torch <<<"$(field Suggests) $(field Recommends)" ||
+    fail "the package has isthmus.torch but neither Suggests nor Recommends python3-torch"
+  echo "Python module for CPython $major.$minor; Depends: python3 (>= $major.$minor), python3 (<< $major.$((minor + 1)))"
+fi
+
+# lintian: no error. Its warnings and notes are printed; each tag the package overrides
+# says why in /usr/share/lintian/overrides/isthmus.
+if command -v lintian >/dev/null; then
+  lintian --tag-display-limit 0 --display-info --show-overrides "$deb" >"$tmp/lintian.log" 2>&1 || true
+  grep -v 'running with root privileges' "$tmp/lintian.log" | grep -v '^N:' || true
+  echo "lintian: $(grep -c '^E:' "$tmp/lintian.log") errors, $(grep -c '^W:' "$tmp/lintian.log") warnings, $(grep -c '^I:' "$tmp/lintian.log") notes, $(grep -c '^O:' "$tmp/lintian.log") overridden"
+  if grep -q '^E:' "$tmp/lintian.log"; then
+    fail "lintian reports errors (E: above)"
+  fi
+  if grep -qE '^(E|W|I): isthmus: unused-override' "$tmp/lintian.log"; then
+    fail "deploy/package/lintian-overrides overrides a tag lintian no longer reports: remove it"
+  fi
+else
+  echo "lintian not found: the package was not checked with it (Debian: apt-get install lintian)"
+fi
 
 # Every shared library a binary links (its NEEDED entries) that a Debian package of this
 # system provides must have that package in Depends (what dpkg-shlibdeps is for);
 # libraries outside packages (the CUDA and NCCL ones of a CUDA build) are listed.
-dpkg-deb -x "$deb" "$tmp/x"
 : >"$tmp/unpackaged"
 for bin in "$tmp"/x/usr/bin/*; do
   needed="$(objdump -p "$bin" | awk '$1 == "NEEDED" {print $2}')"
