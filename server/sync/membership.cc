@@ -169,6 +169,7 @@ Status MembershipProtocol::StartChange(const std::string& name, JobState& js,
   ISTHMUS_RETURN_IF_ERROR(host_->WritePending(name, change));
   js.votes.clear();
   js.note.clear();
+  js.automatic = false;
   if (change.coordinator == site_ && change.next.sites == std::vector<std::string>{site_}) {
     return ApplyChange(name, js);  // nobody else to ask
   }
@@ -179,7 +180,28 @@ Result<bool> MembershipProtocol::ProposeSilentRemoval(const std::string& name,
                                                       const std::set<std::string>& silent) {
   ISTHMUS_ASSIGN_OR_RETURN(const SyncRecord* r, Held(*host_, name));
   JobState& js = jobs_[name];
-  if (!r->members.Has(site_) || r->pending) return false;
+  if (!r->members.Has(site_)) return false;
+  if (r->pending) {
+    if (r->pending->coordinator != site_) return false;
+    for (const auto& s : r->members.sites) {
+      if (js.automatic && s != site_ && !r->pending->next.Has(s) && !silent.count(s)) {
+        ISTHMUS_RETURN_IF_ERROR(DropChange(
+            name, js,
+            "automatic removal given up: site " + s + " was heard from again (slow, not gone)"));
+        return false;
+      }
+    }
+    for (const auto& p : r->pending->next.sites) {
+      if (p != site_ && !js.votes.count(p) && silent.count(p)) {
+        ISTHMUS_RETURN_IF_ERROR(DropChange(name, js,
+                                           "given up: it needs the agreement of site " + p +
+                                               ", which is silent too (" +
+                                               r->pending->Describe(r->members) + ")"));
+        return false;
+      }
+    }
+    return false;
+  }
   std::vector<std::string> gone, remaining;
   for (const auto& s : r->members.sites) {
     (s != site_ && silent.count(s) ? gone : remaining).push_back(s);
@@ -197,6 +219,14 @@ Result<bool> MembershipProtocol::ProposeSilentRemoval(const std::string& name,
     return false;
   }
   if (remaining.front() != site_) return false;  // the first-named remaining proposes
+  if (r->committed < js.wait_for_round) {
+    js.note =
+        "silent: " + who + "; not proposing a removal before this site has committed round " +
+        std::to_string(js.wait_for_round) + " as the other members have" +
+        (js.catching_up_from.empty() ? std::string()
+                                     : " (catching up from site " + js.catching_up_from + ")");
+    return false;
+  }
   MembershipChange change;
   change.coordinator = site_;
   change.next.epoch = r->members.epoch + 1;
@@ -208,6 +238,7 @@ Result<bool> MembershipProtocol::ProposeSilentRemoval(const std::string& name,
   spdlog::warn("job '{}': {} silent past sync.remove_silent_after_s: proposing to {}", name, who,
                change.Describe(r->members));
   ISTHMUS_RETURN_IF_ERROR(StartChange(name, js, change));
+  js.automatic = true;
   return true;
 }
 
@@ -401,7 +432,9 @@ MembershipAnswer MembershipProtocol::OnRequest(const std::string& from,
   }
   if (std::string why = PrepareRefusal(*r, from, c); !why.empty()) {
     spdlog::warn("job '{}': refused {}: {}", req.job, c.Describe(r->members), why);
-    return {MembershipVote::kRefused, why};
+    MembershipAnswer refused{MembershipVote::kRefused, why};
+    refused.committed = r->committed;  // lets a coordinator that is behind catch up
+    return refused;
   }
   const std::string what = c.Describe(r->members);
   if (Status s = StartChange(req.job, js, c); !s.ok()) {
@@ -479,7 +512,19 @@ void MembershipProtocol::OnAnswer(const std::string& peer, const MembershipReque
       }
       if (all) s = ApplyChange(req.job, js);
     } else if (answer.vote == MembershipVote::kRefused) {
+      const bool automatic = js.automatic;
+      const uint64_t committed = r->committed;
       s = DropChange(req.job, js, "refused by site " + peer + ": " + answer.reason);
+      if (s.ok() && answer.committed > committed) {
+        // The refusing member has committed further: whatever is proposed next must start
+        // from its round, so this site takes its state first when the policy proposed.
+        js.wait_for_round = answer.committed;
+        if (automatic && js.catching_up_from.empty()) {
+          if (Status c = StartCatchUp(req.job, peer); !c.ok()) {
+            spdlog::warn("job '{}': cannot catch up from site {}: {}", req.job, peer, c.ToString());
+          }
+        }
+      }
     }
   } else if (answer.vote == MembershipVote::kApplied) {
     s = ApplyChange(req.job, js);

@@ -67,6 +67,7 @@ struct MembershipAnswer {
   std::string reason;
   std::string digest = {};                          // kDigest: the round's digest
   std::shared_ptr<const JobImage> image = nullptr;  // kFetch
+  uint64_t committed = 0;  // the answering site's last committed round of the job (0: unknown)
 };
 const char* MembershipVoteName(MembershipVote v);
 const char* MembershipStepName(MembershipStep s);
@@ -140,11 +141,17 @@ class MembershipProtocol {
   // learn it when they ask). FailedPrecondition when there is none, or another site
   // coordinates it.
   Status AbandonChange(const std::string& job);
-  // The automatic removal policy (sync.remove_silent_after_s): `silent` are the peers that
-  // have sent nothing for the configured time. With three or more members, when the other
-  // members are a majority and this site is the first-named of them, starts removing the
-  // silent members (as ProposeRemoval; one at a time per job). Returns whether it did; why
-  // not shows in the job's status.
+  // The automatic removal policy (sync.remove_silent_after_s), looked at about once a
+  // second: `silent` are the peers that have sent nothing for the configured time. With
+  // three or more members, when the other members are a majority and this site is the
+  // first-named of them, starts removing the silent members (as ProposeRemoval; one change
+  // at a time per job). Returns whether it did; why not shows in the job's status.
+  // A change this site coordinates is given up (nothing held any more) when it can no longer
+  // succeed or should not: it needs the agreement of a site that is silent itself, or it is
+  // an automatic removal of a site that has been heard from again (slow, not gone). After a
+  // refusal from a member that has committed further, no removal is proposed until this
+  // site has caught up with that member (it asks it for its state: StartCatchUp), so the next
+  // proposal starts from the survivors' highest committed round.
   Result<bool> ProposeSilentRemoval(const std::string& job, const std::set<std::string>& silent);
   // Joining (this site does not hold `job` yet): asks member `from` to coordinate this
   // site's addition, fetches the committed state the addition starts from, checks it against
@@ -188,6 +195,10 @@ class MembershipProtocol {
     std::map<std::string, std::string> join_refusals;
     bool draining = false;
     std::string catching_up_from;  // empty: not catching up
+    bool automatic = false;        // the pending change was proposed by the silence policy
+    // After a refusal by a site that had committed round N: no automatic proposal until this
+    // site has committed N too.
+    uint64_t wait_for_round = 0;
   };
   // A joining site's progress (memory only: an interrupted join is started again).
   struct Joining {

@@ -670,7 +670,7 @@ Status PeerLinks::HandleMembership(Link& from, const wire::PeerMembership* req, 
                                 momentum.empty() ? 0 : reply.CreateVector(momentum));
   }
   auto body = wire::CreatePeerMembershipReply(reply, vote, reply.CreateString(a.reason),
-                                              reply.CreateString(a.digest), image);
+                                              reply.CreateString(a.digest), image, a.committed);
   FinishEnvelope(reply, id, wire::Body::PeerMembershipReply, body.Union());
   return Status::Ok();
 }
@@ -830,6 +830,7 @@ void PeerLinks::OnReply(Link& link, const wire::Envelope* env, const Frames& msg
     MembershipAnswer answer;
     answer.reason = Str(r->reason());
     answer.digest = Str(r->digest());
+    answer.committed = r->committed();
     if (r->image() != nullptr) {
       auto image = ReadImage(r->image(), msg, options_.limits);
       if (!image.ok()) {

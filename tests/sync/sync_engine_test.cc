@@ -867,6 +867,84 @@ TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
   EXPECT_TRUE(d->MembershipRequests("siteB").empty());
 }
 
+// Sends `from`'s membership requests for `to` and hands back the answers; returns them.
+std::vector<MembershipAnswer> Converse(Site& from, Site& to) {
+  std::vector<MembershipAnswer> answers;
+  for (const auto& req : from.engine().MembershipRequests(to.name())) {
+    answers.push_back(to.engine().OnMembershipRequest(from.name(), req));
+    from.engine().OnMembershipAnswer(to.name(), req, answers.back());
+  }
+  return answers;
+}
+
+// The silence policy judged a slow site dead (seen under ThreadSanitizer and load: siteB's
+// round-2 delta reached siteC but not yet siteA). Its proposal must neither hold commits nor
+// be made again from a stale round: siteC, which committed round 2 with siteB's delta,
+// refuses; siteA then takes siteC's state (the survivors' highest committed round) and would
+// propose only from there. A proposal waiting for a silent site's vote is given up, and so is
+// an automatic removal of a site heard from again.
+TEST(SyncEngineTest, SilencePolicyNeverHoldsCommitsOnAStaleOrHopelessProposal) {
+  auto sites = ThreeSites("dense");
+  Site &a = *sites[0], &b = *sites[1], &c = *sites[2];
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(1).ok());
+  for (auto& from : sites)
+    for (auto& to : sites)
+      if (from != to) Deliver(*from, *to);
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(2).ok());
+  Deliver(a, c), Deliver(b, c), Deliver(c, a), Deliver(a, b), Deliver(c, b);  // b -> a is slow
+  ASSERT_EQ(c.engine().CommittedRound(kJob), 2u);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+
+  auto proposed = a.engine().membership().ProposeSilentRemoval(kJob, {"siteB"});
+  ASSERT_TRUE(proposed.ok() && *proposed) << proposed.status().ToString();
+  auto refused = Converse(a, c);
+  ASSERT_EQ(refused.size(), 1u);
+  EXPECT_EQ(refused[0].vote, MembershipVote::kRefused);
+  EXPECT_EQ(refused[0].committed, 2u);
+  auto st = a.engine().JobStatus(kJob);
+  EXPECT_FALSE(st->pending.has_value()) << st->change_note;
+  EXPECT_TRUE(st->catching_up) << st->change_note;
+  // Still behind siteC: the policy waits instead of proposing again from round 2.
+  auto again = a.engine().membership().ProposeSilentRemoval(kJob, {"siteB"});
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(*again);
+  EXPECT_NE(a.engine().JobStatus(kJob)->change_note.find("before this site has committed round 2"),
+            std::string::npos)
+      << a.engine().JobStatus(kJob)->change_note;
+  // The catch-up brings siteA to round 2 with siteC's state, digests equal; siteB's late delta
+  // is then a harmless duplicate.
+  Converse(a, c);
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 2u);
+  EXPECT_EQ(a.Digests(), c.Digests());
+  EXPECT_EQ(Deliver(b, a), 0);
+  ASSERT_TRUE(b.engine().CommittedRound(kJob) == 2u);
+
+  // A removal that needs the vote of a site that has gone silent itself is given up.
+  proposed = a.engine().membership().ProposeSilentRemoval(kJob, {"siteB"});
+  ASSERT_TRUE(proposed.ok() && *proposed) << proposed.status().ToString();
+  ASSERT_TRUE(a.engine().JobStatus(kJob)->pending.has_value());
+  ASSERT_TRUE(a.engine().membership().ProposeSilentRemoval(kJob, {"siteB", "siteC"}).ok());
+  st = a.engine().JobStatus(kJob);
+  EXPECT_FALSE(st->pending.has_value());
+  EXPECT_NE(st->change_note.find("which is silent too"), std::string::npos) << st->change_note;
+
+  // An automatic removal of a site that is heard from again is given up too.
+  proposed = a.engine().membership().ProposeSilentRemoval(kJob, {"siteB"});
+  ASSERT_TRUE(proposed.ok() && *proposed);
+  ASSERT_TRUE(a.engine().membership().ProposeSilentRemoval(kJob, {}).ok());
+  st = a.engine().JobStatus(kJob);
+  EXPECT_FALSE(st->pending.has_value());
+  EXPECT_NE(st->change_note.find("heard from again"), std::string::npos) << st->change_note;
+  EXPECT_EQ(st->members.epoch, 0u);
+  // Nothing holds round 3 now.
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(3).ok());
+  for (auto& from : sites)
+    for (auto& to : sites)
+      if (from != to) Deliver(*from, *to);
+  for (auto& s : sites) EXPECT_EQ(s->engine().CommittedRound(kJob), 3u);
+  EXPECT_EQ(a.Digests(), b.Digests());
+}
+
 // Membership (docs/SYNC.md): the removal of a silent site, agreed in two phases, survives a
 // reopen of either side at any step, changes who merges from the cut on, and the digests
 // (which cover the membership) agree.

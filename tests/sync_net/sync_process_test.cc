@@ -108,7 +108,7 @@ class SyncProcessTest : public ::testing::Test {
   // Membership helpers: the sites of `which` (indexes) only.
   void WaitCommittedOn(const std::vector<int>& which, uint64_t round,
                        std::chrono::seconds limit = 30s) {
-    auto end = std::chrono::steady_clock::now() + limit;
+    auto end = std::chrono::steady_clock::now() + limit * isthmus::testing::TimeScale();
     for (int i : which) {
       while (Committed(i) < round) {
         ASSERT_LT(std::chrono::steady_clock::now(), end)
@@ -132,7 +132,7 @@ class SyncProcessTest : public ::testing::Test {
   // Waits until site i's job state satisfies `pred`.
   void WaitJobState(int i, const std::function<bool(const SyncJobReport&)>& pred,
                     const std::string& what, std::chrono::seconds limit = 30s) {
-    auto end = std::chrono::steady_clock::now() + limit;
+    auto end = std::chrono::steady_clock::now() + limit * isthmus::testing::TimeScale();
     for (;;) {
       auto st = sites_[i]->AdminClient()->SyncStatus();
       if (st.ok() && !st->jobs.empty() && pred(st->jobs[0])) return;
@@ -238,7 +238,7 @@ class SyncProcessTest : public ::testing::Test {
     return d.ok() ? d->committed_round : 0;
   }
   void WaitCommitted(uint64_t round, std::chrono::seconds limit = 30s) {
-    auto end = std::chrono::steady_clock::now() + limit;
+    auto end = std::chrono::steady_clock::now() + limit * isthmus::testing::TimeScale();
     for (size_t i = 0; i < sites_.size(); ++i) {
       while (Committed(static_cast<int>(i)) < round) {
         ASSERT_LT(std::chrono::steady_clock::now(), end)
@@ -252,7 +252,7 @@ class SyncProcessTest : public ::testing::Test {
   // Every link of every site reports that its peer acknowledged `round` (acks may be held
   // up to sync.ack_delay_ms to ride in the peer's next delta).
   void WaitAcked(uint64_t round, std::chrono::seconds limit = 30s) {
-    auto end = std::chrono::steady_clock::now() + limit;
+    auto end = std::chrono::steady_clock::now() + limit * isthmus::testing::TimeScale();
     for (auto& site : sites_) {
       for (;;) {
         auto st = site->AdminClient()->SyncStatus();
@@ -395,7 +395,7 @@ TEST_F(SyncProcessTest, PausedLinkStallsCommitsAndConvergesAfterResume) {
   // Evidence that the rounds travelled everywhere they could, instead of a sleep: gamma,
   // whose links are open, holds alpha's and beta's deltas and commits round 4, and beta
   // has had a delta of its refused by alpha's paused link.
-  auto end = std::chrono::steady_clock::now() + 30s;
+  auto end = std::chrono::steady_clock::now() + 30s * isthmus::testing::TimeScale();
   auto beta_refused = [&] {
     auto s = sites_[1]->AdminClient(2000, 0)->SyncStatus();
     if (!s.ok()) return false;
@@ -713,7 +713,7 @@ TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
   ASSERT_TRUE(sites_[2]->Start());
   Push(2, 3);
   for (int i : {0, 1}) {
-    auto end = std::chrono::steady_clock::now() + 30s;
+    auto end = std::chrono::steady_clock::now() + 30s * isthmus::testing::TimeScale();
     for (;;) {
       auto st = sites_[i]->AdminClient()->SyncStatus();
       ASSERT_TRUE(st.ok());
@@ -943,7 +943,10 @@ TEST_F(SyncProcessTest, JoinAgainstAMemberWithoutTheJoiningSiteIsRefused) {
 }
 
 TEST_F(SyncProcessTest, SilentSiteIsRemovedAutomaticallyByTheMajority) {
-  StartSites({"alpha", "beta", "gamma"}, true, {}, {}, "remove_silent_after_s = 4");
+  // A slow site must not pass for a silent one: under sanitizers and load a live process can
+  // stall for seconds, so the silence it takes scales with the build.
+  StartSites({"alpha", "beta", "gamma"}, true, {}, {},
+             "remove_silent_after_s = " + std::to_string(4 * isthmus::testing::TimeScale()));
   for (uint64_t r = 1; r <= 2; ++r) {
     for (int i = 0; i < 3; ++i) Push(i, r);
     WaitCommitted(r);
@@ -963,7 +966,8 @@ TEST_F(SyncProcessTest, SilentSiteIsRemovedAutomaticallyByTheMajority) {
 }
 
 TEST_F(SyncProcessTest, TwoSitesAreNeverRemovedAutomatically) {
-  StartSites({"alpha", "beta"}, true, {}, {}, "remove_silent_after_s = 4");
+  StartSites({"alpha", "beta"}, true, {}, {},
+             "remove_silent_after_s = " + std::to_string(4 * isthmus::testing::TimeScale()));
   Push(0, 1), Push(1, 1);
   WaitCommitted(1);
   sites_[1]->Kill(SIGKILL);
