@@ -304,6 +304,15 @@ void Shard::WriteMetrics(metrics::TextWriter& w) {
            "Bytes of the live store's files on disk (RocksDB files and tensor slot files).",
            static_cast<double>(m.disk_bytes));
   if (!m.rocksdb) return;
+  w.Single("isthmus_store_free_bytes", Type::kGauge,
+           "Free space on the store's disk; writes are refused below storage.min_free_bytes.",
+           static_cast<double>(m.free_bytes));
+  w.Single("isthmus_store_write_refusals_total", Type::kCounter,
+           "Writes refused for want of disk space since the store was opened (nothing written).",
+           static_cast<double>(m.no_space_refusals));
+  w.Single("isthmus_store_read_only", Type::kGauge,
+           "1 while the store takes no writes for want of disk space (pulls are still served).",
+           m.read_only ? 1.0 : 0.0);
   w.Single("isthmus_store_slot_file_bytes", Type::kGauge,
            "Bytes of large tensor values in use in slot files (kept outside RocksDB).",
            static_cast<double>(m.slot_bytes));

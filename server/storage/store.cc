@@ -8,7 +8,9 @@
 #include <rocksdb/statistics.h>
 #include <rocksdb/utilities/checkpoint.h>
 #include <rocksdb/write_batch.h>
+#include <spdlog/spdlog.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <array>
@@ -160,59 +162,28 @@ Status FromRocks(const rocksdb::Status& s, const std::string& what) {
 
 class RocksStore : public Store {
  public:
-  ~RocksStore() override {
-    for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h);
-    if (db_) db_->Close();
-  }
+  ~RocksStore() override { CloseDb(); }
 
   static Result<std::unique_ptr<Store>> Open(const std::string& dir, const StoreOptions& options) {
     auto store = std::unique_ptr<RocksStore>(new RocksStore());
+    store->options_ = options;
     store->write_options_.sync = options.sync_writes;
-    rocksdb::DBOptions db_opts;
-    db_opts.create_if_missing = true;
-    db_opts.create_missing_column_families = true;
-    db_opts.paranoid_checks = true;
-    db_opts.max_total_wal_size = options.max_wal_bytes;
-    // Tickers only (no per-operation timers): write stalls for the metrics endpoint.
-    db_opts.statistics = rocksdb::CreateDBStatistics();
-    db_opts.statistics->set_stats_level(rocksdb::StatsLevel::kExceptTimers);
-    // Tensors are large values: big memtables keep a 64 MiB tensor from forcing a flush
-    // per write, and blob files keep compaction from rewriting them.
-    rocksdb::ColumnFamilyOptions small;
-    rocksdb::ColumnFamilyOptions large;
-    large.write_buffer_size = 256 << 20;
-    large.enable_blob_files = true;
-    large.min_blob_size = 4096;
-    large.enable_blob_garbage_collection = true;
-    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
-    cfs.emplace_back(rocksdb::kDefaultColumnFamilyName, small);
-    for (int i = 0; i < static_cast<int>(Column::kCount); ++i) {
-      auto c = static_cast<Column>(i);
-      // Encoded deltas and fp32 sync state are tensor-sized too.
-      const bool big = c == Column::kTensors || c == Column::kDeltas || c == Column::kState;
-      cfs.emplace_back(ColumnName(c), big ? large : small);
-    }
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    rocksdb::DB* db = nullptr;
-    std::vector<rocksdb::ColumnFamilyHandle*> handles;
-    auto s = rocksdb::DB::Open(db_opts, dir, cfs, &handles, &db);
-    if (!s.ok()) {
-      return FromRocks(s, "cannot open RocksDB at '" + dir +
-                              "' (is another isthmus-server using this data dir?)");
-    }
-    store->statistics_ = db_opts.statistics;
-    store->db_.reset(db);
-    store->default_ = handles[0];
-    store->handles_ = handles;
     store->dir_ = dir;
     store->sync_ = options.sync_writes;
     store->slot_dir_ = (fs::path(dir) / "slots").string();
-    ISTHMUS_RETURN_IF_ERROR(store->LoadSlots());
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    // On a disk without the reserve RocksDB's recovery (a new log, a flush, the manifest)
+    // could fail half-way: open read-only and serve reads until space returns.
+    const bool full = options.min_free_bytes > 0 && store->FreeBytes() < options.min_free_bytes;
+    ISTHMUS_RETURN_IF_ERROR(store->OpenDb(/*read_only=*/full));
     return std::unique_ptr<Store>(std::move(store));
   }
 
   Status Write(const WriteBatch& batch) override {
+    uint64_t bytes = 0;
+    for (const auto& op : batch.ops()) bytes += op.key.size() + op.value.size();
+    ISTHMUS_RETURN_IF_ERROR(MakeRoomFor(bytes));
     size_t reserve = 64;
     for (const auto& op : batch.ops()) {
       if (!IsLarge(op)) reserve += op.key.size() + op.value.size() + 24;
@@ -276,7 +247,7 @@ class RocksStore : public Store {
     if (!s.ok()) {
       // Nothing committed: files of keys that did not exist before are garbage.
       for (uint64_t id : created) RemoveSlotFiles(id);
-      return s;
+      return NoteWriteError(s, bytes);
     }
     for (auto& [key, ref] : changed) {
       if (ref) {
@@ -299,6 +270,8 @@ class RocksStore : public Store {
   }
 
   Result<std::optional<std::string>> Get(Column c, std::string_view key) override {
+    if (!db_)
+      return Status::IoError("store '" + dir_ + "' could not be reopened: restart the shard");
     if (c == Column::kTensors) {
       auto it = slots_.find(std::string(key));
       if (it != slots_.end()) {
@@ -316,6 +289,8 @@ class RocksStore : public Store {
 
   Status Scan(Column c, std::string_view prefix,
               const std::function<bool(std::string_view, std::string_view)>& fn) override {
+    if (!db_)
+      return Status::IoError("store '" + dir_ + "' could not be reopened: restart the shard");
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), Handle(c)));
     // kTensors: merge the keys held in slot files, in key order.
     auto slot = c == Column::kTensors ? slots_.lower_bound(std::string(prefix)) : slots_.end();
@@ -346,6 +321,7 @@ class RocksStore : public Store {
   }
 
   Status Checkpoint(const std::string& dir) override {
+    ISTHMUS_RETURN_IF_ERROR(MakeRoomFor(0));  // a checkpoint flushes the memtables first
     rocksdb::Checkpoint* cp = nullptr;
     ISTHMUS_RETURN_IF_ERROR(FromRocks(rocksdb::Checkpoint::Create(db_.get(), &cp), "checkpoint"));
     std::unique_ptr<rocksdb::Checkpoint> owner(cp);
@@ -384,6 +360,7 @@ class RocksStore : public Store {
 
   StoreMetrics Metrics() override {
     StoreMetrics m;
+    if (!db_) return m;
     m.rocksdb = true;
     m.disk_bytes = ApproximateBytes();
     auto sum = [&](const char* property) {
@@ -403,12 +380,143 @@ class RocksStore : public Store {
     }
     if (statistics_) m.write_stall_micros = statistics_->getTickerCount(rocksdb::STALL_MICROS);
     for (const auto& [key, ref] : slots_) m.slot_bytes += ref.size;
+    m.free_bytes = FreeBytes();
+    m.no_space_refusals = no_space_refusals_;
+    m.read_only = read_only_ || needs_resume_;
     return m;
   }
 
  private:
   RocksStore() = default;
   rocksdb::ColumnFamilyHandle* Handle(Column c) { return handles_[1 + static_cast<int>(c)]; }
+
+  // Opens (or reopens) the database in dir_: read-write, or read-only (nothing written:
+  // no new log, no flush, no slot-file clean-up) when the disk is full.
+  Status OpenDb(bool read_only) {
+    CloseDb();
+    rocksdb::DBOptions db_opts;
+    db_opts.create_if_missing = true;
+    db_opts.create_missing_column_families = true;
+    db_opts.paranoid_checks = true;
+    db_opts.max_total_wal_size = options_.max_wal_bytes;
+    // Tickers only (no per-operation timers): write stalls for the metrics endpoint.
+    db_opts.statistics = rocksdb::CreateDBStatistics();
+    db_opts.statistics->set_stats_level(rocksdb::StatsLevel::kExceptTimers);
+    // Tensors are large values: big memtables keep a 64 MiB tensor from forcing a flush
+    // per write, and blob files keep compaction from rewriting them.
+    rocksdb::ColumnFamilyOptions small;
+    rocksdb::ColumnFamilyOptions large;
+    large.write_buffer_size = 256 << 20;
+    large.enable_blob_files = true;
+    large.min_blob_size = 4096;
+    large.enable_blob_garbage_collection = true;
+    std::vector<rocksdb::ColumnFamilyDescriptor> cfs;
+    cfs.emplace_back(rocksdb::kDefaultColumnFamilyName, small);
+    for (int i = 0; i < static_cast<int>(Column::kCount); ++i) {
+      auto c = static_cast<Column>(i);
+      // Encoded deltas and fp32 sync state are tensor-sized too.
+      const bool big = c == Column::kTensors || c == Column::kDeltas || c == Column::kState;
+      cfs.emplace_back(ColumnName(c), big ? large : small);
+    }
+    rocksdb::DB* db = nullptr;
+    std::vector<rocksdb::ColumnFamilyHandle*> handles;
+    auto s = read_only ? rocksdb::DB::OpenForReadOnly(db_opts, dir_, cfs, &handles, &db)
+                       : rocksdb::DB::Open(db_opts, dir_, cfs, &handles, &db);
+    if (!s.ok() && read_only && s.IsInvalidArgument()) {
+      // A store that does not exist yet cannot be opened read-only; nor created on a full
+      // disk.
+      return Status::ResourceExhausted(NoSpaceText(0));
+    }
+    if (!s.ok()) {
+      if (s.IsIOError() && s.ToString().find("ock") != std::string::npos) {
+        return FromRocks(s, "cannot open RocksDB at '" + dir_ +
+                                "': its lock is held (is another isthmus-server using this "
+                                "data dir?)");
+      }
+      if (s.IsNoSpace()) return Status::ResourceExhausted(NoSpaceText(0) + ": " + s.ToString());
+      return FromRocks(s, "cannot open RocksDB at '" + dir_ + "'");
+    }
+    statistics_ = db_opts.statistics;
+    db_.reset(db);
+    default_ = handles[0];
+    handles_ = handles;
+    read_only_ = read_only;
+    needs_resume_ = false;
+    if (read_only) {
+      spdlog::warn(
+          "store '{}': {} bytes free, less than storage.min_free_bytes ({}): opened read-only; "
+          "pulls are served, writes are refused until space returns",
+          dir_, FreeBytes(), options_.min_free_bytes);
+    }
+    return LoadSlots();
+  }
+
+  void CloseDb() {
+    for (auto* h : handles_) db_->DestroyColumnFamilyHandle(h);
+    handles_.clear();
+    if (db_) db_->Close();
+    db_.reset();
+    slots_.clear();
+  }
+
+  // Free bytes on the store's disk for an unprivileged writer (0 when unknown).
+  uint64_t FreeBytes() const {
+    struct statvfs s {};
+    if (::statvfs(dir_.c_str(), &s) != 0) return 0;
+    return uint64_t{s.f_bavail} * s.f_frsize;
+  }
+
+  std::string NoSpaceText(uint64_t need) const {
+    return "disk full: " + std::to_string(FreeBytes()) + " bytes free on the disk of '" + dir_ +
+           "'" + (need > 0 ? ", this write needs " + std::to_string(need) : std::string()) +
+           " and storage.min_free_bytes keeps " + std::to_string(options_.min_free_bytes) +
+           " free; free space there (nothing was written; the shard takes writes again by "
+           "itself once there is room)";
+  }
+
+  // Refuses a write of `bytes` that would leave less than the reserve, and gets a store
+  // that stopped for want of space writing again once there is room (reopening a read-only
+  // one, resuming RocksDB after an out-of-space error). Nothing is written when refused.
+  Status MakeRoomFor(uint64_t bytes) {
+    const uint64_t need = bytes + options_.min_free_bytes;
+    const bool stopped = read_only_ || needs_resume_;
+    if ((options_.min_free_bytes > 0 || stopped) && FreeBytes() < need) {
+      ++no_space_refusals_;
+      return Status::ResourceExhausted(NoSpaceText(bytes));
+    }
+    if (read_only_) {
+      if (Status s = OpenDb(/*read_only=*/false); !s.ok()) {
+        // Keep serving reads as before; the next write tries again.
+        ISTHMUS_RETURN_IF_ERROR(OpenDb(/*read_only=*/true));
+        ++no_space_refusals_;
+        return Status::ResourceExhausted(NoSpaceText(bytes) +
+                                         " (reopening for writes failed: " + s.ToString() + ")");
+      }
+      spdlog::info("store '{}': space is back ({} bytes free): writing again", dir_, FreeBytes());
+    } else if (needs_resume_) {
+      auto r = db_->Resume();
+      if (!r.ok()) {
+        ++no_space_refusals_;
+        return Status::ResourceExhausted(NoSpaceText(bytes) +
+                                         " (RocksDB cannot resume yet: " + r.ToString() + ")");
+      }
+      needs_resume_ = false;
+      spdlog::info("store '{}': space is back ({} bytes free): writing again", dir_, FreeBytes());
+    }
+    return Status::Ok();
+  }
+
+  // A write failed with `s`: when for want of space, say so (and recover at a later
+  // write); otherwise pass it on.
+  Status NoteWriteError(const Status& s, uint64_t bytes) {
+    const bool no_space = s.message().find("No space left") != std::string::npos ||
+                          s.message().find("NoSpace") != std::string::npos;
+    if (!no_space) return s;
+    ++no_space_refusals_;
+    needs_resume_ = true;
+    spdlog::warn("store '{}': {}", dir_, s.ToString());
+    return Status::ResourceExhausted(NoSpaceText(bytes) + " [" + s.message() + "]");
+  }
 
   static bool IsLarge(const WriteBatch::Op& op) {
     return op.column == Column::kTensors && !op.is_delete && op.value.size() >= kSlotFileMinBytes;
@@ -438,7 +546,7 @@ class RocksStore : public Store {
       auto id = SlotFileId(e.path().filename().string());
       if (!id) continue;
       next_slot_id_ = std::max(next_slot_id_, *id + 1);
-      if (!used.count(*id)) fs::remove(e.path(), ec);
+      if (!used.count(*id) && !read_only_) fs::remove(e.path(), ec);
     }
     return Status::Ok();
   }
@@ -520,6 +628,10 @@ class RocksStore : public Store {
   std::string dir_;
   bool sync_ = true;
   std::string slot_dir_;
+  StoreOptions options_;
+  bool read_only_ = false;     // opened read-only on a full disk
+  bool needs_resume_ = false;  // a write failed for want of space: RocksDB must resume
+  uint64_t no_space_refusals_ = 0;
   // Committed pointer records (kTensors keys held in slot files), mirrored from the
   // default column family, which holds nothing else.
   std::map<std::string, SlotRef> slots_;

@@ -73,6 +73,16 @@ struct StoreOptions {
   // such rounds; lower forces a flush every round, which slowed the rounds in
   // bench/wan/run.sh (docs/BENCHMARKS.md, section 7).
   uint64_t max_wal_bytes = uint64_t{2} << 30;
+  // Free space kept on the store's disk (RocksDB store only). A Write that would leave less
+  // is refused with ResourceExhausted before anything is written; a store opened with less
+  // opens read-only (reads work, writes are refused) and reopens for writing by itself at
+  // the first write after space has returned. RocksDB stops for good on some write errors
+  // (a failed log write cannot be retried in the same process), so the store never lets
+  // it run out of space; an out-of-space error it still meets (another process filled the
+  // disk between the check and the write) is refused the same way and recovered from with
+  // DB::Resume once there is room again. 0: no reserve (writes run until the disk refuses).
+  // isthmus-server sets it from storage.min_free_bytes.
+  uint64_t min_free_bytes = 0;
 };
 
 // What a store reports for monitoring (docs/METRICS.md); zeros where it has no such thing.
@@ -88,6 +98,9 @@ struct StoreMetrics {
   uint64_t write_stall_micros = 0;        // time writes were delayed or stopped, since open
   bool write_stopped = false;             // writes are stopped now (too many files)
   uint64_t delayed_write_rate = 0;        // bytes/s writes are held to now (0: not delayed)
+  uint64_t free_bytes = 0;                // free space on the store's disk (for the store's user)
+  uint64_t no_space_refusals = 0;         // writes refused for want of space, since open
+  bool read_only = false;                 // writes are refused until space returns
 };
 
 class Store {

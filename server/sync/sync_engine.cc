@@ -291,6 +291,9 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
                                       "' (isthmusctl sync leave): it takes no new rounds");
   }
   if (round <= j->local) {
+    // A retried push: the round closed already. Commits that failed after it (the disk was
+    // full) are retried.
+    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
     result.duplicate = true;
     result.version = j->version;
     return result;
@@ -955,7 +958,10 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   if (delta.round == 0) return Status::InvalidArgument("delta for round 0");
   auto& held = j->inbox[from_site];
   if (delta.round <= j->committed || held.count(delta.round)) {
-    return HeldContiguous(*j, from_site);  // duplicate: already held or committed
+    // Duplicate: already held or committed. A resend also retries a commit that failed
+    // after the delta was held (say the disk was full), so the round goes on by itself.
+    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+    return HeldContiguous(*j, from_site);
   }
   if (delta.round > j->committed + 2 * hard_cap_ + 1) {
     return Status::FailedPrecondition("delta for round " + std::to_string(delta.round) +
