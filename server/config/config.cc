@@ -203,8 +203,9 @@ const std::vector<Binding>& Bindings() {
           "Free space the shard keeps on its data disk: a write that would leave less is refused "
           "(ResourceExhausted, counted in isthmus_store_write_refusals_total) instead of filling "
           "the disk, and a shard that starts with less opens its store read-only, serves pulls, "
-          "and takes writes again by itself once space returns. Keep it above the largest "
-          "round's writes (a full-model round of GPT-2-small's size writes ~700 MB)."),
+          "and takes writes again by itself once space returns. Keep it above what RocksDB may "
+          "flush at once: raise it to about a round's writes for full-model jobs (~700 MB for "
+          "GPT-2-small's size)."),
       Bind(
           "runtime.io_threads", [](auto& c) -> auto& { return c.io_threads; },
           "ZeroMQ I/O threads (CURVE encryption runs on them)."),

@@ -40,7 +40,7 @@ struct ServerConfig {
   int64_t max_tensors = 100000;
   bool sync_writes = true;
   int64_t dedup_window = 65536;
-  int64_t min_free_bytes = int64_t{256} << 20;
+  int64_t min_free_bytes = int64_t{64} << 20;
   int64_t io_threads = 2;
   std::string log_level = "info";
   // Cross-site sync (docs/SYNC.md). The round protocol's own options; sync.site turns it
