@@ -6,7 +6,8 @@
 //
 // Ownership: tensor data passed to Push/CreateJob is read in place (not copied) and must
 // stay valid until the call returns; the call does not return before ZeroMQ has released
-// it. Threads: a ShardClient belongs to one thread at a time.
+// it. Results own their data (PullView: see there). Threads: a ShardClient belongs to one
+// thread at a time; the result structs are plain values.
 #pragma once
 
 #include <cstdint>
@@ -26,42 +27,49 @@
 
 namespace isthmus {
 
+// How a ShardClient reaches its shard and how long it waits.
 struct ClientOptions {
-  std::string endpoint;             // e.g. "tcp://127.0.0.1:7000"
-  std::string server_public_key;    // Z85; required unless insecure_plaintext
-  KeyPair client_keys;              // required unless insecure_plaintext
+  std::string endpoint;             // ZeroMQ endpoint, e.g. "tcp://127.0.0.1:7000"
+  std::string server_public_key;    // Z85 (40 chars); required unless insecure_plaintext
+  KeyPair client_keys;              // this client's pair; required unless insecure_plaintext
   bool insecure_plaintext = false;  // no CURVE: only for benchmarks and local debugging
-  int timeout_ms = 30000;           // per attempt
+  int timeout_ms = 30000;           // per attempt: how long the shard has to reply
   int retries = 2;                  // extra attempts after a timeout
-  WireLimits limits;                // applied to replies
+  WireLimits limits;                // applied to replies (and to the socket's max message)
 };
 
-// A view of fp32 data to send: not owned.
+// A view of fp32 data to send (Push, CreateJob): not owned; the caller keeps `data` valid
+// until the call returns. `shape` may be empty for a scalar; data holds NumElements(shape)
+// floats, row-major.
 struct TensorView {
   std::string name;
   std::vector<int64_t> shape;
   const float* data = nullptr;
 };
 
-// See wire::RoundStatus.
+// Where a job's round protocol stands on one shard (wire::RoundStatus; docs/SYNC.md).
 struct RoundInfo {
-  uint64_t local_round = 0;
-  uint64_t committed_round = 0;
-  uint64_t max_rounds_ahead = 0;  // 0: no limit
+  uint64_t local_round = 0;      // the highest round of this site's deltas the shard holds
+  uint64_t committed_round = 0;  // the highest round every member site has committed
+  // K (sync.max_rounds_ahead): local may run this far past committed; 0: each round
+  // commits before the next. A shard without cross-site sync reports local == committed.
+  uint64_t max_rounds_ahead = 0;
 };
 
+// A shard's answer to Hello: who it is and where the job stands there.
 struct HelloInfo {
-  std::string shard_id;
-  std::string server_version;
-  uint64_t job_version = 0;
-  std::string base_hash;
-  uint64_t tensor_count = 0;
+  std::string shard_id;        // the shard's shard.id
+  std::string server_version;  // isthmus-server's version string
+  uint64_t job_version = 0;    // the job's served version (rises whenever pulled values change)
+  std::string base_hash;       // the base model hash the job was created with
+  uint64_t tensor_count = 0;   // tensors of the job on this shard (0: no such job here)
   RoundInfo rounds;
 };
 
+// The result of Pull: copies of the tensors, owned by the result.
 struct PullResult {
-  uint64_t job_version = 0;
-  std::vector<Tensor> tensors;     // tensor.name/shape/data
+  uint64_t job_version = 0;        // the version these values are of
+  std::vector<Tensor> tensors;     // tensor.name/shape/data, in the shard's order
   std::vector<uint64_t> versions;  // per tensor, the version at which it last changed
   RoundInfo rounds;
 };
@@ -78,7 +86,7 @@ struct PulledTensor {
 // points into them, so nothing is copied after ZeroMQ received the message. Move-only
 // (moving keeps the spans valid: frames own heap memory that does not move).
 struct PullView {
-  uint64_t job_version = 0;
+  uint64_t job_version = 0;  // the version these values are of
   std::vector<PulledTensor> tensors;
   RoundInfo rounds;
 
@@ -88,60 +96,75 @@ struct PullView {
   std::vector<std::vector<float>> realigned_;  // copies of frames not 4-byte aligned
 };
 
+// A shard's answer to Push.
 struct PushResult {
-  uint64_t job_version = 0;
-  bool duplicate = false;  // the key had been applied before; nothing changed now
-  RoundInfo rounds;
+  uint64_t job_version = 0;  // the job's version after the push
+  bool duplicate = false;    // the key had been applied before; nothing changed now
+  RoundInfo rounds;          // the rounds after the push
 };
 
+// One tensor of a job as DescribeJob lists it (no values).
 struct TensorInfo {
   std::string name;
   std::vector<int64_t> shape;
-  uint64_t version = 0;
+  uint64_t version = 0;  // the job version at which it last changed
 };
 
+// A job on one shard. DescribeJob fills every field but duplicate_pushes; CreateJob fills
+// job, base_hash, version, tensor_count and total_bytes; the summaries in ShardStats and
+// SnapshotInfo fill job, version, pushes, tensor_count, total_bytes (and, in Stats,
+// duplicate_pushes), leaving tensors empty.
 struct JobInfo {
   std::string job;
-  std::string base_hash;
-  uint64_t version = 0;
-  uint64_t pushes = 0;
+  std::string base_hash;          // the base model hash given at creation
+  uint64_t version = 0;           // the served version (rises whenever pulled values change)
+  uint64_t pushes = 0;            // worker pushes applied on this shard (duplicates not counted)
   uint64_t duplicate_pushes = 0;  // Stats only: answered as duplicates since the server started
-  uint64_t created_unix = 0;
-  uint64_t tensor_count = 0;
-  uint64_t total_bytes = 0;
+  uint64_t created_unix = 0;      // creation time, seconds since the Unix epoch
+  uint64_t tensor_count = 0;      // tensors of the job on this shard
+  uint64_t total_bytes = 0;       // their fp32 bytes
   std::vector<TensorInfo> tensors;
 };
 
+// A shard's counters (Stats, admin role), since the server started unless said otherwise.
 struct ShardStats {
   std::string shard_id;
   std::string server_version;
-  uint64_t uptime_s = 0, requests = 0, errors = 0, bytes_in = 0, bytes_out = 0, db_bytes = 0;
+  uint64_t uptime_s = 0;      // seconds since the server started
+  uint64_t requests = 0;      // requests answered on the worker and admin sockets
+  uint64_t errors = 0;        // of those, answered with an error
+  uint64_t bytes_in = 0;      // bytes received on those sockets (headers and payload)
+  uint64_t bytes_out = 0;     // bytes sent on them
+  uint64_t db_bytes = 0;      // the store's size on disk now (approximate)
   std::vector<JobInfo> jobs;  // summaries: tensors left empty
 };
 
+// A snapshot of a shard (a RocksDB checkpoint taken at a committed round; docs/CLI.md).
 struct SnapshotInfo {
   std::string name;
-  uint64_t created_unix = 0;
-  uint64_t bytes = 0;
-  std::vector<JobInfo> jobs;  // summaries
+  uint64_t created_unix = 0;  // seconds since the Unix epoch
+  uint64_t bytes = 0;         // its size on disk
+  std::vector<JobInfo> jobs;  // summaries of the jobs it holds
 };
 
 // --- cross-site sync administration (admin role; server/peer_link.h, docs/SYNC.md) -------
 
-// One peer link of a shard, as `isthmusctl sync status` shows it (see wire::PeerLinkInfo).
+// One peer link of a shard, as `isthmusctl sync status` shows it (see wire::PeerLinkInfo,
+// whose comments define each counter). Counters run since the shard started.
 struct PeerLinkReport {
+  // One job on the link.
   struct Job {
     std::string job;
     uint64_t acked_round = 0;   // the peer holds every round of ours up to this one
     uint64_t outbox_round = 0;  // our highest round
     uint64_t lag_rounds = 0;    // outbox_round - acked_round
   };
-  std::string site, endpoint;
-  bool connected = false, paused = false;
-  std::string last_error;
+  std::string site, endpoint;              // the peer site and its shard's peer endpoint
+  bool connected = false, paused = false;  // transport up and handshake answered; paused
+  std::string last_error;                  // the last refusal or failure seen, if any
   std::vector<Job> jobs;
   uint64_t bytes_sent = 0, bytes_received = 0, raw_bytes_sent = 0;  // delta payload
-  double compression_ratio = 0, bandwidth_bps = 0;                  // payload ratio
+  double compression_ratio = 0, bandwidth_bps = 0;                  // payload ratio; bytes/s
   uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0, auth_failures = 0, refused = 0;
   // On the wire (messages, framing, CURVE, handshakes; TCP/IP estimated): docs/SYNC.md.
   uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;
@@ -150,10 +173,11 @@ struct PeerLinkReport {
   bool dials = false;  // this side opened the pair's connection (else the peer did)
 };
 
+// The round protocol's state of one job on one shard (wire::SyncJobState).
 struct SyncJobReport {
   std::string job;
-  uint64_t local_round = 0, committed_round = 0, max_rounds_ahead = 0;
-  std::string detail;  // the engine's own summary
+  uint64_t local_round = 0, committed_round = 0, max_rounds_ahead = 0;  // as RoundInfo
+  std::string detail;                                                   // the engine's own summary
   // Membership (docs/SYNC.md): epoch, member sites (sorted) and the first round they merge.
   uint64_t epoch = 0, members_from = 0;
   std::vector<std::string> members;
@@ -166,15 +190,18 @@ struct SyncJobReport {
   std::map<std::string, uint64_t> held;  // site -> highest contiguous round held here
 };
 
+// A shard's answer to SyncStatus.
 struct SyncStatusInfo {
-  std::string site;
-  int shard_index = -1;
+  std::string site;      // this shard's sync.site
+  int shard_index = -1;  // its shard.index (-1: not set)
   bool enabled = false;  // the shard takes part in the round protocol
   std::vector<PeerLinkReport> links;
   std::vector<SyncJobReport> jobs;
   uint64_t refused_unknown = 0;  // peer messages refused before a site could be named
 };
 
+// A shard's answer to Digests: the digest of each committed round's state, the way sites
+// (and `isthmusctl sync verify`) check that they agree.
 struct DigestsInfo {
   std::string job;
   uint64_t committed_round = 0;
@@ -184,7 +211,7 @@ struct DigestsInfo {
 class ShardClient {
  public:
   // Creates the socket and connects (ZeroMQ connects lazily: an absent server shows up
-  // as a Timeout on the first call, not here).
+  // as a Timeout on the first call, not here). InvalidArgument for unusable options.
   static Result<std::unique_ptr<ShardClient>> Connect(const ClientOptions& options);
   ~ShardClient();
 
