@@ -1,8 +1,22 @@
 // The shard client library: what workers, isthmusctl, tests and benchmarks use to talk to
 // an isthmus-server over ZeroMQ (DEALER socket, CURVE unless told otherwise). Every call
-// is a request/reply with a timeout; a call that times out is retried up to `retries`
-// times with the same request (pushes keep their idempotency key, so a retry is applied
-// at most once), on a fresh socket so stale replies cannot be mistaken for new ones.
+// is a request/reply. How long a call may take (ClientOptions has the settings):
+//   - a shard that cannot be reached fails fast: an attempt whose connection (TCP and the
+//     ZeroMQ/CURVE handshake) is not up within connect_timeout_ms ends, as does one whose
+//     connection drops before the reply; after the last attempt the call returns
+//     Unavailable naming the endpoint and what to check. A dead shard (no process, wrong
+//     port, host down) therefore fails within (1 + retries) x connect_timeout_ms: 15 s with
+//     the defaults;
+//   - a connected shard gets timeout_ms per attempt to reply (a large push or a slow disk
+//     takes time); a shard that stops answering on an open connection (SIGSTOP, a hung
+//     host, a cut link) costs timeout_ms, then the reconnecting attempts above: 40 s with
+//     the defaults;
+//   - a server that refuses this client's key fails at once with PermissionDenied (a
+//     socket monitor sees the refused CURVE handshake).
+// A failed attempt is retried up to `retries` times with the same request (pushes keep
+// their idempotency key, so a retry is applied at most once), on a fresh socket so stale
+// replies cannot be mistaken for new ones. ClientOptions::interrupted lets a caller stop a
+// waiting call (the Python binding delivers Ctrl-C through it).
 //
 // Ownership: tensor data passed to Push/CreateJob is read in place (not copied) and must
 // stay valid until the call returns; the call does not return before ZeroMQ has released
@@ -10,7 +24,9 @@
 // thread at a time; the result structs are plain values.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -27,15 +43,20 @@
 
 namespace isthmus {
 
-// How a ShardClient reaches its shard and how long it waits.
+// How a ShardClient reaches its shard and how long it waits (see the file comment).
 struct ClientOptions {
   std::string endpoint;             // ZeroMQ endpoint, e.g. "tcp://127.0.0.1:7000"
   std::string server_public_key;    // Z85 (40 chars); required unless insecure_plaintext
   KeyPair client_keys;              // this client's pair; required unless insecure_plaintext
   bool insecure_plaintext = false;  // no CURVE: only for benchmarks and local debugging
-  int timeout_ms = 30000;           // per attempt: how long the shard has to reply
-  int retries = 2;                  // extra attempts after a timeout
+  int timeout_ms = 30000;           // per attempt: how long a connected shard has to reply
+  int connect_timeout_ms = 5000;    // per attempt: how long the connection may take to be up
+  int retries = 2;                  // extra attempts after a timeout or a lost connection
   WireLimits limits;                // applied to replies (and to the socket's max message)
+  // Asked every 100 ms or so while a call waits, and when a signal interrupts the wait,
+  // on the calling thread; true stops the call, which returns Unavailable ("interrupted").
+  // Empty: calls are not interruptible. Must not call into this client.
+  std::function<bool()> interrupted;
 };
 
 // A view of fp32 data to send (Push, CreateJob): not owned; the caller keeps `data` valid
@@ -211,7 +232,7 @@ struct DigestsInfo {
 class ShardClient {
  public:
   // Creates the socket and connects (ZeroMQ connects lazily: an absent server shows up
-  // as a Timeout on the first call, not here). InvalidArgument for unusable options.
+  // as Unavailable on the first call, not here). InvalidArgument for unusable options.
   static Result<std::unique_ptr<ShardClient>> Connect(const ClientOptions& options);
   ~ShardClient();
 
@@ -255,10 +276,15 @@ class ShardClient {
  private:
   explicit ShardClient(const ClientOptions& options);
   Status OpenSocket();
+  // Reads every event the monitor has queued: updates ready_ and tcp_connected_, sets
+  // *lost when an up connection dropped, and returns PermissionDenied for a refused
+  // handshake.
+  Status ReadMonitor(bool* lost);
   // Stops the monitor and closes both sockets (a no-op when none is open).
   void CloseSocket();
   // Sends the request built in `fbb` with `payload` and waits for the matching reply,
-  // retrying on timeout. The reply's Envelope is verified; error replies become Status.
+  // retrying on timeout or a lost connection. The reply's Envelope is verified; error
+  // replies become Status.
   Result<Frames> Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
                       const std::vector<TensorView>& payload);
   uint64_t NextRequestId() { return ++request_seq_; }
@@ -270,8 +296,12 @@ class ShardClient {
   ClientOptions options_;
   zmq::context_t ctx_;
   std::unique_ptr<zmq::socket_t> socket_;
-  std::unique_ptr<zmq::socket_t> monitor_;  // PAIR socket with socket_'s handshake failures
+  std::unique_ptr<zmq::socket_t> monitor_;  // PAIR socket with socket_'s connection events
   uint64_t monitor_seq_ = 0;
+  // What the monitor said about socket_'s connection: up (handshake done, not dropped
+  // since), and whether a TCP connection was ever made since the socket opened.
+  bool ready_ = false;
+  bool tcp_connected_ = false;
   uint64_t request_seq_;
 };
 
