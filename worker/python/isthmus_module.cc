@@ -51,9 +51,17 @@ T Take(Result<T> r) {
   return std::move(r).value();
 }
 
-// SiteOptions::interrupted for calls made without the GIL: runs the pending Python signal
-// handlers; true when one raised (the exception stays set for CallUnlocked to throw).
+// The thread Python runs signal handlers on (threading.main_thread()).
+unsigned long& MainThreadIdent() {
+  static unsigned long ident = 0;
+  return ident;
+}
+
+// SiteOptions::interrupted for calls made without the GIL: on the main thread, runs the
+// pending Python signal handlers; true when one raised (the exception stays set for
+// CallUnlocked to throw). Other threads never see signals: they do not take the GIL here.
 bool PythonSignalRaised() {
+  if (PyThread_get_thread_ident() != MainThreadIdent()) return false;
   py::gil_scoped_acquire gil;
   return PyErr_Occurred() != nullptr || PyErr_CheckSignals() != 0;
 }
@@ -269,6 +277,8 @@ PYBIND11_MODULE(_isthmus, m) {
   m.doc() = "isthmus site client (C++ core); use the isthmus package, not this module";
   m.attr("__version__") = std::string(kIsthmusVersion);
   m.attr("SCHEMA_VERSION") = kSchemaVersion;
+  MainThreadIdent() =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   ShardErrorType() = py::reinterpret_steal<py::object>(
       PyErr_NewExceptionWithDoc("isthmus.ShardError",
                                 "An isthmus operation failed. .code: the status code name "
