@@ -1,6 +1,7 @@
 // Request/reply over a DEALER socket with timeouts, retries, zero-copy payloads, and a
-// socket monitor that turns a refused CURVE handshake into PermissionDenied at once
-// instead of a timeout.
+// socket monitor that follows the connection: a refused CURVE handshake becomes
+// PermissionDenied at once, and a shard that cannot be reached (or drops the connection)
+// ends the attempt without waiting for the reply timeout.
 #include "common/client.h"
 
 #include <spdlog/spdlog.h>
@@ -105,10 +106,17 @@ void ShardClient::CloseSocket() {
   if (socket_) zmq_socket_monitor(socket_->handle(), nullptr, 0);
   monitor_.reset();
   socket_.reset();
+  ready_ = false;
+  tcp_connected_ = false;
 }
 
 Result<std::unique_ptr<ShardClient>> ShardClient::Connect(const ClientOptions& options) {
   if (options.endpoint.empty()) return Status::InvalidArgument("no server endpoint given");
+  if (options.timeout_ms <= 0 || options.connect_timeout_ms <= 0) {
+    return Status::InvalidArgument("timeout_ms and connect_timeout_ms must be positive (got " +
+                                   std::to_string(options.timeout_ms) + " and " +
+                                   std::to_string(options.connect_timeout_ms) + ")");
+  }
   if (!options.insecure_plaintext) {
     if (!IsValidZ85Key(options.server_public_key)) {
       return Status::InvalidArgument(
@@ -138,10 +146,13 @@ Status ShardClient::OpenSocket() {
       ConfigureCurveClient(*socket_, options_.client_keys, options_.server_public_key);
     }
     // The monitor lives as long as the socket (setting one up per call costs more than a
-    // small request) and reports a handshake the server refused.
+    // small request) and reports the connection coming up, dropping, and a handshake the
+    // server refused.
     std::string mon_ep = "inproc://isthmus-client-mon-" + std::to_string(++monitor_seq_);
     if (zmq_socket_monitor(socket_->handle(), mon_ep.c_str(),
-                           ZMQ_EVENT_HANDSHAKE_FAILED_AUTH | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
+                           ZMQ_EVENT_CONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
+                               ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_FAILED_AUTH |
+                               ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
                                ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL) != 0) {
       throw zmq::error_t();
     }
@@ -156,11 +167,64 @@ Status ShardClient::OpenSocket() {
   return Status::Ok();
 }
 
+Status ShardClient::ReadMonitor(bool* lost) {
+  while (true) {
+    zmq::message_t ev;
+    if (!monitor_->recv(ev, zmq::recv_flags::dontwait)) return Status::Ok();
+    uint16_t event = 0;
+    uint32_t value = 0;
+    if (ev.size() >= 6) {
+      std::memcpy(&event, ev.data(), 2);
+      std::memcpy(&value, static_cast<const char*>(ev.data()) + 2, 4);
+    }
+    if (ev.more()) {
+      zmq::message_t addr;
+      (void)monitor_->recv(addr);
+    }
+    switch (event) {
+      case ZMQ_EVENT_CONNECTED:
+        tcp_connected_ = true;
+        break;
+      case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
+        ready_ = true;
+        break;
+      case ZMQ_EVENT_DISCONNECTED:
+        if (ready_) *lost = true;
+        ready_ = false;
+        break;
+      case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
+        return Status::PermissionDenied(
+            "server at " + options_.endpoint + " refused this client's key (status " +
+            std::to_string(value) + "): add its .pub file to the server's allowlist for this role");
+      case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
+      case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+        return Status::PermissionDenied(
+            "CURVE handshake with " + options_.endpoint +
+            " failed: check the server public key and that both sides use CURVE");
+      default:
+        break;
+    }
+  }
+}
+
 Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
                                  const std::vector<TensorView>& payload) {
+  using Clock = std::chrono::steady_clock;
+  // How often an interruptible call asks options_.interrupted while it waits.
+  constexpr auto kSlice = std::chrono::milliseconds(100);
   const int attempts = 1 + std::max(0, options_.retries);
+  bool last_lost = false;         // why the last attempt ended: the connection dropped ...
+  bool last_unconnected = false;  // ... or never came up (else: no reply in time)
+  bool last_tcp = false;          // a TCP connection was made in that attempt
+  bool last_ready = false;        // the connection was up when it ended
   for (int attempt = 0; attempt < attempts; ++attempt) {
     if (!socket_) ISTHMUS_RETURN_IF_ERROR(OpenSocket());
+    bool lost = false;
+    Status failure = ReadMonitor(&lost);  // what happened since the last call
+    if (!failure.ok()) {
+      CloseSocket();
+      return failure;
+    }
     ReleaseLatch latch;
     {
       std::vector<PayloadRef> refs;
@@ -176,48 +240,44 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
         return s;
       }
     }
-    auto deadline =
-        std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
-    Status failure;
+    const auto start = Clock::now();
+    const auto deadline = start + std::chrono::milliseconds(options_.timeout_ms);
+    const auto connect_deadline = start + std::chrono::milliseconds(options_.connect_timeout_ms);
+    lost = false;
+    bool unconnected = false, interrupted = false;
     while (true) {
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      if (left.count() <= 0) break;
+      const auto now = Clock::now();
+      if (now >= deadline) break;
+      if (!ready_ && now >= connect_deadline) {
+        unconnected = true;
+        break;
+      }
+      auto until = ready_ ? deadline : std::min(deadline, connect_deadline);
+      if (options_.interrupted) until = std::min(until, now + kSlice);
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(until - now) +
+                        std::chrono::milliseconds(1);
       zmq::pollitem_t items[] = {{socket_->handle(), 0, ZMQ_POLLIN, 0},
                                  {monitor_->handle(), 0, ZMQ_POLLIN, 0}};
+      bool eintr = false;
       try {
         zmq::poll(items, 2, left);
       } catch (const zmq::error_t& e) {
         // A signal (e.g. the SIGTERM that asks a worker to checkpoint and stop) interrupts
-        // the wait: wait on for the reply. cppzmq throws on EINTR instead of returning.
-        if (e.num() == EINTR) continue;
-        failure = Status::Internal(std::string("waiting for a reply failed: ") + e.what());
+        // the wait: ask the caller, then wait on. cppzmq throws on EINTR.
+        if (e.num() != EINTR) {
+          failure = Status::Internal(std::string("waiting for a reply failed: ") + e.what());
+          break;
+        }
+        eintr = true;
+      }
+      if (options_.interrupted && options_.interrupted()) {
+        interrupted = true;
         break;
       }
+      if (eintr) continue;
       if (items[1].revents & ZMQ_POLLIN) {
-        zmq::message_t ev;
-        (void)monitor_->recv(ev);
-        uint16_t event = 0;
-        uint32_t value = 0;
-        if (ev.size() >= 6) {
-          std::memcpy(&event, ev.data(), 2);
-          std::memcpy(&value, static_cast<const char*>(ev.data()) + 2, 4);
-        }
-        if (ev.more()) {
-          zmq::message_t addr;
-          (void)monitor_->recv(addr);
-        }
-        if (event == ZMQ_EVENT_HANDSHAKE_FAILED_AUTH) {
-          failure = Status::PermissionDenied(
-              "server at " + options_.endpoint + " refused this client's key (status " +
-              std::to_string(value) +
-              "): add its .pub file to the server's allowlist for this role");
-        } else {
-          failure = Status::PermissionDenied(
-              "CURVE handshake with " + options_.endpoint +
-              " failed: check the server public key and that both sides use CURVE");
-        }
-        break;
+        failure = ReadMonitor(&lost);
+        if (!failure.ok() || lost) break;
       }
       if (!(items[0].revents & ZMQ_POLLIN)) continue;
       auto msg = ReceiveMessage(*socket_, nullptr);
@@ -233,16 +293,54 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
       if (!err.ok()) return err;
       return std::move(msg).value();
     }
+    last_tcp = tcp_connected_;
+    last_ready = ready_;
     CloseSocket();  // drops queued requests and any late reply
     latch.Wait();
     if (!failure.ok()) return failure;
-    spdlog::debug("client: no reply from {} in {} ms (attempt {}/{})", options_.endpoint,
-                  options_.timeout_ms, attempt + 1, attempts);
+    if (interrupted) {
+      return Status::Unavailable("interrupted while waiting for " + options_.endpoint +
+                                 " (the caller asked to stop; a push may or may not have been "
+                                 "applied: retry it with the same key)");
+    }
+    last_lost = lost;
+    last_unconnected = unconnected;
+    spdlog::debug("client: attempt {}/{} to {} ended: {}", attempt + 1, attempts, options_.endpoint,
+                  lost          ? "connection lost"
+                  : unconnected ? "no connection"
+                                : "no reply");
   }
-  return Status::Timeout("no reply from " + options_.endpoint + " after " +
-                         std::to_string(attempts) + " attempt(s) of " +
-                         std::to_string(options_.timeout_ms) +
-                         " ms: is isthmus-server running there, and is the server key right?");
+  const std::string tries = std::to_string(attempts) + " attempt(s)";
+  if (last_unconnected) {
+    if (last_tcp) {
+      return Status::Unavailable(
+          options_.endpoint + " accepted TCP connections but completed no ZeroMQ handshake in " +
+          std::to_string(options_.connect_timeout_ms) + " ms (" + tries +
+          "): is the process listening there isthmus-server, and is it running (not stopped "
+          "or overloaded)?");
+    }
+    return Status::Unavailable(
+        "cannot connect to " + options_.endpoint + ": no connection in " +
+        std::to_string(options_.connect_timeout_ms) + " ms (" + tries +
+        "): is isthmus-server running there, is the endpoint (host and port) right, and is "
+        "the port reachable from here?");
+  }
+  if (last_lost) {
+    return Status::Unavailable("the connection to " + options_.endpoint +
+                               " dropped before the reply (" + tries +
+                               "): did isthmus-server stop or restart there? Check its log");
+  }
+  const std::string prefix = "no reply from " + options_.endpoint + " after " + tries + " of " +
+                             std::to_string(options_.timeout_ms) + " ms: ";
+  if (last_ready) {
+    return Status::Timeout(prefix +
+                           "the shard is connected but did not answer in time (is it stopped, "
+                           "hung or overloaded? a large request may need a longer timeout)");
+  }
+  return Status::Timeout(
+      prefix +
+      (last_tcp ? "connected, but the handshake did not finish" : "no connection was made") +
+      " (is isthmus-server running there, and is the endpoint right?)");
 }
 
 namespace {

@@ -1,15 +1,32 @@
 // The shard client library: what workers, isthmusctl, tests and benchmarks use to talk to
 // an isthmus-server over ZeroMQ (DEALER socket, CURVE unless told otherwise). Every call
-// is a request/reply with a timeout; a call that times out is retried up to `retries`
-// times with the same request (pushes keep their idempotency key, so a retry is applied
-// at most once), on a fresh socket so stale replies cannot be mistaken for new ones.
+// is a request/reply. How long a call may take (ClientOptions has the settings):
+//   - a shard that cannot be reached fails fast: an attempt whose connection (TCP and the
+//     ZeroMQ/CURVE handshake) is not up within connect_timeout_ms ends, as does one whose
+//     connection drops before the reply; after the last attempt the call returns
+//     Unavailable naming the endpoint and what to check. A dead shard (no process, wrong
+//     port, host down) therefore fails within (1 + retries) x connect_timeout_ms: 15 s with
+//     the defaults;
+//   - a connected shard gets timeout_ms per attempt to reply (a large push or a slow disk
+//     takes time); a shard that stops answering on an open connection (SIGSTOP, a hung
+//     host, a cut link) costs timeout_ms, then the reconnecting attempts above: 40 s with
+//     the defaults;
+//   - a server that refuses this client's key fails at once with PermissionDenied (a
+//     socket monitor sees the refused CURVE handshake).
+// A failed attempt is retried up to `retries` times with the same request (pushes keep
+// their idempotency key, so a retry is applied at most once), on a fresh socket so stale
+// replies cannot be mistaken for new ones. ClientOptions::interrupted lets a caller stop a
+// waiting call (the Python binding delivers Ctrl-C through it).
 //
 // Ownership: tensor data passed to Push/CreateJob is read in place (not copied) and must
 // stay valid until the call returns; the call does not return before ZeroMQ has released
-// it. Threads: a ShardClient belongs to one thread at a time.
+// it. Results own their data (PullView: see there). Threads: a ShardClient belongs to one
+// thread at a time; the result structs are plain values.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -26,42 +43,54 @@
 
 namespace isthmus {
 
+// How a ShardClient reaches its shard and how long it waits (see the file comment).
 struct ClientOptions {
-  std::string endpoint;             // e.g. "tcp://127.0.0.1:7000"
-  std::string server_public_key;    // Z85; required unless insecure_plaintext
-  KeyPair client_keys;              // required unless insecure_plaintext
+  std::string endpoint;             // ZeroMQ endpoint, e.g. "tcp://127.0.0.1:7000"
+  std::string server_public_key;    // Z85 (40 chars); required unless insecure_plaintext
+  KeyPair client_keys;              // this client's pair; required unless insecure_plaintext
   bool insecure_plaintext = false;  // no CURVE: only for benchmarks and local debugging
-  int timeout_ms = 30000;           // per attempt
-  int retries = 2;                  // extra attempts after a timeout
-  WireLimits limits;                // applied to replies
+  int timeout_ms = 30000;           // per attempt: how long a connected shard has to reply
+  int connect_timeout_ms = 5000;    // per attempt: how long the connection may take to be up
+  int retries = 2;                  // extra attempts after a timeout or a lost connection
+  WireLimits limits;                // applied to replies (and to the socket's max message)
+  // Asked every 100 ms or so while a call waits, and when a signal interrupts the wait,
+  // on the calling thread; true stops the call, which returns Unavailable ("interrupted").
+  // Empty: calls are not interruptible. Must not call into this client.
+  std::function<bool()> interrupted;
 };
 
-// A view of fp32 data to send: not owned.
+// A view of fp32 data to send (Push, CreateJob): not owned; the caller keeps `data` valid
+// until the call returns. `shape` may be empty for a scalar; data holds NumElements(shape)
+// floats, row-major.
 struct TensorView {
   std::string name;
   std::vector<int64_t> shape;
   const float* data = nullptr;
 };
 
-// See wire::RoundStatus.
+// Where a job's round protocol stands on one shard (wire::RoundStatus; docs/SYNC.md).
 struct RoundInfo {
-  uint64_t local_round = 0;
-  uint64_t committed_round = 0;
-  uint64_t max_rounds_ahead = 0;  // 0: no limit
+  uint64_t local_round = 0;      // the highest round of this site's deltas the shard holds
+  uint64_t committed_round = 0;  // the highest round every member site has committed
+  // K (sync.max_rounds_ahead): local may run this far past committed; 0: each round
+  // commits before the next. A shard without cross-site sync reports local == committed.
+  uint64_t max_rounds_ahead = 0;
 };
 
+// A shard's answer to Hello: who it is and where the job stands there.
 struct HelloInfo {
-  std::string shard_id;
-  std::string server_version;
-  uint64_t job_version = 0;
-  std::string base_hash;
-  uint64_t tensor_count = 0;
+  std::string shard_id;        // the shard's shard.id
+  std::string server_version;  // isthmus-server's version string
+  uint64_t job_version = 0;    // the job's served version (rises whenever pulled values change)
+  std::string base_hash;       // the base model hash the job was created with
+  uint64_t tensor_count = 0;   // tensors of the job on this shard (0: no such job here)
   RoundInfo rounds;
 };
 
+// The result of Pull: copies of the tensors, owned by the result.
 struct PullResult {
-  uint64_t job_version = 0;
-  std::vector<Tensor> tensors;     // tensor.name/shape/data
+  uint64_t job_version = 0;        // the version these values are of
+  std::vector<Tensor> tensors;     // tensor.name/shape/data, in the shard's order
   std::vector<uint64_t> versions;  // per tensor, the version at which it last changed
   RoundInfo rounds;
 };
@@ -78,7 +107,7 @@ struct PulledTensor {
 // points into them, so nothing is copied after ZeroMQ received the message. Move-only
 // (moving keeps the spans valid: frames own heap memory that does not move).
 struct PullView {
-  uint64_t job_version = 0;
+  uint64_t job_version = 0;  // the version these values are of
   std::vector<PulledTensor> tensors;
   RoundInfo rounds;
 
@@ -88,60 +117,75 @@ struct PullView {
   std::vector<std::vector<float>> realigned_;  // copies of frames not 4-byte aligned
 };
 
+// A shard's answer to Push.
 struct PushResult {
-  uint64_t job_version = 0;
-  bool duplicate = false;  // the key had been applied before; nothing changed now
-  RoundInfo rounds;
+  uint64_t job_version = 0;  // the job's version after the push
+  bool duplicate = false;    // the key had been applied before; nothing changed now
+  RoundInfo rounds;          // the rounds after the push
 };
 
+// One tensor of a job as DescribeJob lists it (no values).
 struct TensorInfo {
   std::string name;
   std::vector<int64_t> shape;
-  uint64_t version = 0;
+  uint64_t version = 0;  // the job version at which it last changed
 };
 
+// A job on one shard. DescribeJob fills every field but duplicate_pushes; CreateJob fills
+// job, base_hash, version, tensor_count and total_bytes; the summaries in ShardStats and
+// SnapshotInfo fill job, version, pushes, tensor_count, total_bytes (and, in Stats,
+// duplicate_pushes), leaving tensors empty.
 struct JobInfo {
   std::string job;
-  std::string base_hash;
-  uint64_t version = 0;
-  uint64_t pushes = 0;
+  std::string base_hash;          // the base model hash given at creation
+  uint64_t version = 0;           // the served version (rises whenever pulled values change)
+  uint64_t pushes = 0;            // worker pushes applied on this shard (duplicates not counted)
   uint64_t duplicate_pushes = 0;  // Stats only: answered as duplicates since the server started
-  uint64_t created_unix = 0;
-  uint64_t tensor_count = 0;
-  uint64_t total_bytes = 0;
+  uint64_t created_unix = 0;      // creation time, seconds since the Unix epoch
+  uint64_t tensor_count = 0;      // tensors of the job on this shard
+  uint64_t total_bytes = 0;       // their fp32 bytes
   std::vector<TensorInfo> tensors;
 };
 
+// A shard's counters (Stats, admin role), since the server started unless said otherwise.
 struct ShardStats {
   std::string shard_id;
   std::string server_version;
-  uint64_t uptime_s = 0, requests = 0, errors = 0, bytes_in = 0, bytes_out = 0, db_bytes = 0;
+  uint64_t uptime_s = 0;      // seconds since the server started
+  uint64_t requests = 0;      // requests answered on the worker and admin sockets
+  uint64_t errors = 0;        // of those, answered with an error
+  uint64_t bytes_in = 0;      // bytes received on those sockets (headers and payload)
+  uint64_t bytes_out = 0;     // bytes sent on them
+  uint64_t db_bytes = 0;      // the store's size on disk now (approximate)
   std::vector<JobInfo> jobs;  // summaries: tensors left empty
 };
 
+// A snapshot of a shard (a RocksDB checkpoint taken at a committed round; docs/CLI.md).
 struct SnapshotInfo {
   std::string name;
-  uint64_t created_unix = 0;
-  uint64_t bytes = 0;
-  std::vector<JobInfo> jobs;  // summaries
+  uint64_t created_unix = 0;  // seconds since the Unix epoch
+  uint64_t bytes = 0;         // its size on disk
+  std::vector<JobInfo> jobs;  // summaries of the jobs it holds
 };
 
 // --- cross-site sync administration (admin role; server/sync/peer_link.h, docs/SYNC.md) -------
 
-// One peer link of a shard, as `isthmusctl sync status` shows it (see wire::PeerLinkInfo).
+// One peer link of a shard, as `isthmusctl sync status` shows it (see wire::PeerLinkInfo,
+// whose comments define each counter). Counters run since the shard started.
 struct PeerLinkReport {
+  // One job on the link.
   struct Job {
     std::string job;
     uint64_t acked_round = 0;   // the peer holds every round of ours up to this one
     uint64_t outbox_round = 0;  // our highest round
     uint64_t lag_rounds = 0;    // outbox_round - acked_round
   };
-  std::string site, endpoint;
-  bool connected = false, paused = false;
-  std::string last_error;
+  std::string site, endpoint;              // the peer site and its shard's peer endpoint
+  bool connected = false, paused = false;  // transport up and handshake answered; paused
+  std::string last_error;                  // the last refusal or failure seen, if any
   std::vector<Job> jobs;
   uint64_t bytes_sent = 0, bytes_received = 0, raw_bytes_sent = 0;  // delta payload
-  double compression_ratio = 0, bandwidth_bps = 0;                  // payload ratio
+  double compression_ratio = 0, bandwidth_bps = 0;                  // payload ratio; bytes/s
   uint64_t deltas_sent = 0, deltas_acked = 0, resends = 0, auth_failures = 0, refused = 0;
   // On the wire (messages, framing, CURVE, handshakes; TCP/IP estimated): docs/SYNC.md.
   uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;
@@ -150,10 +194,11 @@ struct PeerLinkReport {
   bool dials = false;  // this side opened the pair's connection (else the peer did)
 };
 
+// The round protocol's state of one job on one shard (wire::SyncJobState).
 struct SyncJobReport {
   std::string job;
-  uint64_t local_round = 0, committed_round = 0, max_rounds_ahead = 0;
-  std::string detail;  // the engine's own summary
+  uint64_t local_round = 0, committed_round = 0, max_rounds_ahead = 0;  // as RoundInfo
+  std::string detail;                                                   // the engine's own summary
   // Membership (docs/SYNC.md): epoch, member sites (sorted) and the first round they merge.
   uint64_t epoch = 0, members_from = 0;
   std::vector<std::string> members;
@@ -166,15 +211,18 @@ struct SyncJobReport {
   std::map<std::string, uint64_t> held;  // site -> highest contiguous round held here
 };
 
+// A shard's answer to SyncStatus.
 struct SyncStatusInfo {
-  std::string site;
-  int shard_index = -1;
+  std::string site;      // this shard's sync.site
+  int shard_index = -1;  // its shard.index (-1: not set)
   bool enabled = false;  // the shard takes part in the round protocol
   std::vector<PeerLinkReport> links;
   std::vector<SyncJobReport> jobs;
   uint64_t refused_unknown = 0;  // peer messages refused before a site could be named
 };
 
+// A shard's answer to Digests: the digest of each committed round's state, the way sites
+// (and `isthmusctl sync verify`) check that they agree.
 struct DigestsInfo {
   std::string job;
   uint64_t committed_round = 0;
@@ -184,7 +232,7 @@ struct DigestsInfo {
 class ShardClient {
  public:
   // Creates the socket and connects (ZeroMQ connects lazily: an absent server shows up
-  // as a Timeout on the first call, not here).
+  // as Unavailable on the first call, not here). InvalidArgument for unusable options.
   static Result<std::unique_ptr<ShardClient>> Connect(const ClientOptions& options);
   ~ShardClient();
 
@@ -228,10 +276,15 @@ class ShardClient {
  private:
   explicit ShardClient(const ClientOptions& options);
   Status OpenSocket();
+  // Reads every event the monitor has queued: updates ready_ and tcp_connected_, sets
+  // *lost when an up connection dropped, and returns PermissionDenied for a refused
+  // handshake.
+  Status ReadMonitor(bool* lost);
   // Stops the monitor and closes both sockets (a no-op when none is open).
   void CloseSocket();
   // Sends the request built in `fbb` with `payload` and waits for the matching reply,
-  // retrying on timeout. The reply's Envelope is verified; error replies become Status.
+  // retrying on timeout or a lost connection. The reply's Envelope is verified; error
+  // replies become Status.
   Result<Frames> Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
                       const std::vector<TensorView>& payload);
   uint64_t NextRequestId() { return ++request_seq_; }
@@ -243,8 +296,12 @@ class ShardClient {
   ClientOptions options_;
   zmq::context_t ctx_;
   std::unique_ptr<zmq::socket_t> socket_;
-  std::unique_ptr<zmq::socket_t> monitor_;  // PAIR socket with socket_'s handshake failures
+  std::unique_ptr<zmq::socket_t> monitor_;  // PAIR socket with socket_'s connection events
   uint64_t monitor_seq_ = 0;
+  // What the monitor said about socket_'s connection: up (handshake done, not dropped
+  // since), and whether a TCP connection was ever made since the socket opened.
+  bool ready_ = false;
+  bool tcp_connected_ = false;
   uint64_t request_seq_;
 };
 

@@ -28,7 +28,9 @@ Result<std::unique_ptr<SiteClient>> SiteClient::Connect(const SiteOptions& optio
     o.endpoint = options.servers[i];
     o.insecure_plaintext = options.insecure_plaintext;
     o.timeout_ms = options.timeout_ms;
+    o.connect_timeout_ms = options.connect_timeout_ms;
     o.retries = options.retries;
+    o.interrupted = options.interrupted;
     if (!options.insecure_plaintext) {
       const auto& keys = options.server_public_keys;
       o.server_public_key = keys.size() == 1 ? keys[0] : keys[i];
@@ -206,7 +208,16 @@ Result<Staleness> SiteClient::WaitWithinStaleness(std::chrono::milliseconds time
         std::chrono::steady_clock::now() + poll > deadline) {
       return st;
     }
-    std::this_thread::sleep_for(poll);
+    // Sleep in slices, so that an interrupt is seen within 100 ms whatever `poll` is.
+    const auto wake = std::chrono::steady_clock::now() + poll;
+    for (auto now = std::chrono::steady_clock::now(); now < wake;
+         now = std::chrono::steady_clock::now()) {
+      if (options_.interrupted && options_.interrupted()) {
+        return Status::Unavailable("interrupted while waiting for the WAN (" + st.reason + ")");
+      }
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(
+          wake - now, std::chrono::milliseconds(100)));
+    }
   }
 }
 

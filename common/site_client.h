@@ -18,14 +18,18 @@
 //
 // Errors are Status values: PermissionDenied (a key not allowed), FailedPrecondition (the
 // job is held for another base model; a tensor on an unexpected shard), NotFound (no such
-// job or tensor), InvalidArgument (bad tensors: the shard changed nothing), Timeout and
-// Unavailable (a shard down or unreachable); each message names the shard. Threads: a
+// job or tensor), InvalidArgument (bad tensors: the shard changed nothing), Unavailable (a
+// shard down or unreachable: with the defaults a call gives up on a dead shard within
+// 15 s, see common/client.h) and Timeout (a connected shard that did not answer in time);
+// each message names the shard ("shard I (ENDPOINT)") and what to check. A call waits on
+// its shards one after another, so the bounds are per shard it reaches. Threads: a
 // SiteClient belongs to one thread at a time.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,9 +48,13 @@ struct SiteOptions {
   std::vector<std::string> server_public_keys;  // Z85: one per server, or one for all
   KeyPair client_keys;                          // this rank's key pair (on the allowlist)
   bool insecure_plaintext = false;              // no CURVE: benchmarks and debugging only
-  int timeout_ms = 30000;                       // per request attempt
+  int timeout_ms = 30000;                       // per attempt: time a connected shard has
+  int connect_timeout_ms = 5000;                // per attempt: time to connect to a shard
   int retries = 2;                              // extra attempts after a timeout
   std::string client_name = "site";             // part of every idempotency key
+  // Passed to every shard's ClientOptions::interrupted, and asked between the polls of
+  // WaitWithinStaleness: true stops the call (Unavailable, "interrupted").
+  std::function<bool()> interrupted;
 };
 
 // What PushRound did on one shard.
@@ -106,7 +114,8 @@ class SiteClient {
   // Asks every shard for its rounds (a Hello each, with the base hash of the last Hello).
   Result<Staleness> CheckStaleness();
   // Polls CheckStaleness every `poll` until the site may go on. Returns the last state:
-  // too_far_ahead is still true when `timeout` passed or `stop` became true first.
+  // too_far_ahead is still true when `timeout` passed or `stop` became true first;
+  // Unavailable when options().interrupted said stop.
   Result<Staleness> WaitWithinStaleness(
       std::chrono::milliseconds timeout, const std::atomic<bool>* stop = nullptr,
       std::chrono::milliseconds poll = std::chrono::milliseconds(50));

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -11,6 +13,7 @@
 #include <set>
 #include <thread>
 
+#include "tests/metrics/hostile.h"
 #include "tests/metrics/scrape.h"
 #include "tests/worker/worker_harness.h"
 
@@ -115,6 +118,80 @@ TEST(ShardMetrics, ScrapesPassPromtoolAndCountersFollowPushesAndPulls) {
   EXPECT_GT(Or(Value(after, "isthmus_socket_received_bytes_total{socket=\"admin\"}")),
             Or(Value(before, "isthmus_socket_received_bytes_total{socket=\"admin\"}")));
   ExpectDocumented(after);
+}
+
+// The pid of the shard `p` runs: the process whose command line names its config.
+std::string PidOf(const ServerProcess& p) {
+  const std::string config = (p.dir() / "server.toml").string();
+  for (const auto& e : fs::directory_iterator("/proc")) {
+    const std::string name = e.path().filename().string();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
+    std::ifstream in(e.path() / "cmdline");
+    const std::string cmd((std::istreambuf_iterator<char>(in)), {});
+    if (cmd.find(config) != std::string::npos) return name;
+  }
+  return "";
+}
+
+// Issue 27 item 7 on a live shard: a 256 MiB POST took a shard from 40 to 326 MB, and one
+// slowloris or 500 idle connections blocked every scrape. Now the POST is refused unread
+// (the shard's resident memory grows by a few MB at most), a scrape answers within a few
+// seconds while a slowloris and 500 idle connections are open, and pushes and pulls go on
+// as before.
+TEST(ShardMetrics, HostileHttpClientsCostNeitherMemoryNorScrapesNorPushes) {
+  RaiseFileLimit();
+  ServerProcess shard;
+  const int port = StartWithMetrics(shard);
+  ASSERT_GT(port, 0) << shard.Log();
+  const std::string pid = PidOf(shard);
+  ASSERT_FALSE(pid.empty()) << "cannot find the shard's process";
+  const std::vector<float> a(1000, 0.5f);
+  ASSERT_TRUE(shard.AdminClient()->CreateJob("j", "base", {{"a", {1000}, a.data()}}).ok());
+  auto w = shard.WorkerClient();
+  ASSERT_TRUE(w->Push("j", "k0", 0, 10, {{"a", {1000}, a.data()}}).ok());
+  ASSERT_TRUE(Scrape(port).has_value());
+
+  const long rss_before = VmRssKb(pid);
+  const uint64_t kOffered = uint64_t{256} << 20;
+  auto big = StreamBody(port,
+                        "POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+                            std::to_string(kOffered) + "\r\n\r\n",
+                        kOffered);
+  const long rss_after_post = VmRssKb(pid);
+  EXPECT_EQ(big.answer.rfind("HTTP/1.1 413", 0), 0u) << big.answer;
+  EXPECT_LT(rss_after_post - rss_before, 16 * 1024)
+      << "the shard went from " << rss_before << " to " << rss_after_post << " KiB";
+
+  Slowloris slow(port, 30);
+  ASSERT_TRUE(slow.connected());
+  IdleConnections idle(port, 500);
+  EXPECT_GE(idle.size(), 400u);
+  auto t0 = std::chrono::steady_clock::now();
+  for (int i = 1; i <= 5; ++i) {
+    ASSERT_TRUE(w->Push("j", "k" + std::to_string(i), 0, 10, {{"a", {1000}, a.data()}}).ok());
+  }
+  ASSERT_TRUE(w->Pull("j").ok());
+  const double push_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  t0 = std::chrono::steady_clock::now();
+  auto text = Scrape(port);
+  const double scrape_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const long rss_end = VmRssKb(pid);
+  ASSERT_TRUE(text.has_value()) << "no scrape with a slowloris and " << idle.size()
+                                << " idle connections open";
+  EXPECT_EQ(Value(*text, "isthmus_requests_total{socket=\"worker\",op=\"push\",outcome=\"OK\"}"), 6)
+      << *text;
+  EXPECT_LT(scrape_s, 5.0);
+  EXPECT_LT(push_s, 5.0) << "5 pushes and a pull took " << push_s << " s";
+  EXPECT_LT(rss_end - rss_before, 16 * 1024)
+      << "the shard went from " << rss_before << " to " << rss_end << " KiB";
+  std::printf(
+      "shard VmRSS %ld KiB before, %ld after a 256 MiB POST (%llu body bytes sent before the "
+      "413), %ld with %zu idle connections and a slowloris; scrape %.3f s, 5 pushes + pull "
+      "%.3f s\n",
+      rss_before, rss_after_post, static_cast<unsigned long long>(big.body_sent), rss_end,
+      idle.size(), scrape_s, push_s);
 }
 
 TEST(ShardMetrics, TwoSitesShowCommitsLinksAndTheirWireBytes) {

@@ -92,7 +92,7 @@ class Site:
                 try:
                     client.hello()
                 except isthmus.ShardError as e:
-                    if e.code != "Timeout":
+                    if e.code not in ("Timeout", "Unavailable"):
                         break  # answered (NotFound: no such job): the shard is up
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"shard {i} did not answer in 20 s: " + self.log(i))

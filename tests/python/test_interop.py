@@ -3,7 +3,8 @@ links: site A is a PyTorch loop (isthmus.gpt2.Gpt2Lora driven by isthmus.torch.S
 site B is isthmus-worker; and the same with docs/PYTHON.md's example script as site A,
 run with two torch ranks. Both train on real text (this repository's docs, built into
 token shards by isthmus-data), both finish every round, the rounds commit on both sites,
-and `isthmusctl sync verify` finds the committed digests equal, round for round."""
+and `isthmusctl sync verify` finds the committed digests equal, round for round; the
+example script run again against the trained job exits 2, training nothing."""
 
 import json
 import os
@@ -176,6 +177,19 @@ class InteropTest(unittest.TestCase):
         [hello] = isthmus.Site(a.worker_eps, job="mix", key=a.worker_key,
                                server_keys=a.server_pubs).hello()
         self.assertEqual(hello["local_round"], ROUNDS)
+        # Run again against the trained job: nothing to train, said so, exit 2 (it used to
+        # exit 0 having trained nothing).
+        again = subprocess.run(
+            [sys.executable, os.path.join(root, "site_a.py"),
+             "--server", a.worker_eps[0], "--server-key", a.server_pubs[0],
+             "--key", a.worker_key, "--job", "mix", "--base", base, "--init", init,
+             "--data", data, "--heads", "2", "--lora-alpha", "8", "--context", "16",
+             "--batch-size", "4", "--steps-per-round", str(H), "--rounds", str(ROUNDS)],
+            env=dict(env, RANK="0", WORLD_SIZE="1", MASTER_PORT=str(harness.free_port())),
+            capture_output=True, text=True, timeout=120)
+        self.assertEqual(again.returncode, 2, again.stdout + again.stderr)
+        self.assertIn(f"nothing to train: job mix is at round {ROUNDS}", again.stderr)
+        self.assertNotIn("loss", again.stdout)
 
     def wait_committed(self, a, b):
         deadline = time.monotonic() + 60

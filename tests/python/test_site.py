@@ -104,6 +104,39 @@ class SiteTest(harness.ShardsTestCase):
         np.testing.assert_array_equal(site.pull()["b"], B0)
         self.assertEqual(self.shards.describe("badinput"), before)
 
+    def test_bad_round_and_counts_raise_value_error_naming_the_argument(self):
+        # Issue 27 item 11: a negative round raised pybind11's TypeError, which printed
+        # every argument, the arrays included.
+        site = self.fresh_job("badround")
+        site.hello("base-1")
+        site.pull()
+        before = self.shards.describe("badround")
+        big = {"a": np.zeros((4, 8), dtype=np.float32), "b": np.zeros(3, dtype=np.float32)}
+        for kwargs, name in (({"round": -1}, "round"), ({"round": 0}, "round"),
+                             ({"round": 1, "tokens": -5}, "tokens"),
+                             ({"round": 1, "compute_ms": -1}, "compute_ms"),
+                             ({"round": 1, "rank": 2, "world": 2}, "rank"),
+                             ({"round": 1, "world": 0}, "world")):
+            with self.assertRaises(ValueError, msg=str(kwargs)) as cm:
+                site.push_round(deltas=big, **kwargs)
+            text = str(cm.exception)
+            self.assertTrue(text.startswith(f"{name} must be"), text)
+            self.assertNotIn("array(", text)
+            self.assertLess(len(text), 200, text)
+        with self.assertRaises(ValueError) as cm:
+            site.push_round(-1, big)
+        self.assertIn("round must be >= 1", str(cm.exception))
+        self.assertIn("local_round", str(cm.exception))
+        with self.assertRaises(TypeError) as cm:
+            site.push_round(1.5, big)
+        self.assertIn("round must be an integer", str(cm.exception))
+        # The C++ binding refuses them the same way for callers that skip the package.
+        with self.assertRaises(ValueError) as cm:
+            site._core.push_round(-1, big, 0, 0, 0, 1)
+        self.assertIn("round must be >= 1", str(cm.exception))
+        self.assertNotIn("array(", str(cm.exception))
+        self.assertEqual(self.shards.describe("badround"), before)
+
     def test_torch_tensors_are_checked_before_anything_is_sent(self):
         import torch
         site = self.fresh_job("torchinput")

@@ -7,7 +7,10 @@
 //     message, which a capsule keeps alive as long as any array of that pull lives;
 //   - a Status that is not OK becomes isthmus.ShardError carrying .code (the Status code
 //     name, e.g. "NotFound") and .message;
-//   - the GIL is released while a call waits on the network.
+//   - the GIL is released while a call waits on the network, and the wait is interruptible:
+//     every 100 ms (and when a signal arrives) the call takes the GIL back for a moment and
+//     runs Python's signal handlers (PyErr_CheckSignals); when one raises (Ctrl-C:
+//     KeyboardInterrupt) the call stops and that exception propagates.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -48,7 +51,23 @@ T Take(Result<T> r) {
   return std::move(r).value();
 }
 
-// Runs `f` (a call that waits on the network) without the GIL, then takes its result.
+// The thread Python runs signal handlers on (threading.main_thread()).
+unsigned long& MainThreadIdent() {
+  static unsigned long ident = 0;
+  return ident;
+}
+
+// SiteOptions::interrupted for calls made without the GIL: on the main thread, runs the
+// pending Python signal handlers; true when one raised (the exception stays set for
+// CallUnlocked to throw). Other threads never see signals: they do not take the GIL here.
+bool PythonSignalRaised() {
+  if (PyThread_get_thread_ident() != MainThreadIdent()) return false;
+  py::gil_scoped_acquire gil;
+  return PyErr_Occurred() != nullptr || PyErr_CheckSignals() != 0;
+}
+
+// Runs `f` (a call that waits on the network) without the GIL, then takes its result; an
+// exception raised by a signal handler meanwhile (KeyboardInterrupt) wins over the result.
 template <typename F>
 auto CallUnlocked(F&& f) {
   std::optional<decltype(f())> r;
@@ -56,7 +75,18 @@ auto CallUnlocked(F&& f) {
     py::gil_scoped_release nogil;
     r.emplace(f());
   }
+  if (PyErr_Occurred() != nullptr) throw py::error_already_set();
   return Take(std::move(*r));
+}
+
+// `value` as a uint64_t, or ValueError naming `what` (pybind11's own conversion error
+// would print every argument, arrays included).
+uint64_t NonNegative(int64_t value, const char* what, int64_t least = 0) {
+  if (value < least) {
+    throw py::value_error(std::string(what) + " must be >= " + std::to_string(least) + ", got " +
+                          std::to_string(value));
+  }
+  return static_cast<uint64_t>(value);
 }
 
 py::dict RoundsDict(const RoundInfo& r) {
@@ -189,8 +219,11 @@ class PySite {
     return out;
   }
 
-  py::list PushRound(uint64_t round, const py::dict& deltas, uint64_t tokens, uint64_t compute_ms,
-                     int rank, int world) {
+  py::list PushRound(int64_t round_arg, const py::dict& deltas, int64_t tokens_arg,
+                     int64_t compute_ms_arg, int rank, int world) {
+    const uint64_t round = NonNegative(round_arg, "round", 1);
+    const uint64_t tokens = NonNegative(tokens_arg, "tokens");
+    const uint64_t compute_ms = NonNegative(compute_ms_arg, "compute_ms");
     std::vector<HeldBuffer> held;
     held.reserve(deltas.size());
     for (const auto& [k, v] : deltas) {
@@ -244,6 +277,8 @@ PYBIND11_MODULE(_isthmus, m) {
   m.doc() = "isthmus site client (C++ core); use the isthmus package, not this module";
   m.attr("__version__") = std::string(kIsthmusVersion);
   m.attr("SCHEMA_VERSION") = kSchemaVersion;
+  MainThreadIdent() =
+      py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
   ShardErrorType() = py::reinterpret_steal<py::object>(
       PyErr_NewExceptionWithDoc("isthmus.ShardError",
                                 "An isthmus operation failed. .code: the status code name "
@@ -291,8 +326,8 @@ PYBIND11_MODULE(_isthmus, m) {
   py::class_<PySite>(m, "SiteClient")
       .def(py::init([](std::string job, std::vector<std::string> servers,
                        std::vector<std::string> server_public_keys, std::string public_key,
-                       std::string secret_key, bool insecure_plaintext, int timeout_ms, int retries,
-                       std::string client_name) {
+                       std::string secret_key, bool insecure_plaintext, int timeout_ms,
+                       int connect_timeout_ms, int retries, std::string client_name) {
              SiteOptions o;
              o.job = std::move(job);
              o.servers = std::move(servers);
@@ -300,13 +335,15 @@ PYBIND11_MODULE(_isthmus, m) {
              o.client_keys = KeyPair{std::move(public_key), std::move(secret_key)};
              o.insecure_plaintext = insecure_plaintext;
              o.timeout_ms = timeout_ms;
+             o.connect_timeout_ms = connect_timeout_ms;
              o.retries = retries;
              o.client_name = std::move(client_name);
+             o.interrupted = PythonSignalRaised;
              return std::make_unique<PySite>(o);
            }),
            py::arg("job"), py::arg("servers"), py::arg("server_public_keys"), py::arg("public_key"),
            py::arg("secret_key"), py::arg("insecure_plaintext"), py::arg("timeout_ms"),
-           py::arg("retries"), py::arg("client_name"))
+           py::arg("connect_timeout_ms"), py::arg("retries"), py::arg("client_name"))
       .def("hello", &PySite::Hello, py::arg("base_hash"))
       .def("pull", &PySite::Pull)
       .def("push_round", &PySite::PushRound, py::arg("round"), py::arg("deltas"), py::arg("tokens"),

@@ -24,8 +24,14 @@ for its base).
 
 Errors: a refusal or failure of a shard raises ShardError (.code, e.g. "NotFound" or
 "InvalidArgument", and .message naming the shard); a delta that is not float32 or not
-contiguous raises TypeError or ValueError before anything is sent.
+contiguous, or a bad argument (a round below 1, negative tokens), raises TypeError or
+ValueError before anything is sent. A shard that cannot be reached raises ShardError
+"Unavailable" within (1 + retries) x connect_timeout_ms (15 s with the defaults). Calls
+wait without holding the GIL and stop for Ctrl-C: KeyboardInterrupt arrives within about
+0.1 s.
 """
+
+import numbers
 
 from . import _isthmus
 from ._isthmus import (  # noqa: F401  (re-exported)
@@ -64,6 +70,18 @@ def _shard_error(code, message):
     return err
 
 
+def _count(name, value, least=0, hint=""):
+    """`value` as an int >= least (a float only when whole), or TypeError / ValueError
+    naming the argument."""
+    whole_float = isinstance(value, numbers.Real) and float(value).is_integer()
+    if isinstance(value, bool) or not (isinstance(value, numbers.Integral) or whole_float):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < least:
+        raise ValueError(f"{name} must be >= {least}, got {value}" + (f" ({hint})" if hint else ""))
+    return value
+
+
 def _as_float32_buffer(name, value):
     """Returns an object the C++ core can read in place: a numpy array stays as it is; a
     torch tensor must be on the CPU, float32 and contiguous, and crosses via .numpy()
@@ -94,14 +112,18 @@ class Site:
     server_keys: public key files of the shards: one for all, or one per server.
     insecure_plaintext: no CURVE (benchmarks and local debugging only; key and
         server_keys are then ignored).
-    timeout_ms, retries: per request attempt, and extra attempts after a timeout (a
-        retried push keeps its idempotency key, so it is applied at most once).
+    timeout_ms: per request attempt, how long a connected shard has to answer.
+    connect_timeout_ms: per attempt, how long the connection to a shard may take; a shard
+        that is down fails the call with ShardError "Unavailable" after
+        (1 + retries) x connect_timeout_ms.
+    retries: extra attempts after a timeout or a lost connection (a retried push keeps its
+        idempotency key, so it is applied at most once).
     client_name: part of every idempotency key, "<job>/<client_name>/r<round>/s<shard>";
         ranks of one site share it (they push different shards).
     """
 
     def __init__(self, servers, job, key=None, server_keys=None, insecure_plaintext=False,
-                 timeout_ms=30000, retries=2, client_name="site"):
+                 timeout_ms=30000, connect_timeout_ms=5000, retries=2, client_name="site"):
         if isinstance(servers, str):
             servers = [servers]
         public = secret = ""
@@ -117,7 +139,9 @@ class Site:
         self._core = _isthmus.SiteClient(
             job=job, servers=list(servers), server_public_keys=server_public,
             public_key=public, secret_key=secret, insecure_plaintext=insecure_plaintext,
-            timeout_ms=int(timeout_ms), retries=int(retries), client_name=client_name)
+            timeout_ms=_count("timeout_ms", timeout_ms, 1),
+            connect_timeout_ms=_count("connect_timeout_ms", connect_timeout_ms, 1),
+            retries=_count("retries", retries), client_name=client_name)
         self.job = job
         self.servers = list(servers)
 
@@ -141,10 +165,19 @@ class Site:
         every delta; each rank sends its shards' part). tokens: tokens the site trained
         this round; compute_ms: its compute time (adaptive codecs size by it). Returns one
         dict per shard pushed (shard, key, duplicate, tensors, rounds). duplicate=True:
-        the shard had this round already and applied nothing twice."""
+        the shard had this round already and applied nothing twice.
+        Raises ValueError for a round below 1, negative tokens or compute_ms, or a rank
+        outside 0..world-1 (TypeError for non-integers), before anything is sent."""
+        round = _count("round", round, 1, "rounds count from 1: push the round after the "
+                       "shards' local_round (site.hello()[i]['local_round'])")
+        tokens = _count("tokens", tokens)
+        compute_ms = _count("compute_ms", compute_ms)
+        world = _count("world", world, 1)
+        rank = _count("rank", rank)
+        if rank >= world:
+            raise ValueError(f"rank must be below world ({world}), got {rank}")
         converted = {str(n): _as_float32_buffer(n, v) for n, v in deltas.items()}
-        return self._core.push_round(int(round), converted, int(tokens), int(compute_ms),
-                                     int(rank), int(world))
+        return self._core.push_round(round, converted, tokens, compute_ms, rank, world)
 
     def check_staleness(self):
         """The rounds of every shard: too_far_ahead, shard, rounds_ahead, limit, reason."""
