@@ -1,11 +1,21 @@
 // The site client (see site_client.h): a job's shards seen as one, for worker ranks.
 #include "common/site_client.h"
 
+#include <set>
 #include <thread>
 
 #include "common/sharding.h"
 
 namespace isthmus {
+namespace {
+
+std::string ShapeText(const std::vector<int64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+}  // namespace
 
 Result<std::unique_ptr<SiteClient>> SiteClient::Connect(const SiteOptions& options) {
   if (options.job.empty()) return Status::InvalidArgument("no job named");
@@ -108,6 +118,8 @@ Result<std::vector<Tensor>> SiteClient::Pull() {
     }
   }
   placement_ = std::move(seen);
+  shapes_.clear();
+  for (const auto& t : all) shapes_[t.name] = t.shape;
   return all;
 }
 
@@ -121,6 +133,10 @@ Result<std::vector<PullView>> SiteClient::PullInPlace() {
     views.push_back(std::move(r).value());
   }
   placement_ = std::move(seen);
+  shapes_.clear();
+  for (const auto& v : views) {
+    for (const auto& t : v.tensors) shapes_[t.name] = t.shape;
+  }
   return views;
 }
 
@@ -154,7 +170,37 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
                               "' on any shard" +
                               (placement_.empty() ? " (pull first, or set the placement)" : ""));
     }
+    if (auto shape = shapes_.find(d.name); shape != shapes_.end() && shape->second != d.shape) {
+      return Status::InvalidArgument("round " + std::to_string(round) + ": tensor '" + d.name +
+                                     "' has shape " + ShapeText(d.shape) + ", the job's is " +
+                                     ShapeText(shape->second) + "; nothing was sent");
+    }
     per_shard.at(it->second).push_back(d);
+  }
+  // Each shard this rank pushes gets its whole tensor set: a shard that staged part of a
+  // round would wait for the rest under the same key (and a retry with more is another push).
+  for (size_t s = 0; s < shards_.size(); ++s) {
+    if (static_cast<int>(s % world) != rank) continue;
+    std::set<std::string> have;
+    for (const auto& d : per_shard[s]) {
+      if (!have.insert(d.name).second) {
+        return Status::InvalidArgument("round " + std::to_string(round) + ": tensor '" + d.name +
+                                       "' is given twice; nothing was sent");
+      }
+    }
+    std::string missing;
+    size_t count = 0;
+    for (const auto& [name, shard] : placement_) {
+      if (shard != static_cast<int>(s) || have.count(name)) continue;
+      if (++count <= 8) missing += (missing.empty() ? "" : ", ") + name;
+    }
+    if (count > 0) {
+      return Status::InvalidArgument(
+          "round " + std::to_string(round) + " leaves out " + std::to_string(count) + " of " +
+          Where(s) + "'s tensors (" + missing + (count > 8 ? ", ..." : "") +
+          "): a round's push carries every tensor of the shards it goes to (zeros for one that "
+          "did not change); nothing was sent");
+    }
   }
   std::vector<ShardPush> out;
   for (size_t s = 0; s < shards_.size(); ++s) {
@@ -165,8 +211,14 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
     p.tensors = per_shard[s].size();
     auto r = shards_[s]->Push(options_.job, p.key, round, tokens, per_shard[s], compute_ms);
     if (!r.ok()) {
-      return AtShard(s, Status(r.status().code(), "push of round " + std::to_string(round) + ": " +
-                                                      r.status().message()));
+      std::string done;
+      for (const auto& d : out) done += (done.empty() ? "" : ", ") + std::to_string(d.shard);
+      return AtShard(
+          s, Status(r.status().code(),
+                    "push of round " + std::to_string(round) + ": " + r.status().message() + " (" +
+                        (done.empty() ? std::string("no shard has the round yet")
+                                      : "shards " + done + " have the round") +
+                        "; calling PushRound again for this round completes it)"));
     }
     p.duplicate = r->duplicate;
     p.rounds = r->rounds;

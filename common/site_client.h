@@ -97,16 +97,27 @@ class SiteClient {
   const std::map<std::string, int>& placement() const { return placement_; }
   // Tells the client where tensors live without pulling (a rank that does not pull can
   // compute it with PlaceTensors from the job's tensor list, as isthmusctl does).
-  void SetPlacement(std::map<std::string, int> placement) { placement_ = std::move(placement); }
+  void SetPlacement(std::map<std::string, int> placement) {
+    placement_ = std::move(placement);
+    shapes_.clear();
+  }
   // The placement isthmusctl gives a job of these tensors over `num_shards` shards.
   static std::map<std::string, int> PlaceTensors(const std::vector<TensorView>& tensors,
                                                  int num_shards);
 
   // Pushes round `round`'s change of each tensor to the shard holding it: the shards s
-  // with s % world == rank, each with the deltas it holds (an empty push still records
-  // the round). `tokens`: tokens the site trained this round; `compute_ms`: its compute
-  // time (the shards size adaptive codecs by it, 0 = unknown). Every delta must be a
-  // tensor of the placement (NotFound otherwise); nothing is sent when one is not.
+  // with s % world == rank, each with the deltas it holds. `tokens`: tokens the site
+  // trained this round; `compute_ms`: its compute time (the shards size adaptive codecs
+  // by it, 0 = unknown).
+  // Everything is checked before anything is sent: every delta must be a tensor of the
+  // placement (NotFound otherwise), of the job's shape when a pull told it (InvalidArgument),
+  // and each shard this rank pushes must get all of its tensors (InvalidArgument naming the
+  // missing ones: the change of a tensor that did not change is zeros).
+  // Not atomic across shards: the shards are pushed one after another, and a refusal stops
+  // the push with an error naming the shard and which shards already hold the round. Such a
+  // push is completed by calling PushRound again for the same round with the same deltas:
+  // each shard's idempotency key makes a shard that has the round answer "duplicate" (a
+  // different content under the same key is refused, FailedPrecondition).
   Result<std::vector<ShardPush>> PushRound(uint64_t round, uint64_t tokens, uint64_t compute_ms,
                                            const std::vector<TensorView>& deltas, int rank = 0,
                                            int world = 1);
@@ -138,6 +149,7 @@ class SiteClient {
   SiteOptions options_;
   std::vector<std::unique_ptr<ShardClient>> shards_;
   std::map<std::string, int> placement_;
+  std::map<std::string, std::vector<int64_t>> shapes_;  // from the last pull (empty: unknown)
   std::string base_hash_;
 };
 

@@ -15,6 +15,7 @@
 #include <system_error>
 #include <thread>
 
+#include "common/crc32c.h"
 #include "common/names.h"
 #include "common/safetensors.h"
 #include "common/version.h"
@@ -84,6 +85,33 @@ bool AddAllFinite(const float* a, const uint8_t* delta, float* out, size_t n) {
   const bool first_ok = AddAllFiniteSerial(a, delta, out, half);
   helper.join();
   return first_ok && second_ok;
+}
+
+// What a push is, as a checksum kept with its idempotency key (DedupRecord::content): its
+// round and each tensor's name and shape, in the request's order. Not the values: a round
+// redone from a checkpoint after a crash is the same push under the same key, and its
+// recomputed values may differ in the last bits (or more, with another rank count); the
+// first attempt's values are the ones applied, once.
+std::string PushContent(const wire::PushRequest* req) {
+  auto put = [](uint32_t crc, uint64_t v) { return Crc32cExtend(crc, &v, sizeof v); };
+  uint32_t crc = put(0, req->round());
+  uint64_t count = 0;
+  if (req->tensors() != nullptr) {
+    for (const auto* m : *req->tensors()) {
+      const std::string name = m->name() ? m->name()->str() : "";
+      crc = put(crc, name.size());
+      crc = Crc32cExtend(crc, name.data(), name.size());
+      const auto shape = ShapeOf(m);
+      crc = put(crc, shape.size());
+      for (int64_t d : shape) crc = put(crc, static_cast<uint64_t>(d));
+      ++count;
+    }
+  }
+  char out[48];
+  std::snprintf(out, sizeof out, "r%llu/t%llu/crc32c:%08x",
+                static_cast<unsigned long long>(req->round()),
+                static_cast<unsigned long long>(count), crc);
+  return out;
 }
 
 }  // namespace
@@ -532,9 +560,18 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     return Status::InvalidArgument("push needs an idempotency key of 1 to " +
                                    std::to_string(options_.limits.max_name_bytes) + " bytes");
   }
+  ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, false));
+  const std::string content = PushContent(req);
   ISTHMUS_ASSIGN_OR_RETURN(auto seen, store_->Get(Column::kDedup, keys::DedupKey(job_name, key)));
   if (seen) {
     const auto rec = DecodeDedupRecord(*seen);
+    if (rec && !rec->content.empty() && rec->content != content) {
+      return Status::FailedPrecondition(
+          "idempotency key '" + key + "' of job '" + job_name +
+          "' was used before for a different push (" + rec->content + ", now " + content +
+          ": another round or another set of tensors): a retry must resend the same round's "
+          "tensors; a new push needs a new key");
+    }
     const uint64_t v = rec ? rec->version : job->version;
     spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
                  job_name, v);
@@ -543,13 +580,12 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
     return Status::Ok();
   }
-  // No finiteness check here: AddAllFinite checks the sums, and a non-finite delta makes
-  // its sum non-finite.
-  ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, false));
+  // No finiteness check in ValidateTensors (above): AddAllFinite checks the sums, and a
+  // non-finite delta makes its sum non-finite.
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
     return Status::InvalidArgument("push carries no tensors");
   }
-  if (sync_ && sync_->HasJob(job_name)) return DoSyncPush(job, req, frames, id, reply);
+  if (sync_ && sync_->HasJob(job_name)) return DoSyncPush(job, req, frames, id, content, reply);
   // Check every name and shape before touching anything.
   std::vector<std::pair<TensorState*, const wire::TensorMeta*>> targets;
   for (const auto* m : *req->tensors()) {
@@ -590,7 +626,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   next_job.pushes += 1;
   next_job.last_round = std::max(job->last_round, req->round());
   next_job.tokens += req->tokens();
-  ISTHMUS_RETURN_IF_ERROR(AddDedup(job_name, key, new_version, next_job, batch));
+  ISTHMUS_RETURN_IF_ERROR(AddDedup(job_name, key, new_version, content, next_job, batch));
   batch.PutOwned(Column::kJobs, job_name, EncodeJobRecord(next_job));
   Status written = store_->Write(batch);
   if (!written.ok()) {
@@ -614,9 +650,10 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
 }
 
 Status Shard::AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
-                       JobRecord& next, WriteBatch& batch) {
+                       const std::string& content, JobRecord& next, WriteBatch& batch) {
   const uint64_t seq = next.dedup_seq;
-  batch.PutOwned(Column::kDedup, keys::DedupKey(job_name, key), EncodeDedupRecord({version}));
+  batch.PutOwned(Column::kDedup, keys::DedupKey(job_name, key),
+                 EncodeDedupRecord({version, content}));
   batch.PutOwned(Column::kDedupLog, keys::DedupLogKey(job_name, seq), key);
   next.dedup_seq = seq + 1;
   if (seq >= options_.dedup_window) {
@@ -630,7 +667,7 @@ Status Shard::AddDedup(const std::string& job_name, const std::string& key, uint
 }
 
 Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
-                         uint64_t id, Reply& reply) {
+                         uint64_t id, const std::string& content, Reply& reply) {
   const std::string& job_name = job->name;
   const std::string key = req->idempotency_key()->str();
   std::vector<std::vector<float>> copies;  // frames that are not float-aligned
@@ -653,7 +690,7 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
   next.last_round = std::max(job->last_round, req->round());
   next.tokens += req->tokens();
   WriteBatch batch;
-  ISTHMUS_RETURN_IF_ERROR(AddDedup(job_name, key, sync_->Version(job_name), next, batch));
+  ISTHMUS_RETURN_IF_ERROR(AddDedup(job_name, key, sync_->Version(job_name), content, next, batch));
   batch.PutOwned(Column::kJobs, job_name, EncodeJobRecord(next));
   bool duplicate = false;
   if (req->round() == 0) {

@@ -114,11 +114,11 @@ class Shard {
   // A push to a job of the round protocol: staged by the engine (round >= 1) or added at
   // once (round 0, only without peers). Validated by DoPush up to the tensor list.
   Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames, uint64_t id,
-                    Reply& reply);
+                    const std::string& content, Reply& reply);
   // Adds the idempotency record of `key` (and forgets the oldest) to `batch`; counts it
   // in `next`.
   Status AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
-                  JobRecord& next, WriteBatch& batch);
+                  const std::string& content, JobRecord& next, WriteBatch& batch);
   // Served version of a job: the engine's for synced jobs.
   uint64_t VersionOf(const JobState& job) const;
   Status DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint64_t id, Reply& reply);

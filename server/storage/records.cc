@@ -110,7 +110,9 @@ Result<TensorRecord> DecodeTensorRecord(std::string_view text, const std::string
 }
 
 std::string EncodeDedupRecord(const DedupRecord& record) {
-  return json{{"version", record.version}}.dump();
+  json out{{"version", record.version}};
+  if (!record.content.empty()) out["content"] = record.content;
+  return out.dump();
 }
 
 std::optional<DedupRecord> DecodeDedupRecord(std::string_view text) {
@@ -118,7 +120,11 @@ std::optional<DedupRecord> DecodeDedupRecord(std::string_view text) {
   if (!rec.is_object() || !rec.contains("version") || !rec["version"].is_number_unsigned()) {
     return std::nullopt;
   }
-  return DedupRecord{rec["version"].get<uint64_t>()};
+  DedupRecord r{rec["version"].get<uint64_t>(), ""};
+  if (rec.contains("content") && rec["content"].is_string()) {
+    r.content = rec["content"].get<std::string>();
+  }
+  return r;
 }
 
 // ---- the round protocol's records --------------------------------------------------------

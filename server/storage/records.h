@@ -53,6 +53,10 @@ Result<TensorRecord> DecodeTensorRecord(std::string_view text, const std::string
 // What a push was answered with, kept for its idempotency key (column kDedup).
 struct DedupRecord {
   uint64_t version = 0;  // the job's version after the push
+  // What the push was (its round and a checksum of its tensor names and shapes, not their
+  // values: a round redone after a crash is the same push), so that a key reused for
+  // another push is told apart from a retry; empty in records written before it was kept.
+  std::string content;
 };
 std::string EncodeDedupRecord(const DedupRecord& record);
 // nullopt when `text` is not such a record (the caller answers with the current version).

@@ -732,7 +732,8 @@ TEST(GptBf16, LossAndGradientsTrackFp32) {
   for (TrainMode mode : {TrainMode::kLora, TrainMode::kFull}) {
     std::vector<Tensor> base = NoisyBase(c, 21);
     auto f32 = Gpt::FromBaseTensors(base, c.n_head, mode, lora, 5);
-    auto b16 = Gpt::FromBaseTensors(base, c.n_head, mode, lora, 5, {nullptr, ops::Dtype::kBF16});
+    auto b16 =
+        Gpt::FromBaseTensors(base, c.n_head, mode, lora, 5, {&ops::CpuOps(), ops::Dtype::kBF16});
     ASSERT_TRUE(f32.ok() && b16.ok());
     if (mode == TrainMode::kLora) {  // B = 0 would make every A gradient zero
       std::vector<Tensor> t = (*f32)->ExportTrainable();
@@ -794,7 +795,7 @@ TEST(GptBf16, TrainingCurveStaysWithinTwoPercentOfFp32) {
   std::vector<double> curves[2];
   int k = 0;
   for (ops::Dtype p : {ops::Dtype::kF32, ops::Dtype::kBF16}) {
-    auto gpt = MustCreate(c, TrainMode::kFull, LoraConfig{}, 1234, {nullptr, p});
+    auto gpt = MustCreate(c, TrainMode::kFull, LoraConfig{}, 1234, {&ops::CpuOps(), p});
     TrainerConfig tc;
     tc.max_lr = 3e-3f;
     tc.min_lr = 3e-4f;

@@ -100,9 +100,22 @@ class SiteTest(harness.ShardsTestCase):
         self.assertEqual(cm.exception.code, "InvalidArgument")
         self.assertIn("not finite", cm.exception.message)
 
+        # A round that leaves out a tensor (issue 27 item 4: shard 0 took "a", shard 1 never
+        # saw the round, and a retry with "b" was a "duplicate") is refused before anything
+        # is sent, naming what is missing.
+        with self.assertRaises(isthmus.ShardError) as cm:
+            site.push_round(1, {"a": np.zeros((4, 8), dtype=np.float32)})
+        self.assertEqual(cm.exception.code, "InvalidArgument")
+        self.assertIn("(b)", cm.exception.message)
+        self.assertIn("nothing was sent", cm.exception.message)
+
         np.testing.assert_array_equal(site.pull()["a"], A0)
         np.testing.assert_array_equal(site.pull()["b"], B0)
         self.assertEqual(self.shards.describe("badinput"), before)
+        # The full round goes through afterwards.
+        pushed = site.push_round(1, {"a": np.ones((4, 8), dtype=np.float32), "b": good_b})
+        self.assertFalse(any(p["duplicate"] for p in pushed))
+        np.testing.assert_array_equal(site.pull()["a"], A0 + 1)
 
     def test_bad_round_and_counts_raise_value_error_naming_the_argument(self):
         # Issue 27 item 11: a negative round raised pybind11's TypeError, which printed

@@ -443,6 +443,36 @@ TEST_F(ShardTest, JobCreateIsAllOrNothingAndItsRetryIsIdempotent) {
   EXPECT_EQ(CreateJob().code(), Code::kAlreadyExists);
 }
 
+// An idempotency key names one push: its retry is a duplicate (even with other values: a
+// round redone from a checkpoint recomputes them, and the first attempt's count), the same
+// key for another round or another set of tensors is refused and changes nothing. Seen
+// before: a push that left out a tensor was staged, and the retry with the full set was
+// answered "duplicate", so that shard never completed the round.
+TEST_F(ShardTest, AKeyReusedForOtherContentIsRefusedNotTakenForARetry) {
+  ASSERT_TRUE(CreateJob().ok());
+  auto first = Push("k", {{"b", {1, 2, 3}}});
+  ASSERT_TRUE(first.ok() && !*first) << first.status().ToString();
+  auto retry = Push("k", {{"b", {1, 2, 3}}});
+  ASSERT_TRUE(retry.ok() && *retry) << retry.status().ToString();
+  auto redone = Push("k", {{"b", {1, 2, 4}}});
+  ASSERT_TRUE(redone.ok() && *redone) << redone.status().ToString();
+  auto other = Push("k", {{"b", {1, 2, 3}}, {"w", {1, 1, 1, 1}}});
+  EXPECT_EQ(other.status().code(), Code::kFailedPrecondition) << other.status().ToString();
+  EXPECT_NE(other.status().message().find("different push"), std::string::npos);
+  EXPECT_EQ(Pull()["b"], (std::vector<float>{1, 2, 3}));
+
+  OpenSynced({});
+  ASSERT_TRUE(CreateJob().ok());
+  ASSERT_TRUE(PushRound("r1", 1, {{"w", {1, 1, 1, 1}}}).ok());  // leaves out "b"
+  auto full = PushRound("r1", 1, {{"w", {1, 1, 1, 1}}, {"b", {1, 1, 1}}});
+  EXPECT_EQ(full.status().code(), Code::kFailedPrecondition) << full.status().ToString();
+  EXPECT_NE(full.status().message().find("idempotency key 'r1'"), std::string::npos);
+  // With its own key the rest completes the round.
+  auto rest = PushRound("r1-b", 1, {{"b", {1, 1, 1}}});
+  ASSERT_TRUE(rest.ok()) << rest.status().ToString();
+  EXPECT_EQ((*rest)[1], 1u);
+}
+
 TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {
   EXPECT_EQ(shard_->sync(), nullptr);  // off unless configured
   OpenSynced({});
