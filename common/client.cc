@@ -691,11 +691,12 @@ Result<std::vector<std::string>> ShardClient::SyncControl(wire::SyncAction actio
 }
 
 Result<std::map<std::string, uint64_t>> ShardClient::MembershipControl(
-    wire::MembershipAction action, const std::string& site, const std::string& job) {
+    wire::MembershipAction action, const std::string& site, const std::string& job,
+    uint64_t seconds, bool revoke_key) {
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
-  auto body =
-      wire::CreateMembershipControl(fbb, action, fbb.CreateString(site), fbb.CreateString(job));
+  auto body = wire::CreateMembershipControl(fbb, action, fbb.CreateString(site),
+                                            fbb.CreateString(job), seconds, revoke_key);
   FinishEnvelope(fbb, id, wire::Body::MembershipControl, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
   ISTHMUS_ASSIGN_OR_RETURN(

@@ -264,12 +264,16 @@ class ShardClient {
   Result<SyncStatusInfo> SyncStatus();
   Result<std::vector<std::string>> SyncControl(wire::SyncAction action, const std::string& peer);
   Result<DigestsInfo> Digests(const std::string& job, uint64_t from_round = 0);
-  // Membership changes (admin role): starts removing `site` (kRemove), this site's leave
-  // (kLeave) or abandons the change this shard coordinates (kAbandon), for `job` or every
-  // sync job (empty). Returns job -> the epoch the change creates (kAbandon: the current).
+  // Membership changes (admin role): starts removing `site` (kRemove; `revoke_key`: the
+  // shard also stops admitting its key), this site's leave (kLeave), abandons the change
+  // this shard coordinates or the join it makes (kAbandon), or invites `site` to join for
+  // `seconds` (kInvite), for `job` or every sync job (empty). Returns job -> the epoch the
+  // change creates (kAbandon, kInvite: the current).
   Result<std::map<std::string, uint64_t>> MembershipControl(wire::MembershipAction action,
                                                             const std::string& site,
-                                                            const std::string& job);
+                                                            const std::string& job,
+                                                            uint64_t seconds = 0,
+                                                            bool revoke_key = false);
 
   const ClientOptions& options() const { return options_; }
 

@@ -36,7 +36,6 @@ uint32_t Crc32cSoftware(uint32_t crc, const uint8_t* p, size_t n) {
 }
 #endif
 
-
 }  // namespace
 
 uint32_t Crc32cExtend(uint32_t crc, const void* data, size_t n) {

@@ -96,6 +96,12 @@ void ZapHandler::SetAllowlist(const std::string& domain, const std::vector<std::
   allow_[domain] = std::set<std::string>(keys.begin(), keys.end());
 }
 
+bool ZapHandler::Revoke(const std::string& domain, const std::string& key) {
+  std::lock_guard lk(mu_);
+  auto it = allow_.find(domain);
+  return it != allow_.end() && it->second.erase(key) > 0;
+}
+
 bool ZapHandler::Admit(const std::string& domain, const std::string& key) const {
   std::lock_guard lk(mu_);
   auto it = allow_.find(domain);

@@ -42,6 +42,9 @@ class ZapHandler {
 
   // Replaces the allowlist of `domain` (Z85 public keys). Unknown domains admit nobody.
   void SetAllowlist(const std::string& domain, const std::vector<std::string>& keys);
+  // Takes `key` off the allowlist of `domain` from the next handshake on (a revoked key);
+  // returns whether it was on it. Any thread.
+  bool Revoke(const std::string& domain, const std::string& key);
 
   uint64_t accepted() const { return accepted_.load(); }
   uint64_t rejected() const { return rejected_.load(); }

@@ -263,6 +263,12 @@ const std::vector<Binding>& Bindings() {
           "0: synchronous rounds (workers wait until each round has committed before the next, as "
           "DiLoCo does); larger K overlaps the WAN with compute."),
       Bind(
+          "sync.change_timeout_s", [](auto& c) -> auto& { return c.sync.change_timeout_s; },
+          "A membership change this site coordinates (a removal, a leave, a site's addition) is "
+          "given up when it makes no progress for this many seconds: no site it asks agrees, a "
+          "joining site fetches nothing. It holds this site's commits meanwhile (docs/SYNC.md, "
+          "Membership)."),
+      Bind(
           "sync.dial", [](auto& c) -> auto& { return c.sync_dial; },
           "Which side of each peer pair opens the one connection they share: auto (the site whose "
           "name sorts first), always (this site dials every peer: the peers cannot reach it), "

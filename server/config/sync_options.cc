@@ -25,6 +25,9 @@ Status NormalizeSyncOptions(SyncOptions& options) {
     return Status::InvalidArgument(
         "sync.outer_lr must be finite and sync.outer_momentum in [0, 1)");
   }
+  if (options.change_timeout_s < 1 || options.change_timeout_s > 30 * 86400) {
+    return Status::InvalidArgument("sync.change_timeout_s must be in [1, 2592000] (seconds)");
+  }
   if (options.codec.empty()) options.codec = std::string(codec::kDefaultPipeline);
   std::vector<std::string> texts{options.codec};
   for (const auto& o : options.codec_overrides) {

@@ -39,6 +39,9 @@ struct SyncOptions {
   uint64_t max_rounds_ahead = 2;
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
+  // A membership change this site coordinates that makes no progress (no site agrees, a
+  // joining site fetches nothing) for this long is given up, so it does not hold commits.
+  uint64_t change_timeout_s = 300;
   // Clock for round durations (adaptive sizing); tests replace it.
   std::function<std::chrono::steady_clock::time_point()> now = &std::chrono::steady_clock::now;
   // Called (event-loop thread) after a round this site closed has committed, with the

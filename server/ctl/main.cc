@@ -333,17 +333,32 @@ int CmdSyncControl(const Connection& c, wire::SyncAction action, const std::stri
 // Starts a membership change on every shard of the site (coordinated by each shard with the
 // same-numbered shards of the other sites) and waits up to `wait_s` for its outcome.
 int CmdMembership(const Connection& c, wire::MembershipAction action, const std::string& site,
-                  const std::string& job, int wait_s) {
+                  const std::string& job, int wait_s, uint64_t seconds = 0,
+                  bool revoke_key = false) {
   auto clients = ConnectAll(c);
   if (!clients.ok()) return Fail(clients.status());
   std::vector<std::map<std::string, uint64_t>> started(clients->size());
   for (size_t i = 0; i < clients->size(); ++i) {
-    auto r = (*clients)[i]->MembershipControl(action, site, job);
+    auto r = (*clients)[i]->MembershipControl(action, site, job, seconds, revoke_key);
     if (!r.ok()) {
       return Fail(Status(r.status().code(), "shard " + std::to_string(i) + " (" + c.servers[i] +
                                                 "): " + r.status().message()));
     }
     started[i] = *r;
+  }
+  if (action == wire::MembershipAction::Invite) {
+    for (size_t i = 0; i < clients->size(); ++i) {
+      for (const auto& [j, epoch] : started[i]) {
+        std::printf(
+            "shard %zu: job %s: site %s may ask this site to join for %llu s (epoch %llu)\n", i,
+            j.c_str(), site.c_str(), (unsigned long long)(seconds ? seconds : 3600),
+            (unsigned long long)epoch);
+      }
+    }
+    auto st = (*clients)[0]->SyncStatus();
+    std::printf("then, on site %s: isthmusctl sync join --from %s -j JOB\n", site.c_str(),
+                st.ok() ? st->site.c_str() : "THIS-SITE");
+    return 0;
   }
   if (action == wire::MembershipAction::Abandon) {
     for (size_t i = 0; i < clients->size(); ++i) {
@@ -715,7 +730,24 @@ int main(int argc, char** argv) {
       ->required();
   sync_catch_up->add_option("-j,--job", member_job, "only this job (default: every sync job)");
   auto* sync_abandon = sync->add_subcommand(
-      "abandon", "give up the membership change this site coordinates (remove or leave)");
+      "abandon",
+      "give up the membership change this site coordinates (remove, leave, an addition) or the "
+      "join it is making");
+  bool revoke_key = false;
+  sync_remove->add_flag("--revoke-key", revoke_key,
+                        "also stop admitting the site's key on the peer socket at once (until a "
+                        "restart: take its key file out of security.peer_keys too)");
+  uint64_t invite_s = 3600;
+  auto* sync_invite = sync->add_subcommand(
+      "invite",
+      "let a site join: it may ask this member to coordinate its addition (sync join --from "
+      "this site) for the next --for seconds; a join nobody invited is refused");
+  AddConnectionFlags(sync_invite, conn);
+  sync_invite->add_option("--site", peer_site, "the site that may join")->required();
+  sync_invite->add_option("-j,--job", member_job, "only this job (default: every sync job)");
+  sync_invite->add_option("--for", invite_s, "seconds the invitation is good for")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{30 * 86400}))
+      ->capture_default_str();
   AddConnectionFlags(sync_abandon, conn);
   for (auto* cmd : {sync_remove, sync_leave, sync_abandon}) {
     cmd->add_option("-j,--job", member_job, "only this job (default: every sync job)");
@@ -748,7 +780,11 @@ int main(int argc, char** argv) {
   if (*sync_pause) return CmdSyncControl(conn, wire::SyncAction::Pause, peer_site);
   if (*sync_resume) return CmdSyncControl(conn, wire::SyncAction::Resume, peer_site);
   if (*sync_remove) {
-    return CmdMembership(conn, wire::MembershipAction::Remove, peer_site, member_job, wait_s);
+    return CmdMembership(conn, wire::MembershipAction::Remove, peer_site, member_job, wait_s, 0,
+                         revoke_key);
+  }
+  if (*sync_invite) {
+    return CmdMembership(conn, wire::MembershipAction::Invite, peer_site, member_job, 0, invite_s);
   }
   if (*sync_leave)
     return CmdMembership(conn, wire::MembershipAction::Leave, "", member_job, wait_s);

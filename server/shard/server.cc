@@ -201,11 +201,44 @@ Status DoDigests(const wire::DigestsRequest* req, uint64_t id, SyncEngine* engin
 }
 
 Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, SyncEngine* engine,
-                           const ServerConfig& c, Reply& reply) {
+                           const ServerConfig& c,
+                           const std::function<Status(const std::string&)>& revoke, Reply& reply) {
   if (engine == nullptr) {
     return Status::FailedPrecondition("this shard does not sync (set sync.site to turn it on)");
   }
   std::vector<std::string> jobs;
+  if (req->action() == wire::MembershipAction::Invite) {
+    if (req->site() == nullptr || req->site()->size() == 0) {
+      return Status::InvalidArgument("name the site to invite (--site)");
+    }
+    const uint64_t seconds = req->seconds() > 0 ? req->seconds() : 3600;
+    if (seconds > 30 * 86400) {
+      return Status::InvalidArgument("an invitation lasts at most 30 days (--for)");
+    }
+    std::vector<std::string> targets;
+    if (req->job() != nullptr && req->job()->size() > 0) {
+      targets.push_back(req->job()->str());
+    } else {
+      for (const auto& j : engine->SyncJobs()) {
+        if (engine->HasJob(j)) targets.push_back(j);
+      }
+    }
+    if (targets.empty()) return Status::NotFound("no job syncs on this shard");
+    auto& fbb = reply.header;
+    std::vector<flatbuffers::Offset<flatbuffers::String>> names;
+    std::vector<uint64_t> epochs;
+    for (const auto& j : targets) {
+      ISTHMUS_RETURN_IF_ERROR(engine->membership().Invite(
+          j, req->site()->str(), std::chrono::seconds(static_cast<int64_t>(seconds))));
+      names.push_back(fbb.CreateString(j));
+      ISTHMUS_ASSIGN_OR_RETURN(Membership m, engine->Members(j));
+      epochs.push_back(m.epoch);
+    }
+    auto body =
+        wire::CreateMembershipControlReply(fbb, fbb.CreateVector(names), fbb.CreateVector(epochs));
+    FinishEnvelope(reply.header, id, wire::Body::MembershipControlReply, body.Union());
+    return Status::Ok();
+  }
   if (req->action() == wire::MembershipAction::CatchUp) {
     if (req->site() == nullptr || req->site()->size() == 0) {
       return Status::InvalidArgument("name the member to catch up from (--from)");
@@ -271,6 +304,9 @@ Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, Sync
       epochs.push_back(change.next.epoch);
     }
   }
+  if (req->action() == wire::MembershipAction::Remove && req->revoke_key()) {
+    ISTHMUS_RETURN_IF_ERROR(revoke(site));
+  }
   auto& fbb = reply.header;
   std::vector<flatbuffers::Offset<flatbuffers::String>> names;
   for (const auto& j : jobs) names.push_back(fbb.CreateString(j));
@@ -280,13 +316,16 @@ Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, Sync
   return Status::Ok();
 }
 
-// The automatic removal policy (sync.remove_silent_after_s), looked at once a second: the
-// member peers silent for that long are offered to the engine, which decides (docs/SYNC.md).
+// Looked at once a second: membership changes that made no progress are given up
+// (sync.change_timeout_s), and the automatic removal policy (sync.remove_silent_after_s)
+// is offered the member peers silent for that long; the protocol decides (docs/SYNC.md).
 void CheckSilentPeers(const ServerConfig& c, SyncEngine* engine, PeerLinks* links,
                       std::chrono::steady_clock::time_point& next_check) {
   const auto now = std::chrono::steady_clock::now();
-  if (c.sync_remove_silent_after_s <= 0 || engine == nullptr || now < next_check) return;
+  if (engine == nullptr || now < next_check) return;
   next_check = now + std::chrono::seconds(1);
+  engine->membership().ExpireStalled();  // changes and joins that made no progress
+  if (c.sync_remove_silent_after_s <= 0) return;
   std::set<std::string> silent;
   for (const auto& st : links->Stats()) {
     if (st.silent_seconds >= static_cast<double>(c.sync_remove_silent_after_s)) {
@@ -304,7 +343,8 @@ void CheckSilentPeers(const ServerConfig& c, SyncEngine* engine, PeerLinks* link
 // Admin requests about cross-site sync are answered here, beside the shard, because they
 // need the links. nullopt for every other message.
 std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits,
-                                     const ServerConfig& c, Shard* shard, PeerLinks* links) {
+                                     const ServerConfig& c, Shard* shard, PeerLinks* links,
+                                     const std::function<Status(const std::string&)>& revoke) {
   auto env_or = ParseEnvelope(msg.header, limits);
   if (!env_or.ok()) return std::nullopt;
   const wire::Envelope* env = *env_or;
@@ -324,7 +364,7 @@ std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits
       break;
     case wire::Body::MembershipControl:
       s = DoMembershipControl(env->body_as_MembershipControl(), env->request_id(), engine, c,
-                              reply);
+                              revoke, reply);
       break;
     default:
       return std::nullopt;
@@ -565,7 +605,26 @@ struct ShardServer::Impl {
   std::map<std::string, metrics::Histogram> commit_seconds;  // per job; event-loop thread
   double started_unix = 0;
   std::string RenderMetrics();
+  // Stops admitting peer site `site`'s key on the peer socket (sync remove --revoke-key) and
+  // pauses its link; until the next restart (the operator also takes its key file out of
+  // security.peer_keys).
+  Status RevokePeer(const std::string& site, PeerLinks* links);
+  std::map<std::string, std::string> peer_key_of;  // site -> its Z85 public key (sync.peers)
 };
+
+Status ShardServer::Impl::RevokePeer(const std::string& site, PeerLinks* links) {
+  auto it = peer_key_of.find(site);
+  if (it == peer_key_of.end()) {
+    return Status::NotFound("site '" + site + "' has no sync.peers entry here: no key to revoke");
+  }
+  const bool was = zap != nullptr && zap->Revoke(kDomainPeer, it->second);
+  if (links != nullptr) (void)links->Pause(site);
+  spdlog::warn(
+      "site {}: its key {} is no longer admitted on the peer socket{}; take its key file "
+      "out of security.peer_keys too, or a restart admits it again",
+      site, it->second.substr(0, 8), was ? "" : " (it was not on the allowlist)");
+  return Status::Ok();
+}
 
 std::string ShardServer::Impl::RenderMetrics() {
   using metrics::Type;
@@ -652,6 +711,7 @@ Status ShardServer::Start() {
   std::vector<PeerLinkSpec> peers;
   if (!c.sync.site.empty()) {
     ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
+    for (const auto& p : peers) impl_->peer_key_of[p.site] = p.public_key;
     opts.sync = SyncOptionsFrom(c);
     Impl* impl = impl_.get();
     opts.sync->on_commit = [impl](const std::string& job, uint64_t, double seconds) {
@@ -802,8 +862,9 @@ Status ShardServer::Run() {
         }
         std::optional<Reply> sync_reply;
         if (roles[i] == wire::Role::Admin) {
-          sync_reply =
-              HandleSyncAdmin(*msg, impl_->limits, impl_->config, impl_->shard.get(), links);
+          sync_reply = HandleSyncAdmin(
+              *msg, impl_->limits, impl_->config, impl_->shard.get(), links,
+              [this, links](const std::string& site) { return impl_->RevokePeer(site, links); });
         }
         Reply reply = sync_reply ? std::move(*sync_reply) : impl_->shard->Handle(roles[i], *msg);
         uint64_t out_bytes = reply.header.GetSize();

@@ -59,15 +59,19 @@ std::string NonMemberReason(const std::string& job, const SyncRecord& r, const s
 }
 
 MembershipProtocol::MembershipProtocol(std::string site, std::vector<std::string> peer_sites,
-                                       bool keeps_momentum, MembershipHost* host)
+                                       bool keeps_momentum, std::chrono::seconds change_timeout,
+                                       std::function<Clock::time_point()> now, MembershipHost* host)
     : site_(std::move(site)),
       peer_sites_(std::move(peer_sites)),
       keeps_momentum_(keeps_momentum),
+      change_timeout_(change_timeout),
+      now_(std::move(now)),
       host_(host) {}
 
 void MembershipProtocol::Reset() {
   jobs_.clear();
   joining_.clear();
+  invited_.clear();
 }
 
 bool MembershipProtocol::Configured(const std::string& site) const {
@@ -170,6 +174,7 @@ Status MembershipProtocol::StartChange(const std::string& name, JobState& js,
   js.votes.clear();
   js.note.clear();
   js.automatic = false;
+  js.progress_at = now_();
   if (change.coordinator == site_ && change.next.sites == std::vector<std::string>{site_}) {
     return ApplyChange(name, js);  // nobody else to ask
   }
@@ -242,7 +247,67 @@ Result<bool> MembershipProtocol::ProposeSilentRemoval(const std::string& name,
   return true;
 }
 
+Status MembershipProtocol::Invite(const std::string& name, const std::string& site,
+                                  std::chrono::seconds valid_for) {
+  ISTHMUS_ASSIGN_OR_RETURN(const SyncRecord* r, Held(*host_, name));
+  if (std::string why = NonMemberReason(name, *r, site_, site_); !why.empty()) {
+    return Status::FailedPrecondition(why + ": only a member can invite a site");
+  }
+  if (r->members.Has(site)) {
+    return Status::FailedPrecondition("site " + site + " is a member of job '" + name +
+                                      "' already (members " + r->members.SiteList() + ")");
+  }
+  if (site == site_ || !Configured(site)) {
+    return Status::NotFound("site '" + site +
+                            "' has no sync.peers entry here: add it (sync.peers "
+                            "and security.peer_keys) and restart this shard, then invite it");
+  }
+  invited_[name][site] = now_() + valid_for;
+  jobs_[name].join_refusals.erase(site);
+  spdlog::info("job '{}': site {} is invited to join for {} s", name, site, valid_for.count());
+  return Status::Ok();
+}
+
+void MembershipProtocol::ExpireStalled() {
+  const auto now = now_();
+  for (const auto& name : host_->Jobs()) {
+    const SyncRecord* r = host_->Record(name);
+    if (r == nullptr || !r->pending || r->pending->coordinator != site_) continue;
+    JobState& js = jobs_[name];
+    if (js.progress_at == Clock::time_point{}) js.progress_at = now;  // first look since start
+    if (now - js.progress_at < change_timeout_) continue;
+    std::string waiting;
+    for (const auto& p : r->pending->next.sites) {
+      if (p != site_ && !js.votes.count(p)) waiting += (waiting.empty() ? "" : ",") + p;
+    }
+    const std::string why = "given up: no progress for " + std::to_string(change_timeout_.count()) +
+                            " s (sync.change_timeout_s)" +
+                            (waiting.empty() ? std::string() : ", waiting for " + waiting) + ": " +
+                            r->pending->Describe(r->members);
+    if (Status s = DropChange(name, js, why); !s.ok()) {
+      spdlog::warn("job '{}': cannot give up a stalled change: {}", name, s.ToString());
+    }
+  }
+  for (auto& [name, jn] : joining_) {
+    if (jn.failed || host_->Record(name) != nullptr) continue;
+    if (jn.progress_at == Clock::time_point{}) jn.progress_at = now;
+    if (now - jn.progress_at < change_timeout_) continue;
+    jn.failed = true;
+    jn.note = "join failed: no progress for " + std::to_string(change_timeout_.count()) +
+              " s (sync.change_timeout_s) asking site " + jn.from + "; check that site " + jn.from +
+              " invited this site (isthmusctl sync invite) "
+              "and that the links to the members are up, then run sync join again";
+    spdlog::warn("job '{}': {}", name, jn.note);
+  }
+}
+
 Status MembershipProtocol::AbandonChange(const std::string& name) {
+  if (auto jt = joining_.find(name); jt != joining_.end() && host_->Record(name) == nullptr) {
+    // A join this site makes: the coordinator gives the addition up by itself (no one asks).
+    joining_.erase(jt);
+    spdlog::info("job '{}': join abandoned by the operator", name);
+    return Status::Ok();
+  }
   ISTHMUS_ASSIGN_OR_RETURN(const SyncRecord* r, Held(*host_, name));
   JobState& js = jobs_[name];
   if (js.draining && !r->pending) {
@@ -303,6 +368,7 @@ Status MembershipProtocol::ApplyChange(const std::string& name, JobState& js) {
   }
   const std::string what = change.Describe(r->members);
   ISTHMUS_RETURN_IF_ERROR(host_->ApplyMembership(name, next, gone));
+  for (const auto& s : change.next.sites) invited_[name].erase(s);  // used up
   js.votes.clear();
   js.note = "applied: " + what;
   spdlog::info("job '{}': membership changed: {}", name, what);
@@ -380,6 +446,18 @@ MembershipAnswer MembershipProtocol::OnRequest(const std::string& from,
       return {MembershipVote::kRefused, "another change is under way at site " + site_ + ": " +
                                             r->pending->Describe(r->members)};
     }
+    auto inv = invited_[req.job].find(from);
+    if (inv == invited_[req.job].end() || now_() > inv->second) {
+      const bool expired = inv != invited_[req.job].end();
+      if (expired) invited_[req.job].erase(inv);
+      return {MembershipVote::kRefused,
+              "site " + from +
+                  (expired ? "'s invitation to job '" + req.job + "' has expired"
+                           : " is not invited to join job '" + req.job + "'") +
+                  " at site " + site_ + ": an operator of site " + site_ +
+                  " runs `isthmusctl sync invite --site " + from + " -j " + req.job +
+                  "`, then the join is started again"};
+    }
     const Membership before = r->members;
     auto added = ProposeAddition(req.job, js, from);
     if (!added.ok()) return {MembershipVote::kRefused, added.status().message()};
@@ -398,6 +476,7 @@ MembershipAnswer MembershipProtocol::OnRequest(const std::string& from,
               "no addition of site " + from + " is under way at site " + site_ +
                   (js.note.empty() ? std::string() : " (" + js.note + ")")};
     }
+    js.progress_at = now_();  // the joining site is fetching
     auto image = host_->Image(req.job);
     if (!image.ok()) return {MembershipVote::kRefused, image.status().ToString()};
     return {MembershipVote::kPrepared, "", (*image)->digest, *image};
@@ -502,7 +581,7 @@ void MembershipProtocol::OnAnswer(const std::string& peer, const MembershipReque
   Status s;
   if (req.step == MembershipStep::kPrepare) {
     if (answer.vote == MembershipVote::kPrepared || answer.vote == MembershipVote::kApplied) {
-      js.votes.insert(peer);
+      if (js.votes.insert(peer).second) js.progress_at = now_();
       bool all = true;
       for (const auto& p : r->pending->next.sites) all &= p == site_ || js.votes.count(p);
       if (all && std::getenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY") != nullptr) {
@@ -704,6 +783,7 @@ void MembershipProtocol::OnJoiningAnswer(const std::string& peer, const Membersh
     if (req.step == MembershipStep::kDigest && jn.image && !jn.image->members.Has(peer)) return;
     return fail("site " + peer + " refused: " + answer.reason);
   }
+  jn.progress_at = now_();  // an answer, whatever it says
   if (req.step == MembershipStep::kFetch && answer.image && jn.change && *jn.change == req.change &&
       !jn.image) {
     if (std::string why = ImageProblem(jn, *answer.image); !why.empty()) return fail(why);

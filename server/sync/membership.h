@@ -14,7 +14,9 @@
 // Threads: one thread (the shard's event loop) calls everything; nothing is locked.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -121,8 +123,12 @@ class MembershipProtocol {
  public:
   // `site`: this site; `peer_sites`: the sites with a sync.peers entry here (only they can
   // be asked to agree); `keeps_momentum`: whether this site's outer optimiser keeps momentum
-  // (a joining site's image must match). `host` is not owned and outlives this object.
+  // (a joining site's image must match); `change_timeout`: how long a change this site
+  // coordinates, or a join it makes, may go without progress (ExpireStalled); `now`: the
+  // clock. `host` is not owned and outlives this object.
+  using Clock = std::chrono::steady_clock;
   MembershipProtocol(std::string site, std::vector<std::string> peer_sites, bool keeps_momentum,
+                     std::chrono::seconds change_timeout, std::function<Clock::time_point()> now,
                      MembershipHost* host);
 
   // Forgets everything held in memory (after a snapshot restore).
@@ -137,10 +143,20 @@ class MembershipProtocol {
   // to do, when it cannot start: not a member, another change under way, a remaining site
   // with no sync.peers entry.
   Result<MembershipChange> ProposeRemoval(const std::string& job, const std::string& site);
-  // Gives up the change this site coordinates, or a draining leave (the sites that agreed
-  // learn it when they ask). FailedPrecondition when there is none, or another site
-  // coordinates it.
+  // Gives up the change this site coordinates, a draining leave, or the join this site is
+  // making (the sites that agreed learn it when they ask). FailedPrecondition when there is
+  // none, or another site coordinates it.
   Status AbandonChange(const std::string& job);
+  // An operator's consent on this member: site `site` (one with a sync.peers entry here, not
+  // a member) may ask this site to coordinate its addition to `job` during `valid_for`. A
+  // join request without one is refused, so a site nobody invited (one removed, whose key is
+  // still allowed) cannot make the members hold their commits. The invitation lives in
+  // memory (a restart forgets it) and is used up when the addition applies.
+  Status Invite(const std::string& job, const std::string& site, std::chrono::seconds valid_for);
+  // Gives up what has made no progress for the change timeout: a change this site
+  // coordinates (no vote, no fetch), a join this site makes (no answer). Called about once
+  // a second.
+  void ExpireStalled();
   // The automatic removal policy (sync.remove_silent_after_s), looked at about once a
   // second: `silent` are the peers that have sent nothing for the configured time. With
   // three or more members, when the other members are a majority and this site is the
@@ -194,8 +210,9 @@ class MembershipProtocol {
     // Sites whose addition was given up here, and why (told at their next join request).
     std::map<std::string, std::string> join_refusals;
     bool draining = false;
-    std::string catching_up_from;  // empty: not catching up
-    bool automatic = false;        // the pending change was proposed by the silence policy
+    std::string catching_up_from;     // empty: not catching up
+    bool automatic = false;           // the pending change was proposed by the silence policy
+    Clock::time_point progress_at{};  // last progress of the change coordinated here
     // After a refusal by a site that had committed round N: no automatic proposal until this
     // site has committed N too.
     uint64_t wait_for_round = 0;
@@ -208,6 +225,7 @@ class MembershipProtocol {
     std::map<std::string, std::string> digests;  // member -> its digest of image->round
     std::string note;
     bool failed = false;
+    Clock::time_point progress_at{};
   };
 
   bool Configured(const std::string& site) const;
@@ -238,9 +256,13 @@ class MembershipProtocol {
   std::string site_;
   std::vector<std::string> peer_sites_;
   bool keeps_momentum_;
+  std::chrono::seconds change_timeout_;
+  std::function<Clock::time_point()> now_;
   MembershipHost* host_;
   std::map<std::string, JobState> jobs_;
   std::map<std::string, Joining> joining_;
+  // job -> invited site -> until when its join request is taken (Invite).
+  std::map<std::string, std::map<std::string, Clock::time_point>> invited_;
 };
 
 }  // namespace isthmus

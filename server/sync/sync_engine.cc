@@ -98,7 +98,8 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::ReadTensors(Store* store,
 SyncEngine::SyncEngine(Store* store, SyncOptions options)
     : store_(store),
       options_(std::move(options)),
-      membership_(options_.site, options_.peer_sites, keeps_momentum(), this) {
+      membership_(options_.site, options_.peer_sites, keeps_momentum(),
+                  std::chrono::seconds(options_.change_timeout_s), options_.now, this) {
   hard_cap_ =
       options_.hard_cap_rounds ? options_.hard_cap_rounds : 4 * options_.max_rounds_ahead + 8;
   auto parsed = [](const std::string& text) {

@@ -834,6 +834,7 @@ TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
                      WriteBatch&) { return Status::Ok(); };
   d->SetJobHooks(hooks);
   ASSERT_TRUE(d->membership().StartJoin(kJob, "siteA").ok());
+  ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::hours(1)).ok());
   // D asks A; A proposes the addition and sends D its prepare; D fetches A's state.
   auto ask = [&](SyncEngine& from, const std::string& from_name, SyncEngine& to,
                  const std::string& to_name, MembershipStep step) {
@@ -943,6 +944,57 @@ TEST(SyncEngineTest, SilencePolicyNeverHoldsCommitsOnAStaleOrHopelessProposal) {
       if (from != to) Deliver(*from, *to);
   for (auto& s : sites) EXPECT_EQ(s->engine().CommittedRound(kJob), 3u);
   EXPECT_EQ(a.Digests(), b.Digests());
+}
+
+// A join needs an operator's consent on the member asked (issue 27 item 2: a removed site
+// whose key was still allowed sent one Join and the members held every commit until an
+// operator abandoned the addition). Without an invitation the request is refused and
+// nothing is held; with one, a join that then makes no progress is given up after
+// sync.change_timeout_s, releasing the commits.
+TEST(SyncEngineTest, AJoinNeedsAnInvitationAndAStalledOneExpires) {
+  auto now = std::chrono::steady_clock::now();
+  Site a("siteA", {"siteB"}, "dense"), b("siteB", {"siteA"}, "dense");
+  // siteA's operator lists siteD as a peer (before inviting it).
+  a.options().peer_sites = {"siteB", "siteD"};
+  a.options().now = [&] { return now; };
+  a.options().change_timeout_s = 60;
+  a.Reopen();
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(1).ok());
+  Deliver(a, b), Deliver(b, a);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+  MembershipRequest join{kJob, MembershipStep::kJoin, {{0, {"siteD"}, 0}, "siteA"}};
+  MembershipAnswer refused = a.engine().OnMembershipRequest("siteD", join);
+  EXPECT_EQ(refused.vote, MembershipVote::kRefused);
+  EXPECT_NE(refused.reason.find("isthmusctl sync invite --site siteD"), std::string::npos)
+      << refused.reason;
+  EXPECT_FALSE(a.engine().JobStatus(kJob)->pending.has_value());
+  // Inviting a member or an unknown site is refused.
+  EXPECT_FALSE(a.engine().membership().Invite(kJob, "siteB", std::chrono::hours(1)).ok());
+  EXPECT_EQ(a.engine().membership().Invite(kJob, "siteX", std::chrono::hours(1)).code(),
+            Code::kNotFound);
+  ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::minutes(5)).ok());
+  EXPECT_EQ(a.engine().OnMembershipRequest("siteD", join).vote, MembershipVote::kPending);
+  ASSERT_TRUE(a.engine().JobStatus(kJob)->pending.has_value());
+  // siteD never fetches: round 2 is held at siteA meanwhile...
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(2).ok());
+  Deliver(a, b), Deliver(b, a);
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 1u);
+  now += std::chrono::seconds(30);
+  a.engine().membership().ExpireStalled();
+  EXPECT_TRUE(a.engine().JobStatus(kJob)->pending.has_value());
+  // ...until the change timeout: given up, and the held round commits.
+  now += std::chrono::seconds(31);
+  a.engine().membership().ExpireStalled();
+  auto st = a.engine().JobStatus(kJob);
+  EXPECT_FALSE(st->pending.has_value());
+  EXPECT_NE(st->change_note.find("no progress for 60 s"), std::string::npos) << st->change_note;
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 2u);
+  // An expired invitation is refused too.
+  ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::seconds(10)).ok());
+  now += std::chrono::seconds(11);
+  refused = a.engine().OnMembershipRequest("siteD", join);
+  EXPECT_EQ(refused.vote, MembershipVote::kRefused);
+  EXPECT_NE(refused.reason.find("expired"), std::string::npos) << refused.reason;
 }
 
 // Membership (docs/SYNC.md): the removal of a silent site, agreed in two phases, survives a

@@ -231,6 +231,9 @@ class SyncProcessTest : public ::testing::Test {
       sites_[i]->Configure(all, extra);
       ASSERT_TRUE(sites_[i]->Start());
     }
+    // An operator of alpha consents: delta may ask alpha to coordinate its addition.
+    auto [code, out] = Ctl("sync invite --site delta -j job " + SiteFlags(0));
+    ASSERT_EQ(code, 0) << out;
   }
 
   uint64_t Committed(int i) {

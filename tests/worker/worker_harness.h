@@ -379,6 +379,10 @@ class TwoSites {
       s->Configure(all, "max_rounds_ahead = 2");
       if (auto r = s->Start(); !r) return r;
     }
+    // alpha's operator invites it (a join nobody invited is refused), then it asks alpha.
+    auto invited = sites_.front()->AdminClient()->MembershipControl(wire::MembershipAction::Invite,
+                                                                    name, "j", 600);
+    if (!invited.ok()) return ::testing::AssertionFailure() << invited.status().ToString();
     auto started =
         sites_.back()->AdminClient()->MembershipControl(wire::MembershipAction::Join, "alpha", "j");
     if (!started.ok()) return ::testing::AssertionFailure() << started.status().ToString();
