@@ -541,6 +541,7 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
       p.connections = l->connections();
       p.keepalives = l->keepalives();
       p.dials = l->dials();
+      p.silent_seconds = l->silent_seconds();
       out.links.push_back(std::move(p));
     }
   }

@@ -147,7 +147,8 @@ struct PeerLinkReport {
   uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;
   double wire_ratio = 0;  // fp32 delta bytes per wire byte sent
   uint64_t messages_sent = 0, messages_received = 0, connections = 0, keepalives = 0;
-  bool dials = false;  // this side opened the pair's connection (else the peer did)
+  bool dials = false;         // this side opened the pair's connection (else the peer did)
+  double silent_seconds = 0;  // since the last message from the peer (or since the start)
 };
 
 struct SyncJobReport {

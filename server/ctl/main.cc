@@ -259,9 +259,10 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
     std::printf("shard %zu (%s): site %s, sync %s\n", i, c.servers[i].c_str(),
                 st->site.empty() ? "-" : st->site.c_str(), st->enabled ? "on" : "off");
     for (const auto& j : st->jobs) {
-      std::printf("  job %-16s local round %llu, committed %llu, limit %llu ahead%s%s\n",
+      std::printf("  job %-16s local round %llu, committed %llu, limit %llu ahead%s%s%s\n",
                   j.job.c_str(), (unsigned long long)j.local_round,
                   (unsigned long long)j.committed_round, (unsigned long long)j.max_rounds_ahead,
+                  ctl::WaitingForWan(j) ? "; workers waiting for the WAN" : "",
                   j.detail.empty() ? "" : "; ", j.detail.c_str());
       std::string members;
       for (const auto& m : j.members) members += (members.empty() ? "" : ",") + m;
@@ -283,7 +284,12 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
                 "ACKED", "LAG", "WIRE SENT", "WIRE RECV", "WIRE x", "PAYLOAD", "PAYL x",
                 "BANDWIDTH");
     for (const auto& l : st->links) {
-      const char* state = l.paused ? "paused" : l.connected ? "connected" : "down";
+      // A peer removed from every job here stays in sync.peers but carries nothing: not "down".
+      const auto removed = ctl::PeerRemovedFrom(*st, l.site);
+      const std::string state = removed       ? "removed (round " + std::to_string(*removed) + ")"
+                                : l.paused    ? "paused"
+                                : l.connected ? "connected"
+                                              : "down";
       char ratio[16], wire_ratio[16];
       std::snprintf(ratio, sizeof ratio, l.compression_ratio > 0 ? "%.1fx" : "-",
                     l.compression_ratio);
@@ -291,19 +297,21 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
       std::vector<PeerLinkReport::Job> jobs = l.jobs;
       if (jobs.empty()) jobs.push_back({"-", 0, 0, 0});
       for (const auto& j : jobs) {
-        std::printf(
-            "  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", l.site.c_str(), state,
-            j.job.c_str(), l.jobs.empty() ? "-" : std::to_string(j.acked_round).c_str(),
-            l.jobs.empty() ? "-" : std::to_string(j.lag_rounds).c_str(),
-            HumanBytes(l.wire_bytes_sent).c_str(), HumanBytes(l.wire_bytes_received).c_str(),
-            wire_ratio, HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
+        std::printf("  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", l.site.c_str(),
+                    state.c_str(), j.job.c_str(),
+                    l.jobs.empty() || removed ? "-" : std::to_string(j.acked_round).c_str(),
+                    l.jobs.empty() || removed ? "-" : std::to_string(j.lag_rounds).c_str(),
+                    HumanBytes(l.wire_bytes_sent).c_str(),
+                    HumanBytes(l.wire_bytes_received).c_str(), wire_ratio,
+                    HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
       }
       std::printf(
           "  %-12s %s; %llu messages sent, %llu received, %llu connections, "
-          "%llu keep-alives, TCP/IP headers ~%s (estimated)\n",
+          "%llu keep-alives, TCP/IP headers ~%s (estimated); last heard %.0f s ago\n",
           "", l.dials ? "we dial" : "peer dials", (unsigned long long)l.messages_sent,
           (unsigned long long)l.messages_received, (unsigned long long)l.connections,
-          (unsigned long long)l.keepalives, HumanBytes(l.tcp_bytes_estimate).c_str());
+          (unsigned long long)l.keepalives, HumanBytes(l.tcp_bytes_estimate).c_str(),
+          l.silent_seconds);
       if (!l.last_error.empty()) std::printf("  %-12s last error: %s\n", "", l.last_error.c_str());
     }
   }

@@ -109,7 +109,7 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
           st.raw_bytes_sent, st.CompressionRatio(), st.bandwidth_bps, st.deltas_sent,
           st.deltas_acked, st.resends, st.auth_failures, st.refused, st.wire_bytes_sent,
           st.wire_bytes_received, st.tcp_bytes_estimate, st.WireRatio(), st.messages_sent,
-          st.messages_received, st.connections, st.keepalives, st.dials));
+          st.messages_received, st.connections, st.keepalives, st.dials, st.silent_seconds));
     }
   }
   std::vector<flatbuffers::Offset<wire::SyncJobState>> job_states;

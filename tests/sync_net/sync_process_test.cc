@@ -321,8 +321,9 @@ class SyncProcessTest : public ::testing::Test {
 
   // Runs isthmusctl with `args` and the first site's admin key; returns (exit code, stdout).
   std::pair<int, std::string> Ctl(const std::string& args) {
-    std::string cmd = std::string(ISTHMUS_CTL_BIN) + " " + args + " --key " +
-                      (sites_[0]->dir() / "admins" / "a0.key").string() + " 2>&1";
+    std::string cmd = std::string(testing::BinaryPath("ISTHMUS_CTL_BIN", ISTHMUS_CTL_BIN)) + " " +
+                      args + " --key " + (sites_[0]->dir() / "admins" / "a0.key").string() +
+                      " 2>&1";
     FILE* f = ::popen(cmd.c_str(), "r");
     std::string out;
     char buf[4096];
@@ -701,6 +702,22 @@ TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
   EXPECT_NE(sout.find("members alpha,beta from round 3 (epoch 1); gamma out from round 3"),
             std::string::npos)
       << sout;
+  // gamma stays in sync.peers, its link down for good: shown as removed, not as down.
+  EXPECT_NE(sout.find("  gamma        removed (round 3) "), std::string::npos) << sout;
+  EXPECT_EQ(sout.find("  gamma        down"), std::string::npos) << sout;
+  // A generous timeout: a fresh CURVE connection can be slow under sanitizers.
+  auto [tcode, tout] = Ctl("top --count 1 --timeout-ms 10000 " + SiteFlags(1));
+  EXPECT_EQ(tcode, 0) << tout;
+  EXPECT_NE(tout.find("\n  gamma        removed (round 3), silent "), std::string::npos) << tout;
+  EXPECT_EQ(tout.find("  gamma        down"), std::string::npos) << tout;
+  EXPECT_NE(tout.find(" SILENT "), std::string::npos) << tout;
+  auto [jcode, jout] = Ctl("sync status --json " + SiteFlags(1));
+  ASSERT_EQ(jcode, 0) << jout;
+  for (const auto& l : nlohmann::json::parse(jout)[0]["links"]) {
+    EXPECT_EQ(l["removed_from_round"], l["site"] == "gamma" ? nlohmann::json(3) : nlohmann::json())
+        << l.dump();
+    EXPECT_GE(l["silent_s"].get<double>(), 0.0);
+  }
 }
 
 TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
