@@ -629,6 +629,25 @@ Result<DigestsInfo> ShardClient::Digests(const std::string& job, uint64_t from_r
       out.digests.emplace_back(d->round(), d->digest() ? d->digest()->str() : std::string());
     }
   }
+  out.site = r->site() ? r->site()->str() : std::string();
+  if (const auto* m = r->members()) {
+    out.has_members = true;
+    out.epoch = m->epoch();
+    out.members_from = m->from_round();
+    if (m->sites()) {
+      for (const auto* site : *m->sites()) out.members.push_back(site->str());
+    }
+  }
+  if (r->removed()) {
+    for (const auto* x : *r->removed()) {
+      out.removed[x->site() ? x->site()->str() : std::string()] = x->from_round();
+    }
+  }
+  if (r->joined()) {
+    for (const auto* x : *r->joined()) {
+      out.joined[x->site() ? x->site()->str() : std::string()] = x->round();
+    }
+  }
   return out;
 }
 

@@ -180,6 +180,14 @@ struct DigestsInfo {
   std::string job;
   uint64_t committed_round = 0;
   std::vector<std::pair<uint64_t, std::string>> digests;  // (round, hex digest), ascending
+  // The shard's membership of the job (docs/SYNC.md, "Membership"); has_members is false
+  // for a server that does not send it.
+  std::string site;  // the shard's sync.site
+  bool has_members = false;
+  uint64_t epoch = 0, members_from = 0;
+  std::vector<std::string> members;
+  std::map<std::string, uint64_t> removed;  // site -> first round without it
+  std::map<std::string, uint64_t> joined;   // site -> first round it merged into
 };
 
 class ShardClient {

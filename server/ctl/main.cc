@@ -3,7 +3,8 @@
 // ctl_fleet.cc; what they share with this file is in ctl_common.h). Every command that talks to
 // shards takes the same connection flags; a command addressed to a site acts on all its shards
 // (given in shard order with --server). Exit codes: the shared table (common/exit_codes.h); `sync
-// verify` exits 1 when digests differ. docs/CLI.md is the reference.
+// verify` exits 1 when digests differ, 3 when a site is no longer a member. docs/CLI.md is the
+// reference.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -26,6 +27,7 @@
 #include "server/ctl/common.h"
 #include "server/ctl/fleet.h"
 #include "server/ctl/top.h"
+#include "server/ctl/verify.h"
 
 namespace isthmus {
 namespace {
@@ -452,8 +454,10 @@ Result<std::pair<std::string, std::vector<std::string>>> SplitSiteArg(const std:
   return std::make_pair(text.substr(0, eq), items);
 }
 
-// Exit code 0: every shard's committed digests agree on every round all sites committed;
-// 1: a round differs (printed); other codes as for every command.
+// Exit code 0: every shard's committed digests agree on every round all sites hold under one
+// membership; 1: a round differs (printed); 3: they agree, but a site is no longer a member of
+// a job (removed or left: only rounds before that were compared; printed with the remedy);
+// other codes as for every command. The comparison is ctl::CompareDigests (verify.h).
 int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_texts,
                   const std::vector<std::string>& site_key_texts, std::vector<std::string> jobs,
                   bool as_json) {
@@ -494,7 +498,7 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
     clients.push_back(std::move(*cl));
   }
   json report = json::array();
-  bool differ = false;
+  bool differ = false, not_member = false;
   for (size_t shard = 0; shard < shards; ++shard) {
     std::vector<std::string> shard_jobs = jobs;
     if (shard_jobs.empty()) {
@@ -513,67 +517,22 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
         }
         per_site.push_back(std::move(*d));
       }
-      std::vector<std::map<uint64_t, std::string>> maps;
-      uint64_t common = UINT64_MAX;
-      for (const auto& d : per_site) {
-        maps.emplace_back(d.digests.begin(), d.digests.end());
-        common = std::min(common, d.committed_round);
+      std::vector<ctl::VerifySite> compared;
+      for (size_t s = 0; s < sites.size(); ++s) {
+        compared.push_back({sites[s].name, std::move(per_site[s])});
       }
-      json row{{"shard", shard}, {"job", job}, {"common_round", common}};
-      json committed = json::object();
-      for (size_t s = 0; s < sites.size(); ++s)
-        committed[sites[s].name] = per_site[s].committed_round;
-      row["committed"] = committed;
-      std::optional<uint64_t> first_diff;
-      uint64_t compared = 0;
-      for (uint64_t r = 0; r <= common && !first_diff; ++r) {
-        auto it0 = maps[0].find(r);
-        bool all_have = it0 != maps[0].end();
-        for (size_t s = 1; s < maps.size() && all_have; ++s) {
-          auto it = maps[s].find(r);
-          if (it == maps[s].end()) {
-            all_have = false;
-          } else if (it->second != it0->second) {
-            first_diff = r;
-          }
-        }
-        if (all_have && !first_diff) ++compared;
+      ctl::VerifyOutcome v = ctl::CompareDigests(shard, job, compared);
+      differ |= v.kind == ctl::VerifyOutcome::kDiffer;
+      not_member |= v.kind == ctl::VerifyOutcome::kRemoved;
+      if (!as_json) {
+        for (const auto& line : v.lines) std::printf("%s\n", line.c_str());
       }
-      row["rounds_compared"] = compared;
-      if (first_diff) {
-        differ = true;
-        row["agree"] = false;
-        row["first_differing_round"] = *first_diff;
-        json d = json::object();
-        for (size_t s = 0; s < sites.size(); ++s) d[sites[s].name] = maps[s][*first_diff];
-        row["digests"] = d;
-        if (!as_json) {
-          std::printf("shard %zu job %s: DIFFER at round %llu\n", shard, job.c_str(),
-                      (unsigned long long)*first_diff);
-          for (size_t s = 0; s < sites.size(); ++s) {
-            std::printf("  %-12s %s\n", sites[s].name.c_str(), maps[s][*first_diff].c_str());
-          }
-        }
-      } else {
-        row["agree"] = true;
-        if (!as_json) {
-          std::string per;
-          for (size_t s = 0; s < sites.size(); ++s) {
-            per +=
-                (s ? ", " : "") + sites[s].name + " " + std::to_string(per_site[s].committed_round);
-          }
-          std::printf(
-              "shard %zu job %s: %zu sites agree on rounds 0..%llu (%llu digests compared; "
-              "committed: %s)\n",
-              shard, job.c_str(), sites.size(), (unsigned long long)common,
-              (unsigned long long)compared, per.c_str());
-        }
-      }
-      report.push_back(row);
+      report.push_back(std::move(v.row));
     }
   }
   if (as_json) std::printf("%s\n", report.dump(2).c_str());
-  return differ ? 1 : 0;
+  if (differ) return kExitFailure;
+  return not_member ? kExitRefused : kExitOk;
 }
 
 }  // namespace
@@ -679,9 +638,11 @@ int main(int argc, char** argv) {
       sync->add_subcommand("resume", "restart a paused peer link and send what the peer lacks");
   AddConnectionFlags(sync_resume, conn);
   sync_resume->add_option("--peer", peer_site, "the peer site")->required();
-  auto* sync_verify = sync->add_subcommand("verify",
-                                           "compare committed-round digests of same-numbered "
-                                           "shards across sites; exit 0 agree, 1 differ");
+  auto* sync_verify = sync->add_subcommand(
+      "verify",
+      "compare committed-round digests of same-numbered shards across sites, over the rounds "
+      "every site holds under one membership; exit 0 agree, 1 differ, 3 a site is no longer a "
+      "member");
   AddConnectionFlags(sync_verify, conn);
   sync_verify
       ->add_option("--site", verify_sites,
