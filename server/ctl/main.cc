@@ -576,6 +576,12 @@ int main(int argc, char** argv) {
       "and sync.peers), a worker TOML and an isthmusctl env file per site, and a summary");
   ctl::FleetOptions fleet_options;
   ctl::AddFleetInitFlags(fleet_init, fleet_options);
+  auto* fleet_add_site = fleet->add_subcommand(
+      "add-site",
+      "add one site to a fleet that fleet init wrote: its own new keys and configs, and its "
+      "shards on every existing site's peer allowlists and sync.peers (no existing key changes)");
+  ctl::FleetAddOptions fleet_add_options;
+  ctl::AddFleetAddSiteFlags(fleet_add_site, fleet_add_options);
 
   auto* job = app.add_subcommand("job", "create or describe a job");
   job->require_subcommand(1);
@@ -706,6 +712,7 @@ int main(int argc, char** argv) {
   if (*status) return CmdStatus(conn, as_json);
   if (*top) return ctl::CmdTop(conn, top_options, top->count("--timeout-ms") > 0);
   if (*fleet_init) return ctl::CmdFleetInit(fleet_options);
+  if (*fleet_add_site) return ctl::CmdFleetAddSite(fleet_add_options);
   if (*job_create) return CmdJobCreate(conn, job_name, from_file, base_hash);
   if (*job_describe) return CmdJobDescribe(conn, job_name, as_json);
   if (*snap_create) return CmdSnapshot(conn, "create", snap_name, as_json);
