@@ -639,6 +639,7 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
       p.connections = l->connections();
       p.keepalives = l->keepalives();
       p.dials = l->dials();
+      p.silent_seconds = l->silent_seconds();
       out.links.push_back(std::move(p));
     }
   }
@@ -725,6 +726,25 @@ Result<DigestsInfo> ShardClient::Digests(const std::string& job, uint64_t from_r
   if (r->digests()) {
     for (const auto* d : *r->digests()) {
       out.digests.emplace_back(d->round(), d->digest() ? d->digest()->str() : std::string());
+    }
+  }
+  out.site = r->site() ? r->site()->str() : std::string();
+  if (const auto* m = r->members()) {
+    out.has_members = true;
+    out.epoch = m->epoch();
+    out.members_from = m->from_round();
+    if (m->sites()) {
+      for (const auto* site : *m->sites()) out.members.push_back(site->str());
+    }
+  }
+  if (r->removed()) {
+    for (const auto* x : *r->removed()) {
+      out.removed[x->site() ? x->site()->str() : std::string()] = x->from_round();
+    }
+  }
+  if (r->joined()) {
+    for (const auto* x : *r->joined()) {
+      out.joined[x->site() ? x->site()->str() : std::string()] = x->round();
     }
   }
   return out;

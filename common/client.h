@@ -191,7 +191,8 @@ struct PeerLinkReport {
   uint64_t wire_bytes_sent = 0, wire_bytes_received = 0, tcp_bytes_estimate = 0;
   double wire_ratio = 0;  // fp32 delta bytes per wire byte sent
   uint64_t messages_sent = 0, messages_received = 0, connections = 0, keepalives = 0;
-  bool dials = false;  // this side opened the pair's connection (else the peer did)
+  bool dials = false;         // this side opened the pair's connection (else the peer did)
+  double silent_seconds = 0;  // since the last message from the peer (or since the start)
 };
 
 // The round protocol's state of one job on one shard (wire::SyncJobState).
@@ -227,6 +228,14 @@ struct DigestsInfo {
   std::string job;
   uint64_t committed_round = 0;
   std::vector<std::pair<uint64_t, std::string>> digests;  // (round, hex digest), ascending
+  // The shard's membership of the job (docs/SYNC.md, "Membership"); has_members is false
+  // for a server that does not send it.
+  std::string site;  // the shard's sync.site
+  bool has_members = false;
+  uint64_t epoch = 0, members_from = 0;
+  std::vector<std::string> members;
+  std::map<std::string, uint64_t> removed;  // site -> first round without it
+  std::map<std::string, uint64_t> joined;   // site -> first round it merged into
 };
 
 class ShardClient {

@@ -23,7 +23,8 @@ constexpr Row kRows[] = {
     {kExitRefused, "refused",
      "refused: a key or permission problem (key file mode, key not on an allowlist), or a "
      "shard refused the worker (base hash, no such job, tensor placement), or a site refused a "
-     "membership change (`isthmusctl sync remove/leave`)"},
+     "membership change (`isthmusctl sync remove/leave`); `isthmusctl sync verify`: a site is "
+     "no longer a member of a job (removed or left; the rounds before agree)"},
     {kExitNotFound, "not found", "not found (job, snapshot, peer site, file)"},
     {kExitUnreachable, "unreachable", "a shard or peer did not answer (timeout, unavailable)"},
     {kExitDamaged, "damaged data",

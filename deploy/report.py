@@ -137,11 +137,20 @@ def job_row(sync, job):
     return next((j for j in (sync or {}).get("jobs") or [] if j.get("job") == job), None)
 
 
+def removed_round(row, peer):
+    """The first round `peer` no longer merges into the job of `row` (it left or was removed;
+    its link may stay configured, carrying nothing), or None while it is a member."""
+    if not row or peer in (row.get("members") or []):
+        return None
+    return (row.get("removed") or {}).get(peer)
+
+
 def site_series(run, site):
     """Per sample of the site: time, rounds (min over shards; None unless every shard
-    answered), per peer the wire/payload counters of every shard, the worst lag, each
-    shard link's bandwidth, the site's wire send rate, and each shard's pipelines."""
-    out, silent = [], {}
+    answered), per peer the wire/payload counters of every shard, the worst lag (none for a
+    peer removed from the job: its lag would only grow), each shard link's bandwidth, the
+    site's wire send rate, and each shard's pipelines."""
+    out, silent, removed = [], {}, {}
     for t in run.top.get(site, []):
         shards = t.get("shards") or []
         answered = [sh for sh in shards if sh.get("reachable") and sh.get("sync")]
@@ -175,6 +184,10 @@ def site_series(run, site):
                 if lj:
                     d["acked"][idx], d["outbox"][idx] = lj[0]["acked_round"], lj[0]["outbox_round"]
                 lags = [j["lag_rounds"] for j in lj]
+                gone = removed_round(r, peer)
+                if gone is not None:
+                    removed.setdefault(peer, (gone, smp["t"]))
+                    lags = []
                 if lags:
                     d["lag"] = max(lags + ([d["lag"]] if d["lag"] is not None else []))
                 bw = link.get("bandwidth_bps") or 0
@@ -185,6 +198,10 @@ def site_series(run, site):
                 else:
                     d["rate"] += r_
         out.append(smp)
+    for peer, (gone, t) in sorted(removed.items()):
+        run.notes.append(f"site {site}: peer {peer} is no longer a member of job {run.job} from "
+                         f"round {gone} (first seen at {t:.0f} s): its link's lag is not drawn "
+                         "from then on")
     for idx, n in sorted(silent.items(), key=lambda kv: str(kv[0])):
         run.notes.append(f"site {site}: shard {idx} did not answer in {n} of {len(out)} samples "
                          "(no rounds for the site then; its bytes are counted when it answers again)")
@@ -538,7 +555,9 @@ READ = {
     "lag": ("Lag", "Top: per link, how many rounds this site is ahead of what the peer "
             "acknowledged (the worst shard); it rises while a round's delta is in flight and "
             "falls to 0 when the peer has it. A lag that keeps growing is a link too slow for "
-            "the codec. Bottom: each site's rounds closed locally (dashed) and committed "
+            "the codec. A peer removed from the job (or that left it) is drawn until then "
+            "only: its link stays configured but carries nothing, and the page's notes say "
+            "from which round. Bottom: each site's rounds closed locally (dashed) and committed "
             "(solid); the gap between them is bounded staleness at work."),
     "bandwidth": ("Bandwidth and codec", "Top: each shard link's bandwidth estimate (from the "
                   "acks of the deltas it sent; it drives adaptive compression) on a log scale, "

@@ -2,6 +2,7 @@
 // clients, error reporting, formatting, and the status / sync status JSON objects.
 #include "server/ctl/common.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <ctime>
 
@@ -140,7 +141,10 @@ json SyncStatusJson(const SyncStatusInfo& st) {
                      {"messages_received", l.messages_received},
                      {"connections", l.connections},
                      {"keepalives", l.keepalives},
-                     {"dials", l.dials}});
+                     {"dials", l.dials},
+                     {"silent_s", l.silent_seconds}});
+    const auto removed = PeerRemovedFrom(st, l.site);
+    links.back()["removed_from_round"] = removed ? json(*removed) : json(nullptr);
   }
   json jobs = json::array();
   for (const auto& j : st.jobs) {
@@ -156,11 +160,30 @@ json SyncStatusJson(const SyncStatusInfo& st) {
                     {"change", j.change},
                     {"change_pending", j.change_pending},
                     {"pipelines", j.pipelines},
-                    {"held", j.held}});
+                    {"held", j.held},
+                    {"waiting_for_wan", WaitingForWan(j)}});
   }
   return {{"site", st.site},       {"shard_index", st.shard_index},
           {"enabled", st.enabled}, {"refused_unknown", st.refused_unknown},
           {"links", links},        {"jobs", jobs}};
+}
+
+std::optional<uint64_t> PeerRemovedFrom(const SyncStatusInfo& st, const std::string& site) {
+  std::optional<uint64_t> from;
+  for (const auto& j : st.jobs) {
+    if (j.members.empty()) return std::nullopt;  // being joined: not known yet
+    if (std::find(j.members.begin(), j.members.end(), site) != j.members.end()) {
+      return std::nullopt;
+    }
+    auto it = j.removed.find(site);
+    if (it != j.removed.end()) from = std::max(from.value_or(0), it->second);
+  }
+  return from;
+}
+
+bool WaitingForWan(const SyncJobReport& j) {
+  return j.local_round > j.committed_round &&
+         j.local_round - j.committed_round > j.max_rounds_ahead;
 }
 
 }  // namespace isthmus::ctl

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -53,7 +54,20 @@ std::string TimeText(uint64_t unix_s);
 nlohmann::json StatsJson(const ShardStats& st);
 
 // A shard's SyncStatus as `isthmusctl sync status --json` prints it: site, shard_index,
-// enabled, refused_unknown, links [...], jobs [... pipelines, held].
+// enabled, refused_unknown, links [... silent_s, removed_from_round], jobs [... pipelines,
+// held, waiting_for_wan].
 nlohmann::json SyncStatusJson(const SyncStatusInfo& st);
+
+// The round from which peer `site` merges into none of the jobs this shard syncs: it is a
+// member of none of them and was removed from (or left) at least one; the latest such round.
+// nullopt while it is a member of some job, when no job names it, or while a job's membership
+// is not known here yet (being joined). `sync status` and `top` show such a link as
+// "removed (round N)" instead of "down": the site's link stays in sync.peers but carries
+// nothing any more.
+std::optional<uint64_t> PeerRemovedFrom(const SyncStatusInfo& st, const std::string& site);
+
+// Whether the site's workers wait for the WAN on job `j`: it is more than max_rounds_ahead
+// rounds ahead of its last commit (local - committed > K), as workers check before a round.
+bool WaitingForWan(const SyncJobReport& j);
 
 }  // namespace isthmus::ctl

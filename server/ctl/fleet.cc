@@ -14,8 +14,10 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "common/exit_codes.h"
 #include "common/keys.h"
@@ -387,8 +389,20 @@ std::string Summary(const FleetPlan& plan) {
       << "  create the job on every site from the same files (isthmus-worker init --write-base "
          "base.safetensors\n    --out init.safetensors prints HASH):  isthmusctl job create -j "
       << (plan.job.empty() ? kJobPlaceholder : plan.job)
-      << " -f init.safetensors --base-hash HASH\n"
-      << "  start each site's ranks:  isthmus-worker train --config " << etc
+      << " -f init.safetensors --base-hash HASH\n";
+  std::string added, first_site;
+  for (const auto& s : plan.sites) {
+    if (s.added) added += (added.empty() ? "" : ", ") + s.name;
+    if (!s.added && first_site.empty()) first_site = s.name;
+  }
+  if (!added.empty()) {
+    out << "    except on the sites added later (" << added
+        << "): once every other site lists them (restarted),\n    they take the running job "
+           "with:  isthmusctl sync invite --site SITE on "
+        << first_site << ", then  isthmusctl sync join --from " << first_site << " -j "
+        << (plan.job.empty() ? kJobPlaceholder : plan.job) << "  on the added site\n";
+  }
+  out << "  start each site's ranks:  isthmus-worker train --config " << etc
       << "/worker.toml --base base.safetensors --data DIR\n    --rank R --world-size N ...\n"
       << "  watch:  isthmusctl top\n";
   if (plan.sites.size() > 1) {
@@ -438,12 +452,17 @@ json FleetJson(const FleetPlan& plan) {
                      {"ctl_env", s.name + "/isthmusctl.env"},
                      {"peer_dialled_by", dialers},
                      {"shards", shards}});
+    if (s.added) sites.back()["added"] = true;  // by fleet add-site: it joins the jobs
   }
   json settings = json::object();
   for (const auto& [k, v] : plan.settings) settings[k] = v;
-  return {{"shards", plan.shards},          {"sites", sites},
-          {"admin_key", "admin/admin.key"}, {"operator_key", plan.operator_key},
-          {"sync_dial", plan.dial},         {"settings", settings}};
+  return {{"shards", plan.shards},
+          {"sites", sites},
+          {"admin_key", "admin/admin.key"},
+          {"operator_key", plan.operator_key},
+          {"sync_dial", plan.dial},
+          {"settings", settings},
+          {"job", plan.job}};
 }
 
 }  // namespace
@@ -823,6 +842,463 @@ int CmdFleetInit(const FleetOptions& o) {
   std::fputs(summary->c_str(), stdout);
   std::printf("\n(written to %s/README.txt and %s/fleet.json)\n", o.out_dir.c_str(),
               o.out_dir.c_str());
+  return 0;
+}
+
+// --- fleet add-site ---------------------------------------------------------------------
+
+namespace {
+
+// The job name worker.toml holds ("job = \"NAME\""); empty for fleet init's placeholder or
+// when it cannot be read (add-site then writes the placeholder too).
+std::string JobOfWorkerToml(const fs::path& file) {
+  std::ifstream in(file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("job = \"", 0) != 0) continue;
+    const auto close = line.find('"', 7);
+    if (close == std::string::npos) return "";
+    const std::string job = line.substr(7, close - 7);
+    return job == kJobPlaceholder || !IsValidName(job) ? "" : job;
+  }
+  return "";
+}
+
+// The --etc (or --data) pattern the fleet's sites follow: `paths[k]` is site k's folder. A
+// path component equal to the site's name is {site}; nullopt when the sites follow no one
+// pattern (then the new site's folder must be given).
+std::optional<std::string> FolderPattern(const std::vector<FleetSite>& sites,
+                                         const std::vector<std::string>& paths) {
+  std::string pattern;
+  std::stringstream in(paths[0]);
+  std::string part;
+  bool first = true;
+  while (std::getline(in, part, '/')) {
+    pattern += (first ? "" : "/") + (part == sites[0].name ? std::string("{site}") : part);
+    first = false;
+  }
+  for (size_t k = 0; k < sites.size(); ++k) {
+    if (Replace(pattern, "{site}", sites[k].name) != paths[k]) return std::nullopt;
+  }
+  return pattern;
+}
+
+// `toml` (a shard config) with `entry` added to the sync.peers list of its [sync] table, the
+// rest of the file as it was (an operator's edits stay). InvalidArgument when the list is not
+// laid out as fleet init writes it (one list, opened on the `peers = [` line).
+Result<std::string> AddPeerEntry(const std::string& toml, const std::string& entry) {
+  std::vector<std::string> lines;
+  std::stringstream in(toml);
+  for (std::string l; std::getline(in, l);) lines.push_back(l);
+  std::string table;
+  for (size_t i = 0; i < lines.size(); ++i) {
+    const std::string t = Trim(lines[i]);
+    if (t.rfind("[", 0) == 0 && t.rfind("[[", 0) != 0) {
+      table = Trim(t.substr(1, t.find(']') - 1));
+      continue;
+    }
+    if (table != "sync" || t.rfind("peers", 0) != 0) continue;
+    const std::string rest = Trim(t.substr(5));
+    if (rest.rfind("=", 0) != 0 || Trim(rest.substr(1)).rfind("[", 0) != 0) continue;
+    const auto open = lines[i].find('[');
+    const auto close = lines[i].find(']', open);
+    if (close == std::string::npos) {
+      // A list over several lines: the entry goes before the line that closes it.
+      for (size_t j = i + 1; j < lines.size(); ++j) {
+        if (Trim(lines[j]).rfind("]", 0) != 0) continue;
+        lines.insert(lines.begin() + static_cast<long>(j), "  " + TomlString(entry) + ",");
+        std::string out;
+        for (const auto& l : lines) out += l + "\n";
+        return out;
+      }
+      break;
+    }
+    const std::string inside = Trim(lines[i].substr(open + 1, close - open - 1));
+    lines[i] = lines[i].substr(0, open + 1) + (inside.empty() ? "" : inside + ", ") +
+               TomlString(entry) + lines[i].substr(close);
+    std::string out;
+    for (const auto& l : lines) out += l + "\n";
+    return out;
+  }
+  return Status::InvalidArgument("no sync.peers list in its [sync] table");
+}
+
+std::string ShardUnits(const FleetSite& s, int shards) {
+  std::string out;
+  for (int i = 0; i < shards; ++i) out += " isthmus-server@" + ShardName(s, i);
+  return out;
+}
+
+// What the operator does next, site by site.
+std::string AddSiteSteps(const FleetPlan& plan) {
+  const size_t k = plan.sites.size() - 1;
+  const FleetSite& s = plan.sites[k];
+  const fs::path root(plan.out_dir);
+  const std::string job = plan.job.empty() ? kJobPlaceholder : plan.job;
+  std::ostringstream out;
+  out << "isthmus fleet: site " << s.name << " added (" << plan.shards << " shard"
+      << (plan.shards > 1 ? "s" : "") << "; isthmusctl fleet add-site). No existing key "
+      << "changed.\n\n";
+  out << "New site " << s.name << "\n"
+      << "  " << (root / s.name).string() << "/  ->  " << s.etc_dir << " on its shard host ("
+      << s.host << "); data in " << s.data_dir << "/" << s.name << "-<i>\n"
+      << "  ports " << PortList(s, plan.shards, 0) << " workers, " << PortList(s, plan.shards, 1)
+      << " admin (127.0.0.1), " << PortList(s, plan.shards, 2) << " peers";
+  const auto dialers = DialersOf(plan, k);
+  if (dialers.empty()) {
+    out << ": no inbound connections (" << s.name << " dials its peers)\n";
+  } else {
+    std::string from;
+    for (size_t t : dialers) {
+      from += (from.empty() ? "" : ", ") + plan.sites[t].host + " (" + plan.sites[t].name + ")";
+    }
+    out << ": open to " << from << "\n";
+  }
+  out << "\nFirst, every existing site, one at a time (a shard restarts without losing "
+         "anything it acknowledged):\n";
+  for (size_t t = 0; t < k; ++t) {
+    const FleetSite& e = plan.sites[t];
+    out << "  site " << e.name << " (" << e.host << "): copy its folder, "
+        << (root / e.name).string() << "/, to " << e.etc_dir << " again (new: keys/peers-<i>/"
+        << s.name << "-<i>.pub; changed: sync.peers of " << e.name << "-<i>.toml; no key of "
+        << e.name << " changed), then\n"
+        << "    systemctl restart" << ShardUnits(e, plan.shards) << "\n";
+    const auto d = DialersOf(plan, t);
+    if (std::find(d.begin(), d.end(), k) != d.end()) {
+      out << "    and open its peer ports " << PortList(e, plan.shards, 2) << " to " << s.host
+          << " (" << s.name << ")\n";
+    }
+  }
+  out << "Then, on " << s.name << "'s host:\n"
+      << "  systemctl start" << ShardUnits(s, plan.shards) << "\n"
+      << "  on " << plan.sites[0].name << "'s host:  . " << plan.sites[0].etc_dir
+      << "/isthmusctl.env && isthmusctl sync invite --site " << s.name << " -j " << job << "\n"
+      << "  then on " << s.name << "'s host:  . " << s.etc_dir
+      << "/isthmusctl.env && isthmusctl sync join --from " << plan.sites[0].name << " -j " << job
+      << "\n"
+      << "    (any member will do for --from, once it invited " << s.name
+      << "; a member that does not list " << s.name << " in sync.peers yet refuses the join)\n"
+      << "  then start " << s.name << "'s ranks: isthmus-worker train --config " << s.etc_dir
+      << "/worker.toml --base base.safetensors --data DIR ...\n"
+      << "README.txt and fleet.json describe the fleet with " << s.name << " now.\n";
+  return out.str();
+}
+
+}  // namespace
+
+Result<FleetPlan> ReadFleet(const std::string& out_dir) {
+  const fs::path file = fs::path(out_dir) / "fleet.json";
+  std::ifstream in(file);
+  if (!in) {
+    return Status::NotFound("no fleet.json in '" + out_dir +
+                            "': name the folder isthmusctl fleet init wrote (--out)");
+  }
+  try {
+    const json j = json::parse(in);
+    FleetPlan plan;
+    plan.out_dir = out_dir;
+    plan.shards = j.at("shards").get<int>();
+    plan.dial = j.value("sync_dial", std::string("auto"));
+    plan.operator_key = j.at("operator_key").get<std::string>();
+    for (const auto& s : j.at("sites")) {
+      FleetSite site;
+      site.name = s.at("site").get<std::string>();
+      site.host = s.at("host").get<std::string>();
+      site.base_port = s.at("base_port").get<int>();
+      site.etc_dir = s.at("etc").get<std::string>();
+      site.data_dir = s.at("data").get<std::string>();
+      site.added = s.value("added", false);
+      for (const auto& shard : s.at("shards")) {
+        if (!shard.value("metrics_address", json()).is_null()) plan.metrics = true;
+      }
+      plan.sites.push_back(site);
+    }
+    const json& settings = j.value("settings", json::object());
+    for (const auto& info : ServerSettings()) {  // the server's table order, as PlanFleet
+      if (settings.contains(info.key)) {
+        plan.settings.emplace_back(info.key, settings.at(info.key).get<std::string>());
+      }
+    }
+    plan.job =
+        j.contains("job") && j["job"].is_string()
+            ? j["job"].get<std::string>()
+            : (plan.sites.empty()
+                   ? ""
+                   : JobOfWorkerToml(fs::path(out_dir) / plan.sites[0].name / "worker.toml"));
+    if (plan.shards < 1 || plan.sites.empty()) {
+      return Status::InvalidArgument("'" + file.string() + "' lists no site or no shard");
+    }
+    return plan;
+  } catch (const json::exception& e) {
+    return Status::InvalidArgument("'" + file.string() +
+                                   "' is not a fleet.json as fleet init writes it: " + e.what());
+  }
+}
+
+Result<FleetPlan> PlanAddSite(const FleetAddOptions& o) {
+  if (o.out_dir.empty()) return Status::InvalidArgument("--out DIR is required");
+  ISTHMUS_ASSIGN_OR_RETURN(FleetPlan plan, ReadFleet(o.out_dir));
+  const std::string name = Trim(o.site);
+  if (!IsValidName(name)) {
+    return Status::InvalidArgument("site name '" + name +
+                                   "' is not valid: 1-64 of A-Z a-z 0-9 . _ -, not starting "
+                                   "with '.' (the server's rule for names)");
+  }
+  if (name == "admin" || name == "README.txt" || name == "fleet.json") {
+    return Status::InvalidArgument("site name '" + name + "' is taken by fleet init's own files");
+  }
+  for (const auto& s : plan.sites) {
+    if (s.name == name) {
+      return Status::AlreadyExists(
+          "site '" + name + "' is already in the fleet (" + o.out_dir +
+          "/fleet.json lists it): nothing was changed. fleet add-site adds a new site; its files "
+          "are in " +
+          o.out_dir + "/" + name + "/");
+    }
+  }
+  FleetSite site;
+  site.name = name;
+  site.added = true;
+  site.host = o.host.empty() ? kLoopback : o.host;
+  if (!IsPlainHost(site.host)) {
+    return Status::InvalidArgument("--host " + site.host +
+                                   ": the address must be an IP address or host name");
+  }
+  std::vector<std::string> etcs, datas;
+  for (const auto& s : plan.sites) {
+    etcs.push_back(s.etc_dir);
+    datas.push_back(s.data_dir);
+  }
+  for (auto [given, paths, out, flag] :
+       {std::tuple{&o.etc_dir, &etcs, &site.etc_dir, "--etc"},
+        std::tuple{&o.data_dir, &datas, &site.data_dir, "--data"}}) {
+    if (!given->empty()) {
+      *out = Replace(*given, "{site}", name);
+    } else if (auto pattern = FolderPattern(plan.sites, *paths)) {
+      *out = Replace(*pattern, "{site}", name);
+    } else {
+      return Status::InvalidArgument(std::string("the fleet's sites follow no one ") + flag +
+                                     " pattern: give the new site's with " + flag + " DIR");
+    }
+    while (out->size() > 1 && out->back() == '/') out->pop_back();
+    if (!IsPlainPath(*out) || (*out)[0] != '/') {
+      return Status::InvalidArgument(
+          "--etc and --data must be absolute paths (the server reads them from its own working "
+          "directory) without spaces, quotes, commas or shell characters: '" +
+          *out + "'");
+    }
+  }
+  // Ports: as fleet init lays them out. A given base must not share a port with a site on the
+  // same host; without one, the site moves up to the next free hundred.
+  site.base_port = kFleetDefaultBasePort;
+  if (!o.base_port.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(site.base_port, ParsePort(o.base_port, "--base-port"));
+  }
+  const int per_shard = plan.metrics ? 4 : 3;
+  for (bool moved = true; moved;) {
+    moved = false;
+    for (const auto& x : plan.sites) {
+      int port = 0;
+      if (!SharedPort(x, site, plan.shards, per_shard, &port)) continue;
+      if (!o.base_port.empty()) {
+        return Status::InvalidArgument("site " + name + " would share port " +
+                                       std::to_string(port) + " with site " + x.name + " on host " +
+                                       x.host + ": give another --base-port");
+      }
+      const int top = std::max(x.base_port, site.base_port) + plan.PortSpan();
+      site.base_port = (top / 100 + 1) * 100;
+      moved = true;
+      break;
+    }
+  }
+  if (site.base_port + plan.PortSpan() > 65535) {
+    return Status::InvalidArgument(
+        "site " + name + ": " + std::to_string(plan.shards) + " shards from base port " +
+        std::to_string(site.base_port) + " need ports up to " +
+        std::to_string(site.base_port + plan.PortSpan()) + "; give a lower --base-port");
+  }
+  plan.sites.push_back(site);
+  plan.force = o.force;
+  return plan;
+}
+
+Result<std::string> WriteAddedSite(const FleetPlan& plan) {
+  const fs::path root(plan.out_dir);
+  const size_t added = plan.sites.size() - 1;
+  const FleetSite& s = plan.sites[added];
+  const fs::path dir = root / s.name;
+  std::error_code ec;
+  if (fs::exists(dir, ec) && (!fs::is_directory(dir, ec) || !fs::is_empty(dir, ec)) &&
+      !plan.force) {
+    return Status::AlreadyExists(
+        "'" + dir.string() + "' exists, but fleet.json does not list site " + s.name +
+        " (an add-site that did not finish?): nothing was changed; pass --force to replace its "
+        "keys/ and files");
+  }
+  // Everything that can be refused is checked before the existing sites' files change: each
+  // existing shard config gets its new sync.peers entry in a file beside it, loaded back with
+  // the server's loader, and only renamed over the config once all are good.
+  struct Edit {
+    fs::path config, staged, pub_from, pub_to;
+  };
+  std::vector<Edit> edits;
+  auto drop_staged = [&] {
+    for (const auto& e : edits) fs::remove(e.staged, ec);
+  };
+  for (size_t t = 0; t < added; ++t) {
+    const FleetSite& e = plan.sites[t];
+    for (int i = 0; i < plan.shards; ++i) {
+      const fs::path config = root / e.name / (ShardName(e, i) + ".toml");
+      const std::string entry = PeerEntries(plan, t, i).back();  // the new site comes last
+      auto before = LoadServerConfig(config.string(), {});
+      auto peers = before.ok() ? ParsePeerSpecs(before->sync_peers)
+                               : Result<std::vector<PeerSpec>>(before.status());
+      if (!peers.ok()) {
+        drop_staged();
+        return Status(peers.status().code(),
+                      "cannot read " + config.string() + ": " + peers.status().message());
+      }
+      if (std::any_of(peers->begin(), peers->end(),
+                      [&](const PeerSpec& p) { return p.site == s.name; })) {
+        drop_staged();
+        return Status::FailedPrecondition(
+            config.string() + " already names site " + s.name +
+            " in sync.peers: nothing was changed; remove that entry (or choose another name)");
+      }
+      std::vector<std::string> want = before->sync_peers;
+      want.push_back(entry);
+      std::ifstream in(config);
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      auto edited = AddPeerEntry(text, entry);
+      Edit edit{config, config.string() + ".add-site", dir / "keys" / (ShardName(s, i) + ".pub"),
+                root / e.name / "keys" / PeersDirName(i) / (ShardName(s, i) + ".pub")};
+      Status st = edited.status();
+      if (st.ok()) st = WriteText(edit.staged, *edited);
+      edits.push_back(edit);
+      if (st.ok()) {
+        auto after = LoadServerConfig(edit.staged.string(), {});
+        st = after.ok() ? ValidateServerConfig(*after) : after.status();
+        if (st.ok() && after->sync_peers != want) {
+          st = Status::InvalidArgument("its sync.peers did not come out as expected");
+        }
+      }
+      if (!st.ok()) {
+        drop_staged();
+        return Status::FailedPrecondition(
+            "cannot add site " + s.name + " to the sync.peers of " + config.string() + " (" +
+            st.message() +
+            "): nothing was changed; add this entry to its [sync] peers by hand, "
+            "or write the file as fleet init does: " +
+            TomlString(entry));
+      }
+    }
+  }
+  // The new site's folder, which nobody reads yet: its keys (new), the fleet's admin
+  // allowlist (the same admins as the first site), the other sites' shard keys.
+  Status st = [&]() -> Status {
+    if (plan.force) {
+      fs::remove_all(dir / "keys", ec);
+      for (const auto& f : fs::directory_iterator(dir, ec)) {
+        if (f.path().extension() == ".toml") fs::remove(f.path(), ec);
+      }
+    }
+    const fs::path keys = dir / "keys";
+    for (const char* role : {"workers", "admins"}) ISTHMUS_RETURN_IF_ERROR(MakeDirs(keys / role));
+    for (int i = 0; i < plan.shards; ++i) {
+      ISTHMUS_ASSIGN_OR_RETURN(KeyPair pair, GenerateKeyPair());
+      ISTHMUS_RETURN_IF_ERROR(WriteKeyPairFiles((keys / ShardName(s, i)).string(), pair, true));
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(KeyPair worker, GenerateKeyPair());
+    ISTHMUS_RETURN_IF_ERROR(WriteKeyPairFiles((keys / "worker").string(), worker, true));
+    ISTHMUS_RETURN_IF_ERROR(CopyPub(keys / "worker.pub", keys / "workers" / "worker.pub"));
+    const fs::path admins = root / plan.sites[0].name / "keys" / "admins";
+    std::error_code read_ec;
+    for (const auto& f : fs::directory_iterator(admins, read_ec)) {
+      if (f.path().extension() == ".pub") {
+        ISTHMUS_RETURN_IF_ERROR(CopyPub(f.path(), keys / "admins" / f.path().filename()));
+      }
+    }
+    if (read_ec) {
+      return Status::IoError("cannot read '" + admins.string() + "': " + read_ec.message());
+    }
+    for (int i = 0; i < plan.shards; ++i) {
+      const fs::path peers = keys / PeersDirName(i);
+      ISTHMUS_RETURN_IF_ERROR(MakeDirs(peers));
+      for (size_t t = 0; t < added; ++t) {
+        const std::string other = ShardName(plan.sites[t], i);
+        ISTHMUS_RETURN_IF_ERROR(CopyPub(root / plan.sites[t].name / "keys" / (other + ".pub"),
+                                        peers / (other + ".pub")));
+      }
+      ISTHMUS_RETURN_IF_ERROR(
+          WriteText(dir / (ShardName(s, i) + ".toml"), FleetShardToml(plan, added, i)));
+    }
+    ISTHMUS_RETURN_IF_ERROR(WriteText(dir / "worker.toml", WorkerToml(plan, s)));
+    ISTHMUS_RETURN_IF_ERROR(WriteText(dir / "isthmusctl.env", CtlEnv(plan, s)));
+    for (int i = 0; i < plan.shards; ++i) {
+      const fs::path file = dir / (ShardName(s, i) + ".toml");
+      if (auto c = CheckWithServerLoader(file.string(), {}); !c.ok()) {
+        return Status::Internal("the server refuses the written " + file.string() + ": " +
+                                c.message());
+      }
+    }
+    return Status::Ok();
+  }();
+  if (!st.ok()) {
+    drop_staged();
+    return Status(st.code(), st.message() + " (the existing sites' files were not changed; " +
+                                 dir.string() + " is incomplete: run again with --force)");
+  }
+  // Now the existing sites: the new shard keys on their peer allowlists, then their configs.
+  for (const auto& e : edits) {
+    if (st.ok()) st = CopyPub(e.pub_from, e.pub_to);
+  }
+  for (const auto& e : edits) {
+    if (!st.ok()) break;
+    fs::rename(e.staged, e.config, ec);
+    if (ec) st = Status::IoError("cannot replace '" + e.config.string() + "': " + ec.message());
+  }
+  drop_staged();
+  if (!st.ok()) return st;
+  const std::string summary = Summary(plan);
+  ISTHMUS_RETURN_IF_ERROR(WriteText(root / "README.txt", summary));
+  ISTHMUS_RETURN_IF_ERROR(WriteText(root / "fleet.json", FleetJson(plan).dump(2) + "\n"));
+  return AddSiteSteps(plan);
+}
+
+void AddFleetAddSiteFlags(CLI::App* cmd, FleetAddOptions& o) {
+  cmd->add_option("--out", o.out_dir, "the fleet's folder, as fleet init wrote it (fleet.json)")
+      ->required();
+  cmd->add_option("--site", o.site, "the new site's name")->required();
+  cmd->add_option("--host", o.host,
+                  "address of the new site's shard host (its worker and peer sockets bind to it; "
+                  "the other sites dial it); default 127.0.0.1");
+  cmd->add_option(
+      "--base-port", o.base_port,
+      "PORT: its shard i listens on base+10i (workers), base+10i+1 (admin, 127.0.0.1) "
+      "and base+10i+2 (peers); default 7100, or the next free hundred on a shared host");
+  cmd->add_option("--etc", o.etc_dir,
+                  "where its folder will be on its hosts (default: as the fleet's other sites)");
+  cmd->add_option("--data", o.data_dir,
+                  "where its shards keep their data (default: as the fleet's other sites)");
+  cmd->add_flag("--force", o.force,
+                "replace the new site's folder left by an add-site that did not finish");
+  cmd->footer(
+      "Adds OUT/SITE/ (new keys, SITE-i.toml, worker.toml, isthmusctl.env), the new shard keys to "
+      "every existing site's keys/peers-i/ and the new site to their SITE-i.toml sync.peers (no "
+      "existing key changes; the rest of each file stays as it is), and rewrites README.txt and "
+      "fleet.json; prints what each site does next. Exit 1 when the site is already in the fleet "
+      "or a config cannot be edited (nothing is changed), 2 for bad options, 4 without "
+      "OUT/fleet.json, 6 when a file cannot be written. docs/CLI.md, \"fleet add-site\"; "
+      "walk-through: docs/DEPLOY.md, \"Adding a site\".\n" +
+      ExitCodesFooter());
+}
+
+int CmdFleetAddSite(const FleetAddOptions& o) {
+  auto plan = PlanAddSite(o);
+  if (!plan.ok()) return Fail(plan.status());
+  auto steps = WriteAddedSite(*plan);
+  if (!steps.ok()) return Fail(steps.status());
+  std::fputs(steps->c_str(), stdout);
   return 0;
 }
 

@@ -3,7 +3,10 @@
 // shard with consistent shard.index and sync.peers, a worker TOML and an isthmusctl env file
 // per site, and a summary (README.txt, fleet.json) saying which folder goes where and which
 // ports to open. PlanFleet checks the options and writes nothing; WriteFleet writes a plan.
-// docs/CLI.md ("fleet init") and docs/DEPLOY.md ("Bootstrap a fleet") are the reference.
+// `fleet add-site` reads the plan back from fleet.json and adds one site to it without
+// touching any existing key (PlanAddSite, WriteAddedSite).
+// docs/CLI.md ("fleet init", "fleet add-site") and docs/DEPLOY.md ("Bootstrap a fleet",
+// "Adding a site") are the reference.
 //
 // Layout of OUT (one folder per site, meant to become /etc/isthmus on its shard host):
 //   OUT/README.txt, OUT/fleet.json           the summary
@@ -53,6 +56,7 @@ struct FleetSite {
   int base_port = 0;
   std::string etc_dir;   // {site} replaced
   std::string data_dir;  // {site} replaced
+  bool added = false;    // by fleet add-site: it joins the running jobs instead of creating them
   int WorkerPort(int shard) const { return base_port + kFleetPortsPerShard * shard; }
   int AdminPort(int shard) const { return WorkerPort(shard) + 1; }
   int PeerPort(int shard) const { return WorkerPort(shard) + 2; }
@@ -95,5 +99,42 @@ void AddFleetInitFlags(CLI::App* cmd, FleetOptions& o);
 // PlanFleet + WriteFleet, printing the summary. Exit codes: 0; 2 bad options; 1 when OUT is
 // not empty (without --force) or a file cannot be written.
 int CmdFleetInit(const FleetOptions& o);
+
+// `isthmusctl fleet add-site`: one more site in a fleet fleet init wrote, with keys of its own
+// and no existing key changed (docs/DEPLOY.md, "Adding a site").
+struct FleetAddOptions {
+  std::string out_dir;    // --out DIR: the folder fleet init wrote (its fleet.json)
+  std::string site;       // --site NAME
+  std::string host;       // --host ADDR (default 127.0.0.1)
+  std::string base_port;  // --base-port PORT (default: as fleet init lays ports out)
+  std::string etc_dir;    // --etc, --data: default the pattern the fleet's sites follow
+  std::string data_dir;
+  bool force = false;  // replace the folder of an add-site that did not finish
+};
+
+// The plan fleet init recorded in OUT/fleet.json (sites, hosts, ports, folders, settings,
+// sync.dial, the operator key, metrics, the job). NotFound without the file, InvalidArgument
+// for one that is not fleet init's.
+Result<FleetPlan> ReadFleet(const std::string& out_dir);
+
+// The fleet's plan with the new site last, checked as PlanFleet checks (name, host, folders,
+// ports). AlreadyExists when the fleet has the site already; nothing is written.
+Result<FleetPlan> PlanAddSite(const FleetAddOptions& o);
+
+// Writes the last site of `plan` (from PlanAddSite) into plan.out_dir: its folder as fleet
+// init writes a site's (new shard and worker key pairs, the first site's admin allowlist, the
+// other sites' shard keys on its peer allowlists, configs), each existing site's new peer key
+// (keys/peers-I/NEW-I.pub) and sync.peers entry (added to the file as it is: an operator's
+// edits stay), then README.txt and fleet.json. Every config is loaded back with the server's
+// loader, and the existing sites' files change only once everything else is written and
+// checked (AlreadyExists for a leftover folder without plan.force, FailedPrecondition for a
+// config it cannot edit: nothing changed). Returns what each site does next.
+Result<std::string> WriteAddedSite(const FleetPlan& plan);
+
+void AddFleetAddSiteFlags(CLI::App* cmd, FleetAddOptions& o);
+
+// PlanAddSite + WriteAddedSite, printing the steps. Exit codes: 0; 1 the site exists or a
+// config cannot be edited; 2 bad options; 4 no fleet.json; 6 a file cannot be written.
+int CmdFleetAddSite(const FleetAddOptions& o);
 
 }  // namespace isthmus::ctl

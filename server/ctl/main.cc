@@ -3,7 +3,8 @@
 // ctl_fleet.cc; what they share with this file is in ctl_common.h). Every command that talks to
 // shards takes the same connection flags; a command addressed to a site acts on all its shards
 // (given in shard order with --server). Exit codes: the shared table (common/exit_codes.h); `sync
-// verify` exits 1 when digests differ. docs/CLI.md is the reference.
+// verify` exits 1 when digests differ, 3 when a site is no longer a member. docs/CLI.md is the
+// reference.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -26,6 +27,7 @@
 #include "server/ctl/common.h"
 #include "server/ctl/fleet.h"
 #include "server/ctl/top.h"
+#include "server/ctl/verify.h"
 
 namespace isthmus {
 namespace {
@@ -259,9 +261,10 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
     std::printf("shard %zu (%s): site %s, sync %s\n", i, c.servers[i].c_str(),
                 st->site.empty() ? "-" : st->site.c_str(), st->enabled ? "on" : "off");
     for (const auto& j : st->jobs) {
-      std::printf("  job %-16s local round %llu, committed %llu, limit %llu ahead%s%s\n",
+      std::printf("  job %-16s local round %llu, committed %llu, limit %llu ahead%s%s%s\n",
                   j.job.c_str(), (unsigned long long)j.local_round,
                   (unsigned long long)j.committed_round, (unsigned long long)j.max_rounds_ahead,
+                  ctl::WaitingForWan(j) ? "; workers waiting for the WAN" : "",
                   j.detail.empty() ? "" : "; ", j.detail.c_str());
       std::string members;
       for (const auto& m : j.members) members += (members.empty() ? "" : ",") + m;
@@ -283,7 +286,12 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
                 "ACKED", "LAG", "WIRE SENT", "WIRE RECV", "WIRE x", "PAYLOAD", "PAYL x",
                 "BANDWIDTH");
     for (const auto& l : st->links) {
-      const char* state = l.paused ? "paused" : l.connected ? "connected" : "down";
+      // A peer removed from every job here stays in sync.peers but carries nothing: not "down".
+      const auto removed = ctl::PeerRemovedFrom(*st, l.site);
+      const std::string state = removed       ? "removed (round " + std::to_string(*removed) + ")"
+                                : l.paused    ? "paused"
+                                : l.connected ? "connected"
+                                              : "down";
       char ratio[16], wire_ratio[16];
       std::snprintf(ratio, sizeof ratio, l.compression_ratio > 0 ? "%.1fx" : "-",
                     l.compression_ratio);
@@ -291,19 +299,21 @@ int CmdSyncStatus(const Connection& c, bool as_json) {
       std::vector<PeerLinkReport::Job> jobs = l.jobs;
       if (jobs.empty()) jobs.push_back({"-", 0, 0, 0});
       for (const auto& j : jobs) {
-        std::printf(
-            "  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", l.site.c_str(), state,
-            j.job.c_str(), l.jobs.empty() ? "-" : std::to_string(j.acked_round).c_str(),
-            l.jobs.empty() ? "-" : std::to_string(j.lag_rounds).c_str(),
-            HumanBytes(l.wire_bytes_sent).c_str(), HumanBytes(l.wire_bytes_received).c_str(),
-            wire_ratio, HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
+        std::printf("  %-12s %-10s %-16s %6s %6s %11s %11s %7s %11s %7s %12s\n", l.site.c_str(),
+                    state.c_str(), j.job.c_str(),
+                    l.jobs.empty() || removed ? "-" : std::to_string(j.acked_round).c_str(),
+                    l.jobs.empty() || removed ? "-" : std::to_string(j.lag_rounds).c_str(),
+                    HumanBytes(l.wire_bytes_sent).c_str(),
+                    HumanBytes(l.wire_bytes_received).c_str(), wire_ratio,
+                    HumanBytes(l.bytes_sent).c_str(), ratio, Rate(l.bandwidth_bps).c_str());
       }
       std::printf(
           "  %-12s %s; %llu messages sent, %llu received, %llu connections, "
-          "%llu keep-alives, TCP/IP headers ~%s (estimated)\n",
+          "%llu keep-alives, TCP/IP headers ~%s (estimated); last heard %.0f s ago\n",
           "", l.dials ? "we dial" : "peer dials", (unsigned long long)l.messages_sent,
           (unsigned long long)l.messages_received, (unsigned long long)l.connections,
-          (unsigned long long)l.keepalives, HumanBytes(l.tcp_bytes_estimate).c_str());
+          (unsigned long long)l.keepalives, HumanBytes(l.tcp_bytes_estimate).c_str(),
+          l.silent_seconds);
       if (!l.last_error.empty()) std::printf("  %-12s last error: %s\n", "", l.last_error.c_str());
     }
   }
@@ -459,8 +469,10 @@ Result<std::pair<std::string, std::vector<std::string>>> SplitSiteArg(const std:
   return std::make_pair(text.substr(0, eq), items);
 }
 
-// Exit code 0: every shard's committed digests agree on every round all sites committed;
-// 1: a round differs (printed); other codes as for every command.
+// Exit code 0: every shard's committed digests agree on every round all sites hold under one
+// membership; 1: a round differs (printed); 3: they agree, but a site is no longer a member of
+// a job (removed or left: only rounds before that were compared; printed with the remedy);
+// other codes as for every command. The comparison is ctl::CompareDigests (verify.h).
 int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_texts,
                   const std::vector<std::string>& site_key_texts, std::vector<std::string> jobs,
                   bool as_json) {
@@ -501,7 +513,7 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
     clients.push_back(std::move(*cl));
   }
   json report = json::array();
-  bool differ = false;
+  bool differ = false, not_member = false;
   for (size_t shard = 0; shard < shards; ++shard) {
     std::vector<std::string> shard_jobs = jobs;
     if (shard_jobs.empty()) {
@@ -520,67 +532,22 @@ int CmdSyncVerify(const Connection& c, const std::vector<std::string>& site_text
         }
         per_site.push_back(std::move(*d));
       }
-      std::vector<std::map<uint64_t, std::string>> maps;
-      uint64_t common = UINT64_MAX;
-      for (const auto& d : per_site) {
-        maps.emplace_back(d.digests.begin(), d.digests.end());
-        common = std::min(common, d.committed_round);
+      std::vector<ctl::VerifySite> compared;
+      for (size_t s = 0; s < sites.size(); ++s) {
+        compared.push_back({sites[s].name, std::move(per_site[s])});
       }
-      json row{{"shard", shard}, {"job", job}, {"common_round", common}};
-      json committed = json::object();
-      for (size_t s = 0; s < sites.size(); ++s)
-        committed[sites[s].name] = per_site[s].committed_round;
-      row["committed"] = committed;
-      std::optional<uint64_t> first_diff;
-      uint64_t compared = 0;
-      for (uint64_t r = 0; r <= common && !first_diff; ++r) {
-        auto it0 = maps[0].find(r);
-        bool all_have = it0 != maps[0].end();
-        for (size_t s = 1; s < maps.size() && all_have; ++s) {
-          auto it = maps[s].find(r);
-          if (it == maps[s].end()) {
-            all_have = false;
-          } else if (it->second != it0->second) {
-            first_diff = r;
-          }
-        }
-        if (all_have && !first_diff) ++compared;
+      ctl::VerifyOutcome v = ctl::CompareDigests(shard, job, compared);
+      differ |= v.kind == ctl::VerifyOutcome::kDiffer;
+      not_member |= v.kind == ctl::VerifyOutcome::kRemoved;
+      if (!as_json) {
+        for (const auto& line : v.lines) std::printf("%s\n", line.c_str());
       }
-      row["rounds_compared"] = compared;
-      if (first_diff) {
-        differ = true;
-        row["agree"] = false;
-        row["first_differing_round"] = *first_diff;
-        json d = json::object();
-        for (size_t s = 0; s < sites.size(); ++s) d[sites[s].name] = maps[s][*first_diff];
-        row["digests"] = d;
-        if (!as_json) {
-          std::printf("shard %zu job %s: DIFFER at round %llu\n", shard, job.c_str(),
-                      (unsigned long long)*first_diff);
-          for (size_t s = 0; s < sites.size(); ++s) {
-            std::printf("  %-12s %s\n", sites[s].name.c_str(), maps[s][*first_diff].c_str());
-          }
-        }
-      } else {
-        row["agree"] = true;
-        if (!as_json) {
-          std::string per;
-          for (size_t s = 0; s < sites.size(); ++s) {
-            per +=
-                (s ? ", " : "") + sites[s].name + " " + std::to_string(per_site[s].committed_round);
-          }
-          std::printf(
-              "shard %zu job %s: %zu sites agree on rounds 0..%llu (%llu digests compared; "
-              "committed: %s)\n",
-              shard, job.c_str(), sites.size(), (unsigned long long)common,
-              (unsigned long long)compared, per.c_str());
-        }
-      }
-      report.push_back(row);
+      report.push_back(std::move(v.row));
     }
   }
   if (as_json) std::printf("%s\n", report.dump(2).c_str());
-  return differ ? 1 : 0;
+  if (differ) return kExitFailure;
+  return not_member ? kExitRefused : kExitOk;
 }
 
 }  // namespace
@@ -624,6 +591,12 @@ int main(int argc, char** argv) {
       "and sync.peers), a worker TOML and an isthmusctl env file per site, and a summary");
   ctl::FleetOptions fleet_options;
   ctl::AddFleetInitFlags(fleet_init, fleet_options);
+  auto* fleet_add_site = fleet->add_subcommand(
+      "add-site",
+      "add one site to a fleet that fleet init wrote: its own new keys and configs, and its "
+      "shards on every existing site's peer allowlists and sync.peers (no existing key changes)");
+  ctl::FleetAddOptions fleet_add_options;
+  ctl::AddFleetAddSiteFlags(fleet_add_site, fleet_add_options);
 
   auto* job = app.add_subcommand("job", "create or describe a job");
   job->require_subcommand(1);
@@ -686,9 +659,11 @@ int main(int argc, char** argv) {
       sync->add_subcommand("resume", "restart a paused peer link and send what the peer lacks");
   AddConnectionFlags(sync_resume, conn);
   sync_resume->add_option("--peer", peer_site, "the peer site")->required();
-  auto* sync_verify = sync->add_subcommand("verify",
-                                           "compare committed-round digests of same-numbered "
-                                           "shards across sites; exit 0 agree, 1 differ");
+  auto* sync_verify = sync->add_subcommand(
+      "verify",
+      "compare committed-round digests of same-numbered shards across sites, over the rounds "
+      "every site holds under one membership; exit 0 agree, 1 differ, 3 a site is no longer a "
+      "member");
   AddConnectionFlags(sync_verify, conn);
   sync_verify
       ->add_option("--site", verify_sites,
@@ -769,6 +744,7 @@ int main(int argc, char** argv) {
   if (*status) return CmdStatus(conn, as_json);
   if (*top) return ctl::CmdTop(conn, top_options, top->count("--timeout-ms") > 0);
   if (*fleet_init) return ctl::CmdFleetInit(fleet_options);
+  if (*fleet_add_site) return ctl::CmdFleetAddSite(fleet_add_options);
   if (*job_create) return CmdJobCreate(conn, job_name, from_file, base_hash);
   if (*job_describe) return CmdJobDescribe(conn, job_name, as_json);
   if (*snap_create) return CmdSnapshot(conn, "create", snap_name, as_json);

@@ -113,6 +113,13 @@ void AppendWrapped(std::vector<std::string>& lines, const std::string& text,
   if (!fresh) lines.push_back(line);
 }
 
+// "2/2", rounds ahead of the last commit and the limit, with " WAIT" once workers wait.
+std::string AheadText(const SyncJobReport& r) {
+  const uint64_t ahead = r.local_round > r.committed_round ? r.local_round - r.committed_round : 0;
+  return std::to_string(ahead) + "/" + std::to_string(r.max_rounds_ahead) +
+         (WaitingForWan(r) ? " WAIT" : "");
+}
+
 std::string PipelinesText(const std::map<std::string, uint64_t>& pipelines) {
   std::string out;
   for (const auto& [pipe, tensors] : pipelines) {
@@ -140,8 +147,9 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
              (unsigned long long)st.requests, (unsigned long long)st.errors,
              HumanBytes(st.db_bytes).c_str()));
   if (!st.jobs.empty()) {
-    lines.push_back(Printf("  %-16s %6s %9s %9s %5s %-20s %s", "JOB", "ROUND", "COMMITTED",
-                           "PUSHES/S", "EPOCH", "MEMBERS", "CODEC (TENSORS, LAST ROUND)"));
+    lines.push_back(Printf("  %-16s %6s %9s %-8s %9s %5s %-20s %s", "JOB", "ROUND", "COMMITTED",
+                           "AHEAD/K", "PUSHES/S", "EPOCH", "MEMBERS",
+                           "CODEC (TENSORS, LAST ROUND)"));
     for (const auto& j : st.jobs) {
       auto it = std::find_if(sync.jobs.begin(), sync.jobs.end(),
                              [&](const SyncJobReport& r) { return r.job == j.job; });
@@ -153,9 +161,9 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
       }
       auto pushes = rates.job_pushes.find(j.job);
       std::string line = Printf(
-          "  %-16s %6s %9s %9s %5s %-20s ", Clip(j.job, 16).c_str(),
+          "  %-16s %6s %9s %-8s %9s %5s %-20s ", Clip(j.job, 16).c_str(),
           r ? std::to_string(r->local_round).c_str() : "-",
-          r ? std::to_string(r->committed_round).c_str() : "-",
+          r ? std::to_string(r->committed_round).c_str() : "-", r ? AheadText(*r).c_str() : "-",
           PushesText(pushes == rates.job_pushes.end() ? std::nullopt : pushes->second).c_str(),
           r ? std::to_string(r->epoch).c_str() : "-", Clip(members, 20).c_str());
       line += r ? PipelinesText(r->pipelines) : "-";
@@ -163,10 +171,18 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
     }
   }
   if (sync.links.empty()) return;
-  lines.push_back(Printf("  %-12s %-10s %-16s %4s %6s %11s %10s %11s %10s %11s %7s", "PEER",
-                         "STATE", "JOB", "LAG", "ACKED", "BANDWIDTH", "WIRE SENT", "SENT/S",
-                         "WIRE RECV", "RECV/S", "RESENDS"));
+  lines.push_back(Printf("  %-12s %-9s %6s %-10s %4s %6s %11s %10s %11s %10s %11s %7s", "PEER",
+                         "STATE", "SILENT", "JOB", "LAG", "ACKED", "BANDWIDTH", "WIRE SENT",
+                         "SENT/S", "WIRE RECV", "RECV/S", "RESENDS"));
   for (const auto& l : sync.links) {
+    const std::string silent = Duration(static_cast<uint64_t>(std::max(0.0, l.silent_seconds)));
+    if (const auto removed = PeerRemovedFrom(sync, l.site)) {
+      // Still in sync.peers, but a member of no job here: its link carries nothing.
+      lines.push_back(Printf("  %-12s removed (round %llu), silent %s: a member of no job here",
+                             Clip(l.site, 12).c_str(), (unsigned long long)*removed,
+                             silent.c_str()));
+      continue;
+    }
     const char* state = l.paused ? "paused" : l.connected ? "connected" : "down";
     const auto lr = rates.links.find(l.site);
     const ShardRates::Link link_rates = lr == rates.links.end() ? ShardRates::Link{} : lr->second;
@@ -176,8 +192,9 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
       const auto& j = jobs[k];
       const bool has_job = !l.jobs.empty();
       std::string head =
-          Printf("  %-12s %-10s %-16s %4s %6s", Clip(l.site, 12).c_str(), k == 0 ? state : "",
-                 Clip(j.job, 16).c_str(), has_job ? std::to_string(j.lag_rounds).c_str() : "-",
+          Printf("  %-12s %-9s %6s %-10s %4s %6s", Clip(l.site, 12).c_str(), k == 0 ? state : "",
+                 k == 0 ? silent.c_str() : "", Clip(j.job, 10).c_str(),
+                 has_job ? std::to_string(j.lag_rounds).c_str() : "-",
                  has_job ? std::to_string(j.acked_round).c_str() : "-");
       if (k == 0) {
         head +=

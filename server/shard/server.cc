@@ -109,7 +109,7 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
           st.raw_bytes_sent, st.CompressionRatio(), st.bandwidth_bps, st.deltas_sent,
           st.deltas_acked, st.resends, st.auth_failures, st.refused, st.wire_bytes_sent,
           st.wire_bytes_received, st.tcp_bytes_estimate, st.WireRatio(), st.messages_sent,
-          st.messages_received, st.connections, st.keepalives, st.dials));
+          st.messages_received, st.connections, st.keepalives, st.dials, st.silent_seconds));
     }
   }
   std::vector<flatbuffers::Offset<wire::SyncJobState>> job_states;
@@ -183,19 +183,36 @@ Status DoSyncControl(const wire::SyncControl* req, uint64_t id, PeerLinks* links
   return Status::Ok();
 }
 
-Status DoDigests(const wire::DigestsRequest* req, uint64_t id, SyncEngine* engine, Reply& reply) {
+Status DoDigests(const wire::DigestsRequest* req, uint64_t id, const ServerConfig& c,
+                 SyncEngine* engine, Reply& reply) {
   if (engine == nullptr) {
     return Status::FailedPrecondition("this shard does not sync (set sync.site to turn it on)");
   }
   std::string job = req->job()->str();
   ISTHMUS_ASSIGN_OR_RETURN(auto digests, engine->Digests(job, req->from_round(), UINT64_MAX));
+  // The membership too: digests of sites that no longer merge the same rounds, or of rounds a
+  // joined site never held, are not for comparing (isthmusctl sync verify).
+  ISTHMUS_ASSIGN_OR_RETURN(SyncJobStatus js, engine->JobStatus(job));
   auto& fbb = reply.header;
   std::vector<flatbuffers::Offset<wire::RoundDigest>> out;
   for (const auto& [round, digest] : digests) {
     out.push_back(wire::CreateRoundDigest(fbb, round, fbb.CreateString(digest)));
   }
+  std::vector<flatbuffers::Offset<flatbuffers::String>> members;
+  for (const auto& m : js.members.sites) members.push_back(fbb.CreateString(m));
+  auto state = wire::CreateMembershipState(fbb, js.members.epoch, fbb.CreateVector(members),
+                                           js.members.from_round);
+  std::vector<flatbuffers::Offset<wire::RemovedSite>> removed;
+  for (const auto& [site, from] : js.removed) {
+    removed.push_back(wire::CreateRemovedSite(fbb, fbb.CreateString(site), from));
+  }
+  std::vector<flatbuffers::Offset<wire::SiteRound>> joined;
+  for (const auto& [site, from] : js.joined) {
+    joined.push_back(wire::CreateSiteRound(fbb, fbb.CreateString(site), from));
+  }
   auto body = wire::CreateDigestsReply(fbb, fbb.CreateString(job), engine->CommittedRound(job),
-                                       fbb.CreateVector(out));
+                                       fbb.CreateVector(out), fbb.CreateString(c.sync.site), state,
+                                       fbb.CreateVector(removed), fbb.CreateVector(joined));
   FinishEnvelope(reply.header, id, wire::Body::DigestsReply, body.Union());
   return Status::Ok();
 }
@@ -360,7 +377,7 @@ std::optional<Reply> HandleSyncAdmin(const Frames& msg, const WireLimits& limits
       s = DoSyncControl(env->body_as_SyncControl(), env->request_id(), links, reply);
       break;
     case wire::Body::DigestsRequest:
-      s = DoDigests(env->body_as_DigestsRequest(), env->request_id(), engine, reply);
+      s = DoDigests(env->body_as_DigestsRequest(), env->request_id(), c, engine, reply);
       break;
     case wire::Body::MembershipControl:
       s = DoMembershipControl(env->body_as_MembershipControl(), env->request_id(), engine, c,

@@ -834,6 +834,7 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
   s.version = j->version;
   s.members = j->members;
   s.removed = j->removed;
+  s.joined = j->joined;
   return s;
 }
 

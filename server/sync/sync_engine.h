@@ -66,6 +66,7 @@ struct SyncJobStatus {
   uint64_t version = 0;  // served version (increases whenever pulled values change)
   Membership members;    // who merges into the rounds from members.from_round on
   std::map<std::string, uint64_t> removed;  // site -> first round without it
+  std::map<std::string, uint64_t> joined;   // site -> first round it merged into, if it joined
   std::optional<MembershipChange> pending;  // a change agreed to or coordinated here
   std::string change_note;                  // outcome of the last change seen here (memory only)
   bool catching_up = false;                 // asking a member for its committed state

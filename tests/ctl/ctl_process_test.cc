@@ -1,9 +1,11 @@
-// isthmusctl fleet init and top against real isthmus-server processes on loopback (CURVE,
-// RocksDB). Fleet: a two-site, two-shard fleet written by fleet init starts from its files
-// unchanged, the job is created with nothing but the generated env files, rounds pushed with
-// the generated worker settings commit on every shard, and sync verify finds the sites
-// agreeing; and isthmus-worker ranks train with `--config worker.toml` as fleet init wrote
-// it. Top: JSON lines with rates from pushes made between two samples, plain
+// isthmusctl fleet init, fleet add-site and top against real isthmus-server processes on
+// loopback (CURVE, RocksDB). Fleet: a two-site, two-shard fleet written by fleet init starts
+// from its files unchanged, the job is created with nothing but the generated env files,
+// rounds pushed with the generated worker settings commit on every shard, and sync verify
+// finds the sites agreeing; a third site added with fleet add-site (every existing key file
+// unchanged) joins once the others restarted with the new configs, and the three agree from
+// the round it holds; and isthmus-worker ranks train with `--config worker.toml` as fleet
+// init wrote it. Top: JSON lines with rates from pushes made between two samples, plain
 // snapshots off a terminal, a shard that does not answer, and a clean stop by signal (on a
 // pseudo-terminal too).
 #include <fcntl.h>
@@ -14,12 +16,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <string>
@@ -186,6 +190,7 @@ class FleetProcessTest : public ::testing::Test {
     for (const std::string site : {"A", "B"}) {
       for (int i = 0; i < 2; ++i) {
         const std::string name = site + "-" + std::to_string(i);
+        names_.push_back(name);
         servers_.push_back(std::make_unique<Process>());
         servers_.back()->Start({Server(), "--config", (out_ / site / (name + ".toml")).string()},
                                (root_ / "logs" / (name + ".log")).string());
@@ -236,10 +241,11 @@ class FleetProcessTest : public ::testing::Test {
     return ShardClient::Connect(o).value();
   }
 
-  // Every shard of both sites commits `rounds`; then sync verify, with the endpoints and
-  // keys fleet.json names, finds the sites agreeing on every round.
-  void ExpectCommittedAndAgreeing(uint64_t rounds) {
-    for (size_t s = 0; s < 2; ++s) {
+  // Every shard of every site in fleet.json commits `rounds`; then sync verify, with the
+  // endpoints and keys fleet.json names, finds the sites agreeing on every round from `from`
+  // (the round a joined site holds first).
+  void ExpectCommittedAndAgreeing(uint64_t rounds, uint64_t from = 0) {
+    for (size_t s = 0; s < fleet_["sites"].size(); ++s) {
       for (int i = 0; i < 2; ++i) {
         auto admin = Admin(s, i);
         const auto end = std::chrono::steady_clock::now() + 60s;
@@ -268,17 +274,85 @@ class FleetProcessTest : public ::testing::Test {
     auto [vcode, vout] = Shell(verify);
     EXPECT_EQ(vcode, 0) << vout;
     for (int i = 0; i < 2; ++i) {
-      EXPECT_NE(vout.find("shard " + std::to_string(i) + " job j: 2 sites agree on rounds 0.." +
-                          std::to_string(rounds)),
+      EXPECT_NE(vout.find("shard " + std::to_string(i) + " job j: " +
+                          std::to_string(fleet_["sites"].size()) + " sites agree on rounds " +
+                          std::to_string(from) + ".." + std::to_string(rounds)),
                 std::string::npos)
           << vout;
     }
+  }
+
+  // Site s's delta of `round` pushed to each of its shards as its workers would, with the
+  // worker settings fleet init (or add-site) wrote: shards in order, their keys, the site's
+  // worker key.
+  void PushRound(size_t s, uint64_t round) {
+    const std::string site = fleet_["sites"][s]["site"].get<std::string>();
+    const auto cfg = toml::parse((out_ / site / "worker.toml").string());
+    const auto servers = toml::find<std::vector<std::string>>(cfg, "server");
+    const auto keys = toml::find<std::vector<std::string>>(cfg, "server-key");
+    ASSERT_EQ(toml::find<std::string>(cfg, "job"), "j");
+    ASSERT_EQ(servers.size(), 2u);
+    for (size_t i = 0; i < servers.size(); ++i) {
+      ClientOptions o;
+      o.endpoint = servers[i];
+      o.server_public_key = LoadPublicKeyFile(keys[i]).value();
+      o.client_keys = LoadKeyPairFile(toml::find<std::string>(cfg, "key")).value();
+      o.timeout_ms = 5000;
+      auto client = ShardClient::Connect(o).value();
+      auto describe = Admin(s, static_cast<int>(i))->DescribeJob("j");
+      ASSERT_TRUE(describe.ok()) << describe.status().ToString();
+      std::vector<std::vector<float>> deltas;
+      std::vector<TensorView> views;
+      for (const auto& t : describe->tensors) {
+        size_t n = 1;
+        for (auto dim : t.shape) n *= static_cast<size_t>(dim);
+        deltas.emplace_back(n);
+        for (size_t k = 0; k < n; ++k) {
+          deltas.back()[k] = 0.001f * std::cos(0.7f * k + round + 2.f * s);
+        }
+      }
+      for (size_t t = 0; t < describe->tensors.size(); ++t) {
+        views.push_back({describe->tensors[t].name, describe->tensors[t].shape, deltas[t].data()});
+      }
+      auto r = client->Push("j", site + "/r" + std::to_string(round) + "/s" + std::to_string(i),
+                            round, 1000, views);
+      ASSERT_TRUE(r.ok()) << site << " shard " << i << " round " << round << ": "
+                          << r.status().ToString();
+    }
+  }
+
+  // The shards of `site` from their TOMLs as they are now (appended to servers_, or replacing
+  // its earlier processes, one at a time); returns once they answer status from the site's env
+  // file.
+  void StartSite(const std::string& site) {
+    for (int i = 0; i < 2; ++i) {
+      const std::string name = site + "-" + std::to_string(i);
+      auto it = std::find(names_.begin(), names_.end(), name);
+      if (it == names_.end()) {
+        names_.push_back(name);
+        servers_.push_back(std::make_unique<Process>());
+        it = names_.end() - 1;
+      }
+      Process& p = *servers_[static_cast<size_t>(it - names_.begin())];
+      p.Stop(SIGTERM);
+      p.Start({Server(), "--config", (out_ / site / (name + ".toml")).string()},
+              (root_ / "logs" / (name + ".log")).string());
+    }
+    int rc = -1;
+    std::string text;
+    const auto end = std::chrono::steady_clock::now() + 60s;
+    while (rc != 0 && std::chrono::steady_clock::now() < end) {
+      std::tie(rc, text) = WithEnv(site, "status --timeout-ms 2000");
+      if (rc != 0) std::this_thread::sleep_for(200ms);
+    }
+    ASSERT_EQ(rc, 0) << text;
   }
 
   fs::path root_, out_;
   int base_a_ = 0, base_b_ = 0;
   json fleet_;
   std::vector<std::unique_ptr<Process>> servers_;
+  std::vector<std::string> names_;  // servers_[k] runs shard names_[k]
 };
 
 TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree) {
@@ -295,46 +369,10 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
                   .ok());
   ASSERT_NO_FATAL_FAILURE(CreateJob(init));
 
-  // Rounds pushed as a site's workers would, with the generated worker settings: shards in
-  // order, their keys, the site's worker key.
+  // Rounds pushed as a site's workers would, with the generated worker settings.
   constexpr uint64_t kRounds = 3;
   for (uint64_t round = 1; round <= kRounds; ++round) {
-    for (size_t s = 0; s < 2; ++s) {
-      const std::string site = fleet_["sites"][s]["site"].get<std::string>();
-      const auto cfg = toml::parse((out_ / site / "worker.toml").string());
-      const auto servers = toml::find<std::vector<std::string>>(cfg, "server");
-      const auto keys = toml::find<std::vector<std::string>>(cfg, "server-key");
-      ASSERT_EQ(toml::find<std::string>(cfg, "job"), "j");
-      ASSERT_EQ(servers.size(), 2u);
-      for (size_t i = 0; i < servers.size(); ++i) {
-        ClientOptions o;
-        o.endpoint = servers[i];
-        o.server_public_key = LoadPublicKeyFile(keys[i]).value();
-        o.client_keys = LoadKeyPairFile(toml::find<std::string>(cfg, "key")).value();
-        o.timeout_ms = 5000;
-        auto client = ShardClient::Connect(o).value();
-        auto describe = Admin(s, static_cast<int>(i))->DescribeJob("j");
-        ASSERT_TRUE(describe.ok()) << describe.status().ToString();
-        std::vector<std::vector<float>> deltas;
-        std::vector<TensorView> views;
-        for (const auto& t : describe->tensors) {
-          size_t n = 1;
-          for (auto dim : t.shape) n *= static_cast<size_t>(dim);
-          deltas.emplace_back(n);
-          for (size_t k = 0; k < n; ++k) {
-            deltas.back()[k] = 0.001f * std::cos(0.7f * k + round + 2.f * s);
-          }
-        }
-        for (size_t t = 0; t < describe->tensors.size(); ++t) {
-          views.push_back(
-              {describe->tensors[t].name, describe->tensors[t].shape, deltas[t].data()});
-        }
-        auto r = client->Push("j", site + "/r" + std::to_string(round) + "/s" + std::to_string(i),
-                              round, 1000, views);
-        ASSERT_TRUE(r.ok()) << site << " shard " << i << " round " << round << ": "
-                            << r.status().ToString();
-      }
-    }
+    for (size_t s = 0; s < 2; ++s) ASSERT_NO_FATAL_FAILURE(PushRound(s, round));
   }
   ExpectCommittedAndAgreeing(kRounds);
   // Each shard serves its metrics where fleet init put them.
@@ -350,6 +388,75 @@ TEST_F(FleetProcessTest, TwoSitesStartFromTheGeneratedFilesCommitRoundsAndAgree)
   EXPECT_EQ(tcode, 0) << tout;
   EXPECT_NE(tout.find("2 of 2 shards up"), std::string::npos) << tout;
   EXPECT_NE(tout.find("int8+zstd"), std::string::npos) << "the codec of the last round\n" << tout;
+}
+
+TEST_F(FleetProcessTest, ASiteAddedWithAddSiteJoinsOnceTheOthersRestartedAndAgrees) {
+  ASSERT_NO_FATAL_FAILURE(InitFleet());
+  ASSERT_NO_FATAL_FAILURE(StartShards());
+  std::vector<float> w(16 * 8), b(8);
+  for (auto* v : {&w, &b}) {
+    for (size_t k = 0; k < v->size(); ++k) (*v)[k] = 0.01f * std::sin(0.3f * k + v->size());
+  }
+  const fs::path init = root_ / "init.safetensors";
+  ASSERT_TRUE(WriteSafetensors(init.string(), {{"w", {16, 8}, w}, {"b", {8}, b}}, {}).ok());
+  ASSERT_NO_FATAL_FAILURE(CreateJob(init));
+  for (uint64_t round = 1; round <= 2; ++round) {
+    for (size_t s = 0; s < 2; ++s) ASSERT_NO_FATAL_FAILURE(PushRound(s, round));
+  }
+  ExpectCommittedAndAgreeing(2);
+
+  // Site C, on this host at ports of its own; the existing keys stay as they were.
+  int base_c = 0;
+  for (int tries = 0; tries < 100; ++tries) {
+    base_c = testing::FreePortRange(14);
+    if (std::abs(base_c - base_a_) >= 14 && std::abs(base_c - base_b_) >= 14) break;
+  }
+  std::map<std::string, std::string> keys_before;
+  for (const auto& e : fs::recursive_directory_iterator(out_)) {
+    const auto ext = e.path().extension();
+    if (ext == ".key" || ext == ".pub") {
+      std::ifstream in(e.path());
+      keys_before[e.path().string()] = std::string(std::istreambuf_iterator<char>(in), {});
+    }
+  }
+  auto [code, steps] = Shell(std::string(Ctl()) + " fleet add-site --out " + Quote(out_.string()) +
+                             " --site C --host 127.0.0.1 --base-port " + std::to_string(base_c));
+  ASSERT_EQ(code, 0) << steps;
+  EXPECT_NE(steps.find("systemctl restart isthmus-server@A-0 isthmus-server@A-1"),
+            std::string::npos)
+      << steps;
+  EXPECT_NE(steps.find("isthmusctl sync join --from A -j j"), std::string::npos) << steps;
+  EXPECT_NE(steps.find("isthmusctl sync invite --site C -j j"), std::string::npos) << steps;
+  for (const auto& [path, text] : keys_before) {
+    std::ifstream in(path);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), text) << path << " changed";
+  }
+  auto [again, again_out] =
+      Shell(std::string(Ctl()) + " fleet add-site --out " + Quote(out_.string()) + " --site C");
+  EXPECT_EQ(again, 1) << again_out;
+  EXPECT_NE(again_out.find("already in the fleet"), std::string::npos) << again_out;
+  std::ifstream fleet_file(out_ / "fleet.json");
+  fleet_ = json::parse(fleet_file);
+  ASSERT_EQ(fleet_["sites"].size(), 3u);
+
+  // As the steps say: each existing site restarts its shards with their new configs, then C
+  // starts and joins from A.
+  ASSERT_NO_FATAL_FAILURE(StartSite("A"));
+  ASSERT_NO_FATAL_FAILURE(StartSite("B"));
+  ASSERT_NO_FATAL_FAILURE(StartSite("C"));
+  auto [icode, iout] = WithEnv("A", "sync invite --site C -j j");
+  ASSERT_EQ(icode, 0) << iout;
+  auto [jcode, jout] = WithEnv("C", "sync join --from A -j j --wait 90");
+  ASSERT_EQ(jcode, 0) << jout;
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_NE(jout.find("shard " + std::to_string(i) +
+                        ": job j: applied: add C from round 3 (epoch 1), coordinated by A"),
+              std::string::npos)
+        << jout;
+  }
+  // Round 3 merges all three; the sites agree from the round C holds first (2).
+  for (size_t s = 0; s < 3; ++s) ASSERT_NO_FATAL_FAILURE(PushRound(s, 3));
+  ExpectCommittedAndAgreeing(3, 2);
 }
 
 TEST_F(FleetProcessTest, WorkersTrainFromTheGeneratedWorkerToml) {

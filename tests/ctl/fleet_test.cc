@@ -1,13 +1,17 @@
 // isthmusctl fleet init, in process: the files it writes (key modes, allowlist folders of
 // public keys only, shard configs the server's loader accepts, consistent shard.index and
 // sync.peers across sites, worker TOML and env file), and what it refuses (a non-empty
-// folder, unknown or fleet-managed settings, bad values, bad site names, port clashes).
+// folder, unknown or fleet-managed settings, bad values, bad site names, port clashes). And
+// fleet add-site: a third site with keys of its own while every existing key file stays
+// byte for byte, configs the server's loader accepts with consistent peers everywhere, an
+// operator's edits kept, and a site that exists (or bad options) refused with nothing changed.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <toml.hpp>
 
@@ -375,6 +379,234 @@ TEST(FleetInit, OneSiteHasNoPeers) {
   EXPECT_TRUE(c.sync_peers.empty());
   EXPECT_TRUE(fs::is_empty(out / "solo" / "keys" / "peers-0"));
   EXPECT_EQ(summary->find("sync verify"), std::string::npos) << "nothing to compare with";
+}
+
+// --- fleet add-site -----------------------------------------------------------------------
+
+// Every file under `dir`: path relative to it -> contents.
+std::map<std::string, std::string> Files(const fs::path& dir) {
+  std::map<std::string, std::string> out;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) out[fs::relative(e.path(), dir).string()] = Read(e.path());
+  }
+  return out;
+}
+
+Result<std::string> AddSite(const fs::path& out, const std::string& site,
+                            const std::string& host = "") {
+  FleetAddOptions o;
+  o.out_dir = out.string();
+  o.site = site;
+  o.host = host;
+  ISTHMUS_ASSIGN_OR_RETURN(FleetPlan plan, PlanAddSite(o));
+  return WriteAddedSite(plan);
+}
+
+TEST(FleetAddSite, ANewSiteGetsItsOwnKeysAndEveryExistingKeyStaysAsItWas) {
+  TempDir tmp;
+  const fs::path out = tmp.path() / "fleet";
+  FleetOptions o = TwoSites(out);
+  o.job = "demo";
+  o.settings = {"sync.codec=int8+zstd", "sync.max_rounds_ahead=3"};
+  ASSERT_TRUE(Init(o).ok());
+  // An operator's edit of a shard config: it must survive.
+  { std::ofstream(out / "alpha" / "alpha-1.toml", std::ios::app) << "# tuned by hand\n"; }
+  const auto before = Files(out);
+
+  auto steps = AddSite(out, "gamma", "10.2.0.1");
+  ASSERT_TRUE(steps.ok()) << steps.status().ToString();
+  const auto after = Files(out);
+  // Every file that was there is unchanged, but for the shard configs (one entry more in
+  // sync.peers), README.txt and fleet.json: no key, allowlist or other file changed.
+  for (const auto& [path, text] : before) {
+    ASSERT_TRUE(after.count(path)) << path << " was removed";
+    const bool config = path.size() > 5 && path.substr(path.size() - 5) == ".toml" &&
+                        path.find("worker.toml") == std::string::npos;
+    if (config || path == "README.txt" || path == "fleet.json") continue;
+    EXPECT_EQ(after.at(path), text) << path << " changed";
+  }
+  // What is new outside gamma's folder: only gamma's shard keys on the peer allowlists.
+  std::set<std::string> added_elsewhere;
+  for (const auto& [path, text] : after) {
+    if (!before.count(path) && path.rfind("gamma/", 0) != 0) added_elsewhere.insert(path);
+  }
+  EXPECT_EQ(
+      added_elsewhere,
+      (std::set<std::string>{"alpha/keys/peers-0/gamma-0.pub", "alpha/keys/peers-1/gamma-1.pub",
+                             "beta/keys/peers-0/gamma-0.pub", "beta/keys/peers-1/gamma-1.pub"}));
+  EXPECT_NE(after.at("alpha/alpha-1.toml").find("# tuned by hand\n"), std::string::npos);
+  // gamma's folder is laid out as fleet init lays out a site's.
+  EXPECT_EQ(Names(out / "gamma"), (std::set<std::string>{"gamma-0.toml", "gamma-1.toml",
+                                                         "worker.toml", "isthmusctl.env", "keys"}));
+  EXPECT_EQ(Names(out / "gamma" / "keys"),
+            (std::set<std::string>{"gamma-0.key", "gamma-0.pub", "gamma-1.key", "gamma-1.pub",
+                                   "worker.key", "worker.pub", "workers", "admins", "peers-0",
+                                   "peers-1"}));
+  struct stat st {};
+  ASSERT_EQ(::stat((out / "gamma" / "keys" / "gamma-0.key").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // The fleet's admin key administers gamma too; gamma's workers have their own key.
+  EXPECT_EQ(LoadPublicKeys({(out / "gamma" / "keys" / "admins").string()}).value(),
+            std::vector<std::string>{
+                LoadKeyPairFile((out / "admin" / "admin.key").string())->public_key});
+  EXPECT_EQ(LoadPublicKeys({(out / "gamma" / "keys" / "workers").string()}).value(),
+            std::vector<std::string>{
+                LoadKeyPairFile((out / "gamma" / "keys" / "worker.key").string())->public_key});
+  EXPECT_NE(LoadKeyPairFile((out / "gamma" / "keys" / "worker.key").string())->public_key,
+            LoadKeyPairFile((out / "alpha" / "keys" / "worker.key").string())->public_key);
+
+  // Every shard of the three sites: loaded and checked as isthmus-server does, its peers
+  // exactly the same-numbered shard of the other two, at their peer endpoints, with the keys
+  // of their secret keys, and those keys on its peer allowlist.
+  for (int i = 0; i < 2; ++i) {
+    std::map<std::string, ServerConfig> cfg;
+    for (const std::string site : {"alpha", "beta", "gamma"}) cfg[site] = LoadShard(out, site, i);
+    for (const auto& [site, c] : cfg) {
+      EXPECT_EQ(c.sync.codec, "int8+zstd") << site;
+      EXPECT_EQ(c.sync.max_rounds_ahead, 3) << site;
+      auto peers = ParsePeerSpecs(c.sync_peers);
+      ASSERT_TRUE(peers.ok()) << peers.status().ToString();
+      std::set<std::string> listed, keys;
+      for (const auto& p : *peers) {
+        listed.insert(p.site);
+        ASSERT_TRUE(cfg.count(p.site)) << p.site;
+        EXPECT_EQ(p.endpoint, cfg.at(p.site).listen_peer) << site << " -> " << p.site;
+        auto key = LoadPublicKeyFile(p.public_key_file);
+        ASSERT_TRUE(key.ok()) << key.status().ToString();
+        EXPECT_EQ(*key, LoadKeyPairFile(cfg.at(p.site).secret_key)->public_key);
+        keys.insert(*key);
+      }
+      std::set<std::string> others;
+      for (const auto& [other, unused] : cfg) {
+        if (other != site) others.insert(other);
+      }
+      EXPECT_EQ(listed, others) << site << "-" << i;
+      auto allowed = LoadPublicKeys(c.peer_keys);
+      ASSERT_TRUE(allowed.ok());
+      EXPECT_EQ(std::set<std::string>(allowed->begin(), allowed->end()), keys) << site;
+    }
+    EXPECT_EQ(cfg.at("gamma").listen_peer, "tcp://10.2.0.1:" + std::to_string(7102 + 10 * i));
+    EXPECT_EQ(cfg.at("gamma").data_dir,
+              (out / "data" / "gamma" / ("gamma-" + std::to_string(i))).string());
+  }
+  EXPECT_NE(Read(out / "gamma" / "worker.toml").find("job = \"demo\""), std::string::npos);
+  // fleet.json and README.txt describe three sites; the steps say what each site does.
+  std::ifstream fleet_file(out / "fleet.json");
+  const auto fleet = nlohmann::json::parse(fleet_file);
+  ASSERT_EQ(fleet["sites"].size(), 3u);
+  EXPECT_EQ(fleet["sites"][2]["site"], "gamma");
+  EXPECT_EQ(fleet["sites"][2]["peer_dialled_by"], (nlohmann::json{"alpha", "beta"}));
+  EXPECT_EQ(fleet["sites"][2]["added"], true);
+  EXPECT_FALSE(fleet["sites"][0].contains("added"));
+  EXPECT_EQ(fleet["job"], "demo");
+  const std::string readme = Read(out / "README.txt");
+  EXPECT_NE(readme.find("sites alpha, beta, gamma"), std::string::npos) << readme;
+  EXPECT_NE(readme.find("except on the sites added later (gamma)"), std::string::npos) << readme;
+  EXPECT_NE(readme.find("isthmusctl sync join --from alpha -j demo"), std::string::npos) << readme;
+  for (const std::string want :
+       {"systemctl restart isthmus-server@alpha-0 isthmus-server@alpha-1",
+        "systemctl restart isthmus-server@beta-0 isthmus-server@beta-1",
+        "systemctl start isthmus-server@gamma-0 isthmus-server@gamma-1",
+        "isthmusctl sync join --from alpha -j demo", "isthmusctl sync invite --site gamma -j demo",
+        "no key of alpha changed",
+        "7102,7112 peers: open to 10.0.0.1 (alpha), 10.1.0.1 (beta)"}) {
+    EXPECT_NE(steps->find(want), std::string::npos) << want << "\n" << *steps;
+  }
+
+  // Again: refused, and nothing changes.
+  const auto done = Files(out);
+  auto again = AddSite(out, "gamma", "10.2.0.1");
+  ASSERT_FALSE(again.ok());
+  EXPECT_EQ(again.status().code(), Code::kAlreadyExists);
+  EXPECT_NE(again.status().message().find("site 'gamma' is already in the fleet"),
+            std::string::npos)
+      << again.status().ToString();
+  EXPECT_NE(again.status().message().find("nothing was changed"), std::string::npos);
+  EXPECT_EQ(Files(out), done);
+}
+
+TEST(FleetAddSite, RefusesBadOptionsAndConfigsItCannotEditWithNothingChanged) {
+  TempDir tmp;
+  const fs::path out = tmp.path() / "fleet";
+  FleetOptions o = TwoSites(out);
+  o.hosts = {};  // both on 127.0.0.1: 7100 and 7200
+  ASSERT_TRUE(Init(o).ok());
+  const auto before = Files(out);
+  auto refused = [&](FleetAddOptions a, Code code, const std::string& says) {
+    auto plan = PlanAddSite(a);
+    Status s = plan.status();
+    if (plan.ok()) s = WriteAddedSite(*plan).status();
+    ASSERT_FALSE(s.ok()) << says;
+    EXPECT_EQ(s.code(), code) << s.ToString();
+    EXPECT_NE(s.message().find(says), std::string::npos) << s.ToString();
+    EXPECT_EQ(Files(out), before) << says;
+  };
+  FleetAddOptions a;
+  a.out_dir = out.string();
+  a.site = "be/ta";
+  refused(a, Code::kInvalidArgument, "is not valid");
+  a.site = "admin";
+  refused(a, Code::kInvalidArgument, "taken");
+  a.site = "beta";
+  refused(a, Code::kAlreadyExists, "already in the fleet");
+  a.site = "gamma";
+  a.base_port = "7210";
+  refused(a, Code::kInvalidArgument, "would share port 7210 with site beta");
+  a.base_port = "";
+  a.etc_dir = "relative";
+  refused(a, Code::kInvalidArgument, "absolute");
+  a.etc_dir = "";
+  FleetAddOptions nowhere = a;
+  nowhere.out_dir = (tmp.path() / "nofleet").string();
+  refused(nowhere, Code::kNotFound, "no fleet.json");
+  // A config whose sync.peers names the site already (an operator's entry).
+  {
+    std::ofstream(out / "beta" / "beta-1.toml", std::ios::app)
+        << "# the list below is an operator's\n";
+  }
+  const std::string beta1 = Read(out / "beta" / "beta-1.toml");
+  const std::string named = beta1.substr(0, beta1.find("peers = [") + 9) +
+                            "\n  \"gamma=tcp://10.9.9.9:7102=/x/gamma.pub\"," +
+                            beta1.substr(beta1.find("peers = [") + 9);
+  { std::ofstream(out / "beta" / "beta-1.toml") << named; }
+  const auto edited = Files(out);
+  auto plan = PlanAddSite(a);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->sites[2].base_port, 7300) << "the next free hundred on the shared host";
+  auto r = WriteAddedSite(*plan);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(r.status().message().find("beta-1.toml already names site gamma"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_EQ(Files(out), edited) << "nothing changed";
+}
+
+TEST(FleetAddSite, AddsToAListOnOneLineAndToAOneSiteFleet) {
+  TempDir tmp;
+  const fs::path out = tmp.path() / "fleet";
+  FleetOptions o = TwoSites(out);
+  o.sites = {"solo"};
+  o.hosts = {};
+  o.shards = 1;
+  ASSERT_TRUE(Init(o).ok());
+  ASSERT_TRUE(LoadShard(out, "solo", 0).sync_peers.empty());
+  auto steps = AddSite(out, "second");
+  ASSERT_TRUE(steps.ok()) << steps.status().ToString();
+  const ServerConfig solo = LoadShard(out, "solo", 0);
+  const ServerConfig second = LoadShard(out, "second", 0);
+  ASSERT_EQ(solo.sync_peers.size(), 1u);
+  EXPECT_EQ(solo.sync_peers[0].rfind("second=" + second.listen_peer + "=", 0), 0u)
+      << solo.sync_peers[0];
+  ASSERT_EQ(second.sync_peers.size(), 1u);
+  EXPECT_EQ(second.sync_peers[0].rfind("solo=" + solo.listen_peer + "=", 0), 0u);
+  EXPECT_EQ(second.listen_worker, "tcp://127.0.0.1:7200") << "solo holds 7100 on the same host";
+  // solo's list was "peers = []": it stays on one line, and a third site goes onto it.
+  const std::string text = Read(out / "solo" / "solo-0.toml");
+  EXPECT_NE(text.find("peers = [\"second=" + second.listen_peer + "="), std::string::npos) << text;
+  ASSERT_TRUE(AddSite(out, "third").ok());
+  EXPECT_EQ(LoadShard(out, "solo", 0).sync_peers.size(), 2u);
+  EXPECT_EQ(LoadShard(out, "second", 0).sync_peers.size(), 2u);
+  EXPECT_EQ(LoadShard(out, "third", 0).sync_peers.size(), 2u);
 }
 
 }  // namespace

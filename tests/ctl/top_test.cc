@@ -1,5 +1,7 @@
 // isthmusctl top's pure parts on made-up samples: rates between two samples (none on the
-// first, none across a restart), the JSON object of a refresh, and the text view's width.
+// first, none across a restart), the JSON object of a refresh, and the text view's width; a
+// removed peer shown as removed (not down), how long each link has been silent, and jobs
+// whose workers wait for the WAN.
 #include <gtest/gtest.h>
 
 #include "server/ctl/top.h"
@@ -148,6 +150,86 @@ TEST(TopText, ShardsJobsLinksAndDownWithin120Columns) {
   for (const auto& l : before) first_text += l + "\n";
   EXPECT_EQ(first_text.find("KiB/s"), std::string::npos) << first_text;
   EXPECT_NE(first_text.find("int8+zstd 6"), std::string::npos) << first_text;
+}
+
+// alpha-0 syncs "job" with beta; gamma was removed from round 3 but stays in sync.peers, its
+// link down. The site is 3 rounds ahead of its last commit with a limit of 2.
+ShardSample WithRemovedPeer() {
+  ShardSample s = Up("alpha-0", 100, 10, 1000, 500, 50.0);
+  s.sync->links[0].silent_seconds = 3.4;
+  PeerLinkReport gamma;
+  gamma.site = "gamma";
+  gamma.connected = false;
+  gamma.silent_seconds = 125.7;
+  gamma.jobs.push_back({"job", 2, 6, 4});
+  s.sync->links.push_back(gamma);
+  SyncJobReport& j = s.sync->jobs[0];
+  j.local_round = 6;
+  j.committed_round = 3;
+  j.max_rounds_ahead = 2;
+  j.epoch = 1;
+  j.members_from = 3;
+  j.removed = {{"gamma", 3}};
+  return s;
+}
+
+TEST(TopText, RemovedPeerIsNotDownLinksSayHowLongTheyWereSilentAndWaitingJobsShow) {
+  TopSample now;
+  now.unix_time = 1000.0;
+  now.shards = {WithRemovedPeer()};
+  const auto lines = TopText(now, nullptr, 2.0);
+  std::string all;
+  for (const auto& l : lines) {
+    EXPECT_LE(l.size(), 120u) << l;
+    all += l + "\n";
+  }
+  EXPECT_NE(all.find("\n  gamma        removed (round 3), silent 2m05s"), std::string::npos) << all;
+  for (const auto& l : lines) {
+    if (l.rfind("  gamma ", 0) == 0) EXPECT_EQ(l.find(" down "), std::string::npos) << l;
+  }
+  EXPECT_NE(all.find("SILENT"), std::string::npos) << all;
+  EXPECT_NE(all.find("  beta         connected     3s job"), std::string::npos) << all;
+  EXPECT_NE(all.find(" 3/2 WAIT "), std::string::npos) << "workers wait for the WAN\n" << all;
+
+  // One round less ahead: within the limit, no wait.
+  now.shards[0].sync->jobs[0].local_round = 5;
+  std::string within;
+  for (const auto& l : TopText(now, nullptr, 2.0)) within += l + "\n";
+  EXPECT_NE(within.find(" 2/2 "), std::string::npos) << within;
+  EXPECT_EQ(within.find("WAIT"), std::string::npos) << within;
+}
+
+TEST(TopJson, LinksCarrySilenceAndRemovalJobsWhetherWorkersWait) {
+  const ShardSample s = WithRemovedPeer();
+  const auto j = SyncStatusJson(*s.sync);
+  ASSERT_EQ(j["links"].size(), 2u);
+  EXPECT_DOUBLE_EQ(j["links"][0]["silent_s"].get<double>(), 3.4);
+  EXPECT_TRUE(j["links"][0]["removed_from_round"].is_null());
+  EXPECT_EQ(j["links"][1]["site"], "gamma");
+  EXPECT_EQ(j["links"][1]["removed_from_round"], 3);
+  EXPECT_TRUE(j["jobs"][0]["waiting_for_wan"].get<bool>());
+}
+
+TEST(PeerRemovedFrom, OnlyWhenAMemberOfNoJobHere) {
+  SyncStatusInfo st = *WithRemovedPeer().sync;
+  EXPECT_EQ(PeerRemovedFrom(st, "gamma"), std::optional<uint64_t>(3));
+  EXPECT_EQ(PeerRemovedFrom(st, "beta"), std::nullopt);
+  EXPECT_EQ(PeerRemovedFrom(st, "nosuchsite"), std::nullopt) << "named by no job";
+  // Still a member of a second job: its link still carries that job.
+  SyncJobReport other;
+  other.job = "other";
+  other.members = {"alpha", "beta", "gamma"};
+  st.jobs.push_back(other);
+  EXPECT_EQ(PeerRemovedFrom(st, "gamma"), std::nullopt);
+  // Removed from both, at different rounds: from the later one on it carries nothing.
+  st.jobs[1].members = {"alpha", "beta"};
+  st.jobs[1].removed = {{"gamma", 7}};
+  EXPECT_EQ(PeerRemovedFrom(st, "gamma"), std::optional<uint64_t>(7));
+  // A job being joined (no membership known yet): not decided.
+  SyncJobReport joining;
+  joining.job = "joining";
+  st.jobs.push_back(joining);
+  EXPECT_EQ(PeerRemovedFrom(st, "gamma"), std::nullopt);
 }
 
 }  // namespace

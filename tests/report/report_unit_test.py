@@ -30,9 +30,10 @@ def link(wire, payload, sent, acked, outbox, resends=0, bw=0):
             "deltas_sent": sent, "resends": resends, "bandwidth_bps": bw}
 
 
-def sample(t, *shards):
+def sample(t, *shards, members=None, removed=None):
     """One isthmusctl top --json line of site A; each shard (committed, local, link, pipes)
-    or None for a shard that did not answer."""
+    or None for a shard that did not answer; `members` and `removed` the job's membership
+    (sync status --json's fields; left out when None)."""
     rows = []
     for i, sh in enumerate(shards):
         if sh is None:
@@ -42,8 +43,10 @@ def sample(t, *shards):
         committed, local, l, pipes = sh
         rows.append({"shard": i, "endpoint": "x", "reachable": True, "stats": {},
                      "sync": {"site": "A", "shard_index": i, "links": [l],
-                              "jobs": [{"job": "j", "committed_round": committed,
-                                        "local_round": local, "pipelines": pipes}]},
+                              "jobs": [dict({"job": "j", "committed_round": committed,
+                                             "local_round": local, "pipelines": pipes},
+                                            **({} if members is None else {"members": members}),
+                                            **({} if removed is None else {"removed": removed}))]},
                      "rates": {"links": {"B": {"wire_sent_bytes_per_s": 10.0}}}})
     return {"time": t, "interval_s": 1, "shards": rows}
 
@@ -102,6 +105,29 @@ class Attribution(unittest.TestCase):
         rounds, _, total = report.per_round_bytes(ser, "B", "payload")
         self.assertEqual(total, 100 + 100 + 100 + 100 + 100 + 100)
         self.assertEqual(rounds, {1: 200, 2: 200, 3: 200})
+
+
+class RemovedPeer(unittest.TestCase):
+    def test_a_removed_peers_lag_is_not_drawn_from_its_removal_on(self):
+        # B is removed from round 2; its link stays configured and its lag would only grow.
+        samples = [
+            sample(0, (0, 1, link(10, 10, 1, 0, 1), {}), members=["A", "B"]),
+            sample(1, (1, 3, link(20, 20, 2, 1, 3), {}), members=["A", "B"]),
+            sample(2, (3, 5, link(20, 20, 2, 1, 5), {}), members=["A"], removed={"B": 2}),
+            sample(3, (5, 7, link(20, 20, 2, 1, 7), {}), members=["A"], removed={"B": 2}),
+        ]
+        with tempfile.TemporaryDirectory() as d:
+            with open(f"{d}/top-A.jsonl", "w") as f:
+                for s in samples:
+                    f.write(json.dumps(s) + "\n")
+            run = report.Run(d, "j")
+            ser = report.site_series(run, "A")
+            self.assertEqual([s["links"]["B"]["lag"] for s in ser], [1, 2, None, None])
+            self.assertTrue(any("peer B is no longer a member of job j from round 2" in n
+                                for n in run.notes), run.notes)
+            drawn, why = report.plot_lag(run, {"A": ser}, f"{d}/lag.png")
+            self.assertIsNone(why)
+            self.assertEqual([p["lag"] for p in drawn["A->B"]], [1, 2])
 
 
 class PartialData(unittest.TestCase):

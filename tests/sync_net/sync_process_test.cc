@@ -324,8 +324,9 @@ class SyncProcessTest : public ::testing::Test {
 
   // Runs isthmusctl with `args` and the first site's admin key; returns (exit code, stdout).
   std::pair<int, std::string> Ctl(const std::string& args) {
-    std::string cmd = std::string(ISTHMUS_CTL_BIN) + " " + args + " --key " +
-                      (sites_[0]->dir() / "admins" / "a0.key").string() + " 2>&1";
+    std::string cmd = std::string(testing::BinaryPath("ISTHMUS_CTL_BIN", ISTHMUS_CTL_BIN)) + " " +
+                      args + " --key " + (sites_[0]->dir() / "admins" / "a0.key").string() +
+                      " 2>&1";
     FILE* f = ::popen(cmd.c_str(), "r");
     std::string out;
     char buf[4096];
@@ -651,6 +652,22 @@ TEST_F(SyncProcessTest, CtlSyncStatusPauseResumeAndVerify) {
 }
 
 TEST_F(SyncProcessTest, CtlVerifyReportsTheFirstDifferingRound) {
+  // Two sites that never exchange a delta (each syncs alone): their states differ from the
+  // start, round 0 included (a digest covers the membership).
+  StartSites({"alpha", "beta"}, /*peered=*/false);
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  auto [code, out] = Ctl("sync verify" + VerifyFlags());
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("DIFFER at round 0"), std::string::npos) << out;
+  auto [jcode, jout] = Ctl("sync verify --json -j job" + VerifyFlags());
+  EXPECT_EQ(jcode, 1) << jout;
+  auto j = nlohmann::json::parse(jout);
+  EXPECT_EQ(j[0]["first_differing_round"], 0);
+  EXPECT_EQ(j[0]["agree"], false);
+}
+
+TEST_F(SyncProcessTest, CtlVerifyOfSitesThatCutEachOtherOffSaysSoAndComparesTheRoundsBefore) {
   // Two sites that commit round 1 together, then each removes the other (with two sites a
   // removal needs nobody's agreement) and commits round 2 alone with its own delta.
   StartSites({"alpha", "beta"});
@@ -663,13 +680,19 @@ TEST_F(SyncProcessTest, CtlVerifyReportsTheFirstDifferingRound) {
   Push(0, 2), Push(1, 2);
   WaitCommitted(2);
   auto [code, out] = Ctl("sync verify" + VerifyFlags());
-  EXPECT_EQ(code, 1) << out;
-  EXPECT_NE(out.find("DIFFER at round 2"), std::string::npos) << out;
+  EXPECT_EQ(code, 3) << "sites that are no longer members of each other's job\n" << out;
+  EXPECT_NE(out.find("site beta is no longer a member: removed from round 2"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("site alpha is no longer a member: removed from round 2"), std::string::npos)
+      << out;
+  EXPECT_NE(out.find("2 sites agree on rounds 0..1"), std::string::npos) << out;
   auto [jcode, jout] = Ctl("sync verify --json -j job" + VerifyFlags());
-  EXPECT_EQ(jcode, 1) << jout;
+  EXPECT_EQ(jcode, 3) << jout;
   auto j = nlohmann::json::parse(jout);
-  EXPECT_EQ(j[0]["first_differing_round"], 2);
-  EXPECT_EQ(j[0]["agree"], false);
+  EXPECT_EQ(j[0]["agree"], true);
+  EXPECT_EQ(j[0]["last_round"], 1);
+  EXPECT_EQ(j[0]["removed"]["beta"]["from_round"], 2);
+  EXPECT_EQ(j[0]["removed"]["beta"]["epoch"], 1);
 }
 
 // Membership (docs/SYNC.md, "Membership").
@@ -704,6 +727,22 @@ TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
   EXPECT_NE(sout.find("members alpha,beta from round 3 (epoch 1); gamma out from round 3"),
             std::string::npos)
       << sout;
+  // gamma stays in sync.peers, its link down for good: shown as removed, not as down.
+  EXPECT_NE(sout.find("  gamma        removed (round 3) "), std::string::npos) << sout;
+  EXPECT_EQ(sout.find("  gamma        down"), std::string::npos) << sout;
+  // A generous timeout: a fresh CURVE connection can be slow under sanitizers.
+  auto [tcode, tout] = Ctl("top --count 1 --timeout-ms 10000 " + SiteFlags(1));
+  EXPECT_EQ(tcode, 0) << tout;
+  EXPECT_NE(tout.find("\n  gamma        removed (round 3), silent "), std::string::npos) << tout;
+  EXPECT_EQ(tout.find("  gamma        down"), std::string::npos) << tout;
+  EXPECT_NE(tout.find(" SILENT "), std::string::npos) << tout;
+  auto [jcode, jout] = Ctl("sync status --json " + SiteFlags(1));
+  ASSERT_EQ(jcode, 0) << jout;
+  for (const auto& l : nlohmann::json::parse(jout)[0]["links"]) {
+    EXPECT_EQ(l["removed_from_round"], l["site"] == "gamma" ? nlohmann::json(3) : nlohmann::json())
+        << l.dump();
+    EXPECT_GE(l["silent_s"].get<double>(), 0.0);
+  }
 }
 
 TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
@@ -754,6 +793,34 @@ TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
   EXPECT_EQ(DigestsOf(0), DigestsOf(1));
   EXPECT_EQ(JobState(0).epoch, 1u);
   EXPECT_EQ(Committed(2), 2u);
+  // sync verify of the removed site against a member: not "agree", but removed from round 3,
+  // with the epoch and the remedy; only the rounds before are compared.
+  const std::string alpha_and_gamma =
+      " --site alpha=" + sites_[0]->admin_endpoint() +
+      " --site-key alpha=" + (sites_[0]->dir() / "server.pub").string() +
+      " --site gamma=" + sites_[2]->admin_endpoint() +
+      " --site-key gamma=" + (sites_[2]->dir() / "server.pub").string();
+  auto [vcode, vout] = Ctl("sync verify" + alpha_and_gamma);
+  EXPECT_EQ(vcode, 3) << vout;
+  EXPECT_NE(vout.find("site gamma is no longer a member: removed from round 3 (site alpha stands "
+                      "at epoch 1, members alpha,beta from round 3)"),
+            std::string::npos)
+      << vout;
+  EXPECT_NE(vout.find("2 sites agree on rounds 0..2 (3 digests compared; epoch 0;"),
+            std::string::npos)
+      << vout;
+  EXPECT_NE(vout.find("remedy:"), std::string::npos) << vout;
+  EXPECT_NE(vout.find("sync join --from alpha -j job"), std::string::npos) << vout;
+  // The members alone agree on every round, across the change.
+  auto [mcode, mout] = Ctl("sync verify --site alpha=" + sites_[0]->admin_endpoint() +
+                           " --site-key alpha=" + (sites_[0]->dir() / "server.pub").string() +
+                           " --site beta=" + sites_[1]->admin_endpoint() +
+                           " --site-key beta=" + (sites_[1]->dir() / "server.pub").string());
+  EXPECT_EQ(mcode, 0) << mout;
+  EXPECT_NE(mout.find("2 sites agree on rounds 0..4 (5 digests compared; epochs 0..1, epoch 1 "
+                      "from round 3;"),
+            std::string::npos)
+      << mout;
 }
 
 TEST_F(SyncProcessTest, RemovalTheSitesDisagreeOnIsRefusedAndChangesNothing) {
@@ -920,6 +987,17 @@ TEST_F(SyncProcessTest, FourthSiteJoinsARunningJobAndAgreesFromItsFirstRound) {
   ExpectStateWithMembers(5, {0, 1, 2, 3}, [](uint64_t r) {
     return r <= 3 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1, 2, 3};
   });
+  // sync verify compares only the rounds delta holds, and says under which epochs.
+  auto [vcode, vout] = Ctl("sync verify" + VerifyFlags());
+  EXPECT_EQ(vcode, 0) << vout;
+  EXPECT_NE(vout.find("4 sites agree on rounds 3..5 (3 digests compared; epochs 0..1, epoch 1 "
+                      "from round 4;"),
+            std::string::npos)
+      << vout;
+  EXPECT_NE(vout.find("rounds before 3 are not compared: site delta holds none (it joined from "
+                      "round 4)"),
+            std::string::npos)
+      << vout;
 }
 
 TEST_F(SyncProcessTest, JoinAgainstAMemberWithoutTheJoiningSiteIsRefused) {
