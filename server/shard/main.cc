@@ -43,7 +43,8 @@ int main(int argc, char** argv) {
   for (const auto& s : isthmus::ServerSettings()) {
     flag_values.emplace_back(s.key, "");
     app.add_option(isthmus::SettingFlag(s.key), flag_values.back().second,
-                   s.doc + " [default: " + s.default_value + "]");
+                   s.doc + " [default: " + s.default_value +
+                       (s.range.empty() ? "" : "; range: " + s.range) + "]");
   }
   try {
     app.parse(argc, argv);
