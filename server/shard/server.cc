@@ -627,6 +627,27 @@ Status ShardServer::Start() {
   auto& c = impl_->config;
   ISTHMUS_RETURN_IF_ERROR(ValidateServerConfig(c));
   if (impl_->wake_fd < 0) return Status::Internal("eventfd failed");
+  // Keys and allowlists before the data dir: a refusal here touches no stored state.
+  KeyPair server_keys;
+  std::vector<std::string> worker_keys, admin_keys, peer_keys;
+  if (c.insecure_plaintext) {
+    spdlog::warn(
+        "security.insecure_plaintext is set: NO encryption and NO authentication on {} and {}",
+        c.listen_worker, c.listen_admin);
+  } else {
+    ISTHMUS_ASSIGN_OR_RETURN(server_keys, LoadKeyPairFile(c.secret_key));
+    const AllowlistCheck workers{"security.worker_keys", "workers", true};
+    const AllowlistCheck admins{"security.admin_keys", "operators", true};
+    // A site without peers yet (fleet init's one-site fleet) has an empty peer folder.
+    const AllowlistCheck peers{"security.peer_keys", "peer shards of sync.peers",
+                               !c.sync_peers.empty()};
+    ISTHMUS_ASSIGN_OR_RETURN(worker_keys, LoadPublicKeys(c.worker_keys, workers));
+    ISTHMUS_ASSIGN_OR_RETURN(admin_keys, LoadPublicKeys(c.admin_keys, admins));
+    ISTHMUS_ASSIGN_OR_RETURN(peer_keys, LoadPublicKeys(c.peer_keys, peers));
+    if (admin_keys.empty()) {
+      spdlog::warn("no admin keys configured (security.admin_keys): isthmusctl cannot connect");
+    }
+  }
   ISTHMUS_RETURN_IF_ERROR(RecoverInterruptedRestore(c.data_dir));
 
   WireLimits limits;
@@ -663,23 +684,9 @@ Status ShardServer::Start() {
   }
   ISTHMUS_ASSIGN_OR_RETURN(impl_->shard, Shard::Open(opts));
 
-  KeyPair server_keys;
-  if (c.insecure_plaintext) {
-    spdlog::warn(
-        "security.insecure_plaintext is set: NO encryption and NO authentication on {} and {}",
-        c.listen_worker, c.listen_admin);
-  } else {
-    ISTHMUS_ASSIGN_OR_RETURN(server_keys, LoadKeyPairFile(c.secret_key));
-  }
   impl_->ctx = std::make_unique<zmq::context_t>(static_cast<int>(c.io_threads));
   if (!c.insecure_plaintext) {
     impl_->zap = std::make_unique<ZapHandler>(*impl_->ctx);
-    ISTHMUS_ASSIGN_OR_RETURN(auto worker_keys, LoadPublicKeys(c.worker_keys));
-    ISTHMUS_ASSIGN_OR_RETURN(auto admin_keys, LoadPublicKeys(c.admin_keys));
-    ISTHMUS_ASSIGN_OR_RETURN(auto peer_keys, LoadPublicKeys(c.peer_keys));
-    if (admin_keys.empty()) {
-      spdlog::warn("no admin keys configured (security.admin_keys): isthmusctl cannot connect");
-    }
     impl_->zap->SetAllowlist(kDomainWorker, worker_keys);
     impl_->zap->SetAllowlist(kDomainAdmin, admin_keys);
     impl_->zap->SetAllowlist(kDomainPeer, peer_keys);

@@ -1,13 +1,17 @@
 // Integration tests against a real isthmus-server process on loopback with CURVE: what a
 // worker and an operator see (push/pull, idempotent retries, refused keys, hostile
-// frames, SIGKILL mid-stream, snapshots, SIGTERM, key-file permissions).
+// frames, SIGKILL mid-stream, snapshots, SIGTERM, key-file permissions), and what makes
+// it refuse to start, each with its documented exit code and nothing stored changed.
 #include <gtest/gtest.h>
+#include <pwd.h>
 #include <sys/stat.h>
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 
 #include "common/transport.h"
@@ -480,6 +484,98 @@ TEST(ShardProcessLifecycle, LooseSecretKeyPermissionsRefuseToStart) {
   ASSERT_FALSE(started);
   EXPECT_EQ(server.last_exit_code(), 3);
   EXPECT_NE(server.Log().find("chmod 600"), std::string::npos) << server.Log();
+}
+
+// --- Refusals at start (issue 27, items 6 and 11) ------------------------------------------
+// Each exits with the code docs/CLI.md gives, says what to do, and leaves the data dir as
+// it was (not even created, where the refusal comes before it).
+
+// The user a test running as root starts the server as (nobody), so that the test's files
+// are another user's to the server (root may read and write any file). nullopt, with the
+// reason in *why, when there is none or when the server runs through a wrapper
+// (ISTHMUS_SERVER_BIN: the units' sandbox of tests/deploy needs root to make its mount
+// namespace).
+std::optional<std::pair<uid_t, gid_t>> Unprivileged(std::string* why) {
+  const char* wrapper = std::getenv("ISTHMUS_SERVER_BIN");
+  if (wrapper != nullptr && *wrapper != '\0') {
+    *why = "running as root with the server behind a wrapper (ISTHMUS_SERVER_BIN)";
+    return std::nullopt;
+  }
+  const passwd* pw = ::getpwnam("nobody");
+  if (pw == nullptr) {
+    *why = "running as root without a 'nobody' user to start the server as";
+    return std::nullopt;
+  }
+  return std::make_pair(pw->pw_uid, pw->pw_gid);
+}
+
+// The server's folder readable (not writable) by every user: its config and public keys
+// are, as under /etc/isthmus.
+void OpenToOthers(const ServerProcess& server) {
+  namespace fs = std::filesystem;
+  fs::permissions(server.dir(), fs::perms(0755));
+  for (const auto& e : fs::recursive_directory_iterator(server.dir())) {
+    if (e.path().extension() == ".key") continue;
+    fs::permissions(e.path(), fs::perms(e.is_directory() ? 0755 : 0644));
+  }
+}
+
+// libzmq aborted on runtime.io_threads = 1000000 after the store was open.
+TEST(ShardProcessStart, IoThreadsOutOfRangeExitsTwoBeforeZeroMqOrTheDataDir) {
+  ServerProcess server("[runtime]\nio_threads = 1000000");
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 2) << server.Log();
+  EXPECT_NE(server.Log().find("runtime.io_threads must be in [1, 64], not '1000000'"),
+            std::string::npos)
+      << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data"));
+}
+
+// A secret key file this user may not read exited 4 ("not found"); docs/CLI.md says 3.
+TEST(ShardProcessStart, AnUnreadableSecretKeyExitsThreeNamingTheUser) {
+  ServerProcess server;
+  OpenToOthers(server);
+  if (::geteuid() == 0) {
+    std::string why;
+    auto user = Unprivileged(&why);
+    if (!user) GTEST_SKIP() << why;
+    server.set_run_as(user->first, user->second);  // server.key stays root's, mode 0600
+  } else {
+    ::chmod((server.dir() / "server.key").c_str(), 0);
+  }
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(server.Log().find("server.key': Permission denied"), std::string::npos) << server.Log();
+  EXPECT_NE(server.Log().find("chown"), std::string::npos) << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data")) << "refused before the data dir";
+}
+
+TEST(ShardProcessStart, AWorldWritableOrEmptyAllowlistExitsThree) {
+  ServerProcess server;
+  const std::string workers = (server.dir() / "workers").string();
+  ASSERT_EQ(::chmod(workers.c_str(), 0777), 0);
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(
+      server.Log().find("allowlist folder '" + workers + "' (security.worker_keys) has mode 0777"),
+      std::string::npos)
+      << server.Log();
+  EXPECT_NE(server.Log().find("chmod o-w " + workers), std::string::npos) << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data"));
+
+  ASSERT_EQ(::chmod(workers.c_str(), 0755), 0);
+  const std::string pub = (server.dir() / "admins" / "a0.pub").string();
+  ASSERT_EQ(::chmod(pub.c_str(), 0666), 0);
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(server.Log().find("chmod o-w " + pub), std::string::npos) << server.Log();
+
+  std::filesystem::remove(pub);  // admins/ keeps only a0.key: no *.pub
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(server.Log().find("(security.admin_keys) holds no *.pub file"), std::string::npos)
+      << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data"));
 }
 
 }  // namespace
