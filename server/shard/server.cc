@@ -3,11 +3,14 @@
 #include "server/shard/server.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <future>
@@ -45,6 +48,36 @@ Status RecoverInterruptedRestore(const std::string& data_dir) {
   } else if (fs::exists(old, ec)) {
     fs::rename(old, db, ec);  // crashed before the copy was complete: keep the old state
   }
+  return Status::Ok();
+}
+
+// The name of the user this process runs as (its uid without one).
+std::string ThisUser() {
+  const uid_t uid = ::geteuid();
+  if (const passwd* pw = ::getpwuid(uid); pw != nullptr) return pw->pw_name;
+  return std::to_string(uid);
+}
+
+// Creates shard.data_dir when missing and checks that this process may write it, so that a
+// folder of another user is reported as such (IoError, exit 6) before RocksDB tries.
+Status PrepareDataDir(const std::string& data_dir) {
+  auto refuse = [&](const std::string& doing, int err) {
+    std::string msg =
+        "cannot " + doing + " shard.data_dir '" + data_dir + "': " + std::strerror(err);
+    if (err == EACCES || err == EPERM || err == EROFS) {
+      msg += err == EROFS ? " (a read-only file system: pick a folder on a writable one, e.g. "
+                            "under /var/lib/isthmus)"
+                          : " (this server runs as user '" + ThisUser() +
+                                "': chown the folder to that user, chown -R " + ThisUser() + ": " +
+                                data_dir + ", or pick another folder)";
+    }
+    return Status::IoError(msg);
+  };
+  std::error_code ec;
+  fs::create_directories(data_dir, ec);
+  if (ec) return refuse("create", ec.value());
+  if (!fs::is_directory(data_dir, ec)) return refuse("use", ENOTDIR);
+  if (::access(data_dir.c_str(), R_OK | W_OK | X_OK) != 0) return refuse("write", errno);
   return Status::Ok();
 }
 
@@ -648,6 +681,7 @@ Status ShardServer::Start() {
       spdlog::warn("no admin keys configured (security.admin_keys): isthmusctl cannot connect");
     }
   }
+  ISTHMUS_RETURN_IF_ERROR(PrepareDataDir(c.data_dir));
   ISTHMUS_RETURN_IF_ERROR(RecoverInterruptedRestore(c.data_dir));
 
   WireLimits limits;

@@ -578,5 +578,55 @@ TEST(ShardProcessStart, AWorldWritableOrEmptyAllowlistExitsThree) {
   EXPECT_FALSE(std::filesystem::exists(server.dir() / "data"));
 }
 
+// An unwritable data dir exited 6 saying "is another isthmus-server using this data dir?".
+TEST(ShardProcessStart, AnUnwritableDataDirExitsSixWithAPermissionHint) {
+  ServerProcess server;
+  OpenToOthers(server);
+  const auto data = server.dir() / "data";
+  std::filesystem::create_directories(data);
+  if (::geteuid() == 0) {
+    std::string why;
+    auto user = Unprivileged(&why);
+    if (!user) GTEST_SKIP() << why;
+    server.set_run_as(user->first, user->second);  // data/ stays root's, mode 0755
+    ASSERT_EQ(::chown((server.dir() / "server.key").c_str(), user->first, user->second), 0);
+  } else {
+    std::filesystem::permissions(data, std::filesystem::perms(0555));
+  }
+  ASSERT_FALSE(server.Start());
+  std::filesystem::permissions(data, std::filesystem::perms(0755));
+  EXPECT_EQ(server.last_exit_code(), 6) << server.Log();
+  EXPECT_NE(
+      server.Log().find("cannot write shard.data_dir '" + data.string() + "': Permission denied"),
+      std::string::npos)
+      << server.Log();
+  EXPECT_NE(server.Log().find("chown"), std::string::npos) << server.Log();
+  EXPECT_EQ(server.Log().find("another isthmus-server"), std::string::npos) << server.Log();
+  EXPECT_TRUE(std::filesystem::is_empty(data));
+}
+
+// The hint about another server comes only when another process holds the LOCK: then it
+// names that process.
+TEST(ShardProcessStart, ADataDirInUseNamesTheProcessHoldingIt) {
+  const char* wrapper = std::getenv("ISTHMUS_SERVER_BIN");
+  if (wrapper != nullptr && *wrapper != '\0') {
+    GTEST_SKIP() << "the server runs behind a wrapper (ISTHMUS_SERVER_BIN), which may confine "
+                    "its writes to its own folder (tests/deploy's sandbox)";
+  }
+  ServerProcess first, second;
+  ASSERT_TRUE(first.Start());
+  const std::string shared = (first.dir() / "data").string();
+  ::setenv("ISTHMUS_SHARD_DATA_DIR", shared.c_str(), 1);  // over second's own config
+  const bool started = second.Start();
+  ::unsetenv("ISTHMUS_SHARD_DATA_DIR");
+  ASSERT_FALSE(started);
+  EXPECT_EQ(second.last_exit_code(), 6) << second.Log();
+  EXPECT_NE(second.Log().find("process " + std::to_string(first.pid()) + " holds its LOCK"),
+            std::string::npos)
+      << second.Log();
+  EXPECT_NE(second.Log().find("another isthmus-server"), std::string::npos) << second.Log();
+  EXPECT_TRUE(first.AdminClient()->Stats().ok()) << "the first server serves on";
+}
+
 }  // namespace
 }  // namespace isthmus
