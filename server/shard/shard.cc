@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -679,6 +680,28 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
   ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, true));
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
     return Status::InvalidArgument("a job needs at least one tensor");
+  }
+  // Beyond the wire's checks, a new job's tensors: names safe as file names of an export,
+  // and at least one element each (jobs created before these rules are served as they are).
+  for (const auto* m : *req->tensors()) {
+    const std::string_view tname = m->name()->string_view();
+    if (!IsValidTensorName(tname)) {
+      return Status::InvalidArgument("tensor name '" + PrintableName(tname) + "' of job '" + name +
+                                     "' is not valid: " + TensorNameRule());
+    }
+    const auto shape = ShapeOf(m);
+    if (shape.empty()) {
+      return Status::InvalidArgument("tensor '" + std::string(tname) + "' of job '" + name +
+                                     "' has shape [] (a scalar): give it shape [1]");
+    }
+    if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
+      std::string dims;
+      for (size_t i = 0; i < shape.size(); ++i) dims += (i ? ", " : "") + std::to_string(shape[i]);
+      return Status::InvalidArgument("tensor '" + std::string(tname) + "' of job '" + name +
+                                     "' has shape [" + dims +
+                                     "] with a zero dimension: it holds no value; leave it out "
+                                     "of the job");
+    }
   }
   JobState job;
   job.name = name;

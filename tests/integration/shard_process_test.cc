@@ -211,10 +211,13 @@ std::string PushHeader(const std::string& key, const std::string& name, uint64_t
   return std::string(reinterpret_cast<const char*>(fbb.GetBufferPointer()), fbb.GetSize());
 }
 
-// A JobCreate for job `job` with one tensor "w" of `shape` whose header claims `nbytes`.
-std::string JobCreateHeader(const std::string& job, std::vector<int64_t> shape, uint64_t nbytes) {
+// A JobCreate for job `job` with one tensor `name` (default "w"; any bytes, NUL included) of
+// `shape` whose header claims `nbytes`.
+std::string JobCreateHeader(const std::string& job, std::vector<int64_t> shape, uint64_t nbytes,
+                            const std::string& name = "w") {
   flatbuffers::FlatBufferBuilder fbb;
-  auto meta = wire::CreateTensorMetaDirect(fbb, "w", &shape, wire::DType::F32, 0, nbytes, 0);
+  auto meta = wire::CreateTensorMeta(fbb, fbb.CreateString(name), fbb.CreateVector(shape),
+                                     wire::DType::F32, 0, nbytes, 0);
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{meta};
   auto body = wire::CreateJobCreateDirect(fbb, job.c_str(), "h", &metas);
   wire::FinishEnvelopeBuffer(fbb,
@@ -299,6 +302,45 @@ TEST_F(ShardProcessTest, ShapesWhoseByteCountWrapsAreRefusedOnBothSockets) {
   }
   EXPECT_EQ(server_.AdminClient()->DescribeJob("wrap").status().code(), Code::kNotFound);
   EXPECT_EQ(PullAll(*w), before);
+}
+
+// Issue 27 item 6: job create took shape [0], a scalar [] and the tensor names "../x" and
+// "a\0b". Each is refused naming the tensor and the rule; no job appears, and pushes to
+// the existing job go on as before.
+TEST_F(ShardProcessTest, JobCreateRefusesUnsafeTensorNamesAndTensorsWithoutAShapeOrValues) {
+  auto admin = server_.AdminClient();
+  std::vector<float> four(4, 1.0f);
+  const std::vector<std::pair<TensorView, std::string>> refused = {
+      {{"../x", {4}, four.data()}, "tensor name '../x' of job 'bad' is not valid: "},
+      {{"a/../../b", {4}, four.data()}, "is not valid"},
+      {{"line\nbreak", {4}, four.data()}, "'line\\x0abreak'"},
+      {{"/abs", {4}, four.data()}, "is not valid"},
+      {{"scalar", {}, four.data()}, "tensor 'scalar' of job 'bad' has shape [] (a scalar)"},
+      {{"empty", {0}, nullptr}, "tensor 'empty' of job 'bad' has shape [0] with a zero dimension"},
+      {{"empty2", {4, 0}, nullptr}, "has shape [4, 0] with a zero dimension"},
+  };
+  for (const auto& [tensor, says] : refused) {
+    // A good tensor beside it: the whole create is refused.
+    auto r = admin->CreateJob("bad", "", {{"ok", {4}, four.data()}, tensor});
+    ASSERT_FALSE(r.ok()) << says;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << r.status().ToString();
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status().ToString();
+  }
+  // A NUL inside a name (the client library cannot send one: a raw request).
+  RawSocket raw(server_, /*admin=*/true);
+  Status nul = raw.Call({JobCreateHeader("bad", {4}, 16, std::string("a\0b", 3)), Floats(four)});
+  EXPECT_EQ(nul.code(), Code::kInvalidArgument) << nul.ToString();
+  EXPECT_NE(nul.message().find("tensor name 'a\\x00b' of job 'bad' is not valid"),
+            std::string::npos)
+      << nul.ToString();
+  EXPECT_TRUE(raw.Call({JobCreateHeader("rawok", {4}, 16, "w"), Floats(four)}).ok());
+  EXPECT_EQ(admin->DescribeJob("bad").status().code(), Code::kNotFound);
+  auto good = admin->CreateJob("good", "", {{"layer/0/w", {2, 2}, four.data()}});
+  EXPECT_TRUE(good.ok()) << good.status().ToString();
+  auto w = server_.WorkerClient();
+  std::vector<float> d(32, 1.0f);
+  ASSERT_TRUE(w->Push("j", "after", 0, 1, {{"b", kShape, d.data()}}).ok());
+  EXPECT_EQ(PullAll(*w)["b"], std::vector<float>(32, 2.0f));
 }
 
 // A message of another schema version is refused on both sockets, the refusal names both
