@@ -370,6 +370,12 @@ const std::vector<Binding>& Bindings() {
           "Longest wait between reconnection attempts to a peer (milliseconds); also how often an "
           "idle peer link sends its keep-alive.",
           Range{10, 3600000}),
+      Bind(
+          "sync.convert_plain_jobs", [](auto& c) -> auto& { return c.sync_convert_plain_jobs; },
+          "Turn the jobs this shard holds that were created without sync.site (plain jobs) into "
+          "jobs of the round protocol at this start: their current tensors become round 0. "
+          "false: a shard with sync.site that finds such a job refuses to start (exit 2) and names "
+          "it (docs/SYNC.md, \"Jobs created without sync\"). A converted job stays converted."),
   };
   return kBindings;
 }

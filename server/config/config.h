@@ -53,6 +53,9 @@ struct ServerConfig {
   int64_t sync_remove_silent_after_s = 0;
   int64_t sync_resend_ms = 2000;
   int64_t sync_backoff_max_ms = 10000;
+  // Attach jobs created without sync.site at this start (docs/SYNC.md); false: refuse to
+  // start while such a job exists.
+  bool sync_convert_plain_jobs = false;
 };
 
 // One entry of sync.peers: the same-numbered shard of another site.

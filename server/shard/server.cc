@@ -691,6 +691,7 @@ Status ShardServer::Start() {
 
   ShardOptions opts;
   opts.shard_id = c.shard_id;
+  opts.convert_plain_jobs = c.sync_convert_plain_jobs;
   opts.snapshot_dir = SnapshotDir(c.data_dir);
   opts.limits = limits;
   impl_->limits = limits;

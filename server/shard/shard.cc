@@ -171,6 +171,7 @@ Status Shard::Load() {
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);
+  if (sync_) ISTHMUS_RETURN_IF_ERROR(CheckPlainJobs());
   for (auto& entry : jobs_) {
     // Plain references, not structured bindings: lambdas below capture them.
     const std::string& name = entry.first;
@@ -213,6 +214,32 @@ Status Shard::Load() {
                  VersionOf(job));
   }
   return Status::Ok();
+}
+
+Status Shard::CheckPlainJobs() {
+  std::vector<std::string> plain;
+  for (const auto& [name, job] : jobs_) {
+    ISTHMUS_ASSIGN_OR_RETURN(bool synced, sync_->HasSyncState(name));
+    if (!synced) plain.push_back(name);
+  }
+  if (plain.empty()) return Status::Ok();
+  std::string names;
+  for (size_t i = 0; i < plain.size() && i < 5; ++i) names += (i ? ", '" : "'") + plain[i] + "'";
+  if (plain.size() > 5) names += " and " + std::to_string(plain.size() - 5) + " more";
+  if (options_.convert_plain_jobs) {
+    spdlog::warn(
+        "sync.convert_plain_jobs: job(s) {} created without sync join site {}'s round "
+        "protocol now, their current tensors as round 0",
+        names, options_.sync->site);
+    return Status::Ok();
+  }
+  return Status::InvalidArgument(
+      "job(s) " + names + " were created without cross-site sync, and sync.site is now '" +
+      options_.sync->site +
+      "': attaching them would make them sync jobs for good, their current tensors round 0. "
+      "To convert them deliberately, start once with sync.convert_plain_jobs = true (every "
+      "site must hold the same tensors: docs/SYNC.md, \"Jobs created without sync\"); to keep "
+      "them plain, start this shard without sync.site");
 }
 
 std::string OpName(wire::Body body) {

@@ -670,5 +670,48 @@ TEST(ShardProcessStart, ADataDirInUseNamesTheProcessHoldingIt) {
   EXPECT_TRUE(first.AdminClient()->Stats().ok()) << "the first server serves on";
 }
 
+// One start with sync.site set turned a plain job into a sync job for good. Now the start
+// is refused (exit 2) naming the job and the setting that converts it; started without
+// sync.site the job is plain as before; with sync.convert_plain_jobs it is converted, and
+// stays converted.
+TEST(ShardProcessStart, APlainJobIsNotTurnedIntoASyncJobWithoutTheOperatorsWord) {
+  ServerProcess server;
+  ASSERT_TRUE(server.Start());
+  CreateJob(server);
+  ASSERT_EQ(WEXITSTATUS(server.Kill(SIGTERM)), 0);
+
+  server.set_extra("[sync]\nsite = \"A\"");
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 2) << server.Log();
+  EXPECT_NE(server.Log().find("job(s) 'j' were created without cross-site sync, and sync.site "
+                              "is now 'A'"),
+            std::string::npos)
+      << server.Log();
+  EXPECT_NE(server.Log().find("sync.convert_plain_jobs = true"), std::string::npos) << server.Log();
+
+  server.set_extra("");
+  ASSERT_TRUE(server.Start());
+  EXPECT_EQ(server.AdminClient()->Digests("j", 0).status().code(), Code::kFailedPrecondition)
+      << "the job is plain on a shard without sync";
+  auto w = server.WorkerClient();
+  std::vector<float> d(32, 1.0f);
+  ASSERT_TRUE(w->Push("j", "plain", 0, 1, {{"b", kShape, d.data()}}).ok());
+  EXPECT_EQ(PullAll(*w)["b"], std::vector<float>(32, 2.0f));
+  ASSERT_EQ(WEXITSTATUS(server.Kill(SIGTERM)), 0);
+
+  server.set_extra("[sync]\nsite = \"A\"\nconvert_plain_jobs = true");
+  ASSERT_TRUE(server.Start());
+  auto digests = server.AdminClient()->Digests("j", 0);
+  ASSERT_TRUE(digests.ok()) << digests.status().ToString();
+  EXPECT_EQ(digests->committed_round, 0u);
+  EXPECT_NE(server.Log().find("sync.convert_plain_jobs: job(s) 'j'"), std::string::npos)
+      << server.Log();
+  EXPECT_EQ(PullAll(*server.WorkerClient())["b"], std::vector<float>(32, 2.0f))
+      << "round 0 is the job's state at the conversion";
+  ASSERT_EQ(WEXITSTATUS(server.Kill(SIGTERM)), 0);
+  server.set_extra("[sync]\nsite = \"A\"");
+  ASSERT_TRUE(server.Start()) << "a converted job is a sync job";
+}
+
 }  // namespace
 }  // namespace isthmus
