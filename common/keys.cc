@@ -2,6 +2,7 @@
 #include "common/keys.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zmq.h>
@@ -9,7 +10,6 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 
 namespace isthmus {
@@ -17,13 +17,64 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The name of the user this process runs as, for messages (its uid without one).
+std::string ThisUser() {
+  const uid_t uid = ::geteuid();
+  if (const passwd* pw = ::getpwuid(uid); pw != nullptr) return pw->pw_name;
+  return std::to_string(uid);
+}
+
+// The status of a failed open/stat of key file `path` (errno `err`): NotFound when it is
+// not there, PermissionDenied (exit 3, "a key or permission problem") when this user may
+// not read it, IoError otherwise.
+Status KeyFileError(const std::string& what, const std::string& path, int err) {
+  const std::string why = what + " '" + path + "': " + std::strerror(err);
+  if (err == ENOENT || err == ENOTDIR) return Status::NotFound(why);
+  if (err == EACCES || err == EPERM) {
+    return Status::PermissionDenied(why + " (this program runs as user '" + ThisUser() +
+                                    "': make the file, and every folder above it, readable by "
+                                    "that user, e.g. chown " +
+                                    ThisUser() + " " + path + "; a key pair file stays mode 0600)");
+  }
+  return Status::IoError(why);
+}
+
 Status ReadWholeFile(const std::string& path, std::string* out) {
-  std::ifstream in(path);
-  if (!in) return Status::NotFound("cannot open key file '" + path + "': " + std::strerror(errno));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  *out = ss.str();
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return KeyFileError("cannot open key file", path, errno);
+  std::string text;
+  char buf[4096];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return KeyFileError("cannot read key file", path, err);
+    }
+    if (n == 0) break;
+    text.append(buf, static_cast<size_t>(n));
+    if (text.size() > (1 << 20)) {
+      ::close(fd);
+      return Status::InvalidArgument("'" + path + "' is larger than 1 MiB: not a key file");
+    }
+  }
+  ::close(fd);
+  *out = std::move(text);
   return Status::Ok();
+}
+
+// PermissionDenied when every user may write `path` (a key file or an allowlist folder):
+// anyone on the host could add a key to the allowlist.
+Status CheckNotWorldWritable(const std::string& path, const struct stat& st,
+                             const std::string& what, const std::string& label) {
+  if ((st.st_mode & S_IWOTH) == 0) return Status::Ok();
+  char mode[8];
+  std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+  return Status::PermissionDenied(what + " '" + path + "'" + label + " has mode " + mode +
+                                  ": every user of this host may write it, so anyone could add "
+                                  "a key; fix it with: chmod o-w " +
+                                  path);
 }
 
 // Finds `name = "value"` in a key file's text.
@@ -83,7 +134,27 @@ Result<KeyPair> GenerateKeyPair() {
   return KeyPair{pub, sec};
 }
 
+Status CheckKeyPrefix(const std::string& prefix) {
+  const std::string example = " (e.g. keys/worker writes keys/worker.key and keys/worker.pub)";
+  if (prefix.empty()) {
+    return Status::InvalidArgument("the key file prefix is empty: give a path prefix" + example);
+  }
+  if (prefix.back() == '/') {
+    return Status::InvalidArgument("the key file prefix '" + prefix +
+                                   "' ends in '/': it would write hidden files named .key and "
+                                   ".pub; give a file name after the folder" +
+                                   example);
+  }
+  std::error_code ec;
+  if (fs::is_directory(prefix, ec)) {
+    return Status::InvalidArgument("the key file prefix '" + prefix +
+                                   "' is a folder: give a file name inside it" + example);
+  }
+  return Status::Ok();
+}
+
 Status WriteKeyPairFiles(const std::string& prefix, const KeyPair& pair, bool overwrite) {
+  ISTHMUS_RETURN_IF_ERROR(CheckKeyPrefix(prefix));
   const std::string header = "# isthmus CURVE key, written by isthmusctl keygen\ncurve\n";
   std::string secret_text = header + "    public-key = \"" + pair.public_key + "\"\n" +
                             "    secret-key = \"" + pair.secret_key + "\"\n";
@@ -95,8 +166,12 @@ Status WriteKeyPairFiles(const std::string& prefix, const KeyPair& pair, bool ov
 Result<KeyPair> LoadKeyPairFile(const std::string& path) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
-    return Status::NotFound("secret key file '" + path + "' not found: " + std::strerror(errno) +
-                            " (create one with: isthmusctl keygen --out PREFIX)");
+    const int err = errno;
+    if (err == ENOENT || err == ENOTDIR) {
+      return Status::NotFound("secret key file '" + path + "' not found: " + std::strerror(err) +
+                              " (create one with: isthmusctl keygen --out PREFIX)");
+    }
+    return KeyFileError("cannot read secret key file", path, err);
   }
   if ((st.st_mode & 077) != 0) {
     char mode[8];
@@ -129,22 +204,49 @@ Result<std::string> LoadPublicKeyFile(const std::string& path) {
   return key;
 }
 
-Result<std::vector<std::string>> LoadPublicKeys(const std::vector<std::string>& sources) {
+Result<std::vector<std::string>> LoadPublicKeys(const std::vector<std::string>& sources,
+                                                const AllowlistCheck& check) {
+  const std::string label = check.setting.empty() ? "" : " (" + check.setting + ")";
   std::vector<std::string> keys;
   for (const auto& src : sources) {
-    std::error_code ec;
-    if (fs::is_directory(src, ec)) {
+    struct stat st {};
+    if (::stat(src.c_str(), &st) != 0) {
+      const int err = errno;
+      if (err == ENOENT || err == ENOTDIR) {
+        return Status::NotFound("public key source '" + src + "'" + label + " does not exist");
+      }
+      return KeyFileError("cannot read public key source", src, err);
+    }
+    if (S_ISDIR(st.st_mode)) {
+      ISTHMUS_RETURN_IF_ERROR(CheckNotWorldWritable(src, st, "allowlist folder", label));
+      std::error_code ec;
+      size_t found = 0;
       for (const auto& entry : fs::directory_iterator(src, ec)) {
         if (entry.path().extension() != ".pub") continue;
-        ISTHMUS_ASSIGN_OR_RETURN(std::string key, LoadPublicKeyFile(entry.path().string()));
+        const std::string file = entry.path().string();
+        struct stat fst {};
+        if (::stat(file.c_str(), &fst) != 0) return KeyFileError("cannot read", file, errno);
+        ISTHMUS_RETURN_IF_ERROR(CheckNotWorldWritable(file, fst, "public key file", label));
+        ISTHMUS_ASSIGN_OR_RETURN(std::string key, LoadPublicKeyFile(file));
         keys.push_back(std::move(key));
+        ++found;
       }
-      if (ec) return Status::IoError("cannot list key folder '" + src + "': " + ec.message());
-    } else if (fs::exists(src, ec)) {
+      if (ec) {
+        return ec.value() == EACCES
+                   ? KeyFileError("cannot list key folder", src, ec.value())
+                   : Status::IoError("cannot list key folder '" + src + "': " + ec.message());
+      }
+      if (found == 0 && check.refuse_empty_folders) {
+        return Status::PermissionDenied(
+            "allowlist folder '" + src + "'" + label +
+            " holds no *.pub file, so no client could connect: copy the public key files (.pub, "
+            "made by isthmusctl keygen) of the " +
+            (check.who.empty() ? std::string("clients") : check.who) + " there");
+      }
+    } else {
+      ISTHMUS_RETURN_IF_ERROR(CheckNotWorldWritable(src, st, "public key file", label));
       ISTHMUS_ASSIGN_OR_RETURN(std::string key, LoadPublicKeyFile(src));
       keys.push_back(std::move(key));
-    } else {
-      return Status::NotFound("public key source '" + src + "' does not exist");
     }
   }
   return keys;

@@ -54,6 +54,9 @@ struct ServerConfig {
   int64_t sync_remove_silent_after_s = 0;
   int64_t sync_resend_ms = 2000;
   int64_t sync_backoff_max_ms = 10000;
+  // Attach jobs created without sync.site at this start (docs/SYNC.md); false: refuse to
+  // start while such a job exists.
+  bool sync_convert_plain_jobs = false;
 };
 
 // One entry of sync.peers: the same-numbered shard of another site.
@@ -74,6 +77,10 @@ struct SettingInfo {
   SettingType type;
   std::string default_value;  // as text (from ServerConfig's initial values); lists comma-separated
   std::string doc;
+  // The values a number may take, as the docs print it ("[1, 64]", "(0, 100]"); empty for
+  // settings without a range. The loader refuses a value outside it, naming the key, the
+  // range and where the value came from (config file, environment variable or flag).
+  std::string range;
 };
 
 // The table of settings, in documentation order.
@@ -88,8 +95,11 @@ std::string SettingEnv(const std::string& key);
 Result<ServerConfig> LoadServerConfig(const std::string& config_file,
                                       const std::map<std::string, std::string>& overrides);
 
-// Checks required settings and combinations, including the round protocol's options as the
-// sync engine will (NormalizeSyncOptions); says what to set.
+// Checks every setting's range (as the loader does), the names (shard.id, sync.site and the
+// sites of sync.peers: common/names.h), the endpoints (listen.worker, listen.admin,
+// listen.peer, sync.peers: tcp://HOST:PORT with PORT 1-65535, or ipc://PATH), required
+// settings and combinations, including the round protocol's options as the sync engine
+// will (NormalizeSyncOptions); says what to set.
 Status ValidateServerConfig(const ServerConfig& config);
 
 // The round-protocol options of a validated config, peers filled in and normalised;

@@ -1,29 +1,44 @@
 // The round protocol options' one check (see sync_options.h).
 #include "server/config/sync_options.h"
 
-#include <cmath>
 #include <set>
 
+#include "common/names.h"
 #include "ops/codec.h"
 
 namespace isthmus {
 
 Status NormalizeSyncOptions(SyncOptions& options) {
   if (options.site.empty()) return Status::InvalidArgument("sync.site is not set");
+  if (!IsValidSiteName(options.site)) {
+    return Status::InvalidArgument("sync.site '" + PrintableName(options.site) +
+                                   "' is not a site name: " + SiteNameRule());
+  }
   std::set<std::string> seen{options.site};
   for (const auto& p : options.peer_sites) {
-    if (p.empty() || p.find('\0') != std::string::npos) {
-      return Status::InvalidArgument("a peer site name is empty");
+    if (!IsValidSiteName(p)) {
+      return Status::InvalidArgument("peer site '" + PrintableName(p) +
+                                     "' (sync.peers) is not a site name: " + SiteNameRule());
     }
     if (!seen.insert(p).second) {
       return Status::InvalidArgument("site '" + p +
                                      "' is listed twice (or is this site) in sync.peers");
     }
   }
-  if (!std::isfinite(options.outer_lr) || !std::isfinite(options.outer_momentum) ||
-      options.outer_momentum < 0 || options.outer_momentum >= 1) {
-    return Status::InvalidArgument(
-        "sync.outer_lr must be finite and sync.outer_momentum in [0, 1)");
+  if (!(options.outer_lr > 0 && options.outer_lr <= kMaxOuterLr)) {  // NaN fails too
+    return Status::InvalidArgument("sync.outer_lr must be in (0, " +
+                                   std::to_string(static_cast<int>(kMaxOuterLr)) + "]");
+  }
+  if (!(options.outer_momentum >= 0 && options.outer_momentum < 1)) {
+    return Status::InvalidArgument("sync.outer_momentum must be in [0, 1)");
+  }
+  if (options.fragments < 1 || options.fragments > kMaxFragments) {
+    return Status::InvalidArgument("sync.fragments must be in [1, " +
+                                   std::to_string(kMaxFragments) + "]");
+  }
+  if (options.max_rounds_ahead > kMaxRoundsAheadLimit) {
+    return Status::InvalidArgument("sync.max_rounds_ahead must be in [0, " +
+                                   std::to_string(kMaxRoundsAheadLimit) + "]");
   }
   if (options.change_timeout_s < 1 || options.change_timeout_s > 30 * 86400) {
     return Status::InvalidArgument("sync.change_timeout_s must be in [1, 2592000] (seconds)");

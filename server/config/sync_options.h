@@ -16,6 +16,12 @@
 
 namespace isthmus {
 
+// Bounds of the options below, declared once: the settings table (config.cc) gives them as
+// the settings' ranges and NormalizeSyncOptions checks them for options built in code.
+inline constexpr double kMaxOuterLr = 100.0;           // outer_lr in (0, kMaxOuterLr]
+inline constexpr uint32_t kMaxFragments = 1024;        // fragments in [1, kMaxFragments]
+inline constexpr uint64_t kMaxRoundsAheadLimit = 256;  // max_rounds_ahead in [0, this]
+
 struct SyncOptions {
   std::string site;                     // this site's name; required
   std::vector<std::string> peer_sites;  // the other sites; empty = commit on close
@@ -51,10 +57,11 @@ struct SyncOptions {
 };
 
 // Checks `options` as the engine needs them and fills in what an empty field means: site
-// set and a valid site name, peers distinct from it and from each other, every pipeline
-// parses (codec, overrides, floor, ceiling), outer lr finite and positive, momentum in
-// [0, 1), fragments in [1, 1024], K and the hard cap in range. InvalidArgument naming the
-// setting (sync.codec, ...) and what to change.
+// set, it and every peer a valid site name (IsValidSiteName, common/names.h), peers
+// distinct from it and from each other, every pipeline parses (codec, overrides, floor,
+// ceiling), outer lr in (0, kMaxOuterLr], momentum in [0, 1), fragments in
+// [1, kMaxFragments], K at most kMaxRoundsAheadLimit. InvalidArgument naming the setting
+// (sync.codec, ...) and what to change.
 Status NormalizeSyncOptions(SyncOptions& options);
 
 }  // namespace isthmus

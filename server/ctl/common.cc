@@ -27,7 +27,9 @@ void AddConnectionFlags(CLI::App* cmd, Connection& c) {
       ->envname("ISTHMUS_CTL_KEY");
   cmd->add_flag("--insecure-plaintext", c.insecure,
                 "talk without CURVE to a server started with security.insecure_plaintext");
-  cmd->add_option("--timeout-ms", c.timeout_ms, "per-request timeout")->capture_default_str();
+  cmd->add_option("--timeout-ms", c.timeout_ms, "per-request timeout (1 to 3600000)")
+      ->check(CLI::Range(1, 3600000))
+      ->capture_default_str();
 }
 
 Result<std::vector<std::unique_ptr<ShardClient>>> ConnectAll(const Connection& c) {

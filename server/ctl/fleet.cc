@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -157,9 +158,11 @@ Result<std::string> TomlValue(const SettingInfo& info, const std::string& value)
       return Status::InvalidArgument(where + ": " + info.key + " is true or false");
     case SettingType::kInt: {
       char* end = nullptr;
+      errno = 0;
       const long long v = std::strtoll(value.c_str(), &end, 10);
-      if (value.empty() || *end != '\0') {
-        return Status::InvalidArgument(where + ": " + info.key + " is an integer");
+      if (value.empty() || *end != '\0' || errno == ERANGE) {
+        return Status::InvalidArgument(where + ": " + info.key + " is an integer" +
+                                       (info.range.empty() ? "" : " in " + info.range));
       }
       return std::to_string(v);
     }
@@ -496,10 +499,9 @@ Result<FleetPlan> PlanFleet(const FleetOptions& o) {
   std::set<std::string> seen;
   for (const auto& raw : o.sites) {
     const std::string name = Trim(raw);
-    if (!IsValidName(name)) {
-      return Status::InvalidArgument("site name '" + name +
-                                     "' is not valid: 1-64 of A-Z a-z 0-9 . _ -, not starting "
-                                     "with '.' (the server's rule for names)");
+    if (!IsValidSiteName(name)) {
+      return Status::InvalidArgument("site name '" + PrintableName(name) + "' is not valid: " +
+                                     SiteNameRule() + " (the server's rule for sync.site)");
     }
     if (name == "admin" || name == "README.txt" || name == "fleet.json") {
       return Status::InvalidArgument("site name '" + name + "' is taken by fleet init's own files");

@@ -1,8 +1,10 @@
 // isthmus-server: one parameter-server shard, run as a systemd unit. Settings come from a
-// TOML file, the environment and flags (server/config/config.h). Exit codes:
-//   0 clean shutdown (SIGTERM/SIGINT)     2 bad flags or config
-//   3 key or permission problem           4 storage error (RocksDB)
-//   5 cannot bind a socket                1 anything else
+// TOML file, the environment and flags (server/config/config.h). Exit codes
+// (common/exit_codes.h):
+//   0 clean shutdown (SIGTERM/SIGINT)     2 bad flags or config (a value out of range,
+//   3 key or permission problem             a plain job under sync.site)
+//   4 a file the config names is missing  5 cannot bind a socket
+//   6 storage damaged or failing (the data dir cannot be written, RocksDB)   1 anything else
 #include <csignal>
 #include <cstdio>
 #include <iostream>
@@ -43,7 +45,8 @@ int main(int argc, char** argv) {
   for (const auto& s : isthmus::ServerSettings()) {
     flag_values.emplace_back(s.key, "");
     app.add_option(isthmus::SettingFlag(s.key), flag_values.back().second,
-                   s.doc + " [default: " + s.default_value + "]");
+                   s.doc + " [default: " + s.default_value +
+                       (s.range.empty() ? "" : "; range: " + s.range) + "]");
   }
   try {
     app.parse(argc, argv);

@@ -3,11 +3,14 @@
 #include "server/shard/server.h"
 
 #include <fcntl.h>
+#include <pwd.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <filesystem>
 #include <future>
@@ -45,6 +48,36 @@ Status RecoverInterruptedRestore(const std::string& data_dir) {
   } else if (fs::exists(old, ec)) {
     fs::rename(old, db, ec);  // crashed before the copy was complete: keep the old state
   }
+  return Status::Ok();
+}
+
+// The name of the user this process runs as (its uid without one).
+std::string ThisUser() {
+  const uid_t uid = ::geteuid();
+  if (const passwd* pw = ::getpwuid(uid); pw != nullptr) return pw->pw_name;
+  return std::to_string(uid);
+}
+
+// Creates shard.data_dir when missing and checks that this process may write it, so that a
+// folder of another user is reported as such (IoError, exit 6) before RocksDB tries.
+Status PrepareDataDir(const std::string& data_dir) {
+  auto refuse = [&](const std::string& doing, int err) {
+    std::string msg =
+        "cannot " + doing + " shard.data_dir '" + data_dir + "': " + std::strerror(err);
+    if (err == EACCES || err == EPERM || err == EROFS) {
+      msg += err == EROFS ? " (a read-only file system: pick a folder on a writable one, e.g. "
+                            "under /var/lib/isthmus)"
+                          : " (this server runs as user '" + ThisUser() +
+                                "': chown the folder to that user, chown -R " + ThisUser() + ": " +
+                                data_dir + ", or pick another folder)";
+    }
+    return Status::IoError(msg);
+  };
+  std::error_code ec;
+  fs::create_directories(data_dir, ec);
+  if (ec) return refuse("create", ec.value());
+  if (!fs::is_directory(data_dir, ec)) return refuse("use", ENOTDIR);
+  if (::access(data_dir.c_str(), R_OK | W_OK | X_OK) != 0) return refuse("write", errno);
   return Status::Ok();
 }
 
@@ -703,6 +736,28 @@ Status ShardServer::Start() {
   auto& c = impl_->config;
   ISTHMUS_RETURN_IF_ERROR(ValidateServerConfig(c));
   if (impl_->wake_fd < 0) return Status::Internal("eventfd failed");
+  // Keys and allowlists before the data dir: a refusal here touches no stored state.
+  KeyPair server_keys;
+  std::vector<std::string> worker_keys, admin_keys, peer_keys;
+  if (c.insecure_plaintext) {
+    spdlog::warn(
+        "security.insecure_plaintext is set: NO encryption and NO authentication on {} and {}",
+        c.listen_worker, c.listen_admin);
+  } else {
+    ISTHMUS_ASSIGN_OR_RETURN(server_keys, LoadKeyPairFile(c.secret_key));
+    const AllowlistCheck workers{"security.worker_keys", "workers", true};
+    const AllowlistCheck admins{"security.admin_keys", "operators", true};
+    // A site without peers yet (fleet init's one-site fleet) has an empty peer folder.
+    const AllowlistCheck peers{"security.peer_keys", "peer shards of sync.peers",
+                               !c.sync_peers.empty()};
+    ISTHMUS_ASSIGN_OR_RETURN(worker_keys, LoadPublicKeys(c.worker_keys, workers));
+    ISTHMUS_ASSIGN_OR_RETURN(admin_keys, LoadPublicKeys(c.admin_keys, admins));
+    ISTHMUS_ASSIGN_OR_RETURN(peer_keys, LoadPublicKeys(c.peer_keys, peers));
+    if (admin_keys.empty()) {
+      spdlog::warn("no admin keys configured (security.admin_keys): isthmusctl cannot connect");
+    }
+  }
+  ISTHMUS_RETURN_IF_ERROR(PrepareDataDir(c.data_dir));
   ISTHMUS_RETURN_IF_ERROR(RecoverInterruptedRestore(c.data_dir));
 
   WireLimits limits;
@@ -712,6 +767,7 @@ Status ShardServer::Start() {
 
   ShardOptions opts;
   opts.shard_id = c.shard_id;
+  opts.convert_plain_jobs = c.sync_convert_plain_jobs;
   opts.snapshot_dir = SnapshotDir(c.data_dir);
   opts.limits = limits;
   impl_->limits = limits;
@@ -741,23 +797,9 @@ Status ShardServer::Start() {
   }
   ISTHMUS_ASSIGN_OR_RETURN(impl_->shard, Shard::Open(opts));
 
-  KeyPair server_keys;
-  if (c.insecure_plaintext) {
-    spdlog::warn(
-        "security.insecure_plaintext is set: NO encryption and NO authentication on {} and {}",
-        c.listen_worker, c.listen_admin);
-  } else {
-    ISTHMUS_ASSIGN_OR_RETURN(server_keys, LoadKeyPairFile(c.secret_key));
-  }
   impl_->ctx = std::make_unique<zmq::context_t>(static_cast<int>(c.io_threads));
   if (!c.insecure_plaintext) {
     impl_->zap = std::make_unique<ZapHandler>(*impl_->ctx);
-    ISTHMUS_ASSIGN_OR_RETURN(auto worker_keys, LoadPublicKeys(c.worker_keys));
-    ISTHMUS_ASSIGN_OR_RETURN(auto admin_keys, LoadPublicKeys(c.admin_keys));
-    ISTHMUS_ASSIGN_OR_RETURN(auto peer_keys, LoadPublicKeys(c.peer_keys));
-    if (admin_keys.empty()) {
-      spdlog::warn("no admin keys configured (security.admin_keys): isthmusctl cannot connect");
-    }
     impl_->zap->SetAllowlist(kDomainWorker, worker_keys);
     impl_->zap->SetAllowlist(kDomainAdmin, admin_keys);
     impl_->zap->SetAllowlist(kDomainPeer, peer_keys);

@@ -6,6 +6,7 @@
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <ctime>
@@ -198,6 +199,7 @@ Status Shard::Load() {
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);
+  if (sync_) ISTHMUS_RETURN_IF_ERROR(CheckPlainJobs());
   for (auto& entry : jobs_) {
     // Plain references, not structured bindings: lambdas below capture them.
     const std::string& name = entry.first;
@@ -240,6 +242,32 @@ Status Shard::Load() {
                  VersionOf(job));
   }
   return Status::Ok();
+}
+
+Status Shard::CheckPlainJobs() {
+  std::vector<std::string> plain;
+  for (const auto& [name, job] : jobs_) {
+    ISTHMUS_ASSIGN_OR_RETURN(bool synced, sync_->HasSyncState(name));
+    if (!synced) plain.push_back(name);
+  }
+  if (plain.empty()) return Status::Ok();
+  std::string names;
+  for (size_t i = 0; i < plain.size() && i < 5; ++i) names += (i ? ", '" : "'") + plain[i] + "'";
+  if (plain.size() > 5) names += " and " + std::to_string(plain.size() - 5) + " more";
+  if (options_.convert_plain_jobs) {
+    spdlog::warn(
+        "sync.convert_plain_jobs: job(s) {} created without sync join site {}'s round "
+        "protocol now, their current tensors as round 0",
+        names, options_.sync->site);
+    return Status::Ok();
+  }
+  return Status::InvalidArgument(
+      "job(s) " + names + " were created without cross-site sync, and sync.site is now '" +
+      options_.sync->site +
+      "': attaching them would make them sync jobs for good, their current tensors round 0. "
+      "To convert them deliberately, start once with sync.convert_plain_jobs = true (every "
+      "site must hold the same tensors: docs/SYNC.md, \"Jobs created without sync\"); to keep "
+      "them plain, start this shard without sync.site");
 }
 
 std::string OpName(wire::Body body) {
@@ -725,6 +753,28 @@ Status Shard::DoJobCreate(const wire::JobCreate* req, const Frames& frames, uint
   ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, true));
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
     return Status::InvalidArgument("a job needs at least one tensor");
+  }
+  // Beyond the wire's checks, a new job's tensors: names safe as file names of an export,
+  // and at least one element each (jobs created before these rules are served as they are).
+  for (const auto* m : *req->tensors()) {
+    const std::string_view tname = m->name()->string_view();
+    if (!IsValidTensorName(tname)) {
+      return Status::InvalidArgument("tensor name '" + PrintableName(tname) + "' of job '" + name +
+                                     "' is not valid: " + TensorNameRule());
+    }
+    const auto shape = ShapeOf(m);
+    if (shape.empty()) {
+      return Status::InvalidArgument("tensor '" + std::string(tname) + "' of job '" + name +
+                                     "' has shape [] (a scalar): give it shape [1]");
+    }
+    if (std::find(shape.begin(), shape.end(), 0) != shape.end()) {
+      std::string dims;
+      for (size_t i = 0; i < shape.size(); ++i) dims += (i ? ", " : "") + std::to_string(shape[i]);
+      return Status::InvalidArgument("tensor '" + std::string(tname) + "' of job '" + name +
+                                     "' has shape [" + dims +
+                                     "] with a zero dimension: it holds no value; leave it out "
+                                     "of the job");
+    }
   }
   JobState job;
   job.name = name;

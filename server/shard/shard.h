@@ -41,6 +41,10 @@ struct ShardOptions {
   uint64_t dedup_window = 65536;
   // Cross-site round protocol (docs/SYNC.md); nullopt = off (pushes add at once).
   std::optional<SyncOptions> sync;
+  // With sync on: jobs without sync state (created while sync was off) are attached to
+  // the round protocol, their current tensors as round 0. false: Open (and a restore)
+  // refuses them with InvalidArgument naming them, before anything is written.
+  bool convert_plain_jobs = false;
 };
 
 // A reply ready to send.
@@ -52,7 +56,8 @@ struct Reply {
 
 class Shard {
  public:
-  // Opens the store and loads every job into memory.
+  // Opens the store and loads every job into memory. With sync on, a plain job (no sync
+  // state) is refused unless convert_plain_jobs (see ShardOptions).
   static Result<std::unique_ptr<Shard>> Open(ShardOptions options);
 
   // Handles one request that arrived on the socket of `role`. Never throws; any problem
@@ -100,6 +105,9 @@ class Shard {
 
   explicit Shard(ShardOptions options);
   Status Load();
+  // With sync on: InvalidArgument naming the jobs without sync state, unless
+  // options_.convert_plain_jobs (then a warning). Reads only.
+  Status CheckPlainJobs();
   static void ReleaseSyncedData(JobState& job);
   // A job a joining site builds from a member's state (SyncEngine::JobHooks::install).
   Status InstallJoinedJob(const std::string& name, const std::string& base_hash,

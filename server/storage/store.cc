@@ -123,6 +123,21 @@ Status FromRocks(const rocksdb::Status& s, const std::string& what) {
   return Status::IoError(what + ": " + s.ToString());
 }
 
+// The pid of another process holding the LOCK file of the RocksDB in `dir` (RocksDB takes a
+// POSIX record lock on it), or 0. Call it only when this process does not hold that lock
+// itself: closing any descriptor of a file drops the closing process's record locks on it.
+pid_t LockHolder(const std::string& dir) {
+  const int fd = ::open((dir + "/LOCK").c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  struct flock fl {};
+  fl.l_type = F_WRLCK;
+  fl.l_whence = SEEK_SET;
+  pid_t pid = 0;
+  if (::fcntl(fd, F_GETLK, &fl) == 0 && fl.l_type != F_UNLCK) pid = fl.l_pid;
+  ::close(fd);
+  return pid;
+}
+
 class RocksStore : public Store {
  public:
   ~RocksStore() override { CloseDb(); }
@@ -391,10 +406,17 @@ class RocksStore : public Store {
       return Status::ResourceExhausted(NoSpaceText(0));
     }
     if (!s.ok()) {
-      if (s.IsIOError() && s.ToString().find("ock") != std::string::npos) {
-        return FromRocks(s, "cannot open RocksDB at '" + dir_ +
-                                "': its lock is held (is another isthmus-server using this "
-                                "data dir?)");
+      // RocksDB refuses a database whose LOCK another open holds: one of this process
+      // (it says so; the lock must not be probed then) or of another.
+      if (s.ToString().find("lock hold by current process") != std::string::npos) {
+        return Status::IoError("cannot open RocksDB at '" + dir_ +
+                               "': this process has it open already: " + s.ToString());
+      }
+      if (const pid_t holder = LockHolder(dir_); holder > 0) {
+        return Status::IoError("cannot open RocksDB at '" + dir_ + "': process " +
+                               std::to_string(holder) +
+                               " holds its LOCK (another isthmus-server with this "
+                               "shard.data_dir?): stop it, or give this shard its own folder");
       }
       if (s.IsNoSpace()) return Status::ResourceExhausted(NoSpaceText(0) + ": " + s.ToString());
       return FromRocks(s, "cannot open RocksDB at '" + dir_ + "'");

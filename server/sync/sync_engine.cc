@@ -185,6 +185,11 @@ void SyncEngine::AdoptNewJob(const std::string& name, std::map<std::string, Sync
   jobs_[name] = NewJob(std::move(tensors), version);
 }
 
+Result<bool> SyncEngine::HasSyncState(const std::string& name) const {
+  ISTHMUS_ASSIGN_OR_RETURN(auto rec, store_->Get(Column::kSync, SyncRecordKey(name)));
+  return rec.has_value();
+}
+
 Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
                              uint64_t base_version) {
   Job j;
@@ -200,7 +205,8 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
   }
   ISTHMUS_ASSIGN_OR_RETURN(auto rec_text, store_->Get(Column::kSync, SyncRecordKey(name)));
   if (!rec_text) {
-    // A job created before it could be attached: its sync state starts now.
+    // A plain job (created while sync was off), converted at the operator's word
+    // (sync.convert_plain_jobs): its sync state starts now.
     WriteBatch batch;
     AddNewJob(name, j.theta, base_version, &batch);
     ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));

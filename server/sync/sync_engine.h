@@ -82,10 +82,17 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // Forgets every job and uses `store` from now on (after a snapshot restore).
   void Reset(Store* store);
 
+  // Whether `job` has durable sync state in the store (it was created, joined or converted
+  // while sync was on). A job without it is a plain job: AttachJob would start its rounds
+  // from its current tensors, which the shard does only when told to
+  // (sync.convert_plain_jobs; docs/SYNC.md, "Jobs created without sync").
+  Result<bool> HasSyncState(const std::string& job) const;
+
   // Takes part in sync for `job`, whose committed tensors (as in the store's kTensors
-  // column) are `tensors`. Loads the job's durable sync state (none for a new job; then
-  // `base_version` is the served version) and commits any round that became committable
-  // before a crash. Digest of round 0 = the initial state.
+  // column) are `tensors`. Loads the job's durable sync state (none for a plain job; then
+  // its round 0 is `tensors` and `base_version` the served version, written at once) and
+  // commits any round that became committable before a crash. Digest of round 0 = the
+  // initial state.
   Status AttachJob(const std::string& job, std::map<std::string, SyncTensor> tensors,
                    uint64_t base_version);
   // A job being created, in two steps so that creating it is one write: AddNewJob puts its

@@ -1,7 +1,9 @@
 // Key files: generation, strict permissions on secret keys, allowlist folders.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -104,6 +106,93 @@ TEST_F(KeysTest, AllowlistReadsFilesAndFolders) {
   std::sort(keys->begin(), keys->end());
   EXPECT_EQ(*keys, expect);  // .key files in the folder are not read as allowlist entries
   EXPECT_EQ(LoadPublicKeys({(dir_ / "missing").string()}).status().code(), Code::kNotFound);
+}
+
+// Issue 27 item 6: `keygen -o ''` wrote the hidden files .key and .pub.
+TEST_F(KeysTest, PrefixesThatWouldWriteHiddenFilesOrIntoAFolderAreRefused) {
+  fs::create_directories(dir_ / "keys");
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"", "is empty"},
+      {(dir_ / "keys").string() + "/", "ends in '/'"},
+      {(dir_ / "keys").string(), "is a folder"},
+  };
+  for (const auto& [prefix, says] : refused) {
+    Status s = WriteKeyPairFiles(prefix, *GenerateKeyPair(), true);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << "'" << prefix << "'";
+    EXPECT_NE(s.message().find(says), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("keys/worker.key"), std::string::npos) << s.ToString();
+  }
+  EXPECT_TRUE(fs::is_empty(dir_ / "keys"));
+  EXPECT_FALSE(fs::exists(dir_ / ".key"));
+  EXPECT_FALSE(fs::exists(".key"));
+  EXPECT_TRUE(WriteKeyPairFiles((dir_ / "keys" / "w").string(), *GenerateKeyPair(), false).ok());
+}
+
+// Issue 27 item 11: a key file this user may not read is a permission problem (exit 3),
+// not a missing file (exit 4). Root reads any file: then the process test covers it
+// (tests/integration/shard_process_test.cc runs the server as an unprivileged user).
+TEST_F(KeysTest, AnUnreadableKeyFileIsPermissionDeniedNamingTheUser) {
+  if (::geteuid() == 0) GTEST_SKIP() << "root may read any file";
+  const std::string prefix = (dir_ / "u").string();
+  ASSERT_TRUE(WriteKeyPairFiles(prefix, *GenerateKeyPair(), false).ok());
+  ASSERT_EQ(::chmod((prefix + ".key").c_str(), 0), 0);
+  auto r = LoadKeyPairFile(prefix + ".key");
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("chown"), std::string::npos) << r.status().ToString();
+  EXPECT_EQ(LoadKeyPairFile(prefix + ".missing").status().code(), Code::kNotFound);
+}
+
+// Issue 27 item 6: an allowlist every user of the host may write lets anyone add a key.
+TEST_F(KeysTest, WorldWritableAllowlistsAreRefusedGroupWritableAccepted) {
+  fs::create_directories(dir_ / "workers");
+  ASSERT_TRUE(WriteKeyPairFiles((dir_ / "workers" / "w").string(), *GenerateKeyPair(), false).ok());
+  ASSERT_TRUE(WriteKeyPairFiles((dir_ / "admin").string(), *GenerateKeyPair(), false).ok());
+  const std::string folder = (dir_ / "workers").string(), file = (dir_ / "admin.pub").string();
+  const std::string in_folder = (dir_ / "workers" / "w.pub").string();
+  const AllowlistCheck check{"security.worker_keys", "workers", true};
+
+  ASSERT_EQ(::chmod(folder.c_str(), 0777), 0);
+  auto r = LoadPublicKeys({folder}, check);
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(r.status().message().find("allowlist folder '" + folder +
+                                      "' (security.worker_keys) has mode 0777"),
+            std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("chmod o-w " + folder), std::string::npos);
+  ASSERT_EQ(::chmod(folder.c_str(), 01777), 0);  // sticky: still anyone may add a file
+  EXPECT_EQ(LoadPublicKeys({folder}, check).status().code(), Code::kPermissionDenied);
+  ASSERT_EQ(::chmod(folder.c_str(), 0775), 0);
+  EXPECT_TRUE(LoadPublicKeys({folder}, check).ok());
+
+  ASSERT_EQ(::chmod(in_folder.c_str(), 0646), 0);
+  r = LoadPublicKeys({folder}, check);
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(r.status().message().find("chmod o-w " + in_folder), std::string::npos)
+      << r.status().ToString();
+  ASSERT_EQ(::chmod(in_folder.c_str(), 0664), 0);
+  EXPECT_TRUE(LoadPublicKeys({folder}, check).ok());
+
+  ASSERT_EQ(::chmod(file.c_str(), 0666), 0);
+  EXPECT_EQ(LoadPublicKeys({file}).status().code(), Code::kPermissionDenied);
+  ASSERT_EQ(::chmod(file.c_str(), 0644), 0);
+  EXPECT_TRUE(LoadPublicKeys({file}).ok());
+}
+
+TEST_F(KeysTest, AnEmptyAllowlistFolderIsRefusedWhenTheServerNeedsIt) {
+  fs::create_directories(dir_ / "admins");
+  fs::create_directories(dir_ / "peers");
+  std::ofstream(dir_ / "admins" / "README") << "not a key\n";
+  auto r = LoadPublicKeys({(dir_ / "admins").string()},
+                          {"security.admin_keys", "operators", /*refuse_empty_folders=*/true});
+  EXPECT_EQ(r.status().code(), Code::kPermissionDenied);
+  EXPECT_NE(r.status().message().find("(security.admin_keys) holds no *.pub file"),
+            std::string::npos)
+      << r.status().ToString();
+  EXPECT_NE(r.status().message().find("of the operators there"), std::string::npos);
+  // A peer folder of a site without peers yet may be empty.
+  auto peers = LoadPublicKeys({(dir_ / "peers").string()}, {"security.peer_keys", "peers", false});
+  ASSERT_TRUE(peers.ok()) << peers.status().ToString();
+  EXPECT_TRUE(peers->empty());
 }
 
 }  // namespace

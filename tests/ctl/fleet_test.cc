@@ -16,6 +16,7 @@
 #include <toml.hpp>
 
 #include "common/keys.h"
+#include "common/names.h"
 #include "server/config/config.h"
 #include "server/ctl/fleet.h"
 #include "tests/server/test_util.h"
@@ -365,6 +366,54 @@ TEST(FleetInit, ChecksSitesShardsHostsAndPorts) {
   refused(o, "would share port 7103");
 }
 
+// Issue 27 item 6: values the server used to take, and fleet init with it: out of their
+// ranges now, refused by the server's loader before anything is written.
+TEST(FleetInit, SettingsOutsideTheServersRangesAreRefused) {
+  TempDir tmp;
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"runtime.io_threads=1000000", "runtime.io_threads must be in [1, 64], not '1000000'"},
+      {"limits.max_message_bytes=100000000000000000000", "[1024, 1099511627776]"},
+      {"storage.dedup_window=4611686018427387904", "[1, 4294967296]"},
+      {"sync.max_rounds_ahead=4611686018427387904", "[0, 256]"},
+      {"sync.outer_lr=-1", "sync.outer_lr must be in (0, 100]"},
+  };
+  for (const auto& [setting, says] : refused) {
+    FleetOptions bad = TwoSites(tmp.path() / "refused");
+    bad.settings = {setting};
+    auto r = Init(bad);
+    ASSERT_FALSE(r.ok()) << setting;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << setting;
+    EXPECT_NE(r.status().message().find(says), std::string::npos)
+        << setting << ": " << r.status().ToString();
+    EXPECT_FALSE(fs::exists(tmp.path() / "refused")) << setting;
+  }
+}
+
+// The site name rule fleet init cites is the one the server applies to sync.site.
+TEST(FleetInit, SiteNamesAreRefusedByTheServersRule) {
+  TempDir tmp;
+  for (const std::string& bad :
+       std::vector<std::string>{"../../etc", "a\nb", "x/y", std::string(65, 's')}) {
+    FleetOptions o = TwoSites(tmp.path() / "fleet");
+    o.sites = {"alpha", bad};
+    o.hosts = {};
+    auto r = PlanFleet(o);
+    ASSERT_FALSE(r.ok()) << PrintableName(bad);
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+    EXPECT_NE(r.status().message().find(std::string(SiteNameRule()) +
+                                        " (the server's rule for sync.site)"),
+              std::string::npos)
+        << r.status().ToString();
+    EXPECT_EQ(r.status().message().find('\n'), std::string::npos) << r.status().ToString();
+    // The server refuses the same name.
+    ServerConfig c;
+    c.data_dir = "/d";
+    c.insecure_plaintext = true;
+    c.sync.site = bad;
+    EXPECT_NE(ValidateServerConfig(c).message().find(SiteNameRule()), std::string::npos);
+  }
+}
+
 TEST(FleetInit, OneSiteHasNoPeers) {
   TempDir tmp;
   const fs::path out = tmp.path() / "fleet";
@@ -508,8 +557,7 @@ TEST(FleetAddSite, ANewSiteGetsItsOwnKeysAndEveryExistingKeyStaysAsItWas) {
         "systemctl restart isthmus-server@beta-0 isthmus-server@beta-1",
         "systemctl start isthmus-server@gamma-0 isthmus-server@gamma-1",
         "isthmusctl sync join --from alpha -j demo", "isthmusctl sync invite --site gamma -j demo",
-        "no key of alpha changed",
-        "7102,7112 peers: open to 10.0.0.1 (alpha), 10.1.0.1 (beta)"}) {
+        "no key of alpha changed", "7102,7112 peers: open to 10.0.0.1 (alpha), 10.1.0.1 (beta)"}) {
     EXPECT_NE(steps->find(want), std::string::npos) << want << "\n" << *steps;
   }
 

@@ -43,18 +43,18 @@ run() {
   fi
 }
 
-# (its data_dir moved to a scratch folder: the shard opens its database before its keys;
-# the first key file it opens is sync.peers' peer key)
-peer_key_path="$(sed -n 's/^ *"[^=]*=[^=]*=\(\/[^"]*\)",*$/\1/p' "$examples/shard.toml" | head -n 1)"
-[ -n "$peer_key_path" ] || fail "shard.toml names no sync.peers entry with a key file"
-run "shard.toml" 4 "$peer_key_path" "$server" --config "$examples/shard.toml" \
-  --shard.data_dir="$tmp/shard-data"
-# With that peer key found, the next file it opens: security.secret_key.
+# (its data_dir moved to a scratch folder; the shard reads its key pair and allowlists
+# before it touches its data dir, so the first file it opens is security.secret_key)
 key_path="$(sed -n 's/^secret_key = "\([^"]*\)".*/\1/p' "$examples/shard.toml")"
 [ -n "$key_path" ] || fail "shard.toml names no security.secret_key"
-"$ctl" keygen --out "$tmp/B-0" >/dev/null
-run "shard.toml with its peer key" 4 "$key_path" "$server" --config "$examples/shard.toml" \
-  --shard.data_dir="$tmp/shard-data" --sync.peers="B=tcp://10.1.0.1:7102=$tmp/B-0.pub"
+run "shard.toml" 4 "$key_path" "$server" --config "$examples/shard.toml" \
+  --shard.data_dir="$tmp/shard-data"
+# With that key found, the next file it opens: the folder of security.worker_keys.
+workers_path="$(sed -n 's/^worker_keys = \["\([^"]*\)"\].*/\1/p' "$examples/shard.toml")"
+[ -n "$workers_path" ] || fail "shard.toml names no security.worker_keys folder"
+"$ctl" keygen --out "$tmp/A-0" >/dev/null
+run "shard.toml with its key" 4 "$workers_path" "$server" --config "$examples/shard.toml" \
+  --shard.data_dir="$tmp/shard-data" --security.secret_key="$tmp/A-0.key"
 
 # The examples against the site fleet init writes with the options their header names.
 "$ctl" fleet init --sites A,B --shards 2 --host A=10.0.0.1 --host B=10.1.0.1 --job demo \

@@ -4,6 +4,7 @@
 // WorkerClient()/AdminClient() use CURVE with keys on the server's allowlists.
 #pragma once
 
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -53,6 +54,12 @@ class ServerProcess {
     pid_ = ::fork();
     if (pid_ == 0) {
       std::freopen(log_path_.c_str(), "w", stderr);
+      if (run_as_uid_ >= 0 && ::geteuid() == 0 &&
+          (::setgroups(0, nullptr) != 0 || ::setgid(run_as_gid_) != 0 ||
+           ::setuid(static_cast<uid_t>(run_as_uid_)) != 0)) {
+        std::perror("cannot drop privileges");
+        _exit(126);
+      }
       std::string cfg = "--config=" + (dir_ / "server.toml").string();
       const char* bin = BinaryPath("ISTHMUS_SERVER_BIN", ISTHMUS_SERVER_BIN);
       ::execl(bin, bin, cfg.c_str(), static_cast<char*>(nullptr));
@@ -121,6 +128,13 @@ class ServerProcess {
     extra_ = std::move(extra);
     WriteConfig();
   }
+  pid_t pid() const { return pid_; }
+  // When the test runs as root, Start() runs the binary as this user and group, so that
+  // the test's own files (root's) are another user's to the server. No effect otherwise.
+  void set_run_as(uid_t uid, gid_t gid) {
+    run_as_uid_ = static_cast<int64_t>(uid);
+    run_as_gid_ = gid;
+  }
 
  protected:
   // Makes `dir` with fresh server, worker and admin keys and picks the worker and admin
@@ -181,6 +195,8 @@ class ServerProcess {
   pid_t pid_ = -1;
   int starts_ = 0;
   int last_exit_code_ = -1;
+  int64_t run_as_uid_ = -1;
+  gid_t run_as_gid_ = 0;
   static inline int counter_ = 0;
 };
 

@@ -1,13 +1,17 @@
 // Integration tests against a real isthmus-server process on loopback with CURVE: what a
 // worker and an operator see (push/pull, idempotent retries, refused keys, hostile
-// frames, SIGKILL mid-stream, snapshots, SIGTERM, key-file permissions).
+// frames, SIGKILL mid-stream, snapshots, SIGTERM, key-file permissions), and what makes
+// it refuse to start, each with its documented exit code and nothing stored changed.
 #include <gtest/gtest.h>
+#include <pwd.h>
 #include <sys/stat.h>
 
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <random>
 
 #include "common/transport.h"
@@ -207,10 +211,13 @@ std::string PushHeader(const std::string& key, const std::string& name, uint64_t
   return std::string(reinterpret_cast<const char*>(fbb.GetBufferPointer()), fbb.GetSize());
 }
 
-// A JobCreate for job `job` with one tensor "w" of `shape` whose header claims `nbytes`.
-std::string JobCreateHeader(const std::string& job, std::vector<int64_t> shape, uint64_t nbytes) {
+// A JobCreate for job `job` with one tensor `name` (default "w"; any bytes, NUL included) of
+// `shape` whose header claims `nbytes`.
+std::string JobCreateHeader(const std::string& job, std::vector<int64_t> shape, uint64_t nbytes,
+                            const std::string& name = "w") {
   flatbuffers::FlatBufferBuilder fbb;
-  auto meta = wire::CreateTensorMetaDirect(fbb, "w", &shape, wire::DType::F32, 0, nbytes, 0);
+  auto meta = wire::CreateTensorMeta(fbb, fbb.CreateString(name), fbb.CreateVector(shape),
+                                     wire::DType::F32, 0, nbytes, 0);
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{meta};
   auto body = wire::CreateJobCreateDirect(fbb, job.c_str(), "h", &metas);
   wire::FinishEnvelopeBuffer(fbb,
@@ -295,6 +302,45 @@ TEST_F(ShardProcessTest, ShapesWhoseByteCountWrapsAreRefusedOnBothSockets) {
   }
   EXPECT_EQ(server_.AdminClient()->DescribeJob("wrap").status().code(), Code::kNotFound);
   EXPECT_EQ(PullAll(*w), before);
+}
+
+// Issue 27 item 6: job create took shape [0], a scalar [] and the tensor names "../x" and
+// "a\0b". Each is refused naming the tensor and the rule; no job appears, and pushes to
+// the existing job go on as before.
+TEST_F(ShardProcessTest, JobCreateRefusesUnsafeTensorNamesAndTensorsWithoutAShapeOrValues) {
+  auto admin = server_.AdminClient();
+  std::vector<float> four(4, 1.0f);
+  const std::vector<std::pair<TensorView, std::string>> refused = {
+      {{"../x", {4}, four.data()}, "tensor name '../x' of job 'bad' is not valid: "},
+      {{"a/../../b", {4}, four.data()}, "is not valid"},
+      {{"line\nbreak", {4}, four.data()}, "'line\\x0abreak'"},
+      {{"/abs", {4}, four.data()}, "is not valid"},
+      {{"scalar", {}, four.data()}, "tensor 'scalar' of job 'bad' has shape [] (a scalar)"},
+      {{"empty", {0}, nullptr}, "tensor 'empty' of job 'bad' has shape [0] with a zero dimension"},
+      {{"empty2", {4, 0}, nullptr}, "has shape [4, 0] with a zero dimension"},
+  };
+  for (const auto& [tensor, says] : refused) {
+    // A good tensor beside it: the whole create is refused.
+    auto r = admin->CreateJob("bad", "", {{"ok", {4}, four.data()}, tensor});
+    ASSERT_FALSE(r.ok()) << says;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << r.status().ToString();
+    EXPECT_NE(r.status().message().find(says), std::string::npos) << r.status().ToString();
+  }
+  // A NUL inside a name (the client library cannot send one: a raw request).
+  RawSocket raw(server_, /*admin=*/true);
+  Status nul = raw.Call({JobCreateHeader("bad", {4}, 16, std::string("a\0b", 3)), Floats(four)});
+  EXPECT_EQ(nul.code(), Code::kInvalidArgument) << nul.ToString();
+  EXPECT_NE(nul.message().find("tensor name 'a\\x00b' of job 'bad' is not valid"),
+            std::string::npos)
+      << nul.ToString();
+  EXPECT_TRUE(raw.Call({JobCreateHeader("rawok", {4}, 16, "w"), Floats(four)}).ok());
+  EXPECT_EQ(admin->DescribeJob("bad").status().code(), Code::kNotFound);
+  auto good = admin->CreateJob("good", "", {{"layer/0/w", {2, 2}, four.data()}});
+  EXPECT_TRUE(good.ok()) << good.status().ToString();
+  auto w = server_.WorkerClient();
+  std::vector<float> d(32, 1.0f);
+  ASSERT_TRUE(w->Push("j", "after", 0, 1, {{"b", kShape, d.data()}}).ok());
+  EXPECT_EQ(PullAll(*w)["b"], std::vector<float>(32, 2.0f));
 }
 
 // A message of another schema version is refused on both sockets, the refusal names both
@@ -480,6 +526,191 @@ TEST(ShardProcessLifecycle, LooseSecretKeyPermissionsRefuseToStart) {
   ASSERT_FALSE(started);
   EXPECT_EQ(server.last_exit_code(), 3);
   EXPECT_NE(server.Log().find("chmod 600"), std::string::npos) << server.Log();
+}
+
+// --- Refusals at start (issue 27, items 6 and 11) ------------------------------------------
+// Each exits with the code docs/CLI.md gives, says what to do, and leaves the data dir as
+// it was (not even created, where the refusal comes before it).
+
+// The user a test running as root starts the server as (nobody), so that the test's files
+// are another user's to the server (root may read and write any file). nullopt, with the
+// reason in *why, when there is none or when the server runs through a wrapper
+// (ISTHMUS_SERVER_BIN: the units' sandbox of tests/deploy needs root to make its mount
+// namespace).
+std::optional<std::pair<uid_t, gid_t>> Unprivileged(std::string* why) {
+  const char* wrapper = std::getenv("ISTHMUS_SERVER_BIN");
+  if (wrapper != nullptr && *wrapper != '\0') {
+    *why = "running as root with the server behind a wrapper (ISTHMUS_SERVER_BIN)";
+    return std::nullopt;
+  }
+  const passwd* pw = ::getpwnam("nobody");
+  if (pw == nullptr) {
+    *why = "running as root without a 'nobody' user to start the server as";
+    return std::nullopt;
+  }
+  return std::make_pair(pw->pw_uid, pw->pw_gid);
+}
+
+// The server's folder readable (not writable) by every user: its config and public keys
+// are, as under /etc/isthmus.
+void OpenToOthers(const ServerProcess& server) {
+  namespace fs = std::filesystem;
+  fs::permissions(server.dir(), fs::perms(0755));
+  for (const auto& e : fs::recursive_directory_iterator(server.dir())) {
+    if (e.path().extension() == ".key") continue;
+    fs::permissions(e.path(), fs::perms(e.is_directory() ? 0755 : 0644));
+  }
+}
+
+// libzmq aborted on runtime.io_threads = 1000000 after the store was open.
+TEST(ShardProcessStart, IoThreadsOutOfRangeExitsTwoBeforeZeroMqOrTheDataDir) {
+  ServerProcess server("[runtime]\nio_threads = 1000000");
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 2) << server.Log();
+  EXPECT_NE(server.Log().find("runtime.io_threads must be in [1, 64], not '1000000'"),
+            std::string::npos)
+      << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data"));
+}
+
+// A secret key file this user may not read exited 4 ("not found"); docs/CLI.md says 3.
+TEST(ShardProcessStart, AnUnreadableSecretKeyExitsThreeNamingTheUser) {
+  ServerProcess server;
+  OpenToOthers(server);
+  if (::geteuid() == 0) {
+    std::string why;
+    auto user = Unprivileged(&why);
+    if (!user) GTEST_SKIP() << why;
+    server.set_run_as(user->first, user->second);  // server.key stays root's, mode 0600
+  } else {
+    ::chmod((server.dir() / "server.key").c_str(), 0);
+  }
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(server.Log().find("server.key': Permission denied"), std::string::npos) << server.Log();
+  EXPECT_NE(server.Log().find("chown"), std::string::npos) << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data")) << "refused before the data dir";
+}
+
+TEST(ShardProcessStart, AWorldWritableOrEmptyAllowlistExitsThree) {
+  ServerProcess server;
+  const std::string workers = (server.dir() / "workers").string();
+  ASSERT_EQ(::chmod(workers.c_str(), 0777), 0);
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(
+      server.Log().find("allowlist folder '" + workers + "' (security.worker_keys) has mode 0777"),
+      std::string::npos)
+      << server.Log();
+  EXPECT_NE(server.Log().find("chmod o-w " + workers), std::string::npos) << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data"));
+
+  ASSERT_EQ(::chmod(workers.c_str(), 0755), 0);
+  const std::string pub = (server.dir() / "admins" / "a0.pub").string();
+  ASSERT_EQ(::chmod(pub.c_str(), 0666), 0);
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(server.Log().find("chmod o-w " + pub), std::string::npos) << server.Log();
+
+  std::filesystem::remove(pub);  // admins/ keeps only a0.key: no *.pub
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 3) << server.Log();
+  EXPECT_NE(server.Log().find("(security.admin_keys) holds no *.pub file"), std::string::npos)
+      << server.Log();
+  EXPECT_FALSE(std::filesystem::exists(server.dir() / "data"));
+}
+
+// An unwritable data dir exited 6 saying "is another isthmus-server using this data dir?".
+TEST(ShardProcessStart, AnUnwritableDataDirExitsSixWithAPermissionHint) {
+  ServerProcess server;
+  OpenToOthers(server);
+  const auto data = server.dir() / "data";
+  std::filesystem::create_directories(data);
+  if (::geteuid() == 0) {
+    std::string why;
+    auto user = Unprivileged(&why);
+    if (!user) GTEST_SKIP() << why;
+    server.set_run_as(user->first, user->second);  // data/ stays root's, mode 0755
+    ASSERT_EQ(::chown((server.dir() / "server.key").c_str(), user->first, user->second), 0);
+  } else {
+    std::filesystem::permissions(data, std::filesystem::perms(0555));
+  }
+  ASSERT_FALSE(server.Start());
+  std::filesystem::permissions(data, std::filesystem::perms(0755));
+  EXPECT_EQ(server.last_exit_code(), 6) << server.Log();
+  EXPECT_NE(
+      server.Log().find("cannot write shard.data_dir '" + data.string() + "': Permission denied"),
+      std::string::npos)
+      << server.Log();
+  EXPECT_NE(server.Log().find("chown"), std::string::npos) << server.Log();
+  EXPECT_EQ(server.Log().find("another isthmus-server"), std::string::npos) << server.Log();
+  EXPECT_TRUE(std::filesystem::is_empty(data));
+}
+
+// The hint about another server comes only when another process holds the LOCK: then it
+// names that process.
+TEST(ShardProcessStart, ADataDirInUseNamesTheProcessHoldingIt) {
+  const char* wrapper = std::getenv("ISTHMUS_SERVER_BIN");
+  if (wrapper != nullptr && *wrapper != '\0') {
+    GTEST_SKIP() << "the server runs behind a wrapper (ISTHMUS_SERVER_BIN), which may confine "
+                    "its writes to its own folder (tests/deploy's sandbox)";
+  }
+  ServerProcess first, second;
+  ASSERT_TRUE(first.Start());
+  const std::string shared = (first.dir() / "data").string();
+  ::setenv("ISTHMUS_SHARD_DATA_DIR", shared.c_str(), 1);  // over second's own config
+  const bool started = second.Start();
+  ::unsetenv("ISTHMUS_SHARD_DATA_DIR");
+  ASSERT_FALSE(started);
+  EXPECT_EQ(second.last_exit_code(), 6) << second.Log();
+  EXPECT_NE(second.Log().find("process " + std::to_string(first.pid()) + " holds its LOCK"),
+            std::string::npos)
+      << second.Log();
+  EXPECT_NE(second.Log().find("another isthmus-server"), std::string::npos) << second.Log();
+  EXPECT_TRUE(first.AdminClient()->Stats().ok()) << "the first server serves on";
+}
+
+// One start with sync.site set turned a plain job into a sync job for good. Now the start
+// is refused (exit 2) naming the job and the setting that converts it; started without
+// sync.site the job is plain as before; with sync.convert_plain_jobs it is converted, and
+// stays converted.
+TEST(ShardProcessStart, APlainJobIsNotTurnedIntoASyncJobWithoutTheOperatorsWord) {
+  ServerProcess server;
+  ASSERT_TRUE(server.Start());
+  CreateJob(server);
+  ASSERT_EQ(WEXITSTATUS(server.Kill(SIGTERM)), 0);
+
+  server.set_extra("[sync]\nsite = \"A\"");
+  ASSERT_FALSE(server.Start());
+  EXPECT_EQ(server.last_exit_code(), 2) << server.Log();
+  EXPECT_NE(server.Log().find("job(s) 'j' were created without cross-site sync, and sync.site "
+                              "is now 'A'"),
+            std::string::npos)
+      << server.Log();
+  EXPECT_NE(server.Log().find("sync.convert_plain_jobs = true"), std::string::npos) << server.Log();
+
+  server.set_extra("");
+  ASSERT_TRUE(server.Start());
+  EXPECT_EQ(server.AdminClient()->Digests("j", 0).status().code(), Code::kFailedPrecondition)
+      << "the job is plain on a shard without sync";
+  auto w = server.WorkerClient();
+  std::vector<float> d(32, 1.0f);
+  ASSERT_TRUE(w->Push("j", "plain", 0, 1, {{"b", kShape, d.data()}}).ok());
+  EXPECT_EQ(PullAll(*w)["b"], std::vector<float>(32, 2.0f));
+  ASSERT_EQ(WEXITSTATUS(server.Kill(SIGTERM)), 0);
+
+  server.set_extra("[sync]\nsite = \"A\"\nconvert_plain_jobs = true");
+  ASSERT_TRUE(server.Start());
+  auto digests = server.AdminClient()->Digests("j", 0);
+  ASSERT_TRUE(digests.ok()) << digests.status().ToString();
+  EXPECT_EQ(digests->committed_round, 0u);
+  EXPECT_NE(server.Log().find("sync.convert_plain_jobs: job(s) 'j'"), std::string::npos)
+      << server.Log();
+  EXPECT_EQ(PullAll(*server.WorkerClient())["b"], std::vector<float>(32, 2.0f))
+      << "round 0 is the job's state at the conversion";
+  ASSERT_EQ(WEXITSTATUS(server.Kill(SIGTERM)), 0);
+  server.set_extra("[sync]\nsite = \"A\"");
+  ASSERT_TRUE(server.Start()) << "a converted job is a sync job";
 }
 
 }  // namespace
