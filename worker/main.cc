@@ -206,13 +206,18 @@ int RunExport(ExportArgs& a) {
     return kExitUsage;
   };
   if (a.out.empty() && a.hf_dir.empty() && a.peft_dir.empty()) {
-    return usage("give --out, --hf-dir and/or --peft-dir");
+    return usage("nothing to write: give --out FILE, --hf-dir DIR and/or --peft-dir DIR");
   }
-  if (a.trainable.empty() == a.shards.servers.empty()) {
-    return usage("give --trainable FILE (offline) or --server (pull from the shards), not both");
+  if (a.trainable.empty() && a.shards.servers.empty()) {
+    return usage("no tensors to export: give --trainable FILE (offline) or --server (shards)");
   }
-  if ((!a.hf_dir.empty() || !a.peft_dir.empty()) && a.model.base.empty()) {
-    return usage("--hf-dir and --peft-dir need --base");
+  if (!a.trainable.empty() && !a.shards.servers.empty()) {
+    return usage("give --trainable FILE or --server, not both");
+  }
+  for (const auto& [flag, dir] : {std::pair{"--hf-dir", &a.hf_dir}, {"--peft-dir", &a.peft_dir}}) {
+    if (!dir->empty() && a.model.base.empty()) {
+      return usage(std::string(flag) + " needs --base (the base model the folder is written from)");
+    }
   }
   std::vector<Tensor> tensors;
   if (!a.trainable.empty()) {
@@ -236,6 +241,10 @@ int RunExport(ExportArgs& a) {
     if (!t.ok()) return Fail("export", t.status());
     tensors = std::move(t).value();
   }
+  // With --base the tensors must fit that model: checked before anything is written.
+  if (gpt) {
+    if (auto st = gpt->LoadTrainable(tensors, true); !st.ok()) return Fail("export", st);
+  }
   if (!a.out.empty()) {
     std::map<std::string, std::string> meta = a.model.TrainableMetadata();
     if (gpt) meta.merge(gpt->ConfigMetadata());
@@ -243,8 +252,7 @@ int RunExport(ExportArgs& a) {
     if (auto st = WriteSafetensors(a.out, tensors, meta); !st.ok()) return Fail("export", st);
     std::fprintf(stderr, "wrote %s (%zu tensors)\n", a.out.c_str(), tensors.size());
   }
-  if (!gpt) return kExitOk;
-  if (auto st = gpt->LoadTrainable(tensors, true); !st.ok()) return Fail("export", st);
+  if (a.hf_dir.empty() && a.peft_dir.empty()) return kExitOk;  // --out alone: no folder
   // LoRA: the HF folder holds the frozen base the adapter applies to; full: the model.
   std::string hf_dir = a.hf_dir;
   if (hf_dir.empty()) hf_dir = a.peft_dir + "/base";
