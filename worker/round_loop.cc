@@ -446,6 +446,7 @@ class RoundLoop {
       return Status::Ok();
     }
     val_loss_ = *v;
+    val_loss_step_ = step_;
     telemetry_->OnValidation(round_ + in_round_, step_, "site", *v);
     if (leader()) {
       char buf[128];
@@ -618,12 +619,24 @@ class RoundLoop {
       ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, tensors, meta));
     }
     if (leader()) {
-      char buf[256];
+      // An interrupted run skips the final validation: its loss is the last one measured
+      // (and at which step), or none.
+      char val[96];
+      if (!std::isfinite(val_loss_)) {
+        std::snprintf(val, sizeof val, "val loss not evaluated%s",
+                      interrupted_ ? " (interrupted)" : "");
+      } else if (val_loss_step_ != step_) {
+        std::snprintf(val, sizeof val, "val loss %.4f (at step %lld)", val_loss_,
+                      static_cast<long long>(val_loss_step_));
+      } else {
+        std::snprintf(val, sizeof val, "val loss %.4f", val_loss_);
+      }
+      char buf[320];
       std::snprintf(buf, sizeof buf,
-                    "%s: %lld rounds, %lld steps, %llu tokens, %.1f s, %.0f tok/s, val loss %.4f",
+                    "%s: %lld rounds, %lld steps, %llu tokens, %.1f s, %.0f tok/s, %s",
                     interrupted_ ? "interrupted" : "done", static_cast<long long>(round_),
                     static_cast<long long>(step_), static_cast<unsigned long long>(tokens_),
-                    seconds_, rate_, val_loss_);
+                    seconds_, rate_, val);
       progress_->Message(buf);
       if (!s_.json_summary.empty()) {
         nlohmann::json j = {
@@ -664,6 +677,7 @@ class RoundLoop {
   uint64_t tokens_ = 0, tokens_per_step_ = 0;
   double step_seconds_ = 0, seconds_ = 0, rate_ = 0;
   double val_loss_ = std::numeric_limits<double>::quiet_NaN();
+  int64_t val_loss_step_ = -1;  // the step val_loss_ was measured at
   bool interrupted_ = false;
   bool said_graphs_ = false;
   int64_t in_round_ = 0;         // 1 while validating inside a round (for the message)

@@ -66,6 +66,9 @@ TEST_F(WorkerWithShards, SigtermWhileAShardIsSlowToAnswerStopsCleanly) {
   const int rc = w.Wait(60);
   EXPECT_EQ(rc, 7) << "exit code 7: interrupted and checkpointed\n" << w.Log();
   EXPECT_NE(w.Log().find("checkpointed"), std::string::npos) << w.Log();
+  // No final validation ran: the summary says so instead of printing "nan".
+  EXPECT_EQ(w.Log().find("nan"), std::string::npos) << w.Log();
+  EXPECT_NE(w.Log().find("val loss not evaluated (interrupted)"), std::string::npos) << w.Log();
 }
 
 TEST_F(WorkerWithShards, KilledWorkerResumesWithoutApplyingARoundTwice) {
