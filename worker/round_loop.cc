@@ -14,6 +14,7 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -54,6 +55,18 @@ std::string MetaOr(const std::map<std::string, std::string>& m, const std::strin
 
 bool IsOptimizerTensor(const std::string& name) { return name.rfind("opt.", 0) == 0; }
 
+std::string FormatFloat(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", x);
+  return buf;
+}
+
+std::string JoinNames(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ",") + n;
+  return out;
+}
+
 // Sets the trainer's step counter (the learning-rate schedule position) through its state.
 Status SetTrainerStep(model::Trainer& trainer, int64_t step) {
   auto state = trainer.ExportState();
@@ -68,7 +81,8 @@ Status SetTrainerStep(model::Trainer& trainer, int64_t step) {
 
 class RoundLoop {
  public:
-  RoundLoop(const TrainSettings& s, const std::atomic<bool>& stop) : s_(s), stop_(stop) {}
+  RoundLoop(const TrainSettings& s, const std::atomic<bool>& stop)
+      : s_(s), stop_(stop), model_(s.model) {}
 
   Result<TrainSummary> Run() {
     ISTHMUS_RETURN_IF_ERROR(Setup());
@@ -109,14 +123,18 @@ class RoundLoop {
         ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
       }
     }
+    if (!s_.standalone) {
+      ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards));
+    }
+    ISTHMUS_RETURN_IF_ERROR(AgreeOnModel());
     model::Compute c{compute_.ops.get(), compute_.precision};
-    auto gpt = BuildModel(s_.model, c);
+    auto gpt = BuildModel(model_, c);
     if (!gpt.ok()) {
       return gpt.status().code() == Code::kResourceExhausted ? DeviceError(gpt.status())
                                                              : gpt.status();
     }
     gpt_ = std::move(gpt).value();
-    if (Status st = gpt_->Reserve(s_.batch_size, s_.model.context); !st.ok()) {
+    if (Status st = gpt_->Reserve(s_.batch_size, model_.context); !st.ok()) {
       return DeviceError(st);
     }
     auto trainer = model::Trainer::Create(*gpt_, s_.Trainer());
@@ -129,7 +147,7 @@ class RoundLoop {
 
     data::DatasetOptions d;
     d.batch_size = s_.batch_size;
-    d.seq_len = s_.model.context;
+    d.seq_len = model_.context;
     d.rank = s_.rank;
     d.world_size = world();
     d.seed = s_.data_seed;
@@ -137,11 +155,10 @@ class RoundLoop {
     auto ds = data::TokenDataset::Open(s_.data_dir + "/train.bin", d);
     if (!ds.ok()) return ds.status();
     dataset_ = std::make_unique<data::TokenDataset>(std::move(ds).value());
-    tokens_per_step_ = static_cast<uint64_t>(s_.batch_size) * s_.model.context * world();
+    tokens_per_step_ = static_cast<uint64_t>(s_.batch_size) * model_.context * world();
 
     base_hash_ = gpt_->BaseHash();
     if (!s_.standalone) {
-      ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards));
       ISTHMUS_ASSIGN_OR_RETURN(auto hellos, HelloSite(*site_, base_hash_));
       start_rounds_min_ = hellos.empty() ? 0 : INT64_MAX;
       for (const auto& h : hellos) {
@@ -191,6 +208,186 @@ class RoundLoop {
     return Status::Ok();
   }
 
+  // The settings that change what the trainable tensors mean (the mode; LoRA rank, alpha
+  // and targets) are the job's, decided once by rank 0 before the model is built: the
+  // job's tensors on the shards say the mode, rank and targets; rank 0's checkpoint
+  // records all four (the alpha is recorded nowhere else); rank 0's flags say what neither
+  // does. Every rank takes them. A rank whose flags (or checkpoint) say otherwise makes
+  // every rank stop with a usage error (exit 2) naming both values before anything trains.
+  Status AgreeOnModel() {
+    enum Source { kFlags = 0, kCheckpoint = 1, kJob = 2 };
+    // This rank's checkpoint, as far as it records the settings.
+    std::optional<ModelSettings> mine;
+    Status local = ReadCheckpointSettings(mine);
+    // rank 0: status code, full, LoRA rank, alpha, target bits, source of the shape
+    // settings, source of the alpha.
+    std::vector<float> job(7, 0.0f);
+    if (leader()) {
+      ModelSettings decided = model_;
+      Source shape_from = kFlags, alpha_from = kFlags;
+      if (local.ok() && !s_.standalone) {
+        local = PullJobAtStart(decided);
+        if (local.ok()) shape_from = kJob;
+      }
+      if (local.ok() && mine) {
+        if (shape_from == kJob && !SameShape(*mine, decided)) {
+          local =
+              UsageError("checkpoint " + CheckpointPath() + " records " + mine->DescribeTraining() +
+                         ", but job '" + s_.shards.job + "' on the shards holds " +
+                         decided.DescribeTraining() + ": it belongs to another job; move it away");
+        } else {
+          decided.mode = mine->mode;
+          decided.lora_rank = mine->lora_rank;
+          decided.lora_targets = mine->lora_targets;
+          if (shape_from == kFlags) shape_from = kCheckpoint;
+          if (!mine->lora_alpha_assumed) {
+            decided.lora_alpha = mine->lora_alpha;
+            alpha_from = kCheckpoint;
+          } else if (decided.mode == "lora") {
+            spdlog::warn(
+                "checkpoint {} does not record the LoRA alpha (an older isthmus-worker "
+                "wrote it): assuming {} ({})",
+                CheckpointPath(), FormatFloat(decided.lora_alpha),
+                model_.given.count("--lora-alpha") ? "--lora-alpha" : "the default");
+          }
+        }
+      }
+      if (local.ok() && shape_from == kJob && alpha_from == kFlags && decided.mode == "lora" &&
+          !model_.given.count("--lora-alpha")) {
+        spdlog::info(
+            "LoRA alpha {} (the default): the shards keep no alpha and no checkpoint "
+            "records one; give --lora-alpha if job '{}' was made with another",
+            FormatFloat(decided.lora_alpha), s_.shards.job);
+      }
+      job = {static_cast<float>(ExitCodeFor(local)),
+             decided.mode == "full" ? 1.0f : 0.0f,
+             static_cast<float>(decided.lora_rank),
+             decided.lora_alpha,
+             static_cast<float>(decided.LoraTargetBits()),
+             static_cast<float>(shape_from),
+             static_cast<float>(alpha_from)};
+    }
+    ISTHMUS_RETURN_IF_ERROR(BroadcastHost(job.data(), job.size()));
+    if (job[0] != 0) {
+      if (leader()) return local;
+      return StatusForExitCode(static_cast<int>(job[0]),
+                               "rank 0 could not settle the model's settings: see its log");
+    }
+    ModelSettings decided = model_;
+    decided.mode = job[1] > 0 ? "full" : "lora";
+    decided.lora_rank = static_cast<int>(job[2]);
+    decided.lora_alpha = job[3];
+    decided.lora_targets = ModelSettings::LoraTargetsFromBits(static_cast<uint32_t>(job[4]));
+    const auto shape_from = static_cast<Source>(job[5]);
+    const auto alpha_from = static_cast<Source>(job[6]);
+    auto from = [&](Source src) -> std::string {
+      switch (src) {
+        case kJob:
+          return "job '" + s_.shards.job + "' on the shards holds";
+        case kCheckpoint:
+          return "rank 0's checkpoint (rank-0.safetensors in --checkpoint-dir) records";
+        default:
+          return "rank 0 was given (or defaults to)";
+      }
+    };
+    auto remedy = [&](const std::string& flag, Source src, const std::string& theirs) {
+      if (src == kFlags) return std::string(": give every rank the same model flags");
+      return ": leave " + flag + " out (the " + (src == kJob ? "job" : "checkpoint") +
+             " sets it) or give " + theirs + "; training with other settings needs a new job";
+    };
+    // This rank's flags against the job's settings.
+    std::string conflict;
+    auto check = [&](const std::string& flag, const std::string& ours, const std::string& theirs,
+                     bool same, const std::string& what, Source src) {
+      if (!conflict.empty() || !model_.given.count(flag) || same) return;
+      conflict = "rank " + std::to_string(s_.rank) + ": " + flag + " " + ours +
+                 " contradicts the job's " + what + " " + theirs + ", which " + from(src) +
+                 remedy(flag, src, theirs);
+    };
+    check("--mode", model_.mode, decided.mode, model_.mode == decided.mode, "mode", shape_from);
+    if (decided.mode == "lora") {
+      check("--lora-rank", std::to_string(model_.lora_rank), std::to_string(decided.lora_rank),
+            model_.lora_rank == decided.lora_rank, "LoRA rank", shape_from);
+      check("--lora-targets", JoinNames(model_.lora_targets), JoinNames(decided.lora_targets),
+            model_.LoraTargetBits() == decided.LoraTargetBits(), "LoRA targets", shape_from);
+      check("--lora-alpha", FormatFloat(model_.lora_alpha), FormatFloat(decided.lora_alpha),
+            model_.lora_alpha == decided.lora_alpha, "LoRA alpha", alpha_from);
+    }
+    if (conflict.empty() && local.ok() && mine && !leader() &&
+        (!SameShape(*mine, decided) || (!mine->lora_alpha_assumed && decided.mode == "lora" &&
+                                        mine->lora_alpha != decided.lora_alpha))) {
+      conflict = "rank " + std::to_string(s_.rank) + ": checkpoint " + CheckpointPath() +
+                 " records " + mine->DescribeTraining() + ", but the job's settings are " +
+                 decided.DescribeTraining() +
+                 " (rank 0's): move it away (this rank then starts from rank 0's state)";
+    }
+    if (!conflict.empty()) local = UsageError(conflict);
+    ISTHMUS_RETURN_IF_ERROR(ShareOutcome(
+        local, "refused the model's settings (the job's: " + decided.DescribeTraining() + ")"));
+    model_.mode = decided.mode;
+    model_.lora_rank = decided.lora_rank;
+    model_.lora_alpha = decided.lora_alpha;
+    model_.lora_targets = decided.lora_targets;
+    return Status::Ok();
+  }
+
+  // Reads what this rank's checkpoint records about the model's settings into `out` (left
+  // empty without a checkpoint). A file that cannot be read is a Corruption/IoError.
+  Status ReadCheckpointSettings(std::optional<ModelSettings>& out) {
+    if (s_.checkpoint_dir.empty() || !std::filesystem::exists(CheckpointPath())) {
+      return Status::Ok();
+    }
+    auto info = ReadSafetensorsInfo(CheckpointPath());
+    if (!info.ok()) return info.status();
+    std::vector<Tensor> shapes;
+    for (const auto& e : info->tensors) {
+      if (!IsOptimizerTensor(e.name)) shapes.push_back({e.name, e.shape, {}});
+    }
+    ModelSettings m = model_;
+    m.given.clear();
+    Status st = m.ResolveTrainable(shapes, info->metadata, "checkpoint " + CheckpointPath());
+    if (!st.ok()) return Status::Corruption(st.message());
+    out = std::move(m);
+    return Status::Ok();
+  }
+
+  // Rank 0: the job's tensors from the shards (kept for the first pull) and the mode, LoRA
+  // rank and targets they say, into `m`.
+  Status PullJobAtStart(ModelSettings& m) {
+    ISTHMUS_RETURN_IF_ERROR(HelloSite(*site_, "").status());
+    ISTHMUS_ASSIGN_OR_RETURN(start_pull_, PullSite(*site_));
+    const float alpha = m.lora_alpha;
+    m.given.clear();
+    Status st = m.ResolveTrainable(start_pull_, {}, "job '" + s_.shards.job + "' on the shards");
+    m.lora_alpha = alpha;  // the shards keep no alpha: ResolveTrainable left it as it was
+    return st.ok() ? st : UsageError(st.message());
+  }
+
+  static bool SameShape(const ModelSettings& a, const ModelSettings& b) {
+    if (a.mode != b.mode) return false;
+    return a.mode == "full" ||
+           (a.lora_rank == b.lora_rank && a.LoraTargetBits() == b.LoraTargetBits());
+  }
+
+  // Every rank's `local` outcome for every rank: `local` itself when it failed, else, when
+  // another rank failed, a status with that rank's exit code (the lowest code when several
+  // failed) saying "another rank of the site <what>". A collective.
+  Status ShareOutcome(const Status& local, const std::string& what) {
+    if (!comm_) return local;
+    std::vector<float> codes(kExitOutOfMemory + 1, 0.0f);
+    const int mine = ExitCodeFor(local);
+    codes[std::clamp(mine, 0, kExitOutOfMemory)] = 1;
+    ISTHMUS_RETURN_IF_ERROR(
+        HostCollective(*comm_, *compute_.ops, codes.data(), codes.size(), /*broadcast=*/false));
+    if (!local.ok()) return local;
+    for (int code = 1; code <= kExitOutOfMemory; ++code) {
+      if (codes[code] > 0) {
+        return StatusForExitCode(code, "another rank of the site " + what + ": see its log");
+      }
+    }
+    return Status::Ok();
+  }
+
   // The merged model on the site's own validation data and on every --eval-set, recorded
   // by the telemetry (rank 0); every rank takes part in each evaluation.
   Status EvaluateSets() {
@@ -232,7 +429,7 @@ class RoundLoop {
     ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
     for (auto& t : state) tensors.push_back(std::move(t));
     auto meta = gpt_->ConfigMetadata();
-    meta["train_mode"] = model::TrainModeName(gpt_->mode());
+    meta.merge(model_.TrainableMetadata());  // what the tensors mean: mode, LoRA settings
     meta["job"] = s_.shards.job;
     meta["round"] = std::to_string(round_);
     meta["step"] = std::to_string(step_);
@@ -350,6 +547,7 @@ class RoundLoop {
     if (plan[9] > 0) {
       ISTHMUS_RETURN_IF_ERROR(PullAndShare());
     }
+    start_pull_ = {};  // served start-up only: later pulls must see the rounds since
     if (comm_) {
       // Rank 0's optimizer state and tensors for everyone (a rank may have no checkpoint,
       // or one from a round earlier if the crash came between two ranks' writes): the
@@ -378,11 +576,15 @@ class RoundLoop {
 
   // Rank 0 pulls every shard and loads the union; then every rank receives it. The pull
   // checks that every tensor is on the shard the placement says.
+  // The tensors pulled at start-up (AgreeOnModel) serve Resume's pull.
   Status PullAndShare() {
-    float ok = 1.0f;
+    float code = 0;  // rank 0's exit code for its pull
     Status pulled;
     if (leader()) {
-      auto tensors = PullSite(*site_);
+      Result<std::vector<Tensor>> tensors =
+          start_pull_.empty() ? PullSite(*site_)
+                              : Result<std::vector<Tensor>>(std::move(start_pull_));
+      start_pull_.clear();
       if (!tensors.ok()) {
         pulled = tensors.status();
       } else {
@@ -392,11 +594,14 @@ class RoundLoop {
                            "' does not hold this model's trainable tensors: " + pulled.message());
         }
       }
-      ok = pulled.ok() ? 1.0f : 0.0f;
+      code = static_cast<float>(ExitCodeFor(pulled));
     }
     if (comm_) {
-      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&ok, 1));
-      if (ok == 0 && !leader()) return Status::Unavailable("rank 0 could not pull from the shards");
+      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&code, 1));
+      if (code != 0 && !leader()) {
+        return StatusForExitCode(static_cast<int>(code),
+                                 "rank 0 could not pull from the shards: see its log");
+      }
     }
     ISTHMUS_RETURN_IF_ERROR(pulled);
     return BroadcastTrainable();
@@ -528,8 +733,8 @@ class RoundLoop {
         auto batch = dataset_->Next();
         ISTHMUS_ASSIGN_OR_RETURN(
             model::StepStats st,
-            trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size,
-                           s_.model.context, stop_ ? 1.0f : 0.0f));
+            trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size, model_.context,
+                           stop_ ? 1.0f : 0.0f));
         const double step_s = std::chrono::duration<double>(Clock::now() - step_t0).count();
         compute_s += step_s;
         telemetry_->OnStep(step_s, st.loss, tokens_per_step_, st.skipped);
@@ -615,7 +820,7 @@ class RoundLoop {
       auto tensors = gpt_->ExportTrainable();
       ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
       auto meta = gpt_->ConfigMetadata();
-      meta.merge(s_.model.TrainableMetadata());
+      meta.merge(model_.TrainableMetadata());
       ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, tensors, meta));
     }
     if (leader()) {
@@ -661,6 +866,9 @@ class RoundLoop {
 
   const TrainSettings& s_;
   const std::atomic<bool>& stop_;
+  ModelSettings model_;             // s_.model with the job's settings agreed on (AgreeOnModel)
+  std::vector<Tensor> start_pull_;  // rank 0: the job's tensors pulled at start-up, until
+                                    // Resume (which loads them when it follows the shards)
   OpenedCompute compute_;
   std::unique_ptr<comm::Communicator> comm_;
   std::unique_ptr<model::Gpt> gpt_;
@@ -704,6 +912,27 @@ int ExitCodeFor(const Status& status) {
     return status.code() == Code::kResourceExhausted ? kExitOutOfMemory : kExitUsage;
   }
   return ExitCodeForStatus(status);
+}
+
+Status StatusForExitCode(int code, const std::string& message) {
+  switch (code) {
+    case kExitOk:
+      return Status::Ok();
+    case kExitUsage:
+      return UsageError(message);
+    case kExitRefused:
+      return Refused(message);
+    case kExitNotFound:
+      return Status::NotFound(message);
+    case kExitUnreachable:
+      return Status::Unavailable(message);
+    case kExitDamaged:
+      return Status::Corruption(message);
+    case kExitOutOfMemory:
+      return DeviceError(Status::ResourceExhausted(message));
+    default:
+      return Status::Internal(message);
+  }
 }
 
 model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm) {

@@ -35,6 +35,9 @@ Status DeviceError(const Status& status);
 // statuses kExitOutOfMemory when out of memory, else kExitUsage; otherwise the shared
 // mapping of the status code (ExitCodeForStatus).
 int ExitCodeFor(const Status& status);
+// A status with `message` for which ExitCodeFor gives `code` (another rank's outcome,
+// shared as its exit code). Ok for kExitOk.
+Status StatusForExitCode(int code, const std::string& message);
 
 struct TrainSummary {
   double val_loss = 0;      // NaN when no validation could run

@@ -1,5 +1,8 @@
-// isthmus-worker's settings against real shards: export's argument rules name the missing
-// flag and write nothing else.
+// What the trainable tensors mean travels with them: a job trained with LoRA alpha 16 is
+// checkpointed with its LoRA settings, and eval, export (safetensors and PEFT adapter) of
+// that checkpoint use 16 without being told (the eval equals the one made in training); a
+// flag that contradicts them is refused, by every rank of a site alike, before anything
+// trains; export's argument rules name the missing flag and write nothing else.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -34,6 +37,7 @@ std::string ReadFile(const fs::path& p) {
 Ran RunWorker(const fs::path& dir, const std::string& tag, const std::vector<std::string>& args,
               int timeout_s = 120) {
   const fs::path out = dir / (tag + ".out"), err = dir / (tag + ".err");
+  std::fflush(nullptr);  // the child's freopen would write our buffered output again
   pid_t pid = ::fork();
   if (pid == 0) {
     std::freopen(out.c_str(), "w", stdout);
@@ -119,6 +123,160 @@ class WorkerSettings : public WorkerWithShards {
     return j["val_loss"].get<double>();
   }
 };
+
+TEST_F(WorkerSettings, CheckpointRecordsLoraAlphaAndEvalAndExportUseIt) {
+  const double trained = TrainWithAlpha16(3);
+  auto ckpt = ReadSafetensors(Ckpt());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  EXPECT_EQ(ckpt->metadata["lora_alpha"], "16");
+  EXPECT_EQ(ckpt->metadata["lora_rank"], "4");
+  EXPECT_EQ(ckpt->metadata["lora_targets"], "attn.c_attn,attn.c_proj,mlp.c_fc,mlp.c_proj");
+  EXPECT_EQ(ckpt->metadata["train_mode"], "lora");
+
+  // No --lora-alpha: the checkpoint's 16, so the loss is the one training measured.
+  const double evaluated = EvalLoss("eval-ckpt", Ckpt());
+  std::printf("alpha 16: in-training final val loss %.7f, eval of the checkpoint %.7f\n", trained,
+              evaluated);
+  std::fflush(stdout);
+  EXPECT_NEAR(evaluated, trained, 1e-6 * trained);
+  // The same tensors read with alpha 32 give another loss: the alpha matters here.
+  const std::string copy32 = (dir_ / "as32.safetensors").string();
+  {
+    auto meta = ckpt->metadata;
+    meta["lora_alpha"] = "32";
+    std::vector<Tensor> weights;
+    for (const auto& t : ckpt->tensors) {
+      if (t.name.rfind("opt.", 0) != 0) weights.push_back(t);
+    }
+    ASSERT_TRUE(WriteSafetensors(copy32, weights, meta).ok());
+  }
+  EXPECT_GT(std::abs(EvalLoss("eval-32", copy32) - trained), 1e-4 * trained);
+
+  // A PEFT adapter of the checkpoint says 16; its base folder is written beside it.
+  const fs::path peft = dir_ / "peft";
+  Ran r = Run("export-peft", "export",
+              {"--base", Base(), "--trainable", Ckpt(), "--peft-dir", peft.string()});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  auto adapter = nlohmann::json::parse(ReadFile(peft / "adapter_config.json"), nullptr, false);
+  ASSERT_FALSE(adapter.is_discarded());
+  EXPECT_EQ(adapter["lora_alpha"].get<double>(), 16.0);
+  EXPECT_EQ(adapter["r"].get<int>(), 4);
+  EXPECT_TRUE(fs::exists(peft / "base" / "config.json"));
+
+  // --out alone writes that file and nothing else (it wrote a Hugging Face folder to
+  // "/base"), and the file carries the settings on.
+  const std::string exported = (dir_ / "exported.safetensors").string();
+  r = Run("export-out", "export", {"--base", Base(), "--trainable", Ckpt(), "--out", exported});
+  ASSERT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.err.find("Hugging Face"), std::string::npos) << r.err;
+  auto out = ReadSafetensors(exported);
+  ASSERT_TRUE(out.ok()) << out.status().ToString();
+  EXPECT_EQ(out->metadata["lora_alpha"], "16");
+  EXPECT_NEAR(EvalLoss("eval-exported", exported), trained, 1e-6 * trained);
+
+  // A flag that contradicts the file is refused, naming both values.
+  r = Run("eval-contradicts", "eval",
+          {"--base", Base(), "--trainable", Ckpt(), "--data", (dir_ / "data").string(),
+           "--lora-alpha", "32"});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_NE(r.err.find("--lora-alpha 32 contradicts"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("16"), std::string::npos) << r.err;
+
+  // The shards hold tensors only: an adapter pulled from them needs the alpha given ...
+  r = Run("export-server", "export",
+          Cat({"--base", Base(), "--peft-dir", (dir_ / "peft2").string()}, ServerFlags()));
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_NE(r.err.find("give --lora-alpha"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir_ / "peft2"));
+  // ... and with it, the adapter is the checkpoint's (the shards hold its tensors).
+  r = Run("export-server-16", "export",
+          Cat({"--base", Base(), "--peft-dir", (dir_ / "peft2").string(), "--lora-alpha", "16"},
+              ServerFlags()));
+  ASSERT_EQ(r.rc, 0) << r.err;
+  adapter = nlohmann::json::parse(ReadFile(dir_ / "peft2" / "adapter_config.json"), nullptr, false);
+  ASSERT_FALSE(adapter.is_discarded());
+  EXPECT_EQ(adapter["lora_alpha"].get<double>(), 16.0);
+  // eval of the shards' tensors without --lora-alpha says what it assumes.
+  r = Run("eval-server", "eval",
+          Cat({"--base", Base(), "--data", (dir_ / "data").string(), "--batch-size", "2",
+               "--batches", "2"},
+              ServerFlags()));
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("assuming --lora-alpha 32"), std::string::npos) << r.err;
+}
+
+TEST_F(WorkerSettings, OldFileWithoutLoraAlphaSaysWhatItAssumes) {
+  TrainWithAlpha16(1);
+  auto ckpt = ReadSafetensors(Ckpt());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  auto meta = ckpt->metadata;
+  meta.erase("lora_alpha");
+  const std::string old = (dir_ / "old.safetensors").string();
+  ASSERT_TRUE(WriteSafetensors(old, ckpt->tensors, meta).ok());
+  Ran r = Run("eval-old", "eval",
+              {"--base", Base(), "--trainable", old, "--data", (dir_ / "data").string(),
+               "--batch-size", "2", "--batches", "2"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_NE(r.err.find("no record of the LoRA alpha"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("assuming --lora-alpha 32"), std::string::npos) << r.err;
+  // A PEFT adapter from it is not written on an assumption.
+  r = Run("export-old", "export",
+          {"--base", Base(), "--trainable", old, "--peft-dir", (dir_ / "peft").string()});
+  EXPECT_EQ(r.rc, 2) << r.err;
+  EXPECT_NE(r.err.find("give --lora-alpha"), std::string::npos) << r.err;
+  r = Run("export-old-16", "export",
+          {"--base", Base(), "--trainable", old, "--peft-dir", (dir_ / "peft").string(),
+           "--lora-alpha", "16"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+}
+
+// Every rank of a site gives the same answer: ranks resuming a checkpoint of alpha 16
+// with --lora-alpha 32 both exit 2 before training, naming both values; without the flag
+// they take 16 from rank 0's checkpoint and go on. Ranks started with different alphas
+// are refused alike.
+TEST_F(WorkerSettings, ContradictingLoraAlphaIsRefusedByEveryRank) {
+  TrainWithAlpha16(2);
+  auto before = shards_[0].AdminClient()->DescribeJob("j");
+  ASSERT_TRUE(before.ok()) << before.status().ToString();
+  auto two_ranks = [&](const std::string& tag, const std::vector<std::string>& flags0,
+                       const std::vector<std::string>& flags1, int rounds) {
+    std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+    WorkerProcess r0, r1;
+    r0.Start(TrainArgs(0, 2, rounds, 2, rdv, flags0), (dir_ / (tag + "-r0.log")).string());
+    r1.Start(TrainArgs(1, 2, rounds, 2, rdv, flags1), (dir_ / (tag + "-r1.log")).string());
+    const int rc0 = r0.Wait(), rc1 = r1.Wait();
+    return std::make_tuple(rc0, rc1, r0.Log(), r1.Log());
+  };
+  auto [rc0, rc1, log0, log1] = two_ranks("a32", {"--lora-alpha", "32"}, {"--lora-alpha", "32"}, 4);
+  EXPECT_EQ(rc0, 2) << log0;
+  EXPECT_EQ(rc1, 2) << log1;
+  for (const auto& log : {log0, log1}) {
+    EXPECT_NE(log.find("--lora-alpha 32 contradicts"), std::string::npos) << log;
+    EXPECT_NE(log.find("alpha 16"), std::string::npos) << log;
+    EXPECT_EQ(log.find("round 3"), std::string::npos) << "nothing may train: " << log;
+  }
+  auto after = shards_[0].AdminClient()->DescribeJob("j");
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->pushes, before->pushes);
+
+  // One rank alone contradicting: both refuse.
+  std::tie(rc0, rc1, log0, log1) = two_ranks("a8", {}, {"--lora-alpha", "8"}, 4);
+  EXPECT_EQ(rc0, 2) << log0;
+  EXPECT_EQ(rc1, 2) << log1;
+  EXPECT_NE(log1.find("--lora-alpha 8 contradicts"), std::string::npos) << log1;
+
+  // No flag: rank 0's checkpoint decides, for both ranks.
+  std::tie(rc0, rc1, log0, log1) = two_ranks("none", {}, {}, 3);
+  ASSERT_EQ(rc0, 0) << log0;
+  ASSERT_EQ(rc1, 0) << log1;
+  for (int rank : {0, 1}) {
+    auto c = ReadSafetensors(Ckpt(rank));
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->metadata["lora_alpha"], "16") << rank;
+    EXPECT_EQ(c->metadata["round"], "3") << rank;
+  }
+  ExpectShardsEqualCheckpoint(0, 3);
+}
 
 TEST_F(WorkerSettings, ExportArgumentRulesNameTheMissingFlag) {
   const std::string init = (dir_ / "base.init.safetensors").string();

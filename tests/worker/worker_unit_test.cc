@@ -1,6 +1,6 @@
 // Unit tests of the worker's pieces: two ranks averaging gradients over Gloo must train to
 // the same parameters as one rank on the combined batch; the stop vote travels with the
-// gradients; settings and progress formatting.
+// gradients; settings (a file's record of the LoRA settings) and progress formatting.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -190,6 +190,57 @@ TEST(TrainSettings, TomlConfigIsReadAndFlagsWin) {
   std::filesystem::remove_all(dir);
 }
 
+// A file's record of the LoRA settings: taken when the flag is not given, refused (naming
+// both values) when it contradicts a given flag, and an assumption that says so when absent.
+TEST(ModelSettings, ResolveTrainableTakesChecksOrSaysItAssumesTheLoraRecord) {
+  std::vector<Tensor> lora = {{"h.0.attn.c_attn.lora_A.weight", {8, 32}, {}},
+                              {"h.0.attn.c_attn.lora_B.weight", {96, 8}, {}},
+                              {"h.0.mlp.c_fc.lora_A.weight", {8, 32}, {}},
+                              {"h.0.mlp.c_fc.lora_B.weight", {128, 8}, {}}};
+  ModelSettings m;
+  std::string note;
+  ASSERT_TRUE(m.ResolveTrainable(lora, {{"lora_alpha", "16"}}, "F", &note).ok());
+  EXPECT_EQ(m.lora_rank, 8);
+  EXPECT_EQ(m.lora_alpha, 16.0f);
+  EXPECT_EQ(m.lora_targets, (std::vector<std::string>{"attn.c_attn", "mlp.c_fc"}));
+  EXPECT_FALSE(m.lora_alpha_assumed);
+  EXPECT_TRUE(note.empty());
+  EXPECT_EQ(m.TrainableMetadata()["lora_alpha"], "16");
+  EXPECT_EQ(m.TrainableMetadata()["lora_targets"], "attn.c_attn,mlp.c_fc");
+  EXPECT_EQ(ModelSettings::LoraTargetsFromBits(m.LoraTargetBits()), m.lora_targets);
+
+  ModelSettings given;
+  given.lora_alpha = 32;
+  given.given.insert("--lora-alpha");
+  Status st = given.ResolveTrainable(lora, {{"lora_alpha", "16"}}, "F");
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("--lora-alpha 32 contradicts F, which say 16"), std::string::npos)
+      << st.message();
+  ModelSettings targets;
+  targets.given.insert("--lora-targets");
+  st = targets.ResolveTrainable(lora, {{"lora_alpha", "16"}}, "F");
+  EXPECT_NE(st.message().find("--lora-targets"), std::string::npos) << st.message();
+  ModelSettings bad;
+  st = bad.ResolveTrainable(lora, {{"lora_alpha", "sixteen"}}, "F");
+  EXPECT_NE(st.message().find("lora_alpha \"sixteen\""), std::string::npos) << st.message();
+
+  ModelSettings old;
+  ASSERT_TRUE(old.ResolveTrainable(lora, {}, "F", &note).ok());
+  EXPECT_TRUE(old.lora_alpha_assumed);
+  EXPECT_EQ(old.lora_alpha, 32.0f);
+  EXPECT_NE(note.find("F carry no record of the LoRA alpha: assuming --lora-alpha 32"),
+            std::string::npos)
+      << note;
+  // A given flag is no assumption.
+  ModelSettings flagged;
+  flagged.lora_alpha = 8;
+  flagged.given.insert("--lora-alpha");
+  note.clear();
+  ASSERT_TRUE(flagged.ResolveTrainable(lora, {}, "F", &note).ok());
+  EXPECT_FALSE(flagged.lora_alpha_assumed);
+  EXPECT_TRUE(note.empty());
+}
+
 TEST(Progress, FormatsDurations) {
   EXPECT_EQ(Progress::FormatDuration(12.2), "12s");
   EXPECT_EQ(Progress::FormatDuration(245), "4m05s");
@@ -229,6 +280,11 @@ TEST(ExitCodes, RefusalsMapToThree) {
   EXPECT_EQ(ExitCodeFor(Status::Internal("bug")), kExitFailure);
   EXPECT_EQ(ExitCodeFor(UsageError("--layers 3")), kExitUsage);
   EXPECT_EQ(ExitCodeFor(Status::Ok()), kExitOk);
+  // Another rank's outcome, shared as its exit code, maps back to that code.
+  for (int code = kExitOk; code <= kExitOutOfMemory; ++code) {
+    if (code == kExitInterrupted) continue;
+    EXPECT_EQ(ExitCodeFor(StatusForExitCode(code, "rank 0 failed")), code) << code;
+  }
 }
 
 }  // namespace
