@@ -178,7 +178,10 @@ Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
   std::vector<Tensor> tensors;
   for (auto& t : file.tensors) {
-    if (t.name.rfind("opt.", 0) != 0) tensors.push_back(std::move(t));
+    // Not the optimizer state, nor a checkpoint's round not yet pushed ("unpushed.").
+    if (t.name.rfind("opt.", 0) != 0 && t.name.rfind("unpushed.", 0) != 0) {
+      tensors.push_back(std::move(t));
+    }
   }
   Status st = model.ResolveTrainable(tensors, file.metadata, TrainableSource(path), note);
   if (!st.ok()) return UsageError(st.message());

@@ -1,9 +1,11 @@
 // Unit tests of the worker's pieces: two ranks averaging gradients over Gloo must train to
 // the same parameters as one rank on the combined batch; the stop vote travels with the
-// gradients; settings (a file's record of the LoRA settings) and progress formatting.
+// gradients; settings (a file's record of the LoRA settings) and progress formatting; the
+// site client ends a wait when the worker is stopping.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -241,6 +243,30 @@ TEST(ModelSettings, ResolveTrainableTakesChecksOrSaysItAssumesTheLoraRecord) {
   EXPECT_TRUE(note.empty());
 }
 
+// The worker's stop path: a wait on a shard that does not answer ends once the site
+// client's `interrupted` says so, long before the attempts give up by themselves (3 x 5 s
+// to connect to a dead shard).
+TEST(SiteClientInterrupted, EndsAWaitOnAShardThatDoesNotAnswer) {
+  SiteOptions o;
+  o.job = "j";
+  o.servers = {"tcp://127.0.0.1:1"};  // nothing listens there
+  o.insecure_plaintext = true;
+  o.timeout_ms = 30000;
+  const auto t0 = std::chrono::steady_clock::now();
+  o.interrupted = [t0] {
+    return std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(300);
+  };
+  auto site = SiteClient::Connect(o);
+  ASSERT_TRUE(site.ok()) << site.status().ToString();
+  auto h = (*site)->Hello("");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("interrupted"), std::string::npos) << h.status().message();
+  EXPECT_LT(took, 10.0);
+  // What the worker makes of it while stopping: exit code 7.
+  EXPECT_EQ(ExitCodeFor(Interrupted(h.status().message())), kExitInterrupted);
+}
+
 TEST(Progress, FormatsDurations) {
   EXPECT_EQ(Progress::FormatDuration(12.2), "12s");
   EXPECT_EQ(Progress::FormatDuration(245), "4m05s");
@@ -282,9 +308,11 @@ TEST(ExitCodes, RefusalsMapToThree) {
   EXPECT_EQ(ExitCodeFor(Status::Ok()), kExitOk);
   // Another rank's outcome, shared as its exit code, maps back to that code.
   for (int code = kExitOk; code <= kExitOutOfMemory; ++code) {
-    if (code == kExitInterrupted) continue;
     EXPECT_EQ(ExitCodeFor(StatusForExitCode(code, "rank 0 failed")), code) << code;
   }
+  EXPECT_EQ(ExitCodeFor(Interrupted("shard 0 did not answer")), kExitInterrupted);
+  EXPECT_TRUE(IsInterrupted(Interrupted("x")));
+  EXPECT_FALSE(IsInterrupted(Status::Unavailable("x")));
 }
 
 }  // namespace
