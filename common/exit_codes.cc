@@ -31,8 +31,9 @@ constexpr Row kRows[] = {
      "stored data is damaged or storage failed (a corrupt record, checkpoint or file; an I/O "
      "error)"},
     {kExitInterrupted, "interrupted",
-     "interrupted by SIGINT/SIGTERM (isthmus-worker: the step in flight finished, the partial "
-     "round was pushed and the checkpoint written)"},
+     "interrupted by SIGINT/SIGTERM (isthmus-worker: the step in flight finished and the "
+     "checkpoint written, with the partial round pushed or, when the shards did not answer, "
+     "kept in it for the next start)"},
     {kExitOutOfMemory, "out of device memory",
      "out of memory on the compute device (the message names the configuration, what was "
      "asked for and what was free, and what to lower)"},

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -126,23 +127,64 @@ struct EvalArgs {
   bool json = false;
 };
 
-// The job's tensors from the shards of --server: hello with `base_hash`, then a pull.
-Result<std::vector<Tensor>> PullJob(const ShardSettings& shards, const std::string& base_hash) {
+// How notes and errors name where trainable tensors came from.
+std::string TrainableSource(const std::string& path) { return "the trainable tensors in " + path; }
+std::string JobSource(const std::string& job) {
+  return "the tensors of job '" + job + "' on the shards";
+}
+
+// Prints a note of `what` on stderr (something assumed), unless empty.
+void Note(const char* what, const std::string& note) {
+  if (!note.empty()) std::fprintf(stderr, "isthmus-worker %s: note: %s\n", what, note.c_str());
+}
+
+// A job's tensors pulled from its shards, and the base hash the job was created with.
+struct PulledJob {
+  std::vector<Tensor> tensors;
+  std::string base_hash;  // empty when the job records none
+};
+
+// The job's tensors from the shards of --server (a hello that leaves the base unchecked,
+// then a pull); the model flags not given are taken from them (mode, LoRA rank and
+// targets; the shards keep no LoRA alpha: `note` says what is assumed). The caller checks
+// the base with CheckJobBase once its model is built.
+Result<PulledJob> PullJob(const ShardSettings& shards, ModelSettings& model, std::string* note) {
   ISTHMUS_ASSIGN_OR_RETURN(auto site, ConnectSite(shards));
-  ISTHMUS_RETURN_IF_ERROR(HelloSite(*site, base_hash).status());
-  return PullSite(*site);
+  ISTHMUS_ASSIGN_OR_RETURN(auto hellos, HelloSite(*site, ""));
+  PulledJob out;
+  for (const auto& h : hellos) {
+    if (out.base_hash.empty()) out.base_hash = h.base_hash;
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(out.tensors, PullSite(*site));
+  Status st = model.ResolveTrainable(out.tensors, {}, JobSource(shards.job), note);
+  if (!st.ok()) return UsageError(st.message());
+  return out;
+}
+
+// A refusal when the job was created for another base than `gpt`'s (what a shard's hello
+// would refuse; PullJob did not ask it to check).
+Status CheckJobBase(const PulledJob& job, const model::Gpt& gpt, const std::string& name) {
+  const std::string ours = gpt.BaseHash();
+  if (job.base_hash.empty() || job.base_hash == ours) return Status::Ok();
+  return Refused("job '" + name + "' was created for another base model (" + job.base_hash +
+                 ") than --base (" + ours + "): give the job's base");
 }
 
 // The tensors of a trainable-tensors file (init --out, train --save, a checkpoint or an
-// export), without optimizer state; the model flags not given are taken from it.
-Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings& model) {
+// export), without optimizer state; the model flags not given are taken from it, and
+// `note` says what is assumed (an older file without the LoRA alpha).
+Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings& model,
+                                          std::string* note) {
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
   std::vector<Tensor> tensors;
   for (auto& t : file.tensors) {
-    if (t.name.rfind("opt.", 0) != 0) tensors.push_back(std::move(t));
+    // Not the optimizer state, nor a checkpoint's round not yet pushed ("unpushed.").
+    if (t.name.rfind("opt.", 0) != 0 && t.name.rfind("unpushed.", 0) != 0) {
+      tensors.push_back(std::move(t));
+    }
   }
-  Status st = model.ResolveTrainable(tensors, file.metadata);
-  if (!st.ok()) return UsageError(path + ": " + st.message());
+  Status st = model.ResolveTrainable(tensors, file.metadata, TrainableSource(path), note);
+  if (!st.ok()) return UsageError(st.message());
   return tensors;
 }
 
@@ -154,14 +196,20 @@ struct LoadedModel {
 
 // eval's and generate's model: the base on the chosen device with activations for
 // `batch` rows of n_ctx, plus trainable tensors from `trainable` (a file), else pulled from
-// the shards of `shards`, else none (the base alone).
-Result<LoadedModel> LoadModel(ModelSettings& m, const ComputeSettings& c,
+// the shards of `shards`, else none (the base alone). `what` names the subcommand in notes.
+Result<LoadedModel> LoadModel(const char* what, ModelSettings& m, const ComputeSettings& c,
                               const ShardSettings& shards, const std::string& trainable,
                               int batch) {
   std::vector<Tensor> tensors;
+  std::optional<PulledJob> pulled;
+  std::string note;
   if (!trainable.empty()) {
-    ISTHMUS_ASSIGN_OR_RETURN(tensors, ReadTrainable(trainable, m));
+    ISTHMUS_ASSIGN_OR_RETURN(tensors, ReadTrainable(trainable, m, &note));
+  } else if (!shards.servers.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(pulled, PullJob(shards, m, &note));
+    tensors = std::move(pulled->tensors);
   }
+  Note(what, note);
   LoadedModel out;
   auto compute = OpenCompute(c, 0);
   if (!compute.ok()) return DeviceError(compute.status());
@@ -170,15 +218,13 @@ Result<LoadedModel> LoadModel(ModelSettings& m, const ComputeSettings& c,
   if (auto st = out.gpt->Reserve(batch, out.gpt->config().n_ctx); !st.ok()) {
     return DeviceError(st);
   }
-  if (trainable.empty() && !shards.servers.empty()) {
-    ISTHMUS_ASSIGN_OR_RETURN(tensors, PullJob(shards, out.gpt->BaseHash()));
-  }
+  if (pulled) ISTHMUS_RETURN_IF_ERROR(CheckJobBase(*pulled, *out.gpt, shards.job));
   if (!tensors.empty()) ISTHMUS_RETURN_IF_ERROR(out.gpt->LoadTrainable(tensors, true));
   return out;
 }
 
 int RunEval(EvalArgs& a) {
-  auto loaded = LoadModel(a.model, a.compute, a.shards, a.trainable, a.batch_size);
+  auto loaded = LoadModel("eval", a.model, a.compute, a.shards, a.trainable, a.batch_size);
   if (!loaded.ok()) return Fail("eval", loaded.status());
   auto& gpt = loaded->gpt;
   auto loss = ValidationLoss(*gpt, a.data_dir + "/val.bin", a.batch_size, 0, 1, a.batches, nullptr);
@@ -206,45 +252,68 @@ int RunExport(ExportArgs& a) {
     return kExitUsage;
   };
   if (a.out.empty() && a.hf_dir.empty() && a.peft_dir.empty()) {
-    return usage("give --out, --hf-dir and/or --peft-dir");
+    return usage("nothing to write: give --out FILE, --hf-dir DIR and/or --peft-dir DIR");
   }
-  if (a.trainable.empty() == a.shards.servers.empty()) {
-    return usage("give --trainable FILE (offline) or --server (pull from the shards), not both");
+  if (a.trainable.empty() && a.shards.servers.empty()) {
+    return usage("no tensors to export: give --trainable FILE (offline) or --server (shards)");
   }
-  if ((!a.hf_dir.empty() || !a.peft_dir.empty()) && a.model.base.empty()) {
-    return usage("--hf-dir and --peft-dir need --base");
+  if (!a.trainable.empty() && !a.shards.servers.empty()) {
+    return usage("give --trainable FILE or --server, not both");
+  }
+  for (const auto& [flag, dir] : {std::pair{"--hf-dir", &a.hf_dir}, {"--peft-dir", &a.peft_dir}}) {
+    if (!dir->empty() && a.model.base.empty()) {
+      return usage(std::string(flag) + " needs --base (the base model the folder is written from)");
+    }
   }
   std::vector<Tensor> tensors;
+  std::optional<PulledJob> pulled;
+  std::string note;  // not printed: export says what it does without the alpha
+  const std::string source =
+      a.trainable.empty() ? JobSource(a.shards.job) : TrainableSource(a.trainable);
   if (!a.trainable.empty()) {
-    auto t = ReadTrainable(a.trainable, a.model);
+    auto t = ReadTrainable(a.trainable, a.model, &note);
     if (!t.ok()) return Fail("export", t.status());
     tensors = std::move(t).value();
+  } else {
+    auto p = PullJob(a.shards, a.model, &note);
+    if (!p.ok()) return Fail("export", p.status());
+    pulled = std::move(p).value();
+    tensors = std::move(pulled->tensors);
   }
   if (!a.peft_dir.empty() && a.model.mode == "full") {
     return usage("--peft-dir: a full-mode job has no adapters; --hf-dir writes the model");
   }
+  // An adapter's alpha is part of what it means: never written on an assumption.
+  if (!a.peft_dir.empty() && a.model.lora_alpha_assumed) {
+    return usage(source +
+                 " carry no record of the LoRA alpha, which a PEFT adapter needs: give "
+                 "--lora-alpha (the job's: worker checkpoints and `init --out` files record it "
+                 "as metadata lora_alpha)");
+  }
   std::unique_ptr<model::Gpt> gpt;
-  std::string hash;
   if (!a.model.base.empty()) {
     auto g = BuildModel(a.model);
     if (!g.ok()) return Fail("export", g.status());
     gpt = std::move(g).value();
-    hash = gpt->BaseHash();
-  }
-  if (a.trainable.empty()) {
-    auto t = PullJob(a.shards, hash);
-    if (!t.ok()) return Fail("export", t.status());
-    tensors = std::move(t).value();
+    if (pulled) {
+      if (auto st = CheckJobBase(*pulled, *gpt, a.shards.job); !st.ok()) return Fail("export", st);
+    }
+    // The tensors must fit the base's model: checked before anything is written.
+    if (auto st = gpt->LoadTrainable(tensors, true); !st.ok()) return Fail("export", st);
   }
   if (!a.out.empty()) {
     std::map<std::string, std::string> meta = a.model.TrainableMetadata();
+    if (a.model.lora_alpha_assumed) {
+      meta.erase("lora_alpha");  // not known: the file says nothing rather than a guess
+      Note("export", source + " carry no record of the LoRA alpha, and neither does " + a.out +
+                         " (give --lora-alpha to record it)");
+    }
     if (gpt) meta.merge(gpt->ConfigMetadata());
-    if (a.trainable.empty()) meta["job"] = a.shards.job;
+    if (pulled) meta["job"] = a.shards.job;
     if (auto st = WriteSafetensors(a.out, tensors, meta); !st.ok()) return Fail("export", st);
     std::fprintf(stderr, "wrote %s (%zu tensors)\n", a.out.c_str(), tensors.size());
   }
-  if (!gpt) return kExitOk;
-  if (auto st = gpt->LoadTrainable(tensors, true); !st.ok()) return Fail("export", st);
+  if (a.hf_dir.empty() && a.peft_dir.empty()) return kExitOk;  // --out alone: no folder
   // LoRA: the HF folder holds the frozen base the adapter applies to; full: the model.
   std::string hf_dir = a.hf_dir;
   if (hf_dir.empty()) hf_dir = a.peft_dir + "/base";
@@ -284,7 +353,7 @@ int RunGenerate(GenerateArgs& a) {
   if (a.tokens < 0 || a.temperature < 0 || a.top_k < 0) {
     return usage("--tokens, --temperature and --top-k must not be negative");
   }
-  auto loaded = LoadModel(a.model, a.compute, a.shards, a.trainable, /*batch=*/1);
+  auto loaded = LoadModel("generate", a.model, a.compute, a.shards, a.trainable, /*batch=*/1);
   if (!loaded.ok()) return Fail("generate", loaded.status());
   auto& gpt = loaded->gpt;
   const int n_ctx = gpt->config().n_ctx;
@@ -470,8 +539,10 @@ int main(int argc, char** argv) {
     if (int rc = resolve("train", train.model); rc != kExitOk) return rc;
     if (train.standalone && !train.init.empty()) {
       // The LoRA settings (or full mode) of the tensors it starts from.
-      auto t = ReadTrainable(train.init, train.model);
+      std::string note;
+      auto t = ReadTrainable(train.init, train.model, &note);
       if (!t.ok()) return Fail("train", t.status());
+      Note("train", note);
     }
     return RunTrain(train);
   }

@@ -9,11 +9,13 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -33,6 +35,7 @@ namespace {
 constexpr char kRefusedPrefix[] = "refused by shard: ";
 constexpr char kDevicePrefix[] = "device: ";
 constexpr char kUsagePrefix[] = "usage: ";
+constexpr char kInterruptedPrefix[] = "interrupted: ";
 using Clock = std::chrono::steady_clock;
 
 // Integers travel through float collectives in 24-bit pieces (exact in fp32).
@@ -53,6 +56,20 @@ std::string MetaOr(const std::map<std::string, std::string>& m, const std::strin
 }
 
 bool IsOptimizerTensor(const std::string& name) { return name.rfind("opt.", 0) == 0; }
+// Checkpoint tensors of a round not yet pushed: "unpushed.<name>" holds its delta.
+constexpr char kUnpushedPrefix[] = "unpushed.";
+
+std::string FormatFloat(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", x);
+  return buf;
+}
+
+std::string JoinNames(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ",") + n;
+  return out;
+}
 
 // Sets the trainer's step counter (the learning-rate schedule position) through its state.
 Status SetTrainerStep(model::Trainer& trainer, int64_t step) {
@@ -68,7 +85,8 @@ Status SetTrainerStep(model::Trainer& trainer, int64_t step) {
 
 class RoundLoop {
  public:
-  RoundLoop(const TrainSettings& s, const std::atomic<bool>& stop) : s_(s), stop_(stop) {}
+  RoundLoop(const TrainSettings& s, const std::atomic<bool>& stop)
+      : s_(s), stop_(stop), model_(s.model) {}
 
   Result<TrainSummary> Run() {
     ISTHMUS_RETURN_IF_ERROR(Setup());
@@ -80,6 +98,24 @@ class RoundLoop {
  private:
   bool leader() const { return s_.rank == 0; }
   int world() const { return s_.world_size; }
+
+  // A stop was asked: SIGTERM/SIGINT on this rank, or the site's stop vote.
+  bool Stopping() const { return stop_ || interrupted_; }
+  // The site client's `interrupted`: waits on the shards end kStopGrace after a stop was first
+  // seen, so that a live shard still answers the round's push and pull but a dead one
+  // cannot hold the stop (a request would otherwise retry for minutes).
+  bool GiveUp() {
+    if (!Stopping()) return false;
+    const auto now = Clock::now();
+    if (!stop_seen_) stop_seen_ = now;
+    return now - *stop_seen_ >= kStopGrace;
+  }
+  // `st` as an Interrupted() when it is a shard not answering after a stop was asked.
+  Status AsInterrupted(const Status& st) const {
+    const bool unanswered = st.code() == Code::kTimeout || st.code() == Code::kUnavailable;
+    if (st.ok() || !unanswered || !Stopping() || IsInterrupted(st)) return st;
+    return Interrupted(st.message());
+  }
 
   Status Setup() {
     // The device first: a --device this machine cannot honour fails before any rendezvous.
@@ -109,14 +145,18 @@ class RoundLoop {
         ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
       }
     }
+    if (!s_.standalone) {
+      ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards, [this] { return GiveUp(); }));
+    }
+    ISTHMUS_RETURN_IF_ERROR(AgreeOnModel());
     model::Compute c{compute_.ops.get(), compute_.precision};
-    auto gpt = BuildModel(s_.model, c);
+    auto gpt = BuildModel(model_, c);
     if (!gpt.ok()) {
       return gpt.status().code() == Code::kResourceExhausted ? DeviceError(gpt.status())
                                                              : gpt.status();
     }
     gpt_ = std::move(gpt).value();
-    if (Status st = gpt_->Reserve(s_.batch_size, s_.model.context); !st.ok()) {
+    if (Status st = gpt_->Reserve(s_.batch_size, model_.context); !st.ok()) {
       return DeviceError(st);
     }
     auto trainer = model::Trainer::Create(*gpt_, s_.Trainer());
@@ -129,7 +169,7 @@ class RoundLoop {
 
     data::DatasetOptions d;
     d.batch_size = s_.batch_size;
-    d.seq_len = s_.model.context;
+    d.seq_len = model_.context;
     d.rank = s_.rank;
     d.world_size = world();
     d.seed = s_.data_seed;
@@ -137,14 +177,14 @@ class RoundLoop {
     auto ds = data::TokenDataset::Open(s_.data_dir + "/train.bin", d);
     if (!ds.ok()) return ds.status();
     dataset_ = std::make_unique<data::TokenDataset>(std::move(ds).value());
-    tokens_per_step_ = static_cast<uint64_t>(s_.batch_size) * s_.model.context * world();
+    tokens_per_step_ = static_cast<uint64_t>(s_.batch_size) * model_.context * world();
 
     base_hash_ = gpt_->BaseHash();
     if (!s_.standalone) {
-      ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards));
-      ISTHMUS_ASSIGN_OR_RETURN(auto hellos, HelloSite(*site_, base_hash_));
-      start_rounds_min_ = hellos.empty() ? 0 : INT64_MAX;
-      for (const auto& h : hellos) {
+      auto hellos = HelloSite(*site_, base_hash_);
+      if (!hellos.ok()) return AsInterrupted(hellos.status());
+      start_rounds_min_ = hellos->empty() ? 0 : INT64_MAX;
+      for (const auto& h : *hellos) {
         start_rounds_max_ = std::max<int64_t>(start_rounds_max_, h.rounds.local_round);
         start_rounds_min_ = std::min<int64_t>(start_rounds_min_, h.rounds.local_round);
       }
@@ -191,6 +231,197 @@ class RoundLoop {
     return Status::Ok();
   }
 
+  // The settings that change what the trainable tensors mean (the mode; LoRA rank, alpha
+  // and targets) are the job's, decided once by rank 0 before the model is built: the
+  // job's tensors on the shards say the mode, rank and targets; rank 0's checkpoint
+  // records all four (the alpha is recorded nowhere else); rank 0's flags say what neither
+  // does. Every rank takes them. A rank whose flags (or checkpoint) say otherwise makes
+  // every rank stop with a usage error (exit 2) naming both values before anything trains.
+  Status AgreeOnModel() {
+    enum Source { kFlags = 0, kCheckpoint = 1, kJob = 2 };
+    // This rank's checkpoint, as far as it records the settings.
+    std::optional<ModelSettings> mine;
+    Status local = ReadCheckpointSettings(mine);
+    // rank 0: status code, full, LoRA rank, alpha, target bits, source of the shape
+    // settings, source of the alpha.
+    std::vector<float> job(7, 0.0f);
+    if (leader()) {
+      ModelSettings decided = model_;
+      Source shape_from = kFlags, alpha_from = kFlags;
+      if (local.ok() && !s_.standalone) {
+        local = AsInterrupted(PullJobAtStart(decided));
+        if (local.ok()) shape_from = kJob;
+      }
+      if (local.ok() && mine) {
+        if (shape_from == kJob && !SameShape(*mine, decided)) {
+          local =
+              UsageError("checkpoint " + CheckpointPath() + " records " + mine->DescribeTraining() +
+                         ", but job '" + s_.shards.job + "' on the shards holds " +
+                         decided.DescribeTraining() + ": it belongs to another job; move it away");
+        } else {
+          decided.mode = mine->mode;
+          decided.lora_rank = mine->lora_rank;
+          decided.lora_targets = mine->lora_targets;
+          if (shape_from == kFlags) shape_from = kCheckpoint;
+          if (!mine->lora_alpha_assumed) {
+            decided.lora_alpha = mine->lora_alpha;
+            alpha_from = kCheckpoint;
+          } else if (decided.mode == "lora") {
+            spdlog::warn(
+                "checkpoint {} does not record the LoRA alpha (an older isthmus-worker "
+                "wrote it): assuming {} ({})",
+                CheckpointPath(), FormatFloat(decided.lora_alpha),
+                model_.given.count("--lora-alpha") ? "--lora-alpha" : "the default");
+          }
+        }
+      }
+      if (local.ok() && shape_from == kJob && alpha_from == kFlags && decided.mode == "lora" &&
+          !model_.given.count("--lora-alpha")) {
+        spdlog::info(
+            "LoRA alpha {} (the default): the shards keep no alpha and no checkpoint "
+            "records one; give --lora-alpha if job '{}' was made with another",
+            FormatFloat(decided.lora_alpha), s_.shards.job);
+      }
+      job = {static_cast<float>(ExitCodeFor(local)),
+             decided.mode == "full" ? 1.0f : 0.0f,
+             static_cast<float>(decided.lora_rank),
+             decided.lora_alpha,
+             static_cast<float>(decided.LoraTargetBits()),
+             static_cast<float>(shape_from),
+             static_cast<float>(alpha_from)};
+    }
+    ISTHMUS_RETURN_IF_ERROR(BroadcastHost(job.data(), job.size()));
+    if (job[0] != 0) {
+      if (leader()) return local;
+      return StatusForExitCode(static_cast<int>(job[0]),
+                               "rank 0 could not settle the model's settings: see its log");
+    }
+    ModelSettings decided = model_;
+    decided.mode = job[1] > 0 ? "full" : "lora";
+    decided.lora_rank = static_cast<int>(job[2]);
+    decided.lora_alpha = job[3];
+    decided.lora_targets = ModelSettings::LoraTargetsFromBits(static_cast<uint32_t>(job[4]));
+    const auto shape_from = static_cast<Source>(job[5]);
+    const auto alpha_from = static_cast<Source>(job[6]);
+    auto from = [&](Source src) -> std::string {
+      switch (src) {
+        case kJob:
+          return "job '" + s_.shards.job + "' on the shards holds";
+        case kCheckpoint:
+          return "rank 0's checkpoint (rank-0.safetensors in --checkpoint-dir) records";
+        default:
+          return "rank 0 was given (or defaults to)";
+      }
+    };
+    auto remedy = [&](const std::string& flag, Source src, const std::string& theirs) {
+      if (src == kFlags) return std::string(": give every rank the same model flags");
+      return ": leave " + flag + " out (the " + (src == kJob ? "job" : "checkpoint") +
+             " sets it) or give " + theirs + "; training with other settings needs a new job";
+    };
+    // This rank's flags against the job's settings.
+    std::string conflict;
+    auto check = [&](const std::string& flag, const std::string& ours, const std::string& theirs,
+                     bool same, const std::string& what, Source src) {
+      if (!conflict.empty() || !model_.given.count(flag) || same) return;
+      conflict = "rank " + std::to_string(s_.rank) + ": " + flag + " " + ours +
+                 " contradicts the job's " + what + " " + theirs + ", which " + from(src) +
+                 remedy(flag, src, theirs);
+    };
+    check("--mode", model_.mode, decided.mode, model_.mode == decided.mode, "mode", shape_from);
+    if (decided.mode == "lora") {
+      check("--lora-rank", std::to_string(model_.lora_rank), std::to_string(decided.lora_rank),
+            model_.lora_rank == decided.lora_rank, "LoRA rank", shape_from);
+      check("--lora-targets", JoinNames(model_.lora_targets), JoinNames(decided.lora_targets),
+            model_.LoraTargetBits() == decided.LoraTargetBits(), "LoRA targets", shape_from);
+      check("--lora-alpha", FormatFloat(model_.lora_alpha), FormatFloat(decided.lora_alpha),
+            model_.lora_alpha == decided.lora_alpha, "LoRA alpha", alpha_from);
+    }
+    if (conflict.empty() && local.ok() && mine && !leader() &&
+        (!SameShape(*mine, decided) || (!mine->lora_alpha_assumed && decided.mode == "lora" &&
+                                        mine->lora_alpha != decided.lora_alpha))) {
+      conflict = "rank " + std::to_string(s_.rank) + ": checkpoint " + CheckpointPath() +
+                 " records " + mine->DescribeTraining() + ", but the job's settings are " +
+                 decided.DescribeTraining() +
+                 " (rank 0's): move it away (this rank then starts from rank 0's state)";
+    }
+    if (!conflict.empty()) local = UsageError(conflict);
+    Status shared;
+    ISTHMUS_RETURN_IF_ERROR(ShareOutcome(
+        local, "refused the model's settings (the job's: " + decided.DescribeTraining() + ")",
+        &shared));
+    ISTHMUS_RETURN_IF_ERROR(shared);
+    model_.mode = decided.mode;
+    model_.lora_rank = decided.lora_rank;
+    model_.lora_alpha = decided.lora_alpha;
+    model_.lora_targets = decided.lora_targets;
+    return Status::Ok();
+  }
+
+  // Reads what this rank's checkpoint records about the model's settings into `out` (left
+  // empty without a checkpoint). A file that cannot be read is a Corruption/IoError.
+  Status ReadCheckpointSettings(std::optional<ModelSettings>& out) {
+    if (s_.checkpoint_dir.empty() || !std::filesystem::exists(CheckpointPath())) {
+      return Status::Ok();
+    }
+    auto info = ReadSafetensorsInfo(CheckpointPath());
+    if (!info.ok()) return info.status();
+    std::vector<Tensor> shapes;
+    for (const auto& e : info->tensors) {
+      if (!IsOptimizerTensor(e.name) && e.name.rfind(kUnpushedPrefix, 0) != 0) {
+        shapes.push_back({e.name, e.shape, {}});
+      }
+    }
+    ModelSettings m = model_;
+    m.given.clear();
+    Status st = m.ResolveTrainable(shapes, info->metadata, "checkpoint " + CheckpointPath());
+    if (!st.ok()) return Status::Corruption(st.message());
+    out = std::move(m);
+    return Status::Ok();
+  }
+
+  // Rank 0: the job's tensors from the shards (kept for the first pull) and the mode, LoRA
+  // rank and targets they say, into `m`.
+  Status PullJobAtStart(ModelSettings& m) {
+    ISTHMUS_RETURN_IF_ERROR(HelloSite(*site_, "").status());
+    ISTHMUS_ASSIGN_OR_RETURN(start_pull_, PullSite(*site_));
+    const float alpha = m.lora_alpha;
+    m.given.clear();
+    Status st = m.ResolveTrainable(start_pull_, {}, "job '" + s_.shards.job + "' on the shards");
+    m.lora_alpha = alpha;  // the shards keep no alpha: ResolveTrainable left it as it was
+    return st.ok() ? st : UsageError(st.message());
+  }
+
+  static bool SameShape(const ModelSettings& a, const ModelSettings& b) {
+    if (a.mode != b.mode) return false;
+    return a.mode == "full" ||
+           (a.lora_rank == b.lora_rank && a.LoraTargetBits() == b.LoraTargetBits());
+  }
+
+  // Every rank's `local` outcome for every rank, as exit codes, into *outcome: the site's
+  // outcome is the most telling failure of any rank (a refusal or bad usage before an
+  // interruption, an interruption before a shard that did not answer, before success). A
+  // rank whose own outcome is that one gets `local`; the others a status with that exit
+  // code saying "another rank of the site <what>". A collective; returns its own failure
+  // (a rank gone from the site).
+  Status ShareOutcome(const Status& local, const std::string& what, Status* outcome) {
+    *outcome = local;
+    if (!comm_) return Status::Ok();
+    std::vector<float> codes(kExitOutOfMemory + 1, 0.0f);
+    const int mine = std::clamp(ExitCodeFor(local), 0, kExitOutOfMemory);
+    codes[mine] = 1;
+    ISTHMUS_RETURN_IF_ERROR(
+        HostCollective(*comm_, *compute_.ops, codes.data(), codes.size(), /*broadcast=*/false));
+    for (int code : {kExitUsage, kExitRefused, kExitNotFound, kExitDamaged, kExitOutOfMemory,
+                     kExitFailure, kExitInterrupted, kExitUnreachable}) {
+      if (codes[code] == 0) continue;
+      if (code == mine) return Status::Ok();
+      if (!local.ok()) spdlog::warn("rank {}: {}", s_.rank, local.ToString());
+      *outcome = StatusForExitCode(code, "another rank of the site " + what + ": see its log");
+      return Status::Ok();
+    }
+    return Status::Ok();
+  }
+
   // The merged model on the site's own validation data and on every --eval-set, recorded
   // by the telemetry (rank 0); every rank takes part in each evaluation.
   Status EvaluateSets() {
@@ -232,7 +463,15 @@ class RoundLoop {
     ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
     for (auto& t : state) tensors.push_back(std::move(t));
     auto meta = gpt_->ConfigMetadata();
-    meta["train_mode"] = model::TrainModeName(gpt_->mode());
+    meta.merge(model_.TrainableMetadata());  // what the tensors mean: mode, LoRA settings
+    if (unpushed_) {
+      // The round's delta the shards did not take: pushed first when training resumes.
+      for (const auto& t : unpushed_->delta) {
+        tensors.push_back({kUnpushedPrefix + t.name, t.shape, t.data});
+      }
+      meta["unpushed_tokens"] = std::to_string(unpushed_->tokens);
+      meta["unpushed_compute_ms"] = std::to_string(unpushed_->compute_ms);
+    }
     meta["job"] = s_.shards.job;
     meta["round"] = std::to_string(round_);
     meta["step"] = std::to_string(step_);
@@ -256,8 +495,13 @@ class RoundLoop {
                                         MetaOr(file.metadata, "job", "") + "'");
     }
     std::vector<Tensor> trainable;
+    Unpushed unpushed;
     for (const auto& t : file.tensors) {
-      if (!IsOptimizerTensor(t.name)) trainable.push_back(t);
+      if (t.name.rfind(kUnpushedPrefix, 0) == 0) {
+        unpushed.delta.push_back({t.name.substr(std::strlen(kUnpushedPrefix)), t.shape, t.data});
+      } else if (!IsOptimizerTensor(t.name)) {
+        trainable.push_back(t);
+      }
     }
     ISTHMUS_RETURN_IF_ERROR(gpt_->LoadTrainable(trainable, true));
     ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(file.tensors));
@@ -272,7 +516,11 @@ class RoundLoop {
     // Checkpoints from before the rank count was recorded: this run's.
     auto ckpt_world = ParseUint64(MetaOr(file.metadata, "world_size", std::to_string(world())),
                                   what + "world_size");
-    for (const auto* r : {&round, &step, &tokens, &ckpt_world}) {
+    auto u_tokens =
+        ParseUint64(MetaOr(file.metadata, "unpushed_tokens", "0"), what + "unpushed_tokens");
+    auto u_ms = ParseUint64(MetaOr(file.metadata, "unpushed_compute_ms", "0"),
+                            what + "unpushed_compute_ms");
+    for (const auto* r : {&round, &step, &tokens, &ckpt_world, &u_tokens, &u_ms}) {
       if (!r->ok() || **r > static_cast<uint64_t>(INT64_MAX)) {
         return Status::Corruption(r->ok() ? what + "holds a count out of range"
                                           : r->status().message());
@@ -282,6 +530,12 @@ class RoundLoop {
     step_ = static_cast<int64_t>(*step);
     tokens_ = *tokens;
     checkpoint_world_ = static_cast<int64_t>(*ckpt_world);
+    if (!unpushed.delta.empty()) {
+      if (round_ < 1) return Status::Corruption(what + "round: 0 with an unpushed round");
+      unpushed.tokens = *u_tokens;
+      unpushed.compute_ms = *u_ms;
+      unpushed_ = std::move(unpushed);
+    }
     return true;
   }
 
@@ -292,7 +546,7 @@ class RoundLoop {
     if (have_ckpt) {
       spdlog::info("rank {}: checkpoint at round {} step {}", s_.rank, round_, step_);
     }
-    bool load_pulled = false;
+    bool load_pulled = false, push_unpushed = false;
     if (leader()) {
       if (s_.standalone) {
         if (!have_ckpt && !s_.init.empty()) {
@@ -304,7 +558,26 @@ class RoundLoop {
         // checkpointing it: then round R+1 is redone from the checkpoint with the same
         // idempotency keys, so shards that got it answer duplicate and the rest apply it.
         const int64_t shard_round = start_rounds_max_;
-        if (!have_ckpt) {
+        if (have_ckpt && unpushed_) {
+          // The checkpoint holds round R, which the shards did not take before the worker
+          // stopped: push it now (with its idempotency keys, so a shard that did take it
+          // answers duplicate), then follow the shards. Shards anywhere but at R - 1 or R
+          // have moved on without it: they win.
+          if (start_rounds_min_ + 1 >= round_ && shard_round <= round_) {
+            spdlog::info(
+                "round {} was not pushed before the worker stopped: pushing it from the "
+                "checkpoint",
+                round_);
+            push_unpushed = true;
+          } else {
+            spdlog::warn(
+                "checkpoint holds round {}, never pushed, but the shards are at round {}: "
+                "following the shards without it",
+                round_, shard_round);
+            round_ = shard_round;
+          }
+          load_pulled = true;
+        } else if (!have_ckpt) {
           load_pulled = true;
           round_ = shard_round;
           step_ = shard_round * s_.StepsPerRound();
@@ -342,14 +615,21 @@ class RoundLoop {
     PutInt(plan, static_cast<uint64_t>(step_));
     PutInt(plan, tokens_);
     plan.push_back(load_pulled ? 1.0f : 0.0f);
+    plan.push_back(push_unpushed ? 1.0f : 0.0f);
     ISTHMUS_RETURN_IF_ERROR(BroadcastHost(plan.data(), plan.size()));
     round_ = static_cast<int64_t>(GetInt(plan, 0));
     step_ = static_cast<int64_t>(GetInt(plan, 3));
     tokens_ = GetInt(plan, 6);
     ISTHMUS_RETURN_IF_ERROR(SetTrainerStep(*trainer_, step_));
+    if (plan[10] > 0) {
+      ISTHMUS_RETURN_IF_ERROR(PushUnpushed());
+      start_pull_ = {};  // from before the push
+    }
+    unpushed_.reset();
     if (plan[9] > 0) {
       ISTHMUS_RETURN_IF_ERROR(PullAndShare());
     }
+    start_pull_ = {};  // served start-up only: later pulls must see the rounds since
     if (comm_) {
       // Rank 0's optimizer state and tensors for everyone (a rank may have no checkpoint,
       // or one from a round earlier if the crash came between two ranks' writes): the
@@ -378,11 +658,15 @@ class RoundLoop {
 
   // Rank 0 pulls every shard and loads the union; then every rank receives it. The pull
   // checks that every tensor is on the shard the placement says.
+  // The tensors pulled at start-up (AgreeOnModel) serve Resume's pull.
   Status PullAndShare() {
-    float ok = 1.0f;
+    float code = 0;  // rank 0's exit code for its pull
     Status pulled;
     if (leader()) {
-      auto tensors = PullSite(*site_);
+      Result<std::vector<Tensor>> tensors =
+          start_pull_.empty() ? PullSite(*site_)
+                              : Result<std::vector<Tensor>>(std::move(start_pull_));
+      start_pull_.clear();
       if (!tensors.ok()) {
         pulled = tensors.status();
       } else {
@@ -392,14 +676,38 @@ class RoundLoop {
                            "' does not hold this model's trainable tensors: " + pulled.message());
         }
       }
-      ok = pulled.ok() ? 1.0f : 0.0f;
+      pulled = AsInterrupted(pulled);
+      code = static_cast<float>(ExitCodeFor(pulled));
     }
     if (comm_) {
-      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&ok, 1));
-      if (ok == 0 && !leader()) return Status::Unavailable("rank 0 could not pull from the shards");
+      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&code, 1));
+      if (code != 0 && !leader()) {
+        return StatusForExitCode(static_cast<int>(code),
+                                 "rank 0 could not pull from the shards: see its log");
+      }
     }
     ISTHMUS_RETURN_IF_ERROR(pulled);
     return BroadcastTrainable();
+  }
+
+  // Rank 0 pushes the checkpoint's unpushed round to every shard (the round's keys do not
+  // depend on which rank pushes); every rank learns how that went.
+  Status PushUnpushed() {
+    float code = 0;
+    Status pushed;
+    if (leader()) {
+      pushed = AsInterrupted(PushDelta(unpushed_->delta, unpushed_->tokens, unpushed_->compute_ms,
+                                       /*rank=*/0, /*world=*/1));
+      code = static_cast<float>(ExitCodeFor(pushed));
+    }
+    if (comm_) {
+      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&code, 1));
+      if (code != 0 && !leader()) {
+        return StatusForExitCode(static_cast<int>(code),
+                                 "rank 0 could not push the unpushed round: see its log");
+      }
+    }
+    return pushed;
   }
 
   // Rank 0's trainable tensors for every rank, in place in backend memory.
@@ -446,6 +754,7 @@ class RoundLoop {
       return Status::Ok();
     }
     val_loss_ = *v;
+    val_loss_step_ = step_;
     telemetry_->OnValidation(round_ + in_round_, step_, "site", *v);
     if (leader()) {
       char buf[128];
@@ -456,16 +765,16 @@ class RoundLoop {
     return Status::Ok();
   }
 
-  // Pushes this rank's shards' part of the round delta, with the round's token count and
-  // this rank's compute time for it (the shards size adaptive codecs by it).
-  Status PushRound(uint64_t round_tokens, uint64_t compute_ms) {
-    // The delta is computed on the backend and crosses to the host in one copy.
-    ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> all, gpt_->TrainableDelta());
+  // Pushes round round_'s `delta` to the shards s with s % world == rank, with the site's
+  // token count and this rank's compute time for it (the shards size adaptive codecs by
+  // it). The idempotency keys name the round and the shard, whoever pushes.
+  Status PushDelta(const std::vector<Tensor>& delta, uint64_t round_tokens, uint64_t compute_ms,
+                   int rank, int world) {
     std::vector<TensorView> views;
-    for (const auto& t : all) views.push_back({t.name, t.shape, t.data.data()});
+    for (const auto& t : delta) views.push_back({t.name, t.shape, t.data.data()});
     ISTHMUS_ASSIGN_OR_RETURN(
         auto pushed, site_->PushRound(static_cast<uint64_t>(round_), round_tokens, compute_ms,
-                                      views, s_.rank, world()));
+                                      views, rank, world));
     for (const auto& p : pushed) {
       if (p.duplicate) {
         spdlog::info("shard {} already had round {} (key {}): nothing applied twice", p.shard,
@@ -476,23 +785,36 @@ class RoundLoop {
   }
 
   // Bounded staleness: while the site is more than K rounds ahead of the last commit of
-  // any shard, rank 0 polls and every rank waits with it.
+  // any shard, rank 0 polls and every rank waits with it. A stop on any rank ends the wait.
   Status WaitForWan() {
     bool said = false;
     auto waited_from = Clock::now();
     for (;;) {
-      float flag = 0;  // 0 go on, 1 wait
+      // Summed over the ranks: rank 0's "wait" and exit code, every rank's stop.
+      float v[3] = {0, 0, Stopping() ? 1.0f : 0.0f};
+      Status asked;
       std::string why;
       if (leader()) {
-        ISTHMUS_ASSIGN_OR_RETURN(Staleness st, site_->CheckStaleness());
-        if (st.too_far_ahead) {
-          flag = 1;
-          why = st.reason;
+        auto st = site_->CheckStaleness();
+        if (!st.ok()) {
+          asked = AsInterrupted(st.status());
+          v[1] = static_cast<float>(ExitCodeFor(asked));
+        } else if (st->too_far_ahead) {
+          v[0] = 1;
+          why = st->reason;
         }
-        if (flag > 0 && stop_) flag = 0;  // interrupted: stop waiting, checkpoint and exit
       }
-      ISTHMUS_RETURN_IF_ERROR(BroadcastHost(&flag, 1));
-      if (flag == 0) break;
+      if (comm_) {
+        ISTHMUS_RETURN_IF_ERROR(HostCollective(*comm_, *compute_.ops, v, 3, /*broadcast=*/false));
+      }
+      if (v[1] != 0) {
+        if (leader()) return asked;
+        return StatusForExitCode(static_cast<int>(v[1]),
+                                 "rank 0 could not ask the shards how far ahead the site is: "
+                                 "see its log");
+      }
+      if (v[2] > 0) interrupted_ = true;  // a rank was asked to stop: no waiting, checkpoint
+      if (v[0] == 0 || v[2] > 0) break;
       if (!said) telemetry_->OnWanWaitBegin();
       if (!said && leader()) progress_->Message(why);
       said = true;
@@ -505,6 +827,34 @@ class RoundLoop {
     if (said && leader()) {
       progress_->Message("WAN caught up after " + Progress::FormatDuration(waited));
     }
+    return Status::Ok();
+  }
+
+  // The end of a round on a synced run: push the round, wait within the staleness bound,
+  // pull the merged tensors. A push that did not reach every shard (on any rank) because
+  // they did not answer keeps the round in unpushed_ for the checkpoint; the other ranks
+  // do the same. Returns Interrupted() when a stop ended a wait on the shards.
+  Status SyncRound(uint64_t round_tokens, uint64_t compute_ms) {
+    auto t = Clock::now();
+    // The delta is computed on the backend and crosses to the host in one copy.
+    ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> delta, gpt_->TrainableDelta());
+    const Status mine = AsInterrupted(PushDelta(delta, round_tokens, compute_ms, s_.rank, world()));
+    // (A rank gone from the site fails this collective: an error as before, nothing kept.)
+    Status pushed;
+    ISTHMUS_RETURN_IF_ERROR(
+        ShareOutcome(mine, "could not push round " + std::to_string(round_), &pushed));
+    if (!pushed.ok()) {
+      const Code c = pushed.code();
+      if (IsInterrupted(pushed) || c == Code::kTimeout || c == Code::kUnavailable) {
+        unpushed_ = Unpushed{std::move(delta), round_tokens, compute_ms};
+      }
+      return pushed;
+    }
+    telemetry_->OnPush(std::chrono::duration<double>(Clock::now() - t).count());
+    ISTHMUS_RETURN_IF_ERROR(WaitForWan());
+    t = Clock::now();
+    ISTHMUS_RETURN_IF_ERROR(PullAndShare());
+    telemetry_->OnPull(std::chrono::duration<double>(Clock::now() - t).count());
     return Status::Ok();
   }
 
@@ -527,8 +877,8 @@ class RoundLoop {
         auto batch = dataset_->Next();
         ISTHMUS_ASSIGN_OR_RETURN(
             model::StepStats st,
-            trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size,
-                           s_.model.context, stop_ ? 1.0f : 0.0f));
+            trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size, model_.context,
+                           stop_ ? 1.0f : 0.0f));
         const double step_s = std::chrono::duration<double>(Clock::now() - step_t0).count();
         compute_s += step_s;
         telemetry_->OnStep(step_s, st.loss, tokens_per_step_, st.skipped);
@@ -566,15 +916,37 @@ class RoundLoop {
           std::fflush(nullptr);
           ::_exit(137);
         }
-        auto t = Clock::now();
-        ISTHMUS_RETURN_IF_ERROR(
-            PushRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
-        if (comm_) ISTHMUS_RETURN_IF_ERROR(comm_->Barrier());
-        telemetry_->OnPush(std::chrono::duration<double>(Clock::now() - t).count());
-        ISTHMUS_RETURN_IF_ERROR(WaitForWan());
-        t = Clock::now();
-        ISTHMUS_RETURN_IF_ERROR(PullAndShare());
-        telemetry_->OnPull(std::chrono::duration<double>(Clock::now() - t).count());
+        Status synced = SyncRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5));
+        if (!synced.ok()) {
+          // A round the shards did not take is kept in the checkpoint (pushed when training
+          // resumes), also when they simply did not answer in time (exit 5).
+          if (unpushed_) ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
+          if (!IsInterrupted(synced)) {
+            if (unpushed_ && !s_.checkpoint_dir.empty()) {
+              progress_->Message("round " + std::to_string(round_) +
+                                 " could not be pushed: it is kept in the checkpoint and pushed "
+                                 "when training resumes");
+            }
+            return synced;
+          }
+          interrupted_ = true;
+          if (!unpushed_) {
+            stop_note_ = "the shards did not answer the pull; the next start takes their tensors";
+          } else if (s_.checkpoint_dir.empty()) {
+            stop_note_ = "the shards did not answer; round " + std::to_string(round_) +
+                         " is lost (no --checkpoint-dir)";
+          } else {
+            stop_note_ = "the shards did not answer; round " + std::to_string(round_) +
+                         " is kept in the checkpoint and pushed when training resumes";
+          }
+          if (unpushed_) {
+            progress_->Message("interrupted: " + stop_note_ +
+                               (s_.checkpoint_dir.empty()
+                                    ? std::string()
+                                    : "; step " + std::to_string(step_) + " checkpointed"));
+            break;
+          }
+        }
         if (fault && std::atoll(fault) == round_) {
           spdlog::error("fault injection: exiting after pushing round {}", round_);
           std::fflush(nullptr);
@@ -589,7 +961,8 @@ class RoundLoop {
       ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
       if (interrupted_) {
         progress_->Message("interrupted: round " + std::to_string(round_) + " step " +
-                           std::to_string(step_) + " checkpointed");
+                           std::to_string(step_) + " checkpointed" +
+                           (stop_note_.empty() ? "" : " (" + stop_note_ + ")"));
         break;
       }
     }
@@ -614,16 +987,28 @@ class RoundLoop {
       auto tensors = gpt_->ExportTrainable();
       ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
       auto meta = gpt_->ConfigMetadata();
-      meta.merge(s_.model.TrainableMetadata());
+      meta.merge(model_.TrainableMetadata());
       ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(s_.save, tensors, meta));
     }
     if (leader()) {
-      char buf[256];
+      // An interrupted run skips the final validation: its loss is the last one measured
+      // (and at which step), or none.
+      char val[96];
+      if (!std::isfinite(val_loss_)) {
+        std::snprintf(val, sizeof val, "val loss not evaluated%s",
+                      interrupted_ ? " (interrupted)" : "");
+      } else if (val_loss_step_ != step_) {
+        std::snprintf(val, sizeof val, "val loss %.4f (at step %lld)", val_loss_,
+                      static_cast<long long>(val_loss_step_));
+      } else {
+        std::snprintf(val, sizeof val, "val loss %.4f", val_loss_);
+      }
+      char buf[320];
       std::snprintf(buf, sizeof buf,
-                    "%s: %lld rounds, %lld steps, %llu tokens, %.1f s, %.0f tok/s, val loss %.4f",
+                    "%s: %lld rounds, %lld steps, %llu tokens, %.1f s, %.0f tok/s, %s",
                     interrupted_ ? "interrupted" : "done", static_cast<long long>(round_),
                     static_cast<long long>(step_), static_cast<unsigned long long>(tokens_),
-                    seconds_, rate_, val_loss_);
+                    seconds_, rate_, val);
       progress_->Message(buf);
       if (!s_.json_summary.empty()) {
         nlohmann::json j = {
@@ -648,6 +1033,18 @@ class RoundLoop {
 
   const TrainSettings& s_;
   const std::atomic<bool>& stop_;
+  ModelSettings model_;  // s_.model with the job's settings agreed on (AgreeOnModel)
+  // A round the shards did not take (they did not answer before the stop): its delta, the
+  // site's tokens and this rank's compute time, kept in the checkpoint until pushed.
+  struct Unpushed {
+    std::vector<Tensor> delta;
+    uint64_t tokens = 0, compute_ms = 0;
+  };
+  std::optional<Unpushed> unpushed_;
+  std::optional<Clock::time_point> stop_seen_;  // when GiveUp first saw a stop
+  std::string stop_note_;           // how a stop ended a wait on the shards, for the last message
+  std::vector<Tensor> start_pull_;  // rank 0: the job's tensors pulled at start-up, until
+                                    // Resume (which loads them when it follows the shards)
   OpenedCompute compute_;
   std::unique_ptr<comm::Communicator> comm_;
   std::unique_ptr<model::Gpt> gpt_;
@@ -664,6 +1061,7 @@ class RoundLoop {
   uint64_t tokens_ = 0, tokens_per_step_ = 0;
   double step_seconds_ = 0, seconds_ = 0, rate_ = 0;
   double val_loss_ = std::numeric_limits<double>::quiet_NaN();
+  int64_t val_loss_step_ = -1;  // the step val_loss_ was measured at
   bool interrupted_ = false;
   bool said_graphs_ = false;
   int64_t in_round_ = 0;         // 1 while validating inside a round (for the message)
@@ -680,9 +1078,18 @@ Status UsageError(const std::string& message) {
   return Status::InvalidArgument(kUsagePrefix + message);
 }
 
+Status Interrupted(const std::string& message) {
+  return Status::Unavailable(kInterruptedPrefix + message);
+}
+
+bool IsInterrupted(const Status& status) {
+  return status.code() == Code::kUnavailable && status.message().rfind(kInterruptedPrefix, 0) == 0;
+}
+
 int ExitCodeFor(const Status& status) {
   if (status.ok()) return kExitOk;
   if (status.message().rfind(kUsagePrefix, 0) == 0) return kExitUsage;
+  if (IsInterrupted(status)) return kExitInterrupted;
   if (status.code() == Code::kPermissionDenied && status.message().rfind(kRefusedPrefix, 0) == 0) {
     return kExitRefused;
   }
@@ -690,6 +1097,29 @@ int ExitCodeFor(const Status& status) {
     return status.code() == Code::kResourceExhausted ? kExitOutOfMemory : kExitUsage;
   }
   return ExitCodeForStatus(status);
+}
+
+Status StatusForExitCode(int code, const std::string& message) {
+  switch (code) {
+    case kExitOk:
+      return Status::Ok();
+    case kExitUsage:
+      return UsageError(message);
+    case kExitRefused:
+      return Refused(message);
+    case kExitNotFound:
+      return Status::NotFound(message);
+    case kExitUnreachable:
+      return Status::Unavailable(message);
+    case kExitDamaged:
+      return Status::Corruption(message);
+    case kExitInterrupted:
+      return Interrupted(message);
+    case kExitOutOfMemory:
+      return DeviceError(Status::ResourceExhausted(message));
+    default:
+      return Status::Internal(message);
+  }
 }
 
 model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm) {
@@ -723,8 +1153,10 @@ Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
   return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config, compute);
 }
 
-Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s) {
+Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s,
+                                                std::function<bool()> interrupted) {
   SiteOptions o;
+  o.interrupted = std::move(interrupted);
   o.job = s.job;
   o.servers = s.servers;
   o.insecure_plaintext = s.insecure_plaintext;

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -28,13 +30,24 @@ namespace isthmus::worker {
 Status Refused(const std::string& message);
 // A problem with how isthmus-worker was called (message prefixed "usage: "): exit code 2.
 Status UsageError(const std::string& message);
+// A wait given up because the worker was asked to stop (message prefixed "interrupted: "):
+// exit code 7. IsInterrupted tells such a status.
+Status Interrupted(const std::string& message);
+bool IsInterrupted(const Status& status);
 // A problem with the compute device (message prefixed "device: "): one --device cannot
 // name here, or out of memory.
 Status DeviceError(const Status& status);
-// kExitRefused for Refused() statuses; kExitUsage for UsageError() ones; for DeviceError()
-// statuses kExitOutOfMemory when out of memory, else kExitUsage; otherwise the shared
-// mapping of the status code (ExitCodeForStatus).
+// kExitRefused for Refused() statuses; kExitUsage for UsageError() ones; kExitInterrupted
+// for Interrupted() ones; for DeviceError() statuses kExitOutOfMemory when out of memory,
+// else kExitUsage; otherwise the shared mapping of the status code (ExitCodeForStatus).
 int ExitCodeFor(const Status& status);
+// A status with `message` for which ExitCodeFor gives `code` (another rank's outcome,
+// shared as its exit code). Ok for kExitOk.
+Status StatusForExitCode(int code, const std::string& message);
+
+// How long waits on the shards go on once a stop was asked (SIGTERM on this rank, or the
+// site's stop vote): a push or pull a live shard answers completes, a dead one gives up.
+inline constexpr std::chrono::milliseconds kStopGrace{3000};
 
 struct TrainSummary {
   double val_loss = 0;      // NaN when no validation could run
@@ -47,9 +60,12 @@ struct TrainSummary {
 };
 
 // Runs `train` to the end. Returns the summary (interrupted when `stop` became true: the
-// step in flight finished, the partial round was pushed and the checkpoint written).
-// Errors: refusals as Refused(), everything else as its own Status. Uses every rank of
-// the site collectively: all ranks call it with the same settings apart from --rank.
+// step in flight finished, the partial round was pushed and the checkpoint written; when
+// the shards did not answer within kStopGrace of the stop, the round is kept in the
+// checkpoint instead and pushed when training resumes). Errors: refusals as Refused(), a
+// stop before training began (waiting for the shards) as Interrupted(), everything else
+// as its own Status. Uses every rank of the site collectively: all ranks call it with the
+// same settings apart from --rank.
 Result<TrainSummary> RunTraining(const TrainSettings& settings, const std::atomic<bool>& stop);
 
 // The gradient hook of a multi-rank site: averages the model's flat gradient buffer (with
@@ -67,8 +83,10 @@ Status HostCollective(comm::Communicator& comm, ops::Ops& ops, float* data, size
 Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
                                                const model::Compute& compute = {});
 
-// The site client for --server/--server-key/--key (CURVE unless insecure).
-Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s);
+// The site client for --server/--server-key/--key (CURVE unless insecure); `interrupted`
+// ends its waits early (SiteOptions::interrupted).
+Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s,
+                                                std::function<bool()> interrupted = {});
 
 // Hello to every shard as a worker with `base_hash`; a refusal (another base, a key not
 // allowed, no such job) is a Refused().

@@ -117,12 +117,29 @@ Status ModelSettings::ResolveBaseShape() {
   return Status::Ok();
 }
 
+namespace {
+
+std::string FormatAlpha(float alpha) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.9g", alpha);
+  return buf;
+}
+
+std::string JoinTargets(const std::vector<std::string>& targets) {
+  std::string out;
+  for (const auto& t : targets) out += (out.empty() ? "" : ",") + t;
+  return out;
+}
+
+}  // namespace
+
 Status ModelSettings::ResolveTrainable(const std::vector<Tensor>& tensors,
-                                       const std::map<std::string, std::string>& metadata) {
-  auto contradiction = [](const std::string& flag, const std::string& ours,
-                          const std::string& file) {
-    return Status::InvalidArgument(flag + " " + ours + " contradicts the trainable tensors, " +
-                                   "which say " + file + ": leave " + flag + " out");
+                                       const std::map<std::string, std::string>& metadata,
+                                       const std::string& source, std::string* note) {
+  auto contradiction = [&](const std::string& flag, const std::string& ours,
+                           const std::string& theirs) {
+    return Status::InvalidArgument(flag + " " + ours + " contradicts " + source + ", which say " +
+                                   theirs + ": leave " + flag + " out or give " + theirs);
   };
   bool full = false;
   int rank = 0;
@@ -140,6 +157,7 @@ Status ModelSettings::ResolveTrainable(const std::vector<Tensor>& tensors,
   const std::string file_mode = full ? "full" : "lora";
   if (given.count("--mode") && mode != file_mode) return contradiction("--mode", mode, file_mode);
   mode = file_mode;
+  lora_alpha_assumed = false;
   if (full) return Status::Ok();
   if (rank > 0) {
     if (given.count("--lora-rank") && lora_rank != rank) {
@@ -147,30 +165,70 @@ Status ModelSettings::ResolveTrainable(const std::vector<Tensor>& tensors,
     }
     lora_rank = rank;
   }
-  if (!targets.empty() && !given.count("--lora-targets")) {
+  if (!targets.empty()) {
     // In the canonical order, as the flag's default lists them.
     std::vector<std::string> ordered;
     for (const char* name : model::kLoraTargetNames) {
       if (targets.count(name)) ordered.push_back(name);
     }
+    const std::set<std::string> ours(lora_targets.begin(), lora_targets.end());
+    if (given.count("--lora-targets") && ours != targets) {
+      return contradiction("--lora-targets", JoinTargets(lora_targets), JoinTargets(ordered));
+    }
     lora_targets = ordered;
   }
   auto it = metadata.find("lora_alpha");
-  if (it != metadata.end() && !given.count("--lora-alpha")) {
-    lora_alpha = std::strtof(it->second.c_str(), nullptr);
+  if (it != metadata.end()) {
+    char* end = nullptr;
+    const float alpha = std::strtof(it->second.c_str(), &end);
+    if (it->second.empty() || *end != '\0' || !std::isfinite(alpha) || alpha <= 0) {
+      return Status::InvalidArgument(source + ": metadata lora_alpha \"" + it->second +
+                                     "\" is not a positive number");
+    }
+    if (given.count("--lora-alpha") && lora_alpha != alpha) {
+      return contradiction("--lora-alpha", FormatAlpha(lora_alpha), FormatAlpha(alpha));
+    }
+    lora_alpha = alpha;
+  } else if (!given.count("--lora-alpha")) {
+    lora_alpha_assumed = true;
+    if (note != nullptr) {
+      *note = source + " carry no record of the LoRA alpha: assuming --lora-alpha " +
+              FormatAlpha(lora_alpha) + " (the default); give --lora-alpha if they were " +
+              "trained with another";
+    }
   }
   return Status::Ok();
 }
 
 std::map<std::string, std::string> ModelSettings::TrainableMetadata() const {
-  std::string targets;
-  for (const auto& t : lora_targets) targets += (targets.empty() ? "" : ",") + t;
-  char alpha[32];
-  std::snprintf(alpha, sizeof alpha, "%.9g", lora_alpha);
   return {{"train_mode", mode},
           {"lora_rank", std::to_string(lora_rank)},
-          {"lora_alpha", alpha},
-          {"lora_targets", targets}};
+          {"lora_alpha", FormatAlpha(lora_alpha)},
+          {"lora_targets", JoinTargets(lora_targets)}};
+}
+
+uint32_t ModelSettings::LoraTargetBits() const {
+  uint32_t bits = 0;
+  for (const auto& t : lora_targets) {
+    for (size_t i = 0; i < std::size(model::kLoraTargetNames); ++i) {
+      if (t == model::kLoraTargetNames[i]) bits |= 1u << i;
+    }
+  }
+  return bits;
+}
+
+std::vector<std::string> ModelSettings::LoraTargetsFromBits(uint32_t bits) {
+  std::vector<std::string> out;
+  for (size_t i = 0; i < std::size(model::kLoraTargetNames); ++i) {
+    if (bits & (1u << i)) out.push_back(model::kLoraTargetNames[i]);
+  }
+  return out;
+}
+
+std::string ModelSettings::DescribeTraining() const {
+  if (mode == "full") return "mode full";
+  return "mode lora, LoRA rank " + std::to_string(lora_rank) + ", alpha " +
+         FormatAlpha(lora_alpha) + ", targets " + JoinTargets(lora_targets);
 }
 
 Status ComputeSettings::Validate() const {

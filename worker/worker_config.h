@@ -35,6 +35,10 @@ struct ModelSettings {
   std::set<std::string> given;  // the shape flags set on the command line or in --config
   std::string given_base;       // --base as given (ResolveBaseShape may point it into a folder)
   int vocab_size = 256;         // bytes; a base's own vocabulary (ResolveBaseShape)
+  // Set by ResolveTrainable when neither --lora-alpha nor the tensors' source said the LoRA
+  // alpha (a file written before it was recorded, or tensors pulled from the shards, which
+  // keep tensors only): lora_alpha is then the default, an assumption.
+  bool lora_alpha_assumed = false;
 
   // With a base: takes the model's shape from it (n_layer from its blocks, n_embd from
   // wte, n_ctx from wpe, n_head from its metadata or the folder's config.json) and makes
@@ -42,15 +46,30 @@ struct ModelSettings {
   // contradicts the base is an InvalidArgument naming the flag and both values; so is a
   // base that records no head count when --heads was not given. No-op without a base.
   Status ResolveBaseShape();
-  // Takes what a file of trainable tensors (init --out, train --save, a checkpoint, an
-  // export) says about the training setup, for flags that were not given: the mode (full
-  // when it holds wte.weight), the LoRA rank (from the lora_A shapes), targets (from the
-  // names) and alpha (from its "lora_alpha" metadata). A given flag that contradicts the
-  // file is an InvalidArgument naming it.
+  // Takes what a set of trainable tensors (a file: init --out, train --save, a checkpoint,
+  // an export; or the job's tensors pulled from the shards, with no metadata) says about
+  // the training setup, for flags that were not given: the mode (full when it holds
+  // wte.weight), the LoRA rank (from the lora_A shapes), targets (from the names) and alpha
+  // (from its "lora_alpha" metadata). Only the names and shapes of `tensors` are read. A
+  // given flag that contradicts them is an InvalidArgument naming the flag and both
+  // values; so is a "lora_alpha" that is not a positive number. When the alpha is neither
+  // given nor recorded (LoRA mode), lora_alpha_assumed is set and, if `note` is not null,
+  // *note says so, naming `source` (e.g. the file) and the value assumed.
   Status ResolveTrainable(const std::vector<Tensor>& tensors,
-                          const std::map<std::string, std::string>& metadata);
-  // The metadata files of trainable tensors carry (what ResolveTrainable reads back).
+                          const std::map<std::string, std::string>& metadata,
+                          const std::string& source = "the trainable tensors",
+                          std::string* note = nullptr);
+  // The metadata files of trainable tensors carry (what ResolveTrainable reads back):
+  // "train_mode", "lora_rank", "lora_alpha", "lora_targets" (comma-separated).
   std::map<std::string, std::string> TrainableMetadata() const;
+  // The LoRA targets as a set of bits, bit i for kLoraTargetNames[i] (0 for a name that is
+  // none of them: Validate refuses those).
+  uint32_t LoraTargetBits() const;
+  // The inverse, in the canonical order.
+  static std::vector<std::string> LoraTargetsFromBits(uint32_t bits);
+
+  // "lora, rank 4, alpha 16, targets attn.c_attn,mlp.c_fc" or "full": for messages.
+  std::string DescribeTraining() const;
 
   model::GptConfig Gpt() const;
   model::LoraConfig Lora() const;

@@ -2,15 +2,18 @@
 // two ranks and two shards complete several rounds and the shards end up holding exactly
 // the worker's tensors; a worker killed mid-run resumes and finishes with no round applied
 // twice (also when it dies between pushing a round and checkpointing it); the number of
-// ranks changes between runs with no round lost or doubled; a worker whose
-// base differs from the job's is refused with exit code 3; --device mistakes are usage
-// errors that say what to do; two sites of different precision train one job and commit
-// identical rounds; a third site joins and its worker starts from the members' state.
+// ranks changes between runs with no round lost or doubled; SIGTERM with the site's shards
+// down stops every rank within seconds (exit 7), keeping the unpushed round in the
+// checkpoint for the restart to push; a worker whose base differs from the job's is refused
+// with exit code 3; --device mistakes are usage errors that say what to do; two sites of
+// different precision train one job and commit identical rounds; a third site joins and
+// its worker starts from the members' state.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -66,6 +69,98 @@ TEST_F(WorkerWithShards, SigtermWhileAShardIsSlowToAnswerStopsCleanly) {
   const int rc = w.Wait(60);
   EXPECT_EQ(rc, 7) << "exit code 7: interrupted and checkpointed\n" << w.Log();
   EXPECT_NE(w.Log().find("checkpointed"), std::string::npos) << w.Log();
+  // No final validation ran: the summary says so instead of printing "nan".
+  EXPECT_EQ(w.Log().find("nan"), std::string::npos) << w.Log();
+  EXPECT_NE(w.Log().find("val loss not evaluated (interrupted)"), std::string::npos) << w.Log();
+}
+
+// SIGTERM while the site's shards are down: every wait on them gives up a few seconds
+// after the signal (a request to a hung shard would otherwise take 30 s and two
+// reconnecting attempts), the round that could not be pushed is kept in the checkpoint,
+// and every rank exits 7. Started again once the shards are back, rank 0 pushes that round
+// first, and every shard applies every round exactly once. With one rank and with two
+// (systemd signals every rank). The shards are frozen (SIGSTOP) while the ranks run and
+// killed only after they exited: a shard killed while a rank reconnects to it fails that
+// ZeroMQ handshake, which the shard client reports as a refused key (exit 3).
+class WorkerStopsWithShardsDown : public WorkerWithShards,
+                                  public ::testing::WithParamInterface<int> {};
+
+TEST_P(WorkerStopsWithShardsDown, SigtermCheckpointsAndExits7Promptly) {
+  const int world = GetParam();
+  auto args = [&](int rank, int max_rounds, const std::string& rdv) {
+    auto a = TrainArgs(rank, world, max_rounds, 2, world > 1 ? rdv : "");
+    for (size_t i = 0; i + 1 < a.size(); ++i) {
+      if (a[i] == "--request-timeout-ms") a[i + 1] = "30000";  // the default
+    }
+    return a;
+  };
+  std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  std::vector<WorkerProcess> ranks(world);
+  for (int r = 0; r < world; ++r) {
+    ranks[r].Start(args(r, 100000, rdv), (dir_ / ("a-r" + std::to_string(r) + ".log")).string());
+  }
+  ASSERT_TRUE(ShardReachedRound(1, 2)) << ranks[0].Log();
+  for (auto& s : shards_) s.Signal(SIGSTOP);
+  ::usleep(1'000'000);  // rounds take milliseconds: the ranks now wait for a shard
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto& w : ranks) ::kill(w.pid, SIGTERM);
+  for (auto& w : ranks) {
+    const int rc = w.Wait(120);
+    ASSERT_EQ(rc, 7) << "exit code 7: interrupted and checkpointed\n" << w.Log();
+  }
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 30.0) << "the worker went on waiting for the dead shards\n" << ranks[0].Log();
+  std::printf("%d rank(s) stopped %.1f s after SIGTERM with the shards down\n", world, took);
+  std::fflush(stdout);  // before the forks below
+  EXPECT_NE(ranks[0].Log().find("checkpointed"), std::string::npos) << ranks[0].Log();
+  EXPECT_EQ(ranks[0].Log().find("nan"), std::string::npos) << ranks[0].Log();
+  auto ckpt = ReadSafetensors((dir_ / "ckpt" / "rank-0.safetensors").string());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  const int64_t rounds = std::stoll(ckpt->metadata["round"]);
+  ASSERT_GE(rounds, 2);
+  for (int r = 1; r < world; ++r) {
+    auto c =
+        ReadSafetensors((dir_ / "ckpt" / ("rank-" + std::to_string(r) + ".safetensors")).string());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->metadata["round"], ckpt->metadata["round"]) << "the ranks stopped apart";
+  }
+
+  for (auto& s : shards_) s.Kill(SIGKILL);
+  for (auto& s : shards_) ASSERT_TRUE(s.Start());
+  std::string rdv2 = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  std::vector<WorkerProcess> again(world);
+  for (int r = 0; r < world; ++r) {
+    again[r].Start(args(r, static_cast<int>(rounds + 1), rdv2),
+                   (dir_ / ("b-r" + std::to_string(r) + ".log")).string());
+  }
+  for (auto& w : again) ASSERT_EQ(w.Wait(120), 0) << w.Log();
+  EXPECT_NE(again[0].Log().find("done: " + std::to_string(rounds + 1) + " rounds"),
+            std::string::npos)
+      << again[0].Log();
+  ExpectShardsEqualCheckpoint(0, static_cast<uint64_t>(rounds + 1));
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, WorkerStopsWithShardsDown, ::testing::Values(1, 2));
+
+// Without a stop, shards that stay down end the run once the requests ran out (exit 5);
+// a round that could not be pushed is kept in the checkpoint as after a stop, and the
+// restart loses and doubles no round. (Frozen shards, killed after the worker exited: see
+// above.)
+TEST_F(WorkerWithShards, ShardsDownEndTheRunWithExit5AndTheRestartLosesNoRound) {
+  WorkerProcess w;  // a request of 5 s (TrainArgs) and two reconnecting attempts
+  w.Start(TrainArgs(0, 1, 100000, 2), (dir_ / "w1.log").string());
+  ASSERT_TRUE(ShardReachedRound(1, 2)) << w.Log();
+  for (auto& s : shards_) s.Signal(SIGSTOP);
+  ASSERT_EQ(w.Wait(120), 5) << w.Log();
+  for (auto& s : shards_) s.Kill(SIGKILL);
+  auto ckpt = ReadSafetensors((dir_ / "ckpt" / "rank-0.safetensors").string());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  const int64_t rounds = std::stoll(ckpt->metadata["round"]);
+  for (auto& s : shards_) ASSERT_TRUE(s.Start());
+  WorkerProcess again;
+  again.Start(TrainArgs(0, 1, static_cast<int>(rounds + 2), 2), (dir_ / "w2.log").string());
+  ASSERT_EQ(again.Wait(120), 0) << again.Log();
+  ExpectShardsEqualCheckpoint(0, static_cast<uint64_t>(rounds + 2));
 }
 
 TEST_F(WorkerWithShards, KilledWorkerResumesWithoutApplyingARoundTwice) {

@@ -1,9 +1,11 @@
 // Unit tests of the worker's pieces: two ranks averaging gradients over Gloo must train to
 // the same parameters as one rank on the combined batch; the stop vote travels with the
-// gradients; settings and progress formatting.
+// gradients; settings (a file's record of the LoRA settings) and progress formatting; the
+// site client ends a wait when the worker is stopping.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -190,6 +192,81 @@ TEST(TrainSettings, TomlConfigIsReadAndFlagsWin) {
   std::filesystem::remove_all(dir);
 }
 
+// A file's record of the LoRA settings: taken when the flag is not given, refused (naming
+// both values) when it contradicts a given flag, and an assumption that says so when absent.
+TEST(ModelSettings, ResolveTrainableTakesChecksOrSaysItAssumesTheLoraRecord) {
+  std::vector<Tensor> lora = {{"h.0.attn.c_attn.lora_A.weight", {8, 32}, {}},
+                              {"h.0.attn.c_attn.lora_B.weight", {96, 8}, {}},
+                              {"h.0.mlp.c_fc.lora_A.weight", {8, 32}, {}},
+                              {"h.0.mlp.c_fc.lora_B.weight", {128, 8}, {}}};
+  ModelSettings m;
+  std::string note;
+  ASSERT_TRUE(m.ResolveTrainable(lora, {{"lora_alpha", "16"}}, "F", &note).ok());
+  EXPECT_EQ(m.lora_rank, 8);
+  EXPECT_EQ(m.lora_alpha, 16.0f);
+  EXPECT_EQ(m.lora_targets, (std::vector<std::string>{"attn.c_attn", "mlp.c_fc"}));
+  EXPECT_FALSE(m.lora_alpha_assumed);
+  EXPECT_TRUE(note.empty());
+  EXPECT_EQ(m.TrainableMetadata()["lora_alpha"], "16");
+  EXPECT_EQ(m.TrainableMetadata()["lora_targets"], "attn.c_attn,mlp.c_fc");
+  EXPECT_EQ(ModelSettings::LoraTargetsFromBits(m.LoraTargetBits()), m.lora_targets);
+
+  ModelSettings given;
+  given.lora_alpha = 32;
+  given.given.insert("--lora-alpha");
+  Status st = given.ResolveTrainable(lora, {{"lora_alpha", "16"}}, "F");
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("--lora-alpha 32 contradicts F, which say 16"), std::string::npos)
+      << st.message();
+  ModelSettings targets;
+  targets.given.insert("--lora-targets");
+  st = targets.ResolveTrainable(lora, {{"lora_alpha", "16"}}, "F");
+  EXPECT_NE(st.message().find("--lora-targets"), std::string::npos) << st.message();
+  ModelSettings bad;
+  st = bad.ResolveTrainable(lora, {{"lora_alpha", "sixteen"}}, "F");
+  EXPECT_NE(st.message().find("lora_alpha \"sixteen\""), std::string::npos) << st.message();
+
+  ModelSettings old;
+  ASSERT_TRUE(old.ResolveTrainable(lora, {}, "F", &note).ok());
+  EXPECT_TRUE(old.lora_alpha_assumed);
+  EXPECT_EQ(old.lora_alpha, 32.0f);
+  EXPECT_NE(note.find("F carry no record of the LoRA alpha: assuming --lora-alpha 32"),
+            std::string::npos)
+      << note;
+  // A given flag is no assumption.
+  ModelSettings flagged;
+  flagged.lora_alpha = 8;
+  flagged.given.insert("--lora-alpha");
+  note.clear();
+  ASSERT_TRUE(flagged.ResolveTrainable(lora, {}, "F", &note).ok());
+  EXPECT_FALSE(flagged.lora_alpha_assumed);
+  EXPECT_TRUE(note.empty());
+}
+
+// The worker's stop path: a wait on a shard that does not answer ends once the site
+// client's `interrupted` says so, long before the attempts give up by themselves (3 x 5 s
+// to connect to a dead shard).
+TEST(SiteClientInterrupted, EndsAWaitOnAShardThatDoesNotAnswer) {
+  SiteOptions o;
+  o.job = "j";
+  o.servers = {"tcp://127.0.0.1:1"};  // nothing listens there
+  o.insecure_plaintext = true;
+  o.timeout_ms = 30000;
+  const auto t0 = std::chrono::steady_clock::now();
+  o.interrupted = [t0] {
+    return std::chrono::steady_clock::now() - t0 > std::chrono::milliseconds(300);
+  };
+  auto site = SiteClient::Connect(o);
+  ASSERT_TRUE(site.ok()) << site.status().ToString();
+  auto h = (*site)->Hello("");
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(h.ok());
+  EXPECT_NE(h.status().message().find("interrupted"), std::string::npos) << h.status().message();
+  EXPECT_LT(took, 10.0);
+  // What the worker makes of it while stopping: exit code 7.
+  EXPECT_EQ(ExitCodeFor(Interrupted(h.status().message())), kExitInterrupted);
+}
+
 TEST(Progress, FormatsDurations) {
   EXPECT_EQ(Progress::FormatDuration(12.2), "12s");
   EXPECT_EQ(Progress::FormatDuration(245), "4m05s");
@@ -229,6 +306,13 @@ TEST(ExitCodes, RefusalsMapToThree) {
   EXPECT_EQ(ExitCodeFor(Status::Internal("bug")), kExitFailure);
   EXPECT_EQ(ExitCodeFor(UsageError("--layers 3")), kExitUsage);
   EXPECT_EQ(ExitCodeFor(Status::Ok()), kExitOk);
+  // Another rank's outcome, shared as its exit code, maps back to that code.
+  for (int code = kExitOk; code <= kExitOutOfMemory; ++code) {
+    EXPECT_EQ(ExitCodeFor(StatusForExitCode(code, "rank 0 failed")), code) << code;
+  }
+  EXPECT_EQ(ExitCodeFor(Interrupted("shard 0 did not answer")), kExitInterrupted);
+  EXPECT_TRUE(IsInterrupted(Interrupted("x")));
+  EXPECT_FALSE(IsInterrupted(Status::Unavailable("x")));
 }
 
 }  // namespace
