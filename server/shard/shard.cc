@@ -146,9 +146,23 @@ Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
 Status Shard::InstallJoinedJob(const std::string& name, const std::string& base_hash,
                                const std::map<std::string, SyncTensor>& tensors, uint64_t version,
                                WriteBatch& batch) {
-  if (jobs_.count(name)) return Status::AlreadyExists("job '" + name + "' already exists");
   if (!IsValidName(name)) return Status::InvalidArgument("job name '" + name + "' is not valid");
   JobState job;
+  if (auto old = jobs_.find(name); old != jobs_.end()) {
+    // This site was removed and joins again: the members' state replaces its own, for the
+    // same tensors (the job's counters and idempotency records stay).
+    bool same = old->second.tensors.size() == tensors.size();
+    for (const auto& [tname, t] : tensors) {
+      auto it = old->second.tensors.find(tname);
+      same = same && it != old->second.tensors.end() && it->second.shape == t.shape;
+    }
+    if (!same) {
+      return Status::FailedPrecondition("job '" + name +
+                                        "' is held here with other tensors than "
+                                        "the members': this site cannot join it again");
+    }
+    static_cast<JobRecord&>(job) = old->second;
+  }
   job.name = name;
   job.base_hash = base_hash;
   job.version = version;
@@ -162,8 +176,8 @@ Status Shard::InstallJoinedJob(const std::string& name, const std::string& base_
   }
   batch.PutOwned(Column::kJobs, name, EncodeJobRecord(job));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  jobs_.emplace(name, std::move(job));
-  spdlog::info("created job '{}' from a member's state: {} tensors", name, tensors.size());
+  jobs_[name] = std::move(job);
+  spdlog::info("job '{}' from a member's state: {} tensors", name, tensors.size());
   return Status::Ok();
 }
 
@@ -514,6 +528,13 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
       return Status::FailedPrecondition("base model hash " + want + " differs from job '" +
                                         req->job()->str() + "' base " + job->base_hash +
                                         ": the worker loaded a different base checkpoint");
+    }
+    if (role == wire::Role::Worker && sync_ && sync_->HasJob(job->name)) {
+      // A site no longer counted in stops its workers instead of letting them wait for
+      // commits that will not come.
+      if (std::string why = sync_->membership().RemovedNotice(job->name); !why.empty()) {
+        return Status::FailedPrecondition(why);
+      }
     }
     version = VersionOf(*job);
     count = job->tensors.size();

@@ -289,7 +289,7 @@ void MembershipProtocol::ExpireStalled() {
     }
   }
   for (auto& [name, jn] : joining_) {
-    if (jn.failed || host_->Record(name) != nullptr) continue;
+    if (jn.failed) continue;
     if (jn.progress_at == Clock::time_point{}) jn.progress_at = now;
     if (now - jn.progress_at < change_timeout_) continue;
     jn.failed = true;
@@ -302,7 +302,7 @@ void MembershipProtocol::ExpireStalled() {
 }
 
 Status MembershipProtocol::AbandonChange(const std::string& name) {
-  if (auto jt = joining_.find(name); jt != joining_.end() && host_->Record(name) == nullptr) {
+  if (auto jt = joining_.find(name); jt != joining_.end() && !jt->second.failed) {
     // A join this site makes: the coordinator gives the addition up by itself (no one asks).
     joining_.erase(jt);
     spdlog::info("job '{}': join abandoned by the operator", name);
@@ -327,8 +327,8 @@ Status MembershipProtocol::AbandonChange(const std::string& name) {
   return DropChange(name, js, "abandoned by the operator: " + r->pending->Describe(r->members));
 }
 
-Status MembershipProtocol::DropChange(const std::string& name, JobState& js,
-                                      const std::string& why) {
+Status MembershipProtocol::DropChange(const std::string& name, JobState& js, const std::string& why,
+                                      bool transient) {
   const SyncRecord* r = host_->Record(name);
   ISTHMUS_CHECK(r != nullptr && r->pending.has_value(), "DropChange without a pending change");
   const MembershipChange change = *r->pending;
@@ -336,7 +336,7 @@ Status MembershipProtocol::DropChange(const std::string& name, JobState& js,
   // A site whose addition was given up is told why at its next join request, however the
   // messages interleaved (it may never have seen this proposal).
   for (const auto& s : change.next.sites) {
-    if (!r->members.Has(s)) js.join_refusals[s] = why;
+    if (!r->members.Has(s) && !transient) js.join_refusals[s] = why;
   }
   js.votes.clear();
   js.note = why;
@@ -388,6 +388,13 @@ std::string MembershipProtocol::PrepareRefusal(const SyncRecord& r, const std::s
            r.members.SiteList() + "), the change needs epoch " + std::to_string(c.next.epoch - 1) +
            ": the sites disagree on the membership";
   }
+  const bool addition = std::any_of(c.next.sites.begin(), c.next.sites.end(),
+                                    [&](const std::string& s) { return !r.members.Has(s); });
+  if (c.next.from_round != r.committed + 1 && addition) {
+    return here + " has committed round " + std::to_string(r.committed) + ", site " +
+           c.coordinator + " round " + std::to_string(c.next.from_round - 1) +
+           ": rounds went on while the addition was being agreed; the joining site asks again";
+  }
   if (c.next.from_round != r.committed + 1) {
     return here + " has committed round " + std::to_string(r.committed) + ", site " +
            c.coordinator + " round " + std::to_string(c.next.from_round - 1) +
@@ -420,8 +427,11 @@ std::string MembershipProtocol::PrepareRefusal(const SyncRecord& r, const std::s
 MembershipAnswer MembershipProtocol::OnRequest(const std::string& from,
                                                const MembershipRequest& req) {
   const SyncRecord* r = host_->Record(req.job);
+  if (auto jt = joining_.find(req.job);
+      jt != joining_.end() && (r == nullptr || !jt->second.failed)) {
+    return OnJoiningRequest(from, req);
+  }
   if (r == nullptr) {
-    if (joining_.count(req.job)) return OnJoiningRequest(from, req);
     return {MembershipVote::kRefused, "job '" + req.job + "' does not sync on this shard"};
   }
   JobState& js = jobs_[req.job];
@@ -457,6 +467,13 @@ MembershipAnswer MembershipProtocol::OnRequest(const std::string& from,
                   " at site " + site_ + ": an operator of site " + site_ +
                   " runs `isthmusctl sync invite --site " + from + " -j " + req.job +
                   "`, then the join is started again"};
+    }
+    if (r->committed < js.wait_for_round) {
+      // A member that refused the last proposal had committed further: propose once this
+      // site stands there too, or the same refusal comes back.
+      return {MembershipVote::kPending, "site " + site_ + " commits round " +
+                                            std::to_string(js.wait_for_round) +
+                                            " first, then proposes the addition"};
     }
     const Membership before = r->members;
     auto added = ProposeAddition(req.job, js, from);
@@ -532,7 +549,7 @@ std::vector<MembershipRequest> MembershipProtocol::Requests(const std::string& p
     }
   }
   for (const auto& [name, jn] : joining_) {
-    if (jn.failed || host_->Record(name) != nullptr) continue;
+    if (jn.failed) continue;
     if (!jn.change) {
       if (peer == jn.from) {
         out.push_back({name, MembershipStep::kJoin, {{0, {site_}, 0}, jn.from}});
@@ -568,7 +585,8 @@ std::vector<MembershipRequest> MembershipProtocol::Requests(const std::string& p
 void MembershipProtocol::OnAnswer(const std::string& peer, const MembershipRequest& req,
                                   const MembershipAnswer& answer) {
   const SyncRecord* r = host_->Record(req.job);
-  if (r == nullptr) {
+  if (auto jt = joining_.find(req.job);
+      r == nullptr || (jt != joining_.end() && !jt->second.failed)) {
     OnJoiningAnswer(peer, req, answer);
     return;
   }
@@ -593,7 +611,10 @@ void MembershipProtocol::OnAnswer(const std::string& peer, const MembershipReque
     } else if (answer.vote == MembershipVote::kRefused) {
       const bool automatic = js.automatic;
       const uint64_t committed = r->committed;
-      s = DropChange(req.job, js, "refused by site " + peer + ": " + answer.reason);
+      // The sites stood at different rounds for a moment (commits went on between the
+      // proposal and this prepare): a joining site asks again and gets a fresh proposal.
+      const bool transient = answer.committed != 0 && answer.committed != committed;
+      s = DropChange(req.job, js, "refused by site " + peer + ": " + answer.reason, transient);
       if (s.ok() && answer.committed > committed) {
         // The refusing member has committed further: whatever is proposed next must start
         // from its round, so this site takes its state first when the policy proposed.
@@ -619,7 +640,13 @@ uint64_t MembershipProtocol::FirstRoundTo(const std::string& peer, const std::st
   const SyncRecord* r = host_->Record(job);
   if (r == nullptr || !r->members.Has(site_) || !r->members.Has(peer)) return 0;
   auto joined = r->joined.find(peer);
-  return joined == r->joined.end() ? 1 : joined->second;
+  uint64_t first = joined == r->joined.end() ? 1 : joined->second;
+  // A site that joined (or joined again) holds no rounds of its own before its first: a
+  // link that knew the job from before must not wait for them.
+  if (auto self = r->joined.find(site_); self != r->joined.end()) {
+    first = std::max(first, self->second);
+  }
+  return first;
 }
 
 std::string MembershipProtocol::RefusesPeer(const std::string& site, const std::string& job) const {
@@ -633,11 +660,43 @@ std::string MembershipProtocol::RefusesPeer(const std::string& site, const std::
   return r->removed.count(site) ? NonMemberReason(job, *r, site, site_) : "";
 }
 
+uint64_t MembershipProtocol::RemovedFrom(const std::string& site, const std::string& job) const {
+  const SyncRecord* r = host_->Record(job);
+  if (r == nullptr || r->members.Has(site)) return 0;
+  auto it = r->removed.find(site);
+  return it == r->removed.end() ? 0 : it->second;
+}
+
+void MembershipProtocol::OnRemovedNotice(const std::string& peer, const std::string& job,
+                                         uint64_t removed_from) {
+  const SyncRecord* r = host_->Record(job);
+  if (r == nullptr || !r->members.Has(site_) || !r->members.Has(peer)) return;
+  JobState& js = jobs_[job];
+  std::string notice = "site " + peer + " no longer counts this site (" + site_ + ") in job '" +
+                       job + "': it was removed from round " + std::to_string(removed_from) +
+                       " while this site was away; it takes no more rounds. To take part again: an "
+                       "operator of a member runs `isthmusctl sync invite --site " +
+                       site_ + "`, then `isthmusctl sync join --from MEMBER -j " + job + "` here";
+  if (notice != js.removed_notice) spdlog::warn("job '{}': {}", job, notice);
+  js.removed_notice = std::move(notice);
+}
+
+std::string MembershipProtocol::RemovedNotice(const std::string& job) const {
+  if (auto it = jobs_.find(job); it != jobs_.end() && !it->second.removed_notice.empty()) {
+    return it->second.removed_notice;
+  }
+  const SyncRecord* r = host_->Record(job);
+  if (r != nullptr && !r->members.Has(site_) && r->removed.count(site_)) {
+    return NonMemberReason(job, *r, site_, site_) +
+           " (an operator of a member runs `isthmusctl sync invite --site " + site_ +
+           "`, then `isthmusctl sync join --from MEMBER -j " + job + "` here)";
+  }
+  return "";
+}
+
 std::optional<MembershipStatus> MembershipProtocol::StatusOf(const std::string& name) const {
   const SyncRecord* r = host_->Record(name);
-  if (r == nullptr) {
-    auto jt = joining_.find(name);
-    if (jt == joining_.end()) return std::nullopt;
+  if (auto jt = joining_.find(name); jt != joining_.end() && (r == nullptr || !jt->second.failed)) {
     MembershipStatus s;
     s.note = jt->second.note;
     if (!jt->second.failed) {
@@ -645,6 +704,7 @@ std::optional<MembershipStatus> MembershipProtocol::StatusOf(const std::string& 
     }
     return s;
   }
+  if (r == nullptr) return std::nullopt;
   MembershipStatus s;
   auto it = jobs_.find(name);
   if (it != jobs_.end()) {
@@ -665,6 +725,8 @@ std::optional<MembershipStatus> MembershipProtocol::StatusOf(const std::string& 
   } else if (r->pending) {
     s.note = "agreed, waiting for the outcome from " + r->pending->coordinator + ": " +
              r->pending->Describe(r->members);
+  } else if (it != jobs_.end() && !it->second.removed_notice.empty()) {
+    s.note = it->second.removed_notice;
   }
   return s;
 }
@@ -672,7 +734,7 @@ std::optional<MembershipStatus> MembershipProtocol::StatusOf(const std::string& 
 std::vector<std::string> MembershipProtocol::JoiningJobs(bool failed) const {
   std::vector<std::string> out;
   for (const auto& [name, jn] : joining_) {
-    if ((failed || !jn.failed) && host_->Record(name) == nullptr) out.push_back(name);
+    if (failed || !jn.failed) out.push_back(name);
   }
   return out;
 }
@@ -703,9 +765,12 @@ Result<MembershipChange> MembershipProtocol::ProposeAddition(const std::string& 
 
 Status MembershipProtocol::StartJoin(const std::string& name, const std::string& from) {
   if (const SyncRecord* r = host_->Record(name)) {
-    return Status::FailedPrecondition("job '" + name + "' already syncs on this shard (members " +
-                                      r->members.SiteList() +
-                                      "): a site joins a job it does not hold yet");
+    if (r->members.Has(site_) && RemovedNotice(name).empty()) {
+      return Status::FailedPrecondition("job '" + name + "' already syncs on this shard (members " +
+                                        r->members.SiteList() +
+                                        "): a site joins a job it is not a member of");
+    }
+    // A removed site joins again: its state is replaced once the members' state is checked.
   }
   if (from == site_ || !Configured(from)) {
     return Status::NotFound("site '" + from + "' has no sync.peers entry here");
@@ -781,6 +846,19 @@ void MembershipProtocol::OnJoiningAnswer(const std::string& peer, const Membersh
   };
   if (answer.vote == MembershipVote::kRefused || answer.vote == MembershipVote::kAbandoned) {
     if (req.step == MembershipStep::kDigest && jn.image && !jn.image->members.Has(peer)) return;
+    if (answer.vote == MembershipVote::kAbandoned && peer == jn.from && jn.restarts < 10) {
+      // The coordinator gave this addition up (often: the members' rounds moved on while it
+      // was being agreed). Ask again; a refusal that lasts comes back as the answer to the
+      // join request itself, and ends the join with its reason.
+      ++jn.restarts;
+      jn.change.reset();
+      jn.image.reset();
+      jn.digests.clear();
+      jn.note = "joining: site " + peer + " gave the addition up (" + answer.reason +
+                "); asking it again";
+      spdlog::info("job '{}': {}", req.job, jn.note);
+      return;
+    }
     return fail("site " + peer + " refused: " + answer.reason);
   }
   jn.progress_at = now_();  // an answer, whatever it says

@@ -173,7 +173,9 @@ class MembershipProtocol {
   // site's addition, fetches the committed state the addition starts from, checks it against
   // the digests every member reports, creates the job from it (MembershipHost::InstallImage)
   // and then agrees to the addition like any other site. Progress shows in StatusOf. NotFound
-  // when `from` has no sync.peers entry, FailedPrecondition when the job is held here already.
+  // when `from` has no sync.peers entry, FailedPrecondition when this site is a member of the
+  // job already. A site that was removed (its record says so, or a member told it) joins
+  // again the same way: its old state of the job is replaced by the member's.
   Status StartJoin(const std::string& job, const std::string& from);
   // Catching up (a member that has committed fewer rounds than another, typically because a
   // site died after delivering its last delta to some members only): asks member `from` for
@@ -201,6 +203,15 @@ class MembershipProtocol {
   uint64_t FirstRoundTo(const std::string& peer, const std::string& job) const;
   // Why a handshake of `site` about `job` is refused (it was removed from the job), or empty.
   std::string RefusesPeer(const std::string& site, const std::string& job) const;
+  // The round from which `site` is no longer merged in `job` here (0: a member, or unknown).
+  uint64_t RemovedFrom(const std::string& site, const std::string& job) const;
+  // Member `peer` says this site was removed from `job` from round `removed_from` (a
+  // change this site never saw: it was dead or cut off). Kept in memory: this site's workers
+  // are refused (RemovedNotice) until it joins again.
+  void OnRemovedNotice(const std::string& peer, const std::string& job, uint64_t removed_from);
+  // What a member said about this site's removal from `job` (empty: nothing), with what to
+  // do; also when this site's own record says it is no longer a member.
+  std::string RemovedNotice(const std::string& job) const;
 
  private:
   // Memory-only state of a held job.
@@ -213,6 +224,7 @@ class MembershipProtocol {
     std::string catching_up_from;     // empty: not catching up
     bool automatic = false;           // the pending change was proposed by the silence policy
     Clock::time_point progress_at{};  // last progress of the change coordinated here
+    std::string removed_notice;       // a member said this site was removed (OnRemovedNotice)
     // After a refusal by a site that had committed round N: no automatic proposal until this
     // site has committed N too.
     uint64_t wait_for_round = 0;
@@ -226,6 +238,7 @@ class MembershipProtocol {
     std::string note;
     bool failed = false;
     Clock::time_point progress_at{};
+    int restarts = 0;  // times the join was asked again after its coordinator gave it up
   };
 
   bool Configured(const std::string& site) const;
@@ -233,8 +246,11 @@ class MembershipProtocol {
   // Records `change` as pending (one write), and applies it at once when this site
   // coordinates it and is its only site.
   Status StartChange(const std::string& job, JobState& js, const MembershipChange& change);
-  // Forgets the pending change (durably), noting `why`; commits held for it go ahead.
-  Status DropChange(const std::string& job, JobState& js, const std::string& why);
+  // Forgets the pending change (durably), noting `why`; commits held for it go ahead. A site
+  // whose addition it was is told `why` at its next join request, unless `transient` (the
+  // sites stood at different rounds for a moment: a new request is proposed afresh).
+  Status DropChange(const std::string& job, JobState& js, const std::string& why,
+                    bool transient = false);
   // The pending change takes effect.
   Status ApplyChange(const std::string& job, JobState& js);
   // Why a prepare of `change` from `from` is refused here (empty: it can be agreed to).

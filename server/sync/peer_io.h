@@ -49,6 +49,11 @@ class DeltaSource {
   virtual std::vector<MembershipRequest> MembershipRequests(const std::string& peer_site) = 0;
   virtual void OnMembershipAnswer(const std::string& peer_site, const MembershipRequest& request,
                                   const MembershipAnswer& answer) = 0;
+  // `peer_site` holds that this site is no longer a member of `job` from round
+  // `removed_from` on (its handshake said so): this site takes no more rounds of it until
+  // it joins again.
+  virtual void OnRemovedNotice(const std::string& peer_site, const std::string& job,
+                               uint64_t removed_from) = 0;
 };
 
 // What links hand to the engine: deltas received from peers.
@@ -73,9 +78,12 @@ class DeltaSink {
   // accepted prepare, recorded in) durable state.
   virtual MembershipAnswer OnMembershipRequest(const std::string& from_site,
                                                const MembershipRequest& request) = 0;
-  // Why a handshake of `site` about `job` is refused (it was removed from the job), or
-  // empty.
+  // Why a handshake of `site` about `job` is refused (this site is not a member), or empty.
   virtual std::string RefusesPeer(const std::string& site, const std::string& job) const = 0;
+  // The round from which `site` is no longer merged in `job` here (it was removed or left;
+  // 0: it is a member, or the job is not held). The link tells the site so in handshakes
+  // instead of refusing it, so it can learn it and ask to join again.
+  virtual uint64_t RemovedFrom(const std::string& site, const std::string& job) const = 0;
 };
 
 }  // namespace isthmus

@@ -569,12 +569,14 @@ void PeerLinks::SendHello(Link& link) {
   for (const auto& job : our_jobs) {
     std::string digest = options_.initial_digest ? options_.initial_digest(job) : "";
     jobs.push_back(wire::CreatePeerJob(fbb, fbb.CreateString(job), fbb.CreateString(digest),
-                                       sink_->HeldFrom(link.spec.site, job)));
+                                       sink_->HeldFrom(link.spec.site, job),
+                                       sink_->RemovedFrom(link.spec.site, job)));
   }
   auto body = wire::CreatePeerHello(fbb, fbb.CreateString(options_.site), options_.shard_index,
                                     fbb.CreateVector(jobs));
   uint64_t id = ++link.request_seq;
   FinishEnvelope(fbb, id, wire::Body::PeerHello, body.Union());
+  spdlog::debug("peer {}: handshake sent ({} job(s))", link.spec.site, our_jobs.size());
   if (!Transmit(link, fbb, {}).ok()) {
     link.retry_at = Clock::now() + std::chrono::milliseconds(CurrentTimeoutMs(link));
     return;
@@ -870,6 +872,10 @@ void PeerLinks::OnReply(Link& link, const wire::Envelope* env, const Frames& msg
       for (const auto* pj : *reply->jobs()) {
         // The peer checked our digests; one it states anyway must match too.
         std::string job = pj->job()->str();
+        if (pj->removed_from() > 0) {  // the peer no longer counts this site in
+          source_->OnRemovedNotice(link.spec.site, job, pj->removed_from());
+          continue;
+        }
         std::string ours = options_.initial_digest ? options_.initial_digest(job) : "";
         std::string theirs = Str(pj->initial_digest());
         if (!ours.empty() && !theirs.empty() && ours != theirs) {
@@ -879,6 +885,7 @@ void PeerLinks::OnReply(Link& link, const wire::Envelope* env, const Frames& msg
         held[job] = pj->held_round();
       }
     }
+    spdlog::debug("peer {}: handshake answered, {} job(s) synced", link.spec.site, held.size());
     Adopt(link, held, /*fresh=*/true);
     if (!mismatch.empty()) {
       link.stats.last_error =
@@ -1193,6 +1200,16 @@ Status PeerLinks::HandleHello(Link& from, const wire::PeerHello* hello, uint64_t
   for (const auto& job : source_->SyncJobs()) {
     auto it = theirs.find(job);
     if (it == theirs.end()) continue;
+    if (it->second->removed_from() > 0) {  // the peer no longer counts this site in
+      source_->OnRemovedNotice(from.spec.site, job, it->second->removed_from());
+      continue;
+    }
+    if (const uint64_t removed = sink_->RemovedFrom(from.spec.site, job); removed > 0) {
+      // Not synced with it, but told so instead of refused: it learns it was removed, and
+      // the link stays up for it to ask to join again.
+      jobs.push_back(wire::CreatePeerJob(reply, reply.CreateString(job), 0, 0, removed));
+      continue;
+    }
     if (std::string why = sink_->RefusesPeer(from.spec.site, job); !why.empty()) {
       refusal = why;
       continue;
@@ -1208,6 +1225,8 @@ Status PeerLinks::HandleHello(Link& from, const wire::PeerHello* hello, uint64_t
     jobs.push_back(wire::CreatePeerJob(reply, reply.CreateString(job), 0,
                                        sink_->HeldFrom(from.spec.site, job)));
   }
+  spdlog::debug("peer {}: handshake received, {} job(s) synced{}", from.spec.site, jobs.size(),
+                refusal.empty() ? "" : ", refused: " + refusal);
   if (jobs.empty() && !refusal.empty()) return Status::PermissionDenied(refusal);
   auto body = wire::CreatePeerHelloReply(reply, 0, options_.shard_index, reply.CreateVector(jobs));
   FinishEnvelope(reply, id, wire::Body::PeerHelloReply, body.Union());

@@ -293,6 +293,9 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   if (std::string why = NonMemberReason(name, *j, options_.site, options_.site); !why.empty()) {
     return Status::FailedPrecondition(why + "; this site's workers have nothing to push to");
   }
+  if (std::string why = membership_.RemovedNotice(name); !why.empty()) {
+    return Status::FailedPrecondition(why);
+  }
   if (membership_.Draining(name) && round > j->local && round != j->staged_round) {
     return Status::FailedPrecondition("this site is leaving job '" + name +
                                       "' (isthmusctl sync leave): it takes no new rounds");
@@ -869,6 +872,7 @@ std::vector<std::string> SyncEngine::SyncJobs() const {
   // A job being joined is named in handshakes too, so that links to members get ready.
   for (const auto& name : membership_.JoiningJobs(/*failed=*/false)) out.push_back(name);
   std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());  // a removed site joining again
   return out;
 }
 
@@ -1031,6 +1035,15 @@ std::string SyncEngine::RefusesPeer(const std::string& site, const std::string& 
   return membership_.RefusesPeer(site, job);
 }
 
+uint64_t SyncEngine::RemovedFrom(const std::string& site, const std::string& job) const {
+  return membership_.RemovedFrom(site, job);
+}
+
+void SyncEngine::OnRemovedNotice(const std::string& peer, const std::string& job,
+                                 uint64_t removed_from) {
+  membership_.OnRemovedNotice(peer, job, removed_from);
+}
+
 std::vector<MembershipRequest> SyncEngine::MembershipRequests(const std::string& peer) {
   return membership_.Requests(peer);
 }
@@ -1050,6 +1063,7 @@ std::vector<std::string> SyncEngine::StatusJobs() const {
   for (const auto& [name, _] : jobs_) out.push_back(name);
   for (const auto& name : membership_.JoiningJobs(/*failed=*/true)) out.push_back(name);
   std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
 }
 
@@ -1148,6 +1162,23 @@ Status SyncEngine::InstallImage(const std::string& name, const JobImage& image,
   j.members = image.members;
   j.pending = change;
   WriteBatch batch;
+  if (jobs_.count(name)) {
+    // A removed site joining again: its old rounds (staged, residuals, momentum, in- and
+    // outbox, held markers) go; the digests of rounds it committed stay (they are the
+    // members' too).
+    for (Column c : {Column::kState, Column::kDeltas}) {
+      ISTHMUS_RETURN_IF_ERROR(
+          store_->Scan(c, keys::JobPrefix(name), [&](std::string_view k, std::string_view) {
+            batch.Delete(c, std::string(k));
+            return true;
+          }));
+    }
+    ISTHMUS_RETURN_IF_ERROR(store_->Scan(Column::kSync, keys::HeldPrefix(name),
+                                         [&](std::string_view k, std::string_view) {
+                                           batch.Delete(Column::kSync, std::string(k));
+                                           return true;
+                                         }));
+  }
   for (const auto& [tname, m] : j.momentum) {
     batch.Put(Column::kState, StateKey(name, StateKind::kMomentum, tname), FloatBytes(*m));
   }

@@ -179,6 +179,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   std::vector<MembershipRequest> MembershipRequests(const std::string& peer_site) override;
   void OnMembershipAnswer(const std::string& peer_site, const MembershipRequest& request,
                           const MembershipAnswer& answer) override;
+  void OnRemovedNotice(const std::string& peer_site, const std::string& job,
+                       uint64_t removed_from) override;
 
   // DeltaSink.
   Result<uint64_t> ReceiveDelta(const std::string& from_site, const EncodedDelta& delta) override;
@@ -188,6 +190,7 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   MembershipAnswer OnMembershipRequest(const std::string& from_site,
                                        const MembershipRequest& request) override;
   std::string RefusesPeer(const std::string& site, const std::string& job) const override;
+  uint64_t RemovedFrom(const std::string& site, const std::string& job) const override;
 
   // Reads a job's committed tensors as the shard stores them (TensorRecord, raw fp32 in
   // kTensors). Corruption when a record or size is bad.

@@ -858,9 +858,14 @@ TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
   EXPECT_EQ(ask(a.engine(), "siteA", b.engine(), "siteB", MembershipStep::kPrepare).vote,
             MembershipVote::kRefused);
   EXPECT_FALSE(a.engine().JobStatus(kJob)->pending.has_value());
-  // D, which siteB will never answer, asks its coordinator and fails with the reason.
+  // D, which siteB will never answer, asks its coordinator: given up. D asks again (a
+  // coordinator may give an addition up because the rounds moved on), and is told why this
+  // one was given up: the join fails with the reason.
   EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kQuery).vote,
             MembershipVote::kAbandoned);
+  EXPECT_NE(d->JobStatus(kJob)->change_note.find("asking it again"), std::string::npos);
+  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
+            MembershipVote::kRefused);
   const std::string note = d->JobStatus(kJob)->change_note;
   EXPECT_NE(note.find("join failed"), std::string::npos) << note;
   EXPECT_NE(note.find("has no sync.peers entry"), std::string::npos) << note;
@@ -995,6 +1000,65 @@ TEST(SyncEngineTest, AJoinNeedsAnInvitationAndAStalledOneExpires) {
   refused = a.engine().OnMembershipRequest("siteD", join);
   EXPECT_EQ(refused.vote, MembershipVote::kRefused);
   EXPECT_NE(refused.reason.find("expired"), std::string::npos) << refused.reason;
+}
+
+// Joining while the members train (issue 27 item 3): siteB had committed a round more than
+// siteA when siteA proposed the addition, so siteB refused ("the sites disagree on rounds",
+// with advice to run catch-up) and the join failed, when asking again is what works. Now the
+// refusal is taken as passing: siteD asks again and is added from a later round.
+TEST(SyncEngineTest, AJoinRefusedBecauseTheRoundsMovedOnIsAskedAgainAndSucceeds) {
+  Site a("siteA", {"siteB"}, "dense"), b("siteB", {"siteA"}, "dense");
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(1).ok());
+  Deliver(a, b), Deliver(b, a);
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(2).ok());
+  Deliver(a, b);  // siteB commits round 2; siteA does not hold siteB's round 2 yet
+  ASSERT_EQ(b.engine().CommittedRound(kJob), 2u);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+  for (Site* s : {&a, &b}) {
+    s->options().peer_sites.push_back("siteD");
+    s->Reopen();
+  }
+  testing::TempDir ddir;
+  auto dstore = std::move(OpenRocksStore(ddir.str(), StoreOptions{})).value();
+  SyncOptions dopt;
+  dopt.site = "siteD";
+  dopt.peer_sites = {"siteA", "siteB"};
+  dopt.codec = "dense";
+  dopt.outer_momentum = 0.0;
+  auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
+  SyncEngine::JobHooks hooks;
+  hooks.install = [](const std::string&, const std::string&,
+                     const std::map<std::string, SyncTensor>&, uint64_t,
+                     WriteBatch&) { return Status::Ok(); };
+  d->SetJobHooks(hooks);
+  ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::hours(1)).ok());
+  ASSERT_TRUE(d->membership().StartJoin(kJob, "siteA").ok());
+  std::map<std::string, SyncEngine*> by_name{
+      {"siteA", &a.engine()}, {"siteB", &b.engine()}, {"siteD", d.get()}};
+  // One exchange of every pending membership request between every pair.
+  auto converse = [&] {
+    for (auto& [fname, from] : by_name) {
+      for (auto& [tname, to] : by_name) {
+        if (fname == tname) continue;
+        for (const auto& req : from->MembershipRequests(tname)) {
+          from->OnMembershipAnswer(tname, req, to->OnMembershipRequest(fname, req));
+        }
+      }
+    }
+  };
+  converse();  // D asks A; A proposes "add siteD from round 2"; B refuses: it has round 2
+  converse();
+  EXPECT_FALSE(d->JobStatus(kJob)->change_note.find("join failed") == 0)
+      << d->JobStatus(kJob)->change_note;
+  Deliver(b, a);  // siteA commits round 2 too
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 2u);
+  for (int i = 0; i < 8 && !d->HasJob(kJob); ++i) converse();
+  for (int i = 0; i < 8; ++i) converse();
+  auto st = a.engine().JobStatus(kJob);
+  EXPECT_EQ(st->members.sites, (std::vector<std::string>{"siteA", "siteB", "siteD"}))
+      << st->change_note << " / D: " << d->JobStatus(kJob)->change_note;
+  EXPECT_EQ(st->members.from_round, 3u);
+  EXPECT_TRUE(d->HasJob(kJob)) << d->JobStatus(kJob)->change_note;
 }
 
 // Membership (docs/SYNC.md): the removal of a silent site, agreed in two phases, survives a

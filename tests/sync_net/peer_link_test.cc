@@ -131,6 +131,8 @@ class MemoryEngine : public DeltaSource, public DeltaSink {
     return {MembershipVote::kRefused, "no membership changes here"};
   }
   std::string RefusesPeer(const std::string&, const std::string&) const override { return ""; }
+  uint64_t RemovedFrom(const std::string&, const std::string&) const override { return 0; }
+  void OnRemovedNotice(const std::string&, const std::string&, uint64_t) override {}
 
   uint64_t Held(const std::string& site) const { return HeldFrom(site, "job"); }
   size_t InboxSize(const std::string& site) const {

@@ -111,9 +111,11 @@ class SyncProcessTest : public ::testing::Test {
     auto end = std::chrono::steady_clock::now() + limit * isthmus::testing::TimeScale();
     for (int i : which) {
       while (Committed(i) < round) {
-        ASSERT_LT(std::chrono::steady_clock::now(), end)
-            << sites_[i]->site() << " did not commit round " << round << "; log:\n"
-            << sites_[i]->Log();
+        if (std::chrono::steady_clock::now() >= end) {
+          std::string logs;
+          for (int k : which) logs += "--- " + sites_[k]->site() + ":\n" + sites_[k]->Log();
+          FAIL() << sites_[i]->site() << " did not commit round " << round << "; logs:\n" << logs;
+        }
         std::this_thread::sleep_for(50ms);
       }
     }
@@ -745,46 +747,33 @@ TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
   }
 }
 
-TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
+TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsToldSoItsWorkersStopAndItCanJoinAgain) {
   ThreeSitesThenGammaDies();
   auto [code, out] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(0));
   ASSERT_EQ(code, 0) << out;
   WaitCommittedOn({0, 1}, 3);
   const auto before = DigestsOf(0);
-  // gamma comes back, still believing it is a member, and sends its round 3.
+  // gamma comes back, still believing it is a member. The members' handshakes tell it that
+  // it was removed (issue 27 item 3: its links were refused, so it could never learn it
+  // nor ask to join again, and its workers waited for the WAN for ever).
   ASSERT_TRUE(sites_[2]->Start());
-  Push(2, 3);
-  for (int i : {0, 1}) {
-    auto end = std::chrono::steady_clock::now() + 30s * isthmus::testing::TimeScale();
-    for (;;) {
-      auto st = sites_[i]->AdminClient()->SyncStatus();
-      ASSERT_TRUE(st.ok());
-      bool refused = false;
-      for (const auto& l : st->links) {
-        refused |= l.site == "gamma" && l.refused > 0 &&
-                   l.last_error.find("no longer a member") != std::string::npos;
-      }
-      if (refused) break;
-      if (std::chrono::steady_clock::now() >= end) {
-        std::string links;
-        for (const auto& l : st->links) {
-          links += l.site + ": refused " + std::to_string(l.refused) + ", " + l.last_error + "\n";
-        }
-        FAIL() << sites_[i]->site() << " never refused gamma; links:\n"
-               << links << "gamma's log:\n"
-               << sites_[2]->Log();
-      }
-      std::this_thread::sleep_for(50ms);
-    }
-  }
-  // gamma sees why.
   WaitJobState(
-      2, [](const SyncJobReport&) { return true; }, "no status");
-  auto st = sites_[2]->AdminClient()->SyncStatus();
-  ASSERT_TRUE(st.ok());
-  bool told = false;
-  for (const auto& l : st->links) told |= l.last_error.find("must join again") != std::string::npos;
-  EXPECT_TRUE(told) << "gamma's links do not say it was removed";
+      2,
+      [](const SyncJobReport& j) {
+        return j.change.find("no longer counts this site (gamma)") != std::string::npos &&
+               j.change.find("removed from round 3") != std::string::npos;
+      },
+      "gamma never learned it was removed");
+  // Its workers are stopped with the reason and the remedy, before and at a push.
+  auto w = sites_[2]->WorkerClient();
+  auto hello = w->Hello("job", wire::Role::Worker, "", "probe");
+  EXPECT_EQ(hello.status().code(), Code::kFailedPrecondition) << hello.status().ToString();
+  EXPECT_NE(hello.status().message().find("sync invite --site gamma"), std::string::npos)
+      << hello.status().ToString();
+  auto dw = Delta(2, 3, "w", kRows * kCols), db = Delta(2, 3, "b", kCols);
+  auto pushed = w->Push("job", "gamma-r3-all", 3, Tokens(2),
+                        {{"w", {kRows, kCols}, dw.data()}, {"b", {kCols}, db.data()}});
+  EXPECT_EQ(pushed.status().code(), Code::kFailedPrecondition) << pushed.status().ToString();
   // Nothing of gamma's reached alpha or beta: same state, and they go on without it.
   EXPECT_EQ(DigestsOf(0), before);
   EXPECT_EQ(DigestsOf(1), before);
@@ -821,6 +810,22 @@ TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsRefused) {
                       "from round 3;"),
             std::string::npos)
       << mout;
+  // gamma joins again, once alpha's operator invites it: its old state is replaced by
+  // the members' (checked against their digests) and it merges from the next round.
+  auto [icode, iout] = Ctl("sync invite --site gamma -j job " + SiteFlags(0));
+  ASSERT_EQ(icode, 0) << iout;
+  auto [jcode, jout] = Ctl("sync join --from alpha -j job --wait 60 " + SiteFlags(2));
+  ASSERT_EQ(jcode, 0) << jout << sites_[2]->Log();
+  EXPECT_NE(jout.find("applied: add gamma from round 5 (epoch 2), coordinated by alpha"),
+            std::string::npos)
+      << jout;
+  for (int i = 0; i < 3; ++i) Push(i, 5);
+  WaitCommittedOn({0, 1, 2}, 5);
+  const auto a = DigestsOf(0), g = DigestsOf(2);
+  EXPECT_EQ(a, DigestsOf(1));
+  ASSERT_FALSE(g.empty());
+  EXPECT_EQ(g.back(), a.back());  // round 5, merged by all three again
+  EXPECT_EQ(JobState(2).epoch, 2u);
 }
 
 TEST_F(SyncProcessTest, RemovalTheSitesDisagreeOnIsRefusedAndChangesNothing) {
