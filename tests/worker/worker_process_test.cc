@@ -53,6 +53,24 @@ TEST_F(WorkerWithShards, TwoRanksTwoShardsCompleteRoundsAndShardsEqualWorker) {
   for (size_t i = 0; i < c0->size(); ++i) EXPECT_EQ((*c0)[i].data, (*c1)[i].data) << (*c0)[i].name;
 }
 
+// Whether process `pid`'s main thread is seen sleeping (state S in /proc) in 20 samples in
+// a row, 5 ms apart; gives up after 30 s.
+bool MainThreadAsleep(pid_t pid) {
+  int in_a_row = 0;
+  for (int i = 0; i < 6000; ++i) {
+    std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    const char state =
+        close != std::string::npos && close + 2 < line.size() ? line[close + 2] : '?';
+    in_a_row = state == 'S' ? in_a_row + 1 : 0;
+    if (in_a_row >= 20) return true;
+    ::usleep(5'000);
+  }
+  return false;
+}
+
 // SIGTERM asks a worker to checkpoint and stop. One that lands while the worker waits for a
 // shard's reply interrupts that wait (EINTR): the worker must wait on, not abort (it did:
 // cppzmq throws on EINTR). Here shard 1 is stopped (SIGSTOP) while the worker trains, so
@@ -62,9 +80,12 @@ TEST_F(WorkerWithShards, SigtermWhileAShardIsSlowToAnswerStopsCleanly) {
   w.Start(TrainArgs(0, 1, 100000, 2), (dir_ / "w.log").string());
   ASSERT_TRUE(ShardReachedRound(1, 2)) << w.Log();
   shards_[1].Signal(SIGSTOP);
-  ::usleep(500'000);  // rounds take milliseconds: the worker now waits for shard 1
+  // The worker trains on its main thread and waits for the shards there: once that thread
+  // has been asleep for 100 ms straight (a step takes milliseconds of CPU), it is in its
+  // wait for shard 1.
+  ASSERT_TRUE(MainThreadAsleep(w.pid)) << w.Log();
   ::kill(w.pid, SIGTERM);
-  ::usleep(300'000);
+  ::usleep(300'000);  // not a proof of anything: the signal lands while shard 1 stays stopped
   shards_[1].Signal(SIGCONT);
   const int rc = w.Wait(60);
   EXPECT_EQ(rc, 7) << "exit code 7: interrupted and checkpointed\n" << w.Log();
