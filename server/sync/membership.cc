@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 
 #include "common/check.h"
 #include "server/sync/digest.h"
@@ -13,35 +14,16 @@
 namespace isthmus {
 
 const char* MembershipStepName(MembershipStep s) {
-  switch (s) {
-    case MembershipStep::kPrepare:
-      return "prepare";
-    case MembershipStep::kQuery:
-      return "query";
-    case MembershipStep::kJoin:
-      return "join";
-    case MembershipStep::kFetch:
-      return "fetch";
-    case MembershipStep::kDigest:
-      return "digest";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"prepare", "query", "join", "fetch", "digest"};
+  const auto i = static_cast<size_t>(s);
+  return i < std::size(kNames) ? kNames[i] : "?";
 }
 
 const char* MembershipVoteName(MembershipVote v) {
-  switch (v) {
-    case MembershipVote::kPrepared:
-      return "prepared";
-    case MembershipVote::kApplied:
-      return "applied";
-    case MembershipVote::kPending:
-      return "pending";
-    case MembershipVote::kRefused:
-      return "refused";
-    case MembershipVote::kAbandoned:
-      return "abandoned";
-  }
-  return "?";
+  static constexpr const char* kNames[] = {"prepared", "applied", "pending", "refused",
+                                           "abandoned"};
+  const auto i = static_cast<size_t>(v);
+  return i < std::size(kNames) ? kNames[i] : "?";
 }
 
 std::string NonMemberReason(const std::string& job, const SyncRecord& r, const std::string& site,

@@ -8,23 +8,16 @@
 #include <fstream>
 
 #include "common/keys.h"
+#include "tests/test_dir.h"
 
 namespace isthmus {
 namespace {
 
 namespace fs = std::filesystem;
 
-class KeysTest : public ::testing::Test {
+class KeysTest : public testing::TestWithDir {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("isthmus-keys-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  KeysTest() : TestWithDir("isthmus-keys") {}
 };
 
 TEST_F(KeysTest, GeneratedPairRoundTripsThroughFiles) {

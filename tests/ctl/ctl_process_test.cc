@@ -197,13 +197,7 @@ class FleetProcessTest : public ::testing::Test {
       }
     }
     for (const std::string site : {"A", "B"}) {
-      int rc = -1;
-      std::string text;
-      const auto end = std::chrono::steady_clock::now() + 60s;
-      while (rc != 0 && std::chrono::steady_clock::now() < end) {
-        std::tie(rc, text) = WithEnv(site, "status --timeout-ms 2000");
-        if (rc != 0) std::this_thread::sleep_for(200ms);
-      }
+      const auto [rc, text] = StatusOnceUp(site);
       ASSERT_EQ(rc, 0) << text << servers_[0]->Log();
       EXPECT_NE(text.find(site + "-0"), std::string::npos) << text;
       EXPECT_NE(text.find(site + "-1"), std::string::npos) << text;
@@ -211,6 +205,17 @@ class FleetProcessTest : public ::testing::Test {
   }
 
   // isthmusctl ARGS with nothing but the site's env file (sourced, as an operator would).
+  // `isthmusctl status` of `site`, asked until it succeeds (shards starting) for up to 60 s.
+  std::pair<int, std::string> StatusOnceUp(const std::string& site) {
+    int rc = -1;
+    std::string text;
+    const auto end = std::chrono::steady_clock::now() + 60s;
+    while (rc != 0 && std::chrono::steady_clock::now() < end) {
+      std::tie(rc, text) = WithEnv(site, "status --timeout-ms 2000");
+      if (rc != 0) std::this_thread::sleep_for(200ms);
+    }
+    return {rc, text};
+  }
   std::pair<int, std::string> WithEnv(const std::string& site, const std::string& args) {
     return Shell(
         "env -u ISTHMUS_CTL_SERVERS -u ISTHMUS_CTL_SERVER_KEYS -u ISTHMUS_CTL_KEY sh -c " +
@@ -338,13 +343,7 @@ class FleetProcessTest : public ::testing::Test {
       p.Start({Server(), "--config", (out_ / site / (name + ".toml")).string()},
               (root_ / "logs" / (name + ".log")).string());
     }
-    int rc = -1;
-    std::string text;
-    const auto end = std::chrono::steady_clock::now() + 60s;
-    while (rc != 0 && std::chrono::steady_clock::now() < end) {
-      std::tie(rc, text) = WithEnv(site, "status --timeout-ms 2000");
-      if (rc != 0) std::this_thread::sleep_for(200ms);
-    }
+    const auto [rc, text] = StatusOnceUp(site);
     ASSERT_EQ(rc, 0) << text;
   }
 

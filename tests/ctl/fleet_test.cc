@@ -45,6 +45,15 @@ FleetOptions TwoSites(const fs::path& out) {
   return o;
 }
 
+// One site, "solo", with one shard: a fleet with no peers.
+FleetOptions OneSite(const fs::path& out) {
+  FleetOptions o = TwoSites(out);
+  o.sites = {"solo"};
+  o.hosts = {};
+  o.shards = 1;
+  return o;
+}
+
 Result<std::string> Init(const FleetOptions& o) {
   ISTHMUS_ASSIGN_OR_RETURN(FleetPlan plan, PlanFleet(o));
   return WriteFleet(plan);
@@ -64,6 +73,22 @@ ServerConfig LoadShard(const fs::path& out, const std::string& site, int shard) 
   auto valid = ValidateServerConfig(*cfg);
   EXPECT_TRUE(valid.ok()) << valid.ToString();
   return *cfg;
+}
+
+// Each setting given to fleet init with --set is refused (InvalidArgument saying what is
+// wrong) and nothing is written to `out`.
+void ExpectSettingsRefused(const fs::path& out,
+                           const std::vector<std::pair<std::string, std::string>>& refused) {
+  for (const auto& [setting, says] : refused) {
+    FleetOptions bad = TwoSites(out);
+    bad.settings = {setting};
+    auto r = Init(bad);
+    ASSERT_FALSE(r.ok()) << setting;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << setting;
+    EXPECT_NE(r.status().message().find(says), std::string::npos)
+        << setting << ": " << r.status().ToString();
+    EXPECT_FALSE(fs::exists(out)) << setting;
+  }
 }
 
 TEST(FleetInit, WritesKeysWithSecretsOwnerOnlyAndAllowlistsOfPublicKeysOnly) {
@@ -260,16 +285,7 @@ TEST(FleetInit, SettingsGoIntoEveryShardAndTyposAreRefused) {
       {"security.insecure_plaintext=true", "CURVE"},
       {"novalue", "NAME=VALUE"},
   };
-  for (const auto& [setting, says] : refused) {
-    FleetOptions bad = TwoSites(tmp.path() / "refused");
-    bad.settings = {setting};
-    auto r = Init(bad);
-    ASSERT_FALSE(r.ok()) << setting;
-    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << setting;
-    EXPECT_NE(r.status().message().find(says), std::string::npos)
-        << setting << ": " << r.status().ToString();
-    EXPECT_FALSE(fs::exists(tmp.path() / "refused")) << setting;
-  }
+  ExpectSettingsRefused(tmp.path() / "refused", refused);
 }
 
 TEST(FleetInit, RefusesANonEmptyFolderUnlessForcedAndForceLeavesNoStaleKey) {
@@ -377,16 +393,7 @@ TEST(FleetInit, SettingsOutsideTheServersRangesAreRefused) {
       {"sync.max_rounds_ahead=4611686018427387904", "[0, 256]"},
       {"sync.outer_lr=-1", "sync.outer_lr must be in (0, 100]"},
   };
-  for (const auto& [setting, says] : refused) {
-    FleetOptions bad = TwoSites(tmp.path() / "refused");
-    bad.settings = {setting};
-    auto r = Init(bad);
-    ASSERT_FALSE(r.ok()) << setting;
-    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << setting;
-    EXPECT_NE(r.status().message().find(says), std::string::npos)
-        << setting << ": " << r.status().ToString();
-    EXPECT_FALSE(fs::exists(tmp.path() / "refused")) << setting;
-  }
+  ExpectSettingsRefused(tmp.path() / "refused", refused);
 }
 
 // The site name rule fleet init cites is the one the server applies to sync.site.
@@ -417,10 +424,7 @@ TEST(FleetInit, SiteNamesAreRefusedByTheServersRule) {
 TEST(FleetInit, OneSiteHasNoPeers) {
   TempDir tmp;
   const fs::path out = tmp.path() / "fleet";
-  FleetOptions o = TwoSites(out);
-  o.sites = {"solo"};
-  o.hosts = {};
-  o.shards = 1;
+  const FleetOptions o = OneSite(out);
   auto summary = Init(o);
   ASSERT_TRUE(summary.ok()) << summary.status().ToString();
   const ServerConfig c = LoadShard(out, "solo", 0);
@@ -632,10 +636,7 @@ TEST(FleetAddSite, RefusesBadOptionsAndConfigsItCannotEditWithNothingChanged) {
 TEST(FleetAddSite, AddsToAListOnOneLineAndToAOneSiteFleet) {
   TempDir tmp;
   const fs::path out = tmp.path() / "fleet";
-  FleetOptions o = TwoSites(out);
-  o.sites = {"solo"};
-  o.hosts = {};
-  o.shards = 1;
+  const FleetOptions o = OneSite(out);
   ASSERT_TRUE(Init(o).ok());
   ASSERT_TRUE(LoadShard(out, "solo", 0).sync_peers.empty());
   auto steps = AddSite(out, "second");

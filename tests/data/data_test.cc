@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "tests/test_dir.h"
 #include "worker/data/shard_builder.h"
 #include "worker/data/token_dataset.h"
 #include "worker/data/tokenizer.h"
@@ -66,16 +67,9 @@ std::string Gzip(const std::string& data) {
   return out;
 }
 
-class DataTest : public ::testing::Test {
+class DataTest : public testing::TestWithDir {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("isthmus_data_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  DataTest() : TestWithDir("isthmus_data") {}
 
   // Writes a shard of `n` tokens whose value is a function of position (mod 256).
   std::string WriteShard(const std::string& name, uint64_t n) {
@@ -85,8 +79,6 @@ class DataTest : public ::testing::Test {
     WriteAll(p, std::string(reinterpret_cast<const char*>(t.data()), n * 2));
     return p.string();
   }
-
-  fs::path dir_;
 };
 
 TEST(ByteTokenizerTest, EveryByteRoundTrips) {

@@ -1,6 +1,7 @@
 // Tests of common/safetensors: round trips, F16/BF16 widening, refusal of every kind of
 // malformed file, and the order-independent content hash.
 #include "common/safetensors.h"
+#include "tests/test_dir.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -17,16 +18,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class SafetensorsTest : public ::testing::Test {
+class SafetensorsTest : public testing::TestWithDir {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("isthmus_st_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  SafetensorsTest() : TestWithDir("isthmus_st") {}
 
   std::string Path(const std::string& name) const { return (dir_ / name).string(); }
 
@@ -40,8 +34,6 @@ class SafetensorsTest : public ::testing::Test {
     f << header << data;
     return p;
   }
-
-  fs::path dir_;
 };
 
 std::string Floats(std::initializer_list<float> v) {

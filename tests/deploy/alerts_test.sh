@@ -12,11 +12,9 @@
 #   alerts_test.sh SOURCE_DIR
 # Exit 77 (skipped) when promtool is missing (Debian: prometheus; deploy/install-deps.sh).
 set -euo pipefail
-if [ "${1:-}" = --help ] || [ "$#" -ne 1 ]; then
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
-  [ "${1:-}" = --help ] && exit 0
-  exit 2
-fi
+# shellcheck source=tests/deploy/checks.sh
+. "$(dirname "$0")/checks.sh"
+usage 1 13 "$@"
 src="$1"
 rules="$src/deploy/monitoring/isthmus-alerts.yml"
 tests="$src/deploy/monitoring/isthmus-alerts.test.yml"
@@ -25,8 +23,6 @@ if ! command -v promtool >/dev/null; then
   echo "SKIP: promtool not found: install Debian's prometheus package (deploy/install-deps.sh does)"
   exit 77
 fi
-# shellcheck source=tests/deploy/checks.sh
-. "$(dirname "$0")/checks.sh"
 
 promtool check rules "$rules" || fail "promtool check rules refuses $rules"
 # promtool reads the rule file relative to the test file.

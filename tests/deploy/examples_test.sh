@@ -15,17 +15,13 @@
 #    expands has a default in the unit, and worker.env sets only variables the unit reads.
 #   examples_test.sh SOURCE_DIR SERVER WORKER ISTHMUSCTL
 set -euo pipefail
-if [ "${1:-}" = --help ] || [ "$#" -ne 4 ]; then
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
-  [ "${1:-}" = --help ] && exit 0
-  exit 2
-fi
+# shellcheck source=tests/deploy/checks.sh
+. "$(dirname "$0")/checks.sh"
+usage 4 16 "$@"
 src="$1"
 server="$2"
 worker="$3"
 ctl="$4"
-# shellcheck source=tests/deploy/checks.sh
-. "$(dirname "$0")/checks.sh"
 examples="$src/deploy/examples"
 units="$src/deploy/systemd"
 export OMP_WAIT_POLICY=PASSIVE

@@ -12,11 +12,9 @@
 # Needs root for dpkg; as another user it runs itself under fakeroot. Exit 77 (skipped)
 # when cpack, dpkg, dpkg-deb or dpkg-shlibdeps (or, not as root, fakeroot) is missing.
 set -euo pipefail
-if [ "${1:-}" = --help ] || [ "$#" -ne 3 ]; then
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
-  [ "${1:-}" = --help ] && exit 0
-  exit 2
-fi
+# shellcheck source=tests/deploy/checks.sh
+. "$(dirname "$0")/checks.sh"
+usage 3 13 "$@"
 build="$1"
 version="$2"
 have_cuda="$3"
@@ -34,8 +32,6 @@ if [ "$(id -u)" -ne 0 ]; then
   exec fakeroot -- bash "$0" "$@"
 fi
 
-# shellcheck source=tests/deploy/checks.sh
-. "$(dirname "$0")/checks.sh"
 
 # 1. Build. cpack runs the build tree's install rules with the /usr prefix into its own
 # staging folder, here under $tmp; the build tree is left as it was.

@@ -214,6 +214,31 @@ class SyncProcessTest : public ::testing::Test {
     ASSERT_EQ(Committed(1), 2u);
   }
 
+  // Gamma dies (ThreeSitesThenGammaDies); alpha, restarted to die right before applying a
+  // change, proposes gamma's removal; beta agrees. Alpha has exited (137) at the end.
+  void BetaAgreedAndAlphaDiedBeforeApplying() {
+    ThreeSitesThenGammaDies();
+    sites_[0]->Kill(SIGKILL);
+    ::setenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY", "1", 1);
+    bool started = sites_[0]->Start();
+    ::unsetenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY");
+    ASSERT_TRUE(started);
+    Ctl("sync remove --peer gamma --wait 3 --timeout-ms 1000 " + SiteFlags(0));
+    WaitJobState(
+        1, [](const SyncJobReport& j) { return j.change_pending; }, "beta never agreed");
+  }
+
+  // alpha and beta push round `round` and commit it alone; their digests agree and the
+  // state is the merge of all three sites up to round `gamma_until`, of the two after.
+  void AlphaAndBetaCommitWithoutGamma(uint64_t round, uint64_t gamma_until) {
+    Push(0, round), Push(1, round);
+    WaitCommittedOn({0, 1}, round);
+    EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+    ExpectStateWithMembers(round, {0, 1}, [gamma_until](uint64_t r) {
+      return r <= gamma_until ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
+    });
+  }
+
   // A fourth site, "delta", enters the fleet: it lists every site as a peer and shares
   // alpha's admin key; the sites at `restart` (every site when empty) list it too and are
   // restarted with that configuration. delta starts without the job.
@@ -880,15 +905,8 @@ TEST_F(SyncProcessTest, CoordinatorKilledMidChangeFinishesItAfterRestart) {
 }
 
 TEST_F(SyncProcessTest, AbandonedChangeReleasesTheSiteThatAgreed) {
-  ThreeSitesThenGammaDies();
-  sites_[0]->Kill(SIGKILL);
-  ::setenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY", "1", 1);
-  bool started = sites_[0]->Start();
-  ::unsetenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY");
-  ASSERT_TRUE(started);
-  Ctl("sync remove --peer gamma --wait 3 --timeout-ms 1000 " + SiteFlags(0));
-  WaitJobState(
-      1, [](const SyncJobReport& j) { return j.change_pending; }, "beta never agreed");
+  BetaAgreedAndAlphaDiedBeforeApplying();
+  if (HasFatalFailure()) return;
   sites_[0]->Kill(SIGKILL);
   // beta keeps alpha away while alpha's operator gives the change up.
   auto [pcode, pout] = Ctl("sync pause --peer alpha " + SiteFlags(1));
@@ -927,12 +945,7 @@ TEST_F(SyncProcessTest, PlannedLeaveDrainsThenTheOthersGoOn) {
   auto [code, out] = Ctl("sync leave --wait 30 " + SiteFlags(2));
   ASSERT_EQ(code, 0) << out;
   WaitCommittedOn({0, 1}, 3);
-  Push(0, 4), Push(1, 4);
-  WaitCommittedOn({0, 1}, 4);
-  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
-  ExpectStateWithMembers(4, {0, 1}, [](uint64_t r) {
-    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
-  });
+  AlphaAndBetaCommitWithoutGamma(4, 2);
   SyncJobReport g = JobState(2);
   EXPECT_EQ(g.epoch, 1u);
   EXPECT_EQ(g.members, (std::vector<std::string>{"alpha", "beta"}));
@@ -1074,15 +1087,8 @@ TEST_F(SyncProcessTest, TwoSitesAreNeverRemovedAutomatically) {
 }
 
 TEST_F(SyncProcessTest, BothSidesKilledMidChangeFinishItAfterRestart) {
-  ThreeSitesThenGammaDies();
-  sites_[0]->Kill(SIGKILL);
-  ::setenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY", "1", 1);
-  bool started = sites_[0]->Start();
-  ::unsetenv("ISTHMUS_SERVER_FAULT_CRASH_BEFORE_APPLY");
-  ASSERT_TRUE(started);
-  Ctl("sync remove --peer gamma --wait 3 --timeout-ms 1000 " + SiteFlags(0));
-  WaitJobState(
-      1, [](const SyncJobReport& j) { return j.change_pending; }, "beta never agreed");
+  BetaAgreedAndAlphaDiedBeforeApplying();
+  if (HasFatalFailure()) return;
   // The coordinator died before applying; now the site that agreed dies too.
   sites_[0]->Kill(SIGKILL);
   sites_[1]->Kill(SIGKILL);
@@ -1125,12 +1131,7 @@ TEST_F(SyncProcessTest, LaggingSiteCatchesUpThenTheDeadSiteIsRemoved) {
   // Now they agree: gamma goes, and round 3 commits with alpha and beta.
   auto [code2, out2] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(0));
   ASSERT_EQ(code2, 0) << out2;
-  Push(0, 3), Push(1, 3);
-  WaitCommittedOn({0, 1}, 3);
-  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
-  ExpectStateWithMembers(3, {0, 1}, [](uint64_t r) {
-    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
-  });
+  AlphaAndBetaCommitWithoutGamma(3, 2);
 }
 
 TEST_F(SyncProcessTest, PlannedLeaveWaitsForTheLeavingSitesLastRound) {
@@ -1159,12 +1160,7 @@ TEST_F(SyncProcessTest, PlannedLeaveWaitsForTheLeavingSitesLastRound) {
         "the leave did not complete");
   }
   EXPECT_EQ(JobState(0).members_from, 3u);
-  Push(0, 3), Push(1, 3);
-  WaitCommittedOn({0, 1}, 3);
-  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
-  ExpectStateWithMembers(3, {0, 1}, [](uint64_t r) {
-    return r <= 2 ? std::vector<int>{0, 1, 2} : std::vector<int>{0, 1};
-  });
+  AlphaAndBetaCommitWithoutGamma(3, 2);
 }
 
 TEST_F(SyncProcessTest, JoiningSiteKilledMidChangeFinishesTheJoinAfterRestart) {

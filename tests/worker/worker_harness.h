@@ -24,6 +24,7 @@
 #include "common/sharding.h"
 #include "tests/integration/server_process.h"
 #include "tests/sync_net/site_process.h"
+#include "tests/test_dir.h"
 
 namespace isthmus::testing {
 
@@ -173,13 +174,11 @@ inline ::testing::AssertionResult StartSiteWithSilentPeer(ServerProcess& shard, 
   return started;
 }
 
-class WorkerWithShards : public ::testing::Test {
+class WorkerWithShards : public testing::TestWithDir {
  protected:
+  WorkerWithShards() : TestWithDir("isthmus-wpt") {}
   void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("isthmus-wpt-" + std::to_string(::getpid()) + "-" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    TestWithDir::SetUp();
     fs::create_directories(dir_ / "data");
     WriteTokens(dir_ / "data" / "train.bin", 20000, 1);
     WriteTokens(dir_ / "data" / "val.bin", 2000, 2);
@@ -192,8 +191,6 @@ class WorkerWithShards : public ::testing::Test {
     ASSERT_EQ(base_hash_.size(), 64u);
     CreateJob();
   }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // Waits (up to 30 s) until shard `s` has closed round `round` of job j.
   bool ShardReachedRound(int s, uint64_t round) {
     for (int i = 0; i < 600; ++i) {
@@ -312,7 +309,6 @@ class WorkerWithShards : public ::testing::Test {
     }
   }
 
-  fs::path dir_;
   ServerProcess shards_[2];
   std::string base_hash_;
   std::vector<Tensor> init_;
