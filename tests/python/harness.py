@@ -35,10 +35,11 @@ class Site:
     name: the site's name (files under root are named by it); root: a folder shared with
     other sites (default: a fresh one, removed by close()); peer_listen: give each shard a
     peer listener (on peer_ports[i] when given) and the allowlist root/keys/peers-i/ (needed
-    with sync.peers in extra_config)."""
+    with sync.peers in extra_config); peer_pubs: public key files copied into every such
+    allowlist before the shards start (a shard refuses to start on an empty one)."""
 
     def __init__(self, shards=1, extra_config="", peer_listen=False, name="py", root=None,
-                 peer_ports=None):
+                 peer_ports=None, peer_pubs=()):
         self.own_dir = root is None
         self.dir = root or tempfile.mkdtemp(prefix="isthmus-py-")
         self.name = name
@@ -64,6 +65,8 @@ class Site:
             if peer_listen:
                 pp = peer_ports[i] if peer_ports else free_port()
                 os.makedirs(os.path.join(keys, f"peers-{i}"), exist_ok=True)
+                for pub in peer_pubs:
+                    shutil.copy(pub, os.path.join(keys, f"peers-{i}"))
                 peer = f'peer = "tcp://127.0.0.1:{pp}"\n'
             conf = os.path.join(self.dir, f"{name}-shard{i}.toml")
             with open(conf, "w") as f:

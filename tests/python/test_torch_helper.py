@@ -146,7 +146,8 @@ class StalenessTest(unittest.TestCase):
             pub = isthmus.write_keypair(os.path.join(d, "peer"))
             self.assertEqual(len(pub), 40)
             port = harness.free_port()
-            shards = harness.Site(shards=1, peer_listen=True, extra_config=(
+            shards = harness.Site(
+                shards=1, peer_listen=True, peer_pubs=[f"{d}/peer.pub"], extra_config=(
                 '[sync]\nsite = "A"\nmax_rounds_ahead = 1\n'
                 f'peers = ["B=tcp://127.0.0.1:{port}={d}/peer.pub"]\n'))
             try:

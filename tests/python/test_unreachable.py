@@ -100,7 +100,8 @@ class InterruptedWaitTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             isthmus.write_keypair(os.path.join(d, "peer"))
             port = harness.free_port()
-            shards = harness.Site(shards=1, peer_listen=True, extra_config=(
+            shards = harness.Site(
+                shards=1, peer_listen=True, peer_pubs=[f"{d}/peer.pub"], extra_config=(
                 '[sync]\nsite = "A"\nmax_rounds_ahead = 0\n'
                 f'peers = ["B=tcp://127.0.0.1:{port}={d}/peer.pub"]\n'))
             try:
