@@ -91,6 +91,36 @@ inline int FreePortRange(int count) {
 // Returns -1 if no port could be bound.
 inline int FreePort() { return FreePortRange(1); }
 
+// A port of the test range held bound (not listening) on 127.0.0.1 for this object's life:
+// nobody else can bind it, so a connection to it is refused for sure (a port that FreePort
+// found free can be taken by another test a moment later). listen() turns it into a port
+// that accepts TCP connections into the kernel's backlog and never answers. port() is -1 if
+// no port could be bound.
+class HeldPort {
+ public:
+  HeldPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
+    for (int i = 0; i < 20 && fd_ >= 0 && port_ < 0; ++i) {
+      const int p = FreePort();
+      sockaddr_in a{};
+      a.sin_family = AF_INET;
+      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      a.sin_port = htons(static_cast<uint16_t>(p));
+      if (p > 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) port_ = p;
+    }
+  }
+  ~HeldPort() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  HeldPort(const HeldPort&) = delete;
+  HeldPort& operator=(const HeldPort&) = delete;
+  int port() const { return port_; }
+  bool listen() { return port_ > 0 && ::listen(fd_, 16) == 0; }
+
+ private:
+  int fd_;
+  int port_ = -1;
+};
+
 // The ZeroMQ endpoint for `port` on 127.0.0.1.
 inline std::string LoopbackEndpoint(int port) { return "tcp://127.0.0.1:" + std::to_string(port); }
 

@@ -5,9 +5,6 @@
 #include "common/client.h"
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -24,6 +21,7 @@ namespace {
 using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 using isthmus::testing::FreePort;
+using isthmus::testing::HeldPort;
 using isthmus::testing::LoopbackEndpoint;
 
 double SecondsSince(Clock::time_point t0) {
@@ -86,8 +84,9 @@ class FakeShard {
 // Nothing listens: the defaults give up after connect_timeout_ms per attempt (5 s), not
 // after timeout_ms (30 s) per attempt as before, and say what to check.
 TEST(ShardClientReach, ADeadEndpointFailsWithinTheConnectTimeout) {
-  const int port = FreePort();
-  ClientOptions o = Plaintext(port);
+  HeldPort dead;  // bound, never listening: connections are refused (no other test takes it)
+  ASSERT_GT(dead.port(), 0);
+  ClientOptions o = Plaintext(dead.port());
   o.retries = 0;  // the defaults otherwise: 30 s per attempt, 5 s to connect
   auto c = ShardClient::Connect(o);
   ASSERT_TRUE(c.ok());
@@ -118,19 +117,10 @@ TEST(ShardClientReach, ADeadEndpointFailsWithinTheConnectTimeout) {
 // A port that accepts TCP connections (the kernel's backlog) but is no isthmus-server (or
 // one that is stopped): the handshake never completes, and the message says so.
 TEST(ShardClientReach, AnEndpointWithoutAHandshakeIsNamedAsSuch) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  ASSERT_GE(fd, 0);
-  int port = -1;
-  for (int i = 0; i < 20 && port < 0; ++i) {
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    const int p = FreePort();
-    a.sin_port = htons(static_cast<uint16_t>(p));
-    if (::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) port = p;
-  }
-  ASSERT_GT(port, 0);
-  ASSERT_EQ(::listen(fd, 16), 0);  // never accepted
+  HeldPort silent;
+  ASSERT_GT(silent.port(), 0);
+  ASSERT_TRUE(silent.listen());  // never accepted
+  const int port = silent.port();
   ClientOptions o = Plaintext(port);
   o.connect_timeout_ms = 500;
   o.retries = 0;
@@ -139,7 +129,6 @@ TEST(ShardClientReach, AnEndpointWithoutAHandshakeIsNamedAsSuch) {
   const auto t0 = Clock::now();
   auto h = (*c)->Hello("j", wire::Role::Worker, "", "t");
   EXPECT_LT(SecondsSince(t0), 5.0);
-  ::close(fd);
   ASSERT_FALSE(h.ok());
   EXPECT_EQ(h.status().code(), Code::kUnavailable) << h.status().ToString();
   EXPECT_NE(h.status().message().find("completed no ZeroMQ handshake"), std::string::npos)
