@@ -127,6 +127,8 @@ Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions
 void SyncEngine::Reset(Store* store) {
   store_ = store;
   jobs_.clear();
+  deferred_.clear();
+  deferred_fresh_ = false;
   membership_.Reset();
 }
 
@@ -286,10 +288,17 @@ Result<std::set<std::string>> SyncEngine::CheckPushed(
 Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t round,
                                              uint64_t tokens,
                                              const std::vector<SyncPushTensor>& tensors,
-                                             WriteBatch& batch, uint64_t compute_ms) {
+                                             WriteBatch& batch, uint64_t compute_ms,
+                                             std::shared_ptr<const void> keepalive) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   SyncPushResult result;
   if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
+  // A complete stage whose deferred close has not run (or failed: say the disk was full)
+  // is closed before anything else, so the rounds stay in order.
+  if (StageComplete(*j)) {
+    ISTHMUS_RETURN_IF_ERROR(FinishRoundWork(name, *j));
+    deferred_.erase(name);
+  }
   if (std::string why = NonMemberReason(name, *j, options_.site, options_.site); !why.empty()) {
     return Status::FailedPrecondition(why + "; this site's workers have nothing to push to");
   }
@@ -303,7 +312,7 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   if (round <= j->local) {
     // A retried push: the round closed already. Commits that failed after it (the disk was
     // full) are retried.
-    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+    ISTHMUS_RETURN_IF_ERROR(CommitReadyOrDefer(name, *j));
     result.duplicate = true;
     result.version = j->version;
     return result;
@@ -336,9 +345,10 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   next_rec.staged_tokens = std::max(j->staged_round == round ? j->staged_tokens : 0, tokens);
   next_rec.staged = j->staged_round == round ? j->staged : std::set<std::string>{};
   next_rec.staged.insert(names.begin(), names.end());
-  if (j->staged_round != round && names.size() == j->theta.size()) {
+  if (j->staged_round != round && names.size() == j->theta.size() && !defer_) {
     // One push brings the whole round: close it from memory, in one write batch with the
-    // push's records (no staged copy written, then read back).
+    // push's records (no staged copy written, then read back). With deferred round work the
+    // push is answered once the stage is durable instead (below), and the close follows.
     std::map<std::string, std::span<const float>> pushed;
     for (const auto& t : tensors) pushed[t.name] = t.delta;
     j->staged_compute_ms = compute_ms;
@@ -362,12 +372,29 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     batch.Put(Column::kState, StateKey(name, StateKind::kStaged, t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  if (j->staged_round != round) {
+    j->staged_mem.clear();
+    j->staged_keep.clear();
+  }
   j->staged_compute_ms =
       std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms);
   j->staged_round = round;
   j->staged_tokens = next_rec.staged_tokens;
   j->staged = std::move(next_rec.staged);
-  if (j->staged.size() == j->theta.size()) {
+  if (keepalive) {
+    for (const auto& t : tensors) j->staged_mem[t.name] = t.delta;
+    j->staged_keep.push_back(std::move(keepalive));
+  }
+  if (StageComplete(*j)) {
+    if (defer_) {
+      // Durable: the reply may go; the close follows in RunDeferred (or, after a crash, in
+      // AttachJob).
+      deferred_.insert(name);
+      deferred_fresh_ = true;
+      result.close_pending = true;
+      result.version = j->version;
+      return result;
+    }
     // The stage is durable; a failed close is retried at the next attach.
     ISTHMUS_RETURN_IF_ERROR(CloseRound(name, *j));
     result.closed = true;
@@ -375,6 +402,54 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   }
   result.version = j->version;
   return result;
+}
+
+Status SyncEngine::CommitReadyOrDefer(const std::string& name, Job& j) {
+  if (!defer_) return CommitReady(name, j);
+  deferred_.insert(name);
+  deferred_fresh_ = true;
+  return Status::Ok();
+}
+
+Status SyncEngine::FinishRoundWork(const std::string& name, Job& j) {
+  if (StageComplete(j)) ISTHMUS_RETURN_IF_ERROR(CloseRound(name, j));
+  return CommitReady(name, j);
+}
+
+Status SyncEngine::RunDeferred() {
+  if (deferred_.empty()) return Status::Ok();
+  const auto now = options_.now();
+  if (!deferred_fresh_ && now < deferred_retry_at_) return Status::Ok();
+  deferred_fresh_ = false;
+  Status first;
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    auto job = jobs_.find(*it);
+    Status s = job == jobs_.end() ? Status::Ok() : FinishRoundWork(*it, job->second);
+    if (s.ok()) {
+      it = deferred_.erase(it);
+      continue;
+    }
+    spdlog::warn("job '{}': the round work after a reply failed (tried again later): {}", *it,
+                 s.ToString());
+    if (first.ok()) first = s;
+    ++it;
+  }
+  if (first.ok()) {
+    deferred_backoff_ = std::chrono::milliseconds(0);
+  } else {
+    deferred_backoff_ = std::clamp(deferred_backoff_ * 2, std::chrono::milliseconds(1000),
+                                   std::chrono::milliseconds(30000));
+    deferred_retry_at_ = now + deferred_backoff_;
+  }
+  return first;
+}
+
+int SyncEngine::DeferredRetryMs() const {
+  if (deferred_.empty()) return -1;
+  if (deferred_fresh_) return 0;
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deferred_retry_at_ - options_.now());
+  return static_cast<int>(std::max<int64_t>(left.count(), 0));
 }
 
 codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
@@ -462,6 +537,8 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     std::span<const float> staged;
     if (pushed != nullptr) {
       staged = pushed->at(tname);
+    } else if (auto mem = j.staged_mem.find(tname); mem != j.staged_mem.end()) {
+      staged = mem->second;
     } else {
       ISTHMUS_ASSIGN_OR_RETURN(
           read, GetFloats(store_, Column::kState, StateKey(name, StateKind::kStaged, tname), n));
@@ -521,6 +598,8 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   j.last_close = now;
   j.closed_at[round] = now;
   j.staged_compute_ms = 0;
+  j.staged_mem.clear();
+  j.staged_keep.clear();
   spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
                 raw, delta.WireBytes());
   return Status::Ok();
@@ -802,6 +881,11 @@ uint64_t SyncEngine::LocalRound(const std::string& job) const {
   auto it = jobs_.find(job);
   return it == jobs_.end() ? 0 : it->second.local;
 }
+uint64_t SyncEngine::PushedRound(const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return 0;
+  return StageComplete(it->second) ? it->second.staged_round : it->second.local;
+}
 uint64_t SyncEngine::CommittedRound(const std::string& job) const {
   auto it = jobs_.find(job);
   return it == jobs_.end() ? 0 : it->second.committed;
@@ -972,7 +1056,7 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   if (delta.round <= j->committed || held.count(delta.round)) {
     // Duplicate: already held or committed. A resend also retries a commit that failed
     // after the delta was held (say the disk was full), so the round goes on by itself.
-    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+    ISTHMUS_RETURN_IF_ERROR(CommitReadyOrDefer(name, *j));
     return HeldContiguous(*j, from_site);
   }
   if (delta.round > j->committed + 2 * hard_cap_ + 1) {
@@ -1016,7 +1100,7 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   held[delta.round] = delta.tokens;
   j->version = rec_view.version;
   j->view.reset();
-  ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+  ISTHMUS_RETURN_IF_ERROR(CommitReadyOrDefer(name, *j));
   return HeldContiguous(*j, from_site);
 }
 

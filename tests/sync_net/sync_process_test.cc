@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -487,6 +488,48 @@ TEST_F(SyncProcessTest, SenderKilledAfterClosingARoundResendsAfterRestart) {
   Push(1, 2);
   ASSERT_TRUE(sites_[0]->Start());
   Push(0, 2);  // a worker retrying after the crash: a duplicate, nothing changes
+  Push(0, 3), Push(1, 3);
+  WaitCommitted(3);
+  ExpectIdenticalDigests(3);
+  ExpectRecomputedState(3);
+}
+
+// A shard answers the push that completes a round once the round is durable and closes it
+// right after the reply; killed in between (the fault hook exits there), it closes the
+// round at restart from the durable stage: nothing acknowledged is lost or doubled.
+TEST_F(SyncProcessTest, ShardKilledAfterAcknowledgingBeforeTheCloseClosesAtRestart) {
+  StartSites({"alpha", "beta"});
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  sites_[0]->Kill(SIGTERM);
+  ::setenv("ISTHMUS_SERVER_FAULT_CRASH_AFTER_PUSH_REPLY", "1", 1);
+  const bool started = sites_[0]->Start();
+  ::unsetenv("ISTHMUS_SERVER_FAULT_CRASH_AFTER_PUSH_REPLY");
+  ASSERT_TRUE(started);
+  Push(0, 2);  // acknowledged (Push asserts it); alpha exits before the close
+  // Wait for it to be gone on its own: a zombie, not killed by us.
+  const std::string stat = "/proc/" + std::to_string(sites_[0]->pid()) + "/stat";
+  auto end = std::chrono::steady_clock::now() + 30s * isthmus::testing::TimeScale();
+  for (;;) {
+    std::ifstream in(stat);
+    std::string pid, comm, state;
+    in >> pid >> comm >> state;
+    if (!in || state == "Z") break;
+    ASSERT_LT(std::chrono::steady_clock::now(), end) << "alpha did not exit; log:\n"
+                                                     << sites_[0]->Log();
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_EQ(sites_[0]->Kill(SIGKILL) & 0x7f, 0) << "alpha did not exit by itself";
+  EXPECT_NE(sites_[0]->Log().find("ISTHMUS_SERVER_FAULT_CRASH_AFTER_PUSH_REPLY"),
+            std::string::npos);
+  ASSERT_TRUE(sites_[0]->Start());
+  auto hello = sites_[0]->WorkerClient()->Hello("job", wire::Role::Worker, "", "test");
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->rounds.local_round, 2u);
+  // Closed (not only staged) before any push or delta arrived: the restart did it.
+  EXPECT_EQ(JobState(0).local_round, 2u) << "the restart did not close the acknowledged round";
+  Push(0, 2);  // the worker's retry: a duplicate
+  Push(1, 2);
   Push(0, 3), Push(1, 3);
   WaitCommitted(3);
   ExpectIdenticalDigests(3);
