@@ -527,40 +527,59 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   delta.site = options_.site;
   delta.round = round;
   delta.tokens = j.staged_tokens;
-  std::vector<std::vector<float>> residuals;
-  residuals.reserve(j.theta.size());
+  // The residuals stay in memory between closes (read from the store once after a start);
+  // the new ones are written into a second buffer per tensor, taken only once the close is
+  // durable.
+  if (j.residual.empty()) {
+    for (const auto& [tname, t] : j.theta) {
+      const size_t n = t.data->size();
+      ISTHMUS_ASSIGN_OR_RETURN(
+          auto stored,
+          GetFloats(store_, Column::kState, StateKey(name, StateKind::kResidual, tname), n));
+      j.residual[tname] = stored ? std::move(*stored) : std::vector<float>(n, 0.0f);
+    }
+  }
+  std::vector<std::optional<std::vector<float>>> reads(j.theta.size());
+  std::vector<codec::FeedbackTask> tasks(j.theta.size());
   std::map<std::string, uint64_t> pipelines;
   uint64_t raw = 0;
+  size_t i = 0;
   for (const auto& [tname, t] : j.theta) {
     const size_t n = t.data->size();
-    std::optional<std::vector<float>> read;
     std::span<const float> staged;
     if (pushed != nullptr) {
       staged = pushed->at(tname);
     } else if (auto mem = j.staged_mem.find(tname); mem != j.staged_mem.end()) {
       staged = mem->second;
     } else {
-      ISTHMUS_ASSIGN_OR_RETURN(
-          read, GetFloats(store_, Column::kState, StateKey(name, StateKind::kStaged, tname), n));
-      if (!read) {
+      ISTHMUS_ASSIGN_OR_RETURN(reads[i], GetFloats(store_, Column::kState,
+                                                   StateKey(name, StateKind::kStaged, tname), n));
+      if (!reads[i]) {
         return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
                                   "' is missing");
       }
-      staged = *read;
+      staged = *reads[i];
     }
-    ISTHMUS_ASSIGN_OR_RETURN(
-        auto residual,
-        GetFloats(store_, Column::kState, StateKey(name, StateKind::kResidual, tname), n));
-    residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
-    const Pipe& pipe = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
-    std::vector<float> decoded(n);
+    std::vector<float>& next = j.residual_next[tname];
+    next.resize(n);
+    codec::FeedbackTask& task = tasks[i++];
+    task.pipeline = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
+    task.delta = staged;
+    task.shape = t.shape;
+    task.residual_in = j.residual.at(tname);
+    task.residual_out = next;
+    pipelines[PipeText(task.pipeline)] += 1;
+    raw += n * sizeof(float);
+  }
+  // Each tensor is encoded whole on one thread; the bytes do not depend on how many.
+  codec::EncodeWithFeedbackMany(tasks, static_cast<int>(options_.encode_threads));
+  i = 0;
+  for (const auto& [tname, t] : j.theta) {
     EncodedTensor et;
     et.name = tname;
     et.shape = t.shape;
-    et.bytes = codec::EncodeWithFeedback(pipe, staged, t.shape, residuals.back(), decoded);
+    et.bytes = std::move(tasks[i++].bytes);
     delta.tensors.push_back(std::move(et));
-    pipelines[PipeText(pipe)] += 1;
-    raw += n * sizeof(float);
   }
   const std::string serialized = EncodeDelta(delta);
   SyncRecord rec = j;  // the round is closed: nothing is staged any more
@@ -577,14 +596,14 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   batch.Put(Column::kDeltas, DeltaKey(name, options_.site, round), serialized);
   batch.PutOwned(Column::kSync, HeldKey(name, options_.site, round),
                  EncodeHeldTokens(delta.tokens));
-  size_t i = 0;
   for (const auto& [tname, _] : j.theta) {
     batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
-              FloatBytes(residuals[i++]));
+              FloatBytes(j.residual_next.at(tname)));
     if (pushed == nullptr) batch.Delete(Column::kState, StateKey(name, StateKind::kStaged, tname));
   }
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j.residual.swap(j.residual_next);
   j.local = round;
   j.version = rec.version;
   j.staged_round = 0;

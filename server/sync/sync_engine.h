@@ -252,6 +252,10 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     // the staged copies back from the store. Cleared at the close.
     std::map<std::string, std::span<const float>> staged_mem;
     std::vector<std::shared_ptr<const void>> staged_keep;
+    // Error-feedback residuals (the durable copies are kState rows), read from the store at
+    // the first close after a start and kept since; residual_next holds buffers of the same
+    // sizes that a close writes the new residuals into, swapped in once the close is durable.
+    std::map<std::string, std::vector<float>> residual, residual_next;
     // Cached optimistic view; empty when stale.
     std::optional<std::map<std::string, SyncTensor>> view;
   };

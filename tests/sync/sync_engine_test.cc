@@ -742,6 +742,25 @@ TEST(SyncEngineTest, CrashBetweenAcknowledgedPushAndDeferredCloseLosesNothing) {
   }
 }
 
+// sync.encode_threads changes who encodes which tensor, never the bytes: one site closing
+// its rounds on one thread and its twin (same name, same pushes) on four hold the same
+// outbox, round after round (the residuals they carry agree too, or later rounds would not).
+TEST(SyncEngineTest, EncodeThreadsDoNotChangeTheOutbox) {
+  Site one("siteA", {"siteB"}, ""), four("siteA", {"siteB"}, "");
+  one.options().encode_threads = 1;
+  four.options().encode_threads = 4;
+  one.Reopen();
+  four.Reopen();
+  for (uint64_t r = 1; r <= 4; ++r) {
+    ASSERT_TRUE(one.PushWholeRound(r).ok());
+    ASSERT_TRUE(four.PushRound(r).ok());
+    auto a = one.engine().OutboxDelta(kJob, r);
+    auto b = four.engine().OutboxDelta(kJob, r);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(EncodeDelta(**a), EncodeDelta(**b)) << "round " << r;
+  }
+}
+
 // A Store that forwards to another and fails writes while told to (fault injection).
 class FlakyStore : public Store {
  public:
