@@ -371,7 +371,12 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   for (const auto& t : tensors)
     batch.Put(Column::kState, StateKey(name, StateKind::kStaged, t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
+  const auto t_write = std::chrono::steady_clock::now();
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  spdlog::debug("job '{}': staged {} tensors of round {} (write {:.0f} ms)", name, tensors.size(),
+                round,
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_write)
+                    .count());
   if (j->staged_round != round) {
     j->staged_mem.clear();
     j->staged_keep.clear();
@@ -572,7 +577,9 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     raw += n * sizeof(float);
   }
   // Each tensor is encoded whole on one thread; the bytes do not depend on how many.
+  const auto t_encode = std::chrono::steady_clock::now();
   codec::EncodeWithFeedbackMany(tasks, static_cast<int>(options_.encode_threads));
+  const auto t_encoded = std::chrono::steady_clock::now();
   i = 0;
   for (const auto& [tname, t] : j.theta) {
     EncodedTensor et;
@@ -619,8 +626,12 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   j.staged_compute_ms = 0;
   j.staged_mem.clear();
   j.staged_keep.clear();
-  spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
-                raw, delta.WireBytes());
+  const auto ms = [](auto a, auto b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
+  spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes; encode {:.0f} ms, write {:.0f} ms)",
+                name, options_.site, round, raw, delta.WireBytes(), ms(t_encode, t_encoded),
+                ms(t_encoded, std::chrono::steady_clock::now()));
   return Status::Ok();
 }
 
@@ -684,17 +695,29 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   const uint64_t round = j.committed + 1;
   const auto sites = j.members.sites;
   std::set<std::string> sent;
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
   ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites, &sent));
+  const auto t1 = Clock::now();
   ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, merged, sent));
+  const auto t2 = Clock::now();
   const std::string digest = StateDigest(round, next.theta, next.momentum, j.members);
+  const auto t3 = Clock::now();
   SyncRecord rec = j;
   rec.committed = round;
   rec.version = j.version + 1;
   WriteBatch batch;
   CommitBatch(name, j, round, next, sent, sites, digest, rec, batch);
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  const auto t4 = Clock::now();
   PublishCommit(j, round, std::move(next), sites, rec.version);
+  const auto ms = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
   spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
+  spdlog::debug("job '{}': round {}'s commit took merge {:.0f} ms, outer step {:.0f} ms, digest "
+                "{:.0f} ms, write {:.0f} ms",
+                name, round, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
   if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
     const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
     if (options_.on_commit) options_.on_commit(name, round, seconds);
