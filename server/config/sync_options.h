@@ -47,8 +47,8 @@ struct SyncOptions {
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
   // Threads that encode a closing round's tensors (one tensor per thread at a time, the
-  // event loop's thread among them); the bytes do not depend on it. 2 on the 2-core
-  // development machine halved a full-model round's close (docs/BENCHMARKS.md, section 1).
+  // event loop's thread among them); the bytes do not depend on it. The default suits the
+  // 2-core development machine.
   uint32_t encode_threads = 2;
   // A membership change this site coordinates that makes no progress (no site agrees, a
   // joining site fetches nothing) for this long is given up, so it does not hold commits.
