@@ -522,6 +522,14 @@ void WriteSyncMetrics(metrics::TextWriter& w, SyncEngine* engine, PeerLinks* lin
             [](const SyncJobStatus& j) {
               return j.pending.has_value() || j.catching_up || j.draining ? 1 : 0;
             });
+    per_job("isthmus_sync_round_work_pending", Type::kGauge,
+            "1 while round work left after a reply (a round's close, commits) waits to run or "
+            "to be retried after a failure.",
+            [](const SyncJobStatus& j) { return j.round_work_pending ? 1 : 0; });
+    per_job("isthmus_sync_round_work_failures_total", Type::kCounter,
+            "Failures of round work run after a reply (each is logged and retried with "
+            "backoff) since the server started.",
+            [](const SyncJobStatus& j) { return j.round_work_failures; });
     per_job("isthmus_sync_encoded_bytes_total", Type::kCounter,
             "Encoded bytes of this site's round deltas (the payload each peer is sent).",
             [](const SyncJobStatus& j) { return j.bytes_encoded; });

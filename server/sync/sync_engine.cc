@@ -431,9 +431,12 @@ Status SyncEngine::RunDeferred() {
     auto job = jobs_.find(*it);
     Status s = job == jobs_.end() ? Status::Ok() : FinishRoundWork(*it, job->second);
     if (s.ok()) {
+      if (job != jobs_.end()) job->second.round_work_error.clear();
       it = deferred_.erase(it);
       continue;
     }
+    job->second.round_work_failures += 1;
+    job->second.round_work_error = s.ToString();
     spdlog::warn("job '{}': the round work after a reply failed (tried again later): {}", *it,
                  s.ToString());
     if (first.ok()) first = s;
@@ -970,6 +973,9 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
   s.members = j->members;
   s.removed = j->removed;
   s.joined = j->joined;
+  s.round_work_pending = deferred_.count(name) != 0;
+  s.round_work_failures = j->round_work_failures;
+  s.round_work_error = j->round_work_error;
   return s;
 }
 

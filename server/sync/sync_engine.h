@@ -74,6 +74,12 @@ struct SyncJobStatus {
   std::string change_note;                  // outcome of the last change seen here (memory only)
   bool catching_up = false;                 // asking a member for its committed state
   bool draining = false;                    // leaving once this site's last round commits
+  // Round work left after a reply (SetDeferRoundWork) that has not run yet or failed and
+  // waits for its retry; how often it failed since the start and the last failure (cleared
+  // once it succeeds). Memory only.
+  bool round_work_pending = false;
+  uint64_t round_work_failures = 0;
+  std::string round_work_error;
 };
 
 class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost {
@@ -256,6 +262,10 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     // the first close after a start and kept since; residual_next holds buffers of the same
     // sizes that a close writes the new residuals into, swapped in once the close is durable.
     std::map<std::string, std::vector<float>> residual, residual_next;
+    // Deferred round work that failed (RunDeferred): how often, and the last failure while
+    // it is still to retry (memory only, for metrics and JobStatus).
+    uint64_t round_work_failures = 0;
+    std::string round_work_error;
     // Cached optimistic view; empty when stale.
     std::optional<std::map<std::string, SyncTensor>> view;
   };

@@ -830,6 +830,72 @@ TEST(SyncEngineTest, FailedDeferredCloseIsRetriedAndOrdersTheNextPush) {
   ExpectCommittedEquals(a, Reference({"siteA", "siteB"}, 2));
 }
 
+// Deferred work that fails with an error-feedback codec: neither a failed close (its new
+// residuals were computed, its batch refused) nor a failed commit leaves a trace in memory,
+// so the retried close writes the bytes an inline twin (same site, same pushes) wrote and
+// the retried commit the digests every site has. Each failure shows in JobStatus (the
+// server's metrics) until the retry succeeds.
+TEST(SyncEngineTest, FailedDeferredCloseAndCommitMatchAnInlineTwin) {
+  auto now =
+      std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+  std::unique_ptr<FlakyStore> flaky;
+  const std::string codec = "topk:0.25+int8+zstd";
+  Site a("siteA", {"siteB"}, codec, 0.7, 0.9), twin("siteA", {"siteB"}, codec, 0.7, 0.9),
+      b("siteB", {"siteA"}, codec, 0.7, 0.9);
+  a.options().now = [now] { return *now; };
+  a.set_store_wrapper([&](Store* inner) {
+    flaky = std::make_unique<FlakyStore>(inner);
+    return flaky.get();
+  });
+  a.Reopen();
+  a.set_defer(true);
+  auto status = [&] {
+    auto js = a.engine().JobStatus(kJob);
+    EXPECT_TRUE(js.ok());
+    return js.ok() ? *js : SyncJobStatus{};
+  };
+  uint64_t failures = 0;
+  for (uint64_t r = 1; r <= 3; ++r) {
+    ASSERT_TRUE(a.PushWholeRound(r, /*keep=*/true).ok());
+    ASSERT_TRUE(twin.PushWholeRound(r).ok());
+    ASSERT_TRUE(b.PushRound(r).ok());
+    // The close fails, then succeeds.
+    flaky->fail_ = true;
+    EXPECT_EQ(a.engine().RunDeferred().code(), Code::kResourceExhausted);
+    EXPECT_EQ(status().round_work_failures, ++failures);
+    EXPECT_TRUE(status().round_work_pending);
+    EXPECT_NE(status().round_work_error.find("disk full"), std::string::npos);
+    flaky->fail_ = false;
+    *now += std::chrono::milliseconds(a.engine().DeferredRetryMs());
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    EXPECT_FALSE(status().round_work_pending);
+    EXPECT_EQ(status().round_work_error, "");
+    ASSERT_EQ(a.engine().LocalRound(kJob), r);
+    auto mine = a.engine().OutboxDelta(kJob, r);
+    auto theirs = twin.engine().OutboxDelta(kJob, r);
+    ASSERT_TRUE(mine.ok() && theirs.ok());
+    EXPECT_EQ(EncodeDelta(**mine), EncodeDelta(**theirs)) << "round " << r;
+    // The commit fails, then succeeds.
+    Deliver(a, b);
+    {  // twin is siteA too: it takes siteB's delta without acknowledging it for siteA
+      auto d = b.engine().OutboxDelta(kJob, r);
+      ASSERT_TRUE(d.ok()) << d.status().ToString();
+      ASSERT_TRUE(twin.engine().ReceiveDelta("siteB", **d).ok());
+    }
+    Deliver(b, a);
+    flaky->fail_ = true;
+    EXPECT_EQ(a.engine().RunDeferred().code(), Code::kResourceExhausted);
+    EXPECT_EQ(a.engine().CommittedRound(kJob), r - 1);
+    EXPECT_EQ(status().round_work_failures, ++failures);
+    flaky->fail_ = false;
+    *now += std::chrono::milliseconds(a.engine().DeferredRetryMs());
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    ASSERT_EQ(a.engine().CommittedRound(kJob), r);
+    EXPECT_EQ(a.Digests(), twin.Digests());
+    EXPECT_EQ(a.Digests(), b.Digests());
+  }
+}
+
 TEST(SyncEngineTest, FragmentsAreLargestFirstIntoTheLeastLoadedGroup) {
   auto f = AssignFragments({{"a.weight", 128}, {"b.bias", 16}, {"c.lora_A", 128}, {"d", 100}}, 2);
   EXPECT_EQ(f.at("a.weight"), 0u);
