@@ -16,7 +16,6 @@
 #include <future>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <zmq.hpp>
 
 #include "common/keys.h"
@@ -662,9 +661,10 @@ struct ShardServer::Impl {
   MetricsBridge metrics_bridge;
   std::unique_ptr<metrics::MetricsEndpoint> metrics_endpoint;
   std::map<std::string, metrics::Histogram> commit_seconds;  // per job; event-loop thread
-  // ISTHMUS_SERVER_FAULT_CRASH_AFTER_PUSH_REPLY (tests, docs/TESTING.md): exit once the reply
-  // of a push that left its round's close has been sent, before the close.
-  bool crash_after_push_reply = false;
+  // ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY (tests, docs/TESTING.md): once the reply of a
+  // push that left its round's close has been sent, the loop stops before the close and
+  // waits to be killed (the reply still leaves: ZeroMQ's I/O threads run on).
+  bool hang_after_push_reply = false;
   double started_unix = 0;
   std::string RenderMetrics();
   // Stops admitting peer site `site`'s key on the peer socket (sync remove --revoke-key) and
@@ -781,8 +781,8 @@ Status ShardServer::Start() {
   opts.shard_id = c.shard_id;
   opts.convert_plain_jobs = c.sync_convert_plain_jobs;
   opts.defer_round_work = true;  // Run() does it right after each reply
-  impl_->crash_after_push_reply =
-      std::getenv("ISTHMUS_SERVER_FAULT_CRASH_AFTER_PUSH_REPLY") != nullptr;
+  impl_->hang_after_push_reply =
+      std::getenv("ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY") != nullptr;
   opts.snapshot_dir = SnapshotDir(c.data_dir);
   opts.limits = limits;
   impl_->limits = limits;
@@ -956,12 +956,14 @@ Status ShardServer::Run() {
         Status s = SendMessage(*sockets[i], &routing_id, reply.header, reply.payload);
         if (!s.ok()) spdlog::warn("could not send a reply: {}", s.ToString());
         request.reset();
-        if (impl_->crash_after_push_reply && roles[i] == wire::Role::Worker &&
+        if (impl_->hang_after_push_reply && roles[i] == wire::Role::Worker &&
             impl_->shard->DeferredRetryMs() == 0) {
-          // Fault injection for tests: the push is acknowledged, its round not closed.
-          spdlog::error("ISTHMUS_SERVER_FAULT_CRASH_AFTER_PUSH_REPLY: exiting before the close");
-          std::this_thread::sleep_for(std::chrono::milliseconds(300));  // the reply leaves
-          std::_Exit(137);
+          // Fault injection for tests: the push is acknowledged, its round not closed; the
+          // test kills the process (SIGKILL) once it has the reply, so no sleep decides
+          // whether the reply got out.
+          spdlog::error("ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY: stopped before the close");
+          spdlog::default_logger()->flush();
+          for (;;) ::pause();
         }
         // The reply is on its way: now the round work it left (the close of a round the push
         // completed, the commits), before the next request is read. Failures are logged and
