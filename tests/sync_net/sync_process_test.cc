@@ -802,7 +802,10 @@ TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
   EXPECT_NE(tout.find(" SILENT "), std::string::npos) << tout;
   auto [jcode, jout] = Ctl("sync status --json " + SiteFlags(1));
   ASSERT_EQ(jcode, 0) << jout;
-  for (const auto& l : nlohmann::json::parse(jout)[0]["links"]) {
+  // Held in a variable: a range-for over a member of the temporary parse() result would
+  // read it after it is destroyed (ThreadSanitizer reported the use after free).
+  const nlohmann::json status = nlohmann::json::parse(jout);
+  for (const auto& l : status[0]["links"]) {
     EXPECT_EQ(l["removed_from_round"], l["site"] == "gamma" ? nlohmann::json(3) : nlohmann::json())
         << l.dump();
     EXPECT_GE(l["silent_s"].get<double>(), 0.0);
