@@ -31,13 +31,12 @@ void EncodeWithFeedbackMany(std::span<FeedbackTask> tasks, int threads) {
         scratch.resize(std::max(scratch.size(), t.delta.size()));
         decoded = std::span<float>(scratch.data(), t.delta.size());
       }
-      t.bytes = EncodeWithFeedback(t.pipeline, t.delta, t.shape, t.residual_in, t.residual_out,
-                                   decoded);
+      t.bytes =
+          EncodeWithFeedback(t.pipeline, t.delta, t.shape, t.residual_in, t.residual_out, decoded);
     }
   };
-  const size_t helpers =
-      std::min<size_t>(threads > 1 ? static_cast<size_t>(threads) - 1 : 0,
-                       tasks.size() > 0 ? tasks.size() - 1 : 0);
+  const size_t helpers = std::min<size_t>(threads > 1 ? static_cast<size_t>(threads) - 1 : 0,
+                                          tasks.size() > 0 ? tasks.size() - 1 : 0);
   std::vector<std::thread> pool;
   pool.reserve(helpers);
   for (size_t i = 0; i < helpers; ++i) {

@@ -373,10 +373,10 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
   const auto t_write = std::chrono::steady_clock::now();
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  spdlog::debug("job '{}': staged {} tensors of round {} (write {:.0f} ms)", name, tensors.size(),
-                round,
-                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_write)
-                    .count());
+  spdlog::debug(
+      "job '{}': staged {} tensors of round {} (write {:.0f} ms)", name, tensors.size(), round,
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_write)
+          .count());
   if (j->staged_round != round) {
     j->staged_mem.clear();
     j->staged_keep.clear();
@@ -632,9 +632,10 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   const auto ms = [](auto a, auto b) {
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
-  spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes; encode {:.0f} ms, write {:.0f} ms)",
-                name, options_.site, round, raw, delta.WireBytes(), ms(t_encode, t_encoded),
-                ms(t_encoded, std::chrono::steady_clock::now()));
+  spdlog::debug(
+      "job '{}': site {} closed round {} ({} -> {} bytes; encode {:.0f} ms, write {:.0f} ms)", name,
+      options_.site, round, raw, delta.WireBytes(), ms(t_encode, t_encoded),
+      ms(t_encoded, std::chrono::steady_clock::now()));
   return Status::Ok();
 }
 
@@ -718,9 +719,10 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
   spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
-  spdlog::debug("job '{}': round {}'s commit took merge {:.0f} ms, outer step {:.0f} ms, digest "
-                "{:.0f} ms, write {:.0f} ms",
-                name, round, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
+  spdlog::debug(
+      "job '{}': round {}'s commit took merge {:.0f} ms, outer step {:.0f} ms, digest "
+      "{:.0f} ms, write {:.0f} ms",
+      name, round, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
   if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
     const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
     if (options_.on_commit) options_.on_commit(name, round, seconds);

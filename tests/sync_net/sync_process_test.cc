@@ -509,8 +509,7 @@ TEST_F(SyncProcessTest, ShardKilledAfterAcknowledgingBeforeTheCloseClosesAtResta
   Push(0, 2);  // acknowledged (Push asserts it); alpha stops before the close
   // The hook logs before it stops; then the crash.
   auto end = std::chrono::steady_clock::now() + 30s * isthmus::testing::TimeScale();
-  while (sites_[0]->Log().find("ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY") ==
-         std::string::npos) {
+  while (sites_[0]->Log().find("ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY") == std::string::npos) {
     ASSERT_LT(std::chrono::steady_clock::now(), end) << "alpha did not stop; log:\n"
                                                      << sites_[0]->Log();
     std::this_thread::sleep_for(50ms);
