@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -96,6 +97,13 @@ uint64_t ValuesBytes(uint64_t nnz, uint32_t bits, uint32_t qblock) {
   return 4 * ((nnz + qblock - 1) / qblock) + (nnz * bits + 7) / 8;
 }
 
+// Whether x needs Sanitize: a value that is not finite or beyond the clamp.
+bool NeedsSanitize(std::span<const float> x) {
+  bool bad = false;
+  for (float f : x) bad |= !(std::fabs(f) <= kClamp);  // NaN compares false
+  return bad;
+}
+
 std::vector<float> Sanitize(std::span<const float> x) {
   std::vector<float> v(x.begin(), x.end());
   for (float& f : v) {
@@ -105,29 +113,40 @@ std::vector<float> Sanitize(std::span<const float> x) {
   return v;
 }
 
-// Whether a comes before b in "largest magnitude first, lower index on ties": a strict total
-// order, so the selected set does not depend on the sort implementation.
-struct ByMagnitude {
-  const float* v;
-  bool operator()(uint32_t a, uint32_t b) const {
-    const float fa = std::fabs(v[a]), fb = std::fabs(v[b]);
-    return fa > fb || (fa == fb && a < b);
-  }
-};
-
-// Sorted indices of the kept entries of v[begin, end): the k largest magnitudes.
-void SelectTopK(const std::vector<float>& v, uint64_t begin, uint64_t end, uint64_t k,
+// Sorted indices of the kept entries of v[begin, end): the k largest magnitudes, ties going
+// to the lower index ("largest magnitude first, lower index on ties", a strict total order,
+// so the set does not depend on the selection algorithm). Found through the k-th largest
+// magnitude T, selected on a contiguous copy of the magnitudes: every entry above T is kept,
+// and of those equal to T the lowest-indexed ones up to k. (It used to run nth_element on
+// indices compared through v, then sort them: the same set, several times slower.)
+void SelectTopK(std::span<const float> v, uint64_t begin, uint64_t end, uint64_t k,
                 std::vector<uint64_t>* kept) {
   ISTHMUS_CHECK(end - begin <= UINT32_MAX, "top-k over more than 4G elements");
-  std::vector<uint32_t> order(end - begin);
-  std::iota(order.begin(), order.end(), 0u);
-  ByMagnitude cmp{v.data() + begin};
-  if (k < order.size()) {
-    std::nth_element(order.begin(), order.begin() + static_cast<ptrdiff_t>(k), order.end(), cmp);
-    order.resize(k);
+  const uint64_t n = end - begin;
+  const float* x = v.data() + begin;
+  if (k >= n) {
+    for (uint64_t i = 0; i < n; ++i) kept->push_back(begin + i);
+    return;
   }
-  std::sort(order.begin(), order.end());
-  for (uint32_t i : order) kept->push_back(begin + i);
+  if (k == 0) return;
+  std::vector<float> mag(n);
+  for (uint64_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i]);
+  std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(k - 1), mag.end(),
+                   std::greater<float>());
+  const float t = mag[k - 1];
+  uint64_t above = 0;
+  for (uint64_t i = 0; i < n; ++i) above += std::fabs(x[i]) > t;
+  uint64_t ties = k - above;  // entries equal to t to keep, lowest index first
+  kept->reserve(kept->size() + k);
+  for (uint64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(x[i]);
+    if (a > t) {
+      kept->push_back(begin + i);
+    } else if (a == t && ties > 0) {
+      kept->push_back(begin + i);
+      --ties;
+    }
+  }
 }
 
 uint64_t KeepCount(double density, uint64_t n) {
@@ -159,7 +178,7 @@ float BlockScale(const float* v, size_t n, uint32_t bits) {
   return n1 ? static_cast<float>(sum1 / static_cast<double>(n1)) : 0.0f;
 }
 
-void PutValues(std::string* s, const std::vector<float>& vals, uint32_t bits, uint32_t qblock) {
+void PutValues(std::string* s, std::span<const float> vals, uint32_t bits, uint32_t qblock) {
   if (bits == 32) {
     for (float f : vals) PutF32(s, f);
     return;
@@ -186,7 +205,7 @@ void PutValues(std::string* s, const std::vector<float>& vals, uint32_t bits, ui
   s->append(codes);
 }
 
-std::string EncodePlain(const Pipeline& p, const std::vector<float>& v) {
+std::string EncodePlain(const Pipeline& p, std::span<const float> v) {
   const uint64_t numel = v.size();
   std::vector<uint64_t> kept;
   if (p.sparsifier == Sparsifier::kTopK) {
@@ -384,7 +403,7 @@ Pipeline FactorPipeline(const Pipeline& p) {
 }
 
 // Returns false (and the caller falls back) if the factors are not finite.
-bool EncodeLowRank(const Pipeline& p, const std::vector<float>& m, uint64_t rows, uint64_t cols,
+bool EncodeLowRank(const Pipeline& p, std::span<const float> m, uint64_t rows, uint64_t cols,
                    std::string* out) {
   const uint64_t r = p.lowrank_rank;
   // Q0 (cols x r): deterministic uniform(-1, 1) from the shape, rank and a fixed seed.
@@ -507,7 +526,13 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
     PutVarint(&out, x.size());
     return out;
   }
-  const std::vector<float> v = Sanitize(x);
+  // Only a tensor with values to sanitize is copied.
+  std::vector<float> sanitized;
+  std::span<const float> v = x;
+  if (NeedsSanitize(x)) {
+    sanitized = Sanitize(x);
+    v = sanitized;
+  }
   if (LowRankApplies(p.lowrank_rank, shape) &&
       static_cast<uint64_t>(shape[0]) * static_cast<uint64_t>(shape[1]) == v.size()) {
     std::string out;
@@ -530,14 +555,23 @@ bool IsDeferred(std::string_view bytes) {
 std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<float> residual,
                                std::span<float> decoded) {
-  ISTHMUS_CHECK(residual.size() == delta.size() && decoded.size() == delta.size(),
-                "residual and decoded must be the delta's size");
-  std::vector<float> v(delta.size());
-  for (size_t i = 0; i < v.size(); ++i) v[i] = delta[i] + residual[i];
-  std::string q = Encode(p, v, shape);
+  return EncodeWithFeedback(p, delta, shape, residual, residual, decoded);
+}
+
+std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
+                               std::span<const int64_t> shape, std::span<const float> residual_in,
+                               std::span<float> residual_out, std::span<float> decoded) {
+  ISTHMUS_CHECK(residual_in.size() == delta.size() && residual_out.size() == delta.size() &&
+                    decoded.size() == delta.size(),
+                "residuals and decoded must be the delta's size");
+  // v = delta + residual lives in residual_out until the residual replaces it (the same
+  // operations as with a separate v).
+  float* v = residual_out.data();
+  for (size_t i = 0; i < delta.size(); ++i) v[i] = delta[i] + residual_in[i];
+  std::string q = Encode(p, residual_out, shape);
   const Status st = Decode(q, decoded);
   ISTHMUS_CHECK(st.ok(), "our own encoding did not decode: " + st.ToString());
-  for (size_t i = 0; i < v.size(); ++i) residual[i] = v[i] - decoded[i];
+  for (size_t i = 0; i < delta.size(); ++i) v[i] = v[i] - decoded[i];
   return q;
 }
 

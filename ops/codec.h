@@ -85,6 +85,33 @@ bool IsDeferred(std::string_view bytes);
 std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<float> residual,
                                std::span<float> decoded);
+// The same with the residual read from `residual_in` and the new one written to
+// `residual_out` (which may be the same memory): the caller keeps the old residual until it
+// chooses to take the new one. Bitwise the same results.
+std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
+                               std::span<const int64_t> shape, std::span<const float> residual_in,
+                               std::span<float> residual_out, std::span<float> decoded);
+
+// One tensor of EncodeWithFeedbackMany: the arguments of EncodeWithFeedback (decoded may be
+// left empty: scratch memory is used then) and, out, its encoding.
+struct FeedbackTask {
+  Pipeline pipeline;
+  std::span<const float> delta;
+  std::span<const int64_t> shape;
+  std::span<const float> residual_in;
+  std::span<float> residual_out;
+  std::span<float> decoded;
+  std::string bytes;  // out
+};
+
+// EncodeWithFeedback for every task, on up to `threads` threads: the calling thread and
+// threads - 1 helpers (named "codec-encode", started for the call and joined before it
+// returns). Each task runs whole on one thread, largest first, taken in turn by whichever
+// thread is free. The tasks share nothing and every encoding is deterministic, so the bytes
+// and floats are bitwise those of calling EncodeWithFeedback on each task in turn; threads
+// <= 1 does exactly that on the calling thread. Tasks must not overlap in memory they
+// write.
+void EncodeWithFeedbackMany(std::span<FeedbackTask> tasks, int threads);
 
 // The ladder of adaptive mode, finest (most accurate) first: dense, int8+zstd, int4+zstd,
 // topk:0.25+int8+zstd, ..., topk:0.001+int2+zstd (13 rungs; docs/CODECS.md lists them). Ordered by

@@ -1,8 +1,10 @@
 // bench_server: how close a shard's push and pull come to raw ZeroMQ over loopback (CURVE
-// off and on, fsync on and off), where a 64 MiB push spends its time inside the server, and
-// what a snapshot of a 1 GiB job costs in time and disk. A program that prints figures, not
-// a test: it talks only to 127.0.0.1, runs the shard in-process on its own thread, bounds
-// its own runtime, and removes its data folders when done.
+// off and on, fsync on and off) and to a ps-lite-style in-memory parameter server, where a
+// 64 MiB push spends its time inside the server, what a snapshot of a 1 GiB job costs in
+// time and disk, and what a full-model round boundary costs two peered shards (push
+// acknowledged, round committed on both, pull). A program that prints figures, not a test:
+// it talks only to 127.0.0.1, runs the shards in-process on their own threads, bounds its
+// own runtime, and removes its data folders when done.
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -13,6 +15,7 @@
 #include <spdlog/spdlog.h>
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
@@ -35,6 +38,7 @@
 #include "common/client.h"
 #include "common/keys.h"
 #include "common/status.h"
+#include "common/tensor.h"
 #include "common/transport.h"
 #include "common/wire.h"
 #include "server/config/config.h"
@@ -168,8 +172,10 @@ Result<BenchKeys> MakeKeys(const std::string& dir) {
 // A ShardServer serving on its own thread, stopped and its data removed on destruction.
 class RunningServer {
  public:
-  static Result<std::unique_ptr<RunningServer>> Start(const std::string& parent, bool curve,
-                                                      bool sync_writes, const BenchKeys& keys) {
+  // `extra` settings are applied last (they may replace the ones made here).
+  static Result<std::unique_ptr<RunningServer>> Start(
+      const std::string& parent, bool curve, bool sync_writes, const BenchKeys& keys,
+      const std::map<std::string, std::string>& extra = {}) {
     ISTHMUS_ASSIGN_OR_RETURN(TempDir dir, TempDir::Make(parent, "isthmus-bench-shard"));
     ISTHMUS_ASSIGN_OR_RETURN(int worker_port, FreePort());
     ISTHMUS_ASSIGN_OR_RETURN(int admin_port, FreePort());
@@ -189,6 +195,7 @@ class RunningServer {
       settings["security.worker_keys"] = keys.worker_pub_file;
       settings["security.admin_keys"] = keys.admin_pub_file;
     }
+    for (const auto& [k, v] : extra) settings[k] = v;
     ISTHMUS_ASSIGN_OR_RETURN(ServerConfig cfg, LoadServerConfig("", settings));
     std::unique_ptr<RunningServer> rs(new RunningServer(std::move(dir)));
     rs->config_ = cfg;
@@ -208,12 +215,14 @@ class RunningServer {
     server_.reset();  // closes RocksDB before TempDir removes its files
   }
 
-  ClientOptions Options(bool admin, bool curve, const BenchKeys& keys) const {
+  // `server_key`: the server's public key when it is not keys.server's.
+  ClientOptions Options(bool admin, bool curve, const BenchKeys& keys,
+                        const std::string& server_key = "") const {
     ClientOptions o;
     o.endpoint = admin ? admin_ep_ : worker_ep_;
     o.insecure_plaintext = !curve;
     if (curve) {
-      o.server_public_key = keys.server.public_key;
+      o.server_public_key = server_key.empty() ? keys.server.public_key : server_key;
       o.client_keys = admin ? keys.admin : keys.worker;
     }
     o.timeout_ms = 180000;  // a 1 GiB CreateJob with fsync can take a while on a slow disk
@@ -386,6 +395,84 @@ Status RawZmqRequestReply(uint64_t bytes, const Plan& plan, double cap_s, bool c
     ISTHMUS_RETURN_IF_ERROR(st);
   } catch (const zmq::error_t& e) {
     return Status::Internal(std::string("raw zmq rr: ") + e.what());
+  }
+  return Status::Ok();
+}
+
+// A ps-lite-style in-memory push, the baseline the issue names: what ps-lite's ZMQVan and a
+// KVServer with a "store += pushed values" handle do with one tensor per key. The worker
+// side sends a small meta frame and the values zero-copy on a DEALER (ps-lite sends meta
+// and data frames with zmq_msg_init_data); the server side, on its own thread with its own
+// context (2 I/O threads, as the shard), receives on a ROUTER, adds the values into its
+// in-memory array in one pass on that thread (ps-lite's handle runs on the customer thread,
+// no persistence, no finiteness check) and answers with a small frame; the worker waits for
+// the answer (KVWorker::Wait), one push at a time. CURVE as for the shard when `curve`.
+Status PsLitePush(uint64_t bytes, const Plan& plan, double cap_s, bool curve, const BenchKeys& keys,
+                  Cell& cell) {
+  std::vector<char> buf(bytes);
+  {
+    std::vector<float> d(bytes / sizeof(float), 1e-6f);
+    std::memcpy(buf.data(), d.data(), bytes);
+  }
+  try {
+    zmq::context_t srv_ctx(2), cli_ctx(1);
+    zmq::socket_t srv(srv_ctx, zmq::socket_type::router), cli(cli_ctx, zmq::socket_type::dealer);
+    srv.set(zmq::sockopt::linger, 0);
+    cli.set(zmq::sockopt::linger, 0);
+    cli.set(zmq::sockopt::rcvtimeo, 60000);
+    if (curve) {
+      srv.set(zmq::sockopt::curve_server, true);
+      srv.set(zmq::sockopt::curve_secretkey, keys.server.secret_key);
+      ConfigureCurveClient(cli, keys.worker, keys.server.public_key);
+    }
+    srv.bind("tcp://127.0.0.1:*");
+    cli.connect(srv.get(zmq::sockopt::last_endpoint));
+    const int total = plan.warmup + plan.reps;
+    std::thread server([&] {
+      std::vector<float> store(bytes / sizeof(float), 0.5f);
+      std::vector<float> unaligned;
+      for (int i = 0; i < total; ++i) {
+        zmq::message_t id, meta, data;
+        if (!srv.recv(id) || !srv.recv(meta)) return;
+        if (meta.more() && !srv.recv(data)) return;
+        const float* v = static_cast<const float*>(data.data());
+        const size_t n = std::min(store.size(), data.size() / sizeof(float));
+        if (reinterpret_cast<uintptr_t>(data.data()) % alignof(float) != 0) {
+          unaligned.resize(n);
+          std::memcpy(unaligned.data(), data.data(), n * sizeof(float));
+          v = unaligned.data();
+        }
+        float* s = store.data();
+        for (size_t k = 0; k < n; ++k) s[k] += v[k];
+        zmq::message_t ack(16);
+        srv.send(id, zmq::send_flags::sndmore);
+        srv.send(ack, zmq::send_flags::none);
+      }
+    });
+    int done = 0;
+    Status st = Measure(
+        plan, cap_s,
+        [&]() -> Status {
+          zmq::message_t meta(64);
+          zmq::message_t m(buf.data(), bytes, NoFree, nullptr);
+          cli.send(meta, zmq::send_flags::sndmore);
+          cli.send(m, zmq::send_flags::none);
+          zmq::message_t reply;
+          if (!cli.recv(reply) || reply.size() != 16) return Status::Internal("ps-lite: bad reply");
+          ++done;
+          return Status::Ok();
+        },
+        cell);
+    for (; done < total; ++done) {  // Measure may stop early: feed the server what it waits for
+      zmq::message_t meta(64);
+      cli.send(meta, zmq::send_flags::none);
+      zmq::message_t reply;
+      (void)cli.recv(reply);
+    }
+    server.join();
+    ISTHMUS_RETURN_IF_ERROR(st);
+  } catch (const zmq::error_t& e) {
+    return Status::Internal(std::string("ps-lite baseline: ") + e.what());
   }
   return Status::Ok();
 }
@@ -736,6 +823,159 @@ Result<SnapshotFigures> MeasureSnapshot(const std::string& parent, uint64_t tota
 }
 
 // ---------------------------------------------------------------------------------------
+// The round boundary of a full-model job: two sites, one shard each, peered over loopback.
+
+struct RoundFigures {
+  uint64_t values = 0;  // per site and round
+  int tensors = 0, rounds = 0;
+  double create_s = 0;
+  // Per counted round (the first is left out as warm-up), the worse of the two sites:
+  std::vector<double> push_s;    // the push's request/reply
+  std::vector<double> commit_s;  // push sent -> the round committed on both shards
+  std::vector<double> pull_s;    // PullInPlace of the committed state after the commit
+};
+
+// The byte-level GPT at GPT-2-small's shape that docs/BENCHMARKS.md section 7 runs in full
+// mode (vocabulary 256, context 128, 12 layers of width 768): 85,350,912 values.
+std::vector<std::pair<std::string, std::vector<int64_t>>> FullModelShapes(int layers) {
+  std::vector<std::pair<std::string, std::vector<int64_t>>> t;
+  const int64_t d = 768;
+  t.push_back({"wte", {256, d}});
+  t.push_back({"wpe", {128, d}});
+  for (int l = 0; l < layers; ++l) {
+    const std::string h = "h." + std::to_string(l) + ".";
+    t.push_back({h + "ln_1.weight", {d}});
+    t.push_back({h + "ln_1.bias", {d}});
+    t.push_back({h + "attn.c_attn.weight", {d, 3 * d}});
+    t.push_back({h + "attn.c_attn.bias", {3 * d}});
+    t.push_back({h + "attn.c_proj.weight", {d, d}});
+    t.push_back({h + "attn.c_proj.bias", {d}});
+    t.push_back({h + "ln_2.weight", {d}});
+    t.push_back({h + "ln_2.bias", {d}});
+    t.push_back({h + "mlp.c_fc.weight", {d, 4 * d}});
+    t.push_back({h + "mlp.c_fc.bias", {4 * d}});
+    t.push_back({h + "mlp.c_proj.weight", {4 * d, d}});
+    t.push_back({h + "mlp.c_proj.bias", {d}});
+  }
+  t.push_back({"ln_f.weight", {d}});
+  t.push_back({"ln_f.bias", {d}});
+  return t;
+}
+
+// Two shards (sites alpha and beta, CURVE peer link over loopback, storage.sync_writes and
+// every sync setting at its default: topk:0.05+int2+zstd, K = 2) hold the same full-model
+// job. Each round, two threads push each site's round delta at the same time (as two sites'
+// workers would), then the program waits until both shards report the round committed, then
+// both pull. Between rounds nothing waits: this is the boundary's cost alone.
+Result<RoundFigures> MeasureRounds(const std::string& parent, int layers, int rounds,
+                                   const BenchKeys& keys) {
+  RoundFigures f;
+  ISTHMUS_ASSIGN_OR_RETURN(TempDir key_dir, TempDir::Make(parent, "isthmus-bench-round-keys"));
+  ISTHMUS_ASSIGN_OR_RETURN(KeyPair beta_key, GenerateKeyPair());
+  ISTHMUS_RETURN_IF_ERROR(WriteKeyPairFiles(key_dir.path() + "/beta", beta_key, false));
+  ISTHMUS_RETURN_IF_ERROR(WriteKeyPairFiles(key_dir.path() + "/alpha", keys.server, false));
+  ISTHMUS_ASSIGN_OR_RETURN(int alpha_peer, FreePort());
+  ISTHMUS_ASSIGN_OR_RETURN(int beta_peer, FreePort());
+  auto ep = [](int port) { return "tcp://127.0.0.1:" + std::to_string(port); };
+  const std::map<std::string, std::string> alpha_cfg = {
+      {"shard.id", "alpha-0"},
+      {"sync.site", "alpha"},
+      {"listen.peer", ep(alpha_peer)},
+      {"sync.peers", "beta=" + ep(beta_peer) + "=" + key_dir.path() + "/beta.pub"},
+      {"security.peer_keys", key_dir.path() + "/beta.pub"},
+      {"log.level", "warn"}};
+  const std::map<std::string, std::string> beta_cfg = {
+      {"shard.id", "beta-0"},
+      {"sync.site", "beta"},
+      {"listen.peer", ep(beta_peer)},
+      {"sync.peers", "alpha=" + ep(alpha_peer) + "=" + key_dir.path() + "/alpha.pub"},
+      {"security.peer_keys", key_dir.path() + "/alpha.pub"},
+      {"security.secret_key", key_dir.path() + "/beta.key"},
+      {"log.level", "warn"}};
+  ISTHMUS_ASSIGN_OR_RETURN(auto alpha, RunningServer::Start(parent, true, true, keys, alpha_cfg));
+  ISTHMUS_ASSIGN_OR_RETURN(auto beta, RunningServer::Start(parent, true, true, keys, beta_cfg));
+  RunningServer* servers[2] = {alpha.get(), beta.get()};
+  const std::string server_keys[2] = {keys.server.public_key, beta_key.public_key};
+  std::unique_ptr<ShardClient> admin[2], worker[2];
+  for (int i = 0; i < 2; ++i) {
+    auto o = servers[i]->Options(true, true, keys, server_keys[i]);
+    o.timeout_ms = 600000;
+    ISTHMUS_ASSIGN_OR_RETURN(admin[i], ShardClient::Connect(o));
+    o = servers[i]->Options(false, true, keys, server_keys[i]);
+    o.timeout_ms = 600000;
+    ISTHMUS_ASSIGN_OR_RETURN(worker[i], ShardClient::Connect(o));
+  }
+  const auto shapes = FullModelShapes(layers);
+  std::vector<std::vector<float>> init(shapes.size());
+  std::vector<std::vector<std::vector<float>>> delta(
+      2, std::vector<std::vector<float>>(shapes.size()));
+  std::mt19937 rng(11);
+  std::normal_distribution<float> w0(0.0f, 0.02f), dd(0.0f, 1e-3f);
+  std::vector<TensorView> init_views, delta_views[2];
+  for (size_t t = 0; t < shapes.size(); ++t) {
+    const size_t n = static_cast<size_t>(NumElements(shapes[t].second));
+    f.values += n;
+    init[t].resize(n);
+    for (auto& x : init[t]) x = w0(rng);
+    init_views.push_back({shapes[t].first, shapes[t].second, init[t].data()});
+    for (int i = 0; i < 2; ++i) {
+      delta[i][t].resize(n);
+      for (auto& x : delta[i][t]) x = dd(rng);
+      delta_views[i].push_back({shapes[t].first, shapes[t].second, delta[i][t].data()});
+    }
+  }
+  f.tensors = static_cast<int>(shapes.size());
+  auto t0 = Clock::now();
+  for (int i = 0; i < 2; ++i) {
+    ISTHMUS_RETURN_IF_ERROR(admin[i]->CreateJob("full", "", init_views).status());
+  }
+  f.create_s = Seconds(t0, Clock::now());
+  for (int r = 1; r <= rounds; ++r) {
+    double push_s[2] = {0, 0};
+    Status push_status[2];
+    const auto start = Clock::now();
+    std::thread pushers[2];
+    for (int i = 0; i < 2; ++i) {
+      pushers[i] = std::thread([&, i] {
+        const auto p0 = Clock::now();
+        auto res = worker[i]->Push("full", "round-" + std::to_string(r), static_cast<uint64_t>(r),
+                                   1000, delta_views[i], 3000);
+        push_s[i] = Seconds(p0, Clock::now());
+        push_status[i] = res.status();
+      });
+    }
+    for (auto& th : pushers) th.join();
+    for (const auto& st : push_status) ISTHMUS_RETURN_IF_ERROR(st);
+    for (int i = 0; i < 2; ++i) {
+      for (;;) {
+        ISTHMUS_ASSIGN_OR_RETURN(HelloInfo h,
+                                 worker[i]->Hello("full", wire::Role::Worker, "", "b"));
+        if (h.rounds.committed_round >= static_cast<uint64_t>(r)) break;
+        if (Seconds(start, Clock::now()) > 600) return Status::Timeout("round never committed");
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    }
+    const double commit = Seconds(start, Clock::now());
+    double pull = 0;
+    for (int i = 0; i < 2; ++i) {
+      const auto p0 = Clock::now();
+      ISTHMUS_ASSIGN_OR_RETURN(PullView v, worker[i]->PullInPlace("full"));
+      if (v.tensors.size() != shapes.size()) return Status::Internal("pull: wrong tensor count");
+      pull = std::max(pull, Seconds(p0, Clock::now()));
+    }
+    std::printf("  round %d: push %.2f / %.2f s, committed on both after %.2f s, pull %.2f s\n", r,
+                push_s[0], push_s[1], commit, pull);
+    std::fflush(stdout);
+    if (r == 1) continue;  // warm-up: first allocations, first handshake
+    f.push_s.push_back(std::max(push_s[0], push_s[1]));
+    f.commit_s.push_back(commit);
+    f.pull_s.push_back(pull);
+  }
+  f.rounds = static_cast<int>(f.push_s.size());
+  return f;
+}
+
+// ---------------------------------------------------------------------------------------
 // Output.
 
 std::string ReadFirstLine(const std::string& path, const std::string& prefix = "") {
@@ -773,20 +1013,26 @@ int Main(int argc, char** argv) {
       "only to 127.0.0.1. MB/s = 10^6 bytes per second."};
   std::vector<std::string> size_args = {"4K", "64K", "1M", "16M", "64M"};
   std::string curve_arg = "both", json_path, dir = fs::temp_directory_path().string();
-  std::vector<std::string> modes = {"raw", "push", "pull", "breakdown", "snapshot"};
+  std::vector<std::string> modes = {"raw", "pslite", "push", "pull", "breakdown", "snapshot"};
   double cap_s = 1.2;
   std::string breakdown_size = "64M", snapshot_size = "1G";
   int breakdown_reps = 5;
+  int round_layers = 12, rounds = 5;
   app.add_option("--sizes", size_args, "tensor sizes (4K, 64K, 1M, ...)")->delimiter(',');
   app.add_option("--curve", curve_arg, "off, on or both")
       ->check(CLI::IsMember({"off", "on", "both"}));
-  app.add_option("--modes", modes, "any of raw,push,pull,breakdown,snapshot")
+  app.add_option("--modes", modes, "any of raw,pslite,push,pull,breakdown,snapshot,round")
       ->delimiter(',')
-      ->check(CLI::IsMember({"raw", "push", "pull", "breakdown", "snapshot"}));
+      ->check(CLI::IsMember({"raw", "pslite", "push", "pull", "breakdown", "snapshot", "round"}));
   app.add_option("--cell-seconds", cap_s, "time cap of one measured cell (at least 3 ops run)");
   app.add_option("--breakdown-size", breakdown_size, "tensor size of the server-side breakdown");
   app.add_option("--breakdown-reps", breakdown_reps, "runs per breakdown item (median)");
   app.add_option("--snapshot-size", snapshot_size, "total size of the snapshotted job");
+  app.add_option("--round-layers", round_layers,
+                 "round mode: transformer layers of the full-model job (12: 85.35 M values)")
+      ->check(CLI::Range(1, 48));
+  app.add_option("--rounds", rounds, "round mode: rounds to run (the first is not counted)")
+      ->check(CLI::Range(2, 100));
   app.add_option("--dir", dir, "parent folder for the shard data (needs 5 GiB free for snapshot)");
   app.add_option("--json", json_path, "also write the results as JSON to this file (- = stdout)");
   CLI11_PARSE(app, argc, argv);
@@ -847,6 +1093,10 @@ int Main(int argc, char** argv) {
       "raw-rr: DEALER->ROUTER, the message then an 8-byte reply, one at a time (a push's "
       "transport with no server work); %%raw columns compare with raw-zmq\n");
   std::printf(
+      "ps-lite: a ps-lite-style in-memory push (meta + values frames, ROUTER thread adds them "
+      "into an in-memory array, small reply; no persistence); 'x ps-lite' = push MB/s / ps-lite "
+      "MB/s, same size and CURVE setting\n");
+  std::printf(
       "pull: ShardClient::PullInPlace (tensors read in the received frames); pull-copy: "
       "ShardClient::Pull (copies into Tensor::data)\n\n");
   std::fflush(stdout);
@@ -866,6 +1116,14 @@ int Main(int argc, char** argv) {
         cells.push_back(rr);
       }
     }
+    if (has_mode("pslite")) {
+      for (uint64_t b : sizes) {
+        Cell cell{"ps-lite", curve, "-", b};
+        Status s = PsLitePush(b, PlanFor(b), cap_s, curve, *keys, cell);
+        if (!s.ok()) return fail("ps-lite baseline", s);
+        cells.push_back(cell);
+      }
+    }
     for (bool sync : {true, false}) {
       bool do_push = has_mode("push");
       bool do_pull = has_mode("pull") && sync;  // pulls do not depend on fsync
@@ -879,16 +1137,18 @@ int Main(int argc, char** argv) {
   double throughput_s = Seconds(started, Clock::now());
 
   // The table.
-  std::printf("%-9s %-5s %-5s %8s %6s %10s %9s %9s %9s\n", "op", "curve", "sync", "size", "ops",
-              "median ms", "MB/s", "%raw off", "%raw on");
+  std::printf("%-9s %-5s %-5s %8s %6s %10s %9s %9s %9s %9s\n", "op", "curve", "sync", "size", "ops",
+              "median ms", "MB/s", "%raw off", "%raw on", "x ps-lite");
   std::string last_key;
   for (bool curve : curves) {
     for (uint64_t b : sizes) {
       const Cell* raw_off = Find(cells, "raw-zmq", false, "-", b);
       const Cell* raw_on = Find(cells, "raw-zmq", true, "-", b);
+      const Cell* pslite = Find(cells, "ps-lite", curve, "-", b);
       for (const auto& [op, sync] :
            std::vector<std::pair<std::string, std::string>>{{"raw-zmq", "-"},
                                                             {"raw-rr", "-"},
+                                                            {"ps-lite", "-"},
                                                             {"push", "true"},
                                                             {"push", "false"},
                                                             {"pull", "-"},
@@ -897,9 +1157,15 @@ int Main(int argc, char** argv) {
         if (c == nullptr) continue;
         std::string off = raw_off ? Pct(c->MBps(), raw_off->MBps()) : "-";
         std::string on = curve && raw_on ? Pct(c->MBps(), raw_on->MBps()) : "-";
-        std::printf("%-9s %-5s %-5s %8s %6d %10.3f %9.1f %9s %9s\n", op.c_str(),
+        std::string vs = "-";
+        if (op == "push" && pslite != nullptr && pslite->MBps() > 0) {
+          char buf[32];
+          std::snprintf(buf, sizeof buf, "%.2fx", c->MBps() / pslite->MBps());
+          vs = buf;
+        }
+        std::printf("%-9s %-5s %-5s %8s %6d %10.3f %9.1f %9s %9s %9s\n", op.c_str(),
                     curve ? "on" : "off", sync.c_str(), SizeLabel(b).c_str(), c->reps, c->median_ms,
-                    c->MBps(), off.c_str(), on.c_str());
+                    c->MBps(), off.c_str(), on.c_str(), vs.c_str());
       }
     }
     std::printf("\n");
@@ -928,6 +1194,26 @@ int Main(int argc, char** argv) {
       std::printf("target: not evaluated (needs raw, push and pull at 64M with CURVE off)\n\n");
     }
   }
+  // Issue 22's targets against the ps-lite-style baseline: push >= 1.5x its throughput
+  // without fsync, >= 1.0x with it.
+  json vs_pslite = json::array();
+  for (bool curve : curves) {
+    for (uint64_t b : sizes) {
+      const Cell* base = Find(cells, "ps-lite", curve, "-", b);
+      const Cell* ns = Find(cells, "push", curve, "false", b);
+      const Cell* fs = Find(cells, "push", curve, "true", b);
+      if (!base || !ns || !fs || base->MBps() <= 0) continue;
+      const double rn = ns->MBps() / base->MBps(), rf = fs->MBps() / base->MBps();
+      std::printf(
+          "vs ps-lite (CURVE %s, %s): push sync=false %.2fx (target 1.5x: %s), sync=true %.2fx "
+          "(target 1.0x: %s)\n",
+          curve ? "on" : "off", SizeLabel(b).c_str(), rn, rn >= 1.5 ? "met" : "not met", rf,
+          rf >= 1.0 ? "met" : "not met");
+      vs_pslite.push_back(
+          {{"curve", curve}, {"bytes", b}, {"push_nosync_ratio", rn}, {"push_sync_ratio", rf}});
+    }
+  }
+  std::printf("\n");
   std::fflush(stdout);
 
   json breakdown = json::array();
@@ -981,6 +1267,36 @@ int Main(int argc, char** argv) {
                   {"live_db_bytes", f->live_db_bytes}};
     }
   }
+  json round;
+  if (has_mode("round")) {
+    std::printf(
+        "round boundary of a full-model job: 2 sites x 1 shard, CURVE peer link over loopback, "
+        "sync_writes=true, default sync settings; %d layers, %d rounds (the first not counted):\n",
+        round_layers, rounds);
+    std::fflush(stdout);
+    auto f = MeasureRounds(dir, round_layers, rounds, *keys);
+    if (!f.ok()) return fail("round", f.status());
+    auto stats = [](const std::vector<double>& v) {
+      auto sorted = v;
+      std::sort(sorted.begin(), sorted.end());
+      return std::array<double, 3>{sorted.front(), Median(v), sorted.back()};
+    };
+    const auto push = stats(f->push_s), commit = stats(f->commit_s), pull = stats(f->pull_s);
+    std::printf(
+        "  %llu values (%.1f MB fp32) in %d tensors per site and round; CreateJob %.1f s for "
+        "both\n",
+        static_cast<unsigned long long>(f->values), f->values * 4 / 1e6, f->tensors, f->create_s);
+    std::printf("  push (acknowledged)          median %6.2f s (min %.2f, max %.2f)\n", push[1],
+                push[0], push[2]);
+    std::printf("  push -> committed on both    median %6.2f s (min %.2f, max %.2f)\n", commit[1],
+                commit[0], commit[2]);
+    std::printf("  pull after the commit        median %6.2f s (min %.2f, max %.2f)\n\n", pull[1],
+                pull[0], pull[2]);
+    round = {{"values", f->values},         {"tensors", f->tensors},       {"layers", round_layers},
+             {"rounds_counted", f->rounds}, {"create_job_s", f->create_s}, {"push_s", f->push_s},
+             {"commit_s", f->commit_s},     {"pull_s", f->pull_s}};
+  }
+
   double total_s = Seconds(started, Clock::now());
   std::printf("total %.1f s; loadavg at end: %s\n", total_s,
               ReadFirstLine("/proc/loadavg").c_str());
@@ -1011,6 +1327,8 @@ int Main(int argc, char** argv) {
     out["target_64MiB_curve_off"] = target;
     out["breakdown"] = breakdown;
     out["snapshot"] = snapshot;
+    out["vs_pslite"] = vs_pslite;
+    out["round"] = round;
     out["total_s"] = total_s;
     if (json_path == "-") {
       std::cout << out.dump(2) << "\n";

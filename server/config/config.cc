@@ -348,6 +348,12 @@ const std::vector<Binding>& Bindings() {
           "DiLoCo does); larger K overlaps the WAN with compute.",
           Range{0, kMaxRoundsAheadLimit}),
       Bind(
+          "sync.encode_threads", [](auto& c) -> auto& { return c.sync.encode_threads; },
+          "Threads that encode a closing round's tensors with error feedback (top-k, "
+          "quantisation, zstd), one tensor per thread at a time, the shard's loop among them. "
+          "The encoded bytes are the same for any value.",
+          Range{1, kMaxEncodeThreads}),
+      Bind(
           "sync.change_timeout_s", [](auto& c) -> auto& { return c.sync.change_timeout_s; },
           "A membership change this site coordinates (a removal, a leave, a site's addition) is "
           "given up when it makes no progress for this many seconds: no site it asks agrees, a "

@@ -40,6 +40,10 @@ Status NormalizeSyncOptions(SyncOptions& options) {
     return Status::InvalidArgument("sync.max_rounds_ahead must be in [0, " +
                                    std::to_string(kMaxRoundsAheadLimit) + "]");
   }
+  if (options.encode_threads < 1 || options.encode_threads > kMaxEncodeThreads) {
+    return Status::InvalidArgument("sync.encode_threads must be in [1, " +
+                                   std::to_string(kMaxEncodeThreads) + "]");
+  }
   if (options.change_timeout_s < 1 || options.change_timeout_s > 30 * 86400) {
     return Status::InvalidArgument("sync.change_timeout_s must be in [1, 2592000] (seconds)");
   }

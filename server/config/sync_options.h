@@ -21,6 +21,7 @@ namespace isthmus {
 inline constexpr double kMaxOuterLr = 100.0;           // outer_lr in (0, kMaxOuterLr]
 inline constexpr uint32_t kMaxFragments = 1024;        // fragments in [1, kMaxFragments]
 inline constexpr uint64_t kMaxRoundsAheadLimit = 256;  // max_rounds_ahead in [0, this]
+inline constexpr uint32_t kMaxEncodeThreads = 64;      // encode_threads in [1, this]
 
 struct SyncOptions {
   std::string site;                     // this site's name; required
@@ -45,6 +46,10 @@ struct SyncOptions {
   uint64_t max_rounds_ahead = 2;
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
+  // Threads that encode a closing round's tensors (one tensor per thread at a time, the
+  // event loop's thread among them); the bytes do not depend on it. The default suits the
+  // 2-core development machine.
+  uint32_t encode_threads = 2;
   // A membership change this site coordinates that makes no progress (no site agrees, a
   // joining site fetches nothing) for this long is given up, so it does not hold commits.
   uint64_t change_timeout_s = 300;
@@ -60,7 +65,8 @@ struct SyncOptions {
 // set, it and every peer a valid site name (IsValidSiteName, common/names.h), peers
 // distinct from it and from each other, every pipeline parses (codec, overrides, floor,
 // ceiling), outer lr in (0, kMaxOuterLr], momentum in [0, 1), fragments in
-// [1, kMaxFragments], K at most kMaxRoundsAheadLimit. InvalidArgument naming the setting
+// [1, kMaxFragments], K at most kMaxRoundsAheadLimit, encode_threads in [1,
+// kMaxEncodeThreads]. InvalidArgument naming the setting
 // (sync.codec, ...) and what to change.
 Status NormalizeSyncOptions(SyncOptions& options);
 

@@ -521,6 +521,14 @@ void WriteSyncMetrics(metrics::TextWriter& w, SyncEngine* engine, PeerLinks* lin
             [](const SyncJobStatus& j) {
               return j.pending.has_value() || j.catching_up || j.draining ? 1 : 0;
             });
+    per_job("isthmus_sync_round_work_pending", Type::kGauge,
+            "1 while round work left after a reply (a round's close, commits) waits to run or "
+            "to be retried after a failure.",
+            [](const SyncJobStatus& j) { return j.round_work_pending ? 1 : 0; });
+    per_job("isthmus_sync_round_work_failures_total", Type::kCounter,
+            "Failures of round work run after a reply (each is logged and retried with "
+            "backoff) since the server started.",
+            [](const SyncJobStatus& j) { return j.round_work_failures; });
     per_job("isthmus_sync_encoded_bytes_total", Type::kCounter,
             "Encoded bytes of this site's round deltas (the payload each peer is sent).",
             [](const SyncJobStatus& j) { return j.bytes_encoded; });
@@ -653,6 +661,10 @@ struct ShardServer::Impl {
   MetricsBridge metrics_bridge;
   std::unique_ptr<metrics::MetricsEndpoint> metrics_endpoint;
   std::map<std::string, metrics::Histogram> commit_seconds;  // per job; event-loop thread
+  // ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY (tests, docs/TESTING.md): once the reply of a
+  // push that left its round's close has been sent, the loop stops before the close and
+  // waits to be killed (the reply still leaves: ZeroMQ's I/O threads run on).
+  bool hang_after_push_reply = false;
   double started_unix = 0;
   std::string RenderMetrics();
   // Stops admitting peer site `site`'s key on the peer socket (sync remove --revoke-key) and
@@ -768,6 +780,9 @@ Status ShardServer::Start() {
   ShardOptions opts;
   opts.shard_id = c.shard_id;
   opts.convert_plain_jobs = c.sync_convert_plain_jobs;
+  opts.defer_round_work = true;  // Run() does it right after each reply
+  impl_->hang_after_push_reply =
+      std::getenv("ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY") != nullptr;
   opts.snapshot_dir = SnapshotDir(c.data_dir);
   opts.limits = limits;
   impl_->limits = limits;
@@ -893,9 +908,13 @@ Status ShardServer::Run() {
     items[2] = {nullptr, impl_->wake_fd, ZMQ_POLLIN, 0};
     items[3] = {nullptr, impl_->metrics_bridge.fd(), ZMQ_POLLIN, 0};
     if (links) links->FillPollItems(items.data() + kFixedItems);
+    // Round work that failed after a reply (say the disk was full) is retried on a timer.
+    int timeout_ms = links ? links->NextTimeoutMs() : -1;
+    if (const int retry = impl_->shard->DeferredRetryMs(); retry >= 0) {
+      timeout_ms = timeout_ms < 0 ? retry : std::min(timeout_ms, retry);
+    }
     try {
-      zmq::poll(items.data(), items.size(),
-                std::chrono::milliseconds(links ? links->NextTimeoutMs() : -1));
+      zmq::poll(items.data(), items.size(), std::chrono::milliseconds(timeout_ms));
     } catch (const zmq::error_t& e) {
       if (e.num() == EINTR) continue;
       return Status::Internal(std::string("poll failed: ") + e.what());
@@ -919,22 +938,44 @@ Status ShardServer::Run() {
                        msg.status().ToString());
           continue;
         }
+        // Owned, so that a push's deltas can outlive this iteration (until the round's
+        // deferred close) without a copy.
+        auto request = std::make_shared<Frames>(std::move(*msg));
         std::optional<Reply> sync_reply;
         if (roles[i] == wire::Role::Admin) {
           sync_reply = HandleSyncAdmin(
-              *msg, impl_->limits, impl_->config, impl_->shard.get(), links,
+              *request, impl_->limits, impl_->config, impl_->shard.get(), links,
               [this, links](const std::string& site) { return impl_->RevokePeer(site, links); });
         }
-        Reply reply = sync_reply ? std::move(*sync_reply) : impl_->shard->Handle(roles[i], *msg);
+        Reply reply =
+            sync_reply ? std::move(*sync_reply) : impl_->shard->Handle(roles[i], *request, request);
         uint64_t out_bytes = reply.header.GetSize();
         for (const auto& p : reply.payload) out_bytes += p.size;
-        impl_->shard->CountBytes(roles[i], msg->header.size() + msg->PayloadBytes(), out_bytes);
+        impl_->shard->CountBytes(roles[i], request->header.size() + request->PayloadBytes(),
+                                 out_bytes);
         Status s = SendMessage(*sockets[i], &routing_id, reply.header, reply.payload);
         if (!s.ok()) spdlog::warn("could not send a reply: {}", s.ToString());
+        request.reset();
+        if (impl_->hang_after_push_reply && roles[i] == wire::Role::Worker &&
+            impl_->shard->DeferredRetryMs() == 0) {
+          // Fault injection for tests: the push is acknowledged, its round not closed; the
+          // test kills the process (SIGKILL) once it has the reply, so no sleep decides
+          // whether the reply got out.
+          spdlog::error("ISTHMUS_SERVER_FAULT_HANG_AFTER_PUSH_REPLY: stopped before the close");
+          spdlog::default_logger()->flush();
+          for (;;) ::pause();
+        }
+        // The reply is on its way: now the round work it left (the close of a round the push
+        // completed, the commits), before the next request is read. Failures are logged and
+        // retried by the engine.
+        (void)impl_->shard->RunDeferred();
       }
     }
+    if (links) links->OnPoll(items.data() + kFixedItems);
+    // Commits that peers' deltas made possible (received and acknowledged above), and work
+    // to retry.
+    (void)impl_->shard->RunDeferred();
     if (links) {
-      links->OnPoll(items.data() + kFixedItems);
       // After worker pushes too: a round closed just now goes out at once.
       links->Tick();
       CheckSilentPeers(impl_->config, impl_->shard->sync(), links, next_silence_check);

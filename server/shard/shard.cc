@@ -126,6 +126,7 @@ Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
   if (shard->options_.sync) {
     ISTHMUS_ASSIGN_OR_RETURN(shard->sync_,
                              SyncEngine::Create(shard->store_.get(), *shard->options_.sync));
+    shard->sync_->SetDeferRoundWork(shard->options_.defer_round_work);
     Shard* self = shard.get();
     SyncEngine::JobHooks hooks;
     hooks.base_hash = [self](const std::string& job) {
@@ -409,7 +410,7 @@ void Shard::WriteMetrics(metrics::TextWriter& w) {
            static_cast<double>(m.delayed_write_rate));
 }
 
-Reply Shard::Handle(wire::Role role, const Frames& request) {
+Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<const void> keepalive) {
   ++requests_;
   const auto t0 = std::chrono::steady_clock::now();
   std::string op = "malformed";  // until the envelope parses
@@ -447,7 +448,7 @@ Reply Shard::Handle(wire::Role role, const Frames& request) {
             break;
           case wire::Body::PushRequest:
             s = role == wire::Role::Worker
-                    ? DoPush(e->body_as_PushRequest(), request, id, reply)
+                    ? DoPush(e->body_as_PushRequest(), request, id, reply, std::move(keepalive))
                     : Status::PermissionDenied("pushes are only allowed on the worker socket");
             break;
           case wire::Body::JobDescribe:
@@ -502,7 +503,8 @@ Result<Shard::JobState*> Shard::FindJob(const flatbuffers::String* job) {
 flatbuffers::Offset<wire::RoundStatus> Shard::RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
                                                             const JobState& job) {
   if (sync_ && sync_->HasJob(job.name)) {
-    return wire::CreateRoundStatus(fbb, sync_->LocalRound(job.name),
+    // A round whose deltas are durable counts as pushed, its close pending or not.
+    return wire::CreateRoundStatus(fbb, sync_->PushedRound(job.name),
                                    sync_->CommittedRound(job.name), sync_->max_rounds_ahead());
   }
   return wire::CreateRoundStatus(fbb, job.last_round, job.last_round, 0);
@@ -600,8 +602,15 @@ Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
   return Status::Ok();
 }
 
-Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id,
-                     Reply& reply) {
+Status Shard::RunDeferred() {
+  if (!sync_ || !store_) return Status::Ok();
+  return sync_->RunDeferred();
+}
+
+int Shard::DeferredRetryMs() const { return sync_ && store_ ? sync_->DeferredRetryMs() : -1; }
+
+Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply,
+                     std::shared_ptr<const void> keepalive) {
   ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
   const std::string job_name = req->job()->str();
   const std::string key = req->idempotency_key()->str();
@@ -634,7 +643,9 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
     return Status::InvalidArgument("push carries no tensors");
   }
-  if (sync_ && sync_->HasJob(job_name)) return DoSyncPush(job, req, frames, id, content, reply);
+  if (sync_ && sync_->HasJob(job_name)) {
+    return DoSyncPush(job, req, frames, id, content, reply, std::move(keepalive));
+  }
   // Check every name and shape before touching anything.
   std::vector<std::pair<TensorState*, const wire::TensorMeta*>> targets;
   for (const auto* m : *req->tensors()) {
@@ -716,10 +727,19 @@ Status Shard::AddDedup(const std::string& job_name, const std::string& key, uint
 }
 
 Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
-                         uint64_t id, const std::string& content, Reply& reply) {
+                         uint64_t id, const std::string& content, Reply& reply,
+                         std::shared_ptr<const void> keepalive) {
   const std::string& job_name = job->name;
   const std::string key = req->idempotency_key()->str();
-  std::vector<std::vector<float>> copies;  // frames that are not float-aligned
+  // Frames that are not float-aligned are copied; these copies live as long as the request
+  // (the keepalive) for the engine, which may keep the deltas until the round's close.
+  struct Owned {
+    std::shared_ptr<const void> request;
+    std::vector<std::vector<float>> copies;
+  };
+  auto owned = std::make_shared<Owned>();
+  owned->request = std::move(keepalive);
+  std::vector<std::vector<float>>& copies = owned->copies;
   copies.reserve(req->tensors()->size());
   std::vector<SyncPushTensor> tensors;
   // Names and shapes are the engine's to check (it holds the synced job's tensors).
@@ -747,7 +767,8 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
   } else {
     ISTHMUS_ASSIGN_OR_RETURN(
         SyncPushResult r,
-        sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch, req->compute_ms()));
+        sync_->PushRound(job_name, req->round(), req->tokens(), tensors, batch, req->compute_ms(),
+                         owned->request ? std::shared_ptr<const void>(owned) : nullptr));
     duplicate = r.duplicate;
     if (duplicate) {
       job->duplicate_pushes += 1;

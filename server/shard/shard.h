@@ -45,6 +45,11 @@ struct ShardOptions {
   // the round protocol, their current tensors as round 0. false: Open (and a restore)
   // refuses them with InvalidArgument naming them, before anything is written.
   bool convert_plain_jobs = false;
+  // With sync on: answer a push that completes a round once its deltas are durable, and
+  // leave the round's close and the commits after it to RunDeferred
+  // (SyncEngine::SetDeferRoundWork). The server's loop sets it and calls RunDeferred after
+  // each reply; off, Handle does all of a request's round work before it returns.
+  bool defer_round_work = false;
 };
 
 // A reply ready to send.
@@ -61,8 +66,20 @@ class Shard {
   static Result<std::unique_ptr<Shard>> Open(ShardOptions options);
 
   // Handles one request that arrived on the socket of `role`. Never throws; any problem
-  // becomes an error reply, and an error reply means no state changed.
-  Reply Handle(wire::Role role, const Frames& request);
+  // becomes an error reply, and an error reply means no state changed. `keepalive`, when
+  // set, owns `request` (its payload frames included): the shard may keep it, and refer to
+  // the pushed values, past the call (a push's deltas until its round's deferred close)
+  // instead of reading them back from the store.
+  Reply Handle(wire::Role role, const Frames& request,
+               std::shared_ptr<const void> keepalive = nullptr);
+
+  // The round work that replies left for later (ShardOptions::defer_round_work): the
+  // close of a round a push completed and the commits that became possible. Call it after
+  // the reply is sent and before the next request; a failure is logged and tried again by
+  // a later call (DeferredRetryMs says when), and reported here.
+  Status RunDeferred();
+  // Milliseconds until RunDeferred has work to retry; -1 when none waits.
+  int DeferredRetryMs() const;
 
   uint64_t requests() const { return requests_; }
   uint64_t errors() const { return errors_; }
@@ -118,11 +135,14 @@ class Shard {
 
   Status DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply);
   Status DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply);
-  Status DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply);
+  Status DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply,
+                std::shared_ptr<const void> keepalive);
   // A push to a job of the round protocol: staged by the engine (round >= 1) or added at
   // once (round 0, only without peers). Validated by DoPush up to the tensor list.
+  // `keepalive` as for Handle.
   Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames, uint64_t id,
-                    const std::string& content, Reply& reply);
+                    const std::string& content, Reply& reply,
+                    std::shared_ptr<const void> keepalive);
   // Adds the idempotency record of `key` (and forgets the oldest) to `batch`; counts it
   // in `next`.
   Status AddDedup(const std::string& job_name, const std::string& key, uint64_t version,

@@ -1,6 +1,6 @@
-// RocksDB and in-memory implementations of Store. The RocksDB one keeps large tensor
-// values in per-key A/B slot files next to the database (see store.h) so a push writes
-// the tensor once instead of through the WAL, the memtable and a later flush.
+// RocksDB and in-memory implementations of Store. The RocksDB one keeps large values (of
+// any column) in per-key A/B slot files next to the database (see store.h) so a push or a
+// round writes each once instead of through the WAL, the memtable and a later flush.
 #include "server/storage/store.h"
 
 #include <fcntl.h>
@@ -104,6 +104,35 @@ std::optional<uint64_t> SlotFileId(const std::string& name) {
   return id;
 }
 
+// A value held in a slot file: its column and key.
+using SlotKey = std::pair<int, std::string>;
+
+// The key of a slot's pointer record in the default column family. kTensors keys are
+// stored as they are (the layout from before other columns had slot files, so existing
+// stores read on); other columns' keys carry a tag byte that no job name starts with
+// (keys.h) and the column's number.
+constexpr char kSlotColumnTag = '\xff';
+
+std::string SlotRecordKey(Column c, std::string_view key) {
+  if (c == Column::kTensors) return std::string(key);
+  std::string k;
+  k.reserve(key.size() + 2);
+  k.push_back(kSlotColumnTag);
+  k.push_back(static_cast<char>(c));
+  k.append(key);
+  return k;
+}
+
+std::optional<SlotKey> ParseSlotRecordKey(std::string_view k) {
+  if (k.empty() || k[0] != kSlotColumnTag) {
+    return SlotKey{static_cast<int>(Column::kTensors), std::string(k)};
+  }
+  if (k.size() < 2) return {};
+  const int c = static_cast<unsigned char>(k[1]);
+  if (c >= static_cast<int>(Column::kCount) || c == static_cast<int>(Column::kTensors)) return {};
+  return SlotKey{c, std::string(k.substr(2))};
+}
+
 Status Errno(const std::string& what) {
   return Status::IoError(what + ": " + std::strerror(errno));
 }
@@ -168,24 +197,35 @@ class RocksStore : public Store {
     }
     rocksdb::WriteBatch wb(reserve);
     // Slot refs this batch changes (nullopt: the key leaves the slot files).
-    std::map<std::string, std::optional<SlotRef>> changed;
+    std::map<SlotKey, std::optional<SlotRef>> changed;
     std::vector<uint64_t> created;  // ids of slot files created by this batch
+    // Slot files written and not yet synced: every one is written (its writeback started)
+    // before the first is waited for, so a batch of many large values pays for one wait on
+    // the disk rather than one per value.
+    std::vector<std::pair<int, std::string>> unsynced;
+    struct CloseAll {
+      std::vector<std::pair<int, std::string>>& fds;
+      ~CloseAll() {
+        for (auto& [fd, path] : fds) ::close(fd);
+      }
+    } close_all{unsynced};
     bool new_dirent = false;
     auto build = [&]() -> Status {
       for (const auto& op : batch.ops()) {
         auto* cf = Handle(op.column);
         rocksdb::Slice key(op.key.data(), op.key.size());
         rocksdb::Status s;
-        const bool in_slots = op.column == Column::kTensors && slots_.count(op.key) > 0;
+        SlotKey sk{static_cast<int>(op.column), op.key};
+        const bool in_slots = slots_.count(sk) > 0 || changed.count(sk) > 0;
         if (IsLarge(op)) {
           // Target: the slot the committed record does not name.
           SlotRef ref;
-          auto committed = slots_.find(op.key);
+          auto committed = slots_.find(sk);
           if (committed != slots_.end()) {
             ref.id = committed->second.id;
             ref.slot = 1 - committed->second.slot;
           } else {
-            auto pending = changed.find(op.key);
+            auto pending = changed.find(sk);
             if (pending != changed.end() && pending->second) {
               ref.id = pending->second->id;
             } else {
@@ -196,27 +236,28 @@ class RocksStore : public Store {
           ref.size = op.value.size();
           ref.crc = Crc32c(op.value.data(), op.value.size());
           bool fresh = false;
-          ISTHMUS_RETURN_IF_ERROR(WriteSlotFile(ref, op.value, &fresh));
+          int fd = -1;
+          ISTHMUS_RETURN_IF_ERROR(WriteSlotFile(ref, op.value, &fresh, sync_ ? &fd : nullptr));
+          if (fd >= 0) unsynced.emplace_back(fd, SlotPath(ref.id, ref.slot));
           new_dirent |= fresh;
           std::string rec = EncodeSlotRef(ref);
-          s = wb.Put(default_, key, rocksdb::Slice(rec));
+          const std::string rec_key = SlotRecordKey(op.column, op.key);
+          s = wb.Put(default_, rocksdb::Slice(rec_key), rocksdb::Slice(rec));
           // A key is in one place: drop an inline value it may have had.
           if (s.ok() && committed == slots_.end()) s = wb.Delete(cf, key);
-          changed[op.key] = ref;
-        } else if (op.is_delete) {
-          s = wb.Delete(cf, key);
-          if (s.ok() && op.column == Column::kTensors && (in_slots || changed.count(op.key) > 0)) {
-            s = wb.Delete(default_, key);
-            changed[op.key] = std::nullopt;
-          }
+          changed[sk] = ref;
         } else {
-          s = wb.Put(cf, key, rocksdb::Slice(op.value.data(), op.value.size()));
-          if (s.ok() && op.column == Column::kTensors && (in_slots || changed.count(op.key) > 0)) {
-            s = wb.Delete(default_, key);
-            changed[op.key] = std::nullopt;
+          s = op.is_delete ? wb.Delete(cf, key)
+                           : wb.Put(cf, key, rocksdb::Slice(op.value.data(), op.value.size()));
+          if (s.ok() && in_slots) {
+            s = wb.Delete(default_, rocksdb::Slice(SlotRecordKey(op.column, op.key)));
+            changed[sk] = std::nullopt;
           }
         }
         if (!s.ok()) return FromRocks(s, "building write batch");
+      }
+      for (auto& [fd, path] : unsynced) {
+        if (::fdatasync(fd) != 0) return Errno("cannot sync slot file '" + path + "'");
       }
       if (new_dirent && sync_) ISTHMUS_RETURN_IF_ERROR(SyncDir(slot_dir_));
       return FromRocks(db_->Write(write_options_, &wb), "RocksDB write");
@@ -241,7 +282,7 @@ class RocksStore : public Store {
     // Ids created and then dropped again within the batch.
     for (uint64_t id : created) {
       bool used = false;
-      for (const auto& [key, ref] : slots_) used |= ref.id == id;
+      for (const auto& [key, ref] : changed) used |= ref && ref->id == id;
       if (!used) RemoveSlotFiles(id);
     }
     return Status::Ok();
@@ -250,12 +291,10 @@ class RocksStore : public Store {
   Result<std::optional<std::string>> Get(Column c, std::string_view key) override {
     if (!db_)
       return Status::IoError("store '" + dir_ + "' could not be reopened: restart the shard");
-    if (c == Column::kTensors) {
-      auto it = slots_.find(std::string(key));
-      if (it != slots_.end()) {
-        ISTHMUS_ASSIGN_OR_RETURN(std::string v, ReadSlotFile(it->second));
-        return std::optional<std::string>(std::move(v));
-      }
+    auto it = slots_.find(SlotKey{static_cast<int>(c), std::string(key)});
+    if (it != slots_.end()) {
+      ISTHMUS_ASSIGN_OR_RETURN(std::string v, ReadSlotFile(it->second));
+      return std::optional<std::string>(std::move(v));
     }
     std::string value;
     auto s =
@@ -270,10 +309,11 @@ class RocksStore : public Store {
     if (!db_)
       return Status::IoError("store '" + dir_ + "' could not be reopened: restart the shard");
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), Handle(c)));
-    // kTensors: merge the keys held in slot files, in key order.
-    auto slot = c == Column::kTensors ? slots_.lower_bound(std::string(prefix)) : slots_.end();
+    // Merge the column's keys held in slot files, in key order.
+    auto slot = slots_.lower_bound(SlotKey{static_cast<int>(c), std::string(prefix)});
     auto slot_in_range = [&] {
-      return slot != slots_.end() && std::string_view(slot->first).starts_with(prefix);
+      return slot != slots_.end() && slot->first.first == static_cast<int>(c) &&
+             std::string_view(slot->first.second).starts_with(prefix);
     };
     it->Seek(rocksdb::Slice(prefix.data(), prefix.size()));
     while (true) {
@@ -281,10 +321,10 @@ class RocksStore : public Store {
           it->Valid() && it->key().starts_with(rocksdb::Slice(prefix.data(), prefix.size()));
       if (!db_valid && !slot_in_range()) break;
       if (slot_in_range() &&
-          (!db_valid ||
-           std::string_view(slot->first) < std::string_view(it->key().data(), it->key().size()))) {
+          (!db_valid || std::string_view(slot->first.second) <
+                            std::string_view(it->key().data(), it->key().size()))) {
         ISTHMUS_ASSIGN_OR_RETURN(std::string v, ReadSlotFile(slot->second));
-        if (!fn(slot->first, v)) break;
+        if (!fn(slot->first.second, v)) break;
         ++slot;
         continue;
       }
@@ -504,7 +544,7 @@ class RocksStore : public Store {
   }
 
   static bool IsLarge(const WriteBatch::Op& op) {
-    return op.column == Column::kTensors && !op.is_delete && op.value.size() >= kSlotFileMinBytes;
+    return !op.is_delete && op.value.size() >= kSlotFileMinBytes;
   }
 
   std::string SlotPath(uint64_t id, uint32_t slot) const {
@@ -520,8 +560,11 @@ class RocksStore : public Store {
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), default_));
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
       auto ref = DecodeSlotRef(std::string_view(it->value().data(), it->value().size()));
-      if (!ref) return Status::Corruption("bad slot record for key '" + it->key().ToString() + "'");
-      slots_[it->key().ToString()] = *ref;
+      auto key = ParseSlotRecordKey(std::string_view(it->key().data(), it->key().size()));
+      if (!ref || !key) {
+        return Status::Corruption("bad slot record for key '" + it->key().ToString() + "'");
+      }
+      slots_[*key] = *ref;
       next_slot_id_ = std::max(next_slot_id_, ref->id + 1);
     }
     ISTHMUS_RETURN_IF_ERROR(FromRocks(it->status(), "reading slot records"));
@@ -538,8 +581,10 @@ class RocksStore : public Store {
 
   // Writes `value` into the slot file `ref` names, reusing the file. A file shared with a
   // checkpoint (hard link) is replaced instead. Sets *fresh when a directory entry was
-  // created (the caller syncs the folder).
-  Status WriteSlotFile(const SlotRef& ref, std::string_view value, bool* fresh) {
+  // created (the caller syncs the folder). With `unsynced`, the file's writeback is started
+  // and its open descriptor handed over for the caller to fdatasync and close; without it
+  // the file is not synced.
+  Status WriteSlotFile(const SlotRef& ref, std::string_view value, bool* fresh, int* unsynced) {
     const std::string path = SlotPath(ref.id, ref.slot);
     int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
     if (fd >= 0) {
@@ -573,7 +618,12 @@ class RocksStore : public Store {
         ::ftruncate(fd, static_cast<off_t>(value.size())) != 0) {
       s = Errno("cannot truncate slot file '" + path + "'");
     }
-    if (s.ok() && sync_ && ::fdatasync(fd) != 0) s = Errno("cannot sync slot file '" + path + "'");
+    if (s.ok() && unsynced != nullptr) {
+      // Start writing it out now; the caller waits for it once every value is written.
+      (void)::sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+      *unsynced = fd;
+      return s;
+    }
     ::close(fd);
     return s;
   }
@@ -617,9 +667,9 @@ class RocksStore : public Store {
   bool read_only_ = false;     // opened read-only on a full disk
   bool needs_resume_ = false;  // a write failed for want of space: RocksDB must resume
   uint64_t no_space_refusals_ = 0;
-  // Committed pointer records (kTensors keys held in slot files), mirrored from the
-  // default column family, which holds nothing else.
-  std::map<std::string, SlotRef> slots_;
+  // Committed pointer records ((column, key) of every value held in slot files), mirrored
+  // from the default column family, which holds nothing else.
+  std::map<SlotKey, SlotRef> slots_;
   uint64_t next_slot_id_ = 1;
 };
 

@@ -68,10 +68,9 @@ struct StoreOptions {
   bool sync_writes = true;
   // Bound on the write-ahead logs kept on disk: past it RocksDB flushes the column families
   // that keep the oldest log alive. The small columns take a few bytes in every batch and
-  // would otherwise pin every log (~700 MB per full-model round of GPT-2-small's size)
-  // until RocksDB's own bound, 4x all memtables (~6 GiB here). 2 GiB keeps about three
-  // such rounds; lower forces a flush every round, which slowed the rounds in
-  // bench/wan/run.sh (docs/BENCHMARKS.md, section 7).
+  // would otherwise pin every log until RocksDB's own bound, 4x all memtables (~6 GiB
+  // here). Values of kSlotFileMinBytes or more never enter the log (slot files), so what it
+  // bounds is the values under that size (a LoRA job's rounds, records).
   uint64_t max_wal_bytes = uint64_t{2} << 30;
   // Free space kept on the store's disk (RocksDB store only). A Write that would leave less
   // is refused with ResourceExhausted before anything is written; a store opened with less
@@ -94,7 +93,7 @@ struct StoreMetrics {
   uint64_t memtable_bytes = 0;            // memtables, active and unflushed
   uint64_t live_data_bytes = 0;           // RocksDB's estimate of live data
   uint64_t pending_compaction_bytes = 0;  // estimate of bytes compaction still has to rewrite
-  uint64_t slot_bytes = 0;                // large tensor values kept in slot files (in use)
+  uint64_t slot_bytes = 0;                // large values kept in slot files (in use)
   uint64_t write_stall_micros = 0;        // time writes were delayed or stopped, since open
   bool write_stopped = false;             // writes are stopped now (too many files)
   uint64_t delayed_write_rate = 0;        // bytes/s writes are held to now (0: not delayed)
@@ -127,19 +126,22 @@ class Store {
   }
 };
 
-// Values in Column::kTensors of at least this many bytes are kept by the RocksDB store
-// outside RocksDB (see OpenRocksStore); smaller ones go through RocksDB as usual.
+// Values of at least this many bytes, in any column, are kept by the RocksDB store outside
+// RocksDB (see OpenRocksStore); smaller ones go through RocksDB as usual.
 inline constexpr size_t kSlotFileMinBytes = size_t{1} << 20;
 
 // Opens (creating if needed) a RocksDB store in folder `dir`.
 //
-// Large tensor values (>= kSlotFileMinBytes in Column::kTensors) skip RocksDB's WAL and
-// memtable: each key owns two slot files in <dir>/slots/, and a write fills the slot the
-// committed state does not name (pwrite into the reused file, fdatasync when
-// sync_writes), then commits a small pointer record {file, slot, size, crc32c} in the same
-// RocksDB batch as the rest. A crash before that commit leaves the old slot and record
-// intact, so the batch stays atomic. Get and Scan read the slot back and check its crc32c
-// (Corruption on mismatch). Checkpoint() hard-links (or copies) the slots in use into
+// Large values (>= kSlotFileMinBytes, any column: committed tensors, encoded deltas, the
+// staged deltas, residuals and momentum of the round protocol) skip RocksDB's WAL and
+// memtable: each (column, key) owns two slot files in <dir>/slots/, and a write fills the
+// slot the committed state does not name (pwrite into the reused file), then commits a
+// small pointer record {file, slot, size, crc32c} in the same RocksDB batch as the rest.
+// With sync_writes every slot file of a batch is written (its writeback started) before
+// they are all fdatasynced, and only then is the batch committed. A crash before that
+// commit leaves the old slots and records intact, so the batch stays atomic. Get and Scan
+// read the slot back and check its crc32c (Corruption on mismatch); Scan merges slot and
+// inline values in key order. Checkpoint() hard-links (or copies) the slots in use into
 // <checkpoint>/slots/; a slot file shared with a checkpoint is replaced, never rewritten
 // in place. Copying a checkpoint folder recursively over `dir` restores it.
 Result<std::unique_ptr<Store>> OpenRocksStore(const std::string& dir, const StoreOptions& options);

@@ -127,6 +127,8 @@ Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions
 void SyncEngine::Reset(Store* store) {
   store_ = store;
   jobs_.clear();
+  deferred_.clear();
+  deferred_fresh_ = false;
   membership_.Reset();
 }
 
@@ -286,10 +288,17 @@ Result<std::set<std::string>> SyncEngine::CheckPushed(
 Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t round,
                                              uint64_t tokens,
                                              const std::vector<SyncPushTensor>& tensors,
-                                             WriteBatch& batch, uint64_t compute_ms) {
+                                             WriteBatch& batch, uint64_t compute_ms,
+                                             std::shared_ptr<const void> keepalive) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   SyncPushResult result;
   if (round == 0) return Status::InvalidArgument("round pushes start at round 1");
+  // A complete stage whose deferred close has not run (or failed: say the disk was full)
+  // is closed before anything else, so the rounds stay in order.
+  if (StageComplete(*j)) {
+    ISTHMUS_RETURN_IF_ERROR(FinishRoundWork(name, *j));
+    deferred_.erase(name);
+  }
   if (std::string why = NonMemberReason(name, *j, options_.site, options_.site); !why.empty()) {
     return Status::FailedPrecondition(why + "; this site's workers have nothing to push to");
   }
@@ -303,7 +312,7 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   if (round <= j->local) {
     // A retried push: the round closed already. Commits that failed after it (the disk was
     // full) are retried.
-    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+    ISTHMUS_RETURN_IF_ERROR(CommitReadyOrDefer(name, *j));
     result.duplicate = true;
     result.version = j->version;
     return result;
@@ -336,9 +345,10 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   next_rec.staged_tokens = std::max(j->staged_round == round ? j->staged_tokens : 0, tokens);
   next_rec.staged = j->staged_round == round ? j->staged : std::set<std::string>{};
   next_rec.staged.insert(names.begin(), names.end());
-  if (j->staged_round != round && names.size() == j->theta.size()) {
+  if (j->staged_round != round && names.size() == j->theta.size() && !defer_) {
     // One push brings the whole round: close it from memory, in one write batch with the
-    // push's records (no staged copy written, then read back).
+    // push's records (no staged copy written, then read back). With deferred round work the
+    // push is answered once the stage is durable instead (below), and the close follows.
     std::map<std::string, std::span<const float>> pushed;
     for (const auto& t : tensors) pushed[t.name] = t.delta;
     j->staged_compute_ms = compute_ms;
@@ -361,13 +371,35 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   for (const auto& t : tensors)
     batch.Put(Column::kState, StateKey(name, StateKind::kStaged, t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
+  const auto t_write = std::chrono::steady_clock::now();
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  spdlog::debug(
+      "job '{}': staged {} tensors of round {} (write {:.0f} ms)", name, tensors.size(), round,
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_write)
+          .count());
+  if (j->staged_round != round) {
+    j->staged_mem.clear();
+    j->staged_keep.clear();
+  }
   j->staged_compute_ms =
       std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms);
   j->staged_round = round;
   j->staged_tokens = next_rec.staged_tokens;
   j->staged = std::move(next_rec.staged);
-  if (j->staged.size() == j->theta.size()) {
+  if (keepalive) {
+    for (const auto& t : tensors) j->staged_mem[t.name] = t.delta;
+    j->staged_keep.push_back(std::move(keepalive));
+  }
+  if (StageComplete(*j)) {
+    if (defer_) {
+      // Durable: the reply may go; the close follows in RunDeferred (or, after a crash, in
+      // AttachJob).
+      deferred_.insert(name);
+      deferred_fresh_ = true;
+      result.close_pending = true;
+      result.version = j->version;
+      return result;
+    }
     // The stage is durable; a failed close is retried at the next attach.
     ISTHMUS_RETURN_IF_ERROR(CloseRound(name, *j));
     result.closed = true;
@@ -375,6 +407,57 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   }
   result.version = j->version;
   return result;
+}
+
+Status SyncEngine::CommitReadyOrDefer(const std::string& name, Job& j) {
+  if (!defer_) return CommitReady(name, j);
+  deferred_.insert(name);
+  deferred_fresh_ = true;
+  return Status::Ok();
+}
+
+Status SyncEngine::FinishRoundWork(const std::string& name, Job& j) {
+  if (StageComplete(j)) ISTHMUS_RETURN_IF_ERROR(CloseRound(name, j));
+  return CommitReady(name, j);
+}
+
+Status SyncEngine::RunDeferred() {
+  if (deferred_.empty()) return Status::Ok();
+  const auto now = options_.now();
+  if (!deferred_fresh_ && now < deferred_retry_at_) return Status::Ok();
+  deferred_fresh_ = false;
+  Status first;
+  for (auto it = deferred_.begin(); it != deferred_.end();) {
+    auto job = jobs_.find(*it);
+    Status s = job == jobs_.end() ? Status::Ok() : FinishRoundWork(*it, job->second);
+    if (s.ok()) {
+      if (job != jobs_.end()) job->second.round_work_error.clear();
+      it = deferred_.erase(it);
+      continue;
+    }
+    job->second.round_work_failures += 1;
+    job->second.round_work_error = s.ToString();
+    spdlog::warn("job '{}': the round work after a reply failed (tried again later): {}", *it,
+                 s.ToString());
+    if (first.ok()) first = s;
+    ++it;
+  }
+  if (first.ok()) {
+    deferred_backoff_ = std::chrono::milliseconds(0);
+  } else {
+    deferred_backoff_ = std::clamp(deferred_backoff_ * 2, std::chrono::milliseconds(1000),
+                                   std::chrono::milliseconds(30000));
+    deferred_retry_at_ = now + deferred_backoff_;
+  }
+  return first;
+}
+
+int SyncEngine::DeferredRetryMs() const {
+  if (deferred_.empty()) return -1;
+  if (deferred_fresh_) return 0;
+  const auto left =
+      std::chrono::duration_cast<std::chrono::milliseconds>(deferred_retry_at_ - options_.now());
+  return static_cast<int>(std::max<int64_t>(left.count(), 0));
 }
 
 codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
@@ -452,38 +535,61 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   delta.site = options_.site;
   delta.round = round;
   delta.tokens = j.staged_tokens;
-  std::vector<std::vector<float>> residuals;
-  residuals.reserve(j.theta.size());
+  // The residuals stay in memory between closes (read from the store once after a start);
+  // the new ones are written into a second buffer per tensor, taken only once the close is
+  // durable.
+  if (j.residual.empty()) {
+    for (const auto& [tname, t] : j.theta) {
+      const size_t n = t.data->size();
+      ISTHMUS_ASSIGN_OR_RETURN(
+          auto stored,
+          GetFloats(store_, Column::kState, StateKey(name, StateKind::kResidual, tname), n));
+      j.residual[tname] = stored ? std::move(*stored) : std::vector<float>(n, 0.0f);
+    }
+  }
+  std::vector<std::optional<std::vector<float>>> reads(j.theta.size());
+  std::vector<codec::FeedbackTask> tasks(j.theta.size());
   std::map<std::string, uint64_t> pipelines;
   uint64_t raw = 0;
+  size_t i = 0;
   for (const auto& [tname, t] : j.theta) {
     const size_t n = t.data->size();
-    std::optional<std::vector<float>> read;
     std::span<const float> staged;
     if (pushed != nullptr) {
       staged = pushed->at(tname);
+    } else if (auto mem = j.staged_mem.find(tname); mem != j.staged_mem.end()) {
+      staged = mem->second;
     } else {
-      ISTHMUS_ASSIGN_OR_RETURN(
-          read, GetFloats(store_, Column::kState, StateKey(name, StateKind::kStaged, tname), n));
-      if (!read) {
+      ISTHMUS_ASSIGN_OR_RETURN(reads[i], GetFloats(store_, Column::kState,
+                                                   StateKey(name, StateKind::kStaged, tname), n));
+      if (!reads[i]) {
         return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
                                   "' is missing");
       }
-      staged = *read;
+      staged = *reads[i];
     }
-    ISTHMUS_ASSIGN_OR_RETURN(
-        auto residual,
-        GetFloats(store_, Column::kState, StateKey(name, StateKind::kResidual, tname), n));
-    residuals.push_back(residual ? std::move(*residual) : std::vector<float>(n, 0.0f));
-    const Pipe& pipe = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
-    std::vector<float> decoded(n);
+    std::vector<float>& next = j.residual_next[tname];
+    next.resize(n);
+    codec::FeedbackTask& task = tasks[i++];
+    task.pipeline = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
+    task.delta = staged;
+    task.shape = t.shape;
+    task.residual_in = j.residual.at(tname);
+    task.residual_out = next;
+    pipelines[PipeText(task.pipeline)] += 1;
+    raw += n * sizeof(float);
+  }
+  // Each tensor is encoded whole on one thread; the bytes do not depend on how many.
+  const auto t_encode = std::chrono::steady_clock::now();
+  codec::EncodeWithFeedbackMany(tasks, static_cast<int>(options_.encode_threads));
+  const auto t_encoded = std::chrono::steady_clock::now();
+  i = 0;
+  for (const auto& [tname, t] : j.theta) {
     EncodedTensor et;
     et.name = tname;
     et.shape = t.shape;
-    et.bytes = codec::EncodeWithFeedback(pipe, staged, t.shape, residuals.back(), decoded);
+    et.bytes = std::move(tasks[i++].bytes);
     delta.tensors.push_back(std::move(et));
-    pipelines[PipeText(pipe)] += 1;
-    raw += n * sizeof(float);
   }
   const std::string serialized = EncodeDelta(delta);
   SyncRecord rec = j;  // the round is closed: nothing is staged any more
@@ -500,14 +606,14 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   batch.Put(Column::kDeltas, DeltaKey(name, options_.site, round), serialized);
   batch.PutOwned(Column::kSync, HeldKey(name, options_.site, round),
                  EncodeHeldTokens(delta.tokens));
-  size_t i = 0;
   for (const auto& [tname, _] : j.theta) {
     batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
-              FloatBytes(residuals[i++]));
+              FloatBytes(j.residual_next.at(tname)));
     if (pushed == nullptr) batch.Delete(Column::kState, StateKey(name, StateKind::kStaged, tname));
   }
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  j.residual.swap(j.residual_next);
   j.local = round;
   j.version = rec.version;
   j.staged_round = 0;
@@ -521,8 +627,15 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   j.last_close = now;
   j.closed_at[round] = now;
   j.staged_compute_ms = 0;
-  spdlog::debug("job '{}': site {} closed round {} ({} -> {} bytes)", name, options_.site, round,
-                raw, delta.WireBytes());
+  j.staged_mem.clear();
+  j.staged_keep.clear();
+  const auto ms = [](auto a, auto b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
+  spdlog::debug(
+      "job '{}': site {} closed round {} ({} -> {} bytes; encode {:.0f} ms, write {:.0f} ms)", name,
+      options_.site, round, raw, delta.WireBytes(), ms(t_encode, t_encoded),
+      ms(t_encoded, std::chrono::steady_clock::now()));
   return Status::Ok();
 }
 
@@ -586,17 +699,30 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   const uint64_t round = j.committed + 1;
   const auto sites = j.members.sites;
   std::set<std::string> sent;
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
   ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites, &sent));
+  const auto t1 = Clock::now();
   ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, merged, sent));
+  const auto t2 = Clock::now();
   const std::string digest = StateDigest(round, next.theta, next.momentum, j.members);
+  const auto t3 = Clock::now();
   SyncRecord rec = j;
   rec.committed = round;
   rec.version = j.version + 1;
   WriteBatch batch;
   CommitBatch(name, j, round, next, sent, sites, digest, rec, batch);
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  const auto t4 = Clock::now();
   PublishCommit(j, round, std::move(next), sites, rec.version);
+  const auto ms = [](Clock::time_point a, Clock::time_point b) {
+    return std::chrono::duration<double, std::milli>(b - a).count();
+  };
   spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
+  spdlog::debug(
+      "job '{}': round {}'s commit took merge {:.0f} ms, outer step {:.0f} ms, digest "
+      "{:.0f} ms, write {:.0f} ms",
+      name, round, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
   if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
     const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
     if (options_.on_commit) options_.on_commit(name, round, seconds);
@@ -802,6 +928,11 @@ uint64_t SyncEngine::LocalRound(const std::string& job) const {
   auto it = jobs_.find(job);
   return it == jobs_.end() ? 0 : it->second.local;
 }
+uint64_t SyncEngine::PushedRound(const std::string& job) const {
+  auto it = jobs_.find(job);
+  if (it == jobs_.end()) return 0;
+  return StageComplete(it->second) ? it->second.staged_round : it->second.local;
+}
 uint64_t SyncEngine::CommittedRound(const std::string& job) const {
   auto it = jobs_.find(job);
   return it == jobs_.end() ? 0 : it->second.committed;
@@ -844,6 +975,9 @@ Result<SyncJobStatus> SyncEngine::JobStatus(const std::string& name) const {
   s.members = j->members;
   s.removed = j->removed;
   s.joined = j->joined;
+  s.round_work_pending = deferred_.count(name) != 0;
+  s.round_work_failures = j->round_work_failures;
+  s.round_work_error = j->round_work_error;
   return s;
 }
 
@@ -972,7 +1106,7 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   if (delta.round <= j->committed || held.count(delta.round)) {
     // Duplicate: already held or committed. A resend also retries a commit that failed
     // after the delta was held (say the disk was full), so the round goes on by itself.
-    ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+    ISTHMUS_RETURN_IF_ERROR(CommitReadyOrDefer(name, *j));
     return HeldContiguous(*j, from_site);
   }
   if (delta.round > j->committed + 2 * hard_cap_ + 1) {
@@ -1016,7 +1150,7 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
   held[delta.round] = delta.tokens;
   j->version = rec_view.version;
   j->view.reset();
-  ISTHMUS_RETURN_IF_ERROR(CommitReady(name, *j));
+  ISTHMUS_RETURN_IF_ERROR(CommitReadyOrDefer(name, *j));
   return HeldContiguous(*j, from_site);
 }
 

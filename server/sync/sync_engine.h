@@ -43,8 +43,11 @@ struct SyncPushTensor {
 
 struct SyncPushResult {
   bool duplicate = false;  // the round was already closed: nothing changed
-  bool closed = false;     // this push completed the round
-  uint64_t version = 0;    // the job's served version after the push
+  bool closed = false;     // this push completed the round, and it was closed
+  // This push completed the round and the round is durable, but its close (and the commits
+  // after it) was left to SyncEngine::RunDeferred (SetDeferRoundWork).
+  bool close_pending = false;
+  uint64_t version = 0;  // the job's served version after the push
 };
 
 // Where a job stands (isthmusctl sync status).
@@ -71,6 +74,12 @@ struct SyncJobStatus {
   std::string change_note;                  // outcome of the last change seen here (memory only)
   bool catching_up = false;                 // asking a member for its committed state
   bool draining = false;                    // leaving once this site's last round commits
+  // Round work left after a reply (SetDeferRoundWork) that has not run yet or failed and
+  // waits for its retry; how often it failed since the start and the last failure (cleared
+  // once it succeeds). Memory only.
+  bool round_work_pending = false;
+  uint64_t round_work_failures = 0;
+  std::string round_work_error;
 };
 
 class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost {
@@ -107,6 +116,29 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   bool has_peers() const { return !options_.peer_sites.empty(); }
   const SyncOptions& options() const { return options_; }
 
+  // Round work off the request path. With it on (the shard server turns it on), a push that
+  // completes its round is answered once the round's deltas are durable (staged, in one
+  // batch with the caller's records), and a received delta once it is held: the round's
+  // close (encode with error feedback, residual, outbox) and the commits that become
+  // possible are left to RunDeferred, which the server's loop calls right after it has sent
+  // the reply and before it reads the next request. Off (the default), PushRound and
+  // ReceiveDelta do that work before they return. The arithmetic and its order are the same
+  // either way, so digests do not depend on it, and a crash between the reply and the
+  // deferred work loses nothing: AttachJob closes a complete stage and commits what is
+  // committable.
+  void SetDeferRoundWork(bool on) { defer_ = on; }
+  // Whether deferred work waits for RunDeferred.
+  bool HasDeferred() const { return !deferred_.empty(); }
+  // Closes every complete staged round and commits what can be committed, for the jobs whose
+  // work was deferred. A job whose work fails stays pending and is retried by a later call
+  // (at once when new work was deferred since, otherwise after a backoff of 1 s doubling up
+  // to 30 s); returns the first failure. A push for the next round runs a job's pending
+  // close first.
+  Status RunDeferred();
+  // Milliseconds until RunDeferred retries failed work (for the caller's poll timeout); -1
+  // when nothing waits.
+  int DeferredRetryMs() const;
+
   // A worker's push for round `round` (>= 1) of `job`, `tokens` = the site's tokens of the
   // round. Rounds <= the last closed round are answered as duplicates. Refuses
   // (FailedPrecondition, saying why) a round past local + 1, a round that would put the site
@@ -117,10 +149,14 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // only if everything succeeded. The push that completes the round closes it (encode,
   // residual, outbox), and the commits that become possible follow, each its own batch.
   // `compute_ms`: the pushing worker's compute time for the round (0 = unknown); the
-  // largest of a round's pushes sizes adaptive codecs at its close.
+  // largest of a round's pushes sizes adaptive codecs at its close. `keepalive`, when set,
+  // keeps the memory of `tensors`' deltas valid while it lives: the engine may hold it until
+  // the round's close and encode from that memory instead of reading the staged deltas back
+  // from the store.
   Result<SyncPushResult> PushRound(const std::string& job, uint64_t round, uint64_t tokens,
                                    const std::vector<SyncPushTensor>& tensors, WriteBatch& batch,
-                                   uint64_t compute_ms = 0);
+                                   uint64_t compute_ms = 0,
+                                   std::shared_ptr<const void> keepalive = nullptr);
 
   // Round-less add (push with round 0) for a job that syncs with no peers: theta += delta
   // at once. FailedPrecondition when peers are configured.
@@ -137,7 +173,12 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   Result<std::map<std::string, SyncTensor>> Committed(const std::string& job) const;
 
   uint64_t Version(const std::string& job) const;
+  // The last round this site closed (its outbox's highest round).
   uint64_t LocalRound(const std::string& job) const;
+  // What worker replies report as the local round (RoundStatus::local_round): LocalRound,
+  // or the staged round once all its tensors are durable and only its close is pending
+  // (the close is certain: RunDeferred, or AttachJob after a crash, does it).
+  uint64_t PushedRound(const std::string& job) const;
   uint64_t CommittedRound(const std::string& job) const;
   uint64_t max_rounds_ahead() const { return options_.max_rounds_ahead; }
   uint64_t hard_cap() const { return hard_cap_; }
@@ -212,6 +253,19 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     std::map<uint64_t, std::chrono::steady_clock::time_point> closed_at;
     double last_round_seconds = 0;
     uint64_t staged_compute_ms = 0;
+    // Staged deltas of the open round that are still in memory (pushes that came with a
+    // keepalive, which staged_keep holds): the close encodes from them instead of reading
+    // the staged copies back from the store. Cleared at the close.
+    std::map<std::string, std::span<const float>> staged_mem;
+    std::vector<std::shared_ptr<const void>> staged_keep;
+    // Error-feedback residuals (the durable copies are kState rows), read from the store at
+    // the first close after a start and kept since; residual_next holds buffers of the same
+    // sizes that a close writes the new residuals into, swapped in once the close is durable.
+    std::map<std::string, std::vector<float>> residual, residual_next;
+    // Deferred round work that failed (RunDeferred): how often, and the last failure while
+    // it is still to retry (memory only, for metrics and JobStatus).
+    uint64_t round_work_failures = 0;
+    std::string round_work_error;
     // Cached optimistic view; empty when stale.
     std::optional<std::map<std::string, SyncTensor>> view;
   };
@@ -246,12 +300,22 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   Status AdoptImage(const std::string& job, const JobImage& image) override;
 
   uint64_t HeldContiguous(const Job& j, const std::string& site) const;
+  // Whether the staged round holds every tensor (durably): only its close is missing.
+  static bool StageComplete(const Job& j) {
+    return j.staged_round != 0 && j.staged.size() == j.theta.size();
+  }
   // Encodes the staged round and writes it to the outbox. `pushed`: the round's deltas in
   // memory when one push brings them all (nothing was staged on disk); they are then
   // written with `batch` (the push's own records) in the close's single write batch.
+  // Without it the staged deltas are taken from j.staged_mem where they are still in
+  // memory and read from the store otherwise, and their staged copies are deleted.
   Status CloseRound(const std::string& name, Job& j,
                     const std::map<std::string, std::span<const float>>* pushed = nullptr,
                     WriteBatch* batch = nullptr);
+  // CommitReady now, or (SetDeferRoundWork) at the next RunDeferred.
+  Status CommitReadyOrDefer(const std::string& name, Job& j);
+  // A complete stage's close, then the commits: the work RunDeferred does for a job.
+  Status FinishRoundWork(const std::string& name, Job& j);
   // Commits what can be committed (CommitRounds), then lets the membership protocol start
   // a draining leave that has become possible.
   Status CommitReady(const std::string& name, Job& j);
@@ -296,6 +360,13 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   std::map<std::string, Job> jobs_;
   std::map<std::string, double> bandwidth_;  // peer -> bytes/s
   JobHooks hooks_;
+  // Deferred round work (SetDeferRoundWork): the jobs that have some, whether any was added
+  // since the last RunDeferred, and when failed work is tried again.
+  bool defer_ = false;
+  std::set<std::string> deferred_;
+  bool deferred_fresh_ = false;
+  std::chrono::steady_clock::time_point deferred_retry_at_{};
+  std::chrono::milliseconds deferred_backoff_{0};
   MembershipProtocol membership_;  // after jobs_: it reads them through MembershipHost
 };
 

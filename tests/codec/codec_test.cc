@@ -4,8 +4,10 @@
 // budget, floor and ceiling.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -149,6 +151,36 @@ TEST(CodecRoundTrip, TopKWithTiesIsDeterministic) {
   std::vector<float> x(100, 1.0f);  // all tied: the lowest indices win
   std::vector<float> y = RoundTrip(P("topk:0.1"), x);
   for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], i < 10 ? 1.0f : 0.0f) << i;
+}
+
+// The kept set is the k largest magnitudes with ties to the lower index, also when many
+// values tie at the threshold (values from a small set): checked against a sort by that
+// order, for whole-tensor and per-block top-k.
+TEST(CodecRoundTrip, TopKIsTheLargestWithTiesToTheLowerIndex) {
+  std::mt19937 gen(17);
+  std::uniform_int_distribution<int> pick(-4, 4);
+  std::vector<float> x(3001);
+  for (float& f : x) f = 0.5f * static_cast<float>(pick(gen));
+  auto reference = [&](size_t begin, size_t end, double density) {
+    std::vector<size_t> idx(end - begin);
+    for (size_t i = 0; i < idx.size(); ++i) idx[i] = begin + i;
+    std::stable_sort(idx.begin(), idx.end(),
+                     [&](size_t a, size_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+    const size_t k = std::min(idx.size(), static_cast<size_t>(std::ceil(density * idx.size())));
+    idx.resize(k);
+    return idx;
+  };
+  for (double density : {0.001, 0.05, 0.3, 0.9}) {
+    std::vector<float> want(x.size(), 0.0f);
+    for (size_t i : reference(0, x.size(), density)) want[i] = x[i];
+    EXPECT_EQ(RoundTrip(P("topk:" + std::to_string(density)), x), want) << density;
+    std::vector<float> want_blocks(x.size(), 0.0f);
+    for (size_t b = 0; b < x.size(); b += 250) {
+      for (size_t i : reference(b, std::min(x.size(), b + 250), density)) want_blocks[i] = x[i];
+    }
+    EXPECT_EQ(RoundTrip(P("blocktopk:" + std::to_string(density) + ":250"), x), want_blocks)
+        << density;
+  }
 }
 
 TEST(CodecRoundTrip, BlockTopKKeepsPerBlock) {
@@ -299,6 +331,65 @@ TEST(CodecFeedback, SumOfDecodedTracksSumOfTrue) {
     const double fb = RelErr(sum_true, sum_fb), nofb = RelErr(sum_true, sum_nofb);
     EXPECT_LT(fb, max_ratio * nofb) << t << " feedback " << fb << " without " << nofb;
     EXPECT_LT(fb, max_err) << t;
+  }
+}
+
+// A round's tensors encoded on several threads give bitwise what one thread gives tensor by
+// tensor: bytes, new residuals and decoded values, for every kind of pipeline, and the old
+// residuals are left alone when the new ones go elsewhere.
+TEST(CodecFeedback, ManyOnSeveralThreadsIsBitwiseOneAtATime) {
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> specs = {
+      {"topk:0.05+int2+zstd", {300, 200}},
+      {"dense", {77}},
+      {"lowrank:4+int8+zstd", {64, 96}},
+      {"blocktopk:0.1:128+int4+zstd", {5000}},
+      {"defer", {1000}},
+      {"int8+zstd", {40, 40}},
+      {"topk:0.01+int4", {20000}},
+      {"topk:0.05+int2+zstd", {1}}};
+  std::vector<std::vector<float>> deltas, residuals;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    size_t n = 1;
+    for (int64_t d : specs[i].second) n *= static_cast<size_t>(d);
+    deltas.push_back(Gaussian(n, 300 + static_cast<uint32_t>(i)));
+    residuals.push_back(Gaussian(n, 400 + static_cast<uint32_t>(i), 0.1f));
+  }
+  // One at a time, in place.
+  std::vector<std::string> want_bytes;
+  std::vector<std::vector<float>> want_res = residuals, want_dec;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    want_dec.emplace_back(deltas[i].size());
+    want_bytes.push_back(EncodeWithFeedback(P(specs[i].first), deltas[i], specs[i].second,
+                                            want_res[i], want_dec[i]));
+  }
+  for (int threads : {1, 2, 3, 8}) {
+    std::vector<std::vector<float>> out(specs.size()), dec(specs.size());
+    std::vector<FeedbackTask> tasks(specs.size());
+    for (size_t i = 0; i < specs.size(); ++i) {
+      out[i].assign(deltas[i].size(), -1.0f);
+      dec[i].assign(deltas[i].size(), -1.0f);
+      tasks[i].pipeline = P(specs[i].first);
+      tasks[i].delta = deltas[i];
+      tasks[i].shape = specs[i].second;
+      tasks[i].residual_in = residuals[i];
+      tasks[i].residual_out = out[i];
+      // Half the tasks want their decoded values back, the others use scratch.
+      if (i % 2 == 0) tasks[i].decoded = dec[i];
+    }
+    EncodeWithFeedbackMany(tasks, threads);
+    for (size_t i = 0; i < specs.size(); ++i) {
+      EXPECT_EQ(tasks[i].bytes, want_bytes[i]) << specs[i].first << " threads " << threads;
+      EXPECT_EQ(0, std::memcmp(out[i].data(), want_res[i].data(), out[i].size() * 4))
+          << specs[i].first << " threads " << threads;
+      if (i % 2 == 0) {
+        EXPECT_EQ(0, std::memcmp(dec[i].data(), want_dec[i].data(), dec[i].size() * 4))
+            << specs[i].first << " threads " << threads;
+      }
+    }
+  }
+  // The inputs were only read.
+  for (size_t i = 0; i < specs.size(); ++i) {
+    EXPECT_EQ(residuals[i], Gaussian(residuals[i].size(), 400 + static_cast<uint32_t>(i), 0.1f));
   }
 }
 

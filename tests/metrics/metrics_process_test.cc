@@ -256,6 +256,9 @@ TEST(ShardMetrics, TwoSitesShowCommitsLinksAndTheirWireBytes) {
     EXPECT_TRUE(Value(text, "isthmus_peer_bandwidth_bytes_per_second" + p));
   }
   EXPECT_EQ(Value(a_text, "isthmus_sync_held_round{job=\"job\",site=\"beta\"}"), 3);
+  // The closes and commits ran after the replies, and none failed.
+  EXPECT_EQ(Value(a_text, "isthmus_sync_round_work_pending{job=\"job\"}"), 0);
+  EXPECT_EQ(Value(a_text, "isthmus_sync_round_work_failures_total{job=\"job\"}"), 0);
   ExpectDocumented(a_text);
   fs::remove_all(root);
 }

@@ -131,6 +131,7 @@ TEST(ConfigTest, PeerLinkDefaultsAreTheConfigDefaults) {
   EXPECT_EQ(so.outer_momentum, c.sync.outer_momentum);
   EXPECT_EQ(so.fragments, c.sync.fragments);
   EXPECT_EQ(so.max_rounds_ahead, c.sync.max_rounds_ahead);
+  EXPECT_EQ(so.encode_threads, c.sync.encode_threads);
   EXPECT_EQ(so.adaptive, c.sync.adaptive);
 }
 
@@ -188,6 +189,8 @@ TEST(ConfigTest, NumbersOutsideTheirRangeAreRefusedNamingKeyRangeAndOrigin) {
       {"sync.outer_lr", "0", "(0, 100]"},
       {"sync.outer_momentum", "1", "[0, 1)"},
       {"sync.fragments", "1025", "[1, 1024]"},
+      {"sync.encode_threads", "0", "[1, 64]"},
+      {"sync.encode_threads", "65", "[1, 64]"},
       {"sync.ack_delay_ms", "60001", "[0, 60000]"},
       {"sync.resend_ms", "0", "[10, 3600000]"},
       {"sync.backoff_max_ms", "-1", "[10, 3600000]"},
@@ -221,6 +224,7 @@ TEST(ConfigTest, NumbersOutsideTheirRangeAreRefusedNamingKeyRangeAndOrigin) {
                                           {"sync.outer_lr", "100"},
                                           {"shard.index", "65535"},
                                           {"sync.max_rounds_ahead", "256"},
+                                          {"sync.encode_threads", "64"},
                                           {"limits.max_message_bytes", "1099511627776"}}) {
     EXPECT_TRUE(LoadServerConfig("", {{key, value}}).ok()) << key << "=" << value;
   }
@@ -244,6 +248,9 @@ TEST(ConfigTest, ValidationChecksTheRangesOfAConfigBuiltInCode) {
   c.io_threads = 2;
   c.sync.outer_lr = -1;
   EXPECT_NE(ValidateServerConfig(c).message().find("sync.outer_lr"), std::string::npos);
+  c.sync.outer_lr = 1;
+  c.sync.encode_threads = 0;
+  EXPECT_NE(ValidateServerConfig(c).message().find("sync.encode_threads"), std::string::npos);
 }
 
 TEST(ConfigTest, ListenEndpointsAreCheckedNamingTheKey) {

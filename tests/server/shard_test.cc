@@ -131,9 +131,10 @@ class ShardTest : public ::testing::Test {
   }
 
   // A push with a round number; returns the reply's RoundStatus (local, committed, K).
+  // With `keep` the request is handed over as the server's loop does (Handle's keepalive).
   Result<std::array<uint64_t, 3>> PushRound(
       const std::string& key, uint64_t round,
-      std::vector<std::pair<std::string, std::vector<float>>> deltas) {
+      std::vector<std::pair<std::string, std::vector<float>>> deltas, bool keep = false) {
     flatbuffers::FlatBufferBuilder fbb;
     std::vector<TensorView> views;
     std::vector<std::vector<float>> payload;
@@ -147,7 +148,8 @@ class ShardTest : public ::testing::Test {
            wire::CreatePushRequest(fbb, fbb.CreateString("job"), fbb.CreateString(key), round, 10,
                                    metas)
                .Union());
-    Reply r = shard_->Handle(wire::Role::Worker, MakeFrames(fbb, payload));
+    auto frames = std::make_shared<Frames>(MakeFrames(fbb, payload));
+    Reply r = shard_->Handle(wire::Role::Worker, *frames, keep ? frames : nullptr);
     ISTHMUS_RETURN_IF_ERROR(Expect(r, wire::Body::PushReply));
     zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
     const auto* rs = (*ParseEnvelope(m, WireLimits{}))->body_as_PushReply()->rounds();
@@ -155,9 +157,10 @@ class ShardTest : public ::testing::Test {
                                    rs->max_rounds_ahead()};
   }
 
-  void OpenSynced(std::vector<std::string> peers) {
+  void OpenSynced(std::vector<std::string> peers, bool defer = false) {
     ShardOptions o;
     o.shard_id = "test";
+    o.defer_round_work = defer;
     o.open_store = []() -> Result<std::unique_ptr<Store>> { return NewMemStore(); };
     SyncOptions so;
     so.site = "A";
@@ -502,6 +505,33 @@ TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {
   EXPECT_EQ(PushRound("r3", 3, {{"b", {1, 1, 1}}}).status().code(), Code::kFailedPrecondition);
   // Round 0 still adds at once without peers.
   ASSERT_TRUE(PushRound("r0", 0, {{"b", {1, 1, 1}}}).ok());
+  EXPECT_EQ(Pull()["b"], (std::vector<float>{2, 3, 4}));
+}
+
+// With deferred round work (the server's mode) the push that completes a round is answered
+// once the round is durable, as this site's (local round 1) but not closed or committed;
+// RunDeferred then closes it from the request's own frames and commits, and pulls see it.
+TEST_F(ShardTest, DeferredRoundWorkAnswersOnceDurableThenCloses) {
+  OpenSynced({}, /*defer=*/true);
+  ASSERT_TRUE(CreateJob().ok());
+  auto rs = PushRound("r1", 1, {{"w", {0.5f, 0.5f, -1, 1}}, {"b", {1, 2, 3}}}, /*keep=*/true);
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  EXPECT_EQ((*rs)[0], 1u);
+  EXPECT_EQ((*rs)[1], 0u);
+  EXPECT_EQ(shard_->sync()->LocalRound("job"), 0u);
+  EXPECT_EQ(Pull()["w"], w_);
+  EXPECT_EQ(shard_->DeferredRetryMs(), 0);
+  ASSERT_TRUE(shard_->RunDeferred().ok());
+  EXPECT_EQ(shard_->sync()->CommittedRound("job"), 1u);
+  EXPECT_EQ(Pull()["w"], (std::vector<float>{1.5f, 2.5f, 2, 5}));
+  EXPECT_EQ(Pull()["b"], (std::vector<float>{1, 2, 3}));
+  EXPECT_EQ(shard_->DeferredRetryMs(), -1);
+  // The retry of the same push is a duplicate; the next round goes on.
+  EXPECT_TRUE(*Push("r1", {{"w", {0.5f, 0.5f, -1, 1}}, {"b", {1, 2, 3}}}));
+  rs = PushRound("r2", 2, {{"w", {1, 1, 1, 1}}, {"b", {1, 1, 1}}}, /*keep=*/true);
+  ASSERT_TRUE(rs.ok()) << rs.status().ToString();
+  EXPECT_EQ((*rs)[0], 2u);
+  ASSERT_TRUE(shard_->RunDeferred().ok());
   EXPECT_EQ(Pull()["b"], (std::vector<float>{2, 3, 4}));
 }
 

@@ -1,12 +1,14 @@
 // Both Store implementations: atomic batches, gets, prefix scans, persistence across
-// reopen (RocksDB), checkpoints; the RocksDB store's slot files for large tensors
-// (reopen, checkpoint and restore, checksums) and its crash consistency under SIGKILL.
+// reopen (RocksDB), checkpoints; the RocksDB store's slot files for large values of every
+// column (reopen, checkpoint and restore, checksums, a batch that fails half-way) and its
+// crash consistency under SIGKILL.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -163,13 +165,15 @@ TEST(RocksStoreWal, LogsStayNearTheirBoundUnderLargeBatches) {
   const std::filesystem::path db = dir.path() / "db";
   StoreOptions o;
   o.sync_writes = false;
-  const uint64_t limit = uint64_t{16} << 20;
+  const uint64_t limit = uint64_t{4} << 20;
   o.max_wal_bytes = limit;
   auto opened = OpenRocksStore(db.string(), o);
   ASSERT_TRUE(opened.ok()) << opened.status().ToString();
   auto store = std::move(opened).value();
-  const size_t value = 4 << 20;
-  const int rounds = 30;  // 120 MiB written, far under a large column's 256 MiB memtable
+  // Under kSlotFileMinBytes, so the values go through the log (larger ones go to slot files).
+  const size_t value = kSlotFileMinBytes / 2;
+  static_assert(kSlotFileMinBytes / 2 >= (256 << 10));
+  const int rounds = 40;  // 20 MiB written, far under a large column's 256 MiB memtable
   for (int r = 0; r < rounds; ++r) {
     WriteBatch b;
     b.PutOwned(Column::kState, "e/w", Pattern(value, r));
@@ -277,6 +281,149 @@ TEST(RocksSlotTest, DamagedSlotFileIsCorruption) {
   EXPECT_EQ(v.status().code(), Code::kCorruption);
 }
 
+// The round protocol's large values (residuals, staged deltas, momentum in kState; encoded
+// deltas in kDeltas) go to slot files as kTensors' do: not through the write-ahead log,
+// back after a reopen, and their files gone with the key.
+TEST(RocksSlotTest, SyncColumnsKeepLargeValuesInSlotFiles) {
+  testing::TempDir dir;
+  const auto db = dir.path() / "db";
+  auto store = MustOpen(db.string());
+  auto wal_bytes = [&] {
+    uint64_t n = 0;
+    for (const auto& e : std::filesystem::directory_iterator(db)) {
+      if (e.path().extension() == ".log") n += e.file_size();
+    }
+    return n;
+  };
+  const uint64_t wal_before = wal_bytes();
+  for (int r = 1; r <= 3; ++r) {
+    WriteBatch b;
+    b.PutOwned(Column::kState, keys::StateKey("j", keys::StateKind::kResidual, "w"),
+               Pattern(kBig, r));
+    b.PutOwned(Column::kDeltas, keys::DeltaKey("j", "alpha", r), Pattern(kBig, 10 + r));
+    b.PutOwned(Column::kSync, keys::SyncRecordKey("j"), std::to_string(r));
+    if (r > 1) b.Delete(Column::kDeltas, keys::DeltaKey("j", "alpha", r - 1));
+    ASSERT_TRUE(store->Write(b).ok());
+  }
+  EXPECT_LT(wal_bytes() - wal_before, kSlotFileMinBytes) << "large values went through the log";
+  // The residual's two reused slots and the one live delta's.
+  EXPECT_EQ(CountSlotFiles(db), 3);
+  EXPECT_EQ(store->Metrics().slot_bytes, 2 * kBig);
+  store.reset();
+  store = MustOpen(db.string());
+  EXPECT_EQ(**store->Get(Column::kState, keys::StateKey("j", keys::StateKind::kResidual, "w")),
+            Pattern(kBig, 3));
+  EXPECT_EQ(**store->Get(Column::kDeltas, keys::DeltaKey("j", "alpha", 3)), Pattern(kBig, 13));
+  EXPECT_FALSE(store->Get(Column::kDeltas, keys::DeltaKey("j", "alpha", 2))->has_value());
+  // The same key in another column is another value.
+  EXPECT_FALSE(store->Get(Column::kTensors, keys::DeltaKey("j", "alpha", 3))->has_value());
+  WriteBatch d;
+  d.Delete(Column::kDeltas, keys::DeltaKey("j", "alpha", 3));
+  d.Delete(Column::kState, keys::StateKey("j", keys::StateKind::kResidual, "w"));
+  ASSERT_TRUE(store->Write(d).ok());
+  EXPECT_EQ(CountSlotFiles(db), 0);
+  store.reset();
+  store = MustOpen(db.string());
+  EXPECT_FALSE(store->Get(Column::kDeltas, keys::DeltaKey("j", "alpha", 3))->has_value());
+  EXPECT_EQ(store->Metrics().slot_bytes, 0u);
+}
+
+// A batch whose second large value cannot be written (its slot file's path is blocked)
+// changes nothing: the first value's new slot was written but never committed, so every
+// key reads its old value, before and after a reopen; once the path is free it goes
+// through.
+TEST(RocksSlotTest, BatchFailingHalfWayLeavesTheOldValues) {
+  testing::TempDir dir;
+  const auto db = dir.path() / "db";
+  auto store = MustOpen(db.string());
+  const std::string e_key = keys::StateKey("j", keys::StateKind::kResidual, "w");
+  const std::string m_key = keys::StateKey("j", keys::StateKind::kMomentum, "w");
+  auto round = [&](int r) {
+    WriteBatch b;
+    b.PutOwned(Column::kState, e_key, Pattern(kBig, r));
+    b.PutOwned(Column::kState, m_key, Pattern(kBig, 100 + r));
+    b.PutOwned(Column::kDeltas, keys::DeltaKey("j", "alpha", r), Pattern(kBig, 200 + r));
+    b.PutOwned(Column::kSync, keys::SyncRecordKey("j"), std::to_string(r));
+    return store->Write(b);
+  };
+  auto expect_round = [&](int r) {
+    EXPECT_EQ(**store->Get(Column::kSync, keys::SyncRecordKey("j")), std::to_string(r));
+    EXPECT_EQ(**store->Get(Column::kState, e_key), Pattern(kBig, r));
+    EXPECT_EQ(**store->Get(Column::kState, m_key), Pattern(kBig, 100 + r));
+    EXPECT_FALSE(store->Get(Column::kDeltas, keys::DeltaKey("j", "alpha", r + 1))->has_value());
+  };
+  ASSERT_TRUE(round(1).ok());
+  // Slot ids follow the batch's order: e is file 1, m file 2. Round 2 writes their "b"
+  // slots; block m's, so e's is written and m's fails.
+  const auto blocker = db / "slots" / "0000000000000002.b";
+  std::filesystem::create_directory(blocker);
+  const Status failed = round(2);
+  EXPECT_FALSE(failed.ok());
+  expect_round(1);
+  store.reset();
+  store = MustOpen(db.string());
+  expect_round(1);
+  std::filesystem::remove(blocker);
+  ASSERT_TRUE(round(2).ok());
+  expect_round(2);
+  EXPECT_EQ(**store->Get(Column::kDeltas, keys::DeltaKey("j", "alpha", 2)), Pattern(kBig, 202));
+}
+
+TEST(RocksSlotTest, CheckpointKeepsTheSyncColumnsSlots) {
+  testing::TempDir dir;
+  const auto db = dir.path() / "db";
+  auto store = MustOpen(db.string());
+  const std::string e_key = keys::StateKey("j", keys::StateKind::kResidual, "w");
+  auto put = [&](int v) {
+    WriteBatch b;
+    b.PutOwned(Column::kState, e_key, Pattern(kBig, v));
+    b.PutOwned(Column::kDeltas, keys::DeltaKey("j", "alpha", 1), Pattern(kBig, 50 + v));
+    return store->Write(b);
+  };
+  ASSERT_TRUE(put(1).ok());
+  ASSERT_TRUE(store->Checkpoint((dir.path() / "cp").string()).ok());
+  ASSERT_TRUE(put(2).ok());
+  ASSERT_TRUE(put(3).ok());
+  WriteBatch d;
+  d.Delete(Column::kDeltas, keys::DeltaKey("j", "alpha", 1));
+  ASSERT_TRUE(store->Write(d).ok());
+  EXPECT_EQ(**store->Get(Column::kState, e_key), Pattern(kBig, 3));
+  auto cp = MustOpen((dir.path() / "cp").string());
+  EXPECT_EQ(**cp->Get(Column::kState, e_key), Pattern(kBig, 1));
+  EXPECT_EQ(**cp->Get(Column::kDeltas, keys::DeltaKey("j", "alpha", 1)), Pattern(kBig, 51));
+}
+
+// Scans of every column merge its slot-held and inline values in key order and see no
+// other column's.
+TEST(RocksSlotTest, ScanOfASyncColumnMergesSlotAndInlineValues) {
+  testing::TempDir dir;
+  auto store = MustOpen((dir.path() / "db").string(), false);
+  WriteBatch b;
+  const std::string big = Pattern(kBig, 9);
+  for (int r = 1; r <= 4; ++r) {
+    // Rounds 2 and 4 large, 1 and 3 inline.
+    b.PutOwned(Column::kDeltas, keys::DeltaKey("j", "alpha", r),
+               r % 2 == 0 ? big : "small-" + std::to_string(r));
+  }
+  b.PutOwned(Column::kDeltas, keys::DeltaKey("j", "beta", 1), big);    // other prefix
+  b.PutOwned(Column::kTensors, keys::DeltaKey("j", "alpha", 5), big);  // other column
+  b.PutOwned(Column::kState, keys::DeltaKey("j", "alpha", 6), big);    // other column
+  ASSERT_TRUE(store->Write(b).ok());
+  std::vector<uint64_t> rounds;
+  std::vector<size_t> sizes;
+  const std::string prefix = keys::DeltaPrefix("j", "alpha");
+  ASSERT_TRUE(store
+                  ->Scan(Column::kDeltas, prefix,
+                         [&](std::string_view k, std::string_view v) {
+                           rounds.push_back(keys::FromBigEndian64(k.substr(prefix.size())));
+                           sizes.push_back(v.size());
+                           return true;
+                         })
+                  .ok());
+  EXPECT_EQ(rounds, (std::vector<uint64_t>{1, 2, 3, 4}));
+  EXPECT_EQ(sizes, (std::vector<size_t>{7, kBig, 7, kBig}));
+}
+
 // The writer half of the crash test, run in a child process started by the test below
 // (ISTHMUS_STORE_CRASH_DIR names its store). Skipped when run on its own.
 TEST(RocksSlotCrashTest, ChildWriter) {
@@ -289,9 +436,15 @@ TEST(RocksSlotCrashTest, ChildWriter) {
   if (rec.ok() && rec->has_value()) i = std::stoi(**rec);
   while (true) {
     ++i;
+    // As a round writes them: a tensor, a residual, a new delta and the removal of an old
+    // one, with a small record, in one batch.
     std::string value = Pattern(kBig, i), counter = std::to_string(i);
+    std::string residual = Pattern(kBig, 1000 + i), delta = Pattern(kBig, 2000 + i);
     WriteBatch b;
     b.Put(Column::kTensors, keys::JobKey("j", "w"), value);
+    b.Put(Column::kState, keys::StateKey("j", keys::StateKind::kResidual, "w"), residual);
+    b.Put(Column::kDeltas, keys::DeltaKey("j", "alpha", i), delta);
+    if (i > 2) b.Delete(Column::kDeltas, keys::DeltaKey("j", "alpha", i - 2));
     b.Put(Column::kJobs, "j", counter);
     if (!store->Write(b).ok()) std::_Exit(3);
     // Acknowledge: this write is durable from here on.
@@ -341,6 +494,23 @@ TEST(RocksSlotCrashTest, KillMidWrites) {
     ASSERT_TRUE(value.ok()) << value.status().ToString();
     ASSERT_TRUE(value->has_value());
     EXPECT_TRUE(**value == Pattern(kBig, committed)) << "tensor and record of one batch differ";
+    auto residual =
+        store->Get(Column::kState, keys::StateKey("j", keys::StateKind::kResidual, "w"));
+    ASSERT_TRUE(residual.ok() && residual->has_value()) << residual.status().ToString();
+    EXPECT_TRUE(**residual == Pattern(kBig, 1000 + committed)) << "residual and record differ";
+    std::vector<uint64_t> held;
+    ASSERT_TRUE(store
+                    ->Scan(Column::kDeltas, keys::DeltaPrefix("j", "alpha"),
+                           [&](std::string_view k, std::string_view v) {
+                             const uint64_t r = keys::FromBigEndian64(k.substr(k.size() - 8));
+                             EXPECT_TRUE(v == Pattern(kBig, 2000 + static_cast<int>(r)));
+                             held.push_back(r);
+                             return true;
+                           })
+                    .ok());
+    std::vector<uint64_t> want;
+    for (int r = std::max(1, committed - 1); r <= committed; ++r) want.push_back(r);
+    EXPECT_EQ(held, want) << "the deltas of the committed batch, and only those";
   }
 }
 

@@ -95,9 +95,11 @@ class Site {
       }
       ASSERT_TRUE(store_->Write(b).ok());
     }
-    auto engine = SyncEngine::Create(store_.get(), options_);
+    auto engine =
+        SyncEngine::Create(wrap_store_ ? wrap_store_(store_.get()) : store_.get(), options_);
     ASSERT_TRUE(engine.ok()) << engine.status().ToString();
     engine_ = std::move(engine).value();
+    engine_->SetDeferRoundWork(defer_);
     auto tensors = SyncEngine::ReadTensors(store_.get(), kJob);
     ASSERT_TRUE(tensors.ok()) << tensors.status().ToString();
     ASSERT_TRUE(engine_->AttachJob(kJob, std::move(*tensors), 1).ok());
@@ -109,16 +111,21 @@ class Site {
     Open();
   }
 
-  // Pushes round r in one call (every tensor): the close runs from memory.
-  Result<SyncPushResult> PushWholeRound(uint64_t r) {
-    std::vector<std::vector<float>> deltas;
+  // Pushes round r in one call (every tensor): the close runs from memory. With `keep`, the
+  // deltas are handed over with a keepalive (as the shard server does), which the engine
+  // may hold until a deferred close; the last one is kept in last_keep.
+  Result<SyncPushResult> PushWholeRound(uint64_t r, bool keep = false) {
+    auto deltas = std::make_shared<std::vector<std::vector<float>>>();
     std::vector<SyncPushTensor> ts;
-    for (size_t i = 0; i < kTensors.size(); ++i) deltas.push_back(DeltaOf(name_, r, i));
+    for (size_t i = 0; i < kTensors.size(); ++i) deltas->push_back(DeltaOf(name_, r, i));
     for (size_t i = 0; i < kTensors.size(); ++i)
-      ts.push_back({kTensors[i].name, deltas[i], kTensors[i].shape});
+      ts.push_back({kTensors[i].name, (*deltas)[i], kTensors[i].shape});
     WriteBatch b;
-    return engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b);
+    if (keep) last_keep = deltas;
+    return engine_->PushRound(kJob, r, TokensOf(name_, r), ts, b, 0,
+                              keep ? std::shared_ptr<const void>(deltas) : nullptr);
   }
+  std::weak_ptr<const void> last_keep;
 
   // Pushes round r as the workers would: tensor 0 alone, then the rest.
   Result<SyncPushResult> PushRound(uint64_t r, int part = -1, uint64_t compute_ms = 0) {
@@ -153,8 +160,17 @@ class Site {
   Store* store() { return store_.get(); }
   const std::string& name() const { return name_; }
   SyncOptions& options() { return options_; }
+  // Round work after replies (SyncEngine::SetDeferRoundWork); applies from the next Open.
+  void set_defer(bool on) {
+    defer_ = on;
+    engine_->SetDeferRoundWork(on);
+  }
+  // What the engine writes through, given the store (fault injection); from the next Open.
+  void set_store_wrapper(std::function<Store*(Store*)> wrap) { wrap_store_ = std::move(wrap); }
 
  private:
+  bool defer_ = false;
+  std::function<Store*(Store*)> wrap_store_;
   std::string name_;
   SyncOptions options_;
   testing::TempDir dir_;
@@ -648,6 +664,236 @@ TEST(SyncEngineTest, ARoundPushedInOneCallClosesLikeAStagedOne) {
   ASSERT_TRUE(again.ok());
   EXPECT_TRUE(again->duplicate);
   EXPECT_EQ(a.engine().CommittedRound(kJob), 3u);
+}
+
+// Deferred round work (the shard server's mode): a push that completes its round is
+// answered once the round is staged durably, and the close and commits run afterwards, in
+// RunDeferred. siteA defers and hands its deltas over with a keepalive (closed from that
+// memory), siteB defers without (closed from the staged copies read back), siteC works
+// inline: with the default codec, an outer learning rate and Nesterov momentum, every
+// round's digest is the same on all three.
+TEST(SyncEngineTest, DeferredRoundWorkCommitsTheSameDigestsAsInline) {
+  auto sites = ThreeSites("", /*lr=*/0.7, /*mu=*/0.9);
+  auto& a = *sites[0];
+  auto& b = *sites[1];
+  a.set_defer(true);
+  b.set_defer(true);
+  for (uint64_t r = 1; r <= 4; ++r) {
+    auto pa = a.PushWholeRound(r, /*keep=*/true);
+    ASSERT_TRUE(pa.ok()) << pa.status().ToString();
+    EXPECT_TRUE(pa->close_pending);
+    EXPECT_FALSE(pa->closed);
+    // Durable and answered, not closed: workers are told the round is pushed.
+    EXPECT_EQ(a.engine().LocalRound(kJob), r - 1);
+    EXPECT_EQ(a.engine().PushedRound(kJob), r);
+    EXPECT_TRUE(a.engine().HasDeferred());
+    EXPECT_FALSE(a.last_keep.expired()) << "the pushed deltas are held until the close";
+    ASSERT_TRUE(b.PushRound(r).ok());  // two pushes, the second completes the round
+    EXPECT_EQ(b.engine().LocalRound(kJob), r - 1);
+    ASSERT_TRUE(sites[2]->PushRound(r).ok());
+    EXPECT_EQ(sites[2]->engine().LocalRound(kJob), r);
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    ASSERT_TRUE(b.engine().RunDeferred().ok());
+    EXPECT_EQ(a.engine().LocalRound(kJob), r);
+    EXPECT_FALSE(a.engine().HasDeferred());
+    EXPECT_TRUE(a.last_keep.expired()) << "the close let the pushed deltas go";
+    for (int from = 0; from < 3; ++from) {
+      for (int to = 0; to < 3; ++to) {
+        if (from != to) Deliver(*sites[from], *sites[to]);
+      }
+    }
+    // Received deltas are held at once; the commit they allow is deferred work too.
+    EXPECT_EQ(a.engine().CommittedRound(kJob), r - 1);
+    EXPECT_TRUE(a.engine().HasDeferred());
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    ASSERT_TRUE(b.engine().RunDeferred().ok());
+    for (auto& s : sites) ASSERT_EQ(s->engine().CommittedRound(kJob), r) << s->name();
+    auto d = sites[2]->Digests();
+    EXPECT_EQ(a.Digests(), d);
+    EXPECT_EQ(b.Digests(), d);
+  }
+}
+
+// A crash after the acknowledgement and before the deferred close loses nothing: the
+// restarted engine closes the durable stage (AttachJob), and the outbox holds exactly the
+// bytes an inline twin (same site, same pushes) produced.
+TEST(SyncEngineTest, CrashBetweenAcknowledgedPushAndDeferredCloseLosesNothing) {
+  Site a("siteA", {"siteB"}, "topk:0.25+int8+zstd"),
+      twin("siteA", {"siteB"}, "topk:0.25+int8+zstd");
+  a.set_defer(true);
+  for (uint64_t r = 1; r <= 3; ++r) {
+    // Round 2 comes in two pushes (staged), the others in one.
+    auto pushed = r == 2 ? a.PushRound(r) : a.PushWholeRound(r, /*keep=*/true);
+    ASSERT_TRUE(pushed.ok()) << pushed.status().ToString();
+    EXPECT_TRUE(pushed->close_pending);
+    ASSERT_TRUE((r == 2 ? twin.PushRound(r) : twin.PushWholeRound(r)).ok());
+    a.Reopen();  // the crash: the close never ran
+    a.set_defer(true);
+    EXPECT_EQ(a.engine().LocalRound(kJob), r) << "the restart closes the acknowledged round";
+    EXPECT_FALSE(a.engine().HasDeferred());
+    auto mine = a.engine().OutboxDelta(kJob, r);
+    auto theirs = twin.engine().OutboxDelta(kJob, r);
+    ASSERT_TRUE(mine.ok() && theirs.ok());
+    EXPECT_EQ(EncodeDelta(**mine), EncodeDelta(**theirs)) << "round " << r;
+    // A retried push of the acknowledged round is a duplicate.
+    auto again = a.PushWholeRound(r);
+    ASSERT_TRUE(again.ok());
+    EXPECT_TRUE(again->duplicate);
+  }
+}
+
+// sync.encode_threads changes who encodes which tensor, never the bytes: one site closing
+// its rounds on one thread and its twin (same name, same pushes) on four hold the same
+// outbox, round after round (the residuals they carry agree too, or later rounds would not).
+TEST(SyncEngineTest, EncodeThreadsDoNotChangeTheOutbox) {
+  Site one("siteA", {"siteB"}, ""), four("siteA", {"siteB"}, "");
+  one.options().encode_threads = 1;
+  four.options().encode_threads = 4;
+  one.Reopen();
+  four.Reopen();
+  for (uint64_t r = 1; r <= 4; ++r) {
+    ASSERT_TRUE(one.PushWholeRound(r).ok());
+    ASSERT_TRUE(four.PushRound(r).ok());
+    auto a = one.engine().OutboxDelta(kJob, r);
+    auto b = four.engine().OutboxDelta(kJob, r);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_EQ(EncodeDelta(**a), EncodeDelta(**b)) << "round " << r;
+  }
+}
+
+// A Store that forwards to another and fails writes while told to (fault injection).
+class FlakyStore : public Store {
+ public:
+  explicit FlakyStore(Store* inner) : inner_(inner) {}
+  Status Write(const WriteBatch& batch) override {
+    if (fail_) return Status::ResourceExhausted("injected: disk full");
+    return inner_->Write(batch);
+  }
+  Result<std::optional<std::string>> Get(Column c, std::string_view key) override {
+    return inner_->Get(c, key);
+  }
+  Status Scan(Column c, std::string_view prefix,
+              const std::function<bool(std::string_view, std::string_view)>& fn) override {
+    return inner_->Scan(c, prefix, fn);
+  }
+  Status Checkpoint(const std::string& dir) override { return inner_->Checkpoint(dir); }
+  uint64_t ApproximateBytes() override { return inner_->ApproximateBytes(); }
+  bool fail_ = false;
+
+ private:
+  Store* inner_;
+};
+
+// Deferred work that fails (the disk is full when the close writes) keeps the round staged
+// and acknowledged, is retried after a backoff, and a push of the next round closes it
+// first rather than being refused as skipping ahead.
+TEST(SyncEngineTest, FailedDeferredCloseIsRetriedAndOrdersTheNextPush) {
+  auto now =
+      std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+  std::unique_ptr<FlakyStore> flaky;
+  Site a("siteA", {"siteB"}, "dense"), b("siteB", {"siteA"}, "dense");
+  a.options().now = [now] { return *now; };
+  a.set_store_wrapper([&](Store* inner) {
+    flaky = std::make_unique<FlakyStore>(inner);
+    return flaky.get();
+  });
+  a.Reopen();
+  a.set_defer(true);
+  auto p1 = a.PushWholeRound(1, /*keep=*/true);
+  ASSERT_TRUE(p1.ok()) << p1.status().ToString();
+  flaky->fail_ = true;
+  EXPECT_EQ(a.engine().RunDeferred().code(), Code::kResourceExhausted);
+  EXPECT_EQ(a.engine().LocalRound(kJob), 0u);
+  EXPECT_EQ(a.engine().PushedRound(kJob), 1u);
+  EXPECT_TRUE(a.engine().HasDeferred());
+  EXPECT_EQ(a.engine().DeferredRetryMs(), 1000);
+  EXPECT_TRUE(a.engine().RunDeferred().ok()) << "nothing is tried before the backoff";
+  *now += std::chrono::milliseconds(1000);
+  EXPECT_EQ(a.engine().DeferredRetryMs(), 0);
+  EXPECT_EQ(a.engine().RunDeferred().code(), Code::kResourceExhausted);
+  EXPECT_EQ(a.engine().DeferredRetryMs(), 2000) << "the backoff doubles";
+  // The next round's push needs round 1 closed: it tries, and fails as the close does.
+  EXPECT_EQ(a.PushWholeRound(2, true).status().code(), Code::kResourceExhausted);
+  flaky->fail_ = false;
+  auto p2 = a.PushWholeRound(2, /*keep=*/true);
+  ASSERT_TRUE(p2.ok()) << p2.status().ToString();
+  EXPECT_EQ(a.engine().LocalRound(kJob), 1u);
+  EXPECT_EQ(a.engine().PushedRound(kJob), 2u);
+  ASSERT_TRUE(a.engine().RunDeferred().ok());
+  EXPECT_FALSE(a.engine().HasDeferred());
+  EXPECT_EQ(a.engine().DeferredRetryMs(), -1);
+  for (uint64_t r = 1; r <= 2; ++r) ASSERT_TRUE(b.PushRound(r).ok());
+  Deliver(a, b), Deliver(b, a);
+  ASSERT_TRUE(a.engine().RunDeferred().ok());
+  EXPECT_EQ(a.engine().CommittedRound(kJob), 2u);
+  EXPECT_EQ(a.Digests(), b.Digests());
+  ExpectCommittedEquals(a, Reference({"siteA", "siteB"}, 2));
+}
+
+// Deferred work that fails with an error-feedback codec: neither a failed close (its new
+// residuals were computed, its batch refused) nor a failed commit leaves a trace in memory,
+// so the retried close writes the bytes an inline twin (same site, same pushes) wrote and
+// the retried commit the digests every site has. Each failure shows in JobStatus (the
+// server's metrics) until the retry succeeds.
+TEST(SyncEngineTest, FailedDeferredCloseAndCommitMatchAnInlineTwin) {
+  auto now =
+      std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::now());
+  std::unique_ptr<FlakyStore> flaky;
+  const std::string codec = "topk:0.25+int8+zstd";
+  Site a("siteA", {"siteB"}, codec, 0.7, 0.9), twin("siteA", {"siteB"}, codec, 0.7, 0.9),
+      b("siteB", {"siteA"}, codec, 0.7, 0.9);
+  a.options().now = [now] { return *now; };
+  a.set_store_wrapper([&](Store* inner) {
+    flaky = std::make_unique<FlakyStore>(inner);
+    return flaky.get();
+  });
+  a.Reopen();
+  a.set_defer(true);
+  auto status = [&] {
+    auto js = a.engine().JobStatus(kJob);
+    EXPECT_TRUE(js.ok());
+    return js.ok() ? *js : SyncJobStatus{};
+  };
+  uint64_t failures = 0;
+  for (uint64_t r = 1; r <= 3; ++r) {
+    ASSERT_TRUE(a.PushWholeRound(r, /*keep=*/true).ok());
+    ASSERT_TRUE(twin.PushWholeRound(r).ok());
+    ASSERT_TRUE(b.PushRound(r).ok());
+    // The close fails, then succeeds.
+    flaky->fail_ = true;
+    EXPECT_EQ(a.engine().RunDeferred().code(), Code::kResourceExhausted);
+    EXPECT_EQ(status().round_work_failures, ++failures);
+    EXPECT_TRUE(status().round_work_pending);
+    EXPECT_NE(status().round_work_error.find("disk full"), std::string::npos);
+    flaky->fail_ = false;
+    *now += std::chrono::milliseconds(a.engine().DeferredRetryMs());
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    EXPECT_FALSE(status().round_work_pending);
+    EXPECT_EQ(status().round_work_error, "");
+    ASSERT_EQ(a.engine().LocalRound(kJob), r);
+    auto mine = a.engine().OutboxDelta(kJob, r);
+    auto theirs = twin.engine().OutboxDelta(kJob, r);
+    ASSERT_TRUE(mine.ok() && theirs.ok());
+    EXPECT_EQ(EncodeDelta(**mine), EncodeDelta(**theirs)) << "round " << r;
+    // The commit fails, then succeeds.
+    Deliver(a, b);
+    {  // twin is siteA too: it takes siteB's delta without acknowledging it for siteA
+      auto d = b.engine().OutboxDelta(kJob, r);
+      ASSERT_TRUE(d.ok()) << d.status().ToString();
+      ASSERT_TRUE(twin.engine().ReceiveDelta("siteB", **d).ok());
+    }
+    Deliver(b, a);
+    flaky->fail_ = true;
+    EXPECT_EQ(a.engine().RunDeferred().code(), Code::kResourceExhausted);
+    EXPECT_EQ(a.engine().CommittedRound(kJob), r - 1);
+    EXPECT_EQ(status().round_work_failures, ++failures);
+    flaky->fail_ = false;
+    *now += std::chrono::milliseconds(a.engine().DeferredRetryMs());
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    ASSERT_EQ(a.engine().CommittedRound(kJob), r);
+    EXPECT_EQ(a.Digests(), twin.Digests());
+    EXPECT_EQ(a.Digests(), b.Digests());
+  }
 }
 
 TEST(SyncEngineTest, FragmentsAreLargestFirstIntoTheLeastLoadedGroup) {
