@@ -244,7 +244,13 @@ TEST(ShardMetrics, TwoSitesShowCommitsLinksAndTheirWireBytes) {
     EXPECT_EQ(
         Value(text, "isthmus_peer_acked_round{peer=\"" + std::string(peer) + "\",job=\"job\"}"), 3);
     EXPECT_EQ(Value(text, "isthmus_peer_connected" + p), 1);
-    EXPECT_GE(Or(Value(text, "isthmus_peer_deltas_acked_total" + p)), 3);
+    // Each delta sent (3, plus resends) is acknowledged at most once by its own reply; a
+    // reply lost to a reconnect (a slow sanitized peer) is made good by the handshake,
+    // which moves acked_round (above) but not this counter.
+    const double acked = Or(Value(text, "isthmus_peer_deltas_acked_total" + p));
+    EXPECT_GE(acked, 1) << text;
+    EXPECT_LE(acked, Or(Value(text, "isthmus_peer_deltas_sent_total" + p))) << text;
+    EXPECT_GE(Or(Value(text, "isthmus_peer_deltas_sent_total" + p)), 3) << text;
     const double payload = Or(Value(text, "isthmus_peer_payload_sent_bytes_total" + p));
     const double wire = Or(Value(text, "isthmus_peer_wire_sent_bytes_total" + p));
     EXPECT_GT(payload, 0);
