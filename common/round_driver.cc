@@ -126,6 +126,7 @@ void RoundDriver::RunRound(const RoundInFlight& in) {
   std::vector<TensorView> views;
   views.reserve(in.delta->size());
   for (const auto& d : *in.delta) views.push_back({d.name, d.shape, d.data.data()});
+  if (o_.fault) o_.fault("pushing", in.round);
   auto pushed = shards_.PushRound(in.round, in.tokens, in.compute_ms, views, o_.rank, o_.world);
   rep.push_s = Seconds(Clock::now() - t);
   if (!pushed.ok()) {
@@ -167,6 +168,7 @@ Status RoundDriver::WaitForBound(const RoundInFlight& in, RoundReport& rep) {
   {
     std::lock_guard lk(mu_);
     stage_ = Stage::kWaiting;
+    push_s_ = rep.push_s;
   }
   cv_.notify_all();
   rep.waited_from = Clock::now();
@@ -260,15 +262,19 @@ Status RoundDriver::Block(const std::function<bool()>& done_locked) {
   // Checked on the caller's thread; reports a wait for the WAN once per round.
   auto done = [&] {
     std::string reason;
+    double push_s = 0;
     bool ok;
     {
       std::lock_guard lk(mu_);
       ok = done_locked();
-      if (!ok && stage_ == Stage::kWaiting && !said_wait_) reason = wait_reason_;
+      if (!ok && stage_ == Stage::kWaiting && !said_wait_) {
+        reason = wait_reason_;
+        push_s = push_s_;
+      }
     }
     if (!reason.empty()) {
       said_wait_ = true;
-      if (o_.on_wan_wait) o_.on_wan_wait(reason);
+      if (o_.on_wan_wait) o_.on_wan_wait(reason, push_s);
     }
     return ok;
   };

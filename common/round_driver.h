@@ -140,14 +140,16 @@ struct RoundDriverOptions {
   // counts), so that no in-site collective waits minutes for rank 0.
   std::function<Status(const std::function<bool()>& done)> await;
   // Called on the caller's thread (once per round) when it waits on a round that waits
-  // for the WAN, with the reason ("waiting for the WAN: 3 rounds ahead ...").
-  std::function<void(const std::string& reason)> on_wan_wait;
+  // for the WAN, with the reason ("waiting for the WAN: 3 rounds ahead ...") and how long
+  // the round's push took (it is done by then).
+  std::function<void(const std::string& reason, double push_s)> on_wan_wait;
   // Called on the caller's thread with this rank's outcome of the round in flight before
   // its state is merged: all ranks of a site must agree (isthmus-worker shares every rank's
   // outcome here); a non-OK return fails the round. Default: the outcome itself.
   std::function<Status(const Status& mine)> agree;
-  // A test hook: called on the background thread at "pushed" (every shard of this rank
-  // took the round) and "pulled" (the state is pulled, not yet handed over).
+  // A test hook: called on the background thread at "pushing" (before the push),
+  // "pushed" (every shard of this rank took the round) and "pulled" (the state is pulled,
+  // not yet handed over).
   std::function<void(const char* stage, uint64_t round)> fault;
 };
 
@@ -259,6 +261,7 @@ class RoundDriver {
   std::optional<RoundInFlight> next_;  // GUARDED_BY(mu_): handed to the thread by Start
   Stage stage_ = Stage::kIdle;         // GUARDED_BY(mu_)
   std::string wait_reason_;            // GUARDED_BY(mu_): why the round waits (kWaiting)
+  double push_s_ = 0;                  // GUARDED_BY(mu_): its push's seconds (kWaiting)
   Outcome outcome_;                    // GUARDED_BY(mu_): the round's outcome (kDone)
   bool cancel_ = false;                // GUARDED_BY(mu_): Cancel() for the round in flight
   bool quit_ = false;                  // GUARDED_BY(mu_): the destructor

@@ -326,7 +326,7 @@ TEST(RoundDriver, TheCallersAwaitIsUsedAndOneRoundIsInFlightAtATime) {
     for (int i = 0; i < 4000 && !done(); ++i) std::this_thread::sleep_for(5ms);
     return done() ? Status::Ok() : Status::Timeout("never done");
   };
-  o.on_wan_wait = [&](const std::string& reason) { said = reason; };
+  o.on_wan_wait = [&](const std::string& reason, double) { said = reason; };
   RoundDriver d(shards, &params, o);
   d.set_limit(1);
   shards.With([&] {
