@@ -238,6 +238,12 @@ Status RoundDriver::Start(RoundInFlight in) {
   return Status::Ok();
 }
 
+RoundDriver::Stage RoundDriver::stage() const {
+  if (!inflight_) return Stage::kIdle;
+  std::lock_guard lk(mu_);
+  return stage_;
+}
+
 bool RoundDriver::Ready() const {
   if (!inflight_) return false;
   std::lock_guard lk(mu_);

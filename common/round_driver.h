@@ -207,6 +207,10 @@ class RoundDriver {
   // Starts pushing `in` (its delta must not change) and then, on a pulling rank, waiting
   // within the bound and pulling. FailedPrecondition while a round is in flight.
   Status Start(RoundInFlight in);
+  // Where the round in flight is: idle (none), pushing, waiting (for the WAN, or for the
+  // other ranks' pushes), pulling, done.
+  enum class Stage { kIdle, kPushing, kWaiting, kPulling, kDone };
+  Stage stage() const;
   // True when a round is in flight and done (Wait will not block); Failed: and it failed.
   bool Ready() const;
   bool Failed() const;
@@ -237,7 +241,6 @@ class RoundDriver {
   const RoundDriverOptions& options() const { return o_; }
 
  private:
-  enum class Stage { kIdle, kPushing, kWaiting, kPulling, kDone };
   void Loop();                             // the driver's thread
   void RunRound(const RoundInFlight& in);  // one round, on the driver's thread
   Status WaitForBound(const RoundInFlight& in, RoundReport& report);
