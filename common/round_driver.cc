@@ -128,7 +128,8 @@ void RoundDriver::RunRound(const RoundInFlight& in) {
   for (const auto& d : *in.delta) views.push_back({d.name, d.shape, d.data.data()});
   if (o_.fault) o_.fault("pushing", in.round);
   auto pushed = shards_.PushRound(in.round, in.tokens, in.compute_ms, views, o_.rank, o_.world);
-  rep.push_s = Seconds(Clock::now() - t);
+  rep.pushed_at = Clock::now();
+  rep.push_s = Seconds(rep.pushed_at - t);
   if (!pushed.ok()) {
     out.status = pushed.status();
   } else {

@@ -166,6 +166,7 @@ struct RoundReport {
   bool waited = false;       // the round was too far ahead at least once: it waited
   bool merged = false;       // the pulled state went into the live weights
   std::chrono::steady_clock::time_point waited_from{}, waited_to{};  // the wait, if any
+  std::chrono::steady_clock::time_point pushed_at{};                 // when the push was answered
 };
 
 // The round in flight as a checkpoint records it: restarting from it pushes the same round
