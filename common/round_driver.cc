@@ -322,7 +322,9 @@ RoundDriver::Outcome RoundDriver::Wait() {
   if (out.report.waited) {
     out.report.blocked_wan_s = Overlap(t0, t1, out.report.waited_from, out.report.waited_to);
   }
-  if (out.report.staleness.shard >= 0 || out.report.pushed) limit_ = out.report.staleness.limit;
+  if (o_.follow_limit && (out.report.staleness.shard >= 0 || out.report.pushed)) {
+    limit_ = out.report.staleness.limit;
+  }
   if (!blocked.ok() && out.status.ok()) out.status = blocked;
   if (!out.status.ok() && !out.report.pushed) failed_ = inflight_;
   inflight_.reset();

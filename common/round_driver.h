@@ -147,6 +147,11 @@ struct RoundDriverOptions {
   // its state is merged: all ranks of a site must agree (isthmus-worker shares every rank's
   // outcome here); a non-OK return fails the round. Default: the outcome itself.
   std::function<Status(const Status& mine)> agree;
+  // true: limit() follows K as each round's shards report it; false: it stays as set
+  // (set_limit). limit() decides whether EndRound waits for the commit (K = 0); where that
+  // wait is collective (isthmus-worker's ranks, through `await`), every rank must decide it
+  // from the same K, and a rank that only pushes hears K from other replies than rank 0.
+  bool follow_limit = true;
   // A test hook: called on the background thread at "pushing" (before the push),
   // "pushed" (every shard of this rank took the round) and "pulled" (the state is pulled,
   // not yet handed over).
@@ -236,7 +241,8 @@ class RoundDriver {
   const std::optional<RoundInFlight>& inflight() const { return inflight_; }
   const std::optional<RoundInFlight>& failed() const { return failed_; }
   void clear_failed() { failed_.reset(); }
-  // K as last reported by the shards (set it from Hello before the first round).
+  // K as last reported by the shards (set it from Hello before the first round), or as set
+  // (options().follow_limit false).
   uint64_t limit() const { return limit_; }
   void set_limit(uint64_t limit) { limit_ = limit; }
   const RoundDriverOptions& options() const { return o_; }

@@ -840,6 +840,9 @@ class RoundLoop {
     o.world = world();
     o.pull = leader();
     o.stopping = [this] { return Stopping(); };
+    // Every rank must decide alike at the end of a round whether K = 0 makes it wait (the
+    // wait is collective): K as the shards said at start-up, not as each rank last heard.
+    o.follow_limit = false;
     if (comm_) o.await = [this](const std::function<bool()>& done) { return AwaitTogether(done); };
     o.on_wan_wait = [this](const std::string& reason, double push_s) {
       // The push is done: metrics show it while the site waits.
@@ -1207,7 +1210,7 @@ class RoundLoop {
   uint64_t start_limit_ = 0;              // K as the shards said at start-up
   bool site_lost_ = false;                // an in-site collective failed (a rank gone)
   int64_t steps_since_push_ = 0;          // steps since the last round's delta was taken
-  uint64_t push_reported_ = 0;            // the round whose push the telemetry has already
+  uint64_t push_reported_ = 0;            // the round whose push the telemetry already has
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<Telemetry> telemetry_;  // rank 0's metrics and events (no-op elsewhere)
   std::string base_hash_;

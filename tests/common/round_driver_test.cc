@@ -4,7 +4,8 @@
 // state is taken as it is; without overlap the round ends in the caller; the staleness
 // bound counts the round in flight (K - 1 in the background; K = 0: the caller waits for
 // the commit); a refused push surfaces with the round and keeps the delta; a stop ends a
-// wait; Cancel gives a wait up; the other ranks' pushes are awaited before the pull. The
+// wait; Cancel gives a wait up; the other ranks' pushes are awaited before the pull; with
+// follow_limit off the K set at start-up decides whether the end of a round waits. The
 // fake shards block on latches, not on timing, so the tests hold on a loaded machine and
 // under ThreadSanitizer; every wait is bounded.
 #include "common/round_driver.h"
@@ -343,6 +344,46 @@ TEST(RoundDriver, TheCallersAwaitIsUsedAndOneRoundIsInFlightAtATime) {
   ASSERT_TRUE(done.ok()) << done.status().ToString();
   EXPECT_EQ(awaited, 1);
   EXPECT_NE(said.find("limit 1"), std::string::npos) << said;
+}
+
+// isthmus-worker's ranks wait for the commit together (K = 0 makes the end of a round a
+// collective wait), so each must decide it from the same K: with follow_limit off, limit()
+// stays as set at start-up even when the shards report another K, and EndRound keeps
+// waiting through `await`; with it on, limit() follows the shards.
+TEST(RoundDriver, WithoutFollowLimitTheKSetAtStartUpDecidesWhetherEndRoundWaits) {
+  for (const bool follow : {true, false}) {
+    SCOPED_TRACE(follow ? "follow_limit on" : "follow_limit off");
+    std::vector<float> w = {0, 0};
+    FakeShards shards(w);
+    HostLiveParams params({{"w", {2}, w.data()}});
+    int awaited = 0;
+    RoundDriverOptions o;
+    o.overlap = true;
+    o.poll = 2ms;
+    o.follow_limit = follow;
+    o.await = [&](const std::function<bool()>& done) {
+      ++awaited;
+      for (int i = 0; i < 4000 && !done(); ++i) std::this_thread::sleep_for(5ms);
+      return done() ? Status::Ok() : Status::Timeout("never done");
+    };
+    RoundDriver d(shards, &params, o);
+    d.set_limit(0);                           // K as the shards said at start-up
+    shards.With([&] { shards.limit_ = 2; });  // what they report from now on
+    w[0] = 1;
+    d.Stepped();
+    ASSERT_TRUE(d.EndRound(1, 1, 1).ok());
+    EXPECT_EQ(awaited, 1);  // K = 0: the end of round 1 waited for its commit
+    auto done = d.Complete();
+    ASSERT_TRUE(done.ok()) << done.status().ToString();
+    EXPECT_EQ(done->staleness.limit, 2u);
+    EXPECT_EQ(d.limit(), follow ? 2u : 0u);
+    const int before = awaited;
+    w[0] = 2;
+    d.Stepped();
+    ASSERT_TRUE(d.EndRound(2, 1, 1).ok());
+    EXPECT_EQ(awaited - before, follow ? 0 : 1);
+    ASSERT_TRUE(d.Complete().ok());
+  }
 }
 
 TEST(HostLiveParams, TheDeltaIsWhatAShardAddingItToTheBaseHolds) {

@@ -1,7 +1,8 @@
 // isthmus-worker --overlap (docs/SYNC.md, "The overlapped round") against real
 // isthmus-server processes on loopback with CURVE:
 //  - overlap on and off commit bit-identical state where they must: one site (a synced site
-//    without peers: rounds commit exactly), one and two ranks;
+//    without peers: rounds commit exactly), one, two and three ranks (three on two shards:
+//    a rank that pushes no shard still decides the K = 0 wait as the others do);
 //  - a worker SIGKILLed while its background push hangs on a frozen shard, and one that
 //    dies in the background right after pulling, restart and lose nothing and double
 //    nothing: every round applied once per shard, the committed state equal to the start
@@ -147,7 +148,7 @@ TEST_P(OverlapOnOff, OneSiteCommitsTheSameStateBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, OverlapOnOff, ::testing::Values(1, 2));
+INSTANTIATE_TEST_SUITE_P(Ranks, OverlapOnOff, ::testing::Values(1, 2, 3));
 
 // The committed tensors must be the start plus every round's delta once (a synced site
 // alone adds each round's delta exactly): `deltas` holds round-R.safetensors as the worker
