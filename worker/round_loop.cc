@@ -1109,10 +1109,9 @@ class RoundLoop {
     if (!(interrupted_ && unpushed_) && (interrupted_ || s_.overlap)) {
       ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
     }
-    if (interrupted_ && stop_note_.empty()) {
+    if (interrupted_ && stop_note_.empty()) {  // else RoundFailed said how it stopped
       progress_->Message("interrupted: round " + std::to_string(round_) + " step " +
-                         std::to_string(step_) + " checkpointed" +
-                         (stop_note_.empty() ? "" : " (" + stop_note_ + ")"));
+                         std::to_string(step_) + " checkpointed");
     }
     seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
     rate_ = seconds_ > 0 ? static_cast<double>(tokens_here) / seconds_ : 0;
