@@ -304,7 +304,8 @@ Result<double> RoundDriver::AwaitBound() {
 RoundDriver::Outcome RoundDriver::Wait() {
   Outcome out;
   if (!inflight_) return out;
-  const auto t0 = Clock::now();
+  const auto t0 = blocked_from_.value_or(Clock::now());
+  blocked_from_.reset();
   Status blocked = Block([this] { return stage_ == Stage::kDone; });
   if (!blocked.ok()) {
     // The caller's own wait failed (e.g. a rank of the site gone): give the round up.
@@ -356,7 +357,13 @@ Result<RoundReport> RoundDriver::EndRound(
   RoundInFlight in{round, tokens, compute_ms,
                    std::make_shared<const std::vector<Tensor>>(std::move(delta))};
   if (before_push) ISTHMUS_RETURN_IF_ERROR(before_push(in));
-  ISTHMUS_RETURN_IF_ERROR(Start(std::move(in)));
+  // Without overlap the caller is blocked from the hand-over on, before the driver's thread
+  // starts the push: the whole push, wait and pull lie within blocked_s.
+  if (!o_.overlap) blocked_from_ = Clock::now();
+  if (Status started = Start(std::move(in)); !started.ok()) {
+    blocked_from_.reset();
+    return started;
+  }
   if (!o_.overlap) return Complete();
   if (limit_ == 0) {
     // K = 0: the round in flight must commit before the next one trains.

@@ -166,7 +166,8 @@ struct RoundReport {
   bool pushed = false;            // every shard this rank pushes holds the round
   Staleness staleness;            // the last check of the wait (limit: K)
   double push_s = 0, wait_s = 0, pull_s = 0;
-  double blocked_s = 0;      // the caller waited for the round (any stage)
+  double blocked_s = 0;      // the caller waited for the round (any stage; without overlap
+                             // from the hand-over: push_s + wait_s + pull_s at least)
   double blocked_wan_s = 0;  // of which while the round waited for the WAN (had to wait)
   bool waited = false;       // the round was too far ahead at least once: it waited
   bool merged = false;       // the pulled state went into the live weights
@@ -265,6 +266,8 @@ class RoundDriver {
   uint64_t limit_ = 0;
   bool progressed_ = false;
   bool said_wait_ = false;  // on_wan_wait was called for the round in flight
+  // Without overlap: when EndRound handed the round over (Wait counts blocked_s from it).
+  std::optional<std::chrono::steady_clock::time_point> blocked_from_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;         // signals every change of what mu_ guards

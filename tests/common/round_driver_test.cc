@@ -199,6 +199,8 @@ TEST(RoundDriver, WithoutOverlapTheRoundEndsInTheCaller) {
   EXPECT_TRUE(r->merged);
   EXPECT_TRUE(r->pushed);
   EXPECT_FALSE(s.driver->busy());
+  // The caller was blocked from the hand-over on: the whole push, wait and pull.
+  EXPECT_GE(r->blocked_s, r->push_s + r->wait_s + r->pull_s);
   s.shards.With([&] { EXPECT_EQ(s.shards.pulls_, 1); });
   EXPECT_EQ(s.w, (std::vector<float>{12, 13, 14, 15}));
 }
