@@ -11,7 +11,8 @@
 //    max(K, 1) + 1 at most while nothing commits, having pushed max(K, 1) rounds;
 //  - a background push refused by a shard stops the worker with exit 3, saying so in its
 //    log and its events, with the round kept in the checkpoint.
-// Deadlines are generous and every wait is a bounded poll of real state.
+// Deadlines are generous (scaled by testing::TimeScale() under sanitizers) and every wait
+// is a bounded poll of real state.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -82,7 +83,7 @@ class Overlap : public WorkerWithShards {
       ranks[r].Start(Args(job, r, world, rounds, h, world > 1 ? rdv : "", extra),
                      (dir_ / (job + "-r" + std::to_string(r) + ".log")).string());
     }
-    for (auto& w : ranks) EXPECT_EQ(w.Wait(240), 0) << w.Log();
+    for (auto& w : ranks) EXPECT_EQ(w.Wait(240 * testing::TimeScale()), 0) << w.Log();
     return ranks[0].Log();
   }
 
@@ -200,7 +201,7 @@ TEST_P(OverlapKill, SigkillDuringABackgroundPushLosesNothingAndDoublesNothing) {
     return h.ok() ? h->rounds.local_round : 0;
   };
   bool split = false;
-  for (int i = 0; i < 1200 && !split; ++i) {
+  for (int i = 0; i < 1200 * testing::TimeScale() && !split; ++i) {
     split = round_of(0) == 3 && r1.Log().find("push of round 3 hangs") != std::string::npos;
     if (!split) ::usleep(50'000);
   }
@@ -225,7 +226,7 @@ TEST_P(OverlapKill, SigkillDuringABackgroundPushLosesNothingAndDoublesNothing) {
         TrainArgs(r, restart_world, kTotal, 2, restart_world > 1 ? rdv2 : "", {"--overlap"}),
         (dir_ / ("b-r" + std::to_string(r) + ".log")).string());
   }
-  for (auto& w : again) ASSERT_EQ(w.Wait(240), 0) << w.Log();
+  for (auto& w : again) ASSERT_EQ(w.Wait(240 * testing::TimeScale()), 0) << w.Log();
   EXPECT_NE(again[0].Log().find("pushing it from the checkpoint"), std::string::npos)
       << again[0].Log();
   EXPECT_NE(again[0].Log().find("shard 0 already had round 3"), std::string::npos)
@@ -318,7 +319,7 @@ TEST_P(OverlapWanWait, TheBoundCountsTheRoundInFlight) {
               shard, dir, {"--max-rounds", "8", "--steps-per-round", "2", "--overlap"}),
           (dir / "w.log").string());
   bool waiting = false;
-  for (int i = 0; i < 1200 && !waiting; ++i) {
+  for (int i = 0; i < 1200 * testing::TimeScale() && !waiting; ++i) {
     waiting = w.Log().find("waiting for the WAN") != std::string::npos;
     if (!waiting) ::usleep(50'000);
   }
@@ -328,7 +329,7 @@ TEST_P(OverlapWanWait, TheBoundCountsTheRoundInFlight) {
   auto first = admin->Stats();
   ASSERT_TRUE(first.ok());
   uint64_t calls = 1, others = 0;
-  for (int i = 0; i < 400 && others < 10; ++i) {
+  for (int i = 0; i < 400 * testing::TimeScale() && others < 10; ++i) {
     ::usleep(20'000);
     auto st = admin->Stats();
     ASSERT_TRUE(st.ok());
@@ -376,7 +377,7 @@ TEST(OverlapRefusal, ARefusedBackgroundPushStopsTheWorkerSayingSo) {
                events.string(), "--checkpoint-dir", (dir / "ckpt").string()}),
           (dir / "w.log").string());
   bool pushed = false;
-  for (int i = 0; i < 600 && !pushed; ++i) {
+  for (int i = 0; i < 600 * testing::TimeScale() && !pushed; ++i) {
     auto h = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash, "probe");
     pushed = h.ok() && h->rounds.local_round >= 2;
     if (!pushed) ::usleep(50'000);
@@ -384,7 +385,7 @@ TEST(OverlapRefusal, ARefusedBackgroundPushStopsTheWorkerSayingSo) {
   ASSERT_TRUE(pushed) << w.Log();
   auto left = shard.AdminClient()->MembershipControl(wire::MembershipAction::Leave, "", "j");
   ASSERT_TRUE(left.ok()) << left.status().ToString();
-  const int rc = w.Wait(120);
+  const int rc = w.Wait(120 * testing::TimeScale());
   EXPECT_EQ(rc, 3) << w.Log();
   const std::string log = w.Log();
   EXPECT_NE(log.find("did not complete"), std::string::npos) << log;
