@@ -157,9 +157,12 @@ INSTANTIATE_TEST_SUITE_P(Modes, TwoRanks,
 // The round driver's LiveParams on the model's backend: the delta is "now minus the
 // round's start" and the live weights become start + delta (what a shard adding it holds);
 // the merge of a pulled state P keeps the progress made since (live + (P - base)) or, with
-// none, takes P as it is; bit for bit the host arithmetic of HostLiveParams.
-TEST(ModelLiveParams, SnapshotAndMergeAreTheHostArithmeticBitForBit) {
-  auto gpt = model::Gpt::CreateRandom(TinyConfig(), model::TrainMode::kLora, TinyLora(), 4);
+// none, takes P as it is; bit for bit the host arithmetic of HostLiveParams. In LoRA mode
+// (the adapters) and full mode (every tensor).
+class ModelLiveParamsTest : public ::testing::TestWithParam<model::TrainMode> {};
+
+TEST_P(ModelLiveParamsTest, SnapshotAndMergeAreTheHostArithmeticBitForBit) {
+  auto gpt = model::Gpt::CreateRandom(TinyConfig(), GetParam(), TinyLora(), 4);
   ASSERT_TRUE(gpt.ok());
   auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
   ASSERT_TRUE(trainer.ok());
@@ -222,6 +225,12 @@ TEST(ModelLiveParams, SnapshotAndMergeAreTheHostArithmeticBitForBit) {
   EXPECT_EQ((*live)->Rebase(&partial, true).code(), Code::kInvalidArgument);
   EXPECT_EQ((*gpt)->ExportTrainable()[0].data, taken[0].data);
 }
+
+INSTANTIATE_TEST_SUITE_P(Modes, ModelLiveParamsTest,
+                         ::testing::Values(model::TrainMode::kLora, model::TrainMode::kFull),
+                         [](const auto& info) {
+                           return std::string(model::TrainModeName(info.param));
+                         });
 
 TEST(TrainSettings, ValidateNamesTheProblem) {
   TrainSettings t;
