@@ -94,9 +94,11 @@ struct WorkerProcess {
 };
 
 // Runs `isthmus-worker init` and returns the base hash it prints.
-inline std::string RunInit(const fs::path& dir, uint64_t seed, const std::string& base_name) {
+inline std::string RunInit(const fs::path& dir, uint64_t seed, const std::string& base_name,
+                           const std::vector<std::string>& extra = {}) {
   std::string cmd = std::string(BinaryPath("ISTHMUS_WORKER_BIN", ISTHMUS_WORKER_BIN)) + " init";
   for (const auto& f : kModelFlags) cmd += " " + f;
+  for (const auto& f : extra) cmd += " " + f;
   cmd += " --seed " + std::to_string(seed) + " --out " +
          (dir / (base_name + ".init.safetensors")).string() + " --write-base " +
          (dir / (base_name + ".safetensors")).string() + " 2>/dev/null";

@@ -2,7 +2,8 @@
 // isthmus-server processes on loopback with CURVE:
 //  - overlap on and off commit bit-identical state where they must: one site (a synced site
 //    without peers: rounds commit exactly), one, two and three ranks (three on two shards:
-//    a rank that pushes no shard still decides the K = 0 wait as the others do);
+//    a rank that pushes no shard still decides the K = 0 wait as the others do), and in
+//    full mode;
 //  - a worker SIGKILLed while its background push hangs on a frozen shard, and one that
 //    dies in the background right after pulling, restart and lose nothing and double
 //    nothing: every round applied once per shard, the committed state equal to the start
@@ -59,17 +60,19 @@ class Overlap : public WorkerWithShards {
     return a;
   }
 
-  void CreateJobNamed(const std::string& job) {
+  // Creates `job` on both shards from `tensors` (placed as isthmusctl places them).
+  void CreateJobNamed(const std::string& job, const std::vector<Tensor>& tensors,
+                      const std::string& base_hash) {
     std::vector<TensorSize> sizes;
-    for (const auto& t : init_) sizes.push_back({t.name, t.data.size() * 4});
+    for (const auto& t : tensors) sizes.push_back({t.name, t.data.size() * 4});
     auto placement = AssignTensorsToShards(sizes, 2);
     for (int s = 0; s < 2; ++s) {
       std::vector<TensorView> views;
-      for (size_t i = 0; i < init_.size(); ++i) {
+      for (size_t i = 0; i < tensors.size(); ++i) {
         if (placement[i] == s)
-          views.push_back({init_[i].name, init_[i].shape, init_[i].data.data()});
+          views.push_back({tensors[i].name, tensors[i].shape, tensors[i].data.data()});
       }
-      auto r = shards_[s].AdminClient()->CreateJob(job, base_hash_, views);
+      auto r = shards_[s].AdminClient()->CreateJob(job, base_hash, views);
       ASSERT_TRUE(r.ok()) << r.status().ToString();
     }
   }
@@ -86,6 +89,9 @@ class Overlap : public WorkerWithShards {
     for (auto& w : ranks) EXPECT_EQ(w.Wait(240 * testing::TimeScale()), 0) << w.Log();
     return ranks[0].Log();
   }
+
+  void ExpectOnOffAlike(int world, const std::vector<Tensor>& init, const std::string& off,
+                        const std::string& on, const std::vector<std::string>& extra);
 
   std::map<std::string, std::vector<float>> Tensors(const std::string& job) {
     std::map<std::string, std::vector<float>> out;
@@ -113,40 +119,64 @@ class Overlap : public WorkerWithShards {
 // the final tensors are then identical.
 class OverlapOnOff : public Overlap, public ::testing::WithParamInterface<int> {};
 
-TEST_P(OverlapOnOff, OneSiteCommitsTheSameStateBitForBit) {
-  const int world = GetParam();
+// Runs jobs `off` and `on` (both created from `init`) with `world` ranks, without and with
+// --overlap, and expects the same committed state, digests and checkpoint.
+void Overlap::ExpectOnOffAlike(int world, const std::vector<Tensor>& init, const std::string& off,
+                               const std::string& on, const std::vector<std::string>& extra) {
   constexpr int kRounds = 4, kH = 3;
-  CreateJobNamed("on");
-  RunSite("j", world, kRounds, kH, {"--no-overlap"});
-  const std::string log = RunSite("on", world, kRounds, kH, {"--overlap"});
+  auto with = [&](const char* flag) {
+    std::vector<std::string> a = extra;
+    a.push_back(flag);
+    return a;
+  };
+  RunSite(off, world, kRounds, kH, with("--no-overlap"));
+  const std::string log = RunSite(on, world, kRounds, kH, with("--overlap"));
   // The overlapped run did merge pulled states into rounds already training.
   EXPECT_NE(log.find("the pulled state merged after"), std::string::npos) << log;
-  auto off = Tensors("j"), on = Tensors("on");
-  ASSERT_EQ(off.size(), init_.size());
+  auto off_t = Tensors(off), on_t = Tensors(on);
+  ASSERT_EQ(off_t.size(), init.size());
   double moved = 0;
-  for (const auto& t : init_) {
-    ASSERT_EQ(on[t.name], off[t.name]) << t.name << " differs between overlap on and off";
+  for (const auto& t : init) {
+    ASSERT_EQ(on_t[t.name], off_t[t.name]) << t.name << " differs between overlap on and off";
     for (size_t k = 0; k < t.data.size(); ++k)
-      moved = std::max(moved, double(std::abs(off[t.name][k] - t.data[k])));
+      moved = std::max(moved, double(std::abs(off_t[t.name][k] - t.data[k])));
   }
   EXPECT_GT(moved, 1e-4) << "training did not move the tensors";
   for (int s = 0; s < 2; ++s) {
-    auto a = DigestsOf(s, "j"), b = DigestsOf(s, "on");
+    auto a = DigestsOf(s, off), b = DigestsOf(s, on);
     ASSERT_EQ(a.size(), kRounds + 1u);
     EXPECT_EQ(a, b) << "shard " << s;
-    for (const std::string job : {"j", "on"}) {
+    for (const std::string& job : {off, on}) {
       auto info = shards_[s].AdminClient()->DescribeJob(job);
       ASSERT_TRUE(info.ok());
       EXPECT_EQ(info->pushes, static_cast<uint64_t>(kRounds)) << job;
     }
   }
   // The overlapped run's checkpoint holds the shards' state, nothing in flight.
-  auto ckpt = ReadSafetensors((dir_ / "ckpt-on" / "rank-0.safetensors").string());
+  auto ckpt = ReadSafetensors((dir_ / ("ckpt-" + on) / "rank-0.safetensors").string());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
   EXPECT_EQ(ckpt->metadata.count("unpushed_tokens"), 0u);
   for (const auto& t : ckpt->tensors) {
-    if (t.name.rfind("opt.", 0) != 0) EXPECT_EQ(t.data, on[t.name]) << t.name;
+    if (t.name.rfind("opt.", 0) != 0) EXPECT_EQ(t.data, on_t[t.name]) << t.name;
   }
+}
+
+TEST_P(OverlapOnOff, OneSiteCommitsTheSameStateBitForBit) {
+  CreateJobNamed("on", init_, base_hash_);
+  ExpectOnOffAlike(GetParam(), init_, "j", "on", {});
+}
+
+// The same in full mode (every tensor trains; the pre-training phase), one rank.
+TEST_F(Overlap, FullModeOneSiteCommitsTheSameStateBitForBit) {
+  // Every tensor of the model as the job's; the base (same seed) is the workers'.
+  const std::string hash = testing::RunInit(dir_, 1, "full", {"--mode", "full"});
+  ASSERT_EQ(hash, base_hash_);
+  auto init = ReadSafetensorsTensors((dir_ / "full.init.safetensors").string());
+  ASSERT_TRUE(init.ok()) << init.status().ToString();
+  ASSERT_GT(init->size(), init_.size());
+  CreateJobNamed("full-off", *init, hash);
+  CreateJobNamed("full-on", *init, hash);
+  ExpectOnOffAlike(1, *init, "full-off", "full-on", {"--mode", "full"});
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, OverlapOnOff, ::testing::Values(1, 2, 3));
