@@ -233,6 +233,7 @@ Result<Staleness> SiteClient::CheckStaleness() {
     auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash_, options_.client_name);
     if (!h.ok()) return AtShard(i, h.status());
     const RoundInfo& r = h->rounds;
+    st.lowest_local_round = i == 0 ? r.local_round : std::min(st.lowest_local_round, r.local_round);
     const uint64_t ahead =
         r.local_round > r.committed_round ? r.local_round - r.committed_round : 0;
     if (st.shard < 0 || ahead > st.rounds_ahead) {

@@ -73,6 +73,9 @@ struct Staleness {
   uint64_t rounds_ahead = 0;   // its local round minus its committed round
   uint64_t limit = 0;          // its max_rounds_ahead (0: every round must commit first)
   std::string reason;          // a sentence for logs when too_far_ahead
+  // The lowest local round among the shards: every shard holds this site's rounds up to it
+  // (a round pushed by several ranks is there once each rank's shards took it).
+  uint64_t lowest_local_round = 0;
 };
 
 class SiteClient {

@@ -21,11 +21,13 @@
 
 #include "common/check.h"
 #include "common/keys.h"
+#include "common/round_driver.h"
 #include "common/safetensors.h"
 #include "ops/buffer.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/data/token_dataset.h"
+#include "worker/live_params.h"
 #include "worker/progress.h"
 #include "worker/telemetry.h"
 
@@ -99,16 +101,19 @@ class RoundLoop {
   bool leader() const { return s_.rank == 0; }
   int world() const { return s_.world_size; }
 
-  // A stop was asked: SIGTERM/SIGINT on this rank, or the site's stop vote.
+  // A stop was asked: SIGTERM/SIGINT on this rank, or the site's stop vote. Also asked by
+  // the round driver's thread (atomics only).
   bool Stopping() const { return stop_ || interrupted_; }
   // The site client's `interrupted`: waits on the shards end kStopGrace after a stop was first
   // seen, so that a live shard still answers the round's push and pull but a dead one
-  // cannot hold the stop (a request would otherwise retry for minutes).
+  // cannot hold the stop (a request would otherwise retry for minutes). Called from the
+  // training thread and from the round driver's.
   bool GiveUp() {
     if (!Stopping()) return false;
-    const auto now = Clock::now();
-    if (!stop_seen_) stop_seen_ = now;
-    return now - *stop_seen_ >= kStopGrace;
+    const int64_t now = Clock::now().time_since_epoch().count();
+    int64_t seen = 0;
+    if (stop_seen_.compare_exchange_strong(seen, now)) seen = now;
+    return Clock::duration(now - seen) >= kStopGrace;
   }
   // `st` as an Interrupted() when it is a shard not answering after a stop was asked.
   Status AsInterrupted(const Status& st) const {
@@ -187,6 +192,10 @@ class RoundLoop {
       for (const auto& h : *hellos) {
         start_rounds_max_ = std::max<int64_t>(start_rounds_max_, h.rounds.local_round);
         start_rounds_min_ = std::min<int64_t>(start_rounds_min_, h.rounds.local_round);
+      }
+      start_limit_ = hellos->empty() ? 0 : UINT64_MAX;
+      for (const auto& h : *hellos) {
+        start_limit_ = std::min<uint64_t>(start_limit_, h.rounds.max_rounds_ahead);
       }
       // Every rank knows where each tensor lives without pulling: the placement
       // isthmusctl gave the job (a pull checks it).
@@ -466,7 +475,7 @@ class RoundLoop {
     meta.merge(model_.TrainableMetadata());  // what the tensors mean: mode, LoRA settings
     if (unpushed_) {
       // The round's delta the shards did not take: pushed first when training resumes.
-      for (const auto& t : unpushed_->delta) {
+      for (const auto& t : *unpushed_->delta) {
         tensors.push_back({kUnpushedPrefix + t.name, t.shape, t.data});
       }
       meta["unpushed_tokens"] = std::to_string(unpushed_->tokens);
@@ -475,6 +484,7 @@ class RoundLoop {
     meta["job"] = s_.shards.job;
     meta["round"] = std::to_string(round_);
     meta["step"] = std::to_string(step_);
+    checkpoint_step_ = step_;
     meta["tokens"] = std::to_string(tokens_);
     meta["data_position"] = dataset_->position().ToString();
     meta["base_hash"] = base_hash_;
@@ -495,10 +505,11 @@ class RoundLoop {
                                         MetaOr(file.metadata, "job", "") + "'");
     }
     std::vector<Tensor> trainable;
+    std::vector<Tensor> unpushed_delta;
     Unpushed unpushed;
     for (const auto& t : file.tensors) {
       if (t.name.rfind(kUnpushedPrefix, 0) == 0) {
-        unpushed.delta.push_back({t.name.substr(std::strlen(kUnpushedPrefix)), t.shape, t.data});
+        unpushed_delta.push_back({t.name.substr(std::strlen(kUnpushedPrefix)), t.shape, t.data});
       } else if (!IsOptimizerTensor(t.name)) {
         trainable.push_back(t);
       }
@@ -530,8 +541,9 @@ class RoundLoop {
     step_ = static_cast<int64_t>(*step);
     tokens_ = *tokens;
     checkpoint_world_ = static_cast<int64_t>(*ckpt_world);
-    if (!unpushed.delta.empty()) {
+    if (!unpushed_delta.empty()) {
       if (round_ < 1) return Status::Corruption(what + "round: 0 with an unpushed round");
+      unpushed.delta = std::make_shared<const std::vector<Tensor>>(std::move(unpushed_delta));
       unpushed.tokens = *u_tokens;
       unpushed.compute_ms = *u_ms;
       unpushed_ = std::move(unpushed);
@@ -696,7 +708,7 @@ class RoundLoop {
     float code = 0;
     Status pushed;
     if (leader()) {
-      pushed = AsInterrupted(PushDelta(unpushed_->delta, unpushed_->tokens, unpushed_->compute_ms,
+      pushed = AsInterrupted(PushDelta(*unpushed_->delta, unpushed_->tokens, unpushed_->compute_ms,
                                        /*rank=*/0, /*world=*/1));
       code = static_cast<float>(ExitCodeFor(pushed));
     }
@@ -784,77 +796,221 @@ class RoundLoop {
     return Status::Ok();
   }
 
-  // Bounded staleness: while the site is more than K rounds ahead of the last commit of
-  // any shard, rank 0 polls and every rank waits with it. A stop on any rank ends the wait.
-  Status WaitForWan() {
-    bool said = false;
-    auto waited_from = Clock::now();
+  // --- The end of a round: common/round_driver.h ----------------------------------------
+
+  // The per-step control value: this rank's stop vote, whether its round in flight failed,
+  // and (rank 0) whether the round in flight is done, so that every rank merges it after
+  // the same step. Encoded as digits in base world + 1 so that the ranks' sum (the
+  // all-reduce averages it; times world it is exact for these small integers) keeps them.
+  float EncodeControl() const {
+    const float b = static_cast<float>(world() + 1);
+    const bool failed = driver_ && driver_->Failed();
+    const bool ready = leader() && driver_ && driver_->Ready();
+    return (stop_ ? 1.0f : 0.0f) + (failed ? b : 0.0f) + (ready ? b * b : 0.0f);
+  }
+  struct Control {
+    bool stop = false, failed = false, ready = false;
+  };
+  Control DecodeControl(float control) const {
+    const int64_t b = world() + 1;
+    const int64_t sum = std::llround(comm_ ? control * static_cast<float>(world()) : control);
+    return {sum % b > 0, (sum / b) % b > 0, sum / (b * b) > 0};
+  }
+
+  // How every rank waits for the round in flight with several ranks: all poll together
+  // (one small collective every 20 ms, as the serial wait did), rank 0's `done` counts, and
+  // a stop on any rank ends the round's wait for the WAN on rank 0.
+  Status AwaitTogether(const std::function<bool()>& done) {
     for (;;) {
-      // Summed over the ranks: rank 0's "wait" and exit code, every rank's stop.
-      float v[3] = {0, 0, Stopping() ? 1.0f : 0.0f};
-      Status asked;
-      std::string why;
-      if (leader()) {
-        auto st = site_->CheckStaleness();
-        if (!st.ok()) {
-          asked = AsInterrupted(st.status());
-          v[1] = static_cast<float>(ExitCodeFor(asked));
-        } else if (st->too_far_ahead) {
-          v[0] = 1;
-          why = st->reason;
+      float v[2] = {leader() && done() ? 1.0f : 0.0f, Stopping() ? 1.0f : 0.0f};
+      ISTHMUS_RETURN_IF_ERROR(HostCollective(*comm_, *compute_.ops, v, 2, /*broadcast=*/false));
+      if (v[1] > 0) interrupted_ = true;
+      if (v[0] > 0) return Status::Ok();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  // The round driver of a synced run, once the live weights are where training starts.
+  Status StartDriver() {
+    ISTHMUS_ASSIGN_OR_RETURN(live_, ModelLiveParams::Create(*gpt_, comm_.get()));
+    rounds_ = std::make_unique<SiteRounds>(*site_);
+    RoundDriverOptions o;
+    o.overlap = s_.overlap;
+    o.rank = s_.rank;
+    o.world = world();
+    o.pull = leader();
+    o.stopping = [this] { return Stopping(); };
+    // Every rank must decide alike at the end of a round whether K = 0 makes it wait (the
+    // wait is collective): K as the shards said at start-up, not as each rank last heard.
+    o.follow_limit = false;
+    if (comm_) o.await = [this](const std::function<bool()>& done) { return AwaitTogether(done); };
+    o.on_wan_wait = [this](const std::string& reason, double push_s) {
+      // The push is done: metrics show it while the site waits.
+      telemetry_->OnPush(push_s);
+      push_reported_ = driver_->inflight() ? driver_->inflight()->round : 0;
+      telemetry_->OnWanWaitBegin();
+      if (leader()) progress_->Message(reason);
+    };
+    // Every rank's outcome of the round, for every rank (a collective).
+    o.agree = [this](const Status& mine) {
+      Status shared;
+      Status st = ShareOutcome(AsInterrupted(mine),
+                               "could not finish round " + std::to_string(ending_round_), &shared);
+      if (!st.ok()) site_lost_ = true;
+      return st.ok() ? shared : st;
+    };
+    const char* after_push = std::getenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH");
+    const char* after_pull = std::getenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PULL");
+    const char* hang_push = std::getenv("ISTHMUS_WORKER_FAULT_HANG_BEFORE_PUSH");
+    const int64_t crash_push = after_push && s_.overlap ? std::atoll(after_push) : -1;
+    const int64_t crash_pull = after_pull ? std::atoll(after_pull) : -1;
+    const int64_t hang = hang_push ? std::atoll(hang_push) : -1;
+    if (crash_push > 0 || crash_pull > 0 || hang > 0) {
+      o.fault = [crash_push, crash_pull, hang](const char* stage, uint64_t round) {
+        const std::string at = stage;
+        const auto r = static_cast<int64_t>(round);
+        if (at == "pushing" && r == hang) {
+          spdlog::error("fault injection: the background push of round {} hangs", round);
+          for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
         }
-      }
-      if (comm_) {
-        ISTHMUS_RETURN_IF_ERROR(HostCollective(*comm_, *compute_.ops, v, 3, /*broadcast=*/false));
-      }
-      if (v[1] != 0) {
-        if (leader()) return asked;
-        return StatusForExitCode(static_cast<int>(v[1]),
-                                 "rank 0 could not ask the shards how far ahead the site is: "
-                                 "see its log");
-      }
-      if (v[2] > 0) interrupted_ = true;  // a rank was asked to stop: no waiting, checkpoint
-      if (v[0] == 0 || v[2] > 0) break;
-      if (!said) telemetry_->OnWanWaitBegin();
-      if (!said && leader()) progress_->Message(why);
-      said = true;
-      // Asked often: a GPU round takes seconds, and every poll interval waited is lost.
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        const bool push = at == "pushed" && r == crash_push;
+        const bool pull = at == "pulled" && r == crash_pull;
+        if (!push && !pull) return;
+        spdlog::error("fault injection: exiting in the background after {} round {}",
+                      push ? "pushing" : "pulling", round);
+        std::fflush(nullptr);
+        ::_exit(137);
+      };
     }
-    const double waited =
-        said ? std::chrono::duration<double>(Clock::now() - waited_from).count() : 0.0;
-    telemetry_->OnWanWait(waited);
-    if (said && leader()) {
-      progress_->Message("WAN caught up after " + Progress::FormatDuration(waited));
-    }
+    driver_ = std::make_unique<RoundDriver>(*rounds_, live_.get(), std::move(o));
+    driver_->set_limit(start_limit_);
     return Status::Ok();
   }
 
-  // The end of a round on a synced run: push the round, wait within the staleness bound,
-  // pull the merged tensors. A push that did not reach every shard (on any rank) because
-  // they did not answer keeps the round in unpushed_ for the checkpoint; the other ranks
-  // do the same. Returns Interrupted() when a stop ended a wait on the shards.
-  Status SyncRound(uint64_t round_tokens, uint64_t compute_ms) {
-    auto t = Clock::now();
-    // The delta is computed on the backend and crosses to the host in one copy.
-    ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> delta, gpt_->TrainableDelta());
-    const Status mine = AsInterrupted(PushDelta(delta, round_tokens, compute_ms, s_.rank, world()));
-    // (A rank gone from the site fails this collective: an error as before, nothing kept.)
-    Status pushed;
-    ISTHMUS_RETURN_IF_ERROR(
-        ShareOutcome(mine, "could not push round " + std::to_string(round_), &pushed));
-    if (!pushed.ok()) {
-      const Code c = pushed.code();
-      if (IsInterrupted(pushed) || c == Code::kTimeout || c == Code::kUnavailable) {
-        unpushed_ = Unpushed{std::move(delta), round_tokens, compute_ms};
+  // Test hook: ISTHMUS_WORKER_RECORD_DELTAS=DIR makes rank 0 write each round's delta, as
+  // pushed, to DIR/round-R.safetensors before the push.
+  Status RecordDelta(const RoundInFlight& in) {
+    static const char* dir = std::getenv("ISTHMUS_WORKER_RECORD_DELTAS");
+    if (dir == nullptr || !leader()) return Status::Ok();
+    return WriteSafetensors(
+        std::string(dir) + "/round-" + std::to_string(in.round) + ".safetensors", *in.delta,
+        {{"tokens", std::to_string(in.tokens)}});
+  }
+
+  // What a completed round tells the telemetry and the log.
+  void ReportRound(const RoundReport& r) {
+    if (r.round == 0) return;
+    for (const auto& p : r.pushes) {
+      if (p.duplicate) {
+        spdlog::info("shard {} already had round {} (key {}): nothing applied twice", p.shard,
+                     r.round, p.key);
       }
-      return pushed;
     }
-    telemetry_->OnPush(std::chrono::duration<double>(Clock::now() - t).count());
-    ISTHMUS_RETURN_IF_ERROR(WaitForWan());
-    t = Clock::now();
-    ISTHMUS_RETURN_IF_ERROR(PullAndShare());
-    telemetry_->OnPull(std::chrono::duration<double>(Clock::now() - t).count());
+    if (push_reported_ != r.round) telemetry_->OnPush(r.push_s);
+    push_reported_ = 0;
+    telemetry_->OnWanWait(r.blocked_wan_s);
+    telemetry_->OnPull(r.pull_s);
+    telemetry_->OnBlocked(r.blocked_s);
+    if (r.blocked_wan_s > 0 && leader()) {
+      progress_->Message("WAN caught up after " + Progress::FormatDuration(r.blocked_wan_s));
+    }
+  }
+
+  // A round that failed (its push, its wait or its pull, on any rank): it is kept in the
+  // checkpoint (pushed again with its keys when training resumes: a shard that has it
+  // answers duplicate), said in the log and the telemetry, and the run stops with the
+  // status's exit code (a shard's refusal: exit 3); a stop that cut a wait on the shards
+  // short ends the run as interrupted (exit 7). With --overlap the checkpoint holding the
+  // round was written before its push, at the end of its round, and is left as it is (the
+  // steps trained since are done again); without, it is written now.
+  Status RoundFailed(Status st) {
+    if (site_lost_) return st;  // a rank is gone: the in-site collective failed (as before)
+    st = AsInterrupted(st);
+    // Without overlap a refusal is not kept: the restart redoes the round from the last
+    // checkpoint (as before the round driver); a shard that did not answer keeps it.
+    const bool unanswered =
+        IsInterrupted(st) || st.code() == Code::kTimeout || st.code() == Code::kUnavailable;
+    if (!s_.overlap && !unanswered) {
+      telemetry_->OnRoundFailure(pending_ ? static_cast<int64_t>(pending_->round) : round_,
+                                 st.ToString());
+      spdlog::error("round {} did not complete: {}", round_, st.ToString());
+      return RefusedIfRefusal(st);
+    }
+    if (pending_) unpushed_ = Unpushed{pending_->delta, pending_->tokens, pending_->compute_ms};
+    const int64_t round = pending_ ? static_cast<int64_t>(pending_->round) : round_;
+    telemetry_->OnRoundFailure(round, st.ToString());
+    if (!s_.overlap) ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
+    const std::string kept =
+        s_.checkpoint_dir.empty()
+            ? "round " + std::to_string(round) + " is lost (no --checkpoint-dir)"
+            : "round " + std::to_string(round) +
+                  " is kept in the checkpoint and pushed again when training resumes";
+    if (IsInterrupted(st)) {
+      interrupted_ = true;
+      stop_note_ = "the shards did not answer; " + kept;
+      progress_->Message("interrupted: " + stop_note_ +
+                         (s_.checkpoint_dir.empty()
+                              ? std::string()
+                              : "; checkpointed at step " + std::to_string(checkpoint_step_)));
+      return Status::Ok();
+    }
+    spdlog::error("round {} did not complete: {}; {}", round, st.ToString(), kept);
+    return RefusedIfRefusal(st);
+  }
+
+  // A shard that refused a round (not one that did not answer) refused the worker: exit 3.
+  Status RefusedIfRefusal(const Status& st) const {
+    const Code c = st.code();
+    if (c == Code::kFailedPrecondition || c == Code::kInvalidArgument || c == Code::kNotFound ||
+        c == Code::kResourceExhausted || c == Code::kAlreadyExists) {
+      return Refused(st.message());
+    }
+    return st;
+  }
+
+  // Completes the round in flight (waiting for it if need be) and merges its pulled state.
+  Status CompleteInFlight() {
+    if (!driver_ || !driver_->busy()) return Status::Ok();
+    ending_round_ = driver_->inflight()->round;
+    auto r = driver_->Complete();
+    if (!r.ok()) return RoundFailed(r.status());
+    ReportRound(*r);
+    if (r->merged && steps_since_push_ > 0) {
+      spdlog::info(
+          "round {}: the pulled state merged after {} steps of round {}, their progress "
+          "kept",
+          r->round, steps_since_push_, r->round + 1);
+    }
+    pending_.reset();
+    unpushed_.reset();
+    return Status::Ok();
+  }
+
+  // The end of round round_ on a synced run: the round in flight completes, this round's
+  // delta is taken on the backend (and, with overlap, checkpointed as the round in flight
+  // before a byte is pushed), then pushed; without overlap it also waits and pulls here.
+  Status EndOfRound(uint64_t round_tokens, uint64_t compute_ms) {
+    ISTHMUS_RETURN_IF_ERROR(CompleteInFlight());
+    if (interrupted_ && unpushed_) return Status::Ok();  // it failed: stop with it kept
+    ending_round_ = static_cast<uint64_t>(round_);
+    auto before_push = [&](const RoundInFlight& in) -> Status {
+      pending_ = in;
+      ISTHMUS_RETURN_IF_ERROR(RecordDelta(in));
+      if (!s_.overlap) return Status::Ok();
+      unpushed_ = Unpushed{in.delta, in.tokens, in.compute_ms};
+      return SaveCheckpoint();
+    };
+    auto before = [&](const RoundInFlight& in) {
+      steps_since_push_ = 0;
+      return before_push(in);
+    };
+    auto r = driver_->EndRound(static_cast<uint64_t>(round_), round_tokens, compute_ms, before);
+    if (!r.ok()) return RoundFailed(r.status());
+    ReportRound(*r);
+    if (!s_.overlap) {
+      pending_.reset();
+      unpushed_.reset();
+    }
     return Status::Ok();
   }
 
@@ -863,22 +1019,21 @@ class RoundLoop {
     uint64_t tokens_here = 0;
     const char* fault = std::getenv("ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH");
     const char* fault_before = std::getenv("ISTHMUS_WORKER_FAULT_CRASH_BEFORE_PUSH");
+    if (!s_.standalone) ISTHMUS_RETURN_IF_ERROR(StartDriver());
     for (;;) {
       if (s_.max_rounds > 0 && round_ >= s_.max_rounds) break;
       if (s_.max_steps > 0 && step_ >= s_.max_steps) break;
       ISTHMUS_ASSIGN_OR_RETURN(int64_t h, NextRoundSteps());
       const auto round_t0 = Clock::now();
-      if (!s_.standalone) ISTHMUS_RETURN_IF_ERROR(gpt_->SnapshotTrainable());
       uint64_t round_tokens = 0;
       double compute_s = 0;  // steps only: no validation, no WAN wait
       int64_t done = 0;
       for (; done < h; ++done) {
         auto step_t0 = Clock::now();
         auto batch = dataset_->Next();
-        ISTHMUS_ASSIGN_OR_RETURN(
-            model::StepStats st,
-            trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size, model_.context,
-                           stop_ ? 1.0f : 0.0f));
+        ISTHMUS_ASSIGN_OR_RETURN(model::StepStats st,
+                                 trainer_->Step(batch.tokens.data(), batch.targets.data(),
+                                                s_.batch_size, model_.context, EncodeControl()));
         const double step_s = std::chrono::duration<double>(Clock::now() - step_t0).count();
         compute_s += step_s;
         telemetry_->OnStep(step_s, st.loss, tokens_per_step_, st.skipped);
@@ -894,13 +1049,25 @@ class RoundLoop {
         if (st.skipped)
           progress_->Message("step " + std::to_string(step_) + ": non-finite gradient, skipped");
         if (leader()) progress_->OnStep(step_, round_ + 1, st.loss, tokens_per_step_);
+        const Control ctl = DecodeControl(st.control);
+        if (driver_) {
+          driver_->Stepped();
+          ++steps_since_push_;
+          // The round in flight is done (rank 0) or failed (any rank): every rank merges it
+          // (or fails with it) after this same step.
+          if (ctl.ready || ctl.failed) {
+            if (ctl.failed && leader()) driver_->Cancel();
+            ISTHMUS_RETURN_IF_ERROR(CompleteInFlight());
+            if (interrupted_ && unpushed_) break;
+          }
+        }
         if (s_.val_every > 0 && step_ % s_.val_every == 0) {
           in_round_ = 1;
           ISTHMUS_RETURN_IF_ERROR(Validate("at"));
           in_round_ = 0;
           validated_step_ = step_;
         }
-        if (st.control > 0) {
+        if (ctl.stop) {
           interrupted_ = true;
           ++done;
           break;
@@ -909,6 +1076,7 @@ class RoundLoop {
       if (done > 0) {
         step_seconds_ = compute_s / static_cast<double>(done);
       }
+      if (interrupted_ && unpushed_) break;  // a round in flight failed after a stop
       ++round_;
       if (!s_.standalone) {
         if (fault_before && std::atoll(fault_before) == round_) {
@@ -916,38 +1084,10 @@ class RoundLoop {
           std::fflush(nullptr);
           ::_exit(137);
         }
-        Status synced = SyncRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5));
-        if (!synced.ok()) {
-          // A round the shards did not take is kept in the checkpoint (pushed when training
-          // resumes), also when they simply did not answer in time (exit 5).
-          if (unpushed_) ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
-          if (!IsInterrupted(synced)) {
-            if (unpushed_ && !s_.checkpoint_dir.empty()) {
-              progress_->Message("round " + std::to_string(round_) +
-                                 " could not be pushed: it is kept in the checkpoint and pushed "
-                                 "when training resumes");
-            }
-            return synced;
-          }
-          interrupted_ = true;
-          if (!unpushed_) {
-            stop_note_ = "the shards did not answer the pull; the next start takes their tensors";
-          } else if (s_.checkpoint_dir.empty()) {
-            stop_note_ = "the shards did not answer; round " + std::to_string(round_) +
-                         " is lost (no --checkpoint-dir)";
-          } else {
-            stop_note_ = "the shards did not answer; round " + std::to_string(round_) +
-                         " is kept in the checkpoint and pushed when training resumes";
-          }
-          if (unpushed_) {
-            progress_->Message("interrupted: " + stop_note_ +
-                               (s_.checkpoint_dir.empty()
-                                    ? std::string()
-                                    : "; step " + std::to_string(step_) + " checkpointed"));
-            break;
-          }
-        }
-        if (fault && std::atoll(fault) == round_) {
+        ISTHMUS_RETURN_IF_ERROR(
+            EndOfRound(round_tokens, static_cast<uint64_t>(compute_s * 1e3 + 0.5)));
+        if (interrupted_ && unpushed_) break;  // checkpointed with the round kept
+        if (fault && !s_.overlap && std::atoll(fault) == round_) {
           spdlog::error("fault injection: exiting after pushing round {}", round_);
           std::fflush(nullptr);
           ::_exit(137);
@@ -958,13 +1098,20 @@ class RoundLoop {
       if (s_.eval_every_rounds > 0 && round_ % s_.eval_every_rounds == 0 && !interrupted_) {
         ISTHMUS_RETURN_IF_ERROR(EvaluateSets());
       }
+      if (interrupted_) break;
+      // With overlap the round in flight was checkpointed before its push (EndOfRound).
+      if (!s_.overlap || s_.standalone) ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
+    }
+    if (!(interrupted_ && unpushed_) && driver_ && driver_->busy()) {
+      // The last round: its push, wait (none after a stop) and pull, then the checkpoint.
+      ISTHMUS_RETURN_IF_ERROR(CompleteInFlight());
+    }
+    if (!(interrupted_ && unpushed_) && (interrupted_ || s_.overlap)) {
       ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
-      if (interrupted_) {
-        progress_->Message("interrupted: round " + std::to_string(round_) + " step " +
-                           std::to_string(step_) + " checkpointed" +
-                           (stop_note_.empty() ? "" : " (" + stop_note_ + ")"));
-        break;
-      }
+    }
+    if (interrupted_ && stop_note_.empty()) {  // else RoundFailed said how it stopped
+      progress_->Message("interrupted: round " + std::to_string(round_) + " step " +
+                         std::to_string(step_) + " checkpointed");
     }
     seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
     rate_ = seconds_ > 0 ? static_cast<double>(tokens_here) / seconds_ : 0;
@@ -1018,7 +1165,7 @@ class RoundLoop {
             {"tokens", tokens_},
             {"seconds", seconds_},
             {"tokens_per_s", rate_},
-            {"interrupted", interrupted_}};
+            {"interrupted", interrupted_.load()}};
         std::string tmp = s_.json_summary + ".tmp";
         std::ofstream out(tmp);
         out << j.dump(2) << "\n";
@@ -1036,12 +1183,14 @@ class RoundLoop {
   ModelSettings model_;  // s_.model with the job's settings agreed on (AgreeOnModel)
   // A round the shards did not take (they did not answer before the stop): its delta, the
   // site's tokens and this rank's compute time, kept in the checkpoint until pushed.
+  // With --overlap also the round in flight, checkpointed before its push.
   struct Unpushed {
-    std::vector<Tensor> delta;
+    std::shared_ptr<const std::vector<Tensor>> delta;
     uint64_t tokens = 0, compute_ms = 0;
   };
   std::optional<Unpushed> unpushed_;
-  std::optional<Clock::time_point> stop_seen_;  // when GiveUp first saw a stop
+  // When GiveUp first saw a stop (steady clock ticks; 0: not yet).
+  std::atomic<int64_t> stop_seen_{0};
   std::string stop_note_;           // how a stop ended a wait on the shards, for the last message
   std::vector<Tensor> start_pull_;  // rank 0: the job's tensors pulled at start-up, until
                                     // Resume (which loads them when it follows the shards)
@@ -1051,6 +1200,16 @@ class RoundLoop {
   std::unique_ptr<model::Trainer> trainer_;
   std::unique_ptr<data::TokenDataset> dataset_;
   std::unique_ptr<SiteClient> site_;  // null when standalone
+  // The end of a round (synced runs): the driver owns site_ while a round is in flight.
+  std::unique_ptr<ModelLiveParams> live_;
+  std::unique_ptr<SiteRounds> rounds_;
+  std::unique_ptr<RoundDriver> driver_;   // declared after what it borrows: goes first
+  std::optional<RoundInFlight> pending_;  // the round being pushed or in flight
+  uint64_t ending_round_ = 0;             // the round being completed, for messages
+  uint64_t start_limit_ = 0;              // K as the shards said at start-up
+  bool site_lost_ = false;                // an in-site collective failed (a rank gone)
+  int64_t steps_since_push_ = 0;          // steps since the last round's delta was taken
+  uint64_t push_reported_ = 0;            // the round whose push the telemetry already has
   std::unique_ptr<Progress> progress_;
   std::unique_ptr<Telemetry> telemetry_;  // rank 0's metrics and events (no-op elsewhere)
   std::string base_hash_;
@@ -1058,11 +1217,12 @@ class RoundLoop {
   int64_t start_rounds_min_ = 0;
   int64_t checkpoint_world_ = 0;  // ranks of the run that wrote the checkpoint
   int64_t round_ = 0, step_ = 0;
+  int64_t checkpoint_step_ = 0;  // the step the last checkpoint holds
   uint64_t tokens_ = 0, tokens_per_step_ = 0;
   double step_seconds_ = 0, seconds_ = 0, rate_ = 0;
   double val_loss_ = std::numeric_limits<double>::quiet_NaN();
-  int64_t val_loss_step_ = -1;  // the step val_loss_ was measured at
-  bool interrupted_ = false;
+  int64_t val_loss_step_ = -1;            // the step val_loss_ was measured at
+  std::atomic<bool> interrupted_{false};  // read by the round driver's thread (Stopping)
   bool said_graphs_ = false;
   int64_t in_round_ = 0;         // 1 while validating inside a round (for the message)
   int64_t validated_step_ = -1;  // last step validated, so the end does not repeat it

@@ -126,6 +126,19 @@ void Telemetry::OnPull(double seconds) {
   round_pull_s_ += seconds;
 }
 
+void Telemetry::OnBlocked(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  blocked_seconds_total_ += seconds;
+  round_blocked_s_ += seconds;
+}
+
+void Telemetry::OnRoundFailure(int64_t round, const std::string& error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++round_failures_total_;
+  Event(json{{"time", NowUnix()}, {"event", "round_failure"}, {"round", round}, {"error", error}}
+            .dump());
+}
+
 void Telemetry::OnRound(int64_t round, int64_t step, uint64_t tokens_total, double compute_seconds,
                         uint64_t round_tokens, double wall_seconds) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -148,11 +161,12 @@ void Telemetry::OnRound(int64_t round, int64_t step, uint64_t tokens_total, doub
              {"push_s", round_push_s_},
              {"wan_wait_s", round_wait_s_},
              {"pull_s", round_pull_s_},
+             {"blocked_s", round_blocked_s_},
              {"tokens_per_s", tokens_per_second_}}
             .dump());
   round_loss_sum_ = 0;
   round_loss_steps_ = 0;
-  round_push_s_ = round_pull_s_ = round_wait_s_ = 0;
+  round_push_s_ = round_pull_s_ = round_wait_s_ = round_blocked_s_ = 0;
 }
 
 void Telemetry::OnValidation(int64_t round, int64_t step, const std::string& set, double loss) {
@@ -227,6 +241,14 @@ std::string Telemetry::Render() {
   w.Single("isthmus_worker_waiting_for_wan", Type::kGauge,
            "1 while the site waits for the WAN before its next round.",
            waiting_for_wan_ ? 1.0 : 0.0);
+  w.Single("isthmus_worker_boundary_blocked_seconds_total", Type::kCounter,
+           "Time the training loop waited at round boundaries for the round in flight (its "
+           "push, WAN wait and pull, as far as they were not done).",
+           blocked_seconds_total_);
+  w.Single("isthmus_worker_round_failures_total", Type::kCounter,
+           "Rounds whose push, wait for the WAN or pull failed (the run stops; the round is "
+           "kept in the checkpoint).",
+           static_cast<double>(round_failures_total_));
   w.Begin("isthmus_worker_step_duration_seconds", Type::kHistogram,
           "Time of one training step (forward, backward, gradient all-reduce, optimizer).");
   step_seconds_.Write(w);

@@ -46,6 +46,12 @@ class Telemetry {
   // The wait after a round is over (0 when there was none).
   void OnWanWait(double seconds);
   void OnPull(double seconds);
+  // The training loop waited this long at a round boundary for the round in flight (its
+  // push, WAN wait and pull, as far as they were not done yet).
+  void OnBlocked(double seconds);
+  // A round's push, wait or pull failed (the run then stops; the round stays in the
+  // checkpoint).
+  void OnRoundFailure(int64_t round, const std::string& error);
   // A round is done (pushed and pulled, or local in a standalone run).
   void OnRound(int64_t round, int64_t step, uint64_t tokens_total, double compute_seconds,
                uint64_t round_tokens, double wall_seconds);
@@ -70,7 +76,8 @@ class Telemetry {
   double started_unix_ = 0;
   int64_t round_ = 0, step_ = 0;
   uint64_t steps_total_ = 0, skipped_total_ = 0, tokens_total_ = 0, rounds_total_ = 0;
-  uint64_t wan_waits_total_ = 0;
+  uint64_t wan_waits_total_ = 0, round_failures_total_ = 0;
+  double blocked_seconds_total_ = 0;
   bool waiting_for_wan_ = false;
   double wan_wait_seconds_total_ = 0;
   double loss_ = 0, tokens_per_second_ = 0;
@@ -83,7 +90,7 @@ class Telemetry {
   // Round being built for the events file.
   double round_loss_sum_ = 0;
   uint64_t round_loss_steps_ = 0;
-  double round_push_s_ = 0, round_pull_s_ = 0, round_wait_s_ = 0;
+  double round_push_s_ = 0, round_pull_s_ = 0, round_wait_s_ = 0, round_blocked_s_ = 0;
 };
 
 }  // namespace isthmus::worker

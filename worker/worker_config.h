@@ -121,8 +121,12 @@ struct TrainSettings {
   int comm_timeout_s = 300;  // bound on every in-site collective
   int steps_per_round = 0;   // H; 0 means 50 unless round_seconds is set
   double round_seconds = 0;  // > 0: adapt H each round to take about this long
-  int64_t max_rounds = 0;    // 0: no bound
-  int64_t max_steps = 0;     // 0: no bound (one of the two must be set)
+  // The round boundary in the background (docs/SYNC.md, "The overlapped round"): the next
+  // round trains while the round's push, wait for the WAN and pull run, and the pulled state
+  // is merged at a step boundary. Off by default (see docs/WORKER.md for why).
+  bool overlap = false;
+  int64_t max_rounds = 0;  // 0: no bound
+  int64_t max_steps = 0;   // 0: no bound (one of the two must be set)
   float lr = 3e-4f;
   float min_lr = 3e-5f;
   int64_t warmup_steps = 100;

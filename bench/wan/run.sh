@@ -9,13 +9,18 @@
 # isthmus-worker does. Per case it reports the kernel-counted WAN bytes per round (the
 # veths' counters), the wire time a round needs at RATE, the round's commit latency, the
 # WAN wait, the utilisation (fraction of wall time not waiting for the WAN) and the
-# fraction spent computing (the round boundary's LAN push and pull count against it).
+# fraction spent computing (the headline: the round boundary's LAN push and pull, and with
+# overlap whatever of them is not hidden behind the next round, count against it). The
+# synthetic sites end their rounds through the product's round driver
+# (common/round_driver.h), serially or, with --overlap on, in the background.
 #
 # Usage: bench/wan/run.sh [--cases "CASE ..."] [--rates "20mbit 100mbit"] [--sites 2|3]
 #                         [--rounds N] [--round-seconds S] [--shards S] [--json FILE]
+#                         [--overlap "off on"]
 #   cases: lora-dense lora-default lora-adaptive full-default full-adaptive full-lowrank
 #          full-fragments (default: lora-default lora-adaptive full-default)
-#   --rounds 20, --round-seconds 3, --shards 1 per site, --sites 2 by default.
+#   --rounds 20, --round-seconds 3, --shards 1 per site, --sites 2, --overlap off by
+#   default (each case runs once per value given).
 # Needs root and iproute2 (ip netns, tc), the recorded deltas (bench/wan/record.sh) and a
 # build with the bench programs (ISTHMUS_BUILD_DIR, default build).
 set -euo pipefail
@@ -24,7 +29,7 @@ cd "$(dirname "$0")/../.."
 . deploy/shard-toml.sh
 build="${ISTHMUS_BUILD_DIR:-build}"
 cases="lora-default lora-adaptive full-default" rates="20mbit 100mbit" nsites=2 rounds=20
-round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas
+round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas overlaps="off"
 while [ $# -gt 0 ]; do
   case "$1" in
     --cases) cases="$2"; shift 2 ;;
@@ -35,7 +40,8 @@ while [ $# -gt 0 ]; do
     --shards) shards="$2"; shift 2 ;;
     --deltas) deltas="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
-    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    --overlap) overlaps="$2"; shift 2 ;;
+    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -125,15 +131,15 @@ stop_sites() {
 print_row='
 import json, sys
 r = json.loads(sys.stdin.read())
-print("{case:<15} {rate:>7}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
+print("{case:<15} {rate:>7} overlap {overlap:<3}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
       " of {round_seconds:.1f} s  commit latency {mean_commit_latency_s:5.2f} s (max"
       " {max_commit_latency_s:5.2f})  WAN wait {wait_s:6.2f} s in {rounds_waited} rounds  push"
-      " {push_s:5.2f} s  pull {pull_s:5.2f} s  utilisation {pct:5.1f}%  computing {cpct:5.1f}%".format(
+      " {push_s:5.2f} s  pull {pull_s:5.2f} s  blocked {blocked_s:5.2f} s  utilisation {pct:5.1f}%  computing {cpct:5.1f}%".format(
           pct=100 * r["utilisation"], cpct=100 * r["compute_fraction"], **r))'
 
 # --- one case: fresh shards in every site, the synthetic sites, the figures -------------
-run_case() {  # NAME MODE RATE SYNC_TOML_LINES
-  local name=$1 mode=$2 rate=$3 sync_lines=$4 dir="$out/$1-$3"
+run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
+  local name=$1 mode=$2 rate=$3 sync_lines=$4 overlap=$5 dir="$out/$1-$3-overlap-$5"
   rm -rf "$dir" && mkdir -p "$dir/logs"
   make_keys "$ctl" "$dir/keys" "$shards" "${sites[@]}"
   export ISTHMUS_CTL_KEY="$dir/keys/admins/admin.key"
@@ -171,7 +177,8 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES
     done
     in_ns "$s" "$load" --job wan "${w[@]}" --key "$dir/keys/workers-$s/worker.key" \
       --client-name "$s" --deltas "$(recorded "$mode" "$s")" --rounds "$rounds" \
-      --round-seconds "$round_seconds" --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
+      --round-seconds "$round_seconds" --"$( [ "$overlap" = on ] && echo overlap || echo no-overlap )" \
+      --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
     lpids+=($!)
   done
   pids+=("${lpids[@]}")
@@ -203,9 +210,9 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES
     tail -n 5 "$dir"/logs/load-*.log >&2
     return 1
   fi
-  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" >> "$results" <<'PY'
+  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" "$overlap" >> "$results" <<'PY'
 import json, sys
-d, name, mode, rate, kernel, rounds, round_s, sites = sys.argv[1:9]
+d, name, mode, rate, kernel, rounds, round_s, sites, overlap = sys.argv[1:10]
 kernel, rounds, round_s, sites = int(kernel), int(rounds), float(round_s), sites.split()
 bps = float(rate.replace("mbit", "")) * 1e6 / 8
 loads = {s: json.load(open(f"{d}/load-{s}.json")) for s in sites}
@@ -221,7 +228,8 @@ summ = {s: loads[s]["summary"] for s in sites}
 per_round = kernel / rounds
 # The busiest direction: each site sends its round to every other site over its own veth.
 per_site_round = per_round / len(sites)
-row = {"case": name, "mode": mode, "rate": rate, "sites": len(sites), "rounds": rounds,
+row = {"case": name, "mode": mode, "rate": rate, "overlap": overlap, "sites": len(sites),
+       "rounds": rounds,
        "round_seconds": round_s, "numel": loads[sites[0]]["numel"],
        "kernel_bytes": kernel, "kernel_bytes_per_round": per_round,
        "wire_seconds_per_round": per_site_round / bps,
@@ -232,6 +240,9 @@ row = {"case": name, "mode": mode, "rate": rate, "sites": len(sites), "rounds": 
        "wait_s": max(v["wait_s"] for v in summ.values()),
        "push_s": max(v["push_s"] for v in summ.values()),
        "pull_s": max(v["pull_s"] for v in summ.values()),
+       "boundary_s": max(v["boundary_s"] for v in summ.values()),
+       "blocked_s": max(v["blocked_s"] for v in summ.values()),
+       "drain_s": max(loads[s]["drain_s"] for s in sites),
        "rounds_waited": max(v["rounds_waited"] for v in summ.values()),
        "summary_rounds": summ[sites[0]]["rounds"],
        "mean_commit_latency_s": max(v["mean_commit_latency_s"] for v in summ.values()),
@@ -256,11 +267,13 @@ sync_of() {  # CASE -> "MODE|TOML lines"
 }
 
 echo "bench/wan: ${#sites[@]} sites, $shards shard(s) each, $rounds rounds of $round_seconds s," \
-     "cases: $cases; rates: $rates; machine: cores=$(getconf _NPROCESSORS_ONLN), load $(cut -d' ' -f1-3 /proc/loadavg)"
+     "cases: $cases; rates: $rates; overlap: $overlaps; machine: cores=$(getconf _NPROCESSORS_ONLN), load $(cut -d' ' -f1-3 /proc/loadavg)"
 for rate in $rates; do
   for c in $cases; do
     spec=$(sync_of "$c")
-    run_case "$c" "${spec%%|*}" "$rate" "${spec#*|}" || true
+    for ov in $overlaps; do
+      run_case "$c" "${spec%%|*}" "$rate" "${spec#*|}" "$ov" || true
+    done
   done
 done
 if [ -n "$json_out" ]; then cp "$results" "$json_out"; fi

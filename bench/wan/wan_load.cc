@@ -73,6 +73,10 @@ LoadSummary Summarize(const std::vector<RoundTiming>& rounds, size_t skip) {
     s.push_s += r.push_s;
     s.wait_s += r.wait_s;
     s.pull_s += r.pull_s;
+    s.wall_s += r.wall_s;
+    s.boundary_s += r.boundary_s;
+    s.blocked_s += r.blocked_s;
+    s.blocked_wan_s += r.blocked_wan_s;
     if (r.wait_s > 1e-3) ++s.rounds_waited;
     if (r.commit_latency_s >= 0) {
       latency_sum += r.commit_latency_s;
@@ -80,9 +84,8 @@ LoadSummary Summarize(const std::vector<RoundTiming>& rounds, size_t skip) {
       ++committed;
     }
   }
-  s.wall_s = s.compute_s + s.push_s + s.wait_s + s.pull_s;
   if (s.wall_s > 0) {
-    s.wait_fraction = s.wait_s / s.wall_s;
+    s.wait_fraction = s.blocked_wan_s / s.wall_s;
     s.utilisation = 1.0 - s.wait_fraction;
     s.compute_fraction = s.compute_s / s.wall_s;
   }
@@ -90,88 +93,59 @@ LoadSummary Summarize(const std::vector<RoundTiming>& rounds, size_t skip) {
   return s;
 }
 
-SyntheticSite::SyntheticSite(size_t shards, ConnectFn connect, SiteOptions options)
-    : shards_(shards), connect_(std::move(connect)), o_(std::move(options)) {}
+SyntheticSite::SyntheticSite(size_t shards, ConnectFn connect, ConnectSiteFn connect_site,
+                             SiteOptions options)
+    : shards_(shards),
+      connect_(std::move(connect)),
+      connect_site_(std::move(connect_site)),
+      o_(std::move(options)) {}
+
+SyntheticSite::~SyntheticSite() = default;
 
 Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
   if (deltas.rounds.empty()) return Status::InvalidArgument("no recorded deltas to replay");
   std::map<std::string, size_t> index;
   const auto& first = deltas.rounds.front();
   for (size_t i = 0; i < first.size(); ++i) index[first[i].name] = i;
-  clients_.clear();
-  placement_.assign(shards_, {});
+  driver_.reset();
+  ISTHMUS_ASSIGN_OR_RETURN(site_, connect_site_());
+  if (site_->num_shards() != shards_) {
+    return Status::InvalidArgument("the site client has " + std::to_string(site_->num_shards()) +
+                                   " shards, not " + std::to_string(shards_));
+  }
+  ISTHMUS_RETURN_IF_ERROR(site_->Hello("").status());
+  ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> pulled, site_->Pull());
+  live_.assign(first.size(), Tensor{});
   size_t found = 0;
-  for (size_t s = 0; s < shards_; ++s) {
-    ISTHMUS_ASSIGN_OR_RETURN(auto client, connect_(s));
-    auto pulled = client->Pull(o_.job);
-    if (!pulled.ok()) {
-      return Status(pulled.status().code(),
-                    "shard " + std::to_string(s) + ": " + pulled.status().message());
+  for (auto& t : pulled) {
+    auto it = index.find(t.name);
+    if (it == index.end() || first[it->second].shape != t.shape) {
+      return Status::InvalidArgument("job '" + o_.job + "' tensor '" + t.name + "' on shard " +
+                                     std::to_string(site_->placement().at(t.name)) +
+                                     " is not in the recorded deltas with that shape");
     }
-    for (const auto& t : pulled->tensors) {
-      auto it = index.find(t.name);
-      if (it == index.end() || first[it->second].shape != t.shape) {
-        return Status::InvalidArgument("job '" + o_.job + "' tensor '" + t.name + "' on shard " +
-                                       std::to_string(s) +
-                                       " is not in the recorded deltas with that shape");
-      }
-      placement_[s].push_back(it->second);
-      ++found;
-    }
-    clients_.push_back(std::move(client));
+    live_[it->second] = std::move(t);
+    ++found;
   }
   if (found != first.size()) {
     return Status::InvalidArgument("the recorded deltas hold " + std::to_string(first.size()) +
                                    " tensors, job '" + o_.job + "' " + std::to_string(found));
   }
-  return Status::Ok();
-}
-
-Status SyntheticSite::Push(uint64_t round, const std::vector<Tensor>& delta, uint64_t compute_ms) {
-  for (size_t s = 0; s < shards_; ++s) {
-    std::vector<TensorView> views;
-    for (size_t i : placement_[s])
-      views.push_back({delta[i].name, delta[i].shape, delta[i].data.data()});
-    const std::string key =
-        o_.job + "/" + o_.client_name + "/r" + std::to_string(round) + "/s" + std::to_string(s);
-    auto r = clients_[s]->Push(o_.job, key, round, o_.tokens_per_round, views, compute_ms);
-    if (!r.ok()) {
-      return Status(r.status().code(), "push of round " + std::to_string(round) + " to shard " +
-                                           std::to_string(s) + ": " + r.status().message());
-    }
-  }
-  return Status::Ok();
-}
-
-Status SyntheticSite::WaitForWan() {
-  for (;;) {
-    bool ahead = false;
-    for (size_t s = 0; s < shards_; ++s) {
-      auto h = clients_[s]->Hello(o_.job, wire::Role::Worker, "", o_.client_name);
-      if (!h.ok()) return h.status();
-      const auto& r = h->rounds;
-      // The workers' rule (SiteClient::CheckStaleness): K = 0 waits for every commit.
-      ahead |= r.local_round > r.committed_round &&
-               r.local_round - r.committed_round > r.max_rounds_ahead;
-    }
-    if (!ahead) return Status::Ok();
-    std::this_thread::sleep_for(std::chrono::milliseconds(o_.poll_ms));
-  }
-}
-
-Status SyntheticSite::PullAll() {
-  for (size_t s = 0; s < shards_; ++s) {
-    auto r = clients_[s]->Pull(o_.job);
-    if (!r.ok()) {
-      return Status(r.status().code(),
-                    "pull from shard " + std::to_string(s) + ": " + r.status().message());
-    }
-  }
+  std::vector<LiveTensor> views;
+  for (auto& t : live_) views.push_back({t.name, t.shape, t.data.data()});
+  params_ = std::make_unique<HostLiveParams>(std::move(views));
+  rounds_ = std::make_unique<SiteRounds>(*site_);
+  RoundDriverOptions d;
+  d.overlap = o_.overlap;
+  d.poll = std::chrono::milliseconds(o_.poll_ms);
+  driver_ = std::make_unique<RoundDriver>(*rounds_, params_.get(), d);
+  ISTHMUS_ASSIGN_OR_RETURN(Staleness st, site_->CheckStaleness());
+  driver_->set_limit(st.limit);
   return Status::Ok();
 }
 
 Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas) {
-  if (clients_.size() != shards_) return Status::FailedPrecondition("Prepare() first");
+  if (!driver_) return Status::FailedPrecondition("Prepare() first");
   // The watcher: when did every shard commit round r?
   std::vector<std::unique_ptr<ShardClient>> watch;
   for (size_t s = 0; s < shards_; ++s) {
@@ -180,9 +154,9 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
   }
   std::mutex mu;
   std::map<uint64_t, Clock::time_point> committed_at;  // GUARDED_BY(mu)
+  Status watch_status;                                 // GUARDED_BY(mu)
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> last_wanted{0};
-  Status watch_status;
   std::thread watcher([&] {
     uint64_t seen = 0;
     while (!stop.load()) {
@@ -211,33 +185,74 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
     watcher.join();
   };
 
-  std::vector<RoundTiming> out;
-  std::vector<Clock::time_point> pushed_at;
-  const auto compute =
-      std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o_.round_seconds));
+  std::vector<RoundTiming> out(static_cast<size_t>(std::max(0, o_.rounds)));
+  std::map<uint64_t, Clock::time_point> pushed_at;
+  // A completed round's background figures go to that round's row.
+  auto record = [&](const RoundReport& rep) {
+    if (rep.round == 0 || rep.round > out.size()) return;
+    RoundTiming& t = out[rep.round - 1];
+    t.push_s = rep.push_s;
+    t.wait_s = rep.wait_s;
+    t.pull_s = rep.pull_s;
+    pushed_at[rep.round] = rep.pushed_at;
+  };
+  const int steps = std::max(1, o_.steps_per_round);
+  const auto step = std::chrono::duration_cast<Clock::duration>(
+      std::chrono::duration<double>(o_.round_seconds / steps));
   Status failed;
-  for (int r = 1; r <= o_.rounds; ++r) {
-    RoundTiming t;
+  for (int r = 1; r <= o_.rounds && failed.ok(); ++r) {
+    RoundTiming& t = out[static_cast<size_t>(r - 1)];
     t.round = static_cast<uint64_t>(r);
     const auto start = Clock::now();
-    std::this_thread::sleep_until(start + compute);  // the GPU's H inner steps
-    const auto computed = Clock::now();
     const auto& delta = deltas.rounds[static_cast<size_t>(r - 1) % deltas.rounds.size()];
-    failed = Push(t.round, delta, static_cast<uint64_t>(o_.round_seconds * 1e3 + 0.5));
+    for (int s = 0; s < steps && failed.ok(); ++s) {
+      const auto s0 = Clock::now();
+      std::this_thread::sleep_until(s0 + step);  // the GPU's inner steps
+      if (s == steps - 1) {
+        // What the round trained: the recorded delta, in the live weights.
+        for (size_t i = 0; i < delta.size(); ++i) {
+          float* w = live_[i].data.data();
+          const float* d = delta[i].data.data();
+          for (size_t k = 0; k < delta[i].data.size(); ++k) w[k] += d[k];
+        }
+      }
+      t.compute_s += Seconds(Clock::now() - s0);
+      driver_->Stepped();
+      if (driver_->Ready()) {  // a round in flight is done: merge it at this step boundary
+        const auto m0 = Clock::now();
+        auto rep = driver_->Complete();
+        t.boundary_s += Seconds(Clock::now() - m0);
+        if (!rep.ok()) {
+          failed = rep.status();
+          break;
+        }
+        record(*rep);
+      }
+    }
     if (!failed.ok()) break;
-    const auto pushed = Clock::now();
-    pushed_at.push_back(pushed);
-    failed = WaitForWan();
-    if (!failed.ok()) break;
-    const auto waited = Clock::now();
-    failed = PullAll();
-    if (!failed.ok()) break;
-    const auto pulled = Clock::now();
-    t.compute_s = Seconds(computed - start);
-    t.push_s = Seconds(pushed - computed);
-    t.wait_s = Seconds(waited - pushed);
-    t.pull_s = Seconds(pulled - waited);
-    out.push_back(t);
+    const auto b0 = Clock::now();
+    auto rep = driver_->EndRound(static_cast<uint64_t>(r), o_.tokens_per_round,
+                                 static_cast<uint64_t>(o_.round_seconds * 1e3 + 0.5));
+    t.boundary_s += Seconds(Clock::now() - b0);
+    if (!rep.ok()) {
+      failed = rep.status();
+      break;
+    }
+    t.blocked_s += rep->blocked_s;
+    t.blocked_wan_s += rep->blocked_wan_s;
+    record(*rep);
+    t.wall_s = Seconds(Clock::now() - start);
+  }
+  if (failed.ok() && driver_->busy()) {
+    // The last round in flight: not part of any round's figures.
+    const auto d0 = Clock::now();
+    auto rep = driver_->Complete();
+    drain_s_ = Seconds(Clock::now() - d0);
+    if (!rep.ok()) {
+      failed = rep.status();
+    } else {
+      record(*rep);
+    }
   }
   if (!failed.ok()) {
     finish();
@@ -258,10 +273,11 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
   }
   finish();
   if (!watch_status.ok()) return watch_status;
-  for (size_t i = 0; i < out.size(); ++i) {
-    auto it = committed_at.find(out[i].round);
-    if (it != committed_at.end())
-      out[i].commit_latency_s = std::max(0.0, Seconds(it->second - pushed_at[i]));
+  for (auto& t : out) {
+    auto it = committed_at.find(t.round);
+    auto p = pushed_at.find(t.round);
+    if (it != committed_at.end() && p != pushed_at.end())
+      t.commit_latency_s = std::max(0.0, Seconds(it->second - p->second));
   }
   return out;
 }

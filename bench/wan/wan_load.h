@@ -1,13 +1,16 @@
 // A synthetic site for the WAN benchmark (bench/wan/run.sh): it plays one site's workers at
-// a GPU's pace without a GPU. Each round it "computes" for a fixed time (a sleep standing
-// for the H inner steps a GPU site runs in that time), then does what isthmus-worker does
-// at a round boundary, against real shards: pushes the round's delta to every shard, waits
-// while the site is more than K rounds ahead of the last commit, and pulls the merged
-// state. The deltas are not made up: they are recorded from real training
-// (bench/wan/record.sh) and replayed in order, cycling, so the codecs see real structure.
+// a GPU's pace without a GPU. Each round it "computes" for a fixed time (sleeps, in
+// steps_per_round emulated steps, standing for the H inner steps a GPU site runs in that
+// time), then ends the round through the product's round driver (common/round_driver.h),
+// as isthmus-worker does: push the round's delta to every shard, wait while the site is too
+// far ahead of the last commit, pull the merged state, merge it into its weights (host
+// memory: HostLiveParams). With overlap that runs in the background while the next round's
+// steps go on, and a finished round is merged at the next emulated step boundary. The
+// deltas are not made up: they are recorded from real training (bench/wan/record.sh) and
+// replayed in order, cycling, so the codecs see real structure.
 //
-// Threads: Run() uses the clients it was given on the calling thread, plus one watcher
-// thread with its own connections that timestamps each round's commit.
+// Threads: Run() uses the site client on the calling thread and the round driver's, plus
+// one watcher thread with its own connections that timestamps each round's commit.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +20,8 @@
 #include <vector>
 
 #include "common/client.h"
+#include "common/round_driver.h"
+#include "common/site_client.h"
 #include "common/status.h"
 #include "common/tensor.h"
 
@@ -33,29 +38,37 @@ struct RecordedDeltas {
 // file's tensors differ from round-0's. `max_rounds` > 0 reads at most that many deltas.
 Result<RecordedDeltas> LoadRecordedDeltas(const std::string& dir, int max_rounds = 0);
 
-// One round as the synthetic site lived it (seconds).
+// One round as the synthetic site lived it (seconds). Foreground: what the training loop
+// did (compute, or the round boundary: blocked on the round in flight, taking the delta,
+// merging). Background (the round driver's thread; without overlap the caller waits for
+// it, so it is also blocked time): the round's own push, WAN wait and pull.
 struct RoundTiming {
   uint64_t round = 0;
   double compute_s = 0;  // the emulated inner steps
-  double push_s = 0;     // pushing the delta to every shard (LAN)
-  double wait_s = 0;     // waiting for the WAN: the site was too far ahead of the last commit
-  double pull_s = 0;     // pulling the merged state (LAN)
+  double push_s = 0;     // this round's push to every shard (LAN)
+  double wait_s = 0;     // this round's wait for the WAN (too far ahead of the last commit)
+  double pull_s = 0;     // this round's pull of the merged state (LAN)
   // From the end of this round's push to the moment every shard had committed it (the
   // round's exchange with every peer site, end to end); < 0 when it never committed
   // while the run lasted.
   double commit_latency_s = -1;
+  double wall_s = 0;         // wall time of the round in the training loop
+  double boundary_s = 0;     // of which not computing: the round boundary and the merges
+  double blocked_s = 0;      // of which waiting for a round in flight (push, wait, pull)
+  double blocked_wan_s = 0;  // of which while that round waited for the WAN
 };
 
 struct LoadSummary {
   size_t rounds = 0;
   double wall_s = 0, compute_s = 0, push_s = 0, wait_s = 0, pull_s = 0;
-  // 1 - wait / wall: the fraction of wall time not spent waiting for the WAN (the round
-  // boundary's LAN work, pushing and pulling, counts as not waiting: a site with no peers
-  // does it too).
+  double boundary_s = 0, blocked_s = 0, blocked_wan_s = 0;
+  // 1 - (time blocked on a round waiting for the WAN) / wall: the fraction of wall time not
+  // waiting for the WAN (the round boundary's LAN work counts as not waiting: a site with
+  // no peers does it too).
   double utilisation = 0;
-  double compute_fraction = 0;  // compute / wall: stricter, the LAN work counts against it
-  double wait_fraction = 0;     // wait / wall
-  size_t rounds_waited = 0;     // rounds with any WAN wait (> 1 ms)
+  double compute_fraction = 0;  // compute / wall: the headline; LAN and merges count against it
+  double wait_fraction = 0;     // blocked_wan / wall
+  size_t rounds_waited = 0;     // rounds whose own wait for the WAN took > 1 ms
   double mean_commit_latency_s = -1, max_commit_latency_s = -1;  // over committed rounds
 };
 // Sums the rounds after the first `skip` (start-up: the first rounds fill the pipeline).
@@ -67,34 +80,44 @@ struct SiteOptions {
   double round_seconds = 3.0;  // emulated compute per round
   int rounds = 10;
   uint64_t tokens_per_round = 1;  // the merge weight (equal sites: equal tokens)
-  int poll_ms = 50;  // how often a waiting site asks the shards again (as isthmus-worker)
+  int poll_ms = 50;          // how often a waiting round asks the shards again (as isthmus-worker)
+  bool overlap = false;      // end rounds in the background (isthmus-worker --overlap)
+  int steps_per_round = 30;  // emulated step boundaries per round (where merges happen)
 };
 
 // Opens a fresh connection to shard i (the watcher thread needs its own).
 using ConnectFn = std::function<Result<std::unique_ptr<ShardClient>>(size_t shard)>;
+// Opens the site client the rounds go through.
+using ConnectSiteFn = std::function<Result<std::unique_ptr<SiteClient>>()>;
 
 class SyntheticSite {
  public:
-  SyntheticSite(size_t shards, ConnectFn connect, SiteOptions options);
+  SyntheticSite(size_t shards, ConnectFn connect, ConnectSiteFn connect_site, SiteOptions options);
+  ~SyntheticSite();
 
-  // Connects, pulls the job once from every shard to learn which shard holds which tensor,
-  // and checks the recorded deltas name exactly the job's tensors with the same shapes.
+  // Connects, pulls the job once (the live weights start from it, and the site learns which
+  // shard holds which tensor), and checks the recorded deltas name exactly the job's
+  // tensors with the same shapes.
   Status Prepare(const RecordedDeltas& deltas);
-  // Runs options.rounds rounds, replaying deltas.rounds[(r - 1) % size]. Fails on the
-  // first shard error (named).
+  // Runs options.rounds rounds, replaying deltas.rounds[(r - 1) % size] (added to the live
+  // weights at the end of the round's steps), then completes the last round in flight
+  // (drain_s). Fails on the first shard error (named).
   Result<std::vector<RoundTiming>> Run(const RecordedDeltas& deltas);
+  double drain_s() const { return drain_s_; }
+  // The live weights (after Run: the merged state of the last round).
+  const std::vector<Tensor>& live() const { return live_; }
 
  private:
-  Status Push(uint64_t round, const std::vector<Tensor>& delta, uint64_t compute_ms);
-  // Blocks while local - committed > max_rounds_ahead on any shard.
-  Status WaitForWan();
-  Status PullAll();
-
   size_t shards_;
   ConnectFn connect_;
+  ConnectSiteFn connect_site_;
   SiteOptions o_;
-  std::vector<std::unique_ptr<ShardClient>> clients_;
-  std::vector<std::vector<size_t>> placement_;  // per shard, indices into a delta's tensors
+  std::unique_ptr<SiteClient> site_;
+  std::vector<Tensor> live_;  // in the recorded deltas' tensor order
+  std::unique_ptr<SiteRounds> rounds_;
+  std::unique_ptr<HostLiveParams> params_;
+  std::unique_ptr<RoundDriver> driver_;
+  double drain_s_ = 0;
 };
 
 }  // namespace isthmus::wanload

@@ -1,7 +1,9 @@
 // bench_wan_load: a synthetic site (bench/wan/wan_load.h) for the WAN benchmark. It
-// replays real recorded round deltas into a site's real shards at a GPU-like pace and
-// prints, per round, how long it computed (emulated), pushed, waited for the WAN and
-// pulled, then the utilisation. Not a worker: it trains nothing.
+// replays real recorded round deltas into a site's real shards at a GPU-like pace, ending
+// its rounds through the product's round driver (with --overlap in the background), and
+// prints, per round, how long it computed (emulated), how long the round boundary held the
+// training loop, and the round's push, WAN wait and pull, then the computing share of wall
+// time and the utilisation. Not a worker: it trains nothing.
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
@@ -21,6 +23,8 @@ int main(int argc, char** argv) {
   std::string job, key_path, client_name = "site", deltas_dir, json_path;
   double round_seconds = 3.0;
   int rounds = 10, skip = 2, max_recorded = 0, poll_ms = 50, timeout_ms = 120000;
+  int steps_per_round = 30;
+  bool overlap = false;
   app.add_option("--job", job, "job on the shards")->required();
   app.add_option("--server", servers, "shard worker endpoint, in shard order")->required();
   app.add_option("--server-key", server_keys, "shard public key file (one, or one per --server)")
@@ -40,6 +44,13 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--poll-ms", poll_ms, "how often a waiting site asks the shards")
       ->capture_default_str();
+  app.add_flag("--overlap,!--no-overlap", overlap,
+               "end rounds in the background while the next round computes (isthmus-worker "
+               "--overlap)")
+      ->capture_default_str();
+  app.add_option("--steps-per-round", steps_per_round,
+                 "emulated steps per round: the step boundaries a finished round is merged at")
+      ->capture_default_str();
   app.add_option("--request-timeout-ms", timeout_ms, "per shard request attempt")
       ->capture_default_str();
   app.add_option("--json", json_path, "write per-round timings and the summary here");
@@ -55,6 +66,12 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::vector<ClientOptions> options;
+  isthmus::SiteOptions site_options;
+  site_options.job = job;
+  site_options.servers = servers;
+  site_options.client_keys = *keys;
+  site_options.timeout_ms = timeout_ms;
+  site_options.client_name = client_name;
   for (size_t i = 0; i < servers.size(); ++i) {
     auto pub = LoadPublicKeyFile(server_keys[server_keys.size() == 1 ? 0 : i]);
     if (!pub.ok()) {
@@ -67,6 +84,7 @@ int main(int argc, char** argv) {
     o.client_keys = *keys;
     o.timeout_ms = timeout_ms;
     options.push_back(o);
+    site_options.server_public_keys.push_back(*pub);
   }
   auto deltas = wanload::LoadRecordedDeltas(deltas_dir, max_recorded);
   if (!deltas.ok()) {
@@ -75,9 +93,9 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "bench_wan_load (synthetic site %s): %zu recorded rounds of %llu values, %d rounds "
-      "of %.2f s, %zu shard(s)\n",
+      "of %.2f s in %d steps, %zu shard(s), overlap %s\n",
       client_name.c_str(), deltas->rounds.size(), static_cast<unsigned long long>(deltas->numel),
-      rounds, round_seconds, servers.size());
+      rounds, round_seconds, steps_per_round, servers.size(), overlap ? "on" : "off");
   std::fflush(stdout);
   wanload::SiteOptions so;
   so.job = job;
@@ -85,8 +103,11 @@ int main(int argc, char** argv) {
   so.round_seconds = round_seconds;
   so.rounds = rounds;
   so.poll_ms = poll_ms;
+  so.overlap = overlap;
+  so.steps_per_round = steps_per_round;
   wanload::SyntheticSite site(
-      servers.size(), [&](size_t s) { return ShardClient::Connect(options[s]); }, so);
+      servers.size(), [&](size_t s) { return ShardClient::Connect(options[s]); },
+      [&] { return SiteClient::Connect(site_options); }, so);
   Status s = site.Prepare(*deltas);
   if (!s.ok()) {
     std::fprintf(stderr, "bench_wan_load: %s\n", s.ToString().c_str());
@@ -97,30 +118,41 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_wan_load: %s\n", timings.status().ToString().c_str());
     return 1;
   }
-  std::printf("round  compute s  push s  wait s  pull s  commit latency s\n");
+  std::printf(
+      "round  compute s  boundary s  blocked s  push s  wait s  pull s  commit latency s  "
+      "wall s\n");
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& t : *timings) {
-    std::printf("%5llu  %9.3f  %6.3f  %6.3f  %6.3f  %16.3f\n",
-                static_cast<unsigned long long>(t.round), t.compute_s, t.push_s, t.wait_s, t.pull_s,
-                t.commit_latency_s);
+    std::printf("%5llu  %9.3f  %10.3f  %9.3f  %6.3f  %6.3f  %6.3f  %16.3f  %6.3f\n",
+                static_cast<unsigned long long>(t.round), t.compute_s, t.boundary_s, t.blocked_s,
+                t.push_s, t.wait_s, t.pull_s, t.commit_latency_s, t.wall_s);
     rows.push_back({{"round", t.round},
                     {"compute_s", t.compute_s},
+                    {"boundary_s", t.boundary_s},
+                    {"blocked_s", t.blocked_s},
+                    {"blocked_wan_s", t.blocked_wan_s},
                     {"push_s", t.push_s},
                     {"wait_s", t.wait_s},
                     {"pull_s", t.pull_s},
+                    {"wall_s", t.wall_s},
                     {"commit_latency_s", t.commit_latency_s}});
   }
   auto sum = wanload::Summarize(*timings, static_cast<size_t>(std::max(0, skip)));
   std::printf(
-      "rounds %zu-%zu: utilisation %.1f%% (not waiting for the WAN), computing %.1f%% "
-      "(%.1f s of %.1f s); push %.2f s, WAN wait %.2f s (in %zu rounds), pull %.2f s; "
-      "commit latency mean %.2f s, max %.2f s\n",
-      static_cast<size_t>(skip) + 1, timings->size(), 100 * sum.utilisation,
-      100 * sum.compute_fraction, sum.compute_s, sum.wall_s, sum.push_s, sum.wait_s,
-      sum.rounds_waited, sum.pull_s, sum.mean_commit_latency_s, sum.max_commit_latency_s);
+      "rounds %zu-%zu: computing %.1f%% of wall time (%.1f s of %.1f s), utilisation %.1f%% "
+      "(not waiting for the WAN); round boundary %.2f s (blocked %.2f s, of which on the WAN "
+      "%.2f s); push %.2f s, WAN wait %.2f s (in %zu rounds), pull %.2f s%s; commit "
+      "latency mean %.2f s, max %.2f s; last round drained in %.2f s\n",
+      static_cast<size_t>(skip) + 1, timings->size(), 100 * sum.compute_fraction, sum.compute_s,
+      sum.wall_s, 100 * sum.utilisation, sum.boundary_s, sum.blocked_s, sum.blocked_wan_s,
+      sum.push_s, sum.wait_s, sum.rounds_waited, sum.pull_s, overlap ? " (in the background)" : "",
+      sum.mean_commit_latency_s, sum.max_commit_latency_s, site.drain_s());
   if (!json_path.empty()) {
     nlohmann::json j = {{"site", client_name},
                         {"round_seconds", round_seconds},
+                        {"overlap", overlap},
+                        {"steps_per_round", steps_per_round},
+                        {"drain_s", site.drain_s()},
                         {"numel", deltas->numel},
                         {"rounds", rows},
                         {"summary",
@@ -131,6 +163,9 @@ int main(int argc, char** argv) {
                           {"push_s", sum.push_s},
                           {"wait_s", sum.wait_s},
                           {"pull_s", sum.pull_s},
+                          {"boundary_s", sum.boundary_s},
+                          {"blocked_s", sum.blocked_s},
+                          {"blocked_wan_s", sum.blocked_wan_s},
                           {"utilisation", sum.utilisation},
                           {"compute_fraction", sum.compute_fraction},
                           {"wait_fraction", sum.wait_fraction},

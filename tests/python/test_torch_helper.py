@@ -1,7 +1,9 @@
 """isthmus.torch.SiteRank against real shards: its rounds equal the same rounds done by
 hand with the Site API, two torch.distributed ranks split the shards as isthmus-worker's
-ranks do and reach the same values as one rank, and a site too far ahead of the last
-cross-site commit waits (and gives up with a clear error after its timeout)."""
+ranks do and reach the same values as one rank, overlapped rounds (the round driver in the
+background) commit bit for bit what serial rounds commit on a site alone, with one rank and
+with two, and a site too far ahead of the last cross-site commit waits (and gives up with a
+clear error after its timeout)."""
 
 import os
 import tempfile
@@ -47,13 +49,13 @@ def train_step(model, opt, step):
     opt.step()
 
 
-def run_with_helper(site, rank_group=None):
+def run_with_helper(site, rank_group=None, overlap=False):
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = isthmus.torch.SiteRank(site, model.named_job_parameters(),
                                   steps_per_round=STEPS_PER_ROUND, base_hash="base-1",
-                                  process_group=rank_group)
+                                  process_group=rank_group, overlap=overlap)
     start = rank.start()
     ended = 0
     for step in range(STEPS_PER_ROUND * ROUNDS):
@@ -63,12 +65,13 @@ def run_with_helper(site, rank_group=None):
     return start, ended, rank.round
 
 
-def two_rank_main(rank, init_file, servers, key, pubs, result_file):
+def two_rank_main(rank, init_file, servers, key, pubs, result_file, job="two-ranks",
+                  overlap=False):
     torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                                          world_size=2)
     try:
-        site = isthmus.Site(servers, job="two-ranks", key=key, server_keys=pubs)
-        _, _, last = run_with_helper(site)
+        site = isthmus.Site(servers, job=job, key=key, server_keys=pubs)
+        _, _, last = run_with_helper(site, overlap=overlap)
         if rank == 0:
             np.save(result_file, np.array([last]))
     finally:
@@ -136,6 +139,60 @@ class SiteRankTest(harness.ShardsTestCase):
         # Rank r pushed shard r: each shard saw each round once (not once per rank).
         self.assertEqual({t["name"]: t["version"] for t in self.shards.describe("two-ranks")},
                          {"w": 1 + ROUNDS, "b": 1 + ROUNDS})
+
+
+class OverlapTest(unittest.TestCase):
+    """A synced site without peers: every round commits exactly (dense, outer lr 1, no
+    momentum), with max_rounds_ahead 2, so overlapped rounds really run behind the next."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.shards = harness.Site(shards=2, extra_config=(
+            '[sync]\nsite = "solo"\nouter_momentum = 0.0\n'))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.shards.close()
+
+    def test_overlapped_rounds_commit_what_serial_rounds_commit(self):
+        for job in ("serial", "overlapped", "overlapped-two-ranks"):
+            self.shards.create_job(job, initial_tensors())
+        self.assertEqual(run_with_helper(self.shards.client("serial")), (0, ROUNDS, ROUNDS))
+        self.assertEqual(run_with_helper(self.shards.client("overlapped"), overlap=True),
+                         (0, ROUNDS, ROUNDS))
+        with tempfile.TemporaryDirectory() as d:
+            result = os.path.join(d, "last.npy")
+            torch.multiprocessing.spawn(
+                two_rank_main, nprocs=2, join=True,
+                args=(os.path.join(d, "init"), self.shards.worker_eps, self.shards.worker_key,
+                      self.shards.server_pubs, result, "overlapped-two-ranks", True))
+            self.assertEqual(int(np.load(result)[0]), ROUNDS)
+        serial = self.shards.client("serial").pull()
+        for job in ("overlapped", "overlapped-two-ranks"):
+            site = self.shards.client(job)
+            got = site.pull()
+            for name in ("w", "b"):
+                np.testing.assert_array_equal(got[name], serial[name], err_msg=f"{job} {name}")
+            # Each shard closed every round once.
+            self.assertEqual([h["local_round"] for h in site.hello("base-1")], [ROUNDS, ROUNDS])
+        self.assertGreater(np.abs(serial["w"] - initial_tensors()["w"]).max(), 1e-3)
+
+    def test_a_round_in_flight_owns_the_site_client(self):
+        self.shards.create_job("busy", initial_tensors())
+        site = self.shards.client("busy")
+        site.hello("base-1")
+        site.pull()
+        site.start_round(1, {k: np.ones_like(v) for k, v in initial_tensors().items()},
+                         tokens=1, overlap=True)
+        with self.assertRaises(RuntimeError) as cm:
+            site.pull()
+        self.assertIn("round 1 is in flight", str(cm.exception))
+        out = site.wait_round()
+        self.assertEqual(out["round"], 1)
+        self.assertTrue(out["pushed"])
+        np.testing.assert_array_equal(out["pulled"]["b"], np.ones(4, dtype=np.float32))
+        self.assertEqual(site.round_state(), "idle")
+        self.assertIsNone(site.wait_round())
 
 
 class StalenessTest(unittest.TestCase):

@@ -1,12 +1,14 @@
 // The WAN benchmark's synthetic site (bench/wan/wan_load.h): recorded deltas are read
 // back exactly, the summary adds up, and against a real isthmus-server (a site with the
 // round protocol on and no peers, so every round commits as soon as it closes) the replayed
-// rounds land: the committed state is the start plus every replayed delta, in order.
+// rounds land through the round driver, with overlap and without: the committed state is the
+// start plus every replayed delta, in order, and the synthetic site's weights end equal to it.
 #include <gtest/gtest.h>
 
 #include <filesystem>
 
 #include "bench/wan/wan_load.h"
+#include "common/keys.h"
 #include "common/safetensors.h"
 #include "tests/integration/server_process.h"
 
@@ -48,11 +50,19 @@ RecordedDeltas Recording(const TempDir& d, int rounds) {
 }
 
 // A synthetic site of one shard, the given server's worker endpoint.
-SyntheticSite SiteOn(testing::ServerProcess& server, SiteOptions o) {
-  return SyntheticSite(
+std::unique_ptr<SyntheticSite> SiteOn(testing::ServerProcess& server, SiteOptions o) {
+  isthmus::SiteOptions so;
+  so.job = o.job;
+  so.client_name = o.client_name.empty() ? "site" : o.client_name;
+  so.servers = {testing::ServerProcess::Endpoint(server.worker_port())};
+  auto pub = LoadPublicKeyFile((server.dir() / "server.pub").string());
+  EXPECT_TRUE(pub.ok()) << pub.status().ToString();
+  so.server_public_keys = {pub.ok() ? *pub : ""};
+  so.client_keys = server.worker_keys();
+  return std::make_unique<SyntheticSite>(
       1,
       [&server](size_t) -> Result<std::unique_ptr<ShardClient>> { return server.WorkerClient(); },
-      std::move(o));
+      [so] { return SiteClient::Connect(so); }, std::move(o));
 }
 
 TEST(WanLoad, RecordedDeltasAreConsecutiveDifferences) {
@@ -95,16 +105,20 @@ TEST(WanLoad, MissingOrMismatchedRecordingsAreRefusedByName) {
 }
 
 TEST(WanLoad, SummaryAddsUpAndSkipsStartUp) {
+  // round, compute, push, wait, pull, commit latency, wall, boundary, blocked, blocked on
+  // the WAN.
   std::vector<RoundTiming> rounds = {
-      {1, 3.0, 0.1, 2.0, 0.1, 5.0},  // start-up: left out
-      {2, 3.0, 0.1, 0.0, 0.1, 1.5},
-      {3, 3.0, 0.2, 0.5, 0.1, 2.5},
-      {4, 3.0, 0.1, 0.0, 0.1, -1},  // never committed
+      {1, 3.0, 0.1, 2.0, 0.1, 5.0, 5.2, 2.2, 2.2, 2.0},  // start-up: left out
+      {2, 3.0, 0.1, 0.0, 0.1, 1.5, 3.2, 0.2, 0.2, 0.0},
+      {3, 3.0, 0.2, 0.5, 0.1, 2.5, 3.8, 0.8, 0.8, 0.5},
+      {4, 3.0, 0.1, 0.0, 0.1, -1, 3.2, 0.2, 0.2, 0.0},  // never committed
   };
   auto s = Summarize(rounds, 1);
   EXPECT_EQ(s.rounds, 3u);
   EXPECT_DOUBLE_EQ(s.compute_s, 9.0);
-  EXPECT_NEAR(s.wall_s, 9.0 + 0.4 + 0.5 + 0.3, 1e-12);
+  EXPECT_NEAR(s.wall_s, 10.2, 1e-12);
+  EXPECT_NEAR(s.boundary_s, 1.2, 1e-12);
+  EXPECT_NEAR(s.push_s, 0.4, 1e-12);
   EXPECT_NEAR(s.utilisation, 1.0 - 0.5 / 10.2, 1e-12);
   EXPECT_NEAR(s.compute_fraction, 9.0 / 10.2, 1e-12);
   EXPECT_NEAR(s.wait_fraction, 0.5 / 10.2, 1e-12);
@@ -114,7 +128,9 @@ TEST(WanLoad, SummaryAddsUpAndSkipsStartUp) {
   EXPECT_EQ(Summarize({}, 0).utilisation, 0.0);
 }
 
-TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
+class WanLoadReplay : public ::testing::TestWithParam<bool> {};
+
+TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
   TempDir d;
   auto deltas = Recording(d, 2);
   // A site with the round protocol on and no peers: each round commits once it closes.
@@ -131,18 +147,30 @@ TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
   o.client_name = "solo";
   o.round_seconds = 0.05;
   o.rounds = 5;  // more than recorded: the replay cycles 1, 2, 1, 2, 1
-  SyntheticSite site = SiteOn(server, o);
-  ASSERT_TRUE(site.Prepare(deltas).ok());
-  auto timings = site.Run(deltas);
+  o.overlap = GetParam();
+  o.steps_per_round = 5;
+  auto site = SiteOn(server, o);
+  Status prepared = site->Prepare(deltas);
+  ASSERT_TRUE(prepared.ok()) << prepared.ToString();
+  auto timings = site->Run(deltas);
   ASSERT_TRUE(timings.ok()) << timings.status().ToString();
   ASSERT_EQ(timings->size(), 5u);
   for (const auto& t : *timings) {
     EXPECT_GE(t.compute_s, 0.05);
+    EXPECT_GE(t.wall_s, t.compute_s);
+    EXPECT_GT(t.push_s, 0.0) << "round " << t.round;
+    EXPECT_GT(t.pull_s, 0.0) << "round " << t.round;
     EXPECT_GE(t.commit_latency_s, 0.0) << "round " << t.round << " never committed";
   }
   auto sum = Summarize(*timings, 0);
   EXPECT_GT(sum.utilisation, 0.0);
   EXPECT_LE(sum.utilisation, 1.0);
+  EXPECT_GT(sum.compute_fraction, 0.0);
+  EXPECT_LE(sum.compute_fraction, 1.0);
+  if (!GetParam()) {
+    // Without overlap the round boundary holds the loop for the whole push and pull.
+    EXPECT_GE(sum.blocked_s, sum.push_s + sum.pull_s);
+  }
 
   // The committed state: the start plus the replayed deltas (dense alone, lr 1, no momentum).
   auto pulled = server.WorkerClient()->Pull("j");
@@ -157,8 +185,15 @@ TEST(WanLoad, ReplaysIntoARealShardAndEveryRoundCommits) {
     }
     ASSERT_EQ(t.data.size(), want.size());
     for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(t.data[i], want[i]) << t.name << i;
+    // The synthetic site merged the last round: its weights are the committed state.
+    for (const auto& l : site->live()) {
+      if (l.name == t.name) EXPECT_EQ(l.data, t.data) << t.name;
+    }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Overlap, WanLoadReplay, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "on" : "off"; });
 
 TEST(WanLoad, DeltasThatDoNotMatchTheJobAreRefusedBeforeAnyPush) {
   TempDir d;
@@ -169,8 +204,8 @@ TEST(WanLoad, DeltasThatDoNotMatchTheJobAreRefusedBeforeAnyPush) {
   ASSERT_TRUE(server.AdminClient()->CreateJob("j", "", {{"h.0.w", {3, 2}, other.data()}}).ok());
   SiteOptions o;
   o.job = "j";
-  SyntheticSite site = SiteOn(server, o);
-  Status s = site.Prepare(deltas);
+  auto site = SiteOn(server, o);
+  Status s = site->Prepare(deltas);
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
   EXPECT_NE(s.message().find("h.0.w"), std::string::npos) << s.ToString();
 }

@@ -41,6 +41,8 @@ inline const std::vector<std::string> kTrainFlags = {"--batch-size",   "2", "--l
 struct WorkerProcess {
   pid_t pid = -1;
   std::string log;
+  // Environment variables the next Start sets in the child (test hooks).
+  std::vector<std::pair<std::string, std::string>> env;
 
   // fault_env: the round at which the worker exits with 137 after pushing it (or, with
   // fault_name ISTHMUS_WORKER_FAULT_CRASH_BEFORE_PUSH, before pushing it).
@@ -53,6 +55,7 @@ struct WorkerProcess {
       std::freopen(log_path.c_str(), "w", stderr);
       std::freopen("/dev/null", "w", stdout);
       if (!fault_env.empty()) ::setenv(fault_name, fault_env.c_str(), 1);
+      for (const auto& [k, v] : env) ::setenv(k.c_str(), v.c_str(), 1);
       ::setenv("OMP_NUM_THREADS", "1", 1);
       std::vector<char*> argv;
       const char* bin = BinaryPath("ISTHMUS_WORKER_BIN", ISTHMUS_WORKER_BIN);
@@ -91,9 +94,11 @@ struct WorkerProcess {
 };
 
 // Runs `isthmus-worker init` and returns the base hash it prints.
-inline std::string RunInit(const fs::path& dir, uint64_t seed, const std::string& base_name) {
+inline std::string RunInit(const fs::path& dir, uint64_t seed, const std::string& base_name,
+                           const std::vector<std::string>& extra = {}) {
   std::string cmd = std::string(BinaryPath("ISTHMUS_WORKER_BIN", ISTHMUS_WORKER_BIN)) + " init";
   for (const auto& f : kModelFlags) cmd += " " + f;
+  for (const auto& f : extra) cmd += " " + f;
   cmd += " --seed " + std::to_string(seed) + " --out " +
          (dir / (base_name + ".init.safetensors")).string() + " --write-base " +
          (dir / (base_name + ".safetensors")).string() + " 2>/dev/null";
@@ -335,11 +340,12 @@ class TwoSites {
     if (!::testing::Test::HasFailure()) fs::remove_all(root_);
   }
 
-  // Starts both sites and creates the job from `isthmus-worker init`.
-  ::testing::AssertionResult Start(int rounds_ahead = 2) {
+  // Starts both sites and creates the job from `isthmus-worker init`. `extra_sync`: more
+  // lines of the sites' [sync] tables.
+  ::testing::AssertionResult Start(int rounds_ahead = 2, const std::string& extra_sync = "") {
     std::vector<SiteProcess*> all = {sites_[0].get(), sites_[1].get()};
     for (auto& s : sites_) {
-      s->Configure(all, "max_rounds_ahead = " + std::to_string(rounds_ahead));
+      s->Configure(all, "max_rounds_ahead = " + std::to_string(rounds_ahead) + "\n" + extra_sync);
       if (auto r = s->Start(); !r) return r;
     }
     base_hash_ = RunInit(root_, 1, "base");
@@ -406,7 +412,18 @@ class TwoSites {
   std::vector<int> RunOn(const std::vector<int>& which, int rounds, int h,
                          const std::vector<std::vector<std::string>>& extra = {}) {
     for (size_t k = 0; k < which.size(); ++k) {
-      const int i = which[k];
+      StartOn(which[k], rounds, h, k < extra.size() ? extra[k] : std::vector<std::string>{});
+    }
+    std::vector<int> rc;
+    for (int i : which) rc.push_back(workers_[i].Wait(240));
+    return rc;
+  }
+
+  // Starts the worker of site `i` (as RunOn does) without waiting for it; `env`: variables
+  // set in its environment.
+  void StartOn(int i, int rounds, int h, const std::vector<std::string>& extra,
+               const std::vector<std::pair<std::string, std::string>>& env = {}) {
+    {
       SiteProcess& s = *sites_[i];
       std::vector<std::string> a = {"train"};
       a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
@@ -430,16 +447,18 @@ class TwoSites {
                                        std::to_string(h)};
       a.insert(a.end(), more.begin(), more.end());
       a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
-      if (k < extra.size()) a.insert(a.end(), extra[k].begin(), extra[k].end());
+      a.insert(a.end(), extra.begin(), extra.end());
       // Each site's checkpoints in its own folder, so a later run resumes from them.
       a.push_back("--checkpoint-dir");
       a.push_back((root_ / ("ckpt-" + s.site())).string());
+      workers_[i].env = env;
       workers_[i].Start(a, (root_ / (s.site() + "-" + std::to_string(runs_++) + ".log")).string());
     }
-    std::vector<int> rc;
-    for (int i : which) rc.push_back(workers_[i].Wait(240));
-    return rc;
   }
+  // Waits for the worker of site `i` (StartOn); its exit code.
+  int WaitOn(int i, int timeout_s = 240) { return workers_[i].Wait(timeout_s); }
+  const fs::path& root() const { return root_; }
+  SiteProcess& site(int i) { return *sites_[i]; }
 
   // Waits until both sites committed `round`; then their digests of every round so far
   // must be identical.

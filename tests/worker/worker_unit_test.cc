@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "worker/comm/gloo_communicator.h"
+#include "worker/live_params.h"
 #include "worker/progress.h"
 #include "worker/round_loop.h"
 
@@ -148,6 +149,84 @@ TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, TwoRanks,
+                         ::testing::Values(model::TrainMode::kLora, model::TrainMode::kFull),
+                         [](const auto& info) {
+                           return std::string(model::TrainModeName(info.param));
+                         });
+
+// The round driver's LiveParams on the model's backend: the delta is "now minus the
+// round's start" and the live weights become start + delta (what a shard adding it holds);
+// the merge of a pulled state P keeps the progress made since (live + (P - base)) or, with
+// none, takes P as it is; bit for bit the host arithmetic of HostLiveParams. In LoRA mode
+// (the adapters) and full mode (every tensor).
+class ModelLiveParamsTest : public ::testing::TestWithParam<model::TrainMode> {};
+
+TEST_P(ModelLiveParamsTest, SnapshotAndMergeAreTheHostArithmeticBitForBit) {
+  auto gpt = model::Gpt::CreateRandom(TinyConfig(), GetParam(), TinyLora(), 4);
+  ASSERT_TRUE(gpt.ok());
+  auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+  ASSERT_TRUE(trainer.ok());
+  auto live = ModelLiveParams::Create(**gpt, nullptr);
+  ASSERT_TRUE(live.ok()) << live.status().ToString();
+  auto train = [&](int steps, int from) {
+    for (int s = 0; s < steps; ++s) {
+      std::vector<int32_t> tok, tgt;
+      MakeBatch(from + s, 2, &tok, &tgt);
+      ASSERT_TRUE((*trainer)->Step(tok.data(), tgt.data(), 2, kT).ok());
+    }
+  };
+  const std::vector<Tensor> start = (*gpt)->ExportTrainable();
+  train(3, 0);
+  const std::vector<Tensor> now = (*gpt)->ExportTrainable();
+  auto delta = (*live)->TakeDelta();
+  ASSERT_TRUE(delta.ok()) << delta.status().ToString();
+  const std::vector<Tensor> after = (*gpt)->ExportTrainable();
+  ASSERT_EQ(delta->size(), now.size());
+  double moved = 0;
+  for (size_t i = 0; i < now.size(); ++i) {
+    ASSERT_EQ((*delta)[i].name, now[i].name);
+    for (size_t k = 0; k < now[i].data.size(); ++k) {
+      ASSERT_EQ((*delta)[i].data[k], now[i].data[k] - start[i].data[k]) << now[i].name;
+      ASSERT_EQ(after[i].data[k], start[i].data[k] + (*delta)[i].data[k]) << now[i].name;
+      moved += std::fabs((*delta)[i].data[k]);
+    }
+  }
+  EXPECT_GT(moved, 0.0);
+
+  // A pulled state: the base moved by a pattern of its own.
+  std::vector<Tensor> pulled = after;
+  for (auto& t : pulled) {
+    for (size_t k = 0; k < t.data.size(); ++k) t.data[k] += 0.001f * static_cast<float>(k % 7);
+  }
+  train(2, 3);
+  const std::vector<Tensor> progressed = (*gpt)->ExportTrainable();
+  ASSERT_TRUE((*live)->Rebase(&pulled, /*progressed=*/true).ok());
+  const std::vector<Tensor> merged = (*gpt)->ExportTrainable();
+  for (size_t i = 0; i < merged.size(); ++i) {
+    for (size_t k = 0; k < merged[i].data.size(); ++k) {
+      const float want = progressed[i].data[k] + (pulled[i].data[k] - after[i].data[k]);
+      ASSERT_EQ(merged[i].data[k], want) << merged[i].name;
+    }
+  }
+  // The base is now the pulled state: the next delta is the progress since the merge.
+  auto zero = (*live)->TakeDelta();
+  ASSERT_TRUE(zero.ok());
+  for (size_t i = 0; i < zero->size(); ++i) {
+    for (size_t k = 0; k < (*zero)[i].data.size(); ++k) {
+      ASSERT_EQ((*zero)[i].data[k], merged[i].data[k] - pulled[i].data[k]);
+    }
+  }
+  // No progress since the base: the pulled state exactly.
+  ASSERT_TRUE((*live)->Rebase(&pulled, /*progressed=*/false).ok());
+  const std::vector<Tensor> taken = (*gpt)->ExportTrainable();
+  for (size_t i = 0; i < taken.size(); ++i) EXPECT_EQ(taken[i].data, pulled[i].data);
+  // A state missing a tensor changes nothing.
+  std::vector<Tensor> partial(pulled.begin() + 1, pulled.end());
+  EXPECT_EQ((*live)->Rebase(&partial, true).code(), Code::kInvalidArgument);
+  EXPECT_EQ((*gpt)->ExportTrainable()[0].data, taken[0].data);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, ModelLiveParamsTest,
                          ::testing::Values(model::TrainMode::kLora, model::TrainMode::kFull),
                          [](const auto& info) {
                            return std::string(model::TrainModeName(info.param));

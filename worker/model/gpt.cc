@@ -680,33 +680,6 @@ Status Gpt::LoadTrainable(const std::vector<Tensor>& tensors, bool require_all) 
   return ops_.Synchronize();
 }
 
-Status Gpt::SnapshotTrainable() {
-  if (snapshot_.data() == nullptr) {
-    ISTHMUS_ASSIGN_OR_RETURN(snapshot_,
-                             ops::Buffer::Allocate(ops_, TrainableElements() * sizeof(float)));
-  }
-  ops_.Copy(snapshot_.data(), TrainableData(), TrainableElements() * sizeof(float));
-  return ops_.status();
-}
-
-Result<std::vector<Tensor>> Gpt::TrainableDelta() {
-  if (snapshot_.data() == nullptr) {
-    return Status::FailedPrecondition("TrainableDelta without SnapshotTrainable");
-  }
-  float* delta = snapshot_.as<float>();
-  ops_.Subtract(TrainableData(), delta, delta, TrainableElements());
-  const Group& g = TrainableGroup();
-  std::vector<float> flat(static_cast<size_t>(g.elements));
-  ops_.Download(flat.data(), delta, flat.size() * sizeof(float));
-  ISTHMUS_RETURN_IF_ERROR(ops_.status());
-  std::vector<Tensor> out;
-  for (const TensorSlot& s : g.slots) {
-    out.push_back({s.name, s.shape,
-                   std::vector<float>(flat.begin() + s.offset, flat.begin() + s.offset + s.numel)});
-  }
-  return out;
-}
-
 std::string Gpt::ShapeForMessages(int B, int T) const {
   return "batch " + std::to_string(B) + " x context " + std::to_string(T) + ", " +
          std::to_string(config_.n_layer) + " layers x " + std::to_string(config_.n_embd) + ", " +

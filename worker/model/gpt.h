@@ -218,13 +218,6 @@ class Gpt {
   // require_all, every trainable tensor must be given. Gradients are left as they are.
   Status LoadTrainable(const std::vector<Tensor>& tensors, bool require_all = true);
 
-  // The round delta on the backend: SnapshotTrainable remembers the trainable tensors (a
-  // backend copy; ResourceExhausted if it does not fit), TrainableDelta returns "now minus
-  // the snapshot" as host tensors (computed on the backend, one copy to the host) and
-  // forgets the snapshot.
-  Status SnapshotTrainable();
-  Result<std::vector<Tensor>> TrainableDelta();
-
   // Writes the base tensors to a safetensors file (atomic), with metadata recording the
   // config ("n_layer", "n_embd", "n_head", "n_ctx", "vocab_size"), "format" = "pt" (what
   // every transformers version accepts) and "isthmus" = "gpt2".
@@ -287,8 +280,7 @@ class Gpt {
 
   std::unique_ptr<Group> base_;
   std::unique_ptr<Group> lora_tensors_;
-  ops::Buffer grads_;     // TrainableElements() + 1
-  ops::Buffer snapshot_;  // SnapshotTrainable()
+  ops::Buffer grads_;  // TrainableElements() + 1
   int wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1;
   std::vector<Layer> layers_;
 

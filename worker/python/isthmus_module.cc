@@ -10,7 +10,11 @@
 //   - the GIL is released while a call waits on the network, and the wait is interruptible:
 //     every 100 ms (and when a signal arrives) the call takes the GIL back for a moment and
 //     runs Python's signal handlers (PyErr_CheckSignals); when one raises (Ctrl-C:
-//     KeyboardInterrupt) the call stops and that exception propagates.
+//     KeyboardInterrupt) the call stops and that exception propagates;
+//   - a round started with start_round runs on the round driver's thread
+//     (common/round_driver.h), which then owns the site client: every other call raises
+//     RuntimeError until wait_round has taken the round's outcome. That thread never takes
+//     the GIL; the deltas are copied before start_round returns.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -19,9 +23,11 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "common/keys.h"
+#include "common/round_driver.h"
 #include "common/safetensors.h"
 #include "common/site_client.h"
 #include "common/status.h"
@@ -185,6 +191,22 @@ py::dict ArraysOf(std::vector<Tensor> tensors) {
   return out;
 }
 
+const char* StageName(RoundDriver::Stage s, bool failed) {
+  switch (s) {
+    case RoundDriver::Stage::kIdle:
+      return "idle";
+    case RoundDriver::Stage::kPushing:
+      return "pushing";
+    case RoundDriver::Stage::kWaiting:
+      return "waiting";
+    case RoundDriver::Stage::kPulling:
+      return "pulling";
+    case RoundDriver::Stage::kDone:
+      return failed ? "failed" : "done";
+  }
+  return "idle";
+}
+
 class PySite {
  public:
   explicit PySite(const SiteOptions& o) {
@@ -198,6 +220,7 @@ class PySite {
   }
 
   py::list Hello(const std::string& base_hash) {
+    Idle("hello");
     auto result = CallUnlocked([&] { return site_->Hello(base_hash); });
     py::list out;
     for (const auto& h : result) {
@@ -213,6 +236,7 @@ class PySite {
   }
 
   py::dict Pull() {
+    Idle("pull");
     auto result = CallUnlocked([&] { return site_->PullInPlace(); });
     py::dict out;
     for (auto& v : result) AddArrays(std::make_shared<PullView>(std::move(v)), out);
@@ -221,6 +245,7 @@ class PySite {
 
   py::list PushRound(int64_t round_arg, const py::dict& deltas, int64_t tokens_arg,
                      int64_t compute_ms_arg, int rank, int world) {
+    Idle("push_round");
     const uint64_t round = NonNegative(round_arg, "round", 1);
     const uint64_t tokens = NonNegative(tokens_arg, "tokens");
     const uint64_t compute_ms = NonNegative(compute_ms_arg, "compute_ms");
@@ -247,11 +272,13 @@ class PySite {
   }
 
   py::dict CheckStaleness() {
+    Idle("check_staleness");
     auto result = CallUnlocked([&] { return site_->CheckStaleness(); });
     return StalenessDict(result);
   }
 
   py::dict WaitWithinStaleness(double timeout_s, double poll_s) {
+    Idle("wait_within_staleness");
     if (timeout_s < 0 || poll_s <= 0) throw py::value_error("timeout must be >= 0, poll > 0");
     const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1e3));
     const auto poll =
@@ -261,12 +288,128 @@ class PySite {
   }
 
   std::map<std::string, int> Placement() const { return site_->placement(); }
-  void SetPlacement(std::map<std::string, int> p) { site_->SetPlacement(std::move(p)); }
+  void SetPlacement(std::map<std::string, int> p) {
+    Idle("set_placement");
+    site_->SetPlacement(std::move(p));
+  }
   size_t NumShards() const { return site_->num_shards(); }
   std::string PushKey(uint64_t round, int shard) const { return site_->PushKey(round, shard); }
 
+  // --- The round driver: one round in the background -----------------------------------
+
+  void StartRound(int64_t round_arg, const py::dict& deltas, int64_t tokens_arg,
+                  int64_t compute_ms_arg, int rank, int world, bool pull, bool overlap,
+                  double wait_timeout_s, double poll_s) {
+    Idle("start_round");
+    const uint64_t round = NonNegative(round_arg, "round", 1);
+    const uint64_t tokens = NonNegative(tokens_arg, "tokens");
+    const uint64_t compute_ms = NonNegative(compute_ms_arg, "compute_ms");
+    if (world < 1 || rank < 0 || rank >= world) {
+      throw py::value_error("rank must be in 0..world-1, got rank " + std::to_string(rank) +
+                            " of world " + std::to_string(world));
+    }
+    if (wait_timeout_s < 0 || poll_s <= 0) {
+      throw py::value_error("wait_timeout_s must be >= 0 and poll_s > 0");
+    }
+    auto delta = std::make_shared<std::vector<Tensor>>();
+    for (const auto& [k, v] : deltas) {
+      if (!py::isinstance<py::str>(k)) throw py::type_error("delta names must be str");
+      HeldBuffer h = ViewOf(k.cast<std::string>(), v);
+      delta->push_back({h.view.name, h.view.shape,
+                        std::vector<float>(h.view.data, h.view.data + NumElements(h.view.shape))});
+    }
+    RoundDriverOptions o;
+    o.overlap = overlap;
+    o.rank = rank;
+    o.world = world;
+    o.pull = pull;
+    o.wait_timeout = std::chrono::milliseconds(static_cast<int64_t>(wait_timeout_s * 1e3));
+    o.poll = std::chrono::milliseconds(std::max<int64_t>(1, static_cast<int64_t>(poll_s * 1e3)));
+    // The caller waits in slices and runs Python's signal handlers in between (main thread).
+    o.await = [](const std::function<bool()>& done) {
+      while (!done()) {
+        if (PythonSignalRaised()) return Status::Unavailable("interrupted");
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      return Status::Ok();
+    };
+    const bool same =
+        driver_ && driver_->options().overlap == o.overlap && driver_->options().rank == rank &&
+        driver_->options().world == world && driver_->options().pull == pull &&
+        driver_->options().wait_timeout == o.wait_timeout && driver_->options().poll == o.poll;
+    if (!same) {
+      driver_.reset();
+      if (!rounds_) rounds_ = std::make_unique<SiteRounds>(*site_);
+      driver_ = std::make_unique<RoundDriver>(*rounds_, nullptr, std::move(o));
+    }
+    Status st = driver_->Start({round, tokens, compute_ms, std::move(delta)});
+    if (!st.ok()) Raise(st);
+  }
+
+  std::string RoundState() const {
+    if (!driver_) return "idle";
+    return StageName(driver_->stage(), driver_->Failed());
+  }
+
+  // Seconds it blocked until the round in flight is past its wait for the WAN.
+  double AwaitRoundBound() {
+    if (!driver_ || !driver_->busy()) return 0.0;
+    return CallUnlocked([&] { return driver_->AwaitBound(); });
+  }
+
+  py::object WaitRound() {
+    if (!driver_ || !driver_->busy()) return py::none();
+    std::optional<RoundDriver::Outcome> out;
+    {
+      py::gil_scoped_release nogil;
+      out.emplace(driver_->Wait());
+    }
+    if (PyErr_Occurred() != nullptr) throw py::error_already_set();
+    if (!out->status.ok()) Raise(out->status);
+    const RoundReport& r = out->report;
+    py::dict d;
+    d["round"] = r.round;
+    py::list pushes;
+    for (const auto& p : r.pushes) {
+      py::dict e = RoundsDict(p.rounds);
+      e["shard"] = p.shard;
+      e["key"] = p.key;
+      e["duplicate"] = p.duplicate;
+      e["tensors"] = p.tensors;
+      pushes.append(e);
+    }
+    d["pushes"] = pushes;
+    d["pushed"] = r.pushed;
+    d["staleness"] = StalenessDict(r.staleness);
+    d["push_s"] = r.push_s;
+    d["wait_s"] = r.wait_s;
+    d["pull_s"] = r.pull_s;
+    d["blocked_s"] = r.blocked_s;
+    d["blocked_wan_s"] = r.blocked_wan_s;
+    d["waited"] = r.waited;
+    d["limit"] = driver_->limit();
+    d["pulled"] =
+        out->pulled.empty() ? py::object(py::none()) : py::object(ArraysOf(std::move(out->pulled)));
+    return d;
+  }
+
+  void CancelRound() {
+    if (driver_) driver_->Cancel();
+  }
+
  private:
+  // The site client belongs to the round driver's thread while a round is in flight.
+  void Idle(const char* call) const {
+    if (driver_ && driver_->busy()) {
+      throw std::runtime_error(std::string(call) + ": round " +
+                               std::to_string(driver_->inflight()->round) +
+                               " is in flight (start_round): call wait_round() first");
+    }
+  }
+
   std::unique_ptr<SiteClient> site_;
+  std::unique_ptr<SiteRounds> rounds_;
+  std::unique_ptr<RoundDriver> driver_;  // after what it borrows: destroyed first
 };
 
 }  // namespace
@@ -354,5 +497,12 @@ PYBIND11_MODULE(_isthmus, m) {
       .def_property_readonly("placement", &PySite::Placement)
       .def("set_placement", &PySite::SetPlacement)
       .def_property_readonly("num_shards", &PySite::NumShards)
-      .def("push_key", &PySite::PushKey);
+      .def("push_key", &PySite::PushKey)
+      .def("start_round", &PySite::StartRound, py::arg("round"), py::arg("deltas"),
+           py::arg("tokens"), py::arg("compute_ms"), py::arg("rank"), py::arg("world"),
+           py::arg("pull"), py::arg("overlap"), py::arg("wait_timeout_s"), py::arg("poll_s"))
+      .def("round_state", &PySite::RoundState)
+      .def("await_round_bound", &PySite::AwaitRoundBound)
+      .def("wait_round", &PySite::WaitRound)
+      .def("cancel_round", &PySite::CancelRound);
 }

@@ -204,3 +204,51 @@ class Site:
     def push_key(self, round, shard):
         """The idempotency key push_round uses for `round` on `shard`."""
         return self._core.push_key(int(round), int(shard))
+
+    # -- a round in the background (the round driver, common/round_driver.h) -------------
+
+    def start_round(self, round, deltas, tokens=0, compute_ms=0, rank=0, world=1, pull=True,
+                    overlap=True, wait_timeout_s=0.0, poll_s=0.05):
+        """Starts round `round` on a background thread: push_round of `deltas` (copied
+        before this returns), then, with pull=True (rank 0 of a site), a wait until every
+        shard holds the round and the site is within the staleness bound, and a pull. The
+        bound counts the round the caller trains meanwhile when overlap=True: the round
+        comes within max_rounds_ahead - 1 (see docs/SYNC.md, "The overlapped round").
+        wait_timeout_s > 0 fails the round (ShardError "Timeout") when the wait takes
+        longer. Until wait_round() returns, the other calls on this Site raise
+        RuntimeError (the site client belongs to that thread)."""
+        round = _count("round", round, 1)
+        tokens = _count("tokens", tokens)
+        compute_ms = _count("compute_ms", compute_ms)
+        world = _count("world", world, 1)
+        rank = _count("rank", rank)
+        if rank >= world:
+            raise ValueError(f"rank must be below world ({world}), got {rank}")
+        converted = {str(n): _as_float32_buffer(n, v) for n, v in deltas.items()}
+        self._core.start_round(round, converted, tokens, compute_ms, rank, world, bool(pull),
+                               bool(overlap), float(wait_timeout_s), float(poll_s))
+
+    def round_state(self):
+        """Where the round started with start_round is: "idle" (none), "pushing",
+        "waiting", "pulling", "done" or "failed" (wait_round will not block on the last
+        two)."""
+        return self._core.round_state()
+
+    def await_round_bound(self):
+        """Blocks until the round in flight is past its wait for the WAN (with
+        max_rounds_ahead 0: until it has committed); returns the seconds it blocked."""
+        return self._core.await_round_bound()
+
+    def wait_round(self):
+        """Blocks until the round in flight is done and returns what it did: round,
+        pushes (one dict per shard, as push_round's), pushed, staleness, push_s, wait_s,
+        pull_s, blocked_s (this call's wait), waited, limit (max_rounds_ahead as the shards
+        said) and pulled ({name: float32 array}, or None on a rank that does not pull).
+        None when no round is in flight. Raises ShardError for the round's failure (its
+        push, wait or pull), naming the round and the shard."""
+        return self._core.wait_round()
+
+    def cancel_round(self):
+        """Gives up the wait for the WAN of the round in flight: wait_round then raises
+        ShardError "Unavailable" (used when another rank of the site failed)."""
+        self._core.cancel_round()

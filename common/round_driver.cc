@@ -1,0 +1,376 @@
+// The round driver (see round_driver.h): the end of a round, in the caller or in the
+// background, and the merge of the pulled state into the live weights.
+#include "common/round_driver.h"
+
+#include <pthread.h>
+
+#include <algorithm>
+#include <map>
+
+namespace isthmus {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+// The seconds of [a0, a1] that lie within [b0, b1].
+double Overlap(Clock::time_point a0, Clock::time_point a1, Clock::time_point b0,
+               Clock::time_point b1) {
+  const auto from = std::max(a0, b0), to = std::min(a1, b1);
+  return to > from ? Seconds(to - from) : 0.0;
+}
+
+std::string R(uint64_t round) { return "round " + std::to_string(round); }
+
+}  // namespace
+
+// --- HostLiveParams ---------------------------------------------------------------------
+
+HostLiveParams::HostLiveParams(std::vector<LiveTensor> live) : live_(std::move(live)) {
+  base_.resize(live_.size());
+  (void)Reset();
+}
+
+Status HostLiveParams::Reset() {
+  for (size_t t = 0; t < live_.size(); ++t) {
+    const auto n = static_cast<size_t>(NumElements(live_[t].shape));
+    base_[t].assign(live_[t].data, live_[t].data + n);
+  }
+  return Status::Ok();
+}
+
+Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {
+  std::vector<Tensor> out;
+  out.reserve(live_.size());
+  for (size_t t = 0; t < live_.size(); ++t) {
+    float* live = live_[t].data;
+    std::vector<float>& base = base_[t];
+    Tensor d{live_[t].name, live_[t].shape, std::vector<float>(base.size())};
+    for (size_t i = 0; i < base.size(); ++i) {
+      d.data[i] = live[i] - base[i];
+      live[i] = base[i] + d.data[i];  // what a shard that adds the delta to base holds
+      base[i] = live[i];
+    }
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+Status HostLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {
+  if (pulled == nullptr) return Status::InvalidArgument("no pulled state to merge");
+  std::map<std::string, const Tensor*> by_name;
+  for (const auto& t : *pulled) by_name[t.name] = &t;
+  std::vector<const Tensor*> src(live_.size());
+  for (size_t t = 0; t < live_.size(); ++t) {
+    auto it = by_name.find(live_[t].name);
+    if (it == by_name.end()) {
+      return Status::InvalidArgument("the pulled state has no tensor '" + live_[t].name + "'");
+    }
+    if (it->second->shape != live_[t].shape) {
+      return Status::InvalidArgument("the pulled tensor '" + live_[t].name +
+                                     "' has another shape than the live one");
+    }
+    src[t] = it->second;
+  }
+  for (size_t t = 0; t < live_.size(); ++t) {
+    float* live = live_[t].data;
+    std::vector<float>& base = base_[t];
+    const float* p = src[t]->data.data();
+    for (size_t i = 0; i < base.size(); ++i) {
+      // live + (P - base): the local progress since the base, on top of the new base.
+      live[i] = progressed ? live[i] + (p[i] - base[i]) : p[i];
+      base[i] = p[i];
+    }
+  }
+  return Status::Ok();
+}
+
+// --- RoundDriver ------------------------------------------------------------------------
+
+RoundDriver::RoundDriver(RoundShards& shards, LiveParams* params, RoundDriverOptions options)
+    : shards_(shards), params_(params), o_(std::move(options)) {
+  thread_ = std::thread([this] { Loop(); });
+}
+
+RoundDriver::~RoundDriver() {
+  {
+    std::lock_guard lk(mu_);
+    quit_ = true;
+    cancel_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void RoundDriver::Loop() {
+  pthread_setname_np(pthread_self(), "round-driver");
+  for (;;) {
+    RoundInFlight in;
+    {
+      std::unique_lock lk(mu_);
+      cv_.wait(lk, [this] { return quit_ || next_.has_value(); });
+      if (quit_) return;
+      in = std::move(*next_);
+      next_.reset();
+    }
+    RunRound(in);
+  }
+}
+
+void RoundDriver::RunRound(const RoundInFlight& in) {
+  Outcome out;
+  RoundReport& rep = out.report;
+  rep.round = in.round;
+  auto t = Clock::now();
+  std::vector<TensorView> views;
+  views.reserve(in.delta->size());
+  for (const auto& d : *in.delta) views.push_back({d.name, d.shape, d.data.data()});
+  if (o_.fault) o_.fault("pushing", in.round);
+  auto pushed = shards_.PushRound(in.round, in.tokens, in.compute_ms, views, o_.rank, o_.world);
+  rep.pushed_at = Clock::now();
+  rep.push_s = Seconds(rep.pushed_at - t);
+  if (!pushed.ok()) {
+    out.status = pushed.status();
+  } else {
+    rep.pushes = std::move(pushed).value();
+    rep.pushed = true;
+    for (const auto& p : rep.pushes) rep.staleness.limit = p.rounds.max_rounds_ahead;
+    if (o_.fault) o_.fault("pushed", in.round);
+    if (o_.pull) {
+      out.status = WaitForBound(in, rep);
+      if (out.status.ok()) {
+        {
+          std::lock_guard lk(mu_);
+          stage_ = Stage::kPulling;
+        }
+        cv_.notify_all();
+        t = Clock::now();
+        auto p = shards_.Pull();
+        rep.pull_s = Seconds(Clock::now() - t);
+        if (!p.ok()) {
+          out.status = p.status();
+        } else {
+          out.pulled = std::move(p).value();
+          if (o_.fault) o_.fault("pulled", in.round);
+        }
+      }
+    }
+  }
+  {
+    std::lock_guard lk(mu_);
+    outcome_ = std::move(out);
+    stage_ = Stage::kDone;
+  }
+  cv_.notify_all();
+}
+
+Status RoundDriver::WaitForBound(const RoundInFlight& in, RoundReport& rep) {
+  {
+    std::lock_guard lk(mu_);
+    stage_ = Stage::kWaiting;
+    push_s_ = rep.push_s;
+  }
+  cv_.notify_all();
+  rep.waited_from = Clock::now();
+  const auto deadline = rep.waited_from + o_.wait_timeout;
+  Status result;
+  for (;;) {
+    auto st = shards_.CheckStaleness();
+    if (!st.ok()) {
+      result = st.status();
+      break;
+    }
+    rep.staleness = *st;
+    const uint64_t k = st->limit;
+    // Without overlap the rank trains its next round once this one is within K. With
+    // overlap it trains the next round while this one is in flight, so this one must come
+    // within K - 1 (K = 0: the caller waits for the commit itself, AwaitBound).
+    const uint64_t target = o_.overlap && k > 0 ? k - 1 : k;
+    const bool everywhere = st->lowest_local_round >= in.round;
+    if ((everywhere && st->rounds_ahead <= target) || (o_.stopping && o_.stopping())) break;
+    std::string why =
+        !everywhere
+            ? "waiting for the other ranks' pushes of " + R(in.round) + " to reach every shard"
+            : "waiting for the WAN: " + std::to_string(st->rounds_ahead) +
+                  " rounds ahead of the last commit (limit " + std::to_string(k) +
+                  (o_.overlap && k > 0 ? ", counting the round being trained" : "") +
+                  ") on shard " + std::to_string(st->shard);
+    if (o_.wait_timeout.count() > 0 && Clock::now() + o_.poll > deadline) {
+      result = Status::Timeout(
+          R(in.round) + ": the WAN did not catch up in " +
+          std::to_string(
+              std::chrono::duration_cast<std::chrono::seconds>(o_.wait_timeout).count()) +
+          " s (" + why + ")");
+      break;
+    }
+    rep.waited = true;
+    std::unique_lock lk(mu_);
+    wait_reason_ = std::move(why);
+    if (cv_.wait_for(lk, o_.poll, [this] { return cancel_; })) {
+      result = Status::Unavailable(R(in.round) +
+                                   ": given up while waiting for the WAN (another rank of the "
+                                   "site failed, or the driver was closed)");
+      break;
+    }
+  }
+  rep.waited_to = Clock::now();
+  rep.wait_s = Seconds(rep.waited_to - rep.waited_from);
+  return result;
+}
+
+Status RoundDriver::Start(RoundInFlight in) {
+  if (inflight_) {
+    return Status::FailedPrecondition(R(in.round) + " cannot start: " + R(inflight_->round) +
+                                      " is still in flight");
+  }
+  if (!in.delta) return Status::InvalidArgument(R(in.round) + ": no delta");
+  inflight_ = in;
+  said_wait_ = false;
+  {
+    std::lock_guard lk(mu_);
+    next_ = std::move(in);
+    stage_ = Stage::kPushing;
+    outcome_ = Outcome{};
+    cancel_ = false;
+    wait_reason_.clear();
+  }
+  cv_.notify_all();
+  return Status::Ok();
+}
+
+RoundDriver::Stage RoundDriver::stage() const {
+  if (!inflight_) return Stage::kIdle;
+  std::lock_guard lk(mu_);
+  return stage_;
+}
+
+bool RoundDriver::Ready() const {
+  if (!inflight_) return false;
+  std::lock_guard lk(mu_);
+  return stage_ == Stage::kDone;
+}
+
+bool RoundDriver::Failed() const {
+  if (!inflight_) return false;
+  std::lock_guard lk(mu_);
+  return stage_ == Stage::kDone && !outcome_.status.ok();
+}
+
+void RoundDriver::Cancel() {
+  {
+    std::lock_guard lk(mu_);
+    cancel_ = true;
+  }
+  cv_.notify_all();
+}
+
+Status RoundDriver::Block(const std::function<bool()>& done_locked) {
+  // Checked on the caller's thread; reports a wait for the WAN once per round.
+  auto done = [&] {
+    std::string reason;
+    double push_s = 0;
+    bool ok;
+    {
+      std::lock_guard lk(mu_);
+      ok = done_locked();
+      if (!ok && stage_ == Stage::kWaiting && !said_wait_) {
+        reason = wait_reason_;
+        push_s = push_s_;
+      }
+    }
+    if (!reason.empty()) {
+      said_wait_ = true;
+      if (o_.on_wan_wait) o_.on_wan_wait(reason, push_s);
+    }
+    return ok;
+  };
+  if (o_.await) return o_.await(done);
+  while (!done()) {
+    std::unique_lock lk(mu_);
+    cv_.wait_for(lk, std::chrono::milliseconds(100), [&] { return done_locked(); });
+  }
+  return Status::Ok();
+}
+
+Result<double> RoundDriver::AwaitBound() {
+  if (!inflight_) return 0.0;
+  const auto t0 = Clock::now();
+  ISTHMUS_RETURN_IF_ERROR(
+      Block([this] { return stage_ == Stage::kPulling || stage_ == Stage::kDone; }));
+  return Seconds(Clock::now() - t0);
+}
+
+RoundDriver::Outcome RoundDriver::Wait() {
+  Outcome out;
+  if (!inflight_) return out;
+  const auto t0 = blocked_from_.value_or(Clock::now());
+  blocked_from_.reset();
+  Status blocked = Block([this] { return stage_ == Stage::kDone; });
+  if (!blocked.ok()) {
+    // The caller's own wait failed (e.g. a rank of the site gone): give the round up.
+    Cancel();
+  }
+  {
+    std::unique_lock lk(mu_);
+    cv_.wait(lk, [this] { return stage_ == Stage::kDone; });
+    out = std::move(outcome_);
+    outcome_ = Outcome{};
+    stage_ = Stage::kIdle;
+  }
+  const auto t1 = Clock::now();
+  out.report.blocked_s = Seconds(t1 - t0);
+  if (out.report.waited) {
+    out.report.blocked_wan_s = Overlap(t0, t1, out.report.waited_from, out.report.waited_to);
+  }
+  if (o_.follow_limit && (out.report.staleness.shard >= 0 || out.report.pushed)) {
+    limit_ = out.report.staleness.limit;
+  }
+  if (!blocked.ok() && out.status.ok()) out.status = blocked;
+  if (!out.status.ok() && !out.report.pushed) failed_ = inflight_;
+  inflight_.reset();
+  return out;
+}
+
+Result<RoundReport> RoundDriver::Complete() {
+  if (!inflight_) return RoundReport{};
+  Outcome out = Wait();
+  Status st = o_.agree ? o_.agree(out.status) : out.status;
+  if (!st.ok()) return st;
+  if (params_ != nullptr) {
+    ISTHMUS_RETURN_IF_ERROR(params_->Rebase(o_.pull ? &out.pulled : nullptr, progressed_));
+    out.report.merged = true;
+  }
+  return std::move(out.report);
+}
+
+Result<RoundReport> RoundDriver::EndRound(
+    uint64_t round, uint64_t tokens, uint64_t compute_ms,
+    const std::function<Status(const RoundInFlight&)>& before_push) {
+  if (params_ == nullptr) return Status::FailedPrecondition("EndRound needs LiveParams");
+  RoundReport report;
+  if (inflight_) {
+    ISTHMUS_ASSIGN_OR_RETURN(report, Complete());
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> delta, params_->TakeDelta());
+  progressed_ = false;
+  RoundInFlight in{round, tokens, compute_ms,
+                   std::make_shared<const std::vector<Tensor>>(std::move(delta))};
+  if (before_push) ISTHMUS_RETURN_IF_ERROR(before_push(in));
+  // Without overlap the caller is blocked from the hand-over on, before the driver's thread
+  // starts the push: the whole push, wait and pull lie within blocked_s.
+  if (!o_.overlap) blocked_from_ = Clock::now();
+  if (Status started = Start(std::move(in)); !started.ok()) {
+    blocked_from_.reset();
+    return started;
+  }
+  if (!o_.overlap) return Complete();
+  if (limit_ == 0) {
+    // K = 0: the round in flight must commit before the next one trains.
+    ISTHMUS_ASSIGN_OR_RETURN(double blocked, AwaitBound());
+    report.blocked_s += blocked;
+  }
+  return report;
+}
+
+}  // namespace isthmus

@@ -1,0 +1,441 @@
+// isthmus-worker --overlap (docs/SYNC.md, "The overlapped round") against real
+// isthmus-server processes on loopback with CURVE:
+//  - overlap on and off commit bit-identical state where they must: one site (a synced site
+//    without peers: rounds commit exactly), one, two and three ranks (three on two shards:
+//    a rank that pushes no shard still decides the K = 0 wait as the others do), and in
+//    full mode;
+//  - a worker SIGKILLed while its background push hangs on a frozen shard, and one that
+//    dies in the background right after pulling, restart and lose nothing and double
+//    nothing: every round applied once per shard, the committed state equal to the start
+//    plus every recorded delta (element by element), two sites' digests equal;
+//  - the staleness bound counts the round in flight: with K the worker trains round
+//    max(K, 1) + 1 at most while nothing commits, having pushed max(K, 1) rounds;
+//  - a background push refused by a shard stops the worker with exit 3, saying so in its
+//    log and its events, with the round kept in the checkpoint.
+// Deadlines are generous (scaled by testing::TimeScale() under sanitizers) and every wait
+// is a bounded poll of real state.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tests/worker/worker_harness.h"
+
+namespace isthmus {
+namespace {
+
+using testing::ServerProcess;
+using testing::TwoSites;
+using testing::WorkerProcess;
+using testing::WorkerWithShards;
+namespace fs = std::filesystem;
+
+// A synced site without peers: each shard commits a round as soon as its tensors are
+// pushed, exactly (dense, outer lr 1, no momentum), and K = 2 lets the push run behind the
+// next round.
+constexpr char kSoloSite[] =
+    "[sync]\nsite = \"solo\"\nouter_momentum = 0.0\nmax_rounds_ahead = 2\n";
+
+class Overlap : public WorkerWithShards {
+ protected:
+  void SetUp() override {
+    for (auto& s : shards_) s.set_extra(kSoloSite);
+    WorkerWithShards::SetUp();
+  }
+
+  // TrainArgs for job `job` with its own checkpoint folder.
+  std::vector<std::string> Args(const std::string& job, int rank, int world, int rounds, int h,
+                                const std::string& rdv, const std::vector<std::string>& extra) {
+    auto a = TrainArgs(rank, world, rounds, h, rdv, extra);
+    for (size_t i = 0; i + 1 < a.size(); ++i) {
+      if (a[i] == "--job") a[i + 1] = job;
+      if (a[i] == "--checkpoint-dir") a[i + 1] = (dir_ / ("ckpt-" + job)).string();
+    }
+    return a;
+  }
+
+  // Creates `job` on both shards from `tensors` (placed as isthmusctl places them).
+  void CreateJobNamed(const std::string& job, const std::vector<Tensor>& tensors,
+                      const std::string& base_hash) {
+    std::vector<TensorSize> sizes;
+    for (const auto& t : tensors) sizes.push_back({t.name, t.data.size() * 4});
+    auto placement = AssignTensorsToShards(sizes, 2);
+    for (int s = 0; s < 2; ++s) {
+      std::vector<TensorView> views;
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        if (placement[i] == s)
+          views.push_back({tensors[i].name, tensors[i].shape, tensors[i].data.data()});
+      }
+      auto r = shards_[s].AdminClient()->CreateJob(job, base_hash, views);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+    }
+  }
+
+  // Runs `world` ranks on `job` to `rounds` rounds; returns rank 0's log.
+  std::string RunSite(const std::string& job, int world, int rounds, int h,
+                      const std::vector<std::string>& extra) {
+    std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+    std::vector<WorkerProcess> ranks(world);
+    for (int r = 0; r < world; ++r) {
+      ranks[r].Start(Args(job, r, world, rounds, h, world > 1 ? rdv : "", extra),
+                     (dir_ / (job + "-r" + std::to_string(r) + ".log")).string());
+    }
+    for (auto& w : ranks) EXPECT_EQ(w.Wait(240 * testing::TimeScale()), 0) << w.Log();
+    return ranks[0].Log();
+  }
+
+  void ExpectOnOffAlike(int world, const std::vector<Tensor>& init, const std::string& off,
+                        const std::string& on, const std::vector<std::string>& extra);
+
+  std::map<std::string, std::vector<float>> Tensors(const std::string& job) {
+    std::map<std::string, std::vector<float>> out;
+    for (auto& s : shards_) {
+      auto p = s.WorkerClient()->Pull(job);
+      EXPECT_TRUE(p.ok()) << p.status().ToString();
+      if (p.ok()) {
+        for (auto& t : p->tensors) out[t.name] = t.data;
+      }
+    }
+    return out;
+  }
+
+  std::vector<std::pair<uint64_t, std::string>> DigestsOf(int shard, const std::string& job) {
+    auto d = shards_[shard].AdminClient()->Digests(job, 0);
+    EXPECT_TRUE(d.ok()) << d.status().ToString();
+    return d.ok() ? d->digests : std::vector<std::pair<uint64_t, std::string>>{};
+  }
+};
+
+// Where they must, overlap on and off give the same committed state: a site alone commits
+// each round exactly (the shards hold base + delta, which the worker's normalised live
+// weights equal bit for bit), so the pulled state never differs from the base and merging
+// it at a later step changes nothing. The trajectories, every committed round's digest and
+// the final tensors are then identical.
+class OverlapOnOff : public Overlap, public ::testing::WithParamInterface<int> {};
+
+// Runs jobs `off` and `on` (both created from `init`) with `world` ranks, without and with
+// --overlap, and expects the same committed state, digests and checkpoint.
+void Overlap::ExpectOnOffAlike(int world, const std::vector<Tensor>& init, const std::string& off,
+                               const std::string& on, const std::vector<std::string>& extra) {
+  constexpr int kRounds = 4, kH = 3;
+  auto with = [&](const char* flag) {
+    std::vector<std::string> a = extra;
+    a.push_back(flag);
+    return a;
+  };
+  RunSite(off, world, kRounds, kH, with("--no-overlap"));
+  const std::string log = RunSite(on, world, kRounds, kH, with("--overlap"));
+  // The overlapped run did merge pulled states into rounds already training.
+  EXPECT_NE(log.find("the pulled state merged after"), std::string::npos) << log;
+  auto off_t = Tensors(off), on_t = Tensors(on);
+  ASSERT_EQ(off_t.size(), init.size());
+  double moved = 0;
+  for (const auto& t : init) {
+    ASSERT_EQ(on_t[t.name], off_t[t.name]) << t.name << " differs between overlap on and off";
+    for (size_t k = 0; k < t.data.size(); ++k)
+      moved = std::max(moved, double(std::abs(off_t[t.name][k] - t.data[k])));
+  }
+  EXPECT_GT(moved, 1e-4) << "training did not move the tensors";
+  for (int s = 0; s < 2; ++s) {
+    auto a = DigestsOf(s, off), b = DigestsOf(s, on);
+    ASSERT_EQ(a.size(), kRounds + 1u);
+    EXPECT_EQ(a, b) << "shard " << s;
+    for (const std::string& job : {off, on}) {
+      auto info = shards_[s].AdminClient()->DescribeJob(job);
+      ASSERT_TRUE(info.ok());
+      EXPECT_EQ(info->pushes, static_cast<uint64_t>(kRounds)) << job;
+    }
+  }
+  // The overlapped run's checkpoint holds the shards' state, nothing in flight.
+  auto ckpt = ReadSafetensors((dir_ / ("ckpt-" + on) / "rank-0.safetensors").string());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  EXPECT_EQ(ckpt->metadata.count("unpushed_tokens"), 0u);
+  for (const auto& t : ckpt->tensors) {
+    if (t.name.rfind("opt.", 0) != 0) EXPECT_EQ(t.data, on_t[t.name]) << t.name;
+  }
+}
+
+TEST_P(OverlapOnOff, OneSiteCommitsTheSameStateBitForBit) {
+  CreateJobNamed("on", init_, base_hash_);
+  ExpectOnOffAlike(GetParam(), init_, "j", "on", {});
+}
+
+// The same in full mode (every tensor trains; the pre-training phase), one rank.
+TEST_F(Overlap, FullModeOneSiteCommitsTheSameStateBitForBit) {
+  // Every tensor of the model as the job's; the base (same seed) is the workers'.
+  const std::string hash = testing::RunInit(dir_, 1, "full", {"--mode", "full"});
+  ASSERT_EQ(hash, base_hash_);
+  auto init = ReadSafetensorsTensors((dir_ / "full.init.safetensors").string());
+  ASSERT_TRUE(init.ok()) << init.status().ToString();
+  ASSERT_GT(init->size(), init_.size());
+  CreateJobNamed("full-off", *init, hash);
+  CreateJobNamed("full-on", *init, hash);
+  ExpectOnOffAlike(1, *init, "full-off", "full-on", {"--mode", "full"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, OverlapOnOff, ::testing::Values(1, 2, 3));
+
+// The committed tensors must be the start plus every round's delta once (a synced site
+// alone adds each round's delta exactly): `deltas` holds round-R.safetensors as the worker
+// recorded them before pushing.
+void ExpectStartPlusEveryDeltaOnce(const std::vector<Tensor>& start,
+                                   const std::map<std::string, std::vector<float>>& shards,
+                                   const fs::path& deltas, int rounds) {
+  std::map<std::string, std::vector<float>> want;
+  for (const auto& t : start) want[t.name] = t.data;
+  for (int r = 1; r <= rounds; ++r) {
+    auto d =
+        ReadSafetensorsTensors((deltas / ("round-" + std::to_string(r) + ".safetensors")).string());
+    ASSERT_TRUE(d.ok()) << "round " << r << ": " << d.status().ToString();
+    for (const auto& t : *d) {
+      auto& w = want[t.name];
+      ASSERT_EQ(w.size(), t.data.size()) << t.name;
+      for (size_t k = 0; k < w.size(); ++k) w[k] = w[k] + t.data[k];
+    }
+  }
+  for (const auto& [name, w] : want) {
+    auto it = shards.find(name);
+    ASSERT_NE(it, shards.end()) << name;
+    ASSERT_EQ(it->second, w) << name << ": not the start plus each round's delta once";
+  }
+}
+
+// SIGKILL of a site's workers during a background push that reached only some shards: of
+// two ranks, rank 0 pushed round 3 to shard 0 and rank 1's push to shard 1 hangs (a fault
+// hook makes its background push wait for ever). Both are SIGKILLed there. Every rank's
+// checkpoint holds round 3 with its delta (written before the push); the restart pushes it
+// again with the same keys (shard 0 answers duplicate, shard 1 applies it) and goes on.
+// Every shard applied every round once, and the committed tensors are the start plus each
+// recorded delta once. Restarted with one rank and with two.
+class OverlapKill : public Overlap, public ::testing::WithParamInterface<int> {};
+
+TEST_P(OverlapKill, SigkillDuringABackgroundPushLosesNothingAndDoublesNothing) {
+  const int restart_world = GetParam();
+  const fs::path deltas = dir_ / "deltas";
+  fs::create_directories(deltas);
+  std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  WorkerProcess r0, r1;
+  r0.env = {{"ISTHMUS_WORKER_RECORD_DELTAS", deltas.string()}};
+  r1.env = {{"ISTHMUS_WORKER_FAULT_HANG_BEFORE_PUSH", "3"}};
+  r0.Start(TrainArgs(0, 2, 100000, 2, rdv, {"--overlap"}), (dir_ / "a-r0.log").string());
+  r1.Start(TrainArgs(1, 2, 100000, 2, rdv, {"--overlap"}), (dir_ / "a-r1.log").string());
+  auto round_of = [&](int s) -> uint64_t {
+    auto h = shards_[s].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
+    EXPECT_TRUE(h.ok()) << h.status().ToString();
+    return h.ok() ? h->rounds.local_round : 0;
+  };
+  bool split = false;
+  for (int i = 0; i < 1200 * testing::TimeScale() && !split; ++i) {
+    split = round_of(0) == 3 && r1.Log().find("push of round 3 hangs") != std::string::npos;
+    if (!split) ::usleep(50'000);
+  }
+  ASSERT_TRUE(split) << r0.Log() << r1.Log();
+  r0.Kill();
+  r1.Kill();
+  EXPECT_EQ(round_of(0), 3u);
+  EXPECT_EQ(round_of(1), 2u);
+  for (int r = 0; r < 2; ++r) {
+    auto c =
+        ReadSafetensors((dir_ / "ckpt" / ("rank-" + std::to_string(r) + ".safetensors")).string());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->metadata["round"], "3") << "rank " << r;
+    EXPECT_EQ(c->metadata.count("unpushed_tokens"), 1u) << "rank " << r;
+  }
+  constexpr int kTotal = 6;
+  std::string rdv2 = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  std::vector<WorkerProcess> again(restart_world);
+  for (int r = 0; r < restart_world; ++r) {
+    again[r].env = {{"ISTHMUS_WORKER_RECORD_DELTAS", deltas.string()}};
+    again[r].Start(
+        TrainArgs(r, restart_world, kTotal, 2, restart_world > 1 ? rdv2 : "", {"--overlap"}),
+        (dir_ / ("b-r" + std::to_string(r) + ".log")).string());
+  }
+  for (auto& w : again) ASSERT_EQ(w.Wait(240 * testing::TimeScale()), 0) << w.Log();
+  EXPECT_NE(again[0].Log().find("pushing it from the checkpoint"), std::string::npos)
+      << again[0].Log();
+  EXPECT_NE(again[0].Log().find("shard 0 already had round 3"), std::string::npos)
+      << again[0].Log();
+  ExpectShardsEqualCheckpoint(0, kTotal);
+  ExpectStartPlusEveryDeltaOnce(init_, ShardTensors(), deltas, kTotal);
+}
+
+INSTANTIATE_TEST_SUITE_P(RestartRanks, OverlapKill, ::testing::Values(1, 2));
+
+// Two sites; site alpha's worker dies in the background right after pulling round 3's
+// merged state (before merging it) while it trains round 4. Restarted, it pushes round 3
+// again (duplicate), pulls and trains on; both sites commit every round with identical
+// digests, and the committed state is the start plus, per round, the token-weighted merge of
+// both sites' recorded deltas (dense codec, outer lr 1, no momentum: the engine's own
+// arithmetic, in site-name order).
+TEST(OverlapTwoSites, SigkillDuringABackgroundPullLosesNothingAndDoublesNothing) {
+  constexpr int kRounds = 6, kH = 2;
+  TwoSites sites("overlap-pull");
+  ASSERT_TRUE(sites.Start(2, "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0"));
+  const fs::path da = sites.root() / "deltas-alpha", db = sites.root() / "deltas-beta";
+  fs::create_directories(da);
+  fs::create_directories(db);
+  sites.StartOn(0, kRounds, kH, {"--overlap"},
+                {{"ISTHMUS_WORKER_RECORD_DELTAS", da.string()},
+                 {"ISTHMUS_WORKER_FAULT_CRASH_AFTER_PULL", "3"}});
+  sites.StartOn(1, kRounds, kH, {"--overlap"}, {{"ISTHMUS_WORKER_RECORD_DELTAS", db.string()}});
+  ASSERT_EQ(sites.WaitOn(0), 137) << sites.worker(0).Log();
+  EXPECT_NE(sites.worker(0).Log().find("after pulling round 3"), std::string::npos)
+      << sites.worker(0).Log();
+  sites.StartOn(0, kRounds, kH, {"--overlap"}, {{"ISTHMUS_WORKER_RECORD_DELTAS", da.string()}});
+  ASSERT_EQ(sites.WaitOn(0), 0) << sites.worker(0).Log();
+  ASSERT_EQ(sites.WaitOn(1), 0) << sites.worker(1).Log();
+  EXPECT_NE(sites.worker(0).Log().find("pushing it from the checkpoint"), std::string::npos)
+      << sites.worker(0).Log();
+  sites.ExpectCommittedAlike(kRounds);
+
+  auto init = ReadSafetensorsTensors((sites.root() / "base.init.safetensors").string());
+  ASSERT_TRUE(init.ok());
+  std::map<std::string, std::vector<float>> want;
+  for (const auto& t : *init) want[t.name] = t.data;
+  for (int r = 1; r <= kRounds; ++r) {
+    const std::string f = "round-" + std::to_string(r) + ".safetensors";
+    auto a = ReadSafetensors((da / f).string()), b = ReadSafetensors((db / f).string());
+    ASSERT_TRUE(a.ok() && b.ok()) << "round " << r;
+    // Equal tokens: each site's weight is 0.5.
+    ASSERT_EQ(a->metadata["tokens"], b->metadata["tokens"]);
+    std::map<std::string, const Tensor*> bt;
+    for (const auto& t : b->tensors) bt[t.name] = &t;
+    for (const auto& t : a->tensors) {
+      auto& w = want[t.name];
+      const auto& u = bt.at(t.name)->data;
+      for (size_t k = 0; k < w.size(); ++k) {
+        float merged = 0.0f;
+        const float wa = 0.5f * t.data[k];
+        merged = merged + wa;
+        const float wb = 0.5f * u[k];
+        merged = merged + wb;
+        w[k] = w[k] + merged;
+      }
+    }
+  }
+  auto pulled = sites.site(0).WorkerClient()->Pull("j");
+  ASSERT_TRUE(pulled.ok()) << pulled.status().ToString();
+  EXPECT_EQ(pulled->rounds.committed_round, static_cast<uint64_t>(kRounds));
+  for (const auto& t : pulled->tensors) {
+    ASSERT_EQ(t.data, want[t.name]) << t.name << ": not the start plus each round once";
+  }
+}
+
+// Bounded staleness under overlap: a site whose only peer never answers commits nothing.
+// Counting the round in flight, the worker is at most K rounds ahead of the last commit
+// while it trains: it pushes max(K, 1) rounds, trains one more (K >= 1; K = 0 waits for the
+// commit before training on) and then waits, saying so, and keeps asking the shard.
+class OverlapWanWait : public ::testing::TestWithParam<int> {};
+
+TEST_P(OverlapWanWait, TheBoundCountsTheRoundInFlight) {
+  const int k = GetParam();
+  fs::path dir = fs::temp_directory_path() /
+                 ("isthmus-owan-" + std::to_string(::getpid()) + "-" + std::to_string(k));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  testing::WriteTokens(dir / "data" / "train.bin", 20000, 1);
+  testing::WriteTokens(dir / "data" / "val.bin", 2000, 2);
+  ServerProcess shard;
+  ASSERT_TRUE(testing::StartSiteWithSilentPeer(shard, dir, k));
+  const std::string base_hash = testing::CreateJobFromInit(shard, dir);
+  WorkerProcess w;
+  w.Start(testing::SingleShardTrainArgs(
+              shard, dir, {"--max-rounds", "8", "--steps-per-round", "2", "--overlap"}),
+          (dir / "w.log").string());
+  bool waiting = false;
+  for (int i = 0; i < 1200 * testing::TimeScale() && !waiting; ++i) {
+    waiting = w.Log().find("waiting for the WAN") != std::string::npos;
+    if (!waiting) ::usleep(50'000);
+  }
+  ASSERT_TRUE(waiting) << w.Log();
+  // It keeps asking the shard and pushes nothing more.
+  auto admin = shard.AdminClient();
+  auto first = admin->Stats();
+  ASSERT_TRUE(first.ok());
+  uint64_t calls = 1, others = 0;
+  for (int i = 0; i < 400 * testing::TimeScale() && others < 10; ++i) {
+    ::usleep(20'000);
+    auto st = admin->Stats();
+    ASSERT_TRUE(st.ok());
+    ++calls;
+    others = st->requests - first->requests - (calls - 1);
+  }
+  ASSERT_GE(others, 10u) << "the waiting worker stopped asking the shard";
+  auto hello = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash, "probe");
+  ASSERT_TRUE(hello.ok());
+  const uint64_t pushed = static_cast<uint64_t>(std::max(k, 1));
+  EXPECT_EQ(hello->rounds.committed_round, 0u);
+  EXPECT_EQ(hello->rounds.local_round, pushed);
+  // Trained: the pushed rounds, plus the round in training for K >= 1.
+  const int trained = 2 * static_cast<int>(pushed) + (k >= 1 ? 2 : 0);
+  const std::string log = w.Log();
+  EXPECT_NE(log.find("step " + std::to_string(trained) + "/"), std::string::npos) << log;
+  EXPECT_EQ(log.find("step " + std::to_string(trained + 1) + "/"), std::string::npos) << log;
+  EXPECT_NE(log.find("limit " + std::to_string(k)), std::string::npos) << log;
+  int status = 0;
+  EXPECT_EQ(::waitpid(w.pid, &status, WNOHANG), 0) << "the worker should still be waiting";
+  w.Kill();
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(K, OverlapWanWait, ::testing::Values(0, 1, 2));
+
+// A background push refused by a shard is not dropped: here the site is leaving the job
+// (isthmusctl sync leave), so its shard refuses new rounds. The worker stops with exit 3
+// (a shard refused it), its log says which round and why, its events file records the
+// failure, and the round stays in its checkpoint for the next start.
+TEST(OverlapRefusal, ARefusedBackgroundPushStopsTheWorkerSayingSo) {
+  fs::path dir = fs::temp_directory_path() / ("isthmus-orefused-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  testing::WriteTokens(dir / "data" / "train.bin", 20000, 1);
+  testing::WriteTokens(dir / "data" / "val.bin", 2000, 2);
+  ServerProcess shard;
+  ASSERT_TRUE(testing::StartSiteWithSilentPeer(shard, dir, 256));
+  const std::string base_hash = testing::CreateJobFromInit(shard, dir);
+  WorkerProcess w;
+  const fs::path events = dir / "events.jsonl";
+  w.Start(testing::SingleShardTrainArgs(
+              shard, dir,
+              {"--max-rounds", "100000", "--steps-per-round", "2", "--overlap", "--events",
+               events.string(), "--checkpoint-dir", (dir / "ckpt").string()}),
+          (dir / "w.log").string());
+  bool pushed = false;
+  for (int i = 0; i < 600 * testing::TimeScale() && !pushed; ++i) {
+    auto h = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash, "probe");
+    pushed = h.ok() && h->rounds.local_round >= 2;
+    if (!pushed) ::usleep(50'000);
+  }
+  ASSERT_TRUE(pushed) << w.Log();
+  auto left = shard.AdminClient()->MembershipControl(wire::MembershipAction::Leave, "", "j");
+  ASSERT_TRUE(left.ok()) << left.status().ToString();
+  const int rc = w.Wait(120 * testing::TimeScale());
+  EXPECT_EQ(rc, 3) << w.Log();
+  const std::string log = w.Log();
+  EXPECT_NE(log.find("did not complete"), std::string::npos) << log;
+  EXPECT_NE(log.find("is leaving job"), std::string::npos) << log;
+  EXPECT_NE(log.find("kept in the checkpoint"), std::string::npos) << log;
+  std::ifstream in(events);
+  std::string line, failure;
+  while (std::getline(in, line)) {
+    if (line.find("\"round_failure\"") != std::string::npos) failure = line;
+  }
+  EXPECT_NE(failure.find("is leaving job"), std::string::npos) << failure;
+  auto ckpt = ReadSafetensors((dir / "ckpt" / "rank-0.safetensors").string());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  EXPECT_EQ(ckpt->metadata.count("unpushed_tokens"), 1u);
+  auto hello = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash, "probe");
+  ASSERT_TRUE(hello.ok());
+  // The refused round is the one after the last the shard took; the checkpoint holds it.
+  EXPECT_EQ(ckpt->metadata["round"], std::to_string(hello->rounds.local_round + 1));
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace isthmus
