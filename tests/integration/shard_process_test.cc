@@ -427,6 +427,7 @@ TEST(ShardProcessCrash, SigkillDuringPushesLosesNothingAcknowledged) {
     std::atomic<bool> stop{false};
     std::atomic<int> acked{0};
     std::atomic<int> in_flight{-1};
+    std::atomic<bool> pusher_done{false};
     std::thread pusher([&] {
       auto w = server.WorkerClient(1000, 0);
       while (!stop) {
@@ -438,7 +439,16 @@ TEST(ShardProcessCrash, SigkillDuringPushesLosesNothingAcknowledged) {
         in_flight = -1;
         ++acked;
       }
+      pusher_done = true;
     });
+    // The kill falls at a random moment of a running stream: after the first push is
+    // acknowledged (a sanitized client's first CURVE handshake can take longer than the
+    // random delay alone) and while later ones go on.
+    const auto first_deadline =
+        std::chrono::steady_clock::now() + std::chrono::seconds(10 * isthmus::testing::TimeScale());
+    while (acked == 0 && !pusher_done && std::chrono::steady_clock::now() < first_deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
     std::this_thread::sleep_for(std::chrono::milliseconds(150 + rng() % 400));
     int status = server.Kill(SIGKILL);
     EXPECT_TRUE(WIFSIGNALED(status));

@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 
+#include "tests/loopback.h"
 #include "tests/metrics/hostile.h"
 #include "tests/metrics/scrape.h"
 #include "tests/worker/worker_harness.h"
@@ -184,7 +185,7 @@ TEST(ShardMetrics, HostileHttpClientsCostNeitherMemoryNorScrapesNorPushes) {
       << *text;
   EXPECT_LT(scrape_s, 5.0);
   EXPECT_LT(push_s, 5.0) << "5 pushes and a pull took " << push_s << " s";
-  EXPECT_LT(rss_end - rss_before, 16 * 1024)
+  EXPECT_LT(rss_end - rss_before, 16 * 1024 * isthmus::testing::MemoryScale())
       << "the shard went from " << rss_before << " to " << rss_end << " KiB";
   std::printf(
       "shard VmRSS %ld KiB before, %ld after a 256 MiB POST (%llu body bytes sent before the "
