@@ -18,11 +18,9 @@ namespace isthmus::testing {
 // several times slower, and more so with tests running side by side on few cores. 4 under
 // ThreadSanitizer, 2 under AddressSanitizer, 1 otherwise; ISTHMUS_TEST_TIME_SCALE (a
 // positive integer) overrides it.
-inline int TimeScale() {
-  if (const char* env = std::getenv("ISTHMUS_TEST_TIME_SCALE")) {
-    const int v = std::atoi(env);
-    if (v > 0) return v;
-  }
+// 4 under ThreadSanitizer, 2 under AddressSanitizer, 1 otherwise: how much a sanitized
+// build multiplies time and memory (TimeScale, MemoryScale).
+inline int SanitizerFactor() {
 #if defined(__SANITIZE_THREAD__)
   return 4;
 #elif defined(__SANITIZE_ADDRESS__)
@@ -32,20 +30,19 @@ inline int TimeScale() {
 #endif
 }
 
+inline int TimeScale() {
+  if (const char* env = std::getenv("ISTHMUS_TEST_TIME_SCALE")) {
+    const int v = std::atoi(env);
+    if (v > 0) return v;
+  }
+  return SanitizerFactor();
+}
+
 // How much more memory than in a plain build a test should allow a process to grow by: the
 // sanitizers' shadow memory and redzones grow with what a process allocates (a bound on
 // resident memory set for a plain build was passed by 22 MB against 16 MB under
-// ThreadSanitizer with 500 connections open). 4 under ThreadSanitizer, 2 under
-// AddressSanitizer, 1 otherwise.
-inline int MemoryScale() {
-#if defined(__SANITIZE_THREAD__)
-  return 4;
-#elif defined(__SANITIZE_ADDRESS__)
-  return 2;
-#else
-  return 1;
-#endif
-}
+// ThreadSanitizer with 500 connections open).
+inline int MemoryScale() { return SanitizerFactor(); }
 
 // The part of [1024, 65535] outside the kernel's ephemeral port range
 // (net.ipv4.ip_local_port_range) where test ports are picked: the larger of the two gaps
@@ -62,14 +59,19 @@ inline void TestPortRange(int* lo, int* hi) {
 }
 
 // True if a TCP socket can bind `port` on 127.0.0.1 now.
-inline bool CanBindLoopback(int port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return false;
+// Binds TCP socket `fd` to `port` on 127.0.0.1; true on success.
+inline bool BindLoopback(int fd, int port) {
   sockaddr_in a{};
   a.sin_family = AF_INET;
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   a.sin_port = htons(static_cast<uint16_t>(port));
-  const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+  return ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
+}
+
+inline bool CanBindLoopback(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  const bool bound = BindLoopback(fd, port);
   ::close(fd);
   return bound;
 }
@@ -116,11 +118,7 @@ class HeldPort {
   HeldPort() : fd_(::socket(AF_INET, SOCK_STREAM, 0)) {
     for (int i = 0; i < 20 && fd_ >= 0 && port_ < 0; ++i) {
       const int p = FreePort();
-      sockaddr_in a{};
-      a.sin_family = AF_INET;
-      a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-      a.sin_port = htons(static_cast<uint16_t>(p));
-      if (p > 0 && ::bind(fd_, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) port_ = p;
+      if (p > 0 && BindLoopback(fd_, p)) port_ = p;
     }
   }
   ~HeldPort() {

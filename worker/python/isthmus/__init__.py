@@ -102,6 +102,20 @@ def _as_float32_buffer(name, value):
     return value
 
 
+def _round_args(round, deltas, tokens, compute_ms, rank, world):
+    """push_round's and start_round's arguments checked and converted, in the core's order
+    (round, deltas, tokens, compute_ms, rank, world); ValueError before anything is sent."""
+    round = _count("round", round, 1, "rounds count from 1: push the round after the "
+                   "shards' local_round (site.hello()[i]['local_round'])")
+    tokens = _count("tokens", tokens)
+    compute_ms = _count("compute_ms", compute_ms)
+    world = _count("world", world, 1)
+    rank = _count("rank", rank)
+    if rank >= world:
+        raise ValueError(f"rank must be below world ({world}), got {rank}")
+    converted = {str(n): _as_float32_buffer(n, v) for n, v in deltas.items()}
+    return round, converted, tokens, compute_ms, rank, world
+
 class Site:
     """The shards of one site, seen as one (C++: isthmus::SiteClient).
 
@@ -168,16 +182,8 @@ class Site:
         the shard had this round already and applied nothing twice.
         Raises ValueError for a round below 1, negative tokens or compute_ms, or a rank
         outside 0..world-1 (TypeError for non-integers), before anything is sent."""
-        round = _count("round", round, 1, "rounds count from 1: push the round after the "
-                       "shards' local_round (site.hello()[i]['local_round'])")
-        tokens = _count("tokens", tokens)
-        compute_ms = _count("compute_ms", compute_ms)
-        world = _count("world", world, 1)
-        rank = _count("rank", rank)
-        if rank >= world:
-            raise ValueError(f"rank must be below world ({world}), got {rank}")
-        converted = {str(n): _as_float32_buffer(n, v) for n, v in deltas.items()}
-        return self._core.push_round(round, converted, tokens, compute_ms, rank, world)
+        return self._core.push_round(*_round_args(round, deltas, tokens, compute_ms, rank,
+                                                  world))
 
     def check_staleness(self):
         """The rounds of every shard: too_far_ahead, shard, rounds_ahead, limit, reason."""
@@ -217,16 +223,8 @@ class Site:
         wait_timeout_s > 0 fails the round (ShardError "Timeout") when the wait takes
         longer. Until wait_round() returns, the other calls on this Site raise
         RuntimeError (the site client belongs to that thread)."""
-        round = _count("round", round, 1)
-        tokens = _count("tokens", tokens)
-        compute_ms = _count("compute_ms", compute_ms)
-        world = _count("world", world, 1)
-        rank = _count("rank", rank)
-        if rank >= world:
-            raise ValueError(f"rank must be below world ({world}), got {rank}")
-        converted = {str(n): _as_float32_buffer(n, v) for n, v in deltas.items()}
-        self._core.start_round(round, converted, tokens, compute_ms, rank, world, bool(pull),
-                               bool(overlap), float(wait_timeout_s), float(poll_s))
+        self._core.start_round(*_round_args(round, deltas, tokens, compute_ms, rank, world),
+                               bool(pull), bool(overlap), float(wait_timeout_s), float(poll_s))
 
     def round_state(self):
         """Where the round started with start_round is: "idle" (none), "pushing",
