@@ -1,7 +1,9 @@
 // Loopback helpers shared by the tests that open real sockets.
 #pragma once
 
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <sys/file.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -9,15 +11,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
+#include <system_error>
+#include <vector>
 
 namespace isthmus::testing {
 
-// How much longer than in a plain build a test should wait for something that takes
-// wall-clock time (a commit across processes, a silence detector): sanitized builds run
-// several times slower, and more so with tests running side by side on few cores. 4 under
-// ThreadSanitizer, 2 under AddressSanitizer, 1 otherwise; ISTHMUS_TEST_TIME_SCALE (a
-// positive integer) overrides it.
 // 4 under ThreadSanitizer, 2 under AddressSanitizer, 1 otherwise: how much a sanitized
 // build multiplies time and memory (TimeScale, MemoryScale).
 inline int SanitizerFactor() {
@@ -30,6 +30,10 @@ inline int SanitizerFactor() {
 #endif
 }
 
+// How much longer than in a plain build a test should wait for something that takes
+// wall-clock time (a commit across processes, a silence detector): sanitized builds run
+// several times slower, and more so with tests running side by side on few cores.
+// SanitizerFactor(), unless ISTHMUS_TEST_TIME_SCALE (a positive integer) overrides it.
 inline int TimeScale() {
   if (const char* env = std::getenv("ISTHMUS_TEST_TIME_SCALE")) {
     const int v = std::atoi(env);
@@ -58,7 +62,6 @@ inline void TestPortRange(int* lo, int* hi) {
   if (*hi <= *lo) *lo = 1024, *hi = 65535;
 }
 
-// True if a TCP socket can bind `port` on 127.0.0.1 now.
 // Binds TCP socket `fd` to `port` on 127.0.0.1; true on success.
 inline bool BindLoopback(int fd, int port) {
   sockaddr_in a{};
@@ -68,12 +71,52 @@ inline bool BindLoopback(int fd, int port) {
   return ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0;
 }
 
+// True if a TCP socket can bind `port` on 127.0.0.1 now.
 inline bool CanBindLoopback(int port) {
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return false;
   const bool bound = BindLoopback(fd, port);
   ::close(fd);
   return bound;
+}
+
+// Claims ports `base` .. `base + count - 1` for the rest of this process's life among the
+// processes that pick test ports here (C++ tests and tests/python through
+// deploy/free_port.py), all or none; false if another live process holds one of them. A
+// port that one test found free but has not bound yet (its server is still starting) is
+// free to a bind() probe in every other test: under ctest -j a second test picked the same
+// admin port, and the first test's client met the second's server. A claim is an
+// exclusive flock(2) on a file named after the port in a folder of the temp dir; the file
+// stays open until the process exits, when the kernel drops the lock, so a crashed test
+// leaves no claim behind. Where that folder cannot be used, claims always succeed and the
+// bind() probe alone decides.
+inline bool ClaimPorts(int base, int count) {
+  static const std::string dir = [] {
+    std::error_code ec;
+    const auto d = std::filesystem::temp_directory_path(ec) / "isthmus-test-ports";
+    std::filesystem::create_directories(d, ec);
+    // Every user's tests share the folder (a test run as root may drop to another user).
+    std::filesystem::permissions(
+        d, std::filesystem::perms::all | std::filesystem::perms::sticky_bit, ec);
+    return d.string();
+  }();
+  std::vector<int> fds;
+  bool all = true;
+  for (int k = 0; k < count && all; ++k) {
+    const std::string path = dir + "/" + std::to_string(base + k);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CREAT | O_CLOEXEC, 0666);
+    if (fd < 0) continue;  // no usable folder: the bind() probe decides
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(fd);
+      all = false;
+    } else {
+      fds.push_back(fd);
+    }
+  }
+  if (!all) {
+    for (int fd : fds) ::close(fd);  // closing drops the lock
+  }
+  return all;  // on success the descriptors stay open, holding the claim
 }
 
 // The first of `count` consecutive TCP ports nobody listens on right now on 127.0.0.1,
@@ -93,7 +136,7 @@ inline int FreePortRange(int count) {
     const int base = lo + static_cast<int>((seed + static_cast<unsigned>(i) * 7919u) % span);
     bool all = true;
     for (int k = 0; k < count && all; ++k) all = CanBindLoopback(base + k);
-    if (all) return base;
+    if (all && ClaimPorts(base, count)) return base;
   }
   return -1;
 }
@@ -103,8 +146,8 @@ inline int FreePortRange(int count) {
 // binding port 0 gives) can be taken at any moment as the source port of some outgoing
 // connection, and tests bind their ports later, often again after a restart: CI saw
 // "Address already in use" for a site's peer port that way. Ports are tried from a
-// random start and probed with bind(); two tests could still pick the same port in the
-// same instant, which the spread over ~20,000 ports makes unlikely.
+// random start, probed with bind() and claimed for this process (ClaimPorts), so no other
+// test picks it while this one has not bound it yet, and this one does not pick it twice.
 // Returns -1 if no port could be bound.
 inline int FreePort() { return FreePortRange(1); }
 

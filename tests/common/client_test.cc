@@ -5,6 +5,9 @@
 #include "common/client.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -80,6 +83,33 @@ class FakeShard {
   int port_;
   const KeyPair* keys_;
 };
+
+// A port one test process picked stays its own until it exits, bound or not: neither
+// another process nor the same one picks it again (CI saw two tests start servers on one
+// admin port picked by both before either had bound it).
+TEST(TestPorts, APickedPortIsClaimedUntilItsProcessExits) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {  // picks a port, reports it, and holds it until the pipe closes
+    ::close(fds[0]);
+    const int p = FreePort();
+    if (::write(fds[1], &p, sizeof p) != static_cast<ssize_t>(sizeof p)) _exit(1);
+    ::pause();
+    _exit(0);
+  }
+  ::close(fds[1]);
+  int port = -1;
+  ASSERT_EQ(::read(fds[0], &port, sizeof port), static_cast<ssize_t>(sizeof port));
+  ::close(fds[0]);
+  ASSERT_GT(port, 0);
+  EXPECT_TRUE(isthmus::testing::CanBindLoopback(port)) << "nobody has bound it yet";
+  EXPECT_FALSE(isthmus::testing::ClaimPorts(port, 1)) << "another live process picked it";
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  EXPECT_TRUE(isthmus::testing::ClaimPorts(port, 1)) << "its process is gone";
+  EXPECT_FALSE(isthmus::testing::ClaimPorts(port, 1)) << "this process holds it now";
+}
 
 // Nothing listens: the defaults give up after connect_timeout_ms per attempt (5 s), not
 // after timeout_ms (30 s) per attempt as before, and say what to check.

@@ -48,7 +48,8 @@ class ServerProcess {
     if (owns_dir_) std::filesystem::remove_all(dir_);
   }
 
-  // Starts the binary and waits (up to 20 s) until the admin socket answers Stats.
+  // Starts the binary and waits (up to 30 s times TimeScale()) until the admin socket
+  // answers Stats.
   ::testing::AssertionResult Start() {
     log_path_ = (dir_ / ("server-" + std::to_string(starts_++) + ".log")).string();
     pid_ = ::fork();
@@ -65,17 +66,26 @@ class ServerProcess {
       ::execl(bin, bin, cfg.c_str(), static_cast<char*>(nullptr));
       _exit(127);
     }
+    // Waits by the clock, not by a count of calls: a call can fail at once (a refused
+    // handshake) as well as after its 300 ms timeout.
+    const int wait_s = 30 * TimeScale();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(wait_s);
     auto admin = AdminClient(300, 0);
-    for (int i = 0; i < 100; ++i) {
-      if (auto st = admin->Stats(); st.ok()) return ::testing::AssertionSuccess();
+    std::string last_error;
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto st = admin->Stats();
+      if (st.ok()) return ::testing::AssertionSuccess();
+      last_error = st.status().ToString();
       int status = 0;
       if (::waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
         last_exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
         return ::testing::AssertionFailure() << label_ << " exited at start: " << Log();
       }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    return ::testing::AssertionFailure() << label_ << " did not answer within 30 s: " << Log();
+    return ::testing::AssertionFailure() << label_ << " did not answer within " << wait_s
+                                         << " s (last call: " << last_error << "): " << Log();
   }
 
   // Sends `sig` and waits for the process; returns its exit status (as waitpid's).

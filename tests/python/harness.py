@@ -14,11 +14,12 @@ import unittest
 
 import isthmus
 
-# free_port(): a loopback port outside the kernel's ephemeral range (deploy/free_port.py
-# says why that range is avoided).
+# free_port(), free_port_range(n): loopback ports outside the kernel's ephemeral range,
+# claimed for this process so that tests running side by side never share one
+# (deploy/free_port.py says why).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
                                 "deploy"))
-from free_port import free_port  # noqa: E402
+from free_port import free_port, free_port_range  # noqa: E402
 
 
 def shard_key(root, site, i):

@@ -8,7 +8,6 @@ import inspect
 import os
 import re
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -46,25 +45,6 @@ def site_a(doc):
     blocks = [b.split("```", 1)[0] for b in doc.split("```python\n")[1:]]
     [script] = [b for b in blocks if b.startswith("# site_a.py")]
     return script
-
-
-def free_run(count):
-    """The first of `count` consecutive loopback ports that are free now."""
-    for _ in range(200):
-        base = harness.free_port()
-        if base + count > 65535:
-            continue
-        ok = True
-        for port in range(base + 1, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError(f"no run of {count} free ports")
 
 
 def public(names):
@@ -107,7 +87,8 @@ class ExampleTest(unittest.TestCase):
                 f.write(site_a(doc))
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
             env.update(SITE_A=os.path.join(tmp, "site_a.py"), B=build, TMPDIR=tmp,
-                       PA=str(free_run(3)), PB=str(free_run(3)),
+                       PA=str(harness.free_port_range(3)),
+                       PB=str(harness.free_port_range(3)),
                        MASTER_PORT=str(harness.free_port()))
             before = sorted(os.listdir(REPO))
             t0 = time.monotonic()

@@ -187,7 +187,9 @@ TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
     for (size_t i = 0; i < want.size(); ++i) EXPECT_FLOAT_EQ(t.data[i], want[i]) << t.name << i;
     // The synthetic site merged the last round: its weights are the committed state.
     for (const auto& l : site->live()) {
-      if (l.name == t.name) EXPECT_EQ(l.data, t.data) << t.name;
+      if (l.name == t.name) {
+        EXPECT_EQ(l.data, t.data) << t.name;
+      }
     }
   }
 }

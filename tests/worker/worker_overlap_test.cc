@@ -157,7 +157,9 @@ void Overlap::ExpectOnOffAlike(int world, const std::vector<Tensor>& init, const
   ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
   EXPECT_EQ(ckpt->metadata.count("unpushed_tokens"), 0u);
   for (const auto& t : ckpt->tensors) {
-    if (t.name.rfind("opt.", 0) != 0) EXPECT_EQ(t.data, on_t[t.name]) << t.name;
+    if (t.name.rfind("opt.", 0) != 0) {
+      EXPECT_EQ(t.data, on_t[t.name]) << t.name;
+    }
   }
 }
 
