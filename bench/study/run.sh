@@ -10,12 +10,19 @@
 # appended as one JSON line to OUT/results.jsonl; points already there are skipped, so an
 # interrupted study resumes where it stopped. bench/study/plot.py reads the file.
 #
-# Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--rounds-ahead K] [--points "C/H/O ..."]
+# Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--rounds-ahead K] [--seed S]
+#                           [--overlap] [--points "C/H/O ..."]
 #   --quick     smoke test: T = 40, H = 20 only, into demo-out/study-quick
 #   --steps T   total steps per rank (default 800)
 #   --out DIR   results folder (default demo-out/study)
 #   --rounds-ahead K   sync.max_rounds_ahead of every shard (default: the server's default);
 #               0 = synchronous rounds. Part of every point's key (".../kK").
+#   --seed S    the data-order seed of every run, the centralised one included
+#               (isthmus-worker train --data-seed; default 0). A seed other than 0 is part
+#               of every key ("TT/sS/..."), and a point is compared with the centralised
+#               run of its own seed.
+#   --overlap   the two-site workers overlap their rounds with compute (isthmus-worker
+#               train --overlap); part of every two-site key (".../kK/overlap").
 #   --points    run only these points after the baseline: CODEC/H/OUTER, OUTER one of avg
 #               (lr 1, no momentum), nesterov (DiLoCo's lr 0.7, momentum 0.9), lrX (lr X,
 #               no momentum) or lrXmY (lr X, Nesterov momentum Y), e.g. int8+zstd/50/lr1.5
@@ -24,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false points="" rounds_ahead=""
+steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
@@ -32,7 +39,9 @@ while [ $# -gt 0 ]; do
     --out) out="$2"; shift 2 ;;
     --points) points="$2"; shift 2 ;;
     --rounds-ahead) rounds_ahead="$2"; shift 2 ;;
-    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+    --seed) seed="$2"; shift 2 ;;
+    --overlap) overlap=true; shift ;;
+    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -49,6 +58,10 @@ if [ -z "$rounds_ahead" ]; then
     awk -F'|' '/`sync.max_rounds_ahead`/ {gsub(/[ `]/, "", $6); print $6}')
 fi
 case "$rounds_ahead" in ''|*[!0-9]*) echo "run.sh: --rounds-ahead takes a whole number" >&2; exit 2 ;; esac
+case "$seed" in ''|*[!0-9]*) echo "run.sh: --seed takes a whole number" >&2; exit 2 ;; esac
+# The prefix of every key: T steps, and the seed when it is not the default.
+tkey="T$steps"
+[ "$seed" -ne 0 ] && tkey="T$steps/s$seed"
 export ISTHMUS_SYNC_MAX_ROUNDS_AHEAD="$rounds_ahead"
 base=demo-out/base/base-2x128-1000.safetensors
 [ -f "$base" ] || base=$(deploy/demo-prepare.sh | tail -1)
@@ -56,7 +69,7 @@ worker="$build/worker/isthmus-worker"
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 # --max-steps T makes the cosine schedule T steps long in every run (two-site workers
 # would get T from --max-rounds x --steps-per-round anyway; this says it once).
-train="--lr 2e-3 --min-lr 2e-4 --warmup-steps 10 --max-steps $steps"
+train="--lr 2e-3 --min-lr 2e-4 --warmup-steps 10 --max-steps $steps --data-seed $seed"
 results="$out/results.jsonl"
 mkdir -p "$out/runs"
 touch "$results"
@@ -116,7 +129,8 @@ row.update(val_loss=loss, mean_val_loss=sum(loss.values()) / len(loss),
            numel_trainable=numel_trainable, dense_per_step_bytes=dense,
            x_fewer_than_dense_per_step=dense / row["kernel_wan_bytes"] if row["kernel_wan_bytes"] else None)
 central = [json.loads(l) for l in open(results) if l.strip()]
-central = [r for r in central if r["kind"] == "centralised" and r["steps"] == steps]
+central = [r for r in central if r["kind"] == "centralised" and r["steps"] == steps
+           and r.get("data_seed", 0) == config.get("data_seed", 0)]
 if central or config["kind"] == "centralised":
     c = central[-1]["val_loss"] if central else loss
     rel = {l: (loss[l] / c[l] - 1) * 100 for l in langs}
@@ -132,12 +146,13 @@ PY
 }
 
 # The centralised baseline.
-key="T$steps/centralised"
+key="$tkey/centralised"
 if done_already "$key"; then
   echo "study: skip $key (in $results)"
 else
   echo "study: $key: one process, batch 32, $steps steps ($(date +%T))"
   c="$out/runs/centralised"
+  [ "$seed" -ne 0 ] && c="$c-s$seed"
   mkdir -p "$c"
   t0=$(date +%s)
   # shellcheck disable=SC2086
@@ -151,14 +166,16 @@ else
     "$worker" eval $model --base "$base" --trainable "$c/final.safetensors" \
       --data "demo-out/data/lang-$l" --batches 32 --json > "$c/eval-$l.json" 2>/dev/null
   done
-  record "$key" $(( $(date +%s) - t0 )) '{"kind": "centralised"}' "$c"
+  record "$key" $(( $(date +%s) - t0 )) "{\"kind\": \"centralised\", \"data_seed\": $seed}" "$c"
 fi
 
 # One two-site point: codec ("default" passes no --codec: topk:0.05+int2+zstd; "adaptive"
 # may go from dense down to the sparsest pipeline), H, outer ("avg" or "nesterov").
 n=0 total=0
 run_point() {
-  local codec="$1" h="$2" outer="$3" key="T$steps/$1/H$2/$3/k$rounds_ahead" rate=100mbit flags=() olr omom t0
+  local codec="$1" h="$2" outer="$3" key="$tkey/$1/H$2/$3/k$rounds_ahead" rate=100mbit flags=() olr omom t0
+  local wtrain="$train --batch-size 8"
+  if [ "$overlap" = true ]; then key="$key/overlap" wtrain="$wtrain --overlap"; fi
   n=$((n + 1))
   if [ $((steps % h)) -ne 0 ]; then echo "study: [$n/$total] skip $key: H does not divide T"; return; fi
   if done_already "$key"; then echo "study: [$n/$total] skip $key"; return; fi
@@ -178,7 +195,7 @@ run_point() {
   echo "study: [$n/$total] $key: $((steps / h)) rounds, ${flags[*]} --wan-rate $rate ($(date +%T))"
   t0=$(date +%s)
   if ! deploy/two-site.sh --base "$base" --data-a demo-out/data/A --data-b demo-out/data/B \
-      --model "$model" --train "$train --batch-size 8" --rounds $((steps / h)) \
+      --model "$model" --train "$wtrain" --rounds $((steps / h)) \
       --steps-per-round "$h" --outer-lr "$olr" --outer-momentum "$omom" "${flags[@]}" \
       --wan-rate "$rate" "${eval_sets[@]}" --eval-batches 32 --out "$out/current" \
       --summary "$out/current/summary.json" > "$out/runs/$name.log" 2>&1; then
@@ -186,8 +203,8 @@ run_point() {
   fi
   if [ ! -f "$out/current/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
   cp "$out/current/summary.json" "$out/runs/$name.json"
-  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s"}' \
-    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}")" "$out/current/summary.json"
+  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s}' \
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap")" "$out/current/summary.json"
 }
 
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with
