@@ -548,6 +548,8 @@ Result<ShardStats> ShardClient::Stats() {
   s.bytes_in = r->bytes_in();
   s.bytes_out = r->bytes_out();
   s.db_bytes = r->db_bytes();
+  s.last_error = r->last_error() ? r->last_error()->str() : "";
+  s.last_error_age_s = r->last_error_age_s();
   if (r->jobs()) {
     for (const auto* j : *r->jobs()) s.jobs.push_back(JobFromSummary(j));
   }
@@ -669,6 +671,9 @@ Result<SyncStatusInfo> ShardClient::SyncStatus() {
       if (j->held()) {
         for (const auto* h : *j->held()) rep.held[str(h->site())] = h->round();
       }
+      rep.round_work_pending = j->round_work_pending();
+      rep.round_work_failures = j->round_work_failures();
+      rep.round_work_error = str(j->round_work_error());
       out.jobs.push_back(std::move(rep));
     }
   }

@@ -158,6 +158,10 @@ struct ShardStats {
   uint64_t bytes_out = 0;     // bytes sent on them
   uint64_t db_bytes = 0;      // the store's size on disk now (approximate)
   std::vector<JobInfo> jobs;  // summaries: tensors left empty
+  // The last request answered with an error ("Push from worker socket: ...") and how many
+  // seconds ago; empty when none since the server started.
+  std::string last_error;
+  uint64_t last_error_age_s = 0;
 };
 
 // A snapshot of a shard (a RocksDB checkpoint taken at a committed round; docs/CLI.md).
@@ -210,6 +214,11 @@ struct SyncJobReport {
   // mode may change it every round).
   std::map<std::string, uint64_t> pipelines;
   std::map<std::string, uint64_t> held;  // site -> highest contiguous round held here
+  // Round work left after a reply (close, encode, commit): whether some is pending, how often
+  // it failed since the server started, and the last failure while it waits for a retry.
+  bool round_work_pending = false;
+  uint64_t round_work_failures = 0;
+  std::string round_work_error;
 };
 
 // A shard's answer to SyncStatus.

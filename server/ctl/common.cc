@@ -106,7 +106,9 @@ json StatsJson(const ShardStats& st) {
   }
   return {{"shard_id", st.shard_id},   {"version", st.server_version}, {"uptime_s", st.uptime_s},
           {"requests", st.requests},   {"errors", st.errors},          {"bytes_in", st.bytes_in},
-          {"bytes_out", st.bytes_out}, {"db_bytes", st.db_bytes},      {"jobs", jobs}};
+          {"bytes_out", st.bytes_out}, {"db_bytes", st.db_bytes},      {"jobs", jobs},
+          {"last_error", st.last_error.empty() ? json(nullptr) : json(st.last_error)},
+          {"last_error_age_s", st.last_error.empty() ? json(nullptr) : json(st.last_error_age_s)}};
 }
 
 json SyncStatusJson(const SyncStatusInfo& st) {
@@ -163,7 +165,10 @@ json SyncStatusJson(const SyncStatusInfo& st) {
                     {"change_pending", j.change_pending},
                     {"pipelines", j.pipelines},
                     {"held", j.held},
-                    {"waiting_for_wan", WaitingForWan(j)}});
+                    {"waiting_for_wan", WaitingForWan(j)},
+                    {"round_work_pending", j.round_work_pending},
+                    {"round_work_failures", j.round_work_failures},
+                    {"round_work_error", j.round_work_error}});
   }
   return {{"site", st.site},       {"shard_index", st.shard_index},
           {"enabled", st.enabled}, {"refused_unknown", st.refused_unknown},

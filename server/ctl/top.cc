@@ -146,6 +146,12 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
              sync.site.empty() ? "- (sync off)" : sync.site.c_str(), Duration(st.uptime_s).c_str(),
              (unsigned long long)st.requests, (unsigned long long)st.errors,
              HumanBytes(st.db_bytes).c_str()));
+  if (!st.last_error.empty()) {
+    AppendWrapped(lines,
+                  "  last refused request (" + Duration(st.last_error_age_s) + " ago): " +
+                      st.last_error,
+                  "    ");
+  }
   if (!st.jobs.empty()) {
     lines.push_back(Printf("  %-16s %6s %9s %-8s %9s %5s %-20s %s", "JOB", "ROUND", "COMMITTED",
                            "AHEAD/K", "PUSHES/S", "EPOCH", "MEMBERS",
@@ -168,6 +174,13 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
           r ? std::to_string(r->epoch).c_str() : "-", Clip(members, 20).c_str());
       line += r ? PipelinesText(r->pipelines) : "-";
       lines.push_back(line);
+      if (r != nullptr && !r->round_work_error.empty()) {
+        AppendWrapped(lines,
+                      "  " + j.job + ": round work after a push failed " +
+                          std::to_string(r->round_work_failures) +
+                          " times, retrying: " + r->round_work_error,
+                      "    ");
+      }
     }
   }
   if (sync.links.empty()) return;

@@ -171,7 +171,8 @@ Status DoSyncStatus(uint64_t id, const ServerConfig& c, SyncEngine* engine, Peer
           engine->max_rounds_ahead(), fbb.CreateString(EngineDetail(*js)), state,
           fbb.CreateVector(removed), fbb.CreateString(js->change_note),
           js->pending.has_value() || js->catching_up || js->draining, fbb.CreateVector(pipelines),
-          fbb.CreateVector(held)));
+          fbb.CreateVector(held), js->round_work_pending, js->round_work_failures,
+          fbb.CreateString(js->round_work_error)));
     }
   }
   auto body = wire::CreateSyncStatusReply(

@@ -480,6 +480,8 @@ Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<cons
     ++errors_;
     spdlog::warn("refused request {} from {} socket: {}", id, wire::EnumNameRole(role),
                  s.ToString());
+    last_error_ = std::string(op) + " from " + RoleName(role) + " socket: " + s.ToString();
+    last_error_at_ = std::chrono::steady_clock::now();
     reply.header.Clear();
     reply.payload.clear();
     BuildErrorReply(reply.header, id, s);
@@ -909,10 +911,15 @@ Status Shard::DoStats(uint64_t id, Reply& reply) {
   auto uptime =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - started_)
           .count();
-  auto body = wire::CreateStatsReply(fbb, fbb.CreateString(options_.shard_id),
-                                     fbb.CreateString(kIsthmusVersion), uptime, requests_, errors_,
-                                     bytes_in_, bytes_out_, store_->ApproximateBytes(),
-                                     fbb.CreateVector(jobs));
+  const uint64_t error_age =
+      last_error_.empty() ? 0
+                          : std::chrono::duration_cast<std::chrono::seconds>(
+                                std::chrono::steady_clock::now() - last_error_at_)
+                                .count();
+  auto body = wire::CreateStatsReply(
+      fbb, fbb.CreateString(options_.shard_id), fbb.CreateString(kIsthmusVersion), uptime,
+      requests_, errors_, bytes_in_, bytes_out_, store_->ApproximateBytes(), fbb.CreateVector(jobs),
+      fbb.CreateString(last_error_), error_age);
   FinishEnvelope(reply.header, id, wire::Body::StatsReply, body.Union());
   return Status::Ok();
 }

@@ -168,6 +168,9 @@ class Shard {
   std::map<std::string, JobState> jobs_;
   std::chrono::steady_clock::time_point started_;
   uint64_t requests_ = 0, errors_ = 0, bytes_in_ = 0, bytes_out_ = 0;
+  // The last request answered with an error, and when (Stats reports it; memory only).
+  std::string last_error_;
+  std::chrono::steady_clock::time_point last_error_at_;
   // Metrics: (socket, op, outcome) -> requests; (socket, op) -> handling seconds.
   std::map<std::tuple<std::string, std::string, std::string>, uint64_t> request_counts_;
   std::map<std::pair<std::string, std::string>, metrics::Histogram> request_seconds_;

@@ -152,6 +152,45 @@ TEST(TopText, ShardsJobsLinksAndDownWithin120Columns) {
   EXPECT_NE(first_text.find("int8+zstd 6"), std::string::npos) << first_text;
 }
 
+// A refused request and round work that failed after a push show under their shard and job,
+// in the text view and in the JSON object; neither shows once there is none.
+TEST(TopText, TheLastRefusedRequestAndFailingRoundWorkShow) {
+  TopSample now;
+  now.unix_time = 1000.0;
+  now.shards = {Up("alpha-0", 100, 10, 1000, 500, 50.0)};
+  ShardSample& s = now.shards[0];
+  s.stats->last_error = "push from worker socket: InvalidArgument: tensor 'w' has 6 values, not 4";
+  s.stats->last_error_age_s = 75;
+  s.sync->jobs[0].round_work_pending = true;
+  s.sync->jobs[0].round_work_failures = 3;
+  s.sync->jobs[0].round_work_error = "IOError: No space left on device";
+  std::string all;
+  for (const auto& l : TopText(now, nullptr, 2.0)) all += l + "\n";
+  EXPECT_NE(all.find("\n  last refused request (1m15s ago): push from worker socket: "
+                     "InvalidArgument: tensor 'w' has 6 values, not 4\n"),
+            std::string::npos)
+      << all;
+  EXPECT_NE(all.find("\n  job: round work after a push failed 3 times, retrying: IOError: No "
+                     "space left on device\n"),
+            std::string::npos)
+      << all;
+  const auto j = TopJson(now, nullptr, 2.0)["shards"][0];
+  EXPECT_EQ(j["stats"]["last_error"], s.stats->last_error);
+  EXPECT_EQ(j["stats"]["last_error_age_s"], 75);
+  EXPECT_EQ(j["sync"]["jobs"][0]["round_work_failures"], 3);
+  EXPECT_EQ(j["sync"]["jobs"][0]["round_work_pending"], true);
+  EXPECT_EQ(j["sync"]["jobs"][0]["round_work_error"], "IOError: No space left on device");
+
+  s.stats->last_error.clear();
+  s.sync->jobs[0].round_work_pending = false;
+  s.sync->jobs[0].round_work_error.clear();
+  all.clear();
+  for (const auto& l : TopText(now, nullptr, 2.0)) all += l + "\n";
+  EXPECT_EQ(all.find("last refused"), std::string::npos) << all;
+  EXPECT_EQ(all.find("round work"), std::string::npos) << all;
+  EXPECT_TRUE(TopJson(now, nullptr, 2.0)["shards"][0]["stats"]["last_error"].is_null());
+}
+
 // alpha-0 syncs "job" with beta; gamma was removed from round 3 but stays in sync.peers, its
 // link down. The site is 3 rounds ahead of its last commit with a limit of 2.
 ShardSample WithRemovedPeer() {
@@ -185,7 +224,9 @@ TEST(TopText, RemovedPeerIsNotDownLinksSayHowLongTheyWereSilentAndWaitingJobsSho
   }
   EXPECT_NE(all.find("\n  gamma        removed (round 3), silent 2m05s"), std::string::npos) << all;
   for (const auto& l : lines) {
-    if (l.rfind("  gamma ", 0) == 0) EXPECT_EQ(l.find(" down "), std::string::npos) << l;
+    if (l.rfind("  gamma ", 0) == 0) {
+      EXPECT_EQ(l.find(" down "), std::string::npos) << l;
+    }
   }
   EXPECT_NE(all.find("SILENT"), std::string::npos) << all;
   EXPECT_NE(all.find("  beta         connected     3s job"), std::string::npos) << all;

@@ -436,6 +436,22 @@ TEST(OverlapRefusal, ARefusedBackgroundPushStopsTheWorkerSayingSo) {
   ASSERT_TRUE(hello.ok());
   // The refused round is the one after the last the shard took; the checkpoint holds it.
   EXPECT_EQ(ckpt->metadata["round"], std::to_string(hello->rounds.local_round + 1));
+  // The operator sees the refusal too: isthmusctl top names the refused push and why.
+  const std::string cmd = std::string(testing::BinaryPath("ISTHMUS_CTL_BIN", ISTHMUS_CTL_BIN)) +
+                          " top --count 1 --server " +
+                          ServerProcess::Endpoint(shard.admin_port()) + " --server-key " +
+                          (shard.dir() / "server.pub").string() + " --key " +
+                          (shard.dir() / "admins" / "a0.key").string() + " 2>&1";
+  FILE* f = ::popen(cmd.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::string top;
+  char buf[4096];
+  while (size_t n = std::fread(buf, 1, sizeof buf, f)) top.append(buf, n);
+  EXPECT_EQ(::pclose(f), 0) << top;
+  const size_t refused = top.find("last refused request (");
+  ASSERT_NE(refused, std::string::npos) << top;
+  EXPECT_NE(top.find("push from worker socket", refused), std::string::npos) << top;
+  EXPECT_NE(top.find("is leaving job", refused), std::string::npos) << top;
   fs::remove_all(dir);
 }
 
