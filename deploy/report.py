@@ -278,6 +278,13 @@ def plot_validation(run, path):
     series = {}
     for (s, name, r), (t, loss) in sorted(last.items()):
         series.setdefault((s, name), []).append((r, t, loss))
+    # The references (summary.json "reference", two-site.sh --reference): the loss before
+    # round 1 starts each set's line at round 0; centralised training is a dashed level.
+    reference = (run.summary or {}).get("reference") or {}
+    before, central = reference.get("before") or {}, reference.get("centralised") or {}
+    for (s, name), pts in series.items():
+        if name in before and pts and pts[0][0] > 0:
+            pts.insert(0, (0, 0.0, before[name]))
     if not series:
         return None, ("no validation events: the workers evaluated no round "
                       "(isthmus-worker train --eval-every-rounds N, two-site.sh --eval-every-rounds)")
@@ -291,7 +298,15 @@ def plot_validation(run, path):
         label = f"{s}: {'own validation data' if name == 'site' else name}"
         a1.plot([p[0] for p in pts], [p[2] for p in pts], style, marker="o", ms=3, color=colour, label=label)
         a2.plot([p[1] for p in pts], [p[2] for p in pts], style, marker="o", ms=3, color=colour, label=label)
-    a1.set_xlabel("round (after its pull: the merged model)")
+    for name, loss in sorted(central.items()):
+        if name not in colour_of:
+            continue
+        colour = f"C{colour_of.index(name) % 10}"
+        for a in (a1, a2):
+            a.axhline(loss, color=colour, linestyle=(0, (6, 3)), linewidth=1.2, alpha=0.8,
+                      label=f"centralised: {name}" if a is a2 else None)
+    a1.set_xlabel("round (after its pull: the merged model; 0: before round 1)" if before
+                  else "round (after its pull: the merged model)")
     a1.xaxis.set_major_locator(MaxNLocator(integer=True))
     a2.set_xlabel(f"wall time, s since {run.t0_what}")
     a1.set_ylabel("validation loss (nats per token)")
@@ -536,6 +551,15 @@ def run_rows(run):
     if "kernel_wan_bytes" in s:
         rows.append(("WAN bytes the kernel counted (veth, both directions)", "kernel_wan_bytes",
                      fmt_int(s.get("kernel_wan_bytes"))))
+    ref = s.get("reference") or {}
+    for d in sorted(ref.get("before") or {}):
+        rows.append((f"val loss on {d} before round 1 (the starting model)", f"reference.before.{d}",
+                     fmt_loss(ref["before"][d])))
+    for d in sorted(ref.get("centralised") or {}):
+        rows.append((f"val loss on {d}, centralised training on every site's data, same tokens "
+                     f"({fmt_int(ref.get('centralised_steps'))} steps of batch "
+                     f"{fmt_int(ref.get('centralised_batch'))})", f"reference.centralised.{d}",
+                     fmt_loss(ref["centralised"][d])))
     return rows
 
 
@@ -547,7 +571,13 @@ READ = {
                    "line style per site. Left by round, right by wall time; where a round was "
                    "evaluated twice (the final validation repeats the last round's) the last value "
                    "is drawn. Lines of both sites that fall together on a set only one site trains "
-                   "on show the exchange carrying what that site learns across."),
+                   "on show the exchange carrying what that site learns across. When the run has "
+                   "references (deploy/demo.sh measures them), round 0 is the loss before round 1 "
+                   "and a dashed level per set is centralised training for the same tokens: what "
+                   "the rounds gained, and how far they are from training in one place. The "
+                   "per-round points use the workers' --val-batches, the table's final figures "
+                   "and references --eval-batches, so the last point and the table can differ a "
+                   "little."),
     "wan-bytes": ("WAN bytes per round", "Bars per round and link (sender->peer, all shards "
                   "together): solid the wire bytes, hatched the encoded delta payload within "
                   "them. {attribution} The gap between a pair of bars is the protocol's cost "

@@ -34,6 +34,11 @@
 #   --summary FILE         write the final figures as JSON here (they are always written to
 #                          OUT/summary.json as well)
 #   --top-interval S       seconds between the isthmusctl top samples (default 1)
+#   --reference FILE       a JSON file of reference losses per --eval-set name, copied into
+#                          the summary as "reference" for the report: "before" (the
+#                          starting model, before round 1) and "centralised" (one process
+#                          trained on every site's data for the same tokens); deploy/demo.sh
+#                          writes one
 #   --report DIR           at the end, write the run report (deploy/report.py: PNG plots and
 #                          DIR/index.html) and print its path as the last line
 # What OUT holds for deploy/report.py: summary.json; events-<site>.jsonl (rank 0's
@@ -54,7 +59,7 @@ out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.5
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
-eval_every=0 report="" top_interval=1
+eval_every=0 report="" top_interval=1 reference=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -78,17 +83,21 @@ while [ $# -gt 0 ]; do
     --eval-batches) eval_batches="$2"; shift 2 ;;
     --eval-every-rounds) eval_every="$2"; shift 2 ;;
     --report) report="$2"; shift 2 ;;
+    --reference) reference="$2"; shift 2 ;;
     --top-interval) top_interval="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
-    -h|--help) sed -n 2,43p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,48p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
 for v in base data_a data_b; do
   if [ -z "${!v}" ]; then echo "two-site.sh: --${v//_/-} is required (try --help)" >&2; exit 2; fi
 done
+if [ -n "$reference" ] && ! /usr/bin/python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$reference" 2>/dev/null; then
+  echo "two-site.sh: --reference $reference is not a readable JSON file" >&2; exit 2
+fi
 for b in "$server" "$ctl" "$worker"; do
   [ -x "$b" ] || { echo "two-site.sh: $b is not built (cmake --build $build)" >&2; exit 2; }
 done
@@ -336,12 +345,13 @@ set -e
 set_names=""
 for e in "${eval_sets[@]}"; do set_names+="${e%%=*},"; done
 set +e
-/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" <<'PY'
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" "$reference" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 kernel_bytes, wan_rate = int(sys.argv[6]), sys.argv[7]
 idle_seconds, idle_bytes = int(sys.argv[8]), int(sys.argv[9])
 set_names = [n for n in sys.argv[10].split(",") if n]
+reference = json.load(open(sys.argv[11])) if sys.argv[11] else None
 sites = ["A", "B"]
 result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
 try:
@@ -390,6 +400,16 @@ for s, r in result["sites"].items():
     print(f"{s:<6}{fmt(r['val_loss']['A']):>12}{fmt(r['val_loss']['B']):>12}{r['committed_round']:>11}"
           f"{r['wire_bytes_sent']:>12,}{x(r['wire_ratio']):>8}{r['wan_bytes_sent']:>10,}"
           f"{x(r['compression_ratio']):>11}")
+if reference:
+    result["reference"] = reference
+    before, central = reference.get("before", {}), reference.get("centralised", {})
+    print(f"{'set':<6}{'before round 1':>16}" + "".join(f"{'site ' + s:>10}" for s in sites)
+          + f"{'centralised':>13}")
+    for n in set_names:
+        fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a"
+        print(f"{n:<6}{fmt(before.get(n)):>16}"
+              + "".join(f"{fmt(result['sites'][s]['val_loss_sets'].get(n)):>10}" for s in sites)
+              + f"{fmt(central.get(n)):>13}")
 print(f"committed digests agree across sites: {'yes' if agree else 'NO'} ({compared} rounds compared per shard)")
 print(f"training wall time: {trained} s")
 if wan_rate:

@@ -12,7 +12,9 @@ Checks, and fails with the first difference:
     > 0, the same payload for every round (the deltas are dense) unless the link resent, the rounds plus the bytes sent while no delta went out adding up to the counters of the
     last shard sample (read here from top-<site>.jsonl), and at least the summary's count;
     every site's validation curve has every round of every set, equal to the events file
-    (the last evaluation of each round).
+    (the last evaluation of each round), starting at round 0 with the reference's loss
+    before round 1; the table shows both references of every set, and centralised training
+    lowered every set's loss.
 
 Usage: check_report.py RUN_DIR REPORT_DIR ROUNDS SET...
 """
@@ -71,7 +73,7 @@ def formatted(key, v):
     if v is None:
         return "n/a"
     last = key.rsplit(".", 1)[-1]
-    if ".val_loss" in key:
+    if ".val_loss" in key or key.startswith(("reference.before.", "reference.centralised.")):
         return f"{v:.4f}"
     if last in ("wire_ratio", "compression_ratio"):
         return f"{v:.1f}x"
@@ -121,6 +123,15 @@ def main():
                    f"sites.{s}.wan_bytes_sent"]
         needed += [f"sites.{s}.val_loss.{d}" for d in sites]
         needed += [f"sites.{s}.val_loss_sets.{n}" for n in sets if n != "site"]
+    reference = summary.get("reference")
+    if reference is None:
+        fail("summary.json has no reference (two-site.sh --reference)")
+    for n in sets:
+        if n == "site":
+            continue
+        needed += [f"reference.before.{n}", f"reference.centralised.{n}"]
+        if not 0 < reference["centralised"][n] < reference["before"][n]:
+            fail(f"centralised training did not lower the loss on {n}: {reference}")
     for k in needed:
         if k not in page.cells:
             fail(f"the report's table lacks {k}")
@@ -179,9 +190,11 @@ def main():
             got = val.get(f"{s}/{n}")
             last = {e["round"]: e["loss"] for e in events if e["event"] == "validation" and e["set"] == n}
             want = sorted(last.items())  # the last evaluation of each round (the report's rule)
+            if n in reference["before"]:  # round 0: the loss before round 1
+                want = [(0, reference["before"][n])] + want
             if not got or [(p["round"], p["loss"]) for p in got] != want:
                 fail(f"validation curve {s}/{n} is {got}, the events say {want}")
-            if [r for r, _ in want] != list(range(1, rounds + 1)):
+            if [r for r, _ in want if r > 0] != list(range(1, rounds + 1)):
                 fail(f"site {s} evaluated {n} after rounds {[r for r, _ in want]}")
     for k in ("lag", "bandwidth", "training"):
         if not data["series"].get(k):

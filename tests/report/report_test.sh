@@ -3,6 +3,8 @@
 # rounds over two sites (2 shards x 2 CPU ranks each, CURVE peer links on loopback) on real
 # text, a few of the repository's own docs/*.md (two per site), with each document's
 # validation split evaluated by the workers after every round; --report writes the report.
+# deploy/reference.sh measures the references the report compares the rounds with (each
+# set before round 1, and centralised training for the same tokens).
 # check_report.py then holds the PNGs, the page and report.json to the run's own files.
 # Also checks that two-site.sh prints the report's path last and leaves no process behind.
 # Usage: report_test.sh BUILD_DIR (KEEP_WORK=1 keeps its scratch folder). Exit 77 (skipped)
@@ -36,12 +38,20 @@ for s in A B; do
   done
   "$data" build --out "$work/$s" --val-fraction 0.2 "${files[@]}" >/dev/null
 done
+"$data" build --out "$work/all" --val-fraction 0.2 "$root"/docs/{ARCHITECTURE,SYNC,WORKER,CLI}.md >/dev/null
 model="--layers 2 --width 64 --heads 2 --context 64"
 # shellcheck disable=SC2086
 "$build/worker/isthmus-worker" init $model --lora-rank 8 --lora-alpha 16 \
   --out "$work/unused-init.safetensors" --write-base "$work/base.safetensors" >/dev/null 2>&1
 
 rounds=5
+# The references the report draws: each set before round 1, and centralised training on all
+# four documents for the sites' tokens (5 rounds x 8 steps, batch 2 sites x 2 ranks x 4).
+ISTHMUS_BUILD_DIR="$build" "$root/deploy/reference.sh" --base "$work/base.safetensors" \
+  --data "$work/all" --steps $((rounds * 8)) --batch 16 --model "$model --lora-rank 8 --lora-alpha 16" \
+  --train "--lr 3e-3 --min-lr 3e-4 --warmup-steps 2" --eval-batches 4 "${eval_sets[@]}" \
+  --out "$work/reference" > "$work/reference.out" 2>&1 ||
+  { cat "$work/reference.out"; echo "FAIL: reference.sh failed"; exit 1; }
 # Dense deltas (64 KiB a round): large enough for the links to measure their bandwidth (the
 # default pipeline's few hundred bytes a round would give them nothing to measure), and the
 # same size every round, so check_report.py can tell a misattributed round. (Not adaptive:
@@ -53,6 +63,7 @@ ISTHMUS_BUILD_DIR="$build" "$root/deploy/two-site.sh" --base "$work/base.safeten
   --codec dense \
   --rounds "$rounds" --steps-per-round 8 "${eval_sets[@]}" --eval-every-rounds 1 \
   --eval-batches 4 --top-interval 0.2 --out "$work/run" --report "$work/report" \
+  --reference "$work/reference/reference.json" \
   > "$work/two-site.out" 2>&1 || { cat "$work/two-site.out"; echo "FAIL: two-site.sh failed"; exit 1; }
 cat "$work/two-site.out"
 echo "two-site run and report: $(( $(date +%s) - t0 )) s"
