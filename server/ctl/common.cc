@@ -104,9 +104,15 @@ json StatsJson(const ShardStats& st) {
                     {"pushes", j.pushes},
                     {"duplicate_pushes", j.duplicate_pushes}});
   }
-  return {{"shard_id", st.shard_id},   {"version", st.server_version}, {"uptime_s", st.uptime_s},
-          {"requests", st.requests},   {"errors", st.errors},          {"bytes_in", st.bytes_in},
-          {"bytes_out", st.bytes_out}, {"db_bytes", st.db_bytes},      {"jobs", jobs},
+  return {{"shard_id", st.shard_id},
+          {"version", st.server_version},
+          {"uptime_s", st.uptime_s},
+          {"requests", st.requests},
+          {"errors", st.errors},
+          {"bytes_in", st.bytes_in},
+          {"bytes_out", st.bytes_out},
+          {"db_bytes", st.db_bytes},
+          {"jobs", jobs},
           {"last_error", st.last_error.empty() ? json(nullptr) : json(st.last_error)},
           {"last_error_age_s", st.last_error.empty() ? json(nullptr) : json(st.last_error_age_s)}};
 }

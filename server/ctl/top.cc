@@ -147,10 +147,10 @@ void AppendShard(std::vector<std::string>& lines, size_t index, const ShardSampl
              (unsigned long long)st.requests, (unsigned long long)st.errors,
              HumanBytes(st.db_bytes).c_str()));
   if (!st.last_error.empty()) {
-    AppendWrapped(lines,
-                  "  last refused request (" + Duration(st.last_error_age_s) + " ago): " +
-                      st.last_error,
-                  "    ");
+    AppendWrapped(
+        lines,
+        "  last refused request (" + Duration(st.last_error_age_s) + " ago): " + st.last_error,
+        "    ");
   }
   if (!st.jobs.empty()) {
     lines.push_back(Printf("  %-16s %6s %9s %-8s %9s %5s %-20s %s", "JOB", "ROUND", "COMMITTED",

@@ -911,11 +911,11 @@ Status Shard::DoStats(uint64_t id, Reply& reply) {
   auto uptime =
       std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - started_)
           .count();
-  const uint64_t error_age =
-      last_error_.empty() ? 0
-                          : std::chrono::duration_cast<std::chrono::seconds>(
-                                std::chrono::steady_clock::now() - last_error_at_)
-                                .count();
+  const uint64_t error_age = last_error_.empty()
+                                 ? 0
+                                 : std::chrono::duration_cast<std::chrono::seconds>(
+                                       std::chrono::steady_clock::now() - last_error_at_)
+                                       .count();
   auto body = wire::CreateStatsReply(
       fbb, fbb.CreateString(options_.shard_id), fbb.CreateString(kIsthmusVersion), uptime,
       requests_, errors_, bytes_in_, bytes_out_, store_->ApproximateBytes(), fbb.CreateVector(jobs),

@@ -438,9 +438,8 @@ TEST(OverlapRefusal, ARefusedBackgroundPushStopsTheWorkerSayingSo) {
   EXPECT_EQ(ckpt->metadata["round"], std::to_string(hello->rounds.local_round + 1));
   // The operator sees the refusal too: isthmusctl top names the refused push and why.
   const std::string cmd = std::string(testing::BinaryPath("ISTHMUS_CTL_BIN", ISTHMUS_CTL_BIN)) +
-                          " top --count 1 --server " +
-                          ServerProcess::Endpoint(shard.admin_port()) + " --server-key " +
-                          (shard.dir() / "server.pub").string() + " --key " +
+                          " top --count 1 --server " + ServerProcess::Endpoint(shard.admin_port()) +
+                          " --server-key " + (shard.dir() / "server.pub").string() + " --key " +
                           (shard.dir() / "admins" / "a0.key").string() + " 2>&1";
   FILE* f = ::popen(cmd.c_str(), "r");
   ASSERT_NE(f, nullptr);
