@@ -198,9 +198,14 @@ Status ShardClient::ReadMonitor(bool* lost) {
             std::to_string(value) + "): add its .pub file to the server's allowlist for this role");
       case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
       case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
-        return Status::PermissionDenied(
-            "CURVE handshake with " + options_.endpoint +
-            " failed: check the server public key and that both sides use CURVE");
+        // Not final: a server SIGKILLed while a connection was in its handshake looks like
+        // this too. The attempt ends as lost (nothing was sent before the handshake); the
+        // next one tells, and Call reports a key problem only if the last attempt failed
+        // this way as well.
+        handshake_failed_ = true;
+        ready_ = false;
+        *lost = true;
+        break;
       default:
         break;
     }
@@ -217,10 +222,12 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
   bool last_unconnected = false;  // ... or never came up (else: no reply in time)
   bool last_tcp = false;          // a TCP connection was made in that attempt
   bool last_ready = false;        // the connection was up when it ended
+  bool last_handshake = false;    // a CURVE handshake failed in it
   for (int attempt = 0; attempt < attempts; ++attempt) {
     if (!socket_) ISTHMUS_RETURN_IF_ERROR(OpenSocket());
     bool lost = false;
     Status failure = ReadMonitor(&lost);  // what happened since the last call
+    handshake_failed_ = false;
     if (!failure.ok()) {
       CloseSocket();
       return failure;
@@ -295,6 +302,7 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
     }
     last_tcp = tcp_connected_;
     last_ready = ready_;
+    last_handshake = handshake_failed_;
     CloseSocket();  // drops queued requests and any late reply
     latch.Wait();
     if (!failure.ok()) return failure;
@@ -311,6 +319,12 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
                                 : "no reply");
   }
   const std::string tries = std::to_string(attempts) + " attempt(s)";
+  if (last_handshake) {
+    return Status::PermissionDenied(
+        "CURVE handshake with " + options_.endpoint + " failed (" + tries +
+        "): check the server public key and that both sides use CURVE (a server that stopped "
+        "during the handshake looks the same)");
+  }
   if (last_unconnected) {
     if (last_tcp) {
       return Status::Unavailable(

@@ -298,9 +298,9 @@ class ShardClient {
  private:
   explicit ShardClient(const ClientOptions& options);
   Status OpenSocket();
-  // Reads every event the monitor has queued: updates ready_ and tcp_connected_, sets
-  // *lost when an up connection dropped, and returns PermissionDenied for a refused
-  // handshake.
+  // Reads every event the monitor has queued: updates ready_, tcp_connected_ and
+  // handshake_failed_, sets *lost when an up connection dropped or a handshake failed
+  // without the server refusing the key, and returns PermissionDenied when it refused it.
   Status ReadMonitor(bool* lost);
   // Stops the monitor and closes both sockets (a no-op when none is open).
   void CloseSocket();
@@ -324,6 +324,9 @@ class ShardClient {
   // since), and whether a TCP connection was ever made since the socket opened.
   bool ready_ = false;
   bool tcp_connected_ = false;
+  // A CURVE handshake failed in the current attempt without a refusal of the key: a wrong
+  // server key, or a server that died or restarted during the handshake (the same events).
+  bool handshake_failed_ = false;
   uint64_t request_seq_;
 };
 

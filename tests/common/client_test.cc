@@ -231,6 +231,37 @@ TEST(ShardClientReach, AConnectedShardSlowerThanTheConnectTimeoutIsWaitedFor) {
   }
 }
 
+// A wrong server key fails every attempt's handshake: PermissionDenied naming the key, and
+// quickly (each attempt ends at its failed handshake, not at a timeout). One failed
+// handshake alone is not taken for a wrong key: a server killed during a handshake looks
+// the same, and the next attempt tells (a worker saw "check the server public key" when a
+// shard was SIGKILLed).
+TEST(ShardClientReach, AWrongServerKeyFailsEveryAttemptSayingSo) {
+  auto server_keys = GenerateKeyPair();
+  auto other = GenerateKeyPair();
+  ASSERT_TRUE(server_keys.ok() && other.ok());
+  const int port = FreePort();
+  FakeShard shard(port, &*server_keys);
+  ASSERT_TRUE(shard.Bind());
+  ClientOptions o = Plaintext(port);
+  o.insecure_plaintext = false;
+  o.server_public_key = other->public_key;
+  o.client_keys = *GenerateKeyPair();
+  o.connect_timeout_ms = 5000;
+  o.timeout_ms = 30000;
+  o.retries = 2;
+  auto c = ShardClient::Connect(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  const auto t0 = Clock::now();
+  auto h = (*c)->Hello("j", wire::Role::Worker, "", "t");
+  ASSERT_FALSE(h.ok());
+  EXPECT_EQ(h.status().code(), Code::kPermissionDenied) << h.status().ToString();
+  EXPECT_NE(h.status().message().find("check the server public key"), std::string::npos)
+      << h.status().ToString();
+  EXPECT_NE(h.status().message().find("3 attempt(s)"), std::string::npos) << h.status().ToString();
+  EXPECT_LT(SecondsSince(t0), 10.0) << "the attempts waited for their timeouts";
+}
+
 // ClientOptions::interrupted stops a call that waits for a shard that never answers.
 TEST(ShardClientReach, AnInterruptStopsAWaitingCall) {
   const int port = FreePort();

@@ -10,8 +10,11 @@
 //    plus every recorded delta (element by element), two sites' digests equal;
 //  - the staleness bound counts the round in flight: with K the worker trains round
 //    max(K, 1) + 1 at most while nothing commits, having pushed max(K, 1) rounds;
+//  - shards SIGKILLed while the worker's rounds run in the background (one of two, or
+//    both): the worker stops with exit 5, and after the restarts nothing is lost or doubled;
 //  - a background push refused by a shard stops the worker with exit 3, saying so in its
-//    log and its events, with the round kept in the checkpoint.
+//    log and its events (and isthmusctl top on the shard's side), with the round kept in
+//    the checkpoint.
 // Deadlines are generous (scaled by testing::TimeScale() under sanitizers) and every wait
 // is a bounded poll of real state.
 #include <gtest/gtest.h>
@@ -268,6 +271,40 @@ TEST_P(OverlapKill, SigkillDuringABackgroundPushLosesNothingAndDoublesNothing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(RestartRanks, OverlapKill, ::testing::Values(1, 2));
+
+// SIGKILL of the site's shards while a worker overlaps its rounds (2 inner steps a round:
+// a background push or pull is nearly always in flight): shard 1 alone, or both. Shard 1
+// may die with a round acknowledged to the worker but its close and commit still to run
+// (they run after the reply), or holding half a push. The worker's background round fails
+// (the shards do not answer: exit 5) with the round kept in its checkpoint; the shards
+// restart from their stores and the worker from its checkpoint. Every shard applied every
+// round once, and the committed tensors are the start plus each recorded delta once.
+class OverlapShardKill : public Overlap, public ::testing::WithParamInterface<int> {};
+
+TEST_P(OverlapShardKill, SigkillOfShardsDuringBackgroundRoundsLosesNothingAndDoublesNothing) {
+  const int killed = GetParam();  // shards 2 - killed .. 1 die
+  const fs::path deltas = dir_ / "deltas";
+  fs::create_directories(deltas);
+  WorkerProcess w;
+  w.env = {{"ISTHMUS_WORKER_RECORD_DELTAS", deltas.string()}};
+  w.Start(TrainArgs(0, 1, 100000, 2, "", {"--overlap"}), (dir_ / "w1.log").string());
+  ASSERT_TRUE(ShardReachedRound(1, 3)) << w.Log();
+  for (int s = 2 - killed; s < 2; ++s) shards_[s].Kill(SIGKILL);
+  ASSERT_EQ(w.Wait(120 * testing::TimeScale()), 5) << w.Log();
+  EXPECT_NE(w.Log().find("did not complete"), std::string::npos) << w.Log();
+  auto ckpt = ReadSafetensors((dir_ / "ckpt" / "rank-0.safetensors").string());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  const int rounds = std::stoi(ckpt->metadata["round"]);
+  for (int s = 2 - killed; s < 2; ++s) ASSERT_TRUE(shards_[s].Start());
+  WorkerProcess again;
+  again.env = {{"ISTHMUS_WORKER_RECORD_DELTAS", deltas.string()}};
+  again.Start(TrainArgs(0, 1, rounds + 2, 2, "", {"--overlap"}), (dir_ / "w2.log").string());
+  ASSERT_EQ(again.Wait(120 * testing::TimeScale()), 0) << again.Log();
+  ExpectShardsEqualCheckpoint(0, static_cast<uint64_t>(rounds + 2));
+  ExpectStartPlusEveryDeltaOnce(init_, ShardTensors(), deltas, rounds + 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Killed, OverlapShardKill, ::testing::Values(1, 2));
 
 // Two sites; site alpha's worker dies in the background right after pulling round 3's
 // merged state (before merging it) while it trains round 4. Restarted, it pushes round 3
