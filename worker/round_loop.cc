@@ -1353,11 +1353,16 @@ Result<std::vector<Tensor>> PullSite(SiteClient& site) {
 
 Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size, int rank,
                               int world_size, int batches, comm::Communicator* comm) {
+  // The batches are the first `batches` x world_size of one order that does not depend on
+  // the ranks (rank r evaluates the r-th of every world_size), so a loss is the same
+  // whatever the number of ranks that evaluate it, and equal to `isthmus-worker eval
+  // --batches N` with N = batches x world_size (the demo's per-round curves and its
+  // references are one measure).
   data::DatasetOptions d;
   d.batch_size = batch_size;
   d.seq_len = gpt.config().n_ctx;
-  d.rank = rank;
-  d.world_size = world_size;
+  d.rank = 0;
+  d.world_size = 1;
   d.seed = 0;
   d.vocab_size = gpt.config().vocab_size;
   auto ds = data::TokenDataset::Open(path, d);
@@ -1367,9 +1372,12 @@ Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batc
   if (!ds.ok()) {
     local = ds.status();
   } else {
-    int n = static_cast<int>(std::min<uint64_t>(batches, ds->batches_per_epoch()));
+    const int n = static_cast<int>(std::min<uint64_t>(
+        static_cast<uint64_t>(batches) * static_cast<uint64_t>(std::max(world_size, 1)),
+        ds->batches_per_epoch()));
     for (int i = 0; i < n; ++i) {
       auto b = ds->Next();
+      if (i % std::max(world_size, 1) != rank) continue;
       sums[0] += gpt.Forward(b.tokens.data(), b.targets.data(), batch_size, d.seq_len);
       sums[1] += 1;
     }

@@ -96,8 +96,10 @@ Result<std::vector<HelloInfo>> HelloSite(SiteClient& site, const std::string& ba
 // tensor on another shard than the site's placement says is a Refused().
 Result<std::vector<Tensor>> PullSite(SiteClient& site);
 
-// Mean loss of `gpt` over the first `batches` batches (B x T, rank's slice) of `path`,
-// averaged over `comm`'s ranks when comm is not null (a collective then).
+// Mean loss of `gpt` over the first `batches` x world_size batches (B x T) of `path` in one
+// order that does not depend on the ranks, rank r taking every world_size-th from the r-th,
+// averaged over `comm`'s ranks when comm is not null (a collective then). The same figure
+// as one process evaluating batches x world_size batches (`isthmus-worker eval`).
 Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batch_size, int rank,
                               int world_size, int batches, comm::Communicator* comm);
 

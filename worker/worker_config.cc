@@ -424,7 +424,9 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
       ->capture_default_str();
   app.add_option("--val-every", t.val_every, "validation every N steps (0: only at the end)")
       ->capture_default_str();
-  app.add_option("--val-batches", t.val_batches, "validation batches per rank")
+  app.add_option("--val-batches", t.val_batches,
+                 "validation batches per rank (the ranks together take the first "
+                 "val-batches x ranks of one order)")
       ->capture_default_str();
   app.add_option("--log-every", t.log_every, "plain progress line every N steps (not a TTY)")
       ->capture_default_str();

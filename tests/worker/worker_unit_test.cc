@@ -232,6 +232,52 @@ INSTANTIATE_TEST_SUITE_P(Modes, ModelLiveParamsTest,
                            return std::string(model::TrainModeName(info.param));
                          });
 
+// The validation loss does not depend on how many ranks evaluate it: two Gloo ranks with
+// 3 batches each measure what one process measures over 6 (isthmus-worker eval --batches 6),
+// so a site's per-round curve and an evaluation by one process are one measure.
+TEST(ValidationLoss, TwoRanksMeasureWhatOneProcessMeasuresOverTheirBatchesTogether) {
+  auto dir = TempDir("valloss");
+  {
+    std::mt19937 gen(5);
+    std::vector<uint16_t> t(40 * kT);
+    for (auto& x : t) x = static_cast<uint16_t>(gen() % 256);
+    std::ofstream out(dir / "val.bin", std::ios::binary);
+    out.write(reinterpret_cast<const char*>(t.data()), static_cast<std::streamsize>(t.size() * 2));
+  }
+  const std::string val = (dir / "val.bin").string();
+  auto one = model::Gpt::CreateRandom(TinyConfig(), model::TrainMode::kLora, TinyLora(), 3);
+  ASSERT_TRUE(one.ok());
+  auto want = ValidationLoss(**one, val, 2, 0, 1, 6, nullptr);
+  ASSERT_TRUE(want.ok()) << want.status().ToString();
+  auto fewer = ValidationLoss(**one, val, 2, 0, 1, 3, nullptr);
+  ASSERT_TRUE(fewer.ok());
+  EXPECT_NE(*fewer, *want) << "the set is too uniform to tell batches apart";
+  std::vector<Result<double>> got(2, Status::Internal("not run"));
+  auto rank_main = [&](int rank) {
+    comm::GlooOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.rendezvous = "file:" + (dir / "rdv").string();
+    o.timeout = std::chrono::seconds(20);
+    auto comm = comm::CreateGlooCommunicator(o);
+    if (!comm.ok()) {
+      got[rank] = comm.status();
+      return;
+    }
+    auto gpt = model::Gpt::CreateRandom(TinyConfig(), model::TrainMode::kLora, TinyLora(), 3);
+    got[rank] = ValidationLoss(**gpt, val, 2, rank, 2, 3, comm->get());
+  };
+  std::filesystem::create_directories(dir / "rdv");
+  std::thread r0(rank_main, 0), r1(rank_main, 1);
+  r0.join();
+  r1.join();
+  std::filesystem::remove_all(dir);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(got[r].ok()) << got[r].status().ToString();
+    EXPECT_NEAR(*got[r], *want, 1e-5 * std::fabs(*want)) << "rank " << r;
+  }
+}
+
 TEST(TrainSettings, ValidateNamesTheProblem) {
   TrainSettings t;
   t.data_dir = "d";
