@@ -279,7 +279,7 @@ def plot_validation(run, path):
     for (s, name, r), (t, loss) in sorted(last.items()):
         series.setdefault((s, name), []).append((r, t, loss))
     # The references (summary.json "reference", two-site.sh --reference): the loss before
-    # round 1 starts each set's line at round 0; centralised training is a dashed level.
+    # round 1 starts each set's line at round 0; centralised training is a dotted level.
     reference = (run.summary or {}).get("reference") or {}
     before, central = reference.get("before") or {}, reference.get("centralised") or {}
     for (s, name), pts in series.items():
@@ -303,7 +303,7 @@ def plot_validation(run, path):
             continue
         colour = f"C{colour_of.index(name) % 10}"
         for a in (a1, a2):
-            a.axhline(loss, color=colour, linestyle=(0, (6, 3)), linewidth=1.2, alpha=0.8,
+            a.axhline(loss, color=colour, linestyle=":", linewidth=1.6, alpha=0.9,
                       label=f"centralised: {name}" if a is a2 else None)
     a1.set_xlabel("round (after its pull: the merged model; 0: before round 1)" if before
                   else "round (after its pull: the merged model)")
@@ -573,7 +573,7 @@ READ = {
                    "is drawn. Lines of both sites that fall together on a set only one site trains "
                    "on show the exchange carrying what that site learns across. When the run has "
                    "references (deploy/demo.sh measures them), round 0 is the loss before round 1 "
-                   "and a dashed level per set is centralised training for the same tokens: what "
+                   "and a dotted level per set is centralised training for the same tokens: what "
                    "the rounds gained, and how far they are from training in one place. The "
                    "per-round points use the workers' --val-batches, the table's final figures "
                    "and references --eval-batches, so the last point and the table can differ a "
