@@ -52,11 +52,25 @@ def load(paths):
     rows = [r for r in rows if r["steps"] == steps]
     central = next((r for r in rows if r["kind"] == "centralised"), None)
     points = [r for r in rows if r["kind"] == "two-site"]
+    load.centrals = [r for r in rows if r["kind"] == "centralised"]  # one per data seed
     return central, points
 
 
 def meets(r):
     return r["worst_rel_gap_pct"] <= GAP_GOAL_PCT and r["x_fewer_than_dense_per_step"] >= BYTES_GOAL_X
+
+
+def setting_of(p):
+    """What a point ran, its data-order seed left out: points of several seeds repeat it."""
+    return (p["codec"], p["H"], p["outer_lr"], p["outer_momentum"], k_of(p), bool(p.get("overlap")))
+
+
+def settings_meeting(points):
+    """Settings whose every seed meets the goal: [(setting, [its points])]."""
+    groups = {}
+    for p in points:
+        groups.setdefault(setting_of(p), []).append(p)
+    return [(s, ps) for s, ps in groups.items() if all(meets(p) for p in ps)]
 
 
 def plot_loss_vs_bytes(central, points, path):
@@ -164,17 +178,20 @@ def outer_label(p):
 
 
 def name(p):
-    return f"{p['codec']} H{p['H']} {outer_label(p)} {k_label(k_of(p))}"
+    return (f"{p['codec']} H{p['H']} {outer_label(p)} {k_label(k_of(p))}"
+            + (" overlapped" if p.get("overlap") else ""))
 
 
 def table(central, points):
-    lines = ["| codec | H | outer | K | en | fr | de | es | mean | worst gap | wire bytes | x fewer than dense per-step |",
-             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| codec | H | outer | K | overlap | seed | en | fr | de | es | mean | worst gap | wire bytes | x fewer than dense per-step |",
+             "|---|---:|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for c in getattr(load, "centrals", [central] if central else []):
+        v = c["val_loss"]
+        lines.append(f"| centralised (batch 32) | - | - | - | - | {c.get('data_seed', 0)} | "
+                     + " | ".join(f"{v[l]:.4f}" for l in LANGS)
+                     + f" | {c['mean_val_loss']:.4f} | 0 | 0 | - |")
     if central:
-        v = central["val_loss"]
-        lines.append("| centralised (batch 32) | - | - | - | " + " | ".join(f"{v[l]:.4f}" for l in LANGS)
-                     + f" | {central['mean_val_loss']:.4f} | 0 | 0 | - |")
-        lines.append("| dense per-step sync (reference: payload only) | 1 | - | - | | | | | | | "
+        lines.append("| dense per-step sync (reference: payload only) | 1 | - | - | - | - | | | | | | | "
                      f"{points[0]['dense_per_step_bytes']:,} | 1x |")
     order = {c: i for i, c in enumerate(CODECS)}
     rank = {o: i for i, o in enumerate(outers(points))}
@@ -186,7 +203,7 @@ def table(central, points):
                                            p["H"])):
         v = p["val_loss"]
         flag = "" if p["digests_agree"] else " (digests differ)"
-        setting = (p["codec"], p["H"], p["outer_lr"], p["outer_momentum"], k_of(p))
+        setting = setting_of(p) + (p.get("data_seed", 0),)
         if setting in seen:  # the same setting run again (another key, e.g. lr1m0 for avg)
             flag += " (repeat)"
         seen.add(setting)
@@ -194,6 +211,7 @@ def table(central, points):
             flag += " -> " + ", ".join(p.get("last_round_codecs", []))
         lines.append(f"| {LABEL.get(p['codec'], p['codec'])}{flag} | {p['H']} | "
                      f"{outer_label(p)} | {'?' if k_of(p) is None else k_of(p)} | "
+                     f"{'yes' if p.get('overlap') else 'no'} | {p.get('data_seed', 0)} | "
                      + " | ".join(f"{v[l]:.4f}" for l in LANGS)
                      + f" | {p['mean_val_loss']:.4f} | {p['worst_rel_gap_pct']:+.2f}% | "
                      f"{p['kernel_wan_bytes']:,} | {p['x_fewer_than_dense_per_step']:,.0f}x |")
@@ -201,13 +219,16 @@ def table(central, points):
     lines += ["", f"T = {p0['steps']} steps per rank; dense per-step sync = 2 sites x "
               f"{p0['numel_trainable']:,} trainable numel x 4 B x {p0['steps']} steps = "
               f"{p0['dense_per_step_bytes']:,} payload bytes (a lower bound: no framing). "
-              "Worst gap: the largest per-language relative loss vs centralised.", ""]
-    ok = [p for p in points if meets(p)]
+              "Worst gap: the largest per-language relative loss vs the centralised run of the "
+              "same data-order seed. A setting meets the goal only if every seed it ran meets it.", ""]
+    ok = settings_meeting(points)
     if ok:
-        b = min(ok, key=lambda p: (p["worst_rel_gap_pct"], p["kernel_wan_bytes"]))
-        lines.append(f"**Goal met** by {len(ok)} point(s); best (smallest worst gap): {name(b)}, "
-                     f"worst gap {b['worst_rel_gap_pct']:+.2f}%, {b['kernel_wan_bytes']:,} wire bytes, "
-                     f"{b['x_fewer_than_dense_per_step']:,.0f}x fewer than dense per-step.")
+        worst = lambda ps: max(p["worst_rel_gap_pct"] for p in ps)
+        s, ps = min(ok, key=lambda sp: (worst(sp[1]), sp[1][0]["kernel_wan_bytes"]))
+        lines.append(f"**Goal met** by {len(ok)} setting(s) on every seed they ran; best (smallest "
+                     f"worst gap over its {len(ps)} seed(s)): {name(ps[0])}, worst gap "
+                     f"{worst(ps):+.2f}%, {min(p['x_fewer_than_dense_per_step'] for p in ps):,.0f}x "
+                     "or more fewer than dense per-step.")
     else:
         g = min(points, key=lambda p: p["worst_rel_gap_pct"])
         x = max(points, key=lambda p: p["x_fewer_than_dense_per_step"])
