@@ -34,7 +34,7 @@ while [ $# -gt 0 ]; do
     --train) train="$2"; shift 2 ;;
     --eval-batches) eval_batches="$2"; shift 2 ;;
     --eval-set) eval_sets+=("$2"); shift 2 ;;
-    -h|--help) sed -n 2,21p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     *) echo "reference.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done

@@ -41,7 +41,7 @@ while [ $# -gt 0 ]; do
     --rounds-ahead) rounds_ahead="$2"; shift 2 ;;
     --seed) seed="$2"; shift 2 ;;
     --overlap) overlap=true; shift ;;
-    -h|--help) sed -n 2,30p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
