@@ -57,9 +57,9 @@ done
 # The codec: int2:256+zstd unless one is given. The server's default pipeline (top-k 5%, the
 # rest held back by error feedback) lets one site's languages get worse in this demo: the
 # sites pull at different moments, each round the same site trains from a view without the
-# other's latest delta, and the sparse merge leans its way (docs/SYNC.md, "Optimistic view"). Dense
-# 2-bit values with a scale per 256 improve every language, at about 15x fewer wire bytes
-# than fp32 instead of about 44x.
+# other's latest delta, and the sparse merge leans to that site (docs/SYNC.md, "Optimistic
+# view"). Dense 2-bit values with a scale per 256 improve every language, at about 15x fewer
+# wire bytes than fp32 instead of about 44x.
 [ "$codec_given" = true ] || args+=(--codec int2:256+zstd)
 ref_flags=()
 if [ "$reference" = true ]; then
