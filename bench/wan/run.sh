@@ -183,13 +183,20 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
   done
   pids+=("${lpids[@]}")
   # The first synthetic site to fail stops the case (the others would wait for its rounds).
-  local failed=0 left=${#lpids[@]}
-  while [ "$left" -gt 0 ]; do
-    if ! wait -n "${lpids[@]}" 2>/dev/null; then
-      [ "$failed" -eq 0 ] && [ "$left" -gt 1 ] && for p in "${lpids[@]}"; do kill "$p" 2>/dev/null || true; done
-      failed=1
-    fi
-    left=$((left - 1))
+  # Each is waited for once, when it has ended (`wait -n` with ids can answer 127, "no such
+  # job", when two end together).
+  local failed=0 left=("${lpids[@]}") still p q
+  while [ "${#left[@]}" -gt 0 ]; do
+    still=()
+    for p in "${left[@]}"; do
+      if kill -0 "$p" 2>/dev/null; then still+=("$p"); continue; fi
+      if ! wait "$p" 2>/dev/null && [ "$failed" -eq 0 ]; then
+        failed=1
+        for q in "${lpids[@]}"; do kill "$q" 2>/dev/null || true; done
+      fi
+    done
+    left=("${still[@]}")
+    [ "${#left[@]}" -eq 0 ] || sleep 0.2
   done
   local after
   after=$(wan_bytes)
