@@ -1372,12 +1372,12 @@ Result<double> ValidationLoss(model::Gpt& gpt, const std::string& path, int batc
   if (!ds.ok()) {
     local = ds.status();
   } else {
+    const int world = std::max(world_size, 1);
     const int n = static_cast<int>(std::min<uint64_t>(
-        static_cast<uint64_t>(batches) * static_cast<uint64_t>(std::max(world_size, 1)),
-        ds->batches_per_epoch()));
+        static_cast<uint64_t>(batches) * static_cast<uint64_t>(world), ds->batches_per_epoch()));
     for (int i = 0; i < n; ++i) {
       auto b = ds->Next();
-      if (i % std::max(world_size, 1) != rank) continue;
+      if (i % world != rank) continue;
       sums[0] += gpt.Forward(b.tokens.data(), b.targets.data(), batch_size, d.seq_len);
       sums[1] += 1;
     }

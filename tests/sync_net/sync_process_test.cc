@@ -17,6 +17,7 @@
 
 #include "common/transport.h"
 #include "ops/codec.h"
+#include "tests/command.h"
 #include "tests/sync_net/site_process.h"
 
 namespace isthmus {
@@ -354,15 +355,11 @@ class SyncProcessTest : public ::testing::Test {
     std::string cmd = std::string(testing::BinaryPath("ISTHMUS_CTL_BIN", ISTHMUS_CTL_BIN)) + " " +
                       args + " --key " + (sites_[0]->dir() / "admins" / "a0.key").string() +
                       " 2>&1";
-    FILE* f = ::popen(cmd.c_str(), "r");
-    std::string out;
-    char buf[4096];
-    while (size_t n = std::fread(buf, 1, sizeof buf, f)) out.append(buf, n);
-    int status = ::pclose(f);
+    auto r = testing::RunCommand(cmd);
     if (std::getenv("ISTHMUS_TEST_SHOW_CTL") != nullptr) {
-      std::fprintf(stderr, "$ isthmusctl %s\n%s", args.c_str(), out.c_str());
+      std::fprintf(stderr, "$ isthmusctl %s\n%s", args.c_str(), r.output.c_str());
     }
-    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+    return {r.exit_code, r.output};
   }
   std::string SiteFlags(size_t i) {
     return "--server " + sites_[i]->admin_endpoint() + " --server-key " +

@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/command.h"
 #include "tests/worker/worker_harness.h"
 
 namespace isthmus {
@@ -478,12 +479,9 @@ TEST(OverlapRefusal, ARefusedBackgroundPushStopsTheWorkerSayingSo) {
                           " top --count 1 --server " + ServerProcess::Endpoint(shard.admin_port()) +
                           " --server-key " + (shard.dir() / "server.pub").string() + " --key " +
                           (shard.dir() / "admins" / "a0.key").string() + " 2>&1";
-  FILE* f = ::popen(cmd.c_str(), "r");
-  ASSERT_NE(f, nullptr);
-  std::string top;
-  char buf[4096];
-  while (size_t n = std::fread(buf, 1, sizeof buf, f)) top.append(buf, n);
-  EXPECT_EQ(::pclose(f), 0) << top;
+  const auto ctl = testing::RunCommand(cmd);
+  const std::string& top = ctl.output;
+  EXPECT_EQ(ctl.exit_code, 0) << top;
   const size_t refused = top.find("last refused request (");
   ASSERT_NE(refused, std::string::npos) << top;
   EXPECT_NE(top.find("push from worker socket", refused), std::string::npos) << top;
