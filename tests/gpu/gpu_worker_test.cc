@@ -1,11 +1,16 @@
 // isthmus-worker on a GPU against real isthmus-server shards on loopback (CURVE): a GPU
 // rank completes rounds and the shards hold exactly what it pushed; a GPU site and a CPU
 // site train one job and commit identical rounds; a device that is not there exits 2 and
-// out of memory exits 5, each with a message naming what to change. Skips without a GPU.
+// out of memory exits 8, each with a message naming what to change; and --overlap on a GPU
+// (docs/SYNC.md, "The overlapped round"), in LoRA and full mode: one site alone commits the
+// same state with overlap on and off, bit for bit, and a GPU site beside a CPU site, its
+// worker SIGKILLed right after a background pull, loses nothing and doubles nothing.
+// Skips without a GPU.
 #include <gtest/gtest.h>
 
 #include "common/exit_codes.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/worker/overlap_harness.h"
 #include "tests/worker/worker_harness.h"
 
 namespace isthmus {
@@ -69,6 +74,37 @@ TEST(GpuTwoSites, AGpuSiteAndACpuSiteCommitIdenticalRounds) {
   EXPECT_NE(sites.worker(0).Log().find("device cuda:0"), std::string::npos);
   EXPECT_NE(sites.worker(1).Log().find("device cpu"), std::string::npos);
   sites.ExpectCommittedAlike(3);
+}
+
+class GpuOverlap : public testing::Overlap {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (testing::GpuCount(&why) == 0) GTEST_SKIP() << "no CUDA device: " << why;
+    Overlap::SetUp();
+  }
+};
+
+TEST_F(GpuOverlap, OneSiteCommitsTheSameStateWithOverlapOnAndOffBitForBit) {
+  CreateJobNamed("on", init_, base_hash_);
+  ExpectOnOffAlike(1, init_, "j", "on", {"--device", "cuda"});
+}
+
+TEST_F(GpuOverlap, FullModeOneSiteCommitsTheSameStateWithOverlapOnAndOffBitForBit) {
+  ExpectFullModeOnOffAlike({"--device", "cuda"});
+}
+
+TEST(GpuOverlapTwoSites, SigkillAfterABackgroundPullOnTheGpuSiteLosesNothing) {
+  ISTHMUS_REQUIRE_GPU();
+  testing::ExpectOverlappedSitesSurviveAKillAfterPull("gpu-overlap", {"--device", "cuda"},
+                                                      {"--device", "cpu"});
+}
+
+TEST(GpuOverlapTwoSites, FullModeSigkillAfterABackgroundPullOnTheGpuSiteLosesNothing) {
+  ISTHMUS_REQUIRE_GPU();
+  testing::ExpectOverlappedSitesSurviveAKillAfterPull(
+      "gpu-overlap-full", {"--device", "cuda", "--mode", "full"},
+      {"--device", "cpu", "--mode", "full"}, {"--mode", "full"});
 }
 
 }  // namespace

@@ -341,18 +341,19 @@ class TwoSites {
   }
 
   // Starts both sites and creates the job from `isthmus-worker init`. `extra_sync`: more
-  // lines of the sites' [sync] tables.
-  ::testing::AssertionResult Start(int rounds_ahead = 2, const std::string& extra_sync = "") {
+  // lines of the sites' [sync] tables; `init`: more flags of init (--mode full).
+  ::testing::AssertionResult Start(int rounds_ahead = 2, const std::string& extra_sync = "",
+                                   const std::vector<std::string>& init = {}) {
     std::vector<SiteProcess*> all = {sites_[0].get(), sites_[1].get()};
     for (auto& s : sites_) {
       s->Configure(all, "max_rounds_ahead = " + std::to_string(rounds_ahead) + "\n" + extra_sync);
       if (auto r = s->Start(); !r) return r;
     }
-    base_hash_ = RunInit(root_, 1, "base");
-    auto init = ReadSafetensorsTensors((root_ / "base.init.safetensors").string());
-    if (!init.ok()) return ::testing::AssertionFailure() << init.status().ToString();
+    base_hash_ = RunInit(root_, 1, "base", init);
+    auto start = ReadSafetensorsTensors((root_ / "base.init.safetensors").string());
+    if (!start.ok()) return ::testing::AssertionFailure() << start.status().ToString();
     std::vector<TensorView> views;
-    for (const auto& t : *init) views.push_back({t.name, t.shape, t.data.data()});
+    for (const auto& t : *start) views.push_back({t.name, t.shape, t.data.data()});
     for (auto& s : sites_) {
       auto r = s->AdminClient()->CreateJob("j", base_hash_, views);
       if (!r.ok())
