@@ -123,11 +123,19 @@ void RoundDriver::RunRound(const RoundInFlight& in) {
   RoundReport& rep = out.report;
   rep.round = in.round;
   auto t = Clock::now();
+  Status first;
+  if (in.first) {
+    first = in.first();
+    rep.first_s = Seconds(Clock::now() - t);
+    t = Clock::now();
+  }
   std::vector<TensorView> views;
   views.reserve(in.delta->size());
   for (const auto& d : *in.delta) views.push_back({d.name, d.shape, d.data.data()});
-  if (o_.fault) o_.fault("pushing", in.round);
-  auto pushed = shards_.PushRound(in.round, in.tokens, in.compute_ms, views, o_.rank, o_.world);
+  if (first.ok() && o_.fault) o_.fault("pushing", in.round);
+  auto pushed = first.ok() ? shards_.PushRound(in.round, in.tokens, in.compute_ms, views,
+                                               o_.rank, o_.world)
+                           : Result<std::vector<ShardPush>>(first);
   rep.pushed_at = Clock::now();
   rep.push_s = Seconds(rep.pushed_at - t);
   if (!pushed.ok()) {
@@ -346,7 +354,7 @@ Result<RoundReport> RoundDriver::Complete() {
 
 Result<RoundReport> RoundDriver::EndRound(
     uint64_t round, uint64_t tokens, uint64_t compute_ms,
-    const std::function<Status(const RoundInFlight&)>& before_push) {
+    const std::function<Status(RoundInFlight&)>& before_push) {
   if (params_ == nullptr) return Status::FailedPrecondition("EndRound needs LiveParams");
   RoundReport report;
   if (inflight_) {

@@ -165,6 +165,7 @@ struct RoundReport {
   std::vector<ShardPush> pushes;  // this rank's shards, in order
   bool pushed = false;            // every shard this rank pushes holds the round
   Staleness staleness;            // the last check of the wait (limit: K)
+  double first_s = 0;  // RoundInFlight::first, on the driver's thread
   double push_s = 0, wait_s = 0, pull_s = 0;
   double blocked_s = 0;      // the caller waited for the round (any stage; without overlap
                              // from the hand-over: push_s + wait_s + pull_s at least)
@@ -180,6 +181,10 @@ struct RoundReport {
 struct RoundInFlight {
   uint64_t round = 0, tokens = 0, compute_ms = 0;
   std::shared_ptr<const std::vector<Tensor>> delta;  // immutable; shared with the thread
+  // Run on the driver's thread before a byte of the round is pushed (isthmus-worker
+  // --overlap writes the checkpoint that holds the round here, off the training thread);
+  // an error fails the round with nothing pushed. Empty: nothing to run.
+  std::function<Status()> first;
 };
 
 class RoundDriver {
@@ -196,13 +201,14 @@ class RoundDriver {
   // --- The round, with LiveParams -----------------------------------------------------
   // The end of round `round` at a step boundary: the round in flight (if any) is completed
   // first (Complete: waiting for it if need be), the delta is taken (LiveParams::TakeDelta),
-  // `before_push` sees it (isthmus-worker writes its checkpoint there; an error stops here
-  // and nothing is pushed), and the round starts. Without overlap it is completed before
+  // `before_push` sees it (it may set the round's `first`, run in the background before the
+  // push: isthmus-worker --overlap writes its checkpoint so; an error stops here and nothing
+  // is pushed), and the round starts. Without overlap it is completed before
   // EndRound returns; with overlap and K = 0, EndRound returns once it has committed.
   // Returns the report of the round completed here (round 0: none), its blocked_s
   // including the wait for K = 0; errors: that round's failure (see failed()).
   Result<RoundReport> EndRound(uint64_t round, uint64_t tokens, uint64_t compute_ms,
-                               const std::function<Status(const RoundInFlight&)>& before_push = {});
+                               const std::function<Status(RoundInFlight&)>& before_push = {});
   // After every optimizer step: the live weights moved since the base was taken.
   void Stepped() { progressed_ = true; }
   // Waits for the round in flight, has `agree` see its outcome, and merges its pulled state

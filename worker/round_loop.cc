@@ -464,19 +464,30 @@ class RoundLoop {
     return s_.checkpoint_dir + "/rank-" + std::to_string(s_.rank) + ".safetensors";
   }
 
-  Status SaveCheckpoint() {
-    if (s_.checkpoint_dir.empty()) return Status::Ok();
-    auto tensors = gpt_->ExportTrainable();
+  // What a checkpoint holds, copied out of the backend at a step boundary: written by
+  // WriteCheckpoint (on this thread, or on the round driver's with --overlap).
+  struct CheckpointImage {
+    std::string path;
+    std::vector<Tensor> tensors;
+    std::map<std::string, std::string> meta;
+  };
+
+  // Copies the checkpoint out (nullopt without --checkpoint-dir).
+  Result<std::optional<CheckpointImage>> TakeCheckpoint() {
+    if (s_.checkpoint_dir.empty()) return std::optional<CheckpointImage>();
+    CheckpointImage c;
+    c.path = CheckpointPath();
+    c.tensors = gpt_->ExportTrainable();
     auto state = trainer_->ExportState();
     // A failed backend copies nothing out: never replace a good checkpoint with that.
     ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
-    for (auto& t : state) tensors.push_back(std::move(t));
+    for (auto& t : state) c.tensors.push_back(std::move(t));
     auto meta = gpt_->ConfigMetadata();
     meta.merge(model_.TrainableMetadata());  // what the tensors mean: mode, LoRA settings
     if (unpushed_) {
       // The round's delta the shards did not take: pushed first when training resumes.
       for (const auto& t : *unpushed_->delta) {
-        tensors.push_back({kUnpushedPrefix + t.name, t.shape, t.data});
+        c.tensors.push_back({kUnpushedPrefix + t.name, t.shape, t.data});
       }
       meta["unpushed_tokens"] = std::to_string(unpushed_->tokens);
       meta["unpushed_compute_ms"] = std::to_string(unpushed_->compute_ms);
@@ -489,7 +500,17 @@ class RoundLoop {
     meta["data_position"] = dataset_->position().ToString();
     meta["base_hash"] = base_hash_;
     meta["world_size"] = std::to_string(world());
-    return WriteSafetensors(CheckpointPath(), tensors, meta);
+    c.meta = std::move(meta);
+    return std::optional<CheckpointImage>(std::move(c));
+  }
+
+  static Status WriteCheckpoint(const CheckpointImage& c) {
+    return WriteSafetensors(c.path, c.tensors, c.meta);
+  }
+
+  Status SaveCheckpoint() {
+    ISTHMUS_ASSIGN_OR_RETURN(auto c, TakeCheckpoint());
+    return c ? WriteCheckpoint(*c) : Status::Ok();
   }
 
   // Loads this rank's checkpoint if there is one; returns whether it did.
@@ -939,6 +960,13 @@ class RoundLoop {
     if (pending_) unpushed_ = Unpushed{pending_->delta, pending_->tokens, pending_->compute_ms};
     const int64_t round = pending_ ? static_cast<int64_t>(pending_->round) : round_;
     telemetry_->OnRoundFailure(round, st.ToString());
+    if (checkpoint_failed_->exchange(false)) {
+      // Nothing of the round was pushed, and the last checkpoint written stays: a restart
+      // trains from it again (pushing the round it holds, if any, with its keys).
+      spdlog::error("round {} was not pushed: {}; training resumes from the checkpoint before it",
+                    round, st.ToString());
+      return st;
+    }
     if (!s_.overlap) ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
     const std::string kept =
         s_.checkpoint_dir.empty()
@@ -993,14 +1021,27 @@ class RoundLoop {
     ISTHMUS_RETURN_IF_ERROR(CompleteInFlight());
     if (interrupted_ && unpushed_) return Status::Ok();  // it failed: stop with it kept
     ending_round_ = static_cast<uint64_t>(round_);
-    auto before_push = [&](const RoundInFlight& in) -> Status {
+    auto before_push = [&](RoundInFlight& in) -> Status {
       pending_ = in;
       ISTHMUS_RETURN_IF_ERROR(RecordDelta(in));
       if (!s_.overlap) return Status::Ok();
       unpushed_ = Unpushed{in.delta, in.tokens, in.compute_ms};
-      return SaveCheckpoint();
+      // The checkpoint that holds the round is copied out here, at the step boundary, and
+      // written on the driver's thread before the push: durable before a byte is pushed,
+      // and off the training thread (in full mode it is the model and AdamW's moments).
+      ISTHMUS_ASSIGN_OR_RETURN(auto image, TakeCheckpoint());
+      if (!image) return Status::Ok();
+      auto held = std::make_shared<const CheckpointImage>(std::move(*image));
+      in.first = [held, round = in.round, failed = checkpoint_failed_]() -> Status {
+        Status st = WriteCheckpoint(*held);
+        if (st.ok()) return st;
+        failed->store(true);
+        return Status(st.code(), "writing the checkpoint that holds round " +
+                                     std::to_string(round) + " before its push: " + st.message());
+      };
+      return Status::Ok();
     };
-    auto before = [&](const RoundInFlight& in) {
+    auto before = [&](RoundInFlight& in) {
       steps_since_push_ = 0;
       return before_push(in);
     };
@@ -1218,6 +1259,9 @@ class RoundLoop {
   int64_t checkpoint_world_ = 0;  // ranks of the run that wrote the checkpoint
   int64_t round_ = 0, step_ = 0;
   int64_t checkpoint_step_ = 0;  // the step the last checkpoint holds
+  // Set by the round driver's thread when the checkpoint of the round in flight could not
+  // be written (--overlap writes it there, before the push).
+  std::shared_ptr<std::atomic<bool>> checkpoint_failed_ = std::make_shared<std::atomic<bool>>();
   uint64_t tokens_ = 0, tokens_per_step_ = 0;
   double step_seconds_ = 0, seconds_ = 0, rate_ = 0;
   double val_loss_ = std::numeric_limits<double>::quiet_NaN();

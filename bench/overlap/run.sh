@@ -47,7 +47,7 @@ done
 [ "$rounds" -ge 4 ] || { echo "overlap/run.sh: --rounds must be at least 4 (rounds 3..N are measured)" >&2; exit 2; }
 out=demo-out/bench-overlap
 mkdir -p "$out"
-rows="$out/rows.jsonl"
+rows="${json_out:-$out/rows.jsonl}"  # written row by row: a run cut short keeps its rows
 : > "$rows"
 codec_args=()
 [ -n "$codec" ] && codec_args=(--codec "$codec")
@@ -84,7 +84,7 @@ print(json.dumps(row))
 PY
   done
 done
-[ -n "$json_out" ] && cp "$rows" "$json_out"
+
 /usr/bin/python3 - "$rows" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]

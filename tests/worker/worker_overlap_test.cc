@@ -19,9 +19,11 @@
 // is a bounded poll of real state.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -154,6 +156,55 @@ TEST_P(OverlapShardKill, SigkillOfShardsDuringBackgroundRoundsLosesNothingAndDou
 }
 
 INSTANTIATE_TEST_SUITE_P(Killed, OverlapShardKill, ::testing::Values(1, 2));
+
+// The checkpoint that holds the round in flight is written on the driver's thread before
+// the round's push. On a full disk (a small tmpfs: root only, skipped elsewhere) it cannot
+// be: the worker stops saying so (not as a shard's refusal), nothing of that round reaches
+// the shards, and the last checkpoint stays whole; with room again, the restart trains on
+// and the shards hold what the checkpoint holds.
+TEST_F(Overlap, ACheckpointThatCannotBeWrittenStopsTheWorkerBeforeThePush) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs for the checkpoints";
+  const fs::path ckpt = dir_ / "ckpt";
+  fs::create_directories(ckpt);
+  if (::mount("tmpfs", ckpt.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    fs::path at;
+    ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
+  } unmount{ckpt};
+  WorkerProcess first;
+  first.Start(TrainArgs(0, 1, 2, 2, "", {"--overlap"}), (dir_ / "w1.log").string());
+  ASSERT_EQ(first.Wait(120 * testing::TimeScale()), 0) << first.Log();
+  {
+    std::ofstream filler(ckpt / "filler", std::ios::binary);
+    const std::vector<char> block(4096, 1);
+    for (int i = 0; i < 4096 && filler.write(block.data(), block.size()); ++i) {
+    }
+  }
+  WorkerProcess full;
+  full.Start(TrainArgs(0, 1, 4, 2, "", {"--overlap"}), (dir_ / "w2.log").string());
+  const int rc = full.Wait(120 * testing::TimeScale());
+  EXPECT_NE(rc, 0) << full.Log();
+  EXPECT_NE(rc, 3) << full.Log();
+  EXPECT_NE(full.Log().find("writing the checkpoint that holds round 3 before its push"),
+            std::string::npos)
+      << full.Log();
+  EXPECT_NE(full.Log().find("No space left on device"), std::string::npos) << full.Log();
+  EXPECT_NE(full.Log().find("training resumes from the checkpoint before it"), std::string::npos)
+      << full.Log();
+  for (auto& shard : shards_) {
+    auto h = shard.WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
+    ASSERT_TRUE(h.ok()) << h.status().ToString();
+    EXPECT_EQ(h->rounds.local_round, 2u) << "round 3 reached a shard";
+  }
+  ExpectShardsEqualCheckpoint(0, 2);
+  fs::remove(ckpt / "filler");
+  WorkerProcess again;
+  again.Start(TrainArgs(0, 1, 4, 2, "", {"--overlap"}), (dir_ / "w3.log").string());
+  ASSERT_EQ(again.Wait(120 * testing::TimeScale()), 0) << again.Log();
+  ExpectShardsEqualCheckpoint(0, 4);
+}
 
 // Two sites, alpha's worker SIGKILLed right after a background pull, in LoRA and full mode
 // (tests/worker/overlap_harness.h says what is checked; the GPU tests run the same check
