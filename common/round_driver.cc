@@ -133,9 +133,9 @@ void RoundDriver::RunRound(const RoundInFlight& in) {
   views.reserve(in.delta->size());
   for (const auto& d : *in.delta) views.push_back({d.name, d.shape, d.data.data()});
   if (first.ok() && o_.fault) o_.fault("pushing", in.round);
-  auto pushed = first.ok() ? shards_.PushRound(in.round, in.tokens, in.compute_ms, views,
-                                               o_.rank, o_.world)
-                           : Result<std::vector<ShardPush>>(first);
+  auto pushed =
+      first.ok() ? shards_.PushRound(in.round, in.tokens, in.compute_ms, views, o_.rank, o_.world)
+                 : Result<std::vector<ShardPush>>(first);
   rep.pushed_at = Clock::now();
   rep.push_s = Seconds(rep.pushed_at - t);
   if (!pushed.ok()) {

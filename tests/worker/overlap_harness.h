@@ -19,7 +19,6 @@
 
 namespace isthmus::testing {
 
-
 // A synced site without peers: each shard commits a round as soon as its tensors are
 // pushed, exactly (dense, outer lr 1, no momentum), and K = 2 lets the push run behind the
 // next round.
@@ -73,7 +72,6 @@ class Overlap : public WorkerWithShards {
     for (auto& w : ranks) EXPECT_EQ(w.Wait(240 * testing::TimeScale()), 0) << w.Log();
     return ranks[0].Log();
   }
-
 
   std::map<std::string, std::vector<float>> Tensors(const std::string& job) {
     std::map<std::string, std::vector<float>> out;
@@ -204,11 +202,13 @@ inline void ExpectOverlappedSitesSurviveAKillAfterPull(const std::string& name,
   sites.StartOn(0, kRounds, kH, with_overlap(alpha),
                 {{"ISTHMUS_WORKER_RECORD_DELTAS", da.string()},
                  {"ISTHMUS_WORKER_FAULT_CRASH_AFTER_PULL", "3"}});
-  sites.StartOn(1, kRounds, kH, with_overlap(beta), {{"ISTHMUS_WORKER_RECORD_DELTAS", db.string()}});
+  sites.StartOn(1, kRounds, kH, with_overlap(beta),
+                {{"ISTHMUS_WORKER_RECORD_DELTAS", db.string()}});
   ASSERT_EQ(sites.WaitOn(0), 137) << sites.worker(0).Log();
   EXPECT_NE(sites.worker(0).Log().find("after pulling round 3"), std::string::npos)
       << sites.worker(0).Log();
-  sites.StartOn(0, kRounds, kH, with_overlap(alpha), {{"ISTHMUS_WORKER_RECORD_DELTAS", da.string()}});
+  sites.StartOn(0, kRounds, kH, with_overlap(alpha),
+                {{"ISTHMUS_WORKER_RECORD_DELTAS", da.string()}});
   ASSERT_EQ(sites.WaitOn(0), 0) << sites.worker(0).Log();
   ASSERT_EQ(sites.WaitOn(1), 0) << sites.worker(1).Log();
   EXPECT_NE(sites.worker(0).Log().find("pushing it from the checkpoint"), std::string::npos)
