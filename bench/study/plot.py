@@ -62,7 +62,8 @@ def meets(r):
 
 def setting_of(p):
     """What a point ran, its data-order seed left out: points of several seeds repeat it."""
-    return (p["codec"], p["H"], p["outer_lr"], p["outer_momentum"], k_of(p), bool(p.get("overlap")))
+    return (p["codec"], p["H"], p["outer_lr"], p["outer_momentum"], k_of(p), bool(p.get("overlap")),
+            bool(p.get("swapped")))
 
 
 def settings_meeting(points):
@@ -179,7 +180,8 @@ def outer_label(p):
 
 def name(p):
     return (f"{p['codec']} H{p['H']} {outer_label(p)} {k_label(k_of(p))}"
-            + (" overlapped" if p.get("overlap") else ""))
+            + (" overlapped" if p.get("overlap") else "")
+            + (" sites swapped" if p.get("swapped") else ""))
 
 
 def table(central, points):
@@ -211,7 +213,8 @@ def table(central, points):
             flag += " -> " + ", ".join(p.get("last_round_codecs", []))
         lines.append(f"| {LABEL.get(p['codec'], p['codec'])}{flag} | {p['H']} | "
                      f"{outer_label(p)} | {'?' if k_of(p) is None else k_of(p)} | "
-                     f"{'yes' if p.get('overlap') else 'no'} | {p.get('data_seed', 0)} | "
+                     f"{'yes' if p.get('overlap') else 'no'}{' (sites swapped)' if p.get('swapped') else ''} | "
+                     f"{p.get('data_seed', 0)} | "
                      + " | ".join(f"{v[l]:.4f}" for l in LANGS)
                      + f" | {p['mean_val_loss']:.4f} | {p['worst_rel_gap_pct']:+.2f}% | "
                      f"{p['kernel_wan_bytes']:,} | {p['x_fewer_than_dense_per_step']:,.0f}x |")

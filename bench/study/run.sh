@@ -11,7 +11,7 @@
 # interrupted study resumes where it stopped. bench/study/plot.py reads the file.
 #
 # Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--rounds-ahead K] [--seed S]
-#                           [--overlap] [--points "C/H/O ..."]
+#                           [--overlap] [--swap-sites] [--points "C/H/O ..."]
 #   --quick     smoke test: T = 40, H = 20 only, into demo-out/study-quick
 #   --steps T   total steps per rank (default 800)
 #   --out DIR   results folder (default demo-out/study)
@@ -23,6 +23,9 @@
 #               run of its own seed.
 #   --overlap   the two-site workers overlap their rounds with compute (isthmus-worker
 #               train --overlap); part of every two-site key (".../kK/overlap").
+#   --swap-sites  site A trains on de+es and site B on en+fr (the other way round): tells
+#               a lean that follows a site's position from one that follows its languages;
+#               part of every two-site key (".../swapped").
 #   --points    run only these points after the baseline: CODEC/H/OUTER, OUTER one of avg
 #               (lr 1, no momentum), nesterov (DiLoCo's lr 0.7, momentum 0.9), lrX (lr X,
 #               no momentum) or lrXmY (lr X, Nesterov momentum Y), e.g. int8+zstd/50/lr1.5
@@ -31,7 +34,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=false
+steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=false swap=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
@@ -41,7 +44,8 @@ while [ $# -gt 0 ]; do
     --rounds-ahead) rounds_ahead="$2"; shift 2 ;;
     --seed) seed="$2"; shift 2 ;;
     --overlap) overlap=true; shift ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    --swap-sites) swap=true; shift ;;
+    -h|--help) sed -n 2,32p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -175,7 +179,9 @@ n=0 total=0
 run_point() {
   local codec="$1" h="$2" outer="$3" key="$tkey/$1/H$2/$3/k$rounds_ahead" rate=100mbit flags=() olr omom t0
   local wtrain="$train --batch-size 8"
+  local data_a=demo-out/data/A data_b=demo-out/data/B
   if [ "$overlap" = true ]; then key="$key/overlap" wtrain="$wtrain --overlap"; fi
+  if [ "$swap" = true ]; then key="$key/swapped" data_a=demo-out/data/B data_b=demo-out/data/A; fi
   n=$((n + 1))
   if [ $((steps % h)) -ne 0 ]; then echo "study: [$n/$total] skip $key: H does not divide T"; return; fi
   if done_already "$key"; then echo "study: [$n/$total] skip $key"; return; fi
@@ -194,7 +200,7 @@ run_point() {
   local name="${key//[\/:+]/_}"
   echo "study: [$n/$total] $key: $((steps / h)) rounds, ${flags[*]} --wan-rate $rate ($(date +%T))"
   t0=$(date +%s)
-  if ! deploy/two-site.sh --base "$base" --data-a demo-out/data/A --data-b demo-out/data/B \
+  if ! deploy/two-site.sh --base "$base" --data-a "$data_a" --data-b "$data_b" \
       --model "$model" --train "$wtrain" --rounds $((steps / h)) \
       --steps-per-round "$h" --outer-lr "$olr" --outer-momentum "$omom" "${flags[@]}" \
       --wan-rate "$rate" "${eval_sets[@]}" --eval-batches 32 --out "$out/current" \
@@ -203,8 +209,8 @@ run_point() {
   fi
   if [ ! -f "$out/current/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
   cp "$out/current/summary.json" "$out/runs/$name.json"
-  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s}' \
-    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap")" "$out/current/summary.json"
+  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s, "swapped": %s}' \
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap" "$swap")" "$out/current/summary.json"
 }
 
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with
