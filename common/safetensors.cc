@@ -76,12 +76,21 @@ Status PreadAll(int fd, void* buf, size_t len, uint64_t offset, const std::strin
   return Status::Ok();
 }
 
+// A write that failed: a full disk (or quota) is ResourceExhausted, saying so, not damage.
+Status WriteError(const std::string& what) {
+  if (errno == ENOSPC || errno == EDQUOT) {
+    return Status::ResourceExhausted(what + ": the disk is full (" + ErrnoText() +
+                                     "): free space there or write elsewhere");
+  }
+  return Status::IoError(what + ": " + ErrnoText());
+}
+
 Status WriteAll(int fd, const void* buf, size_t len, const std::string& path) {
   const auto* p = static_cast<const char*>(buf);
   while (len > 0) {
     ssize_t n = ::write(fd, p, len);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return Status::IoError(path + ": write failed: " + ErrnoText());
+    if (n < 0) return WriteError(path + ": write failed");
     p += n;
     len -= static_cast<size_t>(n);
   }
@@ -391,7 +400,7 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
   const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
   std::string tmp = path + ".tmp.XXXXXX";
   Fd fd(::mkstemp(tmp.data()));
-  if (fd.get() < 0) return Status::IoError(path + ": cannot create temporary file: " + ErrnoText());
+  if (fd.get() < 0) return WriteError(path + ": cannot create temporary file");
   auto fail = [&](Status s) {
     ::unlink(tmp.c_str());
     return s;
@@ -405,10 +414,8 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
     s = WriteAll(fd.get(), tensors[i].data.data(), tensors[i].data.size() * 4, tmp);
   }
   if (!s.ok()) return fail(s);
-  if (::fsync(fd.get()) != 0) return fail(Status::IoError(tmp + ": fsync failed: " + ErrnoText()));
-  if (::close(fd.Release()) != 0) {
-    return fail(Status::IoError(tmp + ": close failed: " + ErrnoText()));
-  }
+  if (::fsync(fd.get()) != 0) return fail(WriteError(tmp + ": fsync failed"));
+  if (::close(fd.Release()) != 0) return fail(WriteError(tmp + ": close failed"));
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     return fail(Status::IoError(path + ": rename failed: " + ErrnoText()));
   }
