@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Two isthmus sites on one machine: per site S shards (RocksDB each) and R CPU worker
-# ranks (Gloo), the sites' same-numbered shards joined by CURVE peer links on loopback.
+# Two isthmus sites (three with --data-c) on one machine: per site S shards (RocksDB each)
+# and R CPU worker ranks (Gloo), the sites' same-numbered shards joined by CURVE peer links
+# on loopback.
 # Trains a LoRA job for a fixed number of rounds, waits until every round has committed
 # on every shard, then reports per site: validation loss on both sites' data, rounds
 # committed, WAN bytes sent, compression ratio, and whether the committed digests agree.
@@ -9,6 +10,8 @@
 #
 # Usage: deploy/two-site.sh --base BASE.safetensors --data-a DIR --data-b DIR [options]
 #   --out DIR              work folder, removed first (default demo-out/two-site)
+#   --data-c DIR           a third site C (on loopback, peered with A and B like they are
+#                          with each other), trained on DIR; not with --wan-rate
 #   --model "FLAGS"        model flags shared by every worker (default: 2x128, ctx 128, LoRA r8)
 #   --codec PIPELINE       sync.codec (default: the codec's default pipeline)
 #   --adaptive             sync.adaptive = true
@@ -58,7 +61,7 @@ worker="$build/worker/isthmus-worker"
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.5
-shards=2 ranks=2 summary="" base="" data_a="" data_b="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
+shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
 eval_every=0 report="" top_interval=1 reference=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -88,6 +91,7 @@ while [ $# -gt 0 ]; do
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
+    --data-c) data_c="$2"; shift 2 ;;
     -h|--help) sed -n 2,48p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
@@ -95,6 +99,9 @@ done
 for v in base data_a data_b; do
   if [ -z "${!v}" ]; then echo "two-site.sh: --${v//_/-} is required (try --help)" >&2; exit 2; fi
 done
+if [ -n "$data_c" ] && [ -n "$wan_rate" ]; then
+  echo "two-site.sh: --wan-rate shapes the link between two sites; it does not take --data-c" >&2; exit 2
+fi
 if [ -n "$reference" ] && ! /usr/bin/python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$reference" 2>/dev/null; then
   echo "two-site.sh: --reference $reference is not a readable JSON file" >&2; exit 2
 fi
@@ -138,8 +145,10 @@ trap cleanup EXIT
 trap 'exit 143' INT TERM  # a signal exits through the EXIT trap too
 # Where each site's sockets live: both on loopback, or with --wan-rate site A on the host
 # side of a shaped veth pair and site B inside its own network namespace.
-declare -A host_of=([A]=127.0.0.1 [B]=127.0.0.1) admin_host_of=([A]=127.0.0.1 [B]=127.0.0.1)
-declare -A admin_bind_of=([A]=127.0.0.1 [B]=127.0.0.1) verify_host_of=([A]=127.0.0.1 [B]=127.0.0.1)
+declare -A host_of=([A]=127.0.0.1 [B]=127.0.0.1 [C]=127.0.0.1)
+declare -A admin_host_of=([A]=127.0.0.1 [B]=127.0.0.1 [C]=127.0.0.1)
+declare -A admin_bind_of=([A]=127.0.0.1 [B]=127.0.0.1 [C]=127.0.0.1)
+declare -A verify_host_of=([A]=127.0.0.1 [B]=127.0.0.1 [C]=127.0.0.1)
 if [ -n "$wan_rate" ]; then
   if [ "$(id -u)" -ne 0 ] || ! command -v tc >/dev/null; then
     echo "two-site.sh: --wan-rate needs root and tc/ip (iproute2)" >&2; exit 2
@@ -177,7 +186,7 @@ wan_counter() {
 }
 # Command prefix that runs a process where SITE's processes live. Used as
 # "${prefix[@]}" CMD ... &, so $! is the process itself (ip netns exec execs it).
-declare -A netns_of=([A]="" [B]="$ns")
+declare -A netns_of=([A]="" [B]="$ns" [C]="")
 site_prefix() {  # fills the array `prefix` for site $1
   prefix=()
   if [ -n "${netns_of[$1]}" ]; then prefix=(ip netns exec "${netns_of[$1]}"); fi
@@ -186,7 +195,9 @@ free_port() { /usr/bin/python3 deploy/free_port.py; }  # outside the ephemeral p
 quiet() { "$@" >/dev/null; }
 
 sites=(A B)
-declare -A data_of=([A]="$data_a" [B]="$data_b") steps_of=([A]="$steps" [B]="$steps_b")
+[ -n "$data_c" ] && sites+=(C)
+declare -A data_of=([A]="$data_a" [B]="$data_b" [C]="$data_c")
+declare -A steps_of=([A]="$steps" [B]="$steps_b" [C]="$steps")
 declare -A wport aport pport
 make_keys "$ctl" "$out/keys" "$shards" "${sites[@]}"
 export ISTHMUS_CTL_KEY="$out/keys/admins/admin.key"
@@ -252,7 +263,7 @@ for s in "${sites[@]}"; do
   quiet "${prefix[@]}" "$ctl" job create "${a[@]}" --job demo --from "$out/init.safetensors" --base-hash "$base_hash"
 done
 
-echo "two-site: sites A and B, $shards shards and $ranks ranks each, $rounds rounds" \
+echo "two-site: sites ${sites[*]}, $shards shards and $ranks ranks each, $rounds rounds" \
      "$([ -n "$wan_rate" ] && echo "WAN shaped to $wan_rate")" \
      "(H = ${steps_of[A]} at A, ${steps_of[B]} at B), codec '${codec:-default}'$([ "$adaptive" = true ] && echo ', adaptive')"
 start=$(date +%s)
@@ -345,14 +356,14 @@ set -e
 set_names=""
 for e in "${eval_sets[@]}"; do set_names+="${e%%=*},"; done
 set +e
-/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" "$reference" <<'PY'
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" "$reference" "${sites[*]}" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 kernel_bytes, wan_rate = int(sys.argv[6]), sys.argv[7]
 idle_seconds, idle_bytes = int(sys.argv[8]), int(sys.argv[9])
 set_names = [n for n in sys.argv[10].split(",") if n]
 reference = json.load(open(sys.argv[11])) if sys.argv[11] else None
-sites = ["A", "B"]
+sites = sys.argv[12].split()
 result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
 try:
     verify = json.load(open(f"{out}/verify.json"))
@@ -392,12 +403,13 @@ result["digests_agree"] = agree
 result["rounds_verified"] = compared
 print()
 # The wire (every message, framing, CURVE, handshakes) is the headline; the payload after.
-print(f"{'site':<6}{'val loss A':>12}{'val loss B':>12}{'committed':>11}{'wire sent':>12}{'wire x':>8}"
-      f"{'payload':>10}{'payload x':>11}")
+print(f"{'site':<6}" + "".join(f"{'val loss ' + d:>12}" for d in sites)
+      + f"{'committed':>11}{'wire sent':>12}{'wire x':>8}{'payload':>10}{'payload x':>11}")
 for s, r in result["sites"].items():
     fmt = lambda v: f"{v:.4f}" if isinstance(v, float) else "n/a"
     x = lambda v: f"{v:.1f}x" if v else "n/a"
-    print(f"{s:<6}{fmt(r['val_loss']['A']):>12}{fmt(r['val_loss']['B']):>12}{r['committed_round']:>11}"
+    print(f"{s:<6}" + "".join(f"{fmt(r['val_loss'][d]):>12}" for d in sites)
+          + f"{r['committed_round']:>11}"
           f"{r['wire_bytes_sent']:>12,}{x(r['wire_ratio']):>8}{r['wan_bytes_sent']:>10,}"
           f"{x(r['compression_ratio']):>11}")
 if reference:
@@ -412,18 +424,18 @@ if reference:
               + f"{fmt(central.get(n)):>13}")
 print(f"committed digests agree across sites: {'yes' if agree else 'NO'} ({compared} rounds compared per shard)")
 print(f"training wall time: {trained} s")
+payload = sum(r["wan_bytes_sent"] for r in result["sites"].values())
+wire = sum(r["wire_bytes_sent"] for r in result["sites"].values())
+# Each site estimates the TCP/IP headers of both directions of its links: halve the sum.
+tcp = sum(r["tcp_bytes_estimate"] for r in result["sites"].values()) // 2
+result["counted_wan_bytes"] = wire + tcp
+result["payload_bytes"] = payload
 if wan_rate:
-    payload = sum(r["wan_bytes_sent"] for r in result["sites"].values())
-    wire = sum(r["wire_bytes_sent"] for r in result["sites"].values())
-    # Each site estimates the TCP/IP headers of both directions of its links: halve the sum.
-    tcp = sum(r["tcp_bytes_estimate"] for r in result["sites"].values()) // 2
     result["kernel_wan_bytes"] = kernel_bytes
-    result["counted_wan_bytes"] = wire + tcp
     print(f"WAN veth, both directions: kernel counted {kernel_bytes:,} bytes = "
           f"{kernel_bytes / payload:.2f}x the {payload:,} delta payload bytes; the sites counted "
           f"{wire:,} wire bytes + ~{tcp:,} TCP/IP (estimated) = {(wire + tcp) / kernel_bytes:.2f}x "
           f"the kernel's")
-    result["payload_bytes"] = payload
     result["kernel_to_payload"] = kernel_bytes / payload if payload else None
     if idle_seconds > 0:
         result["idle_seconds"] = idle_seconds

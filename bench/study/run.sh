@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Loss versus WAN bytes on the demo task (LoRA r8 on a 2x128 byte-level GPT; site A trains
 # on en+fr, site B on de+es), every point at the same total compute: T steps per rank.
-#   centralised  one process, all four languages, batch 32 (= 2 sites x 2 ranks x 8), T steps
+#   centralised  one process, all four languages, batch 16 per site (= 2 ranks x 8), T steps
 #   two sites    deploy/two-site.sh (2 shards, 2 ranks per site), H steps per round,
 #                T / H rounds, for each codec x H x outer optimiser in the grid below;
 #                WAN shaped to 100mbit so the veth's kernel counters measure the bytes
@@ -11,7 +11,7 @@
 # interrupted study resumes where it stopped. bench/study/plot.py reads the file.
 #
 # Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--rounds-ahead K] [--seed S]
-#                           [--overlap] [--swap-sites] [--points "C/H/O ..."]
+#                           [--overlap] [--swap-sites] [--sites 2|3] [--points "C/H/O ..."]
 #   --quick     smoke test: T = 40, H = 20 only, into demo-out/study-quick
 #   --steps T   total steps per rank (default 800)
 #   --out DIR   results folder (default demo-out/study)
@@ -26,6 +26,12 @@
 #   --swap-sites  site A trains on de+es and site B on en+fr (the other way round): tells
 #               a lean that follows a site's position from one that follows its languages;
 #               part of every two-site key (".../swapped").
+#   --sites 3   three sites: A on en+fr, B on de+es, C on all four languages (a general
+#               site beside two specialised ones: the languages stay equally mixed, as in
+#               the centralised run, which trains the same tokens at batch 48).
+#               deploy/two-site.sh --data-c runs them on loopback, so the bytes are the
+#               sites' own count of their wire bytes plus an estimate of TCP/IP headers,
+#               not a veth's counters. Part of every key ("TT/3sites/...").
 #   --points    run only these points after the baseline: CODEC/H/OUTER, OUTER one of avg
 #               (lr 1, no momentum), nesterov (DiLoCo's lr 0.7, momentum 0.9), lrX (lr X,
 #               no momentum) or lrXmY (lr X, Nesterov momentum Y), e.g. int8+zstd/50/lr1.5
@@ -34,7 +40,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=false swap=false
+steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=false swap=false nsites=2
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
@@ -45,7 +51,8 @@ while [ $# -gt 0 ]; do
     --seed) seed="$2"; shift 2 ;;
     --overlap) overlap=true; shift ;;
     --swap-sites) swap=true; shift ;;
-    -h|--help) sed -n 2,32p "$0"; exit 0 ;;
+    --sites) nsites="$2"; shift 2 ;;
+    -h|--help) sed -n 2,36p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -63,9 +70,14 @@ if [ -z "$rounds_ahead" ]; then
 fi
 case "$rounds_ahead" in ''|*[!0-9]*) echo "run.sh: --rounds-ahead takes a whole number" >&2; exit 2 ;; esac
 case "$seed" in ''|*[!0-9]*) echo "run.sh: --seed takes a whole number" >&2; exit 2 ;; esac
+case "$nsites" in 2|3) ;; *) echo "run.sh: --sites takes 2 or 3" >&2; exit 2 ;; esac
+if [ "$nsites" -eq 3 ] && [ "$swap" = true ]; then
+  echo "run.sh: --swap-sites is for two sites" >&2; exit 2
+fi
 # The prefix of every key: T steps, and the seed when it is not the default.
 tkey="T$steps"
 [ "$seed" -ne 0 ] && tkey="T$steps/s$seed"
+[ "$nsites" -eq 3 ] && tkey="$tkey/3sites"
 export ISTHMUS_SYNC_MAX_ROUNDS_AHEAD="$rounds_ahead"
 base=demo-out/base/base-2x128-1000.safetensors
 [ -f "$base" ] || base=$(deploy/demo-prepare.sh | tail -1)
@@ -122,19 +134,25 @@ else:
     sync = json.load(open(os.path.join(os.path.dirname(src), "sync-A.json")))
     codecs = sorted({m.group(1) for r in sync for j in r.get("jobs", [])
                      for m in [re.search(r"codec (\S+)", j.get("detail", ""))] if m})
-    row.update(kernel_wan_bytes=s["kernel_wan_bytes"], payload_bytes=s["payload_bytes"],
+    # Two sites: the WAN veth's kernel counters; three (on loopback): the sites' own count.
+    counted = "kernel_wan_bytes" not in s
+    row.update(kernel_wan_bytes=s["counted_wan_bytes"] if counted else s["kernel_wan_bytes"],
+               bytes_counted_by="sites" if counted else "kernel", payload_bytes=s["payload_bytes"],
                digests_agree=s["digests_agree"], train_seconds=s["train_seconds"],
                last_round_codecs=codecs)
 numel_trainable = numel(init)
-# Synchronous data parallelism over the WAN: each site sends the other its fp32 gradient of
-# every trainable tensor every step (payload only: a lower bound, it favours that baseline).
-dense = 2 * numel_trainable * 4 * steps
+# Synchronous data parallelism over the WAN: each site sends every other its fp32 gradient
+# of every trainable tensor every step (payload only: a lower bound, it favours that
+# baseline).
+n = config.get("sites", 2)
+dense = n * (n - 1) * numel_trainable * 4 * steps
 row.update(val_loss=loss, mean_val_loss=sum(loss.values()) / len(loss),
            numel_trainable=numel_trainable, dense_per_step_bytes=dense,
            x_fewer_than_dense_per_step=dense / row["kernel_wan_bytes"] if row["kernel_wan_bytes"] else None)
 central = [json.loads(l) for l in open(results) if l.strip()]
 central = [r for r in central if r["kind"] == "centralised" and r["steps"] == steps
-           and r.get("data_seed", 0) == config.get("data_seed", 0)]
+           and r.get("data_seed", 0) == config.get("data_seed", 0)
+           and r.get("sites", 2) == config.get("sites", 2)]
 if central or config["kind"] == "centralised":
     c = central[-1]["val_loss"] if central else loss
     rel = {l: (loss[l] / c[l] - 1) * 100 for l in langs}
@@ -154,7 +172,7 @@ key="$tkey/centralised"
 if done_already "$key"; then
   echo "study: skip $key (in $results)"
 else
-  echo "study: $key: one process, batch 32, $steps steps ($(date +%T))"
+  echo "study: $key: one process, batch $((16 * nsites)), $steps steps ($(date +%T))"
   c="$out/runs/centralised"
   [ "$seed" -ne 0 ] && c="$c-s$seed"
   mkdir -p "$c"
@@ -162,7 +180,7 @@ else
   # shellcheck disable=SC2086
   "$worker" init $model --base "$base" --out "$c/init.safetensors" >/dev/null 2>&1
   # shellcheck disable=SC2086
-  "$worker" train --standalone $model $train --batch-size 32 --base "$base" \
+  "$worker" train --standalone $model $train --batch-size $((16 * nsites)) --base "$base" \
     --init "$c/init.safetensors" --data demo-out/data/all --no-progress --log-every 100 \
     --save "$c/final.safetensors" > "$c/train.log" 2>&1
   for l in "${langs[@]}"; do
@@ -170,7 +188,7 @@ else
     "$worker" eval $model --base "$base" --trainable "$c/final.safetensors" \
       --data "demo-out/data/lang-$l" --batches 32 --json > "$c/eval-$l.json" 2>/dev/null
   done
-  record "$key" $(( $(date +%s) - t0 )) "{\"kind\": \"centralised\", \"data_seed\": $seed}" "$c"
+  record "$key" $(( $(date +%s) - t0 )) "{\"kind\": \"centralised\", \"data_seed\": $seed, \"sites\": $nsites}" "$c"
 fi
 
 # One two-site point: codec ("default" passes no --codec: topk:0.05+int2+zstd; "adaptive"
@@ -197,20 +215,22 @@ run_point() {
     lr*) olr=${outer#lr} omom=0.0 ;;
     *) echo "study: $key: unknown outer optimiser '$outer' (avg, nesterov, lrX, lrXmY)"; return ;;
   esac
+  local third=() rate_args=(--wan-rate "$rate")
+  if [ "$nsites" -eq 3 ]; then third=(--data-c demo-out/data/all) rate_args=() rate=loopback; fi
   local name="${key//[\/:+]/_}"
-  echo "study: [$n/$total] $key: $((steps / h)) rounds, ${flags[*]} --wan-rate $rate ($(date +%T))"
+  echo "study: [$n/$total] $key: $((steps / h)) rounds, ${flags[*]} WAN $rate ($(date +%T))"
   t0=$(date +%s)
   if ! deploy/two-site.sh --base "$base" --data-a "$data_a" --data-b "$data_b" \
       --model "$model" --train "$wtrain" --rounds $((steps / h)) \
       --steps-per-round "$h" --outer-lr "$olr" --outer-momentum "$omom" "${flags[@]}" \
-      --wan-rate "$rate" "${eval_sets[@]}" --eval-batches 32 --out "$out/current" \
+      "${third[@]}" "${rate_args[@]}" "${eval_sets[@]}" --eval-batches 32 --out "$out/current" \
       --summary "$out/current/summary.json" > "$out/runs/$name.log" 2>&1; then
     echo "study: $key: two-site.sh failed (log: $out/runs/$name.log)"
   fi
   if [ ! -f "$out/current/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
   cp "$out/current/summary.json" "$out/runs/$name.json"
-  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s, "swapped": %s}' \
-    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap" "$swap")" "$out/current/summary.json"
+  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s, "swapped": %s, "sites": %d}' \
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap" "$swap" "$nsites")" "$out/current/summary.json"
 }
 
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with
