@@ -265,7 +265,7 @@ done
 
 echo "two-site: sites ${sites[*]}, $shards shards and $ranks ranks each, $rounds rounds" \
      "$([ -n "$wan_rate" ] && echo "WAN shaped to $wan_rate")" \
-     "(H = ${steps_of[A]} at A, ${steps_of[B]} at B), codec '${codec:-default}'$([ "$adaptive" = true ] && echo ', adaptive')"
+     "(H = ${steps_of[A]} at A, ${steps_of[B]} at B$([ -n "$data_c" ] && echo ", ${steps_of[C]} at C")), codec '${codec:-default}'$([ "$adaptive" = true ] && echo ', adaptive')"
 start=$(date +%s)
 wpids=()
 for s in "${sites[@]}"; do
