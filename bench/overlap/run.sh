@@ -19,7 +19,8 @@
 #   --steps-per-round H  inner steps per round (default 20)
 #   --runs R             runs of each case (default 3)
 #   --codec PIPELINE     sync.codec (default: the server's default pipeline)
-#   --json FILE          also write every row as JSON lines to FILE
+#   --json FILE          write the rows (JSON lines, as each run ends) to FILE, not to
+#                        demo-out/bench-overlap/rows.jsonl
 # Environment: ISTHMUS_BUILD_DIR (default build), passed to deploy/two-site.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     --runs) runs="$2"; shift 2 ;;
     --codec) codec="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
-    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,24p "$0"; exit 0 ;;
     *) echo "overlap/run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
