@@ -398,7 +398,10 @@ int CmdMembership(const Connection& c, wire::MembershipAction action, const std:
         if (it == started[i].end() || outcome[i].count(j.job)) continue;
         const bool member =
             std::find(j.members.begin(), j.members.end(), st->site) != j.members.end();
-        const bool done = action == wire::MembershipAction::Join ? member && !j.change_pending
+        // A join is done once this site is a member at an epoch after the one it held when
+        // it asked (a removed site still lists itself in its old membership).
+        const bool done = action == wire::MembershipAction::Join
+                              ? member && !j.change_pending && j.epoch > it->second
                           : action == wire::MembershipAction::CatchUp
                               ? !j.change_pending && (j.change.rfind("caught up", 0) == 0 ||
                                                       j.change.rfind("nothing to catch up", 0) == 0)

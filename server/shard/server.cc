@@ -324,7 +324,10 @@ Status DoMembershipControl(const wire::MembershipControl* req, uint64_t id, Sync
     auto& fbb = reply.header;
     std::vector<flatbuffers::Offset<flatbuffers::String>> names{
         fbb.CreateString(req->job()->str())};
-    std::vector<uint64_t> epochs{0};
+    // The epoch this site holds now (0: none; a removed site's is older than any it can join
+    // at): the join is done once the site is a member at a later epoch.
+    auto held = engine->JobStatus(req->job()->str());
+    std::vector<uint64_t> epochs{held.ok() ? held->members.epoch : 0};
     auto body =
         wire::CreateMembershipControlReply(fbb, fbb.CreateVector(names), fbb.CreateVector(epochs));
     FinishEnvelope(reply.header, id, wire::Body::MembershipControlReply, body.Union());

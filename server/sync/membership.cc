@@ -653,6 +653,10 @@ void MembershipProtocol::OnRemovedNotice(const std::string& peer, const std::str
                                          uint64_t removed_from) {
   const SyncRecord* r = host_->Record(job);
   if (r == nullptr || !r->members.Has(site_) || !r->members.Has(peer)) return;
+  // A removal from before the membership this site holds is stale: the peer answered before
+  // it applied the change that counted this site in again (a join), and the answer was read
+  // after this site installed it. Taking it would stop the rejoined site's workers.
+  if (removed_from < r->members.from_round) return;
   JobState& js = jobs_[job];
   std::string notice = "site " + peer + " no longer counts this site (" + site_ + ") in job '" +
                        job + "': it was removed from round " + std::to_string(removed_from) +

@@ -1406,6 +1406,20 @@ TEST(SyncEngineTest, RemovalIsAgreedDurablyAndCutsAtTheNextRound) {
   Deliver(a, b), Deliver(b, a);
   EXPECT_EQ(a.engine().CommittedRound(kJob), 3u);
   EXPECT_EQ(a.Digests(), b.Digests());
+
+  // A peer's word that this site was removed from a round before the membership it holds
+  // (members from round 2) is stale: a site that joined again reads it when the peer
+  // answered before it applied the addition. Ignored, the workers go on; a removal from a
+  // round of the current membership is news and stops them, saying so.
+  b.engine().OnRemovedNotice("siteA", kJob, 1);
+  EXPECT_EQ(b.engine().membership().RemovedNotice(kJob), "");
+  EXPECT_EQ(b.engine().JobStatus(kJob)->change_note.find("no longer counts"), std::string::npos);
+  b.engine().OnRemovedNotice("siteA", kJob, 4);
+  EXPECT_NE(b.engine().membership().RemovedNotice(kJob).find(
+                "site siteA no longer counts this site (siteB) in job 'j': it was removed "
+                "from round 4"),
+            std::string::npos)
+      << b.engine().membership().RemovedNotice(kJob);
 }
 
 TEST(SyncEngineTest, RecordsWithoutMembershipReadAsTheConfiguredSites) {
