@@ -118,17 +118,16 @@ void RoundDriver::Loop() {
   }
 }
 
-void RoundDriver::RunRound(const RoundInFlight& in) {
+void RoundDriver::RunRound(RoundInFlight& in) {
   Outcome out;
   RoundReport& rep = out.report;
   rep.round = in.round;
-  auto t = Clock::now();
   Status first;
   if (in.first) {
     first = in.first();
-    rep.first_s = Seconds(Clock::now() - t);
-    t = Clock::now();
+    in.first = nullptr;  // what it holds (the worker's checkpoint image) goes now
   }
+  auto t = Clock::now();
   std::vector<TensorView> views;
   views.reserve(in.delta->size());
   for (const auto& d : *in.delta) views.push_back({d.name, d.shape, d.data.data()});
@@ -234,6 +233,7 @@ Status RoundDriver::Start(RoundInFlight in) {
   }
   if (!in.delta) return Status::InvalidArgument(R(in.round) + ": no delta");
   inflight_ = in;
+  inflight_->first = nullptr;  // run by the driver's thread only: this copy need not hold it
   said_wait_ = false;
   {
     std::lock_guard lk(mu_);

@@ -165,7 +165,6 @@ struct RoundReport {
   std::vector<ShardPush> pushes;  // this rank's shards, in order
   bool pushed = false;            // every shard this rank pushes holds the round
   Staleness staleness;            // the last check of the wait (limit: K)
-  double first_s = 0;             // RoundInFlight::first, on the driver's thread
   double push_s = 0, wait_s = 0, pull_s = 0;
   double blocked_s = 0;      // the caller waited for the round (any stage; without overlap
                              // from the hand-over: push_s + wait_s + pull_s at least)
@@ -255,8 +254,8 @@ class RoundDriver {
   const RoundDriverOptions& options() const { return o_; }
 
  private:
-  void Loop();                             // the driver's thread
-  void RunRound(const RoundInFlight& in);  // one round, on the driver's thread
+  void Loop();                       // the driver's thread
+  void RunRound(RoundInFlight& in);  // one round, on the driver's thread
   Status WaitForBound(const RoundInFlight& in, RoundReport& report);
   // Runs o_.await (or sleeps on cv_) until `done` (checked under mu_) holds; says once
   // why when the round waits for the WAN meanwhile.
