@@ -43,7 +43,7 @@ struct Pipeline {
 // The pipeline used when a configuration names none. Chosen by bench/codec (figures in
 // docs/CODECS.md): about 68x smaller than dense fp32 on LoRA deltas, and with error feedback
 // the sum of decoded deltas over 50 rounds is as close to the true sum as topk:0.05+int4's.
-inline constexpr std::string_view kDefaultPipeline = "topk:0.05+int2+zstd";
+inline constexpr std::string_view kDefaultPipeline = "int2:256+zstd";
 
 // Parses pipeline text: "dense", "defer", or '+'-joined stages in order
 //   [lowrank:RANK] [topk:DENSITY | blocktopk:DENSITY:BLOCK] [int8|int4|int2[:BLOCK]]
@@ -114,8 +114,8 @@ struct FeedbackTask {
 void EncodeWithFeedbackMany(std::span<FeedbackTask> tasks, int threads);
 
 // The ladder of adaptive mode, finest (most accurate) first: dense, int8+zstd, int4+zstd,
-// topk:0.25+int8+zstd, ..., topk:0.001+int2+zstd (13 rungs; docs/CODECS.md lists them). Ordered by
-// measured error on LoRA deltas (bench/codec).
+// topk:0.25+int8+zstd, int2:256+zstd, ..., topk:0.001+int2+zstd (14 rungs; docs/CODECS.md lists
+// them). Ordered by measured error on LoRA deltas (bench/codec).
 const std::vector<Pipeline>& AdaptiveLadder();
 
 // Estimated size of Encode(p, x) for x of `numel` elements (an upper-leaning estimate: it

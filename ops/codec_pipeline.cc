@@ -175,6 +175,7 @@ const std::vector<Pipeline>& AdaptiveLadder() {
         "int8+zstd",
         "int4+zstd",
         "topk:0.25+int8+zstd",
+        "int2:256+zstd",
         "topk:0.1+int8+zstd",
         "topk:0.1+int4+zstd",
         "topk:0.05+int4+zstd",

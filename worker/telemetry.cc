@@ -218,7 +218,9 @@ std::string Telemetry::Render() {
   w.Single("isthmus_worker_skipped_steps_total", Type::kCounter,
            "Steps skipped for a non-finite gradient.", static_cast<double>(skipped_total_));
   w.Single("isthmus_worker_rounds_total", Type::kCounter,
-           "Rounds this process finished (pushed and pulled).", static_cast<double>(rounds_total_));
+           "Rounds this process finished (pushed and pulled; with --overlap, trained: the "
+           "last one's push and pull complete during the next round).",
+           static_cast<double>(rounds_total_));
   w.Single("isthmus_worker_tokens_total", Type::kCounter,
            "Training tokens of the whole site (every rank's batches) since the job began.",
            static_cast<double>(tokens_total_));

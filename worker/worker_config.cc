@@ -403,12 +403,12 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
       ->capture_default_str();
   app.add_option("--comm-timeout", t.comm_timeout_s, "seconds before an in-site collective fails")
       ->capture_default_str();
-  app.add_option("--steps-per-round", t.steps_per_round, "inner steps per round H (default 50)");
+  app.add_option("--steps-per-round", t.steps_per_round, "inner steps per round H (default 80)");
   app.add_option("--round-seconds", t.round_seconds,
                  "target round duration; adapts H each round from the measured step time");
   app.add_flag("--overlap,!--no-overlap", t.overlap,
                "push, wait for the WAN and pull in the background while the next round "
-               "trains; the pulled state is merged at a step boundary (default off)");
+               "trains; the pulled state is merged at a step boundary (default on)");
   app.add_option("--max-rounds", t.max_rounds, "stop after this many rounds (0: no bound)");
   app.add_option("--max-steps", t.max_steps, "stop after this many steps (0: no bound)");
   app.add_option("--lr", t.lr, "peak learning rate")->capture_default_str();

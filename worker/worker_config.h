@@ -119,12 +119,13 @@ struct TrainSettings {
   std::string rendezvous;  // "tcp:HOST:PORT" or "file:DIR"; needed when world_size > 1
   std::string comm_host = "127.0.0.1";
   int comm_timeout_s = 300;  // bound on every in-site collective
-  int steps_per_round = 0;   // H; 0 means 50 unless round_seconds is set
+  int steps_per_round = 0;   // H; 0 means 80 unless round_seconds is set
   double round_seconds = 0;  // > 0: adapt H each round to take about this long
   // The round boundary in the background (docs/SYNC.md, "The overlapped round"): the next
   // round trains while the round's push, wait for the WAN and pull run, and the pulled state
-  // is merged at a step boundary. Off by default (see docs/WORKER.md for why).
-  bool overlap = false;
+  // is merged at a step boundary. On by default: it matches or beats synchronous rounds on
+  // quality (docs/BENCHMARKS.md, section 8) and hides the boundary (section 7).
+  bool overlap = true;
   int64_t max_rounds = 0;  // 0: no bound
   int64_t max_steps = 0;   // 0: no bound (one of the two must be set)
   float lr = 3e-4f;
@@ -153,7 +154,7 @@ struct TrainSettings {
   bool progress = true;  // the live line on a terminal (false: plain lines always)
 
   // Effective H for a fixed-H run.
-  int StepsPerRound() const { return steps_per_round > 0 ? steps_per_round : 50; }
+  int StepsPerRound() const { return steps_per_round > 0 ? steps_per_round : 80; }
   model::TrainerConfig Trainer() const;
   // InvalidArgument naming the first bad or missing setting.
   Status Validate() const;

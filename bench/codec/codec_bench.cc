@@ -199,6 +199,7 @@ int Main() {
                                               "int8+zstd",
                                               "int4+zstd",
                                               "int2+zstd",
+                                              "int2:256+zstd",
                                               "topk:0.25+int8+zstd",
                                               "topk:0.1+int8+zstd",
                                               "topk:0.1+int4+zstd",
@@ -216,7 +217,7 @@ int Main() {
                                               "lowrank:2+int8+zstd"};
   PrintTable("one LoRA delta, 768x16 (h.0.attn.c_attn.lora_B)", one, pipelines);
   PrintTable("all adapters of a 4-layer d=256 GPT-2, LoRA rank 16", all, pipelines);
-  FeedbackExperiment({"int4+zstd", "topk:0.1+int4+zstd", "topk:0.05+int4+zstd",
+  FeedbackExperiment({"int4+zstd", "int2:256+zstd", "topk:0.1+int4+zstd", "topk:0.05+int4+zstd",
                       "topk:0.05+int2+zstd", "topk:0.01+int4+zstd", "topk:0.001+int2+zstd",
                       "lowrank:4+int8+zstd"});
   return 0;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <concepts>
 #include <cstdlib>
@@ -68,12 +69,12 @@ std::string ToText(const std::vector<std::string>& v) {
   return out;
 }
 std::string ToText(bool v) { return v ? "true" : "false"; }
+// The shortest text that reads back as `v` (0.6, not 0.59999999999999998).
 std::string ToText(double v) {
-  std::ostringstream os;
-  os.precision(17);
-  os << v;
-  std::string s = os.str();
-  if (s.find_first_of(".e") == std::string::npos) s += ".0";
+  char buf[64];
+  auto [end, ec] = std::to_chars(buf, buf + sizeof buf, v);
+  std::string s = ec == std::errc() ? std::string(buf, end) : std::to_string(v);
+  if (s.find_first_of(".e") == std::string::npos && std::isfinite(v)) s += ".0";
   return s;
 }
 template <std::integral T>
@@ -308,30 +309,32 @@ const std::vector<Binding>& Bindings() {
       Bind(
           "sync.codec", [](auto& c) -> auto& { return c.sync.codec; },
           "Codec pipeline for round deltas (ops/codec.h syntax, e.g. topk:0.05+int4+zstd). Empty: "
-          "the codec's default."),
+          "int2:256+zstd (2-bit values, one scale per 256; docs/SYNC.md, \"Defaults\"). With "
+          "sync.adaptive it is the finest pipeline a round uses."),
       Bind(
           "sync.codec_overrides", [](auto& c) -> auto& { return c.sync.codec_overrides; },
           "Per-tensor pipelines, each GLOB=PIPELINE on tensor names; the first match wins."),
       Bind(
           "sync.adaptive", [](auto& c) -> auto& { return c.sync.adaptive; },
-          "Choose density and bit width per round so one round's transfer fits in one round's "
-          "compute time on the slowest link."),
+          "Keep one round's transfer within one round's compute time on the slowest link: a round "
+          "uses sync.codec while its size fits and a coarser pipeline of the adaptive ladder when "
+          "it would not (docs/CODECS.md)."),
       Bind(
           "sync.adaptive_floor", [](auto& c) -> auto& { return c.sync.adaptive_floor; },
-          "Coarsest pipeline adaptive mode may use. Empty: sync.codec."),
+          "Coarsest pipeline adaptive mode may use. Empty: the ladder's coarsest, "
+          "topk:0.001+int2+zstd."),
       Bind(
           "sync.adaptive_ceiling", [](auto& c) -> auto& { return c.sync.adaptive_ceiling; },
-          "Finest pipeline adaptive mode may use. Empty: dense."),
+          "Finest pipeline adaptive mode may use, chosen from the ladder by size (e.g. dense). "
+          "Empty: sync.codec and sync.codec_overrides as set, whenever they fit."),
       Bind(
           "sync.outer_lr", [](auto& c) -> auto& { return c.sync.outer_lr; },
           "Outer learning rate applied to the merged round delta.", Range{0, kMaxOuterLr, true}),
       Bind(
           "sync.outer_momentum", [](auto& c) -> auto& { return c.sync.outer_momentum; },
-          "Outer Nesterov momentum in [0, 1); 0: plain averaging. With outer_lr 1, 0.5 was the "
-          "best or near-best setting for every codec of the loss-versus-bytes study "
-          "(docs/BENCHMARKS.md, section 8); its best point (int2:256+zstd, 80 steps per round, "
-          "max_rounds_ahead 0) used 0.6 with outer_lr 1.25. Every site of a job must use the "
-          "same value.",
+          "Outer Nesterov momentum in [0, 1); 0: plain averaging. The default, with outer_lr "
+          "1.25, is the best point of the loss-versus-bytes study (docs/BENCHMARKS.md, section "
+          "8). Every site of a job must use the same value.",
           Range{0, 1, false, true}),
       Bind(
           "sync.fragments", [](auto& c) -> auto& { return c.sync.fragments; },
@@ -573,14 +576,10 @@ Result<ServerConfig> LoadServerConfig(const std::string& config_file,
             case SettingType::kInt:
               text = std::to_string(toml::get<int64_t>(value));
               break;
-            case SettingType::kDouble: {
-              std::ostringstream os;
-              os.precision(17);
-              os << (value.is_integer() ? static_cast<double>(toml::get<int64_t>(value))
-                                        : toml::get<double>(value));
-              text = os.str();
+            case SettingType::kDouble:
+              text = ToText(value.is_integer() ? static_cast<double>(toml::get<int64_t>(value))
+                                               : toml::get<double>(value));
               break;
-            }
             case SettingType::kStringList: {
               auto items = toml::get<std::vector<std::string>>(value);
               for (size_t i = 0; i < items.size(); ++i) text += (i ? "," : "") + items[i];

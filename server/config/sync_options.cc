@@ -56,10 +56,11 @@ Status NormalizeSyncOptions(SyncOptions& options) {
     }
     texts.push_back(o.substr(eq + 1));
   }
-  if (options.adaptive_floor.empty()) options.adaptive_floor = options.codec;
-  if (options.adaptive_ceiling.empty()) options.adaptive_ceiling = "dense";
+  if (options.adaptive_floor.empty()) {
+    options.adaptive_floor = codec::ToString(codec::AdaptiveLadder().back());
+  }
   texts.push_back(options.adaptive_floor);
-  texts.push_back(options.adaptive_ceiling);
+  if (!options.adaptive_ceiling.empty()) texts.push_back(options.adaptive_ceiling);
   for (const auto& t : texts) {
     auto p = codec::ParsePipeline(t);
     if (!p.ok()) {

@@ -31,11 +31,15 @@ struct SyncOptions {
   // "glob=pipeline" entries (fnmatch globs on tensor names); the first match wins.
   std::vector<std::string> codec_overrides;
   // Adaptive mode: size each round's encoding to the slowest link, within floor/ceiling.
-  bool adaptive = false;
-  std::string adaptive_floor;    // coarsest pipeline allowed (empty: codec)
-  std::string adaptive_ceiling;  // finest pipeline allowed (empty: dense)
-  double outer_lr = 1.0;
-  double outer_momentum = 0.5;
+  // On by default: a round uses `codec` while its transfer fits the round's compute time
+  // and goes coarser only when it would not (the full model over a slow link).
+  bool adaptive = true;
+  std::string adaptive_floor;  // coarsest pipeline allowed (empty: the ladder's coarsest)
+  // Finest pipeline allowed. Empty: `codec` (and its overrides) whenever its estimated size
+  // fits the round's budget, ladder rungs coarser than it otherwise.
+  std::string adaptive_ceiling;
+  double outer_lr = 1.25;
+  double outer_momentum = 0.6;
   // Streaming: the job's tensors fall into this many fragments of about equal size
   // (AssignFragments); round r sends fragment (r - 1) % fragments and defers the others
   // (codec "defer": their deltas wait in the error-feedback residual), so each fragment
@@ -43,7 +47,7 @@ struct SyncOptions {
   // 1 = every tensor every round.
   uint32_t fragments = 1;
   // K: workers wait while local - committed > K (0: synchronous rounds, each commits first)
-  uint64_t max_rounds_ahead = 2;
+  uint64_t max_rounds_ahead = 1;
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
   // Threads that encode a closing round's tensors (one tensor per thread at a time, the

@@ -110,7 +110,9 @@ SyncEngine::SyncEngine(Store* store, SyncOptions options)
   };
   codec_pipe_ = parsed(options_.codec);
   floor_pipe_ = parsed(options_.adaptive_floor);
-  ceiling_pipe_ = parsed(options_.adaptive_ceiling);
+  // No ceiling: the configured pipeline is the finest, and the ladder starts at its rung.
+  ceiling_pipe_ =
+      options_.adaptive_ceiling.empty() ? codec_pipe_ : parsed(options_.adaptive_ceiling);
   dense_pipe_ = parsed("dense");
   defer_pipe_ = parsed("defer");
   for (const auto& o : options_.codec_overrides) {
@@ -460,6 +462,13 @@ int SyncEngine::DeferredRetryMs() const {
   return static_cast<int>(std::max<int64_t>(left.count(), 0));
 }
 
+const codec::Pipeline& SyncEngine::ConfiguredPipeline(const std::string& tensor) const {
+  for (const auto& [glob, pipe] : override_pipes_) {
+    if (fnmatch(glob.c_str(), tensor.c_str(), 0) == 0) return pipe;
+  }
+  return codec_pipe_;
+}
+
 codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
                                         uint64_t total_numel) const {
   // Alone, the delta never crosses a link: keep it exact.
@@ -475,16 +484,19 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
       min_bw = min_bw < 0 ? it->second : std::min(min_bw, it->second);
     }
     if (min_bw > 0) {
-      double budget = min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
-                      static_cast<double>(std::max<uint64_t>(total_numel, 1));
-      return codec::ChooseAdaptive(numel, static_cast<uint64_t>(std::max(budget, 0.0)), floor_pipe_,
+      const double budget =
+          std::max(min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
+                       static_cast<double>(std::max<uint64_t>(total_numel, 1)),
+                   0.0);
+      const codec::Pipeline& configured = ConfiguredPipeline(tensor);
+      if (options_.adaptive_ceiling.empty() && codec::EstimateBytes(configured, numel) <= budget) {
+        return configured;
+      }
+      return codec::ChooseAdaptive(numel, static_cast<uint64_t>(budget), floor_pipe_,
                                    ceiling_pipe_);
     }
   }
-  for (const auto& [glob, pipe] : override_pipes_) {
-    if (fnmatch(glob.c_str(), tensor.c_str(), 0) == 0) return pipe;
-  }
-  return codec_pipe_;
+  return ConfiguredPipeline(tensor);
 }
 
 std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint64_t>& numel,

@@ -349,6 +349,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // sends (its fragment's). The configured pipelines were parsed once, at construction.
   codec::Pipeline PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
                               uint64_t total_numel) const;
+  // sync.codec, or the first of sync.codec_overrides whose glob matches `tensor`.
+  const codec::Pipeline& ConfiguredPipeline(const std::string& tensor) const;
   void CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const;
 
   Store* store_;

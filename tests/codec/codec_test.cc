@@ -304,6 +304,7 @@ TEST(CodecFeedback, SumOfDecodedTracksSumOfTrue) {
   // the more of the error sits in the not-yet-sent residual after 50 rounds.
   for (auto [t, max_ratio, max_err] :
        {std::tuple{std::string_view("topk:0.05+int4+zstd"), 0.5, 0.4},
+        {std::string_view("topk:0.05+int2+zstd"), 0.5, 0.4},
         {std::string_view(kDefaultPipeline), 0.5, 0.4},
         {"topk:0.01+int2+zstd", 0.7, 0.6},
         {"lowrank:2+int8", 0.8, 0.7}}) {
@@ -423,20 +424,26 @@ TEST(CodecFeedback, DeferSendsAHeaderAndKeepsEverythingInTheResidual) {
   EXPECT_FALSE(IsDeferred(""));
 }
 
-TEST(CodecFeedback, DefaultPipelineIsFiftyTimesSmaller) {
+// The sparse pipeline that was the default before int2:256+zstd (docs/SYNC.md, "Defaults").
+constexpr std::string_view kSparsePipeline = "topk:0.05+int2+zstd";
+
+TEST(CodecFeedback, SparsePipelineIsFiftyTimesSmaller) {
   std::vector<float> x = Gaussian(768 * 16, 12);
-  std::string bytes = Encode(P(kDefaultPipeline), x, std::vector<int64_t>{768, 16});
+  std::string bytes = Encode(P(kSparsePipeline), x, std::vector<int64_t>{768, 16});
   EXPECT_GE(x.size() * 4.0 / bytes.size(), 50.0) << bytes.size() << " bytes";
 }
 
 // The round deltas of a small LoRA model are 1024-4096-element tensors: the fixed overhead
-// (compact header, zstd only where it pays) must leave the default >= 50x there too.
+// (compact header, zstd only where it pays) must leave the sparse pipeline >= 50x there too,
+// and the default (2 bits a value and one fp32 scale per 256: at most 15.06x) >= 14x.
 TEST(CodecFormat, SmallTensorsStayFiftyTimesSmaller) {
   for (size_t n : {1024u, 2048u, 4096u}) {
     std::vector<float> x = Gaussian(n, 20 + n);
-    std::string bytes =
-        Encode(P(kDefaultPipeline), x, std::vector<int64_t>{static_cast<int64_t>(n)});
-    EXPECT_GE(n * 4.0 / bytes.size(), 50.0) << n << ": " << bytes.size() << " bytes";
+    const std::vector<int64_t> shape{static_cast<int64_t>(n)};
+    std::string sparse = Encode(P(kSparsePipeline), x, shape);
+    EXPECT_GE(n * 4.0 / sparse.size(), 50.0) << n << ": " << sparse.size() << " bytes";
+    std::string dflt = Encode(P(kDefaultPipeline), x, shape);
+    EXPECT_GE(n * 4.0 / dflt.size(), 14.0) << n << ": " << dflt.size() << " bytes";
   }
 }
 

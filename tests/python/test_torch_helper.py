@@ -148,7 +148,7 @@ class OverlapTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.shards = harness.Site(shards=2, extra_config=(
-            '[sync]\nsite = "solo"\nouter_momentum = 0.0\n'))
+            '[sync]\nsite = "solo"\nouter_lr = 1.0\nouter_momentum = 0.0\n'))
 
     @classmethod
     def tearDownClass(cls):
@@ -215,7 +215,7 @@ class StalenessTest(unittest.TestCase):
                 opt = torch.optim.SGD(model.parameters(), lr=0.1)
                 rank = isthmus.torch.SiteRank(site, model.named_job_parameters(),
                                               steps_per_round=1, base_hash="base-1",
-                                              staleness_timeout_s=0.5)
+                                              staleness_timeout_s=0.5, overlap=False)
                 rank.start()
                 train_step(model, opt, 0)
                 self.assertTrue(rank.step())  # round 1: one ahead, within the limit

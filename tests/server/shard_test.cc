@@ -165,7 +165,8 @@ class ShardTest : public ::testing::Test {
     SyncOptions so;
     so.site = "A";
     so.peer_sites = std::move(peers);
-    so.outer_momentum = 0.0;  // plain averaging: a commit adds the round's merged delta
+    so.outer_lr = 1.0;  // plain averaging: a commit adds the round's merged delta
+    so.outer_momentum = 0.0;
     o.sync = so;
     auto s = Shard::Open(o);
     ASSERT_TRUE(s.ok()) << s.status().ToString();
@@ -492,7 +493,7 @@ TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {
   ASSERT_TRUE(rs.ok()) << rs.status().ToString();
   EXPECT_EQ((*rs)[0], 1u);
   EXPECT_EQ((*rs)[1], 1u);
-  EXPECT_EQ((*rs)[2], 2u);
+  EXPECT_EQ((*rs)[2], SyncOptions{}.max_rounds_ahead);  // K, as configured
   auto now = Pull(0, &v);
   EXPECT_EQ(now["w"], (std::vector<float>{1.5f, 2.5f, 2, 5}));
   EXPECT_EQ(now["b"], (std::vector<float>{1, 2, 3}));

@@ -1072,7 +1072,8 @@ TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
   dopt.site = "siteD";
   dopt.peer_sites = {"siteA", "siteB", "siteC"};
   dopt.codec = "dense";
-  dopt.outer_momentum = 0.0;  // as the Site helper's sites
+  dopt.outer_lr = 1.0;  // as the Site helper's sites
+  dopt.outer_momentum = 0.0;
   auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
   SyncEngine::JobHooks hooks;
   hooks.install = [](const std::string&, const std::string&,
@@ -1270,6 +1271,7 @@ TEST(SyncEngineTest, AJoinRefusedBecauseTheRoundsMovedOnIsAskedAgainAndSucceeds)
   dopt.site = "siteD";
   dopt.peer_sites = {"siteA", "siteB"};
   dopt.codec = "dense";
+  dopt.outer_lr = 1.0;
   dopt.outer_momentum = 0.0;
   auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
   SyncEngine::JobHooks hooks;

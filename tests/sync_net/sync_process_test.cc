@@ -79,11 +79,11 @@ class SyncProcessTest : public ::testing::Test {
       std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
                                  s->dir() / "admins" / "shared.pub",
                                  std::filesystem::copy_options::overwrite_existing);
-      s->Configure(
-          peered ? all : std::vector<SiteProcess*>{s.get()},
-          "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2\n" +
-              extra_sync,
-          s->site() == "beta" ? unlisted : std::set<std::string>{});
+      s->Configure(peered ? all : std::vector<SiteProcess*>{s.get()},
+                   "codec = \"dense\"\nadaptive = false\nouter_lr = 1.0\nouter_momentum = "
+                   "0.0\nmax_rounds_ahead = 2\n" +
+                       extra_sync,
+                   s->site() == "beta" ? unlisted : std::set<std::string>{});
       ASSERT_TRUE(s->Start());
     }
     auto w = Initial("w", kRows * kCols), b = Initial("b", kCols);
@@ -250,7 +250,8 @@ class SyncProcessTest : public ::testing::Test {
     std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
                                sites_[3]->dir() / "admins" / "shared.pub");
     const std::string extra =
-        "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2";
+        "codec = \"dense\"\nadaptive = false\nouter_lr = 1.0\nouter_momentum = "
+        "0.0\nmax_rounds_ahead = 2";
     if (restart.empty()) {
       for (int i = 0; i < static_cast<int>(sites_.size()); ++i) restart.push_back(i);
     }

@@ -135,7 +135,7 @@ TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
   auto deltas = Recording(d, 2);
   // A site with the round protocol on and no peers: each round commits once it closes.
   // Plain averaging, so that the committed state is the start plus the deltas.
-  testing::ServerProcess server("[sync]\nsite = \"solo\"\nouter_momentum = 0.0\n");
+  testing::ServerProcess server("[sync]\nsite = \"solo\"\nouter_lr = 1.0\nouter_momentum = 0.0\n");
   ASSERT_TRUE(server.Start());
   auto start = RecordedRound(0);
   std::vector<TensorView> views;

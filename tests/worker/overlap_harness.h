@@ -23,7 +23,7 @@ namespace isthmus::testing {
 // pushed, exactly (dense, outer lr 1, no momentum), and K = 2 lets the push run behind the
 // next round.
 constexpr char kSoloSite[] =
-    "[sync]\nsite = \"solo\"\nouter_momentum = 0.0\nmax_rounds_ahead = 2\n";
+    "[sync]\nsite = \"solo\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2\n";
 
 class Overlap : public WorkerWithShards {
  protected:
@@ -191,7 +191,8 @@ inline void ExpectOverlappedSitesSurviveAKillAfterPull(const std::string& name,
                                                        const std::vector<std::string>& init = {}) {
   constexpr int kRounds = 6, kH = 2;
   TwoSites sites(name);
-  ASSERT_TRUE(sites.Start(2, "codec = \"dense\"\nouter_lr = 1.0\nouter_momentum = 0.0", init));
+  ASSERT_TRUE(sites.Start(
+      2, "codec = \"dense\"\nadaptive = false\nouter_lr = 1.0\nouter_momentum = 0.0", init));
   const fs::path da = sites.root() / "deltas-alpha", db = sites.root() / "deltas-beta";
   fs::create_directories(da);
   fs::create_directories(db);

@@ -197,15 +197,17 @@ TEST_F(WorkerWithShards, KilledWorkerResumesWithoutApplyingARoundTwice) {
   ExpectShardsEqualCheckpoint(0, 6);
 }
 
+// The serial round (--no-overlap): the checkpoint follows the push. (With --overlap it
+// precedes it: worker_overlap_test.cc.)
 TEST_F(WorkerWithShards, CrashBetweenPushAndCheckpointIsRedoneAsDuplicate) {
   WorkerProcess w;
-  w.Start(TrainArgs(0, 1, 4, 2), (dir_ / "w1.log").string(), "2");
+  w.Start(TrainArgs(0, 1, 4, 2, "", {"--no-overlap"}), (dir_ / "w1.log").string(), "2");
   ASSERT_EQ(w.Wait(), 137) << w.Log();
   auto ckpt = ReadSafetensors((dir_ / "ckpt" / "rank-0.safetensors").string());
   ASSERT_TRUE(ckpt.ok());
   EXPECT_EQ(ckpt->metadata["round"], "1");  // round 2 was pushed but not checkpointed
   WorkerProcess again;
-  again.Start(TrainArgs(0, 1, 4, 2), (dir_ / "w2.log").string());
+  again.Start(TrainArgs(0, 1, 4, 2, "", {"--no-overlap"}), (dir_ / "w2.log").string());
   ASSERT_EQ(again.Wait(), 0) << again.Log();
   EXPECT_NE(again.Log().find("redoing it from the checkpoint"), std::string::npos) << again.Log();
   EXPECT_NE(again.Log().find("nothing applied twice"), std::string::npos) << again.Log();
@@ -252,8 +254,8 @@ TEST_F(WorkerWithShards, RankCountChangesBetweenRoundsWithNoRoundLostOrDoubled) 
 TEST_F(WorkerWithShards, ARoundSplitByALostRankIsFinishedBeforeTheRankCountChanges) {
   std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
   WorkerProcess r0, r1;
-  r0.Start(TrainArgs(0, 2, 4, 2, rdv), (dir_ / "a-r0.log").string());
-  r1.Start(TrainArgs(1, 2, 4, 2, rdv), (dir_ / "a-r1.log").string(), "3",
+  r0.Start(TrainArgs(0, 2, 4, 2, rdv, {"--no-overlap"}), (dir_ / "a-r0.log").string());
+  r1.Start(TrainArgs(1, 2, 4, 2, rdv, {"--no-overlap"}), (dir_ / "a-r1.log").string(), "3",
            "ISTHMUS_WORKER_FAULT_CRASH_BEFORE_PUSH");
   ASSERT_EQ(r1.Wait(), 137) << r1.Log();
   // Rank 0 pushed round 3 to its shard, then waits for rank 1 forever: the operator
@@ -271,20 +273,20 @@ TEST_F(WorkerWithShards, ARoundSplitByALostRankIsFinishedBeforeTheRankCountChang
   EXPECT_EQ(h1->rounds.local_round, 2u);
 
   WorkerProcess alone;
-  alone.Start(TrainArgs(0, 1, 4, 2), (dir_ / "b.log").string());
+  alone.Start(TrainArgs(0, 1, 4, 2, "", {"--no-overlap"}), (dir_ / "b.log").string());
   EXPECT_EQ(alone.Wait(), 3) << alone.Log();
   EXPECT_NE(alone.Log().find("restart with --world-size 2"), std::string::npos) << alone.Log();
 
   std::string rdv2 = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
   WorkerProcess f0, f1;
-  f0.Start(TrainArgs(0, 2, 3, 2, rdv2), (dir_ / "c-r0.log").string());
-  f1.Start(TrainArgs(1, 2, 3, 2, rdv2), (dir_ / "c-r1.log").string());
+  f0.Start(TrainArgs(0, 2, 3, 2, rdv2, {"--no-overlap"}), (dir_ / "c-r0.log").string());
+  f1.Start(TrainArgs(1, 2, 3, 2, rdv2, {"--no-overlap"}), (dir_ / "c-r1.log").string());
   ASSERT_EQ(f0.Wait(), 0) << f0.Log();
   ASSERT_EQ(f1.Wait(), 0) << f1.Log();
   ExpectShardsEqualCheckpoint(0, 3);
 
   WorkerProcess last;
-  last.Start(TrainArgs(0, 1, 4, 2), (dir_ / "d.log").string());
+  last.Start(TrainArgs(0, 1, 4, 2, "", {"--no-overlap"}), (dir_ / "d.log").string());
   ASSERT_EQ(last.Wait(), 0) << last.Log();
   ExpectShardsEqualCheckpoint(0, 4);
 }
@@ -321,8 +323,8 @@ TEST_P(WorkerWanWait, WaitsPastKRoundsAheadAndSaysSo) {
   ServerProcess shard;
   ASSERT_TRUE(StartSiteWithSilentPeer(shard, dir, k));
   const std::string base_hash = CreateJobFromInit(shard, dir);
-  const auto args =
-      SingleShardTrainArgs(shard, dir, {"--max-rounds", "5", "--steps-per-round", "2"});
+  const auto args = SingleShardTrainArgs(
+      shard, dir, {"--max-rounds", "5", "--steps-per-round", "2", "--no-overlap"});
   WorkerProcess w;
   w.Start(args, (dir / "w.log").string());
   bool waiting = false;

@@ -1,7 +1,7 @@
 """isthmus.torch: turn a PyTorch training loop into a rank of an isthmus site.
 
     site = isthmus.Site(servers, job="gpt", key=..., server_keys=[...])
-    rank = isthmus.torch.SiteRank(site, model.named_parameters(), steps_per_round=50)
+    rank = isthmus.torch.SiteRank(site, model.named_parameters(), steps_per_round=80)
     rank.start()                        # hello, pull the merged values into the model
     for batch in data:
         loss = model(batch).backward(); optimizer.step(); optimizer.zero_grad()
@@ -51,11 +51,11 @@ class SiteRank:
     process_group: the torch.distributed group of the site's ranks (None: the default
         group when torch.distributed is initialized, else a site of one rank).
     staleness_timeout_s: how long a round may wait for the WAN before RuntimeError.
-    overlap: end rounds in the background while the next round trains (default False).
+    overlap: end rounds in the background while the next round trains (default True).
     """
 
-    def __init__(self, site, parameters, steps_per_round=50, base_hash="", process_group=None,
-                 staleness_timeout_s=3600.0, overlap=False):
+    def __init__(self, site, parameters, steps_per_round=80, base_hash="", process_group=None,
+                 staleness_timeout_s=3600.0, overlap=True):
         if steps_per_round < 1:
             raise ValueError("steps_per_round must be at least 1")
         items = parameters.items() if hasattr(parameters, "items") else parameters
