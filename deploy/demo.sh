@@ -43,24 +43,19 @@ done
 # The references: the same model flags, schedule and data order as the sites' workers.
 lora="--lora-rank 8 --lora-alpha 16"
 schedule="--lr 2e-3 --min-lr 2e-4 --warmup-steps 10"
-rounds=8 h=20 ranks=2 reference=true args=() codec_given=false
+rounds=8 h=20 ranks=2 reference=true args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-reference) reference=false; shift ;;
-    --codec|--adaptive) codec_given=true; args+=("$1"); shift ;;
     --rounds) rounds="$2"; args+=("$1" "$2"); shift 2 ;;
     --steps-per-round) h="$2"; args+=("$1" "$2"); shift 2 ;;
     --ranks) ranks="$2"; args+=("$1" "$2"); shift 2 ;;
     *) args+=("$1"); shift ;;
   esac
 done
-# The codec: int2:256+zstd unless one is given. The server's default pipeline (top-k 5%, the
-# rest held back by error feedback) lets one site's languages get worse in this demo: the
-# sites pull at different moments, each round the same site trains from a view without the
-# other's latest delta, and the sparse merge leans to that site (docs/SYNC.md, "Optimistic
-# view"). Dense 2-bit values with a scale per 256 improve every language, at about 15x fewer
-# wire bytes than fp32 instead of about 44x.
-[ "$codec_given" = true ] || args+=(--codec int2:256+zstd)
+# The sites run the server's defaults (docs/SYNC.md, "Defaults"): int2:256+zstd deltas,
+# adaptive sizing, outer lr 1.25 with Nesterov momentum 0.6, one round in flight, and
+# overlapped rounds in the workers.
 ref_flags=()
 if [ "$reference" = true ]; then
   steps=$((rounds * h)) batch=$((2 * ranks * 8))

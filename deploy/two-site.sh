@@ -13,14 +13,16 @@
 #   --data-c DIR           a third site C (on loopback, peered with A and B like they are
 #                          with each other), trained on DIR; not with --wan-rate
 #   --model "FLAGS"        model flags shared by every worker (default: 2x128, ctx 128, LoRA r8)
-#   --codec PIPELINE       sync.codec (default: the codec's default pipeline)
-#   --adaptive             sync.adaptive = true
-#   --adaptive-floor P     sync.adaptive_floor (default: sync.codec)
+#   --codec PIPELINE       sync.codec (default: the server's, int2:256+zstd)
+#   --adaptive, --no-adaptive   sync.adaptive = true / false (default: the server's, true)
+#   --adaptive-floor P     sync.adaptive_floor (default: the server's, the ladder's coarsest)
+#   --adaptive-ceiling P   sync.adaptive_ceiling (default: the server's, sync.codec)
 #   --rounds N             rounds to train (default 8)
 #   --steps-per-round H    inner steps per round (default 20)
 #   --site-b-steps H       inner steps per round at site B (default: same as A)
 #   --train "FLAGS"        extra isthmus-worker train flags (lr, batch size, ...)
-#   --outer-lr X --outer-momentum X   the outer optimizer (default 1.0 / 0.5, as the server)
+#   --outer-lr X --outer-momentum X   the outer optimizer (default: the server's, 1.25 / 0.6)
+# Settings left unset here are the server's defaults (docs/CONFIG.md).
 #   --shards S --ranks R   per site (default 2 / 2)
 #   --wan-rate RATE        shape the WAN: site B runs in its own network namespace joined
 #                          to site A by a veth pair with a tc tbf qdisc of RATE (e.g.
@@ -60,7 +62,7 @@ worker="$build/worker/isthmus-worker"
 
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
-codec="" adaptive=false adaptive_floor="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr=1.0 outer_mom=0.5
+codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
 eval_every=0 report="" top_interval=1 reference=""
 while [ $# -gt 0 ]; do
@@ -69,7 +71,9 @@ while [ $# -gt 0 ]; do
     --model) model="$2"; shift 2 ;;
     --codec) codec="$2"; shift 2 ;;
     --adaptive) adaptive=true; shift ;;
+    --no-adaptive) adaptive=false; shift ;;
     --adaptive-floor) adaptive_floor="$2"; shift 2 ;;
+    --adaptive-ceiling) adaptive_ceiling="$2"; shift 2 ;;
     --rounds) rounds="$2"; shift 2 ;;
     --steps-per-round) steps="$2"; shift 2 ;;
     --site-b-steps) steps_b="$2"; shift 2 ;;
@@ -207,6 +211,15 @@ for s in "${sites[@]}"; do
   done
 done
 
+# The [sync] settings given on the command line; the others are the server's defaults.
+sync_lines=""
+[ -n "$codec" ] && sync_lines+="codec = \"$codec\""$'\n'
+[ -n "$adaptive" ] && sync_lines+="adaptive = $adaptive"$'\n'
+[ -n "$adaptive_floor" ] && sync_lines+="adaptive_floor = \"$adaptive_floor\""$'\n'
+[ -n "$adaptive_ceiling" ] && sync_lines+="adaptive_ceiling = \"$adaptive_ceiling\""$'\n'
+[ -n "$outer_lr" ] && sync_lines+="outer_lr = $outer_lr"$'\n'
+[ -n "$outer_mom" ] && sync_lines+="outer_momentum = $outer_mom"$'\n'
+
 # Shard configs: shard i of each site peers with shard i of the other site.
 for s in "${sites[@]}"; do
   for ((i = 0; i < shards; i++)); do
@@ -217,11 +230,7 @@ for s in "${sites[@]}"; do
     done
     shard_toml "$out" "$out/keys" "$s" "$i" "tcp://127.0.0.1:${wport[$s-$i]}" \
       "tcp://${admin_bind_of[$s]}:${aport[$s-$i]}" "tcp://${host_of[$s]}:${pport[$s-$i]}" \
-      "${peers%, }" "codec = \"$codec\"
-adaptive = $adaptive
-adaptive_floor = \"$adaptive_floor\"
-outer_lr = $outer_lr
-outer_momentum = $outer_mom" > "$out/$s-$i.toml"
+      "${peers%, }" "$sync_lines" > "$out/$s-$i.toml"
     site_prefix "$s"
     "${prefix[@]}" "$server" --config "$out/$s-$i.toml" 2> "$out/logs/shard-$s-$i.log" &
     pids+=($!)
@@ -265,7 +274,7 @@ done
 
 echo "two-site: sites ${sites[*]}, $shards shards and $ranks ranks each, $rounds rounds" \
      "$([ -n "$wan_rate" ] && echo "WAN shaped to $wan_rate")" \
-     "(H = ${steps_of[A]} at A, ${steps_of[B]} at B$([ -n "$data_c" ] && echo ", ${steps_of[C]} at C")), codec '${codec:-default}'$([ "$adaptive" = true ] && echo ', adaptive')"
+     "(H = ${steps_of[A]} at A, ${steps_of[B]} at B$([ -n "$data_c" ] && echo ", ${steps_of[C]} at C")), codec '${codec:-default}'$([ "$adaptive" != false ] && echo ', adaptive')"
 start=$(date +%s)
 wpids=()
 for s in "${sites[@]}"; do

@@ -29,8 +29,9 @@ import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 LANGS = ["en", "fr", "de", "es"]
 CODECS = ["dense", "int8+zstd", "int4+zstd", "int2+zstd", "topk:0.1+int8+zstd", "default",
           "topk:0.01+int2+zstd", "topk:0.002+int2+zstd", "adaptive"]
-LABEL = {"default": "default (topk:0.05+int2+zstd)",
-         "adaptive": "adaptive (floor topk:0.002+int2+zstd, 200kbit)"}
+LABEL = {"default": "old default (topk:0.05+int2+zstd)",
+         "adaptive": "adaptive (dense to topk:0.002+int2+zstd, 200kbit)",
+         "defaults": "defaults (int2:256+zstd, adaptive)"}
 MARKER = {10: "o", 20: "s", 50: "^", 80: "v", 100: "D", 200: "P"}
 GAP_GOAL_PCT, BYTES_GOAL_X = 1.0, 1000.0
 

@@ -21,8 +21,9 @@
 #               (isthmus-worker train --data-seed; default 0). A seed other than 0 is part
 #               of every key ("TT/sS/..."), and a point is compared with the centralised
 #               run of its own seed.
-#   --overlap   the two-site workers overlap their rounds with compute (isthmus-worker
-#               train --overlap); part of every two-site key (".../kK/overlap").
+#   --overlap, --no-overlap   the two-site workers overlap their rounds with compute
+#               (isthmus-worker train --overlap, the worker's default) or not (--no-overlap);
+#               overlapped points carry ".../kK/overlap" in their key.
 #   --swap-sites  site A trains on de+es and site B on en+fr (the other way round): tells
 #               a lean that follows a site's position from one that follows its languages;
 #               part of every two-site key (".../swapped").
@@ -32,15 +33,19 @@
 #               deploy/two-site.sh --data-c runs them on loopback, so the bytes are the
 #               sites' own count of their wire bytes plus an estimate of TCP/IP headers,
 #               not a veth's counters. Part of every key ("TT/3sites/...").
-#   --points    run only these points after the baseline: CODEC/H/OUTER, OUTER one of avg
-#               (lr 1, no momentum), nesterov (DiLoCo's lr 0.7, momentum 0.9), lrX (lr X,
-#               no momentum) or lrXmY (lr X, Nesterov momentum Y), e.g. int8+zstd/50/lr1.5
+#   --points    run only these points after the baseline: CODEC/H/OUTER. CODEC a pipeline
+#               (fixed: adaptive sizing off), "default" (topk:0.05+int2+zstd, the default
+#               before int2:256+zstd), "adaptive" (adaptive from dense down to
+#               topk:0.002+int2+zstd) or "defaults" (no codec settings: the server's
+#               defaults). OUTER one of avg (lr 1, no momentum), nesterov (DiLoCo's lr 0.7,
+#               momentum 0.9), lrX (lr X, no momentum), lrXmY (lr X, Nesterov momentum Y) or
+#               defaults (the server's), e.g. int8+zstd/50/lr1.5 or defaults/80/defaults
 # Needs root and tc (the WAN shaping); ISTHMUS_BUILD_DIR as in deploy/two-site.sh.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=false swap=false nsites=2
+steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=true swap=false nsites=2
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
@@ -50,6 +55,7 @@ while [ $# -gt 0 ]; do
     --rounds-ahead) rounds_ahead="$2"; shift 2 ;;
     --seed) seed="$2"; shift 2 ;;
     --overlap) overlap=true; shift ;;
+    --no-overlap) overlap=false; shift ;;
     --swap-sites) swap=true; shift ;;
     --sites) nsites="$2"; shift 2 ;;
     -h|--help) sed -n 2,36p "$0"; exit 0 ;;
@@ -62,12 +68,14 @@ else
   out="${out:-demo-out/study}" steps="${steps:-800}"
 fi
 export OMP_WAIT_POLICY=PASSIVE OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-# K for every shard of every point: given, or the server's own default (read from its
-# settings table, so a point's key always names the K it ran with).
-if [ -z "$rounds_ahead" ]; then
-  rounds_ahead=$("$build/server/isthmus-server" --print-config-doc |
-    awk -F'|' '/`sync.max_rounds_ahead`/ {gsub(/[ `]/, "", $6); print $6}')
-fi
+# A [sync] setting's default, read from the server's settings table.
+server_default() {
+  "$build/server/isthmus-server" --print-config-doc |
+    awk -F'|' -v k="\`sync.$1\`" '$2 ~ k {gsub(/[ `]/, "", $6); print $6}'
+}
+# K for every shard of every point: given, or the server's own default (so a point's key
+# always names the K it ran with).
+[ -n "$rounds_ahead" ] || rounds_ahead=$(server_default max_rounds_ahead)
 case "$rounds_ahead" in ''|*[!0-9]*) echo "run.sh: --rounds-ahead takes a whole number" >&2; exit 2 ;; esac
 case "$seed" in ''|*[!0-9]*) echo "run.sh: --seed takes a whole number" >&2; exit 2 ;; esac
 case "$nsites" in 2|3) ;; *) echo "run.sh: --sites takes 2 or 3" >&2; exit 2 ;; esac
@@ -191,30 +199,35 @@ else
   record "$key" $(( $(date +%s) - t0 )) "{\"kind\": \"centralised\", \"data_seed\": $seed, \"sites\": $nsites}" "$c"
 fi
 
-# One two-site point: codec ("default" passes no --codec: topk:0.05+int2+zstd; "adaptive"
-# may go from dense down to the sparsest pipeline), H, outer ("avg" or "nesterov").
+# One two-site point: codec (a fixed pipeline; "default": topk:0.05+int2+zstd, the default
+# before int2:256+zstd; "adaptive": from dense down to a sparse pipeline; "defaults": the
+# server's codec settings), H, outer (see --points).
 n=0 total=0
 run_point() {
   local codec="$1" h="$2" outer="$3" key="$tkey/$1/H$2/$3/k$rounds_ahead" rate=100mbit flags=() olr omom t0
   local wtrain="$train --batch-size 8"
   local data_a=demo-out/data/A data_b=demo-out/data/B
-  if [ "$overlap" = true ]; then key="$key/overlap" wtrain="$wtrain --overlap"; fi
+  if [ "$overlap" = true ]; then key="$key/overlap" wtrain="$wtrain --overlap"; else wtrain="$wtrain --no-overlap"; fi
   if [ "$swap" = true ]; then key="$key/swapped" data_a=demo-out/data/B data_b=demo-out/data/A; fi
   n=$((n + 1))
   if [ $((steps % h)) -ne 0 ]; then echo "study: [$n/$total] skip $key: H does not divide T"; return; fi
   if done_already "$key"; then echo "study: [$n/$total] skip $key"; return; fi
   case "$codec" in
-    default) ;;
-    adaptive) rate=200kbit flags=(--adaptive --adaptive-floor topk:0.002+int2+zstd) ;;
-    *) flags=(--codec "$codec") ;;
+    defaults) ;;
+    default) flags=(--codec topk:0.05+int2+zstd --no-adaptive) ;;
+    adaptive) rate=200kbit flags=(--adaptive --adaptive-ceiling dense --adaptive-floor topk:0.002+int2+zstd) ;;
+    *) flags=(--codec "$codec" --no-adaptive) ;;
   esac
+  local outer_args=()
   case "$outer" in
+    defaults) olr=$(server_default outer_lr) omom=$(server_default outer_momentum) ;;
     avg) olr=1.0 omom=0.0 ;;
     nesterov) olr=0.7 omom=0.9 ;;
     lr*m*) olr=${outer#lr} omom=${olr#*m} olr=${olr%m*} ;;
     lr*) olr=${outer#lr} omom=0.0 ;;
-    *) echo "study: $key: unknown outer optimiser '$outer' (avg, nesterov, lrX, lrXmY)"; return ;;
+    *) echo "study: $key: unknown outer optimiser '$outer' (avg, nesterov, lrX, lrXmY, defaults)"; return ;;
   esac
+  [ "$outer" = defaults ] || outer_args=(--outer-lr "$olr" --outer-momentum "$omom")
   local third=() rate_args=(--wan-rate "$rate")
   if [ "$nsites" -eq 3 ]; then third=(--data-c demo-out/data/all) rate_args=() rate=loopback; fi
   local name="${key//[\/:+]/_}"
@@ -222,7 +235,7 @@ run_point() {
   t0=$(date +%s)
   if ! deploy/two-site.sh --base "$base" --data-a "$data_a" --data-b "$data_b" \
       --model "$model" --train "$wtrain" --rounds $((steps / h)) \
-      --steps-per-round "$h" --outer-lr "$olr" --outer-momentum "$omom" "${flags[@]}" \
+      --steps-per-round "$h" "${outer_args[@]}" "${flags[@]}" \
       "${third[@]}" "${rate_args[@]}" "${eval_sets[@]}" --eval-batches 32 --out "$out/current" \
       --summary "$out/current/summary.json" > "$out/runs/$name.log" 2>&1; then
     echo "study: $key: two-site.sh failed (log: $out/runs/$name.log)"

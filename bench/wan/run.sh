@@ -17,8 +17,11 @@
 # Usage: bench/wan/run.sh [--cases "CASE ..."] [--rates "20mbit 100mbit"] [--sites 2|3]
 #                         [--rounds N] [--round-seconds S] [--shards S] [--json FILE]
 #                         [--overlap "off on"]
-#   cases: lora-dense lora-default lora-adaptive full-default full-adaptive full-lowrank
-#          full-fragments (default: lora-default lora-adaptive full-default)
+#   cases: lora-dense lora-default lora-sparse lora-adaptive full-default full-sparse
+#          full-adaptive full-lowrank full-fragments (default: lora-default lora-adaptive
+#          full-default). "default": the server's defaults (int2:256+zstd, adaptive from it
+#          down); "sparse": topk:0.05+int2+zstd fixed (the default before); "adaptive": from
+#          dense down; lowrank and fragments: fixed pipelines.
 #   --rounds 20, --round-seconds 3, --shards 1 per site, --sites 2, --overlap off by
 #   default (each case runs once per value given).
 # Needs root and iproute2 (ip netns, tc), the recorded deltas (bench/wan/record.sh) and a
@@ -260,15 +263,17 @@ PY
   tail -n 1 "$results" | /usr/bin/python3 -c "$print_row"
 }
 
-sync_of() {  # CASE -> "MODE|TOML lines"
+sync_of() {  # CASE -> "MODE|TOML lines" (no lines: the server's defaults, docs/SYNC.md "Defaults")
   case "$1" in
-    lora-dense) echo 'lora|codec = "dense"' ;;
+    lora-dense) printf 'lora|codec = "dense"\nadaptive = false' ;;
     lora-default) echo 'lora|' ;;
-    lora-adaptive) echo 'lora|adaptive = true' ;;
+    lora-sparse) printf 'lora|codec = "topk:0.05+int2+zstd"\nadaptive = false' ;;
+    lora-adaptive) printf 'lora|adaptive = true\nadaptive_ceiling = "dense"' ;;
     full-default) echo 'full|' ;;
-    full-adaptive) echo 'full|adaptive = true' ;;
-    full-lowrank) echo 'full|codec = "lowrank:4+int8+zstd"' ;;
-    full-fragments) echo 'full|fragments = 4' ;;
+    full-sparse) printf 'full|codec = "topk:0.05+int2+zstd"\nadaptive = false' ;;
+    full-adaptive) printf 'full|adaptive = true\nadaptive_ceiling = "dense"' ;;
+    full-lowrank) printf 'full|codec = "lowrank:4+int8+zstd"\nadaptive = false' ;;
+    full-fragments) printf 'full|codec = "topk:0.05+int2+zstd"\nadaptive = false\nfragments = 4' ;;
     *) echo "run.sh: unknown case '$1'" >&2; exit 2 ;;
   esac
 }
