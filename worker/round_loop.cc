@@ -1095,8 +1095,12 @@ class RoundLoop {
           driver_->Stepped();
           ++steps_since_push_;
           // The round in flight is done (rank 0) or failed (any rank): every rank merges it
-          // (or fails with it) after this same step.
-          if (ctl.ready || ctl.failed) {
+          // (or fails with it) after this same step. With --merge-after-steps every rank
+          // merges it after that many steps, waiting for it there if need be.
+          const bool merge_now = s_.merge_after_steps > 0
+                                     ? driver_->busy() && steps_since_push_ == s_.merge_after_steps
+                                     : ctl.ready;
+          if (merge_now || ctl.failed) {
             if (ctl.failed && leader()) driver_->Cancel();
             ISTHMUS_RETURN_IF_ERROR(CompleteInFlight());
             if (interrupted_ && unpushed_) break;

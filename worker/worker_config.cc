@@ -282,6 +282,9 @@ Status TrainSettings::Validate() const {
   if (steps_per_round < 0 || round_seconds < 0 || !std::isfinite(round_seconds)) {
     return Status::InvalidArgument("--steps-per-round and --round-seconds must be >= 0");
   }
+  if (merge_after_steps < 0) {
+    return Status::InvalidArgument("--merge-after-steps must be >= 0 (0: merge on arrival)");
+  }
   if (batch_size < 1 || val_batches < 1 || log_every < 1 || comm_timeout_s < 1) {
     return Status::InvalidArgument(
         "--batch-size, --val-batches, --log-every and --comm-timeout must be >= 1");
@@ -409,6 +412,10 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   app.add_flag("--overlap,!--no-overlap", t.overlap,
                "push, wait for the WAN and pull in the background while the next round "
                "trains; the pulled state is merged at a step boundary (default on)");
+  app.add_option("--merge-after-steps", t.merge_after_steps,
+                 "with --overlap: merge the pulled state after exactly this many steps of the "
+                 "next round, waiting for it there if need be (0: as soon as it arrives)")
+      ->capture_default_str();
   app.add_option("--max-rounds", t.max_rounds, "stop after this many rounds (0: no bound)");
   app.add_option("--max-steps", t.max_steps, "stop after this many steps (0: no bound)");
   app.add_option("--lr", t.lr, "peak learning rate")->capture_default_str();

@@ -126,6 +126,10 @@ struct TrainSettings {
   // is merged at a step boundary. On by default: it matches or beats synchronous rounds on
   // quality (docs/BENCHMARKS.md, section 8) and hides the boundary (section 7).
   bool overlap = true;
+  // With overlap: merge the round in flight after exactly this many steps of the next
+  // round, waiting for it there if it has not arrived, so the trajectory does not depend on
+  // when the WAN delivers; 0: at the first step boundary after it arrives.
+  int merge_after_steps = 0;
   int64_t max_rounds = 0;  // 0: no bound
   int64_t max_steps = 0;   // 0: no bound (one of the two must be set)
   float lr = 3e-4f;

@@ -218,7 +218,10 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
       }
       t.compute_s += Seconds(Clock::now() - s0);
       driver_->Stepped();
-      if (driver_->Ready()) {  // a round in flight is done: merge it at this step boundary
+      // A round in flight is done (or, with merge_after_steps, its step has come, and the
+      // wait for it counts against computing): merge it at this step boundary.
+      if (o_.merge_after_steps > 0 ? driver_->busy() && s + 1 == o_.merge_after_steps
+                                   : driver_->Ready()) {
         const auto m0 = Clock::now();
         auto rep = driver_->Complete();
         t.boundary_s += Seconds(Clock::now() - m0);

@@ -885,12 +885,17 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
 Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& name) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
   if (j->view) return *j->view;
+  // Rounds this site has closed and not committed, with the deltas held for them so far.
+  // A peer's delta for a round this site has not closed yet is left out: the site's
+  // workers are still training that round, and whether it has arrived is a matter of
+  // timing. (With overlapped workers at K = 1 a pull runs once the site's last round has
+  // committed, so the view is then the committed state, whatever the peers sent since.)
   std::map<uint64_t, std::vector<std::string>> rounds;  // round -> sites holding it (sorted)
   for (const auto& s : j->members.sites) {
     auto it = j->inbox.find(s);
     if (it == j->inbox.end()) continue;
     for (const auto& [r, _] : it->second) {
-      if (r > j->committed) rounds[r].push_back(s);
+      if (r > j->committed && r <= j->local) rounds[r].push_back(s);
     }
   }
   if (rounds.empty()) {

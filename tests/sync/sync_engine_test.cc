@@ -473,6 +473,20 @@ TEST(SyncEngineTest, OptimisticViewAddsKnownUncommittedDeltas) {
   }
   // Committed state is untouched until every site's delta is held.
   EXPECT_EQ(*a.engine().Committed(kJob)->at("b.bias").data, *theta0->at("b.bias").data);
+  // b's round 2 arrives before a has closed round 2 (a's workers are still training it):
+  // the view leaves it out, so what a pulls does not depend on when a peer's delta lands.
+  const std::map<std::string, SyncTensor> before = *view;
+  ASSERT_TRUE(b.PushRound(2).ok());
+  Deliver(b, a);
+  EXPECT_EQ(b.engine().LocalRound(kJob), 2u);
+  view = a.engine().View(kJob);
+  ASSERT_TRUE(view.ok());
+  for (const auto& t : kTensors) EXPECT_EQ(*view->at(t.name).data, *before.at(t.name).data);
+  // Once a closes round 2 the view takes b's round-2 delta as well.
+  ASSERT_TRUE(a.PushRound(2).ok());
+  view = a.engine().View(kJob);
+  ASSERT_TRUE(view.ok());
+  EXPECT_NE(*view->at("b.bias").data, *before.at("b.bias").data);
 }
 
 TEST(SyncEngineTest, NoPeerModeEqualsPlainAdd) {

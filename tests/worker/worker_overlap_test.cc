@@ -62,6 +62,22 @@ TEST_F(Overlap, FullModeOneSiteCommitsTheSameStateBitForBit) { ExpectFullModeOnO
 
 INSTANTIATE_TEST_SUITE_P(Ranks, OverlapOnOff, ::testing::Values(1, 2, 3));
 
+// --merge-after-steps: every rank merges each round in flight after exactly that many steps
+// of the next round (waiting for it there if need be), whenever the pull arrived, and the
+// committed state is still the serial run's.
+TEST_F(Overlap, MergeAfterStepsMergesEveryRoundAtThatStep) {
+  CreateJobNamed("merge", init_, base_hash_);
+  ExpectOnOffAlike(2, init_, "j", "merge", {"--merge-after-steps", "2"});
+  std::ifstream in(dir_ / "merge-r0.log");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (int r = 1; r <= 3; ++r) {
+    const std::string line = "round " + std::to_string(r) + ": the pulled state merged after 2 " +
+                             "steps of round " + std::to_string(r + 1);
+    EXPECT_NE(log.find(line), std::string::npos) << line << "\n" << log;
+  }
+  EXPECT_EQ(log.find("merged after 1 steps"), std::string::npos) << log;
+}
+
 // SIGKILL of a site's workers during a background push that reached only some shards: of
 // two ranks, rank 0 pushed round 3 to shard 0 and rank 1's push to shard 1 hangs (a fault
 // hook makes its background push wait for ever). Both are SIGKILLed there. Every rank's

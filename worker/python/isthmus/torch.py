@@ -52,12 +52,17 @@ class SiteRank:
         group when torch.distributed is initialized, else a site of one rank).
     staleness_timeout_s: how long a round may wait for the WAN before RuntimeError.
     overlap: end rounds in the background while the next round trains (default True).
+    merge_after_steps: with overlap, merge the round in flight after exactly this many steps
+        of the next round, waiting for it there if need be, so training does not depend on
+        when the WAN delivers (0: as soon as it is done, the default).
     """
 
     def __init__(self, site, parameters, steps_per_round=80, base_hash="", process_group=None,
-                 staleness_timeout_s=3600.0, overlap=True):
+                 staleness_timeout_s=3600.0, overlap=True, merge_after_steps=0):
         if steps_per_round < 1:
             raise ValueError("steps_per_round must be at least 1")
+        if merge_after_steps < 0:
+            raise ValueError("merge_after_steps must be >= 0 (0: merge on arrival)")
         items = parameters.items() if hasattr(parameters, "items") else parameters
         self.params = {}
         for name, p in items:
@@ -75,6 +80,7 @@ class SiteRank:
         self.group = process_group
         self.staleness_timeout_s = float(staleness_timeout_s)
         self.overlap = bool(overlap)
+        self.merge_after_steps = int(merge_after_steps)
         dist = torch.distributed
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if self._dist else 0
@@ -105,7 +111,7 @@ class SiteRank:
     def step(self, tokens=0):
         """Call after each optimizer step; `tokens`: tokens this rank trained on in it.
         Ends the round every steps_per_round steps (returns True then); with overlap, merges
-        the round in flight as soon as it is done."""
+        the round in flight as soon as it is done (or after merge_after_steps steps)."""
         if self._base is None:
             raise RuntimeError("call start() before step()")
         now = time.perf_counter()
@@ -114,7 +120,8 @@ class SiteRank:
         self._tokens += int(tokens)
         self.steps_in_round += 1
         self._progressed = True
-        if self._inflight and self._agree_done():
+        if self._inflight and (self.steps_in_round == self.merge_after_steps
+                               if self.merge_after_steps > 0 else self._agree_done()):
             self._complete()
         ended = False
         if self.steps_in_round >= self.steps_per_round:
