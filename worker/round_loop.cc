@@ -1097,9 +1097,9 @@ class RoundLoop {
           // The round in flight is done (rank 0) or failed (any rank): every rank merges it
           // (or fails with it) after this same step. With --merge-after-steps every rank
           // merges it after that many steps, waiting for it there if need be.
-          const bool merge_now = s_.merge_after_steps > 0
-                                     ? driver_->busy() && steps_since_push_ == s_.merge_after_steps
-                                     : ctl.ready;
+          const int64_t merge_at = s_.merge_after_steps;
+          const bool merge_now =
+              merge_at > 0 ? driver_->busy() && steps_since_push_ == merge_at : ctl.ready;
           if (merge_now || ctl.failed) {
             if (ctl.failed && leader()) driver_->Cancel();
             ISTHMUS_RETURN_IF_ERROR(CompleteInFlight());

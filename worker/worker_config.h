@@ -128,7 +128,7 @@ struct TrainSettings {
   bool overlap = true;
   // With overlap: merge the round in flight after exactly this many steps of the next
   // round, waiting for it there if it has not arrived, so the trajectory does not depend on
-  // when the WAN delivers; 0: at the first step boundary after it arrives.
+  // when the WAN delivers; 0 (the default): at the first step boundary after it arrives.
   int merge_after_steps = 0;
   int64_t max_rounds = 0;  // 0: no bound
   int64_t max_steps = 0;   // 0: no bound (one of the two must be set)

@@ -26,8 +26,10 @@
 #               (isthmus-worker train --overlap, the worker's default) or not (--no-overlap);
 #               overlapped points carry ".../kK/overlap" in their key.
 #   --merge-after-steps M   overlapped workers merge each round's pulled state after exactly
-#               M steps of the next round (isthmus-worker train --merge-after-steps; 0, the
-#               default: as soon as it arrives); M > 0 adds ".../mergeM" to the key.
+#               M steps of the next round (isthmus-worker train --merge-after-steps; 0: as
+#               soon as it arrives, the worker's default);
+#               overlapped points carry ".../mergeM" in their key (points recorded before
+#               this setting existed merged on arrival and carry none).
 #   --swap-sites  site A trains on de+es and site B on en+fr (the other way round): tells
 #               a lean that follows a site's position from one that follows its languages;
 #               part of every two-site key (".../swapped").
@@ -49,7 +51,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=true swap=false nsites=2 merge_after=0
+steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=true swap=false nsites=2 merge_after=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
@@ -83,7 +85,7 @@ server_default() {
 [ -n "$rounds_ahead" ] || rounds_ahead=$(server_default max_rounds_ahead)
 case "$rounds_ahead" in ''|*[!0-9]*) echo "run.sh: --rounds-ahead takes a whole number" >&2; exit 2 ;; esac
 case "$seed" in ''|*[!0-9]*) echo "run.sh: --seed takes a whole number" >&2; exit 2 ;; esac
-case "$merge_after" in ''|*[!0-9]*) echo "run.sh: --merge-after-steps takes a whole number" >&2; exit 2 ;; esac
+case "${merge_after:-0}" in ''|*[!0-9]*) echo "run.sh: --merge-after-steps takes a whole number" >&2; exit 2 ;; esac
 case "$nsites" in 2|3) ;; *) echo "run.sh: --sites takes 2 or 3" >&2; exit 2 ;; esac
 if [ "$nsites" -eq 3 ] && [ "$swap" = true ]; then
   echo "run.sh: --swap-sites is for two sites" >&2; exit 2
@@ -214,7 +216,8 @@ run_point() {
   local wtrain="$train --batch-size 8"
   local data_a=demo-out/data/A data_b=demo-out/data/B
   if [ "$overlap" = true ]; then key="$key/overlap" wtrain="$wtrain --overlap"; else wtrain="$wtrain --no-overlap"; fi
-  if [ "$merge_after" -gt 0 ]; then key="$key/merge$merge_after" wtrain="$wtrain --merge-after-steps $merge_after"; fi
+  local merge=${merge_after:-0}
+  if [ "$overlap" = true ]; then key="$key/merge$merge" wtrain="$wtrain --merge-after-steps $merge"; fi
   if [ "$swap" = true ]; then key="$key/swapped" data_a=demo-out/data/B data_b=demo-out/data/A; fi
   n=$((n + 1))
   if [ $((steps % h)) -ne 0 ]; then echo "study: [$n/$total] skip $key: H does not divide T"; return; fi
@@ -250,7 +253,7 @@ run_point() {
   if [ ! -f "$out/current/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
   cp "$out/current/summary.json" "$out/runs/$name.json"
   record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s, "merge_after_steps": %d, "swapped": %s, "sites": %d}' \
-    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap" "$merge_after" "$swap" "$nsites")" "$out/current/summary.json"
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap" "$merge" "$swap" "$nsites")" "$out/current/summary.json"
 }
 
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with

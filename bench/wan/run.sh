@@ -26,7 +26,8 @@
 #   default (each case runs once per value given).
 #   --merge-after-steps M   overlapped sites merge after exactly M of the round's 30
 #   emulated steps, waiting there if need be (bench_wan_load --merge-after-steps; 0, the
-#   default: as soon as the round in flight is done); recorded in each row.
+#   default: as soon as the round in flight is done, as isthmus-worker); recorded in each
+#   row.
 # Needs root and iproute2 (ip netns, tc), the recorded deltas (bench/wan/record.sh) and a
 # build with the bench programs (ISTHMUS_BUILD_DIR, default build).
 set -euo pipefail

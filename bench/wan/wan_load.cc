@@ -197,6 +197,7 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
     pushed_at[rep.round] = rep.pushed_at;
   };
   const int steps = std::max(1, o_.steps_per_round);
+  const int merge_at = o_.merge_after_steps;
   const auto step = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(o_.round_seconds / steps));
   Status failed;
@@ -220,8 +221,7 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
       driver_->Stepped();
       // A round in flight is done (or, with merge_after_steps, its step has come, and the
       // wait for it counts against computing): merge it at this step boundary.
-      if (o_.merge_after_steps > 0 ? driver_->busy() && s + 1 == o_.merge_after_steps
-                                   : driver_->Ready()) {
+      if (merge_at > 0 ? driver_->busy() && s + 1 == merge_at : driver_->Ready()) {
         const auto m0 = Clock::now();
         auto rep = driver_->Complete();
         t.boundary_s += Seconds(Clock::now() - m0);

@@ -54,7 +54,7 @@ class SiteRank:
     overlap: end rounds in the background while the next round trains (default True).
     merge_after_steps: with overlap, merge the round in flight after exactly this many steps
         of the next round, waiting for it there if need be, so training does not depend on
-        when the WAN delivers (0: as soon as it is done, the default).
+        when the WAN delivers (0, the default: as soon as it is done).
     """
 
     def __init__(self, site, parameters, steps_per_round=80, base_hash="", process_group=None,
