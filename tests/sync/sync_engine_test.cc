@@ -1031,6 +1031,39 @@ TEST(SyncEngineTest, AdaptiveSizesToTheSlowestLink) {
   EXPECT_LT(st->bytes_encoded - after3, (after3 - before3) / 4);
 }
 
+// The defaults: adaptive on, no ceiling, the floor the ladder's coarsest. A round uses the
+// configured codec while it fits (never a finer rung, even on a fast link) and the rung
+// coarser than it that fits when it does not.
+TEST(SyncEngineTest, AdaptiveByDefaultKeepsTheCodecWhileItFits) {
+  Site a("siteA", {"siteB"}, std::string(codec::kDefaultPipeline));
+  auto now = std::chrono::steady_clock::time_point{};
+  ASSERT_TRUE(a.options().adaptive);
+  ASSERT_TRUE(a.options().adaptive_ceiling.empty());
+  a.options().now = [&now] { return now; };
+  a.Reopen();
+  uint64_t raw = 0;  // fp32 bytes of one round
+  for (const auto& t : kTensors) raw += 4 * NumElements(t.shape);
+  a.engine().OnLinkBandwidth("siteB", 1e9);
+  ASSERT_TRUE(a.PushRound(1, -1, 1000).ok());
+  now += std::chrono::seconds(1);
+  const uint64_t before2 = a.engine().JobStatus(kJob)->bytes_encoded;
+  ASSERT_TRUE(a.PushRound(2, -1, 1000).ok());  // a fast link: still the codec, not dense
+  auto st = a.engine().JobStatus(kJob);
+  const uint64_t codec_bytes = st->bytes_encoded - before2;
+  ASSERT_EQ(st->pipelines.size(), 1u);
+  EXPECT_EQ(st->pipelines.begin()->first, "int2:256+zstd");
+  // A link that carries a twentieth of a dense round in the round's compute time: the
+  // 2.1-bit codec (1/15 of dense) does not fit, a sparser rung does.
+  a.engine().OnLinkBandwidth("siteB", static_cast<double>(raw) / 20 / 0.8);
+  now += std::chrono::seconds(1);
+  const uint64_t before = a.engine().JobStatus(kJob)->bytes_encoded;
+  ASSERT_TRUE(a.PushRound(3, -1, 1000).ok());
+  st = a.engine().JobStatus(kJob);
+  EXPECT_EQ(st->pipelines.count("int2:256+zstd"), 0u);
+  EXPECT_EQ(st->pipelines.count("dense"), 0u);
+  EXPECT_LT(st->bytes_encoded - before, codec_bytes);
+}
+
 // Rounds 10 s apart because the workers waited for the WAN, but only 0.25 s of compute
 // each: with the compute time reported, the round's transfer is sized to fit 0.25 s, not
 // the 10 s that include the wait.
