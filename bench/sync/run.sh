@@ -4,9 +4,10 @@
 # byte-level GPT, en+fr at site A, de+es at site B) under
 #   (a) dense fp32 deltas every round      sync.codec = dense
 #   (b) int8 deltas                          sync.codec = int8+zstd
-#   (c) the default codec pipeline           sync.codec unset
+#   (c) the sparse pipeline                  sync.codec = topk:0.05+int2+zstd (the
+#       default until 2026-11-26; (a)-(c) with sync.adaptive = false)
 #   (d) adaptive mode                        sync.adaptive = true, starting at dense fp32
-#       (the ceiling) and free to go down to the default pipeline (the floor),
+#       (sync.codec, the finest used) and free to go down to the sparse pipeline (the floor),
 #       over a WAN shaped to --wan-rate (default 200kbit; site B in its own network
 #       namespace behind tc tbf, see deploy/two-site.sh) when run as root with tc,
 #       otherwise on loopback (where every link is fast and adaptive picks the ceiling)
@@ -48,14 +49,14 @@ run_case() {  # name, extra two-site flags...
     --model "$model" --train "$train" --rounds "$rounds" --steps-per-round "$steps" \
     --out "$out/$name" --summary "$out/$name.json" "$@" | tail -5
 }
-default="topk:0.05+int2+zstd"  # codec::kDefaultPipeline (ops/codec.h)
+default="topk:0.05+int2+zstd"  # the default pipeline until 2026-11-26 (docs/SYNC.md, "Defaults")
 # As root, (a)-(c) also run with site B behind a fast shaped veth (100 Mbit/s, no
 # bottleneck) so the kernel counts their WAN bytes.
 fast=()
 if [ "$(id -u)" -eq 0 ] && command -v tc >/dev/null; then fast=(--wan-rate 100mbit); fi
-run_case a-dense --codec dense "${fast[@]}"
-run_case b-int8 --codec int8+zstd "${fast[@]}"
-run_case c-default "${fast[@]}"
+run_case a-dense --codec dense --no-adaptive "${fast[@]}"
+run_case b-int8 --codec int8+zstd --no-adaptive "${fast[@]}"
+run_case c-default --codec "$default" --no-adaptive "${fast[@]}"
 if [ "$(id -u)" -eq 0 ] && command -v tc >/dev/null; then
   run_case d-adaptive --adaptive --codec dense --adaptive-floor "$default" --wan-rate "$wan_rate"
 else
