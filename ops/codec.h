@@ -40,9 +40,10 @@ struct Pipeline {
   bool operator==(const Pipeline&) const = default;
 };
 
-// The pipeline used when a configuration names none. Chosen by bench/codec (figures in
-// docs/CODECS.md): about 68x smaller than dense fp32 on LoRA deltas, and with error feedback
-// the sum of decoded deltas over 50 rounds is as close to the true sum as topk:0.05+int4's.
+// The pipeline used when a configuration names none: 2-bit values, one scale per 256. Chosen
+// by what it does to training (the loss-versus-bytes study, docs/BENCHMARKS.md section 8;
+// figures in docs/CODECS.md): about 19x smaller than dense fp32 on LoRA deltas, and with
+// error feedback the sum of decoded deltas over 50 rounds is within 0.09 of the true sum.
 inline constexpr std::string_view kDefaultPipeline = "int2:256+zstd";
 
 // Parses pipeline text: "dense", "defer", or '+'-joined stages in order
@@ -115,7 +116,8 @@ void EncodeWithFeedbackMany(std::span<FeedbackTask> tasks, int threads);
 
 // The ladder of adaptive mode, finest (most accurate) first: dense, int8+zstd, int4+zstd,
 // topk:0.25+int8+zstd, int2:256+zstd, ..., topk:0.001+int2+zstd (14 rungs; docs/CODECS.md lists
-// them). Ordered by measured error on LoRA deltas (bench/codec).
+// them). Sizes fall along it; the order is by measured error on LoRA deltas (bench/codec),
+// except int2:256+zstd, placed by size (it trains better than its one-round error says).
 const std::vector<Pipeline>& AdaptiveLadder();
 
 // Estimated size of Encode(p, x) for x of `numel` elements (an upper-leaning estimate: it

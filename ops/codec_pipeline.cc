@@ -167,8 +167,10 @@ uint64_t EstimateBytes(const Pipeline& p, uint64_t numel) {
 }
 
 const std::vector<Pipeline>& AdaptiveLadder() {
-  // Finest first. The order is by relative L2 error measured by bench/codec on LoRA deltas;
-  // sizes fall monotonically along it.
+  // Finest first. Sizes fall monotonically along it. The order is by relative L2 error
+  // measured by bench/codec on LoRA deltas, except int2:256+zstd, placed by size: its
+  // one-round error is above topk:0.1+int8's, but with error feedback it trains better
+  // than any top-k rung (docs/CODECS.md).
   static const std::vector<Pipeline> ladder = [] {
     const char* kTexts[] = {
         "dense",

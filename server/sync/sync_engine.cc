@@ -110,9 +110,7 @@ SyncEngine::SyncEngine(Store* store, SyncOptions options)
   };
   codec_pipe_ = parsed(options_.codec);
   floor_pipe_ = parsed(options_.adaptive_floor);
-  // No ceiling: the configured pipeline is the finest, and the ladder starts at its rung.
-  ceiling_pipe_ =
-      options_.adaptive_ceiling.empty() ? codec_pipe_ : parsed(options_.adaptive_ceiling);
+  if (!options_.adaptive_ceiling.empty()) ceiling_pipe_ = parsed(options_.adaptive_ceiling);
   dense_pipe_ = parsed("dense");
   defer_pipe_ = parsed("defer");
   for (const auto& o : options_.codec_overrides) {
@@ -488,12 +486,13 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
           std::max(min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
                        static_cast<double>(std::max<uint64_t>(total_numel, 1)),
                    0.0);
+      // No ceiling set: the tensor's configured pipeline while it fits, else the ladder
+      // from that pipeline's rung down.
+      const bool own_ceiling = options_.adaptive_ceiling.empty();
       const codec::Pipeline& configured = ConfiguredPipeline(tensor);
-      if (options_.adaptive_ceiling.empty() && codec::EstimateBytes(configured, numel) <= budget) {
-        return configured;
-      }
+      if (own_ceiling && codec::EstimateBytes(configured, numel) <= budget) return configured;
       return codec::ChooseAdaptive(numel, static_cast<uint64_t>(budget), floor_pipe_,
-                                   ceiling_pipe_);
+                                   own_ceiling ? configured : ceiling_pipe_);
     }
   }
   return ConfiguredPipeline(tensor);

@@ -355,7 +355,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
 
   Store* store_;
   SyncOptions options_;
-  // options_'s pipelines, parsed once (Create has checked that every one parses).
+  // options_'s pipelines, parsed once (Create has checked that every one parses);
+  // ceiling_pipe_ only when sync.adaptive_ceiling is set.
   codec::Pipeline codec_pipe_, floor_pipe_, ceiling_pipe_, dense_pipe_, defer_pipe_;
   std::vector<std::pair<std::string, codec::Pipeline>> override_pipes_;  // glob, pipeline
   uint64_t hard_cap_;
