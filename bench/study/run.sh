@@ -215,9 +215,12 @@ run_point() {
   local codec="$1" h="$2" outer="$3" key="$tkey/$1/H$2/$3/k$rounds_ahead" rate=100mbit flags=() olr omom t0
   local wtrain="$train --batch-size 8"
   local data_a=demo-out/data/A data_b=demo-out/data/B
-  if [ "$overlap" = true ]; then key="$key/overlap" wtrain="$wtrain --overlap"; else wtrain="$wtrain --no-overlap"; fi
   local merge=${merge_after:-0}
-  if [ "$overlap" = true ]; then key="$key/merge$merge" wtrain="$wtrain --merge-after-steps $merge"; fi
+  if [ "$overlap" = true ]; then
+    key="$key/overlap/merge$merge" wtrain="$wtrain --overlap --merge-after-steps $merge"
+  else
+    wtrain="$wtrain --no-overlap"
+  fi
   if [ "$swap" = true ]; then key="$key/swapped" data_a=demo-out/data/B data_b=demo-out/data/A; fi
   n=$((n + 1))
   if [ $((steps % h)) -ne 0 ]; then echo "study: [$n/$total] skip $key: H does not divide T"; return; fi
