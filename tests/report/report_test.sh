@@ -54,13 +54,13 @@ ISTHMUS_BUILD_DIR="$build" "$root/deploy/reference.sh" --base "$work/base.safete
   { cat "$work/reference.out"; echo "FAIL: reference.sh failed"; exit 1; }
 # Dense deltas (64 KiB a round): large enough for the links to measure their bandwidth (the
 # default pipeline's few hundred bytes a round would give them nothing to measure), and the
-# same size every round, so check_report.py can tell a misattributed round. (Not adaptive:
+# same size every round, so check_report.py can tell a misattributed round. (--no-adaptive:
 # its choice of codec after the first measurement depends on the machine's speed.)
 t0=$(date +%s)
 ISTHMUS_BUILD_DIR="$build" "$root/deploy/two-site.sh" --base "$work/base.safetensors" \
   --data-a "$work/A" --data-b "$work/B" --model "$model --lora-rank 8 --lora-alpha 16" \
   --train "--lr 3e-3 --min-lr 3e-4 --warmup-steps 2 --batch-size 4 --val-batches 2" \
-  --codec dense \
+  --codec dense --no-adaptive \
   --rounds "$rounds" --steps-per-round 8 "${eval_sets[@]}" --eval-every-rounds 1 \
   --eval-batches 4 --top-interval 0.2 --out "$work/run" --report "$work/report" \
   --reference "$work/reference/reference.json" \
