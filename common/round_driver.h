@@ -30,6 +30,7 @@
 // it until busy() is false). LiveParams is only ever called from the caller's thread.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -156,6 +157,31 @@ struct RoundDriverOptions {
   // "pushed" (every shard of this rank took the round) and "pulled" (the state is pulled,
   // not yet handed over).
   std::function<void(const char* stage, uint64_t round)> fault;
+};
+
+// When an overlapped round's pulled state goes into the live weights: at a step boundary
+// of the next round, no earlier than `after_steps` steps into it (so whenever the commit
+// arrives before then, the merge step, and so the trajectory, does not depend on the WAN),
+// and then as soon as it is done; with `wait`, at exactly that step, waiting for it there
+// (every run reproducible, at the price of a stall when the WAN is slower). after_steps
+// < 0: a tenth of the round's steps, at least 1 (the default); 0: on arrival.
+// isthmus-worker --merge-after-steps / --merge-wait and bench/wan's sites use this.
+struct MergePolicy {
+  int after_steps = -1;
+  bool wait = false;
+  // The step of a round of `round_steps` steps at which the merge may happen (0: any).
+  int64_t Step(int64_t round_steps) const {
+    if (after_steps >= 0) return after_steps;
+    return std::max<int64_t>(1, round_steps / 10);
+  }
+  // After `steps` steps of a round of `round_steps`: merge the round in flight now?
+  // `busy`: a round is in flight; `ready`: it is done (for every rank alike).
+  bool Now(int64_t steps, int64_t round_steps, bool busy, bool ready) const {
+    const int64_t at = Step(round_steps);
+    if (at == 0) return ready;
+    if (wait) return busy && steps == at;
+    return ready && steps >= at;
+  }
 };
 
 // What the background part of a round did (push, wait, pull: seconds on the driver's

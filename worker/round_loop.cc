@@ -1095,11 +1095,10 @@ class RoundLoop {
           driver_->Stepped();
           ++steps_since_push_;
           // The round in flight is done (rank 0) or failed (any rank): every rank merges it
-          // (or fails with it) after this same step. With --merge-after-steps every rank
-          // merges it after that many steps, waiting for it there if need be.
-          const int64_t merge_at = s_.merge_after_steps;
-          const bool merge_now =
-              merge_at > 0 ? driver_->busy() && steps_since_push_ == merge_at : ctl.ready;
+          // (or fails with it) after this same step, no earlier than the merge step
+          // (--merge-after-steps; with --merge-wait exactly there, waiting if need be).
+          const MergePolicy merge{s_.merge_after_steps, s_.merge_wait};
+          const bool merge_now = merge.Now(steps_since_push_, h, driver_->busy(), ctl.ready);
           if (merge_now || ctl.failed) {
             if (ctl.failed && leader()) driver_->Cancel();
             ISTHMUS_RETURN_IF_ERROR(CompleteInFlight());

@@ -282,8 +282,15 @@ Status TrainSettings::Validate() const {
   if (steps_per_round < 0 || round_seconds < 0 || !std::isfinite(round_seconds)) {
     return Status::InvalidArgument("--steps-per-round and --round-seconds must be >= 0");
   }
-  if (merge_after_steps < 0) {
-    return Status::InvalidArgument("--merge-after-steps must be >= 0 (0: merge on arrival)");
+  if (merge_after_steps < -1) {
+    return Status::InvalidArgument(
+        "--merge-after-steps must be >= 0 (0: merge on arrival; leave it out for a tenth of "
+        "the round)");
+  }
+  if (merge_wait && merge_after_steps == 0) {
+    return Status::InvalidArgument(
+        "--merge-wait needs a merge step: give --merge-after-steps M > 0 (or leave it out for "
+        "a tenth of the round)");
   }
   if (batch_size < 1 || val_batches < 1 || log_every < 1 || comm_timeout_s < 1) {
     return Status::InvalidArgument(
@@ -413,9 +420,13 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
                "push, wait for the WAN and pull in the background while the next round "
                "trains; the pulled state is merged at a step boundary (default on)");
   app.add_option("--merge-after-steps", t.merge_after_steps,
-                 "with --overlap: merge the pulled state after exactly this many steps of the "
-                 "next round, waiting for it there if need be (0: as soon as it arrives)")
-      ->capture_default_str();
+                 "with --overlap: merge the pulled state no earlier than this many steps into "
+                 "the next round, then as soon as it has arrived (default: a tenth of the "
+                 "round's steps, at least 1; 0: as soon as it arrives)");
+  app.add_flag("--merge-wait", t.merge_wait,
+               "with --overlap: merge at exactly the --merge-after-steps step, waiting for "
+               "the pulled state there if it has not arrived (reproducible runs; a stall "
+               "when the WAN is slower)");
   app.add_option("--max-rounds", t.max_rounds, "stop after this many rounds (0: no bound)");
   app.add_option("--max-steps", t.max_steps, "stop after this many steps (0: no bound)");
   app.add_option("--lr", t.lr, "peak learning rate")->capture_default_str();

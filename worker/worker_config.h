@@ -126,10 +126,12 @@ struct TrainSettings {
   // is merged at a step boundary. On by default: it matches or beats synchronous rounds on
   // quality (docs/BENCHMARKS.md, section 8) and hides the boundary (section 7).
   bool overlap = true;
-  // With overlap: merge the round in flight after exactly this many steps of the next
-  // round, waiting for it there if it has not arrived, so the trajectory does not depend on
-  // when the WAN delivers; 0 (the default): at the first step boundary after it arrives.
-  int merge_after_steps = 0;
+  // With overlap: merge the round in flight no earlier than this many steps into the next
+  // round, then as soon as it is done (-1, the default: a tenth of the round; 0: on
+  // arrival); with merge_wait, at exactly that step, waiting for it there
+  // (common/round_driver.h, MergePolicy).
+  int merge_after_steps = -1;
+  bool merge_wait = false;
   int64_t max_rounds = 0;  // 0: no bound
   int64_t max_steps = 0;   // 0: no bound (one of the two must be set)
   float lr = 3e-4f;

@@ -11,7 +11,8 @@
 # interrupted study resumes where it stopped. bench/study/plot.py reads the file.
 #
 # Usage: bench/study/run.sh [--quick] [--steps T] [--out DIR] [--rounds-ahead K] [--seed S]
-#                           [--overlap] [--no-overlap] [--merge-after-steps M] [--swap-sites]
+#                           [--overlap] [--no-overlap] [--merge-after-steps M] [--merge-wait]
+#                           [--swap-sites]
 #                           [--sites 2|3] [--points "C/H/O ..."]
 #   --quick     smoke test: T = 40, H = 20 only, into demo-out/study-quick
 #   --steps T   total steps per rank (default 800)
@@ -25,11 +26,15 @@
 #   --overlap, --no-overlap   the two-site workers overlap their rounds with compute
 #               (isthmus-worker train --overlap, the worker's default) or not (--no-overlap);
 #               overlapped points carry ".../kK/overlap" in their key.
-#   --merge-after-steps M   overlapped workers merge each round's pulled state after exactly
-#               M steps of the next round (isthmus-worker train --merge-after-steps; 0: as
-#               soon as it arrives, the worker's default);
-#               overlapped points carry ".../mergeM" in their key (points recorded before
-#               this setting existed merged on arrival and carry none).
+#   --merge-after-steps M   overlapped workers merge each round's pulled state no earlier
+#               than M steps into the next round, then as soon as it has arrived
+#               (isthmus-worker train --merge-after-steps; default: a tenth of H, the
+#               worker's default; 0: as soon as it arrives); overlapped points carry
+#               ".../afterM" in their key (".../merge0" for 0).
+#   --merge-wait  merge at exactly step M, waiting for the pulled state there
+#               (isthmus-worker train --merge-wait); key ".../mergeM". Points recorded
+#               before the default policy existed carry "merge0" (on arrival) or
+#               "mergeM" (M with the wait), or nothing (on arrival).
 #   --swap-sites  site A trains on de+es and site B on en+fr (the other way round): tells
 #               a lean that follows a site's position from one that follows its languages;
 #               part of every two-site key (".../swapped").
@@ -51,7 +56,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 export ISTHMUS_BUILD_DIR="${ISTHMUS_BUILD_DIR:-build}"
 build="$ISTHMUS_BUILD_DIR"
-steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=true swap=false nsites=2 merge_after=""
+steps="" out="" quick=false points="" rounds_ahead="" seed=0 overlap=true swap=false nsites=2 merge_after="" merge_wait=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=true; shift ;;
@@ -63,9 +68,10 @@ while [ $# -gt 0 ]; do
     --overlap) overlap=true; shift ;;
     --no-overlap) overlap=false; shift ;;
     --merge-after-steps) merge_after="$2"; shift 2 ;;
+    --merge-wait) merge_wait=true; shift ;;
     --swap-sites) swap=true; shift ;;
     --sites) nsites="$2"; shift 2 ;;
-    -h|--help) sed -n 2,47p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,52p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -86,6 +92,9 @@ server_default() {
 case "$rounds_ahead" in ''|*[!0-9]*) echo "run.sh: --rounds-ahead takes a whole number" >&2; exit 2 ;; esac
 case "$seed" in ''|*[!0-9]*) echo "run.sh: --seed takes a whole number" >&2; exit 2 ;; esac
 case "${merge_after:-0}" in ''|*[!0-9]*) echo "run.sh: --merge-after-steps takes a whole number" >&2; exit 2 ;; esac
+if [ "$merge_wait" = true ] && [ "${merge_after:-1}" -eq 0 ]; then
+  echo "run.sh: --merge-wait needs a merge step (--merge-after-steps M > 0, or none for H / 10)" >&2; exit 2
+fi
 case "$nsites" in 2|3) ;; *) echo "run.sh: --sites takes 2 or 3" >&2; exit 2 ;; esac
 if [ "$nsites" -eq 3 ] && [ "$swap" = true ]; then
   echo "run.sh: --swap-sites is for two sites" >&2; exit 2
@@ -215,9 +224,11 @@ run_point() {
   local codec="$1" h="$2" outer="$3" key="$tkey/$1/H$2/$3/k$rounds_ahead" rate=100mbit flags=() olr omom t0
   local wtrain="$train --batch-size 8"
   local data_a=demo-out/data/A data_b=demo-out/data/B
-  local merge=${merge_after:-0}
+  local merge=${merge_after:-$(( h / 10 > 0 ? h / 10 : 1 ))} policy=after wait_flag=""
+  if [ "$merge_wait" = true ] || [ "$merge" -eq 0 ]; then policy=merge; fi
+  [ "$merge_wait" = true ] && wait_flag=" --merge-wait"
   if [ "$overlap" = true ]; then
-    key="$key/overlap/merge$merge" wtrain="$wtrain --overlap --merge-after-steps $merge"
+    key="$key/overlap/$policy$merge" wtrain="$wtrain --overlap --merge-after-steps $merge$wait_flag"
   else
     wtrain="$wtrain --no-overlap"
   fi
@@ -255,8 +266,8 @@ run_point() {
   fi
   if [ ! -f "$out/current/summary.json" ]; then echo "study: $key: no summary, not recorded"; return; fi
   cp "$out/current/summary.json" "$out/runs/$name.json"
-  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s, "merge_after_steps": %d, "swapped": %s, "sites": %d}' \
-    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap" "$merge" "$swap" "$nsites")" "$out/current/summary.json"
+  record "$key" $(( $(date +%s) - t0 )) "$(printf '{"kind": "two-site", "codec": "%s", "H": %d, "rounds": %d, "outer": "%s", "outer_lr": %s, "outer_momentum": %s, "max_rounds_ahead": %d, "wan_rate": "%s", "flags": "%s", "data_seed": %d, "overlap": %s, "merge_after_steps": %d, "merge_wait": %s, "swapped": %s, "sites": %d}' \
+    "$codec" "$h" $((steps / h)) "$outer" "$olr" "$omom" "$rounds_ahead" "$rate" "${flags[*]}" "$seed" "$overlap" "$merge" "$merge_wait" "$swap" "$nsites")" "$out/current/summary.json"
 }
 
 # Every codec x H with plain averaging, then Nesterov (DiLoCo's 0.7 / 0.9) for every H with

@@ -24,10 +24,10 @@
 #          dense down; lowrank and fragments: fixed pipelines.
 #   --rounds 20, --round-seconds 3, --shards 1 per site, --sites 2, --overlap off by
 #   default (each case runs once per value given).
-#   --merge-after-steps M   overlapped sites merge after exactly M of the round's 30
-#   emulated steps, waiting there if need be (bench_wan_load --merge-after-steps; 0, the
-#   default: as soon as the round in flight is done, as isthmus-worker); recorded in each
-#   row.
+#   --merge-after-steps M   overlapped sites merge no earlier than M of the round's 30
+#   emulated steps, then as soon as the round in flight is done (bench_wan_load
+#   --merge-after-steps; default 3, a tenth, as isthmus-worker; 0: as soon as it is done);
+#   --merge-wait: at exactly step M, waiting there if need be. Both recorded in each row.
 # Needs root and iproute2 (ip netns, tc), the recorded deltas (bench/wan/record.sh) and a
 # build with the bench programs (ISTHMUS_BUILD_DIR, default build).
 set -euo pipefail
@@ -36,7 +36,7 @@ cd "$(dirname "$0")/../.."
 . deploy/shard-toml.sh
 build="${ISTHMUS_BUILD_DIR:-build}"
 cases="lora-default lora-adaptive full-default" rates="20mbit 100mbit" nsites=2 rounds=20
-round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas overlaps="off" merge_after=0
+round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas overlaps="off" merge_after=3 merge_wait=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --cases) cases="$2"; shift 2 ;;
@@ -49,7 +49,8 @@ while [ $# -gt 0 ]; do
     --json) json_out="$2"; shift 2 ;;
     --overlap) overlaps="$2"; shift 2 ;;
     --merge-after-steps) merge_after="$2"; shift 2 ;;
-    -h|--help) sed -n 2,28p "$0"; exit 0 ;;
+    --merge-wait) merge_wait=true; shift ;;
+    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -177,7 +178,8 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
   shape "$rate"
   local before
   before=$(wan_bytes)
-  local lpids=()
+  local lpids=() wait_flag=()
+  [ "$merge_wait" = true ] && wait_flag=(--merge-wait)
   for s in "${sites[@]}"; do
     local w=()
     for ((i = 0; i < shards; i++)); do
@@ -186,7 +188,7 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
     in_ns "$s" "$load" --job wan "${w[@]}" --key "$dir/keys/workers-$s/worker.key" \
       --client-name "$s" --deltas "$(recorded "$mode" "$s")" --rounds "$rounds" \
       --round-seconds "$round_seconds" --"$( [ "$overlap" = on ] && echo overlap || echo no-overlap )" \
-      --merge-after-steps "$merge_after" \
+      --merge-after-steps "$merge_after" "${wait_flag[@]}" \
       --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
     lpids+=($!)
   done
@@ -226,9 +228,9 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
     tail -n 5 "$dir"/logs/load-*.log >&2
     return 1
   fi
-  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" "$overlap" "$merge_after" >> "$results" <<'PY'
+  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" "$overlap" "$merge_after" "$merge_wait" >> "$results" <<'PY'
 import json, sys
-d, name, mode, rate, kernel, rounds, round_s, sites, overlap, merge_after = sys.argv[1:11]
+d, name, mode, rate, kernel, rounds, round_s, sites, overlap, merge_after, merge_wait = sys.argv[1:12]
 kernel, rounds, round_s, sites = int(kernel), int(rounds), float(round_s), sites.split()
 bps = float(rate.replace("mbit", "")) * 1e6 / 8
 loads = {s: json.load(open(f"{d}/load-{s}.json")) for s in sites}
@@ -245,7 +247,8 @@ per_round = kernel / rounds
 # The busiest direction: each site sends its round to every other site over its own veth.
 per_site_round = per_round / len(sites)
 row = {"case": name, "mode": mode, "rate": rate, "overlap": overlap,
-       "merge_after_steps": int(merge_after), "sites": len(sites),
+       "merge_after_steps": int(merge_after), "merge_wait": merge_wait == "true",
+       "sites": len(sites),
        "rounds": rounds,
        "round_seconds": round_s, "numel": loads[sites[0]]["numel"],
        "kernel_bytes": kernel, "kernel_bytes_per_round": per_round,

@@ -197,7 +197,6 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
     pushed_at[rep.round] = rep.pushed_at;
   };
   const int steps = std::max(1, o_.steps_per_round);
-  const int merge_at = o_.merge_after_steps;
   const auto step = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(o_.round_seconds / steps));
   Status failed;
@@ -219,9 +218,9 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
       }
       t.compute_s += Seconds(Clock::now() - s0);
       driver_->Stepped();
-      // A round in flight is done (or, with merge_after_steps, its step has come, and the
-      // wait for it counts against computing): merge it at this step boundary.
-      if (merge_at > 0 ? driver_->busy() && s + 1 == merge_at : driver_->Ready()) {
+      // A round in flight is done and its merge step has come (or, with merge.wait, its
+      // step has come, and the wait for it counts against computing): merge it here.
+      if (o_.merge.Now(s + 1, steps, driver_->busy(), driver_->Ready())) {
         const auto m0 = Clock::now();
         auto rep = driver_->Complete();
         t.boundary_s += Seconds(Clock::now() - m0);

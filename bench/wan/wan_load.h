@@ -83,9 +83,9 @@ struct SiteOptions {
   int poll_ms = 50;          // how often a waiting round asks the shards again (as isthmus-worker)
   bool overlap = false;      // end rounds in the background (isthmus-worker --overlap)
   int steps_per_round = 30;  // emulated step boundaries per round (where merges happen)
-  // With overlap: merge after exactly this many steps of the next round, waiting there if
-  // need be (isthmus-worker --merge-after-steps); 0: at the first boundary after it is done.
-  int merge_after_steps = 0;
+  // With overlap: when a round's pulled state is merged (isthmus-worker
+  // --merge-after-steps, --merge-wait; by default no earlier than a tenth of the round).
+  MergePolicy merge;
 };
 
 // Opens a fresh connection to shard i (the watcher thread needs its own).

@@ -24,7 +24,8 @@ int main(int argc, char** argv) {
   double round_seconds = 3.0;
   int rounds = 10, skip = 2, max_recorded = 0, poll_ms = 50, timeout_ms = 120000;
   int steps_per_round = 30;
-  int merge_after_steps = 0;
+  int merge_after_steps = -1;
+  bool merge_wait = false;
   bool overlap = false;
   app.add_option("--job", job, "job on the shards")->required();
   app.add_option("--server", servers, "shard worker endpoint, in shard order")->required();
@@ -53,9 +54,12 @@ int main(int argc, char** argv) {
                  "emulated steps per round: the step boundaries a finished round is merged at")
       ->capture_default_str();
   app.add_option("--merge-after-steps", merge_after_steps,
-                 "with --overlap: merge after exactly this many steps of the next round, "
-                 "waiting there if need be (0: as soon as the round in flight is done)")
-      ->capture_default_str();
+                 "with --overlap: merge no earlier than this many steps into the next round, "
+                 "then as soon as the round in flight is done (default: a tenth of "
+                 "--steps-per-round, as isthmus-worker; 0: as soon as it is done)");
+  app.add_flag("--merge-wait", merge_wait,
+               "with --overlap: merge at exactly the --merge-after-steps step, waiting "
+               "there if need be (isthmus-worker --merge-wait)");
   app.add_option("--request-timeout-ms", timeout_ms, "per shard request attempt")
       ->capture_default_str();
   app.add_option("--json", json_path, "write per-round timings and the summary here");
@@ -110,7 +114,7 @@ int main(int argc, char** argv) {
   so.poll_ms = poll_ms;
   so.overlap = overlap;
   so.steps_per_round = steps_per_round;
-  so.merge_after_steps = merge_after_steps;
+  so.merge = MergePolicy{merge_after_steps, merge_wait};
   wanload::SyntheticSite site(
       servers.size(), [&](size_t s) { return ShardClient::Connect(options[s]); },
       [&] { return SiteClient::Connect(site_options); }, so);

@@ -49,21 +49,23 @@ def train_step(model, opt, step):
     opt.step()
 
 
-def run_with_helper(site, rank_group=None, overlap=False, merge_after_steps=0):
+def run_with_helper(site, rank_group=None, overlap=False, merge_after_steps=None,
+                    merge_wait=False):
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     rank = isthmus.torch.SiteRank(site, model.named_job_parameters(),
                                   steps_per_round=STEPS_PER_ROUND, base_hash="base-1",
                                   process_group=rank_group, overlap=overlap,
-                                  merge_after_steps=merge_after_steps)
+                                  merge_after_steps=merge_after_steps,
+                                  merge_wait=merge_wait)
     start = rank.start()
     ended = 0
     for step in range(STEPS_PER_ROUND * ROUNDS):
         train_step(model, opt, step)
         inflight = rank._inflight
         ended += rank.step(tokens=16)
-        if merge_after_steps and rank.steps_in_round == merge_after_steps:
+        if merge_wait and rank.steps_in_round == merge_after_steps:
             # The round in flight was merged after exactly merge_after_steps steps.
             assert not rank._inflight, f"step {step}: round in flight not merged"
         elif merge_after_steps and 0 < rank.steps_in_round < merge_after_steps:
@@ -162,12 +164,16 @@ class OverlapTest(unittest.TestCase):
         cls.shards.close()
 
     def test_overlapped_rounds_commit_what_serial_rounds_commit(self):
-        for job in ("serial", "overlapped", "overlapped-two-ranks", "overlapped-merge-2"):
+        for job in ("serial", "overlapped", "overlapped-two-ranks", "overlapped-merge-2",
+                    "overlapped-after-2"):
             self.shards.create_job(job, initial_tensors())
         self.assertEqual(run_with_helper(self.shards.client("serial")), (0, ROUNDS, ROUNDS))
         self.assertEqual(run_with_helper(self.shards.client("overlapped"), overlap=True),
                          (0, ROUNDS, ROUNDS))
         self.assertEqual(run_with_helper(self.shards.client("overlapped-merge-2"), overlap=True,
+                                         merge_after_steps=2, merge_wait=True),
+                         (0, ROUNDS, ROUNDS))
+        self.assertEqual(run_with_helper(self.shards.client("overlapped-after-2"), overlap=True,
                                          merge_after_steps=2), (0, ROUNDS, ROUNDS))
         with tempfile.TemporaryDirectory() as d:
             result = os.path.join(d, "last.npy")
@@ -177,7 +183,8 @@ class OverlapTest(unittest.TestCase):
                       self.shards.server_pubs, result, "overlapped-two-ranks", True))
             self.assertEqual(int(np.load(result)[0]), ROUNDS)
         serial = self.shards.client("serial").pull()
-        for job in ("overlapped", "overlapped-two-ranks", "overlapped-merge-2"):
+        for job in ("overlapped", "overlapped-two-ranks", "overlapped-merge-2",
+                    "overlapped-after-2"):
             site = self.shards.client(job)
             got = site.pull()
             for name in ("w", "b"):

@@ -62,12 +62,12 @@ TEST_F(Overlap, FullModeOneSiteCommitsTheSameStateBitForBit) { ExpectFullModeOnO
 
 INSTANTIATE_TEST_SUITE_P(Ranks, OverlapOnOff, ::testing::Values(1, 2, 3));
 
-// --merge-after-steps: every rank merges each round in flight after exactly that many steps
-// of the next round (waiting for it there if need be), whenever the pull arrived, and the
-// committed state is still the serial run's.
+// --merge-after-steps with --merge-wait: every rank merges each round in flight after
+// exactly that many steps of the next round (waiting for it there if need be), whenever the
+// pull arrived, and the committed state is still the serial run's.
 TEST_F(Overlap, MergeAfterStepsMergesEveryRoundAtThatStep) {
   CreateJobNamed("merge", init_, base_hash_);
-  ExpectOnOffAlike(2, init_, "j", "merge", {"--merge-after-steps", "2"});
+  ExpectOnOffAlike(2, init_, "j", "merge", {"--merge-after-steps", "2", "--merge-wait"});
   std::ifstream in(dir_ / "merge-r0.log");
   const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   for (int r = 1; r <= 3; ++r) {
@@ -76,6 +76,23 @@ TEST_F(Overlap, MergeAfterStepsMergesEveryRoundAtThatStep) {
     EXPECT_NE(log.find(line), std::string::npos) << line << "\n" << log;
   }
   EXPECT_EQ(log.find("merged after 1 steps"), std::string::npos) << log;
+}
+
+// --merge-after-steps without --merge-wait (the default policy, with its step given): no
+// round is merged before that step, each is merged (at it or after, as it arrives), and the
+// committed state is still the serial run's.
+TEST_F(Overlap, MergeAfterStepsWithoutWaitMergesNoEarlier) {
+  CreateJobNamed("after", init_, base_hash_);
+  ExpectOnOffAlike(2, init_, "j", "after", {"--merge-after-steps", "2"});
+  std::ifstream in(dir_ / "after-r0.log");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (int r = 1; r <= 3; ++r) {
+    const std::string prefix = "round " + std::to_string(r) + ": the pulled state merged after ";
+    const size_t at = log.find(prefix);
+    ASSERT_NE(at, std::string::npos) << prefix << "\n" << log;
+    const int steps = std::atoi(log.c_str() + at + prefix.size());
+    EXPECT_GE(steps, 2) << "round " << r << " merged before its step\n" << log;
+  }
 }
 
 // SIGKILL of a site's workers during a background push that reached only some shards: of

@@ -52,17 +52,25 @@ class SiteRank:
         group when torch.distributed is initialized, else a site of one rank).
     staleness_timeout_s: how long a round may wait for the WAN before RuntimeError.
     overlap: end rounds in the background while the next round trains (default True).
-    merge_after_steps: with overlap, merge the round in flight after exactly this many steps
-        of the next round, waiting for it there if need be, so training does not depend on
-        when the WAN delivers (0, the default: as soon as it is done).
+    merge_after_steps: with overlap, merge the round in flight no earlier than this many
+        steps into the next round, then as soon as it is done (None, the default: a tenth
+        of steps_per_round, at least 1; 0: as soon as it is done).
+    merge_wait: merge at exactly the merge_after_steps step, waiting for the round there
+        if need be, so training never depends on when the WAN delivers.
     """
 
     def __init__(self, site, parameters, steps_per_round=80, base_hash="", process_group=None,
-                 staleness_timeout_s=3600.0, overlap=True, merge_after_steps=0):
+                 staleness_timeout_s=3600.0, overlap=True, merge_after_steps=None,
+                 merge_wait=False):
         if steps_per_round < 1:
             raise ValueError("steps_per_round must be at least 1")
+        if merge_after_steps is None:
+            merge_after_steps = max(1, int(steps_per_round) // 10)
         if merge_after_steps < 0:
-            raise ValueError("merge_after_steps must be >= 0 (0: merge on arrival)")
+            raise ValueError("merge_after_steps must be >= 0 (0: merge on arrival; None: a "
+                             "tenth of the round)")
+        if merge_wait and merge_after_steps == 0:
+            raise ValueError("merge_wait needs a merge step: merge_after_steps > 0 or None")
         items = parameters.items() if hasattr(parameters, "items") else parameters
         self.params = {}
         for name, p in items:
@@ -81,6 +89,7 @@ class SiteRank:
         self.staleness_timeout_s = float(staleness_timeout_s)
         self.overlap = bool(overlap)
         self.merge_after_steps = int(merge_after_steps)
+        self.merge_wait = bool(merge_wait)
         dist = torch.distributed
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if self._dist else 0
@@ -111,7 +120,8 @@ class SiteRank:
     def step(self, tokens=0):
         """Call after each optimizer step; `tokens`: tokens this rank trained on in it.
         Ends the round every steps_per_round steps (returns True then); with overlap, merges
-        the round in flight as soon as it is done (or after merge_after_steps steps)."""
+        the round in flight once it is done and merge_after_steps steps have passed (with
+        merge_wait: at that step, waiting for it there)."""
         if self._base is None:
             raise RuntimeError("call start() before step()")
         now = time.perf_counter()
@@ -120,8 +130,7 @@ class SiteRank:
         self._tokens += int(tokens)
         self.steps_in_round += 1
         self._progressed = True
-        if self._inflight and (self.steps_in_round == self.merge_after_steps
-                               if self.merge_after_steps > 0 else self._agree_done()):
+        if self._inflight and self._merge_now():
             self._complete()
         ended = False
         if self.steps_in_round >= self.steps_per_round:
@@ -184,6 +193,14 @@ class SiteRank:
         self._tokens = 0
         self._compute_s = 0.0
         self._round_t0 = time.perf_counter()
+
+    def _merge_now(self):
+        """Whether every rank merges the round in flight after this step (as
+        common/round_driver.h's MergePolicy decides for isthmus-worker)."""
+        at = self.merge_after_steps
+        if self.merge_wait:
+            return self.steps_in_round == at
+        return self.steps_in_round >= at and self._agree_done()
 
     def _agree_done(self):
         """True on every rank when rank 0's round in flight is done, or any rank's failed."""
