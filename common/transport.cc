@@ -91,9 +91,16 @@ void ZapHandler::Stop() {
   if (thread_.joinable()) thread_.join();
 }
 
-void ZapHandler::SetAllowlist(const std::string& domain, const std::vector<std::string>& keys) {
+std::vector<std::string> ZapHandler::SetAllowlist(const std::string& domain,
+                                                  const std::vector<std::string>& keys) {
+  std::set<std::string> next(keys.begin(), keys.end());
+  std::vector<std::string> removed;
   std::lock_guard lk(mu_);
-  allow_[domain] = std::set<std::string>(keys.begin(), keys.end());
+  for (const auto& k : allow_[domain]) {
+    if (next.count(k) == 0) removed.push_back(k);
+  }
+  allow_[domain] = std::move(next);
+  return removed;
 }
 
 bool ZapHandler::Revoke(const std::string& domain, const std::string& key) {

@@ -41,17 +41,21 @@ class ZapHandler {
   void Stop();
 
   // Replaces the allowlist of `domain` (Z85 public keys). Unknown domains admit nobody.
-  void SetAllowlist(const std::string& domain, const std::vector<std::string>& keys);
+  // Returns the keys that were on it and are not any more. Any thread.
+  std::vector<std::string> SetAllowlist(const std::string& domain,
+                                        const std::vector<std::string>& keys);
   // Takes `key` off the allowlist of `domain` from the next handshake on (a revoked key);
   // returns whether it was on it. Any thread.
   bool Revoke(const std::string& domain, const std::string& key);
+
+  // Whether `key` is on the allowlist of `domain` now. Any thread.
+  bool Admit(const std::string& domain, const std::string& key) const;
 
   uint64_t accepted() const { return accepted_.load(); }
   uint64_t rejected() const { return rejected_.load(); }
 
  private:
   void Run();
-  bool Admit(const std::string& domain, const std::string& key) const;
 
   zmq::context_t& ctx_;
   std::thread thread_;

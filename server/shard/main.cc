@@ -26,13 +26,20 @@ void OnSignal(int) {
   if (g_server != nullptr) g_server->RequestStop();  // async-signal-safe (eventfd write)
 }
 
+void OnHangup(int) {
+  if (g_server != nullptr) g_server->RequestReload();  // async-signal-safe (eventfd write)
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
       "isthmus-server: a parameter-server shard of an isthmus site.\n"
       "Settings: every key of docs/CONFIG.md is a flag --section.name=VALUE, an\n"
-      "environment variable ISTHMUS_SECTION_NAME, or a key in the --config file."};
+      "environment variable ISTHMUS_SECTION_NAME, or a key in the --config file.\n"
+      "Signals: SIGTERM or SIGINT stop it cleanly; SIGHUP reads the allowlists\n"
+      "(security.worker_keys, admin_keys, peer_keys) again: added keys are admitted,\n"
+      "removed keys refused and their open connections closed, without a restart."};
   app.footer(isthmus::ExitCodesFooter());
   std::string config_file;
   bool print_doc = false, version = false;
@@ -81,6 +88,10 @@ int main(int argc, char** argv) {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGTERM, &sa, nullptr);
   sigaction(SIGINT, &sa, nullptr);
+  struct sigaction hup {};
+  hup.sa_handler = OnHangup;
+  sigemptyset(&hup.sa_mask);
+  sigaction(SIGHUP, &hup, nullptr);
   std::signal(SIGPIPE, SIG_IGN);
   if (auto s = server.Start(); !s.ok()) {
     spdlog::error("cannot start: {}", s.ToString());

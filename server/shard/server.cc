@@ -645,6 +645,23 @@ void WriteSyncMetrics(metrics::TextWriter& w, SyncEngine* engine, PeerLinks* lin
            static_cast<double>(links->refused_unknown()));
 }
 
+// The three allowlists as the key files under security.*_keys name them now.
+struct Allowlists {
+  std::vector<std::string> worker, admin, peer;
+};
+Result<Allowlists> LoadAllowlists(const ServerConfig& c) {
+  const AllowlistCheck workers{"security.worker_keys", "workers", true};
+  const AllowlistCheck admins{"security.admin_keys", "operators", true};
+  // A site without peers yet (fleet init's one-site fleet) has an empty peer folder.
+  const AllowlistCheck peers{"security.peer_keys", "peer shards of sync.peers",
+                             !c.sync_peers.empty()};
+  Allowlists a;
+  ISTHMUS_ASSIGN_OR_RETURN(a.worker, LoadPublicKeys(c.worker_keys, workers));
+  ISTHMUS_ASSIGN_OR_RETURN(a.admin, LoadPublicKeys(c.admin_keys, admins));
+  ISTHMUS_ASSIGN_OR_RETURN(a.peer, LoadPublicKeys(c.peer_keys, peers));
+  return a;
+}
+
 }  // namespace
 
 std::string LiveDbDir(const std::string& data_dir) { return (fs::path(data_dir) / "db").string(); }
@@ -655,6 +672,8 @@ std::string SnapshotDir(const std::string& data_dir) {
 struct ShardServer::Impl {
   ServerConfig config;
   int wake_fd = -1;
+  int reload_fd = -1;  // RequestReload (SIGHUP): the allowlists are read again
+  KeyPair server_keys;
   std::unique_ptr<zmq::context_t> ctx;
   std::unique_ptr<ZapHandler> zap;
   std::unique_ptr<zmq::socket_t> worker, admin;
@@ -675,6 +694,15 @@ struct ShardServer::Impl {
   // pauses its link; until the next restart (the operator also takes its key file out of
   // security.peer_keys).
   Status RevokePeer(const std::string& site, PeerLinks* links);
+  // Binds a ROUTER socket for `domain` (CURVE unless insecure) to `endpoint`.
+  Status BindSocket(const std::string& endpoint, const char* domain,
+                    std::unique_ptr<zmq::socket_t>& out);
+  // The allowlists read again from their key files (SIGHUP): an added key is admitted from
+  // its next handshake; a removed worker or admin key is refused at once, and the socket
+  // it came in on is bound anew so that its open connections close (every other client
+  // reconnects within its reconnect interval and retries); a removed peer key is revoked
+  // as `sync remove --revoke-key` does. An unreadable key file keeps the old lists.
+  void ReloadKeys(PeerLinks* links);
   std::map<std::string, std::string> peer_key_of;  // site -> its Z85 public key (sync.peers)
 };
 
@@ -690,6 +718,78 @@ Status ShardServer::Impl::RevokePeer(const std::string& site, PeerLinks* links) 
       "out of security.peer_keys too, or a restart admits it again",
       site, it->second.substr(0, 8), was ? "" : " (it was not on the allowlist)");
   return Status::Ok();
+}
+
+Status ShardServer::Impl::BindSocket(const std::string& endpoint, const char* domain,
+                                     std::unique_ptr<zmq::socket_t>& out) {
+  const auto& c = config;
+  try {
+    out = std::make_unique<zmq::socket_t>(*ctx, zmq::socket_type::router);
+    out->set(zmq::sockopt::linger, 0);
+    out->set(zmq::sockopt::sndhwm, 0);
+    out->set(zmq::sockopt::rcvhwm, 0);
+    // A frame beyond this drops the connection before it is buffered whole; smaller
+    // excesses are answered with ResourceExhausted by the shard.
+    out->set(zmq::sockopt::maxmsgsize, c.max_message_bytes + c.max_header_bytes);
+    if (!c.insecure_plaintext) ConfigureCurveServer(*out, server_keys, domain);
+    out->bind(endpoint);
+  } catch (const zmq::error_t& e) {
+    return Status::Unavailable("cannot bind " + std::string(domain) + " socket to '" + endpoint +
+                               "': " + e.what() + " (is the port in use? set listen." + domain +
+                               ")");
+  }
+  return Status::Ok();
+}
+
+void ShardServer::Impl::ReloadKeys(PeerLinks* links) {
+  if (config.insecure_plaintext || zap == nullptr) {
+    spdlog::warn("reload: security.insecure_plaintext is set, there are no keys to reload");
+    return;
+  }
+  auto lists = LoadAllowlists(config);
+  if (!lists.ok()) {
+    spdlog::error("reload: {}; the allowlists stay as they were", lists.status().ToString());
+    return;
+  }
+  struct Domain {
+    const char* name;
+    const std::vector<std::string>* keys;
+    std::unique_ptr<zmq::socket_t>* socket;  // null: the peer socket (PeerLinks')
+  };
+  const Domain domains[] = {{kDomainWorker, &lists->worker, &worker},
+                            {kDomainAdmin, &lists->admin, &admin},
+                            {kDomainPeer, &lists->peer, nullptr}};
+  for (const auto& d : domains) {
+    const std::vector<std::string> removed = zap->SetAllowlist(d.name, *d.keys);
+    spdlog::info("reload: {} {} key(s) allowed, {} removed", d.keys->size(), d.name,
+                 removed.size());
+    if (removed.empty()) continue;
+    if (d.socket == nullptr) {
+      for (const auto& key : removed) {
+        for (const auto& [site, k] : peer_key_of) {
+          if (k == key) (void)RevokePeer(site, links);
+        }
+      }
+      continue;
+    }
+    // Connections that were admitted stay open until their socket goes: bind anew, on the
+    // port it has (the endpoint as bound, so a port 0 keeps the port it was given).
+    const std::string endpoint = (*d.socket)->get(zmq::sockopt::last_endpoint);
+    (*d.socket)->set(zmq::sockopt::linger, 1000);  // replies already queued still leave
+    d.socket->reset();
+    if (Status s = BindSocket(endpoint, d.name, *d.socket); !s.ok()) {
+      // Without its socket the shard cannot serve: stop, and let the supervisor restart it.
+      spdlog::error("reload: {}; stopping", s.ToString());
+      uint64_t one = 1;
+      ssize_t ignored = ::write(wake_fd, &one, sizeof one);
+      (void)ignored;
+      return;
+    }
+    for (const auto& key : removed) {
+      spdlog::warn("reload: {} key {} revoked: its connections are closed", d.name,
+                   key.substr(0, 8));
+    }
+  }
 }
 
 std::string ShardServer::Impl::RenderMetrics() {
@@ -728,6 +828,7 @@ std::string ShardServer::Impl::RenderMetrics() {
 ShardServer::ShardServer(ServerConfig config) : impl_(std::make_unique<Impl>()) {
   impl_->config = std::move(config);
   impl_->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  impl_->reload_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 }
 
 ShardServer::~ShardServer() {
@@ -740,6 +841,7 @@ ShardServer::~ShardServer() {
   if (impl_->ctx) impl_->ctx->close();
   impl_->shard.reset();
   if (impl_->wake_fd >= 0) ::close(impl_->wake_fd);
+  if (impl_->reload_fd >= 0) ::close(impl_->reload_fd);
 }
 
 void ShardServer::RequestStop() {
@@ -748,28 +850,27 @@ void ShardServer::RequestStop() {
   (void)ignored;
 }
 
+void ShardServer::RequestReload() {
+  uint64_t one = 1;
+  ssize_t ignored = ::write(impl_->reload_fd, &one, sizeof one);
+  (void)ignored;
+}
+
 Status ShardServer::Start() {
   auto& c = impl_->config;
   ISTHMUS_RETURN_IF_ERROR(ValidateServerConfig(c));
-  if (impl_->wake_fd < 0) return Status::Internal("eventfd failed");
+  if (impl_->wake_fd < 0 || impl_->reload_fd < 0) return Status::Internal("eventfd failed");
   // Keys and allowlists before the data dir: a refusal here touches no stored state.
-  KeyPair server_keys;
-  std::vector<std::string> worker_keys, admin_keys, peer_keys;
+  KeyPair& server_keys = impl_->server_keys;
+  Allowlists allow;
   if (c.insecure_plaintext) {
     spdlog::warn(
         "security.insecure_plaintext is set: NO encryption and NO authentication on {} and {}",
         c.listen_worker, c.listen_admin);
   } else {
     ISTHMUS_ASSIGN_OR_RETURN(server_keys, LoadKeyPairFile(c.secret_key));
-    const AllowlistCheck workers{"security.worker_keys", "workers", true};
-    const AllowlistCheck admins{"security.admin_keys", "operators", true};
-    // A site without peers yet (fleet init's one-site fleet) has an empty peer folder.
-    const AllowlistCheck peers{"security.peer_keys", "peer shards of sync.peers",
-                               !c.sync_peers.empty()};
-    ISTHMUS_ASSIGN_OR_RETURN(worker_keys, LoadPublicKeys(c.worker_keys, workers));
-    ISTHMUS_ASSIGN_OR_RETURN(admin_keys, LoadPublicKeys(c.admin_keys, admins));
-    ISTHMUS_ASSIGN_OR_RETURN(peer_keys, LoadPublicKeys(c.peer_keys, peers));
-    if (admin_keys.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(allow, LoadAllowlists(c));
+    if (allow.admin.empty()) {
       spdlog::warn("no admin keys configured (security.admin_keys): isthmusctl cannot connect");
     }
   }
@@ -819,34 +920,15 @@ Status ShardServer::Start() {
   impl_->ctx = std::make_unique<zmq::context_t>(static_cast<int>(c.io_threads));
   if (!c.insecure_plaintext) {
     impl_->zap = std::make_unique<ZapHandler>(*impl_->ctx);
-    impl_->zap->SetAllowlist(kDomainWorker, worker_keys);
-    impl_->zap->SetAllowlist(kDomainAdmin, admin_keys);
-    impl_->zap->SetAllowlist(kDomainPeer, peer_keys);
+    impl_->zap->SetAllowlist(kDomainWorker, allow.worker);
+    impl_->zap->SetAllowlist(kDomainAdmin, allow.admin);
+    impl_->zap->SetAllowlist(kDomainPeer, allow.peer);
     ISTHMUS_RETURN_IF_ERROR(impl_->zap->Start());
     spdlog::info("allowlists: {} worker key(s), {} admin key(s), {} peer key(s)",
-                 worker_keys.size(), admin_keys.size(), peer_keys.size());
+                 allow.worker.size(), allow.admin.size(), allow.peer.size());
   }
-  auto make_socket = [&](const std::string& endpoint, const char* domain,
-                         std::unique_ptr<zmq::socket_t>& out) -> Status {
-    try {
-      out = std::make_unique<zmq::socket_t>(*impl_->ctx, zmq::socket_type::router);
-      out->set(zmq::sockopt::linger, 0);
-      out->set(zmq::sockopt::sndhwm, 0);
-      out->set(zmq::sockopt::rcvhwm, 0);
-      // A frame beyond this drops the connection before it is buffered whole; smaller
-      // excesses are answered with ResourceExhausted by the shard.
-      out->set(zmq::sockopt::maxmsgsize, c.max_message_bytes + c.max_header_bytes);
-      if (!c.insecure_plaintext) ConfigureCurveServer(*out, server_keys, domain);
-      out->bind(endpoint);
-    } catch (const zmq::error_t& e) {
-      return Status::Unavailable("cannot bind " + std::string(domain) + " socket to '" + endpoint +
-                                 "': " + e.what() + " (is the port in use? set listen." + domain +
-                                 ")");
-    }
-    return Status::Ok();
-  };
-  ISTHMUS_RETURN_IF_ERROR(make_socket(c.listen_worker, kDomainWorker, impl_->worker));
-  ISTHMUS_RETURN_IF_ERROR(make_socket(c.listen_admin, kDomainAdmin, impl_->admin));
+  ISTHMUS_RETURN_IF_ERROR(impl_->BindSocket(c.listen_worker, kDomainWorker, impl_->worker));
+  ISTHMUS_RETURN_IF_ERROR(impl_->BindSocket(c.listen_admin, kDomainAdmin, impl_->admin));
   if (SyncEngine* engine = impl_->shard->sync(); engine != nullptr && !peers.empty()) {
     if (c.listen_peer.empty()) {
       return Status::InvalidArgument(
@@ -893,7 +975,6 @@ Status ShardServer::Start() {
 
 Status ShardServer::Run() {
   if (!impl_->shard) return Status::FailedPrecondition("Start() first");
-  zmq::socket_t* sockets[2] = {impl_->worker.get(), impl_->admin.get()};
   const wire::Role roles[2] = {wire::Role::Worker, wire::Role::Admin};
   PeerLinks* links = impl_->links.get();
   std::vector<zmq::pollitem_t> items;
@@ -903,14 +984,17 @@ Status ShardServer::Run() {
     MetricsBridge& bridge;
     ~CloseBridge() { bridge.Close(); }
   } close_bridge{impl_->metrics_bridge};
-  constexpr size_t kFixedItems = 4;
+  constexpr size_t kFixedItems = 5;
   while (true) {
+    // ReloadKeys may bind a socket anew: take them afresh each time round.
+    zmq::socket_t* sockets[2] = {impl_->worker.get(), impl_->admin.get()};
     // The peer links' sockets follow the fixed items; their timer bounds the wait.
     items.assign(kFixedItems + (links ? links->PollItemCount() : 0), zmq::pollitem_t{});
     items[0] = {sockets[0]->handle(), 0, ZMQ_POLLIN, 0};
     items[1] = {sockets[1]->handle(), 0, ZMQ_POLLIN, 0};
     items[2] = {nullptr, impl_->wake_fd, ZMQ_POLLIN, 0};
     items[3] = {nullptr, impl_->metrics_bridge.fd(), ZMQ_POLLIN, 0};
+    items[4] = {nullptr, impl_->reload_fd, ZMQ_POLLIN, 0};
     if (links) links->FillPollItems(items.data() + kFixedItems);
     // Round work that failed after a reply (say the disk was full) is retried on a timer.
     int timeout_ms = links ? links->NextTimeoutMs() : -1;
@@ -929,6 +1013,13 @@ Status ShardServer::Run() {
     }
     if (items[3].revents & ZMQ_POLLIN) {
       impl_->metrics_bridge.Serve([this] { return impl_->RenderMetrics(); });
+    }
+    if (items[4].revents & ZMQ_POLLIN) {
+      uint64_t n = 0;
+      ssize_t ignored = ::read(impl_->reload_fd, &n, sizeof n);
+      (void)ignored;
+      impl_->ReloadKeys(links);
+      continue;  // the sockets may be new: poll them again
     }
     for (int i = 0; i < 2; ++i) {
       if (!(items[i].revents & ZMQ_POLLIN)) continue;

@@ -4,8 +4,8 @@
 // host a server for tests and benchmarks.
 //
 // Threads: Run() is the event loop ("shard" thread, the caller's); ZeroMQ adds its I/O
-// threads and the ZAP handler one more. RequestStop() is async-signal-safe and may be
-// called from any thread or a signal handler.
+// threads and the ZAP handler one more. RequestStop() and RequestReload() are
+// async-signal-safe and may be called from any thread or a signal handler.
 #pragma once
 
 #include <atomic>
@@ -28,6 +28,11 @@ class ShardServer {
   Status Run();
   // Async-signal-safe: wakes the loop, which finishes the request in hand and returns.
   void RequestStop();
+  // Async-signal-safe (SIGHUP): the loop reads the allowlists (security.worker_keys,
+  // admin_keys, peer_keys) again from their key files, between two requests. Added keys
+  // are admitted from their next handshake; removed ones are refused at once and their open
+  // connections closed (docs/OPERATIONS.md, "Rotating and revoking keys").
+  void RequestReload();
 
  private:
   struct Impl;

@@ -153,6 +153,69 @@ TEST_F(ShardProcessTest, UnlistedKeyIsRefused) {
   EXPECT_NE(server_.Log().find("refused"), std::string::npos) << server_.Log();
 }
 
+// Keys rotate on a running shard: SIGHUP reads the allowlist folders again. A key added to
+// security.worker_keys is admitted without a restart; a key taken out is refused at once,
+// even on the connection it already had open (the socket is bound anew, so the old
+// connection goes and the reconnect's handshake is refused).
+TEST_F(ShardProcessTest, SighupAdmitsAddedKeysAndClosesRevokedOnesWithoutARestart) {
+  const pid_t pid = server_.pid();
+  auto wait_for_log = [&](const std::string& text, size_t count) {
+    for (int i = 0; i < 200 * testing::TimeScale(); ++i) {
+      const std::string log = server_.Log();
+      size_t n = 0;
+      for (size_t at = log.find(text); at != std::string::npos; at = log.find(text, at + 1)) ++n;
+      if (n >= count) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return false;
+  };
+  auto newcomer_keys = GenerateKeyPair();
+  ASSERT_TRUE(newcomer_keys.ok());
+  {
+    auto before = server_.Client(server_.worker_port(), *newcomer_keys, 1000, 0);
+    auto p = before->Pull("j");
+    ASSERT_FALSE(p.ok());
+    EXPECT_EQ(p.status().code(), Code::kPermissionDenied) << p.status().ToString();
+  }
+  // The worker that was allowed from the start has its connection open and working.
+  auto old_worker = server_.WorkerClient(1000, 0);
+  EXPECT_EQ(PullAll(*old_worker)["b"], std::vector<float>(32, 1.0f));
+
+  // Add the newcomer's public key, reload: it is admitted, the server is the same process.
+  const auto workers = server_.dir() / "workers";
+  ASSERT_TRUE(WriteKeyPairFiles((workers / "newcomer").string(), *newcomer_keys, false).ok());
+  std::filesystem::remove(workers / "newcomer.key");  // the folder holds public keys only
+  server_.Signal(SIGHUP);
+  ASSERT_TRUE(wait_for_log("reload: 2 worker key(s) allowed, 0 removed", 1)) << server_.Log();
+  auto newcomer = server_.Client(server_.worker_port(), *newcomer_keys, 2000, 2);
+  EXPECT_EQ(PullAll(*newcomer)["b"], std::vector<float>(32, 1.0f));
+
+  // Take the first worker's key out, reload: its open connection stops working within
+  // seconds (refused, not served), and the newcomer's goes on after a reconnect.
+  std::filesystem::remove(workers / "w0.pub");
+  server_.Signal(SIGHUP);
+  ASSERT_TRUE(wait_for_log("reload: 1 worker key(s) allowed, 1 removed", 1)) << server_.Log();
+  EXPECT_TRUE(wait_for_log("its connections are closed", 1)) << server_.Log();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto refused = old_worker->Pull("j");
+  const double refused_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(refused.ok()) << "a revoked key's open connection still served a pull";
+  EXPECT_EQ(refused.status().code(), Code::kPermissionDenied) << refused.status().ToString();
+  EXPECT_LT(refused_s, 5.0 * testing::TimeScale());
+  EXPECT_EQ(PullAll(*newcomer)["b"], std::vector<float>(32, 1.0f));
+  // A broken key file keeps the lists as they were (the newcomer still works).
+  {
+    std::ofstream bad(workers / "broken.pub");
+    bad << "not a key\n";
+  }
+  server_.Signal(SIGHUP);
+  ASSERT_TRUE(wait_for_log("the allowlists stay as they were", 1)) << server_.Log();
+  EXPECT_EQ(PullAll(*newcomer)["b"], std::vector<float>(32, 1.0f));
+  EXPECT_EQ(server_.pid(), pid);
+  EXPECT_EQ(::kill(pid, 0), 0) << "the server restarted or died";
+}
+
 TEST_F(ShardProcessTest, WorkerKeyCannotUseAdminSocket) {
   // The admin socket does not admit a worker's key.
   auto on_admin = server_.Client(server_.admin_port(), server_.worker_keys(), 1000, 0);
