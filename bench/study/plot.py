@@ -8,6 +8,11 @@ Reads the study's results.jsonl (one JSON object per point) and writes, next to 
                       the centralised loss and dense per-step sync / 1000 as reference lines
   per-language.png    relative loss vs centralised per language: the 3 points closest to
                       centralised, and the 3 closest among those with >= 1000x fewer bytes
+  defaults.png        the defaults against the old defaults and centralised training, per
+                      data-order seed (written when the results hold both: the old
+                      defaults are the point default/50/lr1m0.5 at K = 2 without overlap,
+                      the defaults the point defaults/80/defaults with the default merge
+                      policy; with a three-site results file too, its defaults beside them)
   table.md            what --table prints
 With --table it also prints the table: one row per point, then the best point that meets
 the goal (within 1% of centralised on every language, >= 1000x fewer wire bytes than dense
@@ -151,6 +156,65 @@ def plot_per_language(points, path, n=3):
     plt.close(fig)
 
 
+def old_defaults(p):
+    """The defaults before 2026-11-26: topk:0.05+int2+zstd, H 50, lr 1, Nesterov 0.5, K 2,
+    serial rounds."""
+    return (p["codec"] == "default" and p["H"] == 50 and p["outer_lr"] == 1
+            and p["outer_momentum"] == 0.5 and k_of(p) == 2 and not p.get("overlap"))
+
+
+def new_defaults(p):
+    """No codec or outer settings, overlapped, the default merge policy (a tenth of H, no
+    wait: the key's /afterM)."""
+    return (p["codec"] == "defaults" and p.get("overlap")
+            and p["key"].endswith(f"/after{max(1, p['H'] // 10)}"))
+
+
+def plot_defaults(points, path):
+    """Worst-language gap per seed, and mean gap against wire bytes: old defaults, the
+    defaults (two sites, and three when given), centralised at 0. False when the results
+    do not hold both."""
+    groups = [("old defaults (topk:0.05+int2+zstd, H 50, K 2, serial)",
+               [p for p in points if old_defaults(p) and p.get("sites", 2) == 2]),
+              ("defaults, 2 sites (int2:256+zstd adaptive, H 80, K 1, overlapped)",
+               [p for p in points if new_defaults(p) and p.get("sites", 2) == 2]),
+              ("defaults, 3 sites", [p for p in points if new_defaults(p) and p.get("sites") == 3])]
+    groups = [(label, sorted(ps, key=lambda p: p.get("data_seed", 0))) for label, ps in groups if ps]
+    if len(groups) < 2 or not groups[0][0].startswith("old"):
+        return False
+    seeds = sorted({p.get("data_seed", 0) for _, ps in groups for p in ps})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    width = 0.8 / len(groups)
+    for i, (label, ps) in enumerate(groups):
+        by_seed = {p.get("data_seed", 0): p for p in ps}
+        xs = [j + (i - (len(groups) - 1) / 2) * width for j, s in enumerate(seeds) if s in by_seed]
+        left.bar(xs, [by_seed[s]["worst_rel_gap_pct"] for s in seeds if s in by_seed], width,
+                 label=label, color=f"C{i}")
+        mean_gap = [sum(p["rel_loss_vs_centralised_pct"][l] for l in LANGS) / len(LANGS) for p in ps]
+        right.plot([p["kernel_wan_bytes"] for p in ps], mean_gap, "o", color=f"C{i}", label=label)
+    for ax in (left, right):
+        ax.axhline(0, color="black", lw=1, label="centralised (same seed, same tokens)")
+        ax.grid(True, axis="y", alpha=0.3)
+    left.axhline(GAP_GOAL_PCT, color="red", lw=0.8, ls=":", label=f"+{GAP_GOAL_PCT:.0f}% (goal)")
+    left.set_xticks(range(len(seeds)), [f"seed {s}" for s in seeds])
+    left.set_ylabel("worst language: validation loss vs centralised (%)")
+    left.set_title("Worst language, per data-order seed")
+    top = max(p["worst_rel_gap_pct"] for _, ps in groups for p in ps)
+    left.set_ylim(min(0, left.get_ylim()[0]), max(top, GAP_GOAL_PCT) * 1.6)  # room for the legend
+    left.legend(fontsize=7, loc="upper right")
+    right.legend(fontsize=7, loc="upper right")
+    right.set_ylim(right.get_ylim()[0], right.get_ylim()[1] * 1.5)
+    right.set_xscale("log")
+    right.set_xlabel("WAN bytes of the run (kernel-counted; 3 sites: the sites' own count)")
+    right.set_ylabel("mean over languages of loss vs centralised (%)")
+    right.set_title(f"Mean gap vs bytes (dense per-step sync: {points[0]['dense_per_step_bytes']:,} B)")
+    fig.suptitle(f"The defaults against the old defaults, T = {points[0]['steps']} steps per rank")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def outers(points):  # plain averaging first
     return sorted({p["outer"] for p in points}, key=lambda o: (o != "avg", o))
 
@@ -266,12 +330,15 @@ def main():
     os.makedirs(out, exist_ok=True)
     plot_loss_vs_bytes(central, points, f"{out}/loss-vs-bytes.png")
     plot_per_language(points, f"{out}/per-language.png")
+    wrote = ["loss-vs-bytes.png", "per-language.png"]
+    if plot_defaults(points, f"{out}/defaults.png"):
+        wrote.append("defaults.png")
     md = table(central, points)
     with open(f"{out}/table.md", "w") as f:
         f.write(md + "\n")
     if a.table:
         print(md)
-    print(f"plot.py: wrote {out}/loss-vs-bytes.png, {out}/per-language.png, {out}/table.md",
+    print(f"plot.py: wrote {', '.join(f'{out}/{w}' for w in wrote)}, {out}/table.md",
           file=sys.stderr)
 
 
