@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <deque>
@@ -16,8 +17,10 @@
 #include <future>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <zmq.hpp>
 
+#include "common/durable.h"
 #include "common/keys.h"
 #include "common/metrics.h"
 #include "common/transport.h"
@@ -39,8 +42,9 @@ Status RecoverInterruptedRestore(const std::string& data_dir) {
   std::error_code ec;
   if (!fs::exists(db, ec) && fs::exists(restore, ec)) {
     spdlog::warn("finishing a snapshot restore interrupted by a crash");
-    fs::rename(restore, db, ec);
-    if (ec) return Status::IoError("cannot finish interrupted restore: " + ec.message());
+    if (Status s = RenameDurably(restore.string(), db.string()); !s.ok()) {
+      return Status(s.code(), "cannot finish interrupted restore: " + s.message());
+    }
   }
   if (fs::exists(db, ec)) {
     fs::remove_all(restore, ec);
@@ -90,12 +94,19 @@ Status ReplaceDbFiles(const std::string& data_dir, const std::string& checkpoint
     fs::remove_all(restore, ec);
     return Status::IoError("cannot copy snapshot files: " + ec.message());
   }
-  fs::rename(db, old, ec);
-  if (ec) return Status::IoError("cannot move the live database aside: " + ec.message());
-  fs::rename(restore, db, ec);
-  if (ec) {
+  // The copy whole on disk before the swap, and each rename durable before the next: a
+  // power loss at any point leaves the old database, or the copy, whole under one of the
+  // names RecoverInterruptedRestore finishes from.
+  if (Status s = SyncTree(restore.string()); !s.ok()) {
+    fs::remove_all(restore, ec);
+    return Status(s.code(), "cannot make the snapshot's copy durable: " + s.message());
+  }
+  if (Status s = RenameDurably(db.string(), old.string()); !s.ok()) {
+    return Status(s.code(), "cannot move the live database aside: " + s.message());
+  }
+  if (Status s = RenameDurably(restore.string(), db.string()); !s.ok()) {
     fs::rename(old, db, ec);
-    return Status::IoError("cannot move the snapshot into place: " + ec.message());
+    return Status(s.code(), "cannot move the snapshot into place: " + s.message());
   }
   fs::remove_all(old, ec);
   return Status::Ok();
@@ -777,7 +788,15 @@ void ShardServer::Impl::ReloadKeys(PeerLinks* links) {
     const std::string endpoint = (*d.socket)->get(zmq::sockopt::last_endpoint);
     (*d.socket)->set(zmq::sockopt::linger, 1000);  // replies already queued still leave
     d.socket->reset();
-    if (Status s = BindSocket(endpoint, d.name, *d.socket); !s.ok()) {
+    // ZeroMQ closes the old listener on its own threads, a moment later: until then the
+    // port is in use, so the bind is retried for a bounded time.
+    Status s;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!(s = BindSocket(endpoint, d.name, *d.socket)).ok() &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    if (!s.ok()) {
       // Without its socket the shard cannot serve: stop, and let the supervisor restart it.
       spdlog::error("reload: {}; stopping", s.ToString());
       uint64_t one = 1;
