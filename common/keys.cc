@@ -12,6 +12,8 @@
 #include <filesystem>
 #include <sstream>
 
+#include "common/durable.h"
+
 namespace isthmus {
 namespace {
 
@@ -110,9 +112,9 @@ Status WriteFileWithMode(const std::string& path, const std::string& text, mode_
     ::unlink(tmp.c_str());
     return Status::AlreadyExists("'" + path + "' exists; pass --force to overwrite it");
   }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (Status s = RenameDurably(tmp, path); !s.ok()) {
     ::unlink(tmp.c_str());
-    return Status::IoError("cannot rename onto '" + path + "': " + std::strerror(errno));
+    return s;
   }
   return Status::Ok();
 }

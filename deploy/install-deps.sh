@@ -18,8 +18,9 @@ packages=(
   libcpp-httplib-dev
   # tests and benchmark programs; the format check (deploy/format.sh)
   googletest libgtest-dev libgmock-dev libbenchmark-dev clang-format-14
-  # demo and scripts: python3 for small helpers, iproute2 for WAN emulation
-  python3 iproute2 procps
+  # demo and scripts: python3 for small helpers, iproute2 for WAN emulation; strace for the
+  # fsync-order tests (tests/integration/durability_test.cc)
+  python3 iproute2 procps strace
   # the run report (deploy/report.py, its test) and bench/ plots
   python3-matplotlib
   # operations tests: promtool (Prometheus) checks the metrics text

@@ -20,6 +20,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "common/durable.h"
 #include "common/exit_codes.h"
 #include "common/keys.h"
 #include "common/names.h"
@@ -1256,8 +1257,7 @@ Result<std::string> WriteAddedSite(const FleetPlan& plan) {
   }
   for (const auto& e : edits) {
     if (!st.ok()) break;
-    fs::rename(e.staged, e.config, ec);
-    if (ec) st = Status::IoError("cannot replace '" + e.config.string() + "': " + ec.message());
+    st = RenameDurably(e.staged.string(), e.config.string());
   }
   drop_staged();
   if (!st.ok()) return st;

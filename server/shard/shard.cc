@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "common/crc32c.h"
+#include "common/durable.h"
 #include "common/names.h"
 #include "common/safetensors.h"
 #include "common/version.h"
@@ -990,13 +991,22 @@ Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Rep
   {
     std::ofstream out(tmp_dir / "info.json");
     out << info.dump(2) << "\n";
+    out.close();
     if (!out) {
       fs::remove_all(tmp_dir, ec);
       return Status::IoError("cannot write snapshot info in '" + tmp_dir.string() + "'");
     }
   }
-  fs::rename(tmp_dir, final_dir, ec);
-  if (ec) return Status::IoError("cannot finish snapshot '" + name + "': " + ec.message());
+  // Whole on disk before it gets its name, and the name durable before it is reported
+  // created: a power loss leaves the snapshot complete or absent (a leftover .tmp folder
+  // is cleared by the next create).
+  s = SyncTree(tmp_dir.string());
+  if (!s.ok()) {
+    fs::remove_all(tmp_dir, ec);
+    return Status(s.code(), "cannot make snapshot '" + name + "' durable: " + s.message());
+  }
+  s = RenameDurably(tmp_dir.string(), final_dir.string());
+  if (!s.ok()) return Status(s.code(), "cannot finish snapshot '" + name + "': " + s.message());
   spdlog::info("snapshot '{}' created", name);
   ISTHMUS_ASSIGN_OR_RETURN(auto snap, SnapshotInfoFrom(reply.header, final_dir));
   FinishEnvelope(reply.header, id, wire::Body::SnapshotCreateReply,

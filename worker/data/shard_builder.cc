@@ -15,6 +15,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "common/durable.h"
 #include "worker/data/bpe_tokenizer.h"
 #include "worker/data/tokenizer.h"
 
@@ -122,9 +123,7 @@ Status WriteFileAtomic(const std::string& path, const void* data, size_t size) {
   if (s.ok() && ::fchmod(fd, 0644) != 0) s = Status::IoError(tmp + ": chmod: " + ErrnoText());
   if (s.ok() && ::fsync(fd) != 0) s = Status::IoError(tmp + ": fsync: " + ErrnoText());
   if (::close(fd) != 0 && s.ok()) s = Status::IoError(tmp + ": close: " + ErrnoText());
-  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
-    s = Status::IoError(path + ": rename failed: " + ErrnoText());
-  }
+  if (s.ok()) s = RenameDurably(tmp, path);
   if (!s.ok()) ::unlink(tmp.c_str());
   return s;
 }

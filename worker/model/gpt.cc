@@ -5,6 +5,7 @@
 #include "worker/model/gpt.h"
 
 #include "common/check.h"
+#include "common/durable.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,10 +33,8 @@ Status WriteJsonFile(const std::string& path, const nlohmann::json& value) {
     out.close();
     if (!out) return Status::IoError("cannot write " + tmp);
   }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) return Status::IoError("cannot rename " + tmp + ": " + ec.message());
-  return Status::Ok();
+  ISTHMUS_RETURN_IF_ERROR(SyncPath(tmp));
+  return RenameDurably(tmp, path);
 }
 
 enum Target { kCAttn = 0, kAttnProj = 1, kFc = 2, kMlpProj = 3, kNumTargets = 4 };

@@ -1,0 +1,50 @@
+#include "common/durable.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+namespace isthmus {
+namespace fs = std::filesystem;
+
+Status SyncPath(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IoError("cannot open '" + path + "' to sync it: " + std::strerror(errno));
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return Status::IoError("fsync of '" + path + "' failed: " + std::strerror(err));
+  return Status::Ok();
+}
+
+Status SyncParent(const std::string& path) {
+  const fs::path parent = fs::path(path).parent_path();
+  return SyncPath(parent.empty() ? std::string(".") : parent.string());
+}
+
+Status SyncTree(const std::string& root) {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(root, ec), end; !ec && it != end; it.increment(ec)) {
+    const auto type = it->symlink_status(ec).type();
+    if (type == fs::file_type::regular || type == fs::file_type::directory) {
+      ISTHMUS_RETURN_IF_ERROR(SyncPath(it->path().string()));
+    }
+  }
+  if (ec) return Status::IoError("cannot list '" + root + "' to sync it: " + ec.message());
+  return SyncPath(root);
+}
+
+Status RenameDurably(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0) {
+    return Status::IoError("cannot rename '" + from + "' to '" + to + "': " + std::strerror(errno));
+  }
+  ISTHMUS_RETURN_IF_ERROR(SyncParent(to));
+  const fs::path a = fs::path(from).parent_path(), b = fs::path(to).parent_path();
+  if (a != b) ISTHMUS_RETURN_IF_ERROR(SyncParent(from));
+  return Status::Ok();
+}
+
+}  // namespace isthmus
