@@ -71,7 +71,7 @@ while [ $# -gt 0 ]; do
     --merge-wait) merge_wait=true; shift ;;
     --swap-sites) swap=true; shift ;;
     --sites) nsites="$2"; shift 2 ;;
-    -h|--help) sed -n 2,52p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,54p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done

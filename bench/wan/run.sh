@@ -50,7 +50,7 @@ while [ $# -gt 0 ]; do
     --overlap) overlaps="$2"; shift 2 ;;
     --merge-after-steps) merge_after="$2"; shift 2 ;;
     --merge-wait) merge_wait=true; shift ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,32p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
