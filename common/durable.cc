@@ -12,7 +12,8 @@ namespace fs = std::filesystem;
 
 Status SyncPath(const std::string& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IoError("cannot open '" + path + "' to sync it: " + std::strerror(errno));
+  if (fd < 0)
+    return Status::IoError("cannot open '" + path + "' to sync it: " + std::strerror(errno));
   const int rc = ::fsync(fd);
   const int err = errno;
   ::close(fd);

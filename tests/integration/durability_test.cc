@@ -89,7 +89,9 @@ int Find(const std::vector<std::string>& lines, const std::vector<std::string>& 
 }
 
 // An fsync of exactly `path` (strace -y prints the descriptor's path in <...>).
-std::vector<std::string> SyncOf(const fs::path& path) { return {"fsync(", "<" + path.string() + ">"}; }
+std::vector<std::string> SyncOf(const fs::path& path) {
+  return {"fsync(", "<" + path.string() + ">"};
+}
 
 std::string Dump(const std::vector<std::string>& lines) {
   std::string s;
@@ -152,15 +154,15 @@ TEST_F(DurabilityTrace, RestoreSyncsTheCopyBeforeTheSwapAndEachRenameBeforeTheNe
   const fs::path data = server_.dir() / "data";
   const fs::path db = data / "db", copy = data / "db.restore", old = data / "db.old";
   const int aside = Find(lines, {"rename", "\"" + db.string() + "\"", old.string()});
-  const int in_place = Find(lines, {"rename", "\"" + copy.string() + "\"", "\"" + db.string() + "\""});
+  const int in_place =
+      Find(lines, {"rename", "\"" + copy.string() + "\"", "\"" + db.string() + "\""});
   ASSERT_GE(aside, 0) << Dump(lines);
   ASSERT_GT(in_place, aside) << Dump(lines);
   const int copy_synced = Find(lines, SyncOf(copy));
   const int a_file = Find(lines, {"fsync(", "<" + copy.string() + "/"});
   EXPECT_TRUE(copy_synced >= 0 && copy_synced < aside) << "the copy not synced first\n"
                                                        << Dump(lines);
-  EXPECT_TRUE(a_file >= 0 && a_file < aside) << "no file of the copy synced first\n"
-                                             << Dump(lines);
+  EXPECT_TRUE(a_file >= 0 && a_file < aside) << "no file of the copy synced first\n" << Dump(lines);
   const int between = Find(lines, SyncOf(data), aside + 1);
   EXPECT_TRUE(between > aside && between < in_place)
       << "the first rename not durable before the second\n"
@@ -172,13 +174,14 @@ TEST_F(DurabilityTrace, RestoreSyncsTheCopyBeforeTheSwapAndEachRenameBeforeTheNe
 
 TEST(DurabilityTraceCtl, KeygenSyncsEachFileBeforeItsNameAndTheFolderAfter) {
   if (!HaveStrace()) GTEST_SKIP() << "strace is not installed (deploy/install-deps.sh)";
-  const fs::path dir = fs::temp_directory_path() / ("isthmus-keygen-trace-" + std::to_string(::getpid()));
+  const fs::path dir =
+      fs::temp_directory_path() / ("isthmus-keygen-trace-" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir);
   const fs::path out = dir / "trace.txt";
-  const auto r = RunCommand(std::string("strace -f -y -qq -e ") + kTraced + " -o " + out.string() +
-                            " " + ISTHMUS_CTL_BIN + " keygen --out " + (dir / "k").string() +
-                            " 2>&1");
+  const auto r =
+      RunCommand(std::string("strace -f -y -qq -e ") + kTraced + " -o " + out.string() + " " +
+                 ISTHMUS_CTL_BIN + " keygen --out " + (dir / "k").string() + " 2>&1");
   if (r.exit_code != 0 && r.output.find("ptrace") != std::string::npos) {
     fs::remove_all(dir);
     GTEST_SKIP() << "cannot run strace here: " << r.output;
@@ -187,7 +190,8 @@ TEST(DurabilityTraceCtl, KeygenSyncsEachFileBeforeItsNameAndTheFolderAfter) {
   const auto lines = Lines(out);
   for (const char* name : {"k.key", "k.pub"}) {
     const fs::path file = dir / name;
-    const int rename = Find(lines, {"rename", "\"" + file.string() + ".tmp\"", "\"" + file.string() + "\""});
+    const int rename =
+        Find(lines, {"rename", "\"" + file.string() + ".tmp\"", "\"" + file.string() + "\""});
     ASSERT_GE(rename, 0) << name << "\n" << Dump(lines);
     const int data = Find(lines, {"fsync(", "<" + file.string() + ".tmp>"});
     EXPECT_TRUE(data >= 0 && data < rename) << name << " not synced before its name\n"
