@@ -142,6 +142,19 @@ Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
     shard->sync_->SetJobHooks(std::move(hooks));
   }
   ISTHMUS_RETURN_IF_ERROR(shard->Load());
+  // A snapshot being created when the process died or the power went leaves its .tmp-
+  // folder: never listed, it only holds disk space (and, through hard links, old slot
+  // files). Nothing else runs yet, so none is in progress.
+  if (!shard->options_.snapshot_dir.empty()) {
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(shard->options_.snapshot_dir, ec)) {
+      if (e.path().filename().string().rfind(".tmp-", 0) != 0) continue;
+      spdlog::warn("removing '{}': a snapshot that was never finished", e.path().string());
+      std::error_code rm;
+      fs::remove_all(e.path(), rm);
+      if (rm) spdlog::warn("cannot remove '{}': {}", e.path().string(), rm.message());
+    }
+  }
   return shard;
 }
 

@@ -579,6 +579,27 @@ TEST(ShardProcessSnapshots, RestoreGivesBackTheSnapshotState) {
   EXPECT_FALSE(admin->RestoreSnapshot("missing").ok());
 }
 
+// A snapshot cut short by a crash or a power loss leaves its .tmp- folder; the next start
+// removes it (it would only hold disk space) and keeps the finished ones.
+TEST(ShardProcessSnapshots, AnUnfinishedSnapshotIsRemovedAtStart) {
+  ServerProcess server;
+  ASSERT_TRUE(server.Start());
+  CreateJob(server);
+  ASSERT_TRUE(server.AdminClient()->CreateSnapshot("done").ok());
+  EXPECT_EQ(WEXITSTATUS(server.Kill(SIGTERM)), 0);
+  const auto snaps = server.dir() / "data" / "snapshots";
+  std::filesystem::create_directories(snaps / ".tmp-cut" / "db");
+  std::ofstream(snaps / ".tmp-cut" / "db" / "000001.sst") << "partial";
+  ASSERT_TRUE(server.Start());
+  EXPECT_FALSE(std::filesystem::exists(snaps / ".tmp-cut")) << server.Log();
+  EXPECT_NE(server.Log().find("a snapshot that was never finished"), std::string::npos)
+      << server.Log();
+  auto list = server.AdminClient()->ListSnapshots();
+  ASSERT_TRUE(list.ok()) << list.status().ToString();
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ(list->at(0).name, "done");
+}
+
 TEST(ShardProcessLifecycle, SigtermExitsCleanlyAndStateSurvives) {
   ServerProcess server;
   ASSERT_TRUE(server.Start());
