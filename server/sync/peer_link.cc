@@ -1164,6 +1164,13 @@ Status PeerLinks::HandlePeerMessage(const std::string& user_id,
     s = Status::Unavailable("the link to site '" + from->spec.site + "' is paused here");
   } else if (env->body_type() == wire::Body::PeerHello) {
     s = HandleHello(*from, env->body_as_PeerHello(), env->request_id(), reply, connection);
+  } else if (ping && !from->dials && connection != nullptr &&
+             (!from->ready || *connection != from->channel)) {
+    // The peer dials us, and our rounds travel on the connection its handshake named: this
+    // one has none (it never handshook on it, or our send on the old one failed and we
+    // dropped it). A pong would tell the peer all is well, and, idle, it would never
+    // handshake again: our rounds would wait for ever. Ask for the handshake instead.
+    s = Status::FailedPrecondition("no handshake on this connection: handshake again");
   } else if (ping) {
     FinishEnvelope(reply, env->request_id(), wire::Body::PeerPong,
                    wire::CreatePeerPong(reply).Union());

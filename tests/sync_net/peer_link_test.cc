@@ -621,6 +621,7 @@ class RawPeer {
     ISTHMUS_RETURN_IF_ERROR(ErrorFromEnvelope(env));
     if (env->body_type() == wire::Body::PeerAck) return env->body_as_PeerAck()->held_round();
     if (env->body_type() == wire::Body::PeerHelloReply) return uint64_t{0};
+    if (env->body_type() == wire::Body::PeerPong) return uint64_t{0};
     return Status::Internal("unexpected reply");
   }
 
@@ -939,6 +940,36 @@ flatbuffers::FlatBufferBuilder PeerHelloMessage(uint64_t id, const std::string& 
   env.add_body(body.Union());
   fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
   return fbb;
+}
+
+flatbuffers::FlatBufferBuilder PeerPingMessage(uint64_t id) {
+  flatbuffers::FlatBufferBuilder fbb;
+  auto body = wire::CreatePeerPing(fbb);  // under CURVE the key names the site
+  wire::EnvelopeBuilder env(fbb);
+  env.add_request_id(id);
+  env.add_body_type(wire::Body::PeerPing);
+  env.add_body(body.Union());
+  fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
+  return fbb;
+}
+
+// alpha dials beta (the lower name dials), so beta's rounds to alpha travel on the
+// connection alpha's handshake named. A keep-alive on a connection without one (alpha never
+// handshook on it, or beta's send on the old one failed and beta dropped it) is answered
+// with a request to handshake, not a pong: alpha, idle and hearing pongs, would never
+// handshake again, and beta's rounds would never leave (seen once under TSan: a site
+// stuck a round behind its peer for the whole wait).
+TEST_F(PeerLinkRefusals, AKeepAliveWithoutAHandshakeAsksForOne) {
+  RawPeer alpha(a_.keys, b_);
+  auto before = alpha.Call(PeerPingMessage(1), {});
+  ASSERT_FALSE(before.ok()) << "a pong on a connection beta cannot send on";
+  EXPECT_EQ(before.status().code(), Code::kFailedPrecondition) << before.status().ToString();
+  EXPECT_NE(before.status().message().find("handshake again"), std::string::npos)
+      << before.status().ToString();
+  auto hello = alpha.Call(PeerHelloMessage(2, "alpha", 0, "digest-of-job"), {});
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  auto after = alpha.Call(PeerPingMessage(3), {});
+  EXPECT_TRUE(after.ok()) << after.status().ToString();
 }
 
 TEST_F(PeerLinkRefusals, HandshakeReportsHeldRoundsAndRefusesWrongSite) {
