@@ -17,6 +17,8 @@
 #include <numeric>
 #include <set>
 
+#include "common/durable.h"
+
 namespace isthmus {
 namespace {
 
@@ -396,8 +398,6 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
   text.append((8 - text.size() % 8) % 8, ' ');
   const uint64_t header_len = text.size();
 
-  const size_t slash = path.find_last_of('/');
-  const std::string dir = slash == std::string::npos ? "." : path.substr(0, slash == 0 ? 1 : slash);
   std::string tmp = path + ".tmp.XXXXXX";
   Fd fd(::mkstemp(tmp.data()));
   if (fd.get() < 0) return WriteError(path + ": cannot create temporary file");
@@ -419,11 +419,7 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
   if (::rename(tmp.c_str(), path.c_str()) != 0) {
     return fail(Status::IoError(path + ": rename failed: " + ErrnoText()));
   }
-  Fd dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
-  if (dfd.get() < 0 || ::fsync(dfd.get()) != 0) {
-    return Status::IoError(dir + ": fsync of the folder failed: " + ErrnoText());
-  }
-  return Status::Ok();
+  return SyncParent(path);
 }
 
 std::string TensorsContentHash(const std::vector<Tensor>& tensors) {

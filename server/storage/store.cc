@@ -20,6 +20,7 @@
 #include <set>
 
 #include "common/crc32c.h"
+#include "common/durable.h"
 
 namespace isthmus {
 
@@ -137,15 +138,6 @@ Status Errno(const std::string& what) {
   return Status::IoError(what + ": " + std::strerror(errno));
 }
 
-Status SyncDir(const std::string& dir) {
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return Errno("cannot open folder '" + dir + "'");
-  int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return Errno("cannot sync folder '" + dir + "'");
-  return Status::Ok();
-}
-
 Status FromRocks(const rocksdb::Status& s, const std::string& what) {
   if (s.ok()) return Status::Ok();
   if (s.IsCorruption()) return Status::Corruption(what + ": " + s.ToString());
@@ -259,7 +251,7 @@ class RocksStore : public Store {
       for (auto& [fd, path] : unsynced) {
         if (::fdatasync(fd) != 0) return Errno("cannot sync slot file '" + path + "'");
       }
-      if (new_dirent && sync_) ISTHMUS_RETURN_IF_ERROR(SyncDir(slot_dir_));
+      if (new_dirent && sync_) ISTHMUS_RETURN_IF_ERROR(SyncPath(slot_dir_));
       return FromRocks(db_->Write(write_options_, &wb), "RocksDB write");
     };
     Status s = build();
@@ -361,7 +353,7 @@ class RocksStore : public Store {
         if (ec) return Status::IoError("cannot copy slot file into checkpoint: " + ec.message());
       }
     }
-    return SyncDir(out.string());
+    return SyncPath(out.string());
   }
 
   uint64_t ApproximateBytes() override {

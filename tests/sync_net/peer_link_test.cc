@@ -944,12 +944,8 @@ flatbuffers::FlatBufferBuilder PeerHelloMessage(uint64_t id, const std::string& 
 
 flatbuffers::FlatBufferBuilder PeerPingMessage(uint64_t id) {
   flatbuffers::FlatBufferBuilder fbb;
-  auto body = wire::CreatePeerPing(fbb);  // under CURVE the key names the site
-  wire::EnvelopeBuilder env(fbb);
-  env.add_request_id(id);
-  env.add_body_type(wire::Body::PeerPing);
-  env.add_body(body.Union());
-  fbb.Finish(env.Finish(), wire::EnvelopeIdentifier());
+  // Under CURVE the key names the site.
+  FinishEnvelope(fbb, id, wire::Body::PeerPing, wire::CreatePeerPing(fbb).Union());
   return fbb;
 }
 
