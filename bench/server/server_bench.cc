@@ -1209,8 +1209,20 @@ int Main(int argc, char** argv) {
           "(target 1.0x: %s)\n",
           curve ? "on" : "off", SizeLabel(b).c_str(), rn, rn >= 1.5 ? "met" : "not met", rf,
           rf >= 1.0 ? "met" : "not met");
-      vs_pslite.push_back(
-          {{"curve", curve}, {"bytes", b}, {"push_nosync_ratio", rn}, {"push_sync_ratio", rf}});
+      json row = {
+          {"curve", curve}, {"bytes", b}, {"push_nosync_ratio", rn}, {"push_sync_ratio", rf}};
+      // The transport's ceiling: raw-rr moves the same message and a small reply with no
+      // server work at all, so no push over this transport can beat it; its ratio to ps-lite
+      // says how far any push could get here.
+      if (const Cell* rr = Find(cells, "raw-rr", curve, "-", b); rr && rr->MBps() > 0) {
+        const double ceiling = rr->MBps() / base->MBps();
+        std::printf(
+            "  ceiling (CURVE %s, %s): the transport alone (raw-rr, no server work) is %.2fx "
+            "ps-lite, the most any push can reach over it\n",
+            curve ? "on" : "off", SizeLabel(b).c_str(), ceiling);
+        row["transport_ceiling_ratio"] = ceiling;
+      }
+      vs_pslite.push_back(std::move(row));
     }
   }
   std::printf("\n");
