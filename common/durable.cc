@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <vector>
 
 namespace isthmus {
 namespace fs = std::filesystem;
@@ -36,6 +37,23 @@ Status SyncTree(const std::string& root) {
   }
   if (ec) return Status::IoError("cannot list '" + root + "' to sync it: " + ec.message());
   return SyncPath(root);
+}
+
+Status CreateDirectoriesDurably(const std::string& path) {
+  std::vector<fs::path> missing;  // deepest first
+  std::error_code ec;
+  for (fs::path p = fs::path(path).lexically_normal(); !p.empty() && !fs::exists(p, ec);
+       p = p.parent_path()) {
+    missing.push_back(p);
+    if (p == p.root_path()) break;
+  }
+  if (missing.empty()) return Status::Ok();
+  fs::create_directories(path, ec);
+  if (ec) return Status::IoError("cannot create '" + path + "': " + ec.message());
+  for (auto it = missing.rbegin(); it != missing.rend(); ++it) {
+    ISTHMUS_RETURN_IF_ERROR(SyncParent(it->string()));
+  }
+  return Status::Ok();
 }
 
 Status RenameDurably(const std::string& from, const std::string& to) {

@@ -19,6 +19,10 @@ Status SyncParent(const std::string& path);
 // fsyncs every file and folder under `root`, and `root` (a copied or hard-linked tree that
 // must be whole on disk before it is renamed into place).
 Status SyncTree(const std::string& root);
+// Creates `path` and any missing folders above it, fsyncing the folder that holds each one
+// it created, so the new folders' names survive a power loss (a database opened inside a
+// folder whose name was never synced can vanish whole).
+Status CreateDirectoriesDurably(const std::string& path);
 // Renames `from` to `to` and fsyncs the folders holding both (one when it is the same).
 Status RenameDurably(const std::string& from, const std::string& to);
 

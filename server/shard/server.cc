@@ -78,8 +78,15 @@ Status PrepareDataDir(const std::string& data_dir) {
     return Status::IoError(msg);
   };
   std::error_code ec;
-  fs::create_directories(data_dir, ec);
-  if (ec) return refuse("create", ec.value());
+  if (!fs::exists(data_dir, ec)) {
+    // Created with its name durable: a data dir lost to a power loss takes every push.
+    Status made = CreateDirectoriesDurably(data_dir);
+    if (!made.ok()) {
+      fs::create_directories(data_dir, ec);
+      if (ec) return refuse("create", ec.value());
+      return made;
+    }
+  }
   if (!fs::is_directory(data_dir, ec)) return refuse("use", ENOTDIR);
   if (::access(data_dir.c_str(), R_OK | W_OK | X_OK) != 0) return refuse("write", errno);
   return Status::Ok();

@@ -212,6 +212,7 @@ uint64_t Shard::JobBytes(const JobState& job) {
 
 Status Shard::Load() {
   jobs_.clear();
+  store_reopens_ = store_->reopens();
   if (sync_) sync_->Reset(store_.get());
   Status status;
   ISTHMUS_RETURN_IF_ERROR(
@@ -431,8 +432,19 @@ Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<cons
   Reply reply;
   uint64_t id = 0;
   Status s;
+  if (store_ && store_->reopens() != store_reopens_) {
+    // The store was reopened after a failed write, replaying what reached its log: read
+    // the jobs again before anything is computed from the copy in memory.
+    spdlog::warn("the store was reopened after a failed write: reading the jobs from it again");
+    if (Status loaded = Load(); !loaded.ok()) {
+      spdlog::error("cannot read the jobs again: {}", loaded.ToString());
+      store_.reset();
+    }
+  }
   if (!store_) {
-    s = Status::Unavailable("shard storage is closed after a failed restore; restart the server");
+    s = Status::Unavailable(
+        "shard storage is closed after a failed restore or reload; restart "
+        "the server");
   } else {
     auto env = ParseEnvelope(request.header, options_.limits, &id);
     if (!env.ok()) {
@@ -981,8 +993,9 @@ Status Shard::DoSnapshotCreate(const wire::SnapshotCreate* req, uint64_t id, Rep
   std::error_code ec;
   if (fs::exists(final_dir, ec)) return Status::AlreadyExists("snapshot '" + name + "' exists");
   fs::remove_all(tmp_dir, ec);
-  fs::create_directories(tmp_dir, ec);
-  if (ec) return Status::IoError("cannot create '" + tmp_dir.string() + "': " + ec.message());
+  // The snapshots folder's own name must be durable too, or a finished snapshot could
+  // vanish with it after a power loss.
+  ISTHMUS_RETURN_IF_ERROR(CreateDirectoriesDurably(tmp_dir.string()));
   Status s = store_->Checkpoint((tmp_dir / "db").string());
   if (!s.ok()) {
     fs::remove_all(tmp_dir, ec);

@@ -164,6 +164,7 @@ class Shard {
 
   ShardOptions options_;
   std::unique_ptr<Store> store_;
+  uint64_t store_reopens_ = 0;        // store_->reopens() when the jobs were last read (Load)
   std::unique_ptr<SyncEngine> sync_;  // after store_: destroyed first
   std::map<std::string, JobState> jobs_;
   std::chrono::steady_clock::time_point started_;

@@ -15,6 +15,8 @@
 
 #include <array>
 #include <cerrno>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -159,6 +161,36 @@ pid_t LockHolder(const std::string& dir) {
   return pid;
 }
 
+// RocksDB's own log lines go to the shard's log (journal or stderr), not to a LOG file in
+// the database folder: on a full disk a failed append to that file left its writer in an
+// error state, and RocksDB's next line (the one reporting the error) aborted the process
+// (Debian's RocksDB 7.8 asserts that a failed writer is not used again). Warnings and
+// errors at those levels; the rest, which is verbose, at debug.
+class RocksLogToSpdlog : public rocksdb::Logger {
+ public:
+  explicit RocksLogToSpdlog(std::string dir)
+      : rocksdb::Logger(rocksdb::InfoLogLevel::INFO_LEVEL), dir_(std::move(dir)) {}
+  using rocksdb::Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    char line[1024];
+    std::vsnprintf(line, sizeof line, format, ap);
+    if (level >= rocksdb::InfoLogLevel::ERROR_LEVEL &&
+        level != rocksdb::InfoLogLevel::HEADER_LEVEL) {
+      spdlog::error("rocksdb '{}': {}", dir_, line);
+    } else if (level == rocksdb::InfoLogLevel::WARN_LEVEL) {
+      spdlog::warn("rocksdb '{}': {}", dir_, line);
+    } else {
+      spdlog::debug("rocksdb '{}': {}", dir_, line);
+    }
+  }
+
+ private:
+  std::string dir_;
+};
+
 class RocksStore : public Store {
  public:
   ~RocksStore() override { CloseDb(); }
@@ -170,8 +202,14 @@ class RocksStore : public Store {
     store->dir_ = dir;
     store->sync_ = options.sync_writes;
     store->slot_dir_ = (fs::path(dir) / "slots").string();
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
+    // The database folder's name durable before anything is written in it (RocksDB syncs
+    // the folder's contents, never the folder above it).
+    if (store->sync_) {
+      ISTHMUS_RETURN_IF_ERROR(CreateDirectoriesDurably(dir));
+    } else {
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+    }
     // On a disk without the reserve RocksDB's recovery (a new log, a flush, the manifest)
     // could fail half-way: open read-only and serve reads until space returns.
     const bool full = options.min_free_bytes > 0 && store->FreeBytes() < options.min_free_bytes;
@@ -356,6 +394,8 @@ class RocksStore : public Store {
     return SyncPath(out.string());
   }
 
+  uint64_t reopens() const override { return reopens_; }
+
   uint64_t ApproximateBytes() override {
     uint64_t total = 0;
     std::error_code ec;
@@ -408,6 +448,7 @@ class RocksStore : public Store {
     db_opts.create_if_missing = true;
     db_opts.create_missing_column_families = true;
     db_opts.paranoid_checks = true;
+    db_opts.info_log = std::make_shared<RocksLogToSpdlog>(dir_);
     db_opts.max_total_wal_size = options_.max_wal_bytes;
     // Tickers only (no per-operation timers): write stalls for the metrics endpoint.
     db_opts.statistics = rocksdb::CreateDBStatistics();
@@ -511,14 +552,23 @@ class RocksStore : public Store {
       }
       spdlog::info("store '{}': space is back ({} bytes free): writing again", dir_, FreeBytes());
     } else if (needs_resume_) {
-      auto r = db_->Resume();
-      if (!r.ok()) {
+      // Reopened, not DB::Resume(): resuming writes through the log writer that failed is
+      // what RocksDB before 9.x does, and (Debian's 7.8 asserts) it must not be used again.
+      // Reopening replays the log into a new one, and with it any write that failed after
+      // reaching the log: callers read their state again (reopens()) before writing.
+      ++reopens_;
+      if (Status s = OpenDb(/*read_only=*/false); !s.ok()) {
+        needs_resume_ = true;
+        ISTHMUS_RETURN_IF_ERROR(OpenDb(/*read_only=*/true));
         ++no_space_refusals_;
         return Status::ResourceExhausted(NoSpaceText(bytes) +
-                                         " (RocksDB cannot resume yet: " + r.ToString() + ")");
+                                         " (reopening for writes failed: " + s.ToString() + ")");
       }
-      needs_resume_ = false;
-      spdlog::info("store '{}': space is back ({} bytes free): writing again", dir_, FreeBytes());
+      spdlog::info("store '{}': space is back ({} bytes free): reopened for writes", dir_,
+                   FreeBytes());
+      return Status::Unavailable(
+          "the store was reopened after a failed write and the shard reads its state again; "
+          "retry the request");
     }
     return Status::Ok();
   }
@@ -547,8 +597,12 @@ class RocksStore : public Store {
   // names: leftovers of batches that never committed.
   Status LoadSlots() {
     std::error_code ec;
-    fs::create_directories(slot_dir_, ec);
-    if (ec) return Status::IoError("cannot create '" + slot_dir_ + "': " + ec.message());
+    if (sync_) {
+      ISTHMUS_RETURN_IF_ERROR(CreateDirectoriesDurably(slot_dir_));
+    } else {
+      fs::create_directories(slot_dir_, ec);
+      if (ec) return Status::IoError("cannot create '" + slot_dir_ + "': " + ec.message());
+    }
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), default_));
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
       auto ref = DecodeSlotRef(std::string_view(it->value().data(), it->value().size()));
@@ -657,6 +711,7 @@ class RocksStore : public Store {
   std::string slot_dir_;
   StoreOptions options_;
   bool read_only_ = false;     // opened read-only on a full disk
+  uint64_t reopens_ = 0;       // reopens after a failed write (reopens())
   bool needs_resume_ = false;  // a write failed for want of space: RocksDB must resume
   uint64_t no_space_refusals_ = 0;
   // Committed pointer records ((column, key) of every value held in slot files), mirrored

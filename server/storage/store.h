@@ -118,6 +118,12 @@ class Store {
   virtual Status Checkpoint(const std::string& dir) = 0;
   // Approximate bytes on disk (0 for memory).
   virtual uint64_t ApproximateBytes() = 0;
+  // Counts the times the store was reopened after a write failed (e.g. for want of space).
+  // A write that failed may still be in the database's log, and a reopen replays it: what
+  // the caller holds in memory may then be behind the store, so it reads its state again
+  // when this changes. The write that reopens the store is refused (Unavailable), so the
+  // caller sees the change before it writes anything computed from the old state.
+  virtual uint64_t reopens() const { return 0; }
   // Sizes and write stalls for the metrics endpoint; cheap enough to call per scrape.
   virtual StoreMetrics Metrics() {
     StoreMetrics m;

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -61,6 +62,7 @@ class ServerProcess {
         std::perror("cannot drop privileges");
         _exit(126);
       }
+      for (const auto& [name, value] : env_) ::setenv(name.c_str(), value.c_str(), 1);
       std::string cfg = "--config=" + (dir_ / "server.toml").string();
       const char* bin = BinaryPath("ISTHMUS_SERVER_BIN", ISTHMUS_SERVER_BIN);
       ::execl(bin, bin, cfg.c_str(), static_cast<char*>(nullptr));
@@ -139,6 +141,8 @@ class ServerProcess {
     WriteConfig();
   }
   pid_t pid() const { return pid_; }
+  // Environment variables set for the process at each Start() (e.g. a preloaded library).
+  void set_env(std::map<std::string, std::string> env) { env_ = std::move(env); }
   // When the test runs as root, Start() runs the binary as this user and group, so that
   // the test's own files (root's) are another user's to the server. No effect otherwise.
   void set_run_as(uid_t uid, gid_t gid) {
@@ -179,9 +183,11 @@ class ServerProcess {
  private:
   static std::filesystem::path TempDirForTest() {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = info ? info->name() : "t";
+    std::replace(name.begin(), name.end(), '/', '_');  // a parameterized test's "Name/n32"
     return std::filesystem::temp_directory_path() /
-           ("isthmus-it-" + std::string(info ? info->name() : "t") + "-" +
-            std::to_string(::getpid()) + "-" + std::to_string(counter_++));
+           ("isthmus-it-" + name + "-" + std::to_string(::getpid()) + "-" +
+            std::to_string(counter_++));
   }
   static KeyPair MakeKeys(const std::string& prefix) {
     auto k = GenerateKeyPair();
@@ -196,6 +202,7 @@ class ServerProcess {
   }
 
   std::string extra_;
+  std::map<std::string, std::string> env_;
   std::filesystem::path dir_;
   std::string label_;
   bool owns_dir_ = true;
