@@ -1032,8 +1032,27 @@ class RoundLoop {
       ISTHMUS_ASSIGN_OR_RETURN(auto image, TakeCheckpoint());
       if (!image) return Status::Ok();
       auto held = std::make_shared<const CheckpointImage>(std::move(*image));
-      in.first = [held, round = in.round, failed = checkpoint_failed_]() -> Status {
+      in.first = [held, round = in.round, failed = checkpoint_failed_, &stop = stop_]() -> Status {
         Status st = WriteCheckpoint(*held);
+        // A full disk: the round waits (it is pushed only once its checkpoint is durable)
+        // and the write is retried every second until there is room, so freeing space is
+        // enough; a stop keeps the checkpoint before it.
+        auto next_note = Clock::now();
+        while (st.code() == Code::kResourceExhausted && !stop) {
+          if (Clock::now() >= next_note) {
+            spdlog::warn(
+                "round {}: cannot write the checkpoint that holds it before its push: {}; "
+                "waiting for space, retrying every second (SIGTERM stops with the checkpoint "
+                "before it)",
+                round, st.message());
+            next_note = Clock::now() + std::chrono::seconds(30);
+          }
+          for (int i = 0; i < 10 && !stop; ++i) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
+          }
+          st = WriteCheckpoint(*held);
+          if (st.ok()) spdlog::info("round {}: checkpoint written, space is back", round);
+        }
         if (st.ok()) return st;
         failed->store(true);
         return Status(st.code(), "writing the checkpoint that holds round " +
