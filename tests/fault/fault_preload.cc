@@ -36,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -205,8 +206,10 @@ void Record(int fd) {
     RecordFile(fd);
 }
 
-// Records everything under `path` as durable (the baseline, and sync()).
-void RecordTree(const std::string& path) {
+// Records everything under `path` as durable (the baseline, and sync()); `seen` holds the
+// identities recorded so far, so a file hard-linked under several names (snapshots link
+// slot files) is copied once.
+void RecordTree(const std::string& path, std::set<std::string>& seen) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;
   RecordDir(fd, path);
@@ -227,11 +230,11 @@ void RecordTree(const std::string& path) {
   ::closedir(d);
   for (const auto& [child, is_dir] : children) {
     if (is_dir) {
-      RecordTree(child);
+      RecordTree(child, seen);
     } else {
       const int f = ::open(child.c_str(), O_RDONLY | O_CLOEXEC);
       if (f >= 0) {
-        RecordFile(f);
+        if (seen.insert(isthmus::powerloss::IdentityOf(f)).second) RecordFile(f);
         ::close(f);
       }
     }
@@ -240,7 +243,8 @@ void RecordTree(const std::string& path) {
 
 void RecordWholeTree() {
   std::lock_guard<std::mutex> lock(g_mu);
-  RecordTree(std::string(g_root));
+  std::set<std::string> seen;
+  RecordTree(std::string(g_root), seen);
 }
 
 // What kind of file a disk-full hit fell on, from its name.
