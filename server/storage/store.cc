@@ -204,12 +204,7 @@ class RocksStore : public Store {
     store->slot_dir_ = (fs::path(dir) / "slots").string();
     // The database folder's name durable before anything is written in it (RocksDB syncs
     // the folder's contents, never the folder above it).
-    if (store->sync_) {
-      ISTHMUS_RETURN_IF_ERROR(CreateDirectoriesDurably(dir));
-    } else {
-      std::error_code ec;
-      std::filesystem::create_directories(dir, ec);
-    }
+    ISTHMUS_RETURN_IF_ERROR(CreateDirectoriesDurably(dir));
     // On a disk without the reserve RocksDB's recovery (a new log, a flush, the manifest)
     // could fail half-way: open read-only and serve reads until space returns.
     const bool full = options.min_free_bytes > 0 && store->FreeBytes() < options.min_free_bytes;
@@ -432,7 +427,7 @@ class RocksStore : public Store {
     for (const auto& [key, ref] : slots_) m.slot_bytes += ref.size;
     m.free_bytes = FreeBytes();
     m.no_space_refusals = no_space_refusals_;
-    m.read_only = read_only_ || needs_resume_;
+    m.read_only = read_only_ || needs_reopen_;
     return m;
   }
 
@@ -499,7 +494,7 @@ class RocksStore : public Store {
     default_ = handles[0];
     handles_ = handles;
     read_only_ = read_only;
-    needs_resume_ = false;
+    needs_reopen_ = false;
     if (read_only) {
       spdlog::warn(
           "store '{}': {} bytes free, less than storage.min_free_bytes ({}): opened read-only; "
@@ -537,7 +532,7 @@ class RocksStore : public Store {
   // one, resuming RocksDB after an out-of-space error). Nothing is written when refused.
   Status MakeRoomFor(uint64_t bytes) {
     const uint64_t need = bytes + options_.min_free_bytes;
-    const bool stopped = read_only_ || needs_resume_;
+    const bool stopped = read_only_ || needs_reopen_;
     if ((options_.min_free_bytes > 0 || stopped) && FreeBytes() < need) {
       ++no_space_refusals_;
       return Status::ResourceExhausted(NoSpaceText(bytes));
@@ -551,14 +546,14 @@ class RocksStore : public Store {
                                          " (reopening for writes failed: " + s.ToString() + ")");
       }
       spdlog::info("store '{}': space is back ({} bytes free): writing again", dir_, FreeBytes());
-    } else if (needs_resume_) {
+    } else if (needs_reopen_) {
       // Reopened, not DB::Resume(): resuming writes through the log writer that failed is
       // what RocksDB before 9.x does, and (Debian's 7.8 asserts) it must not be used again.
       // Reopening replays the log into a new one, and with it any write that failed after
       // reaching the log: callers read their state again (reopens()) before writing.
       ++reopens_;
       if (Status s = OpenDb(/*read_only=*/false); !s.ok()) {
-        needs_resume_ = true;
+        needs_reopen_ = true;
         ISTHMUS_RETURN_IF_ERROR(OpenDb(/*read_only=*/true));
         ++no_space_refusals_;
         return Status::ResourceExhausted(NoSpaceText(bytes) +
@@ -580,7 +575,7 @@ class RocksStore : public Store {
                           s.message().find("NoSpace") != std::string::npos;
     if (!no_space) return s;
     ++no_space_refusals_;
-    needs_resume_ = true;
+    needs_reopen_ = true;
     spdlog::warn("store '{}': {}", dir_, s.ToString());
     return Status::ResourceExhausted(NoSpaceText(bytes) + " [" + s.message() + "]");
   }
@@ -596,13 +591,8 @@ class RocksStore : public Store {
   // Reads the pointer records (default column family) and removes slot files no record
   // names: leftovers of batches that never committed.
   Status LoadSlots() {
+    ISTHMUS_RETURN_IF_ERROR(CreateDirectoriesDurably(slot_dir_));
     std::error_code ec;
-    if (sync_) {
-      ISTHMUS_RETURN_IF_ERROR(CreateDirectoriesDurably(slot_dir_));
-    } else {
-      fs::create_directories(slot_dir_, ec);
-      if (ec) return Status::IoError("cannot create '" + slot_dir_ + "': " + ec.message());
-    }
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), default_));
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
       auto ref = DecodeSlotRef(std::string_view(it->value().data(), it->value().size()));
@@ -712,7 +702,7 @@ class RocksStore : public Store {
   StoreOptions options_;
   bool read_only_ = false;     // opened read-only on a full disk
   uint64_t reopens_ = 0;       // reopens after a failed write (reopens())
-  bool needs_resume_ = false;  // a write failed for want of space: RocksDB must resume
+  bool needs_reopen_ = false;  // a write failed for want of space: reopen before writing
   uint64_t no_space_refusals_ = 0;
   // Committed pointer records ((column, key) of every value held in slot files), mirrored
   // from the default column family, which holds nothing else.

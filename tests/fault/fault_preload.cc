@@ -12,7 +12,7 @@
 // Disk full (ISTHMUS_FAULT_CONTROL): while the file `full` exists in that folder, every
 // write, pwrite, writev, pwritev, fallocate, posix_fallocate, fsync and fdatasync on a file
 // in the tree fails with ENOSPC, writing nothing, and appends "CALL KIND" to `hits` there
-// (KIND: wal, table, manifest, options, current, info-log, slot, or the file's name), so a
+// (KIND: wal, table, manifest, options, current, slot, or the file's name), so a
 // test can say which write sites it reached. Removing `full` frees the space.
 //
 // ISTHMUS_FAULT_ROOT is the tree under test (e.g. a shard's data dir); calls on files
@@ -261,7 +261,6 @@ const char* KindOf(std::string_view path) {
   if (name.substr(0, 9) == "MANIFEST-") return "manifest";
   if (name.substr(0, 8) == "OPTIONS-") return "options";
   if (name == "CURRENT" || ends(".dbtmp")) return "current";
-  if (name == "LOG" || name.substr(0, 8) == "LOG.old.") return "info-log";
   return nullptr;
 }
 

@@ -26,20 +26,13 @@
 #include <set>
 #include <thread>
 
+#include "tests/fault/fault_env.h"
 #include "tests/integration/server_process.h"
 
 namespace isthmus {
 namespace {
 
 using testing::ServerProcess;
-
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-
-std::string Library() { return testing::BinaryPath("ISTHMUS_FAULT_LIB", ISTHMUS_FAULT_LIB); }
 
 int Loops() {
   const char* v = std::getenv("ISTHMUS_NOSPACE_LOOPS");
@@ -65,19 +58,12 @@ std::vector<float> PullB(ShardClient& c) {
 class NoSpace : public ::testing::TestWithParam<int64_t> {};
 
 TEST_P(NoSpace, RefusedCleanlyNothingAcknowledgedLostAndPushesResumeWithoutARestart) {
-  if (kSanitized) {
-    GTEST_SKIP() << "the fault layer is preloaded before the sanitizer runtime, which refuses "
-                    "that; runs in the plain build";
-  }
+  if (fault::kSanitizedBuild) GTEST_SKIP() << fault::kSanitizedSkip;
   const int64_t n = GetParam();
   const int loops = Loops();
   ServerProcess server;
   const auto data = server.dir() / "data", control = server.dir() / "control";
-  std::filesystem::create_directories(data);
-  std::filesystem::create_directories(control);
-  server.set_env({{"LD_PRELOAD", Library()},
-                  {"ISTHMUS_FAULT_ROOT", data.string()},
-                  {"ISTHMUS_FAULT_CONTROL", control.string()}});
+  server.set_env(fault::DiskFullEnv(data, control));
   ASSERT_TRUE(server.Start());
   const pid_t pid = server.pid();
   const std::vector<int64_t> shape{n};

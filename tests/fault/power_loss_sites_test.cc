@@ -29,12 +29,6 @@ namespace {
 using testing::SiteProcess;
 using namespace std::chrono_literals;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-
 constexpr int64_t kRows = 8, kCols = 4;
 
 std::vector<float> InitialValues(const std::string& name, size_t n) {
@@ -60,16 +54,12 @@ uint64_t CommittedRound(const SiteProcess& s) {
 }
 
 TEST(PowerLossTwoSites, CommitsSurvivePowerLossesWithIdenticalDigestsAndEveryRoundOnce) {
-  if (kSanitized) {
-    GTEST_SKIP() << "the fault layer is preloaded before the sanitizer runtime, which refuses "
-                    "that; runs in the plain build";
-  }
+  if (fault::kSanitizedBuild) GTEST_SKIP() << fault::kSanitizedSkip;
   const char* env_rounds = std::getenv("ISTHMUS_POWERLOSS_ROUNDS");
   const uint64_t rounds = env_rounds ? std::max(3, std::atoi(env_rounds)) : 12;
   const auto root = std::filesystem::temp_directory_path() /
                     ("isthmus-powerloss-sites-" + std::to_string(::getpid()));
   std::filesystem::remove_all(root);
-  const std::string lib = testing::BinaryPath("ISTHMUS_FAULT_LIB", ISTHMUS_FAULT_LIB);
   std::vector<std::unique_ptr<SiteProcess>> sites;
   sites.push_back(std::make_unique<SiteProcess>("alpha", root));
   sites.push_back(std::make_unique<SiteProcess>("beta", root));
@@ -80,7 +70,7 @@ TEST(PowerLossTwoSites, CommitsSurvivePowerLossesWithIdenticalDigestsAndEveryRou
     sites[i]->Configure(all,
                         "codec = \"dense\"\nadaptive = false\nouter_lr = 1.0\n"
                         "outer_momentum = 0.0\nmax_rounds_ahead = 2\n");
-    sites[i]->set_env(powerloss::PowerLossEnv(lib, data(i), shadow(i)));
+    sites[i]->set_env(powerloss::PowerLossEnv(data(i), shadow(i)));
     ASSERT_TRUE(sites[i]->Start());
   }
   const auto w0 = InitialValues("w", kRows * kCols), b0 = InitialValues("b", kCols);

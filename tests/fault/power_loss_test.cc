@@ -30,19 +30,8 @@ namespace {
 
 using testing::ServerProcess;
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitized = true;
-#else
-constexpr bool kSanitized = false;
-#endif
-
-#define SKIP_IF_SANITIZED()                                                    \
-  if (kSanitized)                                                              \
-  GTEST_SKIP() << "the power-loss recorder is preloaded before the sanitizer " \
-                  "runtime, which refuses that; runs in the plain build"
-
-// The recorder library; ISTHMUS_FAULT_LIB names another (a test run away from its build).
-std::string Library() { return testing::BinaryPath("ISTHMUS_FAULT_LIB", ISTHMUS_FAULT_LIB); }
+#define SKIP_IF_SANITIZED() \
+  if (fault::kSanitizedBuild) GTEST_SKIP() << fault::kSanitizedSkip
 
 int Loops(int fallback) {
   const char* v = std::getenv("ISTHMUS_POWERLOSS_LOOPS");
@@ -62,7 +51,7 @@ TEST(PowerLossModel, KeepsWhatWasSyncedAndLosesTheRest) {
   const auto root = dir / "root", shadow = dir / "shadow";
   std::filesystem::remove_all(dir);
   for (int torn = 0; torn < 2; ++torn) {
-    const auto env = powerloss::PowerLossEnv(Library(), root, shadow);
+    const auto env = powerloss::PowerLossEnv(root, shadow);
     std::ofstream(root / "replaced") << "v1";
     std::ofstream(root / "renamed") << "v1";
     std::ofstream(root / "log") << "AAAA";
@@ -156,7 +145,7 @@ class PowerLoss : public ::testing::TestWithParam<int64_t> {
   }
   // Starts the shard with the recorder (the shadow starts empty: the tree is its baseline).
   ::testing::AssertionResult StartRecorded() {
-    server_.set_env(powerloss::PowerLossEnv(Library(), data_, shadow_));
+    server_.set_env(powerloss::PowerLossEnv(data_, shadow_));
     return server_.Start();
   }
   // SIGKILL, then the disk as a power loss would leave it.
@@ -170,7 +159,7 @@ class PowerLoss : public ::testing::TestWithParam<int64_t> {
     torn_ += stats.torn;
   }
   void TearDown() override {
-    if (!kSanitized) {
+    if (!fault::kSanitizedBuild) {
       std::printf("power losses: lost %llu unsynced bytes in all, tore %d pages\n",
                   static_cast<unsigned long long>(lost_bytes_), torn_);
     }

@@ -18,6 +18,7 @@
 #include <sstream>
 #include <string>
 
+#include "tests/fault/fault_env.h"
 #include "tests/fault/powerloss_model.h"
 
 namespace isthmus::powerloss {
@@ -30,15 +31,14 @@ struct LossStats {
   uint64_t lost_bytes = 0;  // bytes the tree held that the disk would not have
 };
 
-// "LD_PRELOAD=... ISTHMUS_FAULT_ROOT=... ISTHMUS_FAULT_SHADOW=..." settings for
-// the program under test. The shadow folder is created empty.
-inline std::map<std::string, std::string> PowerLossEnv(const std::string& library,
-                                                       const std::filesystem::path& root,
+// The layer recording `root`'s durable image in `shadow` (created empty), for the program
+// under test.
+inline std::map<std::string, std::string> PowerLossEnv(const std::filesystem::path& root,
                                                        const std::filesystem::path& shadow) {
   std::filesystem::remove_all(shadow);
   std::filesystem::create_directories(shadow);
   std::filesystem::create_directories(root);
-  return {{"LD_PRELOAD", library},
+  return {{"LD_PRELOAD", fault::FaultLibrary()},
           {"ISTHMUS_FAULT_ROOT", root.string()},
           {"ISTHMUS_FAULT_SHADOW", shadow.string()}};
 }

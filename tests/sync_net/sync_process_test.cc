@@ -269,6 +269,46 @@ class SyncProcessTest : public ::testing::Test {
     ASSERT_EQ(code, 0) << out;
   }
 
+  // Three sites commit round 1; delta (its shard run with `delta_env`) joins while beta
+  // keeps alpha, the coordinator, away, so the addition waits for beta's agreement. Once
+  // delta took the state (checked with every member's digest, beta's too) and agreed,
+  // `interrupt` stops and restarts it; the job and delta's agreement must survive, and once
+  // beta agrees every site applies the join and commits round 2 with the same digests.
+  void JoinInterruptedMidChange(const std::map<std::string, std::string>& delta_env,
+                                const std::function<void()>& interrupt) {
+    StartSites({"alpha", "beta", "gamma"});
+    for (int i = 0; i < 3; ++i) Push(i, 1);
+    WaitCommitted(1);
+    WaitAcked(1);
+    AddDeltaSite({}, delta_env);
+    if (HasFatalFailure()) return;
+    auto [pcode, pout] = Ctl("sync pause --peer alpha " + SiteFlags(1));
+    ASSERT_EQ(pcode, 0) << pout;
+    auto [code, out] = Ctl("sync join --from alpha -j job --wait 0 " + SiteFlags(3));
+    EXPECT_EQ(code, 5) << out;
+    WaitJobState(
+        3,
+        [](const SyncJobReport& j) {
+          return j.members.size() == 3 && j.change_pending && j.committed_round == 1;
+        },
+        "delta never created the job");
+    interrupt();
+    if (HasFatalFailure()) return;
+    auto [rcode, rout] = Ctl("sync resume --peer alpha " + SiteFlags(1));
+    ASSERT_EQ(rcode, 0) << rout;
+    for (int i = 0; i < 4; ++i) {
+      WaitJobState(
+          i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
+          "the join did not complete");
+    }
+    for (int i = 0; i < 4; ++i) Push(i, 2);
+    WaitCommittedOn({0, 1, 2, 3}, 2);
+    const auto a = DigestsOf(0);
+    for (int i = 1; i < 3; ++i) EXPECT_EQ(DigestsOf(i), a);
+    const std::vector<std::pair<uint64_t, std::string>> from_join(a.begin() + 1, a.end());
+    EXPECT_EQ(DigestsOf(3), from_join);
+  }
+
   uint64_t Committed(int i) {
     auto d = sites_[i]->AdminClient(2000, 0)->Digests("job", 0);
     return d.ok() ? d->committed_round : 0;
@@ -1208,40 +1248,10 @@ TEST_F(SyncProcessTest, PlannedLeaveWaitsForTheLeavingSitesLastRound) {
 }
 
 TEST_F(SyncProcessTest, JoiningSiteKilledMidChangeFinishesTheJoinAfterRestart) {
-  StartSites({"alpha", "beta", "gamma"});
-  for (int i = 0; i < 3; ++i) Push(i, 1);
-  WaitCommitted(1);
-  WaitAcked(1);
-  AddDeltaSite();
-  if (HasFatalFailure()) return;
-  // beta keeps alpha (the coordinator) away: the addition waits for beta's agreement.
-  auto [pcode, pout] = Ctl("sync pause --peer alpha " + SiteFlags(1));
-  ASSERT_EQ(pcode, 0) << pout;
-  auto [code, out] = Ctl("sync join --from alpha -j job --wait 0 " + SiteFlags(3));
-  EXPECT_EQ(code, 5) << out;
-  // delta takes the state (checked with every member's digest, beta's too) and agrees.
-  WaitJobState(
-      3,
-      [](const SyncJobReport& j) {
-        return j.members.size() == 3 && j.change_pending && j.committed_round == 1;
-      },
-      "delta never created the job");
-  sites_[3]->Kill(SIGKILL);
-  ASSERT_TRUE(sites_[3]->Start());
-  // The job and delta's agreement survived; once beta agrees, every site applies it.
-  auto [rcode, rout] = Ctl("sync resume --peer alpha " + SiteFlags(1));
-  ASSERT_EQ(rcode, 0) << rout;
-  for (int i = 0; i < 4; ++i) {
-    WaitJobState(
-        i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
-        "the join did not complete");
-  }
-  for (int i = 0; i < 4; ++i) Push(i, 2);
-  WaitCommittedOn({0, 1, 2, 3}, 2);
-  const auto a = DigestsOf(0);
-  for (int i = 1; i < 3; ++i) EXPECT_EQ(DigestsOf(i), a);
-  const std::vector<std::pair<uint64_t, std::string>> from_join(a.begin() + 1, a.end());
-  EXPECT_EQ(DigestsOf(3), from_join);
+  JoinInterruptedMidChange({}, [&] {
+    sites_[3]->Kill(SIGKILL);
+    ASSERT_TRUE(sites_[3]->Start());
+  });
 }
 
 // The same join, but delta loses power (tests/fault/powerloss.h: its data dir as of its
@@ -1249,48 +1259,15 @@ TEST_F(SyncProcessTest, JoiningSiteKilledMidChangeFinishesTheJoinAfterRestart) {
 // before it answered, so after the restart the join completes and delta commits with the
 // others.
 TEST_F(SyncProcessTest, JoiningSiteLosingPowerMidChangeFinishesTheJoinAfterRestart) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  GTEST_SKIP() << "the fault layer is preloaded before the sanitizer runtime, which refuses "
-                  "that; runs in the plain build";
-#endif
-  StartSites({"alpha", "beta", "gamma"});
-  for (int i = 0; i < 3; ++i) Push(i, 1);
-  WaitCommitted(1);
-  WaitAcked(1);
-  const auto delta_dir = root_ / "delta";
-  AddDeltaSite(
-      {}, powerloss::PowerLossEnv(ISTHMUS_FAULT_LIB, delta_dir / "data", delta_dir / "shadow"));
-  if (HasFatalFailure()) return;
-  auto [pcode, pout] = Ctl("sync pause --peer alpha " + SiteFlags(1));
-  ASSERT_EQ(pcode, 0) << pout;
-  auto [code, out] = Ctl("sync join --from alpha -j job --wait 0 " + SiteFlags(3));
-  EXPECT_EQ(code, 5) << out;
-  WaitJobState(
-      3,
-      [](const SyncJobReport& j) {
-        return j.members.size() == 3 && j.change_pending && j.committed_round == 1;
-      },
-      "delta never created the job");
-  const int status = sites_[3]->Kill(SIGKILL);
-  ASSERT_TRUE(WIFSIGNALED(status));
-  std::mt19937 tear(5);
-  powerloss::LossStats lost;
-  ASSERT_EQ(powerloss::SimulatePowerLoss(delta_dir / "data", delta_dir / "shadow", &tear, &lost),
-            "");
-  ASSERT_TRUE(sites_[3]->Start());
-  auto [rcode, rout] = Ctl("sync resume --peer alpha " + SiteFlags(1));
-  ASSERT_EQ(rcode, 0) << rout;
-  for (int i = 0; i < 4; ++i) {
-    WaitJobState(
-        i, [](const SyncJobReport& j) { return j.epoch == 1 && !j.change_pending; },
-        "the join did not complete after the power loss");
-  }
-  for (int i = 0; i < 4; ++i) Push(i, 2);
-  WaitCommittedOn({0, 1, 2, 3}, 2);
-  const auto a = DigestsOf(0);
-  for (int i = 1; i < 3; ++i) EXPECT_EQ(DigestsOf(i), a);
-  const std::vector<std::pair<uint64_t, std::string>> from_join(a.begin() + 1, a.end());
-  EXPECT_EQ(DigestsOf(3), from_join);
+  if (fault::kSanitizedBuild) GTEST_SKIP() << fault::kSanitizedSkip;
+  const auto data = root_ / "delta" / "data", shadow = root_ / "delta" / "shadow";
+  JoinInterruptedMidChange(powerloss::PowerLossEnv(data, shadow), [&] {
+    const int status = sites_[3]->Kill(SIGKILL);
+    ASSERT_TRUE(WIFSIGNALED(status));
+    std::mt19937 tear(5);
+    ASSERT_EQ(powerloss::SimulatePowerLoss(data, shadow, &tear), "");
+    ASSERT_TRUE(sites_[3]->Start());
+  });
 }
 
 }  // namespace
