@@ -196,12 +196,19 @@ TEST_F(ShardProcessTest, SighupAdmitsAddedKeysAndClosesRevokedOnesWithoutARestar
   server_.Signal(SIGHUP);
   ASSERT_TRUE(wait_for_log("reload: 1 worker key(s) allowed, 1 removed", 1)) << server_.Log();
   EXPECT_TRUE(wait_for_log("its connections are closed", 1)) << server_.Log();
+  // The first pull may find the old connection mid-close (Unavailable: dropped before the
+  // reply); the next handshake with the revoked key is refused. No pull is ever served.
   const auto t0 = std::chrono::steady_clock::now();
-  auto refused = old_worker->Pull("j");
+  Status refused = Status::Ok();
+  for (int attempt = 0; attempt < 20; ++attempt) {
+    auto p = old_worker->Pull("j");
+    ASSERT_FALSE(p.ok()) << "a revoked key's open connection still served a pull";
+    refused = p.status();
+    if (refused.code() != Code::kUnavailable) break;
+  }
   const double refused_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ASSERT_FALSE(refused.ok()) << "a revoked key's open connection still served a pull";
-  EXPECT_EQ(refused.status().code(), Code::kPermissionDenied) << refused.status().ToString();
+  EXPECT_EQ(refused.code(), Code::kPermissionDenied) << refused.ToString();
   EXPECT_LT(refused_s, 5.0 * testing::TimeScale());
   EXPECT_EQ(PullAll(*newcomer)["b"], std::vector<float>(32, 1.0f));
   // A broken key file keeps the lists as they were (the newcomer still works).
