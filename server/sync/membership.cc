@@ -353,6 +353,7 @@ Status MembershipProtocol::ApplyChange(const std::string& name, JobState& js) {
   for (const auto& s : change.next.sites) invited_[name].erase(s);  // used up
   js.votes.clear();
   js.note = "applied: " + what;
+  joining_.erase(name);  // a join this site asked for earlier and that failed is old news
   spdlog::info("job '{}': membership changed: {}", name, what);
   return host_->CommitReady(name);
 }
@@ -471,7 +472,9 @@ MembershipAnswer MembershipProtocol::OnRequest(const std::string& from,
   }
   if (req.step == MembershipStep::kFetch) {
     if (!r->pending || !(*r->pending == c) || c.coordinator != site_ || !c.next.Has(from)) {
-      return {MembershipVote::kRefused,
+      // Given up since the joining site was prepared (a member had committed further, found
+      // by the nemesis across sites): abandoned, so that it asks again, as after a prepare.
+      return {r->members.Has(from) ? MembershipVote::kRefused : MembershipVote::kAbandoned,
               "no addition of site " + from + " is under way at site " + site_ +
                   (js.note.empty() ? std::string() : " (" + js.note + ")")};
     }
@@ -711,6 +714,8 @@ std::optional<MembershipStatus> MembershipProtocol::StatusOf(const std::string& 
   } else if (r->pending) {
     s.note = "agreed, waiting for the outcome from " + r->pending->coordinator + ": " +
              r->pending->Describe(r->members);
+  } else if (auto jt = joining_.find(name); jt != joining_.end()) {
+    s.note = jt->second.note;  // a join this site asked for failed: say why
   } else if (it != jobs_.end() && !it->second.removed_notice.empty()) {
     s.note = it->second.removed_notice;
   }
@@ -751,7 +756,11 @@ Result<MembershipChange> MembershipProtocol::ProposeAddition(const std::string& 
 
 Status MembershipProtocol::StartJoin(const std::string& name, const std::string& from) {
   if (const SyncRecord* r = host_->Record(name)) {
-    if (r->members.Has(site_) && RemovedNotice(name).empty()) {
+    // A site that has committed rounds with `from` may have been removed while it was away
+    // and not heard it yet (no member's handshake since its restart): `from` decides, and
+    // refuses a member. A job this site only created (no round committed) is refused here.
+    const bool may_be_removed = r->committed > 0 && r->members.Has(from);
+    if (r->members.Has(site_) && RemovedNotice(name).empty() && !may_be_removed) {
       return Status::FailedPrecondition("job '" + name + "' already syncs on this shard (members " +
                                         r->members.SiteList() +
                                         "): a site joins a job it is not a member of");

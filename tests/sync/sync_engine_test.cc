@@ -1356,6 +1356,72 @@ TEST(SyncEngineTest, AJoinRefusedBecauseTheRoundsMovedOnIsAskedAgainAndSucceeds)
   EXPECT_TRUE(d->HasJob(kJob)) << d->JobStatus(kJob)->change_note;
 }
 
+// The same race, later: siteD was prepared and fetches the state only after siteB's refusal
+// made siteA give the addition up. The fetch is answered "abandoned" (it was "refused", and
+// the join failed: found by the nemesis across sites), so siteD asks again and is added.
+TEST(SyncEngineTest, AFetchForAnAdditionGivenUpMeanwhileIsAskedAgainAndSucceeds) {
+  Site a("siteA", {"siteB"}, "dense"), b("siteB", {"siteA"}, "dense");
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(1).ok());
+  Deliver(a, b), Deliver(b, a);
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(2).ok());
+  Deliver(a, b);  // siteB commits round 2, siteA not yet
+  for (Site* s : {&a, &b}) {
+    s->options().peer_sites.push_back("siteD");
+    s->Reopen();
+  }
+  testing::TempDir ddir;
+  auto dstore = std::move(OpenRocksStore(ddir.str(), StoreOptions{})).value();
+  SyncOptions dopt;
+  dopt.site = "siteD";
+  dopt.peer_sites = {"siteA", "siteB"};
+  dopt.codec = "dense";
+  dopt.outer_lr = 1.0;
+  dopt.outer_momentum = 0.0;
+  auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
+  SyncEngine::JobHooks hooks;
+  hooks.install = [](const std::string&, const std::string&,
+                     const std::map<std::string, SyncTensor>&, uint64_t,
+                     WriteBatch&) { return Status::Ok(); };
+  d->SetJobHooks(hooks);
+  ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::hours(1)).ok());
+  ASSERT_TRUE(d->membership().StartJoin(kJob, "siteA").ok());
+  auto ask = [&](SyncEngine& from, const std::string& from_name, SyncEngine& to,
+                 const std::string& to_name, MembershipStep step) {
+    auto reqs = from.MembershipRequests(to_name);
+    EXPECT_EQ(reqs.size(), 1u) << from_name << " -> " << to_name;
+    if (reqs.empty()) return MembershipAnswer{};
+    EXPECT_EQ(reqs[0].step, step) << from_name << " -> " << to_name;
+    MembershipAnswer answer = to.OnMembershipRequest(from_name, reqs[0]);
+    from.OnMembershipAnswer(to_name, reqs[0], answer);
+    return answer;
+  };
+  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
+            MembershipVote::kPending);
+  EXPECT_EQ(ask(a.engine(), "siteA", *d, "siteD", MembershipStep::kPrepare).vote,
+            MembershipVote::kPending);
+  EXPECT_EQ(ask(a.engine(), "siteA", b.engine(), "siteB", MembershipStep::kPrepare).vote,
+            MembershipVote::kRefused);  // siteB has committed round 2
+  ASSERT_FALSE(a.engine().JobStatus(kJob)->pending.has_value());
+  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kFetch).vote,
+            MembershipVote::kAbandoned);
+  EXPECT_NE(d->JobStatus(kJob)->change_note.find("asking it again"), std::string::npos)
+      << d->JobStatus(kJob)->change_note;
+  Deliver(b, a);  // siteA commits round 2 too
+  std::map<std::string, SyncEngine*> by_name{
+      {"siteA", &a.engine()}, {"siteB", &b.engine()}, {"siteD", d.get()}};
+  for (int i = 0; i < 16 && !d->HasJob(kJob); ++i) {
+    for (auto& [fname, from] : by_name) {
+      for (auto& [tname, to] : by_name) {
+        if (fname == tname) continue;
+        for (const auto& req : from->MembershipRequests(tname)) {
+          from->OnMembershipAnswer(tname, req, to->OnMembershipRequest(fname, req));
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(d->HasJob(kJob)) << d->JobStatus(kJob)->change_note;
+}
+
 // Membership (docs/SYNC.md): the removal of a silent site, agreed in two phases, survives a
 // reopen of either side at any step, changes who merges from the cut on, and the digests
 // (which cover the membership) agree.
