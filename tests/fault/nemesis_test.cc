@@ -53,11 +53,11 @@ using namespace std::chrono_literals;
 using Clock = std::chrono::steady_clock;
 
 constexpr int kSites = 3;
-constexpr int64_t kSlots = 64;        // marker slots per site (round r -> slot r % kSlots)
-constexpr int64_t kBulk = 8192;       // a dense tensor, so rounds take time on slow links
-constexpr int kHealBoundS = 30;       // every site commits again within this after the heal
+constexpr int64_t kSlots = 64;   // marker slots per site (round r -> slot r % kSlots)
+constexpr int64_t kBulk = 8192;  // a dense tensor, so rounds take time on slow links
+constexpr int kHealBoundS = 30;  // every site commits again within this after the heal
 const char* const kNames[kSites] = {"alpha", "beta", "gamma"};
-constexpr int kGamma = 2;             // the site the nemesis removes and brings back
+constexpr int kGamma = 2;  // the site the nemesis removes and brings back
 
 uint64_t Tokens(int site) { return 1000 * (site + 1); }
 
@@ -227,7 +227,9 @@ class Wan {
 class WorkerProcess {
  public:
   WorkerProcess(int site, const SiteProcess& shard, std::string netns)
-      : site_(site), dir_(shard.dir()), endpoint_(shard.worker_endpoint()),
+      : site_(site),
+        dir_(shard.dir()),
+        endpoint_(shard.worker_endpoint()),
         netns_(std::move(netns)) {}
   ~WorkerProcess() { Kill(); }
   void Start() {
@@ -290,7 +292,8 @@ TEST(NemesisAcrossSites, EveryAcknowledgedPushCountsOnceOnEveryMemberAndDigestsA
   Wan wan;
   if (const std::string why = wan.Up(); !why.empty()) GTEST_SKIP() << why;
 
-  const fs::path root = fs::temp_directory_path() / ("isthmus-nemesis-" + std::to_string(::getpid()));
+  const fs::path root =
+      fs::temp_directory_path() / ("isthmus-nemesis-" + std::to_string(::getpid()));
   fs::remove_all(root);
   std::vector<std::unique_ptr<SiteProcess>> sites;
   std::vector<SiteProcess*> all;
@@ -315,11 +318,10 @@ TEST(NemesisAcrossSites, EveryAcknowledgedPushCountsOnceOnEveryMemberAndDigestsA
     ASSERT_TRUE(r.ok()) << s->site() << ": " << r.status().ToString();
   }
   auto ctl = [&](const std::string& args, int s) {
-    const std::string cmd =
-        std::string(testing::BinaryPath("ISTHMUS_CTL_BIN", ISTHMUS_CTL_BIN)) + " " + args +
-        " --server " + sites[s]->admin_endpoint() + " --server-key " +
-        (sites[s]->dir() / "server.pub").string() + " --key " +
-        (sites[0]->dir() / "admins" / "a0.key").string() + " 2>&1";
+    const std::string cmd = std::string(testing::BinaryPath("ISTHMUS_CTL_BIN", ISTHMUS_CTL_BIN)) +
+                            " " + args + " --server " + sites[s]->admin_endpoint() +
+                            " --server-key " + (sites[s]->dir() / "server.pub").string() +
+                            " --key " + (sites[0]->dir() / "admins" / "a0.key").string() + " 2>&1";
     auto r = testing::RunCommand(cmd);
     std::fprintf(stderr, "[nemesis] isthmusctl %s (at %s): exit %d\n%s", args.c_str(), kNames[s],
                  r.exit_code, r.output.c_str());
@@ -390,8 +392,8 @@ TEST(NemesisAcrossSites, EveryAcknowledgedPushCountsOnceOnEveryMemberAndDigestsA
         last_progress = Clock::now();
       }
     }
-    longest_stall_s = std::max(
-        longest_stall_s, std::chrono::duration<double>(Clock::now() - last_progress).count());
+    longest_stall_s = std::max(longest_stall_s,
+                               std::chrono::duration<double>(Clock::now() - last_progress).count());
 
     if (Clock::now() >= next_membership) {
       // Remove gamma and bring it back, with every other fault healed meanwhile.
@@ -515,8 +517,8 @@ TEST(NemesisAcrossSites, EveryAcknowledgedPushCountsOnceOnEveryMemberAndDigestsA
   for (int s = 0; s < kSites; ++s) {
     while (committed(s) <= at_heal[s]) {
       ASSERT_LT(Clock::now() - healed, std::chrono::seconds(kHealBoundS))
-          << kNames[s] << " committed nothing within " << kHealBoundS << " s of the heal: "
-          << sites[s]->Log();
+          << kNames[s] << " committed nothing within " << kHealBoundS
+          << " s of the heal: " << sites[s]->Log();
       std::this_thread::sleep_for(100ms);
     }
     heal_to_commit_s =
@@ -595,8 +597,8 @@ TEST(NemesisAcrossSites, EveryAcknowledgedPushCountsOnceOnEveryMemberAndDigestsA
       if (std::abs(got[k] - want[k]) > 1e-3) {
         ++slots_off;
         ADD_FAILURE() << kNames[s] << "'s state: site " << kNames[k / kSlots] << ", slot "
-                      << k % kSlots << ": " << got[k] << " where every push once gives "
-                      << want[k] << " (a push lost or counted twice)";
+                      << k % kSlots << ": " << got[k] << " where every push once gives " << want[k]
+                      << " (a push lost or counted twice)";
       }
     }
   }

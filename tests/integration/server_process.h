@@ -4,8 +4,10 @@
 // WorkerClient()/AdminClient() use CURVE with keys on the server's allowlists.
 #pragma once
 
+#include <fcntl.h>
 #include <grp.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -63,6 +65,13 @@ class ServerProcess {
         _exit(126);
       }
       for (const auto& [name, value] : env_) ::setenv(name.c_str(), value.c_str(), 1);
+      if (!netns_.empty()) {
+        const int fd = ::open(("/run/netns/" + netns_).c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0 || ::setns(fd, CLONE_NEWNET) != 0) {
+          std::perror(("cannot enter network namespace " + netns_).c_str());
+          _exit(125);
+        }
+      }
       std::string cfg = "--config=" + (dir_ / "server.toml").string();
       const char* bin = BinaryPath("ISTHMUS_SERVER_BIN", ISTHMUS_SERVER_BIN);
       ::execl(bin, bin, cfg.c_str(), static_cast<char*>(nullptr));
@@ -113,7 +122,7 @@ class ServerProcess {
   std::unique_ptr<ShardClient> Client(int port, const KeyPair& keys, int timeout_ms,
                                       int retries) const {
     ClientOptions o;
-    o.endpoint = Endpoint(port);
+    o.endpoint = At(port);
     o.server_public_key = server_keys_.public_key;
     o.client_keys = keys;
     o.timeout_ms = timeout_ms;
@@ -128,6 +137,10 @@ class ServerProcess {
     return std::string(std::istreambuf_iterator<char>(in), {});
   }
   static std::string Endpoint(int port) { return LoopbackEndpoint(port); }
+  // This process's endpoint for `port`: loopback, or its address in its network namespace.
+  std::string At(int port) const {
+    return address_.empty() ? Endpoint(port) : "tcp://" + address_ + ":" + std::to_string(port);
+  }
   int worker_port() const { return worker_port_; }
   int admin_port() const { return admin_port_; }
   // Exit code of a server that stopped during Start(); -1 if none or killed by a signal.
@@ -143,6 +156,13 @@ class ServerProcess {
   pid_t pid() const { return pid_; }
   // Environment variables set for the process at each Start() (e.g. a preloaded library).
   void set_env(std::map<std::string, std::string> env) { env_ = std::move(env); }
+  // Start() runs the binary in network namespace `netns` (one the test made with `ip netns
+  // add`), where it listens on `address`, and clients reach it there. Call before the
+  // config is written.
+  void set_netns(std::string netns, std::string address) {
+    netns_ = std::move(netns);
+    address_ = std::move(address);
+  }
   // When the test runs as root, Start() runs the binary as this user and group, so that
   // the test's own files (root's) are another user's to the server. No effect otherwise.
   void set_run_as(uid_t uid, gid_t gid) {
@@ -172,9 +192,9 @@ class ServerProcess {
     out << "[shard]\nid = \"" << shard_id << "\"\ndata_dir = \"" << (dir_ / "data").string()
         << "\"\n";
     if (shard_index >= 0) out << "index = " << shard_index << "\n";
-    out << "[listen]\nworker = \"" << Endpoint(worker_port_) << "\"\nadmin = \""
-        << Endpoint(admin_port_) << "\"\n";
-    if (peer_port > 0) out << "peer = \"" << Endpoint(peer_port) << "\"\n";
+    out << "[listen]\nworker = \"" << At(worker_port_) << "\"\nadmin = \"" << At(admin_port_)
+        << "\"\n";
+    if (peer_port > 0) out << "peer = \"" << At(peer_port) << "\"\n";
     out << "[security]\nsecret_key = \"" << (dir_ / "server.key").string() << "\"\n"
         << "worker_keys = [\"" << (dir_ / "workers").string() << "\"]\n"
         << "admin_keys = [\"" << (dir_ / "admins").string() << "\"]\n";
@@ -203,6 +223,7 @@ class ServerProcess {
 
   std::string extra_;
   std::map<std::string, std::string> env_;
+  std::string netns_, address_;
   std::filesystem::path dir_;
   std::string label_;
   bool owns_dir_ = true;

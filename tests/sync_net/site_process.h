@@ -39,7 +39,7 @@ class SiteProcess : public ServerProcess {
     first = true;
     for (auto* s : all) {
       if (s == this) continue;
-      out << (first ? "" : ", ") << "\"" << s->site_ << "=" << Endpoint(s->peer_port_) << "="
+      out << (first ? "" : ", ") << "\"" << s->site_ << "=" << s->At(s->peer_port_) << "="
           << (s->dir() / "server.pub").string() << "\"";
       first = false;
     }
@@ -49,8 +49,9 @@ class SiteProcess : public ServerProcess {
   // shard.index written by Configure (default 0: every site's only shard).
   void set_shard_index(int index) { shard_index_ = index; }
   const std::string& site() const { return site_; }
-  std::string admin_endpoint() const { return Endpoint(admin_port()); }
-  std::string peer_endpoint() const { return Endpoint(peer_port_); }
+  std::string admin_endpoint() const { return At(admin_port()); }
+  std::string worker_endpoint() const { return At(worker_port()); }
+  std::string peer_endpoint() const { return At(peer_port_); }
 
  private:
   std::string site_;
