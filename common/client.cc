@@ -11,6 +11,7 @@
 #include <cstring>
 #include "common/transport.h"
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -117,8 +118,17 @@ Result<std::unique_ptr<ShardClient>> ShardClient::Connect(const ClientOptions& o
                                    std::to_string(options.timeout_ms) + " and " +
                                    std::to_string(options.connect_timeout_ms) + ")");
   }
+  std::vector<std::string> server_keys;
   if (!options.insecure_plaintext) {
-    if (!IsValidZ85Key(options.server_public_key)) {
+    if (!options.server_key_file.empty()) {
+      ISTHMUS_ASSIGN_OR_RETURN(server_keys, LoadPublicKeyList(options.server_key_file));
+    }
+    if (!options.server_public_key.empty() &&
+        std::find(server_keys.begin(), server_keys.end(), options.server_public_key) ==
+            server_keys.end()) {
+      server_keys.insert(server_keys.begin(), options.server_public_key);
+    }
+    if (server_keys.empty() || !IsValidZ85Key(server_keys.front())) {
       return Status::InvalidArgument(
           "the server's public key is missing or not 40 Z85 characters (pass its .pub file)");
     }
@@ -127,6 +137,7 @@ Result<std::unique_ptr<ShardClient>> ShardClient::Connect(const ClientOptions& o
     }
   }
   std::unique_ptr<ShardClient> client(new ShardClient(options));
+  client->server_keys_ = std::move(server_keys);
   ISTHMUS_RETURN_IF_ERROR(client->OpenSocket());
   return client;
 }
@@ -143,7 +154,7 @@ Status ShardClient::OpenSocket() {
                                         options_.limits.max_header_bytes));
     }
     if (!options_.insecure_plaintext) {
-      ConfigureCurveClient(*socket_, options_.client_keys, options_.server_public_key);
+      ConfigureCurveClient(*socket_, options_.client_keys, server_keys_[key_index_]);
     }
     // The monitor lives as long as the socket (setting one up per call costs more than a
     // small request) and reports the connection coming up, dropping, and a handshake the
@@ -212,6 +223,25 @@ Status ShardClient::ReadMonitor(bool* lost) {
   }
 }
 
+bool ShardClient::NextServerKey() {
+  if (options_.insecure_plaintext) return false;
+  if (!options_.server_key_file.empty()) {
+    auto listed = LoadPublicKeyList(options_.server_key_file);
+    if (listed.ok()) {
+      const std::string current = server_keys_[key_index_];
+      server_keys_ = std::move(listed).value();
+      auto it = std::find(server_keys_.begin(), server_keys_.end(), current);
+      // A key no longer listed: the next one is the file's first.
+      key_index_ = it == server_keys_.end() ? server_keys_.size() - 1 : it - server_keys_.begin();
+    }
+  }
+  if (server_keys_.size() < 2) return false;
+  key_index_ = (key_index_ + 1) % server_keys_.size();
+  spdlog::info("client: the CURVE handshake with {} failed: trying the server's next listed key {}",
+               options_.endpoint, server_keys_[key_index_].substr(0, 8));
+  return true;
+}
+
 Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
                                  const std::vector<TensorView>& payload) {
   using Clock = std::chrono::steady_clock;
@@ -223,6 +253,7 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
   bool last_tcp = false;          // a TCP connection was made in that attempt
   bool last_ready = false;        // the connection was up when it ended
   bool last_handshake = false;    // a CURVE handshake failed in it
+  size_t key_switches = 0;        // to another listed server key, after a failed handshake
   for (int attempt = 0; attempt < attempts; ++attempt) {
     if (!socket_) ISTHMUS_RETURN_IF_ERROR(OpenSocket());
     bool lost = false;
@@ -313,6 +344,13 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
     }
     last_lost = lost;
     last_unconnected = unconnected;
+    // Nothing reached the server before a failed handshake: another key it may hold (a
+    // rotation) is tried without counting the attempt.
+    if (last_handshake && key_switches < server_keys_.size() && NextServerKey()) {
+      ++key_switches;
+      --attempt;
+      continue;
+    }
     spdlog::debug("client: attempt {}/{} to {} ended: {}", attempt + 1, attempts, options_.endpoint,
                   lost          ? "connection lost"
                   : unconnected ? "no connection"

@@ -45,8 +45,15 @@ namespace isthmus {
 
 // How a ShardClient reaches its shard and how long it waits (see the file comment).
 struct ClientOptions {
-  std::string endpoint;             // ZeroMQ endpoint, e.g. "tcp://127.0.0.1:7000"
-  std::string server_public_key;    // Z85 (40 chars); required unless insecure_plaintext
+  std::string endpoint;           // ZeroMQ endpoint, e.g. "tcp://127.0.0.1:7000"
+  std::string server_public_key;  // Z85 (40 chars); required unless insecure_plaintext
+  // or server_key_file is given
+  // A file listing the server's public keys: one, or two while the server's key is being
+  // rotated (keys.h, LoadPublicKeyList). Read at Connect, and again after a failed CURVE
+  // handshake, when the client tries the next key it lists (without using up a retry):
+  // a running client follows a rotation once the new key is added to the file. Empty:
+  // server_public_key only.
+  std::string server_key_file;
   KeyPair client_keys;              // this client's pair; required unless insecure_plaintext
   bool insecure_plaintext = false;  // no CURVE: only for benchmarks and local debugging
   int timeout_ms = 30000;           // per attempt: how long a connected shard has to reply
@@ -310,6 +317,9 @@ class ShardClient {
   Result<Frames> Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
                       const std::vector<TensorView>& payload);
   uint64_t NextRequestId() { return ++request_seq_; }
+  // After a failed handshake: reads options_.server_key_file again (if set) and moves to
+  // the next key listed; false when there is no other key to try.
+  bool NextServerKey();
   // Sends a PullRequest and returns the verified reply (tensor metas checked against the
   // payload frames) and its body.
   Result<Frames> CallPull(const std::string& job, const std::vector<std::string>& names,
@@ -327,6 +337,10 @@ class ShardClient {
   // A CURVE handshake failed in the current attempt without a refusal of the key: a wrong
   // server key, or a server that died or restarted during the handshake (the same events).
   bool handshake_failed_ = false;
+  // The server's public keys the client knows (options_.server_key_file or
+  // server_public_key) and the one it uses.
+  std::vector<std::string> server_keys_;
+  size_t key_index_ = 0;
   uint64_t request_seq_;
 };
 

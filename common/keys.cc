@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <zmq.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -80,7 +81,10 @@ Status CheckNotWorldWritable(const std::string& path, const struct stat& st,
 }
 
 // Finds `name = "value"` in a key file's text.
-std::string FindField(const std::string& text, const std::string& name) {
+// The quoted values of every `name = "..."` line of `text`, in order ("" for a line
+// without its quotes).
+std::vector<std::string> FindFields(const std::string& text, const std::string& name) {
+  std::vector<std::string> out;
   std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {
@@ -89,10 +93,14 @@ std::string FindField(const std::string& text, const std::string& name) {
     if (line.compare(first, name.size(), name) != 0) continue;
     auto q1 = line.find('"', first + name.size());
     auto q2 = q1 == std::string::npos ? q1 : line.find('"', q1 + 1);
-    if (q2 == std::string::npos) return "";
-    return line.substr(q1 + 1, q2 - q1 - 1);
+    out.push_back(q2 == std::string::npos ? "" : line.substr(q1 + 1, q2 - q1 - 1));
   }
-  return "";
+  return out;
+}
+
+std::string FindField(const std::string& text, const std::string& name) {
+  auto all = FindFields(text, name);
+  return all.empty() ? "" : all.front();
 }
 
 Status WriteFileWithMode(const std::string& path, const std::string& text, mode_t mode,
@@ -197,13 +205,24 @@ Result<KeyPair> LoadKeyPairFile(const std::string& path) {
 }
 
 Result<std::string> LoadPublicKeyFile(const std::string& path) {
+  ISTHMUS_ASSIGN_OR_RETURN(auto keys, LoadPublicKeyList(path));
+  return keys.front();
+}
+
+Result<std::vector<std::string>> LoadPublicKeyList(const std::string& path) {
   std::string text;
   ISTHMUS_RETURN_IF_ERROR(ReadWholeFile(path, &text));
-  std::string key = FindField(text, "public-key");
-  if (!IsValidZ85Key(key)) {
-    return Status::InvalidArgument("'" + path + "' has no valid public-key line");
+  std::vector<std::string> keys;
+  for (auto& key : FindFields(text, "public-key")) {
+    if (!IsValidZ85Key(key)) {
+      return Status::InvalidArgument("'" + path +
+                                     "' has a public-key line that is not 40 Z85 "
+                                     "characters");
+    }
+    if (std::find(keys.begin(), keys.end(), key) == keys.end()) keys.push_back(std::move(key));
   }
-  return key;
+  if (keys.empty()) return Status::InvalidArgument("'" + path + "' has no valid public-key line");
+  return keys;
 }
 
 Result<std::vector<std::string>> LoadPublicKeys(const std::vector<std::string>& sources,
@@ -229,8 +248,8 @@ Result<std::vector<std::string>> LoadPublicKeys(const std::vector<std::string>& 
         struct stat fst {};
         if (::stat(file.c_str(), &fst) != 0) return KeyFileError("cannot read", file, errno);
         ISTHMUS_RETURN_IF_ERROR(CheckNotWorldWritable(file, fst, "public key file", label));
-        ISTHMUS_ASSIGN_OR_RETURN(std::string key, LoadPublicKeyFile(file));
-        keys.push_back(std::move(key));
+        ISTHMUS_ASSIGN_OR_RETURN(auto listed, LoadPublicKeyList(file));
+        keys.insert(keys.end(), listed.begin(), listed.end());
         ++found;
       }
       if (ec) {
@@ -247,8 +266,8 @@ Result<std::vector<std::string>> LoadPublicKeys(const std::vector<std::string>& 
       }
     } else {
       ISTHMUS_RETURN_IF_ERROR(CheckNotWorldWritable(src, st, "public key file", label));
-      ISTHMUS_ASSIGN_OR_RETURN(std::string key, LoadPublicKeyFile(src));
-      keys.push_back(std::move(key));
+      ISTHMUS_ASSIGN_OR_RETURN(auto listed, LoadPublicKeyList(src));
+      keys.insert(keys.end(), listed.begin(), listed.end());
     }
   }
   return keys;

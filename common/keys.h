@@ -41,8 +41,15 @@ Status WriteKeyPairFiles(const std::string& prefix, const KeyPair& pair, bool ov
 // fixes it); NotFound if it does not exist.
 Result<KeyPair> LoadKeyPairFile(const std::string& path);
 
-// Reads the public key of a public key file or a key pair file.
+// Reads the public key of a public key file or a key pair file (the first, if it lists
+// several).
 Result<std::string> LoadPublicKeyFile(const std::string& path);
+
+// Every public key a file lists, in order, without repeats. A public key file may list
+// several (`public-key = "..."` lines; `cat new.pub >> server.pub` appends one): while a
+// server's own key is rotated, its clients and peers hold both (docs/DEPLOY.md, "Rotating
+// a site's own key"), and an allowlist file admits every key it lists.
+Result<std::vector<std::string>> LoadPublicKeyList(const std::string& path);
 
 // What LoadPublicKeys says and refuses beyond its own rules, for an allowlist a server
 // enforces.

@@ -44,6 +44,8 @@ Result<std::unique_ptr<SiteClient>> SiteClient::Connect(const SiteOptions& optio
     if (!options.insecure_plaintext) {
       const auto& keys = options.server_public_keys;
       o.server_public_key = keys.size() == 1 ? keys[0] : keys[i];
+      const auto& files = options.server_key_files;
+      if (files.size() == keys.size()) o.server_key_file = files.size() == 1 ? files[0] : files[i];
       o.client_keys = options.client_keys;
     }
     auto c = ShardClient::Connect(o);

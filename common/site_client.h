@@ -46,12 +46,15 @@ struct SiteOptions {
   std::string job = "default";
   std::vector<std::string> servers;             // shard worker endpoints, in shard order
   std::vector<std::string> server_public_keys;  // Z85: one per server, or one for all
-  KeyPair client_keys;                          // this rank's key pair (on the allowlist)
-  bool insecure_plaintext = false;              // no CURVE: benchmarks and debugging only
-  int timeout_ms = 30000;                       // per attempt: time a connected shard has
-  int connect_timeout_ms = 5000;                // per attempt: time to connect to a shard
-  int retries = 2;                              // extra attempts after a timeout
-  std::string client_name = "site";             // part of every idempotency key
+  // The files those keys came from (the same count), read again after a failed handshake
+  // (ClientOptions::server_key_file); empty: the keys only.
+  std::vector<std::string> server_key_files;
+  KeyPair client_keys;               // this rank's key pair (on the allowlist)
+  bool insecure_plaintext = false;   // no CURVE: benchmarks and debugging only
+  int timeout_ms = 30000;            // per attempt: time a connected shard has
+  int connect_timeout_ms = 5000;     // per attempt: time to connect to a shard
+  int retries = 2;                   // extra attempts after a timeout
+  std::string client_name = "site";  // part of every idempotency key
   // Passed to every shard's ClientOptions::interrupted, and asked between the polls of
   // WaitWithinStaleness: true stops the call (Unavailable, "interrupted").
   std::function<bool()> interrupted;

@@ -1394,6 +1394,7 @@ Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s,
       ISTHMUS_ASSIGN_OR_RETURN(auto key, LoadPublicKeyFile(file));
       o.server_public_keys.push_back(std::move(key));
     }
+    o.server_key_files = s.server_keys;  // a key rotation is followed (docs/DEPLOY.md)
   }
   return SiteClient::Connect(o);
 }

@@ -57,8 +57,7 @@ Result<std::vector<std::unique_ptr<ShardClient>>> ConnectAll(const Connection& c
     ClientOptions o = base;
     o.endpoint = c.servers[i];
     if (!c.insecure) {
-      ISTHMUS_ASSIGN_OR_RETURN(o.server_public_key,
-                               LoadPublicKeyFile(c.server_keys[c.server_keys.size() == 1 ? 0 : i]));
+      o.server_key_file = c.server_keys[c.server_keys.size() == 1 ? 0 : i];
     }
     ISTHMUS_ASSIGN_OR_RETURN(auto client, ShardClient::Connect(o));
     clients.push_back(std::move(client));

@@ -39,7 +39,9 @@ int main(int argc, char** argv) {
       "environment variable ISTHMUS_SECTION_NAME, or a key in the --config file.\n"
       "Signals: SIGTERM or SIGINT stop it cleanly; SIGHUP reads the allowlists\n"
       "(security.worker_keys, admin_keys, peer_keys) again: added keys are admitted,\n"
-      "removed keys refused and their open connections closed, without a restart."};
+      "removed keys refused and their open connections closed, without a restart;\n"
+      "it also reads security.secret_key (a new own key is presented from then on)\n"
+      "and the sync.peers key files (a peer rotating its key lists two)."};
   app.footer(isthmus::ExitCodesFooter());
   std::string config_file;
   bool print_doc = false, version = false;

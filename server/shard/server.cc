@@ -721,20 +721,27 @@ struct ShardServer::Impl {
   // reconnects within its reconnect interval and retries); a removed peer key is revoked
   // as `sync remove --revoke-key` does. An unreadable key file keeps the old lists.
   void ReloadKeys(PeerLinks* links);
-  std::map<std::string, std::string> peer_key_of;  // site -> its Z85 public key (sync.peers)
+  // site -> its Z85 public keys (its sync.peers key file: two while it rotates its key)
+  std::map<std::string, std::vector<std::string>> peer_keys_of;
+  // Binds the worker or admin socket anew on the port it has (the endpoint as bound, so a
+  // port 0 keeps the port it was given): its open connections close. False (logged) when
+  // the port could not be had again within 10 s.
+  bool Rebind(const char* domain, std::unique_ptr<zmq::socket_t>& socket);
+  void StopFromLoop();
 };
 
 Status ShardServer::Impl::RevokePeer(const std::string& site, PeerLinks* links) {
-  auto it = peer_key_of.find(site);
-  if (it == peer_key_of.end()) {
+  auto it = peer_keys_of.find(site);
+  if (it == peer_keys_of.end()) {
     return Status::NotFound("site '" + site + "' has no sync.peers entry here: no key to revoke");
   }
-  const bool was = zap != nullptr && zap->Revoke(kDomainPeer, it->second);
+  bool was = false;
+  for (const auto& key : it->second) was = (zap != nullptr && zap->Revoke(kDomainPeer, key)) || was;
   if (links != nullptr) (void)links->Pause(site);
   spdlog::warn(
       "site {}: its key {} is no longer admitted on the peer socket{}; take its key file "
       "out of security.peer_keys too, or a restart admits it again",
-      site, it->second.substr(0, 8), was ? "" : " (it was not on the allowlist)");
+      site, it->second.front().substr(0, 8), was ? "" : " (it was not on the allowlist)");
   return Status::Ok();
 }
 
@@ -759,6 +766,28 @@ Status ShardServer::Impl::BindSocket(const std::string& endpoint, const char* do
   return Status::Ok();
 }
 
+void ShardServer::Impl::StopFromLoop() {
+  uint64_t one = 1;
+  ssize_t ignored = ::write(wake_fd, &one, sizeof one);
+  (void)ignored;
+}
+
+bool ShardServer::Impl::Rebind(const char* domain, std::unique_ptr<zmq::socket_t>& socket) {
+  const std::string endpoint = socket->get(zmq::sockopt::last_endpoint);
+  socket->set(zmq::sockopt::linger, 1000);  // replies already queued still leave
+  socket.reset();
+  // ZeroMQ closes the old listener on its own threads, a moment later: until then the
+  // port is in use, so the bind is retried for a bounded time.
+  Status s;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!(s = BindSocket(endpoint, domain, socket)).ok() &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!s.ok()) spdlog::error("reload: {}; stopping", s.ToString());
+  return s.ok();
+}
+
 void ShardServer::Impl::ReloadKeys(PeerLinks* links) {
   if (config.insecure_plaintext || zap == nullptr) {
     spdlog::warn("reload: security.insecure_plaintext is set, there are no keys to reload");
@@ -768,6 +797,23 @@ void ShardServer::Impl::ReloadKeys(PeerLinks* links) {
   if (!lists.ok()) {
     spdlog::error("reload: {}; the allowlists stay as they were", lists.status().ToString());
     return;
+  }
+  // This site's own key (security.secret_key): a new pair is presented from now on.
+  bool own_changed = false;
+  if (auto own = LoadKeyPairFile(config.secret_key); !own.ok()) {
+    spdlog::error("reload: {}; this shard keeps its key", own.status().ToString());
+  } else if (own->public_key != server_keys.public_key) {
+    spdlog::info("reload: this shard's own key changes from {} to {}",
+                 server_keys.public_key.substr(0, 8), own->public_key.substr(0, 8));
+    server_keys = *own;
+    own_changed = true;
+  }
+  // The peers' keys (their sync.peers key files): a peer rotating its key lists two.
+  if (links != nullptr) {
+    links->ReloadPeerKeys();
+    if (auto peers = ParsePeerLinkSpecs(config.sync_peers); peers.ok()) {
+      for (const auto& p : *peers) peer_keys_of[p.site] = p.public_keys;
+    }
   }
   struct Domain {
     const char* name;
@@ -781,40 +827,33 @@ void ShardServer::Impl::ReloadKeys(PeerLinks* links) {
     const std::vector<std::string> removed = zap->SetAllowlist(d.name, *d.keys);
     spdlog::info("reload: {} {} key(s) allowed, {} removed", d.keys->size(), d.name,
                  removed.size());
-    if (removed.empty()) continue;
     if (d.socket == nullptr) {
+      // A removed key its site's sync.peers file still lists revokes the site; a key the
+      // file no longer lists is an old key after a rotation, and goes alone.
       for (const auto& key : removed) {
-        for (const auto& [site, k] : peer_key_of) {
-          if (k == key) (void)RevokePeer(site, links);
+        for (const auto& [site, keys] : peer_keys_of) {
+          if (std::find(keys.begin(), keys.end(), key) != keys.end()) (void)RevokePeer(site, links);
         }
       }
       continue;
     }
-    // Connections that were admitted stay open until their socket goes: bind anew, on the
-    // port it has (the endpoint as bound, so a port 0 keeps the port it was given).
-    const std::string endpoint = (*d.socket)->get(zmq::sockopt::last_endpoint);
-    (*d.socket)->set(zmq::sockopt::linger, 1000);  // replies already queued still leave
-    d.socket->reset();
-    // ZeroMQ closes the old listener on its own threads, a moment later: until then the
-    // port is in use, so the bind is retried for a bounded time.
-    Status s;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-    while (!(s = BindSocket(endpoint, d.name, *d.socket)).ok() &&
-           std::chrono::steady_clock::now() < deadline) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
-    if (!s.ok()) {
-      // Without its socket the shard cannot serve: stop, and let the supervisor restart it.
-      spdlog::error("reload: {}; stopping", s.ToString());
-      uint64_t one = 1;
-      ssize_t ignored = ::write(wake_fd, &one, sizeof one);
-      (void)ignored;
-      return;
-    }
+    // Connections that were admitted stay open until their socket goes; a new own key
+    // needs the socket bound anew too.
+    if (removed.empty() && !own_changed) continue;
+    if (!Rebind(d.name, *d.socket)) return StopFromLoop();
     for (const auto& key : removed) {
       spdlog::warn("reload: {} key {} revoked: its connections are closed", d.name,
                    key.substr(0, 8));
     }
+  }
+  if (own_changed && links != nullptr) {
+    if (Status st = links->SetOwnKeys(server_keys); !st.ok()) {
+      spdlog::error("reload: {}; stopping", st.ToString());
+      return StopFromLoop();
+    }
+    spdlog::info(
+        "reload: the worker, admin and peer sockets present the new key; peers dial "
+        "again with it");
   }
 }
 
@@ -930,7 +969,7 @@ Status ShardServer::Start() {
   std::vector<PeerLinkSpec> peers;
   if (!c.sync.site.empty()) {
     ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
-    for (const auto& p : peers) impl_->peer_key_of[p.site] = p.public_key;
+    for (const auto& p : peers) impl_->peer_keys_of[p.site] = p.public_keys;
     opts.sync = SyncOptionsFrom(c);
     Impl* impl = impl_.get();
     opts.sync->on_commit = [impl](const std::string& job, uint64_t, double seconds) {

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <set>
+#include <thread>
 
 #include "common/transport.h"
 #include "common/varint.h"
@@ -36,9 +37,10 @@ struct PeerLinks::Link {
     MembershipRequest membership;  // kMembership
   };
   bool transport_up = false;
-  bool key_refused = false;   // the last CURVE handshake failed on the peer's allowlist
-  bool reconnecting = false;  // the connection dropped: handshake again once it is back
-  bool ready = false;         // the handshake was answered on the current connection
+  bool key_refused = false;             // the last CURVE handshake failed on the peer's allowlist
+  Clock::time_point key_switched_at{};  // the last move to another listed key of the peer
+  bool reconnecting = false;            // the connection dropped: handshake again once it is back
+  bool ready = false;                   // the handshake was answered on the current connection
   bool paused = false;
   std::map<std::string, JobLink> jobs;  // jobs the peer syncs with us
   std::map<uint64_t, InFlight> inflight;
@@ -335,12 +337,14 @@ Result<PeerLinkSpec> ParsePeerLinkSpec(const std::string& text) {
   if (spec.endpoint.empty()) {
     return Status::InvalidArgument("sync.peers entry '" + text + "' has an empty endpoint");
   }
-  auto key = LoadPublicKeyFile(text.substr(last + 1));
-  if (!key.ok()) {
-    return Status(key.status().code(),
-                  "sync.peers entry for site '" + spec.site + "': " + key.status().message());
+  spec.key_file = text.substr(last + 1);
+  auto keys = LoadPublicKeyList(spec.key_file);
+  if (!keys.ok()) {
+    return Status(keys.status().code(),
+                  "sync.peers entry for site '" + spec.site + "': " + keys.status().message());
   }
-  spec.public_key = *key;
+  spec.public_keys = std::move(keys).value();
+  spec.public_key = spec.public_keys.front();
   return spec;
 }
 
@@ -372,8 +376,11 @@ Status PeerLinks::Start() {
     if (!sites.insert(p.site).second) {
       return Status::InvalidArgument("sync.peers: site '" + p.site + "' is listed twice");
     }
-    if (!options_.insecure_plaintext && !keys.insert(p.public_key).second) {
-      return Status::InvalidArgument("sync.peers: two sites share the key of '" + p.site + "'");
+    for (const auto& k :
+         p.public_keys.empty() ? std::vector<std::string>{p.public_key} : p.public_keys) {
+      if (!options_.insecure_plaintext && !keys.insert(k).second) {
+        return Status::InvalidArgument("sync.peers: two sites share the key of '" + p.site + "'");
+      }
     }
     auto link = std::make_unique<Link>();
     link->spec = p;
@@ -384,7 +391,8 @@ Status PeerLinks::Start() {
     link->stats.site = p.site;
     link->stats.endpoint = p.endpoint;
     link->meter.emplace(options_.min_sample_bytes, options_.bandwidth_ewma);
-    by_key_[p.public_key] = link.get();
+    if (link->spec.public_keys.empty()) link->spec.public_keys = {p.public_key};
+    for (const auto& k : link->spec.public_keys) by_key_[k] = link.get();
     links_.push_back(std::move(link));
   }
   if (!options_.listen_endpoint.empty()) {
@@ -1013,14 +1021,100 @@ void PeerLinks::OnMonitorReadable(Link& link) {
                                 "): is it on the peer's security.peer_keys allowlist?";
         break;
       case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
-      case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+      case ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL: {
         link.stats.connected = false;
         link.stats.last_error = "handshake with the peer failed (wrong server key in sync.peers?)";
+        // The peer may have rotated its key: its file lists the new one too. Move to the
+        // next, at most once per backoff_max_ms (two wrong keys must not spin).
+        const auto now = Clock::now();
+        if (link.spec.public_keys.size() > 1 &&
+            now - link.key_switched_at >= std::chrono::milliseconds(options_.backoff_max_ms)) {
+          auto it = std::find(link.spec.public_keys.begin(), link.spec.public_keys.end(),
+                              link.spec.public_key);
+          const size_t at =
+              it == link.spec.public_keys.end() ? 0 : it - link.spec.public_keys.begin();
+          link.spec.public_key = link.spec.public_keys[(at + 1) % link.spec.public_keys.size()];
+          link.key_switched_at = now;
+          spdlog::info("peer {}: the handshake failed; dialling again with its next listed key {}",
+                       link.spec.site, link.spec.public_key.substr(0, 8));
+          if (Status st = OpenDealer(link); !st.ok()) link.stats.last_error = st.ToString();
+          return;  // the monitor was replaced with the socket
+        }
         break;
+      }
       default:
         break;
     }
   }
+}
+
+std::vector<std::string> PeerLinks::ReloadPeerKeys() {
+  std::vector<std::string> changed;
+  for (auto& link : links_) {
+    if (link->spec.key_file.empty()) continue;
+    auto keys = LoadPublicKeyList(link->spec.key_file);
+    if (!keys.ok()) {
+      spdlog::error("reload: peer {}: {}; its keys stay as they were", link->spec.site,
+                    keys.status().ToString());
+      continue;
+    }
+    if (*keys == link->spec.public_keys) continue;
+    for (const auto& k : link->spec.public_keys) by_key_.erase(k);
+    link->spec.public_keys = std::move(keys).value();
+    for (const auto& k : link->spec.public_keys) by_key_[k] = link.get();
+    changed.push_back(link->spec.site);
+    spdlog::info("reload: peer {}: {} key(s) listed", link->spec.site,
+                 link->spec.public_keys.size());
+    const auto& listed = link->spec.public_keys;
+    if (std::find(listed.begin(), listed.end(), link->spec.public_key) == listed.end()) {
+      link->spec.public_key = listed.front();
+      if (link->dials) {
+        if (Status st = OpenDealer(*link); !st.ok()) link->stats.last_error = st.ToString();
+      }
+    }
+  }
+  return changed;
+}
+
+Status PeerLinks::SetOwnKeys(const KeyPair& keys) {
+  options_.keys = keys;
+  if (router_) {
+    const std::string endpoint = router_->get(zmq::sockopt::last_endpoint);
+    router_.reset();
+    for (auto& link : links_) {
+      link->peer_connection.clear();
+      link->channel.clear();
+    }
+    // ZeroMQ releases the old listener's port on its own threads, a moment later.
+    const auto deadline = Clock::now() + std::chrono::seconds(10);
+    for (;;) {
+      try {
+        router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
+        router_->set(zmq::sockopt::linger, 0);
+        router_->set(zmq::sockopt::sndhwm, 0);
+        router_->set(zmq::sockopt::rcvhwm, 0);
+        router_->set(zmq::sockopt::router_mandatory, true);
+        router_->set(zmq::sockopt::maxmsgsize,
+                     static_cast<int64_t>(options_.limits.max_payload_bytes +
+                                          options_.limits.max_header_bytes));
+        if (!options_.insecure_plaintext)
+          ConfigureCurveServer(*router_, options_.keys, kDomainPeer);
+        router_->bind(endpoint);
+        break;
+      } catch (const zmq::error_t& e) {
+        router_.reset();
+        if (Clock::now() >= deadline) {
+          return Status::Unavailable("cannot bind the peer socket to '" + endpoint +
+                                     "' again: " + e.what());
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+    }
+  }
+  for (auto& link : links_) {
+    if (link->dials) ISTHMUS_RETURN_IF_ERROR(OpenDealer(*link));
+  }
+  return Status::Ok();
 }
 
 void PeerLinks::OnRouterReadable() {

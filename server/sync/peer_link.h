@@ -31,7 +31,12 @@ namespace isthmus {
 struct PeerLinkSpec {
   std::string site;
   std::string endpoint;
-  std::string public_key;
+  std::string public_key;  // the key dialled with (the file's first, until a handshake fails)
+  // Every key the file lists: two while the peer rotates its own key (keys.h,
+  // LoadPublicKeyList); all are the peer's on the ROUTER. The file is read again by
+  // ReloadPeerKeys.
+  std::vector<std::string> public_keys;
+  std::string key_file;
 };
 
 // Parses "SITE=ENDPOINT=PUBKEYFILE" (split at the first two '=') and reads the public key file.
@@ -184,6 +189,15 @@ class PeerLinks {
   Result<std::vector<std::string>> SyncNow(const std::string& site);
   Result<std::vector<std::string>> Pause(const std::string& site);
   Result<std::vector<std::string>> Resume(const std::string& site);
+
+  // Key rotation without a restart (SIGHUP, docs/DEPLOY.md). ReloadPeerKeys reads every
+  // sync.peers key file again (a file that cannot be read keeps its keys) and returns the
+  // sites whose keys changed; a link dialling with a key no longer listed dials again with
+  // the first listed. SetOwnKeys takes this site's new key pair: the ROUTER is bound anew
+  // with it (retried for up to 10 s while ZeroMQ releases the port; Unavailable after) and
+  // every link this side dials connects again presenting it.
+  std::vector<std::string> ReloadPeerKeys();
+  Status SetOwnKeys(const KeyPair& keys);
 
   std::vector<PeerLinkStats> Stats() const;
   // Peer messages refused before a configured site could be named (no or unknown key).

@@ -101,6 +101,36 @@ TEST_F(KeysTest, AllowlistReadsFilesAndFolders) {
   EXPECT_EQ(LoadPublicKeys({(dir_ / "missing").string()}).status().code(), Code::kNotFound);
 }
 
+// A server's key rotation: its .pub file lists the old key and, appended, the new one.
+// Clients read both (in order, repeats once); an allowlist admits both; a key pair file
+// gives its one key; a bad line refuses the file.
+TEST_F(KeysTest, APublicKeyFileMayListSeveralKeys) {
+  auto old_pair = *GenerateKeyPair(), new_pair = *GenerateKeyPair();
+  const std::string prefix = (dir_ / "server").string();
+  ASSERT_TRUE(WriteKeyPairFiles(prefix, old_pair, false).ok());
+  ASSERT_TRUE(WriteKeyPairFiles((dir_ / "next").string(), new_pair, false).ok());
+  {
+    std::ifstream in(dir_ / "next.pub");
+    std::ofstream out(prefix + ".pub", std::ios::app);
+    out << in.rdbuf();
+    std::ifstream again(dir_ / "next.pub");
+    out << again.rdbuf();  // appended twice by mistake: read once
+  }
+  auto listed = LoadPublicKeyList(prefix + ".pub");
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_EQ(*listed, (std::vector<std::string>{old_pair.public_key, new_pair.public_key}));
+  EXPECT_EQ(*LoadPublicKeyFile(prefix + ".pub"), old_pair.public_key);
+  auto allowed = LoadPublicKeys({prefix + ".pub"});
+  ASSERT_TRUE(allowed.ok());
+  EXPECT_EQ(*allowed, *listed);
+  EXPECT_EQ(*LoadPublicKeyList(prefix + ".key"), std::vector<std::string>{old_pair.public_key});
+  {
+    std::ofstream out(prefix + ".pub", std::ios::app);
+    out << "    public-key = \"too short\"\n";
+  }
+  EXPECT_EQ(LoadPublicKeyList(prefix + ".pub").status().code(), Code::kInvalidArgument);
+}
+
 // Issue 27 item 6: `keygen -o ''` wrote the hidden files .key and .pub.
 TEST_F(KeysTest, PrefixesThatWouldWriteHiddenFilesOrIntoAFolderAreRefused) {
   fs::create_directories(dir_ / "keys");

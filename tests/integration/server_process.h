@@ -154,6 +154,8 @@ class ServerProcess {
     WriteConfig();
   }
   pid_t pid() const { return pid_; }
+  // The server's key pair as its clients know it, after the test rotated it on disk.
+  void set_server_keys(const KeyPair& keys) { server_keys_ = keys; }
   // Environment variables set for the process at each Start() (e.g. a preloaded library).
   void set_env(std::map<std::string, std::string> env) { env_ = std::move(env); }
   // Start() runs the binary in network namespace `netns` (one the test made with `ip netns

@@ -934,6 +934,88 @@ TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsToldSoItsWorkersStopAndItCanJoi
   EXPECT_EQ(JobState(2).epoch, 2u);
 }
 
+// A site rotates its own key without a restart (docs/DEPLOY.md, "Rotating a site's own
+// key"): the new public key is appended to the .pub file its clients and peers read, the
+// peers reload, the new key pair replaces security.secret_key and the site reloads. A
+// client reading the file and every peer link follow (both sides dial: each direction's
+// key switch is exercised); a client that knows only the old key is refused; rounds commit
+// with identical digests throughout, and dropping the old key afterwards revokes nothing.
+TEST_F(SyncProcessTest, ASiteRotatesItsOwnKeyWithoutARestartAndClientsListingBothKeysFollow) {
+  StartSites({"alpha", "beta"}, true, {}, {}, "dial = \"always\"\n");
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  auto wait_log = [&](int i, const std::string& text) {
+    for (int n = 0; n < 200 * testing::TimeScale(); ++n) {
+      if (sites_[i]->Log().find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(50ms);
+    }
+    return false;
+  };
+  const auto alpha = sites_[0]->dir();
+  auto client_of_alpha = [&](const std::string& key_file, const std::string& key) {
+    ClientOptions o;
+    o.endpoint = sites_[0]->At(sites_[0]->worker_port());
+    o.server_key_file = key_file;
+    o.server_public_key = key;
+    o.client_keys = sites_[0]->worker_keys();
+    o.timeout_ms = 3000;
+    o.retries = 1;
+    auto c = ShardClient::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status().ToString();
+    return std::move(c).value();
+  };
+  auto follower = client_of_alpha((alpha / "server.pub").string(), "");
+  auto pinned = client_of_alpha("", sites_[0]->server_keys().public_key);
+  ASSERT_TRUE(follower->Pull("job").ok());
+  ASSERT_TRUE(pinned->Pull("job").ok());
+
+  // 1. The new pair is made; its public key is added to the file beta reads (sync.peers and
+  // security.peer_keys name it), and beta reloads.
+  auto fresh = GenerateKeyPair();
+  ASSERT_TRUE(fresh.ok());
+  ASSERT_TRUE(WriteKeyPairFiles((alpha / "next").string(), *fresh, false).ok());
+  {
+    std::ifstream in(alpha / "next.pub");
+    std::ofstream out(alpha / "server.pub", std::ios::app);
+    out << in.rdbuf();
+  }
+  sites_[1]->Signal(SIGHUP);
+  ASSERT_TRUE(wait_log(1, "reload: peer alpha: 2 key(s) listed")) << sites_[1]->Log();
+  // 2. alpha takes the new pair and reloads: same process, new key.
+  const pid_t alpha_pid = sites_[0]->pid();
+  std::filesystem::rename(alpha / "next.key", alpha / "server.key");
+  sites_[0]->Signal(SIGHUP);
+  ASSERT_TRUE(wait_log(0, "reload: the worker, admin and peer sockets present the new key"))
+      << sites_[0]->Log();
+  sites_[0]->set_server_keys(*fresh);
+  // The client that reads the file follows; the one that knows only the old key is refused.
+  auto followed = follower->Pull("job");
+  EXPECT_TRUE(followed.ok()) << followed.status().ToString();
+  auto refused = pinned->Pull("job");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), Code::kPermissionDenied) << refused.status().ToString();
+  // Rounds go on across the links, both ways, with the same digests.
+  Push(0, 2), Push(1, 2);
+  WaitCommitted(2);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+  EXPECT_EQ(sites_[0]->pid(), alpha_pid);
+  EXPECT_TRUE(wait_log(1, "peer alpha: the handshake failed; dialling again with its next"))
+      << sites_[1]->Log();
+
+  // 3. The old key goes from the file; beta reloads; nothing is revoked and rounds go on.
+  std::filesystem::copy_file(alpha / "next.pub", alpha / "server.pub",
+                             std::filesystem::copy_options::overwrite_existing);
+  sites_[1]->Signal(SIGHUP);
+  ASSERT_TRUE(wait_log(1, "reload: peer alpha: 1 key(s) listed")) << sites_[1]->Log();
+  Push(0, 3), Push(1, 3);
+  WaitCommitted(3);
+  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
+  ExpectStateWithMembers(3, {0, 1}, [](uint64_t) { return std::vector<int>{0, 1}; });
+  EXPECT_EQ(sites_[1]->Log().find("no longer admitted"), std::string::npos) << sites_[1]->Log();
+  auto [code, out] = Ctl("sync status " + SiteFlags(0));
+  EXPECT_EQ(code, 0) << out;
+}
+
 // The operator brings a removed site back and joins it at once, before the members'
 // handshakes have told it that it was removed (found by the nemesis, tests/fault): the
 // notice that arrives during the join must not fail it.
