@@ -396,26 +396,30 @@ Status PeerLinks::Start() {
     links_.push_back(std::move(link));
   }
   if (!options_.listen_endpoint.empty()) {
-    try {
-      router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
-      router_->set(zmq::sockopt::linger, 0);
-      router_->set(zmq::sockopt::sndhwm, 0);
-      router_->set(zmq::sockopt::rcvhwm, 0);
-      // A send to a connection that has gone fails instead of vanishing (Transmit).
-      router_->set(zmq::sockopt::router_mandatory, true);
-      router_->set(zmq::sockopt::maxmsgsize,
-                   static_cast<int64_t>(options_.limits.max_payload_bytes +
-                                        options_.limits.max_header_bytes));
-      if (!options_.insecure_plaintext) ConfigureCurveServer(*router_, options_.keys, kDomainPeer);
-      router_->bind(options_.listen_endpoint);
-    } catch (const zmq::error_t& e) {
-      router_.reset();
-      return Status::Unavailable("cannot bind the peer socket to '" + options_.listen_endpoint +
-                                 "': " + e.what() + " (is the port in use? set listen.peer)");
-    }
+    ISTHMUS_RETURN_IF_ERROR(BindRouter(options_.listen_endpoint));
   }
   for (auto& link : links_) {
     if (link->dials) ISTHMUS_RETURN_IF_ERROR(OpenDealer(*link));
+  }
+  return Status::Ok();
+}
+
+Status PeerLinks::BindRouter(const std::string& endpoint) {
+  try {
+    router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
+    router_->set(zmq::sockopt::linger, 0);
+    router_->set(zmq::sockopt::sndhwm, 0);
+    router_->set(zmq::sockopt::rcvhwm, 0);
+    // A send to a connection that has gone fails instead of vanishing (Transmit).
+    router_->set(zmq::sockopt::router_mandatory, true);
+    router_->set(zmq::sockopt::maxmsgsize, static_cast<int64_t>(options_.limits.max_payload_bytes +
+                                                                options_.limits.max_header_bytes));
+    if (!options_.insecure_plaintext) ConfigureCurveServer(*router_, options_.keys, kDomainPeer);
+    router_->bind(endpoint);
+  } catch (const zmq::error_t& e) {
+    router_.reset();
+    return Status::Unavailable("cannot bind the peer socket to '" + endpoint + "': " + e.what() +
+                               " (is the port in use? set listen.peer)");
   }
   return Status::Ok();
 }
@@ -1087,29 +1091,11 @@ Status PeerLinks::SetOwnKeys(const KeyPair& keys) {
     }
     // ZeroMQ releases the old listener's port on its own threads, a moment later.
     const auto deadline = Clock::now() + std::chrono::seconds(10);
-    for (;;) {
-      try {
-        router_ = std::make_unique<zmq::socket_t>(ctx_, zmq::socket_type::router);
-        router_->set(zmq::sockopt::linger, 0);
-        router_->set(zmq::sockopt::sndhwm, 0);
-        router_->set(zmq::sockopt::rcvhwm, 0);
-        router_->set(zmq::sockopt::router_mandatory, true);
-        router_->set(zmq::sockopt::maxmsgsize,
-                     static_cast<int64_t>(options_.limits.max_payload_bytes +
-                                          options_.limits.max_header_bytes));
-        if (!options_.insecure_plaintext)
-          ConfigureCurveServer(*router_, options_.keys, kDomainPeer);
-        router_->bind(endpoint);
-        break;
-      } catch (const zmq::error_t& e) {
-        router_.reset();
-        if (Clock::now() >= deadline) {
-          return Status::Unavailable("cannot bind the peer socket to '" + endpoint +
-                                     "' again: " + e.what());
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      }
+    Status bound;
+    while (!(bound = BindRouter(endpoint)).ok() && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
+    ISTHMUS_RETURN_IF_ERROR(bound);
   }
   for (auto& link : links_) {
     if (link->dials) ISTHMUS_RETURN_IF_ERROR(OpenDealer(*link));

@@ -213,6 +213,8 @@ class PeerLinks {
   struct Link;
   using Clock = std::chrono::steady_clock;
 
+  // Binds the peer ROUTER to `endpoint` with this site's key (Unavailable if it cannot).
+  Status BindRouter(const std::string& endpoint);
   Status OpenDealer(Link& link);
   void CloseDealer(Link& link);
   // Whether the link has a connection to send on: its DEALER, or the peer's connection to
