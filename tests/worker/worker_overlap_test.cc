@@ -23,14 +23,17 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "tests/command.h"
+#include "tests/fault/fault_env.h"
 #include "tests/worker/overlap_harness.h"
 #include "tests/worker/worker_harness.h"
 
@@ -191,31 +194,28 @@ TEST_P(OverlapShardKill, SigkillOfShardsDuringBackgroundRoundsLosesNothingAndDou
 INSTANTIATE_TEST_SUITE_P(Killed, OverlapShardKill, ::testing::Values(1, 2));
 
 // The checkpoint that holds the round in flight is written on the driver's thread before
-// the round's push. On a full disk (a small tmpfs: root only, skipped elsewhere) it cannot
-// be: the worker waits, saying so and retrying every second, and nothing of that round
-// reaches the shards meanwhile; once space is freed it writes the checkpoint, pushes and
-// trains on without a restart, and the shards hold what the checkpoint holds.
-TEST_F(Overlap, ACheckpointThatCannotBeWrittenWaitsForSpaceBeforeThePush) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs for the checkpoints";
+// the round's push. On a full disk it cannot be: the worker waits, saying so and retrying
+// every second, and nothing of that round reaches the shards meanwhile; once space is
+// freed it writes the checkpoint, pushes and trains on without a restart, and the shards
+// hold what the checkpoint holds. `fill` makes the checkpoint folder's disk full, `free`
+// frees it; `env` is the worker's environment.
+class OverlapFullDisk : public Overlap {
+ protected:
+  void CheckpointWaitsForSpace(const std::function<void()>& fill, const std::function<void()>& free,
+                               const std::vector<std::pair<std::string, std::string>>& env);
+};
+
+void OverlapFullDisk::CheckpointWaitsForSpace(
+    const std::function<void()>& fill, const std::function<void()>& free,
+    const std::vector<std::pair<std::string, std::string>>& env) {
   const fs::path ckpt = dir_ / "ckpt";
-  fs::create_directories(ckpt);
-  if (::mount("tmpfs", ckpt.c_str(), "tmpfs", 0, "size=4m") != 0) {
-    GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
-  }
-  struct Unmount {
-    fs::path at;
-    ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
-  } unmount{ckpt};
   WorkerProcess first;
+  first.env = env;
   first.Start(TrainArgs(0, 1, 2, 2, "", {"--overlap"}), (dir_ / "w1.log").string());
   ASSERT_EQ(first.Wait(120 * testing::TimeScale()), 0) << first.Log();
-  {
-    std::ofstream filler(ckpt / "filler", std::ios::binary);
-    const std::vector<char> block(4096, 1);
-    for (int i = 0; i < 4096 && filler.write(block.data(), block.size()); ++i) {
-    }
-  }
+  fill();
   WorkerProcess full;
+  full.env = env;
   full.Start(TrainArgs(0, 1, 4, 2, "", {"--overlap"}), (dir_ / "w2.log").string());
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::seconds(60 * testing::TimeScale());
@@ -234,11 +234,55 @@ TEST_F(Overlap, ACheckpointThatCannotBeWrittenWaitsForSpaceBeforeThePush) {
     ASSERT_TRUE(h.ok()) << h.status().ToString();
     EXPECT_EQ(h->rounds.local_round, 2u) << "round 3 reached a shard before its checkpoint";
   }
-  fs::remove(ckpt / "filler");
+  free();
   ASSERT_EQ(full.Wait(120 * testing::TimeScale()), 0) << full.Log();
   EXPECT_NE(full.Log().find("round 3: checkpoint written, space is back"), std::string::npos)
       << full.Log();
   ExpectShardsEqualCheckpoint(0, 4);
+}
+
+// A real full disk: a small tmpfs (root only, skipped elsewhere) filled with a file.
+TEST_F(OverlapFullDisk, ACheckpointThatCannotBeWrittenWaitsForSpaceBeforeThePush) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount a small tmpfs for the checkpoints";
+  const fs::path ckpt = dir_ / "ckpt";
+  fs::create_directories(ckpt);
+  if (::mount("tmpfs", ckpt.c_str(), "tmpfs", 0, "size=4m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    fs::path at;
+    ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
+  } unmount{ckpt};
+  CheckpointWaitsForSpace(
+      [&] {
+        std::ofstream filler(ckpt / "filler", std::ios::binary);
+        const std::vector<char> block(4096, 1);
+        for (int i = 0; i < 4096 && filler.write(block.data(), block.size()); ++i) {
+        }
+      },
+      [&] { fs::remove(ckpt / "filler"); }, {});
+}
+
+// The same through the fault layer of tests/fault (any user): every write, allocation and
+// sync in the checkpoint folder fails with ENOSPC while the disk is "full", and the layer's
+// log says which of the checkpoint's write sites it reached.
+TEST_F(OverlapFullDisk, ACheckpointWhoseEveryWriteFailsWithNoSpaceWaitsForSpaceBeforeThePush) {
+  if (fault::kSanitizedBuild) GTEST_SKIP() << fault::kSanitizedSkip;
+  const fs::path control = dir_ / "fault-control";
+  std::vector<std::pair<std::string, std::string>> env;
+  for (const auto& kv : fault::DiskFullEnv(dir_ / "ckpt", control)) env.push_back(kv);
+  CheckpointWaitsForSpace([&] { std::ofstream(control / "full").put('1'); },
+                          [&] { fs::remove(control / "full"); }, env);
+  std::ifstream in(control / "hits");
+  std::map<std::string, int> hits;
+  std::string where;
+  for (std::string call, kind; in >> call >> kind;) {
+    hits[call] += 1;
+    where += " " + call + " " + kind;
+  }
+  EXPECT_FALSE(hits.empty()) << "no write of the checkpoint failed: the layer did nothing";
+  EXPECT_GT(hits["write"] + hits["pwrite"] + hits["writev"], 0) << where;
+  std::printf("failed calls in the checkpoint folder:%s\n", where.c_str());
 }
 
 // Two sites, alpha's worker SIGKILLed right after a background pull, in LoRA and full mode
