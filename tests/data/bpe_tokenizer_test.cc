@@ -3,11 +3,13 @@
 // independent encoder (tests/data/gpt2/README.md): every text encodes to exactly those
 // ids and decodes back byte for byte.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "tests/command.h"
 #include "worker/data/bpe_tokenizer.h"
 #include "worker/data/shard_builder.h"
 
@@ -41,6 +43,46 @@ TEST(BpeTokenizer, MatchesGpt2OnTextsInManyScripts) {
   for (const auto& c : cases) {
     EXPECT_EQ(*tok->Encode(c["text"].get<std::string>()), c["ids"].get<std::vector<int32_t>>());
   }
+}
+
+// `isthmus-data encode` and `decode` print those same ids and texts (standard input and
+// arguments), in BPE and in byte mode, and refuse what is not a token id.
+TEST(BpeTokenizer, IsthmusDataEncodeAndDecodePrintTheIdsAndTheText) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("isthmus-data-cli-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string bin = ISTHMUS_DATA_BIN, vocab = ISTHMUS_GPT2_VOCAB_DIR;
+  std::ifstream in(vocab + "/expected.json");
+  auto cases = nlohmann::json::parse(in);
+  for (const auto& c : cases) {
+    const std::string text = c["text"].get<std::string>();
+    std::ofstream(dir / "text", std::ios::binary) << text;
+    auto enc =
+        testing::RunCommand(bin + " encode --tokenizer " + vocab + " < " + (dir / "text").string());
+    ASSERT_EQ(enc.exit_code, 0) << enc.output;
+    std::string want;
+    for (int32_t id : c["ids"].get<std::vector<int32_t>>()) {
+      want += (want.empty() ? "" : " ") + std::to_string(id);
+    }
+    EXPECT_EQ(enc.output, want + "\n") << text;
+    std::ofstream(dir / "ids") << c["ids"].dump();  // "[1, 2, 3]" is read too
+    auto dec =
+        testing::RunCommand(bin + " decode --tokenizer " + vocab + " < " + (dir / "ids").string());
+    ASSERT_EQ(dec.exit_code, 0) << dec.output;
+    EXPECT_EQ(dec.output, text + "\n");
+  }
+  auto bytes = testing::RunCommand(bin + " encode hé");
+  EXPECT_EQ(bytes.output, "104 195 169\n");
+  auto back = testing::RunCommand(bin + " decode 104 195 169");
+  EXPECT_EQ(back.output, "hé\n");
+  auto outside = testing::RunCommand(bin + " decode 300 2>&1");
+  EXPECT_EQ(outside.exit_code, 1);
+  EXPECT_NE(outside.output.find("pass --tokenizer for BPE ids"), std::string::npos)
+      << outside.output;
+  auto junk = testing::RunCommand(bin + " decode 7 x1 2>&1");
+  EXPECT_EQ(junk.exit_code, 2);
+  EXPECT_NE(junk.output.find("'x1' is not a token id"), std::string::npos) << junk.output;
+  std::filesystem::remove_all(dir);
 }
 
 TEST(BpeTokenizer, BytesThatAreNotUtf8RoundTrip) {

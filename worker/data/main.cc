@@ -1,9 +1,15 @@
 // isthmus-data: turns a site's text files into the token shards that isthmus-worker reads
 // (see shard_builder.h for the format), and prints pieces of a shard back as text.
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
+#include <iterator>
+#include <sstream>
 
 #include "worker/data/bpe_tokenizer.h"
 #include "worker/data/shard_builder.h"
@@ -59,12 +65,88 @@ int RunShow(const std::string& path, uint64_t offset, uint64_t count,
   return 0;
 }
 
+// The words given, joined by single spaces, or standard input whole when there are none.
+std::string TextOf(const std::vector<std::string>& words) {
+  if (words.empty()) {
+    return std::string(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+  }
+  std::string text;
+  for (const auto& w : words) text += (text.empty() ? "" : " ") + w;
+  return text;
+}
+
+int RunEncode(const std::vector<std::string>& words, const std::string& tokenizer_dir) {
+  const std::string text = TextOf(words);
+  std::vector<int64_t> ids;
+  if (tokenizer_dir.empty()) {
+    for (uint16_t t : isthmus::data::ByteTokenizer::Encode(text)) ids.push_back(t);
+  } else {
+    auto bpe = isthmus::data::BpeTokenizer::LoadFolder(tokenizer_dir);
+    if (!bpe.ok()) {
+      std::fprintf(stderr, "isthmus-data encode: %s\n", bpe.status().ToString().c_str());
+      return 2;
+    }
+    auto encoded = (*bpe)->Encode(text);
+    if (!encoded.ok()) {
+      std::fprintf(stderr, "isthmus-data encode: %s\n", encoded.status().ToString().c_str());
+      return 1;
+    }
+    ids.assign(encoded->begin(), encoded->end());
+  }
+  std::string line;
+  for (int64_t id : ids) line += (line.empty() ? "" : " ") + std::to_string(id);
+  std::printf("%s\n", line.c_str());
+  return 0;
+}
+
+int RunDecode(const std::vector<std::string>& words, const std::string& tokenizer_dir) {
+  // Ids as arguments or on standard input, separated by spaces, commas or new lines.
+  std::string text = TextOf(words);
+  for (char& c : text) {
+    if (c == ',' || c == '[' || c == ']') c = ' ';
+  }
+  std::istringstream in(text);
+  std::vector<int32_t> ids;
+  for (std::string word; in >> word;) {
+    char* end = nullptr;
+    errno = 0;
+    const long v = std::strtol(word.c_str(), &end, 10);
+    if (errno != 0 || *end != '\0' || v < 0 || v > INT32_MAX) {
+      std::fprintf(stderr, "isthmus-data decode: '%s' is not a token id (ids are integers >= 0)\n",
+                   word.c_str());
+      return 2;
+    }
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  isthmus::Result<std::string> out = isthmus::Status::Internal("unset");
+  if (tokenizer_dir.empty()) {
+    std::vector<uint16_t> bytes;
+    for (int32_t id : ids) bytes.push_back(static_cast<uint16_t>(std::min<int32_t>(id, 65535)));
+    out = isthmus::data::ByteTokenizer::Decode(bytes);
+  } else {
+    auto bpe = isthmus::data::BpeTokenizer::LoadFolder(tokenizer_dir);
+    if (!bpe.ok()) {
+      std::fprintf(stderr, "isthmus-data decode: %s\n", bpe.status().ToString().c_str());
+      return 2;
+    }
+    out = (*bpe)->Decode(ids);
+  }
+  if (!out.ok()) {
+    std::fprintf(stderr, "isthmus-data decode: %s%s\n", out.status().ToString().c_str(),
+                 tokenizer_dir.empty() ? " (byte tokens; pass --tokenizer for BPE ids)" : "");
+    return 1;
+  }
+  std::cout << *out << "\n";
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{
       "isthmus-data: build token shards (train.bin, val.bin, manifest.json) from text files, "
-      "deterministically, one token per byte or with GPT-2's BPE, and inspect them."};
+      "deterministically, one token per byte or with GPT-2's BPE, inspect them, and encode "
+      "or decode a text."};
   app.require_subcommand(1);
 
   isthmus::data::BuildOptions build;
@@ -99,7 +181,24 @@ int main(int argc, char** argv) {
                 "The BPE folder the shard was built with (default: byte tokens)")
       ->check(CLI::ExistingDirectory);
 
+  std::vector<std::string> encode_words, decode_words;
+  std::string encode_tokenizer, decode_tokenizer;
+  CLI::App* e = app.add_subcommand(
+      "encode", "Print the token ids of a text (the words given, or standard input), one line");
+  e->add_option("text", encode_words, "The text (joined by spaces); none: read standard input");
+  e->add_option("--tokenizer", encode_tokenizer,
+                "Folder with GPT-2's BPE files, as for build (default: one token per byte)")
+      ->check(CLI::ExistingDirectory);
+  CLI::App* d = app.add_subcommand(
+      "decode", "Print the text of token ids (given, or on standard input; spaces or commas)");
+  d->add_option("ids", decode_words, "Token ids; none: read standard input");
+  d->add_option("--tokenizer", decode_tokenizer,
+                "Folder with GPT-2's BPE files, as for build (default: one token per byte)")
+      ->check(CLI::ExistingDirectory);
+
   CLI11_PARSE(app, argc, argv);
   if (b->parsed()) return RunBuild(build);
+  if (e->parsed()) return RunEncode(encode_words, encode_tokenizer);
+  if (d->parsed()) return RunDecode(decode_words, decode_tokenizer);
   return RunShow(show_path, offset, count, show_tokenizer);
 }
