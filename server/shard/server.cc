@@ -721,8 +721,6 @@ struct ShardServer::Impl {
   // reconnects within its reconnect interval and retries); a removed peer key is revoked
   // as `sync remove --revoke-key` does. An unreadable key file keeps the old lists.
   void ReloadKeys(PeerLinks* links);
-  // site -> its Z85 public keys (its sync.peers key file: two while it rotates its key)
-  std::map<std::string, std::vector<std::string>> peer_keys_of;
   // Binds the worker or admin socket anew on the port it has (the endpoint as bound, so a
   // port 0 keeps the port it was given): its open connections close. False (logged) when
   // the port could not be had again within 10 s.
@@ -731,13 +729,14 @@ struct ShardServer::Impl {
 };
 
 Status ShardServer::Impl::RevokePeer(const std::string& site, PeerLinks* links) {
-  auto it = peer_keys_of.find(site);
-  if (it == peer_keys_of.end()) {
+  const auto peers = links != nullptr ? links->PeerKeys() : decltype(links->PeerKeys()){};
+  auto it = peers.find(site);
+  if (it == peers.end()) {
     return Status::NotFound("site '" + site + "' has no sync.peers entry here: no key to revoke");
   }
   bool was = false;
   for (const auto& key : it->second) was = (zap != nullptr && zap->Revoke(kDomainPeer, key)) || was;
-  if (links != nullptr) (void)links->Pause(site);
+  (void)links->Pause(site);
   spdlog::warn(
       "site {}: its key {} is no longer admitted on the peer socket{}; take its key file "
       "out of security.peer_keys too, or a restart admits it again",
@@ -809,12 +808,7 @@ void ShardServer::Impl::ReloadKeys(PeerLinks* links) {
     own_changed = true;
   }
   // The peers' keys (their sync.peers key files): a peer rotating its key lists two.
-  if (links != nullptr) {
-    links->ReloadPeerKeys();
-    if (auto peers = ParsePeerLinkSpecs(config.sync_peers); peers.ok()) {
-      for (const auto& p : *peers) peer_keys_of[p.site] = p.public_keys;
-    }
-  }
+  if (links != nullptr) links->ReloadPeerKeys();
   struct Domain {
     const char* name;
     const std::vector<std::string>* keys;
@@ -830,8 +824,10 @@ void ShardServer::Impl::ReloadKeys(PeerLinks* links) {
     if (d.socket == nullptr) {
       // A removed key its site's sync.peers file still lists revokes the site; a key the
       // file no longer lists is an old key after a rotation, and goes alone.
+      if (links == nullptr) continue;  // no sync.peers: no site to revoke
+      const auto peer_keys = links->PeerKeys();
       for (const auto& key : removed) {
-        for (const auto& [site, keys] : peer_keys_of) {
+        for (const auto& [site, keys] : peer_keys) {
           if (std::find(keys.begin(), keys.end(), key) != keys.end()) (void)RevokePeer(site, links);
         }
       }
@@ -969,7 +965,6 @@ Status ShardServer::Start() {
   std::vector<PeerLinkSpec> peers;
   if (!c.sync.site.empty()) {
     ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
-    for (const auto& p : peers) impl_->peer_keys_of[p.site] = p.public_keys;
     opts.sync = SyncOptionsFrom(c);
     Impl* impl = impl_.get();
     opts.sync->on_commit = [impl](const std::string& job, uint64_t, double seconds) {

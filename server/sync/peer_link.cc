@@ -1052,8 +1052,7 @@ void PeerLinks::OnMonitorReadable(Link& link) {
   }
 }
 
-std::vector<std::string> PeerLinks::ReloadPeerKeys() {
-  std::vector<std::string> changed;
+void PeerLinks::ReloadPeerKeys() {
   for (auto& link : links_) {
     if (link->spec.key_file.empty()) continue;
     auto keys = LoadPublicKeyList(link->spec.key_file);
@@ -1066,7 +1065,6 @@ std::vector<std::string> PeerLinks::ReloadPeerKeys() {
     for (const auto& k : link->spec.public_keys) by_key_.erase(k);
     link->spec.public_keys = std::move(keys).value();
     for (const auto& k : link->spec.public_keys) by_key_[k] = link.get();
-    changed.push_back(link->spec.site);
     spdlog::info("reload: peer {}: {} key(s) listed", link->spec.site,
                  link->spec.public_keys.size());
     const auto& listed = link->spec.public_keys;
@@ -1077,7 +1075,12 @@ std::vector<std::string> PeerLinks::ReloadPeerKeys() {
       }
     }
   }
-  return changed;
+}
+
+std::map<std::string, std::vector<std::string>> PeerLinks::PeerKeys() const {
+  std::map<std::string, std::vector<std::string>> out;
+  for (const auto& link : links_) out[link->spec.site] = link->spec.public_keys;
+  return out;
 }
 
 Status PeerLinks::SetOwnKeys(const KeyPair& keys) {

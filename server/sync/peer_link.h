@@ -191,13 +191,14 @@ class PeerLinks {
   Result<std::vector<std::string>> Resume(const std::string& site);
 
   // Key rotation without a restart (SIGHUP, docs/DEPLOY.md). ReloadPeerKeys reads every
-  // sync.peers key file again (a file that cannot be read keeps its keys) and returns the
-  // sites whose keys changed; a link dialling with a key no longer listed dials again with
-  // the first listed. SetOwnKeys takes this site's new key pair: the ROUTER is bound anew
-  // with it (retried for up to 10 s while ZeroMQ releases the port; Unavailable after) and
-  // every link this side dials connects again presenting it.
-  std::vector<std::string> ReloadPeerKeys();
+  // sync.peers key file again (a file that cannot be read keeps its keys); a link dialling
+  // with a key no longer listed dials again with the first listed. SetOwnKeys takes this site's new
+  // key pair: the ROUTER is bound anew with it (retried for up to 10 s while ZeroMQ releases the
+  // port; Unavailable after) and every link this side dials connects again presenting it.
+  void ReloadPeerKeys();
   Status SetOwnKeys(const KeyPair& keys);
+  // Each peer site's keys as its sync.peers file lists them (as last read).
+  std::map<std::string, std::vector<std::string>> PeerKeys() const;
 
   std::vector<PeerLinkStats> Stats() const;
   // Peer messages refused before a configured site could be named (no or unknown key).

@@ -89,7 +89,7 @@ struct Site {
     lo.shard_index = 0;
     lo.insecure_plaintext = true;
     // No listener: alpha dials beta at an address nobody binds; only the handler runs.
-    lo.peers = {{"beta", "inproc://isthmus-fuzz-peer-nowhere", ""}};
+    lo.peers = {{"beta", "inproc://isthmus-fuzz-peer-nowhere", "", {}, ""}};
     SyncEngine* engine = shard->sync();
     lo.initial_digest = [engine](const std::string& job) {
       auto d = engine->Digests(job, 0, 1);

@@ -1098,6 +1098,69 @@ TEST(SyncEngineTest, AdaptiveBudgetIsTheReportedComputeTimeNotTheWait) {
   EXPECT_LT(sized, raw / 2) << "pipelines of round 4: " << st->pipelines.begin()->first;
 }
 
+// Site D, about to join: its own store and engine (the Site helper's sync settings), no
+// job yet, the job's tensors taken as they are installed.
+struct JoiningSiteD {
+  explicit JoiningSiteD(std::vector<std::string> peers) {
+    store = std::move(OpenRocksStore(dir.str(), StoreOptions{})).value();
+    SyncOptions o;
+    o.site = "siteD";
+    o.peer_sites = std::move(peers);
+    o.codec = "dense";
+    o.outer_lr = 1.0;
+    o.outer_momentum = 0.0;
+    engine = std::move(SyncEngine::Create(store.get(), o)).value();
+    SyncEngine::JobHooks hooks;
+    hooks.install = [](const std::string&, const std::string&,
+                       const std::map<std::string, SyncTensor>&, uint64_t,
+                       WriteBatch&) { return Status::Ok(); };
+    engine->SetJobHooks(hooks);
+  }
+  testing::TempDir dir;
+  std::unique_ptr<Store> store;
+  std::unique_ptr<SyncEngine> engine;
+};
+
+// Sends `from`'s one membership request for `to`, which must be of `step`, and hands `from`
+// the answer; returns it.
+MembershipAnswer AskOnce(SyncEngine& from, const std::string& from_name, SyncEngine& to,
+                         const std::string& to_name, MembershipStep step) {
+  auto reqs = from.MembershipRequests(to_name);
+  EXPECT_EQ(reqs.size(), 1u) << from_name << " -> " << to_name;
+  if (reqs.empty()) return MembershipAnswer{};
+  EXPECT_EQ(reqs[0].step, step) << from_name << " -> " << to_name;
+  MembershipAnswer answer = to.OnMembershipRequest(from_name, reqs[0]);
+  from.OnMembershipAnswer(to_name, reqs[0], answer);
+  return answer;
+}
+
+// One exchange of every pending membership request between every pair of `sites`.
+void ConverseAll(const std::map<std::string, SyncEngine*>& sites) {
+  for (auto& [fname, from] : sites) {
+    for (auto& [tname, to] : sites) {
+      if (fname == tname) continue;
+      for (const auto& req : from->MembershipRequests(tname)) {
+        from->OnMembershipAnswer(tname, req, to->OnMembershipRequest(fname, req));
+      }
+    }
+  }
+}
+
+// siteA and siteB commit round 1; siteB commits round 2 and siteA does not hold siteB's
+// round 2 yet; then both list siteD as a peer.
+void BAheadByARoundBothListingD(Site& a, Site& b) {
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(1).ok());
+  Deliver(a, b), Deliver(b, a);
+  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(2).ok());
+  Deliver(a, b);
+  ASSERT_EQ(b.engine().CommittedRound(kJob), 2u);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+  for (Site* s : {&a, &b}) {
+    s->options().peer_sites.push_back("siteD");
+    s->Reopen();
+  }
+}
+
 // A join given up after the coordinator sent the state: site D holds siteA's state and
 // waits for the members' digests, but siteB refused the addition (it does not list D), so
 // siteB never answers D. D must learn the outcome from its coordinator, not wait for ever
@@ -1113,52 +1176,30 @@ TEST(SyncEngineTest, AJoinGivenUpAfterTheStateWasSentFailsAtTheJoiningSite) {
   // siteA now lists D as a peer (its operator added it before the join); B and C do not.
   a.options().peer_sites = {"siteB", "siteC", "siteD"};
   a.Reopen();
-  testing::TempDir ddir;
-  auto dstore = std::move(OpenRocksStore(ddir.str(), StoreOptions{})).value();
-  SyncOptions dopt;
-  dopt.site = "siteD";
-  dopt.peer_sites = {"siteA", "siteB", "siteC"};
-  dopt.codec = "dense";
-  dopt.outer_lr = 1.0;  // as the Site helper's sites
-  dopt.outer_momentum = 0.0;
-  auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
-  SyncEngine::JobHooks hooks;
-  hooks.install = [](const std::string&, const std::string&,
-                     const std::map<std::string, SyncTensor>&, uint64_t,
-                     WriteBatch&) { return Status::Ok(); };
-  d->SetJobHooks(hooks);
+  JoiningSiteD joining({"siteA", "siteB", "siteC"});
+  SyncEngine* d = joining.engine.get();
   ASSERT_TRUE(d->membership().StartJoin(kJob, "siteA").ok());
   ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::hours(1)).ok());
   // D asks A; A proposes the addition and sends D its prepare; D fetches A's state.
-  auto ask = [&](SyncEngine& from, const std::string& from_name, SyncEngine& to,
-                 const std::string& to_name, MembershipStep step) {
-    auto reqs = from.MembershipRequests(to_name);
-    EXPECT_EQ(reqs.size(), 1u) << from_name << " -> " << to_name;
-    if (reqs.empty()) return MembershipAnswer{};
-    EXPECT_EQ(reqs[0].step, step) << from_name << " -> " << to_name;
-    MembershipAnswer answer = to.OnMembershipRequest(from_name, reqs[0]);
-    from.OnMembershipAnswer(to_name, reqs[0], answer);
-    return answer;
-  };
-  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
+  EXPECT_EQ(AskOnce(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
             MembershipVote::kPending);
-  EXPECT_EQ(ask(a.engine(), "siteA", *d, "siteD", MembershipStep::kPrepare).vote,
+  EXPECT_EQ(AskOnce(a.engine(), "siteA", *d, "siteD", MembershipStep::kPrepare).vote,
             MembershipVote::kPending);
-  auto fetched = ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kFetch);
+  auto fetched = AskOnce(*d, "siteD", a.engine(), "siteA", MembershipStep::kFetch);
   ASSERT_EQ(fetched.vote, MembershipVote::kPrepared);
   ASSERT_TRUE(fetched.image != nullptr);
   EXPECT_NE(d->JobStatus(kJob)->change_note.find("checking the state"), std::string::npos);
   // Now siteB refuses the addition and siteA gives it up.
-  EXPECT_EQ(ask(a.engine(), "siteA", b.engine(), "siteB", MembershipStep::kPrepare).vote,
+  EXPECT_EQ(AskOnce(a.engine(), "siteA", b.engine(), "siteB", MembershipStep::kPrepare).vote,
             MembershipVote::kRefused);
   EXPECT_FALSE(a.engine().JobStatus(kJob)->pending.has_value());
   // D, which siteB will never answer, asks its coordinator: given up. D asks again (a
   // coordinator may give an addition up because the rounds moved on), and is told why this
   // one was given up: the join fails with the reason.
-  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kQuery).vote,
+  EXPECT_EQ(AskOnce(*d, "siteD", a.engine(), "siteA", MembershipStep::kQuery).vote,
             MembershipVote::kAbandoned);
   EXPECT_NE(d->JobStatus(kJob)->change_note.find("asking it again"), std::string::npos);
-  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
+  EXPECT_EQ(AskOnce(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
             MembershipVote::kRefused);
   const std::string note = d->JobStatus(kJob)->change_note;
   EXPECT_NE(note.find("join failed"), std::string::npos) << note;
@@ -1302,45 +1343,15 @@ TEST(SyncEngineTest, AJoinNeedsAnInvitationAndAStalledOneExpires) {
 // refusal is taken as passing: siteD asks again and is added from a later round.
 TEST(SyncEngineTest, AJoinRefusedBecauseTheRoundsMovedOnIsAskedAgainAndSucceeds) {
   Site a("siteA", {"siteB"}, "dense"), b("siteB", {"siteA"}, "dense");
-  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(1).ok());
-  Deliver(a, b), Deliver(b, a);
-  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(2).ok());
-  Deliver(a, b);  // siteB commits round 2; siteA does not hold siteB's round 2 yet
-  ASSERT_EQ(b.engine().CommittedRound(kJob), 2u);
-  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
-  for (Site* s : {&a, &b}) {
-    s->options().peer_sites.push_back("siteD");
-    s->Reopen();
-  }
-  testing::TempDir ddir;
-  auto dstore = std::move(OpenRocksStore(ddir.str(), StoreOptions{})).value();
-  SyncOptions dopt;
-  dopt.site = "siteD";
-  dopt.peer_sites = {"siteA", "siteB"};
-  dopt.codec = "dense";
-  dopt.outer_lr = 1.0;
-  dopt.outer_momentum = 0.0;
-  auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
-  SyncEngine::JobHooks hooks;
-  hooks.install = [](const std::string&, const std::string&,
-                     const std::map<std::string, SyncTensor>&, uint64_t,
-                     WriteBatch&) { return Status::Ok(); };
-  d->SetJobHooks(hooks);
+  BAheadByARoundBothListingD(a, b);
+  if (HasFatalFailure()) return;
+  JoiningSiteD joining({"siteA", "siteB"});
+  SyncEngine* d = joining.engine.get();
   ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::hours(1)).ok());
   ASSERT_TRUE(d->membership().StartJoin(kJob, "siteA").ok());
   std::map<std::string, SyncEngine*> by_name{
-      {"siteA", &a.engine()}, {"siteB", &b.engine()}, {"siteD", d.get()}};
-  // One exchange of every pending membership request between every pair.
-  auto converse = [&] {
-    for (auto& [fname, from] : by_name) {
-      for (auto& [tname, to] : by_name) {
-        if (fname == tname) continue;
-        for (const auto& req : from->MembershipRequests(tname)) {
-          from->OnMembershipAnswer(tname, req, to->OnMembershipRequest(fname, req));
-        }
-      }
-    }
-  };
+      {"siteA", &a.engine()}, {"siteB", &b.engine()}, {"siteD", d}};
+  auto converse = [&] { ConverseAll(by_name); };
   converse();  // D asks A; A proposes "add siteD from round 2"; B refuses: it has round 2
   converse();
   EXPECT_FALSE(d->JobStatus(kJob)->change_note.find("join failed") == 0)
@@ -1361,64 +1372,27 @@ TEST(SyncEngineTest, AJoinRefusedBecauseTheRoundsMovedOnIsAskedAgainAndSucceeds)
 // the join failed: found by the nemesis across sites), so siteD asks again and is added.
 TEST(SyncEngineTest, AFetchForAnAdditionGivenUpMeanwhileIsAskedAgainAndSucceeds) {
   Site a("siteA", {"siteB"}, "dense"), b("siteB", {"siteA"}, "dense");
-  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(1).ok());
-  Deliver(a, b), Deliver(b, a);
-  for (Site* s : {&a, &b}) ASSERT_TRUE(s->PushRound(2).ok());
-  Deliver(a, b);  // siteB commits round 2, siteA not yet
-  for (Site* s : {&a, &b}) {
-    s->options().peer_sites.push_back("siteD");
-    s->Reopen();
-  }
-  testing::TempDir ddir;
-  auto dstore = std::move(OpenRocksStore(ddir.str(), StoreOptions{})).value();
-  SyncOptions dopt;
-  dopt.site = "siteD";
-  dopt.peer_sites = {"siteA", "siteB"};
-  dopt.codec = "dense";
-  dopt.outer_lr = 1.0;
-  dopt.outer_momentum = 0.0;
-  auto d = std::move(SyncEngine::Create(dstore.get(), dopt)).value();
-  SyncEngine::JobHooks hooks;
-  hooks.install = [](const std::string&, const std::string&,
-                     const std::map<std::string, SyncTensor>&, uint64_t,
-                     WriteBatch&) { return Status::Ok(); };
-  d->SetJobHooks(hooks);
+  BAheadByARoundBothListingD(a, b);
+  if (HasFatalFailure()) return;
+  JoiningSiteD joining({"siteA", "siteB"});
+  SyncEngine* d = joining.engine.get();
   ASSERT_TRUE(a.engine().membership().Invite(kJob, "siteD", std::chrono::hours(1)).ok());
   ASSERT_TRUE(d->membership().StartJoin(kJob, "siteA").ok());
-  auto ask = [&](SyncEngine& from, const std::string& from_name, SyncEngine& to,
-                 const std::string& to_name, MembershipStep step) {
-    auto reqs = from.MembershipRequests(to_name);
-    EXPECT_EQ(reqs.size(), 1u) << from_name << " -> " << to_name;
-    if (reqs.empty()) return MembershipAnswer{};
-    EXPECT_EQ(reqs[0].step, step) << from_name << " -> " << to_name;
-    MembershipAnswer answer = to.OnMembershipRequest(from_name, reqs[0]);
-    from.OnMembershipAnswer(to_name, reqs[0], answer);
-    return answer;
-  };
-  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
+  EXPECT_EQ(AskOnce(*d, "siteD", a.engine(), "siteA", MembershipStep::kJoin).vote,
             MembershipVote::kPending);
-  EXPECT_EQ(ask(a.engine(), "siteA", *d, "siteD", MembershipStep::kPrepare).vote,
+  EXPECT_EQ(AskOnce(a.engine(), "siteA", *d, "siteD", MembershipStep::kPrepare).vote,
             MembershipVote::kPending);
-  EXPECT_EQ(ask(a.engine(), "siteA", b.engine(), "siteB", MembershipStep::kPrepare).vote,
+  EXPECT_EQ(AskOnce(a.engine(), "siteA", b.engine(), "siteB", MembershipStep::kPrepare).vote,
             MembershipVote::kRefused);  // siteB has committed round 2
   ASSERT_FALSE(a.engine().JobStatus(kJob)->pending.has_value());
-  EXPECT_EQ(ask(*d, "siteD", a.engine(), "siteA", MembershipStep::kFetch).vote,
+  EXPECT_EQ(AskOnce(*d, "siteD", a.engine(), "siteA", MembershipStep::kFetch).vote,
             MembershipVote::kAbandoned);
   EXPECT_NE(d->JobStatus(kJob)->change_note.find("asking it again"), std::string::npos)
       << d->JobStatus(kJob)->change_note;
   Deliver(b, a);  // siteA commits round 2 too
   std::map<std::string, SyncEngine*> by_name{
-      {"siteA", &a.engine()}, {"siteB", &b.engine()}, {"siteD", d.get()}};
-  for (int i = 0; i < 16 && !d->HasJob(kJob); ++i) {
-    for (auto& [fname, from] : by_name) {
-      for (auto& [tname, to] : by_name) {
-        if (fname == tname) continue;
-        for (const auto& req : from->MembershipRequests(tname)) {
-          from->OnMembershipAnswer(tname, req, to->OnMembershipRequest(fname, req));
-        }
-      }
-    }
-  }
+      {"siteA", &a.engine()}, {"siteB", &b.engine()}, {"siteD", d}};
+  for (int i = 0; i < 16 && !d->HasJob(kJob); ++i) ConverseAll(by_name);
   EXPECT_TRUE(d->HasJob(kJob)) << d->JobStatus(kJob)->change_note;
 }
 

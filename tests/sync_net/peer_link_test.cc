@@ -197,7 +197,7 @@ SiteSpec MakeSite(const std::string& site) {
 }
 
 PeerLinkSpec AsPeer(const SiteSpec& s) {
-  return PeerLinkSpec{s.site, Endpoint(s.port), s.keys.public_key};
+  return PeerLinkSpec{s.site, Endpoint(s.port), s.keys.public_key, {s.keys.public_key}, ""};
 }
 
 // One site's links on their own thread and context, like a shard's event loop.

@@ -217,6 +217,26 @@ class SyncProcessTest : public ::testing::Test {
     ASSERT_EQ(Committed(1), 2u);
   }
 
+  // gamma, removed from round 3 while alpha and beta committed round 4, joins again once
+  // alpha's operator invites it: its old state is replaced by the members' (checked against
+  // their digests), and all three merge round 5 with the same digest.
+  void GammaJoinsAgainFromRound5() {
+    auto [icode, iout] = Ctl("sync invite --site gamma -j job " + SiteFlags(0));
+    ASSERT_EQ(icode, 0) << iout;
+    auto [jcode, jout] = Ctl("sync join --from alpha -j job --wait 60 " + SiteFlags(2));
+    ASSERT_EQ(jcode, 0) << jout << sites_[2]->Log();
+    EXPECT_NE(jout.find("applied: add gamma from round 5 (epoch 2), coordinated by alpha"),
+              std::string::npos)
+        << jout;
+    for (int i = 0; i < 3; ++i) Push(i, 5);
+    WaitCommittedOn({0, 1, 2}, 5);
+    const auto a = DigestsOf(0), g = DigestsOf(2);
+    EXPECT_EQ(a, DigestsOf(1));
+    ASSERT_FALSE(g.empty());
+    EXPECT_EQ(g.back(), a.back());  // round 5, merged by all three again
+    EXPECT_EQ(JobState(2).epoch, 2u);
+  }
+
   // Gamma dies (ThreeSitesThenGammaDies); alpha, restarted to die right before applying a
   // change, proposes gamma's removal; beta agrees. Alpha has exited (137) at the end.
   void BetaAgreedAndAlphaDiedBeforeApplying() {
@@ -917,22 +937,7 @@ TEST_F(SyncProcessTest, RemovedSiteThatRestartsIsToldSoItsWorkersStopAndItCanJoi
                       "from round 3;"),
             std::string::npos)
       << mout;
-  // gamma joins again, once alpha's operator invites it: its old state is replaced by
-  // the members' (checked against their digests) and it merges from the next round.
-  auto [icode, iout] = Ctl("sync invite --site gamma -j job " + SiteFlags(0));
-  ASSERT_EQ(icode, 0) << iout;
-  auto [jcode, jout] = Ctl("sync join --from alpha -j job --wait 60 " + SiteFlags(2));
-  ASSERT_EQ(jcode, 0) << jout << sites_[2]->Log();
-  EXPECT_NE(jout.find("applied: add gamma from round 5 (epoch 2), coordinated by alpha"),
-            std::string::npos)
-      << jout;
-  for (int i = 0; i < 3; ++i) Push(i, 5);
-  WaitCommittedOn({0, 1, 2}, 5);
-  const auto a = DigestsOf(0), g = DigestsOf(2);
-  EXPECT_EQ(a, DigestsOf(1));
-  ASSERT_FALSE(g.empty());
-  EXPECT_EQ(g.back(), a.back());  // round 5, merged by all three again
-  EXPECT_EQ(JobState(2).epoch, 2u);
+  GammaJoinsAgainFromRound5();
 }
 
 // A site rotates its own key without a restart (docs/DEPLOY.md, "Rotating a site's own
@@ -1017,6 +1022,29 @@ TEST_F(SyncProcessTest, ASiteRotatesItsOwnKeyWithoutARestartAndClientsListingBot
   EXPECT_EQ(code, 0) << out;
 }
 
+// `sync remove --revoke-key`: with two sites alpha removes beta alone, stops admitting
+// every key beta's sync.peers file lists, and pauses the link; beta, which dials too, is
+// refused on its next handshake.
+TEST_F(SyncProcessTest, RemoveWithRevokeKeyStopsAdmittingThePeersKeys) {
+  StartSites({"alpha", "beta"}, true, {}, {}, "dial = \"always\"\n");
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  auto [code, out] = Ctl("sync remove --peer beta --revoke-key --wait 30 " + SiteFlags(0));
+  ASSERT_EQ(code, 0) << out;
+  EXPECT_NE(sites_[0]->Log().find("is no longer admitted on the peer socket"), std::string::npos)
+      << sites_[0]->Log();
+  sites_[1]->Kill(SIGKILL);  // its connection was admitted before: a new one must be refused
+  ASSERT_TRUE(sites_[1]->Start());
+  const auto end = std::chrono::steady_clock::now() + 30s * testing::TimeScale();
+  for (;;) {
+    auto st = sites_[1]->AdminClient()->SyncStatus();
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    if (!st->links.empty() && st->links[0].auth_failures > 0) break;
+    ASSERT_LT(std::chrono::steady_clock::now(), end) << "beta's key was still admitted";
+    std::this_thread::sleep_for(50ms);
+  }
+}
+
 // The operator brings a removed site back and joins it at once, before the members'
 // handshakes have told it that it was removed (found by the nemesis, tests/fault): the
 // notice that arrives during the join must not fail it.
@@ -1027,17 +1055,7 @@ TEST_F(SyncProcessTest, RemovedSiteJoinsAgainRightAfterItsRestart) {
   Push(0, 4), Push(1, 4);
   WaitCommittedOn({0, 1}, 4);
   ASSERT_TRUE(sites_[2]->Start());
-  auto [icode, iout] = Ctl("sync invite --site gamma -j job " + SiteFlags(0));
-  ASSERT_EQ(icode, 0) << iout;
-  auto [jcode, jout] = Ctl("sync join --from alpha -j job --wait 60 " + SiteFlags(2));
-  ASSERT_EQ(jcode, 0) << jout << sites_[2]->Log();
-  EXPECT_NE(jout.find("applied: add gamma from round 5 (epoch 2), coordinated by alpha"),
-            std::string::npos)
-      << jout;
-  for (int i = 0; i < 3; ++i) Push(i, 5);
-  WaitCommittedOn({0, 1, 2}, 5);
-  EXPECT_EQ(DigestsOf(0), DigestsOf(1));
-  EXPECT_EQ(DigestsOf(2).back(), DigestsOf(0).back());
+  GammaJoinsAgainFromRound5();
 }
 
 TEST_F(SyncProcessTest, RemovalTheSitesDisagreeOnIsRefusedAndChangesNothing) {

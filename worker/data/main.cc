@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iostream>
 #include <iterator>
+#include <memory>
 #include <sstream>
 
 #include "worker/data/bpe_tokenizer.h"
@@ -33,6 +34,41 @@ int RunBuild(const isthmus::data::BuildOptions& options) {
   return 0;
 }
 
+// GPT-2's BPE from `dir`; null, with the reason printed as "isthmus-data COMMAND: ...",
+// when it cannot be read.
+std::unique_ptr<isthmus::data::BpeTokenizer> LoadBpe(const char* command, const std::string& dir) {
+  auto bpe = isthmus::data::BpeTokenizer::LoadFolder(dir);
+  if (!bpe.ok()) {
+    std::fprintf(stderr, "isthmus-data %s: %s\n", command, bpe.status().ToString().c_str());
+    return nullptr;
+  }
+  return std::move(bpe).value();
+}
+
+// Prints the text of `ids` (byte tokens, or the BPE of `tokenizer_dir`) and returns 0; else
+// prints why, prefixed by `what`, and returns the exit code (2: the folder, 1: the ids).
+int PrintDecoded(const char* command, const std::string& what, const std::vector<int32_t>& ids,
+                 const std::string& tokenizer_dir) {
+  isthmus::Result<std::string> text = isthmus::Status::Internal("unset");
+  if (tokenizer_dir.empty()) {
+    std::vector<uint16_t> bytes;
+    for (int32_t id : ids) bytes.push_back(static_cast<uint16_t>(std::min<int32_t>(id, 65535)));
+    text = isthmus::data::ByteTokenizer::Decode(bytes);
+  } else {
+    auto bpe = LoadBpe(command, tokenizer_dir);
+    if (bpe == nullptr) return 2;
+    text = bpe->Decode(ids);
+  }
+  if (!text.ok()) {
+    std::fprintf(stderr, "isthmus-data %s: %s%s%s\n", command, what.c_str(),
+                 text.status().ToString().c_str(),
+                 tokenizer_dir.empty() ? " (byte tokens; pass --tokenizer for BPE ids)" : "");
+    return 1;
+  }
+  std::cout << *text << "\n";
+  return 0;
+}
+
 int RunShow(const std::string& path, uint64_t offset, uint64_t count,
             const std::string& tokenizer_dir) {
   std::ifstream in(path, std::ios::binary);
@@ -44,25 +80,8 @@ int RunShow(const std::string& path, uint64_t offset, uint64_t count,
   std::vector<uint16_t> tokens(count);
   in.read(reinterpret_cast<char*>(tokens.data()), static_cast<std::streamsize>(count * 2));
   tokens.resize(static_cast<size_t>(in.gcount()) / 2);
-  isthmus::Result<std::string> text = isthmus::Status::Internal("unset");
-  if (tokenizer_dir.empty()) {
-    text = isthmus::data::ByteTokenizer::Decode(tokens);
-  } else {
-    auto bpe = isthmus::data::BpeTokenizer::LoadFolder(tokenizer_dir);
-    if (!bpe.ok()) {
-      std::fprintf(stderr, "isthmus-data show: %s\n", bpe.status().ToString().c_str());
-      return 2;
-    }
-    std::vector<int32_t> ids(tokens.begin(), tokens.end());
-    text = (*bpe)->Decode(ids);
-  }
-  if (!text.ok()) {
-    std::fprintf(stderr, "isthmus-data show: %s: %s\n", path.c_str(),
-                 text.status().ToString().c_str());
-    return 1;
-  }
-  std::cout << *text << "\n";
-  return 0;
+  return PrintDecoded("show", path + ": ", std::vector<int32_t>(tokens.begin(), tokens.end()),
+                      tokenizer_dir);
 }
 
 // The words given, joined by single spaces, or standard input whole when there are none.
@@ -81,12 +100,9 @@ int RunEncode(const std::vector<std::string>& words, const std::string& tokenize
   if (tokenizer_dir.empty()) {
     for (uint16_t t : isthmus::data::ByteTokenizer::Encode(text)) ids.push_back(t);
   } else {
-    auto bpe = isthmus::data::BpeTokenizer::LoadFolder(tokenizer_dir);
-    if (!bpe.ok()) {
-      std::fprintf(stderr, "isthmus-data encode: %s\n", bpe.status().ToString().c_str());
-      return 2;
-    }
-    auto encoded = (*bpe)->Encode(text);
+    auto bpe = LoadBpe("encode", tokenizer_dir);
+    if (bpe == nullptr) return 2;
+    auto encoded = bpe->Encode(text);
     if (!encoded.ok()) {
       std::fprintf(stderr, "isthmus-data encode: %s\n", encoded.status().ToString().c_str());
       return 1;
@@ -118,26 +134,7 @@ int RunDecode(const std::vector<std::string>& words, const std::string& tokenize
     }
     ids.push_back(static_cast<int32_t>(v));
   }
-  isthmus::Result<std::string> out = isthmus::Status::Internal("unset");
-  if (tokenizer_dir.empty()) {
-    std::vector<uint16_t> bytes;
-    for (int32_t id : ids) bytes.push_back(static_cast<uint16_t>(std::min<int32_t>(id, 65535)));
-    out = isthmus::data::ByteTokenizer::Decode(bytes);
-  } else {
-    auto bpe = isthmus::data::BpeTokenizer::LoadFolder(tokenizer_dir);
-    if (!bpe.ok()) {
-      std::fprintf(stderr, "isthmus-data decode: %s\n", bpe.status().ToString().c_str());
-      return 2;
-    }
-    out = (*bpe)->Decode(ids);
-  }
-  if (!out.ok()) {
-    std::fprintf(stderr, "isthmus-data decode: %s%s\n", out.status().ToString().c_str(),
-                 tokenizer_dir.empty() ? " (byte tokens; pass --tokenizer for BPE ids)" : "");
-    return 1;
-  }
-  std::cout << *out << "\n";
-  return 0;
+  return PrintDecoded("decode", "", ids, tokenizer_dir);
 }
 
 }  // namespace
