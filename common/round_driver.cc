@@ -363,7 +363,7 @@ Result<RoundReport> RoundDriver::EndRound(
   ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> delta, params_->TakeDelta());
   progressed_ = false;
   RoundInFlight in{round, tokens, compute_ms,
-                   std::make_shared<const std::vector<Tensor>>(std::move(delta))};
+                   std::make_shared<const std::vector<Tensor>>(std::move(delta)), nullptr};
   if (before_push) ISTHMUS_RETURN_IF_ERROR(before_push(in));
   // Without overlap the caller is blocked from the hand-over on, before the driver's thread
   // starts the push: the whole push, wait and pull lie within blocked_s.

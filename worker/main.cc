@@ -333,7 +333,7 @@ struct GenerateArgs {
   ComputeSettings compute;
   ShardSettings shards;
   std::string trainable;  // else pulled from --server, else the base alone
-  std::string tokenizer;  // GPT-2 BPE folder; default: the base folder's, or bytes
+  std::string tokenizer;  // BPE folder or tokenizer.json; default: the base folder's, or bytes
   std::string prompt;
   int tokens = 200;
   double temperature = 0.8;
@@ -361,19 +361,20 @@ int RunGenerate(GenerateArgs& a) {
   // The tokenizer: --tokenizer, else a Hugging Face base folder's own files, else bytes.
   std::string tok_dir = a.tokenizer;
   std::error_code ec;
-  if (tok_dir.empty() && std::filesystem::exists(a.model.given_base + "/vocab.json", ec)) {
+  if (tok_dir.empty() && (std::filesystem::exists(a.model.given_base + "/tokenizer.json", ec) ||
+                          std::filesystem::exists(a.model.given_base + "/vocab.json", ec))) {
     tok_dir = a.model.given_base;
   }
   std::unique_ptr<data::BpeTokenizer> bpe;
   if (!tok_dir.empty()) {
-    auto b = data::BpeTokenizer::LoadFolder(tok_dir);
+    auto b = data::BpeTokenizer::LoadPath(tok_dir);
     if (!b.ok()) return Fail("generate", UsageError(b.status().message()));
     bpe = std::move(b).value();
   }
   const int tok_vocab = bpe ? bpe->vocab_size() : data::ByteTokenizer::kVocabSize;
   if (!bpe && vocab != tok_vocab) {
     return usage("the model has " + std::to_string(vocab) +
-                 " tokens, not 256 bytes: give --tokenizer (its GPT-2 BPE folder)");
+                 " tokens, not 256 bytes: give --tokenizer (its tokenizer.json or BPE folder)");
   }
   if (tok_vocab > vocab) {
     return usage("the tokenizer has " + std::to_string(tok_vocab) + " tokens but the model " +
@@ -505,8 +506,9 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--trainable", gen.trainable,
                       "trainable tensors (else pulled from --server, else the base alone)");
   gen_cmd->add_option("--tokenizer", gen.tokenizer,
-                      "GPT-2 BPE folder (vocab.json + merges.txt); default: the --base "
-                      "folder's, or one token per byte");
+                      "a Hugging Face folder (tokenizer.json, else vocab.json + merges.txt) or "
+                      "a tokenizer.json file; default: the --base folder's, or one token per "
+                      "byte. Added tokens in the prompt (<|endoftext|>) become their ids");
   gen_cmd->add_option("--prompt", gen.prompt, "text to continue")->required();
   gen_cmd->add_option("--tokens", gen.tokens, "tokens to generate")->capture_default_str();
   gen_cmd

@@ -340,7 +340,7 @@ TEST(RoundDriver, TheCallersAwaitIsUsedAndOneRoundIsInFlightAtATime) {
   w[0] = 1;
   d.Stepped();
   ASSERT_TRUE(d.EndRound(1, 1, 1).ok());
-  EXPECT_EQ(d.Start({2, 1, 1, std::make_shared<const std::vector<Tensor>>()}).code(),
+  EXPECT_EQ(d.Start({2, 1, 1, std::make_shared<const std::vector<Tensor>>(), nullptr}).code(),
             Code::kFailedPrecondition);
   auto done = d.Complete();
   ASSERT_TRUE(done.ok()) << done.status().ToString();

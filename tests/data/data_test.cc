@@ -196,7 +196,8 @@ TEST_F(DataTest, TargetsAreTokensShiftedByOne) {
   const std::string path = WriteShard("s.bin", 10000);
   auto ds = TokenDataset::Open(path, {.batch_size = 4, .seq_len = 32, .seed = 3});
   ASSERT_TRUE(ds.ok()) << ds.status().ToString();
-  auto all = ds->tokens();
+  std::vector<int32_t> all(ds->num_tokens());
+  for (uint64_t i = 0; i < all.size(); ++i) all[i] = static_cast<int32_t>(ds->token(i));
   for (int step = 0; step < 5; ++step) {
     Batch b = ds->Next();
     ASSERT_EQ(b.tokens.size(), 4u * 32);

@@ -235,6 +235,21 @@ class ExportTest(unittest.TestCase):
                 extra += 1
         want = bytes(byte_of[ch] for i in ids for ch in tokens[i])
         self.assertEqual(out, want)
+        # The same folder with the tokenizer as one tokenizer.json (as Hugging Face saves
+        # GPT-2's) instead of vocab.json + merges.txt: the same text.
+        with open(os.path.join(folder, "merges.txt")) as f:
+            merges = [l.rstrip("\n") for l in f if l.strip() and not l.startswith("#version")]
+        with open(os.path.join(folder, "vocab.json")) as f:
+            vocab = json.load(f)
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            json.dump({"added_tokens": [{"id": 50256, "content": "<|endoftext|>", "special": True}],
+                       "normalizer": None, "pre_tokenizer": byte_level, "decoder": byte_level,
+                       "model": {"type": "BPE", "vocab": vocab, "merges": merges}}, f)
+        os.remove(os.path.join(folder, "vocab.json"))
+        os.remove(os.path.join(folder, "merges.txt"))
+        self.assertEqual(self.generate("--base", folder, "--prompt", prompt, "--tokens", "6",
+                                       "--temperature", "0"), want)
         r = subprocess.run([self.worker, "generate", "--base", os.path.join(folder, "model.safetensors"),
                             "--heads", "2", "--prompt", "x"], capture_output=True, text=True)
         self.assertEqual(r.returncode, 2)

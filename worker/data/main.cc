@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <iterator>
@@ -14,6 +15,7 @@
 
 #include "worker/data/bpe_tokenizer.h"
 #include "worker/data/shard_builder.h"
+#include "worker/data/token_dataset.h"
 #include "worker/data/tokenizer.h"
 
 namespace {
@@ -34,10 +36,10 @@ int RunBuild(const isthmus::data::BuildOptions& options) {
   return 0;
 }
 
-// GPT-2's BPE from `dir`; null, with the reason printed as "isthmus-data COMMAND: ...",
-// when it cannot be read.
-std::unique_ptr<isthmus::data::BpeTokenizer> LoadBpe(const char* command, const std::string& dir) {
-  auto bpe = isthmus::data::BpeTokenizer::LoadFolder(dir);
+// The BPE of `path` (a folder or a tokenizer.json); null, with the reason printed as
+// "isthmus-data COMMAND: ...", when it cannot be read.
+std::unique_ptr<isthmus::data::BpeTokenizer> LoadBpe(const char* command, const std::string& path) {
+  auto bpe = isthmus::data::BpeTokenizer::LoadPath(path);
   if (!bpe.ok()) {
     std::fprintf(stderr, "isthmus-data %s: %s\n", command, bpe.status().ToString().c_str());
     return nullptr;
@@ -45,24 +47,22 @@ std::unique_ptr<isthmus::data::BpeTokenizer> LoadBpe(const char* command, const 
   return std::move(bpe).value();
 }
 
-// Prints the text of `ids` (byte tokens, or the BPE of `tokenizer_dir`) and returns 0; else
-// prints why, prefixed by `what`, and returns the exit code (2: the folder, 1: the ids).
+// Prints the text of `ids` (byte tokens, or the BPE `bpe` when set) and returns 0; else
+// prints why, prefixed by `what`, and returns 1.
 int PrintDecoded(const char* command, const std::string& what, const std::vector<int32_t>& ids,
-                 const std::string& tokenizer_dir) {
+                 const isthmus::data::BpeTokenizer* bpe) {
   isthmus::Result<std::string> text = isthmus::Status::Internal("unset");
-  if (tokenizer_dir.empty()) {
+  if (bpe == nullptr) {
     std::vector<uint16_t> bytes;
     for (int32_t id : ids) bytes.push_back(static_cast<uint16_t>(std::min<int32_t>(id, 65535)));
     text = isthmus::data::ByteTokenizer::Decode(bytes);
   } else {
-    auto bpe = LoadBpe(command, tokenizer_dir);
-    if (bpe == nullptr) return 2;
     text = bpe->Decode(ids);
   }
   if (!text.ok()) {
     std::fprintf(stderr, "isthmus-data %s: %s%s%s\n", command, what.c_str(),
                  text.status().ToString().c_str(),
-                 tokenizer_dir.empty() ? " (byte tokens; pass --tokenizer for BPE ids)" : "");
+                 bpe == nullptr ? " (byte tokens; pass --tokenizer for BPE ids)" : "");
     return 1;
   }
   std::cout << *text << "\n";
@@ -70,18 +70,27 @@ int PrintDecoded(const char* command, const std::string& what, const std::vector
 }
 
 int RunShow(const std::string& path, uint64_t offset, uint64_t count,
-            const std::string& tokenizer_dir) {
+            const std::string& tokenizer_path) {
+  std::unique_ptr<isthmus::data::BpeTokenizer> bpe;
+  if (!tokenizer_path.empty() && (bpe = LoadBpe("show", tokenizer_path)) == nullptr) return 2;
   std::ifstream in(path, std::ios::binary);
   if (!in) {
     std::fprintf(stderr, "isthmus-data show: cannot open %s\n", path.c_str());
     return 1;
   }
-  in.seekg(static_cast<std::streamoff>(offset * 2));
-  std::vector<uint16_t> tokens(count);
-  in.read(reinterpret_cast<char*>(tokens.data()), static_cast<std::streamsize>(count * 2));
-  tokens.resize(static_cast<size_t>(in.gcount()) / 2);
-  return PrintDecoded("show", path + ": ", std::vector<int32_t>(tokens.begin(), tokens.end()),
-                      tokenizer_dir);
+  // The shard's token width follows the vocabulary (uint32 above 65,536 ids).
+  const int width =
+      isthmus::data::TokenBytes(bpe ? bpe->vocab_size() : isthmus::data::ByteTokenizer::kVocabSize);
+  in.seekg(static_cast<std::streamoff>(offset * width));
+  std::vector<char> raw(count * width);
+  in.read(raw.data(), static_cast<std::streamsize>(raw.size()));
+  std::vector<int32_t> ids(static_cast<size_t>(in.gcount()) / width);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    uint32_t v = 0;
+    std::memcpy(&v, raw.data() + i * width, width);  // little-endian
+    ids[i] = static_cast<int32_t>(v);
+  }
+  return PrintDecoded("show", path + ": ", ids, bpe.get());
 }
 
 // The words given, joined by single spaces, or standard input whole when there are none.
@@ -94,14 +103,14 @@ std::string TextOf(const std::vector<std::string>& words) {
   return text;
 }
 
-int RunEncode(const std::vector<std::string>& words, const std::string& tokenizer_dir) {
+int RunEncode(const std::vector<std::string>& words, const std::string& tokenizer_path) {
+  std::unique_ptr<isthmus::data::BpeTokenizer> bpe;
+  if (!tokenizer_path.empty() && (bpe = LoadBpe("encode", tokenizer_path)) == nullptr) return 2;
   const std::string text = TextOf(words);
   std::vector<int64_t> ids;
-  if (tokenizer_dir.empty()) {
+  if (bpe == nullptr) {
     for (uint16_t t : isthmus::data::ByteTokenizer::Encode(text)) ids.push_back(t);
   } else {
-    auto bpe = LoadBpe("encode", tokenizer_dir);
-    if (bpe == nullptr) return 2;
     auto encoded = bpe->Encode(text);
     if (!encoded.ok()) {
       std::fprintf(stderr, "isthmus-data encode: %s\n", encoded.status().ToString().c_str());
@@ -115,7 +124,9 @@ int RunEncode(const std::vector<std::string>& words, const std::string& tokenize
   return 0;
 }
 
-int RunDecode(const std::vector<std::string>& words, const std::string& tokenizer_dir) {
+int RunDecode(const std::vector<std::string>& words, const std::string& tokenizer_path) {
+  std::unique_ptr<isthmus::data::BpeTokenizer> bpe;
+  if (!tokenizer_path.empty() && (bpe = LoadBpe("decode", tokenizer_path)) == nullptr) return 2;
   // Ids as arguments or on standard input, separated by spaces, commas or new lines.
   std::string text = TextOf(words);
   for (char& c : text) {
@@ -134,7 +145,7 @@ int RunDecode(const std::vector<std::string>& words, const std::string& tokenize
     }
     ids.push_back(static_cast<int32_t>(v));
   }
-  return PrintDecoded("decode", "", ids, tokenizer_dir);
+  return PrintDecoded("decode", "", ids, bpe.get());
 }
 
 }  // namespace
@@ -142,8 +153,9 @@ int RunDecode(const std::vector<std::string>& words, const std::string& tokenize
 int main(int argc, char** argv) {
   CLI::App app{
       "isthmus-data: build token shards (train.bin, val.bin, manifest.json) from text files, "
-      "deterministically, one token per byte or with GPT-2's BPE, inspect them, and encode "
-      "or decode a text."};
+      "deterministically, one token per byte or with a byte-level BPE (GPT-2's, or a Hugging "
+      "Face tokenizer.json such as Llama 3's or Qwen's), inspect them, and encode or decode a "
+      "text."};
   app.require_subcommand(1);
 
   isthmus::data::BuildOptions build;
@@ -159,9 +171,10 @@ int main(int argc, char** argv) {
   b->add_option("--seed", build.seed, "Seed of the train/validation assignment")
       ->capture_default_str();
   b->add_option("--tokenizer", build.tokenizer_dir,
-                "Folder with GPT-2's BPE files (vocab.json + merges.txt, e.g. a Hugging Face "
-                "GPT-2 folder); default: one token per byte")
-      ->check(CLI::ExistingDirectory);
+                "A Hugging Face model folder (its tokenizer.json, else vocab.json + merges.txt) "
+                "or a tokenizer.json file: byte-level BPE ids (uint16 shards, uint32 above "
+                "65,536 ids); default: one token per byte")
+      ->check(CLI::ExistingPath);
   b->add_option("files", build.inputs, "Text files, plain UTF-8 or gzip (.gz)")
       ->required()
       ->check(CLI::ExistingFile);
@@ -175,8 +188,8 @@ int main(int argc, char** argv) {
   s->add_option("--count", count, "Number of tokens to print")->capture_default_str();
   std::string show_tokenizer;
   s->add_option("--tokenizer", show_tokenizer,
-                "The BPE folder the shard was built with (default: byte tokens)")
-      ->check(CLI::ExistingDirectory);
+                "The tokenizer the shard was built with, as for build (default: byte tokens)")
+      ->check(CLI::ExistingPath);
 
   std::vector<std::string> encode_words, decode_words;
   std::string encode_tokenizer, decode_tokenizer;
@@ -184,14 +197,15 @@ int main(int argc, char** argv) {
       "encode", "Print the token ids of a text (the words given, or standard input), one line");
   e->add_option("text", encode_words, "The text (joined by spaces); none: read standard input");
   e->add_option("--tokenizer", encode_tokenizer,
-                "Folder with GPT-2's BPE files, as for build (default: one token per byte)")
-      ->check(CLI::ExistingDirectory);
+                "A tokenizer, as for build (default: one token per byte). Added tokens such "
+                "as <|end_of_text|> in the text become their ids; no begin-of-text id is added")
+      ->check(CLI::ExistingPath);
   CLI::App* d = app.add_subcommand(
       "decode", "Print the text of token ids (given, or on standard input; spaces or commas)");
   d->add_option("ids", decode_words, "Token ids; none: read standard input");
   d->add_option("--tokenizer", decode_tokenizer,
-                "Folder with GPT-2's BPE files, as for build (default: one token per byte)")
-      ->check(CLI::ExistingDirectory);
+                "A tokenizer, as for build (default: one token per byte)")
+      ->check(CLI::ExistingPath);
 
   CLI11_PARSE(app, argc, argv);
   if (b->parsed()) return RunBuild(build);

@@ -17,13 +17,14 @@
 
 #include "common/durable.h"
 #include "worker/data/bpe_tokenizer.h"
+#include "worker/data/token_dataset.h"
 #include "worker/data/tokenizer.h"
 
 namespace isthmus::data {
 namespace {
 
 static_assert(std::endian::native == std::endian::little,
-              "shards are little-endian uint16; a big-endian port needs byte swaps here");
+              "shards are little-endian; a big-endian port needs byte swaps here");
 
 constexpr uint64_t kMaxTextBytes = uint64_t{4} << 30;
 
@@ -132,24 +133,24 @@ bool IsBlank(std::string_view line) {
   return line.find_first_not_of(" \t\r") == std::string_view::npos;
 }
 
-// Text -> uint16 tokens: bytes, or GPT-2's BPE when `bpe` is set.
+// Text -> token ids: bytes, or the BPE when `bpe` is set.
 struct Encoder {
   BpeTokenizer* bpe = nullptr;
 
-  Status Append(std::string_view text, std::vector<uint16_t>* out) const {
+  Status Append(std::string_view text, std::vector<uint32_t>* out) const {
     if (bpe == nullptr) {
       std::vector<uint16_t> t = ByteTokenizer::Encode(text);
       out->insert(out->end(), t.begin(), t.end());
       return Status::Ok();
     }
     ISTHMUS_ASSIGN_OR_RETURN(std::vector<int32_t> ids, bpe->Encode(text));
-    for (int32_t id : ids) out->push_back(static_cast<uint16_t>(id));
+    out->insert(out->end(), ids.begin(), ids.end());
     return Status::Ok();
   }
 };
 
 struct ShardBuffer {
-  std::vector<uint16_t> tokens;
+  std::vector<uint32_t> tokens;
   uint64_t documents = 0;
 
   Status Add(std::string_view doc, const Encoder& encoder) {
@@ -236,12 +237,7 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
   Encoder encoder;
   std::unique_ptr<BpeTokenizer> bpe;
   if (!options.tokenizer_dir.empty()) {
-    ISTHMUS_ASSIGN_OR_RETURN(bpe, BpeTokenizer::LoadFolder(options.tokenizer_dir));
-    if (bpe->vocab_size() > 65536) {
-      return Status::InvalidArgument(options.tokenizer_dir + ": " +
-                                     std::to_string(bpe->vocab_size()) +
-                                     " tokens do not fit the shards' uint16 ids");
-    }
+    ISTHMUS_ASSIGN_OR_RETURN(bpe, BpeTokenizer::LoadPath(options.tokenizer_dir));
     encoder.bpe = bpe.get();
   }
   ShardBuffer train;
@@ -265,13 +261,22 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
                        {"sha256", raw_sha}});
   }
 
+  const int vocab_size = bpe ? bpe->vocab_size() : ByteTokenizer::kVocabSize;
+  const int width = TokenBytes(vocab_size);
   auto write_shard = [&](const ShardBuffer& b, const char* name, ShardStats* stats) -> Status {
     stats->tokens = b.tokens.size();
     stats->documents = b.documents;
+    std::vector<uint16_t> narrow;
+    const void* data = b.tokens.data();
+    if (width == 2) {
+      narrow.assign(b.tokens.begin(), b.tokens.end());
+      data = narrow.data();
+    }
+    const size_t bytes = b.tokens.size() * width;
     Sha256 h;
-    h.Update(b.tokens.data(), b.tokens.size() * 2);
+    h.Update(data, bytes);
     stats->sha256 = h.HexDigest();
-    return WriteFileAtomic(options.out_dir + "/" + name, b.tokens.data(), b.tokens.size() * 2);
+    return WriteFileAtomic(options.out_dir + "/" + name, data, bytes);
   };
   ISTHMUS_RETURN_IF_ERROR(write_shard(train, "train.bin", &summary.train));
   ISTHMUS_RETURN_IF_ERROR(write_shard(val, "val.bin", &summary.val));
@@ -282,9 +287,9 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
   };
   nlohmann::ordered_json manifest = {
       {"format", kShardFormat},
-      {"tokenizer", bpe ? "gpt2-bpe" : "byte"},
-      {"vocab_size", bpe ? bpe->vocab_size() : ByteTokenizer::kVocabSize},
-      {"token_dtype", "uint16-le"},
+      {"tokenizer", bpe ? bpe->kind() : "byte"},
+      {"vocab_size", vocab_size},
+      {"token_dtype", width == 4 ? "uint32-le" : "uint16-le"},
       {"document_separator", kDocumentSeparator},
       {"seed", options.seed},
       {"val_fraction", options.val_fraction},

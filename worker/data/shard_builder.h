@@ -3,9 +3,10 @@
 // every machine and every run, and the same paragraph never lands on both sides.
 //
 // Output folder layout (format "isthmus-tokens-v1"):
-//   train.bin, val.bin  tokens as little-endian uint16, documents joined by "\n\n"
-//   manifest.json       tokenizer ("byte" or "gpt2-bpe"), vocab_size, token and document
-//                       counts, SHA-256 of each shard,
+//   train.bin, val.bin  tokens as little-endian uint16 (uint32 for a vocabulary above
+//                       65,536 ids, TokenBytes), documents joined by "\n\n"
+//   manifest.json       tokenizer ("byte", "gpt2-bpe" or "tokenizer.json"), vocab_size,
+//                       token_dtype, token and document counts, SHA-256 of each shard,
 //                       source files with sizes and SHA-256, seed, val_fraction
 #pragma once
 
@@ -26,9 +27,9 @@ struct BuildOptions {
   std::string out_dir;              // created if missing; existing shards are replaced
   double val_fraction = 0.05;       // share of documents sent to val.bin, in [0, 1]
   uint64_t seed = 1;                // changes which documents go to validation
-  // Empty: one token per byte (vocabulary 256). Else a folder with GPT-2's BPE files
-  // (vocab.json + merges.txt, e.g. a Hugging Face GPT-2 folder): its ids, which must be
-  // below 65536 to fit the shards' uint16 tokens.
+  // Empty: one token per byte (vocabulary 256). Else a byte-level BPE (BpeTokenizer::
+  // LoadPath): a Hugging Face folder with tokenizer.json or vocab.json + merges.txt, or a
+  // tokenizer.json file.
   std::string tokenizer_dir;
 };
 

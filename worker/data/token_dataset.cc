@@ -9,6 +9,9 @@
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <utility>
 
 namespace isthmus::data {
@@ -46,11 +49,28 @@ Result<DatasetPosition> DatasetPosition::Parse(const std::string& text) {
 
 Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOptions& options) {
   if (options.batch_size <= 0 || options.seq_len <= 0 || options.world_size <= 0 ||
-      options.rank < 0 || options.rank >= options.world_size || options.vocab_size <= 0 ||
-      options.vocab_size > 65536) {
+      options.rank < 0 || options.rank >= options.world_size || options.vocab_size <= 0) {
     return Status::InvalidArgument(
         "dataset options need batch_size > 0, seq_len > 0, 0 <= rank < world_size and "
-        "vocab_size in [1, 65536]");
+        "vocab_size > 0");
+  }
+  const int width = TokenBytes(options.vocab_size);
+  const char* dtype = width == 4 ? "uint32-le" : "uint16-le";
+  // The manifest beside the shard names the width it was built with.
+  const std::string manifest_path =
+      std::filesystem::path(path).replace_filename("manifest.json").string();
+  if (std::ifstream m(manifest_path); m) {
+    const auto manifest = nlohmann::json::parse(m, nullptr, false);
+    if (manifest.is_object() && manifest.contains("token_dtype") &&
+        manifest["token_dtype"] != dtype) {
+      return Status::InvalidArgument(path + ": its manifest says the tokens are " +
+                                     manifest["token_dtype"].dump() + " (vocabulary " +
+                                     manifest.value("vocab_size", nlohmann::json()).dump() +
+                                     "), but the model's vocabulary of " +
+                                     std::to_string(options.vocab_size) + " ids needs " + dtype +
+                                     " shards: build the shards with the model's tokenizer "
+                                     "(isthmus-data build --tokenizer)");
+    }
   }
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -63,14 +83,16 @@ Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOp
     return Status::InvalidArgument(path + ": not a readable regular file");
   }
   const size_t bytes = static_cast<size_t>(st.st_size);
-  if (bytes % 2 != 0) {
+  if (bytes % width != 0) {
     ::close(fd);
-    return Status::Corruption(path + ": size " + std::to_string(bytes) +
-                              " is odd; a token shard holds 2-byte tokens");
+    return Status::Corruption(path + ": size " + std::to_string(bytes) + " is no multiple of " +
+                              std::to_string(width) + "; this vocabulary's shards hold " +
+                              std::to_string(width) + "-byte tokens");
   }
   TokenDataset ds;
   ds.options_ = options;
-  ds.num_tokens_ = bytes / 2;
+  ds.width_ = width;
+  ds.num_tokens_ = bytes / width;
   if (bytes > 0) {
     void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
     if (map == MAP_FAILED) {
@@ -79,14 +101,14 @@ Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOp
     }
     ds.map_ = map;
     ds.map_bytes_ = bytes;
-    ds.tokens_ = static_cast<const uint16_t*>(map);
+    ds.bytes_ = static_cast<const uint8_t*>(map);
   }
   ::close(fd);  // the mapping stays valid
 
   for (uint64_t i = 0; i < ds.num_tokens_; ++i) {
-    if (ds.tokens_[i] >= options.vocab_size) {
-      return Status::Corruption(path + ": token " + std::to_string(ds.tokens_[i]) +
-                                " at position " + std::to_string(i) + " is >= vocab size " +
+    if (ds.token(i) >= static_cast<uint32_t>(options.vocab_size)) {
+      return Status::Corruption(path + ": token " + std::to_string(ds.token(i)) + " at position " +
+                                std::to_string(i) + " is >= vocab size " +
                                 std::to_string(options.vocab_size));
     }
   }
@@ -113,7 +135,8 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
     options_ = other.options_;
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
-    tokens_ = std::exchange(other.tokens_, nullptr);
+    bytes_ = std::exchange(other.bytes_, nullptr);
+    width_ = other.width_;
     num_tokens_ = std::exchange(other.num_tokens_, 0);
     first_window_ = other.first_window_;
     windows_per_rank_ = other.windows_per_rank_;
@@ -156,10 +179,10 @@ Batch TokenDataset::Next() {
   out.tokens.resize(b_size * t);
   out.targets.resize(b_size * t);
   for (uint64_t b = 0; b < b_size; ++b) {
-    const uint16_t* w = tokens_ + order_[batch_ * b_size + b] * t;
+    const uint64_t w = order_[batch_ * b_size + b] * t;
     for (uint64_t i = 0; i < t; ++i) {
-      out.tokens[b * t + i] = w[i];
-      out.targets[b * t + i] = w[i + 1];
+      out.tokens[b * t + i] = static_cast<int32_t>(token(w + i));
+      out.targets[b * t + i] = static_cast<int32_t>(token(w + i + 1));
     }
   }
   ++batch_;

@@ -19,8 +19,14 @@ struct DatasetOptions {
   int rank = 0;            // this rank, in [0, world_size)
   int world_size = 1;      // ranks reading the same shard
   uint64_t seed = 0;       // drives the per-epoch order; same seed, same batches
-  int vocab_size = 256;    // tokens >= this are refused when the file is opened
+  int vocab_size = 256;    // tokens >= this are refused when the file is opened; above
+                           // 65,536 the shard holds uint32 tokens, else uint16
 };
+
+// Bytes per token in a shard for a vocabulary of `vocab_size` ids: 2 (uint16) up to 65,536
+// ids, 4 (uint32) above (Llama 3's 128,256, Qwen's 151,669). The shard builder and the
+// reader both follow this rule, and the manifest names the width ("token_dtype").
+inline int TokenBytes(int vocab_size) { return vocab_size > 65536 ? 4 : 2; }
 
 // One batch: row b holds window b. targets[i] is the token that follows tokens[i] in the
 // shard (the window shifted by one).
@@ -54,10 +60,13 @@ struct DatasetPosition {
 // released on destruction. Movable, not copyable.
 class TokenDataset {
  public:
-  // Maps `path` and checks it: the size is even, every token < vocab_size, and the rank's
-  // slice holds at least one batch. NotFound / IoError for the file, Corruption for an odd
-  // size or an out-of-vocabulary token, InvalidArgument for bad options,
-  // FailedPrecondition when the shard is too small for B x T batches on W ranks.
+  // Maps `path` and checks it: the size is a whole number of tokens of the width
+  // TokenBytes(vocab_size) gives, a manifest.json beside it (if any) names that width,
+  // every token < vocab_size, and the rank's slice holds at least one batch. NotFound /
+  // IoError for the file, Corruption for a size that is no whole number of tokens or an
+  // out-of-vocabulary token, InvalidArgument for bad options or a shard built for another
+  // vocabulary width, FailedPrecondition when the shard is too small for B x T batches on
+  // W ranks.
   static Result<TokenDataset> Open(const std::string& path, const DatasetOptions& options);
 
   TokenDataset(TokenDataset&& other) noexcept;
@@ -82,8 +91,11 @@ class TokenDataset {
   uint64_t windows_per_rank() const { return windows_per_rank_; }
   // Window indices of the current epoch's order (absolute, within this rank's slice).
   const std::vector<uint64_t>& epoch_order() const { return order_; }
-  // All tokens of the shard.
-  std::span<const uint16_t> tokens() const { return {tokens_, num_tokens_}; }
+  // Token i of the shard, i < num_tokens().
+  uint32_t token(uint64_t i) const {
+    return width_ == 4 ? reinterpret_cast<const uint32_t*>(bytes_)[i]
+                       : reinterpret_cast<const uint16_t*>(bytes_)[i];
+  }
 
  private:
   TokenDataset() = default;
@@ -92,7 +104,8 @@ class TokenDataset {
   DatasetOptions options_;
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
-  const uint16_t* tokens_ = nullptr;
+  const uint8_t* bytes_ = nullptr;  // the mapped tokens, little-endian
+  int width_ = 2;                   // bytes per token
   uint64_t num_tokens_ = 0;
   uint64_t first_window_ = 0;
   uint64_t windows_per_rank_ = 0;

@@ -342,7 +342,7 @@ class PySite {
       if (!rounds_) rounds_ = std::make_unique<SiteRounds>(*site_);
       driver_ = std::make_unique<RoundDriver>(*rounds_, nullptr, std::move(o));
     }
-    Status st = driver_->Start({round, tokens, compute_ms, std::move(delta)});
+    Status st = driver_->Start({round, tokens, compute_ms, std::move(delta), nullptr});
     if (!st.ok()) Raise(st);
   }
 
