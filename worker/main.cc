@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/hf_checkpoint.h"
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "worker/data/bpe_tokenizer.h"
@@ -175,7 +176,7 @@ Status CheckJobBase(const PulledJob& job, const model::Gpt& gpt, const std::stri
 // `note` says what is assumed (an older file without the LoRA alpha).
 Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings& model,
                                           std::string* note) {
-  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
+  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadHfCheckpoint(path));
   std::vector<Tensor> tensors;
   for (auto& t : file.tensors) {
     // Not the optimizer state, nor a checkpoint's round not yet pushed ("unpushed.").
@@ -244,6 +245,7 @@ struct ExportArgs {
   std::string out;
   std::string hf_dir;
   std::string peft_dir;
+  double max_shard_mb = kHfDefaultShardBytes / 1e6;  // --hf-dir shards above this size
 };
 
 int RunExport(ExportArgs& a) {
@@ -317,9 +319,13 @@ int RunExport(ExportArgs& a) {
   // LoRA: the HF folder holds the frozen base the adapter applies to; full: the model.
   std::string hf_dir = a.hf_dir;
   if (hf_dir.empty()) hf_dir = a.peft_dir + "/base";
-  if (auto st = gpt->SaveHuggingFace(hf_dir); !st.ok()) return Fail("export", st);
-  std::fprintf(stderr, "wrote Hugging Face %s folder %s (config.json, model.safetensors)\n",
-               a.model.mode == "full" ? "model" : "base", hf_dir.c_str());
+  const auto shard_bytes = static_cast<uint64_t>(a.max_shard_mb * 1e6);
+  if (auto st = gpt->SaveHuggingFace(hf_dir, shard_bytes); !st.ok()) return Fail("export", st);
+  std::fprintf(stderr, "wrote Hugging Face %s folder %s (config.json, %s)\n",
+               a.model.mode == "full" ? "model" : "base", hf_dir.c_str(),
+               std::filesystem::exists(hf_dir + "/" + kHfIndexFile)
+                   ? "model-*-of-*.safetensors and their index"
+                   : kHfSingleFile);
   if (!a.peft_dir.empty()) {
     if (auto st = gpt->SavePeftAdapter(a.peft_dir, hf_dir); !st.ok()) return Fail("export", st);
     std::fprintf(stderr, "wrote PEFT adapter %s (its base: %s)\n", a.peft_dir.c_str(),
@@ -486,9 +492,16 @@ int main(int argc, char** argv) {
                          "checkpoint or an export) instead of --server");
   export_cmd->add_option("--out", exp.out, "safetensors file of the job's tensors");
   export_cmd->add_option("--hf-dir", exp.hf_dir,
-                         "Hugging Face folder (config.json + model.safetensors) that "
-                         "AutoModelForCausalLM opens: the trained model in full mode, the base "
-                         "in LoRA mode (needs --base)");
+                         "Hugging Face folder (config.json + model.safetensors, or shards "
+                         "model-0000k-of-0000n.safetensors + model.safetensors.index.json "
+                         "above --max-shard-mb) that AutoModelForCausalLM opens: the trained "
+                         "model in full mode, the base in LoRA mode (needs --base)");
+  export_cmd
+      ->add_option("--max-shard-mb", exp.max_shard_mb,
+                   "largest safetensors file of --hf-dir, in MB (10^6 bytes; transformers' "
+                   "5GB default); a bigger model is written as shards with an index")
+      ->check(CLI::Range(0.001, 1e9))
+      ->capture_default_str();
   export_cmd->add_option("--peft-dir", exp.peft_dir,
                          "LoRA: PEFT adapter folder that AutoPeftModelForCausalLM opens; its "
                          "adapter_config.json names --hf-dir, or PEFT_DIR/base written for it "

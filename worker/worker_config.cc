@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include "common/check.h"
+#include "common/hf_checkpoint.h"
 #include "common/metrics.h"
 #include "common/safetensors.h"
 #include "ops/device.h"
@@ -46,7 +47,8 @@ Status ModelSettings::ResolveBaseShape() {
   std::string heads_from;  // where the head count came from
   int file_heads = 0;
   if (std::filesystem::is_directory(base, ec)) {
-    // A Hugging Face GPT-2 folder: model.safetensors and config.json.
+    // A Hugging Face GPT-2 folder: config.json and model.safetensors, or its shards and
+    // their index.
     const std::string config_path = base + "/config.json";
     std::ifstream in(config_path);
     if (!in) return Status::InvalidArgument("--base " + base + ": no config.json in the folder");
@@ -58,9 +60,11 @@ Status ModelSettings::ResolveBaseShape() {
       file_heads = config["n_head"].get<int>();
       heads_from = config_path;
     }
-    base += "/model.safetensors";
+    auto file = FindHfCheckpoint(base);
+    if (!file.ok()) return Status::InvalidArgument("--base " + file.status().message());
+    base = *file;
   }
-  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsInfo info, ReadSafetensorsInfo(base));
+  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsInfo info, ReadHfCheckpointInfo(base));
   // transformers' save_pretrained writes GPT2LMHeadModel's tensors as "transformer.<name>".
   for (auto& t : info.tensors) {
     if (t.name.rfind("transformer.", 0) == 0) t.name.erase(0, 12);
@@ -368,8 +372,9 @@ void AddModelFlags(CLI::App& app, ModelSettings& m) {
       ->each(note("--mode"));
   app.add_option("--base", m.base,
                  "base model: a safetensors file (from `init --write-base` or a GPT-2 file) "
-                 "or a Hugging Face GPT-2 folder (config.json + model.safetensors); the "
-                 "model's shape is read from it");
+                 "or a Hugging Face GPT-2 folder (config.json + model.safetensors, or "
+                 "sharded: model-0000k-of-0000n.safetensors + model.safetensors.index.json; "
+                 "F32, F16 or BF16); the model's shape is read from it");
   app.add_option("--seed", m.seed, "seed of LoRA init and of a random base")->capture_default_str();
 }
 

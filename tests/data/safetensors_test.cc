@@ -1,6 +1,8 @@
 // Tests of common/safetensors: round trips, F16/BF16 widening, refusal of every kind of
 // malformed file, and the order-independent content hash.
 #include "common/safetensors.h"
+
+#include "common/hf_checkpoint.h"
 #include "tests/test_dir.h"
 
 #include <gtest/gtest.h>
@@ -304,6 +306,71 @@ TEST_F(SafetensorsTest, HashIsOrderIndependentAndSensitive) {
   std::vector<Tensor> s2 = {{"p", {1}, {2.0f}}, {"q", {1}, {1.0f}}};
   EXPECT_NE(TensorsContentHash(s1), TensorsContentHash(s2));
   EXPECT_EQ(TensorsContentHash({}), TensorsContentHash({}));
+}
+
+// Hugging Face's sharded layout: shards of at most the size asked (a bigger tensor alone),
+// an index naming each tensor's shard, read back as the same tensors; a later one-file
+// write removes the shards; an index that disagrees with its shards is refused by name.
+TEST_F(SafetensorsTest, HuggingFaceShardsAndIndexRoundTripAndDisagreementsAreRefused) {
+  std::vector<Tensor> tensors;
+  for (int k = 0; k < 7; ++k) {
+    tensors.push_back(MakeTensor("t" + std::to_string(k), {k == 3 ? 300 : 40}, k));
+  }
+  const std::string dir = dir_.string();
+  ASSERT_TRUE(WriteHfCheckpoint(dir, tensors, {{"format", "pt"}}, 400).ok());
+  auto index = FindHfCheckpoint(dir);
+  ASSERT_TRUE(index.ok()) << index.status().ToString();
+  EXPECT_EQ(*index, Path(kHfIndexFile));
+  EXPECT_FALSE(fs::exists(Path(kHfSingleFile)));
+  // 40 floats = 160 bytes: two to a 400-byte shard; t3 (1200 bytes) alone.
+  const char* shards[] = {"model-00001-of-00005.safetensors", "model-00002-of-00005.safetensors",
+                          "model-00003-of-00005.safetensors", "model-00004-of-00005.safetensors",
+                          "model-00005-of-00005.safetensors"};
+  for (const char* s : shards) EXPECT_TRUE(fs::exists(Path(s))) << s;
+  EXPECT_EQ(ReadSafetensorsInfo(Path(shards[1])).value().tensors[0].name, "t2");
+  EXPECT_EQ(ReadSafetensorsInfo(Path(shards[2])).value().tensors[0].name, "t3");
+  auto back = ReadHfCheckpoint(*index);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(TensorsContentHash(back->tensors), TensorsContentHash(tensors));
+  EXPECT_EQ(back->metadata.at("format"), "pt");
+  EXPECT_EQ(ReadHfCheckpointInfo(*index).value().tensors.size(), 7u);
+
+  auto refused = [&](const std::string& weight_map, const std::string& words) {
+    std::ofstream(Path("bad.index.json")) << R"({"weight_map": )" << weight_map << "}";
+    auto r = ReadHfCheckpoint(Path("bad.index.json"));
+    EXPECT_EQ(r.status().code(), Code::kCorruption) << weight_map;
+    EXPECT_NE(r.status().message().find(words), std::string::npos) << r.status().ToString();
+  };
+  std::string map = R"({"t0": "A", "t1": "A", "t2": "B", "t3": "C", "t4": "D", "t5": "D",
+                        "t6": "E"})";
+  auto with = [&](std::string m) {
+    for (int k = 0; k < 5; ++k) {
+      const std::string from = std::string("\"") + char('A' + k) + "\"";
+      for (size_t at; (at = m.find(from)) != std::string::npos;) {
+        m.replace(at, from.size(), std::string("\"") + shards[k] + "\"");
+      }
+    }
+    return m;
+  };
+  std::ofstream(Path("good.index.json")) << R"({"weight_map": )" << with(map) << "}";
+  EXPECT_TRUE(ReadHfCheckpoint(Path("good.index.json")).ok());
+  refused(with(R"({"t0": "A", "t1": "B", "t2": "B", "t3": "C", "t4": "D", "t5": "D",
+                   "t6": "E"})"),
+          "holds tensor t1, which");
+  refused(with(R"({"t0": "A", "t1": "A", "t2": "B", "t3": "C", "t4": "D", "t5": "D",
+                   "t6": "E", "t9": "E"})"),
+          "places tensor t9");
+  refused(R"({"t0": "../model-00001-of-00005.safetensors"})", "is not a file name");
+  refused(R"(["not", "a", "map"])", "not an index");
+
+  // One file again: the shards and the index are gone.
+  ASSERT_TRUE(WriteHfCheckpoint(dir, tensors, {}, kHfDefaultShardBytes).ok());
+  EXPECT_EQ(*FindHfCheckpoint(dir), Path(kHfSingleFile));
+  for (const char* s : shards) EXPECT_FALSE(fs::exists(Path(s))) << s;
+  EXPECT_FALSE(fs::exists(Path(kHfIndexFile)));
+  EXPECT_EQ(FindHfCheckpoint(Path("nothing-here")).value(), Path("nothing-here"));
+  fs::create_directories(Path("empty"));
+  EXPECT_EQ(FindHfCheckpoint(Path("empty")).status().code(), Code::kNotFound);
 }
 
 }  // namespace

@@ -23,6 +23,42 @@ SHAPE = ["--layers", "2", "--width", "32", "--heads", "2", "--context", "16"]
 B, T = 4, 16
 
 
+def write_safetensors_by_hand(path, tensors):
+    """The safetensors layout, written without isthmus: {name: (dtype, array)}."""
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name, (dtype, a) in tensors.items():
+        data = np.ascontiguousarray(a).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little") + text + b"".join(blobs))
+
+
+def read_safetensors_by_hand(path):
+    """{name: float32 array} of an F32 or BF16 safetensors file, read without isthmus."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    out = {}
+    for name, e in header.items():
+        if name == "__metadata__":
+            continue
+        b, end = e["data_offsets"]
+        data = raw[8 + n + b:8 + n + end]
+        if e["dtype"] == "F32":
+            a = np.frombuffer(data, dtype="<f4")
+        else:
+            assert e["dtype"] == "BF16", e["dtype"]
+            a = (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        out[name] = a.reshape(e["shape"]).copy()
+    return out
+
+
 class ExportTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -161,6 +197,88 @@ class ExportTest(unittest.TestCase):
                                os.path.join(self.dir, "imp.st")]).strip() for b in (folder, self.base)]
         self.assertEqual(hashes[0], hashes[1])
         self.assertEqual(hashes[0], isthmus.tensors_hash(base))
+
+    def test_sharded_checkpoints_import_and_export_in_hugging_faces_layout(self):
+        # A folder as transformers writes a big model: shards model-0000k-of-0000n and
+        # model.safetensors.index.json, here written from scratch (not by isthmus), with the
+        # embedding in BF16 and the rest in F32; it imports as the same base as one F32 file
+        # of the same (BF16-rounded) values.
+        base, _ = isthmus.read_safetensors(self.base)
+        rounded = {n: torch.from_numpy(a).to(torch.bfloat16).to(torch.float32).numpy()
+                   for n, a in base.items()}
+        config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2,
+                  "n_positions": 16, "vocab_size": 256}
+        single = os.path.join(self.dir, "hf-single")
+        sharded = os.path.join(self.dir, "hf-sharded")
+        for folder in (single, sharded):
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump(config, f)
+        isthmus.write_safetensors(os.path.join(single, "model.safetensors"),
+                                  {"transformer." + n: a for n, a in rounded.items()},
+                                  {"format": "pt"})
+        names = sorted(rounded)
+        parts = [["wte.weight"], [n for n in names if n != "wte.weight"]]
+        weight_map = {}
+        for k, part in enumerate(parts):
+            file = f"model-{k + 1:05d}-of-{len(parts):05d}.safetensors"
+            tensors = {}
+            for n in part:
+                t = torch.from_numpy(rounded[n])
+                tensors["transformer." + n] = (
+                    ("BF16", t.to(torch.bfloat16).view(torch.int16).numpy()) if k == 0
+                    else ("F32", rounded[n]))
+                weight_map["transformer." + n] = file
+            write_safetensors_by_hand(os.path.join(sharded, file), tensors)
+        with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+        hashes = [self.run_ok([self.worker, "init", "--base", b, "--out",
+                               os.path.join(self.dir, "imp.st")]).strip()
+                  for b in (sharded, single)]
+        self.assertEqual(hashes[0], hashes[1])
+        self.assertEqual(hashes[0], isthmus.tensors_hash(rounded))
+        # An index that places a tensor in a shard that does not hold it is refused by name.
+        bad = dict(weight_map, **{"transformer.wte.weight": "model-00002-of-00002.safetensors"})
+        with open(os.path.join(sharded, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": bad}, f)
+        r = subprocess.run([self.worker, "init", "--base", sharded, "--out",
+                            os.path.join(self.dir, "imp.st")], capture_output=True, text=True)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("transformer.wte.weight", r.stderr)
+
+        # Export: above --max-shard-mb the model folder is sharded with an index; read back
+        # here from scratch, it holds the same tensors as the one-file export.
+        init = os.path.join(self.dir, "full-shards.st")
+        self.run_ok([self.worker, "init", "--mode", "full", "--base", self.base, "--out", init])
+        out = os.path.join(self.dir, "hf-export-sharded")
+        one = os.path.join(self.dir, "hf-export-one")
+        self.run_ok([self.worker, "export", "--mode", "full", "--base", self.base,
+                     "--trainable", init, "--hf-dir", out, "--max-shard-mb", "0.01"])
+        self.run_ok([self.worker, "export", "--mode", "full", "--base", self.base,
+                     "--trainable", init, "--hf-dir", one])
+        with open(os.path.join(out, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        files = sorted(set(index["weight_map"].values()))
+        self.assertGreater(len(files), 2)
+        self.assertEqual(files[0], f"model-00001-of-{len(files):05d}.safetensors")
+        self.assertFalse(os.path.exists(os.path.join(out, "model.safetensors")))
+        got = {}
+        for file in files:
+            part = read_safetensors_by_hand(os.path.join(out, file))
+            self.assertTrue(all(index["weight_map"][n] == file for n in part))
+            self.assertLessEqual(sum(a.nbytes for a in part.values()), max(
+                10_000, max(a.nbytes for a in part.values())))
+            got.update(part)
+        self.assertEqual(index["metadata"]["total_size"], sum(a.nbytes for a in got.values()))
+        want = read_safetensors_by_hand(os.path.join(one, "model.safetensors"))
+        self.assertEqual(sorted(got), sorted(want))
+        for n in want:
+            np.testing.assert_array_equal(got[n], want[n])
+        # Exported again as one file into the same folder: the shards and index are gone.
+        self.run_ok([self.worker, "export", "--mode", "full", "--base", self.base,
+                     "--trainable", init, "--hf-dir", out])
+        self.assertEqual(sorted(n for n in os.listdir(out) if "safetensors" in n),
+                         ["model.safetensors"])
 
     def generate(self, *args):
         r = subprocess.run([self.worker, "generate", *args], capture_output=True, timeout=120)

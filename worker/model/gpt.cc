@@ -467,7 +467,7 @@ Result<std::unique_ptr<Gpt>> Gpt::FromBaseTensors(std::vector<Tensor> tensors, i
 Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, TrainMode mode,
                                            const LoraConfig& lora, uint64_t seed,
                                            const GptConfig* expected, const Compute& compute) {
-  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(path));
+  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadHfCheckpoint(path));
   auto it = file.metadata.find("n_head");
   if (it != file.metadata.end()) {
     auto parsed = ParseInt64(it->second, path + ": metadata n_head");
@@ -543,13 +543,13 @@ Status Gpt::SavePeftAdapter(const std::string& dir, const std::string& base_dir)
   return WriteJsonFile(dir + "/adapter_config.json", config);
 }
 
-Status Gpt::SaveHuggingFace(const std::string& dir) const {
+Status Gpt::SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes) const {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
   std::vector<Tensor> base = ExportBase();
   ISTHMUS_RETURN_IF_ERROR(ops_.status());
-  ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/model.safetensors", base, {{"format", "pt"}}));
+  ISTHMUS_RETURN_IF_ERROR(WriteHfCheckpoint(dir, base, {{"format", "pt"}}, max_shard_bytes));
   nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}},
                            {"model_type", "gpt2"},
                            {"vocab_size", config_.vocab_size},

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/hf_checkpoint.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "ops/buffer.h"
@@ -224,10 +225,12 @@ class Gpt {
   Status SaveBase(const std::string& path) const;
 
   // Writes a Hugging Face GPT-2 folder that transformers' AutoModelForCausalLM opens
-  // directly: `dir`/model.safetensors (the base tensors: in full mode the trained model)
+  // directly: `dir`/model.safetensors (the base tensors: in full mode the trained model),
+  // or above `max_shard_bytes` shards with model.safetensors.index.json (WriteHfCheckpoint),
   // and `dir`/config.json (GPT2LMHeadModel, gelu_new, layer_norm_epsilon 1e-5, tied
   // embeddings, no dropout). Creates `dir`; each file is written atomically.
-  Status SaveHuggingFace(const std::string& dir) const;
+  Status SaveHuggingFace(const std::string& dir,
+                         uint64_t max_shard_bytes = kHfDefaultShardBytes) const;
 
   // Metadata SaveBase writes (also useful for adapter files).
   std::map<std::string, std::string> ConfigMetadata() const;
