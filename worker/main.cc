@@ -101,7 +101,27 @@ int RunInit(InitArgs& a) {
   return kExitOk;
 }
 
+// train --plan: the memory table of this rank's configuration; exit 0 when it fits.
+int RunPlan(TrainSettings& t) {
+  Status st = t.model.Validate();
+  if (st.ok()) st = t.compute.Validate();
+  if (st.ok() && t.batch_size < 1) st = Status::InvalidArgument("--batch-size must be >= 1");
+  if (!st.ok()) return Fail("train --plan", UsageError(st.message()));
+  auto compute = OpenCompute(t.compute, t.rank);
+  if (!compute.ok()) return Fail("train --plan", compute.status());
+  auto plan = PlanTraining(t.model, {compute->ops.get(), compute->precision}, t.batch_size);
+  if (!plan.ok()) return Fail("train --plan", plan.status());
+  std::printf("%s", plan->table.c_str());
+  if (!plan->fits.ok()) {
+    std::printf("does not fit: %s\n", plan->fits.message().c_str());
+    return kExitOutOfMemory;
+  }
+  std::printf("fits\n");
+  return kExitOk;
+}
+
 int RunTrain(TrainSettings& t) {
+  if (t.plan) return RunPlan(t);
   if (auto st = InitLogging("isthmus-worker", t.log_level); !st.ok()) return Fail("train", st);
   if (auto st = t.Validate(); !st.ok()) {
     std::fprintf(stderr, "isthmus-worker train: %s\n", st.message().c_str());

@@ -155,6 +155,9 @@ class RoundLoop {
     }
     ISTHMUS_RETURN_IF_ERROR(AgreeOnModel());
     model::Compute c{compute_.ops.get(), compute_.precision};
+    // A configuration that cannot fit the GPU is refused before anything is allocated.
+    ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan, PlanTraining(model_, c, s_.batch_size));
+    if (!plan.fits.ok()) return DeviceError(plan.fits);
     auto gpt = BuildModel(model_, c);
     if (!gpt.ok()) {
       return gpt.status().code() == Code::kResourceExhausted ? DeviceError(gpt.status())
@@ -1377,6 +1380,59 @@ Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
   auto config = m.Gpt();
   if (m.base.empty()) return model::Gpt::CreateRandom(config, mode, m.Lora(), m.seed, compute);
   return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config, compute);
+}
+
+Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B) {
+  ISTHMUS_RETURN_IF_ERROR(m.Validate());
+  ISTHMUS_ASSIGN_OR_RETURN(auto mode, model::ParseTrainMode(m.mode));
+  TrainingPlan out;
+  ISTHMUS_ASSIGN_OR_RETURN(out.plan,
+                           model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B, m.context));
+  const model::MemoryPlan& p = out.plan;
+  auto gib = [](int64_t bytes) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%10.1f MiB", static_cast<double>(bytes) / (1 << 20));
+    return std::string(buf);
+  };
+  ops::Ops& ops = compute.backend();
+  const int64_t needed = p.backend_bytes() - p.backend_held;
+  std::string t = "memory plan: " + std::to_string(m.layers) + " layers x " +
+                  std::to_string(m.width) + ", vocabulary " + std::to_string(m.vocab_size) + ", " +
+                  m.mode + ", " + ops::DtypeName(compute.precision) + ", batch " +
+                  std::to_string(B) + " x " + std::to_string(m.context) + ", on " + ops.Describe() +
+                  "\n";
+  for (const auto& [what, bytes] : std::initializer_list<std::pair<const char*, int64_t>>{
+           {"parameters (fp32)", p.parameters},
+           {"bf16 weight copies", p.weight_copies},
+           {"gradients (fp32)", p.gradients},
+           {"optimizer (AdamW moments)", p.optimizer},
+           {"activations and batch", p.activations}}) {
+    char line[96];
+    std::snprintf(line, sizeof line, "  %-28s %s\n", what, gib(bytes).c_str());
+    t += line;
+  }
+  char line[160];
+  std::snprintf(line, sizeof line, "  %-28s %s\n  %-28s %s\n  %-28s %s  (of %s)\n",
+                "training needs", gib(needed).c_str(), "held by the backend already",
+                gib(p.backend_held).c_str(), "free on the device", gib(p.backend_free).c_str(),
+                gib(p.backend_total).c_str());
+  t += line;
+  if (p.host_staging > 0) {
+    std::snprintf(line, sizeof line, "  %-28s %s\n", "pinned host memory",
+                  gib(p.host_staging).c_str());
+    t += line;
+  }
+  out.table = t;
+  out.fits = Status::Ok();
+  if (!ops.HostMemory() && needed > p.backend_free) {
+    out.fits = Status::ResourceExhausted(
+        "training needs " + gib(needed) + " on " + ops.Describe() + " but " + gib(p.backend_free) +
+        " is free: lower --batch-size or --context" +
+        (compute.precision == ops::Dtype::kF32 ? ", use --precision bf16" : "") +
+        (m.mode == "full" ? ", or train LoRA adapters (--mode lora)" : "") +
+        " (isthmus-worker train --plan prints the parts)");
+  }
+  return out;
 }
 
 Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s,

@@ -83,6 +83,17 @@ Status HostCollective(comm::Communicator& comm, ops::Ops& ops, float* data, size
 Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
                                                const model::Compute& compute = {});
 
+// The memory training `m` at batch B x `m.context` needs on `compute`'s device
+// (model::Gpt::PlanMemory), as a table of its parts against the device's free memory; the
+// status is ResourceExhausted, with the numbers, when it does not fit a GPU (on the CPU the
+// kernel's free-page count leaves out reclaimable cache, so the table only informs).
+struct TrainingPlan {
+  model::MemoryPlan plan;
+  std::string table;
+  Status fits;
+};
+Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B);
+
 // The site client for --server/--server-key/--key (CURVE unless insecure); `interrupted`
 // ends its waits early (SiteOptions::interrupted).
 Result<std::unique_ptr<SiteClient>> ConnectSite(const ShardSettings& s,

@@ -411,6 +411,11 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   AddComputeFlags(app, t.compute);
   AddShardFlags(app, t.shards);
   app.add_option("--data", t.data_dir, "folder with train.bin and val.bin (isthmus-data build)");
+  app.add_flag("--plan", t.plan,
+               "print the memory this rank's device needs for the model, its gradients, the "
+               "optimizer and the activations of --batch-size x --context, against what the "
+               "device has free, and stop (exit 0 when it fits, 8 when it does not); nothing "
+               "else is needed (no --data, shards or rounds)");
   app.add_option("--rank", t.rank, "this rank in the site")->capture_default_str();
   app.add_option("--world-size", t.world_size, "ranks in the site")->capture_default_str();
   app.add_option("--rendezvous", t.rendezvous, "tcp:HOST:PORT or file:DIR (world-size > 1)");

@@ -158,6 +158,7 @@ struct TrainSettings {
   int64_t eval_every_rounds = 0;       // 0: off; else after the pull of every Nth round
   std::string log_level = "info";
   bool progress = true;  // the live line on a terminal (false: plain lines always)
+  bool plan = false;     // print the memory the configuration needs per device, and stop
 
   // Effective H for a fixed-H run.
   int StepsPerRound() const { return steps_per_round > 0 ? steps_per_round : 80; }

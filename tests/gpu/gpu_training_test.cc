@@ -117,6 +117,43 @@ TEST(GpuTraining, StepsAllocateNothingOnceWarm) {
               after.allocated / 1048576.0);
 }
 
+// The memory plan (Gpt::PlanMemory, `isthmus-worker train --plan`) against what the CUDA
+// backend holds after a step, for the 12x768 shape at context 1024 in both modes and
+// precisions: equal up to the 256-byte rounding of each buffer. Prints the device's own
+// count (cudaMemGetInfo) beside it.
+TEST(GpuTraining, MemoryPlanEqualsWhatTheGpuHolds) {
+  ISTHMUS_REQUIRE_GPU();
+  auto ops = Gpu();
+  ASSERT_TRUE(ops);
+  GptConfig c;
+  c.n_layer = 12, c.n_embd = 768, c.n_head = 12, c.n_ctx = 1024, c.vocab_size = 50304;
+  const int B = 4, T = 1024;
+  const Batches data = RandomBatches(1, B, T, 3);
+  for (TrainMode mode : {TrainMode::kLora, TrainMode::kFull}) {
+    for (ops::Dtype precision : {ops::Dtype::kBF16, ops::Dtype::kF32}) {
+      const Compute compute{ops.get(), precision};
+      auto plan = Gpt::PlanMemory(c, mode, LoraConfig{}, compute, B, T);
+      ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+      const ops::MemoryInfo before = ops->Memory();
+      auto gpt = Gpt::CreateRandom(c, mode, LoraConfig{}, 5, compute);
+      ASSERT_TRUE(gpt.ok()) << gpt.status().ToString();
+      auto t = Trainer::Create(**gpt, TrainerConfig{});
+      ASSERT_TRUE(t.ok());
+      ASSERT_TRUE((*t)->Step(data.tokens[0].data(), data.targets[0].data(), B, T).ok());
+      const ops::MemoryInfo after = ops->Memory();
+      const int64_t held = static_cast<int64_t>(after.allocated - before.allocated);
+      const int64_t planned = plan->backend_bytes() - plan->backend_held;
+      EXPECT_LE(std::abs(held - planned), 256 * 64)
+          << TrainModeName(mode) << " " << ops::DtypeName(precision);
+      std::printf(
+          "[memory plan] 12x768 %s %s B=4 T=1024: planned %.1f MiB, held %.1f MiB, "
+          "device used %.1f MiB more (cudaMemGetInfo)\n",
+          TrainModeName(mode), ops::DtypeName(precision), planned / 1048576.0, held / 1048576.0,
+          (static_cast<double>(before.free) - static_cast<double>(after.free)) / 1048576.0);
+    }
+  }
+}
+
 // The text: ISTHMUS_TEST_SHARDS/train.bin (an isthmus-data folder of the Debian Reference,
 // docs/DATA.md), else the GPL from base-files.
 struct Text {

@@ -280,6 +280,38 @@ class ExportTest(unittest.TestCase):
         self.assertEqual(sorted(n for n in os.listdir(out) if "safetensors" in n),
                          ["model.safetensors"])
 
+    def test_train_plan_prints_the_memory_a_configuration_needs(self):
+        # --plan needs no data, shards or rounds; its parts add up to what training needs,
+        # and a bigger batch needs more activations and nothing more of the rest.
+        def plan(batch, *flags):
+            r = subprocess.run([self.worker, "train", "--plan", "--base", self.base,
+                                "--batch-size", str(batch), *flags],
+                               capture_output=True, text=True, timeout=60)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertTrue(r.stdout.rstrip().endswith("fits"), r.stdout)
+            rows = {}
+            for line in r.stdout.splitlines()[1:]:
+                if "MiB" in line:
+                    name, value = line.split("MiB")[0].rsplit(None, 1)
+                    rows[name.strip()] = float(value)
+            return r.stdout, rows
+
+        out, small = plan(4)
+        self.assertIn("2 layers x 32", out)
+        parts = ["parameters (fp32)", "bf16 weight copies", "gradients (fp32)",
+                 "optimizer (AdamW moments)", "activations and batch"]
+        self.assertAlmostEqual(sum(small[p] for p in parts), small["training needs"], delta=0.25)
+        _, big = plan(64)
+        self.assertGreater(big["activations and batch"], 10 * small["activations and batch"])
+        for p in parts[:4]:
+            self.assertEqual(big[p], small[p])
+        _, full = plan(4, "--mode", "full")
+        self.assertGreater(full["optimizer (AdamW moments)"], small["optimizer (AdamW moments)"])
+        r = subprocess.run([self.worker, "train", "--plan", "--base", self.base,
+                            "--batch-size", "0"], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--batch-size", r.stderr)
+
     def generate(self, *args):
         r = subprocess.run([self.worker, "generate", *args], capture_output=True, timeout=120)
         self.assertEqual(r.returncode, 0, r.stderr.decode(errors="replace")[-2000:])

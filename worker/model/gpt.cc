@@ -22,6 +22,31 @@
 #include "common/safetensors.h"
 
 namespace isthmus::model {
+
+// Hands out 256-byte-aligned pieces of one buffer; over a null buffer it only measures.
+class Carver {
+ public:
+  explicit Carver(char* base) : base_(base) {}
+  template <typename T>
+  T* Take(int64_t n) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    T* p = base_ != nullptr ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ += static_cast<size_t>(n) * sizeof(T);
+    return p;
+  }
+  ops::Ref Take(int64_t n, ops::Dtype d) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    void* p = base_ != nullptr ? base_ + offset_ : nullptr;
+    offset_ += static_cast<size_t>(n) * ops::DtypeSize(d);
+    return {p, d};
+  }
+  size_t size() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
 namespace {
 
 // Writes `value` as indented JSON to `path` atomically (a temporary file renamed over it).
@@ -145,29 +170,6 @@ struct Gpt::Activations {
 namespace {
 
 // Hands out 256-byte aligned pieces of one block; with a null base it only measures.
-class Carver {
- public:
-  explicit Carver(char* base) : base_(base) {}
-  template <typename T>
-  T* Take(int64_t n) {
-    offset_ = (offset_ + 255) / 256 * 256;
-    T* p = base_ != nullptr ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
-    offset_ += static_cast<size_t>(n) * sizeof(T);
-    return p;
-  }
-  ops::Ref Take(int64_t n, ops::Dtype d) {
-    offset_ = (offset_ + 255) / 256 * 256;
-    void* p = base_ != nullptr ? base_ + offset_ : nullptr;
-    offset_ += static_cast<size_t>(n) * ops::DtypeSize(d);
-    return {p, d};
-  }
-  size_t size() const { return offset_; }
-
- private:
-  char* base_;
-  size_t offset_ = 0;
-};
-
 std::string GiB(size_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1 << 30));
@@ -685,22 +687,17 @@ std::string Gpt::ShapeForMessages(int B, int T) const {
          TrainModeName(mode_) + ", " + ops::DtypeName(precision_);
 }
 
-Status Gpt::Reserve(int B, int T) {
-  if (B <= 0 || T <= 0 || T > config_.n_ctx) {
-    return Status::InvalidArgument("batch " + std::to_string(B) + " x " + std::to_string(T) +
-                                   " does not fit the model (context " +
-                                   std::to_string(config_.n_ctx) + ")");
-  }
-  const int64_t n = static_cast<int64_t>(B) * T;
-  if (act_ && n <= act_->cap_n) return Status::Ok();
-  auto a = std::make_unique<Activations>();
-  const int64_t N = n, C = config_.n_embd, H = config_.n_head, V = config_.vocab_size;
+// Carves the activations of N = B x T tokens out of `arena` (device), the inputs out of `in`
+// (device) and their staging out of `host` (pinned host); carvers over null measure only.
+void Gpt::CarveActivations(Activations& a, int64_t N, Carver& arena, Carver& in,
+                           Carver& host) const {
+  const int64_t C = config_.n_embd, H = config_.n_head, V = config_.vocab_size;
   const int64_t R = mode_ == TrainMode::kLora ? lora_.rank : 0;
   const ops::Dtype d = precision_;
   auto carve = [&](Carver& k) {
-    a->layers.assign(config_.n_layer, {});
+    a.layers.assign(config_.n_layer, {});
     for (int l = 0; l < config_.n_layer; ++l) {
-      Activations::PerLayer& L = a->layers[l];
+      Activations::PerLayer& L = a.layers[l];
       L.ln1 = k.Take(N * C, d);
       L.ln1_mean = k.Take<float>(N);
       L.ln1_rstd = k.Take<float>(N);
@@ -718,21 +715,21 @@ Status Gpt::Reserve(int B, int T) {
         L.xa[t] = layers_[l].lin[t].lora_a >= 0 ? k.Take(N * R, d) : ops::Ref();
       }
     }
-    a->encoded = k.Take<float>(N * C);
-    a->lnf = k.Take(N * C, d);
-    a->lnf_mean = k.Take<float>(N);
-    a->lnf_rstd = k.Take<float>(N);
-    a->logits = k.Take(N * V, d);
-    a->dlogits = k.Take(N * V, d);
-    a->losses = k.Take<float>(N);
-    a->dres = k.Take<float>(N * C);
-    a->dres_act = d == ops::Dtype::kF32 ? ops::Ref(a->dres) : k.Take(N * C, d);
-    a->dln = k.Take(N * C, d);
-    a->dqkv = k.Take(N * 3 * C, d);
-    a->datty = k.Take(N * C, d);
-    a->dfch = k.Take(N * 4 * C, d);
-    a->dxa = k.Take(std::max<int64_t>(N * R, 1), d);
-    a->att_scratch = k.Take<float>(N * H);  // AttentionScratchFloats for any B x T = N
+    a.encoded = k.Take<float>(N * C);
+    a.lnf = k.Take(N * C, d);
+    a.lnf_mean = k.Take<float>(N);
+    a.lnf_rstd = k.Take<float>(N);
+    a.logits = k.Take(N * V, d);
+    a.dlogits = k.Take(N * V, d);
+    a.losses = k.Take<float>(N);
+    a.dres = k.Take<float>(N * C);
+    a.dres_act = d == ops::Dtype::kF32 ? ops::Ref(a.dres) : k.Take(N * C, d);
+    a.dln = k.Take(N * C, d);
+    a.dqkv = k.Take(N * 3 * C, d);
+    a.datty = k.Take(N * C, d);
+    a.dfch = k.Take(N * 4 * C, d);
+    a.dxa = k.Take(std::max<int64_t>(N * R, 1), d);
+    a.att_scratch = k.Take<float>(N * H);  // AttentionScratchFloats for any B x T = N
   };
   auto inputs = [&](Carver& k, bool host) {
     int32_t* tokens = k.Take<int32_t>(N);
@@ -741,19 +738,88 @@ Status Gpt::Reserve(int B, int T) {
     int32_t* starts = k.Take<int32_t>(V + 1);
     float* dloss = k.Take<float>(1);
     if (host) {
-      a->h_tokens = tokens, a->h_targets = targets, a->h_order = order, a->h_starts = starts;
-      a->h_dloss = dloss;
-      a->h_losses = k.Take<float>(N);
+      a.h_tokens = tokens, a.h_targets = targets, a.h_order = order, a.h_starts = starts;
+      a.h_dloss = dloss;
+      a.h_losses = k.Take<float>(N);
     } else {
-      a->tokens = tokens, a->targets = targets, a->order = order, a->starts = starts;
-      a->dloss = dloss;
-      a->inputs_bytes = k.size();
+      a.tokens = tokens, a.targets = targets, a.order = order, a.starts = starts;
+      a.dloss = dloss;
+      a.inputs_bytes = k.size();
     }
   };
+  carve(arena);
+  inputs(in, false);
+  inputs(host, true);
+}
+
+std::vector<ops::AdamWSegment> Gpt::AdamWSegments() const {
+  std::vector<ops::AdamWSegment> segments;
+  for (const TensorSlot& s : TrainableGroup().slots) {
+    segments.push_back({s.offset, s.numel, s.shape.size() >= 2});
+  }
+  return segments;
+}
+
+int64_t MemoryPlan::backend_bytes() const {
+  return backend_held + parameters + weight_copies + gradients + optimizer + activations;
+}
+
+Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, const LoraConfig& lora,
+                                   const Compute& compute, int B, int T) {
+  ISTHMUS_RETURN_IF_ERROR(config.Validate());
+  if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
+  if (B <= 0 || T <= 0 || T > config.n_ctx) {
+    return Status::InvalidArgument("batch " + std::to_string(B) + " x " + std::to_string(T) +
+                                   " does not fit the model (context " +
+                                   std::to_string(config.n_ctx) + ")");
+  }
+  // The model's layout alone: nothing is allocated.
+  Gpt gpt(config, mode, lora, compute);
+  ISTHMUS_RETURN_IF_ERROR(gpt.BuildIndex());
+  // Each buffer as the backends allocate it: rounded up to 256 bytes.
+  auto rounded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+  MemoryPlan p;
+  const ops::MemoryInfo held = compute.backend().Memory();
+  p.backend_held = static_cast<int64_t>(held.allocated);
+  p.backend_free = static_cast<int64_t>(held.free);
+  p.backend_total = static_cast<int64_t>(held.total);
+  for (const Group* g : {gpt.base_.get(), gpt.lora_tensors_.get()}) {
+    p.parameters += rounded(g->elements * static_cast<int64_t>(sizeof(float)));
+    if (compute.precision == ops::Dtype::kBF16) {
+      p.weight_copies += rounded(g->elements * static_cast<int64_t>(sizeof(ops::Bf16)));
+    }
+  }
+  p.gradients = rounded(gpt.GradElements() * static_cast<int64_t>(sizeof(float)));
+  const int64_t moments = rounded(gpt.TrainableElements() * static_cast<int64_t>(sizeof(float)));
+  const size_t chunks = ops::MakeAdamWChunks(gpt.AdamWSegments()).size();
+  p.optimizer = 2 * moments + rounded(static_cast<int64_t>(chunks * sizeof(ops::AdamWChunk))) +
+                rounded(sizeof(ops::AdamWScalars) + sizeof(float));
+  p.host_staging += rounded(sizeof(ops::AdamWScalars) + 3 * sizeof(float));
+  Activations a;
+  Carver arena(nullptr), in(nullptr), host(nullptr);
+  gpt.CarveActivations(a, static_cast<int64_t>(B) * T, arena, in, host);
+  p.activations =
+      rounded(static_cast<int64_t>(arena.size())) + rounded(static_cast<int64_t>(in.size()));
+  p.host_staging += rounded(static_cast<int64_t>(host.size()));
+  // On the CPU the staging is host memory like the rest.
+  if (compute.backend().HostMemory()) {
+    p.activations += p.host_staging;
+    p.host_staging = 0;
+  }
+  return p;
+}
+
+Status Gpt::Reserve(int B, int T) {
+  if (B <= 0 || T <= 0 || T > config_.n_ctx) {
+    return Status::InvalidArgument("batch " + std::to_string(B) + " x " + std::to_string(T) +
+                                   " does not fit the model (context " +
+                                   std::to_string(config_.n_ctx) + ")");
+  }
+  const int64_t n = static_cast<int64_t>(B) * T;
+  if (act_ && n <= act_->cap_n) return Status::Ok();
+  auto a = std::make_unique<Activations>();
   Carver measure(nullptr), measure_in(nullptr), measure_host(nullptr);
-  carve(measure);
-  inputs(measure_in, false);
-  inputs(measure_host, true);
+  CarveActivations(*a, n, measure, measure_in, measure_host);
   auto fail = [&](const Status& st) {
     return Status(
         st.code(),
@@ -773,9 +839,7 @@ Status Gpt::Reserve(int B, int T) {
   a->inputs = std::move(in).value();
   a->staging = std::move(staging).value();
   Carver real(a->arena.as<char>()), real_in(a->inputs.as<char>()), real_host(a->staging.as<char>());
-  carve(real);
-  inputs(real_in, false);
-  inputs(real_host, true);
+  CarveActivations(*a, n, real, real_in, real_host);
   a->cap_n = n;
   act_ = std::move(a);
   ++layout_version_;

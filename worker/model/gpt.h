@@ -21,6 +21,8 @@
 
 namespace isthmus::model {
 
+class Carver;
+
 // Model shape. Defaults are a small model that trains on one CPU core in minutes.
 struct GptConfig {
   int n_layer = 4;
@@ -71,6 +73,22 @@ struct Compute {
 
 // "fp32" / "bf16"; InvalidArgument on anything else.
 Result<ops::Dtype> ParsePrecision(const std::string& name);
+
+// Bytes a training configuration holds, by part (Gpt::PlanMemory). Each buffer is counted
+// rounded up to 256 bytes, as the backends allocate it.
+struct MemoryPlan {
+  int64_t parameters = 0;     // fp32 base and LoRA tensors
+  int64_t weight_copies = 0;  // bf16 copies of them for the matmuls (bf16 precision)
+  int64_t gradients = 0;      // fp32, one per trainable value
+  int64_t optimizer = 0;      // AdamW's two moments, its chunk table and scalars
+  int64_t activations = 0;    // the activation arena and the batch inputs for B x T
+  int64_t host_staging = 0;   // pinned host memory for a batch (0 on the CPU: in the above)
+  int64_t backend_held = 0;   // what the backend held already (CUDA: its workspaces)
+  int64_t backend_free = 0;   // free backend memory when planned (CPU: available RAM)
+  int64_t backend_total = 0;  // the device's memory (CPU: physical RAM)
+  // All of the above that lives in backend memory (host staging excluded).
+  int64_t backend_bytes() const;
+};
 
 // A non-owning view of one trainable tensor and its gradient, in backend memory (host
 // memory only on the CPU backend: see Ops::HostMemory). The pointers stay valid for the
@@ -183,6 +201,15 @@ class Gpt {
   // The trainable tensors: the LoRA factors (kLora, ordered by layer then target, A before
   // B) or every base tensor (kFull, in base order). Stable order and pointers.
   std::vector<ParamView> Trainable();
+  // The trainable tensors as the multi-tensor AdamW's segments (matrices decay).
+  std::vector<ops::AdamWSegment> AdamWSegments() const;
+
+  // What training this configuration at batch B x T holds in backend memory, by part, as
+  // the model and the trainer allocate it: sized without allocating anything (the
+  // `--plan` of isthmus-worker). InvalidArgument for a bad configuration or batch.
+  static Result<MemoryPlan> PlanMemory(const GptConfig& config, TrainMode mode,
+                                       const LoraConfig& lora, const Compute& compute, int B,
+                                       int T);
 
   // The flat buffers behind Trainable(): TrainableElements() floats of parameters, and
   // GradElements() = TrainableElements() + 1 floats of gradients, whose last float belongs
@@ -249,6 +276,7 @@ class Gpt {
  private:
   struct Layer;
   struct Activations;
+  void CarveActivations(Activations& a, int64_t N, Carver& arena, Carver& in, Carver& host) const;
   struct TensorSlot {
     std::string name;
     std::vector<int64_t> shape;

@@ -65,10 +65,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(Gpt& model, const TrainerConfig
   ops::Ops& ops = model.ops();
   auto dev = std::make_unique<Device>();
   const size_t bytes = model.TrainableElements() * sizeof(float);
-  std::vector<ops::AdamWSegment> segments;
-  for (const ParamView& p : t->params_)
-    segments.push_back({p.offset, p.numel, p.shape.size() >= 2});
-  const std::vector<ops::AdamWChunk> chunks = ops::MakeAdamWChunks(segments);
+  const std::vector<ops::AdamWChunk> chunks = ops::MakeAdamWChunks(model.AdamWSegments());
   auto fail = [&](const Status& st) {
     return Status(st.code(), "cannot hold the optimizer state (" + std::to_string(2 * bytes) +
                                  " bytes of moments) on " + ops.Describe() + ": " + st.message());

@@ -57,6 +57,8 @@ texts.push(
   "emoji 🙂👍🏽 and symbols ∑∫√ ≠ «quotes» — dash … ellipsis",
   "e\u0301 composed vs é, Å vs A\u030A, ﬁ ligature",
   "   leading and trailing spaces   ",
+  // Words that are Llama 3 tokens its merges do not reach (ignore_merges decides them).
+  "Việt Nam: nhiều việc hợp với điều ngoài tự nhiên; jeho ایران gerektedir",
 );
 const spec = {
   gpt2: [gpt2TokenizerJson(path.join(here, "..", "gpt2")), {}],
