@@ -109,7 +109,8 @@ int RunPlan(TrainSettings& t) {
   if (!st.ok()) return Fail("train --plan", UsageError(st.message()));
   auto compute = OpenCompute(t.compute, t.rank);
   if (!compute.ok()) return Fail("train --plan", compute.status());
-  auto plan = PlanTraining(t.model, {compute->ops.get(), compute->precision}, t.batch_size);
+  auto plan =
+      PlanTraining(t.model, {compute->ops.get(), compute->precision}, t.batch_size, !t.standalone);
   if (!plan.ok()) return Fail("train --plan", plan.status());
   std::printf("%s", plan->table.c_str());
   if (!plan->fits.ok()) {

@@ -156,7 +156,8 @@ class RoundLoop {
     ISTHMUS_RETURN_IF_ERROR(AgreeOnModel());
     model::Compute c{compute_.ops.get(), compute_.precision};
     // A configuration that cannot fit the GPU is refused before anything is allocated.
-    ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan, PlanTraining(model_, c, s_.batch_size));
+    ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan,
+                             PlanTraining(model_, c, s_.batch_size, !s_.standalone));
     if (!plan.fits.ok()) return DeviceError(plan.fits);
     auto gpt = BuildModel(model_, c);
     if (!gpt.ok()) {
@@ -1382,12 +1383,13 @@ Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
   return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config, compute);
 }
 
-Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B) {
+Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B,
+                                  bool synced) {
   ISTHMUS_RETURN_IF_ERROR(m.Validate());
   ISTHMUS_ASSIGN_OR_RETURN(auto mode, model::ParseTrainMode(m.mode));
   TrainingPlan out;
-  ISTHMUS_ASSIGN_OR_RETURN(out.plan,
-                           model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B, m.context));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      out.plan, model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B, m.context, synced));
   const model::MemoryPlan& p = out.plan;
   auto gib = [](int64_t bytes) {
     char buf[32];
@@ -1406,7 +1408,8 @@ Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& 
            {"bf16 weight copies", p.weight_copies},
            {"gradients (fp32)", p.gradients},
            {"optimizer (AdamW moments)", p.optimizer},
-           {"activations and batch", p.activations}}) {
+           {"activations and batch", p.activations},
+           {"round base and staging", p.round_buffers}}) {
     char line[96];
     std::snprintf(line, sizeof line, "  %-28s %s\n", what, gib(bytes).c_str());
     t += line;

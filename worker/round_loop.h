@@ -92,7 +92,10 @@ struct TrainingPlan {
   std::string table;
   Status fits;
 };
-Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B);
+// `synced`: the run pushes rounds (not --standalone), which holds two more copies of the
+// trainable tensors.
+Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B,
+                                  bool synced);
 
 // The site client for --server/--server-key/--key (CURVE unless insecure); `interrupted`
 // ends its waits early (SiteOptions::interrupted).

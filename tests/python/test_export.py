@@ -299,12 +299,17 @@ class ExportTest(unittest.TestCase):
         out, small = plan(4)
         self.assertIn("2 layers x 32", out)
         parts = ["parameters (fp32)", "bf16 weight copies", "gradients (fp32)",
-                 "optimizer (AdamW moments)", "activations and batch"]
+                 "optimizer (AdamW moments)", "activations and batch", "round base and staging"]
         self.assertAlmostEqual(sum(small[p] for p in parts), small["training needs"], delta=0.25)
         _, big = plan(64)
         self.assertGreater(big["activations and batch"], 10 * small["activations and batch"])
         for p in parts[:4]:
             self.assertEqual(big[p], small[p])
+        # A synced run holds two more copies of the trainable tensors; --standalone does not.
+        _, alone = plan(4, "--standalone")
+        self.assertEqual(alone["round base and staging"], 0.0)
+        self.assertAlmostEqual(small["round base and staging"],
+                               2 * small["gradients (fp32)"], delta=0.15)
         _, full = plan(4, "--mode", "full")
         self.assertGreater(full["optimizer (AdamW moments)"], small["optimizer (AdamW moments)"])
         r = subprocess.run([self.worker, "train", "--plan", "--base", self.base,

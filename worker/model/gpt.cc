@@ -761,11 +761,12 @@ std::vector<ops::AdamWSegment> Gpt::AdamWSegments() const {
 }
 
 int64_t MemoryPlan::backend_bytes() const {
-  return backend_held + parameters + weight_copies + gradients + optimizer + activations;
+  return backend_held + parameters + weight_copies + gradients + optimizer + activations +
+         round_buffers;
 }
 
 Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, const LoraConfig& lora,
-                                   const Compute& compute, int B, int T) {
+                                   const Compute& compute, int B, int T, bool synced_rounds) {
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
   if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
   if (B <= 0 || T <= 0 || T > config.n_ctx) {
@@ -791,6 +792,7 @@ Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, cons
   }
   p.gradients = rounded(gpt.GradElements() * static_cast<int64_t>(sizeof(float)));
   const int64_t moments = rounded(gpt.TrainableElements() * static_cast<int64_t>(sizeof(float)));
+  if (synced_rounds) p.round_buffers = 2 * moments;  // ModelLiveParams: base and staging
   const size_t chunks = ops::MakeAdamWChunks(gpt.AdamWSegments()).size();
   p.optimizer = 2 * moments + rounded(static_cast<int64_t>(chunks * sizeof(ops::AdamWChunk))) +
                 rounded(sizeof(ops::AdamWScalars) + sizeof(float));

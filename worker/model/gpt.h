@@ -82,6 +82,8 @@ struct MemoryPlan {
   int64_t gradients = 0;      // fp32, one per trainable value
   int64_t optimizer = 0;      // AdamW's two moments, its chunk table and scalars
   int64_t activations = 0;    // the activation arena and the batch inputs for B x T
+  int64_t round_buffers = 0;  // a synced run's round base and delta/pull staging (fp32
+                              // copies of the trainable tensors, worker/live_params.h)
   int64_t host_staging = 0;   // pinned host memory for a batch (0 on the CPU: in the above)
   int64_t backend_held = 0;   // what the backend held already (CUDA: its workspaces)
   int64_t backend_free = 0;   // free backend memory when planned (CPU: available RAM)
@@ -208,8 +210,8 @@ class Gpt {
   // the model and the trainer allocate it: sized without allocating anything (the
   // `--plan` of isthmus-worker). InvalidArgument for a bad configuration or batch.
   static Result<MemoryPlan> PlanMemory(const GptConfig& config, TrainMode mode,
-                                       const LoraConfig& lora, const Compute& compute, int B,
-                                       int T);
+                                       const LoraConfig& lora, const Compute& compute, int B, int T,
+                                       bool synced_rounds = false);
 
   // The flat buffers behind Trainable(): TrainableElements() floats of parameters, and
   // GradElements() = TrainableElements() + 1 floats of gradients, whose last float belongs
