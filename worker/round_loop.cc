@@ -186,7 +186,8 @@ class RoundLoop {
     auto ds = data::TokenDataset::Open(s_.data_dir + "/train.bin", d);
     if (!ds.ok()) return ds.status();
     dataset_ = std::make_unique<data::TokenDataset>(std::move(ds).value());
-    tokens_per_step_ = static_cast<uint64_t>(s_.batch_size) * model_.context * world();
+    tokens_per_step_ =
+        static_cast<uint64_t>(s_.batch_size) * s_.grad_accum * model_.context * world();
 
     base_hash_ = gpt_->BaseHash();
     if (!s_.standalone) {
@@ -1095,9 +1096,15 @@ class RoundLoop {
       for (; done < h; ++done) {
         auto step_t0 = Clock::now();
         auto batch = dataset_->Next();
-        ISTHMUS_ASSIGN_OR_RETURN(model::StepStats st,
-                                 trainer_->Step(batch.tokens.data(), batch.targets.data(),
-                                                s_.batch_size, model_.context, EncodeControl()));
+        for (int k = 1; k < s_.grad_accum; ++k) {  // micro-batches, one after the other
+          auto more = dataset_->Next();
+          batch.tokens.insert(batch.tokens.end(), more.tokens.begin(), more.tokens.end());
+          batch.targets.insert(batch.targets.end(), more.targets.begin(), more.targets.end());
+        }
+        ISTHMUS_ASSIGN_OR_RETURN(
+            model::StepStats st,
+            trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size, model_.context,
+                           EncodeControl(), s_.grad_accum));
         const double step_s = std::chrono::duration<double>(Clock::now() - step_t0).count();
         compute_s += step_s;
         telemetry_->OnStep(step_s, st.loss, tokens_per_step_, st.skipped);

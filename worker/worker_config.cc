@@ -300,6 +300,10 @@ Status TrainSettings::Validate() const {
     return Status::InvalidArgument(
         "--batch-size, --val-batches, --log-every and --comm-timeout must be >= 1");
   }
+  if (grad_accum < 1 || grad_accum > 4096) {
+    return Status::InvalidArgument("--grad-accum must be in [1, 4096], got " +
+                                   std::to_string(grad_accum));
+  }
   if (!standalone) {
     if (shards.servers.empty()) {
       return Status::InvalidArgument("give at least one --server, or --standalone");
@@ -446,7 +450,13 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
       ->capture_default_str();
   app.add_option("--grad-clip", t.grad_clip, "global gradient-norm bound (0: off)")
       ->capture_default_str();
-  app.add_option("--batch-size", t.batch_size, "sequences per rank per step")
+  app.add_option("--batch-size", t.batch_size,
+                 "sequences per rank per forward and backward (x --grad-accum per step)")
+      ->capture_default_str();
+  app.add_option("--grad-accum", t.grad_accum,
+                 "gradient accumulation: each optimizer step sums the gradients of this many "
+                 "batches of --batch-size, run one after the other (activations for one), as "
+                 "one step on a batch this many times larger")
       ->capture_default_str();
   app.add_option("--data-seed", t.data_seed, "seed of the per-epoch data order")
       ->capture_default_str();

@@ -140,6 +140,7 @@ struct TrainSettings {
   float weight_decay = 0.0f;
   float grad_clip = 1.0f;
   int batch_size = 8;
+  int grad_accum = 1;  // batches of batch_size whose gradients one optimizer step sums
   uint64_t data_seed = 0;
   int64_t val_every = 0;   // 0: validation only at the end
   int val_batches = 8;     // batches per rank per validation

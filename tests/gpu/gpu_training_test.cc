@@ -154,6 +154,33 @@ TEST(GpuTraining, MemoryPlanEqualsWhatTheGpuHolds) {
   }
 }
 
+// Gradient accumulation on the GPU: 4 micro-batches of 2 give the step of one batch of 8,
+// in bf16 and fp32, to the precision's rounding.
+TEST(GpuTraining, AccumulatedMicroBatchesEqualOneBigBatch) {
+  ISTHMUS_REQUIRE_GPU();
+  auto ops = Gpu();
+  ASSERT_TRUE(ops);
+  const int B = 2, T = 256, M = 4;
+  const Batches data = RandomBatches(3, M * B, T, 7);
+  for (ops::Dtype precision : {ops::Dtype::kF32, ops::Dtype::kBF16}) {
+    const Compute compute{ops.get(), precision};
+    auto whole = Gpt::CreateRandom(Small(), TrainMode::kFull, LoraConfig{}, 5, compute);
+    auto parts = Gpt::CreateRandom(Small(), TrainMode::kFull, LoraConfig{}, 5, compute);
+    ASSERT_TRUE(whole.ok() && parts.ok());
+    auto tw = Trainer::Create(**whole, TrainerConfig{});
+    auto tp = Trainer::Create(**parts, TrainerConfig{});
+    ASSERT_TRUE(tw.ok() && tp.ok());
+    for (int s = 0; s < 3; ++s) {
+      auto a = (*tw)->Step(data.tokens[s].data(), data.targets[s].data(), M * B, T);
+      auto b = (*tp)->Step(data.tokens[s].data(), data.targets[s].data(), B, T, 0.0f, M);
+      ASSERT_TRUE(a.ok() && b.ok());
+      const double tol = precision == ops::Dtype::kF32 ? 1e-5 : 2e-3;
+      EXPECT_NEAR(b->loss, a->loss, tol * a->loss) << ops::DtypeName(precision) << " step " << s;
+      EXPECT_NEAR(b->grad_norm, a->grad_norm, 10 * tol * a->grad_norm);
+    }
+  }
+}
+
 // The text: ISTHMUS_TEST_SHARDS/train.bin (an isthmus-data folder of the Debian Reference,
 // docs/DATA.md), else the GPL from base-files.
 struct Text {

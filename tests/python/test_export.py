@@ -280,6 +280,30 @@ class ExportTest(unittest.TestCase):
         self.assertEqual(sorted(n for n in os.listdir(out) if "safetensors" in n),
                          ["model.safetensors"])
 
+    def test_grad_accum_trains_as_one_batch_that_many_times_larger(self):
+        # 2 micro-batches of 2 sequences read the same windows, in the same order, as one
+        # batch of 4: the trained tensors agree to rounding, and differ from a run that
+        # saw only half of them.
+        init = os.path.join(self.dir, "lora0.st")
+        runs = {}
+        for name, flags in (("whole", ["--batch-size", "4"]),
+                            ("accum", ["--batch-size", "2", "--grad-accum", "2"]),
+                            ("half", ["--batch-size", "2"])):
+            saved = os.path.join(self.dir, f"accum-{name}.st")
+            self.run_ok([self.worker, "train", "--base", self.base, "--standalone", "--init", init,
+                         "--save", saved, "--data", self.data, "--max-steps", "6", "--lr", "3e-3",
+                         "--warmup-steps", "0", "--no-progress", *flags])
+            runs[name], _ = isthmus.read_safetensors(saved)
+        worst = max(np.abs(runs["whole"][n] - runs["accum"][n]).max() for n in runs["whole"])
+        apart = max(np.abs(runs["whole"][n] - runs["half"][n]).max() for n in runs["whole"])
+        self.assertLess(worst, 2e-5)
+        self.assertGreater(apart, 100 * worst + 1e-4)
+        r = subprocess.run([self.worker, "train", "--base", self.base, "--standalone",
+                            "--data", self.data, "--max-steps", "1", "--grad-accum", "0"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--grad-accum must be in [1, 4096]", r.stderr)
+
     def test_train_plan_prints_the_memory_a_configuration_needs(self):
         # --plan needs no data, shards or rounds; its parts add up to what training needs,
         # and a bigger batch needs more activations and nothing more of the rest.

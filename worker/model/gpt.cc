@@ -848,7 +848,8 @@ Status Gpt::Reserve(int B, int T) {
   return ops_.status();
 }
 
-void Gpt::StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T) {
+void Gpt::StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T,
+                     int64_t loss_positions) {
   // Programming errors, not input errors: callers size batches and tokenize from the config.
   if (B <= 0 || T <= 0 || T > config_.n_ctx) Die("Forward: B, T out of range");
   const int64_t n = static_cast<int64_t>(B) * T;
@@ -870,7 +871,8 @@ void Gpt::StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T
     std::copy(targets, targets + n, a.h_targets);
     for (int64_t i = 0; i < n; ++i) counted_ += targets[i] >= 0;
   }
-  *a.h_dloss = counted_ > 0 ? 1.0f / static_cast<float>(counted_) : 0.0f;
+  const int64_t over = loss_positions > 0 ? loss_positions : counted_;
+  *a.h_dloss = over > 0 ? 1.0f / static_cast<float>(over) : 0.0f;
 }
 
 double Gpt::StagedLoss() const {

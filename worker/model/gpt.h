@@ -196,7 +196,12 @@ class Gpt {
   // forward pass (and, with targets and `with_grad`, the gradient of the logits) and the
   // copy of the per-position losses back; StagedLoss reads the mean loss once the backend
   // has been synchronised.
-  void StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // `loss_positions` > 0: the loss gradient is that of a mean over this many positions
+  // (a micro-batch of a larger batch) instead of this batch's own counted targets.
+  void StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T,
+                  int64_t loss_positions = 0);
+  // Positions of the staged batch with a target (>= 0): what StagedLoss averages over.
+  int64_t staged_positions() const { return counted_; }
   void EnqueueForward(bool with_grad);
   double StagedLoss() const;
 

@@ -157,10 +157,14 @@ void Trainer::RunRecorded(std::unique_ptr<ops::Graph>* graph, void (Trainer::*en
 }
 
 Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, int B, int T,
-                                float control) {
+                                float control, int micro_batches) {
   ops::Ops& ops = model_.ops();
+  if (micro_batches < 1) {
+    return Status::InvalidArgument("micro_batches must be >= 1, got " +
+                                   std::to_string(micro_batches));
+  }
   ISTHMUS_RETURN_IF_ERROR(model_.Reserve(B, T));
-  model_.StageBatch(tokens, targets, B, T);
+  if (micro_batches == 1) model_.StageBatch(tokens, targets, B, T);
   if (dev_->graph_b != B || dev_->graph_t != T || dev_->graph_layout != model_.layout_version()) {
     dev_->forward_backward.reset();
     dev_->optimizer.reset();
@@ -183,7 +187,27 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
   dev_->h_floats()[0] = control;
   used_graph_ = false;
 
-  RunRecorded(&dev_->forward_backward, &Trainer::EnqueueForwardBackward);
+  double loss_sum = 0.0;
+  int64_t positions = 0;
+  if (micro_batches == 1) {
+    RunRecorded(&dev_->forward_backward, &Trainer::EnqueueForwardBackward);
+  } else {
+    // The mean over every position with a target in all micro-batches.
+    const int64_t n = static_cast<int64_t>(B) * T;
+    for (int64_t i = 0; i < n * micro_batches; ++i) positions += targets[i] >= 0;
+    model_.ZeroGrad();
+    ops.UploadAsync(model_.GradData() + model_.TrainableElements(), dev_->h_floats(),
+                    sizeof(float));
+    for (int k = 0; k < micro_batches; ++k) {
+      // The staging is reused: the previous micro-batch must be done with it.
+      if (k > 0) ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
+      model_.StageBatch(tokens + k * n, targets + k * n, B, T, std::max<int64_t>(positions, 1));
+      model_.EnqueueForward(true);
+      model_.Backward();
+      ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
+      loss_sum += model_.StagedLoss() * static_cast<double>(model_.staged_positions());
+    }
+  }
   if (hook_) {
     ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
     ISTHMUS_RETURN_IF_ERROR(hook_(model_.GradData(), static_cast<size_t>(model_.GradElements())));
@@ -194,7 +218,8 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
 
   const float sumsq = dev_->h_floats()[1];
   stats.control = dev_->h_floats()[2];
-  stats.loss = static_cast<float>(model_.StagedLoss());
+  stats.loss = micro_batches == 1 ? static_cast<float>(model_.StagedLoss())
+                                  : static_cast<float>(positions > 0 ? loss_sum / positions : 0.0);
   stats.grad_norm = std::sqrt(sumsq);
   if (!std::isfinite(sumsq)) {
     stats.skipped = true;

@@ -73,8 +73,15 @@ class Trainer {
   // config.graphs is set, the step's device work is recorded once per batch shape and
   // replayed after that. Errors: the backend's (a CUDA failure, with where it happened),
   // the hook's, or ResourceExhausted when activations for B x T do not fit.
+  //
+  // Gradient accumulation: with `micro_batches` M > 1, tokens/targets hold M batches of
+  // [B,T] one after the other; each is run forward and backward in turn (activations for
+  // B x T only), their gradients add up, scaled so that the step is that of the mean loss
+  // over all M x B x T positions, and the hook and optimizer run once. The result equals
+  // one step on the [M*B,T] batch up to the order of the sums (the tests hold it to 1e-5).
+  // Accumulated steps launch their forward and backward kernels directly (not as a graph).
   Result<StepStats> Step(const int32_t* tokens, const int32_t* targets, int B, int T,
-                         float control = 0.0f);
+                         float control = 0.0f, int micro_batches = 1);
 
   // Number of optimizer steps taken (or loaded).
   int64_t step() const { return step_; }
