@@ -134,13 +134,13 @@ Result<SafetensorsInfo> ReadHfCheckpointInfo(const std::string& file) {
 
 Status WriteHfCheckpoint(const std::string& dir, const std::vector<Tensor>& tensors,
                          const std::map<std::string, std::string>& metadata,
-                         uint64_t max_shard_bytes) {
+                         uint64_t max_shard_bytes, FileDtype dtype) {
   if (max_shard_bytes == 0) return Status::InvalidArgument("the shard size must be > 0");
   // Tensors into shards, in order: a new shard when the next tensor would overflow this one.
   std::vector<std::vector<Tensor>> shards(1);
   uint64_t total = 0, in_shard = 0;
   for (const Tensor& t : tensors) {
-    const uint64_t bytes = t.data.size() * sizeof(float);
+    const uint64_t bytes = t.data.size() * FileDtypeSize(dtype);
     if (in_shard > 0 && in_shard + bytes > max_shard_bytes) {
       shards.emplace_back();
       in_shard = 0;
@@ -152,14 +152,14 @@ Status WriteHfCheckpoint(const std::string& dir, const std::vector<Tensor>& tens
   std::set<std::string> written;
   if (shards.size() == 1) {
     ISTHMUS_RETURN_IF_ERROR(
-        WriteSafetensors((fs::path(dir) / kHfSingleFile).string(), tensors, metadata));
+        WriteSafetensors((fs::path(dir) / kHfSingleFile).string(), tensors, metadata, dtype));
     written.insert(kHfSingleFile);
   } else {
     nlohmann::ordered_json map = nlohmann::ordered_json::object();
     for (size_t k = 0; k < shards.size(); ++k) {
       const std::string name = ShardName(k + 1, shards.size());
       ISTHMUS_RETURN_IF_ERROR(
-          WriteSafetensors((fs::path(dir) / name).string(), shards[k], metadata));
+          WriteSafetensors((fs::path(dir) / name).string(), shards[k], metadata, dtype));
       for (const Tensor& t : shards[k]) map[t.name] = name;
       written.insert(name);
     }

@@ -33,14 +33,14 @@ Result<SafetensorsFile> ReadHfCheckpoint(const std::string& file);
 // The same checks without reading tensor data.
 Result<SafetensorsInfo> ReadHfCheckpointInfo(const std::string& file);
 
-// Writes `tensors` (F32) into folder `dir`: model.safetensors when they take at most
+// Writes `tensors` (in `dtype`) into folder `dir`: model.safetensors when they take at most
 // `max_shard_bytes`, else shards of at most that size (a tensor larger than it gets a shard
 // of its own) named model-0000k-of-0000n.safetensors, in tensor order, and the index; each
 // file atomically and durably, the index last. Files of the other layout (or of more shards)
 // left by an earlier write are removed after, so a loader never finds two checkpoints.
 Status WriteHfCheckpoint(const std::string& dir, const std::vector<Tensor>& tensors,
                          const std::map<std::string, std::string>& metadata,
-                         uint64_t max_shard_bytes);
+                         uint64_t max_shard_bytes, FileDtype dtype = FileDtype::kF32);
 
 // transformers' default shard size (save_pretrained's max_shard_size, "5GB").
 inline constexpr uint64_t kHfDefaultShardBytes = 5'000'000'000ull;

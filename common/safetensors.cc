@@ -10,7 +10,9 @@
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -366,8 +368,46 @@ Result<std::vector<Tensor>> ReadSafetensorsTensors(const std::string& path) {
   return std::move(f.tensors);
 }
 
+namespace {
+
+uint16_t FloatToBf16(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // NaN
+  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);  // nearest, ties even
+}
+
+uint16_t FloatToHalf(float f) {
+  const uint32_t x = std::bit_cast<uint32_t>(f);
+  const uint32_t sign = (x >> 16) & 0x8000u, abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u)
+    return static_cast<uint16_t>(sign | (abs > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // >= 65520: infinity
+  if (abs < 0x38800000u) {  // below 2^-14: a subnormal half (or zero), in units of 2^-24
+    const float units = std::bit_cast<float>(abs) * 16777216.0f;  // exact: a power of two
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(units)));
+  }
+  const uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);  // nearest, ties even
+  return static_cast<uint16_t>(sign | ((rounded - 0x38000000u) >> 13));
+}
+
+}  // namespace
+
+const char* FileDtypeName(FileDtype d) {
+  return d == FileDtype::kBF16 ? "BF16" : d == FileDtype::kF16 ? "F16" : "F32";
+}
+int FileDtypeSize(FileDtype d) { return d == FileDtype::kF32 ? 4 : 2; }
+
+Result<FileDtype> ParseFileDtype(const std::string& name) {
+  std::string n = name;
+  for (char& c : n) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (n == "f32" || n == "fp32" || n == "float32") return FileDtype::kF32;
+  if (n == "bf16" || n == "bfloat16") return FileDtype::kBF16;
+  if (n == "f16" || n == "fp16" || n == "float16") return FileDtype::kF16;
+  return Status::InvalidArgument("dtype \"" + name + "\" is not one of fp32, bf16, fp16");
+}
+
 Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tensors,
-                        const std::map<std::string, std::string>& metadata) {
+                        const std::map<std::string, std::string>& metadata, FileDtype dtype) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     nlohmann::ordered_json m = nlohmann::ordered_json::object();
@@ -389,9 +429,10 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
                                      std::to_string(t.numel()) +
                                      " values, which does not match its shape");
     }
-    const uint64_t bytes = static_cast<uint64_t>(numel) * 4;
-    header[t.name] = {
-        {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    const uint64_t bytes = static_cast<uint64_t>(numel) * FileDtypeSize(dtype);
+    header[t.name] = {{"dtype", FileDtypeName(dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -410,8 +451,18 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
   }
   Status s = WriteAll(fd.get(), &header_len, 8, tmp);
   if (s.ok()) s = WriteAll(fd.get(), text.data(), text.size(), tmp);
+  std::vector<uint16_t> narrow;
   for (size_t i = 0; s.ok() && i < tensors.size(); ++i) {
-    s = WriteAll(fd.get(), tensors[i].data.data(), tensors[i].data.size() * 4, tmp);
+    const std::vector<float>& v = tensors[i].data;
+    if (dtype == FileDtype::kF32) {
+      s = WriteAll(fd.get(), v.data(), v.size() * 4, tmp);
+      continue;
+    }
+    narrow.resize(v.size());
+    for (size_t j = 0; j < v.size(); ++j) {
+      narrow[j] = dtype == FileDtype::kBF16 ? FloatToBf16(v[j]) : FloatToHalf(v[j]);
+    }
+    s = WriteAll(fd.get(), narrow.data(), narrow.size() * 2, tmp);
   }
   if (!s.ok()) return fail(s);
   if (::fsync(fd.get()) != 0) return fail(WriteError(tmp + ": fsync failed"));

@@ -44,14 +44,25 @@ Result<SafetensorsInfo> ReadSafetensorsInfo(const std::string& path);
 // Convenience: ReadSafetensors(path) without the metadata.
 Result<std::vector<Tensor>> ReadSafetensorsTensors(const std::string& path);
 
-// Writes `tensors` as F32 in the given order, with `metadata` as "__metadata__" (omitted
-// when empty). Atomic: writes a temporary file in the same folder, fsyncs it, renames it
-// over `path` and fsyncs the folder, so a reader sees the old file or the new one, never
-// a torn one. Refuses (InvalidArgument) empty or duplicate names, the reserved name
+// The element type a file is written in: F32 as held, or rounded to nearest-even BF16 or
+// F16 (F16 overflows to infinity past 65504; NaN stays NaN).
+enum class FileDtype { kF32, kBF16, kF16 };
+// "F32" / "BF16" / "F16", and bytes per element.
+const char* FileDtypeName(FileDtype d);
+int FileDtypeSize(FileDtype d);
+// "f32", "fp32", "float32", "bf16", "bfloat16", "f16", "fp16", "float16" (any case);
+// InvalidArgument otherwise, listing them.
+Result<FileDtype> ParseFileDtype(const std::string& name);
+
+// Writes `tensors` in `dtype` (F32 unless asked) in the given order, with `metadata` as
+// "__metadata__" (omitted when empty). Atomic: writes a temporary file in the same folder, fsyncs
+// it, renames it over `path` and fsyncs the folder, so a reader sees the old file or the new one,
+// never a torn one. Refuses (InvalidArgument) empty or duplicate names, the reserved name
 // "__metadata__", and tensors whose data size does not match their shape. Thread-safe for
 // distinct paths.
 Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tensors,
-                        const std::map<std::string, std::string>& metadata = {});
+                        const std::map<std::string, std::string>& metadata = {},
+                        FileDtype dtype = FileDtype::kF32);
 
 // Lower-case hex SHA-256 of the tensors' content, independent of their order: the tensors
 // are sorted by name and each contributes its name, its shape and its fp32 bytes

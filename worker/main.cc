@@ -267,6 +267,7 @@ struct ExportArgs {
   std::string hf_dir;
   std::string peft_dir;
   double max_shard_mb = kHfDefaultShardBytes / 1e6;  // --hf-dir shards above this size
+  std::string dtype = "fp32";                        // of --hf-dir's tensors
 };
 
 int RunExport(ExportArgs& a) {
@@ -277,6 +278,8 @@ int RunExport(ExportArgs& a) {
   if (a.out.empty() && a.hf_dir.empty() && a.peft_dir.empty()) {
     return usage("nothing to write: give --out FILE, --hf-dir DIR and/or --peft-dir DIR");
   }
+  auto dtype = ParseFileDtype(a.dtype);
+  if (!dtype.ok()) return usage("--dtype: " + dtype.status().message());
   if (a.trainable.empty() && a.shards.servers.empty()) {
     return usage("no tensors to export: give --trainable FILE (offline) or --server (shards)");
   }
@@ -341,7 +344,9 @@ int RunExport(ExportArgs& a) {
   std::string hf_dir = a.hf_dir;
   if (hf_dir.empty()) hf_dir = a.peft_dir + "/base";
   const auto shard_bytes = static_cast<uint64_t>(a.max_shard_mb * 1e6);
-  if (auto st = gpt->SaveHuggingFace(hf_dir, shard_bytes); !st.ok()) return Fail("export", st);
+  if (auto st = gpt->SaveHuggingFace(hf_dir, shard_bytes, *dtype); !st.ok()) {
+    return Fail("export", st);
+  }
   std::fprintf(stderr, "wrote Hugging Face %s folder %s (config.json, %s)\n",
                a.model.mode == "full" ? "model" : "base", hf_dir.c_str(),
                std::filesystem::exists(hf_dir + "/" + kHfIndexFile)
@@ -522,6 +527,12 @@ int main(int argc, char** argv) {
                    "largest safetensors file of --hf-dir, in MB (10^6 bytes; transformers' "
                    "5GB default); a bigger model is written as shards with an index")
       ->check(CLI::Range(0.001, 1e9))
+      ->capture_default_str();
+  export_cmd
+      ->add_option("--dtype", exp.dtype,
+                   "element type of --hf-dir's tensors: fp32 (as trained), bf16 or fp16 "
+                   "(rounded to nearest even; half the size; config.json's torch_dtype says "
+                   "which)")
       ->capture_default_str();
   export_cmd->add_option("--peft-dir", exp.peft_dir,
                          "LoRA: PEFT adapter folder that AutoPeftModelForCausalLM opens; its "

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <random>
 
 namespace isthmus {
@@ -371,6 +372,51 @@ TEST_F(SafetensorsTest, HuggingFaceShardsAndIndexRoundTripAndDisagreementsAreRef
   EXPECT_EQ(FindHfCheckpoint(Path("nothing-here")).value(), Path("nothing-here"));
   fs::create_directories(Path("empty"));
   EXPECT_EQ(FindHfCheckpoint(Path("empty")).status().code(), Code::kNotFound);
+}
+
+// BF16 and F16 files: each value rounded to the nearest representable one, ties to even;
+// F16 overflows to infinity from 65520 and goes through its subnormals to zero; NaN stays
+// NaN. Read back (widened to fp32) they are exactly those values.
+TEST_F(SafetensorsTest, WritesBf16AndF16RoundedToNearestEven) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float p8 = std::ldexp(1.0f, -8), p24 = std::ldexp(1.0f, -24);
+  struct Case {
+    float in, bf16, f16;
+  };
+  const std::vector<Case> cases = {
+      {1.0f, 1.0f, 1.0f},
+      {-2.5f, -2.5f, -2.5f},
+      {1.0f + p8, 1.0f, 1.0f + p8},                          // bf16: a tie, to the even 1.0
+      {1.0f + 3 * p8, 1.0f + 4 * p8, 1.0f + 3 * p8},         // bf16: a tie, to the even neighbour
+      {65504.0f, 65536.0f, 65504.0f},                        // F16's largest
+      {65519.0f, 65536.0f, 65504.0f},                        // just below the tie
+      {65520.0f, 65536.0f, inf},                             // the tie: to infinity
+      {std::ldexp(1.0f, -27), std::ldexp(1.0f, -27), 0.0f},  // below half of F16's least subnormal
+      {3 * p24 / 2, 3 * p24 / 2, 2 * p24},                   // 1.5 subnormal units: to 2
+      {std::ldexp(1.0f, -14), std::ldexp(1.0f, -14), std::ldexp(1.0f, -14)},  // least normal
+      {1.0f / 3.0f, 0.333984375f, 0.333251953125f},
+      {-inf, -inf, -inf},
+  };
+  Tensor t{"x", {static_cast<int64_t>(cases.size()) + 1}, {}};
+  for (const Case& c : cases) t.data.push_back(c.in);
+  t.data.push_back(std::numeric_limits<float>::quiet_NaN());
+  for (FileDtype d : {FileDtype::kBF16, FileDtype::kF16}) {
+    const std::string path = Path(std::string("x.") + FileDtypeName(d));
+    ASSERT_TRUE(WriteSafetensors(path, {t}, {}, d).ok());
+    EXPECT_EQ(fs::file_size(path) % 8, (cases.size() + 1) * 2 % 8);
+    auto back = ReadSafetensors(path);
+    ASSERT_TRUE(back.ok()) << back.status().ToString();
+    const std::vector<float>& v = back->tensors[0].data;
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const float want = d == FileDtype::kBF16 ? cases[i].bf16 : cases[i].f16;
+      EXPECT_EQ(std::bit_cast<uint32_t>(v[i]), std::bit_cast<uint32_t>(want))
+          << FileDtypeName(d) << " of " << cases[i].in << ": " << v[i] << " want " << want;
+    }
+    EXPECT_TRUE(std::isnan(v.back()));
+  }
+  EXPECT_EQ(ParseFileDtype("BFloat16").value(), FileDtype::kBF16);
+  EXPECT_EQ(ParseFileDtype("fp16").value(), FileDtype::kF16);
+  EXPECT_EQ(ParseFileDtype("double").status().code(), Code::kInvalidArgument);
 }
 
 }  // namespace

@@ -39,7 +39,7 @@ def write_safetensors_by_hand(path, tensors):
 
 
 def read_safetensors_by_hand(path):
-    """{name: float32 array} of an F32 or BF16 safetensors file, read without isthmus."""
+    """{name: float32 array} of an F32, F16 or BF16 safetensors file, read without isthmus."""
     with open(path, "rb") as f:
         raw = f.read()
     n = int.from_bytes(raw[:8], "little")
@@ -52,6 +52,8 @@ def read_safetensors_by_hand(path):
         data = raw[8 + n + b:8 + n + end]
         if e["dtype"] == "F32":
             a = np.frombuffer(data, dtype="<f4")
+        elif e["dtype"] == "F16":
+            a = np.frombuffer(data, dtype="<f2").astype(np.float32)
         else:
             assert e["dtype"] == "BF16", e["dtype"]
             a = (np.frombuffer(data, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
@@ -274,6 +276,24 @@ class ExportTest(unittest.TestCase):
         self.assertEqual(sorted(got), sorted(want))
         for n in want:
             np.testing.assert_array_equal(got[n], want[n])
+        # --dtype bf16 / fp16: the same tensors rounded as PyTorch rounds them, and
+        # config.json says which.
+        for dtype, torch_dtype, name in (("bf16", torch.bfloat16, "bfloat16"),
+                                         ("fp16", torch.float16, "float16")):
+            half = os.path.join(self.dir, f"hf-export-{dtype}")
+            self.run_ok([self.worker, "export", "--mode", "full", "--base", self.base,
+                         "--trainable", init, "--hf-dir", half, "--dtype", dtype])
+            with open(os.path.join(half, "config.json")) as f:
+                self.assertEqual(json.load(f)["torch_dtype"], name)
+            got_half = read_safetensors_by_hand(os.path.join(half, "model.safetensors"))
+            for n in want:
+                rounded = torch.from_numpy(want[n]).to(torch_dtype).to(torch.float32).numpy()
+                np.testing.assert_array_equal(got_half[n], rounded, err_msg=f"{dtype} {n}")
+        r = subprocess.run([self.worker, "export", "--mode", "full", "--base", self.base,
+                            "--trainable", init, "--hf-dir", one, "--dtype", "int8"],
+                           capture_output=True, text=True)
+        self.assertEqual(r.returncode, 2)
+        self.assertIn("--dtype", r.stderr)
         # Exported again as one file into the same folder: the shards and index are gone.
         self.run_ok([self.worker, "export", "--mode", "full", "--base", self.base,
                      "--trainable", init, "--hf-dir", out])

@@ -545,13 +545,14 @@ Status Gpt::SavePeftAdapter(const std::string& dir, const std::string& base_dir)
   return WriteJsonFile(dir + "/adapter_config.json", config);
 }
 
-Status Gpt::SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes) const {
+Status Gpt::SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes,
+                            FileDtype dtype) const {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
   std::vector<Tensor> base = ExportBase();
   ISTHMUS_RETURN_IF_ERROR(ops_.status());
-  ISTHMUS_RETURN_IF_ERROR(WriteHfCheckpoint(dir, base, {{"format", "pt"}}, max_shard_bytes));
+  ISTHMUS_RETURN_IF_ERROR(WriteHfCheckpoint(dir, base, {{"format", "pt"}}, max_shard_bytes, dtype));
   nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}},
                            {"model_type", "gpt2"},
                            {"vocab_size", config_.vocab_size},
@@ -569,7 +570,9 @@ Status Gpt::SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes) co
                            {"scale_attn_weights", true},
                            {"tie_word_embeddings", true},
                            {"use_cache", true},
-                           {"torch_dtype", "float32"}};
+                           {"torch_dtype", dtype == FileDtype::kBF16  ? "bfloat16"
+                                           : dtype == FileDtype::kF16 ? "float16"
+                                                                      : "float32"}};
   // GPT-2's vocabulary ends with <|endoftext|>; a byte-level model has no special token.
   const nlohmann::json special =
       config_.vocab_size == 50257 ? nlohmann::json(50256) : nlohmann::json(nullptr);

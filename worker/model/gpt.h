@@ -262,9 +262,11 @@ class Gpt {
   // directly: `dir`/model.safetensors (the base tensors: in full mode the trained model),
   // or above `max_shard_bytes` shards with model.safetensors.index.json (WriteHfCheckpoint),
   // and `dir`/config.json (GPT2LMHeadModel, gelu_new, layer_norm_epsilon 1e-5, tied
-  // embeddings, no dropout). Creates `dir`; each file is written atomically.
-  Status SaveHuggingFace(const std::string& dir,
-                         uint64_t max_shard_bytes = kHfDefaultShardBytes) const;
+  // embeddings, no dropout, torch_dtype of `dtype`). The tensors are written in `dtype`
+  // (fp32 as held, or rounded to bf16 / fp16). Creates `dir`; each file is written
+  // atomically.
+  Status SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes = kHfDefaultShardBytes,
+                         FileDtype dtype = FileDtype::kF32) const;
 
   // Metadata SaveBase writes (also useful for adapter files).
   std::map<std::string, std::string> ConfigMetadata() const;
