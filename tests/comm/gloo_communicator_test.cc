@@ -17,6 +17,8 @@
 
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include "tests/comm/comm_test_util.h"
 #include "tests/loopback.h"
 #include "worker/comm/rendezvous.h"
@@ -369,6 +371,64 @@ TEST(RendezvousTest, RanksOfDifferentDeviceKindsRefuseEachOtherAtOnce) {
   });
   EXPECT_TRUE(result[0].ok()) << result[0].ToString();
   EXPECT_TRUE(result[1].ok()) << result[1].ToString();
+}
+
+// A relaunch on a reused file store never reads the earlier launch's keys: launch 1 leaves
+// "id" = "first"; in launch 2 rank 1 starts first and asks for "id" while rank 0 is still
+// half a second away, and gets launch 2's "second", written after that. The ranks agree on
+// a new launch id each time. (Without the agreement rank 1 read "first" at once.)
+TEST(RendezvousTest, ARelaunchOnAReusedFileStoreNeverReadsTheEarlierLaunchsKeys) {
+  TempDir dir;
+  std::string ids[2][2];
+  for (int launch = 0; launch < 2; ++launch) {
+    std::string got[2];
+    RunRanks(2, [&](int rank) {
+      if (launch == 1 && rank == 0) std::this_thread::sleep_for(milliseconds(500));
+      auto r = Rendezvous::Open("file:" + dir.path(), rank, "job", milliseconds(10'000));
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      const Status agreed = (*r)->AgreeOnLaunch(rank, 2);
+      ASSERT_TRUE(agreed.ok()) << agreed.ToString();
+      ids[launch][rank] = (*r)->launch_id();
+      const std::string value = launch == 0 ? "first" : "second";
+      if (rank == 0) {
+        ASSERT_TRUE((*r)->Set("id", std::vector<char>(value.begin(), value.end())).ok());
+      }
+      auto v = (*r)->Get("id");
+      ASSERT_TRUE(v.ok()) << v.status().ToString();
+      got[rank].assign(v->begin(), v->end());
+    });
+    EXPECT_EQ(got[1], launch == 0 ? "first" : "second") << "launch " << launch;
+    EXPECT_EQ(ids[launch][0], ids[launch][1]);
+    EXPECT_EQ(ids[launch][0].size(), 32u);
+  }
+  EXPECT_NE(ids[0][0], ids[1][0]);
+  // A rank that never comes is named when the others give up.
+  TempDir lonely;
+  auto r = Rendezvous::Open("file:" + lonely.path(), 0, "job", milliseconds(300));
+  ASSERT_TRUE(r.ok());
+  const Status st = (*r)->AgreeOnLaunch(0, 3);
+  EXPECT_EQ(st.code(), Code::kTimeout);
+  EXPECT_NE(st.message().find("rank(s) 1, 2 did not join"), std::string::npos) << st.ToString();
+}
+
+// Gloo groups launched twice on one file store: the second launch's all-reduce works (it
+// would otherwise connect to the first launch's addresses, gone with its processes).
+TEST(RendezvousTest, AGlooGroupRelaunchedOnTheSameFileStoreWorks) {
+  TempDir dir;
+  for (int launch = 0; launch < 2; ++launch) {
+    std::vector<float> result[2];
+    RunRanks(2, [&](int rank) {
+      if (launch == 1 && rank == 1) std::this_thread::sleep_for(milliseconds(300));
+      auto comm = CreateGlooCommunicator(Options(rank, 2, dir.path()));
+      ASSERT_TRUE(comm.ok()) << "launch " << launch << " rank " << rank << ": "
+                             << comm.status().ToString();
+      std::vector<float> v(16, static_cast<float>(rank + 1 + launch));
+      ASSERT_TRUE((*comm)->AllReduceSum(v.data(), v.size()).ok());
+      result[rank] = v;
+    });
+    EXPECT_EQ(result[0], std::vector<float>(16, 3.0f + 2 * launch)) << "launch " << launch;
+    EXPECT_EQ(result[1], result[0]);
+  }
 }
 
 TEST(RendezvousTest, TcpStoreUnreachableTimesOut) {

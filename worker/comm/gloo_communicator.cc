@@ -146,6 +146,7 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const GlooOptions& 
   ISTHMUS_ASSIGN_OR_RETURN(
       std::unique_ptr<Rendezvous> rendezvous,
       Rendezvous::Open(options.rendezvous, options.rank, options.prefix, options.timeout));
+  ISTHMUS_RETURN_IF_ERROR(rendezvous->AgreeOnLaunch(options.rank, options.world_size));
   ISTHMUS_RETURN_IF_ERROR(
       AgreeOnKind(*rendezvous, options.rank, options.world_size, "gloo (--device cpu)"));
 

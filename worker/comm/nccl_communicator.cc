@@ -226,6 +226,7 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& 
   ISTHMUS_ASSIGN_OR_RETURN(
       std::unique_ptr<Rendezvous> rendezvous,
       Rendezvous::Open(options.rendezvous, options.rank, options.prefix, options.timeout));
+  ISTHMUS_RETURN_IF_ERROR(rendezvous->AgreeOnLaunch(options.rank, options.world_size));
   ISTHMUS_RETURN_IF_ERROR(
       AgreeOnKind(*rendezvous, options.rank, options.world_size, "nccl (--device cuda)"));
   ncclUniqueId id;

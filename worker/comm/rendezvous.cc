@@ -16,7 +16,9 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <map>
+#include <random>
 #include <thread>
 #include <unordered_map>
 
@@ -133,8 +135,11 @@ Result<std::unique_ptr<addrinfo, AddrInfoDeleter>> Resolve(const std::string& ho
 class FileStore : public PollableStore {
  public:
   explicit FileStore(const std::string& dir) : store_(dir) {}
+  // Gloo's set refuses a key that exists; a launch's rendezvous rewrites its own (a rank's
+  // nonce over an earlier launch's), so this writes the file as Gloo does and renames it
+  // over the old one.
   void set(const std::string& key, const std::vector<char>& data) override {
-    store_.set(key, data);
+    store_.Overwrite(key, data);
   }
   std::vector<char> get(const std::string& key) override { return store_.get(key); }
   bool Has(const std::vector<std::string>& keys) override { return store_.Check(keys); }
@@ -143,6 +148,17 @@ class FileStore : public PollableStore {
   struct Checkable : gloo::rendezvous::FileStore {
     using gloo::rendezvous::FileStore::FileStore;
     bool Check(const std::vector<std::string>& keys) { return check(keys); }
+    void Overwrite(const std::string& key, const std::vector<char>& data) {
+      const std::string tmp = tmpPath(key), path = objectPath(key);
+      {
+        std::ofstream out(tmp, std::ios::out | std::ios::trunc | std::ios::binary);
+        out.write(data.data(), static_cast<std::streamsize>(data.size()));
+        if (!out) throw gloo::IoException(gloo::MakeString("cannot write ", tmp));
+      }
+      if (::rename(tmp.c_str(), path.c_str()) != 0) {
+        throw gloo::IoException(gloo::MakeString("rename ", tmp, ": ", std::strerror(errno)));
+      }
+    }
   };
   Checkable store_;
 };
@@ -459,7 +475,87 @@ Result<std::unique_ptr<Rendezvous>> Rendezvous::Open(const std::string& spec, in
     ISTHMUS_ASSIGN_OR_RETURN(r->base_, ConnectTcpStore(parsed.host, parsed.port, timeout));
   }
   r->scoped_ = std::make_unique<ScopedStore>(*r->base_, prefix, timeout);
+  r->prefix_ = prefix;
+  r->timeout_ = timeout;
   return r;
+}
+
+Status Rendezvous::AgreeOnLaunch(int rank, int world_size) {
+  if (!launch_id_.empty()) return Status::FailedPrecondition("AgreeOnLaunch called twice");
+  std::random_device device;
+  auto random_hex = [&device] {
+    char buf[33];
+    std::snprintf(buf, sizeof buf, "%08x%08x%08x%08x", device(), device(), device(), device());
+    return std::string(buf);
+  };
+  const auto deadline = Clock::now() + timeout_;
+  auto key = [&](const char* what, int r) {
+    return prefix_ + "/launch-" + what + "/" + std::to_string(r);
+  };
+  auto read = [&](const std::string& k) -> std::string {
+    if (!base_->Has({k})) return "";
+    const std::vector<char> v = base_->get(k);
+    return std::string(v.begin(), v.end());
+  };
+  auto write = [&](const std::string& k, const std::string& v) {
+    base_->set(k, std::vector<char>(v.begin(), v.end()));
+  };
+  try {
+    if (rank == 0) {
+      const std::string id = random_hex();
+      std::vector<std::string> echoed(world_size);  // the nonce answered, per rank
+      std::vector<bool> done(world_size, false);
+      for (;;) {
+        bool all = true;
+        for (int r = 1; r < world_size; ++r) {
+          if (done[r]) continue;
+          // A nonce that changed (an earlier launch's was read first) is answered again.
+          const std::string nonce = read(key("hello", r));
+          if (!nonce.empty() && nonce != echoed[r]) {
+            write(key("answer", r), id + ":" + nonce);
+            echoed[r] = nonce;
+          }
+          done[r] = !echoed[r].empty() && read(key("ack", r)) == id + ":" + echoed[r];
+          all = all && done[r];
+        }
+        if (all) break;
+        if (Clock::now() >= deadline) {
+          std::string missing;
+          for (int r = 1; r < world_size; ++r) {
+            if (!done[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+          }
+          return Status::Timeout("rendezvous: rank(s) " + missing +
+                                 " did not join this launch within " +
+                                 std::to_string(timeout_.count()) + " ms");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      launch_id_ = id;
+    } else {
+      const std::string nonce = random_hex();
+      write(key("hello", rank), nonce);
+      for (;;) {
+        const std::string answer = read(key("answer", rank));
+        const auto colon = answer.find(':');
+        if (colon != std::string::npos && answer.substr(colon + 1) == nonce) {
+          launch_id_ = answer.substr(0, colon);
+          write(key("ack", rank), answer);
+          break;
+        }
+        if (Clock::now() >= deadline) {
+          return Status::Timeout("rendezvous: rank 0 did not answer rank " + std::to_string(rank) +
+                                 " for this launch within " + std::to_string(timeout_.count()) +
+                                 " ms");
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+    }
+  } catch (const std::exception& e) {
+    return StatusFromGlooException("rendezvous: agreeing on the launch", e);
+  }
+  // Every later key of this launch carries its id.
+  scoped_ = std::make_unique<ScopedStore>(*base_, prefix_ + "." + launch_id_, timeout_);
+  return Status::Ok();
 }
 
 Rendezvous::~Rendezvous() {

@@ -68,12 +68,21 @@ class TcpStoreServer {
 class Rendezvous {
  public:
   // Opens the store named by `spec` for `rank`. For "tcp:" specs rank 0 starts the server
-  // and every rank (0 included) connects to it as a client, retrying until `timeout`.
-  // `prefix` must be unique per launch of a job when a file store directory is reused: keys
-  // left by an earlier launch under the same prefix would be read as current.
+  // and every rank (0 included) connects to it as a client, retrying until `timeout`. Keys
+  // left in a reused file store by an earlier launch under the same prefix would be read
+  // as current: call AgreeOnLaunch before any other key.
   static Result<std::unique_ptr<Rendezvous>> Open(const std::string& spec, int rank,
                                                   const std::string& prefix,
                                                   std::chrono::milliseconds timeout);
+  // Makes every later key of this launch its own: rank 0 draws a launch id and hands it to
+  // each rank in answer to a fresh random nonce that rank wrote, and each rank confirms it,
+  // so an answer, a nonce or a confirmation an earlier launch left in the store is never
+  // taken for this launch's; from then on keys carry the launch id. Every rank of the group
+  // must call it once, first. kTimeout, naming the ranks not heard from, when a rank does
+  // not join within the timeout.
+  Status AgreeOnLaunch(int rank, int world_size);
+  // The launch id AgreeOnLaunch agreed on (empty before).
+  const std::string& launch_id() const { return launch_id_; }
   ~Rendezvous();
 
   Status Set(const std::string& key, const std::vector<char>& value);
@@ -93,6 +102,9 @@ class Rendezvous {
   std::unique_ptr<TcpStoreServer> server_;
   std::unique_ptr<PollableStore> base_;
   std::unique_ptr<gloo::rendezvous::Store> scoped_;
+  std::string prefix_;
+  std::chrono::milliseconds timeout_{0};
+  std::string launch_id_;
 };
 
 // Checks that every rank of the group joined with the same `kind` (e.g. "gloo (--device
