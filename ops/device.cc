@@ -44,24 +44,38 @@ std::string ToString(const DeviceChoice& choice) {
   return "?";
 }
 
-Result<DeviceChoice> ResolveDevice(const DeviceChoice& choice, int rank) {
+Result<int> PickDevice(const DeviceChoice& choice, int rank, int local_rank, int count) {
+  const std::string visible = std::to_string(count) + " CUDA device" + (count == 1 ? "" : "s") +
+                              " visible (cuda:0 to cuda:" + std::to_string(count - 1) + ")";
+  if (choice.index >= 0) {
+    if (choice.index >= count) {
+      return Status::InvalidArgument("--device " + ToString(choice) + ": only " + visible);
+    }
+    return choice.index;
+  }
+  if (local_rank >= 0) {
+    if (local_rank >= count) {
+      return Status::InvalidArgument("--local-rank " + std::to_string(local_rank) + " (rank " +
+                                     std::to_string(rank) + "): only " + visible +
+                                     ": start at most one rank per GPU on this node");
+    }
+    return local_rank;
+  }
+  return rank % count;
+}
+
+Result<DeviceChoice> ResolveDevice(const DeviceChoice& choice, int rank, int local_rank) {
   if (choice.kind == DeviceChoice::Kind::kCpu) return choice;
   std::string why;
   const int count = CudaDeviceCount(&why);
-  if (choice.kind == DeviceChoice::Kind::kAuto) {
-    if (count == 0) return DeviceChoice{DeviceChoice::Kind::kCpu, -1};
-    return DeviceChoice{DeviceChoice::Kind::kCuda, rank % count};
+  if (choice.kind == DeviceChoice::Kind::kAuto && count == 0) {
+    return DeviceChoice{DeviceChoice::Kind::kCpu, -1};
   }
   if (count == 0) {
     return Status::FailedPrecondition("--device " + ToString(choice) +
                                       ": no CUDA device is usable (" + why + "); use --device cpu");
   }
-  const int index = choice.index >= 0 ? choice.index : rank % count;
-  if (index >= count) {
-    return Status::InvalidArgument(
-        "--device " + ToString(choice) + ": only " + std::to_string(count) + " CUDA device" +
-        (count == 1 ? "" : "s") + " visible (cuda:0 to cuda:" + std::to_string(count - 1) + ")");
-  }
+  ISTHMUS_ASSIGN_OR_RETURN(int index, PickDevice(choice, rank, local_rank, count));
   return DeviceChoice{DeviceChoice::Kind::kCuda, index};
 }
 

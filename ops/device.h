@@ -39,11 +39,14 @@ int CudaDeviceCount(std::string* why = nullptr);
 Result<std::unique_ptr<Ops>> CreateCudaOps(int device);
 
 // What `choice` means for rank `rank` of a site on this machine: kAuto becomes kCuda when a
-// device is visible (and the build has CUDA), else kCpu; kCuda gets an index (rank %
-// visible devices when it had none). FailedPrecondition when kCuda is asked for and no
-// device is usable, InvalidArgument when the index is out of range; the messages name the
-// --device value and what to do.
-Result<DeviceChoice> ResolveDevice(const DeviceChoice& choice, int rank);
+// device is visible (and the build has CUDA), else kCpu; kCuda gets an index: its own,
+// else `local_rank` (the rank's place on its node, >= 0 when known), else rank % visible
+// devices. FailedPrecondition when kCuda is asked for and no device is usable,
+// InvalidArgument when the index or the local rank is out of range; the messages name the
+// --device or --local-rank value and what to do.
+Result<DeviceChoice> ResolveDevice(const DeviceChoice& choice, int rank, int local_rank = -1);
+// The index part of ResolveDevice for `count` visible devices (count > 0).
+Result<int> PickDevice(const DeviceChoice& choice, int rank, int local_rank, int count);
 
 // The backend of a resolved choice. The CPU backend comes back as a non-owning pointer to
 // CpuOps(). Errors as CreateCudaOps, prefixed with the --device value.

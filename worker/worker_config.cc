@@ -244,7 +244,8 @@ Status ComputeSettings::Validate() const {
 Result<OpenedCompute> OpenCompute(const ComputeSettings& c, int rank) {
   ISTHMUS_RETURN_IF_ERROR(c.Validate());
   ISTHMUS_ASSIGN_OR_RETURN(ops::DeviceChoice choice, ops::ParseDevice(c.device));
-  ISTHMUS_ASSIGN_OR_RETURN(ops::DeviceChoice resolved, ops::ResolveDevice(choice, rank));
+  ISTHMUS_ASSIGN_OR_RETURN(ops::DeviceChoice resolved,
+                           ops::ResolveDevice(choice, rank, c.local_rank));
   OpenedCompute out;
   ISTHMUS_ASSIGN_OR_RETURN(out.ops, ops::OpenBackend(resolved));
   out.device_index = resolved.kind == ops::DeviceChoice::Kind::kCuda ? resolved.index : -1;
@@ -385,8 +386,14 @@ void AddModelFlags(CLI::App& app, ModelSettings& m) {
 void AddComputeFlags(CLI::App& app, ComputeSettings& c) {
   app.add_option("--device", c.device,
                  "cpu, cuda, cuda:N, or auto (cuda when a GPU is visible; cuda alone picks "
-                 "GPU rank % visible GPUs)")
+                 "GPU --local-rank, else GPU rank % visible GPUs)")
       ->capture_default_str();
+  app.add_option("--local-rank", c.local_rank,
+                 "this rank's place on its node, the GPU that --device cuda or auto picks "
+                 "(default: the LOCAL_RANK environment variable, as torchrun sets it; else "
+                 "rank % visible GPUs); nodes may hold different numbers of GPUs")
+      ->envname("LOCAL_RANK")
+      ->check(CLI::Range(0, 1023));
   app.add_option("--precision", c.precision,
                  "fp32 or bf16 (bf16 matmuls and activations, fp32 master weights and "
                  "optimizer); auto is bf16 on cuda, fp32 on cpu")

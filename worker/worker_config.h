@@ -83,6 +83,7 @@ struct ComputeSettings {
   std::string device = "auto";     // auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible)
   std::string precision = "auto";  // auto | fp32 | bf16 (auto: bf16 on cuda, fp32 on cpu)
   bool cuda_graphs = true;
+  int local_rank = -1;  // this rank's place on its node (--local-rank or LOCAL_RANK); -1: none
 
   // InvalidArgument for a malformed --device or --precision.
   Status Validate() const;

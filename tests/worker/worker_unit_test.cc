@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "ops/device.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/live_params.h"
 #include "worker/progress.h"
@@ -315,6 +316,46 @@ TEST(TrainSettings, TomlConfigIsReadAndFlagsWin) {
   EXPECT_FLOAT_EQ(t.lr, 0.01f);
   EXPECT_EQ(t.shards.servers, (std::vector<std::string>{"tcp://a:1", "tcp://b:2"}));
   std::filesystem::remove_all(dir);
+}
+
+// The GPU a rank uses: --device cuda:N as given; else its local rank (--local-rank, or
+// LOCAL_RANK as torchrun sets it), so nodes with unequal GPU counts work; else the site
+// rank modulo the visible GPUs. A local rank beyond the node's GPUs is refused naming the
+// rank and the setting.
+TEST(ComputeSettings, LocalRankPicksTheGpuAndComesFromLocalRankToo) {
+  using ops::DeviceChoice;
+  const DeviceChoice cuda{DeviceChoice::Kind::kCuda, -1};
+  EXPECT_EQ(ops::PickDevice(cuda, 11, -1, 8).value(), 3);  // rank % GPUs
+  EXPECT_EQ(ops::PickDevice(cuda, 11, 1, 4).value(), 1);   // a node of 4 after one of 8+2
+  EXPECT_EQ(ops::PickDevice({DeviceChoice::Kind::kCuda, 2}, 11, 1, 4).value(), 2);
+  auto far = ops::PickDevice(cuda, 11, 4, 4);
+  EXPECT_EQ(far.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(far.status().message().find("--local-rank 4 (rank 11): only 4 CUDA devices"),
+            std::string::npos)
+      << far.status().ToString();
+  EXPECT_EQ(ops::PickDevice({DeviceChoice::Kind::kCuda, 9}, 0, -1, 8).status().code(),
+            Code::kInvalidArgument);
+
+  for (const char* env : {"", "5"}) {
+    if (*env) {
+      ::setenv("LOCAL_RANK", env, 1);
+    } else {
+      ::unsetenv("LOCAL_RANK");
+    }
+    CLI::App app;
+    TrainSettings t;
+    AddTrainFlags(app, t);
+    std::vector<const char*> argv = {"prog", "--data", "d"};
+    ASSERT_NO_THROW(app.parse(static_cast<int>(argv.size()), const_cast<char**>(argv.data())));
+    EXPECT_EQ(t.compute.local_rank, *env ? 5 : -1);
+    CLI::App flagged;
+    TrainSettings f;
+    AddTrainFlags(flagged, f);
+    std::vector<const char*> with = {"prog", "--local-rank", "2"};
+    ASSERT_NO_THROW(flagged.parse(static_cast<int>(with.size()), const_cast<char**>(with.data())));
+    EXPECT_EQ(f.compute.local_rank, 2);  // the flag wins over the environment
+  }
+  ::unsetenv("LOCAL_RANK");
 }
 
 // A file's record of the LoRA settings: taken when the flag is not given, refused (naming
