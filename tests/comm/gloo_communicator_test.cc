@@ -411,6 +411,54 @@ TEST(RendezvousTest, ARelaunchOnAReusedFileStoreNeverReadsTheEarlierLaunchsKeys)
   EXPECT_NE(st.message().find("rank(s) 1, 2 did not join"), std::string::npos) << st.ToString();
 }
 
+// Ranks launched with different --world-size values are told at the launch agreement,
+// naming the setting, instead of waiting out the timeout for ranks that never come.
+TEST(RendezvousTest, RanksWithDifferentWorldSizesAreRefusedNamingTheSetting) {
+  TempDir dir;
+  Status result[2];
+  const auto start = std::chrono::steady_clock::now();
+  RunRanks(2, [&](int rank) {
+    auto r = Rendezvous::Open("file:" + dir.path(), rank, "job", milliseconds(10'000));
+    ASSERT_TRUE(r.ok());
+    result[rank] = (*r)->AgreeOnLaunch(rank, rank == 0 ? 2 : 3);
+  });
+  for (int rank = 0; rank < 2; ++rank) {
+    EXPECT_EQ(result[rank].code(), Code::kFailedPrecondition) << result[rank].ToString();
+    EXPECT_NE(result[rank].message().find("same --world-size"), std::string::npos);
+  }
+  EXPECT_NE(result[0].message().find("rank 1 was launched with --world-size 3 but rank 0 with 2"),
+            std::string::npos)
+      << result[0].message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, milliseconds(5'000)) << "not at once";
+}
+
+// Two ranks on one GPU are refused, naming both and the device, before any collective
+// (the NCCL communicator passes host and GPU UUID; the check itself is the rendezvous's).
+TEST(RendezvousTest, TwoRanksOnOneDeviceAreRefusedNamingBoth) {
+  for (bool same : {false, true}) {
+    TempDir dir;
+    Status result[3];
+    RunRanks(3, [&](int rank) {
+      auto r = Rendezvous::Open("file:" + dir.path(), rank, "job", milliseconds(10'000));
+      ASSERT_TRUE(r.ok());
+      ASSERT_TRUE((*r)->AgreeOnLaunch(rank, 3).ok());
+      const std::string device =
+          "node-a GPU-" + std::to_string(same && rank == 2 ? 0 : rank);  // rank 2 on rank 0's
+      result[rank] = AgreeOnDistinctDevices(**r, rank, 3, device);
+    });
+    if (!same) {
+      for (const Status& st : result) EXPECT_TRUE(st.ok()) << st.ToString();
+      continue;
+    }
+    for (int rank : {0, 1, 2}) {  // every rank stops, not only the pair
+      EXPECT_EQ(result[rank].code(), Code::kFailedPrecondition);
+      EXPECT_NE(result[rank].message().find("ranks 0 and 2 both use node-a GPU-0"),
+                std::string::npos)
+          << result[rank].ToString();
+    }
+  }
+}
+
 // Gloo groups launched twice on one file store: the second launch's all-reduce works (it
 // would otherwise connect to the first launch's addresses, gone with its processes).
 TEST(RendezvousTest, AGlooGroupRelaunchedOnTheSameFileStoreWorks) {

@@ -10,6 +10,7 @@
 
 #include <cuda_runtime.h>
 #include <nccl.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <thread>
@@ -229,6 +230,22 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& 
   ISTHMUS_RETURN_IF_ERROR(rendezvous->AgreeOnLaunch(options.rank, options.world_size));
   ISTHMUS_RETURN_IF_ERROR(
       AgreeOnKind(*rendezvous, options.rank, options.world_size, "nccl (--device cuda)"));
+  {
+    // Two ranks on one GPU are refused before NCCL sees them.
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    cudaDeviceProp prop{};
+    char uuid[64] = "?";
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+      const auto* u = reinterpret_cast<const unsigned char*>(prop.uuid.bytes);
+      std::snprintf(uuid, sizeof uuid,
+                    "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0],
+                    u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12],
+                    u[13], u[14], u[15]);
+    }
+    ISTHMUS_RETURN_IF_ERROR(AgreeOnDistinctDevices(*rendezvous, options.rank, options.world_size,
+                                                   std::string(host) + " GPU-" + uuid));
+  }
   ncclUniqueId id;
   const std::string key = "nccl_unique_id";
   if (options.rank == 0) {

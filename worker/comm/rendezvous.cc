@@ -503,7 +503,8 @@ Status Rendezvous::AgreeOnLaunch(int rank, int world_size) {
   try {
     if (rank == 0) {
       const std::string id = random_hex();
-      std::vector<std::string> echoed(world_size);  // the nonce answered, per rank
+      std::vector<std::string> echoed(world_size);    // the nonce answered, per rank
+      std::vector<std::string> mismatch(world_size);  // a rank's other world size
       std::vector<bool> done(world_size, false);
       for (;;) {
         bool all = true;
@@ -512,11 +513,28 @@ Status Rendezvous::AgreeOnLaunch(int rank, int world_size) {
           // A nonce that changed (an earlier launch's was read first) is answered again.
           const std::string nonce = read(key("hello", r));
           if (!nonce.empty() && nonce != echoed[r]) {
-            write(key("answer", r), id + ":" + nonce);
+            // "NONCE/WORLD": a rank launched with another world size is told, and stops.
+            const auto slash = nonce.find('/');
+            const std::string theirs = slash == std::string::npos ? "" : nonce.substr(slash + 1);
+            if (theirs != std::to_string(world_size)) {
+              write(key("answer", r), "refused:" + nonce);
+              mismatch[r] = theirs;
+            } else {
+              write(key("answer", r), id + ":" + nonce);
+              mismatch[r].clear();
+            }
             echoed[r] = nonce;
           }
           done[r] = !echoed[r].empty() && read(key("ack", r)) == id + ":" + echoed[r];
           all = all && done[r];
+        }
+        for (int r = 1; r < world_size; ++r) {
+          if (!mismatch[r].empty()) {
+            return Status::FailedPrecondition(
+                "rank " + std::to_string(r) + " was launched with --world-size " + mismatch[r] +
+                " but rank 0 with " + std::to_string(world_size) +
+                ": give every rank of the site the same --world-size");
+          }
         }
         if (all) break;
         if (Clock::now() >= deadline) {
@@ -532,10 +550,16 @@ Status Rendezvous::AgreeOnLaunch(int rank, int world_size) {
       }
       launch_id_ = id;
     } else {
-      const std::string nonce = random_hex();
+      const std::string nonce = random_hex() + "/" + std::to_string(world_size);
       write(key("hello", rank), nonce);
       for (;;) {
         const std::string answer = read(key("answer", rank));
+        if (answer == "refused:" + nonce) {
+          return Status::FailedPrecondition(
+              "rank 0 was launched with another --world-size than this rank " +
+              std::to_string(rank) + " (" + std::to_string(world_size) +
+              "): give every rank of the site the same --world-size");
+        }
         const auto colon = answer.find(':');
         if (colon != std::string::npos && answer.substr(colon + 1) == nonce) {
           launch_id_ = answer.substr(0, colon);
@@ -596,6 +620,30 @@ Status StatusFromGlooException(std::string_view what, const std::exception& e) {
   // reports some transport timeouts this way, so look at the text too.
   if (ContainsTimeout(e.what())) return Status::Timeout(std::move(message));
   return Status::Internal(std::move(message));
+}
+
+Status AgreeOnDistinctDevices(Rendezvous& rendezvous, int rank, int world_size,
+                              const std::string& device) {
+  ISTHMUS_RETURN_IF_ERROR(rendezvous.Set("device/" + std::to_string(rank),
+                                         std::vector<char>(device.begin(), device.end())));
+  // Every rank reads every rank's device, so all of them stop, not only the pair.
+  std::map<std::string, int> first_holder;
+  for (int r = 0; r < world_size; ++r) {
+    std::string theirs = device;
+    if (r != rank) {
+      ISTHMUS_ASSIGN_OR_RETURN(std::vector<char> v, rendezvous.Get("device/" + std::to_string(r)));
+      theirs.assign(v.begin(), v.end());
+    }
+    auto [it, fresh] = first_holder.emplace(theirs, r);
+    if (!fresh) {
+      return Status::FailedPrecondition(
+          "ranks " + std::to_string(it->second) + " and " + std::to_string(r) + " both use " +
+          theirs +
+          ": one rank per GPU (give each rank of a node its own --local-rank or "
+          "--device cuda:N)");
+    }
+  }
+  return Status::Ok();
 }
 
 Status AgreeOnKind(Rendezvous& rendezvous, int rank, int world_size, const std::string& kind) {

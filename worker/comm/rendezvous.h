@@ -114,6 +114,13 @@ class Rendezvous {
 // waiting for keys the other kind never writes; kTimeout when a rank never joins.
 Status AgreeOnKind(Rendezvous& rendezvous, int rank, int world_size, const std::string& kind);
 
+// Checks that no two ranks of the group hold the same `device` (e.g. "host/GPU-uuid"):
+// each rank writes its own and reads everyone else's. FailedPrecondition naming both
+// ranks and the device when two share one, before any collective starts (NCCL would stop
+// with "Duplicate GPU detected" or hang).
+Status AgreeOnDistinctDevices(Rendezvous& rendezvous, int rank, int world_size,
+                              const std::string& device);
+
 // Converts an exception thrown by Gloo (or by a store on Gloo's behalf) into a Status:
 // timeouts become kTimeout, other I/O failures kUnavailable, anything else kInternal.
 // `what` names the operation, e.g. "allreduce".
