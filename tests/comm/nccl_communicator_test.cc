@@ -50,6 +50,28 @@ TEST(NcclCommunicatorTest, FactoryReportsMissingSupport) {
 }
 
 #if ISTHMUS_HAVE_NCCL
+// Two ranks on one GPU are refused by the rendezvous, naming both, before NCCL is asked
+// (which would stop with "Duplicate GPU detected" or hang). Runs on a single GPU.
+TEST(NcclCommunicatorTest, TwoRanksOnOneGpuAreRefusedNamingBoth) {
+  std::string why;
+  if (UsableDevices(&why) == 0) GTEST_SKIP() << "no CUDA device: " << why;
+  TempDir dir;
+  Status result[2];
+  RunRanks(2, [&](int rank) {
+    NcclOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.device = 0;
+    o.rendezvous = "file:" + dir.path();
+    o.timeout = std::chrono::milliseconds(20'000);
+    result[rank] = CreateNcclCommunicator(o).status();
+  });
+  for (const Status& st : result) {
+    EXPECT_EQ(st.code(), Code::kFailedPrecondition) << st.ToString();
+    EXPECT_NE(st.message().find("ranks 0 and 1 both use"), std::string::npos) << st.ToString();
+  }
+}
+
 TEST(NcclCommunicatorTest, CollectivesMatchExactReference) {
   std::string why;
   const int n = UsableDevices(&why);
