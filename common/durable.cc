@@ -1,5 +1,7 @@
 #include "common/durable.h"
 
+#include <fstream>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -64,6 +66,18 @@ Status RenameDurably(const std::string& from, const std::string& to) {
   const fs::path a = fs::path(from).parent_path(), b = fs::path(to).parent_path();
   if (a != b) ISTHMUS_RETURN_IF_ERROR(SyncParent(from));
   return Status::Ok();
+}
+
+Status WriteFileDurably(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc | std::ios::binary);
+    out << text;
+    out.close();
+    if (!out) return Status::IoError("cannot write " + tmp);
+  }
+  ISTHMUS_RETURN_IF_ERROR(SyncPath(tmp));
+  return RenameDurably(tmp, path);
 }
 
 }  // namespace isthmus

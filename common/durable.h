@@ -25,5 +25,8 @@ Status SyncTree(const std::string& root);
 Status CreateDirectoriesDurably(const std::string& path);
 // Renames `from` to `to` and fsyncs the folders holding both (one when it is the same).
 Status RenameDurably(const std::string& from, const std::string& to);
+// Writes `text` to `path` whole or not at all: PATH.tmp, fsynced, renamed over `path`
+// durably. IoError naming the file.
+Status WriteFileDurably(const std::string& path, const std::string& text);
 
 }  // namespace isthmus

@@ -6,7 +6,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "common/durable.h"
 
@@ -90,18 +89,6 @@ Result<Out> ReadSharded(const std::string& file, ReadOne read_one, NameOf name_o
   return out;
 }
 
-Status WriteText(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc | std::ios::binary);
-    out << text;
-    out.close();
-    if (!out) return Status::IoError("cannot write " + tmp);
-  }
-  ISTHMUS_RETURN_IF_ERROR(SyncPath(tmp));
-  return RenameDurably(tmp, path);
-}
-
 std::string ShardName(size_t k, size_t n) {
   char name[64];
   std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", k, n);
@@ -166,7 +153,7 @@ Status WriteHfCheckpoint(const std::string& dir, const std::vector<Tensor>& tens
     const nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}},
                                           {"weight_map", map}};
     ISTHMUS_RETURN_IF_ERROR(
-        WriteText((fs::path(dir) / kHfIndexFile).string(), index.dump(2) + "\n"));
+        WriteFileDurably((fs::path(dir) / kHfIndexFile).string(), index.dump(2) + "\n"));
     written.insert(kHfIndexFile);
   }
   // What an earlier write left in the other layout.

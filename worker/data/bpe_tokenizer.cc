@@ -34,6 +34,13 @@ Result<std::string> ReadFile(const std::string& path) {
   return s.str();
 }
 
+// "a b": two non-empty symbols and one space (the merge lists' line format).
+bool IsMergePair(const std::string& pair) {
+  const auto space = pair.find(' ');
+  return space != std::string::npos && space != 0 && space + 1 != pair.size() &&
+         pair.find(' ', space + 1) == std::string::npos;
+}
+
 Result<std::unique_ptr<icu::RegexPattern>> Compile(const std::string& pattern,
                                                    const std::string& where) {
   UErrorCode status = U_ZERO_ERROR;
@@ -143,9 +150,7 @@ Result<std::unique_ptr<BpeTokenizer>> BpeTokenizer::Load(const std::string& voca
     ++number;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.empty() || line.rfind("#version", 0) == 0) continue;
-    const auto space = line.find(' ');
-    if (space == std::string::npos || space == 0 || space + 1 == line.size() ||
-        line.find(' ', space + 1) != std::string::npos) {
+    if (!IsMergePair(line)) {
       return Status::InvalidArgument(merges_txt + ":" + std::to_string(number) +
                                      ": not a pair \"a b\"");
     }
@@ -206,9 +211,7 @@ Result<std::unique_ptr<BpeTokenizer>> BpeTokenizer::LoadTokenizerJson(const std:
     std::string pair;
     if (m.is_string()) {  // "a b"
       pair = m.get<std::string>();
-      const auto space = pair.find(' ');
-      if (space == std::string::npos || space == 0 || space + 1 == pair.size() ||
-          pair.find(' ', space + 1) != std::string::npos) {
+      if (!IsMergePair(pair)) {
         return Status::InvalidArgument(path + ": merge " + std::to_string(rank) +
                                        " is not a pair \"a b\"");
       }

@@ -51,15 +51,7 @@ namespace {
 
 // Writes `value` as indented JSON to `path` atomically (a temporary file renamed over it).
 Status WriteJsonFile(const std::string& path, const nlohmann::json& value) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << value.dump(2) << "\n";
-    out.close();
-    if (!out) return Status::IoError("cannot write " + tmp);
-  }
-  ISTHMUS_RETURN_IF_ERROR(SyncPath(tmp));
-  return RenameDurably(tmp, path);
+  return WriteFileDurably(path, value.dump(2) + "\n");
 }
 
 enum Target { kCAttn = 0, kAttnProj = 1, kFc = 2, kMlpProj = 3, kNumTargets = 4 };
