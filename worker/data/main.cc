@@ -36,6 +36,33 @@ int RunBuild(const isthmus::data::BuildOptions& options) {
   return 0;
 }
 
+int RunParallel(const isthmus::data::TranslationOptions& options) {
+  auto r = isthmus::data::BuildTranslationShards(options);
+  if (!r.ok()) {
+    std::fprintf(stderr, "isthmus-data parallel: %s\n", r.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("%-8s %10s %10s %10s %10s %10s %12s\n", "language", "catalogues", "pairs", "train",
+              "held-out", "too long", "en words");
+  for (const auto& l : r->languages) {
+    std::printf("%-8s %10llu %10llu %10llu %10llu %10llu %12llu\n", l.language.c_str(),
+                static_cast<unsigned long long>(l.catalogues),
+                static_cast<unsigned long long>(l.pairs), static_cast<unsigned long long>(l.train),
+                static_cast<unsigned long long>(l.val), static_cast<unsigned long long>(l.too_long),
+                static_cast<unsigned long long>(l.source_words));
+  }
+  std::printf(
+      "train.bin: %llu tokens, %llu examples\nval.bin:   %llu tokens, %llu examples\n"
+      "wrote %s/{train,val}.{bin,mask}, heldout-<language>.jsonl and manifest.json "
+      "(examples of %d tokens: isthmus-worker train --context %d)\n",
+      static_cast<unsigned long long>(r->train.tokens),
+      static_cast<unsigned long long>(r->train.documents),
+      static_cast<unsigned long long>(r->val.tokens),
+      static_cast<unsigned long long>(r->val.documents), options.out_dir.c_str(),
+      options.example_tokens, options.example_tokens);
+  return 0;
+}
+
 // The BPE of `path` (a folder or a tokenizer.json); null, with the reason printed as
 // "isthmus-data COMMAND: ...", when it cannot be read.
 std::unique_ptr<isthmus::data::BpeTokenizer> LoadBpe(const char* command, const std::string& path) {
@@ -154,8 +181,8 @@ int main(int argc, char** argv) {
   CLI::App app{
       "isthmus-data: build token shards (train.bin, val.bin, manifest.json) from text files, "
       "deterministically, one token per byte or with a byte-level BPE (GPT-2's, or a Hugging "
-      "Face tokenizer.json such as Llama 3's or Qwen's), inspect them, and encode or decode a "
-      "text."};
+      "Face tokenizer.json such as Llama 3's or Qwen's), build the translation task from the "
+      "machine's gettext catalogues, inspect shards, and encode or decode a text."};
   app.require_subcommand(1);
 
   isthmus::data::BuildOptions build;
@@ -178,6 +205,39 @@ int main(int argc, char** argv) {
   b->add_option("files", build.inputs, "Text files, plain UTF-8 or gzip (.gz)")
       ->required()
       ->check(CLI::ExistingFile);
+
+  isthmus::data::TranslationOptions parallel;
+  CLI::App* p = app.add_subcommand(
+      "parallel",
+      "Build the translation task from the gettext catalogues of the machine's packages "
+      "(<locale-dir>/<language>/LC_MESSAGES/*.mo): English -> each language's message pairs "
+      "(empty, untranslated, non-UTF-8 and repeated pairs dropped; format strings and markup "
+      "kept), one example per window of --seq-len tokens, \"en: <source>\\n<language>: \" "
+      "then the translation, learned on the translation only (a loss mask beside each "
+      "shard). A pair is held out by a hash of its English message and the seed, the same "
+      "in every language and run; the held-out pairs are also written as text "
+      "(heldout-<language>.jsonl) for evaluation.");
+  p->add_option("--out", parallel.out_dir, "Output folder (created if missing)")->required();
+  p->add_option("--lang", parallel.languages,
+                "Target language, a locale folder name (de, fr, es, it, pt_BR, ...); repeat "
+                "or separate by commas")
+      ->required()
+      ->delimiter(',');
+  p->add_option("--locale-dir", parallel.locale_dir, "Where the catalogues are")
+      ->capture_default_str()
+      ->check(CLI::ExistingDirectory);
+  p->add_option("--seq-len", parallel.example_tokens,
+                "Tokens per example (isthmus-worker's --context must be the same); longer pairs "
+                "are left out and counted")
+      ->check(CLI::Range(8, 1 << 20))
+      ->capture_default_str();
+  p->add_option("--val-fraction", parallel.val_fraction, "Share of messages held out")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  p->add_option("--seed", parallel.seed, "Seed of the held-out choice")->capture_default_str();
+  p->add_option("--tokenizer", parallel.tokenizer_dir,
+                "A tokenizer, as for build (default: one token per byte)")
+      ->check(CLI::ExistingPath);
 
   std::string show_path;
   uint64_t offset = 0;
@@ -209,6 +269,7 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (b->parsed()) return RunBuild(build);
+  if (p->parsed()) return RunParallel(parallel);
   if (e->parsed()) return RunEncode(encode_words, encode_tokenizer);
   if (d->parsed()) return RunDecode(decode_words, decode_tokenizer);
   return RunShow(show_path, offset, count, show_tokenizer);

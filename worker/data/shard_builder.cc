@@ -17,6 +17,7 @@
 
 #include "common/durable.h"
 #include "worker/data/bpe_tokenizer.h"
+#include "worker/data/parallel_corpus.h"
 #include "worker/data/token_dataset.h"
 #include "worker/data/tokenizer.h"
 
@@ -127,6 +128,41 @@ Status WriteFileAtomic(const std::string& path, const void* data, size_t size) {
   if (s.ok()) s = RenameDurably(tmp, path);
   if (!s.ok()) ::unlink(tmp.c_str());
   return s;
+}
+
+// Writes `tokens` as a shard of `width`-byte tokens; fills stats->tokens and sha256.
+Status WriteTokenShard(const std::string& path, const std::vector<uint32_t>& tokens, int width,
+                       ShardStats* stats) {
+  stats->tokens = tokens.size();
+  std::vector<uint16_t> narrow;
+  const void* data = tokens.data();
+  if (width == 2) {
+    narrow.assign(tokens.begin(), tokens.end());
+    data = narrow.data();
+  }
+  const size_t bytes = tokens.size() * width;
+  Sha256 h;
+  h.Update(data, bytes);
+  stats->sha256 = h.HexDigest();
+  return WriteFileAtomic(path, data, bytes);
+}
+
+nlohmann::ordered_json ShardJson(const char* file, const ShardStats& s) {
+  return nlohmann::ordered_json{
+      {"file", file}, {"tokens", s.tokens}, {"documents", s.documents}, {"sha256", s.sha256}};
+}
+
+// manifest.json, written last, then the folder synced so that every rename is durable.
+Status WriteManifest(const std::string& out_dir, const nlohmann::ordered_json& manifest) {
+  const std::string text = manifest.dump(2) + "\n";
+  ISTHMUS_RETURN_IF_ERROR(WriteFileAtomic(out_dir + "/manifest.json", text.data(), text.size()));
+  int dfd = ::open(out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0 || ::fsync(dfd) != 0) {
+    if (dfd >= 0) ::close(dfd);
+    return Status::IoError(out_dir + ": fsync of the folder failed: " + ErrnoText());
+  }
+  ::close(dfd);
+  return Status::Ok();
 }
 
 bool IsBlank(std::string_view line) {
@@ -263,28 +299,12 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
 
   const int vocab_size = bpe ? bpe->vocab_size() : ByteTokenizer::kVocabSize;
   const int width = TokenBytes(vocab_size);
-  auto write_shard = [&](const ShardBuffer& b, const char* name, ShardStats* stats) -> Status {
-    stats->tokens = b.tokens.size();
-    stats->documents = b.documents;
-    std::vector<uint16_t> narrow;
-    const void* data = b.tokens.data();
-    if (width == 2) {
-      narrow.assign(b.tokens.begin(), b.tokens.end());
-      data = narrow.data();
-    }
-    const size_t bytes = b.tokens.size() * width;
-    Sha256 h;
-    h.Update(data, bytes);
-    stats->sha256 = h.HexDigest();
-    return WriteFileAtomic(options.out_dir + "/" + name, data, bytes);
-  };
-  ISTHMUS_RETURN_IF_ERROR(write_shard(train, "train.bin", &summary.train));
-  ISTHMUS_RETURN_IF_ERROR(write_shard(val, "val.bin", &summary.val));
-
-  auto shard_json = [](const char* file, const ShardStats& s) {
-    return nlohmann::ordered_json{
-        {"file", file}, {"tokens", s.tokens}, {"documents", s.documents}, {"sha256", s.sha256}};
-  };
+  summary.train.documents = train.documents;
+  summary.val.documents = val.documents;
+  ISTHMUS_RETURN_IF_ERROR(
+      WriteTokenShard(options.out_dir + "/train.bin", train.tokens, width, &summary.train));
+  ISTHMUS_RETURN_IF_ERROR(
+      WriteTokenShard(options.out_dir + "/val.bin", val.tokens, width, &summary.val));
   nlohmann::ordered_json manifest = {
       {"format", kShardFormat},
       {"tokenizer", bpe ? bpe->kind() : "byte"},
@@ -293,20 +313,155 @@ Result<BuildSummary> BuildShards(const BuildOptions& options) {
       {"document_separator", kDocumentSeparator},
       {"seed", options.seed},
       {"val_fraction", options.val_fraction},
-      {"train", shard_json("train.bin", summary.train)},
-      {"val", shard_json("val.bin", summary.val)},
+      {"train", ShardJson("train.bin", summary.train)},
+      {"val", ShardJson("val.bin", summary.val)},
       {"sources", sources},
   };
-  const std::string text = manifest.dump(2) + "\n";
-  ISTHMUS_RETURN_IF_ERROR(
-      WriteFileAtomic(options.out_dir + "/manifest.json", text.data(), text.size()));
-  // Make the renames durable.
-  int dfd = ::open(options.out_dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0 || ::fsync(dfd) != 0) {
-    if (dfd >= 0) ::close(dfd);
-    return Status::IoError(options.out_dir + ": fsync of the folder failed: " + ErrnoText());
+  ISTHMUS_RETURN_IF_ERROR(WriteManifest(options.out_dir, manifest));
+  return summary;
+}
+
+Result<TranslationSummary> BuildTranslationShards(const TranslationOptions& options) {
+  if (options.languages.empty()) return Status::InvalidArgument("no language given (e.g. de)");
+  for (const std::string& lang : options.languages) {
+    if (lang.empty() || lang.find_first_of("/.") != std::string::npos || lang == "en") {
+      return Status::InvalidArgument("'" + lang +
+                                     "' is not a target language: name a locale "
+                                     "folder such as de, fr, es, it or pt_BR");
+    }
   }
-  ::close(dfd);
+  if (options.example_tokens < 8) {
+    return Status::InvalidArgument("example_tokens must be at least 8, got " +
+                                   std::to_string(options.example_tokens));
+  }
+  if (!(options.val_fraction >= 0.0 && options.val_fraction <= 1.0)) {
+    return Status::InvalidArgument("val_fraction must be in [0, 1], got " +
+                                   std::to_string(options.val_fraction));
+  }
+  // Every language is read (and its absence reported) before anything is written.
+  std::vector<LanguagePairs> corpora;
+  for (const std::string& lang : options.languages) {
+    ISTHMUS_ASSIGN_OR_RETURN(LanguagePairs pairs, CollectPairs(options.locale_dir, lang));
+    corpora.push_back(std::move(pairs));
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(options.out_dir, ec);
+  if (ec) return Status::IoError(options.out_dir + ": cannot create folder: " + ec.message());
+
+  Encoder encoder;
+  std::unique_ptr<BpeTokenizer> bpe;
+  if (!options.tokenizer_dir.empty()) {
+    ISTHMUS_ASSIGN_OR_RETURN(bpe, BpeTokenizer::LoadPath(options.tokenizer_dir));
+    encoder.bpe = bpe.get();
+  }
+  std::vector<uint32_t> pad;
+  ISTHMUS_RETURN_IF_ERROR(encoder.Append("\n", &pad));
+  const size_t t = static_cast<size_t>(options.example_tokens);
+  struct Shard {
+    std::vector<uint32_t> tokens;
+    std::vector<uint8_t> mask;
+    uint64_t examples = 0;
+  };
+  Shard train, val;
+  TranslationSummary summary;
+  nlohmann::ordered_json languages = nlohmann::ordered_json::object();
+  std::vector<uint32_t> prompt, target;
+  for (const LanguagePairs& corpus : corpora) {
+    TranslationLanguage stats;
+    stats.language = corpus.language;
+    stats.catalogues = corpus.catalogues.size();
+    stats.not_utf8_catalogues = corpus.not_utf8.size();
+    stats.messages = corpus.messages;
+    stats.pairs = corpus.pairs.size();
+    std::string heldout;
+    for (const MessagePair& pair : corpus.pairs) {
+      const bool held_out = IsValidationDocument(pair.source, options.seed, options.val_fraction);
+      if (held_out) {
+        heldout += nlohmann::json{{"source", pair.source}, {"target", pair.target}}.dump() + "\n";
+      }
+      prompt.clear();
+      target.clear();
+      ISTHMUS_RETURN_IF_ERROR(
+          encoder.Append("en: " + pair.source + "\n" + corpus.language + ": ", &prompt));
+      ISTHMUS_RETURN_IF_ERROR(encoder.Append(pair.target + kDocumentSeparator, &target));
+      if (prompt.size() + target.size() > t) {
+        ++stats.too_long;
+        continue;
+      }
+      Shard& shard = held_out ? val : train;
+      shard.tokens.insert(shard.tokens.end(), prompt.begin(), prompt.end());
+      shard.tokens.insert(shard.tokens.end(), target.begin(), target.end());
+      shard.mask.insert(shard.mask.end(), prompt.size(), 0);
+      shard.mask.insert(shard.mask.end(), target.size(), 1);
+      const size_t fill = t - prompt.size() - target.size();
+      shard.tokens.insert(shard.tokens.end(), fill, pad[0]);
+      shard.mask.insert(shard.mask.end(), fill, 0);
+      ++shard.examples;
+      ++(held_out ? stats.val : stats.train);
+      for (size_t i = 0; i < pair.source.size();) {
+        const size_t word = pair.source.find_first_not_of(" \t\n\r", i);
+        if (word == std::string::npos) break;
+        ++stats.source_words;
+        i = pair.source.find_first_of(" \t\n\r", word);
+      }
+    }
+    ISTHMUS_RETURN_IF_ERROR(
+        WriteFileAtomic(options.out_dir + "/heldout-" + corpus.language + ".jsonl", heldout.data(),
+                        heldout.size()));
+    languages[corpus.language] = {{"catalogues", stats.catalogues},
+                                  {"catalogues_not_utf8", corpus.not_utf8},
+                                  {"messages", stats.messages},
+                                  {"dropped_empty", corpus.empty},
+                                  {"dropped_untranslated", corpus.untranslated},
+                                  {"dropped_duplicates", corpus.duplicates},
+                                  {"dropped_bad_utf8", corpus.bad_utf8},
+                                  {"pairs", stats.pairs},
+                                  {"too_long", stats.too_long},
+                                  {"train_examples", stats.train},
+                                  {"val_examples", stats.val},
+                                  {"source_words", stats.source_words},
+                                  {"heldout_file", "heldout-" + corpus.language + ".jsonl"}};
+    summary.languages.push_back(stats);
+  }
+  if (train.examples + val.examples == 0) {
+    return Status::FailedPrecondition("no message pair fits " + std::to_string(t) +
+                                      " tokens: raise the example length (--seq-len)");
+  }
+  const int vocab_size = bpe ? bpe->vocab_size() : ByteTokenizer::kVocabSize;
+  const int width = TokenBytes(vocab_size);
+  nlohmann::ordered_json masks = nlohmann::ordered_json::object();
+  for (auto [shard, name, stats] :
+       {std::tuple{&train, "train", &summary.train}, std::tuple{&val, "val", &summary.val}}) {
+    // The last slot's window reads one token past it: a padding token, not learned.
+    shard->tokens.push_back(pad[0]);
+    shard->mask.push_back(0);
+    stats->documents = shard->examples;
+    ISTHMUS_RETURN_IF_ERROR(
+        WriteTokenShard(options.out_dir + "/" + name + ".bin", shard->tokens, width, stats));
+    Sha256 h;
+    h.Update(shard->mask.data(), shard->mask.size());
+    const std::string mask_file = std::string(name) + ".mask";
+    masks[name] = {{"file", mask_file}, {"sha256", h.HexDigest()}};
+    ISTHMUS_RETURN_IF_ERROR(
+        WriteFileAtomic(options.out_dir + "/" + mask_file, shard->mask.data(), shard->mask.size()));
+  }
+  nlohmann::ordered_json manifest = {
+      {"format", kShardFormat},
+      {"task", "translate"},
+      {"tokenizer", bpe ? bpe->kind() : "byte"},
+      {"vocab_size", vocab_size},
+      {"token_dtype", width == 4 ? "uint32-le" : "uint16-le"},
+      {"example_tokens", options.example_tokens},
+      {"template", {{"prompt", "en: {source}\n{language}: "}, {"target", "{target}\n\n"}}},
+      {"seed", options.seed},
+      {"val_fraction", options.val_fraction},
+      {"locale_dir", options.locale_dir},
+      {"train", ShardJson("train.bin", summary.train)},
+      {"val", ShardJson("val.bin", summary.val)},
+      {"loss_mask", masks},
+      {"languages", languages},
+  };
+  ISTHMUS_RETURN_IF_ERROR(WriteManifest(options.out_dir, manifest));
   return summary;
 }
 

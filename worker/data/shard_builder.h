@@ -67,4 +67,48 @@ bool IsValidationDocument(std::string_view document, uint64_t seed, double val_f
 // InvalidArgument for a fraction outside [0, 1] or no inputs; errors of ReadTextFile.
 Result<BuildSummary> BuildShards(const BuildOptions& options);
 
+// The translation task (isthmus-data parallel): English -> `languages` message pairs from
+// the machine's gettext catalogues (parallel_corpus.h), one example per pair:
+//   "en: <source>\n<lang>: " then "<translation>\n\n"
+// tokenized as two parts and laid out in slots of exactly `example_tokens` (T) tokens,
+// padded after the example (an example longer than T is left out and counted), plus one
+// padding token at the end of each shard, so that window w of a T-token reader (token_
+// dataset.h) is slot w. Beside each shard a loss mask (train.mask, val.mask): one byte per
+// token, 1 where the token is a target to learn (the translation and its end), 0 for the
+// prompt and the padding; the reader turns every other target into -1 (no loss). A pair
+// is held out (val.bin, and heldout-<lang>.jsonl with the text for evaluation) when
+// IsValidationDocument(its English source, seed, val_fraction): the same message is on
+// the same side in every language and every run. The manifest adds "task": "translate",
+// "example_tokens", the template, the masks' SHA-256 and the counts per language.
+struct TranslationOptions {
+  std::string locale_dir = "/usr/share/locale";
+  std::vector<std::string> languages;  // e.g. {"de", "fr"}
+  std::string out_dir;
+  std::string tokenizer_dir;  // as BuildOptions: empty = bytes
+  int example_tokens = 256;   // T: isthmus-worker's --context must equal it
+  double val_fraction = 0.05;
+  uint64_t seed = 1;
+};
+
+struct TranslationLanguage {
+  std::string language;
+  uint64_t catalogues = 0, not_utf8_catalogues = 0;
+  uint64_t messages = 0;        // pairs in the catalogues before cleaning
+  uint64_t pairs = 0;           // after cleaning (parallel_corpus.h)
+  uint64_t train = 0, val = 0;  // examples written to each shard
+  uint64_t too_long = 0;        // pairs left out: longer than example_tokens
+  uint64_t source_words = 0;    // English words (whitespace-separated) of the kept pairs
+};
+
+struct TranslationSummary {
+  std::vector<TranslationLanguage> languages;
+  ShardStats train;  // documents = examples
+  ShardStats val;
+};
+
+// InvalidArgument for no language, a language that is not a locale folder name, T < 8,
+// or a fraction outside [0, 1]; NotFound for a language without catalogues (naming what
+// to install); FailedPrecondition when no pair fits T tokens.
+Result<TranslationSummary> BuildTranslationShards(const TranslationOptions& options);
+
 }  // namespace isthmus::data

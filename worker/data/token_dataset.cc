@@ -59,8 +59,33 @@ Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOp
   // The manifest beside the shard names the width it was built with.
   const std::string manifest_path =
       std::filesystem::path(path).replace_filename("manifest.json").string();
+  std::string mask_path;
   if (std::ifstream m(manifest_path); m) {
     const auto manifest = nlohmann::json::parse(m, nullptr, false);
+    // A task shard (isthmus-data parallel) holds one example per window of its
+    // example_tokens and a loss mask beside it.
+    if (manifest.is_object() && manifest.contains("loss_mask")) {
+      const std::string file = std::filesystem::path(path).filename().string();
+      for (const char* part : {"train", "val"}) {
+        if (manifest.contains(part) && manifest[part].value("file", "") == file &&
+            manifest["loss_mask"].contains(part)) {
+          mask_path = std::filesystem::path(path)
+                          .replace_filename(manifest["loss_mask"][part].value("file", ""))
+                          .string();
+        }
+      }
+      const int64_t example = manifest.value("example_tokens", int64_t{0});
+      if (mask_path.empty()) {
+        return Status::InvalidArgument(manifest_path + ": names loss masks but none for " + file);
+      }
+      if (example != options.seq_len) {
+        return Status::InvalidArgument(
+            path + ": its examples are " + std::to_string(example) +
+            " tokens each, but the model reads windows of " + std::to_string(options.seq_len) +
+            ": train with --context " + std::to_string(example) + " or rebuild the shards with " +
+            "isthmus-data parallel --seq-len " + std::to_string(options.seq_len));
+      }
+    }
     if (manifest.is_object() && manifest.contains("token_dtype") &&
         manifest["token_dtype"] != dtype) {
       return Status::InvalidArgument(path + ": its manifest says the tokens are " +
@@ -112,6 +137,16 @@ Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOp
                                 std::to_string(options.vocab_size));
     }
   }
+  if (!mask_path.empty()) {
+    std::ifstream mask(mask_path, std::ios::binary);
+    if (!mask) return Status::NotFound(mask_path + ": the shard's loss mask is missing");
+    ds.mask_.assign(std::istreambuf_iterator<char>(mask), std::istreambuf_iterator<char>());
+    if (ds.mask_.size() != ds.num_tokens_) {
+      return Status::Corruption(mask_path + ": " + std::to_string(ds.mask_.size()) +
+                                " mask bytes for " + std::to_string(ds.num_tokens_) +
+                                " tokens; rebuild the shards");
+    }
+  }
   const uint64_t t = static_cast<uint64_t>(options.seq_len);
   const uint64_t windows = ds.num_tokens_ > 0 ? (ds.num_tokens_ - 1) / t : 0;
   ds.windows_per_rank_ = windows / static_cast<uint64_t>(options.world_size);
@@ -144,6 +179,7 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
     epoch_ = other.epoch_;
     batch_ = other.batch_;
     order_ = std::move(other.order_);
+    mask_ = std::move(other.mask_);
   }
   return *this;
 }
@@ -182,7 +218,8 @@ Batch TokenDataset::Next() {
     const uint64_t w = order_[batch_ * b_size + b] * t;
     for (uint64_t i = 0; i < t; ++i) {
       out.tokens[b * t + i] = static_cast<int32_t>(token(w + i));
-      out.targets[b * t + i] = static_cast<int32_t>(token(w + i + 1));
+      out.targets[b * t + i] =
+          mask_.empty() || mask_[w + i + 1] != 0 ? static_cast<int32_t>(token(w + i + 1)) : -1;
     }
   }
   ++batch_;

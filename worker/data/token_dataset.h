@@ -29,7 +29,8 @@ struct DatasetOptions {
 inline int TokenBytes(int vocab_size) { return vocab_size > 65536 ? 4 : 2; }
 
 // One batch: row b holds window b. targets[i] is the token that follows tokens[i] in the
-// shard (the window shifted by one).
+// shard (the window shifted by one), or -1 (no loss there) where a task shard's loss mask
+// says that token is not learned (the prompt and padding of isthmus-data parallel).
 struct Batch {
   int64_t batch_size = 0;
   int64_t seq_len = 0;
@@ -61,7 +62,9 @@ struct DatasetPosition {
 class TokenDataset {
  public:
   // Maps `path` and checks it: the size is a whole number of tokens of the width
-  // TokenBytes(vocab_size) gives, a manifest.json beside it (if any) names that width,
+  // TokenBytes(vocab_size) gives, a manifest.json beside it (if any) names that width
+  // (and, for a task shard with a loss mask, examples of seq_len tokens: InvalidArgument
+  // otherwise; the mask is read, Corruption when its size is not the token count),
   // every token < vocab_size, and the rank's slice holds at least one batch. NotFound /
   // IoError for the file, Corruption for a size that is no whole number of tokens or an
   // out-of-vocabulary token, InvalidArgument for bad options or a shard built for another
@@ -113,6 +116,7 @@ class TokenDataset {
   uint64_t epoch_ = 0;
   uint64_t batch_ = 0;
   std::vector<uint64_t> order_;
+  std::vector<char> mask_;  // a task shard's loss mask (1 byte per token); empty otherwise
 };
 
 }  // namespace isthmus::data
