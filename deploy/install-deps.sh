@@ -34,6 +34,8 @@ packages=(
   help2man
   # the Python package (worker/python) and its tests, which train with PyTorch
   pybind11-dev python3-dev python3-numpy python3-torch
+  # chrF of translations (deploy/chrf.py, tests/worker/translate_test.sh)
+  python3-nltk
 )
 for arg in "$@"; do
   case "$arg" in

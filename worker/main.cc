@@ -9,9 +9,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -371,6 +374,12 @@ struct GenerateArgs {
   double temperature = 0.8;
   int top_k = 40;
   uint64_t seed = 1;
+  // Translation (a model fine-tuned on isthmus-data parallel's task): the target language;
+  // the prompt (or each "source" of --input) is English.
+  std::string translate;
+  std::string input;   // JSON lines with "source" (and "target", kept as the reference)
+  std::string output;  // where --input's translations go (JSON lines); default stdout
+  bool temperature_given = false;
 };
 
 // Samples text from the model: the prompt's tokens, then one token at a time from the
@@ -384,6 +393,31 @@ int RunGenerate(GenerateArgs& a) {
   if (a.model.base.empty()) return usage("give --base (the model to sample from)");
   if (a.tokens < 0 || a.temperature < 0 || a.top_k < 0) {
     return usage("--tokens, --temperature and --top-k must not be negative");
+  }
+  if (a.translate.empty() && (!a.input.empty() || !a.output.empty())) {
+    return usage("--input and --output translate a file: give --translate LANGUAGE too");
+  }
+  if (a.input.empty() && a.prompt.empty()) {
+    return usage("give --prompt (or, with --translate, --input FILE)");
+  }
+  // Translations are greedy unless a temperature is asked for.
+  if (!a.translate.empty() && !a.temperature_given) a.temperature = 0;
+  std::vector<nlohmann::json> inputs;
+  if (!a.input.empty()) {
+    std::ifstream in(a.input);
+    if (!in) return Fail("generate", Status::NotFound(a.input + ": cannot open"));
+    int line_no = 0;
+    for (std::string line; std::getline(in, line);) {
+      ++line_no;
+      if (line.empty()) continue;
+      auto row = nlohmann::json::parse(line, nullptr, false);
+      if (!row.is_object() || !row.contains("source") || !row["source"].is_string()) {
+        return usage(a.input + " line " + std::to_string(line_no) +
+                     ": not a JSON object with a \"source\" string (as isthmus-data "
+                     "parallel's heldout-<language>.jsonl)");
+      }
+      inputs.push_back(std::move(row));
+    }
   }
   auto loaded = LoadModel("generate", a.model, a.compute, a.shards, a.trainable, /*batch=*/1);
   if (!loaded.ok()) return Fail("generate", loaded.status());
@@ -412,48 +446,97 @@ int RunGenerate(GenerateArgs& a) {
     return usage("the tokenizer has " + std::to_string(tok_vocab) + " tokens but the model " +
                  std::to_string(vocab));
   }
-  std::vector<int32_t> ids;
-  if (bpe) {
-    auto e = bpe->Encode(a.prompt);
-    if (!e.ok()) return Fail("generate", e.status());
-    ids = std::move(e).value();
-  } else {
-    for (uint16_t t : data::ByteTokenizer::Encode(a.prompt)) ids.push_back(t);
-  }
-  if (ids.empty()) return usage("give a --prompt of at least one character");
-  const size_t prompt_len = ids.size();
+  auto encode = [&](const std::string& text) -> Result<std::vector<int32_t>> {
+    if (bpe) return bpe->Encode(text);
+    std::vector<int32_t> ids;
+    for (uint16_t t : data::ByteTokenizer::Encode(text)) ids.push_back(t);
+    return ids;
+  };
+  auto decode = [&](std::span<const int32_t> ids) -> Result<std::string> {
+    if (bpe) return bpe->Decode(std::vector<int32_t>(ids.begin(), ids.end()));
+    std::vector<uint16_t> bytes(ids.begin(), ids.end());
+    return data::ByteTokenizer::Decode(bytes);
+  };
   std::mt19937_64 rng(a.seed);
   std::vector<std::pair<float, int>> ranked(tok_vocab);
-  for (int n = 0; n < a.tokens; ++n) {
-    const int T = static_cast<int>(std::min<size_t>(ids.size(), n_ctx));
-    gpt->Forward(ids.data() + ids.size() - T, nullptr, 1, T);
-    if (auto st = gpt->ops().status(); !st.ok()) return Fail("generate", st);
-    const std::vector<float> logits = gpt->Logits();
-    const float* last = logits.data() + static_cast<size_t>(T - 1) * vocab;
-    // Only the tokenizer's ids can be written out (a model may pad its vocabulary).
-    for (int v = 0; v < tok_vocab; ++v) ranked[v] = {last[v], v};
-    int next = 0;
-    if (a.temperature == 0) {
-      next = std::max_element(ranked.begin(), ranked.end())->second;
-    } else {
-      const int k = a.top_k > 0 ? std::min(a.top_k, tok_vocab) : tok_vocab;
-      std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end(),
-                        [](const auto& x, const auto& y) { return x.first > y.first; });
-      std::vector<double> p(k);
-      for (int i = 0; i < k; ++i) {
-        p[i] = std::exp((ranked[i].first - ranked[0].first) / a.temperature);
+  // Appends up to a.tokens tokens to `ids`; with `stop_at_blank_line`, stops once the
+  // continuation holds "\n\n" (the end of a translation example).
+  auto extend = [&](std::vector<int32_t>& ids, bool stop_at_blank_line) -> Status {
+    const size_t start = ids.size();
+    for (int n = 0; n < a.tokens; ++n) {
+      const int T = static_cast<int>(std::min<size_t>(ids.size(), n_ctx));
+      gpt->Forward(ids.data() + ids.size() - T, nullptr, 1, T);
+      ISTHMUS_RETURN_IF_ERROR(gpt->ops().status());
+      const std::vector<float> logits = gpt->Logits();
+      const float* last = logits.data() + static_cast<size_t>(T - 1) * vocab;
+      // Only the tokenizer's ids can be written out (a model may pad its vocabulary).
+      for (int v = 0; v < tok_vocab; ++v) ranked[v] = {last[v], v};
+      int next = 0;
+      if (a.temperature == 0) {
+        next = std::max_element(ranked.begin(), ranked.end())->second;
+      } else {
+        const int k = a.top_k > 0 ? std::min(a.top_k, tok_vocab) : tok_vocab;
+        std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end(),
+                          [](const auto& x, const auto& y) { return x.first > y.first; });
+        std::vector<double> p(k);
+        for (int i = 0; i < k; ++i) {
+          p[i] = std::exp((ranked[i].first - ranked[0].first) / a.temperature);
+        }
+        next = ranked[std::discrete_distribution<int>(p.begin(), p.end())(rng)].second;
       }
-      next = ranked[std::discrete_distribution<int>(p.begin(), p.end())(rng)].second;
+      ids.push_back(next);
+      if (stop_at_blank_line) {
+        auto tail = decode(std::span<const int32_t>(ids).subspan(start));
+        if (tail.ok() && tail->find("\n\n") != std::string::npos) break;
+      }
     }
-    ids.push_back(next);
+    return Status::Ok();
+  };
+
+  if (!a.translate.empty()) {
+    // The template of isthmus-data parallel: "en: <source>\n<lang>: " then the translation
+    // and a blank line.
+    auto translate = [&](const std::string& source) -> Result<std::string> {
+      ISTHMUS_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
+                               encode("en: " + source + "\n" + a.translate + ": "));
+      const size_t prompt_len = ids.size();
+      ISTHMUS_RETURN_IF_ERROR(extend(ids, /*stop_at_blank_line=*/true));
+      ISTHMUS_ASSIGN_OR_RETURN(std::string text,
+                               decode(std::span<const int32_t>(ids).subspan(prompt_len)));
+      return text.substr(0, text.find("\n\n"));
+    };
+    if (inputs.empty()) {
+      auto text = translate(a.prompt);
+      if (!text.ok()) return Fail("generate", text.status());
+      std::printf("%s\n", text->c_str());
+      return kExitOk;
+    }
+    std::ofstream file;
+    if (!a.output.empty()) {
+      file.open(a.output, std::ios::trunc);
+      if (!file) return Fail("generate", Status::IoError(a.output + ": cannot create"));
+    }
+    std::ostream& out = a.output.empty() ? std::cout : file;
+    for (const auto& row : inputs) {
+      auto text = translate(row["source"].get<std::string>());
+      if (!text.ok()) return Fail("generate", text.status());
+      nlohmann::json line = {{"source", row["source"]}, {"translation", *text}};
+      if (row.contains("target")) line["reference"] = row["target"];
+      out << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+    }
+    out.flush();
+    if (!out) return Fail("generate", Status::IoError(a.output + ": write failed"));
+    std::fprintf(stderr, "translated %zu lines into %s\n", inputs.size(), a.translate.c_str());
+    return kExitOk;
   }
-  Result<std::string> text = Status::Internal("unset");
-  if (bpe) {
-    text = bpe->Decode(ids);
-  } else {
-    std::vector<uint16_t> bytes(ids.begin(), ids.end());
-    text = data::ByteTokenizer::Decode(bytes);
-  }
+
+  auto encoded = encode(a.prompt);
+  if (!encoded.ok()) return Fail("generate", encoded.status());
+  std::vector<int32_t> ids = std::move(encoded).value();
+  if (ids.empty()) return usage("give a --prompt of at least one character");
+  const size_t prompt_len = ids.size();
+  if (auto st = extend(ids, /*stop_at_blank_line=*/false); !st.ok()) return Fail("generate", st);
+  auto text = decode(ids);
   if (!text.ok()) return Fail("generate", text.status());
   std::fwrite(text->data(), 1, text->size(), stdout);
   std::fputc('\n', stdout);
@@ -554,7 +637,8 @@ int main(int argc, char** argv) {
                       "a Hugging Face folder (tokenizer.json, else vocab.json + merges.txt) or "
                       "a tokenizer.json file; default: the --base folder's, or one token per "
                       "byte. Added tokens in the prompt (<|endoftext|>) become their ids");
-  gen_cmd->add_option("--prompt", gen.prompt, "text to continue")->required();
+  gen_cmd->add_option("--prompt", gen.prompt,
+                      "text to continue (with --translate: the English text to translate)");
   gen_cmd->add_option("--tokens", gen.tokens, "tokens to generate")->capture_default_str();
   gen_cmd
       ->add_option("--temperature", gen.temperature,
@@ -563,6 +647,20 @@ int main(int argc, char** argv) {
   gen_cmd->add_option("--top-k", gen.top_k, "sample among the k most likely tokens (0: all)")
       ->capture_default_str();
   gen_cmd->add_option("--sample-seed", gen.seed, "seed of the sampling")->capture_default_str();
+  gen_cmd->add_option(
+      "--translate", gen.translate,
+      "translate into this language (de, fr, ...) with a model fine-tuned on isthmus-data "
+      "parallel's task: the prompt \"en: <text>\\n<language>: \", greedy unless "
+      "--temperature is given, up to the blank line that ends a translation (or --tokens); "
+      "prints the translation only");
+  gen_cmd
+      ->add_option("--input", gen.input,
+                   "with --translate: JSON lines with a \"source\" each (isthmus-data "
+                   "parallel's heldout-<language>.jsonl), each translated")
+      ->check(CLI::ExistingFile);
+  gen_cmd->add_option("--output", gen.output,
+                      "with --input: write {\"source\", \"translation\", \"reference\"} JSON "
+                      "lines here (default: standard output); deploy/chrf.py scores them");
   gen_cmd->footer(kExitCodes);
 
   try {
@@ -599,6 +697,7 @@ int main(int argc, char** argv) {
   }
   if (gen_cmd->parsed()) {
     if (int rc = resolve("generate", gen.model); rc != kExitOk) return rc;
+    gen.temperature_given = gen_cmd->count("--temperature") > 0;
     return RunGenerate(gen);
   }
   if (export_cmd->parsed()) {
