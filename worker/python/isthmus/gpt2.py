@@ -11,10 +11,14 @@ scale alpha / r. The base stays frozen; the LoRA tensors are the parameters:
     model = isthmus.gpt2.Gpt2Lora(base, lora, heads=4, alpha=32.0)
     rank = isthmus.torch.SiteRank(site, model.job_parameters(), ...)
 
-token_batches() reads the uint16 token shards isthmus-data writes.
+token_batches() reads the token shards isthmus-data writes (uint16, or uint32 when the
+manifest says so), and the translation task of `isthmus-data parallel`: one example per
+window, targets -1 (no loss) outside the translation, as isthmus-worker reads it.
 """
 
+import json
 import math
+import os
 
 import numpy as np
 import torch
@@ -81,17 +85,47 @@ class Gpt2Lora(torch.nn.Module):
         return x @ wte.t()
 
     def loss(self, idx, targets):
+        """Mean cross-entropy over the positions whose target is not -1."""
         logits = self(idx)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=-1)
 
 
 def token_batches(path, batch, context, seed):
-    """Endless random (tokens, targets) batches of `context` bytes from a uint16 token file
-    written by isthmus-data."""
-    tokens = np.fromfile(path, dtype="<u2").astype(np.int64)
+    """Endless random (tokens, targets) batches of `context` tokens from a shard written by
+    isthmus-data (train.bin or val.bin; the manifest beside it gives the token width). A
+    task shard with a loss mask (isthmus-data parallel) gives whole examples, one per
+    window of its example length, which `context` must equal, with target -1 wherever the
+    mask says the token is not learned (the prompt and the padding)."""
+    manifest = {}
+    manifest_path = os.path.join(os.path.dirname(path) or ".", "manifest.json")
+    if os.path.exists(manifest_path):
+        with open(manifest_path) as f:
+            manifest = json.load(f)
+    dtype = "<u4" if manifest.get("token_dtype") == "uint32-le" else "<u2"
+    tokens = np.fromfile(path, dtype=dtype).astype(np.int64)
+    mask = None
+    if "loss_mask" in manifest:
+        part = next((p for p in ("train", "val")
+                     if manifest.get(p, {}).get("file") == os.path.basename(path)), None)
+        if part is None or part not in manifest["loss_mask"]:
+            raise ValueError(f"{manifest_path} names loss masks but none for {path}")
+        if manifest.get("example_tokens") != context:
+            raise ValueError(f"{path}: its examples are {manifest.get('example_tokens')} tokens "
+                             f"each, not {context}: use context={manifest.get('example_tokens')}")
+        mask_path = os.path.join(os.path.dirname(path), manifest["loss_mask"][part]["file"])
+        mask = np.fromfile(mask_path, dtype=np.uint8)
+        if len(mask) != len(tokens):
+            raise ValueError(f"{mask_path}: {len(mask)} mask bytes for {len(tokens)} tokens")
     rng = np.random.default_rng(seed)
     while True:
-        starts = rng.integers(0, len(tokens) - context - 1, size=batch)
+        if mask is None:
+            starts = rng.integers(0, len(tokens) - context - 1, size=batch)
+        else:
+            starts = rng.integers(0, (len(tokens) - 1) // context, size=batch) * context
         x = np.stack([tokens[s:s + context] for s in starts])
         y = np.stack([tokens[s + 1:s + context + 1] for s in starts])
+        if mask is not None:
+            learned = np.stack([mask[s + 1:s + context + 1] for s in starts]) != 0
+            y = np.where(learned, y, -1)
         yield torch.from_numpy(x), torch.from_numpy(y)
