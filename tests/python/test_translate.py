@@ -11,7 +11,6 @@ import subprocess
 import tempfile
 import unittest
 
-import numpy as np
 import torch
 
 import isthmus
