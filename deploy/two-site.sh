@@ -36,6 +36,12 @@
 #   --eval-every-rounds N  also have the workers evaluate the merged model after every Nth
 #                          round on their site's validation data and on every --eval-set
 #                          (isthmus-worker train --eval-every-rounds; off by default)
+#   --translate-set LANG=FILE   with translation shards (isthmus-data parallel) as the sites'
+#                          data: translate the first --translate-lines "source"s of FILE (a
+#                          heldout-LANG.jsonl) with each site's committed model
+#                          (isthmus-worker generate --translate) and score them with chrF
+#                          (deploy/chrf.py); repeatable, reported as "chrf" per site
+#   --translate-lines N    lines per --translate-set (default 200)
 #   --summary FILE         write the final figures as JSON here (they are always written to
 #                          OUT/summary.json as well)
 #   --top-interval S       seconds between the isthmusctl top samples (default 1)
@@ -64,7 +70,7 @@ out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
-eval_every=0 report="" top_interval=1 reference=""
+eval_every=0 report="" top_interval=1 reference="" translate_sets=() translate_lines=200
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -87,6 +93,8 @@ while [ $# -gt 0 ]; do
     --wan-capture) wan_capture="$2"; shift 2 ;;
     --idle-seconds) idle_seconds="$2"; shift 2 ;;
     --eval-set) eval_sets+=("$2"); shift 2 ;;
+    --translate-set) translate_sets+=("$2"); shift 2 ;;
+    --translate-lines) translate_lines="$2"; shift 2 ;;
     --eval-batches) eval_batches="$2"; shift 2 ;;
     --eval-every-rounds) eval_every="$2"; shift 2 ;;
     --report) report="$2"; shift 2 ;;
@@ -96,7 +104,7 @@ while [ $# -gt 0 ]; do
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
     --data-c) data_c="$2"; shift 2 ;;
-    -h|--help) sed -n 2,48p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,54p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -106,6 +114,11 @@ done
 if [ -n "$data_c" ] && [ -n "$wan_rate" ]; then
   echo "two-site.sh: --wan-rate shapes the link between two sites; it does not take --data-c" >&2; exit 2
 fi
+for t in "${translate_sets[@]}"; do
+  if [[ "$t" != ?*=?* ]] || [ ! -r "${t#*=}" ]; then
+    echo "two-site.sh: --translate-set $t: give LANG=FILE with a readable heldout-LANG.jsonl" >&2; exit 2
+  fi
+done
 if [ -n "$reference" ] && ! /usr/bin/python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$reference" 2>/dev/null; then
   echo "two-site.sh: --reference $reference is not a readable JSON file" >&2; exit 2
 fi
@@ -345,6 +358,17 @@ for s in "${sites[@]}"; do
       --key "$out/keys/workers-$s/worker.key" --data "${e#*=}" --json --batches "$eval_batches" \
       > "$out/eval-$s-set-${e%%=*}.json" 2> "$out/logs/eval-$s-set-${e%%=*}.log"
   done
+  for t in "${translate_sets[@]}"; do
+    lang="${t%%=*}"
+    head -n "$translate_lines" "${t#*=}" > "$out/translate-input-$lang.jsonl"
+    if "${prefix[@]}" "$worker" generate "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+      --key "$out/keys/workers-$s/worker.key" --translate "$lang" \
+      --input "$out/translate-input-$lang.jsonl" --output "$out/translate-$s-$lang.jsonl" \
+      2> "$out/logs/translate-$s-$lang.log"; then
+      /usr/bin/python3 deploy/chrf.py --json "$out/translate-$s-$lang.jsonl" \
+        > "$out/chrf-$s-$lang.json" 2>> "$out/logs/translate-$s-$lang.log" || true
+    fi
+  done
 done
 # The top samples end here (SIGTERM is top's normal end: exit 0).
 for p in "${tpids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
@@ -364,8 +388,10 @@ set -e
 
 set_names=""
 for e in "${eval_sets[@]}"; do set_names+="${e%%=*},"; done
+translate_names=""
+for t in "${translate_sets[@]}"; do translate_names+="${t%%=*},"; done
 set +e
-/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" "$reference" "${sites[*]}" <<'PY'
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" "$reference" "${sites[*]}" "${translate_names%,}" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 kernel_bytes, wan_rate = int(sys.argv[6]), sys.argv[7]
@@ -373,6 +399,7 @@ idle_seconds, idle_bytes = int(sys.argv[8]), int(sys.argv[9])
 set_names = [n for n in sys.argv[10].split(",") if n]
 reference = json.load(open(sys.argv[11])) if sys.argv[11] else None
 sites = sys.argv[12].split()
+translate_names = [n for n in sys.argv[13].split(",") if n]
 result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
 try:
     verify = json.load(open(f"{out}/verify.json"))
@@ -401,7 +428,14 @@ for s in sites:
             sets[n] = json.load(open(f"{out}/eval-{s}-set-{n}.json"))["val_loss"]
         except Exception:
             sets[n] = None
+    chrf = {}
+    for n in translate_names:
+        try:
+            chrf[n] = json.load(open(f"{out}/chrf-{s}-{n}.json"))["chrf"]
+        except Exception:
+            chrf[n] = None
     result["sites"][s] = {"committed_round": committed, "wan_bytes_sent": sent,
+                          "chrf": chrf,
                           "val_loss_sets": sets,
                           "raw_bytes": raw, "compression_ratio": (raw / sent) if sent else None,
                           "wire_bytes_sent": wire_sent, "wire_bytes_received": wire_received,
@@ -431,6 +465,14 @@ if reference:
         print(f"{n:<6}{fmt(before.get(n)):>16}"
               + "".join(f"{fmt(result['sites'][s]['val_loss_sets'].get(n)):>10}" for s in sites)
               + f"{fmt(central.get(n)):>13}")
+if translate_names:
+    result["translate_lines"] = {n: sum(1 for _ in open(f"{out}/translate-input-{n}.jsonl"))
+                                 for n in translate_names}
+    print(f"{'chrF':<6}" + "".join(f"{'site ' + s:>10}" for s in sites) + f"{'lines':>8}")
+    for n in translate_names:
+        fmt = lambda v: f"{v:.2f}" if isinstance(v, float) else "n/a"
+        print(f"{n:<6}" + "".join(f"{fmt(result['sites'][s]['chrf'].get(n)):>10}" for s in sites)
+              + f"{result['translate_lines'][n]:>8}")
 print(f"committed digests agree across sites: {'yes' if agree else 'NO'} ({compared} rounds compared per shard)")
 print(f"training wall time: {trained} s")
 payload = sum(r["wan_bytes_sent"] for r in result["sites"].values())
@@ -455,7 +497,10 @@ if wan_rate:
 json.dump(result, open(f"{out}/summary.json", "w"), indent=2)
 if summary and os.path.abspath(summary) != os.path.abspath(f"{out}/summary.json"):
     json.dump(result, open(summary, "w"), indent=2)
-sys.exit(0 if agree and all(r["committed_round"] >= rounds for r in result["sites"].values()) else 1)
+scored = all(v is not None for r in result["sites"].values() for v in r["chrf"].values())
+if not scored:
+    print("two-site: a translation set was not scored (logs/translate-*.log)", file=sys.stderr)
+sys.exit(0 if agree and scored and all(r["committed_round"] >= rounds for r in result["sites"].values()) else 1)
 PY
 rc=$?
 set -e

@@ -4,9 +4,9 @@ refuses a context other than the examples' length, Gpt2Lora.loss averages over t
 positions only, and a few AdamW steps of a PyTorch site on those batches lower it. The
 catalogue is one the test writes (German, 80 messages)."""
 
+import json
 import os
 import shutil
-import struct
 import subprocess
 import tempfile
 import unittest
@@ -20,18 +20,10 @@ CONTEXT = 48
 
 
 def write_mo(path, pairs):
-    pairs = dict(pairs, **{"": "Content-Type: text/plain; charset=UTF-8\n"})
-    keys = sorted(pairs)
-    n = len(keys)
-    tables, blob, base = [b"", b""], b"", 28 + 16 * n
-    for k in keys:
-        for t, s in enumerate((k, pairs[k])):
-            b = s.encode()
-            tables[t] += struct.pack("<II", len(b), base + len(blob))
-            blob += b + b"\0"
-    with open(path, "wb") as f:
-        f.write(struct.pack("<7I", 0x950412DE, 0, n, 28, 28 + 8 * n, 0, 0) + tables[0] +
-                tables[1] + blob)
+    """The catalogue, written by tests/data/write_mo.py."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "write_mo.py")
+    subprocess.run(["/usr/bin/python3", script, path], input=json.dumps(pairs).encode(),
+                   check=True)
 
 
 class TranslationBatches(unittest.TestCase):

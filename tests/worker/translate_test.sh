@@ -20,28 +20,14 @@ trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 fail() { echo "FAIL: $*"; exit 1; }
 
-# A little-endian .mo with 120 numbered messages, written by Python's struct.
+# 120 numbered messages (tests/data/write_mo.py writes the .mo).
 mkdir -p "$work/locale/de/LC_MESSAGES"
-/usr/bin/python3 - "$work/locale/de/LC_MESSAGES/test.mo" <<'PY'
-import struct, sys
+/usr/bin/python3 -c '
+import json
 words = ["file", "folder", "disk", "user", "group", "key", "page", "line"]
-pairs = {"": "Content-Type: text/plain; charset=UTF-8\n"}
 german = ["Datei", "Ordner", "Platte", "Benutzer", "Gruppe", "Schlüssel", "Seite", "Zeile"]
-for i in range(120):
-    pairs[f"Open {words[i % 8]} {i}"] = f"{german[i % 8]} {i} öffnen"
-keys = sorted(pairs)
-n = len(keys)
-orig, trans = 28, 28 + 8 * n
-blob, tables = b"", [b"", b""]
-base = 28 + 16 * n
-for k in keys:
-    for t, s in enumerate((k, pairs[k])):
-        b = s.encode()
-        tables[t] += struct.pack("<II", len(b), base + len(blob))
-        blob += b + b"\0"
-with open(sys.argv[1], "wb") as f:
-    f.write(struct.pack("<7I", 0x950412DE, 0, n, orig, trans, 0, 0) + tables[0] + tables[1] + blob)
-PY
+print(json.dumps({f"Open {words[i % 8]} {i}": f"{german[i % 8]} {i} öffnen" for i in range(120)}))
+' | /usr/bin/python3 "$root/tests/data/write_mo.py" "$work/locale/de/LC_MESSAGES/test.mo"
 "$data" parallel --locale-dir "$work/locale" --lang de --out "$work/task" --seq-len 64 \
   --val-fraction 0.1 > "$work/parallel.txt" || { cat "$work/parallel.txt"; fail "parallel"; }
 heldout=$(wc -l < "$work/task/heldout-de.jsonl")

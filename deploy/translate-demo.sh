@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The second training phase across two sites: translation fine-tuning (LoRA) of a base
+# model on English -> X message pairs from the machine's gettext catalogues, site A holding
+# some target languages and site B others (disjoint, like the pre-training demo). Builds
+# each site's task shards (isthmus-data parallel), scores the base alone on every
+# language's held-out pairs (chrF, deploy/chrf.py), trains with deploy/two-site.sh and
+# scores each site's committed model again, printing a table per language: before, after
+# at site A, after at site B. Only the adapters' round deltas cross the WAN, as in any job.
+#
+# Usage: deploy/translate-demo.sh --base BASE.safetensors [options]
+#   --base FILE        the model to fine-tune: the pre-trained base of deploy/demo.sh, or any
+#                      isthmus base (isthmus-worker init --write-base gives a random one)
+#   --site-a LANGS     site A's target languages (default de,fr)
+#   --site-b LANGS     site B's target languages (default es,it)
+#   --seq-len T        tokens per example; the model's context (default 128)
+#   --model "FLAGS"    model flags (default: 2x128, 4 heads, LoRA r8, context T); with a
+#                      base file the shape comes from it
+#   --rounds N         rounds (default 8); --steps-per-round H (default 20)
+#   --lines N          held-out lines translated per language, before and after (default 200)
+#   --val-fraction F   share of messages held out (default 0.05); the validation shard
+#                      needs at least a batch per rank
+#   --train "FLAGS"    extra isthmus-worker train flags (default "--lr 1e-3 --batch-size 8")
+#   --out DIR          work folder, removed first (default demo-out/translate)
+#   --locale-dir DIR   where the catalogues are (default /usr/share/locale)
+# Writes OUT/summary.json (two-site.sh's, with "chrf" per site and "chrf_before").
+# Environment: ISTHMUS_BUILD_DIR (default build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build="${ISTHMUS_BUILD_DIR:-build}"
+worker="$build/worker/isthmus-worker"
+data="$build/worker/data/isthmus-data"
+base="" site_a=de,fr site_b=es,it seq_len=128 model="" rounds=8 steps=20 lines=200
+train="--lr 1e-3 --batch-size 8" out=demo-out/translate locale=/usr/share/locale val_fraction=0.05
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --base) base="$2"; shift 2 ;;
+    --site-a) site_a="$2"; shift 2 ;;
+    --site-b) site_b="$2"; shift 2 ;;
+    --seq-len) seq_len="$2"; shift 2 ;;
+    --model) model="$2"; shift 2 ;;
+    --rounds) rounds="$2"; shift 2 ;;
+    --steps-per-round) steps="$2"; shift 2 ;;
+    --lines) lines="$2"; shift 2 ;;
+    --val-fraction) val_fraction="$2"; shift 2 ;;
+    --train) train="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --locale-dir) locale="$2"; shift 2 ;;
+    -h|--help) sed -n 2,26p "$0"; exit 0 ;;
+    *) echo "translate-demo.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
+  esac
+done
+[ -n "$base" ] || { echo "translate-demo.sh: --base is required (try --help)" >&2; exit 2; }
+[ -r "$base" ] || { echo "translate-demo.sh: --base $base is not readable" >&2; exit 2; }
+for b in "$worker" "$data"; do
+  [ -x "$b" ] || { echo "translate-demo.sh: $b is not built (cmake --build $build)" >&2; exit 2; }
+done
+model="${model:---layers 2 --width 128 --heads 4 --context $seq_len --lora-rank 8 --lora-alpha 16}"
+# shellcheck disable=SC2206
+model_flags=($model)
+rm -rf "$out"
+mkdir -p "$out"
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
+
+# The task shards of each site, and every language's held-out pairs.
+translate_sets=()
+langs=()
+for site in A B; do
+  list=$site_a
+  [ "$site" = B ] && list=$site_b
+  "$data" parallel --locale-dir "$locale" --lang "$list" --out "$out/task-$site" \
+    --seq-len "$seq_len" --val-fraction "$val_fraction" | tee "$out/parallel-$site.txt"
+  IFS=, read -r -a site_langs <<< "$list"
+  for l in "${site_langs[@]}"; do
+    langs+=("$l")
+    translate_sets+=(--translate-set "$l=$out/task-$site/heldout-$l.jsonl")
+  done
+done
+
+# Before: the base alone (no adapters) on each language's first held-out lines.
+echo "{" > "$out/chrf-before.json"
+sep=""
+for l in "${langs[@]}"; do
+  for site in A B; do
+    f="$out/task-$site/heldout-$l.jsonl"
+    [ -r "$f" ] || continue
+    head -n "$lines" "$f" > "$out/before-input-$l.jsonl"
+    "$worker" generate "${model_flags[@]}" --base "$base" --translate "$l" \
+      --input "$out/before-input-$l.jsonl" --output "$out/before-$l.jsonl" 2> "$out/before-$l.log"
+    score=$(/usr/bin/python3 deploy/chrf.py --json "$out/before-$l.jsonl" |
+      /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["chrf"])')
+    printf '%s"%s": %s' "$sep" "$l" "$score" >> "$out/chrf-before.json"
+    sep=", "
+  done
+done
+echo "}" >> "$out/chrf-before.json"
+
+set +e
+deploy/two-site.sh --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
+  --model "$model" --rounds "$rounds" --steps-per-round "$steps" --train "$train" \
+  --out "$out/run" --translate-lines "$lines" "${translate_sets[@]}"
+rc=$?
+set -e
+/usr/bin/python3 - "$out" "$site_a" "$site_b" <<'PY'
+import json, sys
+out, site_a, site_b = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+before = json.load(open(f"{out}/chrf-before.json"))
+summary = json.load(open(f"{out}/run/summary.json"))
+summary["chrf_before"] = before
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
+fmt = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "n/a"
+print()
+print(f"{'en->':<6}{'trained at':>11}{'chrF before':>13}{'site A':>9}{'site B':>9}")
+for lang in site_a + site_b:
+    home = "A" if lang in site_a else "B"
+    after = {s: summary["sites"][s]["chrf"].get(lang) for s in ("A", "B")}
+    print(f"{lang:<6}{home:>11}{fmt(before.get(lang)):>13}{fmt(after['A']):>9}{fmt(after['B']):>9}")
+PY
+exit "$rc"
