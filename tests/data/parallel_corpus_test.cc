@@ -258,6 +258,83 @@ TEST_F(ParallelCorpus, ShardsHoldOneExampleAWindowLearnedOnTheTranslationOnly) {
             Code::kCorruption);
 }
 
+// Sequence-level distillation: a teacher's translations of train-<lang>.jsonl become the
+// training targets; the held-out shard keeps the catalogue's references, byte for byte.
+TEST_F(ParallelCorpus, TeacherTranslationsReplaceTheTrainingTargetsOnly) {
+  std::vector<std::pair<std::string, std::string>> de = {{"", kUtf8Header}};
+  for (int i = 0; i < 50; ++i)
+    de.push_back({"Item " + std::to_string(i), "Ding " + std::to_string(i)});
+  Write("de", "app.mo", MoBytes(de, false));
+  TranslationOptions options;
+  options.locale_dir = locale();
+  options.languages = {"de"};
+  options.out_dir = root_ + "/plain";
+  options.example_tokens = 48;
+  options.val_fraction = 0.2;
+  auto plain = BuildTranslationShards(options);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+
+  // The teacher: "Teil N" for every training message, and an empty answer for one.
+  std::ifstream train(root_ + "/plain/train-de.jsonl");
+  std::ofstream teacher(root_ + "/teacher.jsonl");
+  int lines = 0;
+  std::string emptied;
+  for (std::string line; std::getline(train, line); ++lines) {
+    const auto row = nlohmann::json::parse(line);
+    const std::string source = row["source"];
+    std::string translation = "Teil " + source.substr(5);
+    if (lines == 0) emptied = source, translation = "";
+    teacher << nlohmann::json{{"source", source}, {"translation", translation}}.dump() << "\n";
+  }
+  teacher.close();
+  EXPECT_EQ(static_cast<uint64_t>(lines), plain->languages[0].train);
+
+  options.out_dir = root_ + "/taught";
+  options.teacher_targets = {{"de", root_ + "/teacher.jsonl"}};
+  auto taught = BuildTranslationShards(options);
+  ASSERT_TRUE(taught.ok()) << taught.status().ToString();
+  EXPECT_EQ(taught->languages[0].teacher_targets, static_cast<uint64_t>(lines - 1));
+  EXPECT_EQ(taught->languages[0].teacher_dropped, 1u);
+  EXPECT_EQ(taught->val.sha256, plain->val.sha256);  // references untouched
+  DatasetOptions read;
+  read.batch_size = 1;
+  read.seq_len = 48;
+  auto ds = TokenDataset::Open(options.out_dir + "/train.bin", read);
+  ASSERT_TRUE(ds.ok()) << ds.status().ToString();
+  for (uint64_t i = 0; i < ds->batches_per_epoch(); ++i) {
+    Batch b = ds->Next();
+    std::vector<uint16_t> row(b.tokens.begin(), b.tokens.end()), learned;
+    for (int32_t t : b.targets) {
+      if (t >= 0) learned.push_back(static_cast<uint16_t>(t));
+    }
+    const std::string text = *ByteTokenizer::Decode(row);
+    const std::string number = text.substr(9, text.find('\n') - 9);  // "en: Item N"
+    EXPECT_EQ(*ByteTokenizer::Decode(learned), "Teil " + number + "\n\n") << text;
+    EXPECT_NE("Item " + number, emptied);
+  }
+
+  // A teacher file that misses a training message, or is not JSON lines, is refused.
+  std::ofstream(root_ + "/short.jsonl")
+      << nlohmann::json{{"source", "Item 1"}, {"translation", "x"}}.dump();
+  options.out_dir = root_ + "/refused";
+  options.teacher_targets = {{"de", root_ + "/short.jsonl"}};
+  auto missing = BuildTranslationShards(options);
+  EXPECT_EQ(missing.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(missing.status().message().find("lacks the teacher's translation of"),
+            std::string::npos)
+      << missing.status().ToString();
+  std::ofstream(root_ + "/bad.jsonl") << "{\"source\": \"Item 1\"}\n";
+  options.teacher_targets = {{"de", root_ + "/bad.jsonl"}};
+  auto bad = BuildTranslationShards(options);
+  EXPECT_NE(bad.status().message().find("bad.jsonl line 1"), std::string::npos)
+      << bad.status().ToString();
+  options.teacher_targets = {{"fr", root_ + "/teacher.jsonl"}};
+  auto other = BuildTranslationShards(options);
+  EXPECT_NE(other.status().message().find("add it to --lang"), std::string::npos)
+      << other.status().ToString();
+  EXPECT_FALSE(std::filesystem::exists(root_ + "/refused"));
+}
+
 TEST_F(ParallelCorpus, IsthmusDataParallelPrintsTheCountsAndRefusesAMissingLanguage) {
   std::vector<std::pair<std::string, std::string>> it = {{"", kUtf8Header}};
   for (int i = 0; i < 20; ++i)

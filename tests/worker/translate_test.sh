@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The translation task end to end on the CPU: gettext catalogues this test writes (German,
 # 120 messages), `isthmus-data parallel`, a tiny model trained on it (standalone, full
-# mode), `isthmus-worker generate --translate` of one line and of the held-out file, and
-# deploy/chrf.py's scores (NLTK). Checks the output's shape (one line per held-out pair,
+# mode), `isthmus-worker generate --translate` of one line and of the held-out file,
+# deploy/chrf.py's scores (NLTK), and sequence-level distillation (the model's translations
+# of the training pairs as a student's targets, isthmus-data parallel --teacher-targets). Checks the output's shape (one line per held-out pair,
 # the source and reference carried, no translation running past its end), that chrF is
 # 100 for the references themselves and below for the model, and the refusals of
 # --input without --translate, of a file that is not JSON lines and of chrf.py on bad input.
@@ -75,6 +76,21 @@ m, p = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 assert p['chrf'] == 100.0, p
 assert 0 <= m['chrf'] < 100.0 and m['lines'] == int(sys.argv[3]), m
 " "$score" "$perfect" "$heldout" || fail "chrF scores"
+
+# Sequence-level distillation: the model above as the teacher of its own training pairs,
+# its translations as a student's targets.
+"$worker" generate --base "$work/model.safetensors" --translate de --tokens 24 \
+  --input "$work/task/train-de.jsonl" --output "$work/teacher.jsonl" 2>/dev/null ||
+  fail "the teacher's translations"
+"$data" parallel --locale-dir "$work/locale" --lang de --out "$work/taught" --seq-len 64 \
+  --val-fraction 0.1 --teacher-targets "de=$work/teacher.jsonl" > "$work/taught.txt" ||
+  { cat "$work/taught.txt"; fail "parallel --teacher-targets"; }
+grep -q "training targets are the teacher's translations" "$work/taught.txt" ||
+  { cat "$work/taught.txt"; fail "no teacher targets reported"; }
+cmp -s "$work/task/val.bin" "$work/taught/val.bin" || fail "the held-out shard changed"
+# shellcheck disable=SC2086
+"$worker" train --standalone $model --data "$work/taught" --max-steps 10 --batch-size 8 \
+  > "$work/student.txt" 2>&1 || { tail "$work/student.txt"; fail "training the student"; }
 
 # Refusals.
 if "$worker" generate --base "$work/model.safetensors" --input "$work/task/heldout-de.jsonl" \

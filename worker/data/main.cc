@@ -36,7 +36,17 @@ int RunBuild(const isthmus::data::BuildOptions& options) {
   return 0;
 }
 
-int RunParallel(const isthmus::data::TranslationOptions& options) {
+int RunParallel(isthmus::data::TranslationOptions& options,
+                const std::vector<std::string>& teacher_targets) {
+  for (const std::string& t : teacher_targets) {
+    const size_t eq = t.find('=');
+    if (eq == 0 || eq == std::string::npos || eq + 1 == t.size()) {
+      std::fprintf(stderr, "isthmus-data parallel: --teacher-targets %s: give LANGUAGE=FILE\n",
+                   t.c_str());
+      return 2;
+    }
+    options.teacher_targets[t.substr(0, eq)] = t.substr(eq + 1);
+  }
   auto r = isthmus::data::BuildTranslationShards(options);
   if (!r.ok()) {
     std::fprintf(stderr, "isthmus-data parallel: %s\n", r.status().ToString().c_str());
@@ -51,9 +61,18 @@ int RunParallel(const isthmus::data::TranslationOptions& options) {
                 static_cast<unsigned long long>(l.val), static_cast<unsigned long long>(l.too_long),
                 static_cast<unsigned long long>(l.source_words));
   }
+  for (const auto& l : r->languages) {
+    if (l.teacher_targets + l.teacher_dropped == 0) continue;
+    std::printf(
+        "%s: %llu training targets are the teacher's translations (%s); %llu pairs "
+        "dropped (empty or repeated translation)\n",
+        l.language.c_str(), static_cast<unsigned long long>(l.teacher_targets),
+        options.teacher_targets.at(l.language).c_str(),
+        static_cast<unsigned long long>(l.teacher_dropped));
+  }
   std::printf(
       "train.bin: %llu tokens, %llu examples\nval.bin:   %llu tokens, %llu examples\n"
-      "wrote %s/{train,val}.{bin,mask}, heldout-<language>.jsonl and manifest.json "
+      "wrote %s/{train,val}.{bin,mask}, {train,heldout}-<language>.jsonl and manifest.json "
       "(examples of %d tokens: isthmus-worker train --context %d)\n",
       static_cast<unsigned long long>(r->train.tokens),
       static_cast<unsigned long long>(r->train.documents),
@@ -235,6 +254,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   p->add_option("--seed", parallel.seed, "Seed of the held-out choice")->capture_default_str();
+  std::vector<std::string> teacher_targets;
+  p->add_option("--teacher-targets", teacher_targets,
+                "LANGUAGE=FILE: sequence-level distillation, the training targets of LANGUAGE "
+                "are a teacher's translations of its train-<language>.jsonl (FILE as "
+                "isthmus-worker generate --translate --input writes it; every training "
+                "message must be there); held-out pairs keep the catalogue's. Repeatable");
   p->add_option("--tokenizer", parallel.tokenizer_dir,
                 "A tokenizer, as for build (default: one token per byte)")
       ->check(CLI::ExistingPath);
@@ -269,7 +294,7 @@ int main(int argc, char** argv) {
 
   CLI11_PARSE(app, argc, argv);
   if (b->parsed()) return RunBuild(build);
-  if (p->parsed()) return RunParallel(parallel);
+  if (p->parsed()) return RunParallel(parallel, teacher_targets);
   if (e->parsed()) return RunEncode(encode_words, encode_tokenizer);
   if (d->parsed()) return RunDecode(decode_words, decode_tokenizer);
   return RunShow(show_path, offset, count, show_tokenizer);

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <bit>
 #include <cerrno>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "common/durable.h"
 #include "worker/data/bpe_tokenizer.h"
@@ -344,6 +346,49 @@ Result<TranslationSummary> BuildTranslationShards(const TranslationOptions& opti
     ISTHMUS_ASSIGN_OR_RETURN(LanguagePairs pairs, CollectPairs(options.locale_dir, lang));
     corpora.push_back(std::move(pairs));
   }
+  // The teachers' translations (sequence-level distillation), checked whole up front.
+  std::map<std::string, std::map<std::string, std::string>> teacher;
+  for (const auto& [lang, file] : options.teacher_targets) {
+    auto corpus = std::find_if(corpora.begin(), corpora.end(),
+                               [&](const LanguagePairs& c) { return c.language == lang; });
+    if (corpus == corpora.end()) {
+      return Status::InvalidArgument("teacher translations for '" + lang + "' (" + file +
+                                     "), a language not being built: add it to --lang");
+    }
+    std::ifstream in(file);
+    if (!in) return Status::NotFound(file + ": cannot open the teacher's translations");
+    auto& translations = teacher[lang];
+    int line_no = 0;
+    for (std::string line; std::getline(in, line);) {
+      ++line_no;
+      if (line.empty()) continue;
+      const auto row = nlohmann::json::parse(line, nullptr, false);
+      if (!row.is_object() || !row.contains("source") || !row["source"].is_string() ||
+          !row.contains("translation") || !row["translation"].is_string()) {
+        return Status::InvalidArgument(
+            file + " line " + std::to_string(line_no) +
+            ": not a JSON object with \"source\" and \"translation\" strings (as "
+            "isthmus-worker generate --translate --input writes them)");
+      }
+      translations[row["source"].get<std::string>()] = row["translation"].get<std::string>();
+    }
+    uint64_t missing = 0;
+    std::string example;
+    for (const MessagePair& pair : corpus->pairs) {
+      if (!IsValidationDocument(pair.source, options.seed, options.val_fraction) &&
+          !translations.contains(pair.source)) {
+        if (missing++ == 0) example = pair.source;
+      }
+    }
+    if (missing > 0) {
+      return Status::InvalidArgument(file + " lacks the teacher's translation of " +
+                                     std::to_string(missing) + " training messages of '" + lang +
+                                     "' (e.g. " + nlohmann::json(example).dump() +
+                                     "): translate the whole train-" + lang +
+                                     ".jsonl, with the same --seed and "
+                                     "--val-fraction");
+    }
+  }
   std::error_code ec;
   std::filesystem::create_directories(options.out_dir, ec);
   if (ec) return Status::IoError(options.out_dir + ": cannot create folder: " + ec.message());
@@ -373,17 +418,27 @@ Result<TranslationSummary> BuildTranslationShards(const TranslationOptions& opti
     stats.not_utf8_catalogues = corpus.not_utf8.size();
     stats.messages = corpus.messages;
     stats.pairs = corpus.pairs.size();
-    std::string heldout;
+    std::string heldout, training;
+    const auto taught = teacher.find(corpus.language);
+    std::set<std::pair<std::string, std::string>> taught_pairs;
     for (const MessagePair& pair : corpus.pairs) {
       const bool held_out = IsValidationDocument(pair.source, options.seed, options.val_fraction);
-      if (held_out) {
-        heldout += nlohmann::json{{"source", pair.source}, {"target", pair.target}}.dump() + "\n";
+      (held_out ? heldout : training) +=
+          nlohmann::json{{"source", pair.source}, {"target", pair.target}}.dump() + "\n";
+      const std::string* text = &pair.target;
+      if (!held_out && taught != teacher.end()) {
+        text = &taught->second.at(pair.source);
+        if (text->empty() || !taught_pairs.emplace(pair.source, *text).second) {
+          ++stats.teacher_dropped;
+          continue;
+        }
+        ++stats.teacher_targets;
       }
       prompt.clear();
       target.clear();
       ISTHMUS_RETURN_IF_ERROR(
           encoder.Append("en: " + pair.source + "\n" + corpus.language + ": ", &prompt));
-      ISTHMUS_RETURN_IF_ERROR(encoder.Append(pair.target + kDocumentSeparator, &target));
+      ISTHMUS_RETURN_IF_ERROR(encoder.Append(*text + kDocumentSeparator, &target));
       if (prompt.size() + target.size() > t) {
         ++stats.too_long;
         continue;
@@ -408,6 +463,9 @@ Result<TranslationSummary> BuildTranslationShards(const TranslationOptions& opti
     ISTHMUS_RETURN_IF_ERROR(
         WriteFileAtomic(options.out_dir + "/heldout-" + corpus.language + ".jsonl", heldout.data(),
                         heldout.size()));
+    ISTHMUS_RETURN_IF_ERROR(
+        WriteFileAtomic(options.out_dir + "/train-" + corpus.language + ".jsonl", training.data(),
+                        training.size()));
     languages[corpus.language] = {{"catalogues", stats.catalogues},
                                   {"catalogues_not_utf8", corpus.not_utf8},
                                   {"messages", stats.messages},
@@ -420,7 +478,14 @@ Result<TranslationSummary> BuildTranslationShards(const TranslationOptions& opti
                                   {"train_examples", stats.train},
                                   {"val_examples", stats.val},
                                   {"source_words", stats.source_words},
-                                  {"heldout_file", "heldout-" + corpus.language + ".jsonl"}};
+                                  {"heldout_file", "heldout-" + corpus.language + ".jsonl"},
+                                  {"train_file", "train-" + corpus.language + ".jsonl"}};
+    if (taught != teacher.end()) {
+      languages[corpus.language]["teacher_targets"] = {
+          {"file", options.teacher_targets.at(corpus.language)},
+          {"replaced", stats.teacher_targets},
+          {"dropped", stats.teacher_dropped}};
+    }
     summary.languages.push_back(stats);
   }
   if (train.examples + val.examples == 0) {

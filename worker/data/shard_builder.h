@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -78,8 +79,10 @@ Result<BuildSummary> BuildShards(const BuildOptions& options);
 // prompt and the padding; the reader turns every other target into -1 (no loss). A pair
 // is held out (val.bin, and heldout-<lang>.jsonl with the text for evaluation) when
 // IsValidationDocument(its English source, seed, val_fraction): the same message is on
-// the same side in every language and every run. The manifest adds "task": "translate",
-// "example_tokens", the template, the masks' SHA-256 and the counts per language.
+// the same side in every language and every run. The training pairs are written as text
+// too (train-<lang>.jsonl), for a teacher to translate (teacher_targets). The manifest
+// adds "task": "translate", "example_tokens", the template, the masks' SHA-256 and the
+// counts per language.
 struct TranslationOptions {
   std::string locale_dir = "/usr/share/locale";
   std::vector<std::string> languages;  // e.g. {"de", "fr"}
@@ -88,16 +91,25 @@ struct TranslationOptions {
   int example_tokens = 256;   // T: isthmus-worker's --context must equal it
   double val_fraction = 0.05;
   uint64_t seed = 1;
+  // Sequence-level distillation: language -> a teacher's translations of that language's
+  // training pairs (JSON lines with "source" and "translation", as isthmus-worker generate
+  // --translate --input train-<lang>.jsonl writes them), which replace the catalogue's
+  // translations as the training targets. Held-out pairs keep the catalogue's. Every
+  // training source must be in the file; an empty translation drops its pair (counted).
+  std::map<std::string, std::string> teacher_targets;
 };
 
 struct TranslationLanguage {
   std::string language;
   uint64_t catalogues = 0, not_utf8_catalogues = 0;
-  uint64_t messages = 0;        // pairs in the catalogues before cleaning
-  uint64_t pairs = 0;           // after cleaning (parallel_corpus.h)
-  uint64_t train = 0, val = 0;  // examples written to each shard
-  uint64_t too_long = 0;        // pairs left out: longer than example_tokens
-  uint64_t source_words = 0;    // English words (whitespace-separated) of the kept pairs
+  uint64_t messages = 0;         // pairs in the catalogues before cleaning
+  uint64_t pairs = 0;            // after cleaning (parallel_corpus.h)
+  uint64_t train = 0, val = 0;   // examples written to each shard
+  uint64_t too_long = 0;         // pairs left out: longer than example_tokens
+  uint64_t source_words = 0;     // English words (whitespace-separated) of the kept pairs
+  uint64_t teacher_targets = 0;  // training targets that are a teacher's translation
+  uint64_t teacher_dropped = 0;  // training pairs dropped: the teacher's translation was
+                                 // empty, or repeats another's of the same source
 };
 
 struct TranslationSummary {
@@ -107,8 +119,10 @@ struct TranslationSummary {
 };
 
 // InvalidArgument for no language, a language that is not a locale folder name, T < 8,
-// or a fraction outside [0, 1]; NotFound for a language without catalogues (naming what
-// to install); FailedPrecondition when no pair fits T tokens.
+// or a fraction outside [0, 1], or a teacher file for a language not built, that cannot be
+// read as JSON lines, or that lacks a training source (naming the file, the line or the
+// count and an example); NotFound for a language without catalogues (naming what to
+// install); FailedPrecondition when no pair fits T tokens. Nothing is written on error.
 Result<TranslationSummary> BuildTranslationShards(const TranslationOptions& options);
 
 }  // namespace isthmus::data
