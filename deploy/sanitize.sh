@@ -31,12 +31,14 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -D"$option"=ON
   -DISTHMUS_CUDA=OFF -DISTHMUS_BUILD_BENCH=OFF -DISTHMUS_PYTHON=OFF
 # Every program and library except those no test of these labels runs: the gpu tests and
 # nccl_comm_test (label gpu), the nemesis campaign (label long) and fuzz_make_seeds. Under
-# TSan also model_test and cuda_emu_test: one thread each (OMP_NUM_THREADS=1 below), so
-# ThreadSanitizer has nothing to check in them, and they are its slowest suites; ASan runs
-# them. ctest lists a target left unbuilt as "<name>_NOT_BUILT" without labels: not run.
+# TSan also the test programs that run one thread (OMP_NUM_THREADS=1 below), so that
+# ThreadSanitizer has nothing to check in them: the model, CUDA-emulator, kernel, data,
+# tokenizer, translation-corpus and safetensors tests, its slowest suites; ASan runs them.
+# ctest lists a gtest program left unbuilt as "<name>_NOT_BUILT" without labels: not run.
 # The targets are the build's named ones (ninja's phony names) less CMake's own.
 skip='gpu_backend_test|gpu_training_test|gpu_worker_test|nccl_comm_test|nemesis_test|fuzz_make_seeds'
-[[ "$kind" == tsan ]] && skip="$skip|model_test|cuda_emu_test|isthmus_cuda_emu"
+[[ "$kind" == tsan ]] &&
+  skip="$skip|model_test|cuda_emu_test|isthmus_cuda_emu|ops_test|data_test|bpe_tokenizer_test|parallel_corpus_test|safetensors_test"
 cmake_own='all|clean|help|install|package|package_source|test|edit_cache|rebuild_cache|list_install_components'
 mapfile -t targets < <(ninja -C "$build" -t targets depth 1 | sed -n 's/^\([^/:.]*\): phony$/\1/p' |
   grep -v -x -E "$skip|$cmake_own")
