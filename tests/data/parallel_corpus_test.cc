@@ -54,6 +54,15 @@ std::string MoBytes(std::vector<std::pair<std::string, std::string>> entries, bo
   return out;
 }
 
+// A one-row batch of byte tokens as text, and the text of its learned targets (>= 0).
+std::pair<std::string, std::string> TextAndLearned(const Batch& b) {
+  std::vector<uint16_t> row(b.tokens.begin(), b.tokens.end()), learned;
+  for (int32_t t : b.targets) {
+    if (t >= 0) learned.push_back(static_cast<uint16_t>(t));
+  }
+  return {*ByteTokenizer::Decode(row), *ByteTokenizer::Decode(learned)};
+}
+
 const std::string kUtf8Header = "Content-Type: text/plain; charset=UTF-8\n";
 
 class ParallelCorpus : public ::testing::Test {
@@ -217,13 +226,7 @@ TEST_F(ParallelCorpus, ShardsHoldOneExampleAWindowLearnedOnTheTranslationOnly) {
   const std::set<std::string>& held = held_de;
   std::set<std::string> seen;
   for (uint64_t i = 0; i < ds->batches_per_epoch(); ++i) {
-    Batch b = ds->Next();
-    std::vector<uint16_t> row(b.tokens.begin(), b.tokens.end()), learned;
-    for (int32_t t : b.targets) {
-      if (t >= 0) learned.push_back(static_cast<uint16_t>(t));
-    }
-    const std::string text = *ByteTokenizer::Decode(row);
-    const std::string target = *ByteTokenizer::Decode(learned);
+    const auto [text, target] = TextAndLearned(ds->Next());
     // "en: Message 7\nde: Nachricht 7\n\n" then padding; the loss on "Nachricht 7\n\n".
     ASSERT_TRUE(text.starts_with("en: Message ")) << text;
     const std::string number = text.substr(12, text.find('\n') - 12);
@@ -302,14 +305,9 @@ TEST_F(ParallelCorpus, TeacherTranslationsReplaceTheTrainingTargetsOnly) {
   auto ds = TokenDataset::Open(options.out_dir + "/train.bin", read);
   ASSERT_TRUE(ds.ok()) << ds.status().ToString();
   for (uint64_t i = 0; i < ds->batches_per_epoch(); ++i) {
-    Batch b = ds->Next();
-    std::vector<uint16_t> row(b.tokens.begin(), b.tokens.end()), learned;
-    for (int32_t t : b.targets) {
-      if (t >= 0) learned.push_back(static_cast<uint16_t>(t));
-    }
-    const std::string text = *ByteTokenizer::Decode(row);
+    const auto [text, target] = TextAndLearned(ds->Next());
     const std::string number = text.substr(9, text.find('\n') - 9);  // "en: Item N"
-    EXPECT_EQ(*ByteTokenizer::Decode(learned), "Teil " + number + "\n\n") << text;
+    EXPECT_EQ(target, "Teil " + number + "\n\n") << text;
     EXPECT_NE("Item " + number, emptied);
   }
 
