@@ -440,6 +440,66 @@ class CpuOpsImpl : public Ops {
     dlogits.Commit();
   }
 
+  void DistillCrossEntropy(CRef logits_ref, const int32_t* targets, const int32_t* teacher_ids,
+                           const float* teacher_logits, const DistillLoss& loss, float* losses,
+                           Ref dlogits_ref, const float* dloss, int N, int V) override {
+    const int64_t n = static_cast<int64_t>(N) * V;
+    cpu::In logits_in(logits_ref, n);
+    std::vector<float> keep;  // as in SoftmaxCrossEntropy: in-place fp32 gradients
+    const float* logits = logits_in.get();
+    if (dlogits_ref.data == logits_ref.data && dlogits_ref && dlogits_ref.dtype == Dtype::kF32) {
+      keep.assign(logits, logits + n);
+      logits = keep.data();
+    }
+    cpu::Out dlogits(dlogits_ref, n, false);
+    float* dl = dlogits.get();
+    const float scale = dl != nullptr ? *dloss : 0.0f;
+    const int k = loss.k;
+    const double alpha = loss.alpha, temp = loss.temperature;
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; ++i) {
+      const float* li = logits + static_cast<int64_t>(i) * V;
+      const int32_t target = targets[i];
+      float* di = dl != nullptr ? dl + static_cast<int64_t>(i) * V : nullptr;
+      if (target < 0) {
+        losses[i] = 0.0f;
+        if (di != nullptr) std::fill(di, di + V, 0.0f);
+        continue;
+      }
+      // log-sum-exp of the logits at temperature 1 and T.
+      const double mx = *std::max_element(li, li + V);
+      double sum = 0.0, sum_t = 0.0;
+      for (int j = 0; j < V; ++j) {
+        sum += std::exp(li[j] - mx);
+        sum_t += std::exp((li[j] - mx) / temp);
+      }
+      const double lse = mx + std::log(sum), lse_t = mx / temp + std::log(sum_t);
+      // The teacher's distribution over its k entries.
+      const int32_t* ids = teacher_ids + static_cast<int64_t>(i) * k;
+      const float* tl = teacher_logits + static_cast<int64_t>(i) * k;
+      const double tmx = *std::max_element(tl, tl + k);
+      double tsum = 0.0;
+      for (int e = 0; e < k; ++e) tsum += std::exp((tl[e] - tmx) / temp);
+      const double lse_p = tmx / temp + std::log(tsum);
+      double kl = 0.0;
+      for (int e = 0; e < k; ++e) {
+        const double log_p = tl[e] / temp - lse_p;
+        kl += std::exp(log_p) * (log_p - (li[ids[e]] / temp - lse_t));
+      }
+      losses[i] = static_cast<float>(alpha * (lse - li[target]) +
+                                     (1.0 - alpha) * temp * temp * kl);
+      if (di == nullptr) continue;
+      const double hard = alpha * scale, soft = (1.0 - alpha) * temp * scale;
+      for (int j = 0; j < V; ++j) {
+        di[j] = static_cast<float>(hard * std::exp(li[j] - lse) +
+                                   soft * std::exp(li[j] / temp - lse_t));
+      }
+      di[target] -= static_cast<float>(hard);
+      for (int e = 0; e < k; ++e) di[ids[e]] -= static_cast<float>(soft * std::exp(tl[e] / temp - lse_p));
+    }
+    dlogits.Commit();
+  }
+
   void SumSquares(const float* x, int64_t n, float* out) override {
     double sum = 0.0;
 #pragma omp parallel for schedule(static) reduction(+ : sum)

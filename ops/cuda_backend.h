@@ -199,6 +199,19 @@ class KernelOps : public Ops {
     Launched("SoftmaxCrossEntropy", __FILE__, __LINE__);
   }
 
+  void DistillCrossEntropy(CRef logits, const int32_t* targets, const int32_t* teacher_ids,
+                           const float* teacher_logits, const DistillLoss& loss, float* losses,
+                           Ref dlogits, const float* dloss, int N, int V) override {
+    if (Skip(static_cast<int64_t>(N) * V)) return;
+    WithType(logits.dtype, [&](auto* t) {
+      using T = std::remove_pointer_t<decltype(t)>;
+      LaunchDistillCrossEntropy<T>(As<T>(logits), targets, teacher_ids, teacher_logits, loss.k,
+                                   loss.alpha, loss.temperature, losses, As<T>(dlogits), dloss, N,
+                                   V, stream());
+    });
+    Launched("DistillCrossEntropy", __FILE__, __LINE__);
+  }
+
   void SumSquares(const float* x, int64_t n, float* out) override {
     if (failed()) return;
     LaunchSumSquares(x, n, out, workspace(), stream());

@@ -643,6 +643,93 @@ __global__ void __launch_bounds__(kRowThreads == 32 ? 128 : 256)
   }
 }
 
+// ---- Distillation loss --------------------------------------------------------------------
+
+constexpr int kDistillThreads = 256;
+
+// (m, s) of every thread merged over the block (MergeMaxSum), the same in every thread;
+// sm/ss are 32 floats each of shared memory, free again when it returns.
+__device__ __forceinline__ void BlockMaxSum(float& m, float& s, float* sm, float* ss) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(kFullMask, m, o);
+    const float s2 = __shfl_xor_sync(kFullMask, s, o);
+    MergeMaxSum(m, s, m2, s2);
+  }
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    sm[warp] = m;
+    ss[warp] = s;
+  }
+  __syncthreads();
+  m = sm[0];
+  s = ss[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x) / 32; ++w) MergeMaxSum(m, s, sm[w], ss[w]);
+  __syncthreads();
+}
+
+// A block per row (Ops::DistillCrossEntropy). Pass 1 reads the row for the log-sum-exp at
+// temperature 1 and T and the target's logit; pass 2 reads the teacher's k entries and the
+// student's logits at their ids (the KL); pass 3 writes the dense part of the gradient in
+// place; after a barrier, pass 4 subtracts the teacher's probabilities at its ids (distinct,
+// so no two threads write one element).
+template <typename T>
+__global__ void __launch_bounds__(kDistillThreads)
+    DistillCrossEntropyKernel(const T* logits, const int32_t* targets, const int32_t* ids,
+                              const float* teacher, int k, float alpha, float temp, float* losses,
+                              T* dlogits, const float* dloss, int V) {
+  __shared__ float sm[32], ss[32];
+  const int64_t row = blockIdx.x;
+  const int t = threadIdx.x;
+  const int target = targets[row];
+  const T* xr = logits + row * V;
+  T* dr = dlogits != nullptr ? dlogits + row * V : nullptr;
+  if (target < 0) {  // the whole block leaves together
+    if (t == 0) losses[row] = 0.0f;
+    if (dr != nullptr) {
+      for (int j = t; j < V; j += kDistillThreads) dr[j] = FromFloat<T>(0.0f);
+    }
+    return;
+  }
+  const float inv_t = 1.0f / temp;
+  float m = -FLT_MAX, s = 0.0f, mt = -FLT_MAX, st = 0.0f, xt = 0.0f;
+  for (int j = t; j < V; j += kDistillThreads) {
+    const float f = ToFloat(xr[j]);
+    if (j == target) xt = f;
+    OnlineAdd(f, m, s);
+    OnlineAdd(f * inv_t, mt, st);
+  }
+  xt = BlockSum(xt, sm);
+  BlockMaxSum(m, s, sm, ss);
+  BlockMaxSum(mt, st, sm, ss);
+  const float lse = m + logf(s), lse_t = mt + logf(st);
+  const int32_t* id = ids + row * k;
+  const float* tl = teacher + row * k;
+  float pm = -FLT_MAX, ps = 0.0f;
+  for (int e = t; e < k; e += kDistillThreads) OnlineAdd(tl[e] * inv_t, pm, ps);
+  BlockMaxSum(pm, ps, sm, ss);
+  const float lse_p = pm + logf(ps);
+  float kl = 0.0f;
+  for (int e = t; e < k; e += kDistillThreads) {
+    const float log_p = tl[e] * inv_t - lse_p;
+    kl += expf(log_p) * (log_p - (ToFloat(xr[id[e]]) * inv_t - lse_t));
+  }
+  kl = BlockSum(kl, sm);  // its barriers also end every read of the row before pass 3
+  if (t == 0) losses[row] = alpha * (lse - xt) + (1.0f - alpha) * temp * temp * kl;
+  if (dr == nullptr) return;
+  const float hard = alpha * *dloss, soft = (1.0f - alpha) * temp * *dloss;
+  for (int j = t; j < V; j += kDistillThreads) {
+    const float f = ToFloat(xr[j]);
+    const float g = hard * (expf(f - lse) - (j == target ? 1.0f : 0.0f)) +
+                    soft * expf(f * inv_t - lse_t);
+    dr[j] = FromFloat<T>(g);
+  }
+  __syncthreads();
+  for (int e = t; e < k; e += kDistillThreads) {
+    dr[id[e]] = FromFloat<T>(ToFloat(dr[id[e]]) - soft * expf(tl[e] * inv_t - lse_p));
+  }
+}
+
 // ---- Sum of squares -----------------------------------------------------------------------
 
 constexpr int kSumThreads = 256;
@@ -999,6 +1086,17 @@ void LaunchSoftmaxCrossEntropy(const T* logits, const int32_t* targets, float* l
   }
   ISTHMUS_LAUNCH(kernel, dim3(CeilDiv(N, rows_per_block)), dim3(threads), 0, stream, logits,
                  targets, losses, dlogits, dloss, N, V);
+}
+
+template <typename T>
+void LaunchDistillCrossEntropy(const T* logits, const int32_t* targets, const int32_t* ids,
+                               const float* teacher, int k, float alpha, float temperature,
+                               float* losses, T* dlogits, const float* dloss, int N, int V,
+                               cudaStream_t stream) {
+  if (N <= 0 || V <= 0) return;
+  ISTHMUS_LAUNCH(detail::DistillCrossEntropyKernel<T>, dim3(N), dim3(detail::kDistillThreads), 0,
+                 stream, logits, targets, ids, teacher, k, alpha, temperature, losses, dlogits,
+                 dloss, V);
 }
 
 inline void LaunchSumSquares(const float* x, int64_t n, float* out, float* workspace,

@@ -118,6 +118,15 @@ struct AdamWChunk {
 inline constexpr int32_t kAdamWChunkElems = 1 << 16;
 
 // Hyper-parameters that stay fixed for a run.
+// Word-level distillation (Hinton et al. 2015; Kim & Rush 2016): a teacher's distribution
+// over the vocabulary at each position, given as its k largest logits (ids distinct within a
+// row; k = V gives the whole distribution), and how the loss mixes it with the target.
+struct DistillLoss {
+  int k = 0;                // teacher entries per row, in [1, V]
+  float alpha = 0.5f;       // weight of the cross-entropy on the target, in [0, 1]
+  float temperature = 1.0f;  // T > 0: both distributions are softmax(logits / T)
+};
+
 struct AdamWConfig {
   float beta1 = 0.9f;
   float beta2 = 0.95f;
@@ -279,6 +288,19 @@ class Ops {
   // makes it the gradient of the mean loss). targets in [-1, V).
   virtual void SoftmaxCrossEntropy(CRef logits, const int32_t* targets, float* losses, Ref dlogits,
                                    const float* dloss, int N, int V) = 0;
+
+  // SoftmaxCrossEntropy's contract with a teacher (DistillLoss): for a row with a target,
+  //   losses[i] = alpha * CE(logits[i], target[i])
+  //             + (1 - alpha) * T^2 * KL(p_i || q_i),
+  // where p_i = softmax(teacher_logits[i] / T) over the row's k entries (ids
+  // teacher_ids[i*k .. i*k+k), distinct, in [0, V); the top-k renormalised) and q_i =
+  // softmax(logits[i] / T) over all V, evaluated at those ids. dlogits (may alias logits)
+  // receives dloss[0] * (alpha * (softmax(logits) - onehot(target)) + (1 - alpha) * T *
+  // (q - p)), p zero off its ids: the gradient of the loss. Rows with target -1: 0, zero rows.
+  virtual void DistillCrossEntropy(CRef logits, const int32_t* targets, const int32_t* teacher_ids,
+                                   const float* teacher_logits, const DistillLoss& loss,
+                                   float* losses, Ref dlogits, const float* dloss, int N,
+                                   int V) = 0;
 
   // *out = sum of x[i]^2 over n fp32 elements (one fp32 in backend memory), accumulated in
   // at least fp32 pairwise/blocked order; deterministic for a given n.

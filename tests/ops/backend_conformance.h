@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <ostream>
 #include <random>
 #include <string>
@@ -398,6 +399,50 @@ TEST_P(BackendTest, SoftmaxCrossEntropy) {
                   {"dlogits in place", mem.Read(in_place, logits.size())}};
         },
         Tol(d, kF32Tol));
+  }
+}
+
+TEST_P(BackendTest, DistillCrossEntropy) {
+  const Shape& s = shape();
+  const int N = s.B * s.T;
+  std::mt19937 rng(17);
+  const auto logits = Random(static_cast<size_t>(N) * s.V, rng, 3.0f);
+  std::vector<int32_t> targets(N);
+  std::uniform_int_distribution<int32_t> t(0, s.V - 1);
+  for (int i = 0; i < N; ++i) targets[i] = i % 11 == 4 ? -1 : t(rng);
+  const std::vector<float> dloss = {1.0f / static_cast<float>(N)};
+  // A sparse teacher (k distinct ids per row) and a full-vocabulary one (k = V).
+  for (int k : {std::min(s.V, 7), s.V}) {
+    std::vector<int32_t> ids;
+    for (int i = 0; i < N; ++i) {
+      std::vector<int32_t> all(s.V);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      ids.insert(ids.end(), all.begin(), all.begin() + k);
+    }
+    const auto teacher = Random(static_cast<size_t>(N) * k, rng, 3.0f);
+    const DistillLoss cfg{k, 0.25f, 2.0f};
+    for (Dtype d : kDtypes) {
+      Compare(
+          "distillation k " + std::to_string(k) + " " + DtypeName(d),
+          [&](Ops& o, Mem& mem) -> Outputs {
+            Ref lg = mem.In(logits, d), losses = mem.Out(N);
+            Ref dl = mem.Out(logits.size(), d), in_place = mem.In(logits, d);
+            Ref scale = mem.In(dloss), losses2 = mem.Out(N), tl = mem.In(teacher);
+            o.DistillCrossEntropy(lg, mem.Ints(targets), mem.Ints(ids),
+                                  static_cast<const float*>(tl.data), cfg,
+                                  static_cast<float*>(losses.data), dl,
+                                  static_cast<const float*>(scale.data), N, s.V);
+            o.DistillCrossEntropy(in_place, mem.Ints(targets), mem.Ints(ids),
+                                  static_cast<const float*>(tl.data), cfg,
+                                  static_cast<float*>(losses2.data), in_place,
+                                  static_cast<const float*>(scale.data), N, s.V);
+            return {{"losses", mem.Read(losses, N)},
+                    {"dlogits", mem.Read(dl, logits.size())},
+                    {"dlogits in place", mem.Read(in_place, logits.size())}};
+          },
+          Tol(d, kF32Tol));
+    }
   }
 }
 

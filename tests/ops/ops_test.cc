@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -558,6 +559,89 @@ TEST(CrossEntropyTest, GradientOfTheMeanLoss) {
   Vec d(N * V);
   ops().SoftmaxCrossEntropy(logits.data(), targets.data(), losses.data(), d.data(), &dloss, N, V);
   ExpectGradientMatches("cross-entropy dlogits", &logits, d, loss);
+}
+
+// ---------------------------------------------------------------------------------------
+// Distillation loss
+
+// k distinct ids per row (a random top-k stand-in) and the teacher's logits at them.
+void RandomTeacher(int N, int V, int k, std::mt19937& rng, std::vector<int32_t>* ids, Vec* tl) {
+  ids->clear();
+  for (int i = 0; i < N; ++i) {
+    std::vector<int32_t> all(V);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    ids->insert(ids->end(), all.begin(), all.begin() + k);
+  }
+  *tl = Random(static_cast<size_t>(N) * k, rng, 3.0f);
+}
+
+TEST(DistillLossTest, KnownValuesAlphaOneIsCrossEntropyAndMatchingTeacherIsFree) {
+  const int N = 3, V = 4;
+  const Vec logits = {0.0f, 0.0f, 0.0f, 0.0f,  //
+                      1.0f, 2.0f, 3.0f, 4.0f,  //
+                      5.0f, 1.0f, 2.0f, 3.0f};
+  const std::vector<int32_t> targets = {2, 0, -1};
+  // Full-vocabulary teachers: row 0 uniform (equal to the student), row 1 a different one.
+  const std::vector<int32_t> ids = {3, 2, 1, 0, 0, 1, 2, 3, 0, 1, 2, 3};
+  const Vec tl = {7.0f, 7.0f, 7.0f, 7.0f, 4.0f, 3.0f, 2.0f, 1.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  const float dloss = 0.5f;
+  Vec ce(N), ce_grad(N * V), losses(N), grad(N * V);
+  ops().SoftmaxCrossEntropy(logits.data(), targets.data(), ce.data(), ce_grad.data(), &dloss, N, V);
+  ops().DistillCrossEntropy(logits.data(), targets.data(), ids.data(), tl.data(), {V, 1.0f, 2.0f},
+                            losses.data(), grad.data(), &dloss, N, V);
+  for (int i = 0; i < N; ++i) EXPECT_NEAR(losses[i], ce[i], 1e-6) << i;
+  for (int j = 0; j < N * V; ++j) EXPECT_NEAR(grad[j], ce_grad[j], 1e-7) << j;
+  // alpha 0: the loss is T^2 KL; the uniform teacher matches row 0 exactly.
+  ops().DistillCrossEntropy(logits.data(), targets.data(), ids.data(), tl.data(), {V, 0.0f, 2.0f},
+                            losses.data(), grad.data(), &dloss, N, V);
+  EXPECT_NEAR(losses[0], 0.0, 1e-6);
+  for (int j = 0; j < V; ++j) EXPECT_NEAR(grad[j], 0.0, 1e-7);
+  // Row 1 by hand: p = softmax([4,3,2,1]/2), q = softmax([1,2,3,4]/2), loss = 4 KL(p||q).
+  double p[4], q[4], zp = 0, zq = 0;
+  for (int j = 0; j < 4; ++j) zp += std::exp((4 - j) / 2.0), zq += std::exp((j + 1) / 2.0);
+  double kl = 0;
+  for (int j = 0; j < 4; ++j) {
+    p[j] = std::exp((4 - j) / 2.0) / zp, q[j] = std::exp((j + 1) / 2.0) / zq;
+    kl += p[j] * std::log(p[j] / q[j]);
+  }
+  EXPECT_NEAR(losses[1], 4 * kl, 1e-5);
+  for (int j = 0; j < V; ++j) EXPECT_NEAR(grad[V + j], 0.5 * 2 * (q[j] - p[j]), 1e-6) << j;
+  EXPECT_EQ(losses[2], 0.0f);
+  for (int j = 0; j < V; ++j) EXPECT_EQ(grad[2 * V + j], 0.0f);
+}
+
+TEST(DistillLossTest, GradientOfTheMeanLossMatchesFiniteDifferences) {
+  std::mt19937 rng(21);
+  const int N = 5, V = 9;
+  for (int k : {3, V}) {
+    for (const DistillLoss& cfg : {DistillLoss{k, 0.3f, 2.0f}, DistillLoss{k, 0.0f, 0.7f}}) {
+      Vec logits = Random(N * V, rng, 2.0f);
+      std::vector<int32_t> ids;
+      Vec tl;
+      RandomTeacher(N, V, k, rng, &ids, &tl);
+      const std::vector<int32_t> targets = {3, -1, 0, 8, 2};
+      const float dloss = 1.0f / 4.0f;
+      Vec losses(N);
+      auto loss = [&] {
+        ops().DistillCrossEntropy(logits.data(), targets.data(), ids.data(), tl.data(), cfg,
+                                  losses.data(), nullptr, &dloss, N, V);
+        double s = 0.0;
+        for (float l : losses) s += l;
+        return s / 4.0;
+      };
+      Vec d(N * V);
+      ops().DistillCrossEntropy(logits.data(), targets.data(), ids.data(), tl.data(), cfg,
+                                losses.data(), d.data(), &dloss, N, V);
+      for (float l : losses) EXPECT_GE(l, 0.0f);
+      ExpectGradientMatches("distillation dlogits, k " + std::to_string(k), &logits, d, loss);
+      // In place gives the same gradient.
+      Vec in_place = logits;
+      ops().DistillCrossEntropy(in_place.data(), targets.data(), ids.data(), tl.data(), cfg,
+                                losses.data(), in_place.data(), &dloss, N, V);
+      EXPECT_EQ(in_place, d);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------
