@@ -486,8 +486,7 @@ class CpuOpsImpl : public Ops {
         const double log_p = tl[e] / temp - lse_p;
         kl += std::exp(log_p) * (log_p - (li[ids[e]] / temp - lse_t));
       }
-      losses[i] = static_cast<float>(alpha * (lse - li[target]) +
-                                     (1.0 - alpha) * temp * temp * kl);
+      losses[i] = static_cast<float>(alpha * (lse - li[target]) + (1.0 - alpha) * temp * temp * kl);
       if (di == nullptr) continue;
       const double hard = alpha * scale, soft = (1.0 - alpha) * temp * scale;
       for (int j = 0; j < V; ++j) {
@@ -495,7 +494,8 @@ class CpuOpsImpl : public Ops {
                                    soft * std::exp(li[j] / temp - lse_t));
       }
       di[target] -= static_cast<float>(hard);
-      for (int e = 0; e < k; ++e) di[ids[e]] -= static_cast<float>(soft * std::exp(tl[e] / temp - lse_p));
+      for (int e = 0; e < k; ++e)
+        di[ids[e]] -= static_cast<float>(soft * std::exp(tl[e] / temp - lse_p));
     }
     dlogits.Commit();
   }

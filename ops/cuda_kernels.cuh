@@ -720,8 +720,8 @@ __global__ void __launch_bounds__(kDistillThreads)
   const float hard = alpha * *dloss, soft = (1.0f - alpha) * temp * *dloss;
   for (int j = t; j < V; j += kDistillThreads) {
     const float f = ToFloat(xr[j]);
-    const float g = hard * (expf(f - lse) - (j == target ? 1.0f : 0.0f)) +
-                    soft * expf(f * inv_t - lse_t);
+    const float g =
+        hard * (expf(f - lse) - (j == target ? 1.0f : 0.0f)) + soft * expf(f * inv_t - lse_t);
     dr[j] = FromFloat<T>(g);
   }
   __syncthreads();

@@ -122,8 +122,8 @@ inline constexpr int32_t kAdamWChunkElems = 1 << 16;
 // over the vocabulary at each position, given as its k largest logits (ids distinct within a
 // row; k = V gives the whole distribution), and how the loss mixes it with the target.
 struct DistillLoss {
-  int k = 0;                // teacher entries per row, in [1, V]
-  float alpha = 0.5f;       // weight of the cross-entropy on the target, in [0, 1]
+  int k = 0;                 // teacher entries per row, in [1, V]
+  float alpha = 0.5f;        // weight of the cross-entropy on the target, in [0, 1]
   float temperature = 1.0f;  // T > 0: both distributions are softmax(logits / T)
 };
 

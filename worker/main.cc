@@ -1,7 +1,8 @@
 // isthmus-worker: one process per rank of a site. Subcommands: init (initial trainable
 // tensors for `isthmusctl job create`), train (the round loop), eval (validation loss),
-// export (a job's tensors as safetensors, a Hugging Face folder or a PEFT adapter) and
-// generate (sample text from a model).
+// export (a job's tensors as safetensors, a Hugging Face folder or a PEFT adapter),
+// generate (sample text from a model) and teach (a teacher's top-k logits over a task
+// shard, for distillation).
 #include <unistd.h>
 #include <CLI/CLI.hpp>
 #include <atomic>
@@ -22,6 +23,8 @@
 #include "common/log.h"
 #include "common/safetensors.h"
 #include "worker/data/bpe_tokenizer.h"
+#include "worker/data/teacher_cache.h"
+#include "worker/data/token_dataset.h"
 #include "worker/data/tokenizer.h"
 #include "worker/round_loop.h"
 
@@ -547,6 +550,115 @@ int RunGenerate(GenerateArgs& a) {
 
 }  // namespace
 
+struct TeachArgs {
+  ModelSettings model;  // the teacher
+  ComputeSettings compute;
+  ShardSettings shards;
+  std::string trainable;  // the teacher's trained tensors; else pulled, else the base alone
+  std::string data_dir;   // a task shard (isthmus-data parallel)
+  std::string out;        // default DATA/train.topk
+  int k = 32;
+  int batch_size = 8;
+};
+
+// Runs the frozen teacher over every window of the training shard once and writes, for each
+// position the student learns, the teacher's k largest logits (data/teacher_cache.h).
+int RunTeach(TeachArgs& a) {
+  auto usage = [](const std::string& m) {
+    std::fprintf(stderr, "isthmus-worker teach: %s\n", m.c_str());
+    return kExitUsage;
+  };
+  const std::string manifest_path = a.data_dir + "/manifest.json";
+  std::ifstream mf(manifest_path);
+  if (!mf)
+    return usage(manifest_path + ": cannot open; give --data a folder of isthmus-data parallel");
+  const auto manifest = nlohmann::json::parse(mf, nullptr, false);
+  if (!manifest.is_object() || !manifest.contains("loss_mask")) {
+    return usage(a.data_dir +
+                 " holds no task shard with a loss mask: distillation reads "
+                 "isthmus-data parallel's shards");
+  }
+  const int shard_vocab = manifest.value("vocab_size", 0);
+  const std::string tokenizer = manifest.value("tokenizer", std::string("byte"));
+  const int64_t seq_len = manifest.value("example_tokens", int64_t{0});
+  auto loaded = LoadModel("teach", a.model, a.compute, a.shards, a.trainable, a.batch_size);
+  if (!loaded.ok()) return Fail("teach", loaded.status());
+  model::Gpt& gpt = *loaded->gpt;
+  const int V = gpt.config().vocab_size;
+  if (V != shard_vocab) {
+    return Fail("teach", Status::InvalidArgument("the teacher's vocabulary (" + std::to_string(V) +
+                                                 " ids) is not that of the shard's tokenizer (" +
+                                                 tokenizer + ", " + std::to_string(shard_vocab) +
+                                                 " ids): teacher and student must "
+                                                 "use the tokenizer the shards were built with"));
+  }
+  if (a.k < 1 || a.k > V) {
+    return usage("--k must be in [1, " + std::to_string(V) + "] (the vocabulary), got " +
+                 std::to_string(a.k));
+  }
+  if (seq_len > gpt.config().n_ctx) {
+    return usage("the shard's examples are " + std::to_string(seq_len) +
+                 " tokens, longer than the teacher's context " +
+                 std::to_string(gpt.config().n_ctx));
+  }
+  data::DatasetOptions d;
+  d.batch_size = 1;
+  d.seq_len = seq_len;
+  d.vocab_size = V;
+  auto ds = data::TokenDataset::Open(a.data_dir + "/train.bin", d);
+  if (!ds.ok()) return Fail("teach", ds.status());
+  const std::vector<uint64_t> offsets = data::TargetOffsets(*ds);
+  data::TeacherCacheInfo info;
+  info.k = a.k;
+  info.vocab_size = V;
+  info.example_tokens = seq_len;
+  info.shard_digest = ds->Digest();
+  info.tokenizer = tokenizer;
+  info.teacher = "base " + gpt.BaseHash() +
+                 (a.trainable.empty() ? "" : ", trainable " + a.trainable) +
+                 (a.trainable.empty() && !a.shards.servers.empty() ? ", job " + a.shards.job : "");
+  info.positions = offsets.back();
+  const std::string out = a.out.empty() ? a.data_dir + "/train.topk" : a.out;
+  auto writer = data::TeacherCacheWriter::Create(out, info);
+  if (!writer.ok()) return Fail("teach", writer.status());
+  const uint64_t windows = ds->num_windows();
+  const int T = static_cast<int>(seq_len);
+  std::vector<int32_t> ids;
+  std::vector<float> values;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t first = 0; first < windows && !g_stop.load(); first += a.batch_size) {
+    const uint64_t count = std::min<uint64_t>(a.batch_size, windows - first);
+    const data::Batch b = ds->Windows(first, count);
+    gpt.Forward(b.tokens.data(), nullptr, static_cast<int>(count), T);
+    if (Status st = gpt.ops().status(); !st.ok()) return Fail("teach", DeviceError(st));
+    const std::vector<float> logits = gpt.Logits();
+    ids.clear();
+    values.clear();
+    for (size_t i = 0; i < b.targets.size(); ++i) {
+      if (b.targets[i] < 0) continue;
+      ids.resize(ids.size() + a.k);
+      values.resize(values.size() + a.k);
+      data::SelectTopK(logits.data() + i * V, V, a.k, ids.data() + ids.size() - a.k,
+                       values.data() + values.size() - a.k);
+    }
+    if (Status st = (*writer)->Append(ids.data(), values.data(), ids.size() / a.k); !st.ok()) {
+      return Fail("teach", st);
+    }
+    if ((first / a.batch_size) % 200 == 0) {
+      std::fprintf(stderr, "teach: window %llu of %llu\n", static_cast<unsigned long long>(first),
+                   static_cast<unsigned long long>(windows));
+    }
+  }
+  if (g_stop.load()) return Fail("teach", Interrupted("stopped before the cache was whole"));
+  if (Status st = (*writer)->Finish(); !st.ok()) return Fail("teach", st);
+  std::fprintf(stderr, "wrote %s: %llu positions x top-%d of %d windows in %.1f s (%.1f MB)\n",
+               out.c_str(), static_cast<unsigned long long>(info.positions), a.k,
+               static_cast<int>(windows),
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+               static_cast<double>(info.positions) * a.k * 8 / 1e6);
+  return kExitOk;
+}
+
 int main(int argc, char** argv) {
   // OpenMP workers that spin between kernels take cores from the other ranks and from Gloo
   // (30x slower steps were measured on a loaded 2-core machine). libgomp reads the policy
@@ -663,6 +775,29 @@ int main(int argc, char** argv) {
                       "lines here (default: standard output); deploy/chrf.py scores them");
   gen_cmd->footer(kExitCodes);
 
+  TeachArgs teach;
+  auto* teach_cmd = app.add_subcommand(
+      "teach",
+      "run a frozen teacher over a task shard once and write its top-k logits for every "
+      "learned position (DATA/train.topk), for train --teacher-topk (word-level "
+      "distillation)");
+  AddModelFlags(*teach_cmd, teach.model);
+  AddComputeFlags(*teach_cmd, teach.compute);
+  AddShardFlags(*teach_cmd, teach.shards);
+  teach_cmd->add_option("--trainable", teach.trainable,
+                        "the teacher's trained tensors (a LoRA or full checkpoint, train "
+                        "--save, an export); else pulled from --server, else the base alone "
+                        "(the pre-trained model as teacher)");
+  teach_cmd->add_option("--data", teach.data_dir, "folder of isthmus-data parallel's shards")
+      ->required();
+  teach_cmd->add_option("--out", teach.out, "the cache (default: DATA/train.topk)");
+  teach_cmd->add_option("--k", teach.k, "logits kept per position (the teacher's largest)")
+      ->capture_default_str();
+  teach_cmd->add_option("--batch-size", teach.batch_size, "windows per forward pass")
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
+  teach_cmd->footer(kExitCodes);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -699,6 +834,10 @@ int main(int argc, char** argv) {
     if (int rc = resolve("generate", gen.model); rc != kExitOk) return rc;
     gen.temperature_given = gen_cmd->count("--temperature") > 0;
     return RunGenerate(gen);
+  }
+  if (teach_cmd->parsed()) {
+    if (int rc = resolve("teach", teach.model); rc != kExitOk) return rc;
+    return RunTeach(teach);
   }
   if (export_cmd->parsed()) {
     if (int rc = resolve("export", exp.model); rc != kExitOk) return rc;

@@ -26,6 +26,7 @@
 #include "ops/buffer.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
+#include "worker/data/teacher_cache.h"
 #include "worker/data/token_dataset.h"
 #include "worker/live_params.h"
 #include "worker/progress.h"
@@ -186,6 +187,17 @@ class RoundLoop {
     auto ds = data::TokenDataset::Open(s_.data_dir + "/train.bin", d);
     if (!ds.ok()) return ds.status();
     dataset_ = std::make_unique<data::TokenDataset>(std::move(ds).value());
+    if (!s_.teacher_topk.empty()) {
+      auto cache = data::TeacherCache::Open(s_.teacher_topk, *dataset_, d.vocab_size);
+      if (!cache.ok()) return cache.status();
+      teacher_ = std::make_unique<data::TeacherCache>(std::move(cache).value());
+      ISTHMUS_RETURN_IF_ERROR(
+          gpt_->SetDistillation({teacher_->info().k, s_.distill_alpha, s_.distill_temperature}));
+      if (leader()) {
+        spdlog::info("distilling from {} (k {}, alpha {}, temperature {})", s_.teacher_topk,
+                     teacher_->info().k, s_.distill_alpha, s_.distill_temperature);
+      }
+    }
     tokens_per_step_ =
         static_cast<uint64_t>(s_.batch_size) * s_.grad_accum * model_.context * world();
 
@@ -1100,11 +1112,18 @@ class RoundLoop {
           auto more = dataset_->Next();
           batch.tokens.insert(batch.tokens.end(), more.tokens.begin(), more.tokens.end());
           batch.targets.insert(batch.targets.end(), more.targets.begin(), more.targets.end());
+          batch.windows.insert(batch.windows.end(), more.windows.begin(), more.windows.end());
+          batch.batch_size += more.batch_size;
+        }
+        std::optional<model::TeacherTopK> teacher;
+        if (teacher_) {
+          ISTHMUS_RETURN_IF_ERROR(teacher_->Fill(batch, &teacher_ids_, &teacher_logits_));
+          teacher = model::TeacherTopK{teacher_ids_.data(), teacher_logits_.data()};
         }
         ISTHMUS_ASSIGN_OR_RETURN(
             model::StepStats st,
             trainer_->Step(batch.tokens.data(), batch.targets.data(), s_.batch_size, model_.context,
-                           EncodeControl(), s_.grad_accum));
+                           EncodeControl(), s_.grad_accum, teacher ? &*teacher : nullptr));
         const double step_s = std::chrono::duration<double>(Clock::now() - step_t0).count();
         compute_s += step_s;
         telemetry_->OnStep(step_s, st.loss, tokens_per_step_, st.skipped);
@@ -1273,6 +1292,9 @@ class RoundLoop {
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;
   std::unique_ptr<data::TokenDataset> dataset_;
+  std::unique_ptr<data::TeacherCache> teacher_;  // --teacher-topk
+  std::vector<int32_t> teacher_ids_;             // the step's teacher rows
+  std::vector<float> teacher_logits_;
   std::unique_ptr<SiteClient> site_;  // null when standalone
   // The end of a round (synced runs): the driver owns site_ while a round is in flight.
   std::unique_ptr<ModelLiveParams> live_;

@@ -301,6 +301,14 @@ Status TrainSettings::Validate() const {
     return Status::InvalidArgument(
         "--batch-size, --val-batches, --log-every and --comm-timeout must be >= 1");
   }
+  if (!(distill_alpha >= 0.0f && distill_alpha <= 1.0f)) {
+    return Status::InvalidArgument("--distill-alpha must be in [0, 1], got " +
+                                   std::to_string(distill_alpha));
+  }
+  if (!(distill_temperature > 0.0f && distill_temperature <= 100.0f)) {
+    return Status::InvalidArgument("--distill-temperature must be in (0, 100], got " +
+                                   std::to_string(distill_temperature));
+  }
   if (grad_accum < 1 || grad_accum > 4096) {
     return Status::InvalidArgument("--grad-accum must be in [1, 4096], got " +
                                    std::to_string(grad_accum));
@@ -464,6 +472,18 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
                  "gradient accumulation: each optimizer step sums the gradients of this many "
                  "batches of --batch-size, run one after the other (activations for one), as "
                  "one step on a batch this many times larger")
+      ->capture_default_str();
+  app.add_option("--teacher-topk", t.teacher_topk,
+                 "word-level distillation: a teacher's top-k logits over the training shard "
+                 "(isthmus-worker teach writes DATA/train.topk); the loss becomes alpha * CE + "
+                 "(1 - alpha) * T^2 * KL(teacher || student) on the learned positions. The "
+                 "cache must have been computed on this very shard (its digest) with the "
+                 "student's vocabulary; validation stays cross-entropy");
+  app.add_option("--distill-alpha", t.distill_alpha,
+                 "with --teacher-topk: weight of the cross-entropy on the reference, in [0, 1]")
+      ->capture_default_str();
+  app.add_option("--distill-temperature", t.distill_temperature,
+                 "with --teacher-topk: softmax temperature T of teacher and student, > 0")
       ->capture_default_str();
   app.add_option("--data-seed", t.data_seed, "seed of the per-epoch data order")
       ->capture_default_str();

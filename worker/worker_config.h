@@ -142,6 +142,11 @@ struct TrainSettings {
   float grad_clip = 1.0f;
   int batch_size = 8;
   int grad_accum = 1;  // batches of batch_size whose gradients one optimizer step sums
+  // Word-level distillation from a teacher cache (isthmus-worker teach) beside the data:
+  // loss = alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T); empty: cross-entropy only.
+  std::string teacher_topk;
+  float distill_alpha = 0.5f;
+  float distill_temperature = 2.0f;
   uint64_t data_seed = 0;
   int64_t val_every = 0;   // 0: validation only at the end
   int val_batches = 8;     // batches per rank per validation

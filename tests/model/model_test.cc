@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -910,6 +911,130 @@ TEST(GptTraining, AccumulatedMicroBatchesEqualOneBigBatch) {
   std::vector<int32_t> tokens(B * T, 1);
   EXPECT_EQ(t->Step(tokens.data(), tokens.data(), B, T, 0.0f, 0).status().code(),
             Code::kInvalidArgument);
+}
+
+// ---------------------------------------------------------------------------------------
+// Distillation
+
+// The top-k of `teacher`'s logits on `tokens` ([B,T]), as TeacherTopK rows.
+void TeacherRows(Gpt& teacher, const std::vector<int32_t>& tokens, int B, int T, int k,
+                 std::vector<int32_t>* ids, std::vector<float>* logits) {
+  teacher.Forward(tokens.data(), nullptr, B, T);
+  const std::vector<float> all = teacher.Logits();
+  const int V = teacher.config().vocab_size;
+  ids->assign(static_cast<size_t>(B) * T * k, 0);
+  logits->assign(ids->size(), 0.0f);
+  for (int i = 0; i < B * T; ++i) {
+    std::vector<int32_t> order(V);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int a, int b) { return all[i * V + a] > all[i * V + b]; });
+    for (int e = 0; e < k; ++e) {
+      (*ids)[i * k + e] = order[e];
+      (*logits)[i * k + e] = all[i * V + order[e]];
+    }
+  }
+}
+
+TEST(GptDistillation, StudentLearnsTheTeachersDistribution) {
+  GptConfig c = TinyConfig();
+  const int B = 2, T = 8, V = c.vocab_size;
+  auto teacher = MustCreate(c, TrainMode::kFull, {}, 3);
+  // A teacher worth learning from: its logits scaled up (a peaked distribution).
+  std::vector<Tensor> base = teacher->ExportBase();
+  for (Tensor& t : base) {
+    if (t.name == "ln_f.weight") {
+      for (float& x : t.data) x *= 40.0f;
+    }
+  }
+  auto sharp = Gpt::FromBaseTensors(base, c.n_head, TrainMode::kFull, {}, 3);
+  ASSERT_TRUE(sharp.ok()) << sharp.status().ToString();
+  std::mt19937 gen(5);
+  std::vector<int32_t> tokens(B * T), targets(B * T);
+  for (auto& x : tokens) x = static_cast<int32_t>(gen() % V);
+  for (auto& x : targets) x = static_cast<int32_t>(gen() % V);
+  targets[3] = -1;
+  std::vector<int32_t> ids;
+  std::vector<float> logits;
+  TeacherRows(**sharp, tokens, B, T, V, &ids, &logits);
+  const TeacherTopK rows{ids.data(), logits.data()};
+
+  auto student = MustCreate(c, TrainMode::kFull, {}, 4);
+  EXPECT_FALSE(student->SetDistillation({V + 1, 0.5f, 1.0f}).ok());
+  EXPECT_FALSE(student->SetDistillation({V, 1.5f, 1.0f}).ok());
+  EXPECT_FALSE(student->SetDistillation({V, 0.5f, 0.0f}).ok());
+  ASSERT_TRUE(student->SetDistillation({V, 0.0f, 1.0f}).ok());
+  TrainerConfig tc;
+  tc.max_lr = 1e-2f;
+  tc.warmup_steps = 0;
+  auto trainer = MustTrainer(*student, tc);
+  float first = 0, last = 0;
+  for (int step = 0; step < 80; ++step) {
+    auto st = trainer->Step(tokens.data(), targets.data(), B, T, 0.0f, 1, &rows);
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    if (step == 0) first = st->loss;
+    last = st->loss;
+  }
+  // The loss is the KL to the teacher (alpha 0, T 1): it falls towards 0.
+  EXPECT_GT(first, 0.5f);
+  EXPECT_LT(last, 0.1f * first) << first << " -> " << last;
+  // The student's most likely token now is the teacher's at every counted position.
+  student->Forward(tokens.data(), nullptr, B, T);
+  const std::vector<float> out = student->Logits();
+  int agree = 0;
+  for (int i = 0; i < B * T; ++i) {
+    if (targets[i] < 0) continue;
+    const int best = static_cast<int>(
+        std::max_element(out.begin() + i * V, out.begin() + (i + 1) * V) - out.begin() - i * V);
+    agree += best == ids[i * V];
+  }
+  EXPECT_GE(agree, B * T - 2) << "of " << B * T - 1;
+  // Without a teacher the same model reports the cross-entropy (evaluation).
+  const float ce = student->Forward(tokens.data(), targets.data(), B, T);
+  EXPECT_GT(ce, 0.0f);
+  EXPECT_NE(ce, last);
+}
+
+TEST(GptDistillation, AccumulatedMicroBatchesWithATeacherEqualOneBigBatch) {
+  GptConfig c = TinyConfig();
+  const int B = 2, T = 8, M = 3, K = 5;
+  std::mt19937 gen(12);
+  auto teacher = MustCreate(c, TrainMode::kFull, {}, 8);
+  std::vector<int32_t> tokens(M * B * T), targets(M * B * T);
+  for (auto& x : tokens) x = static_cast<int32_t>(gen() % 256);
+  for (auto& x : targets) x = gen() % 4 == 0 ? -1 : static_cast<int32_t>(gen() % 256);
+  std::vector<int32_t> ids;
+  std::vector<float> logits;
+  TeacherRows(*teacher, tokens, M * B, T, K, &ids, &logits);
+  const TeacherTopK rows{ids.data(), logits.data()};
+  LoraConfig lora;
+  lora.rank = 4;
+  auto whole = MustCreate(c, TrainMode::kLora, lora, 5);
+  auto parts = MustCreate(c, TrainMode::kLora, lora, 5);
+  for (Gpt* g : {whole.get(), parts.get()}) ASSERT_TRUE(g->SetDistillation({K, 0.3f, 2.0f}).ok());
+  TrainerConfig tc;
+  tc.max_lr = 1e-2f;
+  tc.warmup_steps = 0;
+  auto tw = MustTrainer(*whole, tc);
+  auto tp = MustTrainer(*parts, tc);
+  for (int step = 0; step < 3; ++step) {
+    auto a = tw->Step(tokens.data(), targets.data(), M * B, T, 0.0f, 1, &rows);
+    auto b = tp->Step(tokens.data(), targets.data(), B, T, 0.0f, M, &rows);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_NEAR(b->loss, a->loss, 1e-5 * a->loss) << step;
+    EXPECT_NEAR(b->grad_norm, a->grad_norm, 1e-4 * a->grad_norm) << step;
+  }
+  // A teacher row shifted by one micro-batch would change the loss: the rows must line up.
+  std::vector<int32_t> shifted_ids(ids.begin() + B * T * K, ids.end());
+  shifted_ids.insert(shifted_ids.end(), ids.begin(), ids.begin() + B * T * K);
+  std::vector<float> shifted_logits(logits.begin() + B * T * K, logits.end());
+  shifted_logits.insert(shifted_logits.end(), logits.begin(), logits.begin() + B * T * K);
+  const TeacherTopK shifted{shifted_ids.data(), shifted_logits.data()};
+  auto fresh = MustCreate(c, TrainMode::kLora, lora, 5);
+  ASSERT_TRUE(fresh->SetDistillation({K, 0.3f, 2.0f}).ok());
+  const float right = fresh->Forward(tokens.data(), targets.data(), B, T, &rows);
+  const float wrong = fresh->Forward(tokens.data(), targets.data(), B, T, &shifted);
+  EXPECT_NE(right, wrong);
 }
 
 }  // namespace

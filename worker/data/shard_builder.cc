@@ -2,7 +2,6 @@
 #include "worker/data/shard_builder.h"
 
 #include <fcntl.h>
-#include <openssl/evp.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -18,6 +17,7 @@
 #include <set>
 
 #include "common/durable.h"
+#include "common/sha256.h"
 #include "worker/data/bpe_tokenizer.h"
 #include "worker/data/parallel_corpus.h"
 #include "worker/data/token_dataset.h"
@@ -32,33 +32,6 @@ static_assert(std::endian::native == std::endian::little,
 constexpr uint64_t kMaxTextBytes = uint64_t{4} << 30;
 
 std::string ErrnoText() { return std::strerror(errno); }
-
-class Sha256 {
- public:
-  Sha256() : ctx_(EVP_MD_CTX_new(), EVP_MD_CTX_free) {
-    // Fails only when out of memory; nothing sensible remains to do then.
-    if (!ctx_ || EVP_DigestInit_ex(ctx_.get(), EVP_sha256(), nullptr) != 1) std::abort();
-  }
-  void Update(const void* p, size_t n) { EVP_DigestUpdate(ctx_.get(), p, n); }
-  std::array<unsigned char, 32> Digest() {
-    std::array<unsigned char, 32> d{};
-    unsigned int len = 0;
-    EVP_DigestFinal_ex(ctx_.get(), d.data(), &len);
-    return d;
-  }
-  std::string HexDigest() {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string hex;
-    for (unsigned char c : Digest()) {
-      hex.push_back(kHex[c >> 4]);
-      hex.push_back(kHex[c & 0xf]);
-    }
-    return hex;
-  }
-
- private:
-  std::unique_ptr<EVP_MD_CTX, decltype(&EVP_MD_CTX_free)> ctx_;
-};
 
 Status ReadRawFile(const std::string& path, std::string* bytes) {
   std::error_code ec;

@@ -14,6 +14,9 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "common/check.h"
+#include "common/sha256.h"
+
 namespace isthmus::data {
 namespace {
 
@@ -60,6 +63,7 @@ Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOp
   const std::string manifest_path =
       std::filesystem::path(path).replace_filename("manifest.json").string();
   std::string mask_path;
+  std::string tokenizer = "byte";
   if (std::ifstream m(manifest_path); m) {
     const auto manifest = nlohmann::json::parse(m, nullptr, false);
     // A task shard (isthmus-data parallel) holds one example per window of its
@@ -85,6 +89,10 @@ Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOp
             ": train with --context " + std::to_string(example) + " or rebuild the shards with " +
             "isthmus-data parallel --seq-len " + std::to_string(options.seq_len));
       }
+    }
+    if (manifest.is_object() && manifest.contains("tokenizer") &&
+        manifest["tokenizer"].is_string()) {
+      tokenizer = manifest["tokenizer"].get<std::string>();
     }
     if (manifest.is_object() && manifest.contains("token_dtype") &&
         manifest["token_dtype"] != dtype) {
@@ -117,6 +125,7 @@ Result<TokenDataset> TokenDataset::Open(const std::string& path, const DatasetOp
   TokenDataset ds;
   ds.options_ = options;
   ds.width_ = width;
+  ds.tokenizer_ = tokenizer;
   ds.num_tokens_ = bytes / width;
   if (bytes > 0) {
     void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_PRIVATE, fd, 0);
@@ -180,6 +189,7 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
     batch_ = other.batch_;
     order_ = std::move(other.order_);
     mask_ = std::move(other.mask_);
+    tokenizer_ = std::move(other.tokenizer_);
   }
   return *this;
 }
@@ -201,6 +211,17 @@ void TokenDataset::ShuffleForEpoch() {
   }
 }
 
+void TokenDataset::FillRow(uint64_t window, uint64_t b, Batch& out) const {
+  const uint64_t t = static_cast<uint64_t>(options_.seq_len);
+  const uint64_t w = window * t;
+  for (uint64_t i = 0; i < t; ++i) {
+    out.tokens[b * t + i] = static_cast<int32_t>(token(w + i));
+    out.targets[b * t + i] =
+        mask_.empty() || mask_[w + i + 1] != 0 ? static_cast<int32_t>(token(w + i + 1)) : -1;
+  }
+  out.windows[b] = window;
+}
+
 Batch TokenDataset::Next() {
   if (batch_ >= batches_per_epoch_) {
     ++epoch_;
@@ -208,22 +229,34 @@ Batch TokenDataset::Next() {
     ShuffleForEpoch();
   }
   const uint64_t b_size = static_cast<uint64_t>(options_.batch_size);
-  const uint64_t t = static_cast<uint64_t>(options_.seq_len);
-  Batch out;
-  out.batch_size = options_.batch_size;
-  out.seq_len = options_.seq_len;
-  out.tokens.resize(b_size * t);
-  out.targets.resize(b_size * t);
-  for (uint64_t b = 0; b < b_size; ++b) {
-    const uint64_t w = order_[batch_ * b_size + b] * t;
-    for (uint64_t i = 0; i < t; ++i) {
-      out.tokens[b * t + i] = static_cast<int32_t>(token(w + i));
-      out.targets[b * t + i] =
-          mask_.empty() || mask_[w + i + 1] != 0 ? static_cast<int32_t>(token(w + i + 1)) : -1;
-    }
-  }
+  Batch out{options_.batch_size, options_.seq_len, {}, {}, {}};
+  out.tokens.resize(b_size * options_.seq_len);
+  out.targets.resize(out.tokens.size());
+  out.windows.resize(b_size);
+  for (uint64_t b = 0; b < b_size; ++b) FillRow(order_[batch_ * b_size + b], b, out);
   ++batch_;
   return out;
+}
+
+uint64_t TokenDataset::num_windows() const {
+  return num_tokens_ > 0 ? (num_tokens_ - 1) / static_cast<uint64_t>(options_.seq_len) : 0;
+}
+
+Batch TokenDataset::Windows(uint64_t first, uint64_t count) const {
+  ISTHMUS_CHECK(first + count <= num_windows(), "TokenDataset::Windows past the shard's end");
+  Batch out{static_cast<int64_t>(count), options_.seq_len, {}, {}, {}};
+  out.tokens.resize(count * options_.seq_len);
+  out.targets.resize(out.tokens.size());
+  out.windows.resize(count);
+  for (uint64_t b = 0; b < count; ++b) FillRow(first + b, b, out);
+  return out;
+}
+
+std::string TokenDataset::Digest() const {
+  Sha256 h;
+  h.Update(bytes_, map_bytes_);
+  h.Update(mask_.data(), mask_.size());
+  return h.HexDigest();
 }
 
 Status TokenDataset::Restore(const DatasetPosition& position) {

@@ -34,8 +34,9 @@ inline int TokenBytes(int vocab_size) { return vocab_size > 65536 ? 4 : 2; }
 struct Batch {
   int64_t batch_size = 0;
   int64_t seq_len = 0;
-  std::vector<int32_t> tokens;   // batch_size * seq_len, row-major
-  std::vector<int32_t> targets;  // batch_size * seq_len, row-major
+  std::vector<int32_t> tokens;    // batch_size * seq_len, row-major
+  std::vector<int32_t> targets;   // batch_size * seq_len, row-major
+  std::vector<uint64_t> windows;  // batch_size: the shard window of each row
 };
 
 // Where a reader stands: the epoch and the number of batches already served in it.
@@ -80,6 +81,19 @@ class TokenDataset {
 
   // The next batch; rolls over into the next epoch (a new order) at the end of one.
   Batch Next();
+  // Windows [first, first + count) of the whole shard (any rank's), in order: what a pass
+  // over the shard reads (isthmus-worker teach). first + count <= num_windows().
+  Batch Windows(uint64_t first, uint64_t count) const;
+  // Windows of seq_len + 1 tokens in the shard: (num_tokens() - 1) / seq_len.
+  uint64_t num_windows() const;
+
+  // A task shard's: whether it has a loss mask, and its tokenizer as its manifest names it
+  // ("byte" when there is no manifest).
+  bool has_mask() const { return !mask_.empty(); }
+  const std::string& tokenizer() const { return tokenizer_; }
+  // Lower-case hex SHA-256 of the shard's tokens and its loss mask: what a teacher cache
+  // computed on it records (O(shard size)).
+  std::string Digest() const;
 
   DatasetPosition position() const { return {epoch_, batch_}; }
   // Makes Next() continue from `position` (as returned by position() of a reader opened
@@ -88,6 +102,7 @@ class TokenDataset {
   Status Restore(const DatasetPosition& position);
 
   uint64_t num_tokens() const { return num_tokens_; }
+  int64_t seq_len() const { return options_.seq_len; }
   uint64_t batches_per_epoch() const { return batches_per_epoch_; }
   // This rank's windows: [first_window(), first_window() + windows_per_rank()).
   uint64_t first_window() const { return first_window_; }
@@ -117,6 +132,9 @@ class TokenDataset {
   uint64_t batch_ = 0;
   std::vector<uint64_t> order_;
   std::vector<char> mask_;  // a task shard's loss mask (1 byte per token); empty otherwise
+  std::string tokenizer_ = "byte";
+  // Writes window w into row b of `out`.
+  void FillRow(uint64_t w, uint64_t b, Batch& out) const;
 };
 
 }  // namespace isthmus::data

@@ -153,10 +153,11 @@ struct Gpt::Activations {
   ops::Buffer inputs;
   ops::HostBuffer staging;
   size_t inputs_bytes = 0;
-  int32_t *tokens, *targets, *order, *starts;
-  float* dloss;
-  int32_t *h_tokens, *h_targets, *h_order, *h_starts;
-  float *h_dloss, *h_losses;
+  // With distillation, the teacher's top-k (ids, logits) for every row follow.
+  int32_t *tokens, *targets, *order, *starts, *teacher_ids;
+  float *dloss, *teacher_logits;
+  int32_t *h_tokens, *h_targets, *h_order, *h_starts, *h_teacher_ids;
+  float *h_dloss, *h_losses, *h_teacher_logits;
 };
 
 namespace {
@@ -732,13 +733,18 @@ void Gpt::CarveActivations(Activations& a, int64_t N, Carver& arena, Carver& in,
     int32_t* order = k.Take<int32_t>(N);
     int32_t* starts = k.Take<int32_t>(V + 1);
     float* dloss = k.Take<float>(1);
+    const int64_t topk = N * distill_.k;
+    int32_t* teacher_ids = topk > 0 ? k.Take<int32_t>(topk) : nullptr;
+    float* teacher_logits = topk > 0 ? k.Take<float>(topk) : nullptr;
     if (host) {
       a.h_tokens = tokens, a.h_targets = targets, a.h_order = order, a.h_starts = starts;
       a.h_dloss = dloss;
+      a.h_teacher_ids = teacher_ids, a.h_teacher_logits = teacher_logits;
       a.h_losses = k.Take<float>(N);
     } else {
       a.tokens = tokens, a.targets = targets, a.order = order, a.starts = starts;
       a.dloss = dloss;
+      a.teacher_ids = teacher_ids, a.teacher_logits = teacher_logits;
       a.inputs_bytes = k.size();
     }
   };
@@ -843,8 +849,27 @@ Status Gpt::Reserve(int B, int T) {
   return ops_.status();
 }
 
+Status Gpt::SetDistillation(const ops::DistillLoss& loss) {
+  if (loss.k < 0 || loss.k > config_.vocab_size) {
+    return Status::InvalidArgument("distillation: k must be in [0, " +
+                                   std::to_string(config_.vocab_size) + "] (the vocabulary), got " +
+                                   std::to_string(loss.k));
+  }
+  if (!(loss.alpha >= 0.0f && loss.alpha <= 1.0f)) {
+    return Status::InvalidArgument("distillation: alpha must be in [0, 1], got " +
+                                   std::to_string(loss.alpha));
+  }
+  if (!(loss.temperature > 0.0f && std::isfinite(loss.temperature))) {
+    return Status::InvalidArgument("distillation: the temperature must be positive, got " +
+                                   std::to_string(loss.temperature));
+  }
+  if (loss.k != distill_.k) act_.reset();  // the inputs are carved again on Reserve
+  distill_ = loss;
+  return Status::Ok();
+}
+
 void Gpt::StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T,
-                     int64_t loss_positions) {
+                     int64_t loss_positions, const TeacherTopK* teacher) {
   // Programming errors, not input errors: callers size batches and tokenize from the config.
   if (B <= 0 || T <= 0 || T > config_.n_ctx) Die("Forward: B, T out of range");
   const int64_t n = static_cast<int64_t>(B) * T;
@@ -866,6 +891,18 @@ void Gpt::StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T
     std::copy(targets, targets + n, a.h_targets);
     for (int64_t i = 0; i < n; ++i) counted_ += targets[i] >= 0;
   }
+  have_teacher_ = teacher != nullptr && targets != nullptr;
+  if (have_teacher_) {
+    if (distill_.k == 0) Die("StageBatch: a teacher without SetDistillation");
+    const int64_t entries = n * distill_.k;
+    for (int64_t i = 0; i < entries; ++i) {
+      if (teacher->ids[i] < 0 || teacher->ids[i] >= config_.vocab_size) {
+        Die("StageBatch: teacher id out of range");
+      }
+    }
+    std::copy(teacher->ids, teacher->ids + entries, a.h_teacher_ids);
+    std::copy(teacher->logits, teacher->logits + entries, a.h_teacher_logits);
+  }
   const int64_t over = loss_positions > 0 ? loss_positions : counted_;
   *a.h_dloss = over > 0 ? 1.0f / static_cast<float>(over) : 0.0f;
 }
@@ -878,10 +915,11 @@ double Gpt::StagedLoss() const {
   return sum / static_cast<double>(counted_);
 }
 
-float Gpt::Forward(const int32_t* tokens, const int32_t* targets, int B, int T) {
+float Gpt::Forward(const int32_t* tokens, const int32_t* targets, int B, int T,
+                   const TeacherTopK* teacher) {
   if (B <= 0 || T <= 0 || T > config_.n_ctx) Die("Forward: B, T out of range");
   if (Status st = Reserve(B, T); !st.ok()) Die("Forward: " + st.ToString());
-  StageBatch(tokens, targets, B, T);
+  StageBatch(tokens, targets, B, T, 0, teacher);
   EnqueueForward(true);
   if (!ops_.Synchronize().ok()) return std::numeric_limits<float>::quiet_NaN();
   return static_cast<float>(StagedLoss());
@@ -927,8 +965,13 @@ void Gpt::EnqueueForward(bool with_grad) {
   // Tied head: logits = lnf wte^T.
   ops_.Matmul(a.lnf, BaseM(wte_), a.logits, N, V, C, false, true, 1.0f, 0.0f);
   if (!have_targets_) return;
-  ops_.SoftmaxCrossEntropy(a.logits, a.targets, a.losses, with_grad ? a.dlogits : ops::Ref(),
-                           a.dloss, N, V);
+  if (have_teacher_) {
+    ops_.DistillCrossEntropy(a.logits, a.targets, a.teacher_ids, a.teacher_logits, distill_,
+                             a.losses, with_grad ? a.dlogits : ops::Ref(), a.dloss, N, V);
+  } else {
+    ops_.SoftmaxCrossEntropy(a.logits, a.targets, a.losses, with_grad ? a.dlogits : ops::Ref(),
+                             a.dloss, N, V);
+  }
   ops_.DownloadAsync(a.h_losses, a.losses, static_cast<size_t>(N) * sizeof(float));
 }
 

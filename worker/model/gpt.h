@@ -105,6 +105,14 @@ struct ParamView {
   int64_t offset = 0;
 };
 
+// A batch's teacher for word-level distillation (Gpt::SetDistillation): for each of the
+// B x T positions, k ids (distinct within a position, in [0, V)) and the teacher's logits
+// at them, row-major [B*T, k]. Rows of positions without a target are not read.
+struct TeacherTopK {
+  const int32_t* ids = nullptr;
+  const float* logits = nullptr;
+};
+
 // Names of the two LoRA factors of `target` in layer `layer`, e.g.
 // "h.0.attn.c_attn.lora_A.weight" ([rank, in]) and "h.0.attn.c_attn.lora_B.weight"
 // ([out, rank]).
@@ -169,14 +177,24 @@ class Gpt {
   // Incremented whenever Reserve reallocates (recorded graphs then hold stale pointers).
   uint64_t layout_version() const { return layout_version_; }
 
+  // Word-level distillation: batches staged with a teacher (TeacherTopK of `loss.k`
+  // entries per position) are trained on ops::DistillCrossEntropy's loss instead of the
+  // cross-entropy; batches without one still get the cross-entropy (evaluation). k = 0
+  // turns it off. Reallocates the batch inputs on the next Reserve (layout_version()
+  // changes). InvalidArgument for k outside [0, V], alpha outside [0, 1] or a temperature
+  // that is not positive and finite.
+  Status SetDistillation(const ops::DistillLoss& loss);
+  const ops::DistillLoss& distillation() const { return distill_; }
+
   // Runs the model on tokens [B,T] (values in [0, V)), T <= n_ctx, and waits for it. With
   // targets [B,T] (values in [0, V), or -1 to leave a position out of the loss) returns the
-  // mean cross-entropy over the counted positions and keeps what Backward needs; with
-  // targets == nullptr returns 0 and only computes logits. Returns NaN when the backend
-  // failed (ops().status() says why). Out-of-range sizes, tokens or targets are
-  // programming errors: the process aborts with a message rather than reading outside
-  // the tables.
-  float Forward(const int32_t* tokens, const int32_t* targets, int B, int T);
+  // mean cross-entropy over the counted positions (the distillation loss with a teacher)
+  // and keeps what Backward needs; with targets == nullptr returns 0 and only computes
+  // logits. Returns NaN when the backend failed (ops().status() says why). Out-of-range
+  // sizes, tokens, targets or teacher ids are programming errors: the process aborts with a
+  // message rather than reading outside the tables.
+  float Forward(const int32_t* tokens, const int32_t* targets, int B, int T,
+                const TeacherTopK* teacher = nullptr);
 
   // The logits [B,T,V] of the last Forward, copied to the host as fp32.
   std::vector<float> Logits() const;
@@ -198,8 +216,9 @@ class Gpt {
   // has been synchronised.
   // `loss_positions` > 0: the loss gradient is that of a mean over this many positions
   // (a micro-batch of a larger batch) instead of this batch's own counted targets.
+  // `teacher`: the batch's teacher (SetDistillation first), or null for the cross-entropy.
   void StageBatch(const int32_t* tokens, const int32_t* targets, int B, int T,
-                  int64_t loss_positions = 0);
+                  int64_t loss_positions = 0, const TeacherTopK* teacher = nullptr);
   // Positions of the staged batch with a target (>= 0): what StagedLoss averages over.
   int64_t staged_positions() const { return counted_; }
   void EnqueueForward(bool with_grad);
@@ -329,6 +348,8 @@ class Gpt {
   int cur_b_ = 0, cur_t_ = 0;
   int64_t counted_ = 0;  // positions with a target in the staged batch
   bool have_targets_ = false;
+  ops::DistillLoss distill_{0, 1.0f, 1.0f};
+  bool have_teacher_ = false;  // the staged batch came with a teacher
 };
 
 }  // namespace isthmus::model

@@ -45,7 +45,8 @@ struct Trainer::Device {
   std::unique_ptr<ops::Graph> forward_backward, optimizer;
   int graph_b = 0, graph_t = 0;
   uint64_t graph_layout = 0;
-  int eager_steps = 0;  // steps of this shape run without a graph (the first warms up)
+  bool graph_teacher = false;  // recorded with the distillation loss
+  int eager_steps = 0;         // steps of this shape run without a graph (the first warms up)
   bool graphs_off = false;
 
   ops::AdamWScalars* h_scalars() const { return host.as<ops::AdamWScalars>(); }
@@ -157,20 +158,22 @@ void Trainer::RunRecorded(std::unique_ptr<ops::Graph>* graph, void (Trainer::*en
 }
 
 Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, int B, int T,
-                                float control, int micro_batches) {
+                                float control, int micro_batches, const TeacherTopK* teacher) {
   ops::Ops& ops = model_.ops();
   if (micro_batches < 1) {
     return Status::InvalidArgument("micro_batches must be >= 1, got " +
                                    std::to_string(micro_batches));
   }
   ISTHMUS_RETURN_IF_ERROR(model_.Reserve(B, T));
-  if (micro_batches == 1) model_.StageBatch(tokens, targets, B, T);
-  if (dev_->graph_b != B || dev_->graph_t != T || dev_->graph_layout != model_.layout_version()) {
+  if (micro_batches == 1) model_.StageBatch(tokens, targets, B, T, 0, teacher);
+  if (dev_->graph_b != B || dev_->graph_t != T || dev_->graph_layout != model_.layout_version() ||
+      dev_->graph_teacher != (teacher != nullptr)) {
     dev_->forward_backward.reset();
     dev_->optimizer.reset();
     dev_->graph_b = B;
     dev_->graph_t = T;
     dev_->graph_layout = model_.layout_version();
+    dev_->graph_teacher = teacher != nullptr;
     dev_->eager_steps = 0;
   }
   StepStats stats;
@@ -201,7 +204,11 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
     for (int k = 0; k < micro_batches; ++k) {
       // The staging is reused: the previous micro-batch must be done with it.
       if (k > 0) ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
-      model_.StageBatch(tokens + k * n, targets + k * n, B, T, std::max<int64_t>(positions, 1));
+      const int64_t rows = k * n * model_.distillation().k;
+      const TeacherTopK part{teacher != nullptr ? teacher->ids + rows : nullptr,
+                             teacher != nullptr ? teacher->logits + rows : nullptr};
+      model_.StageBatch(tokens + k * n, targets + k * n, B, T, std::max<int64_t>(positions, 1),
+                        teacher != nullptr ? &part : nullptr);
       model_.EnqueueForward(true);
       model_.Backward();
       ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());

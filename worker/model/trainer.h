@@ -80,8 +80,12 @@ class Trainer {
   // over all M x B x T positions, and the hook and optimizer run once. The result equals
   // one step on the [M*B,T] batch up to the order of the sums (the tests hold it to 1e-5).
   // Accumulated steps launch their forward and backward kernels directly (not as a graph).
+  //
+  // Distillation: with `teacher` (the model's SetDistillation first) the step trains on the
+  // distillation loss; its rows follow tokens (M x B x T rows of k entries).
   Result<StepStats> Step(const int32_t* tokens, const int32_t* targets, int B, int T,
-                         float control = 0.0f, int micro_batches = 1);
+                         float control = 0.0f, int micro_batches = 1,
+                         const TeacherTopK* teacher = nullptr);
 
   // Number of optimizer steps taken (or loaded).
   int64_t step() const { return step_; }
