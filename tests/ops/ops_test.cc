@@ -5,11 +5,14 @@
 // checked against this one (tests/ops/backend_conformance.h), so these tests are what
 // anchors both.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -642,6 +645,60 @@ TEST(DistillLossTest, GradientOfTheMeanLossMatchesFiniteDifferences) {
       EXPECT_EQ(in_place, d);
     }
   }
+}
+
+// The C++ loss and gradient against tests/ops/distill_reference.py, a from-scratch PyTorch
+// KL in float64 with autograd (python3-torch, which deploy/install-deps.sh installs).
+TEST(DistillLossTest, MatchesAFromScratchPyTorchKl) {
+  const std::string dir = ::testing::TempDir() + "distill-ref-" + std::to_string(::getpid());
+  std::filesystem::create_directories(dir);
+  std::mt19937 rng(33);
+  const int N = 6, V = 50, k = 8;
+  const Vec logits = Random(N * V, rng, 3.0f);
+  const std::vector<int32_t> targets = {4, -1, 0, 49, 17, 23};
+  std::vector<int32_t> ids;
+  Vec tl;
+  RandomTeacher(N, V, k, rng, &ids, &tl);
+  auto write = [&](const char* name, const void* p, size_t bytes) {
+    std::FILE* f = std::fopen((dir + "/" + name).c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    ASSERT_EQ(std::fwrite(p, 1, bytes, f), bytes);
+    std::fclose(f);
+  };
+  write("logits", logits.data(), logits.size() * 4);
+  write("targets", targets.data(), targets.size() * 4);
+  write("ids", ids.data(), ids.size() * 4);
+  write("teacher", tl.data(), tl.size() * 4);
+  const DistillLoss cfg{k, 0.4f, 1.5f};
+  const std::string cmd = std::string("/usr/bin/python3 ") + DISTILL_REFERENCE_PY + " " + dir +
+                          " " + std::to_string(N) + " " + std::to_string(V) + " " +
+                          std::to_string(k) + " 0.4 1.5";
+  ASSERT_EQ(std::system(cmd.c_str()), 0)
+      << cmd << " failed: python3-torch and python3-numpy are needed (deploy/install-deps.sh)";
+  auto read = [&](const char* name, size_t n) {
+    Vec out(n);
+    std::FILE* f = std::fopen((dir + "/" + name).c_str(), "rb");
+    EXPECT_NE(f, nullptr);
+    if (f != nullptr) {
+      EXPECT_EQ(std::fread(out.data(), 4, n, f), n);
+      std::fclose(f);
+    }
+    return out;
+  };
+  const Vec want_losses = read("losses", N), want_grad = read("grad", N * V);
+  std::filesystem::remove_all(dir);
+  const float dloss = 1.0f / 5.0f;  // five rows with a target
+  Vec losses(N), grad(N * V);
+  ops().DistillCrossEntropy(logits.data(), targets.data(), ids.data(), tl.data(), cfg,
+                            losses.data(), grad.data(), &dloss, N, V);
+  for (int i = 0; i < N; ++i) EXPECT_NEAR(losses[i], want_losses[i], 1e-5) << i;
+  double worst = 0, largest = 0;
+  for (int j = 0; j < N * V; ++j) {
+    worst = std::max(worst, static_cast<double>(std::abs(grad[j] - want_grad[j])));
+    largest = std::max(largest, static_cast<double>(std::abs(want_grad[j])));
+  }
+  EXPECT_LT(worst, 1e-7) << "largest gradient " << largest;
+  EXPECT_GT(largest, 1e-3);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -2,9 +2,15 @@
 whole example per window with target -1 off the translation (as isthmus-worker's reader),
 refuses a context other than the examples' length, Gpt2Lora.loss averages over the learned
 positions only, and a few AdamW steps of a PyTorch site on those batches lower it. The
-catalogue is one the test writes (German, 80 messages)."""
+catalogue is one the test writes (German, 80 messages).
+
+Distillation: isthmus-worker teach's top-k cache read by token_batches(teacher_topk=...)
+lines up with the teacher's own logits computed here in PyTorch, distill_loss equals a
+from-scratch loop (and the cross-entropy at alpha 1), distilled steps lower the KL to the
+teacher, and a cache of another shard or vocabulary is refused."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -91,6 +97,123 @@ class TranslationBatches(unittest.TestCase):
         with torch.no_grad():
             self.assertLess(model.loss(x, y).item(), first)
 
+
+class Distillation(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tempfile.mkdtemp(prefix="isthmus-distill-py-")
+        folder = os.path.join(cls.root, "locale", "de", "LC_MESSAGES")
+        os.makedirs(folder)
+        write_mo(os.path.join(folder, "t.mo"), {f"Row {i}": f"Zeile {i}" for i in range(80)})
+        worker = os.environ["ISTHMUS_WORKER"]
+        data = os.path.join(os.path.dirname(worker), "data", "isthmus-data")
+        for seed in ("0", "1"):
+            subprocess.run([data, "parallel", "--locale-dir", os.path.join(cls.root, "locale"),
+                            "--lang", "de", "--out", os.path.join(cls.root, "task" + seed),
+                            "--seq-len", str(CONTEXT), "--seed", seed],
+                           check=True, capture_output=True)
+        cls.train = os.path.join(cls.root, "task0", "train.bin")
+        cls.base_path = os.path.join(cls.root, "base.safetensors")
+        init_path = os.path.join(cls.root, "init.safetensors")
+        subprocess.run([worker, "init", "--layers", "1", "--width", "32", "--heads", "2",
+                        "--context", str(CONTEXT), "--lora-rank", "4", "--lora-alpha", "8",
+                        "--write-base", cls.base_path, "--out", init_path],
+                       check=True, capture_output=True)
+        # The pre-trained model as its own teacher: the base alone.
+        cls.cache = os.path.join(cls.root, "task0", "train.topk")
+        subprocess.run([worker, "teach", "--base", cls.base_path, "--data",
+                        os.path.join(cls.root, "task0"), "--k", "8"],
+                       check=True, capture_output=True)
+        # And the whole distribution (k = V), which a student can match exactly.
+        cls.full_cache = os.path.join(cls.root, "full.topk")
+        subprocess.run([worker, "teach", "--base", cls.base_path, "--data",
+                        os.path.join(cls.root, "task0"), "--k", "256", "--out", cls.full_cache],
+                       check=True, capture_output=True)
+        cls.base, _ = isthmus.read_safetensors(cls.base_path)
+        cls.lora, _ = isthmus.read_safetensors(init_path)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.root, ignore_errors=True)
+
+    def model(self):
+        lora = {name: a.copy() for name, a in self.lora.items()}  # each test its own
+        return isthmus.gpt2.Gpt2Lora(self.base, lora, heads=2, alpha=8.0)
+
+    def test_the_cache_lines_up_with_the_teachers_logits(self):
+        batches = isthmus.gpt2.token_batches(self.train, 4, CONTEXT, seed=2,
+                                             teacher_topk=self.cache, vocab_size=256)
+        model = self.model()  # lora_B is zero: the base's logits
+        for _ in range(3):
+            x, y, (ids, logits) = next(batches)
+            self.assertEqual(tuple(ids.shape), (4, CONTEXT, 8))
+            with torch.no_grad():
+                full = model(x)
+            learned = y >= 0
+            self.assertGreater(int(learned.sum()), 0)
+            top = torch.topk(full, 8, dim=-1)
+            self.assertTrue(torch.equal(ids[learned][:, 0], top.indices[learned][:, 0]))
+            self.assertLess(float((logits[learned] - top.values[learned]).abs().max()), 1e-4)
+            self.assertTrue(torch.all(ids[~learned] == 0))
+
+    def test_distill_loss_is_the_formula_and_alpha_one_is_the_cross_entropy(self):
+        torch.manual_seed(1)
+        n, v, k, alpha, temp = 7, 11, 4, 0.3, 2.5
+        logits = torch.randn(n, v, dtype=torch.float64)
+        targets = torch.tensor([3, -1, 0, 10, 5, -1, 7])
+        ids = torch.stack([torch.randperm(v)[:k] for _ in range(n)])
+        teacher = torch.randn(n, k, dtype=torch.float64)
+        got = isthmus.gpt2.distill_loss(logits, targets, ids, teacher, alpha, temp)
+        rows = []
+        for i in range(n):
+            if targets[i] < 0:
+                continue
+            z = logits[i].tolist()
+            lse = math.log(sum(math.exp(a) for a in z))
+            lse_t = math.log(sum(math.exp(a / temp) for a in z))
+            tl = teacher[i].tolist()
+            lse_p = math.log(sum(math.exp(a / temp) for a in tl))
+            kl = 0.0
+            for e in range(k):
+                log_p = tl[e] / temp - lse_p
+                kl += math.exp(log_p) * (log_p - (z[ids[i, e]] / temp - lse_t))
+            rows.append(alpha * (lse - z[targets[i]]) + (1 - alpha) * temp * temp * kl)
+        self.assertAlmostEqual(got.item(), sum(rows) / len(rows), places=10)
+        ce = torch.nn.functional.cross_entropy(logits, targets, ignore_index=-1)
+        self.assertAlmostEqual(
+            isthmus.gpt2.distill_loss(logits, targets, ids, teacher, 1.0, temp).item(),
+            ce.item(), places=12)
+
+    def test_distilled_steps_move_the_student_towards_the_teacher(self):
+        torch.manual_seed(0)
+        model = self.model()
+        with torch.no_grad():  # a student that starts away from its teacher
+            for p in model.lora.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        batches = isthmus.gpt2.token_batches(self.train, 8, CONTEXT, seed=4,
+                                             teacher_topk=self.full_cache)
+        x, y, teacher = next(batches)
+        with torch.no_grad():
+            first = model.loss(x, y, teacher, alpha=0.0, temperature=1.0).item()
+        opt = torch.optim.AdamW(model.lora.parameters(), lr=1e-2)
+        for _ in range(30):
+            bx, by, bt = next(batches)
+            loss = model.loss(bx, by, bt, alpha=0.0, temperature=1.0)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        with torch.no_grad():
+            self.assertLess(model.loss(x, y, teacher, alpha=0.0, temperature=1.0).item(),
+                            0.5 * first)
+
+    def test_a_cache_of_another_shard_or_vocabulary_is_refused(self):
+        other = os.path.join(self.root, "task1", "train.bin")
+        with self.assertRaisesRegex(ValueError, "computed on another shard"):
+            next(isthmus.gpt2.token_batches(other, 2, CONTEXT, seed=1, teacher_topk=self.cache))
+        with self.assertRaisesRegex(ValueError, r"teacher's vocabulary \(256 ids, tokenizer "
+                                                r"byte\) is not the student's \(300 ids\)"):
+            next(isthmus.gpt2.token_batches(self.train, 2, CONTEXT, seed=1,
+                                            teacher_topk=self.cache, vocab_size=300))
 
 if __name__ == "__main__":
     unittest.main()

@@ -13,12 +13,18 @@ scale alpha / r. The base stays frozen; the LoRA tensors are the parameters:
 
 token_batches() reads the token shards isthmus-data writes (uint16, or uint32 when the
 manifest says so), and the translation task of `isthmus-data parallel`: one example per
-window, targets -1 (no loss) outside the translation, as isthmus-worker reads it.
+window, targets -1 (no loss) outside the translation, as isthmus-worker reads it. With
+`teacher_topk` (the cache `isthmus-worker teach` writes beside the shard) each batch also
+carries the teacher's top-k ids and logits per position, and `loss(..., teacher=...)` is the
+word-level distillation loss alpha * CE + (1 - alpha) * T^2 * KL(teacher_T || student_T) that
+isthmus-worker train --teacher-topk uses (distill_loss).
 """
 
+import hashlib
 import json
 import math
 import os
+import struct
 
 import numpy as np
 import torch
@@ -84,19 +90,98 @@ class Gpt2Lora(torch.nn.Module):
         x = self._ln(x, "ln_f")
         return x @ wte.t()
 
-    def loss(self, idx, targets):
-        """Mean cross-entropy over the positions whose target is not -1."""
+    def loss(self, idx, targets, teacher=None, alpha=0.5, temperature=2.0):
+        """Mean cross-entropy over the positions whose target is not -1; with `teacher`
+        (the (ids, logits) a token_batches with teacher_topk yields) the distillation loss
+        (distill_loss) over the same positions."""
         logits = self(idx)
+        if teacher is not None:
+            return distill_loss(logits, targets, teacher[0], teacher[1], alpha, temperature)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=-1)
 
 
-def token_batches(path, batch, context, seed):
+def distill_loss(logits, targets, teacher_ids, teacher_logits, alpha=0.5, temperature=2.0):
+    """Word-level distillation (Hinton et al. 2015), as isthmus-worker computes it
+    (ops::DistillCrossEntropy): the mean over the positions whose target is not -1 of
+    alpha * CE(target) + (1 - alpha) * T^2 * KL(p || q), where p is the softmax of the
+    teacher's k logits / T (its top-k, renormalised) and q the student's softmax over the
+    whole vocabulary / T, read at the teacher's ids. logits [..., V]; targets [...];
+    teacher_ids and teacher_logits [..., k]."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if not temperature > 0.0:
+        raise ValueError(f"the temperature must be positive, got {temperature}")
+    v, k = logits.shape[-1], teacher_ids.shape[-1]
+    keep = targets.reshape(-1) >= 0
+    z = logits.reshape(-1, v)[keep]
+    ce = F.cross_entropy(z, targets.reshape(-1)[keep], reduction="none")
+    log_q = F.log_softmax(z / temperature, dim=-1).gather(
+        1, teacher_ids.reshape(-1, k)[keep].long())
+    log_p = F.log_softmax(teacher_logits.reshape(-1, k)[keep].to(z.dtype) / temperature, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
+    return (alpha * ce + (1.0 - alpha) * temperature * temperature * kl).mean()
+
+
+class TeacherTopK:
+    """The cache `isthmus-worker teach` writes (worker/data/teacher_cache.h): a teacher's k
+    largest logits at every learned position of a task shard. Opening it checks that it
+    was computed on this very shard (the SHA-256 of its tokens and loss mask) and, when
+    `vocab_size` is given, for that vocabulary: ValueError otherwise, never a silent reuse."""
+
+    def __init__(self, path, shard_path, tokens, mask, context, vocab_size=None):
+        with open(path, "rb") as f:
+            head = f.read(12)
+            if len(head) < 12 or head[:8] != b"ISTHTOPK":
+                raise ValueError(f"{path}: not a teacher cache (isthmus-worker teach writes them)")
+            (n,) = struct.unpack("<I", head[8:])
+            info = json.loads(f.read(n))
+        self.k, self.info = int(info["k"]), info
+        if vocab_size is not None and info["vocab_size"] != vocab_size:
+            raise ValueError(f"{path}: the teacher's vocabulary ({info['vocab_size']} ids, "
+                             f"tokenizer {info['tokenizer']}) is not the student's "
+                             f"({vocab_size} ids)")
+        if info["example_tokens"] != context:
+            raise ValueError(f"{path}: computed on examples of {info['example_tokens']} tokens, "
+                             f"not {context}")
+        digest = hashlib.sha256()
+        with open(shard_path, "rb") as f:
+            digest.update(f.read())
+        digest.update(mask.tobytes())
+        if digest.hexdigest() != info["shard_digest"]:
+            raise ValueError(f"{path}: computed on another shard than {shard_path}: run "
+                             "isthmus-worker teach again for this shard")
+        windows = (len(tokens) - 1) // context
+        learned = mask[1:windows * context + 1].reshape(windows, context) != 0
+        self.offsets = np.concatenate([[0], np.cumsum(learned.sum(axis=1))])
+        record = np.dtype([("ids", "<i4", (self.k,)), ("logits", "<f4", (self.k,))])
+        self.records = np.memmap(path, dtype=record, mode="r", offset=12 + n)
+        if len(self.records) != info["positions"] or self.offsets[-1] != info["positions"]:
+            raise ValueError(f"{path}: {len(self.records)} records for a shard with "
+                             f"{self.offsets[-1]} learned positions (cut short?)")
+
+    def rows(self, windows, y):
+        """ids and logits [B, T, k] for the windows `windows` whose targets are `y` [B, T]
+        (zero where the target is -1)."""
+        b, t = y.shape
+        ids = np.zeros((b, t, self.k), dtype=np.int64)
+        logits = np.zeros((b, t, self.k), dtype=np.float32)
+        for r, w in enumerate(windows):
+            learned = y[r] >= 0
+            part = self.records[self.offsets[w]:self.offsets[w + 1]]
+            ids[r, learned] = part["ids"]
+            logits[r, learned] = part["logits"]
+        return torch.from_numpy(ids), torch.from_numpy(logits)
+
+
+def token_batches(path, batch, context, seed, teacher_topk=None, vocab_size=None):
     """Endless random (tokens, targets) batches of `context` tokens from a shard written by
     isthmus-data (train.bin or val.bin; the manifest beside it gives the token width). A
     task shard with a loss mask (isthmus-data parallel) gives whole examples, one per
     window of its example length, which `context` must equal, with target -1 wherever the
-    mask says the token is not learned (the prompt and the padding)."""
+    mask says the token is not learned (the prompt and the padding). With `teacher_topk`
+    (a task shard's cache from isthmus-worker teach; TeacherTopK checks it is this shard's)
+    the batches are (tokens, targets, (teacher_ids, teacher_logits)) for Gpt2Lora.loss."""
     manifest = {}
     manifest_path = os.path.join(os.path.dirname(path) or ".", "manifest.json")
     if os.path.exists(manifest_path):
@@ -117,6 +202,12 @@ def token_batches(path, batch, context, seed):
         mask = np.fromfile(mask_path, dtype=np.uint8)
         if len(mask) != len(tokens):
             raise ValueError(f"{mask_path}: {len(mask)} mask bytes for {len(tokens)} tokens")
+    teacher = None
+    if teacher_topk is not None:
+        if mask is None:
+            raise ValueError(f"{path}: distillation needs a task shard with a loss mask "
+                             "(isthmus-data parallel)")
+        teacher = TeacherTopK(teacher_topk, path, tokens, mask, context, vocab_size)
     rng = np.random.default_rng(seed)
     while True:
         if mask is None:
@@ -128,4 +219,7 @@ def token_batches(path, batch, context, seed):
         if mask is not None:
             learned = np.stack([mask[s + 1:s + context + 1] for s in starts]) != 0
             y = np.where(learned, y, -1)
-        yield torch.from_numpy(x), torch.from_numpy(y)
+        if teacher is not None:
+            yield torch.from_numpy(x), torch.from_numpy(y), teacher.rows(starts // context, y)
+        else:
+            yield torch.from_numpy(x), torch.from_numpy(y)
