@@ -22,7 +22,15 @@
 #   --train "FLAGS"    extra isthmus-worker train flags (default "--lr 1e-3 --batch-size 8")
 #   --out DIR          work folder, removed first (default demo-out/translate)
 #   --locale-dir DIR   where the catalogues are (default /usr/share/locale)
-# Writes OUT/summary.json (two-site.sh's, with "chrf" per site and "chrf_before").
+#   --teacher FILE     also distil: a teacher base (the pre-trained base itself, or a larger
+#                      model fine-tuned on the pairs) runs once over each site's training
+#                      shard (isthmus-worker teach, top --teacher-k logits, default 32; its
+#                      fine-tuned tensors with --teacher-trainable FILE), and a second run
+#                      trains the same students with word-level distillation (--distill
+#                      "FLAGS", default "--distill-alpha 0.5 --distill-temperature 2"); the
+#                      table then shows chrF after CE-only and after distilled fine-tuning
+# Writes OUT/summary.json (two-site.sh's, with "chrf" per site and "chrf_before"; with
+# --teacher the distilled run's, plus "chrf_ce" per site from OUT/run-ce).
 # Environment: ISTHMUS_BUILD_DIR (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +38,7 @@ build="${ISTHMUS_BUILD_DIR:-build}"
 worker="$build/worker/isthmus-worker"
 data="$build/worker/data/isthmus-data"
 base="" site_a=de,fr site_b=es,it seq_len=128 model="" rounds=8 steps=20 lines=200
+teacher="" teacher_trainable="" teacher_k=32 distill="--distill-alpha 0.5 --distill-temperature 2"
 train="--lr 1e-3 --batch-size 8" out=demo-out/translate locale=/usr/share/locale val_fraction=0.05
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -45,12 +54,21 @@ while [ $# -gt 0 ]; do
     --train) train="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --locale-dir) locale="$2"; shift 2 ;;
-    -h|--help) sed -n 2,26p "$0"; exit 0 ;;
+    --teacher) teacher="$2"; shift 2 ;;
+    --teacher-trainable) teacher_trainable="$2"; shift 2 ;;
+    --teacher-k) teacher_k="$2"; shift 2 ;;
+    --distill) distill="$2"; shift 2 ;;
+    -h|--help) sed -n 2,34p "$0"; exit 0 ;;
     *) echo "translate-demo.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
 [ -n "$base" ] || { echo "translate-demo.sh: --base is required (try --help)" >&2; exit 2; }
 [ -r "$base" ] || { echo "translate-demo.sh: --base $base is not readable" >&2; exit 2; }
+if [ -z "$teacher" ] && [ -n "$teacher_trainable" ]; then
+  echo "translate-demo.sh: --teacher-trainable needs --teacher (its base)" >&2; exit 2
+fi
+[ -z "$teacher" ] || [ -r "$teacher" ] ||
+  { echo "translate-demo.sh: --teacher $teacher is not readable" >&2; exit 2; }
 for b in "$worker" "$data"; do
   [ -x "$b" ] || { echo "translate-demo.sh: $b is not built (cmake --build $build)" >&2; exit 2; }
 done
@@ -94,25 +112,57 @@ for l in "${langs[@]}"; do
 done
 echo "}" >> "$out/chrf-before.json"
 
+# With a teacher: its top-k logits beside each site's training shard (they stay there: only
+# the students' round deltas cross the WAN), and first the CE-only run to compare with.
+run_flags=()
+ce_rc=0
+if [ -n "$teacher" ]; then
+  for site in A B; do
+    "$worker" teach --base "$teacher" ${teacher_trainable:+--trainable "$teacher_trainable"} \
+      --data "$out/task-$site" --k "$teacher_k" 2>&1 | tail -1
+  done
+  set +e
+  deploy/two-site.sh --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
+    --model "$model" --rounds "$rounds" --steps-per-round "$steps" --train "$train" \
+    --out "$out/run-ce" --translate-lines "$lines" "${translate_sets[@]}"
+  ce_rc=$?
+  set -e
+  run_flags=(--distill "$distill")
+fi
 set +e
 deploy/two-site.sh --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
   --model "$model" --rounds "$rounds" --steps-per-round "$steps" --train "$train" \
-  --out "$out/run" --translate-lines "$lines" "${translate_sets[@]}"
+  --out "$out/run" --translate-lines "$lines" "${translate_sets[@]}" "${run_flags[@]}"
 rc=$?
 set -e
-/usr/bin/python3 - "$out" "$site_a" "$site_b" <<'PY'
-import json, sys
+[ "$rc" -ne 0 ] || rc=$ce_rc
+/usr/bin/python3 - "$out" "$site_a" "$site_b" "${teacher:+distilled}" <<'PY'
+import json, os, sys
 out, site_a, site_b = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
+distilled = sys.argv[4] == "distilled"
 before = json.load(open(f"{out}/chrf-before.json"))
 summary = json.load(open(f"{out}/run/summary.json"))
 summary["chrf_before"] = before
+if distilled and os.path.exists(f"{out}/run-ce/summary.json"):
+    ce = json.load(open(f"{out}/run-ce/summary.json"))
+    for s in ("A", "B"):
+        summary["sites"][s]["chrf_ce"] = ce["sites"][s].get("chrf", {})
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 fmt = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "n/a"
 print()
-print(f"{'en->':<6}{'trained at':>11}{'chrF before':>13}{'site A':>9}{'site B':>9}")
+if distilled:
+    print(f"{'en->':<6}{'trained at':>11}{'chrF before':>13}{'CE A':>8}{'CE B':>8}"
+          f"{'distilled A':>13}{'distilled B':>13}")
+else:
+    print(f"{'en->':<6}{'trained at':>11}{'chrF before':>13}{'site A':>9}{'site B':>9}")
 for lang in site_a + site_b:
     home = "A" if lang in site_a else "B"
     after = {s: summary["sites"][s]["chrf"].get(lang) for s in ("A", "B")}
-    print(f"{lang:<6}{home:>11}{fmt(before.get(lang)):>13}{fmt(after['A']):>9}{fmt(after['B']):>9}")
+    row = f"{lang:<6}{home:>11}{fmt(before.get(lang)):>13}"
+    if distilled:
+        ce = {s: summary["sites"][s].get("chrf_ce", {}).get(lang) for s in ("A", "B")}
+        print(row + f"{fmt(ce['A']):>8}{fmt(ce['B']):>8}{fmt(after['A']):>13}{fmt(after['B']):>13}")
+    else:
+        print(row + f"{fmt(after['A']):>9}{fmt(after['B']):>9}")
 PY
 exit "$rc"

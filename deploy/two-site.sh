@@ -42,6 +42,10 @@
 #                          (isthmus-worker generate --translate) and score them with chrF
 #                          (deploy/chrf.py); repeatable, reported as "chrf" per site
 #   --translate-lines N    lines per --translate-set (default 200)
+#   --distill "FLAGS"      word-level distillation: each site's workers train with
+#                          --teacher-topk DATA/train.topk (the cache isthmus-worker teach
+#                          wrote beside that site's task shard) and these flags (e.g.
+#                          "--distill-alpha 0.5 --distill-temperature 2")
 #   --summary FILE         write the final figures as JSON here (they are always written to
 #                          OUT/summary.json as well)
 #   --top-interval S       seconds between the isthmusctl top samples (default 1)
@@ -68,7 +72,7 @@ worker="$build/worker/isthmus-worker"
 
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
-codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
+distill="" distill_on=false codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
 eval_every=0 report="" top_interval=1 reference="" translate_sets=() translate_lines=200
 while [ $# -gt 0 ]; do
@@ -95,6 +99,7 @@ while [ $# -gt 0 ]; do
     --eval-set) eval_sets+=("$2"); shift 2 ;;
     --translate-set) translate_sets+=("$2"); shift 2 ;;
     --translate-lines) translate_lines="$2"; shift 2 ;;
+    --distill) distill="$2"; distill_on=true; shift 2 ;;
     --eval-batches) eval_batches="$2"; shift 2 ;;
     --eval-every-rounds) eval_every="$2"; shift 2 ;;
     --report) report="$2"; shift 2 ;;
@@ -104,7 +109,7 @@ while [ $# -gt 0 ]; do
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
     --data-c) data_c="$2"; shift 2 ;;
-    -h|--help) sed -n 2,54p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,58p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -294,6 +299,11 @@ for s in "${sites[@]}"; do
   mapfile -t w < <(worker_args "$s")
   mkdir -p "$out/rendezvous-$s"
   site_prefix "$s"
+  d=()
+  if [ "$distill_on" = true ]; then
+    # shellcheck disable=SC2206
+    d=(--teacher-topk "${data_of[$s]}/train.topk" $distill)
+  fi
   for ((r = 0; r < ranks; r++)); do
     "${prefix[@]}" "$worker" train "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
       --key "$out/keys/workers-$s/worker.key" --client-name "$s" --data "${data_of[$s]}" \
@@ -301,7 +311,7 @@ for s in "${sites[@]}"; do
       --steps-per-round "${steps_of[$s]}" --max-rounds "$rounds" \
       --checkpoint-dir "$out/checkpoints-$s" --json-summary "$out/worker-$s-$r.json" \
       --events "$out/events-$s.jsonl" \
-      --no-progress --log-every 20 "${train_flags[@]}" > "$out/logs/worker-$s-$r.log" 2>&1 &
+      --no-progress --log-every 20 "${train_flags[@]}" "${d[@]}" > "$out/logs/worker-$s-$r.log" 2>&1 &
     wpids+=($!)
   done
 done

@@ -3,8 +3,11 @@
 # English -> Spanish at site B, 80 messages each) and a random base: both sites build their
 # task shards, the base is scored, two rounds of LoRA fine-tuning commit on both sites with
 # equal digests, and each site's committed model is scored on both languages' held-out
-# pairs. Checks the summary (chrF before and per site and language, in [0, 100]) and the
-# printed table.
+# pairs. With --teacher (the base itself as the teacher) it also writes each site's top-k
+# cache (isthmus-worker teach) and runs the CE-only students beside the distilled ones.
+# Checks the summary (chrF before, and per site and language after CE-only and distilled
+# fine-tuning, in [0, 100]), that the distilled workers read their own site's cache, and
+# the printed table.
 # Usage: translate_demo_test.sh BUILD_DIR
 set -euo pipefail
 build=$(cd "$1" && pwd)
@@ -15,7 +18,7 @@ done
 /usr/bin/python3 -c "import nltk" 2>/dev/null ||
   { echo "FAIL: python3-nltk is missing (deploy/install-deps.sh installs it)"; exit 1; }
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap '[ -n "${KEEP:-}" ] || rm -rf "$work"' EXIT
 for lang in de es; do
   mkdir -p "$work/locale/$lang/LC_MESSAGES"
   /usr/bin/python3 -c '
@@ -33,7 +36,7 @@ set +e
 ISTHMUS_BUILD_DIR="$build" "$root/deploy/translate-demo.sh" --base "$work/base.safetensors" \
   --locale-dir "$work/locale" --site-a de --site-b es --seq-len 48 --model "$model" \
   --rounds 2 --steps-per-round 5 --lines 6 --val-fraction 0.4 --train "--lr 1e-3 --batch-size 4" \
-  --out "$work/out" > "$work/demo.txt" 2>&1
+  --teacher "$work/base.safetensors" --teacher-k 8 --out "$work/out" > "$work/demo.txt" 2>&1
 rc=$?
 set -e
 if [ "$rc" -ne 0 ]; then
@@ -49,13 +52,21 @@ assert set(s["chrf_before"]) == {"de", "es"}, s["chrf_before"]
 for site in ("A", "B"):
     r = s["sites"][site]
     assert r["committed_round"] >= 2, r
-    assert set(r["chrf"]) == {"de", "es"}, r["chrf"]
-    for v in list(r["chrf"].values()) + list(s["chrf_before"].values()):
+    assert set(r["chrf"]) == {"de", "es"} and set(r["chrf_ce"]) == {"de", "es"}, r
+    for v in list(r["chrf"].values()) + list(r["chrf_ce"].values()) + list(s["chrf_before"].values()):
         assert isinstance(v, float) and 0.0 <= v <= 100.0, v
 assert s["translate_lines"] == {"de": 6, "es": 6} or all(
     0 < n <= 6 for n in s["translate_lines"].values()), s["translate_lines"]
 PY
 grep -E "^de +A " "$work/demo.txt" >/dev/null || { tail -8 "$work/demo.txt"; echo "FAIL: no row for de"; exit 1; }
 grep -E "^es +B " "$work/demo.txt" >/dev/null || { tail -8 "$work/demo.txt"; echo "FAIL: no row for es"; exit 1; }
+for site in A B; do
+  grep -q "distilling from $work/out/task-$site/train.topk (k 8, alpha 0.5" \
+    "$work/out/run/logs/worker-$site-0.log" || { echo "FAIL: site $site did not distil"; exit 1; }
+  if grep -q "distilling" "$work/out/run-ce/logs/worker-$site-0.log"; then
+    echo "FAIL: the CE-only run at $site distilled"; exit 1
+  fi
+done
+grep -q "distilled A" "$work/demo.txt" || { tail -8 "$work/demo.txt"; echo "FAIL: no distilled column"; exit 1; }
 tail -4 "$work/demo.txt"
-echo "PASS: translation fine-tuning across two sites, scored before and after"
+echo "PASS: translation fine-tuning across two sites, CE-only and distilled, scored before and after"
