@@ -2,7 +2,8 @@
 whole example per window with target -1 off the translation (as isthmus-worker's reader),
 refuses a context other than the examples' length, Gpt2Lora.loss averages over the learned
 positions only, and a few AdamW steps of a PyTorch site on those batches lower it. The
-catalogue is one the test writes (German, 80 messages).
+catalogue is one the test writes (German, 80 messages). Gpt2Lora.translate gives the same
+translation as isthmus-worker generate --translate for the same trained adapters.
 
 Distillation: isthmus-worker teach's top-k cache read by token_batches(teacher_topk=...)
 lines up with the teacher's own logits computed here in PyTorch, distill_loss equals a
@@ -96,6 +97,41 @@ class TranslationBatches(unittest.TestCase):
             opt.step()
         with torch.no_grad():
             self.assertLess(model.loss(x, y).item(), first)
+
+    def test_translate_matches_the_workers_generate_translate(self):
+        torch.manual_seed(2)
+        base_path = os.path.join(self.root, "base-t.safetensors")
+        init_path = os.path.join(self.root, "init-t.safetensors")
+        worker = os.environ["ISTHMUS_WORKER"]
+        subprocess.run([worker, "init", "--layers", "1", "--width", "32", "--heads", "2",
+                        "--context", str(CONTEXT), "--lora-rank", "4", "--lora-alpha", "8",
+                        "--write-base", base_path, "--out", init_path],
+                       check=True, capture_output=True)
+        base, _ = isthmus.read_safetensors(base_path)
+        lora, _ = isthmus.read_safetensors(init_path)
+        model = isthmus.gpt2.Gpt2Lora(base, lora, heads=2, alpha=8.0)
+        batches = isthmus.gpt2.token_batches(self.train, 8, CONTEXT, seed=5)
+        opt = torch.optim.AdamW(model.lora.parameters(), lr=2e-2)
+        for _ in range(60):  # enough for the model to prefer some bytes clearly
+            x, y = next(batches)
+            loss = model.loss(x, y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        trained = os.path.join(self.root, "trained-t.safetensors")
+        isthmus.write_safetensors(trained, {n: p.detach().numpy()
+                                            for n, p in model.job_parameters().items()})
+        for line in ("Row 7", "Row 42"):
+            ours = model.translate(line, "de", max_tokens=20)
+            theirs = subprocess.run([worker, "generate", "--base", base_path, "--trainable",
+                                     trained, "--lora-alpha", "8", "--translate", "de",
+                                     "--prompt", line, "--tokens", "20"],
+                                    check=True, capture_output=True).stdout.decode()
+            self.assertTrue(ours.startswith("Zeile"), ours)  # it learned the task
+            self.assertEqual(ours, theirs.rstrip("\n"), line)
+        with self.assertRaisesRegex(ValueError, "reads bytes"):
+            wide = dict(base, **{"wte.weight": base["wte.weight"].repeat(2, axis=0)})
+            isthmus.gpt2.Gpt2Lora(wide, lora, heads=2, alpha=8.0).translate("x", "de")
 
 
 class Distillation(unittest.TestCase):

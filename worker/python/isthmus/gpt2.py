@@ -100,6 +100,28 @@ class Gpt2Lora(torch.nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                ignore_index=-1)
 
+    @torch.no_grad()
+    def translate(self, text, language, max_tokens=200):
+        """The student's translation of English `text` into `language`, as isthmus-worker
+        generate --translate makes it: the prompt "en: <text>\n<language>: " of
+        isthmus-data parallel's task, then the most likely byte each step (the window
+        sliding over the last n_ctx tokens) until the continuation holds the blank line
+        that ends a translation, or max_tokens; returns the text before that line (bytes
+        that are not UTF-8 replaced). Byte-level models only (vocabulary 256)."""
+        vocab, n_ctx = self.base["wte.weight"].shape[0], self.base["wpe.weight"].shape[0]
+        if vocab != 256:
+            raise ValueError(f"translate reads bytes, but this model has {vocab} ids: use "
+                             "isthmus-worker generate --translate with its tokenizer")
+        ids = list(f"en: {text}\n{language}: ".encode())
+        start = len(ids)
+        for _ in range(max_tokens):
+            window = torch.tensor([ids[-n_ctx:]])
+            ids.append(int(self(window)[0, -1].argmax()))
+            if b"\n\n" in bytes(ids[start:]):
+                break
+        out = bytes(ids[start:])
+        return out.split(b"\n\n")[0].decode("utf-8", errors="replace")
+
 
 def distill_loss(logits, targets, teacher_ids, teacher_logits, alpha=0.5, temperature=2.0):
     """Word-level distillation (Hinton et al. 2015), as isthmus-worker computes it
