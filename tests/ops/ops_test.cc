@@ -11,8 +11,8 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <numeric>

@@ -53,16 +53,18 @@ TeacherCacheWriter::~TeacherCacheWriter() {
 
 Result<std::unique_ptr<TeacherCacheWriter>> TeacherCacheWriter::Create(
     const std::string& path, const TeacherCacheInfo& info) {
-  const std::string header = nlohmann::ordered_json{
-      {"format", kFormat},
-      {"k", info.k},
-      {"vocab_size", info.vocab_size},
-      {"example_tokens", info.example_tokens},
-      {"shard_digest", info.shard_digest},
-      {"tokenizer", info.tokenizer},
-      {"teacher", info.teacher},
-      {"positions", info.positions},
-  }.dump();
+  const std::string header =
+      nlohmann::ordered_json{
+          {"format", kFormat},
+          {"k", info.k},
+          {"vocab_size", info.vocab_size},
+          {"example_tokens", info.example_tokens},
+          {"shard_digest", info.shard_digest},
+          {"tokenizer", info.tokenizer},
+          {"teacher", info.teacher},
+          {"positions", info.positions},
+      }
+          .dump();
   std::FILE* f = std::fopen((path + ".tmp").c_str(), "wb");
   if (f == nullptr) {
     return Status::IoError(path + ".tmp: cannot create: " + std::strerror(errno));
@@ -128,8 +130,9 @@ Result<TeacherCache> TeacherCache::Open(const std::string& path, const TokenData
                                         int vocab_size) {
   if (!dataset.has_mask()) {
     return Status::InvalidArgument(
-        path + ": distillation needs a task shard with a loss mask (isthmus-data parallel); "
-               "this shard has none");
+        path +
+        ": distillation needs a task shard with a loss mask (isthmus-data parallel); "
+        "this shard has none");
   }
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -193,16 +196,15 @@ Result<TeacherCache> TeacherCache::Open(const std::string& path, const TokenData
                               " (cut short or padded?): run isthmus-worker teach again");
   }
   if (i.vocab_size != vocab_size) {
-    return Status::InvalidArgument(
-        path + ": the teacher's vocabulary (" + std::to_string(i.vocab_size) +
-        " ids, tokenizer " + i.tokenizer + ") is not the student's (" +
-        std::to_string(vocab_size) + " ids): teacher and student must share a tokenizer");
+    return Status::InvalidArgument(path + ": the teacher's vocabulary (" +
+                                   std::to_string(i.vocab_size) + " ids, tokenizer " + i.tokenizer +
+                                   ") is not the student's (" + std::to_string(vocab_size) +
+                                   " ids): teacher and student must share a tokenizer");
   }
   if (i.example_tokens != dataset.seq_len()) {
-    return Status::InvalidArgument(path + ": computed on examples of " +
-                                   std::to_string(i.example_tokens) +
-                                   " tokens, the shard is read in windows of " +
-                                   std::to_string(dataset.seq_len()));
+    return Status::InvalidArgument(
+        path + ": computed on examples of " + std::to_string(i.example_tokens) +
+        " tokens, the shard is read in windows of " + std::to_string(dataset.seq_len()));
   }
   const std::string digest = dataset.Digest();
   if (i.shard_digest != digest) {
@@ -243,14 +245,14 @@ Status TeacherCache::Fill(const Batch& batch, std::vector<int32_t>* ids,
       std::sort(sorted.begin(), sorted.end());
       const bool ids_ok = sorted.front() >= 0 && sorted.back() < info_.vocab_size &&
                           std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
-      const bool finite = std::all_of(row_logits, row_logits + k,
-                                      [](float x) { return std::isfinite(x); });
+      const bool finite =
+          std::all_of(row_logits, row_logits + k, [](float x) { return std::isfinite(x); });
       if (!ids_ok || !finite) {
-        return Status::Corruption(path_ + ": record " + std::to_string(record) + " (window " +
-                                  std::to_string(batch.windows[b]) + ") holds " +
-                                  (ids_ok ? "a logit that is not finite"
-                                          : "an id out of range or repeated") +
-                                  ": run isthmus-worker teach again");
+        return Status::Corruption(
+            path_ + ": record " + std::to_string(record) + " (window " +
+            std::to_string(batch.windows[b]) + ") holds " +
+            (ids_ok ? "a logit that is not finite" : "an id out of range or repeated") +
+            ": run isthmus-worker teach again");
       }
       ++record;
     }
