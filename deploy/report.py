@@ -14,6 +14,9 @@ and writes into --out (default RUN/report):
   lag.png         lag in rounds per link over time, and the sites' local/committed rounds
   bandwidth.png   each shard link's bandwidth estimate over time, and its codec pipelines
   training.png    mean training loss and tokens/s per round per site
+  chrf.png        with translation sets (isthmus-worker train --translate-set): chrF of
+                  each site's translations per language by round (NLTK's chrF, as
+                  deploy/chrf.py), drawn only when the events name translations
   index.html, report.md   the page: the run's figures, each plot with how to read it, and
                           what was missing
   report.json     the series drawn (per-round bytes per link, ...) for scripts
@@ -320,6 +323,66 @@ def plot_validation(run, path):
             for (s, n), pts in series.items()}, None
 
 
+def translation_files(run):
+    """(site, language) -> [(round, t, path)] of the workers' translations events; a path
+    that is not found as written is looked for beside the run's events files."""
+    out = {}
+    for s in run.sites:
+        for e in run.events.get(s, []):
+            if e.get("event") != "translations" or not e.get("file"):
+                continue
+            f = e["file"]
+            if not os.path.exists(f):
+                f = os.path.join(run.folder, os.path.basename(os.path.dirname(f)),
+                                 os.path.basename(f))
+            out.setdefault((s, e.get("language", "?")), []).append(
+                (e.get("round"), e["time"] - run.t0, f))
+    return out
+
+
+def plot_chrf(run, path):
+    try:
+        from nltk.translate.chrf_score import corpus_chrf
+    except ImportError:
+        return None, "NLTK is missing (apt-get install python3-nltk): chrF cannot be computed"
+    series = {}
+    for (s, lang), files in sorted(translation_files(run).items()):
+        for r, t, f in files:
+            try:
+                rows = [json.loads(line) for line in open(f, encoding="utf-8") if line.strip()]
+            except (OSError, ValueError) as e:
+                run.notes.append(f"site {s}: translations {f} unreadable: {e}")
+                continue
+            rows = [x for x in rows if isinstance(x.get("reference"), str)]
+            if rows:
+                score = 100.0 * corpus_chrf([x["reference"] for x in rows],
+                                            [x.get("translation", "") for x in rows])
+                series.setdefault((s, lang), []).append((r, t, score))
+    if not series:
+        return None, "no readable translations with references"
+    langs = sorted({lang for _, lang in series})
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for (s, lang), pts in sorted(series.items()):
+        pts.sort()
+        colour = f"C{langs.index(lang) % 10}"
+        style = STYLES[run.sites.index(s) % len(STYLES)]
+        for a, x in ((a1, 0), (a2, 1)):
+            a.plot([p[x] for p in pts], [p[2] for p in pts], style, marker="o", ms=3,
+                   color=colour, label=f"{s}: en->{lang}")
+    a1.set_xlabel("round (after its pull: the merged model)")
+    a1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a2.set_xlabel(f"wall time, s since {run.t0_what}")
+    a1.set_ylabel("chrF (character 1-6-grams, beta 3) x 100")
+    a1.set_title("chrF of held-out translations per site and language, by round")
+    a2.set_title("... and by wall time")
+    for a in (a1, a2):
+        a.grid(True, alpha=0.3)
+    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save(fig, path)
+    return {f"{s}/{lang}": [{"round": p[0], "t": p[1], "chrf": p[2]} for p in pts]
+            for (s, lang), pts in series.items()}, None
+
+
 def plot_wan_bytes(run, series, path):
     links = [(s, p) for s in run.sites for p in peers_of(series.get(s, []))]
     data = {}
@@ -595,6 +658,11 @@ READ = {
                   "Bottom: the codec pipelines each shard used for the last round it closed, "
                   "one colour per pipeline mix; a change of colour is the adaptive codec "
                   "changing its choice."),
+    "chrf": ("Translation quality (chrF)", "Each line is one site's model after the pull of a "
+             "round translating the first held-out pairs of one language (isthmus-worker train "
+             "--translate-set, greedy), scored with NLTK's chrF against the references: one "
+             "colour per language, one line style per site. A language only one site trains on "
+             "rising at the other site too is what the exchange of rounds carries across."),
     "training": ("Training", "Mean training loss of each round on the site's own batches "
                  "(left) and the site's training throughput (right: tokens of the round per "
                  "second of compute, WAN waits excluded)."),
@@ -696,7 +764,7 @@ def main():
         return 1
     out = a.out or os.path.join(a.run, "report")
     os.makedirs(out, exist_ok=True)
-    for old in ("validation", "wan-bytes", "lag", "bandwidth", "training"):
+    for old in ("validation", "wan-bytes", "lag", "bandwidth", "training", "chrf"):
         if os.path.exists(os.path.join(out, old + ".png")):  # not to be taken for this run's
             os.remove(os.path.join(out, old + ".png"))
     series = {s: site_series(run, s) for s in run.sites if run.top.get(s)}
@@ -705,7 +773,10 @@ def main():
                       ("wan-bytes", lambda p: plot_wan_bytes(run, series, p)),
                       ("lag", lambda p: plot_lag(run, series, p)),
                       ("bandwidth", lambda p: plot_bandwidth(run, series, p)),
-                      ("training", lambda p: plot_training(run, p))):
+                      ("training", lambda p: plot_training(run, p)),
+                      ("chrf", lambda p: plot_chrf(run, p))):
+        if key == "chrf" and not translation_files(run):
+            continue  # not a translation run
         d, reason = draw(os.path.join(out, key + ".png"))
         data[key] = d
         plots[key] = None if reason else key + ".png"

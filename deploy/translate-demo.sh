@@ -17,6 +17,10 @@
 #                      base file the shape comes from it
 #   --rounds N         rounds (default 8); --steps-per-round H (default 20)
 #   --lines N          held-out lines translated per language, before and after (default 200)
+#   --eval-every-rounds N   the workers also translate the first --round-lines (default 50)
+#                      held-out pairs of every language after every Nth round (default 2; 0:
+#                      off), and the run report (OUT/run/report/index.html, deploy/report.py)
+#                      plots chrF by round
 #   --val-fraction F   share of messages held out (default 0.05); the validation shard
 #                      needs at least a batch per rank
 #   --train "FLAGS"    extra isthmus-worker train flags (default "--lr 1e-3 --batch-size 8")
@@ -37,7 +41,7 @@ cd "$(dirname "$0")/.."
 build="${ISTHMUS_BUILD_DIR:-build}"
 worker="$build/worker/isthmus-worker"
 data="$build/worker/data/isthmus-data"
-base="" site_a=de,fr site_b=es,it seq_len=128 model="" rounds=8 steps=20 lines=200
+base="" site_a=de,fr site_b=es,it seq_len=128 model="" rounds=8 steps=20 lines=200 eval_every=2 round_lines=50
 teacher="" teacher_trainable="" teacher_k=32 distill="--distill-alpha 0.5 --distill-temperature 2"
 train="--lr 1e-3 --batch-size 8" out=demo-out/translate locale=/usr/share/locale val_fraction=0.05
 while [ $# -gt 0 ]; do
@@ -50,6 +54,8 @@ while [ $# -gt 0 ]; do
     --rounds) rounds="$2"; shift 2 ;;
     --steps-per-round) steps="$2"; shift 2 ;;
     --lines) lines="$2"; shift 2 ;;
+    --eval-every-rounds) eval_every="$2"; shift 2 ;;
+    --round-lines) round_lines="$2"; shift 2 ;;
     --val-fraction) val_fraction="$2"; shift 2 ;;
     --train) train="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
@@ -58,7 +64,7 @@ while [ $# -gt 0 ]; do
     --teacher-trainable) teacher_trainable="$2"; shift 2 ;;
     --teacher-k) teacher_k="$2"; shift 2 ;;
     --distill) distill="$2"; shift 2 ;;
-    -h|--help) sed -n 2,34p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,38p "$0"; exit 0 ;;
     *) echo "translate-demo.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -112,6 +118,12 @@ for l in "${langs[@]}"; do
 done
 echo "}" >> "$out/chrf-before.json"
 
+# chrF by round in the run report.
+report_flags=()
+if [ "$eval_every" -gt 0 ]; then
+  report_flags=(--eval-every-rounds "$eval_every" --round-translate-lines "$round_lines")
+fi
+
 # With a teacher: its top-k logits beside each site's training shard (they stay there: only
 # the students' round deltas cross the WAN), and first the CE-only run to compare with.
 run_flags=()
@@ -124,7 +136,8 @@ if [ -n "$teacher" ]; then
   set +e
   deploy/two-site.sh --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
     --model "$model" --rounds "$rounds" --steps-per-round "$steps" --train "$train" \
-    --out "$out/run-ce" --translate-lines "$lines" "${translate_sets[@]}"
+    --out "$out/run-ce" --translate-lines "$lines" "${translate_sets[@]}" "${report_flags[@]}" \
+    --report "$out/run-ce/report"
   ce_rc=$?
   set -e
   run_flags=(--distill "$distill")
@@ -132,7 +145,8 @@ fi
 set +e
 deploy/two-site.sh --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
   --model "$model" --rounds "$rounds" --steps-per-round "$steps" --train "$train" \
-  --out "$out/run" --translate-lines "$lines" "${translate_sets[@]}" "${run_flags[@]}"
+  --out "$out/run" --translate-lines "$lines" "${translate_sets[@]}" "${run_flags[@]}" \
+  "${report_flags[@]}" --report "$out/run/report"
 rc=$?
 set -e
 [ "$rc" -ne 0 ] || rc=$ce_rc

@@ -42,6 +42,10 @@
 #                          (isthmus-worker generate --translate) and score them with chrF
 #                          (deploy/chrf.py); repeatable, reported as "chrf" per site
 #   --translate-lines N    lines per --translate-set (default 200)
+#   --round-translate-lines N   with --eval-every-rounds: the workers also translate the
+#                          first N lines of each --translate-set after every evaluated round
+#                          (isthmus-worker train --translate-set), which the report plots as
+#                          chrF by round (default 50)
 #   --distill "FLAGS"      word-level distillation: each site's workers train with
 #                          --teacher-topk DATA/train.topk (the cache isthmus-worker teach
 #                          wrote beside that site's task shard) and these flags (e.g.
@@ -74,7 +78,7 @@ out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 distill="" distill_on=false codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
-eval_every=0 report="" top_interval=1 reference="" translate_sets=() translate_lines=200
+eval_every=0 report="" top_interval=1 reference="" translate_sets=() translate_lines=200 round_translate_lines=50
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -99,6 +103,7 @@ while [ $# -gt 0 ]; do
     --eval-set) eval_sets+=("$2"); shift 2 ;;
     --translate-set) translate_sets+=("$2"); shift 2 ;;
     --translate-lines) translate_lines="$2"; shift 2 ;;
+    --round-translate-lines) round_translate_lines="$2"; shift 2 ;;
     --distill) distill="$2"; distill_on=true; shift 2 ;;
     --eval-batches) eval_batches="$2"; shift 2 ;;
     --eval-every-rounds) eval_every="$2"; shift 2 ;;
@@ -109,7 +114,7 @@ while [ $# -gt 0 ]; do
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
     --data-c) data_c="$2"; shift 2 ;;
-    -h|--help) sed -n 2,58p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,62p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -140,6 +145,9 @@ train_flags=($train_extra)
 if [ "$eval_every" -gt 0 ]; then
   train_flags+=(--eval-every-rounds "$eval_every")
   for e in "${eval_sets[@]}"; do train_flags+=(--eval-set "$e"); done
+  # And chrF by round: rank 0 translates the first lines of each --translate-set.
+  for e in "${translate_sets[@]}"; do train_flags+=(--translate-set "$e"); done
+  [ ${#translate_sets[@]} -eq 0 ] || train_flags+=(--translate-lines "$round_translate_lines")
 fi
 
 rm -rf "$out"

@@ -26,6 +26,7 @@
 #include "worker/data/teacher_cache.h"
 #include "worker/data/token_dataset.h"
 #include "worker/data/tokenizer.h"
+#include "worker/generation.h"
 #include "worker/round_loop.h"
 
 namespace {
@@ -405,27 +406,18 @@ int RunGenerate(GenerateArgs& a) {
   }
   // Translations are greedy unless a temperature is asked for.
   if (!a.translate.empty() && !a.temperature_given) a.temperature = 0;
-  std::vector<nlohmann::json> inputs;
+  std::vector<TranslationPair> inputs;
   if (!a.input.empty()) {
-    std::ifstream in(a.input);
-    if (!in) return Fail("generate", Status::NotFound(a.input + ": cannot open"));
-    int line_no = 0;
-    for (std::string line; std::getline(in, line);) {
-      ++line_no;
-      if (line.empty()) continue;
-      auto row = nlohmann::json::parse(line, nullptr, false);
-      if (!row.is_object() || !row.contains("source") || !row["source"].is_string()) {
-        return usage(a.input + " line " + std::to_string(line_no) +
-                     ": not a JSON object with a \"source\" string (as isthmus-data "
-                     "parallel's heldout-<language>.jsonl)");
-      }
-      inputs.push_back(std::move(row));
+    auto pairs = ReadTranslationPairs(a.input);
+    if (!pairs.ok()) {
+      if (pairs.status().code() == Code::kNotFound) return Fail("generate", pairs.status());
+      return usage(pairs.status().message());
     }
+    inputs = std::move(pairs).value();
   }
   auto loaded = LoadModel("generate", a.model, a.compute, a.shards, a.trainable, /*batch=*/1);
   if (!loaded.ok()) return Fail("generate", loaded.status());
   auto& gpt = loaded->gpt;
-  const int n_ctx = gpt->config().n_ctx;
   const int vocab = gpt->config().vocab_size;
   // The tokenizer: --tokenizer, else a Hugging Face base folder's own files, else bytes.
   std::string tok_dir = a.tokenizer;
@@ -440,8 +432,9 @@ int RunGenerate(GenerateArgs& a) {
     if (!b.ok()) return Fail("generate", UsageError(b.status().message()));
     bpe = std::move(b).value();
   }
-  const int tok_vocab = bpe ? bpe->vocab_size() : data::ByteTokenizer::kVocabSize;
-  if (!bpe && vocab != tok_vocab) {
+  const TextCodec codec(std::move(bpe));
+  const int tok_vocab = codec.vocab_size();
+  if (tok_dir.empty() && vocab != tok_vocab) {
     return usage("the model has " + std::to_string(vocab) +
                  " tokens, not 256 bytes: give --tokenizer (its tokenizer.json or BPE folder)");
   }
@@ -449,67 +442,11 @@ int RunGenerate(GenerateArgs& a) {
     return usage("the tokenizer has " + std::to_string(tok_vocab) + " tokens but the model " +
                  std::to_string(vocab));
   }
-  auto encode = [&](const std::string& text) -> Result<std::vector<int32_t>> {
-    if (bpe) return bpe->Encode(text);
-    std::vector<int32_t> ids;
-    for (uint16_t t : data::ByteTokenizer::Encode(text)) ids.push_back(t);
-    return ids;
-  };
-  auto decode = [&](std::span<const int32_t> ids) -> Result<std::string> {
-    if (bpe) return bpe->Decode(std::vector<int32_t>(ids.begin(), ids.end()));
-    std::vector<uint16_t> bytes(ids.begin(), ids.end());
-    return data::ByteTokenizer::Decode(bytes);
-  };
-  std::mt19937_64 rng(a.seed);
-  std::vector<std::pair<float, int>> ranked(tok_vocab);
-  // Appends up to a.tokens tokens to `ids`; with `stop_at_blank_line`, stops once the
-  // continuation holds "\n\n" (the end of a translation example).
-  auto extend = [&](std::vector<int32_t>& ids, bool stop_at_blank_line) -> Status {
-    const size_t start = ids.size();
-    for (int n = 0; n < a.tokens; ++n) {
-      const int T = static_cast<int>(std::min<size_t>(ids.size(), n_ctx));
-      gpt->Forward(ids.data() + ids.size() - T, nullptr, 1, T);
-      ISTHMUS_RETURN_IF_ERROR(gpt->ops().status());
-      const std::vector<float> logits = gpt->Logits();
-      const float* last = logits.data() + static_cast<size_t>(T - 1) * vocab;
-      // Only the tokenizer's ids can be written out (a model may pad its vocabulary).
-      for (int v = 0; v < tok_vocab; ++v) ranked[v] = {last[v], v};
-      int next = 0;
-      if (a.temperature == 0) {
-        next = std::max_element(ranked.begin(), ranked.end())->second;
-      } else {
-        const int k = a.top_k > 0 ? std::min(a.top_k, tok_vocab) : tok_vocab;
-        std::partial_sort(ranked.begin(), ranked.begin() + k, ranked.end(),
-                          [](const auto& x, const auto& y) { return x.first > y.first; });
-        std::vector<double> p(k);
-        for (int i = 0; i < k; ++i) {
-          p[i] = std::exp((ranked[i].first - ranked[0].first) / a.temperature);
-        }
-        next = ranked[std::discrete_distribution<int>(p.begin(), p.end())(rng)].second;
-      }
-      ids.push_back(next);
-      if (stop_at_blank_line) {
-        auto tail = decode(std::span<const int32_t>(ids).subspan(start));
-        if (tail.ok() && tail->find("\n\n") != std::string::npos) break;
-      }
-    }
-    return Status::Ok();
-  };
+  Generator generator(*gpt, codec, {a.tokens, a.temperature, a.top_k, a.seed});
 
   if (!a.translate.empty()) {
-    // The template of isthmus-data parallel: "en: <source>\n<lang>: " then the translation
-    // and a blank line.
-    auto translate = [&](const std::string& source) -> Result<std::string> {
-      ISTHMUS_ASSIGN_OR_RETURN(std::vector<int32_t> ids,
-                               encode("en: " + source + "\n" + a.translate + ": "));
-      const size_t prompt_len = ids.size();
-      ISTHMUS_RETURN_IF_ERROR(extend(ids, /*stop_at_blank_line=*/true));
-      ISTHMUS_ASSIGN_OR_RETURN(std::string text,
-                               decode(std::span<const int32_t>(ids).subspan(prompt_len)));
-      return text.substr(0, text.find("\n\n"));
-    };
     if (inputs.empty()) {
-      auto text = translate(a.prompt);
+      auto text = generator.Translate(a.prompt, a.translate);
       if (!text.ok()) return Fail("generate", text.status());
       std::printf("%s\n", text->c_str());
       return kExitOk;
@@ -520,12 +457,10 @@ int RunGenerate(GenerateArgs& a) {
       if (!file) return Fail("generate", Status::IoError(a.output + ": cannot create"));
     }
     std::ostream& out = a.output.empty() ? std::cout : file;
-    for (const auto& row : inputs) {
-      auto text = translate(row["source"].get<std::string>());
+    for (const auto& pair : inputs) {
+      auto text = generator.Translate(pair.source, a.translate);
       if (!text.ok()) return Fail("generate", text.status());
-      nlohmann::json line = {{"source", row["source"]}, {"translation", *text}};
-      if (row.contains("target")) line["reference"] = row["target"];
-      out << line.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
+      out << TranslationJsonLine(pair, *text) << "\n";
     }
     out.flush();
     if (!out) return Fail("generate", Status::IoError(a.output + ": write failed"));
@@ -533,13 +468,15 @@ int RunGenerate(GenerateArgs& a) {
     return kExitOk;
   }
 
-  auto encoded = encode(a.prompt);
+  auto encoded = codec.Encode(a.prompt);
   if (!encoded.ok()) return Fail("generate", encoded.status());
   std::vector<int32_t> ids = std::move(encoded).value();
   if (ids.empty()) return usage("give a --prompt of at least one character");
   const size_t prompt_len = ids.size();
-  if (auto st = extend(ids, /*stop_at_blank_line=*/false); !st.ok()) return Fail("generate", st);
-  auto text = decode(ids);
+  if (auto st = generator.Extend(ids, /*stop_at_blank_line=*/false); !st.ok()) {
+    return Fail("generate", st);
+  }
+  auto text = codec.Decode(ids);
   if (!text.ok()) return Fail("generate", text.status());
   std::fwrite(text->data(), 1, text->size(), stdout);
   std::fputc('\n', stdout);

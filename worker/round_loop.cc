@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "common/check.h"
+#include "common/durable.h"
 #include "common/keys.h"
 #include "common/round_driver.h"
 #include "common/safetensors.h"
@@ -28,6 +29,8 @@
 #include "worker/comm/nccl_communicator.h"
 #include "worker/data/teacher_cache.h"
 #include "worker/data/token_dataset.h"
+#include "worker/data/tokenizer.h"
+#include "worker/generation.h"
 #include "worker/live_params.h"
 #include "worker/progress.h"
 #include "worker/telemetry.h"
@@ -187,6 +190,18 @@ class RoundLoop {
     auto ds = data::TokenDataset::Open(s_.data_dir + "/train.bin", d);
     if (!ds.ok()) return ds.status();
     dataset_ = std::make_unique<data::TokenDataset>(std::move(ds).value());
+    for (const auto& e : s_.translate_sets) {  // refused now rather than at round N
+      if (d.vocab_size != data::ByteTokenizer::kVocabSize) {
+        return Status::InvalidArgument(
+            "--translate-set translates with bytes, but the model has " +
+            std::to_string(d.vocab_size) +
+            " ids: translate after the run with isthmus-worker generate --translate "
+            "--tokenizer");
+      }
+      auto pairs = ReadTranslationPairs(e.substr(e.find('=') + 1), 1);
+      if (!pairs.ok())
+        return Status(pairs.status().code(), "--translate-set: " + pairs.status().message());
+    }
     if (!s_.teacher_topk.empty()) {
       auto cache = data::TeacherCache::Open(s_.teacher_topk, *dataset_, d.vocab_size);
       if (!cache.ok()) return cache.status();
@@ -473,6 +488,35 @@ class RoundLoop {
     }
     if (leader() && !line.empty()) {
       progress_->Message("evaluation after round " + std::to_string(round_) + ": " + line);
+    }
+    if (leader()) ISTHMUS_RETURN_IF_ERROR(TranslateSets());
+    return Status::Ok();
+  }
+
+  // --translate-set (rank 0): the merged model's greedy translations of each set's first
+  // lines, written beside the events file; the other ranks wait for rank 0 at the next
+  // collective.
+  Status TranslateSets() {
+    if (s_.translate_sets.empty()) return Status::Ok();
+    const std::string dir = s_.events + ".translations";
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return Status::IoError(dir + ": cannot create: " + ec.message());
+    const TextCodec codec;  // bytes: Validate-time check of the vocabulary in Setup
+    Generator generator(*gpt_, codec, {model_.context, 0.0, 0, 1});
+    for (const auto& e : s_.translate_sets) {
+      const size_t eq = e.find('=');
+      const std::string lang = e.substr(0, eq), path = e.substr(eq + 1);
+      ISTHMUS_ASSIGN_OR_RETURN(auto pairs,
+                               ReadTranslationPairs(path, static_cast<size_t>(s_.translate_lines)));
+      const std::string file = dir + "/" + lang + "-r" + std::to_string(round_) + ".jsonl";
+      std::string text;
+      for (const auto& pair : pairs) {
+        ISTHMUS_ASSIGN_OR_RETURN(std::string t, generator.Translate(pair.source, lang));
+        text += TranslationJsonLine(pair, t) + "\n";
+      }
+      ISTHMUS_RETURN_IF_ERROR(WriteFileDurably(file, text));
+      telemetry_->OnTranslations(round_, step_, lang, file, static_cast<int64_t>(pairs.size()));
     }
     return Status::Ok();
   }

@@ -181,6 +181,19 @@ void Telemetry::OnValidation(int64_t round, int64_t step, const std::string& set
             .dump());
 }
 
+void Telemetry::OnTranslations(int64_t round, int64_t step, const std::string& language,
+                               const std::string& file, int64_t lines) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Event(json{{"time", NowUnix()},
+             {"event", "translations"},
+             {"round", round},
+             {"step", step},
+             {"language", language},
+             {"file", file},
+             {"lines", lines}}
+            .dump());
+}
+
 void Telemetry::OnEnd(int64_t round, int64_t step, uint64_t tokens_total, bool interrupted) {
   std::lock_guard<std::mutex> lock(mu_);
   Event(json{{"time", NowUnix()},

@@ -57,6 +57,9 @@ class Telemetry {
                uint64_t round_tokens, double wall_seconds);
   // `set`: "site" for the rank's own validation data, else an --eval-set name.
   void OnValidation(int64_t round, int64_t step, const std::string& set, double loss);
+  // --translate-set: `lines` translations into `language` written to `file`.
+  void OnTranslations(int64_t round, int64_t step, const std::string& language,
+                      const std::string& file, int64_t lines);
   void OnEnd(int64_t round, int64_t step, uint64_t tokens_total, bool interrupted);
 
   // The port the endpoint listens on (0: no endpoint).

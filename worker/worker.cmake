@@ -2,6 +2,7 @@
 # round loop, progress, telemetry and settings (tests link it), and the executable around it.
 add_library(isthmus_worker STATIC
   ${CMAKE_CURRENT_LIST_DIR}/round_loop.cc
+  ${CMAKE_CURRENT_LIST_DIR}/generation.cc
   ${CMAKE_CURRENT_LIST_DIR}/live_params.cc
   ${CMAKE_CURRENT_LIST_DIR}/progress.cc
   ${CMAKE_CURRENT_LIST_DIR}/telemetry.cc

@@ -338,6 +338,21 @@ Status TrainSettings::Validate() const {
   if (!eval_sets.empty() && eval_every_rounds == 0) {
     return Status::InvalidArgument("--eval-set needs --eval-every-rounds N (N >= 1)");
   }
+  for (const auto& e : translate_sets) {
+    const size_t eq = e.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == e.size()) {
+      return Status::InvalidArgument("--translate-set '" + e + "' is not LANG=FILE");
+    }
+  }
+  if (!translate_sets.empty() && (eval_every_rounds == 0 || events.empty())) {
+    return Status::InvalidArgument(
+        "--translate-set needs --eval-every-rounds N (N >= 1) and --events FILE (the "
+        "translations are written beside it)");
+  }
+  if (translate_lines < 1 || translate_lines > 100000) {
+    return Status::InvalidArgument("--translate-lines must be in [1, 100000], got " +
+                                   std::to_string(translate_lines));
+  }
   if (!metrics_listen.empty()) {
     auto hp = metrics::ParseHostPort(metrics_listen, "--metrics-listen");
     if (!hp.ok()) return hp.status();
@@ -508,6 +523,14 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   app.add_option("--eval-set", t.eval_sets,
                  "NAME=DIR: a validation set (DIR/val.bin) evaluated with --eval-every-rounds; "
                  "repeatable (e.g. one per language)");
+  app.add_option("--translate-set", t.translate_sets,
+                 "LANG=FILE (a heldout-LANG.jsonl of isthmus-data parallel): at each evaluation "
+                 "(--eval-every-rounds) rank 0 also translates the first --translate-lines "
+                 "sources greedily and writes them to EVENTS.translations/LANG-rROUND.jsonl "
+                 "(what deploy/chrf.py scores; deploy/report.py plots chrF by round); "
+                 "byte-level models; repeatable");
+  app.add_option("--translate-lines", t.translate_lines, "lines per --translate-set")
+      ->capture_default_str();
   app.add_option("--eval-every-rounds", t.eval_every_rounds,
                  "after the pull of every Nth round, evaluate the merged model on the site's "
                  "own validation data and every --eval-set (0: off)")

@@ -163,6 +163,11 @@ struct TrainSettings {
   std::string events;                  // file the JSON Lines go to (appended); empty: off
   std::vector<std::string> eval_sets;  // NAME=DIR, DIR holding val.bin (isthmus-data build)
   int64_t eval_every_rounds = 0;       // 0: off; else after the pull of every Nth round
+  // LANG=FILE (a heldout-LANG.jsonl): at each evaluation rank 0 also translates the first
+  // translate_lines sources greedily and writes them beside the events file, for chrF by
+  // round (deploy/report.py).
+  std::vector<std::string> translate_sets;
+  int translate_lines = 50;
   std::string log_level = "info";
   bool progress = true;  // the live line on a terminal (false: plain lines always)
   bool plan = false;     // print the memory the configuration needs per device, and stop

@@ -7,7 +7,8 @@
 # cache (isthmus-worker teach) and runs the CE-only students beside the distilled ones.
 # Checks the summary (chrF before, and per site and language after CE-only and distilled
 # fine-tuning, in [0, 100]), that the distilled workers read their own site's cache, and
-# the printed table.
+# the printed table; and chrF by round in the run report (the workers' --translate-set after
+# every round, deploy/report.py's chrf.png and its series for both sites and languages).
 # Usage: translate_demo_test.sh BUILD_DIR
 set -euo pipefail
 build=$(cd "$1" && pwd)
@@ -36,7 +37,8 @@ set +e
 ISTHMUS_BUILD_DIR="$build" "$root/deploy/translate-demo.sh" --base "$work/base.safetensors" \
   --locale-dir "$work/locale" --site-a de --site-b es --seq-len 48 --model "$model" \
   --rounds 2 --steps-per-round 5 --lines 6 --val-fraction 0.4 --train "--lr 1e-3 --batch-size 4" \
-  --teacher "$work/base.safetensors" --teacher-k 8 --out "$work/out" > "$work/demo.txt" 2>&1
+  --teacher "$work/base.safetensors" --teacher-k 8 --eval-every-rounds 1 --round-lines 3 \
+  --out "$work/out" > "$work/demo.txt" 2>&1
 rc=$?
 set -e
 if [ "$rc" -ne 0 ]; then
@@ -67,6 +69,15 @@ for site in A B; do
     echo "FAIL: the CE-only run at $site distilled"; exit 1
   fi
 done
+[ -s "$work/out/run/report/chrf.png" ] || { echo "FAIL: no chrF plot in the run report"; exit 1; }
+/usr/bin/python3 - "$work/out/run/report/report.json" <<'PY' || exit 1
+import json, sys
+series = json.load(open(sys.argv[1]))["series"]["chrf"]
+assert set(series) == {"A/de", "A/es", "B/de", "B/es"}, series.keys()
+for name, pts in series.items():
+    assert [p["round"] for p in pts] == [1, 2], (name, pts)
+    assert all(0.0 <= p["chrf"] <= 100.0 for p in pts), (name, pts)
+PY
 grep -q "distilled A" "$work/demo.txt" || { tail -8 "$work/demo.txt"; echo "FAIL: no distilled column"; exit 1; }
 tail -4 "$work/demo.txt"
 echo "PASS: translation fine-tuning across two sites, CE-only and distilled, scored before and after"

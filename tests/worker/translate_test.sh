@@ -104,4 +104,16 @@ if /usr/bin/python3 "$root/deploy/chrf.py" "$work/bad.jsonl" > "$work/r3.txt" 2>
   fail "chrf.py scored a file that is not JSON lines"
 fi
 grep -q "bad.jsonl" "$work/r3.txt" || { cat "$work/r3.txt"; fail "message 3"; }
+# shellcheck disable=SC2086
+if "$worker" train --standalone $model --data "$work/task" --max-steps 2 --batch-size 8 \
+  --translate-set "de=$work/task/heldout-de.jsonl" > "$work/r4.txt" 2>&1; then
+  fail "--translate-set without --events and --eval-every-rounds ran"
+fi
+grep -q "translate-set needs --eval-every-rounds N (N >= 1) and --events FILE" "$work/r4.txt" ||
+  { cat "$work/r4.txt"; fail "message 4"; }
+# shellcheck disable=SC2086
+if "$worker" train --standalone $model --data "$work/task" --max-steps 2 --batch-size 8 \
+  --eval-every-rounds 1 --events "$work/ev.jsonl" --translate-set "de=$work/missing.jsonl" \
+  > "$work/r5.txt" 2>&1; then fail "a missing --translate-set file was accepted"; fi
+grep -q "translate-set: .*missing.jsonl: cannot open" "$work/r5.txt" || { cat "$work/r5.txt"; fail "message 5"; }
 echo "PASS: translation task, generate --translate and chrF"
