@@ -29,7 +29,10 @@ Result<std::string> TextCodec::Decode(std::span<const int32_t> ids) const {
 }
 
 Generator::Generator(model::Gpt& gpt, const TextCodec& codec, const Sampling& sampling)
-    : gpt_(gpt), codec_(codec), sampling_(sampling), rng_(sampling.seed),
+    : gpt_(gpt),
+      codec_(codec),
+      sampling_(sampling),
+      rng_(sampling.seed),
       ranked_(static_cast<size_t>(codec.vocab_size())) {}
 
 Status Generator::Extend(std::vector<int32_t>& ids, bool stop_at_blank_line) {

@@ -128,6 +128,15 @@ int RunPlan(TrainSettings& t) {
   return kExitOk;
 }
 
+// SIGINT and SIGTERM set g_stop: the running command stops at its next safe point.
+void StopOnSignals() {
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
 int RunTrain(TrainSettings& t) {
   if (t.plan) return RunPlan(t);
   if (auto st = InitLogging("isthmus-worker", t.log_level); !st.ok()) return Fail("train", st);
@@ -135,11 +144,7 @@ int RunTrain(TrainSettings& t) {
     std::fprintf(stderr, "isthmus-worker train: %s\n", st.message().c_str());
     return kExitUsage;
   }
-  struct sigaction sa {};
-  sa.sa_handler = OnSignal;
-  sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
+  StopOnSignals();
   auto r = RunTraining(t, g_stop);
   if (!r.ok()) return Fail("train", r.status());
   return r->interrupted ? kExitInterrupted : kExitOk;
@@ -556,6 +561,7 @@ int RunTeach(TeachArgs& a) {
                  (a.trainable.empty() && !a.shards.servers.empty() ? ", job " + a.shards.job : "");
   info.positions = offsets.back();
   const std::string out = a.out.empty() ? a.data_dir + "/train.topk" : a.out;
+  StopOnSignals();  // a stop leaves no cache (the writer removes OUT.tmp)
   auto writer = data::TeacherCacheWriter::Create(out, info);
   if (!writer.ok()) return Fail("teach", writer.status());
   const uint64_t windows = ds->num_windows();
