@@ -297,6 +297,10 @@ TEST(PeerLink, DeliversEveryRoundExactlyOnceBothWays) {
   ASSERT_TRUE(WaitFor([&] { return eb.Held("alpha") == 12 && ea.Held("beta") == 12; }))
       << eb.Held("alpha") << " " << ea.Held("beta");
   ASSERT_TRUE(WaitFor([&] { return ea.Ack("beta") == 12 && eb.Ack("alpha") == 12; }));
+  // The engine hears of an ack as soon as any reply carries it; the link counts each delta's
+  // own reply, which may come after a later round's (under load): wait for the count too.
+  ASSERT_TRUE(WaitFor([&] { return na.StatsOf("beta").deltas_acked == 12u; }))
+      << na.StatsOf("beta").deltas_acked;
   EXPECT_EQ(eb.InboxSize("alpha"), 12u);
   for (uint64_t r = 1; r <= 12; ++r) {
     auto got = eb.Received("alpha", r);

@@ -145,7 +145,7 @@ def distill_loss(logits, targets, teacher_ids, teacher_logits, alpha=0.5, temper
     return (alpha * ce + (1.0 - alpha) * temperature * temperature * kl).mean()
 
 
-class TeacherTopK:
+class _TeacherTopK:
     """The cache `isthmus-worker teach` writes (worker/data/teacher_cache.h): a teacher's k
     largest logits at every learned position of a task shard. Opening it checks that it
     was computed on this very shard (the SHA-256 of its tokens and loss mask) and, when
@@ -202,7 +202,7 @@ def token_batches(path, batch, context, seed, teacher_topk=None, vocab_size=None
     task shard with a loss mask (isthmus-data parallel) gives whole examples, one per
     window of its example length, which `context` must equal, with target -1 wherever the
     mask says the token is not learned (the prompt and the padding). With `teacher_topk`
-    (a task shard's cache from isthmus-worker teach; TeacherTopK checks it is this shard's)
+    (a task shard's cache from isthmus-worker teach, checked to be this shard's)
     the batches are (tokens, targets, (teacher_ids, teacher_logits)) for Gpt2Lora.loss."""
     manifest = {}
     manifest_path = os.path.join(os.path.dirname(path) or ".", "manifest.json")
@@ -229,7 +229,7 @@ def token_batches(path, batch, context, seed, teacher_topk=None, vocab_size=None
         if mask is None:
             raise ValueError(f"{path}: distillation needs a task shard with a loss mask "
                              "(isthmus-data parallel)")
-        teacher = TeacherTopK(teacher_topk, path, tokens, mask, context, vocab_size)
+        teacher = _TeacherTopK(teacher_topk, path, tokens, mask, context, vocab_size)
     rng = np.random.default_rng(seed)
     while True:
         if mask is None:
