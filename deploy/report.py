@@ -267,6 +267,31 @@ def save(fig, path):
     plt.close(fig)
 
 
+def plot_by_round_and_time(run, path, lines, levels, xlabel, ylabel, title):
+    """Two panels sharing the y axis: each line's points (round, t, y) by round on the left
+    and by wall time on the right; lines are (points, style, colour, label) and levels
+    (y, colour, label) dotted horizontal references on both (labelled once)."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    for pts, style, colour, label in lines:
+        for a, x in ((a1, 0), (a2, 1)):
+            a.plot([p[x] for p in pts], [p[2] for p in pts], style, marker="o", ms=3,
+                   color=colour, label=label)
+    for y, colour, label in levels:
+        for a in (a1, a2):
+            a.axhline(y, color=colour, linestyle=":", linewidth=1.6, alpha=0.9,
+                      label=label if a is a2 else None)
+    a1.set_xlabel(xlabel)
+    a1.xaxis.set_major_locator(MaxNLocator(integer=True))
+    a2.set_xlabel(f"wall time, s since {run.t0_what}")
+    a1.set_ylabel(ylabel)
+    a1.set_title(title)
+    a2.set_title("... and by wall time")
+    for a in (a1, a2):
+        a.grid(True, alpha=0.3)
+    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    save(fig, path)
+
+
 def plot_validation(run, path):
     # (site, set) -> [(round, t, loss)]. A round may have several: the site's own set is
     # also validated every --val-every steps (labelled with the round in progress, on the
@@ -294,31 +319,19 @@ def plot_validation(run, path):
     # One colour per data set: "site" is a different set at each site (its own data).
     colour_of = sorted({f"site {s}" if n == "site" else n for s, n in series},
                        key=lambda n: (not n.startswith("site "), n))
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    lines = []
     for (s, name), pts in sorted(series.items(), key=lambda kv: (kv[0][0], kv[0][1] != "site", kv[0][1])):
         colour = f"C{colour_of.index(f'site {s}' if name == 'site' else name) % 10}"
         style = STYLES[run.sites.index(s) % len(STYLES)]
-        label = f"{s}: {'own validation data' if name == 'site' else name}"
-        a1.plot([p[0] for p in pts], [p[2] for p in pts], style, marker="o", ms=3, color=colour, label=label)
-        a2.plot([p[1] for p in pts], [p[2] for p in pts], style, marker="o", ms=3, color=colour, label=label)
-    for name, loss in sorted(central.items()):
-        if name not in colour_of:
-            continue
-        colour = f"C{colour_of.index(name) % 10}"
-        for a in (a1, a2):
-            a.axhline(loss, color=colour, linestyle=":", linewidth=1.6, alpha=0.9,
-                      label=f"centralised: {name}" if a is a2 else None)
-    a1.set_xlabel("round (after its pull: the merged model; 0: before round 1)" if before
-                  else "round (after its pull: the merged model)")
-    a1.xaxis.set_major_locator(MaxNLocator(integer=True))
-    a2.set_xlabel(f"wall time, s since {run.t0_what}")
-    a1.set_ylabel("validation loss (nats per token)")
-    a1.set_title("Validation loss per site and set, by round")
-    a2.set_title("... and by wall time")
-    for a in (a1, a2):
-        a.grid(True, alpha=0.3)
-    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    save(fig, path)
+        lines.append((pts, style, colour,
+                      f"{s}: {'own validation data' if name == 'site' else name}"))
+    levels = [(loss, f"C{colour_of.index(name) % 10}", f"centralised: {name}")
+              for name, loss in sorted(central.items()) if name in colour_of]
+    plot_by_round_and_time(
+        run, path, lines, levels,
+        "round (after its pull: the merged model; 0: before round 1)" if before
+        else "round (after its pull: the merged model)",
+        "validation loss (nats per token)", "Validation loss per site and set, by round")
     return {f"{s}/{n}": [{"round": p[0], "t": p[1], "loss": p[2]} for p in pts]
             for (s, n), pts in series.items()}, None
 
@@ -361,24 +374,14 @@ def plot_chrf(run, path):
     if not series:
         return None, "no readable translations with references"
     langs = sorted({lang for _, lang in series})
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    lines = []
     for (s, lang), pts in sorted(series.items()):
         pts.sort()
-        colour = f"C{langs.index(lang) % 10}"
-        style = STYLES[run.sites.index(s) % len(STYLES)]
-        for a, x in ((a1, 0), (a2, 1)):
-            a.plot([p[x] for p in pts], [p[2] for p in pts], style, marker="o", ms=3,
-                   color=colour, label=f"{s}: en->{lang}")
-    a1.set_xlabel("round (after its pull: the merged model)")
-    a1.xaxis.set_major_locator(MaxNLocator(integer=True))
-    a2.set_xlabel(f"wall time, s since {run.t0_what}")
-    a1.set_ylabel("chrF (character 1-6-grams, beta 3) x 100")
-    a1.set_title("chrF of held-out translations per site and language, by round")
-    a2.set_title("... and by wall time")
-    for a in (a1, a2):
-        a.grid(True, alpha=0.3)
-    a2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    save(fig, path)
+        lines.append((pts, STYLES[run.sites.index(s) % len(STYLES)],
+                      f"C{langs.index(lang) % 10}", f"{s}: en->{lang}"))
+    plot_by_round_and_time(run, path, lines, [], "round (after its pull: the merged model)",
+                           "chrF (character 1-6-grams, beta 3) x 100",
+                           "chrF of held-out translations per site and language, by round")
     return {f"{s}/{lang}": [{"round": p[0], "t": p[1], "chrf": p[2]} for p in pts]
             for (s, lang), pts in series.items()}, None
 

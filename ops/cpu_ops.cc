@@ -101,6 +101,24 @@ void BiasResidual(const float* bias, const float* residual, float* out, int N, i
   }
 }
 
+// The logits a loss reads as fp32; a copy of them when the gradient overwrites them in
+// place (fp32 aliasing), so every row reads the logits and never a finished gradient.
+class LossLogits {
+ public:
+  LossLogits(CRef logits, Ref dlogits, int64_t n) : in_(logits, n), ptr_(in_.get()) {
+    if (dlogits && dlogits.data == logits.data && dlogits.dtype == Dtype::kF32) {
+      keep_.assign(ptr_, ptr_ + n);
+      ptr_ = keep_.data();
+    }
+  }
+  const float* get() const { return ptr_; }
+
+ private:
+  cpu::In in_;
+  std::vector<float> keep_;
+  const float* ptr_;
+};
+
 class CpuOpsImpl : public Ops {
  public:
   const char* Name() const override { return "cpu"; }
@@ -406,14 +424,8 @@ class CpuOpsImpl : public Ops {
   void SoftmaxCrossEntropy(CRef logits_ref, const int32_t* targets, float* losses, Ref dlogits_ref,
                            const float* dloss, int N, int V) override {
     const int64_t n = static_cast<int64_t>(N) * V;
-    cpu::In logits_in(logits_ref, n);
-    // A copy of the logits when the gradient overwrites them in place (fp32 aliasing).
-    std::vector<float> keep;
-    const float* logits = logits_in.get();
-    if (dlogits_ref.data == logits_ref.data && dlogits_ref && dlogits_ref.dtype == Dtype::kF32) {
-      keep.assign(logits, logits + n);
-      logits = keep.data();
-    }
+    LossLogits in(logits_ref, dlogits_ref, n);
+    const float* logits = in.get();
     cpu::Out dlogits(dlogits_ref, n, false);
     float* dl = dlogits.get();
     const float scale = dl != nullptr ? *dloss : 0.0f;
@@ -444,13 +456,8 @@ class CpuOpsImpl : public Ops {
                            const float* teacher_logits, const DistillLoss& loss, float* losses,
                            Ref dlogits_ref, const float* dloss, int N, int V) override {
     const int64_t n = static_cast<int64_t>(N) * V;
-    cpu::In logits_in(logits_ref, n);
-    std::vector<float> keep;  // as in SoftmaxCrossEntropy: in-place fp32 gradients
-    const float* logits = logits_in.get();
-    if (dlogits_ref.data == logits_ref.data && dlogits_ref && dlogits_ref.dtype == Dtype::kF32) {
-      keep.assign(logits, logits + n);
-      logits = keep.data();
-    }
+    LossLogits in(logits_ref, dlogits_ref, n);
+    const float* logits = in.get();
     cpu::Out dlogits(dlogits_ref, n, false);
     float* dl = dlogits.get();
     const float scale = dl != nullptr ? *dloss : 0.0f;

@@ -116,8 +116,10 @@ int RunPlan(TrainSettings& t) {
   if (!st.ok()) return Fail("train --plan", UsageError(st.message()));
   auto compute = OpenCompute(t.compute, t.rank);
   if (!compute.ok()) return Fail("train --plan", compute.status());
-  auto plan =
-      PlanTraining(t.model, {compute->ops.get(), compute->precision}, t.batch_size, !t.standalone);
+  auto distill_k = TeacherTopK(t.teacher_topk);
+  if (!distill_k.ok()) return Fail("train --plan", distill_k.status());
+  auto plan = PlanTraining(t.model, {compute->ops.get(), compute->precision}, t.batch_size,
+                           !t.standalone, *distill_k);
   if (!plan.ok()) return Fail("train --plan", plan.status());
   std::printf("%s", plan->table.c_str());
   if (!plan->fits.ok()) {

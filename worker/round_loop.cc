@@ -160,8 +160,9 @@ class RoundLoop {
     ISTHMUS_RETURN_IF_ERROR(AgreeOnModel());
     model::Compute c{compute_.ops.get(), compute_.precision};
     // A configuration that cannot fit the GPU is refused before anything is allocated.
+    ISTHMUS_ASSIGN_OR_RETURN(const int distill_k, TeacherTopK(s_.teacher_topk));
     ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan,
-                             PlanTraining(model_, c, s_.batch_size, !s_.standalone));
+                             PlanTraining(model_, c, s_.batch_size, !s_.standalone, distill_k));
     if (!plan.fits.ok()) return DeviceError(plan.fits);
     auto gpt = BuildModel(model_, c);
     if (!gpt.ok()) {
@@ -1456,13 +1457,19 @@ Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
   return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config, compute);
 }
 
+Result<int> TeacherTopK(const std::string& teacher_topk) {
+  if (teacher_topk.empty()) return 0;
+  ISTHMUS_ASSIGN_OR_RETURN(auto info, data::TeacherCache::ReadInfo(teacher_topk));
+  return info.k;
+}
+
 Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B,
-                                  bool synced) {
+                                  bool synced, int distill_k) {
   ISTHMUS_RETURN_IF_ERROR(m.Validate());
   ISTHMUS_ASSIGN_OR_RETURN(auto mode, model::ParseTrainMode(m.mode));
   TrainingPlan out;
-  ISTHMUS_ASSIGN_OR_RETURN(
-      out.plan, model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B, m.context, synced));
+  ISTHMUS_ASSIGN_OR_RETURN(out.plan, model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B,
+                                                            m.context, synced, distill_k));
   const model::MemoryPlan& p = out.plan;
   auto gib = [](int64_t bytes) {
     char buf[32];

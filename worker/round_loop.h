@@ -93,9 +93,11 @@ struct TrainingPlan {
   Status fits;
 };
 // `synced`: the run pushes rounds (not --standalone), which holds two more copies of the
-// trainable tensors.
+// trainable tensors. `distill_k`: the teacher cache's k (--teacher-topk), 0 without one.
 Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B,
-                                  bool synced);
+                                  bool synced, int distill_k = 0);
+// The k of the teacher cache at `teacher_topk` (its header), 0 for none ("").
+Result<int> TeacherTopK(const std::string& teacher_topk);
 
 // The site client for --server/--server-key/--key (CURVE unless insecure); `interrupted`
 // ends its waits early (SiteOptions::interrupted).

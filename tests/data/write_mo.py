@@ -1,12 +1,23 @@
 #!/usr/bin/python3
 """Writes a gettext .mo catalogue (little-endian, no hash table) for tests: the pairs come
 as a JSON object {english: translation} on standard input; the UTF-8 header is added.
-Usage: write_mo.py OUT.mo < pairs.json"""
+With --german N the pairs are instead N numbered messages ("Open file 3" -> "Datei 3
+öffnen"): the German catalogue the worker's translation tests share.
+Usage: write_mo.py OUT.mo < pairs.json
+       write_mo.py OUT.mo --german N"""
 import json
 import struct
 import sys
 
-pairs = json.load(sys.stdin)
+if len(sys.argv) == 4 and sys.argv[2] == "--german":
+    words = ["file", "folder", "disk", "user", "group", "key", "page", "line"]
+    german = ["Datei", "Ordner", "Platte", "Benutzer", "Gruppe", "Schlüssel", "Seite", "Zeile"]
+    pairs = {f"Open {words[i % 8]} {i}": f"{german[i % 8]} {i} öffnen"
+             for i in range(int(sys.argv[3]))}
+elif len(sys.argv) == 2:
+    pairs = json.load(sys.stdin)
+else:
+    sys.exit(__doc__)
 pairs[""] = "Content-Type: text/plain; charset=UTF-8\n"
 keys = sorted(pairs)
 n = len(keys)

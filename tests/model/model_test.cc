@@ -857,6 +857,33 @@ TEST(GptMemoryPlan, EqualsWhatTrainingAllocates) {
             Code::kInvalidArgument);
 }
 
+// With a teacher the plan also counts the teacher's rows (k ids and k logits per row, on
+// the device and in the host staging): equal again to what a distilling step holds.
+TEST(GptMemoryPlan, CountsTheTeachersRowsWhenDistilling) {
+  GptConfig c = TinyConfig();
+  c.n_ctx = 16;
+  const int B = 2, T = 16, k = 5, V = c.vocab_size;
+  const Compute compute{&ops::CpuOps(), ops::Dtype::kF32};
+  auto plain = Gpt::PlanMemory(c, TrainMode::kFull, {}, compute, B, T);
+  auto plan = Gpt::PlanMemory(c, TrainMode::kFull, {}, compute, B, T, false, k);
+  ASSERT_TRUE(plain.ok() && plan.ok());
+  // Each of the two copies holds N x k ids and N x k logits (4 bytes each), rounded.
+  EXPECT_GE(plan->activations - plain->activations, 2 * int64_t{B} * T * k * 8);
+  auto gpt = MustCreate(c, TrainMode::kFull, {}, 3, compute);
+  ASSERT_TRUE(gpt->SetDistillation({k, 0.5f, 2.0f}).ok());
+  auto trainer = MustTrainer(*gpt, TrainerConfig{});
+  std::vector<int32_t> tokens(B * T), targets(B * T), ids(B * T * k);
+  std::vector<float> logits(B * T * k);
+  for (int i = 0; i < B * T; ++i) {
+    tokens[i] = i % V, targets[i] = (i * 7) % V;
+    for (int e = 0; e < k; ++e) ids[i * k + e] = (i + e) % V, logits[i * k + e] = 1.0f - e;
+  }
+  const TeacherTopK teacher{ids.data(), logits.data()};
+  auto r = trainer->Step(tokens.data(), targets.data(), B, T, 0.0f, 1, &teacher);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(static_cast<int64_t>(ops::CpuOps().Memory().allocated), plan->backend_bytes());
+}
+
 // Gradient accumulation: M micro-batches of B rows give the step of one batch of M x B rows
 // (same loss, same parameters after several steps, to rounding), in both modes, with
 // targets that leave some positions out, and the stats report the mean over all of them.

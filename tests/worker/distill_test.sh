@@ -20,12 +20,7 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 fail() { echo "FAIL: $*"; exit 1; }
 
 mkdir -p "$work/locale/de/LC_MESSAGES"
-/usr/bin/python3 -c '
-import json
-words = ["file", "folder", "disk", "user", "group", "key", "page", "line"]
-german = ["Datei", "Ordner", "Platte", "Benutzer", "Gruppe", "Schlüssel", "Seite", "Zeile"]
-print(json.dumps({f"Open {words[i % 8]} {i}": f"{german[i % 8]} {i} öffnen" for i in range(120)}))
-' | /usr/bin/python3 "$root/tests/data/write_mo.py" "$work/locale/de/LC_MESSAGES/test.mo"
+/usr/bin/python3 "$root/tests/data/write_mo.py" "$work/locale/de/LC_MESSAGES/test.mo" --german 120
 for seed in 0 1; do
   "$data" parallel --locale-dir "$work/locale" --lang de --out "$work/task$seed" --seq-len 64 \
     --val-fraction 0.1 --seed $seed > "$work/parallel$seed.txt" ||
@@ -80,6 +75,22 @@ assert v["one"] == v["ce"], v          # alpha 1 is the cross-entropy
 assert v["half"] != v["ce"], v         # the teacher changed what was learned
 assert all(x is not None and x < 5.6 for x in v.values()), v  # log 256 = 5.55 at the start
 PY
+
+# The memory plan counts the teacher's rows: 2 x N x k x 8 bytes more (device and host
+# copies of k ids and k logits per row), 1 MiB at N = 64 x 64 rows and k 16.
+# shellcheck disable=SC2086
+plan_mib() {  # EXTRA-FLAGS...: the plan's "activations and batch" MiB
+  "$worker" train --plan --standalone $model --batch-size 64 "$@" |
+    awk '/activations and batch/ { print $4 }'
+}
+without=$(plan_mib) with=$(plan_mib --teacher-topk "$task/train.topk")
+[ "$(awk -v a="$with" -v b="$without" 'BEGIN { print (a - b >= 0.9 && a - b <= 1.1) }')" = 1 ] ||
+  fail "the plan does not count the teacher's rows ($without MiB without, $with with)"
+# shellcheck disable=SC2086
+if "$worker" train --plan --standalone $model --teacher-topk "$work/none.topk" > "$work/plan.txt" 2>&1; then
+  fail "--plan with a missing cache"
+fi
+grep -q "none.topk: cannot open" "$work/plan.txt" || { cat "$work/plan.txt"; fail "message: plan"; }
 
 # Refusals.
 if shard="$work/task1" student other --teacher-topk "$task/train.topk"; then

@@ -21,14 +21,9 @@ trap 'rm -rf "$work"' EXIT
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 fail() { echo "FAIL: $*"; exit 1; }
 
-# 120 numbered messages (tests/data/write_mo.py writes the .mo).
+# 120 numbered German messages (tests/data/write_mo.py --german writes the .mo).
 mkdir -p "$work/locale/de/LC_MESSAGES"
-/usr/bin/python3 -c '
-import json
-words = ["file", "folder", "disk", "user", "group", "key", "page", "line"]
-german = ["Datei", "Ordner", "Platte", "Benutzer", "Gruppe", "Schlüssel", "Seite", "Zeile"]
-print(json.dumps({f"Open {words[i % 8]} {i}": f"{german[i % 8]} {i} öffnen" for i in range(120)}))
-' | /usr/bin/python3 "$root/tests/data/write_mo.py" "$work/locale/de/LC_MESSAGES/test.mo"
+/usr/bin/python3 "$root/tests/data/write_mo.py" "$work/locale/de/LC_MESSAGES/test.mo" --german 120
 "$data" parallel --locale-dir "$work/locale" --lang de --out "$work/task" --seq-len 64 \
   --val-fraction 0.1 > "$work/parallel.txt" || { cat "$work/parallel.txt"; fail "parallel"; }
 heldout=$(wc -l < "$work/task/heldout-de.jsonl")

@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <utility>
 
@@ -21,6 +22,43 @@ constexpr char kMagic[8] = {'I', 'S', 'T', 'H', 'T', 'O', 'P', 'K'};
 constexpr int kFormat = 1;
 
 uint64_t RecordBytes(int k) { return static_cast<uint64_t>(k) * 8; }
+
+// The header of a cache whose first `size` bytes are `bytes`; *records_start is where the
+// records begin. Corruption for a file that is not a cache or whose header is cut short.
+Result<TeacherCacheInfo> ParseHeader(const std::string& path, const char* bytes, size_t size,
+                                     size_t* records_start) {
+  if (size < sizeof kMagic + 4) return Status::Corruption(path + ": too short for a teacher cache");
+  if (std::memcmp(bytes, kMagic, sizeof kMagic) != 0) {
+    return Status::Corruption(path + ": not a teacher cache (isthmus-worker teach writes them)");
+  }
+  uint32_t len = 0;
+  std::memcpy(&len, bytes + sizeof kMagic, 4);
+  const size_t start = sizeof kMagic + 4 + static_cast<size_t>(len);
+  if (start > size) return Status::Corruption(path + ": header cut short");
+  const auto h = nlohmann::json::parse(bytes + sizeof kMagic + 4, bytes + start, nullptr, false);
+  if (!h.is_object() || h.value("format", 0) != kFormat) {
+    return Status::Corruption(path + ": unreadable header (format " + std::to_string(kFormat) +
+                              " expected)");
+  }
+  TeacherCacheInfo i;
+  try {
+    i.k = h.at("k").get<int>();
+    i.vocab_size = h.at("vocab_size").get<int>();
+    i.example_tokens = h.at("example_tokens").get<int64_t>();
+    i.shard_digest = h.at("shard_digest").get<std::string>();
+    i.tokenizer = h.at("tokenizer").get<std::string>();
+    i.teacher = h.at("teacher").get<std::string>();
+    i.positions = h.at("positions").get<uint64_t>();
+  } catch (const nlohmann::json::exception& e) {
+    return Status::Corruption(path + ": header: " + e.what());
+  }
+  if (i.k <= 0 || i.k > i.vocab_size) {
+    return Status::Corruption(path + ": k " + std::to_string(i.k) + " is outside [1, " +
+                              std::to_string(i.vocab_size) + "]");
+  }
+  *records_start = start;
+  return i;
+}
 
 }  // namespace
 
@@ -126,6 +164,29 @@ TeacherCache::~TeacherCache() {
   if (map_ != nullptr) ::munmap(map_, map_bytes_);
 }
 
+Result<TeacherCacheInfo> TeacherCache::ReadInfo(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return Status::NotFound(path + ": cannot open (" + std::strerror(errno) +
+                            "); write it with isthmus-worker teach");
+  }
+  // The magic and the length, then the header (at most 1 MiB of it: a longer one is
+  // reported as cut short).
+  constexpr size_t kPrefix = sizeof kMagic + 4;
+  std::string head(kPrefix, '\0');
+  in.read(head.data(), static_cast<std::streamsize>(kPrefix));
+  head.resize(static_cast<size_t>(in.gcount()));
+  if (head.size() == kPrefix) {
+    uint32_t len = 0;
+    std::memcpy(&len, head.data() + sizeof kMagic, 4);
+    head.resize(kPrefix + std::min<uint32_t>(len, 1u << 20));
+    in.read(head.data() + kPrefix, static_cast<std::streamsize>(head.size() - kPrefix));
+    head.resize(kPrefix + static_cast<size_t>(in.gcount()));
+  }
+  size_t start = 0;
+  return ParseHeader(path, head.data(), head.size(), &start);
+}
+
 Result<TeacherCache> TeacherCache::Open(const std::string& path, const TokenDataset& dataset,
                                         int vocab_size) {
   if (!dataset.has_mask()) {
@@ -160,34 +221,9 @@ Result<TeacherCache> TeacherCache::Open(const std::string& path, const TokenData
     return Status::IoError(path + ": mmap failed: " + std::strerror(errno));
   }
   const char* bytes = static_cast<const char*>(c.map_);
-  if (std::memcmp(bytes, kMagic, sizeof kMagic) != 0) {
-    return Status::Corruption(path + ": not a teacher cache (isthmus-worker teach writes them)");
-  }
-  uint32_t len = 0;
-  std::memcpy(&len, bytes + sizeof kMagic, 4);
-  const size_t start = sizeof kMagic + 4 + static_cast<size_t>(len);
-  if (start > c.map_bytes_) return Status::Corruption(path + ": header cut short");
-  const auto h = nlohmann::json::parse(bytes + sizeof kMagic + 4, bytes + start, nullptr, false);
-  if (!h.is_object() || h.value("format", 0) != kFormat) {
-    return Status::Corruption(path + ": unreadable header (format " + std::to_string(kFormat) +
-                              " expected)");
-  }
-  TeacherCacheInfo& i = c.info_;
-  try {
-    i.k = h.at("k").get<int>();
-    i.vocab_size = h.at("vocab_size").get<int>();
-    i.example_tokens = h.at("example_tokens").get<int64_t>();
-    i.shard_digest = h.at("shard_digest").get<std::string>();
-    i.tokenizer = h.at("tokenizer").get<std::string>();
-    i.teacher = h.at("teacher").get<std::string>();
-    i.positions = h.at("positions").get<uint64_t>();
-  } catch (const nlohmann::json::exception& e) {
-    return Status::Corruption(path + ": header: " + e.what());
-  }
-  if (i.k <= 0 || i.k > i.vocab_size) {
-    return Status::Corruption(path + ": k " + std::to_string(i.k) + " is outside [1, " +
-                              std::to_string(i.vocab_size) + "]");
-  }
+  size_t start = 0;
+  ISTHMUS_ASSIGN_OR_RETURN(c.info_, ParseHeader(path, bytes, c.map_bytes_, &start));
+  const TeacherCacheInfo& i = c.info_;
   if (c.map_bytes_ - start != i.positions * RecordBytes(i.k)) {
     return Status::Corruption(path + ": " + std::to_string(c.map_bytes_ - start) +
                               " bytes of records where " + std::to_string(i.positions) +

@@ -72,6 +72,10 @@ class TeacherCache {
   TeacherCache& operator=(TeacherCache&&) noexcept;
   ~TeacherCache();
 
+  // The header alone (what `train --plan` needs: k), without the shard; refused as Open
+  // refuses a file that is not a cache.
+  static Result<TeacherCacheInfo> ReadInfo(const std::string& path);
+
   const TeacherCacheInfo& info() const { return info_; }
 
   // The teacher rows of `batch` (a batch of the shard it was opened for): [rows, k] ids and

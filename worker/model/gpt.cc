@@ -767,7 +767,8 @@ int64_t MemoryPlan::backend_bytes() const {
 }
 
 Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, const LoraConfig& lora,
-                                   const Compute& compute, int B, int T, bool synced_rounds) {
+                                   const Compute& compute, int B, int T, bool synced_rounds,
+                                   int distill_k) {
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
   if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
   if (B <= 0 || T <= 0 || T > config.n_ctx) {
@@ -778,6 +779,7 @@ Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, cons
   // The model's layout alone: nothing is allocated.
   Gpt gpt(config, mode, lora, compute);
   ISTHMUS_RETURN_IF_ERROR(gpt.BuildIndex());
+  gpt.distill_.k = distill_k;  // the teacher's rows beside the batch's inputs
   // Each buffer as the backends allocate it: rounded up to 256 bytes.
   auto rounded = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
   MemoryPlan p;
