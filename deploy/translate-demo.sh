@@ -17,6 +17,8 @@
 #                      base file the shape comes from it
 #   --rounds N         rounds (default 8); --steps-per-round H (default 20)
 #   --lines N          held-out lines translated per language, before and after (default 200)
+#   --before-lines N   lines translated by the base alone, before (default: --lines; 0: the
+#                      base is not scored, as bench/study/translate.sh runs it every seed)
 #   --eval-every-rounds N   the workers also translate the first --round-lines (default 50)
 #                      held-out pairs of every language after every Nth round (default 2; 0:
 #                      off), and the run report (OUT/run/report/index.html, deploy/report.py)
@@ -42,6 +44,7 @@ build="${ISTHMUS_BUILD_DIR:-build}"
 worker="$build/worker/isthmus-worker"
 data="$build/worker/data/isthmus-data"
 base="" site_a=de,fr site_b=es,it seq_len=128 model="" rounds=8 steps=20 lines=200 eval_every=2 round_lines=50
+before_lines=""
 teacher="" teacher_trainable="" teacher_k=32 distill="--distill-alpha 0.5 --distill-temperature 2"
 train="--lr 1e-3 --batch-size 8" out=demo-out/translate locale=/usr/share/locale val_fraction=0.05
 while [ $# -gt 0 ]; do
@@ -54,6 +57,7 @@ while [ $# -gt 0 ]; do
     --rounds) rounds="$2"; shift 2 ;;
     --steps-per-round) steps="$2"; shift 2 ;;
     --lines) lines="$2"; shift 2 ;;
+    --before-lines) before_lines="$2"; shift 2 ;;
     --eval-every-rounds) eval_every="$2"; shift 2 ;;
     --round-lines) round_lines="$2"; shift 2 ;;
     --val-fraction) val_fraction="$2"; shift 2 ;;
@@ -64,7 +68,7 @@ while [ $# -gt 0 ]; do
     --teacher-trainable) teacher_trainable="$2"; shift 2 ;;
     --teacher-k) teacher_k="$2"; shift 2 ;;
     --distill) distill="$2"; shift 2 ;;
-    -h|--help) sed -n 2,38p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,40p "$0"; exit 0 ;;
     *) echo "translate-demo.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,6 +92,7 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 # The task shards of each site, and every language's held-out pairs.
 translate_sets=()
 langs=()
+langs_before=()
 for site in A B; do
   list=$site_a
   [ "$site" = B ] && list=$site_b
@@ -96,6 +101,7 @@ for site in A B; do
   IFS=, read -r -a site_langs <<< "$list"
   for l in "${site_langs[@]}"; do
     langs+=("$l")
+    langs_before+=("$l")
     translate_sets+=(--translate-set "$l=$out/task-$site/heldout-$l.jsonl")
   done
 done
@@ -103,11 +109,13 @@ done
 # Before: the base alone (no adapters) on each language's first held-out lines.
 echo "{" > "$out/chrf-before.json"
 sep=""
-for l in "${langs[@]}"; do
+before_lines="${before_lines:-$lines}"
+[ "$before_lines" -gt 0 ] || langs_before=()
+for l in "${langs_before[@]}"; do
   for site in A B; do
     f="$out/task-$site/heldout-$l.jsonl"
     [ -r "$f" ] || continue
-    head -n "$lines" "$f" > "$out/before-input-$l.jsonl"
+    head -n "$before_lines" "$f" > "$out/before-input-$l.jsonl"
     "$worker" generate "${model_flags[@]}" --base "$base" --translate "$l" \
       --input "$out/before-input-$l.jsonl" --output "$out/before-$l.jsonl" 2> "$out/before-$l.log"
     score=$(/usr/bin/python3 deploy/chrf.py --json "$out/before-$l.jsonl" |

@@ -94,21 +94,13 @@ if [ ! -f "$out/teach-$teacher_id-k$k.done" ]; then
 fi
 
 # score NAME MODEL_FILE: validation loss and chrF per language, as a JSON object.
+# shellcheck source=bench/study/chrf.sh
+. bench/study/chrf.sh
 score() {
   local name=$1 model=$2 val
   val=$("$worker" eval --base "$model" --data "$out/task" --batches 64 --batch-size 16 --json 2>/dev/null |
     /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["val_loss"])')
-  local chrf="{" sep="" l
-  IFS=, read -r -a ls <<< "$langs"
-  for l in "${ls[@]}"; do
-    head -n "$lines" "$out/task/heldout-$l.jsonl" > "$out/input-$l.jsonl"
-    "$worker" generate --base "$model" --translate "$l" --tokens 160 \
-      --input "$out/input-$l.jsonl" --output "$out/$name-$l.jsonl" 2>/dev/null
-    chrf+="$sep\"$l\": $(/usr/bin/python3 deploy/chrf.py --json "$out/$name-$l.jsonl" |
-      /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["chrf"])')"
-    sep=", "
-  done
-  echo "{\"val_loss\": $val, \"chrf\": $chrf}}"
+  echo "{\"val_loss\": $val, \"chrf\": $(chrf_json "$out/task" "$langs" "$lines" "$out/$name" --base "$model")}"
 }
 
 key_base="$langs/T$seq_len/$teacher_id/k$k/s$student_model/$steps"
