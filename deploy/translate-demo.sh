@@ -35,8 +35,13 @@
 #                      trains the same students with word-level distillation (--distill
 #                      "FLAGS", default "--distill-alpha 0.5 --distill-temperature 2"); the
 #                      table then shows chrF after CE-only and after distilled fine-tuning
+#   --teacher-rounds N with --teacher: first fine-tune the teacher's adapters across the two
+#                      sites (N rounds of the same settings, CE only, OUT/run-teacher,
+#                      two-site.sh --export), then distil from that fine-tuned teacher (site
+#                      A's committed tensors: both sites commit the same)
 # Writes OUT/summary.json (two-site.sh's, with "chrf" per site and "chrf_before"; with
-# --teacher the distilled run's, plus "chrf_ce" per site from OUT/run-ce).
+# --teacher the distilled run's, plus "chrf_ce" per site from OUT/run-ce; with --teacher-rounds
+# "chrf_teacher", the fine-tuned teacher's).
 # Environment: ISTHMUS_BUILD_DIR (default build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +50,7 @@ worker="$build/worker/isthmus-worker"
 data="$build/worker/data/isthmus-data"
 base="" site_a=de,fr site_b=es,it seq_len=128 model="" rounds=8 steps=20 lines=200 eval_every=2 round_lines=50
 before_lines=""
-teacher="" teacher_trainable="" teacher_k=32 distill="--distill-alpha 0.5 --distill-temperature 2"
+teacher="" teacher_trainable="" teacher_k=32 teacher_rounds=0 distill="--distill-alpha 0.5 --distill-temperature 2"
 train="--lr 1e-3 --batch-size 8" out=demo-out/translate locale=/usr/share/locale val_fraction=0.05
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -67,15 +72,20 @@ while [ $# -gt 0 ]; do
     --teacher) teacher="$2"; shift 2 ;;
     --teacher-trainable) teacher_trainable="$2"; shift 2 ;;
     --teacher-k) teacher_k="$2"; shift 2 ;;
+    --teacher-rounds) teacher_rounds="$2"; shift 2 ;;
     --distill) distill="$2"; shift 2 ;;
-    -h|--help) sed -n 2,40p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,45p "$0"; exit 0 ;;
     *) echo "translate-demo.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
 [ -n "$base" ] || { echo "translate-demo.sh: --base is required (try --help)" >&2; exit 2; }
 [ -r "$base" ] || { echo "translate-demo.sh: --base $base is not readable" >&2; exit 2; }
-if [ -z "$teacher" ] && [ -n "$teacher_trainable" ]; then
-  echo "translate-demo.sh: --teacher-trainable needs --teacher (its base)" >&2; exit 2
+if [ -z "$teacher" ] && { [ -n "$teacher_trainable" ] || [ "$teacher_rounds" -gt 0 ]; }; then
+  echo "translate-demo.sh: --teacher-trainable and --teacher-rounds need --teacher (its base)" >&2
+  exit 2
+fi
+if [ -n "$teacher_trainable" ] && [ "$teacher_rounds" -gt 0 ]; then
+  echo "translate-demo.sh: --teacher-trainable or --teacher-rounds, not both" >&2; exit 2
 fi
 [ -z "$teacher" ] || [ -r "$teacher" ] ||
   { echo "translate-demo.sh: --teacher $teacher is not readable" >&2; exit 2; }
@@ -137,6 +147,14 @@ fi
 run_flags=()
 ce_rc=0
 if [ -n "$teacher" ]; then
+  if [ "$teacher_rounds" -gt 0 ]; then
+    deploy/two-site.sh --base "$teacher" --data-a "$out/task-A" --data-b "$out/task-B" \
+      --model "$model" --rounds "$teacher_rounds" --steps-per-round "$steps" --train "$train" \
+      --out "$out/run-teacher" --translate-lines "$lines" "${translate_sets[@]}" --export
+    teacher_trainable="$out/run-teacher/trainable-A.safetensors"
+    [ -r "$teacher_trainable" ] ||
+      { echo "translate-demo.sh: the teacher's run exported no tensors" >&2; exit 1; }
+  fi
   for site in A B; do
     "$worker" teach --base "$teacher" ${teacher_trainable:+--trainable "$teacher_trainable"} \
       --data "$out/task-$site" --k "$teacher_k" 2>&1 | tail -1
@@ -169,6 +187,8 @@ if distilled and os.path.exists(f"{out}/run-ce/summary.json"):
     ce = json.load(open(f"{out}/run-ce/summary.json"))
     for s in ("A", "B"):
         summary["sites"][s]["chrf_ce"] = ce["sites"][s].get("chrf", {})
+if os.path.exists(f"{out}/run-teacher/summary.json"):
+    summary["chrf_teacher"] = json.load(open(f"{out}/run-teacher/summary.json"))["sites"]["A"].get("chrf", {})
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=2)
 fmt = lambda v: f"{v:.2f}" if isinstance(v, (int, float)) else "n/a"
 print()
@@ -186,5 +206,8 @@ for lang in site_a + site_b:
         print(row + f"{fmt(ce['A']):>8}{fmt(ce['B']):>8}{fmt(after['A']):>13}{fmt(after['B']):>13}")
     else:
         print(row + f"{fmt(after['A']):>9}{fmt(after['B']):>9}")
+if "chrf_teacher" in summary:
+    print("the teacher, fine-tuned across the sites first (OUT/run-teacher): " +
+          ", ".join(f"{l} {fmt(summary['chrf_teacher'].get(l))}" for l in site_a + site_b))
 PY
 exit "$rc"

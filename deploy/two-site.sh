@@ -50,6 +50,9 @@
 #                          --teacher-topk DATA/train.topk (the cache isthmus-worker teach
 #                          wrote beside that site's task shard) and these flags (e.g.
 #                          "--distill-alpha 0.5 --distill-temperature 2")
+#   --export               also write each site's committed trainable tensors (isthmus-worker
+#                          export, pulled from its shards) to OUT/trainable-<site>.safetensors
+#                          (a fine-tuned teacher for teach --trainable, or generate --trainable)
 #   --summary FILE         write the final figures as JSON here (they are always written to
 #                          OUT/summary.json as well)
 #   --top-interval S       seconds between the isthmusctl top samples (default 1)
@@ -78,7 +81,7 @@ out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 distill="" distill_on=false codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
-eval_every=0 report="" top_interval=1 reference="" translate_sets=() translate_lines=200 round_translate_lines=50
+eval_every=0 report="" export=false top_interval=1 reference="" translate_sets=() translate_lines=200 round_translate_lines=50
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -108,13 +111,14 @@ while [ $# -gt 0 ]; do
     --eval-batches) eval_batches="$2"; shift 2 ;;
     --eval-every-rounds) eval_every="$2"; shift 2 ;;
     --report) report="$2"; shift 2 ;;
+    --export) export=true; shift ;;
     --reference) reference="$2"; shift 2 ;;
     --top-interval) top_interval="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
     --data-c) data_c="$2"; shift 2 ;;
-    -h|--help) sed -n 2,62p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,65p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -376,6 +380,12 @@ for s in "${sites[@]}"; do
       --key "$out/keys/workers-$s/worker.key" --data "${e#*=}" --json --batches "$eval_batches" \
       > "$out/eval-$s-set-${e%%=*}.json" 2> "$out/logs/eval-$s-set-${e%%=*}.log"
   done
+  if [ "$export" = true ]; then
+    "${prefix[@]}" "$worker" export "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+      --key "$out/keys/workers-$s/worker.key" --out "$out/trainable-$s.safetensors" \
+      2> "$out/logs/export-$s.log" ||
+      { cat "$out/logs/export-$s.log" >&2; echo "two-site: export of site $s failed" >&2; }
+  fi
   for t in "${translate_sets[@]}"; do
     lang="${t%%=*}"
     head -n "$translate_lines" "${t#*=}" > "$out/translate-input-$lang.jsonl"

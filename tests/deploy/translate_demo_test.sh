@@ -3,8 +3,10 @@
 # English -> Spanish at site B, 80 messages each) and a random base: both sites build their
 # task shards, the base is scored, two rounds of LoRA fine-tuning commit on both sites with
 # equal digests, and each site's committed model is scored on both languages' held-out
-# pairs. With --teacher (the base itself as the teacher) it also writes each site's top-k
-# cache (isthmus-worker teach) and runs the CE-only students beside the distilled ones.
+# pairs. With --teacher (the base) and --teacher-rounds 1 it first fine-tunes the teacher's
+# adapters across the sites (one round, exported by two-site.sh --export), writes each
+# site's top-k cache of that fine-tuned teacher (isthmus-worker teach --trainable) and runs
+# the CE-only students beside the distilled ones.
 # Checks the summary (chrF before, and per site and language after CE-only and distilled
 # fine-tuning, in [0, 100]), that the distilled workers read their own site's cache, and
 # the printed table; and chrF by round in the run report (the workers' --translate-set after
@@ -37,7 +39,8 @@ set +e
 ISTHMUS_BUILD_DIR="$build" "$root/deploy/translate-demo.sh" --base "$work/base.safetensors" \
   --locale-dir "$work/locale" --site-a de --site-b es --seq-len 48 --model "$model" \
   --rounds 2 --steps-per-round 5 --lines 6 --val-fraction 0.4 --train "--lr 1e-3 --batch-size 4" \
-  --teacher "$work/base.safetensors" --teacher-k 8 --eval-every-rounds 1 --round-lines 3 \
+  --teacher "$work/base.safetensors" --teacher-rounds 1 --teacher-k 8 --eval-every-rounds 1 \
+  --round-lines 3 \
   --out "$work/out" > "$work/demo.txt" 2>&1
 rc=$?
 set -e
@@ -57,12 +60,19 @@ for site in ("A", "B"):
     assert set(r["chrf"]) == {"de", "es"} and set(r["chrf_ce"]) == {"de", "es"}, r
     for v in list(r["chrf"].values()) + list(r["chrf_ce"].values()) + list(s["chrf_before"].values()):
         assert isinstance(v, float) and 0.0 <= v <= 100.0, v
+assert set(s["chrf_teacher"]) == {"de", "es"}, s.get("chrf_teacher")
 assert s["translate_lines"] == {"de": 6, "es": 6} or all(
     0 < n <= 6 for n in s["translate_lines"].values()), s["translate_lines"]
 PY
 grep -E "^de +A " "$work/demo.txt" >/dev/null || { tail -8 "$work/demo.txt"; echo "FAIL: no row for de"; exit 1; }
 grep -E "^es +B " "$work/demo.txt" >/dev/null || { tail -8 "$work/demo.txt"; echo "FAIL: no row for es"; exit 1; }
+grep -q "^the teacher, fine-tuned across the sites first" "$work/demo.txt" ||
+  { tail -8 "$work/demo.txt"; echo "FAIL: no teacher line"; exit 1; }
 for site in A B; do
+  # The cache records its teacher: the base with the tensors the teacher's run exported.
+  head -c 4096 "$work/out/task-$site/train.topk" |
+    grep -aq "trainable $work/out/run-teacher/trainable-A.safetensors" ||
+    { echo "FAIL: site $site's cache is not of the fine-tuned teacher"; exit 1; }
   grep -q "distilling from $work/out/task-$site/train.topk (k 8, alpha 0.5" \
     "$work/out/run/logs/worker-$site-0.log" || { echo "FAIL: site $site did not distil"; exit 1; }
   if grep -q "distilling" "$work/out/run-ce/logs/worker-$site-0.log"; then
