@@ -150,7 +150,9 @@ if [ -n "$teacher" ]; then
   if [ "$teacher_rounds" -gt 0 ]; then
     deploy/two-site.sh --base "$teacher" --data-a "$out/task-A" --data-b "$out/task-B" \
       --model "$model" --rounds "$teacher_rounds" --steps-per-round "$steps" --train "$train" \
-      --out "$out/run-teacher" --translate-lines "$lines" "${translate_sets[@]}" --export
+      --out "$out/run-teacher" --translate-lines "$lines" "${translate_sets[@]}" --export ||
+      { echo "translate-demo.sh: the teacher's run failed (exit $?; its logs: $out/run-teacher/logs)" >&2
+        exit 1; }
     teacher_trainable="$out/run-teacher/trainable-A.safetensors"
     [ -r "$teacher_trainable" ] ||
       { echo "translate-demo.sh: the teacher's run exported no tensors" >&2; exit 1; }
