@@ -102,7 +102,6 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
 # The task shards of each site, and every language's held-out pairs.
 translate_sets=()
 langs=()
-langs_before=()
 for site in A B; do
   list=$site_a
   [ "$site" = B ] && list=$site_b
@@ -111,7 +110,6 @@ for site in A B; do
   IFS=, read -r -a site_langs <<< "$list"
   for l in "${site_langs[@]}"; do
     langs+=("$l")
-    langs_before+=("$l")
     translate_sets+=(--translate-set "$l=$out/task-$site/heldout-$l.jsonl")
   done
 done
@@ -120,8 +118,8 @@ done
 echo "{" > "$out/chrf-before.json"
 sep=""
 before_lines="${before_lines:-$lines}"
-[ "$before_lines" -gt 0 ] || langs_before=()
-for l in "${langs_before[@]}"; do
+for l in "${langs[@]}"; do
+  [ "$before_lines" -gt 0 ] || break
   for site in A B; do
     f="$out/task-$site/heldout-$l.jsonl"
     [ -r "$f" ] || continue

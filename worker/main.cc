@@ -116,7 +116,7 @@ int RunPlan(TrainSettings& t) {
   if (!st.ok()) return Fail("train --plan", UsageError(st.message()));
   auto compute = OpenCompute(t.compute, t.rank);
   if (!compute.ok()) return Fail("train --plan", compute.status());
-  auto distill_k = TeacherTopK(t.teacher_topk);
+  auto distill_k = TeacherCacheK(t.teacher_topk);
   if (!distill_k.ok()) return Fail("train --plan", distill_k.status());
   auto plan = PlanTraining(t.model, {compute->ops.get(), compute->precision}, t.batch_size,
                            !t.standalone, *distill_k);

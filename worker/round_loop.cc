@@ -160,7 +160,7 @@ class RoundLoop {
     ISTHMUS_RETURN_IF_ERROR(AgreeOnModel());
     model::Compute c{compute_.ops.get(), compute_.precision};
     // A configuration that cannot fit the GPU is refused before anything is allocated.
-    ISTHMUS_ASSIGN_OR_RETURN(const int distill_k, TeacherTopK(s_.teacher_topk));
+    ISTHMUS_ASSIGN_OR_RETURN(const int distill_k, TeacherCacheK(s_.teacher_topk));
     ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan,
                              PlanTraining(model_, c, s_.batch_size, !s_.standalone, distill_k));
     if (!plan.fits.ok()) return DeviceError(plan.fits);
@@ -1457,7 +1457,7 @@ Result<std::unique_ptr<model::Gpt>> BuildModel(const ModelSettings& m,
   return model::Gpt::LoadBase(m.base, m.heads, mode, m.Lora(), m.seed, &config, compute);
 }
 
-Result<int> TeacherTopK(const std::string& teacher_topk) {
+Result<int> TeacherCacheK(const std::string& teacher_topk) {
   if (teacher_topk.empty()) return 0;
   ISTHMUS_ASSIGN_OR_RETURN(auto info, data::TeacherCache::ReadInfo(teacher_topk));
   return info.k;

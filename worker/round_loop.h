@@ -97,7 +97,7 @@ struct TrainingPlan {
 Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B,
                                   bool synced, int distill_k = 0);
 // The k of the teacher cache at `teacher_topk` (its header), 0 for none ("").
-Result<int> TeacherTopK(const std::string& teacher_topk);
+Result<int> TeacherCacheK(const std::string& teacher_topk);
 
 // The site client for --server/--server-key/--key (CURVE unless insecure); `interrupted`
 // ends its waits early (SiteOptions::interrupted).

@@ -90,7 +90,7 @@ without=$(plan_mib) with=$(plan_mib --teacher-topk "$task/train.topk")
 if "$worker" train --plan --standalone $model --teacher-topk "$work/none.topk" > "$work/plan.txt" 2>&1; then
   fail "--plan with a missing cache"
 fi
-grep -q "none.topk: cannot open" "$work/plan.txt" || { cat "$work/plan.txt"; fail "message: plan"; }
+grep -q "none.topk: no such file" "$work/plan.txt" || { cat "$work/plan.txt"; fail "message: plan"; }
 
 # Refusals.
 if shard="$work/task1" student other --teacher-topk "$task/train.topk"; then

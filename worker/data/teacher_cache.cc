@@ -166,9 +166,11 @@ TeacherCache::~TeacherCache() {
 
 Result<TeacherCacheInfo> TeacherCache::ReadInfo(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return Status::NotFound(path + ": cannot open (" + std::strerror(errno) +
-                            "); write it with isthmus-worker teach");
+  if (!in) {  // as Open says it
+    if (errno == ENOENT) {
+      return Status::NotFound(path + ": no such file; write it with isthmus-worker teach");
+    }
+    return Status::IoError(path + ": cannot open: " + std::strerror(errno));
   }
   // The magic and the length, then the header (at most 1 MiB of it: a longer one is
   // reported as cut short).
