@@ -76,6 +76,8 @@ constexpr size_t kAlignment = 256;
 // absolute error stays below 2e-7 (e^{2u} = inf gives exactly 1).
 inline float Tanh(float u) { return 1.0f - 2.0f / (std::exp(2.0f * u) + 1.0f); }
 
+inline float Sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
 // Adds the column sums of m [rows, cols] into out [cols].
 void AccumulateColumnSums(const float* m, float* out, int rows, int cols) {
 #pragma omp parallel
@@ -195,8 +197,12 @@ class CpuOpsImpl : public Ops {
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < B * T; ++i) {
       const float* e = wte + static_cast<int64_t>(tokens[i]) * C;
-      const float* p = wpe + static_cast<int64_t>(i % T) * C;
       float* o = out + static_cast<int64_t>(i) * C;
+      if (wpe == nullptr) {
+        std::copy(e, e + C, o);
+        continue;
+      }
+      const float* p = wpe + static_cast<int64_t>(i % T) * C;
       for (int c = 0; c < C; ++c) o[c] = e[c] + p[c];
     }
   }
@@ -371,6 +377,159 @@ class CpuOpsImpl : public Ops {
     }
     dx.Commit();
     dxa.Commit();
+  }
+
+  void RmsNormForward(const float* x, const float* weight, Ref out_ref, float* rstd, int N, int C,
+                      float eps) override {
+    cpu::Out out(out_ref, static_cast<int64_t>(N) * C, false);
+    float* o = out.get();
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < N; ++i) {
+      const float* xi = x + static_cast<int64_t>(i) * C;
+      double sq = 0.0;
+      for (int c = 0; c < C; ++c) sq += static_cast<double>(xi[c]) * xi[c];
+      const float s = static_cast<float>(1.0 / std::sqrt(sq / C + eps));
+      float* oi = o + static_cast<int64_t>(i) * C;
+      for (int c = 0; c < C; ++c) oi[c] = xi[c] * s * weight[c];
+      rstd[i] = s;
+    }
+    out.Commit();
+  }
+
+  void RmsNormBackward(CRef dout_ref, const float* x, const float* weight, const float* rstd,
+                       float* dx, float* dweight, int N, int C) override {
+    cpu::In dout_in(dout_ref, static_cast<int64_t>(N) * C);
+    const float* dout = dout_in.get();
+#pragma omp parallel
+    {
+      std::vector<double> dw_part(dweight != nullptr ? C : 0, 0.0);
+#pragma omp for schedule(static)
+      for (int i = 0; i < N; ++i) {
+        const float* di = dout + static_cast<int64_t>(i) * C;
+        const float* xi = x + static_cast<int64_t>(i) * C;
+        const float s = rstd[i];
+        if (dx != nullptr) {
+          // dx = rstd * (g - xhat * mean(g * xhat)), g = dout * weight, xhat = x * rstd.
+          double gx_sum = 0.0;
+          for (int c = 0; c < C; ++c) {
+            gx_sum += static_cast<double>(di[c]) * weight[c] * (xi[c] * s);
+          }
+          const float gx_mean = static_cast<float>(gx_sum / C);
+          float* dxi = dx + static_cast<int64_t>(i) * C;
+          for (int c = 0; c < C; ++c) dxi[c] += s * (di[c] * weight[c] - xi[c] * s * gx_mean);
+        }
+        if (dweight != nullptr) {
+          for (int c = 0; c < C; ++c) dw_part[c] += di[c] * (xi[c] * s);
+        }
+      }
+      if (dweight != nullptr) {
+#pragma omp critical
+        for (int c = 0; c < C; ++c) dweight[c] += static_cast<float>(dw_part[c]);
+      }
+    }
+  }
+
+  void SwigluForward(CRef gate_ref, CRef up_ref, Ref out_ref, int64_t n) override {
+    ISTHMUS_CHECK(gate_ref.dtype == up_ref.dtype && up_ref.dtype == out_ref.dtype,
+                  "SwiGLU operands of different dtypes");
+    cpu::In gate(gate_ref, n), up(up_ref, n);
+    cpu::Out out(out_ref, n, false);
+    const float* g = gate.get();
+    const float* u = up.get();
+    float* o = out.get();
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) o[i] = g[i] * Sigmoid(g[i]) * u[i];
+    out.Commit();
+  }
+
+  void SwigluBackward(CRef dout_ref, CRef gate_ref, CRef up_ref, Ref dgate_ref, Ref dup_ref,
+                      int64_t n) override {
+    ISTHMUS_CHECK(dout_ref.dtype == gate_ref.dtype && gate_ref.dtype == up_ref.dtype,
+                  "SwiGLU gradients of different dtypes");
+    cpu::In dout(dout_ref, n), gate(gate_ref, n), up(up_ref, n);
+    cpu::Out dgate(dgate_ref, n, false), dup(dup_ref, n, false);
+    const float* d = dout.get();
+    const float* g = gate.get();
+    const float* u = up.get();
+    float* dg = dgate.get();
+    float* du = dup.get();
+    // Each element is read before either gradient is stored: dgate and dup may be gate and up.
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const float gi = g[i], ui = u[i], di = d[i];
+      const float sig = Sigmoid(gi);
+      if (dg != nullptr) dg[i] = di * ui * sig * (1.0f + gi * (1.0f - sig));
+      if (du != nullptr) du[i] = di * gi * sig;
+    }
+    dgate.Commit();
+    dup.Commit();
+  }
+
+  void RopeGqaForward(CRef q_ref, CRef k_ref, CRef v_ref, const float* rope, Ref qkv_ref, int B,
+                      int T, int H, int Hkv, int D) override {
+    ISTHMUS_CHECK(
+        q_ref.dtype == k_ref.dtype && k_ref.dtype == v_ref.dtype && v_ref.dtype == qkv_ref.dtype,
+        "RoPE operands of different dtypes");
+    const int N = B * T, group = H / Hkv, half = D / 2;
+    const int64_t qd = static_cast<int64_t>(H) * D, kd = static_cast<int64_t>(Hkv) * D;
+    cpu::In q(q_ref, N * qd), k(k_ref, N * kd), v(v_ref, N * kd);
+    cpu::Out qkv(qkv_ref, N * 3 * qd, false);
+#pragma omp parallel for schedule(static)
+    for (int row = 0; row < N; ++row) {
+      const float* cs = rope + static_cast<int64_t>(row % T) * D;
+      const float* qr = q.get() + row * qd;
+      const float* kr = k.get() + row * kd;
+      const float* vr = v.get() + row * kd;
+      float* o = qkv.get() + row * 3 * qd;
+      for (int h = 0; h < H; ++h) {
+        const int64_t kv = static_cast<int64_t>(h / group) * D;
+        Rotate(qr + static_cast<int64_t>(h) * D, cs, half, o + static_cast<int64_t>(h) * D);
+        Rotate(kr + kv, cs, half, o + qd + static_cast<int64_t>(h) * D);
+        std::copy(vr + kv, vr + kv + D, o + 2 * qd + static_cast<int64_t>(h) * D);
+      }
+    }
+    qkv.Commit();
+  }
+
+  void RopeGqaBackward(CRef dqkv_ref, const float* rope, Ref dq_ref, Ref dk_ref, Ref dv_ref, int B,
+                       int T, int H, int Hkv, int D) override {
+    const int N = B * T, group = H / Hkv, half = D / 2;
+    const int64_t qd = static_cast<int64_t>(H) * D, kd = static_cast<int64_t>(Hkv) * D;
+    cpu::In dqkv(dqkv_ref, N * 3 * qd);
+    cpu::Out dq(dq_ref, N * qd, false), dk(dk_ref, N * kd, false), dv(dv_ref, N * kd, false);
+#pragma omp parallel
+    {
+      std::vector<float> k_sum(D), v_sum(D);
+#pragma omp for schedule(static)
+      for (int row = 0; row < N; ++row) {
+        const float* cs = rope + static_cast<int64_t>(row % T) * D;
+        const float* dr = dqkv.get() + row * 3 * qd;
+        if (dq.get() != nullptr) {
+          for (int h = 0; h < H; ++h) {
+            const int64_t at = static_cast<int64_t>(h) * D;
+            RotateBack(dr + at, cs, half, dq.get() + row * qd + at);
+          }
+        }
+        for (int kh = 0; kh < Hkv; ++kh) {
+          // The group's heads in increasing order, as the CUDA kernel adds them.
+          std::fill(k_sum.begin(), k_sum.end(), 0.0f);
+          std::fill(v_sum.begin(), v_sum.end(), 0.0f);
+          for (int j = 0; j < group; ++j) {
+            const int64_t at = static_cast<int64_t>(kh * group + j) * D;
+            for (int d = 0; d < D; ++d) {
+              k_sum[d] += dr[qd + at + d];
+              v_sum[d] += dr[2 * qd + at + d];
+            }
+          }
+          const int64_t at = row * kd + static_cast<int64_t>(kh) * D;
+          if (dk.get() != nullptr) RotateBack(k_sum.data(), cs, half, dk.get() + at);
+          if (dv.get() != nullptr) std::copy(v_sum.begin(), v_sum.end(), dv.get() + at);
+        }
+      }
+    }
+    dq.Commit();
+    dk.Commit();
+    dv.Commit();
   }
 
   void GeluForward(CRef x_ref, Ref out_ref, int64_t n) override {
@@ -548,6 +707,23 @@ class CpuOpsImpl : public Ops {
  private:
   static void Move(void* dst, const void* src, size_t bytes) {
     if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+  }
+
+  // RopeGqaForward's rotation of one head (x and y [2 * half]; cs = cos then sin [2 * half]),
+  // and its transpose.
+  static void Rotate(const float* x, const float* cs, int half, float* y) {
+    for (int i = 0; i < half; ++i) {
+      const float c = cs[i], s = cs[half + i], x0 = x[i], x1 = x[half + i];
+      y[i] = x0 * c - x1 * s;
+      y[half + i] = x1 * c + x0 * s;
+    }
+  }
+  static void RotateBack(const float* y, const float* cs, int half, float* x) {
+    for (int i = 0; i < half; ++i) {
+      const float c = cs[i], s = cs[half + i], y0 = y[i], y1 = y[half + i];
+      x[i] = y0 * c + y1 * s;
+      x[half + i] = y1 * c - y0 * s;
+    }
   }
 
   static void LinearInto(const float* x, const float* w, const float* bias, const float* residual,

@@ -148,6 +148,74 @@ class KernelOps : public Ops {
     if (dx) Matmul(dxa, lora_a, dx, N, in_dim, rank, false, false, 1.0f, 1.0f);
   }
 
+  void RmsNormForward(const float* x, const float* weight, Ref out, float* rstd, int N, int C,
+                      float eps) override {
+    if (Skip(static_cast<int64_t>(N) * C)) return;
+    WithType(out.dtype, [&](auto* t) {
+      using T = std::remove_pointer_t<decltype(t)>;
+      LaunchRmsNormForward<T>(x, weight, As<T>(out), rstd, N, C, eps, stream());
+    });
+    Launched("RmsNormForward", __FILE__, __LINE__);
+  }
+
+  void RmsNormBackward(CRef dout, const float* x, const float* weight, const float* rstd, float* dx,
+                       float* dweight, int N, int C) override {
+    if (Skip(static_cast<int64_t>(N) * C)) return;
+    WithType(dout.dtype, [&](auto* t) {
+      using T = std::remove_pointer_t<decltype(t)>;
+      LaunchRmsNormBackward<T>(As<T>(dout), x, weight, rstd, dx, dweight, N, C, workspace(),
+                               stream());
+    });
+    Launched("RmsNormBackward", __FILE__, __LINE__);
+  }
+
+  void SwigluForward(CRef gate, CRef up, Ref out, int64_t n) override {
+    if (Skip(n)) return;
+    ISTHMUS_CHECK(gate.dtype == up.dtype && up.dtype == out.dtype,
+                  "SwiGLU operands of different dtypes");
+    WithType(gate.dtype, [&](auto* t) {
+      using T = std::remove_pointer_t<decltype(t)>;
+      LaunchSwigluForward<T>(As<T>(gate), As<T>(up), As<T>(out), n, stream());
+    });
+    Launched("SwigluForward", __FILE__, __LINE__);
+  }
+
+  void SwigluBackward(CRef dout, CRef gate, CRef up, Ref dgate, Ref dup, int64_t n) override {
+    if (Skip(n)) return;
+    ISTHMUS_CHECK(dout.dtype == gate.dtype && gate.dtype == up.dtype,
+                  "SwiGLU gradients of different dtypes");
+    WithType(gate.dtype, [&](auto* t) {
+      using T = std::remove_pointer_t<decltype(t)>;
+      LaunchSwigluBackward<T>(As<T>(dout), As<T>(gate), As<T>(up), As<T>(dgate), As<T>(dup), n,
+                              stream());
+    });
+    Launched("SwigluBackward", __FILE__, __LINE__);
+  }
+
+  void RopeGqaForward(CRef q, CRef k, CRef v, const float* rope, Ref qkv, int B, int T, int H,
+                      int Hkv, int D) override {
+    if (Skip(static_cast<int64_t>(B) * T * H * D)) return;
+    ISTHMUS_CHECK(q.dtype == k.dtype && k.dtype == v.dtype && v.dtype == qkv.dtype,
+                  "RoPE operands of different dtypes");
+    WithType(q.dtype, [&](auto* t) {
+      using E = std::remove_pointer_t<decltype(t)>;
+      LaunchRopeGqaForward<E>(As<E>(q), As<E>(k), As<E>(v), rope, As<E>(qkv), B, T, H, Hkv, D,
+                              stream());
+    });
+    Launched("RopeGqaForward", __FILE__, __LINE__);
+  }
+
+  void RopeGqaBackward(CRef dqkv, const float* rope, Ref dq, Ref dk, Ref dv, int B, int T, int H,
+                       int Hkv, int D) override {
+    if (Skip(static_cast<int64_t>(B) * T * H * D)) return;
+    WithType(dqkv.dtype, [&](auto* t) {
+      using E = std::remove_pointer_t<decltype(t)>;
+      LaunchRopeGqaBackward<E>(As<E>(dqkv), rope, As<E>(dq), As<E>(dk), As<E>(dv), B, T, H, Hkv, D,
+                               stream());
+    });
+    Launched("RopeGqaBackward", __FILE__, __LINE__);
+  }
+
   void GeluForward(CRef x, Ref out, int64_t n) override {
     if (Skip(n)) return;
     ISTHMUS_CHECK(x.dtype == out.dtype, "input and output of different dtypes");

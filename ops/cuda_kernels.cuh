@@ -17,6 +17,7 @@
 //   LaunchColumnSumAccumulate  slices * cols floats, slices <= kColumnSumTargetBlocks
 //   LaunchLayerNormBackward    PlanLayerNormBackward(...).slices * 2 * C floats
 //   LaunchSumSquares           kSumSquaresMaxBlocks floats
+//   LaunchRmsNormBackward      PlanColumnSum(N, C, false).slices * C floats (dweight)
 // Each plan is capped so that it fits; a shape where even one slice would not fit takes
 // the one-pass path, which needs no workspace.
 #pragma once
@@ -217,18 +218,22 @@ __global__ void __launch_bounds__(kElemThreads)
   if (kVec && i + kElemVec <= n) {
     const int64_t row = i / C;
     const int c = static_cast<int>(i - row * C);
-    float e[kElemVec], p[kElemVec];
+    float e[kElemVec];
     LoadPack(wte + static_cast<int64_t>(tokens[row]) * C + c, e);
-    LoadPack(wpe + (row % Tn) * C + c, p);
+    if (wpe != nullptr) {
+      float p[kElemVec];
+      LoadPack(wpe + (row % Tn) * C + c, p);
 #pragma unroll
-    for (int k = 0; k < kElemVec; ++k) e[k] += p[k];
+      for (int k = 0; k < kElemVec; ++k) e[k] += p[k];
+    }
     StorePack(out + i, e);
     return;
   }
   for (int64_t j = i; j < n && j < i + kElemVec; ++j) {
     const int64_t row = j / C;
     const int64_t c = j - row * C;
-    out[j] = wte[static_cast<int64_t>(tokens[row]) * C + c] + wpe[(row % Tn) * C + c];
+    const float e = wte[static_cast<int64_t>(tokens[row]) * C + c];
+    out[j] = wpe != nullptr ? e + wpe[(row % Tn) * C + c] : e;
   }
 }
 
@@ -528,6 +533,185 @@ __global__ void __launch_bounds__(256)
     } else if (db != nullptr) {
       db[c - C] += total;
     }
+  }
+}
+
+// ---- The Llama family: RMS norm, SwiGLU, RoPE with grouped-query heads --------------------
+
+constexpr int kRmsThreads = 256;
+
+// One block per row: the block's sum of x^2, then out = x * rstd * w.
+template <typename Tout>
+__global__ void __launch_bounds__(kRmsThreads)
+    RmsNormForwardKernel(const float* x, const float* w, Tout* out, float* rstd, int C, float eps) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const float* xr = x + row * C;
+  float sq = 0.0f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) sq += xr[c] * xr[c];
+  const float s = rsqrtf(BlockSum(sq, scratch) / C + eps);
+  Tout* outr = out + row * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) outr[c] = FromFloat<Tout>(xr[c] * s * w[c]);
+  if (threadIdx.x == 0 && rstd != nullptr) rstd[row] = s;
+}
+
+// One block per row: dx += rstd * (g - xhat * mean(g * xhat)), g = dout * w, xhat = x * rstd.
+template <typename Tin>
+__global__ void __launch_bounds__(kRmsThreads)
+    RmsNormBackwardKernel(const Tin* dout, const float* x, const float* w, const float* rstd,
+                          float* dx, int C) {
+  __shared__ float scratch[32];
+  const int64_t row = blockIdx.x;
+  const Tin* dr = dout + row * C;
+  const float* xr = x + row * C;
+  const float s = rstd[row];
+  float gx = 0.0f;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) gx += ToFloat(dr[c]) * w[c] * (xr[c] * s);
+  const float gx_mean = BlockSum(gx, scratch) / C;
+  float* dxr = dx + row * C;
+  for (int c = threadIdx.x; c < C; c += blockDim.x) {
+    dxr[c] += s * (ToFloat(dr[c]) * w[c] - xr[c] * s * gx_mean);
+  }
+}
+
+// The column sums of dout * x * rstd (dweight), blocked as ColumnSumKernel (one column per
+// thread): one slice adds into out, several write partial[slice] for SumPartialsKernel.
+template <typename Tin>
+__global__ void __launch_bounds__(256)
+    RmsNormWeightGradKernel(const Tin* dout, const float* x, const float* rstd, int rows, int cols,
+                            int rows_per_slice, float* partial, float* out) {
+  __shared__ float part[8][32];
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int c = blockIdx.x * 32 + tx;
+  const int r0 = blockIdx.y * rows_per_slice;
+  const int r1 = rows - r0 < rows_per_slice ? rows : r0 + rows_per_slice;
+  float acc = 0.0f;
+  if (c < cols) {
+    for (int r = r0 + ty; r < r1; r += 8) {
+      const int64_t at = static_cast<int64_t>(r) * cols + c;
+      acc += ToFloat(dout[at]) * (x[at] * rstd[r]);
+    }
+  }
+  part[ty][tx] = acc;
+  __syncthreads();
+  if (ty != 0 || c >= cols) return;
+  float total = part[0][tx];
+  for (int y = 1; y < 8; ++y) total += part[y][tx];
+  if (partial != nullptr) {
+    partial[static_cast<int64_t>(blockIdx.y) * cols + c] = total;
+  } else {
+    out[c] += total;
+  }
+}
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+struct SwigluOp {
+  __device__ float operator()(float gate, float up) const { return gate * Sigmoid(gate) * up; }
+};
+
+// Both gradients from one read of dout, gate and up, so that dgate and dup may overwrite gate
+// and up. A null gradient is not stored.
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kElemThreads)
+    SwigluBackwardKernel(const T* dout, const T* gate, const T* up, T* dgate, T* dup, int64_t n) {
+  const int64_t i = FirstElement();
+  if (kVec && i + kElemVec <= n) {
+    float d[kElemVec], g[kElemVec], u[kElemVec], dg[kElemVec], du[kElemVec];
+    LoadPack(dout + i, d);
+    LoadPack(gate + i, g);
+    LoadPack(up + i, u);
+#pragma unroll
+    for (int k = 0; k < kElemVec; ++k) {
+      const float sig = Sigmoid(g[k]);
+      dg[k] = d[k] * u[k] * sig * (1.0f + g[k] * (1.0f - sig));
+      du[k] = d[k] * g[k] * sig;
+    }
+    if (dgate != nullptr) StorePack(dgate + i, dg);
+    if (dup != nullptr) StorePack(dup + i, du);
+    return;
+  }
+  for (int64_t j = i; j < n && j < i + kElemVec; ++j) {
+    const float d = ToFloat(dout[j]), g = ToFloat(gate[j]), u = ToFloat(up[j]);
+    const float sig = Sigmoid(g);
+    if (dgate != nullptr) dgate[j] = FromFloat<T>(d * u * sig * (1.0f + g * (1.0f - sig)));
+    if (dup != nullptr) dup[j] = FromFloat<T>(d * g * sig);
+  }
+}
+
+// One thread per (row, head, i < D/2): the pair (i, i + D/2) of head h's q, k and v.
+template <typename T>
+__global__ void __launch_bounds__(kElemThreads)
+    RopeGqaForwardKernel(const T* q, const T* k, const T* v, const float* rope, T* qkv,
+                         int64_t pairs, int Tn, int H, int Hkv, int D) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= pairs) return;
+  const int half = D / 2;
+  const int i = static_cast<int>(idx % half);
+  const int64_t head = idx / half;  // row * H + h
+  const int h = static_cast<int>(head % H);
+  const int64_t row = head / H;
+  const int kh = h / (H / Hkv);
+  const float* cs = rope + (row % Tn) * D;
+  const float c = cs[i], s = cs[half + i];
+  const int64_t qd = static_cast<int64_t>(H) * D, kd = static_cast<int64_t>(Hkv) * D;
+  const T* qr = q + row * qd + static_cast<int64_t>(h) * D;
+  const T* kr = k + row * kd + static_cast<int64_t>(kh) * D;
+  const T* vr = v + row * kd + static_cast<int64_t>(kh) * D;
+  T* o = qkv + row * 3 * qd + static_cast<int64_t>(h) * D;
+  float x0 = ToFloat(qr[i]), x1 = ToFloat(qr[half + i]);
+  o[i] = FromFloat<T>(x0 * c - x1 * s);
+  o[half + i] = FromFloat<T>(x1 * c + x0 * s);
+  x0 = ToFloat(kr[i]);
+  x1 = ToFloat(kr[half + i]);
+  o[qd + i] = FromFloat<T>(x0 * c - x1 * s);
+  o[qd + half + i] = FromFloat<T>(x1 * c + x0 * s);
+  o[2 * qd + i] = vr[i];
+  o[2 * qd + half + i] = vr[half + i];
+}
+
+// Same threads: each rotates its pair of dq back; those of heads h < Hkv also sum the k and
+// v parts of kv head h's group (heads h * H/Hkv onwards, in increasing order) into dk, dv.
+template <typename T>
+__global__ void __launch_bounds__(kElemThreads)
+    RopeGqaBackwardKernel(const T* dqkv, const float* rope, T* dq, T* dk, T* dv, int64_t pairs,
+                          int Tn, int H, int Hkv, int D) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= pairs) return;
+  const int half = D / 2;
+  const int i = static_cast<int>(idx % half);
+  const int64_t head = idx / half;
+  const int h = static_cast<int>(head % H);
+  const int64_t row = head / H;
+  const float* cs = rope + (row % Tn) * D;
+  const float c = cs[i], s = cs[half + i];
+  const int64_t qd = static_cast<int64_t>(H) * D, kd = static_cast<int64_t>(Hkv) * D;
+  const T* dr = dqkv + row * 3 * qd;
+  if (dq != nullptr) {
+    const int64_t at = static_cast<int64_t>(h) * D + i;
+    const float y0 = ToFloat(dr[at]), y1 = ToFloat(dr[at + half]);
+    T* o = dq + row * qd + static_cast<int64_t>(h) * D;
+    o[i] = FromFloat<T>(y0 * c + y1 * s);
+    o[half + i] = FromFloat<T>(y1 * c - y0 * s);
+  }
+  if (h >= Hkv) return;
+  const int group = H / Hkv;
+  float k0 = 0.0f, k1 = 0.0f, v0 = 0.0f, v1 = 0.0f;
+  for (int j = 0; j < group; ++j) {
+    const int64_t at = static_cast<int64_t>(h * group + j) * D + i;
+    k0 += ToFloat(dr[qd + at]);
+    k1 += ToFloat(dr[qd + at + half]);
+    v0 += ToFloat(dr[2 * qd + at]);
+    v1 += ToFloat(dr[2 * qd + at + half]);
+  }
+  const int64_t at = row * kd + static_cast<int64_t>(h) * D;
+  if (dk != nullptr) {
+    dk[at + i] = FromFloat<T>(k0 * c + k1 * s);
+    dk[at + half + i] = FromFloat<T>(k1 * c - k0 * s);
+  }
+  if (dv != nullptr) {
+    dv[at + i] = FromFloat<T>(v0);
+    dv[at + half + i] = FromFloat<T>(v1);
   }
 }
 
@@ -1062,6 +1246,74 @@ void LaunchGeluForward(const T* x, T* out, int64_t n, cudaStream_t stream) {
 template <typename T>
 void LaunchGeluBackward(const T* dout, const T* x, T* dx, int64_t n, cudaStream_t stream) {
   LaunchMap(detail::GeluBackwardOp{}, dx, n, stream, dout, x);
+}
+
+template <typename Tout>
+void LaunchRmsNormForward(const float* x, const float* w, Tout* out, float* rstd, int N, int C,
+                          float eps, cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  const int threads = std::min(detail::kRmsThreads, CeilDiv(C, 32) * 32);
+  ISTHMUS_LAUNCH(detail::RmsNormForwardKernel<Tout>, dim3(N), dim3(threads), 0, stream, x, w, out,
+                 rstd, C, eps);
+}
+
+template <typename Tin>
+void LaunchRmsNormBackward(const Tin* dout, const float* x, const float* w, const float* rstd,
+                           float* dx, float* dw, int N, int C, float* workspace,
+                           cudaStream_t stream) {
+  if (N <= 0 || C <= 0) return;
+  if (dx != nullptr) {
+    const int threads = std::min(detail::kRmsThreads, CeilDiv(C, 32) * 32);
+    ISTHMUS_LAUNCH(detail::RmsNormBackwardKernel<Tin>, dim3(N), dim3(threads), 0, stream, dout, x,
+                   w, rstd, dx, C);
+  }
+  if (dw == nullptr) return;
+  const ColumnSumPlan p = PlanColumnSum(N, C, false);
+  float* partial = p.slices > 1 ? workspace : nullptr;
+  ISTHMUS_LAUNCH(detail::RmsNormWeightGradKernel<Tin>, dim3(p.tiles, p.slices), dim3(32, 8), 0,
+                 stream, dout, x, rstd, N, C, p.rows_per_slice, partial, dw);
+  if (partial == nullptr) return;
+  ISTHMUS_LAUNCH(detail::SumPartialsKernel, dim3(CeilDiv(C, 32)), dim3(32, 8), 0, stream,
+                 static_cast<const float*>(partial), p.slices, C, C, dw,
+                 static_cast<float*>(nullptr));
+}
+
+template <typename T>
+void LaunchSwigluForward(const T* gate, const T* up, T* out, int64_t n, cudaStream_t stream) {
+  LaunchMap(detail::SwigluOp{}, out, n, stream, gate, up);
+}
+
+template <typename T>
+void LaunchSwigluBackward(const T* dout, const T* gate, const T* up, T* dgate, T* dup, int64_t n,
+                          cudaStream_t stream) {
+  if (n <= 0 || (dgate == nullptr && dup == nullptr)) return;
+  const size_t pack = detail::kElemVec * sizeof(T);
+  const bool vec = detail::Aligned(dout, pack) && detail::Aligned(gate, pack) &&
+                   detail::Aligned(up, pack) && detail::Aligned(dgate, pack) &&
+                   detail::Aligned(dup, pack);
+  auto kernel =
+      vec ? detail::SwigluBackwardKernel<T, true> : detail::SwigluBackwardKernel<T, false>;
+  ISTHMUS_LAUNCH(kernel, detail::ElementwiseGrid(n), dim3(detail::kElemThreads), 0, stream, dout,
+                 gate, up, dgate, dup, n);
+}
+
+template <typename T>
+void LaunchRopeGqaForward(const T* q, const T* k, const T* v, const float* rope, T* qkv, int B,
+                          int Tn, int H, int Hkv, int D, cudaStream_t stream) {
+  const int64_t pairs = static_cast<int64_t>(B) * Tn * H * (D / 2);
+  if (pairs <= 0) return;
+  ISTHMUS_LAUNCH(detail::RopeGqaForwardKernel<T>, dim3(CeilDiv(pairs, detail::kElemThreads)),
+                 dim3(detail::kElemThreads), 0, stream, q, k, v, rope, qkv, pairs, Tn, H, Hkv, D);
+}
+
+template <typename T>
+void LaunchRopeGqaBackward(const T* dqkv, const float* rope, T* dq, T* dk, T* dv, int B, int Tn,
+                           int H, int Hkv, int D, cudaStream_t stream) {
+  const int64_t pairs = static_cast<int64_t>(B) * Tn * H * (D / 2);
+  if (pairs <= 0) return;
+  ISTHMUS_LAUNCH(detail::RopeGqaBackwardKernel<T>, dim3(CeilDiv(pairs, detail::kElemThreads)),
+                 dim3(detail::kElemThreads), 0, stream, dqkv, rope, dq, dk, dv, pairs, Tn, H, Hkv,
+                 D);
 }
 
 template <typename T>

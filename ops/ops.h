@@ -20,8 +20,9 @@
 //   - LoRA factors use PEFT's layout: A is [r, in], B is [out, r]; y += scale * (x A^T) B^T.
 //   - Gradients of WEIGHTS are ACCUMULATED (+=), so shared weights (the tied embedding) and
 //     several micro-steps sum naturally; callers zero them between steps. Gradients of
-//     ACTIVATIONS are WRITTEN (=), except LayerNormBackward's dx, which accumulates into
-//     the residual stream's gradient. A null gradient pointer means "not needed".
+//     ACTIVATIONS are WRITTEN (=), except the dx of LayerNormBackward and RmsNormBackward,
+//     which accumulates into the residual stream's gradient. A null gradient pointer means
+//     "not needed".
 //
 // Execution and errors. Kernels and copies are enqueued in order on the backend's one
 // stream and may run after the call returns (the CPU backend runs them before returning).
@@ -222,7 +223,8 @@ class Ops {
   // out = a - b (n fp32 elements).
   virtual void Subtract(const float* a, const float* b, float* out, int64_t n) = 0;
 
-  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:]. tokens in [0, V).
+  // out[b,t,:] = wte[tokens[b,t],:] + wpe[t,:] (wpe null: no position table, as in the
+  // Llama family). tokens in [0, V).
   virtual void EmbeddingForward(const int32_t* tokens, const float* wte, const float* wpe,
                                 float* out, int B, int T, int C) = 0;
   // dwte[v,:] += sum of dout over the positions holding token v; dwpe[t,:] += sum over b of
@@ -265,6 +267,39 @@ class Ops {
                                   CRef xa, Ref dx, float* dw, float* dbias, float* dlora_a,
                                   float* dlora_b, Ref dxa_scratch, int N, int in_dim, int out_dim,
                                   int rank) = 0;
+
+  // ---- The Llama family (worker/model/gpt.h, ModelFamily::kLlama) ----
+  // Per-row RMS norm over C of the fp32 x: out = x * rstd * weight, rstd = 1 / sqrt(mean of
+  // x^2 + eps), out in fp32 or bf16. Saves rstd[N] for the backward.
+  virtual void RmsNormForward(const float* x, const float* weight, Ref out, float* rstd, int N,
+                              int C, float eps) = 0;
+  // dx += (the residual stream's gradient accumulates); dweight += (null: frozen).
+  virtual void RmsNormBackward(CRef dout, const float* x, const float* weight, const float* rstd,
+                               float* dx, float* dweight, int N, int C) = 0;
+
+  // SwiGLU's product: out = silu(gate) * up, silu(g) = g / (1 + exp(-g)); gate, up and out
+  // share one dtype (n elements). out may alias neither input.
+  virtual void SwigluForward(CRef gate, CRef up, Ref out, int64_t n) = 0;
+  // dgate = dout * up * silu'(gate), dup = dout * silu(gate) (written, in gate's dtype);
+  // dgate and dup may alias gate and up respectively (in place).
+  virtual void SwigluBackward(CRef dout, CRef gate, CRef up, Ref dgate, Ref dup, int64_t n) = 0;
+
+  // Rotary position embedding and grouped-query heads, packed for AttentionForward: from
+  // q [B,T,H*D] and k, v [B,T,Hkv*D] (Hkv divides H) writes qkv [B,T,3*H*D] whose q part is
+  // q rotated, whose k part holds for head h the rotated k of kv head h / (H / Hkv), and
+  // whose v part that kv head's v. The rotation of a head's D values x at position t (the
+  // index within the sequence), Hugging Face's rotate_half convention, for i < D/2 with
+  // c = rope[t*D + i], s = rope[t*D + D/2 + i]:
+  //   y[i] = x[i] c - x[i + D/2] s,   y[i + D/2] = x[i + D/2] c + x[i] s.
+  // rope is fp32 in backend memory, one row of D per position (cos, then sin, of the D/2
+  // angles; at least T rows). q, k, v and qkv share one dtype; D is even.
+  virtual void RopeGqaForward(CRef q, CRef k, CRef v, const float* rope, Ref qkv, int B, int T,
+                              int H, int Hkv, int D) = 0;
+  // The adjoint of RopeGqaForward: dq = the q part rotated back; dk and dv = the k and v
+  // parts summed over the heads that share each kv head, k's rotated back (all written, in
+  // dqkv's dtype).
+  virtual void RopeGqaBackward(CRef dqkv, const float* rope, Ref dq, Ref dk, Ref dv, int B, int T,
+                               int H, int Hkv, int D) = 0;
 
   // GELU, tanh approximation (as GPT-2). out / dx may alias their inputs.
   virtual void GeluForward(CRef x, Ref out, int64_t n) = 0;

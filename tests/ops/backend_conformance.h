@@ -236,13 +236,17 @@ TEST_P(BackendTest, Embedding) {
       "embedding",
       [&](Ops& o, Mem& mem) -> Outputs {
         Ref out = mem.Out(dout.size()), dwte = mem.In(dwte0), dwpe = mem.In(dwpe0);
+        Ref out_no_wpe = mem.Out(dout.size());
         o.EmbeddingForward(mem.Ints(tokens), static_cast<const float*>(mem.In(wte).data),
                            static_cast<const float*>(mem.In(wpe).data),
                            static_cast<float*>(out.data), s.B, s.T, s.C);
+        o.EmbeddingForward(mem.Ints(tokens), static_cast<const float*>(mem.In(wte).data), nullptr,
+                           static_cast<float*>(out_no_wpe.data), s.B, s.T, s.C);
         o.EmbeddingBackward(static_cast<const float*>(mem.In(dout).data), mem.Ints(order),
                             mem.Ints(starts), static_cast<float*>(dwte.data),
                             static_cast<float*>(dwpe.data), s.B, s.T, s.C, s.V);
         return {{"out", mem.Read(out, dout.size())},
+                {"out without wpe", mem.Read(out_no_wpe, dout.size())},
                 {"dwte (accumulated)", mem.Read(dwte, wte.size())},
                 {"dwpe (accumulated)", mem.Read(dwpe, wpe.size())}};
       },
@@ -346,6 +350,97 @@ TEST_P(BackendTest, Gelu) {
           return {{"out", mem.Read(out, n)}, {"dx (in place)", mem.Read(dx, n)}};
         },
         Tol(d, kF32Tol));
+  }
+}
+
+TEST_P(BackendTest, RmsNorm) {
+  const Shape& s = shape();
+  const int N = s.B * s.T, C = s.C;
+  std::mt19937 rng(20);
+  const auto x = Random(static_cast<size_t>(N) * C, rng, 3.0f), w = Random(C, rng);
+  const auto dx0 = Random(x.size(), rng), dw0 = Random(C, rng);
+  for (Dtype d : kDtypes) {
+    const auto dout = Random(x.size(), rng);
+    Compare(
+        std::string("rmsnorm ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          auto f = [](Ref r) { return static_cast<float*>(r.data); };
+          Ref out = mem.Out(x.size(), d), rstd = mem.Out(N);
+          Ref xr = mem.In(x), wr = mem.In(w), dx = mem.In(dx0), dw = mem.In(dw0);
+          Ref dx_frozen = mem.In(dx0);
+          o.RmsNormForward(f(xr), f(wr), out, f(rstd), N, C, 1e-6f);
+          Ref dr = mem.In(dout, d);
+          o.RmsNormBackward(dr, f(xr), f(wr), f(rstd), f(dx), f(dw), N, C);
+          o.RmsNormBackward(dr, f(xr), f(wr), f(rstd), f(dx_frozen), nullptr, N, C);
+          return {{"out", mem.Read(out, x.size())},
+                  {"rstd", mem.Read(rstd, N)},
+                  {"dx (accumulated)", mem.Read(dx, x.size())},
+                  {"dweight (accumulated)", mem.Read(dw, C)},
+                  {"dx, frozen weight", mem.Read(dx_frozen, x.size())}};
+        },
+        Tol(d, kF32Tol));
+  }
+}
+
+TEST_P(BackendTest, Swiglu) {
+  const Shape& s = shape();
+  const size_t n = static_cast<size_t>(s.B) * s.T * 4 * s.C + 3;
+  std::mt19937 rng(21);
+  const auto gate = Random(n, rng, 3.0f), up = Random(n, rng), dout = Random(n, rng);
+  for (Dtype d : kDtypes) {
+    Compare(
+        std::string("swiglu ") + DtypeName(d),
+        [&](Ops& o, Mem& mem) -> Outputs {
+          Ref g = mem.In(gate, d), u = mem.In(up, d), out = mem.Out(n, d);
+          Ref dg = mem.Out(n, d), du = mem.Out(n, d), dr = mem.In(dout, d);
+          o.SwigluForward(g, u, out, static_cast<int64_t>(n));
+          o.SwigluBackward(dr, g, u, dg, du, static_cast<int64_t>(n));
+          o.SwigluBackward(dr, g, u, g, u, static_cast<int64_t>(n));  // in place
+          return {{"out", mem.Read(out, n)},
+                  {"dgate", mem.Read(dg, n)},
+                  {"dup", mem.Read(du, n)},
+                  {"dgate (in place)", mem.Read(g, n)},
+                  {"dup (in place)", mem.Read(u, n)}};
+        },
+        Tol(d, kF32Tol));
+  }
+}
+
+TEST_P(BackendTest, RopeGqa) {
+  const Shape& s = shape();
+  const int H = s.H, D = s.C / s.H, N = s.B * s.T;
+  ASSERT_EQ(D % 2, 0) << "RoPE needs an even head size";
+  std::vector<float> rope(static_cast<size_t>(s.T) * D);
+  for (int t = 0; t < s.T; ++t) {
+    for (int i = 0; i < D / 2; ++i) {
+      const double angle = t * std::pow(10000.0, -2.0 * i / D);
+      rope[t * D + i] = static_cast<float>(std::cos(angle));
+      rope[t * D + D / 2 + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+  std::mt19937 rng(22);
+  // Plain multi-head, and grouped (two query heads per kv head, or one kv head).
+  for (int Hkv : {H, H % 2 == 0 ? H / 2 : 1}) {
+    const size_t qn = static_cast<size_t>(N) * H * D, kn = static_cast<size_t>(N) * Hkv * D;
+    const auto q = Random(qn, rng), k = Random(kn, rng), v = Random(kn, rng);
+    const auto dqkv = Random(3 * qn, rng);
+    for (Dtype d : kDtypes) {
+      Compare(
+          "rope H " + std::to_string(H) + " Hkv " + std::to_string(Hkv) + " " + DtypeName(d),
+          [&](Ops& o, Mem& mem) -> Outputs {
+            Ref qkv = mem.Out(3 * qn, d), dq = mem.Out(qn, d), dk = mem.Out(kn, d);
+            Ref dv = mem.Out(kn, d), table = mem.In(rope);
+            const float* rp = static_cast<const float*>(table.data);
+            o.RopeGqaForward(mem.In(q, d), mem.In(k, d), mem.In(v, d), rp, qkv, s.B, s.T, H, Hkv,
+                             D);
+            o.RopeGqaBackward(mem.In(dqkv, d), rp, dq, dk, dv, s.B, s.T, H, Hkv, D);
+            return {{"qkv", mem.Read(qkv, 3 * qn)},
+                    {"dq", mem.Read(dq, qn)},
+                    {"dk", mem.Read(dk, kn)},
+                    {"dv", mem.Read(dv, kn)}};
+          },
+          Tol(d, kF32Tol));
+    }
   }
 }
 

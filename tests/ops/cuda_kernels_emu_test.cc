@@ -17,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ops/cuda_kernels.cuh"
@@ -158,6 +159,12 @@ TEST(CudaKernelsEmuTest, ZeroSizesLaunchNothing) {
   LaunchLayerNormBackward(&f, &f, &f, &f, &f, &f, &f, &f, 0, 8, Workspace().data(), nullptr);
   LaunchGeluForward(&f, &f, 0, nullptr);
   LaunchGeluBackward(&f, &f, &f, 0, nullptr);
+  LaunchRmsNormForward(&f, &f, &f, &f, 0, 8, 1e-5f, nullptr);
+  LaunchRmsNormBackward(&f, &f, &f, &f, &f, &f, 0, 8, Workspace().data(), nullptr);
+  LaunchSwigluForward(&f, &f, &f, 0, nullptr);
+  LaunchSwigluBackward(&f, &f, &f, &f, &f, 0, nullptr);
+  LaunchRopeGqaForward(&f, &f, &f, &f, &f, 0, 5, 4, 2, 8, nullptr);
+  LaunchRopeGqaBackward(&f, &f, &f, &f, &f, 2, 0, 4, 2, 8, nullptr);
   LaunchSoftmaxCrossEntropy<float>(&f, nullptr, &f, &f, &f, 0, 7, nullptr);
   LaunchAdamW<float>(&f, &f, &f, &f, nullptr, nullptr, 0, &f, nullptr, AdamWConfig{}, nullptr);
   EXPECT_EQ(Launches(), before);
@@ -517,6 +524,236 @@ TEST(CudaKernelsEmuTest, GeluForwardAndBackward) {
       CheckGelu<float>(1000, offset, in_place);
       CheckGelu<bf16>(1000, offset, in_place);
       CheckGelu<float>(1001, offset, in_place);
+    }
+  }
+}
+
+// ---- The Llama family: RMS norm, SwiGLU, RoPE with grouped-query heads ----------------------
+
+template <typename Tout>
+void CheckRmsNormForward(int N, int C, int offset) {
+  SCOPED_TRACE(std::string(Name<Tout>()) + " N=" + std::to_string(N) + " C=" + std::to_string(C) +
+               " offset=" + std::to_string(offset));
+  const float eps = 1e-6f;
+  const std::vector<float> x = Random(static_cast<size_t>(N) * C + offset, 50, -2.0f, 2.0f);
+  const std::vector<float> w = Random(C, 51, 0.5f, 1.5f);
+  std::vector<Tout> out(static_cast<size_t>(N) * C + offset, Make<Tout>(9.0f));
+  std::vector<float> rstd(N, 9.0f);
+  LaunchRmsNormForward(x.data() + offset, w.data(), out.data() + offset, rstd.data(), N, C, eps,
+                       nullptr);
+  ExpectLaunchOk();
+  std::vector<double> ref(static_cast<size_t>(N) * C), ref_rstd(N);
+  for (int i = 0; i < N; ++i) {
+    const float* xi = x.data() + offset + static_cast<size_t>(i) * C;
+    double ms = 0;
+    for (int c = 0; c < C; ++c) ms += static_cast<double>(xi[c]) * xi[c];
+    ref_rstd[i] = 1.0 / std::sqrt(ms / C + eps);
+    for (int c = 0; c < C; ++c) ref[i * C + c] = xi[c] * ref_rstd[i] * w[c];
+  }
+  ExpectClose(out.data() + offset, ref, StoreTol<Tout>(), "out");
+  ExpectClose(rstd, ref_rstd, kF32Tol, "rstd");
+}
+
+TEST(CudaKernelsEmuTest, RmsNormForward) {
+  for (int offset : {0, 1}) {
+    for (int C : {8, 48, 50, 300}) {  // 32 to 256 threads, one or several columns each
+      CheckRmsNormForward<float>(7, C, offset);
+      CheckRmsNormForward<bf16>(7, C, offset);
+    }
+  }
+  CheckRmsNormForward<float>(3, 1500, 0);
+}
+
+template <typename Tin>
+void CheckRmsNormBackward(int N, int C, bool with_dx, bool with_dw, int expect_launches) {
+  SCOPED_TRACE(std::string(Name<Tin>()) + " N=" + std::to_string(N) + " C=" + std::to_string(C) +
+               " dx=" + std::to_string(with_dx) + " dw=" + std::to_string(with_dw));
+  const std::vector<float> x = Random(static_cast<size_t>(N) * C, 52, -2.0f, 2.0f);
+  const std::vector<float> w = Random(C, 53, 0.5f, 1.5f);
+  std::vector<float> rstd(N);
+  for (int i = 0; i < N; ++i) {
+    double ms = 0;
+    for (int c = 0; c < C; ++c) ms += static_cast<double>(x[i * C + c]) * x[i * C + c];
+    rstd[i] = static_cast<float>(1.0 / std::sqrt(ms / C + 1e-5));
+  }
+  const std::vector<Tin> dout = As<Tin>(Random(static_cast<size_t>(N) * C, 54));
+  std::vector<float> dx = Random(static_cast<size_t>(N) * C, 55), dw = Random(C, 56);
+  std::vector<double> ref_dx(dx.begin(), dx.end()), ref_dw(dw.begin(), dw.end());
+  for (int i = 0; i < N; ++i) {
+    double gx = 0;
+    for (int c = 0; c < C; ++c) {
+      const double xhat = static_cast<double>(x[i * C + c]) * rstd[i];
+      gx += F(dout[i * C + c]) * static_cast<double>(w[c]) * xhat;
+      ref_dw[c] += F(dout[i * C + c]) * xhat;
+    }
+    for (int c = 0; c < C; ++c) {
+      const double xhat = static_cast<double>(x[i * C + c]) * rstd[i];
+      ref_dx[i * C + c] +=
+          rstd[i] * (F(dout[i * C + c]) * static_cast<double>(w[c]) - xhat * gx / C);
+    }
+  }
+  const std::vector<float> dx0 = dx, dw0 = dw;
+  const int64_t before = Launches();
+  LaunchRmsNormBackward(dout.data(), x.data(), w.data(), rstd.data(), with_dx ? dx.data() : nullptr,
+                        with_dw ? dw.data() : nullptr, N, C, Workspace().data(), nullptr);
+  ExpectLaunchOk();
+  EXPECT_EQ(Launches() - before, expect_launches);
+  if (with_dx) {
+    ExpectClose(dx, ref_dx, kF32Tol, "dx (accumulated)");
+  } else {
+    EXPECT_EQ(dx, dx0);
+  }
+  if (with_dw) {
+    ExpectClose(dw, ref_dw, kF32Tol, "dweight (accumulated)");
+  } else {
+    EXPECT_EQ(dw, dw0);
+  }
+}
+
+TEST(CudaKernelsEmuTest, RmsNormBackwardAccumulatesOnePassAndTwoPass) {
+  for (int C : {48, 50}) {
+    CheckRmsNormBackward<float>(37, C, true, true, 2);  // dweight in one slice
+    CheckRmsNormBackward<bf16>(37, C, true, true, 2);
+    CheckRmsNormBackward<float>(37, C, true, false, 1);
+    CheckRmsNormBackward<bf16>(37, C, false, true, 1);
+    CheckRmsNormBackward<float>(300, C, true, true, 3);  // 5 slices and a second pass
+    CheckRmsNormBackward<bf16>(300, C, false, true, 2);
+  }
+  CheckRmsNormBackward<float>(5, 700, true, true, 2);
+}
+
+double SiluRef(double g) { return g / (1.0 + std::exp(-g)); }
+
+template <typename T>
+void CheckSwiglu(int n, int offset, bool in_place) {
+  SCOPED_TRACE(std::string(Name<T>()) + " n=" + std::to_string(n) +
+               " offset=" + std::to_string(offset) + " in_place=" + std::to_string(in_place));
+  std::vector<T> gate = As<T>(Random(n + offset, 60, -8.0f, 8.0f));
+  std::vector<T> up = As<T>(Random(n + offset, 61));
+  const std::vector<T> dout = As<T>(Random(n + offset, 62));
+  std::vector<double> ref_y(n), ref_dg(n), ref_du(n);
+  for (int i = 0; i < n; ++i) {
+    const double g = F(gate[offset + i]), u = F(up[offset + i]), d = F(dout[offset + i]);
+    const double sig = 1.0 / (1.0 + std::exp(-g));
+    ref_y[i] = SiluRef(g) * u;
+    ref_dg[i] = d * u * sig * (1.0 + g * (1.0 - sig));
+    ref_du[i] = d * SiluRef(g);
+  }
+  std::vector<T> y(n + offset, Make<T>(55.0f));
+  LaunchSwigluForward(gate.data() + offset, up.data() + offset, y.data() + offset, n, nullptr);
+  ExpectLaunchOk();
+  ExpectClose(y.data() + offset, ref_y, StoreTol<T>(), "out");
+  // dgate and dup written over garbage, or over gate and up themselves.
+  std::vector<T> dg(n + offset, Make<T>(55.0f)), du(n + offset, Make<T>(56.0f));
+  T* dg_ptr = in_place ? gate.data() + offset : dg.data() + offset;
+  T* du_ptr = in_place ? up.data() + offset : du.data() + offset;
+  LaunchSwigluBackward(dout.data() + offset, gate.data() + offset, up.data() + offset, dg_ptr,
+                       du_ptr, n, nullptr);
+  ExpectLaunchOk();
+  ExpectClose(dg_ptr, ref_dg, StoreTol<T>(), "dgate");
+  ExpectClose(du_ptr, ref_du, StoreTol<T>(), "dup");
+}
+
+TEST(CudaKernelsEmuTest, SwigluForwardAndBackward) {
+  for (int offset : {0, 1}) {
+    for (bool in_place : {false, true}) {
+      CheckSwiglu<float>(1000, offset, in_place);
+      CheckSwiglu<bf16>(1000, offset, in_place);
+      CheckSwiglu<float>(1001, offset, in_place);
+    }
+  }
+}
+
+// cos, then sin, of the D/2 angles t * 10000^(-2i/D).
+std::vector<float> RopeTable(int Tn, int D) {
+  std::vector<float> rope(static_cast<size_t>(Tn) * D);
+  for (int t = 0; t < Tn; ++t) {
+    for (int i = 0; i < D / 2; ++i) {
+      const double angle = t * std::pow(10000.0, -2.0 * i / D);
+      rope[t * D + i] = static_cast<float>(std::cos(angle));
+      rope[t * D + D / 2 + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+  return rope;
+}
+
+template <typename T>
+void CheckRopeGqa(int B, int Tn, int H, int Hkv, int D) {
+  SCOPED_TRACE(std::string(Name<T>()) + " B=" + std::to_string(B) + " T=" + std::to_string(Tn) +
+               " H=" + std::to_string(H) + " Hkv=" + std::to_string(Hkv) +
+               " D=" + std::to_string(D));
+  const int N = B * Tn, half = D / 2, group = H / Hkv;
+  const size_t qd = static_cast<size_t>(H) * D, kd = static_cast<size_t>(Hkv) * D;
+  const std::vector<float> rope = RopeTable(Tn + 3, D);  // more rows than T: only T are read
+  const std::vector<T> q = As<T>(Random(N * qd, 70)), k = As<T>(Random(N * kd, 71));
+  const std::vector<T> v = As<T>(Random(N * kd, 72)), g = As<T>(Random(3 * N * qd, 73));
+  std::vector<double> ref(3 * N * qd), ref_dq(N * qd), ref_dk(N * kd, 0.0), ref_dv(N * kd, 0.0);
+  for (int row = 0; row < N; ++row) {
+    const float* cs = rope.data() + static_cast<size_t>(row % Tn) * D;
+    for (int h = 0; h < H; ++h) {
+      const int kh = h / group;
+      for (int i = 0; i < half; ++i) {
+        const double c = cs[i], s = cs[half + i];
+        const size_t qa = row * qd + h * D + i, ka = row * kd + kh * D + i;
+        const size_t o = row * 3 * qd + h * D + i;
+        ref[o] = F(q[qa]) * c - F(q[qa + half]) * s;
+        ref[o + half] = F(q[qa + half]) * c + F(q[qa]) * s;
+        ref[o + qd] = F(k[ka]) * c - F(k[ka + half]) * s;
+        ref[o + qd + half] = F(k[ka + half]) * c + F(k[ka]) * s;
+        ref[o + 2 * qd] = F(v[ka]);
+        ref[o + 2 * qd + half] = F(v[ka + half]);
+        // The transpose of each map.
+        const double g0 = F(g[o]), g1 = F(g[o + half]);
+        ref_dq[qa] = g0 * c + g1 * s;
+        ref_dq[qa + half] = g1 * c - g0 * s;
+        const double k0 = F(g[o + qd]), k1 = F(g[o + qd + half]);
+        ref_dk[ka] += k0 * c + k1 * s;
+        ref_dk[ka + half] += k1 * c - k0 * s;
+        ref_dv[ka] += F(g[o + 2 * qd]);
+        ref_dv[ka + half] += F(g[o + 2 * qd + half]);
+      }
+    }
+  }
+  std::vector<T> qkv(3 * N * qd, Make<T>(55.0f));
+  LaunchRopeGqaForward(q.data(), k.data(), v.data(), rope.data(), qkv.data(), B, Tn, H, Hkv, D,
+                       nullptr);
+  ExpectLaunchOk();
+  ExpectClose(qkv, ref, StoreTol<T>(), "qkv");
+  std::vector<T> dq(N * qd, Make<T>(55.0f)), dk(N * kd, Make<T>(56.0f)), dv(N * kd, Make<T>(57.0f));
+  LaunchRopeGqaBackward(g.data(), rope.data(), dq.data(), dk.data(), dv.data(), B, Tn, H, Hkv, D,
+                        nullptr);
+  ExpectLaunchOk();
+  ExpectClose(dq, ref_dq, StoreTol<T>(), "dq");
+  ExpectClose(dk, ref_dk, StoreTol<T>(), "dk");
+  ExpectClose(dv, ref_dv, StoreTol<T>(), "dv");
+}
+
+TEST(CudaKernelsEmuTest, RopeGqaForwardAndBackward) {
+  for (auto [H, Hkv] : {std::pair{4, 2}, std::pair{4, 4}, std::pair{4, 1}}) {
+    CheckRopeGqa<float>(2, 5, H, Hkv, 8);
+    CheckRopeGqa<bf16>(2, 5, H, Hkv, 8);
+  }
+  CheckRopeGqa<float>(2, 37, 6, 2, 64);  // several blocks, the last one partial
+  CheckRopeGqa<bf16>(1, 9, 3, 3, 6);     // D/2 odd
+}
+
+TEST(CudaKernelsEmuTest, EmbeddingForwardWithoutPositionTable) {
+  const int B = 3, Tn = 7, V = 29;
+  for (int C : {48, 50}) {
+    for (int offset : {0, 1}) {
+      SCOPED_TRACE("C=" + std::to_string(C) + " offset=" + std::to_string(offset));
+      std::vector<int32_t> tokens(B * Tn);
+      for (int i = 0; i < B * Tn; ++i) tokens[i] = (i * 11) % V;
+      const std::vector<float> wte = Random(static_cast<size_t>(V) * C + offset, 8);
+      std::vector<float> out(static_cast<size_t>(B) * Tn * C + offset, 77.0f);
+      LaunchEmbeddingForward(tokens.data(), wte.data() + offset, nullptr, out.data() + offset, B,
+                             Tn, C, nullptr);
+      ExpectLaunchOk();
+      for (int i = 0; i < B * Tn; ++i) {
+        for (int c = 0; c < C; ++c) {
+          ASSERT_EQ(out[offset + i * C + c], wte[offset + tokens[i] * C + c]) << i << "," << c;
+        }
+      }
     }
   }
 }

@@ -477,6 +477,221 @@ TEST(AttentionTest, GradientIsWritten) {
 }
 
 // ---------------------------------------------------------------------------------------
+// The Llama family: no position table, RMS norm, SwiGLU, RoPE with grouped-query heads
+
+TEST(EmbeddingTest, NullPositionTableGivesTheTokenRows) {
+  std::mt19937 rng(30);
+  const int B = 2, T = 3, C = 4, V = 5;
+  const std::vector<int32_t> tokens = {1, 4, 1, 0, 1, 3};
+  const Vec wte = Random(V * C, rng);
+  Vec out(B * T * C, 99.0f);
+  ops().EmbeddingForward(tokens.data(), wte.data(), nullptr, out.data(), B, T, C);
+  for (int i = 0; i < B * T; ++i) {
+    for (int c = 0; c < C; ++c) EXPECT_EQ(out[i * C + c], wte[tokens[i] * C + c]) << i << "," << c;
+  }
+}
+
+TEST(RmsNormTest, ForwardMatchesReference) {
+  std::mt19937 rng(31);
+  const int N = 3, C = 16;
+  const float eps = 1e-6f;
+  Vec x = Random(N * C, rng, 2.0f);
+  for (int c = 0; c < C; ++c) x[2 * C + c] *= 1e-4f;  // a tiny row: eps matters
+  const Vec weight = Random(C, rng);
+  Vec out(N * C, 7.0f), rstd(N, 7.0f);
+  ops().RmsNormForward(x.data(), weight.data(), out.data(), rstd.data(), N, C, eps);
+  for (int i = 0; i < N; ++i) {
+    double ms = 0.0;
+    for (int c = 0; c < C; ++c) ms += static_cast<double>(x[i * C + c]) * x[i * C + c];
+    const double rs = 1.0 / std::sqrt(ms / C + eps);
+    EXPECT_NEAR(rstd[i], rs, 1e-6 * rs) << i;
+    for (int c = 0; c < C; ++c) {
+      const double ref = x[i * C + c] * rs * weight[c];
+      EXPECT_NEAR(out[i * C + c], ref, 1e-6 * (1.0 + std::abs(ref))) << i << "," << c;
+    }
+  }
+}
+
+TEST(RmsNormTest, GradientsAccumulateAndAFrozenWeightMayBeNull) {
+  std::mt19937 rng(32);
+  const int N = 4, C = 8;
+  const float eps = 1e-5f;
+  Vec x = Random(N * C, rng), weight = Random(C, rng);
+  const Vec w = Random(N * C, rng);
+  Vec out(N * C), rstd(N);
+  auto loss = [&] {
+    ops().RmsNormForward(x.data(), weight.data(), out.data(), rstd.data(), N, C, eps);
+    return WeightedSum(out, w);
+  };
+  loss();
+  // Both accumulate (dx is the residual stream's gradient).
+  const Vec dx0 = Random(N * C, rng), dw0 = Random(C, rng);
+  Vec dx = dx0, dweight = dw0;
+  ops().RmsNormBackward(w.data(), x.data(), weight.data(), rstd.data(), dx.data(), dweight.data(),
+                        N, C);
+  ExpectGradientMatches("rmsnorm dx", &x, Minus(dx, dx0), loss);
+  ExpectGradientMatches("rmsnorm dweight", &weight, Minus(dweight, dw0), loss);
+  // Frozen weight: the same dx without a dweight.
+  loss();
+  Vec dx2 = dx0;
+  ops().RmsNormBackward(w.data(), x.data(), weight.data(), rstd.data(), dx2.data(), nullptr, N, C);
+  EXPECT_EQ(dx2, dx);
+}
+
+TEST(SwigluTest, ForwardMatchesReference) {
+  std::mt19937 rng(33);
+  Vec gate = Random(64, rng, 3.0f), up = Random(64, rng);
+  gate.insert(gate.end(), {0.0f, 100.0f, -100.0f, -1000.0f});  // exp(1000) overflows: silu 0
+  up.insert(up.end(), {1.0f, 2.0f, 3.0f, 4.0f});
+  const int64_t n = static_cast<int64_t>(gate.size());
+  Vec out(n, 5.0f);
+  ops().SwigluForward(gate.data(), up.data(), out.data(), n);
+  for (int64_t i = 0; i < n; ++i) {
+    const double g = gate[i];
+    const double ref = g / (1.0 + std::exp(-g)) * up[i];
+    EXPECT_NEAR(out[i], ref, 1e-6 * (1.0 + std::abs(ref))) << "gate=" << g;
+  }
+  EXPECT_EQ(out[n - 4], 0.0f);
+  EXPECT_EQ(out[n - 1], 0.0f);
+}
+
+TEST(SwigluTest, GradientsAreWrittenAndMayBeInPlace) {
+  std::mt19937 rng(34);
+  const int n = 40;
+  Vec gate = Random(n, rng, 2.0f), up = Random(n, rng);
+  const Vec w = Random(n, rng);
+  Vec out(n);
+  auto loss = [&] {
+    ops().SwigluForward(gate.data(), up.data(), out.data(), n);
+    return WeightedSum(out, w);
+  };
+  Vec dgate(n, 42.0f), dup(n, 43.0f);
+  ops().SwigluBackward(w.data(), gate.data(), up.data(), dgate.data(), dup.data(), n);
+  ExpectGradientMatches("swiglu dgate", &gate, dgate, loss);
+  ExpectGradientMatches("swiglu dup", &up, dup, loss);
+  // In place: dgate over gate, dup over up.
+  Vec g2 = gate, u2 = up;
+  ops().SwigluBackward(w.data(), g2.data(), u2.data(), g2.data(), u2.data(), n);
+  EXPECT_EQ(g2, dgate);
+  EXPECT_EQ(u2, dup);
+}
+
+// cos, then sin, of the D/2 angles t * theta^(-2i/D) of each position t < T.
+Vec RopeTable(int T, int D, double theta = 10000.0) {
+  Vec rope(static_cast<size_t>(T) * D);
+  for (int t = 0; t < T; ++t) {
+    for (int i = 0; i < D / 2; ++i) {
+      const double angle = t * std::pow(theta, -2.0 * i / D);
+      rope[t * D + i] = static_cast<float>(std::cos(angle));
+      rope[t * D + D / 2 + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+  return rope;
+}
+
+// qkv [B,T,3*H*D] from q [B,T,H*D] and k, v [B,T,Hkv*D], in double (ops.h's formula).
+std::vector<double> NaiveRopeGqa(const Vec& q, const Vec& k, const Vec& v, const Vec& rope, int B,
+                                 int T, int H, int Hkv, int D) {
+  const int half = D / 2, qd = H * D, kd = Hkv * D;
+  std::vector<double> out(static_cast<size_t>(B) * T * 3 * qd);
+  for (int row = 0; row < B * T; ++row) {
+    const int t = row % T;
+    for (int h = 0; h < H; ++h) {
+      const int kh = h / (H / Hkv);
+      const float* src[2] = {&q[row * qd + h * D], &k[row * kd + kh * D]};
+      for (int part = 0; part < 2; ++part) {
+        double* o = &out[static_cast<size_t>(row) * 3 * qd + part * qd + h * D];
+        for (int i = 0; i < half; ++i) {
+          const double c = rope[t * D + i], s = rope[t * D + half + i];
+          const double x0 = src[part][i], x1 = src[part][half + i];
+          o[i] = x0 * c - x1 * s;
+          o[half + i] = x1 * c + x0 * s;
+        }
+      }
+      for (int d = 0; d < D; ++d) {
+        out[static_cast<size_t>(row) * 3 * qd + 2 * qd + h * D + d] = v[row * kd + kh * D + d];
+      }
+    }
+  }
+  return out;
+}
+
+struct RopeShape {
+  int H, Hkv;
+};
+constexpr RopeShape kRopeShapes[] = {{4, 2}, {4, 4}, {4, 1}};
+
+TEST(RopeGqaTest, ForwardMatchesReference) {
+  std::mt19937 rng(35);
+  const int B = 2, T = 5, D = 8;
+  const Vec rope = RopeTable(T, D);
+  for (const RopeShape& sh : kRopeShapes) {
+    SCOPED_TRACE("H=" + std::to_string(sh.H) + " Hkv=" + std::to_string(sh.Hkv));
+    const Vec q = Random(B * T * sh.H * D, rng), k = Random(B * T * sh.Hkv * D, rng),
+              v = Random(B * T * sh.Hkv * D, rng);
+    Vec qkv(B * T * 3 * sh.H * D, 8.0f);
+    ops().RopeGqaForward(q.data(), k.data(), v.data(), rope.data(), qkv.data(), B, T, sh.H, sh.Hkv,
+                         D);
+    const std::vector<double> ref = NaiveRopeGqa(q, k, v, rope, B, T, sh.H, sh.Hkv, D);
+    for (size_t i = 0; i < ref.size(); ++i) ASSERT_NEAR(qkv[i], ref[i], 1e-6) << i;
+    // Position 0 is the identity rotation.
+    for (int d = 0; d < sh.H * D; ++d) EXPECT_EQ(qkv[d], q[d]);
+  }
+}
+
+TEST(RopeGqaTest, BackwardIsTheAdjoint) {
+  std::mt19937 rng(36);
+  const int B = 2, T = 5, D = 8;
+  const Vec rope = RopeTable(T, D);
+  for (const RopeShape& sh : kRopeShapes) {
+    SCOPED_TRACE("H=" + std::to_string(sh.H) + " Hkv=" + std::to_string(sh.Hkv));
+    const int qn = B * T * sh.H * D, kn = B * T * sh.Hkv * D;
+    const Vec q = Random(qn, rng), k = Random(kn, rng), v = Random(kn, rng);
+    const Vec g = Random(3 * qn, rng);
+    Vec qkv(3 * qn), dq(qn, 5.0f), dk(kn, 6.0f), dv(kn, 7.0f);
+    ops().RopeGqaForward(q.data(), k.data(), v.data(), rope.data(), qkv.data(), B, T, sh.H, sh.Hkv,
+                         D);
+    ops().RopeGqaBackward(g.data(), rope.data(), dq.data(), dk.data(), dv.data(), B, T, sh.H,
+                          sh.Hkv, D);
+    // <F(q,k,v), g> == <(q,k,v), F^T g>, relative to the sum of the terms' magnitudes.
+    double lhs = 0.0, rhs = 0.0, scale = 0.0;
+    for (int i = 0; i < 3 * qn; ++i) {
+      lhs += static_cast<double>(qkv[i]) * g[i];
+      scale += std::abs(static_cast<double>(qkv[i]) * g[i]);
+    }
+    for (int i = 0; i < qn; ++i) rhs += static_cast<double>(q[i]) * dq[i];
+    for (int i = 0; i < kn; ++i) {
+      rhs += static_cast<double>(k[i]) * dk[i] + static_cast<double>(v[i]) * dv[i];
+    }
+    EXPECT_NEAR(lhs, rhs, 1e-5 * scale) << "lhs " << lhs << " rhs " << rhs;
+  }
+}
+
+TEST(RopeGqaTest, GradientsAreWritten) {
+  std::mt19937 rng(37);
+  const int B = 2, T = 5, D = 8;
+  const Vec rope = RopeTable(T, D);
+  for (const RopeShape& sh : kRopeShapes) {
+    const std::string tag = " H" + std::to_string(sh.H) + " Hkv" + std::to_string(sh.Hkv);
+    const int qn = B * T * sh.H * D, kn = B * T * sh.Hkv * D;
+    Vec q = Random(qn, rng), k = Random(kn, rng), v = Random(kn, rng);
+    const Vec w = Random(3 * qn, rng);
+    Vec qkv(3 * qn);
+    auto loss = [&] {
+      ops().RopeGqaForward(q.data(), k.data(), v.data(), rope.data(), qkv.data(), B, T, sh.H,
+                           sh.Hkv, D);
+      return WeightedSum(qkv, w);
+    };
+    Vec dq(qn, 5.0f), dk(kn, 6.0f), dv(kn, 7.0f);
+    ops().RopeGqaBackward(w.data(), rope.data(), dq.data(), dk.data(), dv.data(), B, T, sh.H,
+                          sh.Hkv, D);
+    ExpectGradientMatches("rope dq" + tag, &q, dq, loss);
+    ExpectGradientMatches("rope dk" + tag, &k, dk, loss);
+    ExpectGradientMatches("rope dv" + tag, &v, dv, loss);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // Elementwise: Cast, Subtract, SumSquares
 
 TEST(ElementwiseTest, CastSubtractSumSquares) {
@@ -853,6 +1068,42 @@ TEST(Bf16Test, KernelsRoundTheirFp32ResultOnce) {
   ops().LayerNormForward(x.data(), weight.data(), bias.data(), lh.data(), mean.data(), rstd.data(),
                          N, in);
   EXPECT_EQ(from_bf16(lh), rounded(lref));
+
+  Vec rref(N * in), rs(N);
+  ops().RmsNormForward(x.data(), weight.data(), rref.data(), rs.data(), N, in, 1e-5f);
+  std::vector<Bf16> rh(N * in);
+  ops().RmsNormForward(x.data(), weight.data(), rh.data(), rs.data(), N, in, 1e-5f);
+  EXPECT_EQ(from_bf16(rh), rounded(rref));
+
+  const Vec up = rounded(Random(N * in, rng));
+  const auto uh = to_bf16(up);
+  Vec sref(N * in), dgref(N * in), duref(N * in);
+  ops().SwigluForward(x.data(), up.data(), sref.data(), N * in);
+  ops().SwigluBackward(up.data(), x.data(), up.data(), dgref.data(), duref.data(), N * in);
+  std::vector<Bf16> sh(N * in), dgh(N * in), duh(N * in);
+  ops().SwigluForward(xh.data(), uh.data(), sh.data(), N * in);
+  ops().SwigluBackward(uh.data(), xh.data(), uh.data(), dgh.data(), duh.data(), N * in);
+  EXPECT_EQ(from_bf16(sh), rounded(sref));
+  EXPECT_EQ(from_bf16(dgh), rounded(dgref));
+  EXPECT_EQ(from_bf16(duh), rounded(duref));
+
+  // RoPE with B = 1, T = N, H = 2, Hkv = 1, D = 8: q is x, k and v are halves of up.
+  const int H = 2, Hkv = 1, D = 8;
+  const Vec rope = RopeTable(N, D);
+  Vec qkv(N * 3 * H * D), dq(N * H * D), dk(N * Hkv * D), dv(N * Hkv * D);
+  ops().RopeGqaForward(x.data(), up.data(), up.data() + N * D, rope.data(), qkv.data(), 1, N, H,
+                       Hkv, D);
+  std::vector<Bf16> qkvh(qkv.size()), dqh(dq.size()), dkh(dk.size()), dvh(dv.size());
+  ops().RopeGqaForward(xh.data(), uh.data(), uh.data() + N * D, rope.data(), qkvh.data(), 1, N, H,
+                       Hkv, D);
+  EXPECT_EQ(from_bf16(qkvh), rounded(qkv));
+  const Vec g = rounded(qkv);
+  ops().RopeGqaBackward(g.data(), rope.data(), dq.data(), dk.data(), dv.data(), 1, N, H, Hkv, D);
+  ops().RopeGqaBackward(qkvh.data(), rope.data(), dqh.data(), dkh.data(), dvh.data(), 1, N, H, Hkv,
+                        D);
+  EXPECT_EQ(from_bf16(dqh), rounded(dq));
+  EXPECT_EQ(from_bf16(dkh), rounded(dk));
+  EXPECT_EQ(from_bf16(dvh), rounded(dv));
 }
 
 }  // namespace
