@@ -1,7 +1,8 @@
-// GPT-2 forward and backward over ops::Ops, parameter layout, initialisation and
-// loading. The layer loop mirrors llm.c's train_gpt2.c, with LoRA on the four linears; all
-// tensors live in the backend's memory, in flat buffers (parameters) and one arena
-// (activations).
+// The decoder's forward and backward over ops::Ops, parameter layout, initialisation and
+// loading, for both families. GPT-2's layer loop mirrors llm.c's train_gpt2.c; the Llama
+// family's block runs the same loop with RMS norms, the rotary/grouped-query packing before
+// the attention kernel and a SwiGLU MLP. LoRA adapts any of the block's linears. All tensors
+// live in the backend's memory, in flat buffers (parameters) and one arena (activations).
 #include "worker/model/gpt.h"
 
 #include "common/check.h"
@@ -54,7 +55,10 @@ Status WriteJsonFile(const std::string& path, const nlohmann::json& value) {
   return WriteFileDurably(path, value.dump(2) + "\n");
 }
 
-enum Target { kCAttn = 0, kAttnProj = 1, kFc = 2, kMlpProj = 3, kNumTargets = 4 };
+// A block's linears, indexed by their place in the family's target list (LoraTargetNames).
+constexpr int kCAttn = 0, kAttnProj = 1, kFc = 2, kMlpProj = 3;               // GPT-2
+constexpr int kQ = 0, kK = 1, kV = 2, kO = 3, kGate = 4, kUp = 5, kDown = 6;  // Llama
+constexpr int kNumTargets = 7;  // the most of any family
 
 // A small, fully specified generator (splitmix64) so that initial weights do not depend on
 // the standard library's distribution implementations.
@@ -89,6 +93,11 @@ std::string LayerName(int layer, const char* suffix) {
   return "h." + std::to_string(layer) + "." + suffix;
 }
 
+// A block's tensor names start "h.N." in GPT-2 and "layers.N." in the Llama family.
+std::string BlockName(ModelFamily family, int layer, const std::string& suffix) {
+  return (family == ModelFamily::kGpt2 ? "h." : "layers.") + std::to_string(layer) + "." + suffix;
+}
+
 std::string ShapeString(const std::vector<int64_t>& shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
@@ -98,7 +107,7 @@ std::string ShapeString(const std::vector<int64_t>& shape) {
 }  // namespace
 
 struct Gpt::Layer {
-  int ln1_w, ln1_b, ln2_w, ln2_b;
+  int ln1_w = -1, ln1_b = -1, ln2_w = -1, ln2_b = -1;  // norm slots (no biases in Llama's)
   struct Linear {
     int w = -1, b = -1;            // base slot indices
     int lora_a = -1, lora_b = -1;  // LoRA slot indices, -1 when not adapted
@@ -137,6 +146,8 @@ struct Gpt::Group {
 struct Gpt::Activations {
   struct PerLayer {
     ops::Ref ln1, qkv, atty, ln2, fch, fch_gelu;
+    ops::Ref q, k, v;  // the Llama family: q, k, v before RoPE (qkv is then their packing)
+    ops::Ref up;       // and the up projection (fch is the gate's, fch_gelu the SwiGLU's)
     ops::Ref xa[kNumTargets];
     float *ln1_mean, *ln1_rstd, *lse, *res2, *ln2_mean, *ln2_rstd, *res3;
   };
@@ -148,6 +159,7 @@ struct Gpt::Activations {
   // Backward scratch; dres_act is dres converted for the matmuls (dres itself in fp32).
   float *dres, *att_scratch;
   ops::Ref dres_act, dln, dqkv, datty, dfch, dxa;
+  ops::Ref dq, dk, dv, dgate, dup;  // the Llama family
   // Inputs: tokens[cap_n], targets[cap_n], order[cap_n], starts[V+1], then the loss scale,
   // contiguous so that one copy moves them; `staging` holds the same block, then losses.
   ops::Buffer inputs;
@@ -184,6 +196,10 @@ Result<TrainMode> ParseTrainMode(const std::string& name) {
   return Status::InvalidArgument("train mode must be \"lora\" or \"full\", got \"" + name + "\"");
 }
 
+const char* ModelFamilyName(ModelFamily family) {
+  return family == ModelFamily::kGpt2 ? "gpt2" : "llama";
+}
+
 Status GptConfig::Validate() const {
   if (n_layer <= 0 || n_embd <= 0 || n_head <= 0 || n_ctx <= 0 || vocab_size <= 0) {
     return Status::InvalidArgument("GptConfig fields must be positive");
@@ -192,20 +208,68 @@ Status GptConfig::Validate() const {
     return Status::InvalidArgument("n_head " + std::to_string(n_head) + " does not divide n_embd " +
                                    std::to_string(n_embd));
   }
+  if (n_kv_head < 0 || n_inner < 0) {
+    return Status::InvalidArgument("n_kv_head and n_inner must not be negative");
+  }
+  if (family == ModelFamily::kGpt2) {
+    if (n_kv_head != 0 && n_kv_head != n_head) {
+      return Status::InvalidArgument("GPT-2 has no grouped-query attention (n_kv_head " +
+                                     std::to_string(n_kv_head) + ")");
+    }
+    if (n_inner != 0 && n_inner != 4 * n_embd) {
+      return Status::InvalidArgument("GPT-2's MLP is 4 x n_embd wide (n_inner " +
+                                     std::to_string(n_inner) + ")");
+    }
+    if (qkv_bias || !tied_embeddings || rope_scaling.factor != 0) {
+      return Status::InvalidArgument(
+          "GPT-2 takes none of the Llama family's options (qkv_bias, untied embeddings, "
+          "rope_scaling)");
+    }
+    return Status::Ok();
+  }
+  if (n_head % kv_heads() != 0) {
+    return Status::InvalidArgument("n_kv_head " + std::to_string(kv_heads()) +
+                                   " does not divide n_head " + std::to_string(n_head));
+  }
+  if (head_size() % 2 != 0) {
+    return Status::InvalidArgument("the head size " + std::to_string(head_size()) +
+                                   " must be even for rotary positions");
+  }
+  if (!(rope_theta > 0) || !std::isfinite(rope_theta)) {
+    return Status::InvalidArgument("rope_theta must be positive");
+  }
+  if (!(norm_eps > 0) || !std::isfinite(norm_eps)) {
+    return Status::InvalidArgument("rms_norm_eps must be positive");
+  }
+  const RopeScaling& r = rope_scaling;
+  if (r.factor != 0 && (!(r.factor >= 1) || !(r.low_freq_factor > 0) ||
+                        !(r.high_freq_factor > r.low_freq_factor) || r.original_context <= 0)) {
+    return Status::InvalidArgument(
+        "rope_scaling needs factor >= 1, 0 < low_freq_factor < high_freq_factor and "
+        "original_max_position_embeddings > 0");
+  }
   return Status::Ok();
 }
 
-Status LoraConfig::Validate() const {
+std::vector<std::string> LoraTargetNames(ModelFamily family) {
+  if (family == ModelFamily::kGpt2) {
+    return {std::begin(kLoraTargetNames), std::end(kLoraTargetNames)};
+  }
+  return {std::begin(kLlamaLoraTargetNames), std::end(kLlamaLoraTargetNames)};
+}
+
+Status LoraConfig::Validate(ModelFamily family) const {
   if (rank <= 0) return Status::InvalidArgument("LoRA rank must be positive");
   if (!std::isfinite(alpha)) return Status::InvalidArgument("LoRA alpha must be finite");
   if (targets.empty()) return Status::InvalidArgument("LoRA needs at least one target");
+  const std::vector<std::string> allowed = LoraTargetNames(family);
   std::set<std::string> seen;
   for (const std::string& t : targets) {
-    if (std::find(std::begin(kLoraTargetNames), std::end(kLoraTargetNames), t) ==
-        std::end(kLoraTargetNames)) {
-      return Status::InvalidArgument(
-          "unknown LoRA target \"" + t +
-          "\" (allowed: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj)");
+    if (std::find(allowed.begin(), allowed.end(), t) == allowed.end()) {
+      std::string list;
+      for (const std::string& a : allowed) list += (list.empty() ? "" : ", ") + a;
+      return Status::InvalidArgument("unknown LoRA target \"" + t + "\" for " +
+                                     ModelFamilyName(family) + " (allowed: " + list + ")");
     }
     if (!seen.insert(t).second) return Status::InvalidArgument("duplicate LoRA target " + t);
   }
@@ -213,10 +277,150 @@ Status LoraConfig::Validate() const {
 }
 
 std::string LoraAName(int layer, const std::string& target) {
-  return "h." + std::to_string(layer) + "." + target + ".lora_A.weight";
+  return LoraAName(ModelFamily::kGpt2, layer, target);
 }
 std::string LoraBName(int layer, const std::string& target) {
-  return "h." + std::to_string(layer) + "." + target + ".lora_B.weight";
+  return LoraBName(ModelFamily::kGpt2, layer, target);
+}
+std::string LoraAName(ModelFamily family, int layer, const std::string& target) {
+  return BlockName(family, layer, target + ".lora_A.weight");
+}
+std::string LoraBName(ModelFamily family, int layer, const std::string& target) {
+  return BlockName(family, layer, target + ".lora_B.weight");
+}
+
+Result<GptConfig> ParseHfConfig(const std::string& json_text, const std::string& source) {
+  const nlohmann::json j = nlohmann::json::parse(json_text, nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::InvalidArgument(source + " is not a JSON object");
+  }
+  auto refuse = [&](const std::string& field, const std::string& why) {
+    return Status::InvalidArgument(source + ": " + field + " " + why);
+  };
+  const std::string type = j.value("model_type", std::string());
+  // An integer field; `fallback` < 0: required.
+  auto integer = [&](const char* field, int64_t fallback, int64_t* out) -> Status {
+    if (!j.contains(field) || j[field].is_null()) {
+      if (fallback < 0) return refuse(field, "is missing");
+      *out = fallback;
+      return Status::Ok();
+    }
+    if (!j[field].is_number_integer() || j[field].get<int64_t>() <= 0 ||
+        j[field].get<int64_t>() > (int64_t{1} << 30)) {
+      return refuse(field, "must be a positive integer, got " + j[field].dump());
+    }
+    *out = j[field].get<int64_t>();
+    return Status::Ok();
+  };
+  auto number = [&](const char* field, double fallback, double* out) -> Status {
+    if (!j.contains(field) || j[field].is_null()) {
+      *out = fallback;
+      return Status::Ok();
+    }
+    if (!j[field].is_number()) return refuse(field, "must be a number, got " + j[field].dump());
+    *out = j[field].get<double>();
+    return Status::Ok();
+  };
+  auto flag = [&](const char* field, bool fallback) {
+    return j.contains(field) && j[field].is_boolean() ? j[field].get<bool>() : fallback;
+  };
+  GptConfig c;
+  int64_t v = 0;
+  if (type == "gpt2") {
+    ISTHMUS_RETURN_IF_ERROR(integer("n_layer", -1, &v));
+    c.n_layer = static_cast<int>(v);
+    ISTHMUS_RETURN_IF_ERROR(integer("n_embd", -1, &v));
+    c.n_embd = static_cast<int>(v);
+    ISTHMUS_RETURN_IF_ERROR(integer("n_head", -1, &v));
+    c.n_head = static_cast<int>(v);
+    ISTHMUS_RETURN_IF_ERROR(integer("n_positions", -1, &v));
+    c.n_ctx = static_cast<int>(v);
+    ISTHMUS_RETURN_IF_ERROR(integer("vocab_size", -1, &v));
+    c.vocab_size = static_cast<int>(v);
+    const std::string act = j.value("activation_function", std::string("gelu_new"));
+    if (act != "gelu_new") return refuse("activation_function", "\"" + act + "\" is not gelu_new");
+    ISTHMUS_RETURN_IF_ERROR(c.Validate());
+    return c;
+  }
+  if (type != "llama" && type != "qwen2" && type != "mistral") {
+    return refuse("model_type", "\"" + type +
+                                    "\" is not one this worker computes (gpt2, llama, qwen2, "
+                                    "mistral)");
+  }
+  c.family = ModelFamily::kLlama;
+  ISTHMUS_RETURN_IF_ERROR(integer("num_hidden_layers", -1, &v));
+  c.n_layer = static_cast<int>(v);
+  ISTHMUS_RETURN_IF_ERROR(integer("hidden_size", -1, &v));
+  c.n_embd = static_cast<int>(v);
+  ISTHMUS_RETURN_IF_ERROR(integer("num_attention_heads", -1, &v));
+  c.n_head = static_cast<int>(v);
+  ISTHMUS_RETURN_IF_ERROR(integer("num_key_value_heads", c.n_head, &v));
+  c.n_kv_head = static_cast<int>(v);
+  ISTHMUS_RETURN_IF_ERROR(integer("intermediate_size", -1, &v));
+  c.n_inner = static_cast<int>(v);
+  ISTHMUS_RETURN_IF_ERROR(integer("max_position_embeddings", -1, &v));
+  c.n_ctx = static_cast<int>(v);
+  ISTHMUS_RETURN_IF_ERROR(integer("vocab_size", -1, &v));
+  c.vocab_size = static_cast<int>(v);
+  double d = 0;
+  ISTHMUS_RETURN_IF_ERROR(number("rope_theta", 10000.0, &c.rope_theta));
+  ISTHMUS_RETURN_IF_ERROR(number("rms_norm_eps", 1e-6, &d));
+  c.norm_eps = static_cast<float>(d);
+  c.tied_embeddings = flag("tie_word_embeddings", type == "qwen2");
+  c.qkv_bias = type == "qwen2" || flag("attention_bias", false);
+  const std::string act = j.value("hidden_act", std::string("silu"));
+  if (act != "silu") return refuse("hidden_act", "\"" + act + "\" is not silu");
+  if (c.n_embd % c.n_head == 0 && j.contains("head_dim") && !j["head_dim"].is_null() &&
+      j["head_dim"] != c.n_embd / c.n_head) {
+    return refuse("head_dim", j["head_dim"].dump() + " differs from hidden_size / " +
+                                  "num_attention_heads (" + std::to_string(c.n_embd / c.n_head) +
+                                  "), which this worker needs");
+  }
+  if (type == "llama" && flag("attention_bias", false)) {
+    return refuse("attention_bias", "true (biases on o_proj) is not supported");
+  }
+  if (flag("mlp_bias", false)) return refuse("mlp_bias", "true is not supported");
+  for (const char* moe : {"num_local_experts", "num_experts", "num_experts_per_tok"}) {
+    if (j.contains(moe) && !j[moe].is_null()) {
+      return refuse(moe, "is set: mixtures of experts are not supported");
+    }
+  }
+  if (j.contains("quantization_config")) {
+    return refuse("quantization_config", "is set: quantized checkpoints are not supported");
+  }
+  const bool window_on = type == "mistral" || flag("use_sliding_window", false);
+  if (window_on && j.contains("sliding_window") && j["sliding_window"].is_number_integer() &&
+      j["sliding_window"].get<int64_t>() < c.n_ctx) {
+    return refuse("sliding_window", j["sliding_window"].dump() +
+                                        " is shorter than the context: sliding-window attention "
+                                        "is not supported");
+  }
+  if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
+    const nlohmann::json& r = j["rope_scaling"];
+    const std::string rope_type =
+        r.is_object() ? r.value("rope_type", r.value("type", std::string())) : "";
+    if (rope_type != "llama3" && rope_type != "default") {
+      return refuse("rope_scaling", r.dump() + " is not supported (only rope_type llama3)");
+    }
+    if (rope_type == "llama3") {
+      auto field = [&](const char* name, double* out) -> Status {
+        if (!r.contains(name) || !r[name].is_number()) {
+          return refuse(std::string("rope_scaling.") + name, "is missing or not a number");
+        }
+        *out = r[name].get<double>();
+        return Status::Ok();
+      };
+      double orig = 0;
+      ISTHMUS_RETURN_IF_ERROR(field("factor", &c.rope_scaling.factor));
+      ISTHMUS_RETURN_IF_ERROR(field("low_freq_factor", &c.rope_scaling.low_freq_factor));
+      ISTHMUS_RETURN_IF_ERROR(field("high_freq_factor", &c.rope_scaling.high_freq_factor));
+      ISTHMUS_RETURN_IF_ERROR(field("original_max_position_embeddings", &orig));
+      c.rope_scaling.original_context = static_cast<int>(orig);
+    }
+  }
+  if (Status st = c.Validate(); !st.ok())
+    return Status::InvalidArgument(source + ": " + st.message());
+  return c;
 }
 
 Result<ops::Dtype> ParsePrecision(const std::string& name) {
@@ -236,51 +440,107 @@ Gpt::Gpt(const GptConfig& config, TrainMode mode, const LoraConfig& lora, const 
 
 Gpt::~Gpt() = default;
 
-// Lays out the base slots in GPT-2 order, the layer indices and the LoRA slots.
+// Lays out the base slots in the checkpoint's order, the layer indices and the LoRA slots.
 Status Gpt::BuildIndex() {
   const int64_t C = config_.n_embd;
+  const bool llama = config_.family == ModelFamily::kLlama;
   Group& g = *base_;
   layers_.assign(config_.n_layer, Layer{});
-  wte_ = g.Add("wte.weight", {config_.vocab_size, C});
-  wpe_ = g.Add("wpe.weight", {config_.n_ctx, C});
+  wte_ = g.Add(llama ? "embed_tokens.weight" : "wte.weight", {config_.vocab_size, C});
+  if (!llama) wpe_ = g.Add("wpe.weight", {config_.n_ctx, C});
   for (int l = 0; l < config_.n_layer; ++l) {
     Layer& L = layers_[l];
-    auto add = [&](const char* suffix, std::vector<int64_t> shape) {
-      return g.Add(LayerName(l, suffix), std::move(shape));
+    auto add = [&](const std::string& suffix, std::vector<int64_t> shape) {
+      return g.Add(BlockName(config_.family, l, suffix), std::move(shape));
     };
-    auto linear = [&](const char* name, int64_t in, int64_t out) {
+    // Weights [in, out] (GPT-2's Conv1D layout; a Hugging Face Llama checkpoint's
+    // nn.Linear [out, in] is transposed on the way in and out).
+    auto linear = [&](const std::string& name, int64_t in, int64_t out, bool bias) {
       Layer::Linear lin;
-      lin.w = add((std::string(name) + ".weight").c_str(), {in, out});
-      lin.b = add((std::string(name) + ".bias").c_str(), {out});
+      lin.w = add(name + ".weight", {in, out});
+      if (bias) lin.b = add(name + ".bias", {out});
       lin.in = static_cast<int>(in);
       lin.out = static_cast<int>(out);
       return lin;
     };
+    if (llama) {
+      const int64_t kv = static_cast<int64_t>(config_.kv_heads()) * config_.head_size();
+      const int64_t I = config_.inner();
+      const bool qb = config_.qkv_bias;
+      L.ln1_w = add("input_layernorm.weight", {C});
+      L.lin[kQ] = linear("self_attn.q_proj", C, C, qb);
+      L.lin[kK] = linear("self_attn.k_proj", C, kv, qb);
+      L.lin[kV] = linear("self_attn.v_proj", C, kv, qb);
+      L.lin[kO] = linear("self_attn.o_proj", C, C, false);
+      L.ln2_w = add("post_attention_layernorm.weight", {C});
+      L.lin[kGate] = linear("mlp.gate_proj", C, I, false);
+      L.lin[kUp] = linear("mlp.up_proj", C, I, false);
+      L.lin[kDown] = linear("mlp.down_proj", I, C, false);
+      continue;
+    }
     L.ln1_w = add("ln_1.weight", {C});
     L.ln1_b = add("ln_1.bias", {C});
-    L.lin[kCAttn] = linear("attn.c_attn", C, 3 * C);
-    L.lin[kAttnProj] = linear("attn.c_proj", C, C);
+    L.lin[kCAttn] = linear("attn.c_attn", C, 3 * C, true);
+    L.lin[kAttnProj] = linear("attn.c_proj", C, C, true);
     L.ln2_w = add("ln_2.weight", {C});
     L.ln2_b = add("ln_2.bias", {C});
-    L.lin[kFc] = linear("mlp.c_fc", C, 4 * C);
-    L.lin[kMlpProj] = linear("mlp.c_proj", 4 * C, C);
+    L.lin[kFc] = linear("mlp.c_fc", C, 4 * C, true);
+    L.lin[kMlpProj] = linear("mlp.c_proj", 4 * C, C, true);
   }
-  lnf_w_ = g.Add("ln_f.weight", {C});
-  lnf_b_ = g.Add("ln_f.bias", {C});
+  lnf_w_ = g.Add(llama ? "norm.weight" : "ln_f.weight", {C});
+  if (!llama) lnf_b_ = g.Add("ln_f.bias", {C});
+  head_ = config_.tied_embeddings ? wte_ : g.Add("lm_head.weight", {config_.vocab_size, C});
   if (mode_ == TrainMode::kFull) return Status::Ok();
   const int r = lora_.rank;
+  const std::vector<std::string> names = LoraTargetNames(config_.family);
   for (int l = 0; l < config_.n_layer; ++l) {
-    for (int k = 0; k < kNumTargets; ++k) {
-      const std::string target = kLoraTargetNames[k];
+    for (size_t k = 0; k < names.size(); ++k) {
+      const std::string& target = names[k];
       if (std::find(lora_.targets.begin(), lora_.targets.end(), target) == lora_.targets.end()) {
         continue;
       }
       Layer::Linear& lin = layers_[l].lin[k];
-      lin.lora_a = lora_tensors_->Add(LoraAName(l, target), {r, lin.in});
-      lin.lora_b = lora_tensors_->Add(LoraBName(l, target), {lin.out, r});
+      lin.lora_a = lora_tensors_->Add(LoraAName(config_.family, l, target), {r, lin.in});
+      lin.lora_b = lora_tensors_->Add(LoraBName(config_.family, l, target), {lin.out, r});
     }
   }
   return Status::Ok();
+}
+
+// The rotary table of the Llama family: per position t < n_ctx, the cos and then the sin of
+// the D/2 angles t * inv_freq[i], inv_freq[i] = theta^(-2i/D) (with Llama 3's rescaling), as
+// Hugging Face computes them: inv_freq in fp32, the angle and its cos/sin in fp32.
+std::vector<float> Gpt::RopeTable() const {
+  const int D = config_.head_size(), half = D / 2;
+  std::vector<float> inv(half);
+  for (int i = 0; i < half; ++i) {
+    inv[i] = static_cast<float>(
+        1.0 / std::pow(config_.rope_theta, static_cast<double>(2 * i) / static_cast<double>(D)));
+  }
+  const RopeScaling& r = config_.rope_scaling;
+  if (r.factor != 0) {  // transformers' _compute_llama3_parameters
+    const double low_wavelen = r.original_context / r.low_freq_factor;
+    const double high_wavelen = r.original_context / r.high_freq_factor;
+    for (float& f : inv) {
+      const double wavelen = 2.0 * std::numbers::pi / f;
+      if (wavelen > low_wavelen) {
+        f = static_cast<float>(f / r.factor);
+      } else if (wavelen >= high_wavelen) {
+        const double smooth = (r.original_context / wavelen - r.low_freq_factor) /
+                              (r.high_freq_factor - r.low_freq_factor);
+        f = static_cast<float>((1 - smooth) * f / r.factor + smooth * f);
+      }
+    }
+  }
+  std::vector<float> table(static_cast<size_t>(config_.n_ctx) * D);
+  for (int t = 0; t < config_.n_ctx; ++t) {
+    for (int i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(t) * inv[i];
+      table[static_cast<size_t>(t) * D + i] = std::cos(angle);
+      table[static_cast<size_t>(t) * D + half + i] = std::sin(angle);
+    }
+  }
+  return table;
 }
 
 // Allocates the parameter, copy and gradient buffers on the backend.
@@ -308,6 +568,13 @@ Status Gpt::Allocate() {
   if (!grads.ok()) return out_of_memory(grads.status(), "gradients");
   grads_ = std::move(grads).value();
   ops_.Zero(grads_.data(), grads_.bytes());
+  if (config_.family == ModelFamily::kLlama) {
+    const std::vector<float> table = RopeTable();
+    auto rope = ops::Buffer::Allocate(ops_, table.size() * sizeof(float));
+    if (!rope.ok()) return out_of_memory(rope.status(), "rotary table");
+    rope_ = std::move(rope).value();
+    ops_.Upload(rope_.data(), table.data(), table.size() * sizeof(float));
+  }
   return ops_.status();
 }
 
@@ -333,11 +600,13 @@ std::vector<Tensor> Gpt::RandomBase(uint64_t seed) const {
     const std::string& n = t.name;
     if (n.ends_with(".bias")) {
       // zeros
-    } else if (n.find("ln_") != std::string::npos) {
-      std::fill(t.data.begin(), t.data.end(), 1.0f);
+    } else if (n.find("ln_") != std::string::npos || n.ends_with("norm.weight")) {
+      std::fill(t.data.begin(), t.data.end(), 1.0f);  // GPT-2's ln_*, Llama's *norm
     } else {
-      const double stdev =
-          (n.ends_with("attn.c_proj.weight") || n.ends_with("mlp.c_proj.weight")) ? proj_std : 0.02;
+      const bool residual_proj = n.ends_with("attn.c_proj.weight") ||
+                                 n.ends_with("mlp.c_proj.weight") || n.ends_with("o_proj.weight") ||
+                                 n.ends_with("down_proj.weight");
+      const double stdev = residual_proj ? proj_std : 0.02;
       Rng rng(StreamSeed(seed, n));
       for (float& x : t.data) x = static_cast<float>(stdev * rng.Normal());
     }
@@ -384,7 +653,7 @@ Result<std::unique_ptr<Gpt>> Gpt::CreateRandom(const GptConfig& config, TrainMod
                                                const LoraConfig& lora, uint64_t seed,
                                                const Compute& compute) {
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
-  if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
+  if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate(config.family));
   std::unique_ptr<Gpt> gpt(new Gpt(config, mode, lora, compute));
   ISTHMUS_RETURN_IF_ERROR(gpt->BuildIndex());
   ISTHMUS_RETURN_IF_ERROR(gpt->Allocate());
@@ -459,10 +728,169 @@ Result<std::unique_ptr<Gpt>> Gpt::FromBaseTensors(std::vector<Tensor> tensors, i
   return gpt;
 }
 
+namespace {
+
+// [rows, cols] -> [cols, rows].
+Tensor Transposed(Tensor t) {
+  const int64_t rows = t.shape[0], cols = t.shape[1];
+  std::vector<float> out(t.data.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = t.data[r * cols + c];
+  }
+  return {std::move(t.name), {cols, rows}, std::move(out)};
+}
+
+// A Llama-family base tensor held transposed (a linear's weight).
+bool HeldTransposed(const std::string& name) { return name.ends_with("_proj.weight"); }
+
+}  // namespace
+
+Result<std::unique_ptr<Gpt>> Gpt::FromHfTensors(std::vector<Tensor> tensors,
+                                                const GptConfig& config, TrainMode mode,
+                                                const LoraConfig& lora, uint64_t seed,
+                                                const Compute& compute) {
+  if (config.family == ModelFamily::kGpt2) {
+    ISTHMUS_ASSIGN_OR_RETURN(
+        std::unique_ptr<Gpt> gpt,
+        FromBaseTensors(std::move(tensors), config.n_head, mode, lora, seed, compute));
+    if (!(gpt->config() == config)) {
+      return Status::InvalidArgument(
+          "the checkpoint's tensors do not have the shape its config.json gives (layers, "
+          "width, context or vocabulary)");
+    }
+    return gpt;
+  }
+  ISTHMUS_RETURN_IF_ERROR(config.Validate());
+  if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate(config.family));
+  std::unique_ptr<Gpt> gpt(new Gpt(config, mode, lora, compute));
+  ISTHMUS_RETURN_IF_ERROR(gpt->BuildIndex());
+  std::map<std::string, Tensor*> by_name;
+  for (Tensor& t : tensors) {
+    if (t.name.starts_with("model.")) t.name.erase(0, 6);
+    if (!by_name.emplace(t.name, &t).second) {
+      return Status::InvalidArgument("base tensor \"" + t.name + "\" appears twice");
+    }
+  }
+  std::vector<Tensor> ordered;
+  std::set<std::string> used;
+  for (const TensorSlot& dst : gpt->base_->slots) {
+    auto it = by_name.find(dst.name);
+    const std::string hf_name = dst.name == "lm_head.weight" ? dst.name : "model." + dst.name;
+    if (it == by_name.end()) {
+      return Status::InvalidArgument("the checkpoint lacks tensor \"" + hf_name + "\"");
+    }
+    Tensor& src = *it->second;
+    std::vector<int64_t> want = dst.shape;
+    if (HeldTransposed(dst.name)) std::swap(want[0], want[1]);
+    if (src.shape != want || static_cast<int64_t>(src.data.size()) != dst.numel) {
+      return Status::InvalidArgument("tensor \"" + hf_name + "\" has shape " +
+                                     ShapeString(src.shape) + ", the config.json gives " +
+                                     ShapeString(want));
+    }
+    ordered.push_back(HeldTransposed(dst.name) ? Transposed(std::move(src)) : std::move(src));
+    used.insert(dst.name);
+  }
+  for (const auto& [name, t] : by_name) {
+    if (used.count(name)) continue;
+    // A tied checkpoint may still carry the head (a copy of the embedding).
+    const bool tied_head = name == "lm_head.weight" && config.tied_embeddings &&
+                           t->shape == gpt->base_->slots[gpt->wte_].shape;
+    // Rotary frequencies some checkpoints store: recomputed from config.json.
+    const bool rotary = name.ends_with("rotary_emb.inv_freq");
+    if (tied_head || rotary) continue;
+    return Status::InvalidArgument("unknown tensor \"" + name + "\" " + ShapeString(t->shape) +
+                                   " for a " + ModelFamilyName(config.family) + " of this shape");
+  }
+  ISTHMUS_RETURN_IF_ERROR(gpt->Allocate());
+  ISTHMUS_RETURN_IF_ERROR(gpt->UploadGroup(*gpt->base_, ordered));
+  ISTHMUS_RETURN_IF_ERROR(gpt->UploadGroup(*gpt->lora_tensors_, gpt->InitialLora(seed)));
+  return gpt;
+}
+
+Result<std::unique_ptr<Gpt>> Gpt::LoadHfFolder(const std::string& dir, TrainMode mode,
+                                               const LoraConfig& lora, uint64_t seed,
+                                               const Compute& compute) {
+  const std::string config_path = dir + "/config.json";
+  std::ifstream in(config_path);
+  if (!in) return Status::NotFound(config_path + ": no such file (a Hugging Face folder has one)");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ISTHMUS_ASSIGN_OR_RETURN(GptConfig config, ParseHfConfig(text, config_path));
+  ISTHMUS_ASSIGN_OR_RETURN(std::string file, FindHfCheckpoint(dir));
+  ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile checkpoint, ReadHfCheckpoint(file));
+  return FromHfTensors(std::move(checkpoint.tensors), config, mode, lora, seed, compute);
+}
+
+std::vector<Tensor> Gpt::ExportHfTensors() const {
+  std::vector<Tensor> out = ExportBase();
+  if (config_.family == ModelFamily::kGpt2) return out;
+  for (Tensor& t : out) {
+    if (HeldTransposed(t.name)) t = Transposed(std::move(t));
+    if (t.name != "lm_head.weight") t.name = "model." + t.name;
+  }
+  return out;
+}
+
+namespace {
+
+// config.json of a Llama-family model: Qwen2's when its q, k, v projections have biases,
+// else Llama's (a Mistral checkpoint without a sliding window computes as a Llama one).
+nlohmann::json LlamaFamilyConfig(const GptConfig& c, const char* torch_dtype) {
+  const bool qwen2 = c.qkv_bias;
+  nlohmann::json j = {{"architectures", {qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"}},
+                      {"model_type", qwen2 ? "qwen2" : "llama"},
+                      {"vocab_size", c.vocab_size},
+                      {"hidden_size", c.n_embd},
+                      {"intermediate_size", c.inner()},
+                      {"num_hidden_layers", c.n_layer},
+                      {"num_attention_heads", c.n_head},
+                      {"num_key_value_heads", c.kv_heads()},
+                      {"max_position_embeddings", c.n_ctx},
+                      {"hidden_act", "silu"},
+                      {"rms_norm_eps", c.norm_eps},
+                      {"rope_theta", c.rope_theta},
+                      {"rope_scaling", nullptr},
+                      {"tie_word_embeddings", c.tied_embeddings},
+                      {"attention_dropout", 0.0},
+                      {"use_cache", true},
+                      {"bos_token_id", nullptr},
+                      {"eos_token_id", nullptr},
+                      {"torch_dtype", torch_dtype}};
+  if (c.rope_scaling.factor != 0) {
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_scaling.original_context}};
+  }
+  if (qwen2) {
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = c.n_layer;
+  } else {
+    j["attention_bias"] = false;
+    j["mlp_bias"] = false;
+  }
+  return j;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, TrainMode mode,
                                            const LoraConfig& lora, uint64_t seed,
                                            const GptConfig* expected, const Compute& compute) {
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadHfCheckpoint(path));
+  auto hf = file.metadata.find("hf_config");  // a Llama-family base SaveBase wrote
+  if (hf != file.metadata.end()) {
+    ISTHMUS_ASSIGN_OR_RETURN(GptConfig config, ParseHfConfig(hf->second, path + " (hf_config)"));
+    if (expected != nullptr && !(*expected == config)) {
+      return Status::FailedPrecondition(path + ": the base's shape is not the configured one");
+    }
+    return FromHfTensors(std::move(file.tensors), config, mode, lora, seed, compute);
+  }
+  if (expected != nullptr && expected->family == ModelFamily::kLlama) {
+    // A Hugging Face checkpoint whose config.json the caller parsed.
+    return FromHfTensors(std::move(file.tensors), *expected, mode, lora, seed, compute);
+  }
   auto it = file.metadata.find("n_head");
   if (it != file.metadata.end()) {
     auto parsed = ParseInt64(it->second, path + ": metadata n_head");
@@ -495,6 +923,11 @@ Result<std::unique_ptr<Gpt>> Gpt::LoadBase(const std::string& path, int n_head, 
 }
 
 std::map<std::string, std::string> Gpt::ConfigMetadata() const {
+  if (config_.family == ModelFamily::kLlama) {
+    return {{"format", "pt"},
+            {"isthmus", ModelFamilyName(config_.family)},
+            {"hf_config", LlamaFamilyConfig(config_, "float32").dump()}};
+  }
   return {{"format", "pt"},
           {"isthmus", "gpt2"},
           {"n_layer", std::to_string(config_.n_layer)},
@@ -505,7 +938,7 @@ std::map<std::string, std::string> Gpt::ConfigMetadata() const {
 }
 
 Status Gpt::SaveBase(const std::string& path) const {
-  std::vector<Tensor> base = ExportBase();
+  std::vector<Tensor> base = ExportHfTensors();
   ISTHMUS_RETURN_IF_ERROR(ops_.status());
   return WriteSafetensors(path, base, ConfigMetadata());
 }
@@ -519,8 +952,19 @@ Status Gpt::SavePeftAdapter(const std::string& dir, const std::string& base_dir)
   if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
   std::vector<Tensor> named = ExportTrainable();
   ISTHMUS_RETURN_IF_ERROR(ops_.status());
-  for (Tensor& t : named) t.name = "base_model.model.transformer." + t.name;
+  const bool llama = config_.family == ModelFamily::kLlama;
+  // PEFT wraps the model: GPT2LMHeadModel keeps its blocks under "transformer.",
+  // LlamaForCausalLM (and Qwen2's) under "model.".
+  for (Tensor& t : named) {
+    t.name = std::string("base_model.model.") + (llama ? "model." : "transformer.") + t.name;
+  }
   ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(dir + "/adapter_model.safetensors", named));
+  // PEFT's target_modules name a module by its last part (q_proj); GPT-2's are
+  // distinguished by their parent (attn.c_proj, mlp.c_proj), as given.
+  std::vector<std::string> modules = lora_.targets;
+  if (llama) {
+    for (std::string& m : modules) m = m.substr(m.find('.') + 1);
+  }
 
   nlohmann::json config = {
       {"peft_type", "LORA"},
@@ -532,9 +976,9 @@ Status Gpt::SavePeftAdapter(const std::string& dir, const std::string& base_dir)
       {"lora_alpha", lora_.alpha},
       {"lora_dropout", 0.0},
       {"bias", "none"},
-      {"fan_in_fan_out", true},
+      {"fan_in_fan_out", !llama},  // GPT-2's Conv1D holds [in, out]; nn.Linear [out, in]
       {"inference_mode", true},
-      {"target_modules", lora_.targets}};
+      {"target_modules", modules}};
   return WriteJsonFile(dir + "/adapter_config.json", config);
 }
 
@@ -543,9 +987,15 @@ Status Gpt::SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes,
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) return Status::IoError("cannot create " + dir + ": " + ec.message());
-  std::vector<Tensor> base = ExportBase();
+  std::vector<Tensor> base = ExportHfTensors();
   ISTHMUS_RETURN_IF_ERROR(ops_.status());
   ISTHMUS_RETURN_IF_ERROR(WriteHfCheckpoint(dir, base, {{"format", "pt"}}, max_shard_bytes, dtype));
+  const char* torch_dtype = dtype == FileDtype::kBF16  ? "bfloat16"
+                            : dtype == FileDtype::kF16 ? "float16"
+                                                       : "float32";
+  if (config_.family == ModelFamily::kLlama) {
+    return WriteJsonFile(dir + "/config.json", LlamaFamilyConfig(config_, torch_dtype));
+  }
   nlohmann::json config = {{"architectures", {"GPT2LMHeadModel"}},
                            {"model_type", "gpt2"},
                            {"vocab_size", config_.vocab_size},
@@ -563,9 +1013,7 @@ Status Gpt::SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes,
                            {"scale_attn_weights", true},
                            {"tie_word_embeddings", true},
                            {"use_cache", true},
-                           {"torch_dtype", dtype == FileDtype::kBF16  ? "bfloat16"
-                                           : dtype == FileDtype::kF16 ? "float16"
-                                                                      : "float32"}};
+                           {"torch_dtype", torch_dtype}};
   // GPT-2's vocabulary ends with <|endoftext|>; a byte-level model has no special token.
   const nlohmann::json special =
       config_.vocab_size == 50257 ? nlohmann::json(50256) : nlohmann::json(nullptr);
@@ -597,12 +1045,13 @@ ops::CRef Gpt::BaseM(int index) const {
   if (precision_ == ops::Dtype::kBF16) return base_->C(index);
   return base_->F(index);
 }
-const float* Gpt::BaseF(int index) const { return base_->F(index); }
+const float* Gpt::BaseF(int index) const { return index < 0 ? nullptr : base_->F(index); }
 ops::CRef Gpt::LoraM(int index) const {
   if (precision_ == ops::Dtype::kBF16) return lora_tensors_->C(index);
   return lora_tensors_->F(index);
 }
 float* Gpt::BaseGrad(int index) const {
+  if (index < 0) return nullptr;  // a tensor the family does not have (Llama's biases)
   return mode_ == TrainMode::kFull ? GradData() + base_->slots[index].offset : nullptr;
 }
 float* Gpt::LoraGrad(int index) const {
@@ -689,23 +1138,32 @@ void Gpt::CarveActivations(Activations& a, int64_t N, Carver& arena, Carver& in,
                            Carver& host) const {
   const int64_t C = config_.n_embd, H = config_.n_head, V = config_.vocab_size;
   const int64_t R = mode_ == TrainMode::kLora ? lora_.rank : 0;
+  const int64_t I = config_.inner();  // 4C in GPT-2
+  const int64_t KV = static_cast<int64_t>(config_.kv_heads()) * config_.head_size();
+  const bool llama = config_.family == ModelFamily::kLlama;
   const ops::Dtype d = precision_;
   auto carve = [&](Carver& k) {
     a.layers.assign(config_.n_layer, {});
     for (int l = 0; l < config_.n_layer; ++l) {
       Activations::PerLayer& L = a.layers[l];
       L.ln1 = k.Take(N * C, d);
-      L.ln1_mean = k.Take<float>(N);
+      L.ln1_mean = llama ? nullptr : k.Take<float>(N);  // RMS norms keep rstd only
       L.ln1_rstd = k.Take<float>(N);
+      if (llama) {
+        L.q = k.Take(N * C, d);
+        L.k = k.Take(N * KV, d);
+        L.v = k.Take(N * KV, d);
+      }
       L.qkv = k.Take(N * 3 * C, d);
       L.atty = k.Take(N * C, d);
       L.lse = k.Take<float>(N * H);
       L.res2 = k.Take<float>(N * C);
       L.ln2 = k.Take(N * C, d);
-      L.ln2_mean = k.Take<float>(N);
+      L.ln2_mean = llama ? nullptr : k.Take<float>(N);
       L.ln2_rstd = k.Take<float>(N);
-      L.fch = k.Take(N * 4 * C, d);
-      L.fch_gelu = k.Take(N * 4 * C, d);
+      L.fch = k.Take(N * I, d);
+      if (llama) L.up = k.Take(N * I, d);
+      L.fch_gelu = k.Take(N * I, d);
       L.res3 = k.Take<float>(N * C);
       for (int t = 0; t < kNumTargets; ++t) {
         L.xa[t] = layers_[l].lin[t].lora_a >= 0 ? k.Take(N * R, d) : ops::Ref();
@@ -723,7 +1181,14 @@ void Gpt::CarveActivations(Activations& a, int64_t N, Carver& arena, Carver& in,
     a.dln = k.Take(N * C, d);
     a.dqkv = k.Take(N * 3 * C, d);
     a.datty = k.Take(N * C, d);
-    a.dfch = k.Take(N * 4 * C, d);
+    a.dfch = k.Take(N * I, d);
+    if (llama) {
+      a.dq = k.Take(N * C, d);
+      a.dk = k.Take(N * KV, d);
+      a.dv = k.Take(N * KV, d);
+      a.dgate = k.Take(N * I, d);
+      a.dup = k.Take(N * I, d);
+    }
     a.dxa = k.Take(std::max<int64_t>(N * R, 1), d);
     a.att_scratch = k.Take<float>(N * H);  // AttentionScratchFloats for any B x T = N
   };
@@ -770,7 +1235,7 @@ Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, cons
                                    const Compute& compute, int B, int T, bool synced_rounds,
                                    int distill_k) {
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
-  if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
+  if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate(config.family));
   if (B <= 0 || T <= 0 || T > config.n_ctx) {
     return Status::InvalidArgument("batch " + std::to_string(B) + " x " + std::to_string(T) +
                                    " does not fit the model (context " +
@@ -792,6 +1257,10 @@ Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, cons
     if (compute.precision == ops::Dtype::kBF16) {
       p.weight_copies += rounded(g->elements * static_cast<int64_t>(sizeof(ops::Bf16)));
     }
+  }
+  if (config.family == ModelFamily::kLlama) {  // the rotary table
+    p.parameters += rounded(static_cast<int64_t>(config.n_ctx) * config.head_size() *
+                            static_cast<int64_t>(sizeof(float)));
   }
   p.gradients = rounded(gpt.GradElements() * static_cast<int64_t>(sizeof(float)));
   const int64_t moments = rounded(gpt.TrainableElements() * static_cast<int64_t>(sizeof(float)));
@@ -944,28 +1413,52 @@ void Gpt::EnqueueForward(bool with_grad) {
     }
   };
 
+  const bool llama = config_.family == ModelFamily::kLlama;
+  const int Hkv = config_.kv_heads(), D = config_.head_size();
+  const int64_t NI = static_cast<int64_t>(N) * config_.inner();
+  // A block's norm: RMS in the Llama family, layer norm in GPT-2.
+  auto norm = [&](const float* x, int w, int b, ops::Ref out, float* mean, float* rstd) {
+    if (llama) {
+      ops_.RmsNormForward(x, BaseF(w), out, rstd, N, C, config_.norm_eps);
+    } else {
+      ops_.LayerNormForward(x, BaseF(w), BaseF(b), out, mean, rstd, N, C);
+    }
+  };
+
   ops_.EmbeddingForward(a.tokens, BaseF(wte_), BaseF(wpe_), a.encoded, B, T, C);
   const float* residual = a.encoded;
   for (int l = 0; l < config_.n_layer; ++l) {
     const Layer& L = layers_[l];
     Activations::PerLayer& A = a.layers[l];
-    ops_.LayerNormForward(residual, BaseF(L.ln1_w), BaseF(L.ln1_b), A.ln1, A.ln1_mean, A.ln1_rstd,
-                          N, C);
-    linear(L.lin[kCAttn], A.ln1, nullptr, A.qkv, A.xa[kCAttn]);
+    norm(residual, L.ln1_w, L.ln1_b, A.ln1, A.ln1_mean, A.ln1_rstd);
+    if (llama) {  // q, k, v, then the rotary positions and the kv heads' sharing
+      linear(L.lin[kQ], A.ln1, nullptr, A.q, A.xa[kQ]);
+      linear(L.lin[kK], A.ln1, nullptr, A.k, A.xa[kK]);
+      linear(L.lin[kV], A.ln1, nullptr, A.v, A.xa[kV]);
+      ops_.RopeGqaForward(A.q, A.k, A.v, rope_.as<float>(), A.qkv, B, T, H, Hkv, D);
+    } else {
+      linear(L.lin[kCAttn], A.ln1, nullptr, A.qkv, A.xa[kCAttn]);
+    }
     ops_.AttentionForward(A.qkv, A.atty, A.lse, B, T, C, H);
     // The residual add is fused into the projection: res2 = residual + atty W + b.
-    linear(L.lin[kAttnProj], A.atty, residual, A.res2, A.xa[kAttnProj]);
-    ops_.LayerNormForward(A.res2, BaseF(L.ln2_w), BaseF(L.ln2_b), A.ln2, A.ln2_mean, A.ln2_rstd, N,
-                          C);
-    linear(L.lin[kFc], A.ln2, nullptr, A.fch, A.xa[kFc]);
-    ops_.GeluForward(A.fch, A.fch_gelu, static_cast<int64_t>(N) * 4 * C);
-    linear(L.lin[kMlpProj], A.fch_gelu, A.res2, A.res3, A.xa[kMlpProj]);
+    const int proj = llama ? kO : kAttnProj;
+    linear(L.lin[proj], A.atty, residual, A.res2, A.xa[proj]);
+    norm(A.res2, L.ln2_w, L.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd);
+    if (llama) {  // SwiGLU: silu(gate) * up
+      linear(L.lin[kGate], A.ln2, nullptr, A.fch, A.xa[kGate]);
+      linear(L.lin[kUp], A.ln2, nullptr, A.up, A.xa[kUp]);
+      ops_.SwigluForward(A.fch, A.up, A.fch_gelu, NI);
+    } else {
+      linear(L.lin[kFc], A.ln2, nullptr, A.fch, A.xa[kFc]);
+      ops_.GeluForward(A.fch, A.fch_gelu, NI);
+    }
+    const int down = llama ? kDown : kMlpProj;
+    linear(L.lin[down], A.fch_gelu, A.res2, A.res3, A.xa[down]);
     residual = A.res3;
   }
-  ops_.LayerNormForward(residual, BaseF(lnf_w_), BaseF(lnf_b_), a.lnf, a.lnf_mean, a.lnf_rstd, N,
-                        C);
-  // Tied head: logits = lnf wte^T.
-  ops_.Matmul(a.lnf, BaseM(wte_), a.logits, N, V, C, false, true, 1.0f, 0.0f);
+  norm(residual, lnf_w_, lnf_b_, a.lnf, a.lnf_mean, a.lnf_rstd);
+  // logits = lnf head^T (the head is wte when tied).
+  ops_.Matmul(a.lnf, BaseM(head_), a.logits, N, V, C, false, true, 1.0f, 0.0f);
   if (!have_targets_) return;
   if (have_teacher_) {
     ops_.DistillCrossEntropy(a.logits, a.targets, a.teacher_ids, a.teacher_logits, distill_,
@@ -1017,34 +1510,64 @@ void Gpt::Backward() {
     }
   };
 
-  // Head (the logits' gradient came with the forward): dlnf = dlogits wte; dwte +=
-  // dlogits^T lnf.
-  ops_.Matmul(a.dlogits, BaseM(wte_), a.dln, N, C, V, false, false, 1.0f, 0.0f);
-  if (float* dwte = BaseGrad(wte_)) {
-    ops_.Matmul(a.dlogits, a.lnf, dwte, V, C, N, true, false, 1.0f, 1.0f);
+  const bool llama = config_.family == ModelFamily::kLlama;
+  const int Hkv = config_.kv_heads(), D = config_.head_size();
+  const int64_t NI = static_cast<int64_t>(N) * config_.inner();
+  // The norm's backward adds into a.dres. It is linear in dout, so a norm feeding several
+  // linears (Llama's q, k, v and gate, up) takes one call per linear's dx: the sum of the
+  // calls is the backward of the summed gradient, and no elementwise add is needed.
+  auto norm_back = [&](ops::CRef dout, const float* x, int w, int b, const float* mean,
+                       const float* rstd) {
+    if (llama) {
+      ops_.RmsNormBackward(dout, x, BaseF(w), rstd, a.dres, BaseGrad(w), N, C);
+    } else {
+      ops_.LayerNormBackward(dout, x, BaseF(w), mean, rstd, a.dres, BaseGrad(w), BaseGrad(b), N, C);
+    }
+  };
+
+  // Head (the logits' gradient came with the forward): dlnf = dlogits head; dhead +=
+  // dlogits^T lnf (the head is wte when tied).
+  ops_.Matmul(a.dlogits, BaseM(head_), a.dln, N, C, V, false, false, 1.0f, 0.0f);
+  if (float* dhead = BaseGrad(head_)) {
+    ops_.Matmul(a.dlogits, a.lnf, dhead, V, C, N, true, false, 1.0f, 1.0f);
   }
   const float* last = config_.n_layer > 0 ? a.layers.back().res3 : a.encoded;
   ops_.Zero(a.dres, NC * sizeof(float));
-  ops_.LayerNormBackward(a.dln, last, BaseF(lnf_w_), a.lnf_mean, a.lnf_rstd, a.dres,
-                         BaseGrad(lnf_w_), BaseGrad(lnf_b_), N, C);
+  norm_back(a.dln, last, lnf_w_, lnf_b_, a.lnf_mean, a.lnf_rstd);
 
   // a.dres holds dLoss/d(residual stream) and flows down through both residual adds.
   for (int l = config_.n_layer - 1; l >= 0; --l) {
     const Layer& L = layers_[l];
     Activations::PerLayer& A = a.layers[l];
     const float* input = l == 0 ? a.encoded : a.layers[l - 1].res3;
-    // MLP branch; the GELU's backward runs in place.
-    linear_back(L.lin[kMlpProj], dres_for_matmul(), A.fch_gelu, A.xa[kMlpProj], a.dfch);
-    ops_.GeluBackward(a.dfch, A.fch, a.dfch, 4 * NC);
-    linear_back(L.lin[kFc], a.dfch, A.ln2, A.xa[kFc], a.dln);
-    ops_.LayerNormBackward(a.dln, A.res2, BaseF(L.ln2_w), A.ln2_mean, A.ln2_rstd, a.dres,
-                           BaseGrad(L.ln2_w), BaseGrad(L.ln2_b), N, C);
+    if (llama) {  // MLP branch: down, SwiGLU, then gate and up
+      linear_back(L.lin[kDown], dres_for_matmul(), A.fch_gelu, A.xa[kDown], a.dfch);
+      ops_.SwigluBackward(a.dfch, A.fch, A.up, a.dgate, a.dup, NI);
+      linear_back(L.lin[kGate], a.dgate, A.ln2, A.xa[kGate], a.dln);
+      norm_back(a.dln, A.res2, L.ln2_w, L.ln2_b, A.ln2_mean, A.ln2_rstd);
+      linear_back(L.lin[kUp], a.dup, A.ln2, A.xa[kUp], a.dln);
+      norm_back(a.dln, A.res2, L.ln2_w, L.ln2_b, A.ln2_mean, A.ln2_rstd);
+    } else {  // MLP branch; the GELU's backward runs in place
+      linear_back(L.lin[kMlpProj], dres_for_matmul(), A.fch_gelu, A.xa[kMlpProj], a.dfch);
+      ops_.GeluBackward(a.dfch, A.fch, a.dfch, NI);
+      linear_back(L.lin[kFc], a.dfch, A.ln2, A.xa[kFc], a.dln);
+      norm_back(a.dln, A.res2, L.ln2_w, L.ln2_b, A.ln2_mean, A.ln2_rstd);
+    }
     // Attention branch.
-    linear_back(L.lin[kAttnProj], dres_for_matmul(), A.atty, A.xa[kAttnProj], a.datty);
+    const int proj = llama ? kO : kAttnProj;
+    linear_back(L.lin[proj], dres_for_matmul(), A.atty, A.xa[proj], a.datty);
     ops_.AttentionBackward(a.datty, A.qkv, A.atty, A.lse, a.dqkv, a.att_scratch, B, T, C, H);
-    linear_back(L.lin[kCAttn], a.dqkv, A.ln1, A.xa[kCAttn], a.dln);
-    ops_.LayerNormBackward(a.dln, input, BaseF(L.ln1_w), A.ln1_mean, A.ln1_rstd, a.dres,
-                           BaseGrad(L.ln1_w), BaseGrad(L.ln1_b), N, C);
+    if (llama) {
+      ops_.RopeGqaBackward(a.dqkv, rope_.as<float>(), a.dq, a.dk, a.dv, B, T, H, Hkv, D);
+      const std::pair<int, ops::Ref> branches[] = {{kQ, a.dq}, {kK, a.dk}, {kV, a.dv}};
+      for (const auto& [target, dout] : branches) {
+        linear_back(L.lin[target], dout, A.ln1, A.xa[target], a.dln);
+        norm_back(a.dln, input, L.ln1_w, L.ln1_b, A.ln1_mean, A.ln1_rstd);
+      }
+    } else {
+      linear_back(L.lin[kCAttn], a.dqkv, A.ln1, A.xa[kCAttn], a.dln);
+      norm_back(a.dln, input, L.ln1_w, L.ln1_b, A.ln1_mean, A.ln1_rstd);
+    }
   }
   if (mode_ == TrainMode::kFull) {
     ops_.EmbeddingBackward(a.dres, a.order, a.starts, BaseGrad(wte_), BaseGrad(wpe_), B, T, C, V);

@@ -1,8 +1,11 @@
-// The built-in model: a GPT-2-architecture decoder (pre-LN blocks, GELU MLP, tied
-// embeddings) with optional LoRA adapters, its forward pass, loss and backward pass, on top
-// of the compute backend ops/ops.h (CPU reference or CUDA). Tensor names follow GPT-2's so
-// that a GPT-2 checkpoint in safetensors form can serve as the frozen base, and workers and
-// shards agree on names.
+// The built-in model: a decoder of one of two families, with optional LoRA adapters, its
+// forward pass, loss and backward pass, on top of the compute backend ops/ops.h (CPU
+// reference or CUDA). GPT-2 (pre-LN blocks, learned positions, GELU MLP, tied embeddings)
+// and the Llama family (Llama 2/3, Qwen2, Mistral: RMS norm, rotary positions, SwiGLU MLP,
+// grouped-query attention, tied or untied head) are two configurations of one code path.
+// Tensor names follow the checkpoints' own (GPT-2's; Hugging Face's Llama names without the
+// leading "model.") so that such a checkpoint can serve as the frozen base, and workers
+// and shards agree on names.
 #pragma once
 
 #include <cstdint>
@@ -23,22 +26,66 @@ namespace isthmus::model {
 
 class Carver;
 
-// Model shape. Defaults are a small model that trains on one CPU core in minutes.
+// The architecture a GptConfig describes.
+enum class ModelFamily { kGpt2, kLlama };
+// "gpt2" / "llama".
+const char* ModelFamilyName(ModelFamily family);
+
+// Llama 3's rescaling of the rotary frequencies (config.json's rope_scaling with rope_type
+// "llama3"); factor 0 means none.
+struct RopeScaling {
+  double factor = 0;
+  double low_freq_factor = 1;
+  double high_freq_factor = 4;
+  int original_context = 0;  // original_max_position_embeddings
+  bool operator==(const RopeScaling&) const = default;
+};
+
+// Model shape. Defaults are a small GPT-2 that trains on one CPU core in minutes.
 struct GptConfig {
+  ModelFamily family = ModelFamily::kGpt2;
   int n_layer = 4;
   int n_embd = 256;      // C
-  int n_head = 4;        // H; must divide n_embd
-  int n_ctx = 256;       // maximum sequence length T (rows of wpe)
+  int n_head = 4;        // H; must divide n_embd (head size D = C / H)
+  int n_ctx = 256;       // maximum sequence length T (rows of wpe, or of the rotary table)
   int vocab_size = 256;  // V; 256 = the byte-level tokenizer
+  // The Llama family only (GPT-2 has n_kv_head = n_head, n_inner = 4C and no such options).
+  int n_kv_head = 0;  // key/value heads, dividing n_head (grouped-query attention); 0: n_head
+  int n_inner = 0;    // the MLP's hidden width (intermediate_size); 0: 4 * n_embd
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  float norm_eps = 1e-5f;       // the RMS norms' epsilon (GPT-2's layer norms use 1e-5)
+  bool qkv_bias = false;        // q, k and v projections with biases (Qwen2)
+  bool tied_embeddings = true;  // the head is the token embedding (GPT-2 always)
 
-  // InvalidArgument unless every field is positive and n_head divides n_embd.
+  int kv_heads() const { return n_kv_head > 0 ? n_kv_head : n_head; }
+  int inner() const { return n_inner > 0 ? n_inner : 4 * n_embd; }
+  int head_size() const { return n_embd / n_head; }
+  // InvalidArgument naming the field unless every size is positive, n_head divides n_embd,
+  // and for the Llama family n_kv_head divides n_head, the head size is even, rope_theta
+  // and norm_eps are positive and the rope scaling is sound; GPT-2 takes none of the
+  // Llama-only options.
   Status Validate() const;
   bool operator==(const GptConfig&) const = default;
 };
 
-// The linear layers LoRA can adapt, by their GPT-2 name inside a block.
+// The model's shape from a Hugging Face config.json (its text; `source` names it in
+// messages): model_type gpt2, llama, qwen2 or mistral. What the model cannot compute is
+// refused naming the field: another model_type, hidden_act other than silu (gelu_new for
+// GPT-2), a head_dim other than hidden_size / num_attention_heads, a rope_scaling other
+// than llama3's, an active sliding window shorter than the context, MLP biases, o_proj
+// biases, mixtures of experts, quantization.
+Result<GptConfig> ParseHfConfig(const std::string& json_text, const std::string& source);
+
+// The linear layers LoRA can adapt, by their name inside a block: GPT-2's...
 inline constexpr const char* kLoraTargetNames[] = {"attn.c_attn", "attn.c_proj", "mlp.c_fc",
                                                    "mlp.c_proj"};
+// ...and the Llama family's (PEFT's target_modules name them by their last part: q_proj).
+inline constexpr const char* kLlamaLoraTargetNames[] = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+// The family's target names, in block order.
+std::vector<std::string> LoraTargetNames(ModelFamily family);
 
 struct LoraConfig {
   int rank = 16;
@@ -46,9 +93,9 @@ struct LoraConfig {
   std::vector<std::string> targets = {"attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"};
 
   float Scale() const { return alpha / static_cast<float>(rank); }
-  // InvalidArgument unless rank > 0 and targets is a non-empty subset of kLoraTargetNames
-  // without duplicates.
-  Status Validate() const;
+  // InvalidArgument unless rank > 0 and targets is a non-empty subset of the family's
+  // target names (LoraTargetNames) without duplicates.
+  Status Validate(ModelFamily family = ModelFamily::kGpt2) const;
 };
 
 // kLora: the base is frozen and only the LoRA factors train (the default of the system).
@@ -118,6 +165,9 @@ struct TeacherTopK {
 // ([out, rank]).
 std::string LoraAName(int layer, const std::string& target);
 std::string LoraBName(int layer, const std::string& target);
+// The same for any family: the Llama family's blocks are "layers.N." instead of "h.N.".
+std::string LoraAName(ModelFamily family, int layer, const std::string& target);
+std::string LoraBName(ModelFamily family, int layer, const std::string& target);
 
 // The decoder. Owns its parameters, gradients and activations, all in the memory of its
 // backend (Compute): on a GPU they stay there for the whole run, and the host sees tensors
@@ -150,10 +200,32 @@ class Gpt {
                                                       TrainMode mode, const LoraConfig& lora,
                                                       uint64_t seed, const Compute& compute = {});
 
+  // A model of any family from the tensors of a Hugging Face checkpoint shaped by `config`
+  // (ParseHfConfig of its config.json). GPT-2: as FromBaseTensors (the shape must equal
+  // config's). The Llama family: Hugging Face's names ("model.embed_tokens.weight",
+  // "model.layers.N.self_attn.q_proj.weight" [out, in], ..., "model.norm.weight",
+  // "lm_head.weight" when untied; a "lm_head.weight" equal to the embedding is accepted
+  // when tied). The linear weights are held transposed, [in, out], under the names without
+  // "model." (ExportHfTensors gives them back as they came). Every tensor must be present
+  // with its shape and none unknown (InvalidArgument naming it); nothing is allocated
+  // before all are checked. LoRA factors are initialised from `seed` as in CreateRandom.
+  static Result<std::unique_ptr<Gpt>> FromHfTensors(std::vector<Tensor> tensors,
+                                                    const GptConfig& config, TrainMode mode,
+                                                    const LoraConfig& lora, uint64_t seed,
+                                                    const Compute& compute = {});
+  // A Hugging Face folder: config.json and model.safetensors, or its shards and index
+  // (FindHfCheckpoint), of either family.
+  static Result<std::unique_ptr<Gpt>> LoadHfFolder(const std::string& dir, TrainMode mode,
+                                                   const LoraConfig& lora, uint64_t seed,
+                                                   const Compute& compute = {});
+
   // FromBaseTensors on the tensors of a safetensors file. When the file's metadata carries
   // "n_head" (SaveBase writes it) that value is used and `n_head` may be 0; if both are
-  // given they must agree (InvalidArgument). If `expected` is not null the inferred config
-  // must equal it (FailedPrecondition otherwise).
+  // given they must agree (InvalidArgument). A file with "hf_config" in its metadata (a
+  // Llama-family base SaveBase wrote) is read as FromHfTensors with that config.json; a file
+  // without it, when `expected` is a Llama-family config (a Hugging Face checkpoint whose
+  // config.json the caller parsed), as FromHfTensors with `expected`. If `expected` is not
+  // null the inferred config must equal it (FailedPrecondition otherwise).
   static Result<std::unique_ptr<Gpt>> LoadBase(const std::string& path, int n_head, TrainMode mode,
                                                const LoraConfig& lora, uint64_t seed,
                                                const GptConfig* expected = nullptr,
@@ -257,6 +329,10 @@ class Gpt {
   // nothing for an unknown name.
   std::vector<Tensor> ExportBase() const;
   std::optional<Tensor> FindBase(const std::string& name) const;
+  // The base tensors as a Hugging Face checkpoint of the family names and shapes them
+  // (GPT-2: "transformer."-less as ExportBase; the Llama family: "model." names, linear
+  // weights [out, in], "lm_head.weight" when untied): the inverse of FromHfTensors.
+  std::vector<Tensor> ExportHfTensors() const;
   // Number of base elements (parameters of the architecture).
   int64_t BaseElements() const;
 
@@ -275,26 +351,32 @@ class Gpt {
 
   // Writes the base tensors to a safetensors file (atomic), with metadata recording the
   // config ("n_layer", "n_embd", "n_head", "n_ctx", "vocab_size"), "format" = "pt" (what
-  // every transformers version accepts) and "isthmus" = "gpt2".
+  // every transformers version accepts) and "isthmus" = "gpt2". A Llama-family base is
+  // written as ExportHfTensors names it, with "isthmus" = "llama" and its config.json as
+  // "hf_config".
   Status SaveBase(const std::string& path) const;
 
-  // Writes a Hugging Face GPT-2 folder that transformers' AutoModelForCausalLM opens
-  // directly: `dir`/model.safetensors (the base tensors: in full mode the trained model),
-  // or above `max_shard_bytes` shards with model.safetensors.index.json (WriteHfCheckpoint),
-  // and `dir`/config.json (GPT2LMHeadModel, gelu_new, layer_norm_epsilon 1e-5, tied
-  // embeddings, no dropout, torch_dtype of `dtype`). The tensors are written in `dtype`
-  // (fp32 as held, or rounded to bf16 / fp16). Creates `dir`; each file is written
-  // atomically.
+  // Writes a Hugging Face folder that transformers' AutoModelForCausalLM opens directly:
+  // `dir`/model.safetensors (the base tensors as ExportHfTensors names them: in full mode
+  // the trained model), or above `max_shard_bytes` shards with model.safetensors.index.json
+  // (WriteHfCheckpoint), and `dir`/config.json: GPT-2's (GPT2LMHeadModel, gelu_new,
+  // layer_norm_epsilon 1e-5, tied embeddings, no dropout) or the Llama family's
+  // (LlamaForCausalLM, or Qwen2ForCausalLM when q, k, v have biases; a Mistral base without
+  // a sliding window is written as the Llama it computes as), torch_dtype of `dtype`. The tensors
+  // are written in `dtype` (fp32 as held, or rounded to bf16 / fp16). Creates `dir`; each file is
+  // written atomically.
   Status SaveHuggingFace(const std::string& dir, uint64_t max_shard_bytes = kHfDefaultShardBytes,
                          FileDtype dtype = FileDtype::kF32) const;
 
   // Metadata SaveBase writes (also useful for adapter files).
   std::map<std::string, std::string> ConfigMetadata() const;
 
-  // Writes the LoRA adapters in the layout Hugging Face PEFT loads onto a GPT-2 model:
+  // Writes the LoRA adapters in the layout Hugging Face PEFT loads onto the model:
   // `dir`/adapter_model.safetensors with names "base_model.model.transformer.<name>" and
   // `dir`/adapter_config.json (peft_type LORA, r, lora_alpha, target_modules,
-  // fan_in_fan_out true for GPT-2's Conv1D). Creates `dir` if needed; each file is written
+  // fan_in_fan_out true for GPT-2's Conv1D); for the Llama family the names are
+  // "base_model.model.model.<name>", target_modules PEFT's short ones (q_proj) and
+  // fan_in_fan_out false (nn.Linear). Creates `dir` if needed; each file is written
   // atomically. `base_dir`: the Hugging Face folder of the base (SaveHuggingFace), named
   // in adapter_config.json as base_model_name_or_path (made absolute) so that PEFT's
   // AutoPeftModelForCausalLM opens `dir` with no other argument; empty: null there.
@@ -320,6 +402,7 @@ class Gpt {
   Status Allocate();
   std::vector<Tensor> InitialLora(uint64_t seed) const;
   std::vector<Tensor> RandomBase(uint64_t seed) const;
+  std::vector<float> RopeTable() const;
   Status UploadGroup(Group& group, const std::vector<Tensor>& tensors);
   std::vector<Tensor> DownloadGroup(const Group& group) const;
   void RefreshCopies(Group& group);
@@ -342,6 +425,8 @@ class Gpt {
   std::unique_ptr<Group> lora_tensors_;
   ops::Buffer grads_;  // TrainableElements() + 1
   int wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1;
+  int head_ = -1;     // the output head: wte_ when tied, else lm_head.weight
+  ops::Buffer rope_;  // the Llama family's rotary table (RopeTable), in backend memory
   std::vector<Layer> layers_;
 
   std::unique_ptr<Activations> act_;
