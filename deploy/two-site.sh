@@ -9,6 +9,14 @@
 # codec setting.
 #
 # Usage: deploy/two-site.sh --base BASE.safetensors --data-a DIR --data-b DIR [options]
+#        deploy/two-site.sh --base-hf HF_DIR --data-a DIR --data-b DIR [options]
+#   --base-hf DIR          a Hugging Face folder as the frozen base (config.json and
+#                          model.safetensors or shards: Llama, Qwen2, Mistral or GPT-2);
+#                          its config.json sets the shape, so --model then holds only the
+#                          LoRA flags (default "--lora-rank 8 --lora-alpha 16"; a Llama-family
+#                          base adapts every linear unless --model gives --lora-targets).
+#                          Build the sites' data with its tokenizer (isthmus-data build
+#                          --tokenizer DIR) unless its vocabulary is the 256 bytes
 #   --out DIR              work folder, removed first (default demo-out/two-site)
 #   --data-c DIR           a third site C (on loopback, peered with A and B like they are
 #                          with each other), trained on DIR; not with --wan-rate
@@ -81,11 +89,11 @@ out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 distill="" distill_on=false codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
-eval_every=0 report="" export=false top_interval=1 reference="" translate_sets=() translate_lines=200 round_translate_lines=50
+eval_every=0 report="" export=false top_interval=1 base_hf=false model_given=false reference="" translate_sets=() translate_lines=200 round_translate_lines=50
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
-    --model) model="$2"; shift 2 ;;
+    --model) model="$2"; model_given=true; shift 2 ;;
     --codec) codec="$2"; shift 2 ;;
     --adaptive) adaptive=true; shift ;;
     --no-adaptive) adaptive=false; shift ;;
@@ -115,16 +123,24 @@ while [ $# -gt 0 ]; do
     --reference) reference="$2"; shift 2 ;;
     --top-interval) top_interval="$2"; shift 2 ;;
     --base) base="$2"; shift 2 ;;
+    --base-hf) base="$2"; base_hf=true; shift 2 ;;
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
     --data-c) data_c="$2"; shift 2 ;;
-    -h|--help) sed -n 2,65p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,73p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
 for v in base data_a data_b; do
   if [ -z "${!v}" ]; then echo "two-site.sh: --${v//_/-} is required (try --help)" >&2; exit 2; fi
 done
+if $base_hf; then
+  if [ ! -f "$base/config.json" ]; then
+    echo "two-site.sh: --base-hf $base: no config.json there (a Hugging Face model folder has one)" >&2; exit 2
+  fi
+  # The folder's config.json sets the shape: only the LoRA settings are ours.
+  $model_given || model="--lora-rank 8 --lora-alpha 16"
+fi
 if [ -n "$data_c" ] && [ -n "$wan_rate" ]; then
   echo "two-site.sh: --wan-rate shapes the link between two sites; it does not take --data-c" >&2; exit 2
 fi

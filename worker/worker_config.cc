@@ -16,7 +16,7 @@
 namespace isthmus::worker {
 
 model::GptConfig ModelSettings::Gpt() const {
-  model::GptConfig c;
+  model::GptConfig c = arch;
   c.n_layer = layers;
   c.n_embd = width;
   c.n_head = heads;
@@ -36,7 +36,38 @@ model::LoraConfig ModelSettings::Lora() const {
 Status ModelSettings::Validate() const {
   ISTHMUS_RETURN_IF_ERROR(Gpt().Validate());
   ISTHMUS_RETURN_IF_ERROR(model::ParseTrainMode(mode).status());
-  if (mode == "lora") ISTHMUS_RETURN_IF_ERROR(Lora().Validate());
+  if (mode == "lora") ISTHMUS_RETURN_IF_ERROR(Lora().Validate(arch.family));
+  return Status::Ok();
+}
+
+Status ModelSettings::TakeLlamaShape(const model::GptConfig& config, const std::string& source) {
+  auto take = [&](const char* flag, int& field, int value) -> Status {
+    if (given.count(flag) && field != value) {
+      return Status::InvalidArgument(std::string(flag) + " " + std::to_string(field) +
+                                     " contradicts the base " + source + ", which has " +
+                                     std::to_string(value) + ": leave " + flag +
+                                     " out (the base sets it) or use another base");
+    }
+    field = value;
+    return Status::Ok();
+  };
+  ISTHMUS_RETURN_IF_ERROR(take("--layers", layers, config.n_layer));
+  ISTHMUS_RETURN_IF_ERROR(take("--width", width, config.n_embd));
+  ISTHMUS_RETURN_IF_ERROR(take("--heads", heads, config.n_head));
+  ISTHMUS_RETURN_IF_ERROR(take("--context", context, config.n_ctx));
+  vocab_size = config.vocab_size;
+  arch = config;
+  // PEFT names a Llama target by its last part (q_proj); every linear by default.
+  const std::vector<std::string> names = model::LoraTargetNames(config.family);
+  if (!given.count("--lora-targets")) {
+    lora_targets = names;
+  } else {
+    for (std::string& t : lora_targets) {
+      for (const std::string& n : names) {
+        if (n.ends_with("." + t)) t = n;
+      }
+    }
+  }
   return Status::Ok();
 }
 
@@ -52,9 +83,17 @@ Status ModelSettings::ResolveBaseShape() {
     const std::string config_path = base + "/config.json";
     std::ifstream in(config_path);
     if (!in) return Status::InvalidArgument("--base " + base + ": no config.json in the folder");
-    auto config = nlohmann::json::parse(in, nullptr, false);
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto config = nlohmann::json::parse(text, nullptr, false);
     if (config.is_discarded() || !config.is_object()) {
       return Status::InvalidArgument(config_path + " is not a JSON object");
+    }
+    if (config.value("model_type", std::string("gpt2")) != "gpt2") {  // the Llama family
+      ISTHMUS_ASSIGN_OR_RETURN(model::GptConfig parsed, model::ParseHfConfig(text, config_path));
+      auto file = FindHfCheckpoint(base);
+      if (!file.ok()) return Status::InvalidArgument("--base " + file.status().message());
+      base = *file;
+      return TakeLlamaShape(parsed, given_base);
     }
     if (config.contains("n_head") && config["n_head"].is_number_integer()) {
       file_heads = config["n_head"].get<int>();
@@ -65,6 +104,12 @@ Status ModelSettings::ResolveBaseShape() {
     base = *file;
   }
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsInfo info, ReadHfCheckpointInfo(base));
+  if (auto hf = info.metadata.find("hf_config"); hf != info.metadata.end()) {
+    // A Llama-family base written by isthmus (Gpt::SaveBase): its config.json inside.
+    ISTHMUS_ASSIGN_OR_RETURN(model::GptConfig parsed,
+                             model::ParseHfConfig(hf->second, base + " (hf_config)"));
+    return TakeLlamaShape(parsed, base);
+  }
   // transformers' save_pretrained writes GPT2LMHeadModel's tensors as "transformer.<name>".
   for (auto& t : info.tensors) {
     if (t.name.rfind("transformer.", 0) == 0) t.name.erase(0, 12);
@@ -149,11 +194,13 @@ Status ModelSettings::ResolveTrainable(const std::vector<Tensor>& tensors,
   int rank = 0;
   std::set<std::string> targets;
   for (const auto& t : tensors) {
-    if (t.name == "wte.weight") full = true;
+    if (t.name == "wte.weight" || t.name == "embed_tokens.weight") full = true;
     const auto at = t.name.find(".lora_A.weight");
     if (at == std::string::npos || t.shape.size() != 2) continue;
     rank = static_cast<int>(t.shape[0]);
-    const auto layer_end = t.name.find('.', 2);  // "h.N."
+    // "h.N.<target>" (GPT-2) or "layers.N.<target>" (the Llama family).
+    const auto number = t.name.find('.');
+    const auto layer_end = number == std::string::npos ? number : t.name.find('.', number + 1);
     if (layer_end != std::string::npos && layer_end < at) {
       targets.insert(t.name.substr(layer_end + 1, at - layer_end - 1));
     }
@@ -172,7 +219,7 @@ Status ModelSettings::ResolveTrainable(const std::vector<Tensor>& tensors,
   if (!targets.empty()) {
     // In the canonical order, as the flag's default lists them.
     std::vector<std::string> ordered;
-    for (const char* name : model::kLoraTargetNames) {
+    for (const std::string& name : model::LoraTargetNames(arch.family)) {
       if (targets.count(name)) ordered.push_back(name);
     }
     const std::set<std::string> ours(lora_targets.begin(), lora_targets.end());
@@ -211,20 +258,33 @@ std::map<std::string, std::string> ModelSettings::TrainableMetadata() const {
           {"lora_targets", JoinTargets(lora_targets)}};
 }
 
+namespace {
+
+// Every family's targets, GPT-2's first: bit i of the job's target bits is name i.
+std::vector<std::string> AllTargetNames() {
+  std::vector<std::string> all = model::LoraTargetNames(model::ModelFamily::kGpt2);
+  for (const std::string& n : model::LoraTargetNames(model::ModelFamily::kLlama)) all.push_back(n);
+  return all;
+}
+
+}  // namespace
+
 uint32_t ModelSettings::LoraTargetBits() const {
+  const std::vector<std::string> all = AllTargetNames();
   uint32_t bits = 0;
   for (const auto& t : lora_targets) {
-    for (size_t i = 0; i < std::size(model::kLoraTargetNames); ++i) {
-      if (t == model::kLoraTargetNames[i]) bits |= 1u << i;
+    for (size_t i = 0; i < all.size(); ++i) {
+      if (t == all[i]) bits |= 1u << i;
     }
   }
   return bits;
 }
 
 std::vector<std::string> ModelSettings::LoraTargetsFromBits(uint32_t bits) {
+  const std::vector<std::string> all = AllTargetNames();
   std::vector<std::string> out;
-  for (size_t i = 0; i < std::size(model::kLoraTargetNames); ++i) {
-    if (bits & (1u << i)) out.push_back(model::kLoraTargetNames[i]);
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (bits & (1u << i)) out.push_back(all[i]);
   }
   return out;
 }
@@ -390,7 +450,10 @@ void AddModelFlags(CLI::App& app, ModelSettings& m) {
       ->each(note("--lora-alpha"));
   app.add_option(
          "--lora-targets", m.lora_targets,
-         std::string("adapted layers: attn.c_attn attn.c_proj mlp.c_fc mlp.c_proj") + from_file)
+         std::string("adapted layers: attn.c_attn attn.c_proj mlp.c_fc mlp.c_proj (GPT-2); for a "
+                     "Llama-family base q_proj k_proj v_proj o_proj gate_proj up_proj "
+                     "down_proj, all of them by default") +
+             from_file)
       ->capture_default_str()
       ->each(note("--lora-targets"));
   app.add_option("--mode", m.mode,

@@ -39,6 +39,9 @@ struct ModelSettings {
   // alpha (a file written before it was recorded, or tensors pulled from the shards, which
   // keep tensors only): lora_alpha is then the default, an assumption.
   bool lora_alpha_assumed = false;
+  // The architecture beyond the five shape fields above: GPT-2 unless the base is a
+  // Llama-family checkpoint (ResolveBaseShape takes its config.json).
+  model::GptConfig arch;
 
   // With a base: takes the model's shape from it (n_layer from its blocks, n_embd from
   // wte, n_ctx from wpe, n_head from its metadata or the folder's config.json) and makes
@@ -46,6 +49,11 @@ struct ModelSettings {
   // contradicts the base is an InvalidArgument naming the flag and both values; so is a
   // base that records no head count when --heads was not given. No-op without a base.
   Status ResolveBaseShape();
+  // ResolveBaseShape for a Llama-family base (its config.json parsed; `source` names the
+  // base): the shape fields (a given flag that contradicts them is refused), `arch`, and the
+  // LoRA targets (all the family's linears unless --lora-targets was given; PEFT's short
+  // names such as q_proj taken for the family's).
+  Status TakeLlamaShape(const model::GptConfig& config, const std::string& source);
   // Takes what a set of trainable tensors (a file: init --out, train --save, a checkpoint,
   // an export; or the job's tensors pulled from the shards, with no metadata) says about
   // the training setup, for flags that were not given: the mode (full when it holds
@@ -62,8 +70,8 @@ struct ModelSettings {
   // The metadata files of trainable tensors carry (what ResolveTrainable reads back):
   // "train_mode", "lora_rank", "lora_alpha", "lora_targets" (comma-separated).
   std::map<std::string, std::string> TrainableMetadata() const;
-  // The LoRA targets as a set of bits, bit i for kLoraTargetNames[i] (0 for a name that is
-  // none of them: Validate refuses those).
+  // The LoRA targets as a set of bits: bit i for kLoraTargetNames[i], then bit 4 + j for
+  // kLlamaLoraTargetNames[j] (0 for a name that is none of them: Validate refuses those).
   uint32_t LoraTargetBits() const;
   // The inverse, in the canonical order.
   static std::vector<std::string> LoraTargetsFromBits(uint32_t bits);
