@@ -1505,6 +1505,11 @@ Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& 
                   gib(p.host_staging).c_str());
     t += line;
   }
+  if (p.host_masters > 0) {  // LoRA in bf16: the frozen base is bf16 on the device
+    std::snprintf(line, sizeof line, "  %-28s %s\n", "host: frozen base fp32",
+                  gib(p.host_masters).c_str());
+    t += line;
+  }
   out.table = t;
   out.fits = Status::Ok();
   if (!ops.HostMemory() && needed > p.backend_free) {

@@ -347,6 +347,51 @@ TEST(LlamaMemoryPlan, EqualsWhatTrainingAllocates) {
   }
 }
 
+// LoRA in bf16 holds the frozen base's matrices in bf16 alone on the backend (fp32 only for
+// the embeddings and norms the kernels read so); its fp32 masters stay in host memory, so
+// the base exports, hashes and is found bitwise as loaded.
+TEST(LlamaMemoryPlan, AFrozenBf16BaseKeepsItsFp32MastersOnTheHost) {
+  GptConfig c;
+  c.family = ModelFamily::kLlama;
+  c.n_layer = 2;
+  c.n_embd = 64;
+  c.n_head = 4;
+  c.n_kv_head = 2;
+  c.n_inner = 160;
+  c.n_ctx = 16;
+  c.vocab_size = 32;
+  c.tied_embeddings = false;
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.targets = {"self_attn.q_proj"};
+  auto fp32 = Gpt::CreateRandom(c, TrainMode::kLora, lora, 3);
+  ASSERT_TRUE(fp32.ok());
+  const Compute bf16{&ops::CpuOps(), ops::Dtype::kBF16};
+  auto frozen = Gpt::FromHfTensors((*fp32)->ExportHfTensors(), c, TrainMode::kLora, lora, 3, bf16);
+  ASSERT_TRUE(frozen.ok()) << frozen.status().ToString();
+  EXPECT_EQ((*frozen)->BaseHash(), (*fp32)->BaseHash());
+  EXPECT_EQ((*frozen)->FindBase("layers.1.mlp.up_proj.weight")->data,
+            (*fp32)->FindBase("layers.1.mlp.up_proj.weight")->data);
+
+  auto lora_plan = Gpt::PlanMemory(c, TrainMode::kLora, lora, bf16, 2, 16);
+  auto full_plan = Gpt::PlanMemory(c, TrainMode::kFull, lora, bf16, 2, 16);
+  ASSERT_TRUE(lora_plan.ok() && full_plan.ok());
+  const int64_t base_bytes = (*fp32)->BaseElements() * 4;
+  EXPECT_GE(lora_plan->host_masters, base_bytes);
+  EXPECT_EQ(full_plan->host_masters, 0);  // a base that trains keeps its masters on the device
+  EXPECT_GE(full_plan->parameters, base_bytes);
+  // The matrices are most of the base: fp32 on the backend for the embedding and norms only.
+  const int64_t matrices = 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 160) * 4;
+  EXPECT_LE(lora_plan->parameters, full_plan->parameters - matrices);
+
+  // Its loss is the fp32 model's to bf16 rounding.
+  std::vector<int32_t> tokens(32), targets(32);
+  for (int i = 0; i < 32; ++i) tokens[i] = (i * 3) % 32, targets[i] = (i * 5) % 32;
+  const float a = (*frozen)->Forward(tokens.data(), targets.data(), 2, 16);
+  EXPECT_TRUE(std::isfinite(a));
+  EXPECT_NEAR(a, (*fp32)->Forward(tokens.data(), targets.data(), 2, 16), 0.02 * a);
+}
+
 // A random Llama-shaped model learns a token mapping in full mode, then LoRA adapters on
 // that trained base learn another one, in fp32 and bf16 (a uniform guess is ln 64 = 4.16).
 // LoRA starts from the trained base because a random one's frozen embeddings and norms

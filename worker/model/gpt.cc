@@ -118,10 +118,22 @@ struct Gpt::Layer {
 struct Gpt::Group {
   std::vector<TensorSlot> slots;
   int64_t elements = 0;  // the flat length, gaps included
-  ops::Buffer data;      // fp32 masters
+  ops::Buffer data;      // fp32 masters (of a frozen bf16 base: only those kernels read)
   ops::Buffer copy;      // bf16 copies for the matmuls (bf16 precision only)
+  // A frozen base in bf16 (LoRA mode, bf16 precision: SplitFrozenBase): the backend holds
+  // the bf16 copy of every tensor, and fp32 only of those the kernels read in fp32 (the
+  // embeddings, norms and biases), at f32_offset in `data` (-1: not held); the fp32 masters
+  // of all of them stay in host memory (`host`, flat like `copy`), where ExportBase reads.
+  bool frozen_bf16 = false;
+  std::vector<int64_t> f32_offset;
+  int64_t f32_elements = 0;
+  std::vector<float> host;
 
-  float* F(int i) const { return data.as<float>() + slots[i].offset; }
+  float* F(int i) const {
+    if (!frozen_bf16) return data.as<float>() + slots[i].offset;
+    return f32_offset[i] < 0 ? nullptr : data.as<float>() + f32_offset[i];
+  }
+  int64_t DataElements() const { return frozen_bf16 ? f32_elements : elements; }
   ops::Bf16* C(int i) const { return copy.as<ops::Bf16>() + slots[i].offset; }
   // Appends a slot at the next 64-element boundary and returns its index.
   int Add(const std::string& name, std::vector<int64_t> shape) {
@@ -553,8 +565,9 @@ Status Gpt::Allocate() {
                                  ", " + ops::DtypeName(precision_) + ") on " + ops_.Describe() +
                                  ": " + st.message() + "; use a smaller model or another device");
   };
+  SplitFrozenBase();
   for (Group* g : {base_.get(), lora_tensors_.get()}) {
-    auto data = ops::Buffer::Allocate(ops_, g->elements * sizeof(float));
+    auto data = ops::Buffer::Allocate(ops_, g->DataElements() * sizeof(float));
     if (!data.ok()) return out_of_memory(data.status(), "parameters");
     g->data = std::move(data).value();
     ops_.Zero(g->data.data(), g->data.bytes());
@@ -615,20 +628,54 @@ std::vector<Tensor> Gpt::RandomBase(uint64_t seed) const {
   return out;
 }
 
-// `tensors` are the group's tensors in slot order. One copy to the backend.
+void Gpt::SplitFrozenBase() {
+  Group& g = *base_;
+  g.frozen_bf16 = mode_ == TrainMode::kLora && precision_ == ops::Dtype::kBF16;
+  if (!g.frozen_bf16) return;
+  g.f32_offset.assign(g.slots.size(), -1);
+  g.f32_elements = 0;
+  for (size_t i = 0; i < g.slots.size(); ++i) {
+    const bool embedding = static_cast<int>(i) == wte_ || static_cast<int>(i) == wpe_;
+    if (g.slots[i].shape.size() != 1 && !embedding) continue;  // a matrix: bf16 only
+    g.f32_offset[i] = (g.f32_elements + Group::kAlign - 1) / Group::kAlign * Group::kAlign;
+    g.f32_elements = g.f32_offset[i] + g.slots[i].numel;
+  }
+}
+
+// `tensors` are the group's tensors in slot order. One copy to the backend (a frozen bf16
+// base: its bf16 copy and the fp32 tensors the kernels read, rounded on the host as
+// ops::Cast rounds, to nearest even).
 Status Gpt::UploadGroup(Group& group, const std::vector<Tensor>& tensors) {
   std::vector<float> flat(static_cast<size_t>(group.elements), 0.0f);
   for (size_t i = 0; i < tensors.size(); ++i) {
     std::copy(tensors[i].data.begin(), tensors[i].data.end(), flat.begin() + group.slots[i].offset);
   }
-  ops_.Upload(group.data.data(), flat.data(), flat.size() * sizeof(float));
-  RefreshCopies(group);
+  if (!group.frozen_bf16) {
+    ops_.Upload(group.data.data(), flat.data(), flat.size() * sizeof(float));
+    RefreshCopies(group);
+    return ops_.status();
+  }
+  std::vector<float> f32(static_cast<size_t>(group.f32_elements), 0.0f);
+  for (size_t i = 0; i < group.slots.size(); ++i) {
+    if (group.f32_offset[i] < 0) continue;
+    const auto from = flat.begin() + group.slots[i].offset;
+    std::copy(from, from + group.slots[i].numel, f32.begin() + group.f32_offset[i]);
+  }
+  ops_.Upload(group.data.data(), f32.data(), f32.size() * sizeof(float));
+  std::vector<ops::Bf16> bf16(flat.size());
+  for (size_t i = 0; i < flat.size(); ++i) bf16[i] = ops::ToBf16(flat[i]);
+  ops_.Upload(group.copy.data(), bf16.data(), bf16.size() * sizeof(ops::Bf16));
+  group.host = std::move(flat);
   return ops_.status();
 }
 
 std::vector<Tensor> Gpt::DownloadGroup(const Group& group) const {
   std::vector<float> flat(static_cast<size_t>(group.elements));
-  ops_.Download(flat.data(), group.data.data(), flat.size() * sizeof(float));
+  if (group.frozen_bf16) {
+    flat = group.host;
+  } else {
+    ops_.Download(flat.data(), group.data.data(), flat.size() * sizeof(float));
+  }
   std::vector<Tensor> out;
   out.reserve(group.slots.size());
   for (const TensorSlot& s : group.slots) {
@@ -1028,6 +1075,10 @@ std::optional<Tensor> Gpt::FindBase(const std::string& name) const {
   const int i = base_->Find(name);
   if (i < 0) return std::nullopt;
   const TensorSlot& s = base_->slots[i];
+  if (base_->frozen_bf16) {
+    const auto from = base_->host.begin() + s.offset;
+    return Tensor{s.name, s.shape, std::vector<float>(from, from + s.numel)};
+  }
   Tensor t{s.name, s.shape, std::vector<float>(static_cast<size_t>(s.numel))};
   ops_.Download(t.data.data(), base_->F(i), t.data.size() * sizeof(float));
   return t;
@@ -1252,8 +1303,12 @@ Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, cons
   p.backend_held = static_cast<int64_t>(held.allocated);
   p.backend_free = static_cast<int64_t>(held.free);
   p.backend_total = static_cast<int64_t>(held.total);
+  gpt.SplitFrozenBase();
+  if (gpt.base_->frozen_bf16) {  // the frozen base's fp32 masters, in host memory
+    p.host_masters = gpt.base_->elements * static_cast<int64_t>(sizeof(float));
+  }
   for (const Group* g : {gpt.base_.get(), gpt.lora_tensors_.get()}) {
-    p.parameters += rounded(g->elements * static_cast<int64_t>(sizeof(float)));
+    p.parameters += rounded(g->DataElements() * static_cast<int64_t>(sizeof(float)));
     if (compute.precision == ops::Dtype::kBF16) {
       p.weight_copies += rounded(g->elements * static_cast<int64_t>(sizeof(ops::Bf16)));
     }

@@ -124,7 +124,8 @@ Result<ops::Dtype> ParsePrecision(const std::string& name);
 // Bytes a training configuration holds, by part (Gpt::PlanMemory). Each buffer is counted
 // rounded up to 256 bytes, as the backends allocate it.
 struct MemoryPlan {
-  int64_t parameters = 0;     // fp32 base and LoRA tensors
+  int64_t parameters = 0;     // fp32 base and LoRA tensors (of a frozen bf16 base only the
+                              // embeddings, norms and biases: its matrices are bf16 alone)
   int64_t weight_copies = 0;  // bf16 copies of them for the matmuls (bf16 precision)
   int64_t gradients = 0;      // fp32, one per trainable value
   int64_t optimizer = 0;      // AdamW's two moments, its chunk table and scalars
@@ -132,6 +133,8 @@ struct MemoryPlan {
   int64_t round_buffers = 0;  // a synced run's round base and delta/pull staging (fp32
                               // copies of the trainable tensors, worker/live_params.h)
   int64_t host_staging = 0;   // pinned host memory for a batch (0 on the CPU: in the above)
+  int64_t host_masters = 0;   // host memory: the frozen base's fp32 masters, when the backend
+                              // holds that base in bf16 (LoRA mode, bf16 precision)
   int64_t backend_held = 0;   // what the backend held already (CUDA: its workspaces)
   int64_t backend_free = 0;   // free backend memory when planned (CPU: available RAM)
   int64_t backend_total = 0;  // the device's memory (CPU: physical RAM)
@@ -403,6 +406,9 @@ class Gpt {
   std::vector<Tensor> InitialLora(uint64_t seed) const;
   std::vector<Tensor> RandomBase(uint64_t seed) const;
   std::vector<float> RopeTable() const;
+  // Decides whether the base is held as a frozen bf16 base (Group::frozen_bf16) and lays
+  // out its fp32 part; after BuildIndex, before Allocate.
+  void SplitFrozenBase();
   Status UploadGroup(Group& group, const std::vector<Tensor>& tensors);
   std::vector<Tensor> DownloadGroup(const Group& group) const;
   void RefreshCopies(Group& group);
