@@ -192,6 +192,8 @@ TEST_F(LlamaFolders, ImportExportRoundTripsBitwise) {
   ASSERT_TRUE(original.ok());
   const std::vector<Tensor> exported = (*gpt)->ExportHfTensors();
   ASSERT_EQ(exported.size(), original->tensors.size());
+  // The base hash is the checkpoint's own: what a site reading the folder computes.
+  EXPECT_EQ((*gpt)->BaseHash(), TensorsContentHash(original->tensors));
   std::map<std::string, const Tensor*> by_name;
   for (const Tensor& t : original->tensors) by_name[t.name] = &t;
   for (const Tensor& t : exported) {
@@ -390,6 +392,45 @@ TEST(LlamaMemoryPlan, AFrozenBf16BaseKeepsItsFp32MastersOnTheHost) {
   const float a = (*frozen)->Forward(tokens.data(), targets.data(), 2, 16);
   EXPECT_TRUE(std::isfinite(a));
   EXPECT_NEAR(a, (*fp32)->Forward(tokens.data(), targets.data(), 2, 16), 0.02 * a);
+}
+
+// What training Llama 3 8B's shape holds, planned without allocating (its config.json's
+// sizes): LoRA in bf16 at one 2,048-token sequence fits an 80 GB GPU; full training in fp32
+// does not come close (the parameters, gradients and AdamW moments alone are 16 bytes each).
+TEST(LlamaMemoryPlan, Llama3EightBillionLoraInBf16FitsEightyGigabytes) {
+  const nlohmann::json config = {{"model_type", "llama"},
+                                 {"hidden_size", 4096},
+                                 {"intermediate_size", 14336},
+                                 {"num_hidden_layers", 32},
+                                 {"num_attention_heads", 32},
+                                 {"num_key_value_heads", 8},
+                                 {"max_position_embeddings", 8192},
+                                 {"vocab_size", 128256},
+                                 {"rms_norm_eps", 1e-5},
+                                 {"rope_theta", 500000.0},
+                                 {"tie_word_embeddings", false}};
+  auto c = ParseHfConfig(config.dump(), "llama3-8b/config.json");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  LoraConfig lora;
+  lora.rank = 16;
+  lora.targets = LoraTargetNames(ModelFamily::kLlama);
+  // The CPU backend plans the same buffers a GPU would hold (its own workspaces aside).
+  const Compute bf16{&ops::CpuOps(), ops::Dtype::kBF16};
+  auto plan = Gpt::PlanMemory(*c, TrainMode::kLora, lora, bf16, 1, 2048, /*synced_rounds=*/true);
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  const int64_t gib = int64_t{1} << 30;
+  const int64_t device = plan->backend_bytes() - plan->backend_held;
+  std::printf(
+      "[llama3-8b lora r16 bf16, 1 x 2048] parameters %.1f GiB, bf16 copies %.1f GiB, "
+      "activations %.1f GiB, device total %.1f GiB, host fp32 base %.1f GiB\n",
+      static_cast<double>(plan->parameters) / gib, static_cast<double>(plan->weight_copies) / gib,
+      static_cast<double>(plan->activations) / gib, static_cast<double>(device) / gib,
+      static_cast<double>(plan->host_masters) / gib);
+  EXPECT_LT(device, 80 * gib);
+  EXPECT_GT(plan->weight_copies, 14 * gib);  // 8.0e9 parameters in bf16
+  auto full = Gpt::PlanMemory(*c, TrainMode::kFull, lora, {}, 1, 2048);
+  ASSERT_TRUE(full.ok());
+  EXPECT_GT(full->backend_bytes() - full->backend_held, 120 * gib);
 }
 
 // A random Llama-shaped model learns a token mapping in full mode, then LoRA adapters on

@@ -107,6 +107,9 @@ class LlamaWorkerTest(unittest.TestCase):
         init = os.path.join(self.dir, "lora0.st")
         r = self.run_worker("init", "--base", self.hf, "--lora-rank", "4", "--lora-alpha", "8",
                             "--out", init)
+        # The job's base hash is that of the checkpoint as the folder holds it.
+        folder, _ = isthmus.read_safetensors(os.path.join(self.hf, "model.safetensors"))
+        self.assertEqual(r.stdout.strip(), isthmus.tensors_hash(folder))
         lora0, meta = isthmus.read_safetensors(init)
         self.assertEqual(meta["lora_targets"], ",".join(
             ("self_attn." if t in TARGETS[:4] else "mlp.") + t for t in TARGETS))

@@ -1090,7 +1090,12 @@ int64_t Gpt::BaseElements() const {
   return n;
 }
 
-std::string Gpt::BaseHash() const { return TensorsContentHash(ExportBase()); }
+std::string Gpt::BaseHash() const {
+  // A Llama-family base hashes as its Hugging Face checkpoint names and shapes it, so a site
+  // that reads the folder itself (isthmus.tensors_hash) computes the same hash.
+  return TensorsContentHash(config_.family == ModelFamily::kLlama ? ExportHfTensors()
+                                                                  : ExportBase());
+}
 
 ops::CRef Gpt::BaseM(int index) const {
   if (precision_ == ops::Dtype::kBF16) return base_->C(index);

@@ -340,7 +340,9 @@ class Gpt {
   int64_t BaseElements() const;
 
   // Lower-case hex SHA-256 (TensorsContentHash) of the base tensors: what workers and
-  // shards compare to check they hold the same base. Computed on each call (O(params)).
+  // shards compare to check they hold the same base. For the Llama family, of the tensors as
+  // ExportHfTensors names and shapes them (the checkpoint's own, in fp32; a tied head's copy
+  // and rotary buffers left out). Computed on each call (O(params)).
   std::string BaseHash() const;
 
   // Copies of the trainable tensors (names and shapes as in Trainable()): one copy from
