@@ -158,7 +158,7 @@ class RoundLoop {
       ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards, [this] { return GiveUp(); }));
     }
     ISTHMUS_RETURN_IF_ERROR(AgreeOnModel());
-    model::Compute c{compute_.ops.get(), compute_.precision};
+    const model::Compute c = compute_.Model();
     // A configuration that cannot fit the GPU is refused before anything is allocated.
     ISTHMUS_ASSIGN_OR_RETURN(const int distill_k, TeacherCacheK(s_.teacher_topk));
     ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan,
@@ -1481,7 +1481,8 @@ Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& 
   std::string t = "memory plan: " + std::to_string(m.layers) + " layers x " +
                   std::to_string(m.width) + ", vocabulary " + std::to_string(m.vocab_size) + ", " +
                   m.mode + ", " + ops::DtypeName(compute.precision) + ", batch " +
-                  std::to_string(B) + " x " + std::to_string(m.context) + ", on " + ops.Describe() +
+                  std::to_string(B) + " x " + std::to_string(m.context) +
+                  (compute.recompute ? ", activation recompute" : "") + ", on " + ops.Describe() +
                   "\n";
   for (const auto& [what, bytes] : std::initializer_list<std::pair<const char*, int64_t>>{
            {"parameters (fp32)", p.parameters},

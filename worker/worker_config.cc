@@ -309,6 +309,7 @@ Result<OpenedCompute> OpenCompute(const ComputeSettings& c, int rank) {
   OpenedCompute out;
   ISTHMUS_ASSIGN_OR_RETURN(out.ops, ops::OpenBackend(resolved));
   out.device_index = resolved.kind == ops::DeviceChoice::Kind::kCuda ? resolved.index : -1;
+  out.recompute = c.recompute;
   if (c.precision == "auto") {
     out.precision = out.ops->HostMemory() ? ops::Dtype::kF32 : ops::Dtype::kBF16;
   } else {
@@ -487,6 +488,10 @@ void AddComputeFlags(CLI::App& app, ComputeSettings& c) {
       ->capture_default_str();
   app.add_flag("!--no-cuda-graphs", c.cuda_graphs,
                "launch every kernel of a step instead of replaying a recorded CUDA graph");
+  app.add_flag("--recompute", c.recompute,
+               "activation recompute: keep only each block's input and run its forward again "
+               "in the backward (about a third more compute, one block's activations instead "
+               "of all; --plan shows the difference)");
 }
 
 void AddShardFlags(CLI::App& app, ShardSettings& s) {

@@ -91,7 +91,8 @@ struct ComputeSettings {
   std::string device = "auto";     // auto | cpu | cuda | cuda:N (auto: cuda when a GPU is visible)
   std::string precision = "auto";  // auto | fp32 | bf16 (auto: bf16 on cuda, fp32 on cpu)
   bool cuda_graphs = true;
-  int local_rank = -1;  // this rank's place on its node (--local-rank or LOCAL_RANK); -1: none
+  bool recompute = false;  // activation recompute (model::Compute::recompute)
+  int local_rank = -1;     // this rank's place on its node (--local-rank or LOCAL_RANK); -1: none
 
   // InvalidArgument for a malformed --device or --precision.
   Status Validate() const;
@@ -102,7 +103,10 @@ struct ComputeSettings {
 struct OpenedCompute {
   std::shared_ptr<ops::Ops> ops;
   ops::Dtype precision = ops::Dtype::kF32;
-  int device_index = -1;  // the CUDA device, -1 on the CPU
+  int device_index = -1;   // the CUDA device, -1 on the CPU
+  bool recompute = false;  // ComputeSettings::recompute
+  // How a model computes on it.
+  model::Compute Model() const { return {ops.get(), precision, recompute}; }
 };
 Result<OpenedCompute> OpenCompute(const ComputeSettings& c, int rank);
 

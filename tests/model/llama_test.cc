@@ -433,6 +433,74 @@ TEST(LlamaMemoryPlan, Llama3EightBillionLoraInBf16FitsEightyGigabytes) {
   EXPECT_GT(full->backend_bytes() - full->backend_held, 120 * gib);
 }
 
+// Activation recompute gives the same loss and gradients bit for bit (the block's forward
+// runs again with the same kernels on the same inputs), for both families, in fp32 and
+// bf16, and its plan (equal to what a step holds) keeps one layer's activations.
+TEST(ActivationRecompute, SameGradientsBitwiseAndLessMemory) {
+  GptConfig llama;
+  llama.family = ModelFamily::kLlama;
+  llama.n_layer = 3;
+  llama.n_embd = 32;
+  llama.n_head = 4;
+  llama.n_kv_head = 2;
+  llama.n_inner = 48;
+  llama.n_ctx = 16;
+  llama.vocab_size = 64;
+  GptConfig gpt2;
+  gpt2.n_layer = 3;
+  gpt2.n_embd = 32;
+  gpt2.n_head = 2;
+  gpt2.n_ctx = 16;
+  gpt2.vocab_size = 64;
+  const int B = 2, T = 16;
+  std::vector<int32_t> tokens(B * T), targets(B * T);
+  for (int i = 0; i < B * T; ++i) tokens[i] = (i * 7) % 64, targets[i] = (i * 11 + 3) % 64;
+  for (const GptConfig& c : {llama, gpt2}) {
+    LoraConfig lora;
+    lora.rank = 4;
+    lora.targets = LoraTargetNames(c.family);
+    for (TrainMode mode : {TrainMode::kFull, TrainMode::kLora}) {
+      for (ops::Dtype precision : {ops::Dtype::kF32, ops::Dtype::kBF16}) {
+        const std::string what = std::string(ModelFamilyName(c.family)) + " " +
+                                 TrainModeName(mode) + " " + ops::DtypeName(precision);
+        std::vector<std::vector<float>> grads;
+        std::vector<float> losses;
+        std::vector<int64_t> activations;
+        for (bool recompute : {false, true}) {
+          const Compute compute{&ops::CpuOps(), precision, recompute};
+          auto plan = Gpt::PlanMemory(c, mode, lora, compute, B, T);
+          ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+          activations.push_back(plan->activations);
+          auto gpt = Gpt::CreateRandom(c, mode, lora, 9, compute);
+          ASSERT_TRUE(gpt.ok()) << gpt.status().ToString();
+          if (mode == TrainMode::kLora) {  // B = 0 at the start: give the adapters a value
+            std::vector<Tensor> t = (*gpt)->ExportTrainable();
+            for (Tensor& x : t) {
+              for (size_t i = 0; i < x.data.size(); ++i) x.data[i] = 0.01f * ((i * 7) % 13) - 0.06f;
+            }
+            ASSERT_TRUE((*gpt)->LoadTrainable(t).ok());
+          }
+          (*gpt)->ZeroGrad();
+          losses.push_back((*gpt)->Forward(tokens.data(), targets.data(), B, T));
+          (*gpt)->Backward();
+          ASSERT_TRUE((*gpt)->ops().Synchronize().ok());
+          const float* g = (*gpt)->GradData();
+          grads.emplace_back(g, g + (*gpt)->TrainableElements());
+          auto trainer = Trainer::Create(**gpt, TrainerConfig{});
+          ASSERT_TRUE(trainer.ok());
+          ASSERT_TRUE((*trainer)->Step(tokens.data(), targets.data(), B, T).ok());
+          EXPECT_EQ(static_cast<int64_t>(ops::CpuOps().Memory().allocated), plan->backend_bytes())
+              << what << (recompute ? " recompute" : "");
+        }
+        EXPECT_EQ(losses[0], losses[1]) << what;
+        EXPECT_TRUE(grads[0] == grads[1]) << what << ": gradients differ";
+        // Three layers' activations become one layer's plus the residual stream.
+        EXPECT_LT(activations[1], activations[0] * 3 / 4) << what;
+      }
+    }
+  }
+}
+
 // A random Llama-shaped model learns a token mapping in full mode, then LoRA adapters on
 // that trained base learn another one, in fp32 and bf16 (a uniform guess is ln 64 = 4.16).
 // LoRA starts from the trained base because a random one's frozen embeddings and norms

@@ -447,6 +447,7 @@ Gpt::Gpt(const GptConfig& config, TrainMode mode, const LoraConfig& lora, const 
       lora_(lora),
       ops_(compute.backend()),
       precision_(compute.precision),
+      recompute_(compute.recompute),
       base_(std::make_unique<Group>()),
       lora_tensors_(std::make_unique<Group>()) {}
 
@@ -1202,6 +1203,12 @@ void Gpt::CarveActivations(Activations& a, int64_t N, Carver& arena, Carver& in,
     a.layers.assign(config_.n_layer, {});
     for (int l = 0; l < config_.n_layer; ++l) {
       Activations::PerLayer& L = a.layers[l];
+      if (recompute_ && l > 0) {  // one shared set; only the residual stream per layer
+        L = a.layers[0];
+        L.res2 = k.Take<float>(N * C);
+        L.res3 = k.Take<float>(N * C);
+        continue;
+      }
       L.ln1 = k.Take(N * C, d);
       L.ln1_mean = llama ? nullptr : k.Take<float>(N);  // RMS norms keep rstd only
       L.ln1_rstd = k.Take<float>(N);
@@ -1456,13 +1463,13 @@ float Gpt::Forward(const int32_t* tokens, const int32_t* targets, int B, int T,
   return static_cast<float>(StagedLoss());
 }
 
-void Gpt::EnqueueForward(bool with_grad) {
+// One block's forward from `input` (the residual stream entering layer l) into the layer's
+// activations, ending with its output residual res3. Backward calls it again for a layer
+// whose activations were not kept (activation recompute).
+void Gpt::ForwardBlock(int l, const float* input) {
   Activations& a = *act_;
   const int B = cur_b_, T = cur_t_, N = B * T, C = config_.n_embd, H = config_.n_head;
-  const int V = config_.vocab_size;
   const float scale = lora_.Scale();
-  ops_.UploadAsync(a.inputs.data(), a.staging.data(), a.inputs_bytes);
-
   auto linear = [&](const Layer::Linear& lin, ops::CRef x, const float* residual, ops::Ref out,
                     ops::Ref xa) {
     if (lin.lora_a >= 0) {
@@ -1472,51 +1479,59 @@ void Gpt::EnqueueForward(bool with_grad) {
       ops_.LinearForward(x, BaseM(lin.w), BaseF(lin.b), residual, out, N, lin.in, lin.out);
     }
   };
-
   const bool llama = config_.family == ModelFamily::kLlama;
   const int Hkv = config_.kv_heads(), D = config_.head_size();
   const int64_t NI = static_cast<int64_t>(N) * config_.inner();
-  // A block's norm: RMS in the Llama family, layer norm in GPT-2.
-  auto norm = [&](const float* x, int w, int b, ops::Ref out, float* mean, float* rstd) {
-    if (llama) {
-      ops_.RmsNormForward(x, BaseF(w), out, rstd, N, C, config_.norm_eps);
-    } else {
-      ops_.LayerNormForward(x, BaseF(w), BaseF(b), out, mean, rstd, N, C);
-    }
-  };
+  const Layer& L = layers_[l];
+  Activations::PerLayer& A = a.layers[l];
+  Norm(input, L.ln1_w, L.ln1_b, A.ln1, A.ln1_mean, A.ln1_rstd);
+  if (llama) {  // q, k, v, then the rotary positions and the kv heads' sharing
+    linear(L.lin[kQ], A.ln1, nullptr, A.q, A.xa[kQ]);
+    linear(L.lin[kK], A.ln1, nullptr, A.k, A.xa[kK]);
+    linear(L.lin[kV], A.ln1, nullptr, A.v, A.xa[kV]);
+    ops_.RopeGqaForward(A.q, A.k, A.v, rope_.as<float>(), A.qkv, B, T, H, Hkv, D);
+  } else {
+    linear(L.lin[kCAttn], A.ln1, nullptr, A.qkv, A.xa[kCAttn]);
+  }
+  ops_.AttentionForward(A.qkv, A.atty, A.lse, B, T, C, H);
+  // The residual add is fused into the projection: res2 = input + atty W + b.
+  const int proj = llama ? kO : kAttnProj;
+  linear(L.lin[proj], A.atty, input, A.res2, A.xa[proj]);
+  Norm(A.res2, L.ln2_w, L.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd);
+  if (llama) {  // SwiGLU: silu(gate) * up
+    linear(L.lin[kGate], A.ln2, nullptr, A.fch, A.xa[kGate]);
+    linear(L.lin[kUp], A.ln2, nullptr, A.up, A.xa[kUp]);
+    ops_.SwigluForward(A.fch, A.up, A.fch_gelu, NI);
+  } else {
+    linear(L.lin[kFc], A.ln2, nullptr, A.fch, A.xa[kFc]);
+    ops_.GeluForward(A.fch, A.fch_gelu, NI);
+  }
+  const int down = llama ? kDown : kMlpProj;
+  linear(L.lin[down], A.fch_gelu, A.res2, A.res3, A.xa[down]);
+}
 
+// A block's norm: RMS in the Llama family, layer norm in GPT-2.
+void Gpt::Norm(const float* x, int w, int b, ops::Ref out, float* mean, float* rstd) {
+  const int N = cur_b_ * cur_t_, C = config_.n_embd;
+  if (config_.family == ModelFamily::kLlama) {
+    ops_.RmsNormForward(x, BaseF(w), out, rstd, N, C, config_.norm_eps);
+  } else {
+    ops_.LayerNormForward(x, BaseF(w), BaseF(b), out, mean, rstd, N, C);
+  }
+}
+
+void Gpt::EnqueueForward(bool with_grad) {
+  Activations& a = *act_;
+  const int B = cur_b_, T = cur_t_, N = B * T, C = config_.n_embd;
+  const int V = config_.vocab_size;
+  ops_.UploadAsync(a.inputs.data(), a.staging.data(), a.inputs_bytes);
   ops_.EmbeddingForward(a.tokens, BaseF(wte_), BaseF(wpe_), a.encoded, B, T, C);
   const float* residual = a.encoded;
   for (int l = 0; l < config_.n_layer; ++l) {
-    const Layer& L = layers_[l];
-    Activations::PerLayer& A = a.layers[l];
-    norm(residual, L.ln1_w, L.ln1_b, A.ln1, A.ln1_mean, A.ln1_rstd);
-    if (llama) {  // q, k, v, then the rotary positions and the kv heads' sharing
-      linear(L.lin[kQ], A.ln1, nullptr, A.q, A.xa[kQ]);
-      linear(L.lin[kK], A.ln1, nullptr, A.k, A.xa[kK]);
-      linear(L.lin[kV], A.ln1, nullptr, A.v, A.xa[kV]);
-      ops_.RopeGqaForward(A.q, A.k, A.v, rope_.as<float>(), A.qkv, B, T, H, Hkv, D);
-    } else {
-      linear(L.lin[kCAttn], A.ln1, nullptr, A.qkv, A.xa[kCAttn]);
-    }
-    ops_.AttentionForward(A.qkv, A.atty, A.lse, B, T, C, H);
-    // The residual add is fused into the projection: res2 = residual + atty W + b.
-    const int proj = llama ? kO : kAttnProj;
-    linear(L.lin[proj], A.atty, residual, A.res2, A.xa[proj]);
-    norm(A.res2, L.ln2_w, L.ln2_b, A.ln2, A.ln2_mean, A.ln2_rstd);
-    if (llama) {  // SwiGLU: silu(gate) * up
-      linear(L.lin[kGate], A.ln2, nullptr, A.fch, A.xa[kGate]);
-      linear(L.lin[kUp], A.ln2, nullptr, A.up, A.xa[kUp]);
-      ops_.SwigluForward(A.fch, A.up, A.fch_gelu, NI);
-    } else {
-      linear(L.lin[kFc], A.ln2, nullptr, A.fch, A.xa[kFc]);
-      ops_.GeluForward(A.fch, A.fch_gelu, NI);
-    }
-    const int down = llama ? kDown : kMlpProj;
-    linear(L.lin[down], A.fch_gelu, A.res2, A.res3, A.xa[down]);
-    residual = A.res3;
+    ForwardBlock(l, residual);
+    residual = a.layers[l].res3;
   }
-  norm(residual, lnf_w_, lnf_b_, a.lnf, a.lnf_mean, a.lnf_rstd);
+  Norm(residual, lnf_w_, lnf_b_, a.lnf, a.lnf_mean, a.lnf_rstd);
   // logits = lnf head^T (the head is wte when tied).
   ops_.Matmul(a.lnf, BaseM(head_), a.logits, N, V, C, false, true, 1.0f, 0.0f);
   if (!have_targets_) return;
@@ -1600,6 +1615,9 @@ void Gpt::Backward() {
     const Layer& L = layers_[l];
     Activations::PerLayer& A = a.layers[l];
     const float* input = l == 0 ? a.encoded : a.layers[l - 1].res3;
+    // With activation recompute the layers share one set of activations (the residual
+    // stream aside), which hold the last layer's after the forward: others run again.
+    if (recompute_ && l != config_.n_layer - 1) ForwardBlock(l, input);
     if (llama) {  // MLP branch: down, SwiGLU, then gate and up
       linear_back(L.lin[kDown], dres_for_matmul(), A.fch_gelu, A.xa[kDown], a.dfch);
       ops_.SwigluBackward(a.dfch, A.fch, A.up, a.dgate, a.dup, NI);

@@ -112,6 +112,10 @@ struct Compute {
   ops::Ops* ops = &ops::CpuOps();           // never null; the CPU reference by default
   ops::Dtype precision = ops::Dtype::kF32;  // kBF16: bf16 matmul weight copies and
                                             // activations; fp32 masters and gradients
+  // Activation recompute: the layers share one set of activations and keep only the
+  // residual stream; the backward runs each block's forward again before its backward
+  // (about a third more compute; the activation memory of one layer instead of all).
+  bool recompute = false;
   ops::Ops& backend() const {
     ISTHMUS_CHECK(ops != nullptr, "model::Compute without a backend (ops::CpuOps() for the CPU)");
     return *ops;
@@ -243,6 +247,7 @@ class Gpt {
   const LoraConfig& lora() const { return lora_; }
   ops::Ops& ops() const { return ops_; }
   ops::Dtype precision() const { return precision_; }
+  bool recompute() const { return recompute_; }
 
   // Allocates the activations for batches of up to B x T tokens (once; they only grow).
   // ResourceExhausted naming the configuration and what to lower when they do not fit.
@@ -411,6 +416,9 @@ class Gpt {
   // Decides whether the base is held as a frozen bf16 base (Group::frozen_bf16) and lays
   // out its fp32 part; after BuildIndex, before Allocate.
   void SplitFrozenBase();
+  // One block's forward (layer l, from the residual `input`), and the norm of a block.
+  void ForwardBlock(int l, const float* input);
+  void Norm(const float* x, int w, int b, ops::Ref out, float* mean, float* rstd);
   Status UploadGroup(Group& group, const std::vector<Tensor>& tensors);
   std::vector<Tensor> DownloadGroup(const Group& group) const;
   void RefreshCopies(Group& group);
@@ -428,6 +436,7 @@ class Gpt {
   LoraConfig lora_;
   ops::Ops& ops_;
   ops::Dtype precision_;
+  bool recompute_ = false;  // Compute::recompute
 
   std::unique_ptr<Group> base_;
   std::unique_ptr<Group> lora_tensors_;
