@@ -16,6 +16,7 @@ import unittest
 import harness
 import isthmus
 import isthmus.gpt2
+import isthmus.llama
 import isthmus.torch
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -71,6 +72,11 @@ class ApiTableTest(unittest.TestCase):
         self.assertEqual(missing(gpt2), [])
         own = public(n for n, v in vars(isthmus.gpt2.Gpt2Lora).items() if callable(v))
         self.assertEqual(missing(own - {"forward"}), [])  # forward: model(x), as any Module
+        llama = {n for n, v in vars(isthmus.llama).items()
+                 if not n.startswith("_") and getattr(v, "__module__", "") == "isthmus.llama"}
+        self.assertEqual(missing(llama), [])
+        own = public(n for n, v in vars(isthmus.llama.LlamaLora).items() if callable(v))
+        self.assertEqual(missing(own - {"forward"}), [])
         # The table's own defaults are the package's.
         for param in inspect.signature(isthmus.Site).parameters.values():
             if param.default is not inspect.Parameter.empty:
