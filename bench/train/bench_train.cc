@@ -3,7 +3,9 @@
 // --steps steps after --warmup untimed ones. Prints one JSON line with the same keys as
 // torch_gpt.py so run.sh can put the two side by side, including model FLOP utilisation
 // (FLOPs per token by the formula below, over --peak-tflops) and peak device memory (the
-// most the backend ever held allocated, as torch reports its allocator's peak).
+// most the backend ever held allocated, as torch reports its allocator's peak). Either
+// family: GPT-2 (the default) or a Llama-shaped model (--family llama, with --kv-heads,
+// --inner and an untied head unless --tied), LoRA then on every linear of the block.
 #include <omp.h>
 
 #include <CLI/CLI.hpp>
@@ -18,25 +20,47 @@
 
 namespace {
 
-// Model FLOPs per trained token, the same definition as torch_gpt.py's: P = L*12*C^2 (the
-// block matmul weights) + V*C (tied head); attention forward per token = 2*L*C*T (QK^T and
-// PV over the causal half of T); forward F = 2*P + 2*L*C*T. Full mode trains everything:
-// 3*F. LoRA: the frozen base needs forward and input-gradient matmuls but no weight
-// gradients, so 2*(2*P) + 3*(2*L*C*T) + 6*A, with A the LoRA parameters per token
-// (r*(in+out) summed over the adapted linears).
-double FlopsPerToken(int L, int C, int T, int V, bool lora, int rank,
+// One linear of a block: its LoRA target name and its fan-in and fan-out.
+struct BlockLinear {
+  const char* target;
+  double in, out;
+};
+
+// The block's linears of `config`'s family, in LoraTargetNames order.
+std::vector<BlockLinear> BlockLinears(const isthmus::model::GptConfig& config) {
+  const double C = config.n_embd, I = config.inner();
+  if (config.family == isthmus::model::ModelFamily::kGpt2) {
+    return {
+        {"attn.c_attn", C, 3 * C}, {"attn.c_proj", C, C}, {"mlp.c_fc", C, I}, {"mlp.c_proj", I, C}};
+  }
+  const double kv = static_cast<double>(config.kv_heads()) * config.head_size();
+  return {{"self_attn.q_proj", C, C}, {"self_attn.k_proj", C, kv}, {"self_attn.v_proj", C, kv},
+          {"self_attn.o_proj", C, C}, {"mlp.gate_proj", C, I},     {"mlp.up_proj", C, I},
+          {"mlp.down_proj", I, C}};
+}
+
+// Model FLOPs per trained token, the same definition as torch_gpt.py's: P = L * (the
+// block's linear weights: 12*C^2 for GPT-2) + V*C (the head, tied or not); attention
+// forward per token = 2*L*C*T (QK^T and PV over the causal half of T, C = H*D whatever the
+// number of kv heads); forward F = 2*P + 2*L*C*T. Full mode trains everything: 3*F. LoRA:
+// the frozen base needs forward and input-gradient matmuls but no weight gradients, so
+// 2*(2*P) + 3*(2*L*C*T) + 6*A, with A the LoRA parameters per token (r*(in+out) summed over
+// the adapted linears). Norms, biases, activations, rotary, softmax and the optimizer are
+// not counted.
+double FlopsPerToken(const isthmus::model::GptConfig& config, int T, bool lora, int rank,
                      const std::vector<std::string>& targets) {
-  const double P = 12.0 * L * C * C + static_cast<double>(V) * C;
+  const double L = config.n_layer, C = config.n_embd, V = config.vocab_size;
+  double block = 0, adapted = 0;
+  for (const BlockLinear& m : BlockLinears(config)) {
+    block += m.in * m.out;
+    for (const std::string& t : targets) {
+      if (t == m.target) adapted += m.in + m.out;
+    }
+  }
+  const double P = L * block + V * C;
   const double attn = 2.0 * L * C * T;
   if (!lora) return 3.0 * (2.0 * P + attn);
-  double per_layer = 0;
-  for (const std::string& t : targets) {
-    if (t == "attn.c_attn") per_layer += C + 3.0 * C;
-    if (t == "attn.c_proj") per_layer += 2.0 * C;
-    if (t == "mlp.c_fc") per_layer += C + 4.0 * C;
-    if (t == "mlp.c_proj") per_layer += 4.0 * C + C;
-  }
-  const double A = static_cast<double>(L) * rank * per_layer;
+  const double A = L * rank * adapted;
   return 4.0 * P + 3.0 * attn + 6.0 * A;
 }
 
@@ -46,11 +70,18 @@ int main(int argc, char** argv) {
   using namespace isthmus;
   CLI::App app{"bench_train: tokens/s of the worker's training step (CPU or GPU)"};
   int layers = 4, width = 256, heads = 4, ctx = 256, batch = 8, rank = 16, steps = 10, warmup = 2;
-  int threads = 0;
+  int threads = 0, kv_heads = 0, inner = 0;
+  bool tied = false;
   float alpha = 32.0f;
   double peak_tflops = 989.0;
-  std::string mode_name = "lora", device = "cpu", precision = "fp32";
+  std::string family_name = "gpt2", mode_name = "lora", device = "cpu", precision = "fp32";
   bool graphs = true;
+  app.add_option("--family", family_name, "gpt2, or llama (RMS norm, rotary, SwiGLU, GQA)")
+      ->check(CLI::IsMember({"gpt2", "llama"}))
+      ->capture_default_str();
+  app.add_option("--kv-heads", kv_heads, "llama: key/value heads (0: --heads)");
+  app.add_option("--inner", inner, "llama: the MLP's hidden width (0: 4 * --width)");
+  app.add_flag("--tied", tied, "llama: the head is the token embedding (default: untied)");
   app.add_option("--layers", layers)->capture_default_str();
   app.add_option("--width", width)->capture_default_str();
   app.add_option("--heads", heads)->capture_default_str();
@@ -73,6 +104,11 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_flag("!--no-cuda-graphs", graphs, "launch kernels one by one");
   CLI11_PARSE(app, argc, argv);
+  const bool llama = family_name == "llama";
+  if (!llama && (kv_heads != 0 || inner != 0 || tied)) {
+    std::fprintf(stderr, "bench_train: --kv-heads, --inner and --tied are for --family llama\n");
+    return 2;
+  }
   if (threads > 0) omp_set_num_threads(threads);
 
   auto fail = [](const Status& st) {
@@ -92,9 +128,17 @@ int main(int argc, char** argv) {
   config.n_embd = width;
   config.n_head = heads;
   config.n_ctx = ctx;
+  if (llama) {
+    config.family = model::ModelFamily::kLlama;
+    config.n_kv_head = kv_heads;
+    config.n_inner = inner;
+    config.tied_embeddings = tied;
+  }
+  if (Status st = config.Validate(); !st.ok()) return fail(st);
   model::LoraConfig lora;
   lora.rank = rank;
   lora.alpha = alpha;
+  lora.targets = model::LoraTargetNames(config.family);  // every linear of the block
   auto mode = *model::ParseTrainMode(mode_name);
   const model::Compute compute{&ops, *model::ParsePrecision(precision)};
   auto gpt = model::Gpt::CreateRandom(config, mode, lora, 0, compute);
@@ -145,17 +189,20 @@ int main(int argc, char** argv) {
   if (mode == model::TrainMode::kLora) total += trainable;
   const double tokens_done = static_cast<double>(steps) * batch * ctx;
   const double tokens_per_s = tokens_done / elapsed;
-  const double flops = FlopsPerToken(layers, width, ctx, config.vocab_size,
-                                     mode == model::TrainMode::kLora, rank, lora.targets);
+  const double flops =
+      FlopsPerToken(config, ctx, mode == model::TrainMode::kLora, rank, lora.targets);
   const ops::MemoryInfo mem = ops.Memory();
   std::printf(
-      "{\"tokens_per_s\": %.1f, \"ms_per_step\": %.2f, \"mode\": \"%s\", \"layers\": %d, "
-      "\"width\": %d, \"heads\": %d, \"ctx\": %d, \"batch\": %d, \"rank\": %d, \"steps\": %d, "
+      "{\"tokens_per_s\": %.1f, \"ms_per_step\": %.2f, \"mode\": \"%s\", \"family\": \"%s\", "
+      "\"layers\": %d, \"width\": %d, \"heads\": %d, \"kv_heads\": %d, \"inner\": %d, "
+      "\"tied\": %s, \"ctx\": %d, \"batch\": %d, \"rank\": %d, \"steps\": %d, "
       "\"warmup\": %d, \"threads\": %d, \"trainable_params\": %lld, \"total_params\": %lld, "
       "\"final_loss\": %.4f, \"device\": \"%s\", \"precision\": \"%s\", \"cuda_graphs\": %s, "
       "\"peak_mem_bytes\": %s, \"flops_per_token\": %.0f, \"mfu\": %.4g, \"peak_tflops\": %.1f, "
       "\"gpu\": %s, \"impl\": \"isthmus\"}\n",
-      tokens_per_s, 1000 * elapsed / steps, mode_name.c_str(), layers, width, heads, ctx, batch,
+      tokens_per_s, 1000 * elapsed / steps, mode_name.c_str(),
+      model::ModelFamilyName(config.family), layers, width, heads, config.kv_heads(),
+      config.inner(), config.tied_embeddings ? "true" : "false", ctx, batch,
       mode == model::TrainMode::kLora ? rank : 0, steps, warmup, omp_get_max_threads(),
       static_cast<long long>(trainable), static_cast<long long>(total), loss, ops.Name(),
       precision.c_str(), (*trainer)->used_graph() ? "true" : "false",

@@ -2,8 +2,10 @@
 # Training throughput, isthmus vs PyTorch, same configs, same run.
 #
 # --device cpu (default): 4x256 and 6x384 GPT-2 with LoRA r16 on attn.c_attn/attn.c_proj/
-# mlp.c_fc/mlp.c_proj, context 256, batch B (default 8), CPU with THREADS threads (default 1).
-# Prints each JSON line and the ratio isthmus/torch.
+# mlp.c_fc/mlp.c_proj, then a Llama-shaped 4x256 (4 heads, 2 kv heads, SwiGLU width 688,
+# untied head) with LoRA r16 on all seven linears and in full mode; context 256, batch B
+# (default 8), CPU with THREADS threads (default 1). Prints each JSON line and the ratio
+# isthmus/torch.
 #
 # --device cuda: on this machine's GPU, 4x256 (4 heads) context 256 and 12x768 (12 heads)
 # context 1024, batch B, LoRA (r16, alpha 32) and full training; isthmus bf16 and fp32
@@ -54,20 +56,29 @@ if [ "$device" = cpu ]; then
   warmup=${WARMUP:-2}
   echo "# threads=$threads batch=$batch ctx=256 lora_rank=16 steps=$steps warmup=$warmup OMP_WAIT_POLICY=PASSIVE"
   echo "$cpu_line"
-  for size in "4 256 4" "6 384 6"; do
-    set -- $size
-    common="--layers $1 --width $2 --heads $3 --ctx 256 --batch $batch --rank 16 --steps $steps --warmup $warmup --threads $threads"
-    ours=$("$bin" $common)
-    theirs=$("$py" "$here/torch_gpt.py" $common)
-    echo "isthmus $1x$2: $ours"
-    echo "torch   $1x$2: $theirs"
+  # compare LABEL ARGS...: both programs on ARGS, their JSON lines and the ratio.
+  compare() {
+    label=$1
+    shift
+    ours=$("$bin" "$@")
+    theirs=$("$py" "$here/torch_gpt.py" "$@")
+    echo "isthmus $label: $ours"
+    echo "torch   $label: $theirs"
     "$py" -c "
 import json, sys
 a = json.loads(sys.argv[1]); b = json.loads(sys.argv[2])
-print('ratio %sx%s lora r16 B=%s T=256 threads=%s: isthmus %.0f tok/s / torch %.0f tok/s = %.2f' % (
-    sys.argv[3], sys.argv[4], a['batch'], a['threads'], a['tokens_per_s'], b['tokens_per_s'],
-    a['tokens_per_s'] / b['tokens_per_s']))" "$ours" "$theirs" "$1" "$2"
+print('ratio %s B=%s T=256 threads=%s: isthmus %.0f tok/s / torch %.0f tok/s = %.2f' % (
+    sys.argv[3], a['batch'], a['threads'], a['tokens_per_s'], b['tokens_per_s'],
+    a['tokens_per_s'] / b['tokens_per_s']))" "$ours" "$theirs" "$label"
+  }
+  for size in "4 256 4" "6 384 6"; do
+    set -- $size
+    compare "$1x$2 lora r16" --layers $1 --width $2 --heads $3 --ctx 256 --batch $batch --rank 16 \
+      --steps $steps --warmup $warmup --threads $threads
   done
+  llama="--family llama --layers 4 --width 256 --heads 4 --kv-heads 2 --inner 688 --ctx 256 --batch $batch --rank 16 --steps $steps --warmup $warmup --threads $threads"
+  compare "llama 4x256 kv2 i688 lora r16" $llama --mode lora
+  compare "llama 4x256 kv2 i688 full" $llama --mode full
   exit 0
 fi
 

@@ -8,6 +8,13 @@ scale alpha / r) and the base frozen, or all parameters trained in --mode full. 
 AdamW on random tokens, times --steps steps after --warmup steps and prints one JSON line,
 e.g. {"tokens_per_s": 12345.6, "ms_per_step": ..., ...}.
 
+--family llama: the Llama decoder instead, as Hugging Face's LlamaForCausalLM computes it
+(RMS norm, rotary positions with rotate_half, grouped-query attention with --kv-heads
+key/value heads repeated over the query heads, SwiGLU MLP of width --inner, linears
+without biases, an untied lm_head unless --tied), LoRA on all seven linears of the block
+(self_attn.q_proj, k_proj, v_proj, o_proj, mlp.gate_proj, up_proj, down_proj), as
+bench_train --family llama.
+
 Variants for the GPU comparison: --precision bf16 (autocast around forward and loss, fp32
 master weights and AdamW state, as PyTorch AMP does), --attention sdpa
 (F.scaled_dot_product_attention instead of the explicit masked softmax) and --compile
@@ -39,46 +46,57 @@ def die(msg):
     sys.exit(2)
 
 
-def model_flops_per_token(layers, width, ctx, mode, rank):
+def block_linears(family, width, heads, kv_heads, inner):
+    """(fan-in, fan-out) of each linear of a block, in the C++ model's target order."""
+    c, i = width, inner
+    if family == "gpt2":
+        return [(c, 3 * c), (c, c), (c, i), (i, c)]
+    kv = kv_heads * (width // heads)
+    return [(c, c), (c, kv), (c, kv), (c, c), (c, i), (c, i), (i, c)]
+
+
+def model_flops_per_token(layers, width, ctx, mode, rank, linears):
     """Model FLOPs per trained token; the C++ bench_train uses the same definition.
 
-    P = L*12*C^2 (block matmul weights: c_attn 3C^2, attn.c_proj C^2, c_fc 4C^2,
-        mlp.c_proj 4C^2) + V*C (tied head). Biases, LayerNorm, GELU, softmax, the
-        embedding lookups and the optimizer are not counted.
+    P = L * (block matmul weights: for GPT-2 c_attn 3C^2, attn.c_proj C^2, c_fc 4C^2,
+        mlp.c_proj 4C^2 = 12C^2; for Llama q and o C^2 each, k and v C*Ckv each, gate,
+        up and down C*I each) + V*C (the head, tied or not). Biases, norms, GELU/SiLU,
+        rotary, softmax, the embedding lookups and the optimizer are not counted.
     Attention forward per token = 2*L*C*T: QK^T and PV, 2 flops per multiply-add, over
         the causal half of the T positions (2 products * 2 flops * C * T/2).
     Forward per token F = 2*P + 2*L*C*T.
     full: flops_per_token = 3*F (backward = input gradients + weight gradients = 2*F).
     lora: the frozen base needs the forward and the input-gradient matmuls but no weight
         gradients: flops_per_token = 2*(2*P) + 3*(2*L*C*T) + 6*A, where
-        A = r * sum over the adapted linears of (in + out) = L*r*16*C for the four targets
-        (c_attn C+3C, attn.c_proj C+C, c_fc C+4C, mlp.c_proj 4C+C). The input gradient of
+        A = r * sum over the adapted linears of (in + out) (GPT-2's four targets: L*r*16*C;
+        Llama: all seven linears). The input gradient of
         every base matmul is counted, including the few autograd can skip (layer 0's
         c_attn, whose input needs no gradient), so the figure is a convention shared by
         both implementations rather than a count of what either executes.
     mfu = flops_per_token * tokens_per_s / (peak_tflops * 1e12).
     """
     L, C, T, V = layers, width, ctx, VOCAB
-    P = L * 12 * C * C + V * C
+    P = L * sum(i * o for i, o in linears) + V * C
     attn = 2 * L * C * T
     if mode == "full":
         return 3 * (2 * P + attn)
-    A = L * rank * 16 * C
+    A = L * rank * sum(i + o for i, o in linears)
     return 2 * (2 * P) + 3 * attn + 6 * A
 
 
 class LoRALinear(nn.Module):
     """y = x W^T + b + (alpha / r) * x A^T B^T, with W and b frozen in LoRA mode."""
 
-    def __init__(self, n_in, n_out, rank, alpha, lora):
+    def __init__(self, n_in, n_out, rank, alpha, lora, bias=True):
         super().__init__()
-        self.base = nn.Linear(n_in, n_out)
+        self.base = nn.Linear(n_in, n_out, bias=bias)
         nn.init.normal_(self.base.weight, std=0.02)
-        nn.init.zeros_(self.base.bias)
+        if bias:
+            nn.init.zeros_(self.base.bias)
         self.rank = rank if lora else 0
         if self.rank > 0:
-            self.base.weight.requires_grad_(False)
-            self.base.bias.requires_grad_(False)
+            for p in self.base.parameters():
+                p.requires_grad_(False)
             self.lora_A = nn.Parameter(torch.empty(rank, n_in))
             self.lora_B = nn.Parameter(torch.zeros(n_out, rank))
             # PEFT's default initialisation of A.
@@ -154,6 +172,107 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
 
 
+class RMSNorm(nn.Module):
+    """weight * x / sqrt(mean(x^2) + eps), as LlamaRMSNorm (torch 1.13 has no nn.RMSNorm)."""
+
+    def __init__(self, width, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, width, heads, kv_heads, inner, eps, rank, alpha, lora, sdpa):
+        super().__init__()
+        self.heads, self.kv_heads, self.sdpa = heads, kv_heads, sdpa
+        d = width // heads
+
+        def linear(n_in, n_out):
+            return LoRALinear(n_in, n_out, rank, alpha, lora, bias=False)
+
+        self.input_layernorm = RMSNorm(width, eps)
+        self.q_proj = linear(width, heads * d)
+        self.k_proj = linear(width, kv_heads * d)
+        self.v_proj = linear(width, kv_heads * d)
+        self.o_proj = linear(heads * d, width)
+        self.post_attention_layernorm = RMSNorm(width, eps)
+        self.gate_proj = linear(width, inner)
+        self.up_proj = linear(width, inner)
+        self.down_proj = linear(inner, width)
+
+    def forward(self, x, mask, cos, sin):
+        b, t, c = x.shape
+        h, hkv = self.heads, self.kv_heads
+        d = c // h
+        n = self.input_layernorm(x)
+        q = self.q_proj(n).view(b, t, h, d).transpose(1, 2)
+        k = self.k_proj(n).view(b, t, hkv, d).transpose(1, 2)
+        v = self.v_proj(n).view(b, t, hkv, d).transpose(1, 2)
+        cos, sin = cos[:t], sin[:t]  # [T, D], broadcast over [B, heads, T, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if hkv != h:  # Hugging Face's repeat_kv: query head i reads kv head i // (h / hkv)
+            k = k[:, :, None].expand(b, hkv, h // hkv, t, d).reshape(b, h, t, d)
+            v = v[:, :, None].expand(b, hkv, h // hkv, t, d).reshape(b, h, t, d)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            att = att.masked_fill(mask[:t, :t], float("-inf")).softmax(dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
+        x = x + self.o_proj(y)
+        n = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(n)) * self.up_proj(n))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers, width, heads, kv_heads, inner, ctx, tied, rank, alpha, lora, sdpa,
+                 theta=10000.0, eps=1e-5):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, width)
+        nn.init.normal_(self.embed_tokens.weight, std=0.02)
+        self.layers = nn.ModuleList(
+            LlamaBlock(width, heads, kv_heads, inner, eps, rank, alpha, lora, sdpa) for _ in range(layers))
+        self.norm = RMSNorm(width, eps)
+        self.lm_head = None
+        if not tied:
+            self.lm_head = nn.Linear(width, VOCAB, bias=False)
+            nn.init.normal_(self.lm_head.weight, std=0.02)
+        # Rotary tables as LlamaRotaryEmbedding computes them (no rope scaling).
+        d = width // heads
+        inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.arange(ctx, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer(
+            "mask", torch.triu(torch.ones(ctx, ctx, dtype=torch.bool), diagonal=1), persistent=False
+        )
+        if lora:
+            frozen = [self.embed_tokens, self.norm] + ([self.lm_head] if self.lm_head is not None else [])
+            frozen += [m for blk in self.layers for m in (blk.input_layernorm, blk.post_attention_layernorm)]
+            for m in frozen:
+                for p in m.parameters():
+                    p.requires_grad_(False)
+
+    def forward(self, idx, targets):
+        x = self.embed_tokens(idx)
+        for blk in self.layers:
+            x = blk(x, self.mask, self.cos, self.sin)
+        head = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        logits = self.norm(x) @ head.t()
+        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+
+
 def check_support(args):
     """Refuse, in one line, what this torch cannot do, instead of failing mid-run."""
     v = torch.__version__
@@ -173,6 +292,10 @@ def check_support(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", choices=["gpt2", "llama"], default="gpt2")
+    ap.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (0: --heads)")
+    ap.add_argument("--inner", type=int, default=0, help="llama: the MLP's hidden width (0: 4 * --width)")
+    ap.add_argument("--tied", action="store_true", help="llama: the head is the token embedding (default: untied)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--heads", type=int, default=4)
@@ -197,6 +320,13 @@ def main():
     args = ap.parse_args()
     if args.width % args.heads != 0:
         ap.error("--width must be a multiple of --heads")
+    llama = args.family == "llama"
+    if not llama and (args.kv_heads or args.inner or args.tied):
+        ap.error("--kv-heads, --inner and --tied are for --family llama")
+    args.kv_heads = args.kv_heads or args.heads
+    args.inner = args.inner or 4 * args.width
+    if llama and (args.heads % args.kv_heads != 0 or (args.width // args.heads) % 2 != 0):
+        ap.error("--family llama needs --kv-heads dividing --heads and an even head size")
     if args.steps < 1:
         ap.error("--steps must be at least 1")
     check_support(args)
@@ -216,8 +346,12 @@ def main():
             torch.cuda.synchronize(dev)
 
     lora = args.mode == "lora"
-    model = GPT(args.layers, args.width, args.heads, args.ctx, args.rank, args.alpha, lora,
-                args.attention == "sdpa").to(dev)
+    sdpa = args.attention == "sdpa"
+    if llama:
+        model = Llama(args.layers, args.width, args.heads, args.kv_heads, args.inner, args.ctx, args.tied,
+                      args.rank, args.alpha, lora, sdpa).to(dev)
+    else:
+        model = GPT(args.layers, args.width, args.heads, args.ctx, args.rank, args.alpha, lora, sdpa).to(dev)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0 if lora else 0.1)
     run_model = torch.compile(model) if args.compile else model
@@ -264,13 +398,15 @@ def main():
 
     tokens = args.steps * args.batch * args.ctx
     tokens_per_s = tokens / elapsed
-    flops_per_token = model_flops_per_token(args.layers, args.width, args.ctx, args.mode, args.rank)
+    linears = block_linears(args.family, args.width, args.heads, args.kv_heads, args.inner)
+    flops_per_token = model_flops_per_token(args.layers, args.width, args.ctx, args.mode, args.rank, linears)
     mfu = flops_per_token * tokens_per_s / (args.peak_tflops * 1e12)
     print(json.dumps({
         "tokens_per_s": round(tokens_per_s, 1),
         "ms_per_step": round(1000 * elapsed / args.steps, 2),
-        "mode": args.mode,
-        "layers": args.layers, "width": args.width, "heads": args.heads, "ctx": args.ctx,
+        "mode": args.mode, "family": args.family,
+        "layers": args.layers, "width": args.width, "heads": args.heads, "kv_heads": args.kv_heads,
+        "inner": args.inner, "tied": args.tied or not llama, "ctx": args.ctx,
         "batch": args.batch, "rank": args.rank if lora else 0, "alpha": args.alpha if lora else 0,
         "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
         "trainable_params": sum(p.numel() for p in params),
