@@ -19,6 +19,7 @@
 #include <string>
 #include <string_view>
 
+#include "common/durable.h"
 #include "common/hf_checkpoint.h"
 #include "common/log.h"
 #include "common/safetensors.h"
@@ -360,11 +361,26 @@ int RunExport(ExportArgs& a) {
   if (auto st = gpt->SaveHuggingFace(hf_dir, shard_bytes, *dtype); !st.ok()) {
     return Fail("export", st);
   }
-  std::fprintf(stderr, "wrote Hugging Face %s folder %s (config.json, %s)\n",
+  // The base folder's tokenizer goes with the model, so the folder is whole for
+  // AutoTokenizer too.
+  std::string tokenizer_files;
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                           "vocab.json", "merges.txt", "generation_config.json"}) {
+    const std::string from = a.model.given_base + "/" + name;
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(from, ec)) continue;
+    std::ifstream in(from, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in.good() && !in.eof()) return Fail("export", Status::IoError("cannot read " + from));
+    if (auto st = WriteFileDurably(hf_dir + "/" + name, bytes); !st.ok()) return Fail("export", st);
+    tokenizer_files += std::string(", ") + name;
+  }
+  std::fprintf(stderr, "wrote Hugging Face %s folder %s (config.json, %s%s)\n",
                a.model.mode == "full" ? "model" : "base", hf_dir.c_str(),
                std::filesystem::exists(hf_dir + "/" + kHfIndexFile)
                    ? "model-*-of-*.safetensors and their index"
-                   : kHfSingleFile);
+                   : kHfSingleFile,
+               tokenizer_files.c_str());
   if (!a.peft_dir.empty()) {
     if (auto st = gpt->SavePeftAdapter(a.peft_dir, hf_dir); !st.ok()) return Fail("export", st);
     std::fprintf(stderr, "wrote PEFT adapter %s (its base: %s)\n", a.peft_dir.c_str(),

@@ -52,6 +52,9 @@ class LlamaWorkerTest(unittest.TestCase):
         cls.val = text[16000:16000 + B * T + 1]  # eval's one batch: B windows of T + 1
         cls.val.tofile(os.path.join(cls.data, "val.bin"))
         cls.reference = load_reference()
+        # A tokenizer file beside the weights, which export copies into the folders it writes.
+        with open(os.path.join(cls.hf, "tokenizer_config.json"), "w") as f:
+            json.dump({"model_max_length": 16, "tokenizer_class": "PreTrainedTokenizerFast"}, f)
 
     @classmethod
     def tearDownClass(cls):
@@ -132,6 +135,8 @@ class LlamaWorkerTest(unittest.TestCase):
                          ("llama", ["LlamaForCausalLM"]))
         self.assertEqual((config["num_key_value_heads"], config["intermediate_size"],
                           config["tie_word_embeddings"]), (2, 48, False))
+        with open(os.path.join(base_dir, "tokenizer_config.json")) as f:
+            self.assertEqual(json.load(f)["model_max_length"], 16)
         exported, _ = isthmus.read_safetensors(os.path.join(base_dir, "model.safetensors"))
         original, _ = isthmus.read_safetensors(os.path.join(self.hf, "model.safetensors"))
         self.assertEqual(sorted(exported), sorted(original))
