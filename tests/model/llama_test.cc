@@ -215,6 +215,21 @@ TEST_F(LlamaFolders, ImportExportRoundTripsBitwise) {
   EXPECT_EQ(config["rope_scaling"]["rope_type"], "llama3");
   EXPECT_EQ(config["num_key_value_heads"], 2);
 
+  // In bf16 (transformers' usual dtype): read back, each value is the original rounded to
+  // bf16, and config.json says so.
+  const fs::path half = dir_ / "bf16";
+  ASSERT_TRUE((*gpt)->SaveHuggingFace(half.string(), kHfDefaultShardBytes, FileDtype::kBF16).ok());
+  EXPECT_EQ(nlohmann::json::parse(ReadText(half / "config.json"))["torch_dtype"], "bfloat16");
+  auto rounded = Gpt::LoadHfFolder(half.string(), TrainMode::kLora, lora, 5);
+  ASSERT_TRUE(rounded.ok()) << rounded.status().ToString();
+  for (const Tensor& t : (*rounded)->ExportHfTensors()) {
+    const Tensor& want = *by_name[t.name];
+    ASSERT_EQ(t.data.size(), want.data.size()) << t.name;
+    for (size_t i = 0; i < t.data.size(); ++i) {
+      ASSERT_EQ(t.data[i], ops::RoundBf16(want.data[i])) << t.name << "[" << i << "]";
+    }
+  }
+
   const fs::path peft = dir_ / "peft";
   ASSERT_TRUE((*gpt)->SavePeftAdapter(peft.string(), out.string()).ok());
   const auto adapter_config = nlohmann::json::parse(ReadText(peft / "adapter_config.json"));
