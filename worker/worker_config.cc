@@ -88,7 +88,9 @@ Status ModelSettings::ResolveBaseShape() {
     if (config.is_discarded() || !config.is_object()) {
       return Status::InvalidArgument(config_path + " is not a JSON object");
     }
-    if (config.value("model_type", std::string("gpt2")) != "gpt2") {  // the Llama family
+    const bool gpt2 = !config.contains("model_type") ||
+                      (config["model_type"].is_string() && config["model_type"] == "gpt2");
+    if (!gpt2) {  // the Llama family, or a type ParseHfConfig refuses by name
       ISTHMUS_ASSIGN_OR_RETURN(model::GptConfig parsed, model::ParseHfConfig(text, config_path));
       auto file = FindHfCheckpoint(base);
       if (!file.ok()) return Status::InvalidArgument("--base " + file.status().message());

@@ -311,6 +311,9 @@ TEST(LlamaConfig, UnsupportedFieldsAreRefusedByName) {
       {{{"attention_bias", true}}, "attention_bias"},
       {{{"num_key_value_heads", 3}}, "n_kv_head"},
       {{{"quantization_config", {{"bits", 4}}}}, "quantization_config"},
+      {{{"model_type", 7}}, "model_type"},  // not a string: refused, not thrown
+      {{{"hidden_act", nullptr}, {"rope_scaling", {{"rope_type", 3}}}}, "rope_scaling"},
+      {{{"num_hidden_layers", "2"}}, "num_hidden_layers"},
   };
   for (const auto& [patch, field] : bad) {
     nlohmann::json c = base;

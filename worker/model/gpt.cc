@@ -309,7 +309,13 @@ Result<GptConfig> ParseHfConfig(const std::string& json_text, const std::string&
   auto refuse = [&](const std::string& field, const std::string& why) {
     return Status::InvalidArgument(source + ": " + field + " " + why);
   };
-  const std::string type = j.value("model_type", std::string());
+  // A string field of `object`; `fallback` when absent or null, "?" (refused below) when it
+  // is not a string.
+  auto text = [](const nlohmann::json& object, const char* field, const std::string& fallback) {
+    if (!object.contains(field) || object[field].is_null()) return fallback;
+    return object[field].is_string() ? object[field].get<std::string>() : std::string("?");
+  };
+  const std::string type = text(j, "model_type", "");
   // An integer field; `fallback` < 0: required.
   auto integer = [&](const char* field, int64_t fallback, int64_t* out) -> Status {
     if (!j.contains(field) || j[field].is_null()) {
@@ -349,7 +355,7 @@ Result<GptConfig> ParseHfConfig(const std::string& json_text, const std::string&
     c.n_ctx = static_cast<int>(v);
     ISTHMUS_RETURN_IF_ERROR(integer("vocab_size", -1, &v));
     c.vocab_size = static_cast<int>(v);
-    const std::string act = j.value("activation_function", std::string("gelu_new"));
+    const std::string act = text(j, "activation_function", "gelu_new");
     if (act != "gelu_new") return refuse("activation_function", "\"" + act + "\" is not gelu_new");
     ISTHMUS_RETURN_IF_ERROR(c.Validate());
     return c;
@@ -380,7 +386,7 @@ Result<GptConfig> ParseHfConfig(const std::string& json_text, const std::string&
   c.norm_eps = static_cast<float>(d);
   c.tied_embeddings = flag("tie_word_embeddings", type == "qwen2");
   c.qkv_bias = type == "qwen2" || flag("attention_bias", false);
-  const std::string act = j.value("hidden_act", std::string("silu"));
+  const std::string act = text(j, "hidden_act", "silu");
   if (act != "silu") return refuse("hidden_act", "\"" + act + "\" is not silu");
   if (c.n_embd % c.n_head == 0 && j.contains("head_dim") && !j["head_dim"].is_null() &&
       j["head_dim"] != c.n_embd / c.n_head) {
@@ -409,8 +415,7 @@ Result<GptConfig> ParseHfConfig(const std::string& json_text, const std::string&
   }
   if (j.contains("rope_scaling") && !j["rope_scaling"].is_null()) {
     const nlohmann::json& r = j["rope_scaling"];
-    const std::string rope_type =
-        r.is_object() ? r.value("rope_type", r.value("type", std::string())) : "";
+    const std::string rope_type = r.is_object() ? text(r, "rope_type", text(r, "type", "")) : "";
     if (rope_type != "llama3" && rope_type != "default") {
       return refuse("rope_scaling", r.dump() + " is not supported (only rope_type llama3)");
     }
