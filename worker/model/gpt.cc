@@ -309,11 +309,11 @@ Result<GptConfig> ParseHfConfig(const std::string& json_text, const std::string&
   auto refuse = [&](const std::string& field, const std::string& why) {
     return Status::InvalidArgument(source + ": " + field + " " + why);
   };
-  // A string field of `object`; `fallback` when absent or null, "?" (refused below) when it
-  // is not a string.
+  // A string field of `object`; `fallback` when absent or null; another JSON type as its
+  // JSON text (which no accepted value equals: refused below, naming it).
   auto text = [](const nlohmann::json& object, const char* field, const std::string& fallback) {
     if (!object.contains(field) || object[field].is_null()) return fallback;
-    return object[field].is_string() ? object[field].get<std::string>() : std::string("?");
+    return object[field].is_string() ? object[field].get<std::string>() : object[field].dump();
   };
   const std::string type = text(j, "model_type", "");
   // An integer field; `fallback` < 0: required.
