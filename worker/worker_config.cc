@@ -40,16 +40,21 @@ Status ModelSettings::Validate() const {
   return Status::Ok();
 }
 
+Status ModelSettings::TakeFromBase(const char* flag, int& field, int64_t value,
+                                   const std::string& source) {
+  if (given.count(flag) && field != value) {
+    return Status::InvalidArgument(std::string(flag) + " " + std::to_string(field) +
+                                   " contradicts the base " + source + ", which has " +
+                                   std::to_string(value) + ": leave " + flag +
+                                   " out (the base sets it) or use another base");
+  }
+  field = static_cast<int>(value);
+  return Status::Ok();
+}
+
 Status ModelSettings::TakeLlamaShape(const model::GptConfig& config, const std::string& source) {
-  auto take = [&](const char* flag, int& field, int value) -> Status {
-    if (given.count(flag) && field != value) {
-      return Status::InvalidArgument(std::string(flag) + " " + std::to_string(field) +
-                                     " contradicts the base " + source + ", which has " +
-                                     std::to_string(value) + ": leave " + flag +
-                                     " out (the base sets it) or use another base");
-    }
-    field = value;
-    return Status::Ok();
+  auto take = [&](const char* flag, int& field, int64_t value) {
+    return TakeFromBase(flag, field, value, source);
   };
   ISTHMUS_RETURN_IF_ERROR(take("--layers", layers, config.n_layer));
   ISTHMUS_RETURN_IF_ERROR(take("--width", width, config.n_embd));
@@ -145,15 +150,8 @@ Status ModelSettings::ResolveBaseShape() {
     file_heads = static_cast<int>(*parsed);
     heads_from = base + " (metadata)";
   }
-  auto take = [&](const char* flag, int& field, int64_t value) -> Status {
-    if (given.count(flag) && field != value) {
-      return Status::InvalidArgument(std::string(flag) + " " + std::to_string(field) +
-                                     " contradicts the base " + base + ", which has " +
-                                     std::to_string(value) + ": leave " + flag +
-                                     " out (the base sets it) or use another base");
-    }
-    field = static_cast<int>(value);
-    return Status::Ok();
+  auto take = [&](const char* flag, int& field, int64_t value) {
+    return TakeFromBase(flag, field, value, base);
   };
   vocab_size = static_cast<int>((*wte)[0]);
   ISTHMUS_RETURN_IF_ERROR(take("--layers", layers, layers_in_file));

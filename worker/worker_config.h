@@ -54,6 +54,9 @@ struct ModelSettings {
   // LoRA targets (all the family's linears unless --lora-targets was given; PEFT's short
   // names such as q_proj taken for the family's).
   Status TakeLlamaShape(const model::GptConfig& config, const std::string& source);
+  // Sets a shape field from the base (`source` names it); a flag given with another value is
+  // an InvalidArgument naming the flag and both values.
+  Status TakeFromBase(const char* flag, int& field, int64_t value, const std::string& source);
   // Takes what a set of trainable tensors (a file: init --out, train --save, a checkpoint,
   // an export; or the job's tensors pulled from the shards, with no metadata) says about
   // the training setup, for flags that were not given: the mode (full when it holds

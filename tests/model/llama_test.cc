@@ -60,6 +60,22 @@ std::vector<float> TransposedData(const Tensor& t) {
   return out;
 }
 
+// A Llama-family shape for the tests below (rope_theta 10000, eps 1e-5, no biases).
+GptConfig TinyLlama(int layers, int width, int heads, int kv_heads, int inner, int context,
+                    int vocab, bool tied) {
+  GptConfig c;
+  c.family = ModelFamily::kLlama;
+  c.n_layer = layers;
+  c.n_embd = width;
+  c.n_head = heads;
+  c.n_kv_head = kv_heads;
+  c.n_inner = inner;
+  c.n_ctx = context;
+  c.vocab_size = vocab;
+  c.tied_embeddings = tied;
+  return c;
+}
+
 struct Variant {
   std::string name;
   std::string args;  // llama_reference.py's flags
@@ -70,10 +86,10 @@ struct Variant {
 
 std::ostream& operator<<(std::ostream& os, const Variant& v) { return os << v.name; }
 
-class LlamaReference : public isthmus::testing::TestWithDir,
-                       public ::testing::WithParamInterface<Variant> {
+// A folder of its own per test, where the reference writes its checkpoint.
+class LlamaFolders : public isthmus::testing::TestWithDir {
  protected:
-  LlamaReference() : TestWithDir("isthmus-llama") {}
+  LlamaFolders() : TestWithDir("isthmus-llama") {}
 
   // Runs the reference for `args` into dir_.
   void WriteReference(const std::string& args) {
@@ -84,6 +100,8 @@ class LlamaReference : public isthmus::testing::TestWithDir,
         << ReadText(dir_ / "ref.log");
   }
 };
+
+class LlamaReference : public LlamaFolders, public ::testing::WithParamInterface<Variant> {};
 
 // The isthmus loss and gradients of the checkpoint equal PyTorch's (float64) to fp32
 // rounding: the loss within 2e-6 relative, each gradient tensor within 1e-4 of its largest
@@ -169,20 +187,10 @@ INSTANTIATE_TEST_SUITE_P(
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}}),
     [](const ::testing::TestParamInfo<Variant>& info) { return info.param.name; });
 
-class LlamaFolders : public isthmus::testing::TestWithDir {
- protected:
-  LlamaFolders() : TestWithDir("isthmus-llama") {}
-  void Reference(const std::string& args) {
-    const std::string cmd = std::string("/usr/bin/python3 ") + LLAMA_REFERENCE_PY + " " +
-                            dir_.string() + " " + args + " > /dev/null";
-    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  }
-};
-
 // Import, export and import again: the tensors come back bitwise under their own names and
 // shapes, config.json gives the same shape, and the PEFT adapter carries PEFT's names.
 TEST_F(LlamaFolders, ImportExportRoundTripsBitwise) {
-  ASSERT_NO_FATAL_FAILURE(Reference("--family llama --rope-scaling"));
+  ASSERT_NO_FATAL_FAILURE(WriteReference("--family llama --rope-scaling"));
   LoraConfig lora;
   lora.rank = 2;
   lora.targets = {"self_attn.q_proj", "mlp.up_proj"};
@@ -253,7 +261,7 @@ TEST_F(LlamaFolders, ImportExportRoundTripsBitwise) {
 }
 
 TEST_F(LlamaFolders, MissingOrMisshapenTensorsAreNamed) {
-  ASSERT_NO_FATAL_FAILURE(Reference("--family llama"));
+  ASSERT_NO_FATAL_FAILURE(WriteReference("--family llama"));
   auto file = ReadHfCheckpoint((dir_ / "hf" / "model.safetensors").string());
   ASSERT_TRUE(file.ok());
   auto config = ParseHfConfig(ReadText(dir_ / "hf" / "config.json"), "config.json");
@@ -336,16 +344,7 @@ TEST(LlamaConfig, UnsupportedFieldsAreRefusedByName) {
 
 // The memory plan of a Llama-shaped model equals what a training step holds, as GPT-2's.
 TEST(LlamaMemoryPlan, EqualsWhatTrainingAllocates) {
-  GptConfig c;
-  c.family = ModelFamily::kLlama;
-  c.n_layer = 2;
-  c.n_embd = 32;
-  c.n_head = 4;
-  c.n_kv_head = 2;
-  c.n_inner = 48;
-  c.n_ctx = 16;
-  c.vocab_size = 64;
-  c.tied_embeddings = false;
+  const GptConfig c = TinyLlama(2, 32, 4, 2, 48, 16, 64, /*tied=*/false);
   LoraConfig lora;
   lora.rank = 4;
   lora.targets = {"self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj"};
@@ -371,16 +370,7 @@ TEST(LlamaMemoryPlan, EqualsWhatTrainingAllocates) {
 // the embeddings and norms the kernels read so); its fp32 masters stay in host memory, so
 // the base exports, hashes and is found bitwise as loaded.
 TEST(LlamaMemoryPlan, AFrozenBf16BaseKeepsItsFp32MastersOnTheHost) {
-  GptConfig c;
-  c.family = ModelFamily::kLlama;
-  c.n_layer = 2;
-  c.n_embd = 64;
-  c.n_head = 4;
-  c.n_kv_head = 2;
-  c.n_inner = 160;
-  c.n_ctx = 16;
-  c.vocab_size = 32;
-  c.tied_embeddings = false;
+  const GptConfig c = TinyLlama(2, 64, 4, 2, 160, 16, 32, /*tied=*/false);
   LoraConfig lora;
   lora.rank = 4;
   lora.targets = {"self_attn.q_proj"};
@@ -455,15 +445,7 @@ TEST(LlamaMemoryPlan, Llama3EightBillionLoraInBf16FitsEightyGigabytes) {
 // runs again with the same kernels on the same inputs), for both families, in fp32 and
 // bf16, and its plan (equal to what a step holds) keeps one layer's activations.
 TEST(ActivationRecompute, SameGradientsBitwiseAndLessMemory) {
-  GptConfig llama;
-  llama.family = ModelFamily::kLlama;
-  llama.n_layer = 3;
-  llama.n_embd = 32;
-  llama.n_head = 4;
-  llama.n_kv_head = 2;
-  llama.n_inner = 48;
-  llama.n_ctx = 16;
-  llama.vocab_size = 64;
+  const GptConfig llama = TinyLlama(3, 32, 4, 2, 48, 16, 64, /*tied=*/true);
   GptConfig gpt2;
   gpt2.n_layer = 3;
   gpt2.n_embd = 32;
@@ -524,15 +506,7 @@ TEST(ActivationRecompute, SameGradientsBitwiseAndLessMemory) {
 // LoRA starts from the trained base because a random one's frozen embeddings and norms
 // bound its logits (to about 0.6 here) and with them how far any adapter can lower the loss.
 TEST(LlamaTraining, FullThenLoraLearnTokenMappings) {
-  GptConfig c;
-  c.family = ModelFamily::kLlama;
-  c.n_layer = 2;
-  c.n_embd = 32;
-  c.n_head = 4;
-  c.n_kv_head = 1;
-  c.n_inner = 64;
-  c.n_ctx = 16;
-  c.vocab_size = 64;
+  const GptConfig c = TinyLlama(2, 32, 4, 1, 64, 16, 64, /*tied=*/true);
   LoraConfig lora;
   lora.rank = 8;
   lora.alpha = 8;

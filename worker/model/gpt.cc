@@ -89,10 +89,6 @@ uint64_t StreamSeed(uint64_t seed, const std::string& name) {
   return mix.Next();
 }
 
-std::string LayerName(int layer, const char* suffix) {
-  return "h." + std::to_string(layer) + "." + suffix;
-}
-
 // A block's tensor names start "h.N." in GPT-2 and "layers.N." in the Llama family.
 std::string BlockName(ModelFamily family, int layer, const std::string& suffix) {
   return (family == ModelFamily::kGpt2 ? "h." : "layers.") + std::to_string(layer) + "." + suffix;
@@ -692,6 +688,8 @@ std::vector<Tensor> Gpt::DownloadGroup(const Group& group) const {
 }
 
 void Gpt::RefreshCopies(Group& group) {
+  // A frozen bf16 base holds fp32 for a few tensors only; its copy is written at upload.
+  ISTHMUS_CHECK(!group.frozen_bf16, "RefreshCopies on a frozen bf16 base");
   if (precision_ == ops::Dtype::kBF16 && group.elements > 0) {
     ops_.Cast(group.data.as<float>(), ops::Ref(group.copy.data(), ops::Dtype::kBF16),
               group.elements);
@@ -745,7 +743,9 @@ Result<std::unique_ptr<Gpt>> Gpt::FromBaseTensors(std::vector<Tensor> tensors, i
   config.n_ctx = static_cast<int>(wpe->shape[0]);
   config.n_head = n_head;
   config.n_layer = 0;
-  while (find(LayerName(config.n_layer, "ln_1.weight")) != nullptr) ++config.n_layer;
+  while (find(BlockName(ModelFamily::kGpt2, config.n_layer, "ln_1.weight")) != nullptr) {
+    ++config.n_layer;
+  }
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
   if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate());
 
