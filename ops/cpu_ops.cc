@@ -774,6 +774,12 @@ Result<std::unique_ptr<Graph>> Ops::EndCapture() {
   return Status::FailedPrecondition(std::string(Name()) + " backend has no graphs");
 }
 
+std::function<Status()> Ops::Mark() {
+  // Work has run by the time Mark() is called; the status is read now, on this thread.
+  Status st = status();
+  return [st] { return st; };
+}
+
 std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments) {
   std::vector<AdamWChunk> chunks;
   for (const AdamWSegment& s : segments) {

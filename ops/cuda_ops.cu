@@ -257,6 +257,34 @@ class CudaOps final : public KernelOps {
   }
   Status status() const override { return error_; }
 
+  std::function<Status()> Mark() override {
+    Status now = error_;
+    if (!now.ok() || capturing_) {
+      if (now.ok()) now = Status::Internal("Mark while capturing a graph");
+      return [now] { return now; };
+    }
+    // A blocking-sync event: the waiting thread sleeps instead of spinning on the CPU.
+    cudaEvent_t event = nullptr;
+    cudaError_t err =
+        cudaEventCreateWithFlags(&event, cudaEventDisableTiming | cudaEventBlockingSync);
+    if (err == cudaSuccess) err = cudaEventRecord(event, stream_);
+    if (err != cudaSuccess) {
+      if (event != nullptr) cudaEventDestroy(event);
+      Status failed =
+          Status::Internal(std::string("cudaEventRecord for a mark: ") + cudaGetErrorString(err));
+      return [failed] { return failed; };
+    }
+    std::shared_ptr<CUevent_st> owned(event, [](cudaEvent_t e) { cudaEventDestroy(e); });
+    const int device = device_;
+    return [owned, device] {
+      cudaSetDevice(device);  // the waiting thread then also works on this rank's device
+      const cudaError_t e = cudaEventSynchronize(owned.get());
+      if (e == cudaSuccess) return Status::Ok();
+      return Status::Internal(std::string("waiting for a mark on cuda:") + std::to_string(device) +
+                              ": " + cudaGetErrorString(e));
+    };
+  }
+
   MemoryInfo Memory() const override {
     MemoryInfo m;
     cudaSetDevice(device_);

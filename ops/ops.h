@@ -36,6 +36,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -193,6 +194,13 @@ class Ops {
   virtual Status Synchronize() = 0;
   // The first error of any call so far, without waiting.
   virtual Status status() const = 0;
+  // A mark in the stream of enqueued work: the returned function blocks the thread that
+  // calls it (any thread, once) until the work enqueued before Mark() has run, and returns
+  // the backend's status then. It lets another thread start on results (an all-reduce of a
+  // finished gradient piece) while this one goes on enqueueing. Backends that run work as
+  // it is enqueued (the CPU) return a function that only reports status(). Not while
+  // capturing a graph.
+  virtual std::function<Status()> Mark();
   virtual MemoryInfo Memory() const = 0;
 
   // Whether this backend can run attention with n_embd C and H heads (the CUDA kernels

@@ -25,6 +25,7 @@
 #include "common/round_driver.h"
 #include "common/safetensors.h"
 #include "ops/buffer.h"
+#include "worker/comm/bucketed_all_reduce.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
 #include "worker/data/teacher_cache.h"
@@ -142,17 +143,25 @@ class RoundLoop {
         o.rendezvous = s_.rendezvous;
         o.timeout = std::chrono::seconds(s_.comm_timeout_s);
         o.prefix = prefix;
+        o.settings = "--bucket-mb " + std::to_string(s_.bucket_mb);
         return o;
       };
+      Result<std::unique_ptr<comm::Communicator>> comm = Status::Internal("no communicator");
       if (compute_.device_index >= 0) {
         comm::NcclOptions o = group(comm::NcclOptions{});
         o.device = compute_.device_index;
-        ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateNcclCommunicator(o));
+        comm = comm::CreateNcclCommunicator(o);
       } else {
         comm::GlooOptions o = group(comm::GlooOptions{});
         o.host = s_.comm_host;
-        ISTHMUS_ASSIGN_OR_RETURN(comm_, comm::CreateGlooCommunicator(o));
+        comm = comm::CreateGlooCommunicator(o);
       }
+      // Ranks that disagree on the launch (world size, device kind, --bucket-mb, one GPU
+      // for two ranks) were launched wrongly: a usage error, fixed by relaunching.
+      if (!comm.ok() && comm.status().code() == Code::kFailedPrecondition) {
+        return UsageError(comm.status().message());
+      }
+      ISTHMUS_ASSIGN_OR_RETURN(comm_, std::move(comm));
     }
     if (!s_.standalone) {
       ISTHMUS_ASSIGN_OR_RETURN(site_, ConnectSite(s_.shards, [this] { return GiveUp(); }));
@@ -179,7 +188,16 @@ class RoundLoop {
                                                                  : trainer.status();
     }
     trainer_ = std::move(trainer).value();
-    if (comm_) trainer_->SetGradHook(MakeAllReduceHook(comm_.get()));
+    if (comm_ && s_.bucket_mb > 0) {
+      buckets_ = std::make_unique<comm::BucketedAllReduce>(*comm_, static_cast<size_t>(s_.bucket_mb)
+                                                                       << 20);
+      trainer_->SetGradientSink(buckets_.get());
+      spdlog::info("rank {}: gradient all-reduce in buckets of {} MiB during the backward", s_.rank,
+                   s_.bucket_mb);
+    } else if (comm_) {
+      trainer_->SetGradHook(MakeAllReduceHook(comm_.get()));
+      spdlog::info("rank {}: gradient all-reduce: one all-reduce after the backward", s_.rank);
+    }
 
     data::DatasetOptions d;
     d.batch_size = s_.batch_size;
@@ -1334,6 +1352,9 @@ class RoundLoop {
                                     // Resume (which loads them when it follows the shards)
   OpenedCompute compute_;
   std::unique_ptr<comm::Communicator> comm_;
+  // The gradient all-reduce in buckets during the backward (--bucket-mb > 0); it uses comm_
+  // only inside a step, so it is declared after it and goes first.
+  std::unique_ptr<comm::BucketedAllReduce> buckets_;
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;
   std::unique_ptr<data::TokenDataset> dataset_;

@@ -370,6 +370,11 @@ Status TrainSettings::Validate() const {
     return Status::InvalidArgument("--distill-temperature must be in (0, 100], got " +
                                    std::to_string(distill_temperature));
   }
+  if (bucket_mb < 0 || bucket_mb > kMaxBucketMb) {
+    return Status::InvalidArgument("--bucket-mb must be in [0, " + std::to_string(kMaxBucketMb) +
+                                   "] (0: one all-reduce after the backward), got " +
+                                   std::to_string(bucket_mb));
+  }
   if (grad_accum < 1 || grad_accum > 4096) {
     return Status::InvalidArgument("--grad-accum must be in [1, 4096], got " +
                                    std::to_string(grad_accum));
@@ -555,6 +560,12 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
                  "gradient accumulation: each optimizer step sums the gradients of this many "
                  "batches of --batch-size, run one after the other (activations for one), as "
                  "one step on a batch this many times larger")
+      ->capture_default_str();
+  app.add_option("--bucket-mb", t.bucket_mb,
+                 "with --world-size > 1: average the gradient across the site's ranks in "
+                 "buckets of this many MiB, each started as soon as the backward has "
+                 "finished it, so the all-reduce overlaps with the rest of the backward; 0: "
+                 "one all-reduce after the backward. Every rank must give the same value")
       ->capture_default_str();
   app.add_option("--teacher-topk", t.teacher_topk,
                  "word-level distillation: a teacher's top-k logits over the training shard "

@@ -20,6 +20,9 @@
 
 namespace isthmus::worker {
 
+// The largest --bucket-mb: a bucket beyond a GiB no longer overlaps anything.
+inline constexpr int kMaxBucketMb = 1024;
+
 // The model: shape, LoRA and where the frozen base comes from.
 struct ModelSettings {
   int layers = 4;
@@ -157,6 +160,9 @@ struct TrainSettings {
   float grad_clip = 1.0f;
   int batch_size = 8;
   int grad_accum = 1;  // batches of batch_size whose gradients one optimizer step sums
+  // The in-site gradient all-reduce in buckets of this many MiB, started while the backward
+  // runs (comm/bucketed_all_reduce.h); 0: one all-reduce of the whole gradient after it.
+  int bucket_mb = 25;
   // Word-level distillation from a teacher cache (isthmus-worker teach) beside the data:
   // loss = alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T); empty: cross-entropy only.
   std::string teacher_topk;

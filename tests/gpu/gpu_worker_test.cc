@@ -107,5 +107,44 @@ TEST(GpuOverlapTwoSites, FullModeSigkillAfterABackgroundPullOnTheGpuSiteLosesNot
       {"--device", "cpu", "--mode", "full"}, {"--mode", "full"});
 }
 
+// Multi-process NCCL: two worker processes on two GPUs of one node (--local-rank 0 and 1),
+// the gradient all-reduce in buckets during the backward against one all-reduce after it:
+// the same weights to rounding (NCCL may pick another algorithm for a bucket than for the
+// whole buffer). Needs two GPUs; tests/worker's WorkerRanks test is its Gloo twin.
+TEST(GpuRanks, TwoProcessesOnTwoGpusBucketedEqualsOneAllReduce) {
+  std::string why;
+  const int gpus = testing::GpuCount(&why);
+  if (gpus < 2) {
+    GTEST_SKIP() << "needs 2 CUDA devices, found " << gpus << (why.empty() ? "" : ": " + why);
+  }
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / ("isthmus-gpu-ranks-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  testing::WriteTokens(dir / "data" / "train.bin", 5000, 1);
+  testing::WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  auto with = [](int local_rank, const std::string& mb) {
+    return std::vector<std::string>{
+        "--device", "cuda", "--local-rank", std::to_string(local_rank), "--bucket-mb", mb};
+  };
+  auto after = testing::RunTwoStandaloneRanks(dir, "after", with(0, "0"), with(1, "0"));
+  ASSERT_EQ(after.rc0, 0) << after.log;
+  ASSERT_EQ(after.rc1, 0) << after.log;
+  auto during = testing::RunTwoStandaloneRanks(dir, "during", with(0, "1"), with(1, "1"));
+  ASSERT_EQ(during.rc0, 0) << during.log;
+  ASSERT_EQ(during.rc1, 0) << during.log;
+  EXPECT_NE(during.log.find("in buckets of 1 MiB during the backward"), std::string::npos);
+  auto one = ReadSafetensorsTensors((dir / "after.safetensors").string());
+  auto bucketed = ReadSafetensorsTensors((dir / "during.safetensors").string());
+  ASSERT_TRUE(one.ok() && bucketed.ok());
+  ASSERT_EQ(one->size(), bucketed->size());
+  for (size_t i = 0; i < one->size(); ++i) {
+    for (size_t k = 0; k < (*one)[i].data.size(); ++k) {
+      ASSERT_NEAR((*one)[i].data[k], (*bucketed)[i].data[k], 1e-5) << (*one)[i].name;
+    }
+  }
+  fs::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace isthmus

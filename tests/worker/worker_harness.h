@@ -123,6 +123,52 @@ inline void WriteTokens(const fs::path& path, size_t n, uint32_t seed) {
 
 // Creates job "j" on one shard from the initial tensors `isthmus-worker init` wrote into
 // `dir` (base name "base") and returns the base hash.
+// Two standalone rank processes of one site (full mode, 4 steps on tokens in dir/data),
+// rank r with extra[r] appended; rank 0 saves the weights to dir/<name>.safetensors.
+// Returns both exit codes and both logs.
+struct TwoRanksRun {
+  int rc0 = -1, rc1 = -1;
+  std::string log;
+};
+inline TwoRanksRun RunTwoStandaloneRanks(const fs::path& dir, const std::string& name,
+                                         const std::vector<std::string>& extra0,
+                                         const std::vector<std::string>& extra1) {
+  const std::string rdv = "tcp:127.0.0.1:" + std::to_string(FreePort());
+  auto args = [&](int rank, const std::vector<std::string>& extra) {
+    std::vector<std::string> a = {"train"};
+    a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
+    a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
+    const std::vector<std::string> more = {"--standalone",
+                                           "--max-steps",
+                                           "4",
+                                           "--mode",
+                                           "full",
+                                           "--world-size",
+                                           "2",
+                                           "--rank",
+                                           std::to_string(rank),
+                                           "--rendezvous",
+                                           rdv,
+                                           "--comm-timeout",
+                                           "30",
+                                           "--data",
+                                           (dir / "data").string(),
+                                           "--save",
+                                           (dir / (name + ".safetensors")).string()};
+    a.insert(a.end(), more.begin(), more.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  WorkerProcess r0, r1;
+  r0.Start(args(0, extra0), (dir / (name + "-0.log")).string());
+  r1.Start(args(1, extra1), (dir / (name + "-1.log")).string());
+  TwoRanksRun run;
+  run.rc0 = r0.Wait();
+  run.rc1 = r1.Wait();
+  run.log = r0.Log() + r1.Log();
+  return run;
+}
+
 inline std::string CreateJobFromInit(ServerProcess& shard, const fs::path& dir) {
   const std::string base_hash = RunInit(dir, 1, "base");
   auto init = ReadSafetensorsTensors((dir / "base.init.safetensors").string());

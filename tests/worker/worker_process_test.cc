@@ -417,6 +417,48 @@ TEST(WorkerDevice, DeviceMistakesExitWithTheUsageCodeAndSayWhatToDo) {
   fs::remove_all(dir);
 }
 
+// Two rank processes over Gloo: with the all-reduce in buckets during the backward (the
+// default --bucket-mb) they train to the same weights, bit for bit, as with one
+// all-reduce after it (--bucket-mb 0); ranks launched with different values stop before
+// any collective, naming both values. The CPU twin of a multi-process NCCL run.
+TEST(WorkerRanks, BucketedAllReduceInProcessesEqualsOneAllReduceAndMismatchesAreRefused) {
+  fs::path dir = fs::temp_directory_path() / ("isthmus-buckets-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  WriteTokens(dir / "data" / "train.bin", 5000, 1);
+  WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  const std::vector<std::string> cpu = {"--device", "cpu"};
+  auto with = [&](const std::string& mb) {
+    std::vector<std::string> a = cpu;
+    a.push_back("--bucket-mb");
+    a.push_back(mb);
+    return a;
+  };
+  auto after = testing::RunTwoStandaloneRanks(dir, "after", with("0"), with("0"));
+  ASSERT_EQ(after.rc0, 0) << after.log;
+  ASSERT_EQ(after.rc1, 0) << after.log;
+  EXPECT_NE(after.log.find("one all-reduce after the backward"), std::string::npos) << after.log;
+  auto during = testing::RunTwoStandaloneRanks(dir, "during", with("1"), with("1"));
+  ASSERT_EQ(during.rc0, 0) << during.log;
+  ASSERT_EQ(during.rc1, 0) << during.log;
+  EXPECT_NE(during.log.find("in buckets of 1 MiB during the backward"), std::string::npos)
+      << during.log;
+  auto one = ReadSafetensorsTensors((dir / "after.safetensors").string());
+  auto bucketed = ReadSafetensorsTensors((dir / "during.safetensors").string());
+  ASSERT_TRUE(one.ok() && bucketed.ok());
+  ASSERT_EQ(one->size(), bucketed->size());
+  for (size_t i = 0; i < one->size(); ++i) {
+    EXPECT_EQ((*one)[i].data, (*bucketed)[i].data) << (*one)[i].name;
+  }
+  auto mixed = testing::RunTwoStandaloneRanks(dir, "mixed", with("25"), with("5"));
+  EXPECT_EQ(mixed.rc0, 2) << mixed.log;
+  EXPECT_EQ(mixed.rc1, 2) << mixed.log;
+  EXPECT_NE(mixed.log.find("was launched with --bucket-mb 5 but rank 0 with --bucket-mb 25"),
+            std::string::npos)
+      << mixed.log;
+  fs::remove_all(dir);
+}
+
 // Sites may differ (here in precision; tests/gpu pairs a GPU site with a CPU site): the
 // shards see the same named fp32 tensors, so both sites commit every round identically.
 TEST(WorkerTwoSites, Fp32SiteAndBf16SiteCommitIdenticalRounds) {

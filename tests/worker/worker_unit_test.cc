@@ -13,6 +13,8 @@
 #include <thread>
 
 #include "ops/device.h"
+#include "tests/comm/comm_test_util.h"
+#include "worker/comm/bucketed_all_reduce.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/live_params.h"
 #include "worker/progress.h"
@@ -155,6 +157,250 @@ INSTANTIATE_TEST_SUITE_P(Modes, TwoRanks,
                            return std::string(model::TrainModeName(info.param));
                          });
 
+// A sink that keeps, for every piece the backward hands over, the piece as it was then,
+// and the whole gradient at End: a piece that changed after it was handed over was not
+// final, and an all-reduce started on it would have sent wrong numbers.
+class RecordingSink final : public GradientSink {
+ public:
+  void Begin(float* grads, size_t count) override {
+    grads_ = grads;
+    count_ = count;
+    pieces_.clear();
+  }
+  void Final(size_t from, std::function<Status()> wait) override {
+    ASSERT_TRUE(wait().ok());
+    pieces_.push_back({from, std::vector<float>(grads_ + from, grads_ + count_)});
+  }
+  Status End() override {
+    at_end_.assign(grads_, grads_ + count_);
+    return Status::Ok();
+  }
+  std::vector<std::pair<size_t, std::vector<float>>> pieces_;
+  std::vector<float> at_end_;
+
+ private:
+  float* grads_ = nullptr;
+  size_t count_ = 0;
+};
+
+struct ShapeCase {
+  std::string name;
+  model::GptConfig config;
+  model::TrainMode mode;
+};
+
+std::vector<ShapeCase> ShapeCases() {
+  model::GptConfig llama;
+  llama.family = model::ModelFamily::kLlama;
+  llama.n_layer = 3;
+  llama.n_embd = 32;
+  llama.n_head = 4;
+  llama.n_kv_head = 2;
+  llama.n_inner = 48;
+  llama.n_ctx = kT;
+  llama.tied_embeddings = false;
+  model::GptConfig gpt2 = TinyConfig();
+  gpt2.n_layer = 3;
+  return {{"gpt2_full", gpt2, model::TrainMode::kFull},
+          {"gpt2_lora", gpt2, model::TrainMode::kLora},
+          {"llama_full", llama, model::TrainMode::kFull},
+          {"llama_lora", llama, model::TrainMode::kLora}};
+}
+
+class GradientPieces : public ::testing::TestWithParam<ShapeCase> {};
+
+// The backward hands the gradient over from the end down, one piece per block and the rest
+// last, and nothing of a piece changes after it was handed over (the tied head's gradient
+// in wte, the embeddings and the final norm included).
+TEST_P(GradientPieces, AreFinalWhenHandedOver) {
+  const ShapeCase& c = GetParam();
+  model::LoraConfig lora = TinyLora();
+  lora.targets = model::LoraTargetNames(c.config.family);  // every linear of the family
+  auto gpt = model::Gpt::CreateRandom(c.config, c.mode, lora, 3);
+  ASSERT_TRUE(gpt.ok()) << gpt.status().ToString();
+  auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+  ASSERT_TRUE(trainer.ok());
+  RecordingSink sink;
+  (*trainer)->SetGradientSink(&sink);
+  for (int micro : {1, 2}) {
+    std::vector<int32_t> tok, tgt;
+    MakeBatch(micro, 2 * micro, &tok, &tgt);
+    auto st = (*trainer)->Step(tok.data(), tgt.data(), 2, kT, 0.0f, micro);
+    ASSERT_TRUE(st.ok()) << st.status().ToString();
+    ASSERT_EQ(sink.pieces_.size(), static_cast<size_t>(c.config.n_layer)) << "micro " << micro;
+    EXPECT_EQ(sink.pieces_.back().first, 0u);
+    EXPECT_EQ(sink.at_end_.size(), static_cast<size_t>((*gpt)->GradElements()));
+    size_t previous = sink.at_end_.size();
+    for (const auto& [from, piece] : sink.pieces_) {
+      EXPECT_LT(from, previous) << "pieces must come from the end down";
+      previous = from;
+      const long bad =
+          comm::testing::FirstBitMismatch(piece.data(), sink.at_end_.data() + from, piece.size());
+      EXPECT_EQ(bad, -1) << "element " << (bad + from) << " changed after the piece from " << from
+                         << " was handed over (micro-batches " << micro << ")";
+    }
+    double norm = 0;
+    for (float g : sink.at_end_) norm += double(g) * g;
+    EXPECT_GT(norm, 0.0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GradientPieces, ::testing::ValuesIn(ShapeCases()),
+                         [](const auto& info) { return info.param.name; });
+
+struct BucketCase {
+  std::string name;
+  model::TrainMode mode;
+  int world;
+  size_t bucket_bytes;
+};
+
+class BucketedAllReduceTest : public ::testing::TestWithParam<BucketCase> {};
+
+// Ranks that average their gradients in buckets during the backward train to the same
+// parameters as ranks that average the whole gradient after it: bit for bit with two ranks
+// (each element is one sum of two numbers either way), to rounding with three (Gloo's ring
+// may add a bucket's elements in another order than the whole buffer's; AdamW then turns a
+// last-bit difference of a near-zero gradient into a difference of up to ~1e-6).
+TEST_P(BucketedAllReduceTest, TrainsAsOneAllReduceAfterTheBackward) {
+  const BucketCase& c = GetParam();
+  constexpr int kSteps = 3, kRows = 2;
+  model::GptConfig config = TinyConfig();
+  config.n_layer = 4;
+  auto run = [&](bool bucketed, std::vector<std::vector<Tensor>>* got,
+                 std::vector<comm::BucketStats>* stats) {
+    auto dir = TempDir("buckets-" + c.name + (bucketed ? "-on" : "-off"));
+    std::vector<Status> errors(c.world);
+    got->assign(c.world, {});
+    stats->assign(c.world, {});
+    comm::testing::RunRanks(c.world, [&](int rank) {
+      comm::GlooOptions o;
+      o.rank = rank;
+      o.world_size = c.world;
+      o.rendezvous = "file:" + dir.string();
+      o.timeout = std::chrono::seconds(30);
+      auto comm = comm::CreateGlooCommunicator(o);
+      if (!comm.ok()) {
+        errors[rank] = comm.status();
+        return;
+      }
+      auto gpt = model::Gpt::CreateRandom(config, c.mode, TinyLora(), 11);
+      auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+      std::unique_ptr<comm::BucketedAllReduce> buckets;
+      if (bucketed) {
+        buckets = std::make_unique<comm::BucketedAllReduce>(**comm, c.bucket_bytes);
+        (*trainer)->SetGradientSink(buckets.get());
+      } else {
+        (*trainer)->SetGradHook(MakeAllReduceHook(comm->get()));
+      }
+      for (int s = 0; s < kSteps && errors[rank].ok(); ++s) {
+        std::vector<int32_t> tok, tgt;
+        MakeBatch(s, c.world * kRows, &tok, &tgt);
+        auto st = (*trainer)->Step(tok.data() + rank * kRows * kT, tgt.data() + rank * kRows * kT,
+                                   kRows, kT);
+        if (!st.ok()) errors[rank] = st.status();
+      }
+      if (buckets) (*stats)[rank] = buckets->last();
+      (*got)[rank] = (*gpt)->ExportTrainable();
+    });
+    std::filesystem::remove_all(dir);
+    for (const Status& e : errors) ASSERT_TRUE(e.ok()) << e.ToString();
+  };
+  std::vector<std::vector<Tensor>> plain, bucketed;
+  std::vector<comm::BucketStats> unused, stats;
+  ASSERT_NO_FATAL_FAILURE(run(false, &plain, &unused));
+  ASSERT_NO_FATAL_FAILURE(run(true, &bucketed, &stats));
+  // One bucket per block and the rest when the bucket is one byte; one in all when it is
+  // larger than the whole gradient.
+  const int want_buckets = c.bucket_bytes == 1 ? config.n_layer : 1;
+  double max_diff = 0;
+  for (int r = 0; r < c.world; ++r) {
+    EXPECT_EQ(stats[r].buckets, want_buckets) << "rank " << r;
+    ASSERT_EQ(bucketed[r].size(), plain[r].size());
+    for (size_t i = 0; i < plain[r].size(); ++i) {
+      ASSERT_EQ(bucketed[r][i].data, bucketed[0][i].data) << "ranks differ: " << plain[r][i].name;
+      for (size_t k = 0; k < plain[r][i].data.size(); ++k) {
+        max_diff =
+            std::max(max_diff, std::abs(double(bucketed[r][i].data[k]) - plain[r][i].data[k]));
+      }
+      if (c.world == 2) {
+        EXPECT_EQ(bucketed[r][i].data, plain[r][i].data) << plain[r][i].name;
+      }
+    }
+  }
+  EXPECT_LT(max_diff, 1e-5);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, BucketedAllReduceTest,
+    ::testing::Values(BucketCase{"lora_2_per_block", model::TrainMode::kLora, 2, 1},
+                      BucketCase{"full_2_per_block", model::TrainMode::kFull, 2, 1},
+                      BucketCase{"full_2_one", model::TrainMode::kFull, 2, size_t{1} << 30},
+                      BucketCase{"full_3_per_block", model::TrainMode::kFull, 3, 1}),
+    [](const auto& info) { return info.param.name; });
+
+// A rank that is gone before the step: the others' bucketed step fails within the
+// communicator's timeout, with Gloo's error, and the optimizer never runs on a half-reduced
+// gradient (their parameters stay as they were).
+TEST(BucketedAllReduce, APeerThatIsGoneFailsTheStepWithoutApplyingIt) {
+  auto dir = TempDir("buckets-gone");
+  Status rank0;
+  std::vector<Tensor> before, after;
+  comm::testing::RunRanks(2, [&](int rank) {
+    comm::GlooOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.rendezvous = "file:" + dir.string();
+    o.timeout = std::chrono::seconds(3);
+    auto comm = comm::CreateGlooCommunicator(o);
+    ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+    if (rank == 1) return;  // leaves the group: its sockets close with it
+    auto gpt = model::Gpt::CreateRandom(TinyConfig(), model::TrainMode::kFull, TinyLora(), 5);
+    auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+    comm::BucketedAllReduce buckets(**comm, 1);
+    (*trainer)->SetGradientSink(&buckets);
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    before = (*gpt)->ExportTrainable();
+    std::vector<int32_t> tok, tgt;
+    MakeBatch(0, 2, &tok, &tgt);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto st = (*trainer)->Step(tok.data(), tgt.data(), 2, kT);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+    rank0 = st.ok() ? Status::Ok() : st.status();
+    EXPECT_EQ((*trainer)->step(), 0);
+    after = (*gpt)->ExportTrainable();
+  });
+  std::filesystem::remove_all(dir);
+  ASSERT_FALSE(rank0.ok());
+  EXPECT_NE(rank0.message().find("rank 0 of 2"), std::string::npos) << rank0.ToString();
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_EQ(before[i].data, after[i].data);
+}
+
+// Ranks launched with different --bucket-mb would run different collectives: they are
+// refused at the rendezvous, before any collective, naming both ranks and both values.
+TEST(BucketedAllReduce, RanksWithDifferentBucketSettingsAreRefusedAtTheRendezvous) {
+  auto dir = TempDir("buckets-settings");
+  std::vector<Status> got(2);
+  comm::testing::RunRanks(2, [&](int rank) {
+    comm::GlooOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.rendezvous = "file:" + dir.string();
+    o.timeout = std::chrono::seconds(10);
+    o.settings = rank == 0 ? "--bucket-mb 25" : "--bucket-mb 5";
+    auto comm = comm::CreateGlooCommunicator(o);
+    got[rank] = comm.ok() ? Status::Ok() : comm.status();
+  });
+  std::filesystem::remove_all(dir);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(got[r].code(), Code::kFailedPrecondition) << got[r].ToString();
+    EXPECT_NE(got[r].message().find("--bucket-mb 25"), std::string::npos) << got[r].message();
+    EXPECT_NE(got[r].message().find("--bucket-mb 5"), std::string::npos) << got[r].message();
+    EXPECT_NE(got[r].message().find("rank " + std::to_string(1 - r)), std::string::npos);
+  }
+}
+
 // The round driver's LiveParams on the model's backend: the delta is "now minus the
 // round's start" and the live weights become start + delta (what a shard adding it holds);
 // the merge of a pulled state P keeps the progress made since (live + (P - base)) or, with
@@ -292,6 +538,13 @@ TEST(TrainSettings, ValidateNamesTheProblem) {
   t.world_size = 2;
   EXPECT_NE(t.Validate().message().find("--rendezvous"), std::string::npos);
   t.world_size = 1;
+  t.bucket_mb = kMaxBucketMb + 1;
+  EXPECT_NE(t.Validate().message().find("--bucket-mb must be in [0, 1024]"), std::string::npos)
+      << t.Validate().message();
+  t.bucket_mb = -1;
+  EXPECT_FALSE(t.Validate().ok());
+  t.bucket_mb = 0;
+  EXPECT_TRUE(t.Validate().ok());
   t.max_rounds = 0;
   EXPECT_FALSE(t.Validate().ok());
 }

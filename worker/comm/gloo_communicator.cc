@@ -149,6 +149,10 @@ Result<std::unique_ptr<Communicator>> CreateGlooCommunicator(const GlooOptions& 
   ISTHMUS_RETURN_IF_ERROR(rendezvous->AgreeOnLaunch(options.rank, options.world_size));
   ISTHMUS_RETURN_IF_ERROR(
       AgreeOnKind(*rendezvous, options.rank, options.world_size, "gloo (--device cpu)"));
+  if (!options.settings.empty()) {
+    ISTHMUS_RETURN_IF_ERROR(
+        AgreeOnSettings(*rendezvous, options.rank, options.world_size, options.settings));
+  }
 
   const std::string where = "gloo rendezvous (rank " + std::to_string(options.rank) + " of " +
                             std::to_string(options.world_size) + ")";

@@ -29,6 +29,9 @@ struct GlooOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;
   // Job id: separates the keys of jobs (and launches) sharing one rendezvous store.
   std::string prefix = "isthmus";
+  // Launch settings every rank must share (AgreeOnSettings), e.g. "--bucket-mb 25"; empty:
+  // none are checked.
+  std::string settings;
   // Buffers smaller than this are packed together by the multi-buffer AllReduceAverage.
   size_t fusion_bytes = kDefaultFusionBytes;
 };

@@ -230,6 +230,10 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(const NcclOptions& 
   ISTHMUS_RETURN_IF_ERROR(rendezvous->AgreeOnLaunch(options.rank, options.world_size));
   ISTHMUS_RETURN_IF_ERROR(
       AgreeOnKind(*rendezvous, options.rank, options.world_size, "nccl (--device cuda)"));
+  if (!options.settings.empty()) {
+    ISTHMUS_RETURN_IF_ERROR(
+        AgreeOnSettings(*rendezvous, options.rank, options.world_size, options.settings));
+  }
   {
     // Two ranks on one GPU are refused before NCCL sees them.
     char host[256] = {};

@@ -26,6 +26,9 @@ struct NcclOptions {
   std::chrono::milliseconds timeout = kDefaultTimeout;
   // Job id: separates the keys of jobs (and launches) sharing one rendezvous store.
   std::string prefix = "isthmus";
+  // Launch settings every rank must share (AgreeOnSettings), e.g. "--bucket-mb 25"; empty:
+  // none are checked.
+  std::string settings;
 };
 
 // True when this build contains the NCCL implementation.

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <thread>
@@ -646,22 +647,45 @@ Status AgreeOnDistinctDevices(Rendezvous& rendezvous, int rank, int world_size,
   return Status::Ok();
 }
 
-Status AgreeOnKind(Rendezvous& rendezvous, int rank, int world_size, const std::string& kind) {
-  ISTHMUS_RETURN_IF_ERROR(
-      rendezvous.Set("kind/" + std::to_string(rank), std::vector<char>(kind.begin(), kind.end())));
+namespace {
+
+// Writes this rank's `value` under key/<rank> and reads every other rank's; the first
+// that differs becomes FailedPrecondition(differ(other, theirs)).
+Status AgreeOnValue(Rendezvous& rendezvous, int rank, int world_size, const std::string& key,
+                    const std::string& value,
+                    const std::function<std::string(int, const std::string&)>& differ) {
+  ISTHMUS_RETURN_IF_ERROR(rendezvous.Set(key + "/" + std::to_string(rank),
+                                         std::vector<char>(value.begin(), value.end())));
   for (int other = 0; other < world_size; ++other) {
     if (other == rank) continue;
     ISTHMUS_ASSIGN_OR_RETURN(std::vector<char> theirs,
-                             rendezvous.Get("kind/" + std::to_string(other)));
-    const std::string value(theirs.begin(), theirs.end());
-    if (value != kind) {
-      return Status::FailedPrecondition(
-          "rank " + std::to_string(other) + " joined as " + value + " but rank " +
-          std::to_string(rank) + " as " + kind +
-          ": all ranks of a site must use the same device kind (the same --device family)");
-    }
+                             rendezvous.Get(key + "/" + std::to_string(other)));
+    const std::string them(theirs.begin(), theirs.end());
+    if (them != value) return Status::FailedPrecondition(differ(other, them));
   }
   return Status::Ok();
+}
+
+}  // namespace
+
+Status AgreeOnKind(Rendezvous& rendezvous, int rank, int world_size, const std::string& kind) {
+  return AgreeOnValue(rendezvous, rank, world_size, "kind", kind,
+                      [&](int other, const std::string& theirs) {
+                        return "rank " + std::to_string(other) + " joined as " + theirs +
+                               " but rank " + std::to_string(rank) + " as " + kind +
+                               ": all ranks of a site must use the same device kind (the same "
+                               "--device family)";
+                      });
+}
+
+Status AgreeOnSettings(Rendezvous& rendezvous, int rank, int world_size,
+                       const std::string& settings) {
+  return AgreeOnValue(rendezvous, rank, world_size, "settings", settings,
+                      [&](int other, const std::string& theirs) {
+                        return "rank " + std::to_string(other) + " was launched with " + theirs +
+                               " but rank " + std::to_string(rank) + " with " + settings +
+                               ": every rank of a site must be launched with the same value";
+                      });
 }
 
 }  // namespace isthmus::comm

@@ -114,6 +114,14 @@ class Rendezvous {
 // waiting for keys the other kind never writes; kTimeout when a rank never joins.
 Status AgreeOnKind(Rendezvous& rendezvous, int rank, int world_size, const std::string& kind);
 
+// Checks that every rank of the group was launched with the same `settings`, the text of
+// the launch settings that shape the collectives (e.g. "--bucket-mb 25"): ranks that
+// bucket their gradients differently would run different collectives and end in a timeout
+// or in garbage. FailedPrecondition naming both ranks and both values, before any
+// collective starts.
+Status AgreeOnSettings(Rendezvous& rendezvous, int rank, int world_size,
+                       const std::string& settings);
+
 // Checks that no two ranks of the group hold the same `device` (e.g. "host/GPU-uuid"):
 // each rank writes its own and reads everyone else's. FailedPrecondition naming both
 // ranks and the device when two share one, before any collective starts (NCCL would stop

@@ -504,7 +504,14 @@ Status Gpt::BuildIndex() {
   lnf_w_ = g.Add(llama ? "norm.weight" : "ln_f.weight", {C});
   if (!llama) lnf_b_ = g.Add("ln_f.bias", {C});
   head_ = config_.tied_embeddings ? wte_ : g.Add("lm_head.weight", {config_.vocab_size, C});
-  if (mode_ == TrainMode::kFull) return Status::Ok();
+  block_grad_start_.assign(config_.n_layer, 0);
+  if (mode_ == TrainMode::kFull) {
+    // Each block's first tensor is its first norm's weight.
+    for (int l = 0; l < config_.n_layer; ++l) {
+      block_grad_start_[l] = g.slots[layers_[l].ln1_w].offset;
+    }
+    return Status::Ok();
+  }
   const int r = lora_.rank;
   const std::vector<std::string> names = LoraTargetNames(config_.family);
   for (int l = 0; l < config_.n_layer; ++l) {
@@ -517,6 +524,12 @@ Status Gpt::BuildIndex() {
       lin.lora_a = lora_tensors_->Add(LoraAName(config_.family, l, target), {r, lin.in});
       lin.lora_b = lora_tensors_->Add(LoraBName(config_.family, l, target), {lin.out, r});
     }
+    // A block without adapters adds nothing: its gradient starts where the next one's does.
+    block_grad_start_[l] = lora_tensors_->elements;
+  }
+  // The factors are laid out block after block: block l starts where block l-1 ended.
+  for (int l = config_.n_layer - 1; l >= 0; --l) {
+    block_grad_start_[l] = l == 0 ? 0 : block_grad_start_[l - 1];
   }
   return Status::Ok();
 }
@@ -1564,7 +1577,7 @@ std::vector<float> Gpt::Logits() const {
   return out;
 }
 
-void Gpt::Backward() {
+void Gpt::Backward(const std::function<void(int64_t from)>& final_from) {
   if (!act_ || !have_targets_) Die("Backward needs a preceding Forward with targets");
   Activations& a = *act_;
   const int B = cur_b_, T = cur_t_, N = B * T, C = config_.n_embd, H = config_.n_head;
@@ -1651,10 +1664,12 @@ void Gpt::Backward() {
       linear_back(L.lin[kCAttn], a.dqkv, A.ln1, A.xa[kCAttn], a.dln);
       norm_back(a.dln, input, L.ln1_w, L.ln1_b, A.ln1_mean, A.ln1_rstd);
     }
+    if (final_from && l > 0) final_from(block_grad_start_[l]);
   }
   if (mode_ == TrainMode::kFull) {
     ops_.EmbeddingBackward(a.dres, a.order, a.starts, BaseGrad(wte_), BaseGrad(wpe_), B, T, C, V);
   }
+  if (final_from) final_from(0);
 }
 
 }  // namespace isthmus::model

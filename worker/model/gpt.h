@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -282,7 +283,15 @@ class Gpt {
   // Gradient of the last Forward's mean loss, ACCUMULATED into the gradients of the
   // trainable tensors (call ZeroGrad between steps). Requires a preceding Forward with
   // targets. Enqueued: it has run once the backend is synchronised.
-  void Backward();
+  //
+  // `final_from`, when given, is called as the gradient becomes final, piece by piece
+  // from the end of the flat buffer down: after block l's backward is enqueued with the
+  // offset from which every element of GradData() is then final (block l's tensors and
+  // everything laid out after them: the later blocks, the final norm, the head), and last
+  // with 0. The pieces are final in the backend's order: a caller hands them on with
+  // ops().Mark(). The offsets depend only on the model's shape and mode, so every rank of
+  // a site sees the same ones.
+  void Backward(const std::function<void(int64_t from)>& final_from = nullptr);
 
   // Sets every trainable tensor's gradient to zero (enqueued).
   void ZeroGrad();
@@ -442,6 +451,8 @@ class Gpt {
   std::unique_ptr<Group> lora_tensors_;
   ops::Buffer grads_;  // TrainableElements() + 1
   int wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1;
+  // Per block, the first element of its trainable tensors in the flat gradient.
+  std::vector<int64_t> block_grad_start_;
   int head_ = -1;     // the output head: wte_ when tied, else lm_head.weight
   ops::Buffer rope_;  // the Llama family's rotary table (RopeTable), in backend memory
   std::vector<Layer> layers_;

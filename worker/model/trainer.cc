@@ -105,6 +105,13 @@ void Trainer::EnqueueForwardBackward() {
   model_.Backward();
 }
 
+Status Trainer::BackwardIntoSink() {
+  ops::Ops& ops = model_.ops();
+  sink_->Begin(model_.GradData(), static_cast<size_t>(model_.GradElements()));
+  model_.Backward([&](int64_t from) { sink_->Final(static_cast<size_t>(from), ops.Mark()); });
+  return sink_->End();
+}
+
 void Trainer::EnqueueOptimizer() {
   ops::Ops& ops = model_.ops();
   const int64_t n = model_.TrainableElements();
@@ -192,7 +199,13 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
 
   double loss_sum = 0.0;
   int64_t positions = 0;
-  if (micro_batches == 1) {
+  if (micro_batches == 1 && sink_ != nullptr) {
+    model_.ZeroGrad();
+    ops.UploadAsync(model_.GradData() + model_.TrainableElements(), dev_->h_floats(),
+                    sizeof(float));
+    model_.EnqueueForward(true);
+    ISTHMUS_RETURN_IF_ERROR(BackwardIntoSink());
+  } else if (micro_batches == 1) {
     RunRecorded(&dev_->forward_backward, &Trainer::EnqueueForwardBackward);
   } else {
     // The mean over every position with a target in all micro-batches.
@@ -210,12 +223,16 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
       model_.StageBatch(tokens + k * n, targets + k * n, B, T, std::max<int64_t>(positions, 1),
                         teacher != nullptr ? &part : nullptr);
       model_.EnqueueForward(true);
-      model_.Backward();
+      if (sink_ != nullptr && k == micro_batches - 1) {
+        ISTHMUS_RETURN_IF_ERROR(BackwardIntoSink());
+      } else {
+        model_.Backward();
+      }
       ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
       loss_sum += model_.StagedLoss() * static_cast<double>(model_.staged_positions());
     }
   }
-  if (hook_) {
+  if (hook_ && sink_ == nullptr) {
     ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
     ISTHMUS_RETURN_IF_ERROR(hook_(model_.GradData(), static_cast<size_t>(model_.GradElements())));
   }

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "common/gradient_sink.h"
 #include "common/status.h"
 #include "common/tensor.h"
 #include "worker/model/gpt.h"
@@ -64,6 +65,13 @@ class Trainer {
   ~Trainer();
 
   void SetGradHook(GradHook hook) { hook_ = std::move(hook); }
+  // Instead of the hook: hands the gradient to `sink` piece by piece while the backward
+  // runs (Gpt::Backward's final_from), so that its reduction across ranks overlaps with the
+  // rest of the backward, and waits for sink->End() before clipping and AdamW. The sink
+  // must outlive the trainer or be unset (nullptr). With a sink the forward and backward
+  // are never recorded as a graph (the optimizer still is). With gradient accumulation only
+  // the last micro-batch's backward overlaps: the earlier ones' gradients are not final.
+  void SetGradientSink(GradientSink* sink) { sink_ = sink; }
 
   // One optimizer step on tokens/targets [B,T]: zero gradients, forward, backward, hook,
   // clip, AdamW with lr = WarmupCosineLr(step()), then step() += 1 (unless skipped).
@@ -129,6 +137,8 @@ class Trainer {
   Status ParseState(const std::vector<Tensor>& tensors, ParsedState* parsed) const;
   void ApplyState(const ParsedState& parsed);
   void EnqueueForwardBackward();
+  // Backward of the staged batch, its gradient handed to sink_ as it becomes final.
+  Status BackwardIntoSink();
   void EnqueueOptimizer();
   // Runs `enqueue` through the graph in *graph, recording it first when that pays.
   void RunRecorded(std::unique_ptr<ops::Graph>* graph, void (Trainer::*enqueue)());
@@ -136,6 +146,7 @@ class Trainer {
   Gpt& model_;
   TrainerConfig config_;
   GradHook hook_;
+  GradientSink* sink_ = nullptr;
   std::vector<ParamView> params_;
   std::unique_ptr<Device> dev_;
   int64_t step_ = 0;
