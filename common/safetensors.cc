@@ -19,6 +19,7 @@
 #include <numeric>
 #include <set>
 
+#include "common/bf16.h"
 #include "common/durable.h"
 
 namespace isthmus {
@@ -151,8 +152,6 @@ float HalfToFloat(uint16_t h) {
   }
   return std::bit_cast<float>(bits);
 }
-
-float Bf16ToFloat(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
 
 size_t DtypeSize(Dtype d) { return d == Dtype::kF32 ? 4 : 2; }
 
@@ -345,7 +344,7 @@ Result<SafetensorsFile> ReadSafetensors(const std::string& path) {
       ISTHMUS_RETURN_IF_ERROR(
           PreadAll(fd.get(), half.data(), numel * 2, data_start + e.begin, path));
       for (size_t i = 0; i < numel; ++i) {
-        t.data[i] = e.dtype == Dtype::kF16 ? HalfToFloat(half[i]) : Bf16ToFloat(half[i]);
+        t.data[i] = e.dtype == Dtype::kF16 ? HalfToFloat(half[i]) : Bf16BitsToFloat(half[i]);
       }
     }
     out.tensors.push_back(std::move(t));
@@ -369,12 +368,6 @@ Result<std::vector<Tensor>> ReadSafetensorsTensors(const std::string& path) {
 }
 
 namespace {
-
-uint16_t FloatToBf16(float f) {
-  const uint32_t x = std::bit_cast<uint32_t>(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40);  // NaN
-  return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);  // nearest, ties even
-}
 
 uint16_t FloatToHalf(float f) {
   const uint32_t x = std::bit_cast<uint32_t>(f);
@@ -460,7 +453,7 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
     }
     narrow.resize(v.size());
     for (size_t j = 0; j < v.size(); ++j) {
-      narrow[j] = dtype == FileDtype::kBF16 ? FloatToBf16(v[j]) : FloatToHalf(v[j]);
+      narrow[j] = dtype == FileDtype::kBF16 ? FloatToBf16Bits(v[j]) : FloatToHalf(v[j]);
     }
     s = WriteAll(fd.get(), narrow.data(), narrow.size() * 2, tmp);
   }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/bf16.h"
 #include "common/check.h"
 #include "ops/buffer.h"
 #include "ops/cpu_internal.h"
@@ -756,15 +757,7 @@ class CpuOpsImpl : public Ops {
 
 const char* DtypeName(Dtype d) { return d == Dtype::kF32 ? "fp32" : "bf16"; }
 
-Bf16 ToBf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu) != 0) {
-    return {static_cast<uint16_t>((u >> 16) | 0x40u)};  // quiet NaN
-  }
-  u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return {static_cast<uint16_t>(u >> 16)};
-}
+Bf16 ToBf16(float x) { return {FloatToBf16Bits(x)}; }
 
 Status Ops::BeginCapture() {
   return Status::FailedPrecondition(std::string(Name()) + " backend has no graphs");

@@ -143,7 +143,8 @@ class RoundLoop {
         o.rendezvous = s_.rendezvous;
         o.timeout = std::chrono::seconds(s_.comm_timeout_s);
         o.prefix = prefix;
-        o.settings = "--bucket-mb " + std::to_string(s_.bucket_mb);
+        o.settings = "--bucket-mb " + std::to_string(s_.bucket_mb) + " --reduce-precision " +
+                     s_.reduce_precision;
         return o;
       };
       Result<std::unique_ptr<comm::Communicator>> comm = Status::Internal("no communicator");
@@ -188,15 +189,17 @@ class RoundLoop {
                                                                  : trainer.status();
     }
     trainer_ = std::move(trainer).value();
+    const bool bf16 = s_.reduce_precision == "bf16";
     if (comm_ && s_.bucket_mb > 0) {
-      buckets_ = std::make_unique<comm::BucketedAllReduce>(*comm_, static_cast<size_t>(s_.bucket_mb)
-                                                                       << 20);
+      const size_t bucket_bytes = static_cast<size_t>(s_.bucket_mb) << 20;
+      buckets_ = std::make_unique<comm::BucketedAllReduce>(*comm_, bucket_bytes, bf16);
       trainer_->SetGradientSink(buckets_.get());
-      spdlog::info("rank {}: gradient all-reduce in buckets of {} MiB during the backward", s_.rank,
-                   s_.bucket_mb);
+      spdlog::info("rank {}: gradient all-reduce ({}) in buckets of {} MiB during the backward",
+                   s_.rank, s_.reduce_precision, s_.bucket_mb);
     } else if (comm_) {
-      trainer_->SetGradHook(MakeAllReduceHook(comm_.get()));
-      spdlog::info("rank {}: gradient all-reduce: one all-reduce after the backward", s_.rank);
+      trainer_->SetGradHook(MakeAllReduceHook(comm_.get(), bf16));
+      spdlog::info("rank {}: gradient all-reduce ({}): one all-reduce after the backward", s_.rank,
+                   s_.reduce_precision);
     }
 
     data::DatasetOptions d;
@@ -1447,8 +1450,10 @@ Status StatusForExitCode(int code, const std::string& message) {
   }
 }
 
-model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm) {
-  return [comm](float* grads, size_t count) { return comm->AllReduceAverage(grads, count); };
+model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm, bool bf16) {
+  return [comm, bf16](float* grads, size_t count) {
+    return comm::ReduceGradient(*comm, grads, 0, count, count, bf16);
+  };
 }
 
 Status HostCollective(comm::Communicator& comm, ops::Ops& ops, float* data, size_t n,

@@ -70,8 +70,9 @@ Result<TrainSummary> RunTraining(const TrainSettings& settings, const std::atomi
 
 // The gradient hook of a multi-rank site: averages the model's flat gradient buffer (with
 // the trainer's control value in its last float) over `comm` in one all-reduce, in the
-// backend's memory. `comm` is borrowed and must outlive the hook.
-model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm);
+// backend's memory; with `bf16` the values travel in bf16, the control value in fp32
+// (comm::ReduceGradient). `comm` is borrowed and must outlive the hook.
+model::Trainer::GradHook MakeAllReduceHook(comm::Communicator* comm, bool bf16 = false);
 
 // A broadcast from rank 0 (broadcast) or a sum (else) of n host floats over `comm`, staged
 // through backend memory when `ops` is not host memory (NCCL works on device buffers).

@@ -375,6 +375,10 @@ Status TrainSettings::Validate() const {
                                    "] (0: one all-reduce after the backward), got " +
                                    std::to_string(bucket_mb));
   }
+  if (reduce_precision != "fp32" && reduce_precision != "bf16") {
+    return Status::InvalidArgument("--reduce-precision must be fp32 or bf16, got \"" +
+                                   reduce_precision + "\"");
+  }
   if (grad_accum < 1 || grad_accum > 4096) {
     return Status::InvalidArgument("--grad-accum must be in [1, 4096], got " +
                                    std::to_string(grad_accum));
@@ -566,6 +570,12 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
                  "buckets of this many MiB, each started as soon as the backward has "
                  "finished it, so the all-reduce overlaps with the rest of the backward; 0: "
                  "one all-reduce after the backward. Every rank must give the same value")
+      ->capture_default_str();
+  app.add_option("--reduce-precision", t.reduce_precision,
+                 "with --world-size > 1: the gradient all-reduce's values on the wire, fp32 or "
+                 "bf16 (half the bytes, as PyTorch DDP's bf16 compression hook: sums rounded "
+                 "to bf16 between ranks, the average formed in fp32). Every rank must give the "
+                 "same value")
       ->capture_default_str();
   app.add_option("--teacher-topk", t.teacher_topk,
                  "word-level distillation: a teacher's top-k logits over the training shard "

@@ -163,6 +163,9 @@ struct TrainSettings {
   // The in-site gradient all-reduce in buckets of this many MiB, started while the backward
   // runs (comm/bucketed_all_reduce.h); 0: one all-reduce of the whole gradient after it.
   int bucket_mb = 25;
+  // The in-site all-reduce's values on the wire: "fp32", or "bf16" (half the bytes; sums
+  // rounded to bf16 between hops, the average formed in fp32).
+  std::string reduce_precision = "fp32";
   // Word-level distillation from a teacher cache (isthmus-worker teach) beside the data:
   // loss = alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T); empty: cross-entropy only.
   std::string teacher_topk;

@@ -43,6 +43,7 @@ struct Options {
   model::TrainMode mode = model::TrainMode::kFull;
   int batch = 2, steps = 5, warmup = 2, threads = 1;
   std::string device = "cpu";
+  bool bf16 = false;  // the all-reduce's values in bf16 (--reduce-precision bf16)
 };
 
 // Per rank and timed step: the step's wall time, the all-reduce's time, the part exposed.
@@ -104,12 +105,12 @@ Result<std::vector<Sample>> Run(const Options& o, int ranks, int bucket_mb, int 
     double hook_seconds = 0;
     std::unique_ptr<comm::BucketedAllReduce> buckets;
     if (comm && bucket_mb > 0) {
-      buckets = std::make_unique<comm::BucketedAllReduce>(*comm, size_t(bucket_mb) << 20);
+      buckets = std::make_unique<comm::BucketedAllReduce>(*comm, size_t(bucket_mb) << 20, o.bf16);
       (*trainer)->SetGradientSink(buckets.get());
     } else if (comm) {
       (*trainer)->SetGradHook([&](float* g, size_t n) {
         const auto t0 = Clock::now();
-        Status st = comm->AllReduceAverage(g, n);
+        Status st = comm::ReduceGradient(*comm, g, 0, n, n, o.bf16);
         hook_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
         return st;
       });
@@ -186,6 +187,10 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", o.warmup, "untimed steps first")->capture_default_str();
   app.add_option("--threads", o.threads, "OpenMP threads per rank")->capture_default_str();
   app.add_option("--mode", mode)->check(CLI::IsMember({"full", "lora"}))->capture_default_str();
+  std::string reduce = "fp32";
+  app.add_option("--reduce-precision", reduce, "the all-reduce's values on the wire")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
   app.add_option("--device", o.device, "cpu (Gloo ranks); cuda runs one rank only")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
@@ -194,6 +199,7 @@ int main(int argc, char** argv) {
   o.config.n_head = heads;
   o.config.n_ctx = ctx;
   o.mode = *model::ParseTrainMode(mode);
+  o.bf16 = reduce == "bf16";
   if (Status st = o.config.Validate(); !st.ok()) {
     std::fprintf(stderr, "bench_ranks: %s\n", st.ToString().c_str());
     return 2;

@@ -173,6 +173,49 @@ TEST_P(GlooCollectiveTest, AverageIsBitwiseIdenticalOnAllRanks) {
   }
 }
 
+// The average in bf16: identical bits on every rank; small integers (exact in bf16, and
+// every partial sum too) come back exact; random values within bf16 rounding of the fp32
+// average: each rank's value rounded once (2^-9 relative), each partial sum once more.
+TEST_P(GlooCollectiveTest, Bf16AverageIsIdenticalOnAllRanksAndWithinBf16Rounding) {
+  const int n = world_size();
+  std::vector<std::vector<float>> results(n), inputs(n);
+  Run([&](Communicator& comm) {
+    std::vector<float> ints(count());
+    for (size_t i = 0; i < ints.size(); ++i) ints[i] = IntValue(comm.rank(), i);
+    ASSERT_TRUE(comm.AllReduceAverageBf16(ints.data(), ints.size()).ok());
+    for (size_t i = 0; i < ints.size(); ++i) {
+      const float want = static_cast<float>((i % 7 + 1) * n * (n + 1) / 2) / static_cast<float>(n);
+      ASSERT_EQ(ints[i], n == 1 ? IntValue(0, i) : want) << "element " << i;
+    }
+    std::mt19937 gen(99 + comm.rank());
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    std::vector<float> data(count());
+    for (auto& x : data) x = dist(gen);
+    inputs[comm.rank()] = data;
+    ASSERT_TRUE(comm.AllReduceAverageBf16(data.data(), data.size()).ok());
+    results[comm.rank()] = std::move(data);
+  });
+  for (int r = 1; r < n; ++r) {
+    EXPECT_EQ(FirstBitMismatch(results[0].data(), results[r].data(), count()), -1)
+        << "rank " << r << " differs from rank 0";
+  }
+  double worst = 0;
+  for (size_t i = 0; i < count(); ++i) {
+    double exact = 0, magnitude = 0;
+    for (int r = 0; r < n; ++r) {
+      exact += inputs[r][i];
+      magnitude += std::abs(inputs[r][i]);
+    }
+    // n roundings of the inputs and n - 1 of partial sums, each at most 2^-9 relative.
+    const double bound = (2.0 * n) * std::ldexp(1.0, -9) * magnitude / n + 1e-30;
+    worst = std::max(worst, std::abs(results[0][i] - exact / n) / bound);
+  }
+  EXPECT_LE(worst, 1.0);
+  if (n > 1 && count() >= 1000) {
+    EXPECT_GT(worst, 0.0) << "bf16 rounded nothing";
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldAndPayload, GlooCollectiveTest,
                          ::testing::Combine(::testing::Values(1, 2, 3, 4),
                                             ::testing::Values(size_t{1}, size_t{1000},

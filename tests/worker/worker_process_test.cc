@@ -420,7 +420,8 @@ TEST(WorkerDevice, DeviceMistakesExitWithTheUsageCodeAndSayWhatToDo) {
 // Two rank processes over Gloo: with the all-reduce in buckets during the backward (the
 // default --bucket-mb) they train to the same weights, bit for bit, as with one
 // all-reduce after it (--bucket-mb 0); ranks launched with different values stop before
-// any collective, naming both values. The CPU twin of a multi-process NCCL run.
+// any collective, naming both values; the all-reduce in bf16 runs too. The CPU twin of a
+// multi-process NCCL run.
 TEST(WorkerRanks, BucketedAllReduceInProcessesEqualsOneAllReduceAndMismatchesAreRefused) {
   fs::path dir = fs::temp_directory_path() / ("isthmus-buckets-" + std::to_string(::getpid()));
   fs::remove_all(dir);
@@ -453,9 +454,19 @@ TEST(WorkerRanks, BucketedAllReduceInProcessesEqualsOneAllReduceAndMismatchesAre
   auto mixed = testing::RunTwoStandaloneRanks(dir, "mixed", with("25"), with("5"));
   EXPECT_EQ(mixed.rc0, 2) << mixed.log;
   EXPECT_EQ(mixed.rc1, 2) << mixed.log;
-  EXPECT_NE(mixed.log.find("was launched with --bucket-mb 5 but rank 0 with --bucket-mb 25"),
+  EXPECT_NE(mixed.log.find("rank 1 was launched with --bucket-mb 5 --reduce-precision fp32 "
+                           "but rank 0 with --bucket-mb 25 --reduce-precision fp32"),
             std::string::npos)
       << mixed.log;
+  // The all-reduce in bf16 runs end to end in processes too.
+  std::vector<std::string> bf16 = with("1");
+  bf16.push_back("--reduce-precision");
+  bf16.push_back("bf16");
+  auto half = testing::RunTwoStandaloneRanks(dir, "bf16", bf16, bf16);
+  ASSERT_EQ(half.rc0, 0) << half.log;
+  ASSERT_EQ(half.rc1, 0) << half.log;
+  EXPECT_NE(half.log.find("gradient all-reduce (bf16) in buckets of 1 MiB"), std::string::npos)
+      << half.log;
   fs::remove_all(dir);
 }
 

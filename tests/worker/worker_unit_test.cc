@@ -339,6 +339,62 @@ INSTANTIATE_TEST_SUITE_P(
                       BucketCase{"full_3_per_block", model::TrainMode::kFull, 3, 1}),
     [](const auto& info) { return info.param.name; });
 
+// In bf16 the buckets carry half the bytes and the weights stay within bf16 rounding of the
+// fp32 run's, while the gradient's last float (the trainer's control value, a code up to
+// (ranks + 1)^3) is averaged exactly: 729 is not a bf16 value.
+TEST(BucketedAllReduce, Bf16BucketsTrainCloseToFp32AndKeepTheControlValueExact) {
+  model::GptConfig config = TinyConfig();
+  config.n_layer = 3;
+  auto dir = TempDir("buckets-bf16");
+  std::vector<std::vector<Tensor>> got(4);
+  std::vector<float> control(2, 0.0f);
+  std::vector<Status> errors(2);
+  comm::testing::RunRanks(2, [&](int rank) {
+    comm::GlooOptions o;
+    o.rank = rank;
+    o.world_size = 2;
+    o.rendezvous = "file:" + dir.string();
+    o.timeout = std::chrono::seconds(30);
+    auto comm = comm::CreateGlooCommunicator(o);
+    if (!comm.ok()) {
+      errors[rank] = comm.status();
+      return;
+    }
+    std::vector<float> code = {0.5f, 1.0f, 729.0f};
+    errors[rank] = comm::ReduceGradient(**comm, code.data(), 0, 3, 3, /*bf16=*/true);
+    control[rank] = code[2];
+    for (bool bf16 : {false, true}) {
+      auto gpt = model::Gpt::CreateRandom(config, model::TrainMode::kFull, TinyLora(), 11);
+      auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+      comm::BucketedAllReduce buckets(**comm, 1, bf16);
+      (*trainer)->SetGradientSink(&buckets);
+      for (int s = 0; s < 3 && errors[rank].ok(); ++s) {
+        std::vector<int32_t> tok, tgt;
+        MakeBatch(s, 4, &tok, &tgt);
+        auto st = (*trainer)->Step(tok.data() + rank * 2 * kT, tgt.data() + rank * 2 * kT, 2, kT);
+        if (!st.ok()) errors[rank] = st.status();
+      }
+      got[2 * rank + bf16] = (*gpt)->ExportTrainable();
+    }
+  });
+  std::filesystem::remove_all(dir);
+  for (const Status& e : errors) ASSERT_TRUE(e.ok()) << e.ToString();
+  EXPECT_EQ(control[0], 729.0f);
+  EXPECT_EQ(control[1], 729.0f);
+  double max_diff = 0, max_step = 0;
+  auto init = model::Gpt::CreateRandom(config, model::TrainMode::kFull, TinyLora(), 11);
+  auto start = (*init)->ExportTrainable();
+  for (size_t i = 0; i < got[0].size(); ++i) {
+    EXPECT_EQ(got[1][i].data, got[3][i].data) << "ranks differ in bf16: " << got[1][i].name;
+    for (size_t k = 0; k < got[0][i].data.size(); ++k) {
+      max_diff = std::max(max_diff, std::abs(double(got[1][i].data[k]) - got[0][i].data[k]));
+      max_step = std::max(max_step, std::abs(double(got[0][i].data[k]) - start[i].data[k]));
+    }
+  }
+  EXPECT_GT(max_diff, 0.0) << "bf16 changed nothing: were the buckets reduced in fp32?";
+  EXPECT_LT(max_diff, 0.1 * max_step) << "bf16 moved the weights too far from fp32";
+}
+
 // A rank that is gone before the step: the others' bucketed step fails within the
 // communicator's timeout, with Gloo's error, and the optimizer never runs on a half-reduced
 // gradient (their parameters stay as they were).
@@ -544,6 +600,11 @@ TEST(TrainSettings, ValidateNamesTheProblem) {
   t.bucket_mb = -1;
   EXPECT_FALSE(t.Validate().ok());
   t.bucket_mb = 0;
+  EXPECT_TRUE(t.Validate().ok());
+  t.reduce_precision = "fp16";
+  EXPECT_NE(t.Validate().message().find("--reduce-precision must be fp32 or bf16"),
+            std::string::npos);
+  t.reduce_precision = "bf16";
   EXPECT_TRUE(t.Validate().ok());
   t.max_rounds = 0;
   EXPECT_FALSE(t.Validate().ok());

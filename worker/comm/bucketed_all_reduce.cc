@@ -14,9 +14,20 @@ double SecondsSince(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-BucketedAllReduce::BucketedAllReduce(Communicator& comm, size_t bucket_bytes)
+Status ReduceGradient(Communicator& comm, float* grads, size_t from, size_t to, size_t count,
+                      bool bf16) {
+  if (!bf16) return comm.AllReduceAverage(grads + from, to - from);
+  const bool tail = to == count && to > from;
+  const size_t end = tail ? to - 1 : to;
+  if (end > from) ISTHMUS_RETURN_IF_ERROR(comm.AllReduceAverageBf16(grads + from, end - from));
+  if (tail) return comm.AllReduceAverage(grads + count - 1, 1);
+  return Status::Ok();
+}
+
+BucketedAllReduce::BucketedAllReduce(Communicator& comm, size_t bucket_bytes, bool bf16)
     : comm_(comm),
       bucket_elems_(std::max<size_t>(1, bucket_bytes / sizeof(float))),
+      bf16_(bf16),
       thread_([this] { Loop(); }) {}
 
 BucketedAllReduce::~BucketedAllReduce() {
@@ -72,13 +83,14 @@ void BucketedAllReduce::Loop() {
     queue_.pop_front();
     const bool skip = !error_.ok();  // after a failure the group is broken: no more calls
     float* grads = grads_;
+    const size_t count = count_;
     lock.unlock();
     Status st;
     double seconds = 0.0;
     if (!skip) {
       st = b.wait();
       const auto t0 = std::chrono::steady_clock::now();
-      if (st.ok()) st = comm_.AllReduceAverage(grads + b.from, b.to - b.from);
+      if (st.ok()) st = ReduceGradient(comm_, grads, b.from, b.to, count, bf16_);
       seconds = SecondsSince(t0);
     }
     b.wait = nullptr;  // releases the mark (a CUDA event) on this thread

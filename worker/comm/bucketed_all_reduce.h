@@ -30,6 +30,12 @@ struct BucketStats {
                                  // did not hide
 };
 
+// Averages grads[from, to) of a gradient of `count` floats over `comm`'s ranks, in fp32, or
+// with `bf16` in bf16 except the gradient's last float (the trainer's control value, an
+// exact small integer code), which then takes one more fp32 all-reduce of its own.
+Status ReduceGradient(Communicator& comm, float* grads, size_t from, size_t to, size_t count,
+                      bool bf16);
+
 class BucketedAllReduce final : public GradientSink {
  public:
   // The bucket size a site gets unless told otherwise (PyTorch DDP's default, 25 MiB).
@@ -38,8 +44,11 @@ class BucketedAllReduce final : public GradientSink {
   // Averages gradients over `comm`'s ranks, in buckets of at least `bucket_bytes` (> 0; a
   // bucket closes at the first piece that makes it that large, and the last one takes what
   // is left). `comm` must outlive this object and is used only by its thread between
-  // Begin and End; the caller runs no collective of its own on it meanwhile.
-  BucketedAllReduce(Communicator& comm, size_t bucket_bytes);
+  // Begin and End; the caller runs no collective of its own on it meanwhile. With `bf16`
+  // the buckets travel in bf16 (Communicator::AllReduceAverageBf16), except the
+  // gradient's last float, the trainer's control value, which must stay exact and is
+  // averaged in fp32 (ReduceGradient).
+  BucketedAllReduce(Communicator& comm, size_t bucket_bytes, bool bf16 = false);
   ~BucketedAllReduce() override;
 
   BucketedAllReduce(const BucketedAllReduce&) = delete;
@@ -60,6 +69,7 @@ class BucketedAllReduce final : public GradientSink {
 
   Communicator& comm_;
   const size_t bucket_elems_;
+  const bool bf16_;
   float* grads_ = nullptr;
   size_t count_ = 0;
   size_t open_to_ = 0;  // end of the final elements not yet in a bucket

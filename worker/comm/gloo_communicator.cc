@@ -7,6 +7,7 @@
 #include <exception>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include <gloo/allreduce.h>
 #include <gloo/barrier.h>
@@ -14,6 +15,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/transport/tcp/device.h>
 
+#include "common/bf16.h"
 #include "worker/comm/rendezvous.h"
 
 namespace isthmus::comm {
@@ -24,6 +26,15 @@ void SumFloats(void* out, const void* a, const void* b, size_t n) {
   const float* x = static_cast<const float*>(a);
   const float* y = static_cast<const float*>(b);
   for (size_t i = 0; i < n; ++i) o[i] = x[i] + y[i];
+}
+
+// bf16 sums: each addition in fp32, the result rounded to bf16.
+void SumBf16(void* out, const void* a, const void* b, size_t n) {
+  uint16_t* o = static_cast<uint16_t*>(out);
+  const uint16_t* x = static_cast<const uint16_t*>(a);
+  const uint16_t* y = static_cast<const uint16_t*>(b);
+  for (size_t i = 0; i < n; ++i)
+    o[i] = FloatToBf16Bits(Bf16BitsToFloat(x[i]) + Bf16BitsToFloat(y[i]));
 }
 
 class GlooCommunicator final : public Communicator {
@@ -66,6 +77,25 @@ class GlooCommunicator final : public Communicator {
     return Status::Ok();
   }
   using Communicator::AllReduceAverage;
+
+  Status AllReduceAverageBf16(float* data, size_t count) override {
+    ISTHMUS_RETURN_IF_ERROR(Check("AllReduceAverageBf16", data, count));
+    if (count == 0 || world_size() == 1) return Status::Ok();
+    bf16_.resize(count);
+    for (size_t i = 0; i < count; ++i) bf16_[i] = FloatToBf16Bits(data[i]);
+    ISTHMUS_RETURN_IF_ERROR(Run("allreduce (bf16)", [&] {
+      gloo::AllreduceOptions opts(context_);
+      opts.setOutput(bf16_.data(), count);
+      opts.setReduceFunction(&SumBf16);
+      opts.setAlgorithm(gloo::AllreduceOptions::Algorithm::RING);
+      opts.setTag(NextTag());
+      opts.setTimeout(timeout_);
+      gloo::allreduce(opts);
+    }));
+    const float n = static_cast<float>(world_size());
+    for (size_t i = 0; i < count; ++i) data[i] = Bf16BitsToFloat(bf16_[i]) / n;
+    return Status::Ok();
+  }
 
   Status Broadcast(float* data, size_t count, int root) override {
     if (root < 0 || root >= world_size()) {
@@ -126,6 +156,7 @@ class GlooCommunicator final : public Communicator {
   const std::chrono::milliseconds timeout_;
   const size_t fusion_bytes_;
   uint32_t next_tag_ = 0;
+  std::vector<uint16_t> bf16_;  // AllReduceAverageBf16's staging
   Status broken_;
 };
 

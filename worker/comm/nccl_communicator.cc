@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "worker/comm/nccl_bf16.h"
 #include "worker/comm/rendezvous.h"
 
 namespace isthmus::comm {
@@ -75,6 +76,7 @@ class NcclCommunicator final : public Communicator {
       }
     }
     if (scratch_ != nullptr) cudaFree(scratch_);
+    if (bf16_ != nullptr) cudaFree(bf16_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -98,6 +100,32 @@ class NcclCommunicator final : public Communicator {
   }
   Status AllReduceAverage(float* data, size_t count) override {
     return AllReduce("ncclAllReduce(avg)", data, count, ncclAvg);
+  }
+
+  Status AllReduceAverageBf16(float* data, size_t count) override {
+    ISTHMUS_RETURN_IF_ERROR(Check("AllReduceAverageBf16", data, count));
+    if (count == 0 || world_size_ == 1) return Status::Ok();
+    ISTHMUS_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (bf16_capacity_ < count) {
+      if (bf16_ != nullptr) cudaFree(bf16_);
+      bf16_ = nullptr;
+      bf16_capacity_ = 0;
+      ISTHMUS_CUDA_RETURN_IF_ERROR(cudaMalloc(&bf16_, count * 2));
+      bf16_capacity_ = count;
+    }
+    const float scale = 1.0f / static_cast<float>(world_size_);
+    // Sum in bf16 (NCCL adds in fp32 and rounds), then the average in fp32: an average
+    // formed in bf16 would round once more.
+    return Launch("ncclAllReduce(bf16 sum)", [&]() -> ncclResult_t {
+      if (LaunchToBf16(data, bf16_, count, stream_) != cudaSuccess) return ncclUnhandledCudaError;
+      const ncclResult_t r =
+          ncclAllReduce(bf16_, bf16_, count, ncclBfloat16, ncclSum, comm_, stream_);
+      if (r != ncclSuccess && r != ncclInProgress) return r;
+      if (LaunchFromBf16(bf16_, data, count, scale, stream_) != cudaSuccess) {
+        return ncclUnhandledCudaError;
+      }
+      return r;
+    });
   }
 
   Status AllReduceAverage(std::vector<std::pair<float*, size_t>> buffers) override {
@@ -195,6 +223,8 @@ class NcclCommunicator final : public Communicator {
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   float* scratch_ = nullptr;  // device float for Barrier
+  void* bf16_ = nullptr;      // AllReduceAverageBf16's staging, bf16_capacity_ values
+  size_t bf16_capacity_ = 0;
   Status broken_;
 };
 
