@@ -12,6 +12,7 @@
 #include <nccl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <utility>
@@ -180,13 +181,20 @@ class NcclCommunicator final : public Communicator {
 
   // Enqueues with `enqueue`, then waits for the stream against the deadline. Any failure
   // aborts the NCCL communicator (the only way to stop kernels waiting on a dead peer) and
-  // marks this object broken.
+  // marks this object broken. The wait polls (a blocking wait could not be abandoned at
+  // the deadline): yielding at first, for the short collectives of small gradients, then
+  // sleeping between polls, up to 100 us, so that a long all-reduce (a bucket in flight
+  // during the backward) does not hold a core.
   template <typename Enqueue>
   Status Launch(const char* what, Enqueue&& enqueue) {
     const auto deadline = Clock::now() + timeout_;
     Status s = CudaStatus("cudaSetDevice", cudaSetDevice(device_));
     if (s.ok()) s = NcclStatus(what, enqueue());
     if (s.ok()) s = WaitComm(comm_, deadline, what);
+    constexpr int kYieldPolls = 200;
+    constexpr std::chrono::microseconds kMaxNap{100};
+    std::chrono::microseconds nap{5};
+    int polls = 0;
     while (s.ok()) {
       cudaError_t err = cudaStreamQuery(stream_);
       if (err == cudaSuccess) break;
@@ -206,7 +214,12 @@ class NcclCommunicator final : public Communicator {
                             std::to_string(timeout_.count()) + " ms");
         break;
       }
-      std::this_thread::yield();
+      if (++polls < kYieldPolls) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(nap);
+        nap = std::min(nap * 2, kMaxNap);
+      }
     }
     if (!s.ok()) {
       broken_ = s;
