@@ -34,10 +34,9 @@ cudaError_t LaunchToBf16(const float* in, void* out, size_t n, cudaStream_t stre
   return cudaGetLastError();
 }
 
-cudaError_t LaunchFromBf16(const void* in, float* out, size_t n, float scale,
-                           cudaStream_t stream) {
+cudaError_t LaunchFromBf16(const void* in, float* out, size_t n, float scale, cudaStream_t stream) {
   FromBf16Kernel<<<Blocks(n), 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(in), out, n,
-                                                 scale);
+                                                scale);
   return cudaGetLastError();
 }
 
