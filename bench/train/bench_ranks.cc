@@ -1,6 +1,6 @@
 // The in-site gradient all-reduce, measured on the worker's real training step: R ranks of
 // one site (threads of this process, each with its own model, Gloo over loopback on the
-// CPU; or one rank on a GPU with NCCL) train the same configuration, first with one
+// CPU; or, with --device cuda, one rank alone) train the same configuration, first with one
 // all-reduce after the backward (--bucket-mb 0, the baseline) and then with the all-reduce
 // in buckets during the backward, in the same run. For each rank count and setting it
 // prints the median step time, the all-reduce's own time per step and the part of it the
@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
   app.add_option("--reduce-precision", reduce, "the all-reduce's values on the wire")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
-  app.add_option("--device", o.device, "cpu (Gloo ranks); cuda runs one rank only")
+  app.add_option("--device", o.device, "cpu (Gloo ranks); cuda or cuda:N: --ranks 1 only")
       ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   o.config.n_layer = layers;
@@ -207,6 +207,15 @@ int main(int argc, char** argv) {
   const std::vector<int> rank_counts = ParseList(ranks_text), settings = ParseList(buckets_text);
   if (rank_counts.empty() || settings.empty()) {
     std::fprintf(stderr, "bench_ranks: --ranks and --buckets need at least one value\n");
+    return 2;
+  }
+  // The ranks here meet over Gloo, which reduces host memory; and the exposed time is the
+  // host's wait, which on a GPU also covers the backward's kernels still queued.
+  if (o.device != "cpu" && *std::max_element(rank_counts.begin(), rank_counts.end()) > 1) {
+    std::fprintf(stderr,
+                 "bench_ranks: --device %s runs one rank only (the ranks here use Gloo, which "
+                 "reduces host memory); several GPU ranks need worker processes with NCCL\n",
+                 o.device.c_str());
     return 2;
   }
   std::printf(

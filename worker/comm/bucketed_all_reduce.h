@@ -27,7 +27,8 @@ struct BucketStats {
   int buckets = 0;               // reductions
   double reduce_seconds = 0.0;   // wall time the reductions took on the reducing thread
   double exposed_seconds = 0.0;  // wall time End() waited for them: the part the backward
-                                 // did not hide
+                                 // did not hide (on the CPU; on a GPU it also holds the
+                                 // backward's kernels still queued when End() was called)
 };
 
 // Averages grads[from, to) of a gradient of `count` floats over `comm`'s ranks, in fp32, or
