@@ -197,7 +197,13 @@ class RoundLoop {
       spdlog::info("rank {}: gradient all-reduce ({}) in buckets of {} MiB during the backward",
                    s_.rank, s_.reduce_precision, s_.bucket_mb);
     } else if (comm_) {
-      trainer_->SetGradHook(MakeAllReduceHook(comm_.get(), bf16));
+      trainer_->SetGradHook(
+          [this, hook = MakeAllReduceHook(comm_.get(), bf16)](float* grads, size_t count) {
+            const auto t0 = Clock::now();
+            Status st = hook(grads, count);
+            allreduce_seconds_ = std::chrono::duration<double>(Clock::now() - t0).count();
+            return st;
+          });
       spdlog::info("rank {}: gradient all-reduce ({}): one all-reduce after the backward", s_.rank,
                    s_.reduce_precision);
     }
@@ -1193,6 +1199,12 @@ class RoundLoop {
         const double step_s = std::chrono::duration<double>(Clock::now() - step_t0).count();
         compute_s += step_s;
         telemetry_->OnStep(step_s, st.loss, tokens_per_step_, st.skipped);
+        if (buckets_) {
+          telemetry_->OnAllReduce(buckets_->last().reduce_seconds,
+                                  buckets_->last().exposed_seconds);
+        } else if (comm_) {
+          telemetry_->OnAllReduce(allreduce_seconds_, allreduce_seconds_);
+        }
         if (!trainer_->graph_error().empty() && !said_graphs_ && leader()) {
           progress_->Message("CUDA graphs off, launching kernels one by one: " +
                              trainer_->graph_error());
@@ -1358,6 +1370,7 @@ class RoundLoop {
   // The gradient all-reduce in buckets during the backward (--bucket-mb > 0); it uses comm_
   // only inside a step, so it is declared after it and goes first.
   std::unique_ptr<comm::BucketedAllReduce> buckets_;
+  double allreduce_seconds_ = 0;  // the last step's all-reduce with --bucket-mb 0
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;
   std::unique_ptr<data::TokenDataset> dataset_;

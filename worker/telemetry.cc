@@ -126,6 +126,12 @@ void Telemetry::OnPull(double seconds) {
   round_pull_s_ += seconds;
 }
 
+void Telemetry::OnAllReduce(double seconds, double exposed) {
+  std::lock_guard<std::mutex> lock(mu_);
+  allreduce_seconds_total_ += seconds;
+  allreduce_exposed_seconds_total_ += exposed;
+}
+
 void Telemetry::OnBlocked(double seconds) {
   std::lock_guard<std::mutex> lock(mu_);
   blocked_seconds_total_ += seconds;
@@ -260,6 +266,14 @@ std::string Telemetry::Render() {
            "Time the training loop waited at round boundaries for the round in flight (its "
            "push, WAN wait and pull, as far as they were not done).",
            blocked_seconds_total_);
+  w.Single("isthmus_worker_allreduce_seconds_total", Type::kCounter,
+           "Time the in-site gradient all-reduce took (with --bucket-mb > 0: its buckets on "
+           "the reducing thread, overlapped with the backward).",
+           allreduce_seconds_total_);
+  w.Single("isthmus_worker_allreduce_exposed_seconds_total", Type::kCounter,
+           "The part of the gradient all-reduce's time the steps waited for (all of it with "
+           "--bucket-mb 0).",
+           allreduce_exposed_seconds_total_);
   w.Single("isthmus_worker_round_failures_total", Type::kCounter,
            "Rounds whose push, wait for the WAN or pull failed (the run stops; the round is "
            "kept in the checkpoint).",

@@ -41,6 +41,9 @@ class Telemetry {
   void OnStart(const RunInfo& info, int64_t round, int64_t step);
   void OnStep(double seconds, double loss, uint64_t tokens, bool skipped);
   void OnPush(double seconds);
+  // A step's in-site gradient all-reduce took `seconds` (with --bucket-mb > 0 on the
+  // reducing thread, overlapped with the backward) of which the step waited `exposed`.
+  void OnAllReduce(double seconds, double exposed);
   // The site is too far ahead of the last commit: rank 0 waits for the WAN from now on.
   void OnWanWaitBegin();
   // The wait after a round is over (0 when there was none).
@@ -81,6 +84,7 @@ class Telemetry {
   uint64_t steps_total_ = 0, skipped_total_ = 0, tokens_total_ = 0, rounds_total_ = 0;
   uint64_t wan_waits_total_ = 0, round_failures_total_ = 0;
   double blocked_seconds_total_ = 0;
+  double allreduce_seconds_total_ = 0, allreduce_exposed_seconds_total_ = 0;
   bool waiting_for_wan_ = false;
   double wan_wait_seconds_total_ = 0;
   double loss_ = 0, tokens_per_second_ = 0;

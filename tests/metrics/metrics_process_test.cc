@@ -270,6 +270,71 @@ TEST(ShardMetrics, TwoSitesShowCommitsLinksAndTheirWireBytes) {
   fs::remove_all(root);
 }
 
+// Rank 0 of a two-rank site reports its gradient all-reduce: time spent and the part the
+// steps waited for, all of it with one all-reduce after the backward (--bucket-mb 0), at
+// most all of it with buckets during the backward (the default); promtool reads the text.
+TEST(WorkerMetrics, ATwoRankSiteReportsItsAllReduceAndThePartTheStepsWaitedFor) {
+  RequirePromtool();
+  fs::path dir = fs::temp_directory_path() / ("isthmus-wmar-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  WriteTokens(dir / "data" / "train.bin", 20000, 1);
+  WriteTokens(dir / "data" / "val.bin", 2000, 2);
+  for (const std::string bucket_mb : {"0", "1"}) {
+    SCOPED_TRACE("--bucket-mb " + bucket_mb);
+    const int port = FreePort();
+    const std::string rdv = "tcp:127.0.0.1:" + std::to_string(FreePort());
+    std::vector<WorkerProcess> ranks(2);
+    for (int r = 0; r < 2; ++r) {
+      std::vector<std::string> a = {"train"};
+      a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
+      a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
+      const std::vector<std::string> more = {"--standalone",
+                                             "--max-steps",
+                                             "100000",
+                                             "--mode",
+                                             "full",
+                                             "--device",
+                                             "cpu",
+                                             "--world-size",
+                                             "2",
+                                             "--rank",
+                                             std::to_string(r),
+                                             "--rendezvous",
+                                             rdv,
+                                             "--bucket-mb",
+                                             bucket_mb,
+                                             "--data",
+                                             (dir / "data").string()};
+      a.insert(a.end(), more.begin(), more.end());
+      if (r == 0) {
+        a.push_back("--metrics-listen");
+        a.push_back("127.0.0.1:" + std::to_string(port));
+      }
+      ranks[r].Start(a, (dir / ("r" + std::to_string(r) + "-" + bucket_mb + ".log")).string());
+    }
+    std::string text;
+    for (int i = 0; i < 1200 && text.empty(); ++i) {
+      auto t = Scrape(port);
+      if (t && Or(Value(*t, "isthmus_worker_steps_total")) >= 5) text = *t;
+      if (text.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    for (auto& r : ranks) r.Kill();
+    ASSERT_FALSE(text.empty()) << ranks[0].Log();
+    auto check = PromtoolCheck(text);
+    EXPECT_EQ(check.exit_code, 0) << check.output << text;
+    const double total = Or(Value(text, "isthmus_worker_allreduce_seconds_total"), -1);
+    const double exposed = Or(Value(text, "isthmus_worker_allreduce_exposed_seconds_total"), -1);
+    EXPECT_GT(total, 0) << text;
+    EXPECT_GE(exposed, 0) << text;
+    if (bucket_mb == "0") {
+      EXPECT_EQ(exposed, total) << "one all-reduce after the backward hides nothing";
+    }
+    ExpectDocumented(text);
+  }
+  fs::remove_all(dir);
+}
+
 // A worker rank 0 with --metrics-listen and --events against a real shard: scrapes while it
 // trains show steps, rounds, pushes and validations moving; the events file holds the run.
 TEST(WorkerMetrics, ALiveWorkerIsScrapedAndItsEventsRecordTheRun) {
@@ -318,6 +383,8 @@ TEST(WorkerMetrics, ALiveWorkerIsScrapedAndItsEventsRecordTheRun) {
     EXPECT_TRUE(std::isfinite(Or(Value(*text, "isthmus_worker_loss"), NAN)));
     EXPECT_GT(Or(Value(*text, "isthmus_worker_tokens_per_second")), 0);
     EXPECT_EQ(Value(*text, "isthmus_worker_waiting_for_wan"), 0);
+    // One rank: no in-site all-reduce.
+    EXPECT_EQ(Value(*text, "isthmus_worker_allreduce_seconds_total"), 0);
     EXPECT_TRUE(Value(*text, "isthmus_worker_validation_loss{set=\"other\"}")) << *text;
     EXPECT_TRUE(Value(*text, "isthmus_worker_validation_loss{set=\"site\"}")) << *text;
   }
