@@ -511,6 +511,19 @@ MembershipAnswer MembershipProtocol::OnRequest(const std::string& from,
     return {MembershipVote::kRefused, "another change is under way at site " + site_ + ": " +
                                           r->pending->Describe(r->members)};
   }
+  // A planned leave (the coordinator removes itself, and nobody joins) proposed right after
+  // the coordinator committed a round this site has not committed yet: that round's deltas
+  // are on their way (the leaving site is alive and sent its own), so this site waits for
+  // it instead of refusing, and the coordinator asks again. (Refusing dropped the leave for
+  // good: a draining site commits nothing more that would propose it again.)
+  const bool planned_leave = c.coordinator == from && !c.next.Has(from) &&
+                             c.next.epoch == r->members.epoch + 1 &&
+                             std::all_of(c.next.sites.begin(), c.next.sites.end(),
+                                         [&](const std::string& s) { return r->members.Has(s); });
+  if (planned_leave && r->committed + 1 < c.next.from_round) {
+    return {MembershipVote::kPending,
+            "round " + std::to_string(c.next.from_round - 1) + " is not committed here yet"};
+  }
   if (std::string why = PrepareRefusal(*r, from, c); !why.empty()) {
     spdlog::warn("job '{}': refused {}: {}", req.job, c.Describe(r->members), why);
     MembershipAnswer refused{MembershipVote::kRefused, why};

@@ -1396,6 +1396,45 @@ TEST(SyncEngineTest, AFetchForAnAdditionGivenUpMeanwhileIsAskedAgainAndSucceeds)
   EXPECT_TRUE(d->HasJob(kJob)) << d->JobStatus(kJob)->change_note;
 }
 
+// A planned leave proposed by a site that has committed a round another member has not
+// yet (found under TSan load: sync_process_test's PlannedLeaveWaitsForTheLeavingSitesLastRound
+// timed out). The member used to refuse ("the sites disagree on rounds") and the leaving site,
+// draining, never proposed again; now the member answers "pending" until that round has
+// committed here too, then agrees, and the leave applies on every site.
+TEST(SyncEngineTest, APlannedLeaveFromASiteAheadByARoundWaitsForTheOthersAndApplies) {
+  auto sites = ThreeSites("dense");
+  Site &a = *sites[0], &b = *sites[1], &c = *sites[2];
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(1).ok());
+  for (auto& from : sites)
+    for (auto& to : sites)
+      if (from != to) Deliver(*from, *to);
+  for (auto& s : sites) ASSERT_TRUE(s->PushRound(2).ok());
+  // siteC has every round-2 delta; siteA has none of the others' yet.
+  Deliver(a, c), Deliver(b, c), Deliver(a, b), Deliver(c, b);
+  ASSERT_EQ(c.engine().CommittedRound(kJob), 2u);
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 1u);
+  auto leave = c.engine().membership().ProposeRemoval(kJob, "siteC");
+  ASSERT_TRUE(leave.ok()) << leave.status().ToString();
+  ASSERT_EQ(leave->next.from_round, 3u);
+  const MembershipAnswer early =
+      AskOnce(c.engine(), "siteC", a.engine(), "siteA", MembershipStep::kPrepare);
+  EXPECT_EQ(early.vote, MembershipVote::kPending) << early.reason;
+  EXPECT_NE(early.reason.find("round 2 is not committed here yet"), std::string::npos)
+      << early.reason;
+  ASSERT_TRUE(c.engine().JobStatus(kJob)->pending.has_value()) << "the leave was dropped";
+  Deliver(b, a), Deliver(c, a);  // siteA commits round 2
+  ASSERT_EQ(a.engine().CommittedRound(kJob), 2u);
+  std::map<std::string, SyncEngine*> by_name{
+      {"siteA", &a.engine()}, {"siteB", &b.engine()}, {"siteC", &c.engine()}};
+  for (int i = 0; i < 8; ++i) ConverseAll(by_name);
+  for (Site* s : {&a, &b, &c}) {
+    auto st = s->engine().JobStatus(kJob);
+    EXPECT_EQ(st->members.sites, (std::vector<std::string>{"siteA", "siteB"})) << st->change_note;
+    EXPECT_EQ(st->members.from_round, 3u);
+    EXPECT_FALSE(st->pending.has_value());
+  }
+}
+
 // Membership (docs/SYNC.md): the removal of a silent site, agreed in two phases, survives a
 // reopen of either side at any step, changes who merges from the cut on, and the digests
 // (which cover the membership) agree.

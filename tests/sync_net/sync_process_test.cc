@@ -1173,7 +1173,8 @@ TEST_F(SyncProcessTest, FourthSiteJoinsARunningJobAndAgreesFromItsFirstRound) {
   // The members add delta to their peers and restart; delta starts without the job.
   AddDeltaSite();
   if (HasFatalFailure()) return;
-  auto [code, out] = Ctl("sync join --from alpha -j job --wait 30 " + SiteFlags(3));
+  // A generous wait: under TSan with other tests beside it the join took over 30 s.
+  auto [code, out] = Ctl("sync join --from alpha -j job --wait 90 " + SiteFlags(3));
   ASSERT_EQ(code, 0) << out << sites_[3]->Log();
   EXPECT_NE(out.find("applied: add delta from round 4 (epoch 1), coordinated by alpha"),
             std::string::npos)
