@@ -67,6 +67,16 @@ std::filesystem::path TempDir(const std::string& name) {
   return d;
 }
 
+// Gloo options for rank `rank` of `world` ranks meeting in the folder `dir`.
+comm::GlooOptions GlooRank(int rank, int world, const std::filesystem::path& dir, int timeout_s) {
+  comm::GlooOptions o;
+  o.rank = rank;
+  o.world_size = world;
+  o.rendezvous = "file:" + dir.string();
+  o.timeout = std::chrono::seconds(timeout_s);
+  return o;
+}
+
 class TwoRanks : public ::testing::TestWithParam<model::TrainMode> {};
 
 TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
@@ -92,11 +102,7 @@ TEST_P(TwoRanks, MatchOneRankOnTheCombinedBatch) {
   std::vector<Status> errors(2);
   std::vector<float> stop_seen(2, -1);
   auto rank_main = [&](int rank) {
-    comm::GlooOptions o;
-    o.rank = rank;
-    o.world_size = 2;
-    o.rendezvous = "file:" + dir.string();
-    o.timeout = std::chrono::seconds(20);
+    comm::GlooOptions o = GlooRank(rank, 2, dir, 20);
     auto comm = comm::CreateGlooCommunicator(o);
     if (!comm.ok()) {
       errors[rank] = comm.status();
@@ -274,11 +280,7 @@ TEST_P(BucketedAllReduceTest, TrainsAsOneAllReduceAfterTheBackward) {
     got->assign(c.world, {});
     stats->assign(c.world, {});
     comm::testing::RunRanks(c.world, [&](int rank) {
-      comm::GlooOptions o;
-      o.rank = rank;
-      o.world_size = c.world;
-      o.rendezvous = "file:" + dir.string();
-      o.timeout = std::chrono::seconds(30);
+      comm::GlooOptions o = GlooRank(rank, c.world, dir, 30);
       auto comm = comm::CreateGlooCommunicator(o);
       if (!comm.ok()) {
         errors[rank] = comm.status();
@@ -350,11 +352,7 @@ TEST(BucketedAllReduce, Bf16BucketsTrainCloseToFp32AndKeepTheControlValueExact) 
   std::vector<float> control(2, 0.0f);
   std::vector<Status> errors(2);
   comm::testing::RunRanks(2, [&](int rank) {
-    comm::GlooOptions o;
-    o.rank = rank;
-    o.world_size = 2;
-    o.rendezvous = "file:" + dir.string();
-    o.timeout = std::chrono::seconds(30);
+    comm::GlooOptions o = GlooRank(rank, 2, dir, 30);
     auto comm = comm::CreateGlooCommunicator(o);
     if (!comm.ok()) {
       errors[rank] = comm.status();
@@ -403,11 +401,7 @@ TEST(BucketedAllReduce, APeerThatIsGoneFailsTheStepWithoutApplyingIt) {
   Status rank0;
   std::vector<Tensor> before, after;
   comm::testing::RunRanks(2, [&](int rank) {
-    comm::GlooOptions o;
-    o.rank = rank;
-    o.world_size = 2;
-    o.rendezvous = "file:" + dir.string();
-    o.timeout = std::chrono::seconds(3);
+    comm::GlooOptions o = GlooRank(rank, 2, dir, 3);
     auto comm = comm::CreateGlooCommunicator(o);
     ASSERT_TRUE(comm.ok()) << comm.status().ToString();
     if (rank == 1) return;  // leaves the group: its sockets close with it
@@ -439,11 +433,7 @@ TEST(BucketedAllReduce, RanksWithDifferentBucketSettingsAreRefusedAtTheRendezvou
   auto dir = TempDir("buckets-settings");
   std::vector<Status> got(2);
   comm::testing::RunRanks(2, [&](int rank) {
-    comm::GlooOptions o;
-    o.rank = rank;
-    o.world_size = 2;
-    o.rendezvous = "file:" + dir.string();
-    o.timeout = std::chrono::seconds(10);
+    comm::GlooOptions o = GlooRank(rank, 2, dir, 10);
     o.settings = rank == 0 ? "--bucket-mb 25" : "--bucket-mb 5";
     auto comm = comm::CreateGlooCommunicator(o);
     got[rank] = comm.ok() ? Status::Ok() : comm.status();
@@ -557,11 +547,7 @@ TEST(ValidationLoss, TwoRanksMeasureWhatOneProcessMeasuresOverTheirBatchesTogeth
   EXPECT_NE(*fewer, *want) << "the set is too uniform to tell batches apart";
   std::vector<Result<double>> got(2, Status::Internal("not run"));
   auto rank_main = [&](int rank) {
-    comm::GlooOptions o;
-    o.rank = rank;
-    o.world_size = 2;
-    o.rendezvous = "file:" + (dir / "rdv").string();
-    o.timeout = std::chrono::seconds(20);
+    comm::GlooOptions o = GlooRank(rank, 2, dir / "rdv", 20);
     auto comm = comm::CreateGlooCommunicator(o);
     if (!comm.ok()) {
       got[rank] = comm.status();

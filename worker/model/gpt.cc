@@ -515,6 +515,8 @@ Status Gpt::BuildIndex() {
   const int r = lora_.rank;
   const std::vector<std::string> names = LoraTargetNames(config_.family);
   for (int l = 0; l < config_.n_layer; ++l) {
+    // The factors are laid out block after block: block l starts where block l-1 ended.
+    block_grad_start_[l] = lora_tensors_->elements;
     for (size_t k = 0; k < names.size(); ++k) {
       const std::string& target = names[k];
       if (std::find(lora_.targets.begin(), lora_.targets.end(), target) == lora_.targets.end()) {
@@ -524,12 +526,6 @@ Status Gpt::BuildIndex() {
       lin.lora_a = lora_tensors_->Add(LoraAName(config_.family, l, target), {r, lin.in});
       lin.lora_b = lora_tensors_->Add(LoraBName(config_.family, l, target), {lin.out, r});
     }
-    // A block without adapters adds nothing: its gradient starts where the next one's does.
-    block_grad_start_[l] = lora_tensors_->elements;
-  }
-  // The factors are laid out block after block: block l starts where block l-1 ended.
-  for (int l = config_.n_layer - 1; l >= 0; --l) {
-    block_grad_start_[l] = l == 0 ? 0 : block_grad_start_[l - 1];
   }
   return Status::Ok();
 }
