@@ -35,9 +35,11 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -D"$option"=ON
 # TSan also the test programs that run one thread (OMP_NUM_THREADS=1 below), so that
 # ThreadSanitizer has nothing to check in them: the model, CUDA-emulator, kernel, data,
 # tokenizer, translation-corpus and safetensors tests, its slowest suites; ASan runs them.
+# Under ASan also sync_process_test (see "Left out" below).
 # ctest lists a gtest program left unbuilt as "<name>_NOT_BUILT" without labels: not run.
 # The targets are the build's named ones (ninja's phony names) less CMake's own.
 skip='gpu_backend_test|gpu_training_test|gpu_worker_test|nccl_comm_test|nemesis_test|fuzz_make_seeds'
+[[ "$kind" == asan ]] && skip="$skip|sync_process_test"
 [[ "$kind" == tsan ]] &&
   skip="$skip|model_test|cuda_emu_test|isthmus_cuda_emu|ops_test|data_test|bpe_tokenizer_test|parallel_corpus_test|safetensors_test"
 cmake_own='all|clean|help|install|package|package_source|test|edit_cache|rebuild_cache|list_install_components'
@@ -61,6 +63,9 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/
 # - The translation demo and the run report's two-site run (DeployTranslate, RunReport):
 #   scripts over the same worker and shard code that WorkerTranslate and the worker's
 #   two-site suites run sanitized; deploy/check.sh runs them unsanitized.
+# - Under ASan, the multi-site process tests (SyncProcessTest, half of its suite's time):
+#   TSan runs them, where their threads and timing are what is tested; ASan runs the same
+#   membership and link code in process (SyncEngineTest, PeerLink, the fuzz replays).
 # --timeout bounds a test with no limit of its own; the slowest here takes under a minute.
 skip_tests='^(WanWireBytes|DeployPackage|DeployInstall|DeploySandbox|DeployTranslate)\.|^RunReport\.TwoSite'
 ctest --test-dir "$build" -L "$labels" -E "$skip_tests" --output-on-failure -j"$jobs" \
