@@ -56,8 +56,8 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/
 # Left out:
 # - WanWireBytes holds the WAN's bytes to 1.5x the payload, a limit set for the timing of
 #   an unsanitized build (a process several times slower sends more lone acks and
-#   keep-alives: 1.55x under TSan). The same two-site code runs sanitized in the
-#   SyncProcessTest and worker suites.
+#   keep-alives: 1.55x under TSan). The same two-site code runs sanitized in the worker
+#   suites (both sanitizers) and SyncProcessTest (TSan).
 # - The packaging and unit-file tests (DeployPackage, DeployInstall, DeploySandbox): they
 #   check the .deb and systemd units, not the programs' memory or threads.
 # - The translation demo and the run report's two-site run (DeployTranslate, RunReport):
