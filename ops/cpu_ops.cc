@@ -690,16 +690,20 @@ class CpuOpsImpl : public Ops {
     for (int c = 0; c < num_chunks; ++c) {
       const AdamWChunk ch = chunks[c];
       const float wd = ch.decay ? config.weight_decay : 0.0f;
-      for (int64_t i = ch.offset; i < ch.offset + ch.count; ++i) {
-        const float g = grad[i] * clip;
-        const float mi = b1 * m[i] + (1.0f - b1) * g;
-        const float vi = b2 * v[i] + (1.0f - b2) * g * g;
-        m[i] = mi;
-        v[i] = vi;
+      float* const p = param + ch.offset;
+      const float* const gc = grad + ch.offset;
+      float* const mc = m + (ch.offset - ch.shard_start);
+      float* const vc = v + (ch.offset - ch.shard_start);
+      for (int64_t i = 0; i < ch.count; ++i) {
+        const float g = gc[i] * clip;
+        const float mi = b1 * mc[i] + (1.0f - b1) * g;
+        const float vi = b2 * vc[i] + (1.0f - b2) * g * g;
+        mc[i] = mi;
+        vc[i] = vi;
         const float m_hat = mi / bc1;
         const float v_hat = vi / bc2;
         // Decoupled decay uses the pre-step parameter (same as PyTorch's AdamW).
-        param[i] -= lr * (m_hat / (std::sqrt(v_hat) + eps) + wd * param[i]);
+        p[i] -= lr * (m_hat / (std::sqrt(v_hat) + eps) + wd * p[i]);
       }
       if (param_copy) Cast(param + ch.offset, param_copy.At(ch.offset), ch.count);
     }
@@ -773,16 +777,27 @@ std::function<Status()> Ops::Mark() {
   return [st] { return st; };
 }
 
-std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments) {
+std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments, int64_t lo,
+                                        int64_t hi) {
   std::vector<AdamWChunk> chunks;
   for (const AdamWSegment& s : segments) {
-    for (int64_t at = 0; at < s.count; at += kAdamWChunkElems) {
-      chunks.push_back({s.offset + at,
-                        static_cast<int32_t>(std::min<int64_t>(kAdamWChunkElems, s.count - at)),
-                        s.decay ? 1 : 0});
+    const int64_t begin = std::max(s.offset, lo);
+    const int64_t end = hi < 0 ? s.offset + s.count : std::min(s.offset + s.count, hi);
+    for (int64_t at = begin; at < end; at += kAdamWChunkElems) {
+      chunks.push_back({at, static_cast<int32_t>(std::min<int64_t>(kAdamWChunkElems, end - at)),
+                        s.decay ? 1 : 0, lo});
     }
   }
   return chunks;
+}
+
+std::vector<int64_t> AdamWShardBounds(int64_t n, int parts) {
+  constexpr int64_t kAlign = 16;
+  const int64_t w = std::max(parts, 1);
+  const int64_t part = ((n + w - 1) / w + kAlign - 1) / kAlign * kAlign;
+  std::vector<int64_t> bounds(static_cast<size_t>(w) + 1);
+  for (int64_t r = 0; r <= w; ++r) bounds[static_cast<size_t>(r)] = std::min(r * part, n);
+  return bounds;
 }
 
 void GroupByToken(const int32_t* tokens, int N, int V, int32_t* order, int32_t* starts) {

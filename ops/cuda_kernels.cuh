@@ -989,11 +989,12 @@ __global__ void __launch_bounds__(kAdamWThreads)
       config.grad_clip > 0.0f && norm > config.grad_clip ? config.grad_clip / (norm + 1e-6f) : 1.0f;
   float* p = param + chunk.offset;
   const float* g = grad + chunk.offset;
-  float* mm = m + chunk.offset;
-  float* vv = v + chunk.offset;
+  const int64_t moment = chunk.offset - chunk.shard_start;
+  float* mm = m + moment;
+  float* vv = v + moment;
   Tcopy* cp = copy != nullptr ? copy + chunk.offset : nullptr;
   const int count = chunk.count;
-  if (aligned && (chunk.offset & 3) == 0) {
+  if (aligned && (chunk.offset & 3) == 0 && (moment & 3) == 0) {
     const int stride = kAdamWBlocksPerChunk * kAdamWThreads * 4;
     for (int i = (part * kAdamWThreads + static_cast<int>(threadIdx.x)) * 4; i < count;
          i += stride) {

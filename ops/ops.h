@@ -112,10 +112,14 @@ struct MemoryInfo {
 // One chunk of a flat parameter buffer for the multi-tensor AdamW: `count` elements from
 // `offset`, with weight decay when `decay` is 1. MakeAdamWChunks splits segments into
 // chunks of at most kAdamWChunkElems so that a GPU kernel spreads them evenly over blocks.
+// The moments m and v of element i are at i - shard_start: 0 when they cover the whole
+// buffer, the start of this rank's part when the optimizer state is sharded across ranks
+// (ZeRO-1, the trainer's OptimizerShards) and m and v hold only that part.
 struct AdamWChunk {
   int64_t offset;
   int32_t count;
   int32_t decay;
+  int64_t shard_start = 0;
 };
 inline constexpr int32_t kAdamWChunkElems = 1 << 16;
 
@@ -367,12 +371,21 @@ inline int64_t AttentionScratchFloats(int B, int T, int C, int H) {
 }
 
 // Chunks of [offset, offset+count) segments for AdamW, each at most kAdamWChunkElems long.
+// With a part [lo, hi) (the optimizer-state shard of one rank), only the segments' elements
+// inside it, their moments counted from lo; hi < 0: the whole buffer.
 struct AdamWSegment {
   int64_t offset;
   int64_t count;
   bool decay;
 };
-std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments);
+std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments,
+                                        int64_t lo = 0, int64_t hi = -1);
+
+// How the optimizer state of n elements splits across `parts` ranks (ZeRO-1): parts + 1
+// bounds from 0 to n, rank r's part being [bounds[r], bounds[r+1]); each part as long as
+// ceil(n / parts) rounded up to 16 elements (so that the moments keep the parameters'
+// alignment), the last ones shorter or empty.
+std::vector<int64_t> AdamWShardBounds(int64_t n, int parts);
 
 // The host-side grouping EmbeddingBackward takes: order[N] and starts[V+1] (counting sort of
 // the positions by token, stable). tokens must be in [0, V).

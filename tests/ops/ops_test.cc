@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -932,6 +933,38 @@ TEST(AdamWTest, MakeAdamWChunksSplitsSegments) {
   EXPECT_EQ(chunks[2].decay, 0);
 }
 
+// A part [lo, hi) of the chunks: only the elements inside, their moments counted from lo.
+TEST(AdamWTest, MakeAdamWChunksKeepsAPartWithItsMomentsCountedFromItsStart) {
+  const auto chunks = MakeAdamWChunks({{0, 40, true}, {40, 10, false}, {50, 30, true}}, 32, 64);
+  ASSERT_EQ(chunks.size(), 3u);
+  EXPECT_EQ(chunks[0].offset, 32);
+  EXPECT_EQ(chunks[0].count, 8);
+  EXPECT_EQ(chunks[1].offset, 40);
+  EXPECT_EQ(chunks[1].count, 10);
+  EXPECT_EQ(chunks[1].decay, 0);
+  EXPECT_EQ(chunks[2].offset, 50);
+  EXPECT_EQ(chunks[2].count, 14);
+  for (const AdamWChunk& c : chunks) EXPECT_EQ(c.shard_start, 32);
+  EXPECT_TRUE(MakeAdamWChunks({{0, 40, true}}, 48, 64).empty());
+}
+
+TEST(AdamWTest, ShardBoundsCoverTheBufferInAlignedParts) {
+  for (int64_t n : {0, 1, 10, 17, 1000, 65536 * 3 + 5}) {
+    for (int parts : {1, 2, 3, 4, 7}) {
+      const std::vector<int64_t> b = AdamWShardBounds(n, parts);
+      ASSERT_EQ(b.size(), static_cast<size_t>(parts) + 1);
+      EXPECT_EQ(b.front(), 0);
+      EXPECT_EQ(b.back(), n);
+      for (int r = 0; r < parts; ++r) {
+        EXPECT_LE(b[r], b[r + 1]);
+        if (b[r] < n) EXPECT_EQ(b[r] % 16, 0) << n << " / " << parts << ": part " << r;
+        // No part longer than an even split rounded up to 16.
+        EXPECT_LE(b[r + 1] - b[r], ((n + parts - 1) / parts + 15) / 16 * 16);
+      }
+    }
+  }
+}
+
 // Runs the chunked AdamW of ops.h on small host buffers.
 struct AdamWRun {
   Vec p, g, m, v;
@@ -974,6 +1007,49 @@ TEST(AdamWTest, MatchesHandComputedSteps) {
   EXPECT_NEAR(r.m[0], 0.02f, 1e-7);
   EXPECT_NEAR(r.v[0], 3.1225e-4f, 1e-8);
   EXPECT_NEAR(r.p[0], 0.8544663f, 2e-6);
+}
+
+// The sharded optimizer's step: each part's AdamW over its own moments gives, bit for bit,
+// the parameters, bf16 copies and moments of one AdamW over the whole buffer.
+TEST(AdamWTest, PartsWithTheirOwnMomentsStepBitForBitLikeTheWholeBuffer) {
+  constexpr int64_t kN = 3 * kAdamWChunkElems / 2 + 37;
+  const std::vector<AdamWSegment> segments = {{0, 1000, true}, {1000, 77, false},
+                                              {1077, kN - 1077, true}};
+  std::mt19937 gen(5);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  AdamWRun whole;
+  whole.p.resize(kN);
+  whole.g.resize(kN);
+  for (auto& x : whole.p) x = dist(gen);
+  for (auto& x : whole.g) x = dist(gen);
+  whole.m.assign(kN, 0.0f);
+  whole.v.assign(kN, 0.0f);
+  whole.chunks = MakeAdamWChunks(segments);
+  whole.config = {0.9f, 0.95f, 1e-8f, 0.1f, 1.0f};
+  const float first = whole.p[0];
+  const int kParts = 3;
+  const std::vector<int64_t> bounds = AdamWShardBounds(kN, kParts);
+  std::vector<AdamWRun> parts(kParts, whole);
+  for (int r = 0; r < kParts; ++r) {
+    parts[r].chunks = MakeAdamWChunks(segments, bounds[r], bounds[r + 1]);
+    parts[r].m.assign(static_cast<size_t>(bounds[r + 1] - bounds[r]), 0.0f);
+    parts[r].v = parts[r].m;
+  }
+  for (int step = 1; step <= 3; ++step) {
+    whole.Step(1e-2f, step);
+    for (auto& part : parts) part.Step(1e-2f, step);
+  }
+  for (int r = 0; r < kParts; ++r) {
+    for (int64_t i = bounds[r]; i < bounds[r + 1]; ++i) {
+      const int64_t j = i - bounds[r];
+      ASSERT_EQ(std::bit_cast<uint32_t>(parts[r].p[i]), std::bit_cast<uint32_t>(whole.p[i])) << i;
+      ASSERT_EQ(parts[r].copy[i].bits, whole.copy[i].bits) << i;
+      ASSERT_EQ(std::bit_cast<uint32_t>(parts[r].m[j]), std::bit_cast<uint32_t>(whole.m[i])) << i;
+      ASSERT_EQ(std::bit_cast<uint32_t>(parts[r].v[j]), std::bit_cast<uint32_t>(whole.v[i])) << i;
+    }
+  }
+  EXPECT_NE(whole.p[0], first);
+  EXPECT_EQ(parts[1].p[0], first) << "a part changed a parameter outside itself";
 }
 
 TEST(AdamWTest, ClipsByTheGlobalNormAndSkipsNonFiniteSteps) {
