@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <mutex>
@@ -213,6 +214,39 @@ TEST_P(GlooCollectiveTest, Bf16AverageIsIdenticalOnAllRanksAndWithinBf16Rounding
   EXPECT_LE(worst, 1.0);
   if (n > 1 && count() >= 1000) {
     EXPECT_GT(worst, 0.0) << "bf16 rounded nothing";
+  }
+}
+
+// The all-gather of unequal parts (one empty, as the last ZeRO-1 shard may be): every rank
+// ends with every owner's bits, NaN payloads and negative zeros included (copied, not summed).
+TEST_P(GlooCollectiveTest, AllGatherOfUnequalPartsCopiesEveryOwnersBits) {
+  const int n = world_size();
+  std::vector<size_t> counts(n);
+  for (int r = 0; r < n; ++r) counts[r] = r == 1 ? 0 : count() + r;
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  auto value = [](int owner, size_t i) {
+    if (i == 0) return -0.0f;
+    if (i == 1) return std::bit_cast<float>(0x7fc00000u + static_cast<uint32_t>(owner) + 1);
+    return static_cast<float>(owner * 100000 + static_cast<int>(i % 99991)) + 0.25f;
+  };
+  std::vector<float> want;
+  for (int r = 0; r < n; ++r) {
+    for (size_t i = 0; i < counts[r]; ++i) want.push_back(value(r, i));
+  }
+  std::vector<std::vector<float>> results(n);
+  Run([&](Communicator& comm) {
+    std::vector<float> data(total, 7.0f);  // garbage outside this rank's part
+    size_t offset = 0;
+    for (int r = 0; r < comm.rank(); ++r) offset += counts[r];
+    for (size_t i = 0; i < counts[comm.rank()]; ++i) data[offset + i] = value(comm.rank(), i);
+    ASSERT_TRUE(comm.AllGather(data.data(), counts).ok());
+    results[comm.rank()] = std::move(data);
+    std::vector<size_t> wrong(n + 1, 1);
+    EXPECT_EQ(comm.AllGather(data.data(), wrong).code(), Code::kInvalidArgument);
+  });
+  for (int r = 0; r < n; ++r) {
+    EXPECT_EQ(FirstBitMismatch(results[r].data(), want.data(), total), -1) << "rank " << r;
   }
 }
 

@@ -65,4 +65,22 @@ Status Communicator::AllReduceAverage(std::vector<std::pair<float*, size_t>> buf
   return flush(buffers.size());
 }
 
+Status Communicator::AllGather(float* data, const std::vector<size_t>& counts) {
+  ISTHMUS_RETURN_IF_ERROR(CheckGatherCounts(counts));
+  size_t offset = 0;
+  for (int r = 0; r < world_size(); ++r) {
+    ISTHMUS_RETURN_IF_ERROR(Broadcast(data + offset, counts[r], r));
+    offset += counts[r];
+  }
+  return Status::Ok();
+}
+
+Status Communicator::CheckGatherCounts(const std::vector<size_t>& counts) const {
+  if (counts.size() != static_cast<size_t>(world_size())) {
+    return Status::InvalidArgument("AllGather: " + std::to_string(counts.size()) +
+                                   " part sizes for " + std::to_string(world_size()) + " ranks");
+  }
+  return Status::Ok();
+}
+
 }  // namespace isthmus::comm

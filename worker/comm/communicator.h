@@ -77,6 +77,14 @@ class Communicator {
   // Copies root's data[0, count) into every other rank's data. root in [0, world_size()).
   virtual Status Broadcast(float* data, size_t count, int root) = 0;
 
+  // Each rank's part of `data` to every rank, in place: data holds world_size() parts one
+  // after the other, part r being counts[r] elements (a count may be 0); every rank passes
+  // the same counts. Rank r's part is its input; on return every part holds its owner's
+  // values, bit for bit (the optimizer-state shards' updated parameters, ZeRO-1). The
+  // default broadcasts each part from its owner in turn; NCCL groups those broadcasts.
+  // InvalidArgument when counts has not world_size() entries.
+  virtual Status AllGather(float* data, const std::vector<size_t>& counts);
+
   // Returns once every rank has entered Barrier (or on timeout).
   virtual Status Barrier() = 0;
 
@@ -90,6 +98,8 @@ class Communicator {
   // `data`: FailedPrecondition once `broken` (the error that broke the group) is set,
   // InvalidArgument for a null buffer with elements.
   static Status CheckCall(const char* what, const Status& broken, const float* data, size_t count);
+  // InvalidArgument unless there is one AllGather part size per rank.
+  Status CheckGatherCounts(const std::vector<size_t>& counts) const;
 };
 
 }  // namespace isthmus::comm

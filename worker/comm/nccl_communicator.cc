@@ -159,6 +159,33 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  Status AllGather(float* data, const std::vector<size_t>& counts) override {
+    ISTHMUS_RETURN_IF_ERROR(CheckGatherCounts(counts));
+    size_t total = 0;
+    for (size_t c : counts) total += c;
+    ISTHMUS_RETURN_IF_ERROR(Check("AllGather", data, total));
+    if (total == 0 || world_size_ == 1) return Status::Ok();
+    // One broadcast per owner, as a group: the parts travel at once (ncclAllGather needs
+    // equal parts).
+    return Launch("grouped ncclBroadcast (all-gather)", [&]() -> ncclResult_t {
+      ncclResult_t r = ncclGroupStart();
+      if (r != ncclSuccess) return r;
+      size_t offset = 0;
+      for (int root = 0; root < world_size_; ++root) {
+        const size_t count = counts[root];
+        if (count > 0) {
+          r = ncclBroadcast(data + offset, data + offset, count, ncclFloat, root, comm_, stream_);
+          if (r != ncclSuccess && r != ncclInProgress) {
+            ncclGroupEnd();
+            return r;
+          }
+        }
+        offset += count;
+      }
+      return ncclGroupEnd();
+    });
+  }
+
   Status Barrier() override {
     // NCCL has no barrier; a one-element all-reduce completes only when every rank joined.
     ISTHMUS_RETURN_IF_ERROR(Check("Barrier", nullptr, 0));
