@@ -119,7 +119,8 @@ int RunPlan(TrainSettings& t) {
   if (!compute.ok()) return Fail("train --plan", compute.status());
   auto distill_k = TeacherCacheK(t.teacher_topk);
   if (!distill_k.ok()) return Fail("train --plan", distill_k.status());
-  auto plan = PlanTraining(t.model, compute->Model(), t.batch_size, !t.standalone, *distill_k);
+  auto plan = PlanTraining(t.model, compute->Model(), t.batch_size, !t.standalone, *distill_k,
+                           t.OptimizerShards());
   if (!plan.ok()) return Fail("train --plan", plan.status());
   std::printf("%s", plan->table.c_str());
   if (!plan->fits.ok()) {

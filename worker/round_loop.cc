@@ -78,18 +78,6 @@ std::string JoinNames(const std::vector<std::string>& names) {
   return out;
 }
 
-// Sets the trainer's step counter (the learning-rate schedule position) through its state.
-Status SetTrainerStep(model::Trainer& trainer, int64_t step) {
-  auto state = trainer.ExportState();
-  for (auto& t : state) {
-    if (t.name == "opt.step") {
-      t.data = {static_cast<float>(step % (int64_t{1} << 24)),
-                static_cast<float>(step / (int64_t{1} << 24))};
-    }
-  }
-  return trainer.LoadState(state);
-}
-
 class RoundLoop {
  public:
   RoundLoop(const TrainSettings& s, const std::atomic<bool>& stop)
@@ -144,7 +132,7 @@ class RoundLoop {
         o.timeout = std::chrono::seconds(s_.comm_timeout_s);
         o.prefix = prefix;
         o.settings = "--bucket-mb " + std::to_string(s_.bucket_mb) + " --reduce-precision " +
-                     s_.reduce_precision;
+                     s_.reduce_precision + (s_.shard_optimizer ? " --shard-optimizer" : "");
         return o;
       };
       Result<std::unique_ptr<comm::Communicator>> comm = Status::Internal("no communicator");
@@ -172,7 +160,8 @@ class RoundLoop {
     // A configuration that cannot fit the GPU is refused before anything is allocated.
     ISTHMUS_ASSIGN_OR_RETURN(const int distill_k, TeacherCacheK(s_.teacher_topk));
     ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan,
-                             PlanTraining(model_, c, s_.batch_size, !s_.standalone, distill_k));
+                             PlanTraining(model_, c, s_.batch_size, !s_.standalone, distill_k,
+                                          s_.OptimizerShards()));
     if (!plan.fits.ok()) return DeviceError(plan.fits);
     auto gpt = BuildModel(model_, c);
     if (!gpt.ok()) {
@@ -189,6 +178,21 @@ class RoundLoop {
                                                                  : trainer.status();
     }
     trainer_ = std::move(trainer).value();
+    if (comm_ && s_.shard_optimizer) {
+      model::OptimizerShards shards;
+      shards.rank = s_.rank;
+      shards.world_size = world();
+      shards.all_gather = [c = comm_.get()](float* data, const std::vector<size_t>& counts) {
+        return c->AllGather(data, counts);
+      };
+      if (Status st = trainer_->ShardOptimizerState(std::move(shards)); !st.ok()) {
+        return st.code() == Code::kResourceExhausted ? DeviceError(st) : st;
+      }
+      spdlog::info("rank {}: AdamW moments sharded across {} ranks: this rank updates elements "
+                   "[{}, {}) of {} and all-gathers the parameters after each step",
+                   s_.rank, world(), trainer_->shard_begin(), trainer_->shard_end(),
+                   gpt_->TrainableElements());
+    }
     const bool bf16 = s_.reduce_precision == "bf16";
     if (comm_ && s_.bucket_mb > 0) {
       const size_t bucket_bytes = static_cast<size_t>(s_.bucket_mb) << 20;
@@ -567,7 +571,7 @@ class RoundLoop {
     CheckpointImage c;
     c.path = CheckpointPath();
     c.tensors = gpt_->ExportTrainable();
-    auto state = trainer_->ExportState();
+    ISTHMUS_ASSIGN_OR_RETURN(auto state, trainer_->ExportState());
     // A failed backend copies nothing out: never replace a good checkpoint with that.
     ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
     for (auto& t : state) c.tensors.push_back(std::move(t));
@@ -626,6 +630,10 @@ class RoundLoop {
     }
     ISTHMUS_RETURN_IF_ERROR(gpt_->LoadTrainable(trainable, true));
     ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(file.tensors));
+    if (trainer_->sharded() && leader()) {
+      // The backend keeps this rank's part; the others get theirs from these at Resume.
+      ISTHMUS_RETURN_IF_ERROR(trainer_->FlattenMoments(file.tensors, &resume_m_, &resume_v_));
+    }
     ISTHMUS_ASSIGN_OR_RETURN(
         auto pos, data::DatasetPosition::Parse(MetaOr(file.metadata, "data_position", "")));
     ISTHMUS_RETURN_IF_ERROR(dataset_->Restore(pos));
@@ -742,7 +750,7 @@ class RoundLoop {
     round_ = static_cast<int64_t>(GetInt(plan, 0));
     step_ = static_cast<int64_t>(GetInt(plan, 3));
     tokens_ = GetInt(plan, 6);
-    ISTHMUS_RETURN_IF_ERROR(SetTrainerStep(*trainer_, step_));
+    trainer_->SetStep(step_);
     if (plan[10] > 0) {
       ISTHMUS_RETURN_IF_ERROR(PushUnpushed());
       start_pull_ = {};  // from before the push
@@ -756,10 +764,8 @@ class RoundLoop {
       // Rank 0's optimizer state and tensors for everyone (a rank may have no checkpoint,
       // or one from a round earlier if the crash came between two ranks' writes): the
       // flat buffers, straight from backend memory.
-      const size_t n = static_cast<size_t>(gpt_->TrainableElements());
       ISTHMUS_RETURN_IF_ERROR(BroadcastTrainable());
-      ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(trainer_->MomentData(0), n, 0));
-      ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(trainer_->MomentData(1), n, 0));
+      ISTHMUS_RETURN_IF_ERROR(ShareMoments());
     }
     if (!s_.standalone && leader()) {
       progress_->Message("starting at round " + std::to_string(round_) + ", step " +
@@ -840,6 +846,24 @@ class RoundLoop {
         comm_->Broadcast(gpt_->TrainableData(), static_cast<size_t>(gpt_->TrainableElements()), 0));
     gpt_->TrainableChanged();
     return gpt_->ops().Synchronize();
+  }
+
+  // Rank 0's AdamW moments to every rank. Sharded, each rank keeps its part of the whole
+  // moments rank 0 loaded (zeros when it had no checkpoint), sent through host memory.
+  Status ShareMoments() {
+    const size_t n = static_cast<size_t>(gpt_->TrainableElements());
+    if (!trainer_->sharded()) {  // straight from backend memory
+      ISTHMUS_RETURN_IF_ERROR(comm_->Broadcast(trainer_->MomentData(0), n, 0));
+      return comm_->Broadcast(trainer_->MomentData(1), n, 0);
+    }
+    resume_m_.resize(n, 0.0f);
+    resume_v_.resize(n, 0.0f);
+    ISTHMUS_RETURN_IF_ERROR(BroadcastHost(resume_m_.data(), n));
+    ISTHMUS_RETURN_IF_ERROR(BroadcastHost(resume_v_.data(), n));
+    Status st = trainer_->LoadMoments(resume_m_.data(), resume_v_.data());
+    resume_m_ = {};
+    resume_v_ = {};
+    return st;
   }
 
   Status BroadcastHost(float* data, size_t n) {
@@ -1370,6 +1394,9 @@ class RoundLoop {
   // The gradient all-reduce in buckets during the backward (--bucket-mb > 0); it uses comm_
   // only inside a step, so it is declared after it and goes first.
   std::unique_ptr<comm::BucketedAllReduce> buckets_;
+  // Sharded optimizer state: the whole moments rank 0 loaded from its checkpoint, until
+  // ShareMoments hands each rank its part.
+  std::vector<float> resume_m_, resume_v_;
   double allreduce_seconds_ = 0;  // the last step's all-reduce with --bucket-mb 0
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;
@@ -1503,12 +1530,13 @@ Result<int> TeacherCacheK(const std::string& teacher_topk) {
 }
 
 Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B,
-                                  bool synced, int distill_k) {
+                                  bool synced, int distill_k, int optimizer_shards) {
   ISTHMUS_RETURN_IF_ERROR(m.Validate());
   ISTHMUS_ASSIGN_OR_RETURN(auto mode, model::ParseTrainMode(m.mode));
   TrainingPlan out;
   ISTHMUS_ASSIGN_OR_RETURN(out.plan, model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B,
-                                                            m.context, synced, distill_k));
+                                                            m.context, synced, distill_k,
+                                                            optimizer_shards));
   const model::MemoryPlan& p = out.plan;
   auto gib = [](int64_t bytes) {
     char buf[32];
@@ -1527,7 +1555,8 @@ Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& 
            {"parameters (fp32)", p.parameters},
            {"bf16 weight copies", p.weight_copies},
            {"gradients (fp32)", p.gradients},
-           {"optimizer (AdamW moments)", p.optimizer},
+           {optimizer_shards > 1 ? "optimizer (moments, 1 part)" : "optimizer (AdamW moments)",
+            p.optimizer},
            {"activations and batch", p.activations},
            {"round base and staging", p.round_buffers}}) {
     char line[96];

@@ -95,8 +95,9 @@ struct TrainingPlan {
 };
 // `synced`: the run pushes rounds (not --standalone), which holds two more copies of the
 // trainable tensors. `distill_k`: the teacher cache's k (--teacher-topk), 0 without one.
+// `optimizer_shards`: the ranks that split the AdamW moments (--shard-optimizer), else 1.
 Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& compute, int B,
-                                  bool synced, int distill_k = 0);
+                                  bool synced, int distill_k = 0, int optimizer_shards = 1);
 // The k of the teacher cache at `teacher_topk` (its header), 0 for none ("").
 Result<int> TeacherCacheK(const std::string& teacher_topk);
 

@@ -577,6 +577,12 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
                  "to bf16 between ranks, the average formed in fp32). Every rank must give the "
                  "same value")
       ->capture_default_str();
+  app.add_flag("--shard-optimizer", t.shard_optimizer,
+               "with --world-size > 1: split the AdamW moments across the site's ranks (ZeRO-1): "
+               "each rank keeps and updates 1/world-size of them and the ranks all-gather the "
+               "parameters after every step; the same steps as without, bit for bit, in less "
+               "memory. Checkpoints keep the whole moments. Every rank must give it or none")
+      ->capture_default_str();
   app.add_option("--teacher-topk", t.teacher_topk,
                  "word-level distillation: a teacher's top-k logits over the training shard "
                  "(isthmus-worker teach writes DATA/train.topk); the loss becomes alpha * CE + "

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -166,6 +167,11 @@ struct TrainSettings {
   // The in-site all-reduce's values on the wire: "fp32", or "bf16" (half the bytes; sums
   // rounded to bf16 between hops, the average formed in fp32).
   std::string reduce_precision = "fp32";
+  // ZeRO-1: the site's ranks split the AdamW moments, each updating its part of the
+  // parameters and all-gathering them after the step (model::OptimizerShards).
+  bool shard_optimizer = false;
+  // The ranks the AdamW moments are split across: world_size with shard_optimizer, else 1.
+  int OptimizerShards() const { return shard_optimizer ? std::max(world_size, 1) : 1; }
   // Word-level distillation from a teacher cache (isthmus-worker teach) beside the data:
   // loss = alpha CE + (1 - alpha) T^2 KL(teacher_T || student_T); empty: cross-entropy only.
   std::string teacher_topk;

@@ -9,6 +9,10 @@
 //
 //   bench_ranks --ranks 1,2 --buckets 0,25,4 --layers 12 --width 768 --heads 12 --ctx 128
 //
+// With --shard-optimizer each setting also runs with the AdamW moments split across the
+// ranks (ZeRO-1: each rank updates its part and the ranks all-gather the parameters after
+// the step), printing the moments each rank holds and the step-time ratio.
+//
 // Each rank gets --threads OpenMP threads (default 1); on a machine with fewer cores than
 // ranks x (threads + 1) the ranks and their reducing threads share cores, which is part of
 // what the figures show.
@@ -46,9 +50,11 @@ struct Options {
   bool bf16 = false;  // the all-reduce's values in bf16 (--reduce-precision bf16)
 };
 
-// Per rank and timed step: the step's wall time, the all-reduce's time, the part exposed.
+// Per rank and timed step: the step's wall time, the all-reduce's time, the part exposed,
+// and the bytes of AdamW moments the rank holds.
 struct Sample {
   double step = 0, reduce = 0, exposed = 0;
+  double moment_bytes = 0;
 };
 
 double Median(std::vector<double> v) {
@@ -57,9 +63,11 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Runs `ranks` ranks for o.warmup + o.steps steps with --bucket-mb `bucket_mb`; returns the
-// timed samples of every rank, or the first error.
-Result<std::vector<Sample>> Run(const Options& o, int ranks, int bucket_mb, int run_id) {
+// Runs `ranks` ranks for o.warmup + o.steps steps with --bucket-mb `bucket_mb`, the moments
+// sharded across the ranks or not; returns the timed samples of every rank, or the first
+// error.
+Result<std::vector<Sample>> Run(const Options& o, int ranks, int bucket_mb, bool shard,
+                                int run_id) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() /
       ("isthmus-bench-ranks-" + std::to_string(::getpid()) + "-" + std::to_string(run_id));
@@ -102,6 +110,17 @@ Result<std::vector<Sample>> Run(const Options& o, int ranks, int bucket_mb, int 
     tc.warmup_steps = 0;
     auto trainer = model::Trainer::Create(**gpt, tc);
     if (!trainer.ok()) return failed(trainer.status());
+    if (comm && shard) {
+      model::OptimizerShards shards;
+      shards.rank = rank;
+      shards.world_size = ranks;
+      shards.all_gather = [c = comm.get()](float* data, const std::vector<size_t>& counts) {
+        return c->AllGather(data, counts);
+      };
+      if (Status st = (*trainer)->ShardOptimizerState(shards); !st.ok()) return failed(st);
+    }
+    const double moment_bytes =
+        2.0 * sizeof(float) * static_cast<double>((*trainer)->shard_end() - (*trainer)->shard_begin());
     double hook_seconds = 0;
     std::unique_ptr<comm::BucketedAllReduce> buckets;
     if (comm && bucket_mb > 0) {
@@ -131,6 +150,7 @@ Result<std::vector<Sample>> Run(const Options& o, int ranks, int bucket_mb, int 
       if (s < o.warmup) continue;
       Sample x;
       x.step = wall;
+      x.moment_bytes = moment_bytes;
       if (buckets) {
         x.reduce = buckets->last().reduce_seconds;
         x.exposed = buckets->last().exposed_seconds;
@@ -193,6 +213,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--device", o.device, "cpu (Gloo ranks); cuda or cuda:N: --ranks 1 only")
       ->capture_default_str();
+  bool shard = false;
+  app.add_flag("--shard-optimizer", shard,
+               "run every setting of more than one rank a second time with the AdamW moments "
+               "split across the ranks (ZeRO-1)");
   CLI11_PARSE(app, argc, argv);
   o.config.n_layer = layers;
   o.config.n_embd = width;
@@ -219,31 +243,36 @@ int main(int argc, char** argv) {
     return 2;
   }
   std::printf(
-      "| ranks | --bucket-mb | step, median | all-reduce per step | exposed | hidden | "
-      "step vs --bucket-mb %d |\n|---:|---:|---:|---:|---:|---:|---:|\n",
+      "| ranks | --bucket-mb | moments | step, median | all-reduce per step | exposed | hidden | "
+      "step vs --bucket-mb %d |\n|---:|---:|---|---:|---:|---:|---:|---:|\n",
       settings.front());
   int run_id = 0;
   for (int ranks : rank_counts) {
     double baseline = 0;
     for (int mb : settings) {
-      auto samples = Run(o, ranks, mb, run_id++);
-      if (!samples.ok()) {
-        std::fprintf(stderr, "bench_ranks: %d ranks, --bucket-mb %d: %s\n", ranks, mb,
-                     samples.status().ToString().c_str());
-        return 1;
+      for (bool sharded : {false, true}) {
+        if (sharded && (!shard || ranks == 1)) continue;
+        auto samples = Run(o, ranks, mb, sharded, run_id++);
+        if (!samples.ok()) {
+          std::fprintf(stderr, "bench_ranks: %d ranks, --bucket-mb %d%s: %s\n", ranks, mb,
+                       sharded ? ", sharded moments" : "", samples.status().ToString().c_str());
+          return 1;
+        }
+        std::vector<double> step, reduce, exposed;
+        for (const Sample& s : *samples) {
+          step.push_back(s.step);
+          reduce.push_back(s.reduce);
+          exposed.push_back(s.exposed);
+        }
+        const double st = Median(step), re = Median(reduce), ex = Median(exposed);
+        if (mb == settings.front() && !sharded) baseline = st;
+        const double hidden = re > 0 ? std::max(0.0, 1.0 - ex / re) : 0.0;
+        const double moments_mib = samples->empty() ? 0 : samples->front().moment_bytes / (1 << 20);
+        std::printf("| %d | %d | %.1f MiB%s | %.3f s | %.3f s | %.3f s | %.0f%% | %.3fx |\n", ranks,
+                    mb, moments_mib, sharded ? " (sharded)" : "", st, re, ex, 100 * hidden,
+                    baseline > 0 ? st / baseline : 1.0);
+        std::fflush(stdout);
       }
-      std::vector<double> step, reduce, exposed;
-      for (const Sample& s : *samples) {
-        step.push_back(s.step);
-        reduce.push_back(s.reduce);
-        exposed.push_back(s.exposed);
-      }
-      const double st = Median(step), re = Median(reduce), ex = Median(exposed);
-      if (mb == settings.front()) baseline = st;
-      const double hidden = re > 0 ? std::max(0.0, 1.0 - ex / re) : 0.0;
-      std::printf("| %d | %d | %.3f s | %.3f s | %.3f s | %.0f%% | %.3fx |\n", ranks, mb, st, re,
-                  ex, 100 * hidden, baseline > 0 ? st / baseline : 1.0);
-      std::fflush(stdout);
     }
   }
   return 0;

@@ -17,7 +17,10 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <map>
 #include <random>
+#include <string>
 #include <tuple>
 
 #include "ops/device.h"
@@ -216,19 +219,30 @@ TEST_F(WorkerWithShards, CrashBetweenPushAndCheckpointIsRedoneAsDuplicate) {
 
 // Ranks come and go between rounds: 2 ranks for rounds 1-2, one (a rank lost) for 3-4,
 // three (a node added: rank 1's checkpoint is from round 2, rank 2 has none) for 5-6.
-// Rank 0 decides where training continues; no round is lost or applied twice.
-TEST_F(WorkerWithShards, RankCountChangesBetweenRoundsWithNoRoundLostOrDoubled) {
+// Rank 0 decides where training continues; no round is lost or applied twice. `extra`:
+// more flags for every rank.
+class WorkerRankCounts : public WorkerWithShards {
+ protected:
+  void ExpectRankCountChangesLoseNothing(const std::vector<std::string>& extra);
+};
+
+void WorkerRankCounts::ExpectRankCountChangesLoseNothing(const std::vector<std::string>& extra) {
   auto run = [&](int world, int max_rounds, const std::string& tag) {
     std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
     std::vector<WorkerProcess> ranks(world);
     for (int r = 0; r < world; ++r) {
-      ranks[r].Start(TrainArgs(r, world, max_rounds, 2, world > 1 ? rdv : ""),
+      ranks[r].Start(TrainArgs(r, world, max_rounds, 2, world > 1 ? rdv : "", extra),
                      (dir_ / (tag + "-r" + std::to_string(r) + ".log")).string());
     }
     for (int r = 0; r < world; ++r) ASSERT_EQ(ranks[r].Wait(), 0) << ranks[r].Log();
     EXPECT_NE(ranks[0].Log().find("done: " + std::to_string(max_rounds) + " rounds"),
               std::string::npos)
         << ranks[0].Log();
+    if (world > 1 && !extra.empty()) {
+      EXPECT_NE(ranks[0].Log().find("AdamW moments sharded across " + std::to_string(world)),
+                std::string::npos)
+          << ranks[0].Log();
+    }
   };
   run(2, 2, "two");
   ExpectShardsEqualCheckpoint(0, 2);
@@ -245,6 +259,17 @@ TEST_F(WorkerWithShards, RankCountChangesBetweenRoundsWithNoRoundLostOrDoubled) 
     ASSERT_EQ(c->size(), c0->size());
     for (size_t i = 0; i < c0->size(); ++i) EXPECT_EQ((*c)[i].data, (*c0)[i].data) << r;
   }
+}
+
+TEST_F(WorkerRankCounts, ChangeBetweenRoundsWithNoRoundLostOrDoubled) {
+  ExpectRankCountChangesLoseNothing({});
+}
+
+// The same with the AdamW moments split across the ranks (--shard-optimizer, ZeRO-1): the
+// checkpoints hold the whole moments, so 2, 1 and 3 ranks carry them on, the rank with an
+// older checkpoint and the rank with none taking their parts from rank 0's.
+TEST_F(WorkerRankCounts, ChangeWithTheOptimizerStateShardedAndItCarriesOver) {
+  ExpectRankCountChangesLoseNothing({"--shard-optimizer"});
 }
 
 // A rank lost in the middle of a round leaves the round on some shards only. Redoing it
@@ -467,6 +492,89 @@ TEST(WorkerRanks, BucketedAllReduceInProcessesEqualsOneAllReduceAndMismatchesAre
   ASSERT_EQ(half.rc1, 0) << half.log;
   EXPECT_NE(half.log.find("gradient all-reduce (bf16) in buckets of 1 MiB"), std::string::npos)
       << half.log;
+  // The AdamW moments split across the ranks (ZeRO-1): the same weights, bit for bit.
+  std::vector<std::string> sharded = with("1");
+  sharded.push_back("--shard-optimizer");
+  auto zero = testing::RunTwoStandaloneRanks(dir, "zero1", sharded, sharded);
+  ASSERT_EQ(zero.rc0, 0) << zero.log;
+  ASSERT_EQ(zero.rc1, 0) << zero.log;
+  EXPECT_NE(zero.log.find("AdamW moments sharded across 2 ranks"), std::string::npos) << zero.log;
+  auto split = ReadSafetensorsTensors((dir / "zero1.safetensors").string());
+  ASSERT_TRUE(split.ok());
+  ASSERT_EQ(split->size(), one->size());
+  for (size_t i = 0; i < one->size(); ++i) {
+    EXPECT_EQ((*one)[i].data, (*split)[i].data) << (*one)[i].name;
+  }
+  auto half_split = testing::RunTwoStandaloneRanks(dir, "zero1-mixed", sharded, with("1"));
+  EXPECT_EQ(half_split.rc0, 2) << half_split.log;
+  EXPECT_EQ(half_split.rc1, 2) << half_split.log;
+  EXPECT_NE(half_split.log.find("--reduce-precision fp32 --shard-optimizer"), std::string::npos)
+      << half_split.log;
+  fs::remove_all(dir);
+}
+
+// A standalone site of `world` rank processes training to `max_steps`, resuming from and
+// checkpointing to `ckpt`, the weights saved to `save`; every rank's log on failure.
+void RunStandaloneSite(const fs::path& dir, const std::string& tag, int world, int max_steps,
+                       const fs::path& ckpt, const fs::path& save,
+                       const std::vector<std::string>& extra) {
+  const std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  std::vector<WorkerProcess> ranks(world);
+  for (int r = 0; r < world; ++r) {
+    std::vector<std::string> a = {"train"};
+    a.insert(a.end(), testing::kModelFlags.begin(), testing::kModelFlags.end());
+    a.insert(a.end(), testing::kTrainFlags.begin(), testing::kTrainFlags.end());
+    const std::vector<std::string> more = {
+        "--standalone", "--mode", "full", "--device", "cpu", "--max-steps",
+        std::to_string(max_steps), "--world-size", std::to_string(world), "--rank",
+        std::to_string(r), "--rendezvous", rdv, "--comm-timeout", "30", "--data",
+        (dir / "data").string(), "--checkpoint-dir", ckpt.string(), "--save", save.string()};
+    a.insert(a.end(), more.begin(), more.end());
+    a.insert(a.end(), extra.begin(), extra.end());
+    ranks[r].Start(a, (dir / (tag + "-" + std::to_string(r) + ".log")).string());
+  }
+  for (int r = 0; r < world; ++r) ASSERT_EQ(ranks[r].Wait(), 0) << ranks[r].Log();
+}
+
+// Sharded moments (--shard-optimizer) are checkpointed whole, and a site that resumes on
+// another rank count (here 2 ranks, then 3: rank 2 has no checkpoint and takes its part
+// of the moments from rank 0's) trains on bit for bit as the unsharded site does.
+TEST(WorkerRanks, ShardedMomentsResumeOnMoreRanksBitForBitLikeWholeOnes) {
+  fs::path dir = fs::temp_directory_path() / ("isthmus-zero1-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  WriteTokens(dir / "data" / "train.bin", 5000, 1);
+  WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  std::map<std::string, std::vector<Tensor>> ckpt, saved;
+  for (const std::string tag : {"whole", "sharded"}) {
+    const std::vector<std::string> extra =
+        tag == "sharded" ? std::vector<std::string>{"--shard-optimizer"} : std::vector<std::string>{};
+    const fs::path c = dir / ("ckpt-" + tag), save = dir / (tag + ".safetensors");
+    ASSERT_NO_FATAL_FAILURE(RunStandaloneSite(dir, tag + "-two", 2, 3, c, save, extra));
+    ASSERT_NO_FATAL_FAILURE(RunStandaloneSite(dir, tag + "-three", 3, 6, c, save, extra));
+    auto file = ReadSafetensors((c / "rank-0.safetensors").string());
+    ASSERT_TRUE(file.ok()) << file.status().ToString();
+    EXPECT_EQ(file->metadata["step"], "6");
+    ckpt[tag] = file->tensors;
+    auto weights = ReadSafetensorsTensors(save.string());
+    ASSERT_TRUE(weights.ok());
+    saved[tag] = *weights;
+  }
+  std::ifstream log(dir / "sharded-three-0.log");
+  std::string text((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("AdamW moments sharded across 3 ranks"), std::string::npos) << text;
+  for (auto* m : {&ckpt, &saved}) {
+    const auto& whole = (*m)["whole"];
+    const auto& sharded = (*m)["sharded"];
+    ASSERT_EQ(whole.size(), sharded.size());
+    size_t moments = 0;
+    for (size_t i = 0; i < whole.size(); ++i) {
+      EXPECT_EQ(whole[i].name, sharded[i].name);
+      EXPECT_EQ(whole[i].data, sharded[i].data) << whole[i].name;
+      moments += whole[i].name.rfind("opt.m.", 0) == 0;
+    }
+    if (m == &ckpt) EXPECT_GT(moments, 0u);
+  }
   fs::remove_all(dir);
 }
 

@@ -341,6 +341,159 @@ INSTANTIATE_TEST_SUITE_P(
                       BucketCase{"full_3_per_block", model::TrainMode::kFull, 3, 1}),
     [](const auto& info) { return info.param.name; });
 
+// A site of `world` ranks as threads training `steps` steps (batches from `first_batch` on)
+// from `start` (weights and optimizer state; empty: the seed's weights), the AdamW moments
+// split across the ranks (ZeRO-1) or not. Per rank: the weights, the exported state, and
+// how many elements of moments the rank held.
+struct SiteRun {
+  std::vector<std::vector<Tensor>> weights, state;
+  std::vector<int64_t> moment_elements;
+};
+void RunSite(int world, bool sharded, model::TrainMode mode, size_t bucket_bytes,
+             const std::vector<Tensor>& start, int first_batch, int steps, SiteRun* out) {
+  constexpr int kRows = 2;
+  model::GptConfig config = TinyConfig();
+  config.n_layer = 3;
+  auto dir = TempDir("zero1-" + std::to_string(world) + (sharded ? "-on" : "-off"));
+  std::vector<Status> errors(world);
+  out->weights.assign(world, {});
+  out->state.assign(world, {});
+  out->moment_elements.assign(world, 0);
+  comm::testing::RunRanks(world, [&](int rank) {
+    auto fail = [&](const Status& st) { errors[rank] = st; };
+    auto comm = comm::CreateGlooCommunicator(GlooRank(rank, world, dir, 30));
+    if (!comm.ok()) return fail(comm.status());
+    auto gpt = model::Gpt::CreateRandom(config, mode, TinyLora(), 11);
+    auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+    if (sharded) {
+      model::OptimizerShards shards;
+      shards.rank = rank;
+      shards.world_size = world;
+      shards.all_gather = [c = comm->get()](float* data, const std::vector<size_t>& counts) {
+        return c->AllGather(data, counts);
+      };
+      if (Status st = (*trainer)->ShardOptimizerState(shards); !st.ok()) return fail(st);
+    }
+    if (!start.empty()) {
+      std::vector<Tensor> weights;
+      for (const Tensor& t : start) {
+        if (t.name.rfind("opt.", 0) != 0) weights.push_back(t);
+      }
+      if (Status st = (*gpt)->LoadTrainable(weights); !st.ok()) return fail(st);
+      if (Status st = (*trainer)->LoadState(start); !st.ok()) return fail(st);
+    }
+    std::unique_ptr<comm::BucketedAllReduce> buckets;
+    if (bucket_bytes > 0) {
+      buckets = std::make_unique<comm::BucketedAllReduce>(**comm, bucket_bytes);
+      (*trainer)->SetGradientSink(buckets.get());
+    } else {
+      (*trainer)->SetGradHook(MakeAllReduceHook(comm->get()));
+    }
+    for (int s = first_batch; s < first_batch + steps; ++s) {
+      std::vector<int32_t> tok, tgt;
+      MakeBatch(s, world * kRows, &tok, &tgt);
+      auto st = (*trainer)->Step(tok.data() + rank * kRows * kT, tgt.data() + rank * kRows * kT,
+                                 kRows, kT);
+      if (!st.ok()) return fail(st.status());
+    }
+    auto state = (*trainer)->ExportState();  // collective when sharded
+    if (!state.ok()) return fail(state.status());
+    out->state[rank] = std::move(state).value();
+    out->weights[rank] = (*gpt)->ExportTrainable();
+    out->moment_elements[rank] = (*trainer)->shard_end() - (*trainer)->shard_begin();
+  });
+  std::filesystem::remove_all(dir);
+  for (int r = 0; r < world; ++r) ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
+}
+
+void ExpectSameBits(const std::vector<Tensor>& got, const std::vector<Tensor>& want,
+                    const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i].name, want[i].name) << what;
+    ASSERT_EQ(got[i].data.size(), want[i].data.size()) << what << ": " << want[i].name;
+    const long bad =
+        comm::testing::FirstBitMismatch(got[i].data.data(), want[i].data.data(), want[i].data.size());
+    EXPECT_EQ(bad, -1) << what << ": " << want[i].name << " element " << bad;
+  }
+}
+
+struct ShardCase {
+  std::string name;
+  model::TrainMode mode;
+  int world;
+  size_t bucket_bytes;  // 0: one all-reduce after the backward
+};
+
+class OptimizerShardsTest : public ::testing::TestWithParam<ShardCase> {};
+
+// Ranks that split the AdamW moments (ZeRO-1) train bit for bit like ranks that each hold
+// all of them, while holding only their part, and export the same whole state (the
+// checkpoint format does not change). That state continues on another rank count, sharded,
+// exactly as it does unsharded.
+TEST_P(OptimizerShardsTest, TrainBitForBitLikeWholeMomentsAndCarryOverToAnotherRankCount) {
+  const ShardCase& c = GetParam();
+  SiteRun whole, split;
+  ASSERT_NO_FATAL_FAILURE(RunSite(c.world, false, c.mode, c.bucket_bytes, {}, 0, 3, &whole));
+  ASSERT_NO_FATAL_FAILURE(RunSite(c.world, true, c.mode, c.bucket_bytes, {}, 0, 3, &split));
+  const int64_t n = whole.moment_elements[0];
+  int64_t held = 0;
+  for (int r = 0; r < c.world; ++r) {
+    const std::string rank = "rank " + std::to_string(r);
+    ExpectSameBits(split.weights[r], whole.weights[r], rank + " weights");
+    ExpectSameBits(split.state[r], whole.state[r], rank + " optimizer state");
+    EXPECT_EQ(whole.moment_elements[r], n);
+    EXPECT_LE(split.moment_elements[r], (n + c.world - 1) / c.world + 15) << rank;
+    held += split.moment_elements[r];
+  }
+  EXPECT_EQ(held, n) << "the parts must cover every trainable element once";
+  // Training moved the weights (else equality proves nothing).
+  model::GptConfig config = TinyConfig();
+  config.n_layer = 3;
+  auto init = model::Gpt::CreateRandom(config, c.mode, TinyLora(), 11);
+  ASSERT_TRUE(init.ok());
+  EXPECT_NE(whole.weights[0].back().data, (*init)->ExportTrainable().back().data);
+
+  // The sharded site's checkpoint (weights and whole state) on one rank more.
+  std::vector<Tensor> start = split.weights[0];
+  start.insert(start.end(), split.state[0].begin(), split.state[0].end());
+  SiteRun more_whole, more_split;
+  ASSERT_NO_FATAL_FAILURE(
+      RunSite(c.world + 1, false, c.mode, c.bucket_bytes, start, 3, 2, &more_whole));
+  ASSERT_NO_FATAL_FAILURE(
+      RunSite(c.world + 1, true, c.mode, c.bucket_bytes, start, 3, 2, &more_split));
+  for (int r = 0; r <= c.world; ++r) {
+    ExpectSameBits(more_split.weights[r], more_whole.weights[r], "after the change, weights");
+    ExpectSameBits(more_split.state[r], more_whole.state[r], "after the change, state");
+  }
+  EXPECT_NE(more_whole.weights[0].back().data, split.weights[0].back().data);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, OptimizerShardsTest,
+    ::testing::Values(ShardCase{"full_2_hook", model::TrainMode::kFull, 2, 0},
+                      ShardCase{"full_2_buckets", model::TrainMode::kFull, 2, 1},
+                      ShardCase{"full_3_buckets", model::TrainMode::kFull, 3, 1},
+                      ShardCase{"lora_2_hook", model::TrainMode::kLora, 2, 0}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(OptimizerShards, BadShardsAreRefused) {
+  auto gpt = model::Gpt::CreateRandom(TinyConfig(), model::TrainMode::kFull, TinyLora(), 1);
+  auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+  ASSERT_TRUE(trainer.ok());
+  model::OptimizerShards bad;
+  bad.rank = 2;
+  bad.world_size = 2;
+  bad.all_gather = [](float*, const std::vector<size_t>&) { return Status::Ok(); };
+  Status st = (*trainer)->ShardOptimizerState(bad);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("rank 2 outside [0, 2)"), std::string::npos) << st.ToString();
+  bad.rank = 0;
+  bad.all_gather = nullptr;
+  EXPECT_EQ((*trainer)->ShardOptimizerState(bad).code(), Code::kInvalidArgument);
+  EXPECT_FALSE((*trainer)->sharded());
+}
+
 // In bf16 the buckets carry half the bytes and the weights stay within bf16 rounding of the
 // fp32 run's, while the gradient's last float (the trainer's control value, a code up to
 // (ranks + 1)^3) is averaged exactly: 729 is not a bf16 value.

@@ -1310,7 +1310,7 @@ int64_t MemoryPlan::backend_bytes() const {
 
 Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, const LoraConfig& lora,
                                    const Compute& compute, int B, int T, bool synced_rounds,
-                                   int distill_k) {
+                                   int distill_k, int optimizer_shards) {
   ISTHMUS_RETURN_IF_ERROR(config.Validate());
   if (mode == TrainMode::kLora) ISTHMUS_RETURN_IF_ERROR(lora.Validate(config.family));
   if (B <= 0 || T <= 0 || T > config.n_ctx) {
@@ -1346,8 +1346,12 @@ Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, cons
   p.gradients = rounded(gpt.GradElements() * static_cast<int64_t>(sizeof(float)));
   const int64_t moments = rounded(gpt.TrainableElements() * static_cast<int64_t>(sizeof(float)));
   if (synced_rounds) p.round_buffers = 2 * moments;  // ModelLiveParams: base and staging
-  const size_t chunks = ops::MakeAdamWChunks(gpt.AdamWSegments()).size();
-  p.optimizer = 2 * moments + rounded(static_cast<int64_t>(chunks * sizeof(ops::AdamWChunk))) +
+  // Rank 0's part of the moments: the largest when they are sharded across ranks.
+  const std::vector<int64_t> part = ops::AdamWShardBounds(gpt.TrainableElements(),
+                                                          std::max(optimizer_shards, 1));
+  const size_t chunks = ops::MakeAdamWChunks(gpt.AdamWSegments(), part[0], part[1]).size();
+  p.optimizer = 2 * rounded((part[1] - part[0]) * static_cast<int64_t>(sizeof(float))) +
+                rounded(static_cast<int64_t>(chunks * sizeof(ops::AdamWChunk))) +
                 rounded(sizeof(ops::AdamWScalars) + sizeof(float));
   p.host_staging += rounded(sizeof(ops::AdamWScalars) + 3 * sizeof(float));
   Activations a;

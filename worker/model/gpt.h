@@ -322,10 +322,13 @@ class Gpt {
   // What training this configuration at batch B x T holds in backend memory, by part, as
   // the model and the trainer allocate it: sized without allocating anything (the
   // `--plan` of isthmus-worker). `distill_k`: the teacher's top-k per row when training
-  // distils (SetDistillation), 0 otherwise. InvalidArgument for a bad configuration or batch.
+  // distils (SetDistillation), 0 otherwise. `optimizer_shards`: the ranks that split the
+  // AdamW moments (Trainer::ShardOptimizerState; the plan counts the largest part, rank 0's).
+  // InvalidArgument for a bad configuration or batch.
   static Result<MemoryPlan> PlanMemory(const GptConfig& config, TrainMode mode,
                                        const LoraConfig& lora, const Compute& compute, int B, int T,
-                                       bool synced_rounds = false, int distill_k = 0);
+                                       bool synced_rounds = false, int distill_k = 0,
+                                       int optimizer_shards = 1);
 
   // The flat buffers behind Trainable(): TrainableElements() floats of parameters, and
   // GradElements() = TrainableElements() + 1 floats of gradients, whose last float belongs

@@ -65,37 +65,90 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(Gpt& model, const TrainerConfig
   std::unique_ptr<Trainer> t(new Trainer(model, config));
   ops::Ops& ops = model.ops();
   auto dev = std::make_unique<Device>();
-  const size_t bytes = model.TrainableElements() * sizeof(float);
-  const std::vector<ops::AdamWChunk> chunks = ops::MakeAdamWChunks(model.AdamWSegments());
   auto fail = [&](const Status& st) {
-    return Status(st.code(), "cannot hold the optimizer state (" + std::to_string(2 * bytes) +
-                                 " bytes of moments) on " + ops.Describe() + ": " + st.message());
+    return Status(st.code(), "cannot hold the optimizer state on " + ops.Describe() + ": " +
+                                 st.message());
   };
-  auto m = ops::Buffer::Allocate(ops, bytes);
-  if (!m.ok()) return fail(m.status());
-  auto v = ops::Buffer::Allocate(ops, bytes);
-  if (!v.ok()) return fail(v.status());
-  auto c = ops::Buffer::Allocate(ops, chunks.size() * sizeof(ops::AdamWChunk));
-  if (!c.ok()) return fail(c.status());
   auto sc = ops::Buffer::Allocate(ops, sizeof(ops::AdamWScalars) + sizeof(float));
   if (!sc.ok()) return fail(sc.status());
   auto host = ops::HostBuffer::Allocate(ops, sizeof(ops::AdamWScalars) + 3 * sizeof(float));
   if (!host.ok()) return fail(host.status());
-  dev->m = std::move(m).value();
-  dev->v = std::move(v).value();
-  dev->chunks = std::move(c).value();
   dev->scalars = std::move(sc).value();
   dev->host = std::move(host).value();
-  dev->num_chunks = static_cast<int>(chunks.size());
-  ops.Zero(dev->m.data(), bytes);
-  ops.Zero(dev->v.data(), bytes);
-  ops.Upload(dev->chunks.data(), chunks.data(), chunks.size() * sizeof(ops::AdamWChunk));
   t->dev_ = std::move(dev);
-  ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
+  ISTHMUS_RETURN_IF_ERROR(t->AllocateMoments(0, model.TrainableElements()));
   return t;
 }
 
+Status Trainer::AllocateMoments(int64_t lo, int64_t hi) {
+  ops::Ops& ops = model_.ops();
+  const size_t bytes = static_cast<size_t>(hi - lo) * sizeof(float);
+  const std::vector<ops::AdamWChunk> chunks =
+      ops::MakeAdamWChunks(model_.AdamWSegments(), lo, hi);
+  auto fail = [&](const Status& st) {
+    return Status(st.code(), "cannot hold the optimizer state (" + std::to_string(2 * bytes) +
+                                 " bytes of moments) on " + ops.Describe() + ": " + st.message());
+  };
+  // The old moments go first: a shard's are what is meant to fit.
+  dev_->m.Reset();
+  dev_->v.Reset();
+  dev_->chunks.Reset();
+  dev_->optimizer.reset();
+  auto m = ops::Buffer::Allocate(ops, std::max<size_t>(bytes, sizeof(float)));
+  if (!m.ok()) return fail(m.status());
+  auto v = ops::Buffer::Allocate(ops, std::max<size_t>(bytes, sizeof(float)));
+  if (!v.ok()) return fail(v.status());
+  auto c = ops::Buffer::Allocate(
+      ops, std::max<size_t>(chunks.size(), 1) * sizeof(ops::AdamWChunk));
+  if (!c.ok()) return fail(c.status());
+  dev_->m = std::move(m).value();
+  dev_->v = std::move(v).value();
+  dev_->chunks = std::move(c).value();
+  dev_->num_chunks = static_cast<int>(chunks.size());
+  ops.Zero(dev_->m.data(), dev_->m.bytes());
+  ops.Zero(dev_->v.data(), dev_->v.bytes());
+  if (!chunks.empty()) {
+    ops.Upload(dev_->chunks.data(), chunks.data(), chunks.size() * sizeof(ops::AdamWChunk));
+  }
+  shard_lo_ = lo;
+  shard_hi_ = hi;
+  return ops.Synchronize();
+}
+
 float* Trainer::MomentData(int which) const { return (which == 0 ? dev_->m : dev_->v).as<float>(); }
+
+Status Trainer::ShardOptimizerState(OptimizerShards shards) {
+  if (shards.world_size < 1 || shards.rank < 0 || shards.rank >= shards.world_size) {
+    return Status::InvalidArgument("optimizer shards: rank " + std::to_string(shards.rank) +
+                                   " outside [0, " + std::to_string(shards.world_size) + ")");
+  }
+  if (shards.world_size > 1 && !shards.all_gather) {
+    return Status::InvalidArgument("optimizer shards: no all-gather for " +
+                                   std::to_string(shards.world_size) + " ranks");
+  }
+  shards_ = std::move(shards);
+  const std::vector<int64_t> bounds =
+      ops::AdamWShardBounds(model_.TrainableElements(), shards_.world_size);
+  return AllocateMoments(bounds[static_cast<size_t>(shards_.rank)],
+                         bounds[static_cast<size_t>(shards_.rank) + 1]);
+}
+
+std::vector<size_t> Trainer::ShardCounts() const {
+  const std::vector<int64_t> bounds =
+      ops::AdamWShardBounds(model_.TrainableElements(), shards_.world_size);
+  std::vector<size_t> counts(bounds.size() - 1);
+  for (size_t r = 0; r + 1 < bounds.size(); ++r) {
+    counts[r] = static_cast<size_t>(bounds[r + 1] - bounds[r]);
+  }
+  return counts;
+}
+
+Status Trainer::GatherParameters() {
+  ISTHMUS_RETURN_IF_ERROR(shards_.all_gather(model_.TrainableData(), ShardCounts()));
+  // The bf16 copies of the other ranks' parts (AdamW wrote this rank's).
+  model_.TrainableChanged();
+  return model_.ops().Synchronize();
+}
 
 void Trainer::EnqueueForwardBackward() {
   ops::Ops& ops = model_.ops();
@@ -245,20 +298,36 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
   stats.loss = micro_batches == 1 ? static_cast<float>(model_.StagedLoss())
                                   : static_cast<float>(positions > 0 ? loss_sum / positions : 0.0);
   stats.grad_norm = std::sqrt(sumsq);
-  if (!std::isfinite(sumsq)) {
+  if (!std::isfinite(sumsq)) {  // the same sum on every rank: all skip, none gathers
     stats.skipped = true;
     return stats;
   }
+  if (sharded()) ISTHMUS_RETURN_IF_ERROR(GatherParameters());
   ++step_;
   return stats;
 }
 
-std::vector<Tensor> Trainer::ExportState() const {
+Result<std::vector<Tensor>> Trainer::ExportState() const {
   ops::Ops& ops = model_.ops();
   const int64_t n = model_.TrainableElements();
   std::vector<float> m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
-  ops.Download(m.data(), dev_->m.data(), m.size() * sizeof(float));
-  ops.Download(v.data(), dev_->v.data(), v.size() * sizeof(float));
+  if (!sharded()) {
+    ops.Download(m.data(), dev_->m.data(), m.size() * sizeof(float));
+    ops.Download(v.data(), dev_->v.data(), v.size() * sizeof(float));
+  } else {
+    // Each moment in turn: this rank's part into a whole-sized buffer, then the others'.
+    ISTHMUS_ASSIGN_OR_RETURN(ops::Buffer whole,
+                             ops::Buffer::Allocate(ops, static_cast<size_t>(n) * sizeof(float)));
+    const std::vector<size_t> counts = ShardCounts();
+    const size_t part = static_cast<size_t>(shard_hi_ - shard_lo_) * sizeof(float);
+    for (auto [from, to] : {std::pair{&dev_->m, &m}, std::pair{&dev_->v, &v}}) {
+      ops.Copy(whole.as<float>() + shard_lo_, from->data(), part);
+      ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
+      ISTHMUS_RETURN_IF_ERROR(shards_.all_gather(whole.as<float>(), counts));
+      ops.Download(to->data(), whole.data(), to->size() * sizeof(float));
+    }
+  }
+  ISTHMUS_RETURN_IF_ERROR(ops.status());
   std::vector<Tensor> out;
   out.reserve(2 * params_.size() + 1);
   for (const ParamView& p : params_) {
@@ -314,29 +383,49 @@ Status Trainer::ParseState(const std::vector<Tensor>& tensors, ParsedState* pars
   return Status::Ok();
 }
 
-void Trainer::ApplyState(const ParsedState& parsed) {
-  ops::Ops& ops = model_.ops();
-  const int64_t n = model_.TrainableElements();
-  std::vector<float> m(static_cast<size_t>(n), 0.0f), v(static_cast<size_t>(n), 0.0f);
+void Trainer::Flatten(const ParsedState& parsed, std::vector<float>* m,
+                      std::vector<float>* v) const {
+  const size_t n = static_cast<size_t>(model_.TrainableElements());
+  m->assign(n, 0.0f);
+  v->assign(n, 0.0f);
   for (size_t i = 0; i < params_.size(); ++i) {
-    std::copy(parsed.m[i]->data.begin(), parsed.m[i]->data.end(), m.begin() + params_[i].offset);
-    std::copy(parsed.v[i]->data.begin(), parsed.v[i]->data.end(), v.begin() + params_[i].offset);
+    std::copy(parsed.m[i]->data.begin(), parsed.m[i]->data.end(), m->begin() + params_[i].offset);
+    std::copy(parsed.v[i]->data.begin(), parsed.v[i]->data.end(), v->begin() + params_[i].offset);
   }
-  ops.Upload(dev_->m.data(), m.data(), m.size() * sizeof(float));
-  ops.Upload(dev_->v.data(), v.data(), v.size() * sizeof(float));
+}
+
+Status Trainer::ApplyState(const ParsedState& parsed) {
+  std::vector<float> m, v;
+  Flatten(parsed, &m, &v);
   step_ = parsed.step;
+  return LoadMoments(m.data(), v.data());
+}
+
+Status Trainer::LoadMoments(const float* m, const float* v) {
+  ops::Ops& ops = model_.ops();
+  const size_t bytes = static_cast<size_t>(shard_hi_ - shard_lo_) * sizeof(float);
+  ops.Upload(dev_->m.data(), m + shard_lo_, bytes);
+  ops.Upload(dev_->v.data(), v + shard_lo_, bytes);
+  return ops.status();
+}
+
+Status Trainer::FlattenMoments(const std::vector<Tensor>& tensors, std::vector<float>* m,
+                               std::vector<float>* v) const {
+  ParsedState parsed;
+  ISTHMUS_RETURN_IF_ERROR(ParseState(tensors, &parsed));
+  Flatten(parsed, m, v);
+  return Status::Ok();
 }
 
 Status Trainer::LoadState(const std::vector<Tensor>& tensors) {
   ParsedState parsed;
   ISTHMUS_RETURN_IF_ERROR(ParseState(tensors, &parsed));
-  ApplyState(parsed);
-  return model_.ops().status();
+  return ApplyState(parsed);
 }
 
 Status Trainer::SaveCheckpoint(const std::string& path) const {
   std::vector<Tensor> tensors = model_.ExportTrainable();
-  std::vector<Tensor> state = ExportState();
+  ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> state, ExportState());
   // A failed backend copies nothing out: never replace a good file with that.
   ISTHMUS_RETURN_IF_ERROR(model_.ops().status());
   tensors.insert(tensors.end(), std::make_move_iterator(state.begin()),
@@ -362,8 +451,7 @@ Status Trainer::LoadCheckpoint(const std::string& path) {
   ParsedState parsed;
   ISTHMUS_RETURN_IF_ERROR(ParseState(state, &parsed));
   ISTHMUS_RETURN_IF_ERROR(model_.LoadTrainable(weights, /*require_all=*/true));
-  ApplyState(parsed);
-  return model_.ops().status();
+  return ApplyState(parsed);
 }
 
 }  // namespace isthmus::model

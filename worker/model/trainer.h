@@ -38,6 +38,18 @@ struct TrainerConfig {
   Status Validate() const;
 };
 
+// ZeRO-1 (Rajbhandari et al. 2020, stage 1): the site's ranks split the AdamW moments, each
+// keeping and updating only its part of the trainable elements, and share the updated
+// parameters with an all-gather after every step. Every rank still holds the whole
+// averaged gradient and computes the same global norm, so the step is the unsharded one.
+struct OptimizerShards {
+  int rank = 0;
+  int world_size = 1;
+  // The communicator's AllGather on backend memory: data holds world_size parts of counts[r]
+  // elements; each rank's own part goes to every rank (comm::Communicator::AllGather).
+  std::function<Status(float* data, const std::vector<size_t>& counts)> all_gather;
+};
+
 struct StepStats {
   float loss = 0.0f;       // this rank's mean loss on its batch (not averaged across ranks)
   float grad_norm = 0.0f;  // global L2 norm after the hook and before clipping
@@ -73,6 +85,19 @@ class Trainer {
   // the last micro-batch's backward overlaps: the earlier ones' gradients are not final.
   void SetGradientSink(GradientSink* sink) { sink_ = sink; }
 
+  // Splits the optimizer state across the site's ranks (OptimizerShards): from now on this
+  // trainer holds the moments of its part [shard_begin(), shard_end()) only, updates only
+  // those parameters, and every Step ends with the all-gather of the parameters, which
+  // makes Step, ExportState, SaveCheckpoint collective: every rank calls them together.
+  // The parts are ops::AdamWShardBounds.
+  // Call it before the first Step or LoadState: the moments start again from zero.
+  // InvalidArgument for a rank outside [0, world_size) or no all_gather; ResourceExhausted
+  // when even the part does not fit.
+  Status ShardOptimizerState(OptimizerShards shards);
+  bool sharded() const { return shards_.world_size > 1; }
+  int64_t shard_begin() const { return shard_lo_; }
+  int64_t shard_end() const { return shard_hi_; }
+
   // One optimizer step on tokens/targets [B,T]: zero gradients, forward, backward, hook,
   // clip, AdamW with lr = WarmupCosineLr(step()), then step() += 1 (unless skipped).
   // `control` travels through the hook in the gradient buffer's last float and comes back
@@ -103,23 +128,37 @@ class Trainer {
   bool used_graph() const { return used_graph_; }
   const std::string& graph_error() const { return graph_error_; }
 
+  // Sets the step counter (the position in the learning-rate schedule).
+  void SetStep(int64_t step) { step_ = step; }
+
   // The optimizer state as tensors: "opt.m.<param>" and "opt.v.<param>" for every
   // trainable tensor (its shape), and "opt.step", shape [2], holding step() exactly as
-  // {step mod 2^24, step / 2^24}.
-  std::vector<Tensor> ExportState() const;
+  // {step mod 2^24, step / 2^24}. Sharded, the same whole tensors, gathered from every
+  // rank's part (a collective; it borrows one moment's worth of backend memory), so a
+  // checkpoint does not depend on how many ranks wrote it.
+  Result<std::vector<Tensor>> ExportState() const;
 
   // Restores ExportState() output. Every moment tensor of the model must be present with
   // the right shape, and no other "opt." tensor may be (InvalidArgument; nothing changed).
   // Tensors whose name does not start with "opt." are ignored, so one checkpoint file
-  // can hold weights and state together.
+  // can hold weights and state together. Sharded, this rank keeps its part.
   Status LoadState(const std::vector<Tensor>& tensors);
 
-  // The backend buffers of the moments (TrainableElements() floats each), for collectives
-  // that make every rank's state equal.
+  // The moments of ExportState-style tensors as two flat host arrays of
+  // TrainableElements() floats (InvalidArgument as LoadState), and back: LoadMoments takes
+  // such arrays (host memory) and keeps this rank's part. Ranks share one rank's state
+  // through these (the moments of the backend hold only a part when sharded).
+  Status FlattenMoments(const std::vector<Tensor>& tensors, std::vector<float>* m,
+                        std::vector<float>* v) const;
+  Status LoadMoments(const float* m, const float* v);
+
+  // The backend buffers of the moments: shard_end() - shard_begin() floats each (all the
+  // trainable elements unless sharded), for collectives that make every rank's state equal.
   float* MomentData(int which) const;
 
   // One safetensors file with the trainable tensors and the optimizer state, plus the
-  // model's config metadata and "train_mode". Atomic (see WriteSafetensors).
+  // model's config metadata and "train_mode". Atomic (see WriteSafetensors). Collective
+  // when sharded (ExportState).
   Status SaveCheckpoint(const std::string& path) const;
   // Loads SaveCheckpoint output into the model and the trainer. The base (frozen in kLora
   // mode) is not in the file; load it with Gpt::LoadBase. FailedPrecondition when the file's
@@ -135,7 +174,14 @@ class Trainer {
 
   Trainer(Gpt& model, const TrainerConfig& config);
   Status ParseState(const std::vector<Tensor>& tensors, ParsedState* parsed) const;
-  void ApplyState(const ParsedState& parsed);
+  void Flatten(const ParsedState& parsed, std::vector<float>* m, std::vector<float>* v) const;
+  Status ApplyState(const ParsedState& parsed);
+  // Moments for [lo, hi) of the trainable elements and the AdamW chunks over it.
+  Status AllocateMoments(int64_t lo, int64_t hi);
+  // The all-gather of the updated parameters after a sharded step.
+  Status GatherParameters();
+  // Part sizes of the sharded buffers (OptimizerShardBounds as counts).
+  std::vector<size_t> ShardCounts() const;
   void EnqueueForwardBackward();
   // Backward of the staged batch, its gradient handed to sink_ as it becomes final.
   Status BackwardIntoSink();
@@ -150,6 +196,8 @@ class Trainer {
   std::vector<ParamView> params_;
   std::unique_ptr<Device> dev_;
   int64_t step_ = 0;
+  OptimizerShards shards_;
+  int64_t shard_lo_ = 0, shard_hi_ = 0;  // this rank's part of the trainable elements
   bool used_graph_ = false;
   std::string graph_error_;
 };
