@@ -531,6 +531,12 @@ Status Rendezvous::AgreeOnLaunch(int rank, int world_size) {
         }
         for (int r = 1; r < world_size; ++r) {
           if (!mismatch[r].empty()) {
+            // Rank 0 may serve the store: it stops only once the refused rank has read its
+            // refusal (or at the deadline), so that rank learns why rather than losing the
+            // connection.
+            while (read(key("ack", r)) != "refused:" + echoed[r] && Clock::now() < deadline) {
+              std::this_thread::sleep_for(std::chrono::milliseconds(5));
+            }
             return Status::FailedPrecondition(
                 "rank " + std::to_string(r) + " was launched with --world-size " + mismatch[r] +
                 " but rank 0 with " + std::to_string(world_size) +
@@ -556,6 +562,11 @@ Status Rendezvous::AgreeOnLaunch(int rank, int world_size) {
       for (;;) {
         const std::string answer = read(key("answer", rank));
         if (answer == "refused:" + nonce) {
+          try {
+            write(key("ack", rank), answer);
+          } catch (const std::exception&) {
+            // Rank 0 is gone already; the refusal was read, which is all that counts.
+          }
           return Status::FailedPrecondition(
               "rank 0 was launched with another --world-size than this rank " +
               std::to_string(rank) + " (" + std::to_string(world_size) +
@@ -623,12 +634,32 @@ Status StatusFromGlooException(std::string_view what, const std::exception& e) {
   return Status::Internal(std::move(message));
 }
 
+namespace {
+
+// Marks `key` as read by this rank; rank 0 returns once every rank has. Rank 0 may serve
+// the store (tcp:) and takes it down when it stops, so it must not stop on a mismatch while
+// a rank is still reading (that rank would see the connection lost, not the mismatch).
+// The other ranks have read all they need by now: a mark that fails means rank 0 is gone
+// and changes nothing for them.
+Status AllHaveRead(Rendezvous& rendezvous, int rank, int world_size, const std::string& key) {
+  Status marked = rendezvous.Set(key + "-read/" + std::to_string(rank), {'1'});
+  if (rank != 0) return Status::Ok();
+  ISTHMUS_RETURN_IF_ERROR(marked);
+  for (int other = 1; other < world_size; ++other) {
+    ISTHMUS_RETURN_IF_ERROR(rendezvous.Get(key + "-read/" + std::to_string(other)).status());
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
 Status AgreeOnDistinctDevices(Rendezvous& rendezvous, int rank, int world_size,
                               const std::string& device) {
   ISTHMUS_RETURN_IF_ERROR(rendezvous.Set("device/" + std::to_string(rank),
                                          std::vector<char>(device.begin(), device.end())));
   // Every rank reads every rank's device, so all of them stop, not only the pair.
   std::map<std::string, int> first_holder;
+  Status verdict = Status::Ok();
   for (int r = 0; r < world_size; ++r) {
     std::string theirs = device;
     if (r != rank) {
@@ -636,34 +667,38 @@ Status AgreeOnDistinctDevices(Rendezvous& rendezvous, int rank, int world_size,
       theirs.assign(v.begin(), v.end());
     }
     auto [it, fresh] = first_holder.emplace(theirs, r);
-    if (!fresh) {
-      return Status::FailedPrecondition(
+    if (!fresh && verdict.ok()) {
+      verdict = Status::FailedPrecondition(
           "ranks " + std::to_string(it->second) + " and " + std::to_string(r) + " both use " +
           theirs +
           ": one rank per GPU (give each rank of a node its own --local-rank or "
           "--device cuda:N)");
     }
   }
-  return Status::Ok();
+  ISTHMUS_RETURN_IF_ERROR(AllHaveRead(rendezvous, rank, world_size, "device"));
+  return verdict;
 }
 
 namespace {
 
 // Writes this rank's `value` under key/<rank> and reads every other rank's; the first
-// that differs becomes FailedPrecondition(differ(other, theirs)).
+// that differs becomes FailedPrecondition(differ(other, theirs)), returned once every rank
+// has read every value.
 Status AgreeOnValue(Rendezvous& rendezvous, int rank, int world_size, const std::string& key,
                     const std::string& value,
                     const std::function<std::string(int, const std::string&)>& differ) {
   ISTHMUS_RETURN_IF_ERROR(rendezvous.Set(key + "/" + std::to_string(rank),
                                          std::vector<char>(value.begin(), value.end())));
+  Status verdict = Status::Ok();
   for (int other = 0; other < world_size; ++other) {
     if (other == rank) continue;
     ISTHMUS_ASSIGN_OR_RETURN(std::vector<char> theirs,
                              rendezvous.Get(key + "/" + std::to_string(other)));
     const std::string them(theirs.begin(), theirs.end());
-    if (them != value) return Status::FailedPrecondition(differ(other, them));
+    if (them != value && verdict.ok()) verdict = Status::FailedPrecondition(differ(other, them));
   }
-  return Status::Ok();
+  ISTHMUS_RETURN_IF_ERROR(AllHaveRead(rendezvous, rank, world_size, key));
+  return verdict;
 }
 
 }  // namespace
