@@ -378,8 +378,8 @@ struct AdamWSegment {
   int64_t count;
   bool decay;
 };
-std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments,
-                                        int64_t lo = 0, int64_t hi = -1);
+std::vector<AdamWChunk> MakeAdamWChunks(const std::vector<AdamWSegment>& segments, int64_t lo = 0,
+                                        int64_t hi = -1);
 
 // How the optimizer state of n elements splits across `parts` ranks (ZeRO-1): parts + 1
 // bounds from 0 to n, rank r's part being [bounds[r], bounds[r+1]); each part as long as

@@ -159,9 +159,9 @@ class RoundLoop {
     const model::Compute c = compute_.Model();
     // A configuration that cannot fit the GPU is refused before anything is allocated.
     ISTHMUS_ASSIGN_OR_RETURN(const int distill_k, TeacherCacheK(s_.teacher_topk));
-    ISTHMUS_ASSIGN_OR_RETURN(TrainingPlan plan,
-                             PlanTraining(model_, c, s_.batch_size, !s_.standalone, distill_k,
-                                          s_.OptimizerShards()));
+    ISTHMUS_ASSIGN_OR_RETURN(
+        TrainingPlan plan,
+        PlanTraining(model_, c, s_.batch_size, !s_.standalone, distill_k, s_.OptimizerShards()));
     if (!plan.fits.ok()) return DeviceError(plan.fits);
     auto gpt = BuildModel(model_, c);
     if (!gpt.ok()) {
@@ -188,10 +188,11 @@ class RoundLoop {
       if (Status st = trainer_->ShardOptimizerState(std::move(shards)); !st.ok()) {
         return st.code() == Code::kResourceExhausted ? DeviceError(st) : st;
       }
-      spdlog::info("rank {}: AdamW moments sharded across {} ranks: this rank updates elements "
-                   "[{}, {}) of {} and all-gathers the parameters after each step",
-                   s_.rank, world(), trainer_->shard_begin(), trainer_->shard_end(),
-                   gpt_->TrainableElements());
+      spdlog::info(
+          "rank {}: AdamW moments sharded across {} ranks: this rank updates elements "
+          "[{}, {}) of {} and all-gathers the parameters after each step",
+          s_.rank, world(), trainer_->shard_begin(), trainer_->shard_end(),
+          gpt_->TrainableElements());
     }
     const bool bf16 = s_.reduce_precision == "bf16";
     if (comm_ && s_.bucket_mb > 0) {
@@ -1534,9 +1535,9 @@ Result<TrainingPlan> PlanTraining(const ModelSettings& m, const model::Compute& 
   ISTHMUS_RETURN_IF_ERROR(m.Validate());
   ISTHMUS_ASSIGN_OR_RETURN(auto mode, model::ParseTrainMode(m.mode));
   TrainingPlan out;
-  ISTHMUS_ASSIGN_OR_RETURN(out.plan, model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B,
-                                                            m.context, synced, distill_k,
-                                                            optimizer_shards));
+  ISTHMUS_ASSIGN_OR_RETURN(
+      out.plan, model::Gpt::PlanMemory(m.Gpt(), mode, m.Lora(), compute, B, m.context, synced,
+                                       distill_k, optimizer_shards));
   const model::MemoryPlan& p = out.plan;
   auto gib = [](int64_t bytes) {
     char buf[32];

@@ -120,7 +120,8 @@ Result<std::vector<Sample>> Run(const Options& o, int ranks, int bucket_mb, bool
       if (Status st = (*trainer)->ShardOptimizerState(shards); !st.ok()) return failed(st);
     }
     const double moment_bytes =
-        2.0 * sizeof(float) * static_cast<double>((*trainer)->shard_end() - (*trainer)->shard_begin());
+        2.0 * sizeof(float) *
+        static_cast<double>((*trainer)->shard_end() - (*trainer)->shard_begin());
     double hook_seconds = 0;
     std::unique_ptr<comm::BucketedAllReduce> buckets;
     if (comm && bucket_mb > 0) {

@@ -1013,8 +1013,8 @@ TEST(AdamWTest, MatchesHandComputedSteps) {
 // the parameters, bf16 copies and moments of one AdamW over the whole buffer.
 TEST(AdamWTest, PartsWithTheirOwnMomentsStepBitForBitLikeTheWholeBuffer) {
   constexpr int64_t kN = 3 * kAdamWChunkElems / 2 + 37;
-  const std::vector<AdamWSegment> segments = {{0, 1000, true}, {1000, 77, false},
-                                              {1077, kN - 1077, true}};
+  const std::vector<AdamWSegment> segments = {
+      {0, 1000, true}, {1000, 77, false}, {1077, kN - 1077, true}};
   std::mt19937 gen(5);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   AdamWRun whole;

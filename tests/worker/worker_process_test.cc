@@ -524,11 +524,27 @@ void RunStandaloneSite(const fs::path& dir, const std::string& tag, int world, i
     std::vector<std::string> a = {"train"};
     a.insert(a.end(), testing::kModelFlags.begin(), testing::kModelFlags.end());
     a.insert(a.end(), testing::kTrainFlags.begin(), testing::kTrainFlags.end());
-    const std::vector<std::string> more = {
-        "--standalone", "--mode", "full", "--device", "cpu", "--max-steps",
-        std::to_string(max_steps), "--world-size", std::to_string(world), "--rank",
-        std::to_string(r), "--rendezvous", rdv, "--comm-timeout", "30", "--data",
-        (dir / "data").string(), "--checkpoint-dir", ckpt.string(), "--save", save.string()};
+    const std::vector<std::string> more = {"--standalone",
+                                           "--mode",
+                                           "full",
+                                           "--device",
+                                           "cpu",
+                                           "--max-steps",
+                                           std::to_string(max_steps),
+                                           "--world-size",
+                                           std::to_string(world),
+                                           "--rank",
+                                           std::to_string(r),
+                                           "--rendezvous",
+                                           rdv,
+                                           "--comm-timeout",
+                                           "30",
+                                           "--data",
+                                           (dir / "data").string(),
+                                           "--checkpoint-dir",
+                                           ckpt.string(),
+                                           "--save",
+                                           save.string()};
     a.insert(a.end(), more.begin(), more.end());
     a.insert(a.end(), extra.begin(), extra.end());
     ranks[r].Start(a, (dir / (tag + "-" + std::to_string(r) + ".log")).string());
@@ -547,8 +563,9 @@ TEST(WorkerRanks, ShardedMomentsResumeOnMoreRanksBitForBitLikeWholeOnes) {
   WriteTokens(dir / "data" / "val.bin", 1000, 2);
   std::map<std::string, std::vector<Tensor>> ckpt, saved;
   for (const std::string tag : {"whole", "sharded"}) {
-    const std::vector<std::string> extra =
-        tag == "sharded" ? std::vector<std::string>{"--shard-optimizer"} : std::vector<std::string>{};
+    const std::vector<std::string> extra = tag == "sharded"
+                                               ? std::vector<std::string>{"--shard-optimizer"}
+                                               : std::vector<std::string>{};
     const fs::path c = dir / ("ckpt-" + tag), save = dir / (tag + ".safetensors");
     ASSERT_NO_FATAL_FAILURE(RunStandaloneSite(dir, tag + "-two", 2, 3, c, save, extra));
     ASSERT_NO_FATAL_FAILURE(RunStandaloneSite(dir, tag + "-three", 3, 6, c, save, extra));

@@ -403,7 +403,8 @@ void RunSite(int world, bool sharded, model::TrainMode mode, size_t bucket_bytes
     out->moment_elements[rank] = (*trainer)->shard_end() - (*trainer)->shard_begin();
   });
   std::filesystem::remove_all(dir);
-  for (int r = 0; r < world; ++r) ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
+  for (int r = 0; r < world; ++r)
+    ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
 }
 
 void ExpectSameBits(const std::vector<Tensor>& got, const std::vector<Tensor>& want,
@@ -412,8 +413,8 @@ void ExpectSameBits(const std::vector<Tensor>& got, const std::vector<Tensor>& w
   for (size_t i = 0; i < want.size(); ++i) {
     ASSERT_EQ(got[i].name, want[i].name) << what;
     ASSERT_EQ(got[i].data.size(), want[i].data.size()) << what << ": " << want[i].name;
-    const long bad =
-        comm::testing::FirstBitMismatch(got[i].data.data(), want[i].data.data(), want[i].data.size());
+    const long bad = comm::testing::FirstBitMismatch(got[i].data.data(), want[i].data.data(),
+                                                     want[i].data.size());
     EXPECT_EQ(bad, -1) << what << ": " << want[i].name << " element " << bad;
   }
 }
@@ -578,6 +579,46 @@ TEST(BucketedAllReduce, APeerThatIsGoneFailsTheStepWithoutApplyingIt) {
   EXPECT_NE(rank0.message().find("rank 0 of 2"), std::string::npos) << rank0.ToString();
   ASSERT_EQ(before.size(), after.size());
   for (size_t i = 0; i < before.size(); ++i) EXPECT_EQ(before[i].data, after[i].data);
+}
+
+// Sharded moments: a peer that is gone after the gradient's all-reduce, before the
+// all-gather of the parameters, fails the step within the timeout (naming the rank), the
+// step counter does not move, and the broken group exports no state, so no checkpoint is
+// written from parameters only this rank's part of which was updated.
+TEST(OptimizerShards, APeerGoneBeforeTheAllGatherFailsTheStepAndNoStateIsExported) {
+  auto dir = TempDir("zero1-gone");
+  Status step0, export0;
+  int64_t steps0 = -1;
+  comm::testing::RunRanks(2, [&](int rank) {
+    auto comm = comm::CreateGlooCommunicator(GlooRank(rank, 2, dir, 3));
+    ASSERT_TRUE(comm.ok()) << comm.status().ToString();
+    auto gpt = model::Gpt::CreateRandom(TinyConfig(), model::TrainMode::kFull, TinyLora(), 5);
+    auto trainer = model::Trainer::Create(**gpt, TrainerCfg());
+    model::OptimizerShards shards;
+    shards.rank = rank;
+    shards.world_size = 2;
+    shards.all_gather = [c = comm->get(), rank](float* data, const std::vector<size_t>& counts) {
+      // Rank 1 dies here: it returns, and its sockets close with its communicator.
+      return rank == 1 ? Status::Unavailable("rank 1 is gone") : c->AllGather(data, counts);
+    };
+    ASSERT_TRUE((*trainer)->ShardOptimizerState(shards).ok());
+    (*trainer)->SetGradHook(MakeAllReduceHook(comm->get()));
+    std::vector<int32_t> tok, tgt;
+    MakeBatch(0, 4, &tok, &tgt);
+    const auto t0 = std::chrono::steady_clock::now();
+    auto st = (*trainer)->Step(tok.data() + rank * 2 * kT, tgt.data() + rank * 2 * kT, 2, kT);
+    if (rank == 1) return;
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(20));
+    step0 = st.ok() ? Status::Ok() : st.status();
+    steps0 = (*trainer)->step();
+    auto state = (*trainer)->ExportState();
+    export0 = state.ok() ? Status::Ok() : state.status();
+  });
+  std::filesystem::remove_all(dir);
+  ASSERT_FALSE(step0.ok());
+  EXPECT_NE(step0.message().find("rank 0 of 2"), std::string::npos) << step0.ToString();
+  EXPECT_EQ(steps0, 0);
+  EXPECT_EQ(export0.code(), Code::kFailedPrecondition) << export0.ToString();
 }
 
 // Ranks launched with different --bucket-mb would run different collectives: they are

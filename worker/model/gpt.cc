@@ -1347,8 +1347,8 @@ Result<MemoryPlan> Gpt::PlanMemory(const GptConfig& config, TrainMode mode, cons
   const int64_t moments = rounded(gpt.TrainableElements() * static_cast<int64_t>(sizeof(float)));
   if (synced_rounds) p.round_buffers = 2 * moments;  // ModelLiveParams: base and staging
   // Rank 0's part of the moments: the largest when they are sharded across ranks.
-  const std::vector<int64_t> part = ops::AdamWShardBounds(gpt.TrainableElements(),
-                                                          std::max(optimizer_shards, 1));
+  const std::vector<int64_t> part =
+      ops::AdamWShardBounds(gpt.TrainableElements(), std::max(optimizer_shards, 1));
   const size_t chunks = ops::MakeAdamWChunks(gpt.AdamWSegments(), part[0], part[1]).size();
   p.optimizer = 2 * rounded((part[1] - part[0]) * static_cast<int64_t>(sizeof(float))) +
                 rounded(static_cast<int64_t>(chunks * sizeof(ops::AdamWChunk))) +

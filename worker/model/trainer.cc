@@ -66,8 +66,8 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(Gpt& model, const TrainerConfig
   ops::Ops& ops = model.ops();
   auto dev = std::make_unique<Device>();
   auto fail = [&](const Status& st) {
-    return Status(st.code(), "cannot hold the optimizer state on " + ops.Describe() + ": " +
-                                 st.message());
+    return Status(st.code(),
+                  "cannot hold the optimizer state on " + ops.Describe() + ": " + st.message());
   };
   auto sc = ops::Buffer::Allocate(ops, sizeof(ops::AdamWScalars) + sizeof(float));
   if (!sc.ok()) return fail(sc.status());
@@ -83,8 +83,7 @@ Result<std::unique_ptr<Trainer>> Trainer::Create(Gpt& model, const TrainerConfig
 Status Trainer::AllocateMoments(int64_t lo, int64_t hi) {
   ops::Ops& ops = model_.ops();
   const size_t bytes = static_cast<size_t>(hi - lo) * sizeof(float);
-  const std::vector<ops::AdamWChunk> chunks =
-      ops::MakeAdamWChunks(model_.AdamWSegments(), lo, hi);
+  const std::vector<ops::AdamWChunk> chunks = ops::MakeAdamWChunks(model_.AdamWSegments(), lo, hi);
   auto fail = [&](const Status& st) {
     return Status(st.code(), "cannot hold the optimizer state (" + std::to_string(2 * bytes) +
                                  " bytes of moments) on " + ops.Describe() + ": " + st.message());
@@ -98,8 +97,7 @@ Status Trainer::AllocateMoments(int64_t lo, int64_t hi) {
   if (!m.ok()) return fail(m.status());
   auto v = ops::Buffer::Allocate(ops, std::max<size_t>(bytes, sizeof(float)));
   if (!v.ok()) return fail(v.status());
-  auto c = ops::Buffer::Allocate(
-      ops, std::max<size_t>(chunks.size(), 1) * sizeof(ops::AdamWChunk));
+  auto c = ops::Buffer::Allocate(ops, std::max<size_t>(chunks.size(), 1) * sizeof(ops::AdamWChunk));
   if (!c.ok()) return fail(c.status());
   dev_->m = std::move(m).value();
   dev_->v = std::move(v).value();
