@@ -991,5 +991,43 @@ TEST(CudaKernelsEmuTest, AdamWUnalignedBuffersTakeTheScalarPath) {
   }
 }
 
+// The sharded optimizer's launch (ZeRO-1): each part [lo, hi) with moments of its own,
+// counted from lo, gives the whole buffer's parameters and moments exactly. The parts
+// include a start that is not a multiple of 4 (its moments then take the scalar path while
+// the parameters could take packs) and an empty one.
+TEST(CudaKernelsEmuTest, AdamWPartsWithTheirOwnMomentsMatchTheWholeBuffer) {
+  const std::vector<AdamWSegment> segments = {
+      {0, 1000, true}, {1001, 37, false}, {1040, 1500, true}, {2541, 59, true}};
+  const AdamWScalars scalars{1e-2f, 0.1f, 0.05f, 0.0f};
+  const float sumsq = 2.0f;
+  AdamWConfig config;
+  config.weight_decay = 0.1f;
+  AdamWCase whole = MakeAdamW(false);
+  const AdamWCase start = whole;
+  const auto chunks = MakeAdamWChunks(segments);
+  LaunchAdamW<float>(whole.param.data(), whole.grad.data(), whole.m.data(), whole.v.data(), nullptr,
+                     chunks.data(), static_cast<int>(chunks.size()), &sumsq, &scalars, config,
+                     nullptr);
+  for (std::vector<int64_t> bounds :
+       {AdamWShardBounds(2600, 3), std::vector<int64_t>{0, 2, 1038, 2600, 2600}}) {
+    AdamWCase parts = start;
+    for (size_t r = 0; r + 1 < bounds.size(); ++r) {
+      const int64_t lo = bounds[r], hi = bounds[r + 1];
+      std::vector<float> m(start.m.begin() + lo, start.m.begin() + hi);
+      std::vector<float> v(start.v.begin() + lo, start.v.begin() + hi);
+      const auto part = MakeAdamWChunks(segments, lo, hi);
+      LaunchAdamW<float>(parts.param.data(), parts.grad.data(), m.data(), v.data(), nullptr,
+                         part.data(), static_cast<int>(part.size()), &sumsq, &scalars, config,
+                         nullptr);
+      for (int64_t i = lo; i < hi; ++i) {
+        ASSERT_EQ(m[i - lo], whole.m[i]) << "part " << r << " element " << i;
+        ASSERT_EQ(v[i - lo], whole.v[i]) << "part " << r << " element " << i;
+      }
+    }
+    ExpectLaunchOk();
+    for (size_t i = 0; i < whole.param.size(); ++i) ASSERT_EQ(parts.param[i], whole.param[i]) << i;
+  }
+}
+
 }  // namespace
 }  // namespace isthmus::ops::ISTHMUS_CUDA_NS
