@@ -957,7 +957,9 @@ TEST(AdamWTest, ShardBoundsCoverTheBufferInAlignedParts) {
       EXPECT_EQ(b.back(), n);
       for (int r = 0; r < parts; ++r) {
         EXPECT_LE(b[r], b[r + 1]);
-        if (b[r] < n) EXPECT_EQ(b[r] % 16, 0) << n << " / " << parts << ": part " << r;
+        if (b[r] < n) {
+          EXPECT_EQ(b[r] % 16, 0) << n << " / " << parts << ": part " << r;
+        }
         // No part longer than an even split rounded up to 16.
         EXPECT_LE(b[r + 1] - b[r], ((n + parts - 1) / parts + 15) / 16 * 16);
       }
