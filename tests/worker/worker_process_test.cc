@@ -590,7 +590,9 @@ TEST(WorkerRanks, ShardedMomentsResumeOnMoreRanksBitForBitLikeWholeOnes) {
       EXPECT_EQ(whole[i].data, sharded[i].data) << whole[i].name;
       moments += whole[i].name.rfind("opt.m.", 0) == 0;
     }
-    if (m == &ckpt) EXPECT_GT(moments, 0u);
+    if (m == &ckpt) {
+      EXPECT_GT(moments, 0u);
+    }
   }
   fs::remove_all(dir);
 }
