@@ -763,8 +763,7 @@ class RoundLoop {
     start_pull_ = {};  // served start-up only: later pulls must see the rounds since
     if (comm_) {
       // Rank 0's optimizer state and tensors for everyone (a rank may have no checkpoint,
-      // or one from a round earlier if the crash came between two ranks' writes): the
-      // flat buffers, straight from backend memory.
+      // or one from a round earlier if the crash came between two ranks' writes).
       ISTHMUS_RETURN_IF_ERROR(BroadcastTrainable());
       ISTHMUS_RETURN_IF_ERROR(ShareMoments());
     }

@@ -123,6 +123,49 @@ inline void WriteTokens(const fs::path& path, size_t n, uint32_t seed) {
 
 // Creates job "j" on one shard from the initial tensors `isthmus-worker init` wrote into
 // `dir` (base name "base") and returns the base hash.
+// A fresh folder "isthmus-<tag>-<pid>" under the temporary directory with a small token
+// shard in data/ (train.bin and val.bin), for standalone ranks.
+inline fs::path StandaloneDir(const std::string& tag) {
+  fs::path dir = fs::temp_directory_path() / ("isthmus-" + tag + "-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "data");
+  WriteTokens(dir / "data" / "train.bin", 5000, 1);
+  WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  return dir;
+}
+
+// The arguments of standalone rank `rank` of `world` (full mode, tokens in dir/data,
+// meeting at `rdv`), training to `max_steps` and saving the weights to `save` (rank 0),
+// with `extra` appended.
+inline std::vector<std::string> StandaloneRankArgs(const fs::path& dir, int rank, int world,
+                                                   const std::string& rdv, int max_steps,
+                                                   const fs::path& save,
+                                                   const std::vector<std::string>& extra) {
+  std::vector<std::string> a = {"train"};
+  a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
+  a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
+  const std::vector<std::string> more = {"--standalone",
+                                         "--max-steps",
+                                         std::to_string(max_steps),
+                                         "--mode",
+                                         "full",
+                                         "--world-size",
+                                         std::to_string(world),
+                                         "--rank",
+                                         std::to_string(rank),
+                                         "--rendezvous",
+                                         rdv,
+                                         "--comm-timeout",
+                                         "30",
+                                         "--data",
+                                         (dir / "data").string(),
+                                         "--save",
+                                         save.string()};
+  a.insert(a.end(), more.begin(), more.end());
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
 // Two standalone rank processes of one site (full mode, 4 steps on tokens in dir/data),
 // rank r with extra[r] appended; rank 0 saves the weights to dir/<name>.safetensors.
 // Returns both exit codes and both logs.
@@ -134,34 +177,10 @@ inline TwoRanksRun RunTwoStandaloneRanks(const fs::path& dir, const std::string&
                                          const std::vector<std::string>& extra0,
                                          const std::vector<std::string>& extra1) {
   const std::string rdv = "tcp:127.0.0.1:" + std::to_string(FreePort());
-  auto args = [&](int rank, const std::vector<std::string>& extra) {
-    std::vector<std::string> a = {"train"};
-    a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
-    a.insert(a.end(), kTrainFlags.begin(), kTrainFlags.end());
-    const std::vector<std::string> more = {"--standalone",
-                                           "--max-steps",
-                                           "4",
-                                           "--mode",
-                                           "full",
-                                           "--world-size",
-                                           "2",
-                                           "--rank",
-                                           std::to_string(rank),
-                                           "--rendezvous",
-                                           rdv,
-                                           "--comm-timeout",
-                                           "30",
-                                           "--data",
-                                           (dir / "data").string(),
-                                           "--save",
-                                           (dir / (name + ".safetensors")).string()};
-    a.insert(a.end(), more.begin(), more.end());
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
-  };
+  const fs::path save = dir / (name + ".safetensors");
   WorkerProcess r0, r1;
-  r0.Start(args(0, extra0), (dir / (name + "-0.log")).string());
-  r1.Start(args(1, extra1), (dir / (name + "-1.log")).string());
+  r0.Start(StandaloneRankArgs(dir, 0, 2, rdv, 4, save, extra0), (dir / (name + "-0.log")).string());
+  r1.Start(StandaloneRankArgs(dir, 1, 2, rdv, 4, save, extra1), (dir / (name + "-1.log")).string());
   TwoRanksRun run;
   run.rc0 = r0.Wait();
   run.rc1 = r1.Wait();

@@ -397,11 +397,7 @@ INSTANTIATE_TEST_SUITE_P(K, WorkerWanWait, ::testing::Values(0, 1));
 // --device and --precision mistakes are usage errors (exit code 2) whose message says what
 // to do; on a machine without a GPU, asking for one is such a mistake.
 TEST(WorkerDevice, DeviceMistakesExitWithTheUsageCodeAndSayWhatToDo) {
-  fs::path dir = fs::temp_directory_path() / ("isthmus-dev-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir / "data");
-  WriteTokens(dir / "data" / "train.bin", 5000, 1);
-  WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  const fs::path dir = testing::StandaloneDir("dev");
   auto run = [&](const std::vector<std::string>& extra) {
     std::vector<std::string> a = {"train"};
     a.insert(a.end(), kModelFlags.begin(), kModelFlags.end());
@@ -448,11 +444,7 @@ TEST(WorkerDevice, DeviceMistakesExitWithTheUsageCodeAndSayWhatToDo) {
 // any collective, naming both values; the all-reduce in bf16 runs too. The CPU twin of a
 // multi-process NCCL run.
 TEST(WorkerRanks, BucketedAllReduceInProcessesEqualsOneAllReduceAndMismatchesAreRefused) {
-  fs::path dir = fs::temp_directory_path() / ("isthmus-buckets-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir / "data");
-  WriteTokens(dir / "data" / "train.bin", 5000, 1);
-  WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  const fs::path dir = testing::StandaloneDir("buckets");
   const std::vector<std::string> cpu = {"--device", "cpu"};
   auto with = [&](const std::string& mb) {
     std::vector<std::string> a = cpu;
@@ -519,35 +511,12 @@ void RunStandaloneSite(const fs::path& dir, const std::string& tag, int world, i
                        const fs::path& ckpt, const fs::path& save,
                        const std::vector<std::string>& extra) {
   const std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+  std::vector<std::string> more = {"--device", "cpu", "--checkpoint-dir", ckpt.string()};
+  more.insert(more.end(), extra.begin(), extra.end());
   std::vector<WorkerProcess> ranks(world);
   for (int r = 0; r < world; ++r) {
-    std::vector<std::string> a = {"train"};
-    a.insert(a.end(), testing::kModelFlags.begin(), testing::kModelFlags.end());
-    a.insert(a.end(), testing::kTrainFlags.begin(), testing::kTrainFlags.end());
-    const std::vector<std::string> more = {"--standalone",
-                                           "--mode",
-                                           "full",
-                                           "--device",
-                                           "cpu",
-                                           "--max-steps",
-                                           std::to_string(max_steps),
-                                           "--world-size",
-                                           std::to_string(world),
-                                           "--rank",
-                                           std::to_string(r),
-                                           "--rendezvous",
-                                           rdv,
-                                           "--comm-timeout",
-                                           "30",
-                                           "--data",
-                                           (dir / "data").string(),
-                                           "--checkpoint-dir",
-                                           ckpt.string(),
-                                           "--save",
-                                           save.string()};
-    a.insert(a.end(), more.begin(), more.end());
-    a.insert(a.end(), extra.begin(), extra.end());
-    ranks[r].Start(a, (dir / (tag + "-" + std::to_string(r) + ".log")).string());
+    ranks[r].Start(testing::StandaloneRankArgs(dir, r, world, rdv, max_steps, save, more),
+                   (dir / (tag + "-" + std::to_string(r) + ".log")).string());
   }
   for (int r = 0; r < world; ++r) ASSERT_EQ(ranks[r].Wait(), 0) << ranks[r].Log();
 }
@@ -556,11 +525,7 @@ void RunStandaloneSite(const fs::path& dir, const std::string& tag, int world, i
 // another rank count (here 2 ranks, then 3: rank 2 has no checkpoint and takes its part
 // of the moments from rank 0's) trains on bit for bit as the unsharded site does.
 TEST(WorkerRanks, ShardedMomentsResumeOnMoreRanksBitForBitLikeWholeOnes) {
-  fs::path dir = fs::temp_directory_path() / ("isthmus-zero1-" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir / "data");
-  WriteTokens(dir / "data" / "train.bin", 5000, 1);
-  WriteTokens(dir / "data" / "val.bin", 1000, 2);
+  const fs::path dir = testing::StandaloneDir("zero1");
   std::map<std::string, std::vector<Tensor>> ckpt, saved;
   for (const std::string tag : {"whole", "sharded"}) {
     const std::vector<std::string> extra = tag == "sharded"

@@ -180,7 +180,7 @@ class Trainer {
   Status AllocateMoments(int64_t lo, int64_t hi);
   // The all-gather of the updated parameters after a sharded step.
   Status GatherParameters();
-  // Part sizes of the sharded buffers (OptimizerShardBounds as counts).
+  // Part sizes of the sharded buffers (ops::AdamWShardBounds as counts).
   std::vector<size_t> ShardCounts() const;
   void EnqueueForwardBackward();
   // Backward of the staged batch, its gradient handed to sink_ as it becomes final.
