@@ -26,6 +26,8 @@
 #   --val-fraction F   share of messages held out (default 0.05); the validation shard
 #                      needs at least a batch per rank
 #   --train "FLAGS"    extra isthmus-worker train flags (default "--lr 1e-3 --batch-size 8")
+#   --sites "FLAGS"    extra deploy/two-site.sh flags for every run (e.g. "--max-rounds-ahead 0
+#                      --codec fp32"; default none: the server's settings)
 #   --out DIR          work folder, removed first (default demo-out/translate)
 #   --locale-dir DIR   where the catalogues are (default /usr/share/locale)
 #   --teacher FILE     also distil: a teacher base (the pre-trained base itself, or a larger
@@ -51,7 +53,7 @@ data="$build/worker/data/isthmus-data"
 base="" site_a=de,fr site_b=es,it seq_len=128 model="" rounds=8 steps=20 lines=200 eval_every=2 round_lines=50
 before_lines=""
 teacher="" teacher_trainable="" teacher_k=32 teacher_rounds=0 distill="--distill-alpha 0.5 --distill-temperature 2"
-train="--lr 1e-3 --batch-size 8" out=demo-out/translate locale=/usr/share/locale val_fraction=0.05
+train="--lr 1e-3 --batch-size 8" sites="" out=demo-out/translate locale=/usr/share/locale val_fraction=0.05
 while [ $# -gt 0 ]; do
   case "$1" in
     --base) base="$2"; shift 2 ;;
@@ -67,6 +69,7 @@ while [ $# -gt 0 ]; do
     --round-lines) round_lines="$2"; shift 2 ;;
     --val-fraction) val_fraction="$2"; shift 2 ;;
     --train) train="$2"; shift 2 ;;
+    --sites) sites="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --locale-dir) locale="$2"; shift 2 ;;
     --teacher) teacher="$2"; shift 2 ;;
@@ -74,7 +77,7 @@ while [ $# -gt 0 ]; do
     --teacher-k) teacher_k="$2"; shift 2 ;;
     --teacher-rounds) teacher_rounds="$2"; shift 2 ;;
     --distill) distill="$2"; shift 2 ;;
-    -h|--help) sed -n 2,45p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,47p "$0"; exit 0 ;;
     *) echo "translate-demo.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -95,6 +98,8 @@ done
 model="${model:---layers 2 --width 128 --heads 4 --context $seq_len --lora-rank 8 --lora-alpha 16}"
 # shellcheck disable=SC2206
 model_flags=($model)
+# shellcheck disable=SC2206
+site_flags=($sites)
 rm -rf "$out"
 mkdir -p "$out"
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
@@ -146,7 +151,7 @@ run_flags=()
 ce_rc=0
 if [ -n "$teacher" ]; then
   if [ "$teacher_rounds" -gt 0 ]; then
-    deploy/two-site.sh --base "$teacher" --data-a "$out/task-A" --data-b "$out/task-B" \
+    deploy/two-site.sh "${site_flags[@]}" --base "$teacher" --data-a "$out/task-A" --data-b "$out/task-B" \
       --model "$model" --rounds "$teacher_rounds" --steps-per-round "$steps" --train "$train" \
       --out "$out/run-teacher" --translate-lines "$lines" "${translate_sets[@]}" --export ||
       { echo "translate-demo.sh: the teacher's run failed (exit $?; its logs: $out/run-teacher/logs)" >&2
@@ -160,7 +165,7 @@ if [ -n "$teacher" ]; then
       --data "$out/task-$site" --k "$teacher_k" 2>&1 | tail -1
   done
   set +e
-  deploy/two-site.sh --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
+  deploy/two-site.sh "${site_flags[@]}" --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
     --model "$model" --rounds "$rounds" --steps-per-round "$steps" --train "$train" \
     --out "$out/run-ce" --translate-lines "$lines" "${translate_sets[@]}" "${report_flags[@]}" \
     --report "$out/run-ce/report"
@@ -169,7 +174,7 @@ if [ -n "$teacher" ]; then
   run_flags=(--distill "$distill")
 fi
 set +e
-deploy/two-site.sh --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
+deploy/two-site.sh "${site_flags[@]}" --base "$base" --data-a "$out/task-A" --data-b "$out/task-B" \
   --model "$model" --rounds "$rounds" --steps-per-round "$steps" --train "$train" \
   --out "$out/run" --translate-lines "$lines" "${translate_sets[@]}" "${run_flags[@]}" \
   "${report_flags[@]}" --report "$out/run/report"

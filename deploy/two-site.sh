@@ -30,6 +30,8 @@
 #   --site-b-steps H       inner steps per round at site B (default: same as A)
 #   --train "FLAGS"        extra isthmus-worker train flags (lr, batch size, ...)
 #   --outer-lr X --outer-momentum X   the outer optimizer (default: the server's, 1.25 / 0.6)
+#   --max-rounds-ahead K   sync.max_rounds_ahead (default: the server's, 1); 0 with --train
+#                          "--no-overlap" gives synchronous rounds
 # Settings left unset here are the server's defaults (docs/CONFIG.md).
 #   --shards S --ranks R   per site (default 2 / 2)
 #   --wan-rate RATE        shape the WAN: site B runs in its own network namespace joined
@@ -50,6 +52,10 @@
 #                          (isthmus-worker generate --translate) and score them with chrF
 #                          (deploy/chrf.py); repeatable, reported as "chrf" per site
 #   --translate-lines N    lines per --translate-set (default 200)
+#   --translate-sites LIST with --translate-set: translate with these sites' models only
+#                          (comma-separated, e.g. A; default every site). When the committed
+#                          digests agree the sites' models are the same, so one site scores
+#                          them all; the others' "chrf" is then empty
 #   --round-translate-lines N   with --eval-every-rounds: the workers also translate the
 #                          first N lines of each --translate-set after every evaluated round
 #                          (isthmus-worker train --translate-set), which the report plots as
@@ -87,9 +93,9 @@ worker="$build/worker/isthmus-worker"
 
 out=demo-out/two-site
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
-distill="" distill_on=false codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom=""
+distill="" distill_on=false codec="" adaptive="" adaptive_floor="" adaptive_ceiling="" rounds=8 steps=20 steps_b="" train_extra="" outer_lr="" outer_mom="" rounds_ahead=""
 shards=2 ranks=2 summary="" base="" data_a="" data_b="" data_c="" wan_rate="" wan_capture="" idle_seconds=0 eval_sets=() eval_batches=16
-eval_every=0 report="" export=false top_interval=1 base_hf=false model_given=false reference="" translate_sets=() translate_lines=200 round_translate_lines=50
+eval_every=0 report="" export=false top_interval=1 base_hf=false model_given=false reference="" translate_sets=() translate_lines=200 translate_sites="" round_translate_lines=50
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) out="$2"; shift 2 ;;
@@ -104,6 +110,7 @@ while [ $# -gt 0 ]; do
     --site-b-steps) steps_b="$2"; shift 2 ;;
     --train) train_extra="$2"; shift 2 ;;
     --outer-lr) outer_lr="$2"; shift 2 ;;
+    --max-rounds-ahead) rounds_ahead="$2"; shift 2 ;;
     --outer-momentum) outer_mom="$2"; shift 2 ;;
     --shards) shards="$2"; shift 2 ;;
     --ranks) ranks="$2"; shift 2 ;;
@@ -114,6 +121,7 @@ while [ $# -gt 0 ]; do
     --eval-set) eval_sets+=("$2"); shift 2 ;;
     --translate-set) translate_sets+=("$2"); shift 2 ;;
     --translate-lines) translate_lines="$2"; shift 2 ;;
+    --translate-sites) translate_sites="$2"; shift 2 ;;
     --round-translate-lines) round_translate_lines="$2"; shift 2 ;;
     --distill) distill="$2"; distill_on=true; shift 2 ;;
     --eval-batches) eval_batches="$2"; shift 2 ;;
@@ -127,7 +135,7 @@ while [ $# -gt 0 ]; do
     --data-a) data_a="$2"; shift 2 ;;
     --data-b) data_b="$2"; shift 2 ;;
     --data-c) data_c="$2"; shift 2 ;;
-    -h|--help) sed -n 2,73p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,79p "$0"; exit 0 ;;
     *) echo "two-site.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -265,6 +273,7 @@ sync_lines=""
 [ -n "$adaptive_ceiling" ] && sync_lines+="adaptive_ceiling = \"$adaptive_ceiling\""$'\n'
 [ -n "$outer_lr" ] && sync_lines+="outer_lr = $outer_lr"$'\n'
 [ -n "$outer_mom" ] && sync_lines+="outer_momentum = $outer_mom"$'\n'
+[ -n "$rounds_ahead" ] && sync_lines+="max_rounds_ahead = $rounds_ahead"$'\n'
 
 # Shard configs: shard i of each site peers with shard i of the other site.
 for s in "${sites[@]}"; do
@@ -383,6 +392,12 @@ if [ -n "$veth" ] && [ "$idle_seconds" -gt 0 ]; then
 fi
 
 # Evaluate each site's committed model on both sites' validation data.
+alive() {  # how many of the pids given are still running
+  local n=0 p
+  for p in "$@"; do kill -0 "$p" 2>/dev/null && n=$((n + 1)); done
+  echo "$n"
+}
+translating=()
 for s in "${sites[@]}"; do
   mapfile -t w < <(worker_args "$s")
   site_prefix "$s"
@@ -402,16 +417,30 @@ for s in "${sites[@]}"; do
       2> "$out/logs/export-$s.log" ||
       { cat "$out/logs/export-$s.log" >&2; echo "two-site: export of site $s failed" >&2; }
   fi
+  [ -z "$translate_sites" ] || [[ ",$translate_sites," == *",$s,"* ]] || continue
+  # The translations run side by side, at most one per core; each writes its exit status.
   for t in "${translate_sets[@]}"; do
     lang="${t%%=*}"
     head -n "$translate_lines" "${t#*=}" > "$out/translate-input-$lang.jsonl"
-    if "${prefix[@]}" "$worker" generate "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
-      --key "$out/keys/workers-$s/worker.key" --translate "$lang" \
-      --input "$out/translate-input-$lang.jsonl" --output "$out/translate-$s-$lang.jsonl" \
-      2> "$out/logs/translate-$s-$lang.log"; then
-      /usr/bin/python3 deploy/chrf.py --json "$out/translate-$s-$lang.jsonl" \
-        > "$out/chrf-$s-$lang.json" 2>> "$out/logs/translate-$s-$lang.log" || true
-    fi
+    while [ "$(alive "${translating[@]}")" -ge "$(getconf _NPROCESSORS_ONLN)" ]; do sleep 0.2; done
+    (
+      rc=0
+      "${prefix[@]}" "$worker" generate "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+        --key "$out/keys/workers-$s/worker.key" --translate "$lang" \
+        --input "$out/translate-input-$lang.jsonl" --output "$out/translate-$s-$lang.jsonl" \
+        2> "$out/logs/translate-$s-$lang.log" || rc=$?
+      echo "$rc" > "$out/translate-$s-$lang.rc"
+    ) &
+    translating+=($!)
+  done
+done
+for p in "${translating[@]}"; do wait "$p" || true; done
+for s in "${sites[@]}"; do
+  for t in "${translate_sets[@]}"; do
+    lang="${t%%=*}"
+    [ "$(cat "$out/translate-$s-$lang.rc" 2>/dev/null)" = 0 ] || continue
+    /usr/bin/python3 deploy/chrf.py --json "$out/translate-$s-$lang.jsonl" \
+      > "$out/chrf-$s-$lang.json" 2>> "$out/logs/translate-$s-$lang.log" || true
   done
 done
 # The top samples end here (SIGTERM is top's normal end: exit 0).
@@ -435,7 +464,7 @@ for e in "${eval_sets[@]}"; do set_names+="${e%%=*},"; done
 translate_names=""
 for t in "${translate_sets[@]}"; do translate_names+="${t%%=*},"; done
 set +e
-/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" "$reference" "${sites[*]}" "${translate_names%,}" <<'PY'
+/usr/bin/python3 - "$out" "$rounds" "$trained" "$verify_rc" "${summary:-}" "$((wan_end - wan_start))" "$wan_rate" "$idle_seconds" "$idle_bytes" "${set_names%,}" "$reference" "${sites[*]}" "${translate_names%,}" "$translate_sites" <<'PY'
 import json, os, sys
 out, rounds, trained, verify_rc, summary = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 kernel_bytes, wan_rate = int(sys.argv[6]), sys.argv[7]
@@ -444,6 +473,7 @@ set_names = [n for n in sys.argv[10].split(",") if n]
 reference = json.load(open(sys.argv[11])) if sys.argv[11] else None
 sites = sys.argv[12].split()
 translate_names = [n for n in sys.argv[13].split(",") if n]
+translate_sites = [t for t in sys.argv[14].split(",") if t]
 result = {"rounds": rounds, "train_seconds": trained, "sites": {}}
 try:
     verify = json.load(open(f"{out}/verify.json"))
@@ -473,7 +503,7 @@ for s in sites:
         except Exception:
             sets[n] = None
     chrf = {}
-    for n in translate_names:
+    for n in translate_names if not translate_sites or s in translate_sites else []:
         try:
             chrf[n] = json.load(open(f"{out}/chrf-{s}-{n}.json"))["chrf"]
         except Exception:

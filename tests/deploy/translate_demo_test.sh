@@ -6,7 +6,8 @@
 # pairs. With --teacher (the base) and --teacher-rounds 1 it first fine-tunes the teacher's
 # adapters across the sites (one round, exported by two-site.sh --export), writes each
 # site's top-k cache of that fine-tuned teacher (isthmus-worker teach --trainable) and runs
-# the CE-only students beside the distilled ones.
+# the CE-only students beside the distilled ones. --sites passes a two-site.sh flag
+# (synchronous rounds, K = 0) to all three runs.
 # Checks the summary (chrF before, and per site and language after CE-only and distilled
 # fine-tuning, in [0, 100]), that the distilled workers read their own site's cache, and
 # the printed table; and chrF by round in the run report (the workers' --translate-set after
@@ -40,7 +41,7 @@ ISTHMUS_BUILD_DIR="$build" "$root/deploy/translate-demo.sh" --base "$work/base.s
   --locale-dir "$work/locale" --site-a de --site-b es --seq-len 48 --model "$model" \
   --rounds 2 --steps-per-round 5 --lines 6 --val-fraction 0.4 --train "--lr 1e-3 --batch-size 4" \
   --teacher "$work/base.safetensors" --teacher-rounds 1 --teacher-k 8 --eval-every-rounds 1 \
-  --round-lines 3 \
+  --round-lines 3 --sites "--max-rounds-ahead 0" \
   --out "$work/out" > "$work/demo.txt" 2>&1
 rc=$?
 set -e
@@ -64,6 +65,11 @@ assert set(s["chrf_teacher"]) == {"de", "es"}, s.get("chrf_teacher")
 assert s["translate_lines"] == {"de": 6, "es": 6} or all(
     0 < n <= 6 for n in s["translate_lines"].values()), s["translate_lines"]
 PY
+# --sites reaches every two-site run's shards.
+for run in run-teacher run-ce run; do
+  grep -qx "max_rounds_ahead = 0" "$work/out/$run/A-0.toml" ||
+    { echo "FAIL: --sites did not reach $run's shards"; exit 1; }
+done
 grep -E "^de +A " "$work/demo.txt" >/dev/null || { tail -8 "$work/demo.txt"; echo "FAIL: no row for de"; exit 1; }
 grep -E "^es +B " "$work/demo.txt" >/dev/null || { tail -8 "$work/demo.txt"; echo "FAIL: no row for es"; exit 1; }
 grep -q "^the teacher, fine-tuned across the sites first" "$work/demo.txt" ||
