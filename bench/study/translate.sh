@@ -14,7 +14,9 @@
 # committed state); both are reported. One JSON line per run goes to OUT/results.jsonl
 # (runs already there are skipped, so an interrupted study resumes), and the table at the
 # end gives, per language, the mean and spread over the seeds and the two sites' chrF as a
-# share of centralised chrF.
+# share of centralised chrF, and the validation loss of every model on the same 250 batches
+# of all the languages' held-out examples (isthmus-worker eval --batches 250: 2,000
+# examples in one shuffled order), a measure with far less noise than chrF at this scale.
 #
 # Usage: bench/study/translate.sh [--quick] [options]
 #   --base FILE        the model to fine-tune (default demo-out/base/base-2x128-1000.safetensors,
@@ -24,6 +26,10 @@
 #   --batch-size B     rows per rank (default 8); --lr X (default 1e-3)
 #   --seeds "S ..."    seeds of the adapters' init and the data order (default "1 2 3")
 #   --lines N          held-out lines translated per language (default 200)
+#   --sites "FLAGS"    extra deploy/two-site.sh flags for the two-site runs (e.g.
+#                      "--max-rounds-ahead 0"); --site-train "FLAGS" extra isthmus-worker train
+#                      flags for them (e.g. "--no-overlap"); both name the runs' key, so
+#                      variants sit side by side in one results file
 #   --out DIR          results folder (default demo-out/study-translate)
 #   --quick            smoke test: 2 rounds of 5 steps, 20 lines, one seed
 # Environment: ISTHMUS_BUILD_DIR (default build).
@@ -34,6 +40,7 @@ worker="$build/worker/isthmus-worker"
 data="$build/worker/data/isthmus-data"
 base=demo-out/base/base-2x128-1000.safetensors site_a=de,fr site_b=es,it rounds=8 steps=20
 batch=8 lr=1e-3 seeds="1 2 3" lines=200 out=demo-out/study-translate quick=false
+sites="" site_train="" val_batches=250
 while [ $# -gt 0 ]; do
   case "$1" in
     --base) base="$2"; shift 2 ;;
@@ -45,9 +52,11 @@ while [ $# -gt 0 ]; do
     --lr) lr="$2"; shift 2 ;;
     --seeds) seeds="$2"; shift 2 ;;
     --lines) lines="$2"; shift 2 ;;
+    --sites) sites="$2"; shift 2 ;;
+    --site-train) site_train="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --quick) quick=true; shift ;;
-    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,33p "$0"; exit 0 ;;
     *) echo "translate.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -79,7 +88,20 @@ chrf() {
   chrf_json "$out/task-all" "$all_langs" "$lines" "$out/$name" "${model[@]}" --base "$base" "$@"
 }
 
-key_base="$site_a+$site_b/R${rounds}xH$steps/b$batch/lr$lr/$(basename "$base" .safetensors)"
+# The centralised runs depend on the steps in all, not on how they are cut into rounds: every
+# two-site variant of the same steps, batch, lr and base shares them.
+# val_loss TRAINABLE: validation loss of the base with these tensors on the first
+# $val_batches batches of all the languages' held-out examples.
+val_loss() {
+  "$worker" eval "${model[@]}" --base "$base" --trainable "$1" --data "$out/task-all" \
+    --batches "$val_batches" --json 2> /dev/null |
+    /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["val_loss"])'
+}
+
+key_base="$site_a+$site_b/S$((rounds * steps))/b$batch/lr$lr/$(basename "$base" .safetensors)"
+key_sites="$site_a+$site_b/R${rounds}xH$steps/b$batch/lr$lr/$(basename "$base" .safetensors)"
+[ -z "$sites" ] || key_sites+="/sites:$sites"
+[ -z "$site_train" ] || key_sites+="/site-train:$site_train"
 for seed in $seeds; do
   key="$key_base/centralised/seed$seed"
   if ! grep -qF "\"key\": \"$key\"" "$results"; then
@@ -90,23 +112,28 @@ for seed in $seeds; do
       > "$out/central-seed$seed.log" 2>&1
     seconds=$(($(date +%s) - start))
     s=$(chrf "central-seed$seed" --trainable "$out/central-seed$seed.safetensors")
-    echo "{\"key\": \"$key\", \"seed\": $seed, \"train_s\": $seconds, \"chrf\": $s}" >> "$results"
+    v=$(val_loss "$out/central-seed$seed.safetensors")
+    echo "{\"key\": \"$key\", \"seed\": $seed, \"train_s\": $seconds, \"chrf\": $s, \"val_loss\": $v}" >> "$results"
     echo "translate.sh: $key $s"
   fi
-  key="$key_base/two-sites/seed$seed"
+  key="$key_sites/two-sites/seed$seed"
+  run="$out/sites-$(printf '%s' "$key_sites" | sha256sum | cut -c1-8)-seed$seed"
   if ! grep -qF "\"key\": \"$key\"" "$results"; then
     start=$(date +%s)
     deploy/translate-demo.sh --base "$base" --site-a "$site_a" --site-b "$site_b" \
       --rounds "$rounds" --steps-per-round "$steps" --lines "$lines" --before-lines 0 \
       --eval-every-rounds 0 \
-      --train "--lr $lr --batch-size $batch --seed $seed --data-seed $seed" \
-      --out "$out/sites-seed$seed" > "$out/sites-seed$seed.log" 2>&1 ||
-      { tail -20 "$out/sites-seed$seed.log"; echo "translate.sh: the two-site run failed" >&2; exit 1; }
+      --sites "--translate-sites A --export $sites" \
+      --train "--lr $lr --batch-size $batch --seed $seed --data-seed $seed $site_train" \
+      --out "$run" > "$run.log" 2>&1 ||
+      { tail -20 "$run.log"; echo "translate.sh: the two-site run failed" >&2; exit 1; }
     seconds=$(($(date +%s) - start))
-    s=$(/usr/bin/python3 - "$out/sites-seed$seed/summary.json" <<'PY'
+    v=$(val_loss "$run/run/trainable-A.safetensors")
+    s=$(/usr/bin/python3 - "$run/summary.json" "$v" <<'PY'
 import json, sys
 s = json.load(open(sys.argv[1]))
-print(json.dumps({site: s["sites"][site]["chrf"] for site in ("A", "B")} |
+print(json.dumps({site: s["sites"][site]["chrf"] for site in ("A",)} |
+                 {"val_loss": float(sys.argv[2])} |
                  {"wan_bytes": sum(s["sites"][site].get("wan_bytes_sent") or 0 for site in ("A", "B")),
                   "digests_agree": s.get("digests_agree")}))
 PY
@@ -116,30 +143,33 @@ PY
   fi
 done
 
-/usr/bin/python3 - "$results" "$key_base" "$all_langs" <<'PY'
+/usr/bin/python3 - "$results" "$key_sites" "$all_langs" "$key_base" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
-rows = [r for r in rows if r["key"].startswith(sys.argv[2] + "/")]
 langs = sys.argv[3].split(",")
-central = {r["seed"]: r["chrf"] for r in rows if "/centralised/" in r["key"]}
-sites = {r["seed"]: r["chrf"] for r in rows if "/two-sites/" in r["key"]}
+central_rows = {r["seed"]: r for r in rows if r["key"].startswith(sys.argv[4] + "/centralised/")}
+central = {seed: r["chrf"] for seed, r in central_rows.items()}
+sites = {r["seed"]: r["chrf"] for r in rows if r["key"].startswith(sys.argv[2] + "/two-sites/")}
 seeds = sorted(set(central) & set(sites))
 def stat(xs, f="{:.2f}"):
     return (f.format(statistics.mean(xs)) + f" ({f.format(min(xs))}-{f.format(max(xs))})"
             if xs else "n/a")
-print(f"\n{sys.argv[2]}: seeds {seeds}; chrF mean (min-max); ratio = two sites / centralised, per seed")
-print(f"{'en->':<6}{'centralised':>24}{'site A':>24}{'site B':>24}{'ratio A':>24}{'ratio B':>24}")
+print(f"\n{sys.argv[2]}: seeds {seeds}; chrF mean (min-max); two sites: site A's committed model "
+      "(site B's is the same when the digests agree); ratio = two sites / centralised, per seed")
+print(f"{'en->':<6}{'centralised':>24}{'two sites':>24}{'ratio':>24}")
 for l in langs:
     c = [central[s][l] for s in seeds]
     a = [sites[s]["A"][l] for s in seeds]
-    b = [sites[s]["B"][l] for s in seeds]
-    ra = [x / y for x, y in zip(a, c)]
-    rb = [x / y for x, y in zip(b, c)]
-    print(f"{l:<6}{stat(c):>24}{stat(a):>24}{stat(b):>24}{stat(ra, '{:.3f}'):>24}{stat(rb, '{:.3f}'):>24}")
+    r = [x / y for x, y in zip(a, c)]
+    print(f"{l:<6}{stat(c):>24}{stat(a):>24}{stat(r, '{:.3f}'):>24}")
 if seeds:
-    mean = lambda d, site: statistics.mean(statistics.mean(d[s][site][l] for l in langs) for s in seeds)
     cm = statistics.mean(statistics.mean(central[s][l] for l in langs) for s in seeds)
-    print(f"{'mean':<6}{cm:>24.2f}{mean(sites, 'A'):>24.2f}{mean(sites, 'B'):>24.2f}")
+    am = statistics.mean(statistics.mean(sites[s]["A"][l] for l in langs) for s in seeds)
+    print(f"{'mean':<6}{cm:>24.2f}{am:>24.2f}{am / cm:>24.3f}")
+    cv = [central_rows[s]["val_loss"] for s in seeds if "val_loss" in central_rows[s]]
+    sv = [sites[s]["val_loss"] for s in seeds if "val_loss" in sites[s]]
+    print(f"{'val loss':<10}{stat(cv, '{:.4f}'):>20}{stat(sv, '{:.4f}'):>24}"
+          f"{(statistics.mean(sv) / statistics.mean(cv)) if cv and sv else float('nan'):>24.4f}")
     print("WAN bytes per two-site run:", [sites[s].get("wan_bytes") for s in seeds],
           "digests agree:", [sites[s].get("digests_agree") for s in seeds])
 PY
