@@ -56,7 +56,7 @@ while [ $# -gt 0 ]; do
     --site-train) site_train="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --quick) quick=true; shift ;;
-    -h|--help) sed -n 2,33p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
     *) echo "translate.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
