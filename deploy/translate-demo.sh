@@ -27,7 +27,7 @@
 #                      needs at least a batch per rank
 #   --train "FLAGS"    extra isthmus-worker train flags (default "--lr 1e-3 --batch-size 8")
 #   --sites "FLAGS"    extra deploy/two-site.sh flags for every run (e.g. "--max-rounds-ahead 0
-#                      --codec fp32"; default none: the server's settings)
+#                      --codec dense"; default none: the server's settings)
 #   --out DIR          work folder, removed first (default demo-out/translate)
 #   --locale-dir DIR   where the catalogues are (default /usr/share/locale)
 #   --teacher FILE     also distil: a teacher base (the pre-trained base itself, or a larger

@@ -391,13 +391,17 @@ if [ -n "$veth" ] && [ "$idle_seconds" -gt 0 ]; then
   idle_bytes=$(( $(wan_counter) - idle_start ))
 fi
 
-# Evaluate each site's committed model on both sites' validation data.
-alive() {  # how many of the pids given are still running
-  local n=0 p
-  for p in "$@"; do kill -0 "$p" 2>/dev/null && n=$((n + 1)); done
-  echo "$n"
+# The translations run side by side, at most one per core; each is scored once it is done.
+translating=() translated=()  # their pids, oldest first, and their SITE-LANG names
+finish_translation() {  # waits for the oldest translation and scores it if it succeeded
+  local name=${translated[0]}
+  if wait "${translating[0]}"; then
+    /usr/bin/python3 deploy/chrf.py --json "$out/translate-$name.jsonl" \
+      > "$out/chrf-$name.json" 2>> "$out/logs/translate-$name.log" || true
+  fi
+  translating=("${translating[@]:1}") translated=("${translated[@]:1}")
 }
-translating=()
+# Evaluate each site's committed model on both sites' validation data, and translate.
 for s in "${sites[@]}"; do
   mapfile -t w < <(worker_args "$s")
   site_prefix "$s"
@@ -418,31 +422,18 @@ for s in "${sites[@]}"; do
       { cat "$out/logs/export-$s.log" >&2; echo "two-site: export of site $s failed" >&2; }
   fi
   [ -z "$translate_sites" ] || [[ ",$translate_sites," == *",$s,"* ]] || continue
-  # The translations run side by side, at most one per core; each writes its exit status.
   for t in "${translate_sets[@]}"; do
     lang="${t%%=*}"
     head -n "$translate_lines" "${t#*=}" > "$out/translate-input-$lang.jsonl"
-    while [ "$(alive "${translating[@]}")" -ge "$(getconf _NPROCESSORS_ONLN)" ]; do sleep 0.2; done
-    (
-      rc=0
-      "${prefix[@]}" "$worker" generate "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
-        --key "$out/keys/workers-$s/worker.key" --translate "$lang" \
-        --input "$out/translate-input-$lang.jsonl" --output "$out/translate-$s-$lang.jsonl" \
-        2> "$out/logs/translate-$s-$lang.log" || rc=$?
-      echo "$rc" > "$out/translate-$s-$lang.rc"
-    ) &
-    translating+=($!)
+    while [ ${#translating[@]} -ge "$(getconf _NPROCESSORS_ONLN)" ]; do finish_translation; done
+    "${prefix[@]}" "$worker" generate "${model_flags[@]}" --base "$base" --job demo "${w[@]}" \
+      --key "$out/keys/workers-$s/worker.key" --translate "$lang" \
+      --input "$out/translate-input-$lang.jsonl" --output "$out/translate-$s-$lang.jsonl" \
+      2> "$out/logs/translate-$s-$lang.log" &
+    translating+=($!) translated+=("$s-$lang")
   done
 done
-for p in "${translating[@]}"; do wait "$p" || true; done
-for s in "${sites[@]}"; do
-  for t in "${translate_sets[@]}"; do
-    lang="${t%%=*}"
-    [ "$(cat "$out/translate-$s-$lang.rc" 2>/dev/null)" = 0 ] || continue
-    /usr/bin/python3 deploy/chrf.py --json "$out/translate-$s-$lang.jsonl" \
-      > "$out/chrf-$s-$lang.json" 2>> "$out/logs/translate-$s-$lang.log" || true
-  done
-done
+while [ ${#translating[@]} -gt 0 ]; do finish_translation; done
 # The top samples end here (SIGTERM is top's normal end: exit 0).
 for p in "${tpids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
 for p in "${tpids[@]}"; do wait "$p" 2>/dev/null || echo "two-site: isthmusctl top (pid $p) ended with exit $?" >&2; done

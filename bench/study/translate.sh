@@ -10,13 +10,14 @@
 #                compute, with nothing crossing a WAN
 # Each model is scored by chrF (deploy/chrf.py, NLTK) of greedy translations (generate
 # --translate) of the first --lines held-out pairs of every language (the same pairs for
-# all: the split is by English message). A two-site run gives two models (each site's
-# committed state); both are reported. One JSON line per run goes to OUT/results.jsonl
-# (runs already there are skipped, so an interrupted study resumes), and the table at the
-# end gives, per language, the mean and spread over the seeds and the two sites' chrF as a
-# share of centralised chrF, and the validation loss of every model on the same 250 batches
-# of all the languages' held-out examples (isthmus-worker eval --batches 250: 2,000
-# examples in one shuffled order), a measure with far less noise than chrF at this scale.
+# all: the split is by English message). A two-site run's sites commit the same model (the
+# summary says whether their digests agree): site A's is scored. One JSON line per run
+# goes to OUT/results.jsonl (runs already there are skipped, so an interrupted study
+# resumes), and the table at the end gives, per language, the mean and spread over the
+# seeds and the two sites' chrF as a share of centralised chrF, and the validation loss of
+# every model on the same 250 batches of all the languages' held-out examples
+# (isthmus-worker eval --batches 250: 2,000 examples in one shuffled order), a measure
+# with far less noise than chrF at this scale.
 #
 # Usage: bench/study/translate.sh [--quick] [options]
 #   --base FILE        the model to fine-tune (default demo-out/base/base-2x128-1000.safetensors,
@@ -56,7 +57,7 @@ while [ $# -gt 0 ]; do
     --site-train) site_train="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --quick) quick=true; shift ;;
-    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,36p "$0"; exit 0 ;;
     *) echo "translate.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -88,8 +89,6 @@ chrf() {
   chrf_json "$out/task-all" "$all_langs" "$lines" "$out/$name" "${model[@]}" --base "$base" "$@"
 }
 
-# The centralised runs depend on the steps in all, not on how they are cut into rounds: every
-# two-site variant of the same steps, batch, lr and base shares them.
 # val_loss TRAINABLE: validation loss of the base with these tensors on the first
 # $val_batches batches of all the languages' held-out examples.
 val_loss() {
@@ -98,6 +97,8 @@ val_loss() {
     /usr/bin/python3 -c 'import json, sys; print(json.load(sys.stdin)["val_loss"])'
 }
 
+# The centralised runs depend on the steps in all, not on how they are cut into rounds: every
+# two-site variant of the same steps, batch, lr and base shares them.
 key_base="$site_a+$site_b/S$((rounds * steps))/b$batch/lr$lr/$(basename "$base" .safetensors)"
 key_sites="$site_a+$site_b/R${rounds}xH$steps/b$batch/lr$lr/$(basename "$base" .safetensors)"
 [ -z "$sites" ] || key_sites+="/sites:$sites"
