@@ -493,6 +493,102 @@ Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<s
   return out;
 }
 
+namespace {
+
+// The tensors of `metas`, each the whole of the payload frame it names; `fp32`: the frame
+// holds the tensor's fp32 values (its length is 4 x the shape's elements).
+Result<std::vector<ReplayTensor>> ReplayTensorsOf(
+    const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas, const Frames& reply,
+    bool fp32) {
+  std::vector<ReplayTensor> out;
+  if (metas == nullptr) return out;
+  for (const auto* m : *metas) {
+    if (m->frame() >= reply.payload.size() || reply.payload[m->frame()].size() != m->nbytes()) {
+      return Status::InvalidArgument("pull by replay: tensor '" + m->name()->str() +
+                                     "' names a payload frame that is absent or of another size");
+    }
+    ReplayTensor t{m->name()->str(), ShapeOf(m), {}};
+    const auto& f = reply.payload[m->frame()];
+    t.bytes = std::string_view(static_cast<const char*>(f.data()), f.size());
+    const int64_t numel = NumElements(t.shape);
+    if (numel < 0 || (fp32 && t.bytes.size() != static_cast<uint64_t>(numel) * sizeof(float))) {
+      return Status::InvalidArgument("pull by replay: tensor '" + t.name +
+                                     "' has a shape that does not match its bytes");
+    }
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+Result<std::vector<ReplayRoundDeltas>> ReplayRoundsOf(
+    const flatbuffers::Vector<flatbuffers::Offset<wire::ReplayRound>>* rounds,
+    const Frames& reply) {
+  std::vector<ReplayRoundDeltas> out;
+  if (rounds == nullptr) return out;
+  for (const auto* r : *rounds) {
+    ReplayRoundDeltas round{r->round(), {}};
+    if (r->deltas()) {
+      for (const auto* d : *r->deltas()) {
+        ISTHMUS_ASSIGN_OR_RETURN(auto tensors, ReplayTensorsOf(d->tensors(), reply, false));
+        round.deltas.push_back({d->site()->str(), d->tokens(), std::move(tensors)});
+      }
+    }
+    out.push_back(std::move(round));
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<ReplayReply> ShardClient::PullReplay(const std::string& job, uint64_t from,
+                                            const std::string& digest) {
+  flatbuffers::FlatBufferBuilder fbb;
+  uint64_t id = NextRequestId();
+  auto body =
+      wire::CreatePullRequestDirect(fbb, job.c_str(), nullptr, 0, true, from, digest.c_str());
+  FinishEnvelope(fbb, id, wire::Body::PullRequest, body.Union());
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
+  ISTHMUS_ASSIGN_OR_RETURN(auto* r,
+                           BodyAs<wire::PullReply>(reply, options_.limits, wire::Body::PullReply));
+  ReplayReply out;
+  out.job_version = r->job_version();
+  out.rounds = RoundInfoOf(r->rounds());
+  for (const auto& f : reply.payload) out.payload_bytes += f.size();
+  const wire::Replay* rp = r->replay();
+  if (rp == nullptr) {
+    // Not synced there: a plain pull's reply.
+    ISTHMUS_RETURN_IF_ERROR(ValidateTensors(r->tensors(), reply.payload, options_.limits, false));
+    ISTHMUS_ASSIGN_OR_RETURN(auto plain, ReplayTensorsOf(r->tensors(), reply, true));
+    out.plain.job_version = out.job_version;
+    out.plain.rounds = out.rounds;
+    for (const auto& t : plain) {
+      Tensor copy{t.name, t.shape, std::vector<float>(t.bytes.size() / sizeof(float))};
+      std::memcpy(copy.data.data(), t.bytes.data(), t.bytes.size());
+      out.plain.tensors.push_back(std::move(copy));
+      out.plain.versions.push_back(out.job_version);
+    }
+    return out;
+  }
+  out.replayed = true;
+  out.base_round = rp->base_round();
+  out.whole = rp->base() != nullptr;
+  ISTHMUS_ASSIGN_OR_RETURN(out.base, ReplayTensorsOf(rp->base(), reply, true));
+  ISTHMUS_ASSIGN_OR_RETURN(out.base_momentum, ReplayTensorsOf(rp->base_momentum(), reply, true));
+  ISTHMUS_ASSIGN_OR_RETURN(out.committed, ReplayRoundsOf(rp->committed(), reply));
+  ISTHMUS_ASSIGN_OR_RETURN(out.view, ReplayRoundsOf(rp->view(), reply));
+  out.committed_round = rp->committed_round();
+  out.digest = rp->digest() ? rp->digest()->str() : "";
+  out.epoch = rp->epoch();
+  out.members_from = rp->members_from();
+  if (rp->members()) {
+    for (const auto* s : *rp->members()) out.members.push_back(s->str());
+  }
+  out.outer_lr = rp->outer_lr();
+  out.outer_momentum = rp->outer_momentum();
+  out.frames_ = std::move(reply);
+  return out;
+}
+
 Result<PullView> ShardClient::PullInPlace(const std::string& job,
                                           const std::vector<std::string>& names,
                                           uint64_t newer_than) {

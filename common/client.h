@@ -124,6 +124,47 @@ struct PullView {
   std::vector<std::vector<float>> realigned_;  // copies of frames not 4-byte aligned
 };
 
+// Bytes of a tensor in a ReplayReply's payload frame: fp32 values (base state) or a codec's
+// encoding (a round's delta). Valid while the ReplayReply lives.
+struct ReplayTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::string_view bytes;
+};
+struct ReplaySiteDelta {
+  std::string site;
+  uint64_t tokens = 0;
+  std::vector<ReplayTensor> tensors;
+};
+struct ReplayRoundDeltas {
+  uint64_t round = 0;
+  std::vector<ReplaySiteDelta> deltas;  // in the merge's order
+};
+
+// The result of PullReplay (docs/SYNC.md, "Pulling by replay"; the fields are the wire's
+// Replay table). replayed false: the job does not sync on that shard, and `plain` holds
+// what a plain pull returns. Move-only, like PullView: the spans point into frames it owns.
+struct ReplayReply {
+  bool replayed = false;
+  PullResult plain;
+  uint64_t job_version = 0;
+  RoundInfo rounds;
+  uint64_t base_round = 0;
+  bool whole = false;  // base (and base_momentum) hold committed round base_round
+  std::vector<ReplayTensor> base, base_momentum;
+  std::vector<ReplayRoundDeltas> committed, view;
+  uint64_t committed_round = 0;
+  std::string digest;
+  uint64_t epoch = 0, members_from = 0;
+  std::vector<std::string> members;
+  float outer_lr = 1.0f, outer_momentum = 0.0f;
+  uint64_t payload_bytes = 0;  // bytes of the reply's payload frames
+
+ private:
+  friend class ShardClient;
+  Frames frames_;
+};
+
 // A shard's answer to Push.
 struct PushResult {
   uint64_t job_version = 0;  // the job's version after the push
@@ -269,6 +310,9 @@ class ShardClient {
   // large tensors this saves a fresh allocation and a copy per tensor.
   Result<PullView> PullInPlace(const std::string& job, const std::vector<std::string>& names = {},
                                uint64_t newer_than = 0);
+  // A pull by replay: the client holds committed round `from` of `job` with `digest` (empty:
+  // none). Frames and metas are checked (each names a frame, of the length it says).
+  Result<ReplayReply> PullReplay(const std::string& job, uint64_t from, const std::string& digest);
   // Adds each tensor's values to the job's tensor of that name, all or none. `compute_ms`:
   // the worker's compute time for the round, for adaptive codec sizing (0 = unknown).
   Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,

@@ -112,9 +112,13 @@ Result<std::vector<Tensor>> SiteClient::Pull() {
   std::vector<Tensor> all;
   std::map<std::string, int> seen;
   for (size_t i = 0; i < shards_.size(); ++i) {
-    auto r = shards_[i]->Pull(options_.job);
+    auto r = [&]() -> Result<std::vector<Tensor>> {
+      if (puller_) return puller_->Pull(i, *shards_[i], options_.job);
+      ISTHMUS_ASSIGN_OR_RETURN(PullResult p, shards_[i]->Pull(options_.job));
+      return std::move(p.tensors);
+    }();
     if (!r.ok()) return AtShard(i, Status(r.status().code(), "pull: " + r.status().message()));
-    for (auto& t : r->tensors) {
+    for (auto& t : *r) {
       ISTHMUS_RETURN_IF_ERROR(Place(t.name, i, seen));
       all.push_back(std::move(t));
     }

@@ -81,6 +81,16 @@ struct Staleness {
   uint64_t lowest_local_round = 0;
 };
 
+// How SiteClient::Pull gets one shard's tensors (the served state, as ShardClient::Pull
+// returns it). Without one it pulls every tensor; ReplayPuller (ops/codec_replica.h)
+// replays rounds from their encoded deltas instead.
+class ShardPuller {
+ public:
+  virtual ~ShardPuller() = default;
+  virtual Result<std::vector<Tensor>> Pull(size_t shard, ShardClient& client,
+                                           const std::string& job) = 0;
+};
+
 class SiteClient {
  public:
   // Connects to every shard (lazily, as ShardClient does: a shard that is down shows up
@@ -96,8 +106,11 @@ class SiteClient {
   // another shard than a placement given by SetPlacement says.
   Result<std::vector<Tensor>> Pull();
   // As Pull, without copying tensor data out of the received messages: one PullView per
-  // shard, in shard order.
+  // shard, in shard order. (Always every tensor: the puller is for Pull.)
   Result<std::vector<PullView>> PullInPlace();
+  // Pull gets each shard's tensors through `puller` from now on (null: every tensor).
+  void SetPuller(std::unique_ptr<ShardPuller> puller) { puller_ = std::move(puller); }
+  ShardPuller* puller() const { return puller_.get(); }
 
   // Tensor name -> index of the shard that holds it (from the last pull, or as set).
   const std::map<std::string, int>& placement() const { return placement_; }
@@ -144,6 +157,7 @@ class SiteClient {
   std::string PushKey(uint64_t round, int shard) const;
 
  private:
+  std::unique_ptr<ShardPuller> puller_;
   explicit SiteClient(SiteOptions options) : options_(std::move(options)) {}
   // "shard I (ENDPOINT)": how messages name a shard.
   std::string Where(size_t i) const;

@@ -25,6 +25,7 @@
 #include "common/round_driver.h"
 #include "common/safetensors.h"
 #include "ops/buffer.h"
+#include "ops/codec_replica.h"
 #include "worker/comm/bucketed_all_reduce.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
@@ -967,6 +968,9 @@ class RoundLoop {
   // The round driver of a synced run, once the live weights are where training starts.
   Status StartDriver() {
     ISTHMUS_ASSIGN_OR_RETURN(live_, ModelLiveParams::Create(*gpt_, comm_.get()));
+    if (s_.pull_by_replay && !site_->puller()) {
+      site_->SetPuller(std::make_unique<codec::ReplayPuller>());
+    }
     rounds_ = std::make_unique<SiteRounds>(*site_);
     RoundDriverOptions o;
     o.overlap = s_.overlap;

@@ -9,7 +9,7 @@ add_library(isthmus_worker STATIC
   ${CMAKE_CURRENT_LIST_DIR}/worker_config.cc)
 target_include_directories(isthmus_worker PUBLIC ${PROJECT_SOURCE_DIR})
 target_link_libraries(isthmus_worker
-  PUBLIC isthmus_model isthmus_comm isthmus_data isthmus_common CLI11::CLI11
+  PUBLIC isthmus_model isthmus_comm isthmus_data isthmus_codec isthmus_common CLI11::CLI11
   PRIVATE nlohmann_json::nlohmann_json spdlog::spdlog)
 
 add_executable(isthmus-worker ${CMAKE_CURRENT_LIST_DIR}/main.cc)

@@ -540,6 +540,11 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   app.add_flag("--overlap,!--no-overlap", t.overlap,
                "push, wait for the WAN and pull in the background while the next round "
                "trains; the pulled state is merged at a step boundary (default on)");
+  app.add_flag("--pull-by-replay,!--no-pull-by-replay", t.pull_by_replay,
+               "pull each round as the sites' encoded deltas and replay the commits here, "
+               "checked against the shard's digest, instead of pulling every tensor (default "
+               "on; the first pull, and one after more than sync.replay_rounds rounds, brings "
+               "the whole state)");
   app.add_option("--merge-after-steps", t.merge_after_steps,
                  "with --overlap: merge the pulled state no earlier than this many steps into "
                  "the next round, then as soon as it has arrived (default: a tenth of the "

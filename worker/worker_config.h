@@ -146,6 +146,10 @@ struct TrainSettings {
   // is merged at a step boundary. On by default: it matches or beats synchronous rounds on
   // quality (docs/BENCHMARKS.md, section 8) and hides the boundary (section 7).
   bool overlap = true;
+  // Pull the rounds committed since the last pull as the sites' encoded deltas and replay
+  // them here (ops/codec_replica.h; docs/SYNC.md, "Pulling by replay") instead of every
+  // tensor: a few MB a round where full mode's state is hundreds.
+  bool pull_by_replay = true;
   // With overlap: merge the round in flight no earlier than this many steps into the next
   // round, then as soon as it is done (-1, the default: a tenth of the round; 0: on
   // arrival); with merge_wait, at exactly that step, waiting for it there

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "common/safetensors.h"
+#include "ops/codec_replica.h"
 
 namespace isthmus::wanload {
 namespace {
@@ -134,6 +135,7 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
   std::vector<LiveTensor> views;
   for (auto& t : live_) views.push_back({t.name, t.shape, t.data.data()});
   params_ = std::make_unique<HostLiveParams>(std::move(views));
+  if (o_.pull_by_replay) site_->SetPuller(std::make_unique<codec::ReplayPuller>());
   rounds_ = std::make_unique<SiteRounds>(*site_);
   RoundDriverOptions d;
   d.overlap = o_.overlap;

@@ -80,8 +80,11 @@ struct SiteOptions {
   double round_seconds = 3.0;  // emulated compute per round
   int rounds = 10;
   uint64_t tokens_per_round = 1;  // the merge weight (equal sites: equal tokens)
-  int poll_ms = 50;          // how often a waiting round asks the shards again (as isthmus-worker)
-  bool overlap = false;      // end rounds in the background (isthmus-worker --overlap)
+  int poll_ms = 50;      // how often a waiting round asks the shards again (as isthmus-worker)
+  bool overlap = false;  // end rounds in the background (isthmus-worker --overlap)
+  // Pull by replay (isthmus-worker --pull-by-replay, its default): the rounds committed
+  // since the last pull as encoded deltas, replayed here (ops/codec_replica.h).
+  bool pull_by_replay = false;
   int steps_per_round = 30;  // emulated step boundaries per round (where merges happen)
   // With overlap: when a round's pulled state is merged (isthmus-worker
   // --merge-after-steps, --merge-wait; by default no earlier than a tenth of the round).

@@ -27,6 +27,7 @@ int main(int argc, char** argv) {
   int merge_after_steps = -1;
   bool merge_wait = false;
   bool overlap = false;
+  bool pull_by_replay = false;
   app.add_option("--job", job, "job on the shards")->required();
   app.add_option("--server", servers, "shard worker endpoint, in shard order")->required();
   app.add_option("--server-key", server_keys, "shard public key file (one, or one per --server)")
@@ -49,6 +50,10 @@ int main(int argc, char** argv) {
   app.add_flag("--overlap,!--no-overlap", overlap,
                "end rounds in the background while the next round computes (isthmus-worker "
                "--overlap)")
+      ->capture_default_str();
+  app.add_flag("--pull-by-replay,!--no-pull-by-replay", pull_by_replay,
+               "pull rounds as encoded deltas and replay them here (isthmus-worker "
+               "--pull-by-replay) instead of pulling every tensor")
       ->capture_default_str();
   app.add_option("--steps-per-round", steps_per_round,
                  "emulated steps per round: the step boundaries a finished round is merged at")
@@ -102,9 +107,10 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "bench_wan_load (synthetic site %s): %zu recorded rounds of %llu values, %d rounds "
-      "of %.2f s in %d steps, %zu shard(s), overlap %s\n",
+      "of %.2f s in %d steps, %zu shard(s), overlap %s, pull by replay %s\n",
       client_name.c_str(), deltas->rounds.size(), static_cast<unsigned long long>(deltas->numel),
-      rounds, round_seconds, steps_per_round, servers.size(), overlap ? "on" : "off");
+      rounds, round_seconds, steps_per_round, servers.size(), overlap ? "on" : "off",
+      pull_by_replay ? "on" : "off");
   std::fflush(stdout);
   wanload::SiteOptions so;
   so.job = job;
@@ -113,6 +119,7 @@ int main(int argc, char** argv) {
   so.rounds = rounds;
   so.poll_ms = poll_ms;
   so.overlap = overlap;
+  so.pull_by_replay = pull_by_replay;
   so.steps_per_round = steps_per_round;
   so.merge = MergePolicy{merge_after_steps, merge_wait};
   wanload::SyntheticSite site(
@@ -161,6 +168,7 @@ int main(int argc, char** argv) {
     nlohmann::json j = {{"site", client_name},
                         {"round_seconds", round_seconds},
                         {"overlap", overlap},
+                        {"pull_by_replay", pull_by_replay},
                         {"steps_per_round", steps_per_round},
                         {"drain_s", site.drain_s()},
                         {"numel", deltas->numel},

@@ -351,6 +351,13 @@ const std::vector<Binding>& Bindings() {
           "DiLoCo does); larger K overlaps the WAN with compute.",
           Range{0, kMaxRoundsAheadLimit}),
       Bind(
+          "sync.replay_rounds", [](auto& c) -> auto& { return c.sync.replay_rounds; },
+          "Committed rounds whose encoded deltas stay after the commit, so that workers pull "
+          "the rounds since the state they hold as encoded deltas and replay them instead of "
+          "pulling every tensor (docs/SYNC.md, Pulling by replay). 0: a replaying worker "
+          "pulls the whole state whenever it is a round behind.",
+          Range{0, kMaxReplayRounds}),
+      Bind(
           "sync.encode_threads", [](auto& c) -> auto& { return c.sync.encode_threads; },
           "Threads that encode a closing round's tensors with error feedback (top-k, "
           "quantisation, zstd), one tensor per thread at a time, the shard's loop among them. "

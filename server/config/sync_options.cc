@@ -40,6 +40,10 @@ Status NormalizeSyncOptions(SyncOptions& options) {
     return Status::InvalidArgument("sync.max_rounds_ahead must be in [0, " +
                                    std::to_string(kMaxRoundsAheadLimit) + "]");
   }
+  if (options.replay_rounds > kMaxReplayRounds) {
+    return Status::InvalidArgument("sync.replay_rounds must be in [0, " +
+                                   std::to_string(kMaxReplayRounds) + "]");
+  }
   if (options.encode_threads < 1 || options.encode_threads > kMaxEncodeThreads) {
     return Status::InvalidArgument("sync.encode_threads must be in [1, " +
                                    std::to_string(kMaxEncodeThreads) + "]");

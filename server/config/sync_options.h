@@ -21,6 +21,7 @@ namespace isthmus {
 inline constexpr double kMaxOuterLr = 100.0;           // outer_lr in (0, kMaxOuterLr]
 inline constexpr uint32_t kMaxFragments = 1024;        // fragments in [1, kMaxFragments]
 inline constexpr uint64_t kMaxRoundsAheadLimit = 256;  // max_rounds_ahead in [0, this]
+inline constexpr uint64_t kMaxReplayRounds = 256;      // replay_rounds in [0, this]
 inline constexpr uint32_t kMaxEncodeThreads = 64;      // encode_threads in [1, this]
 
 struct SyncOptions {
@@ -48,6 +49,12 @@ struct SyncOptions {
   uint32_t fragments = 1;
   // K: workers wait while local - committed > K (0: synchronous rounds, each commits first)
   uint64_t max_rounds_ahead = 1;
+  // Committed rounds whose encoded deltas (every site's) stay in the store after the commit,
+  // so that a worker holding the state of one of them pulls the rounds since as encoded
+  // deltas and replays them (docs/SYNC.md, "Pulling by replay"); older ones go. 0: deltas go
+  // at the commit (as soon as every peer holds this site's), and a replaying worker pulls
+  // the whole state whenever it is a round behind.
+  uint64_t replay_rounds = 4;
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
   // Threads that encode a closing round's tensors (one tensor per thread at a time, the

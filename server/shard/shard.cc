@@ -580,6 +580,7 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
 
 Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
   ISTHMUS_ASSIGN_OR_RETURN(JobState * job, FindJob(req->job()));
+  if (req->replay() && sync_ && sync_->HasJob(job->name)) return DoReplayPull(req, *job, id, reply);
   // Synced jobs serve committed state plus the known uncommitted deltas; every tensor
   // carries the job's served version.
   std::map<std::string, TensorState> view;
@@ -627,6 +628,65 @@ Status Shard::DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply) {
   auto body = wire::CreatePullReply(reply.header, VersionOf(*job), metas_v,
                                     RoundStatusOf(reply.header, *job));
   FinishEnvelope(reply.header, id, wire::Body::PullReply, body.Union());
+  return Status::Ok();
+}
+
+Status Shard::DoReplayPull(const wire::PullRequest* req, JobState& job, uint64_t id, Reply& reply) {
+  const std::string digest = req->replay_digest() ? req->replay_digest()->str() : "";
+  ISTHMUS_ASSIGN_OR_RETURN(ReplayPlan plan, sync_->Replay(job.name, req->replay_from(), digest));
+  auto& fbb = reply.header;
+  uint64_t bytes = 0;
+  auto frame = [&](const void* data, uint64_t n, std::shared_ptr<const void> keep) {
+    bytes += n;
+    reply.payload.push_back({data, n, std::move(keep)});
+    return static_cast<uint32_t>(reply.payload.size() - 1);
+  };
+  auto dense = [&](const std::string& name, const SyncTensor& t) {
+    const uint64_t n = t.data->size() * sizeof(float);
+    return wire::CreateTensorMetaDirect(fbb, name.c_str(), &t.shape, wire::DType::F32,
+                                        frame(t.data->data(), n, t.data), n, 0);
+  };
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> base, base_m;
+  for (const auto& [name, t] : plan.theta) {
+    base.push_back(dense(name, t));
+    if (auto it = plan.momentum.find(name); it != plan.momentum.end()) {
+      base_m.push_back(dense(name, SyncTensor{t.shape, it->second}));
+    }
+  }
+  auto rounds = [&](const std::vector<ReplayPlan::Round>& in) {
+    std::vector<flatbuffers::Offset<wire::ReplayRound>> out;
+    for (const auto& r : in) {
+      std::vector<flatbuffers::Offset<wire::ReplayDelta>> deltas;
+      for (const auto& d : r.deltas) {
+        std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
+        for (const auto& t : d.delta->tensors) {
+          metas.push_back(wire::CreateTensorMetaDirect(
+              fbb, t.name.c_str(), &t.shape, wire::DType::F32,
+              frame(t.bytes.data(), t.bytes.size(), d.delta), t.bytes.size(), 0));
+        }
+        deltas.push_back(wire::CreateReplayDeltaDirect(fbb, d.site.c_str(), d.tokens, &metas));
+      }
+      out.push_back(wire::CreateReplayRoundDirect(fbb, r.round, &deltas));
+    }
+    return out;
+  };
+  auto committed = rounds(plan.committed);
+  auto view = rounds(plan.view);
+  if (bytes > options_.limits.max_payload_bytes) {
+    reply.payload.clear();
+    return Status::ResourceExhausted("a pull by replay of " + std::to_string(bytes) +
+                                     " bytes exceeds the message limit; pull without replay");
+  }
+  std::vector<flatbuffers::Offset<flatbuffers::String>> members;
+  for (const auto& s : plan.members.sites) members.push_back(fbb.CreateString(s));
+  auto replay = wire::CreateReplayDirect(
+      fbb, plan.base_round, plan.whole ? &base : nullptr, plan.whole ? &base_m : nullptr,
+      &committed, &view, plan.committed_round, plan.digest.c_str(), plan.members.epoch,
+      plan.members.from_round, &members, plan.outer_lr, plan.outer_momentum);
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> none;
+  auto body = wire::CreatePullReply(fbb, VersionOf(job), fbb.CreateVector(none),
+                                    RoundStatusOf(fbb, job), replay);
+  FinishEnvelope(fbb, id, wire::Body::PullReply, body.Union());
   return Status::Ok();
 }
 

@@ -135,6 +135,10 @@ class Shard {
 
   Status DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Reply& reply);
   Status DoPull(const wire::PullRequest* req, uint64_t id, Reply& reply);
+  // A pull by replay (PullRequest.replay) of a synced job: the engine's ReplayPlan, its
+  // encoded deltas (and, when the client's state cannot be used, the whole committed
+  // state) in zero-copy payload frames.
+  Status DoReplayPull(const wire::PullRequest* req, JobState& job, uint64_t id, Reply& reply);
   Status DoPush(const wire::PushRequest* req, const Frames& frames, uint64_t id, Reply& reply,
                 std::shared_ptr<const void> keepalive);
   // A push to a job of the round protocol: staged by the engine (round >= 1) or added at

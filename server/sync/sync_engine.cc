@@ -20,6 +20,7 @@
 #include "server/storage/keys.h"
 
 #include "ops/codec.h"
+#include "ops/codec_outer.h"
 
 namespace isthmus {
 namespace {
@@ -61,10 +62,9 @@ Result<std::optional<std::vector<float>>> GetFloats(Store* store, Column c, cons
   return std::optional<std::vector<float>>(std::move(v));
 }
 
-float MergeWeight(uint64_t tokens, uint64_t total, size_t sites) {
-  if (total == 0) return static_cast<float>(1.0 / static_cast<double>(sites));
-  return static_cast<float>(static_cast<double>(tokens) / static_cast<double>(total));
-}
+using codec::AddWeighted;
+using codec::ApplyOuterStep;
+using codec::MergeWeight;
 
 }  // namespace
 
@@ -678,8 +678,7 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
       if (sent != nullptr) sent->insert(et.name);
       decoded.assign(it->second.size(), 0.0f);
       ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
-      float* out = it->second.data();
-      for (size_t i = 0; i < decoded.size(); ++i) out[i] += w * decoded[i];
+      AddWeighted(it->second, w, decoded);
     }
   }
   return merged;
@@ -742,24 +741,8 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   return Status::Ok();
 }
 
-// The outer optimiser on one tensor: theta += lr * g (mu == 0; m unused), or Nesterov:
-// m = mu * m + g, theta += lr * (g + mu * m). The commit's arithmetic (this file has no
-// fused multiply-adds, so every site gets the same bits), also the optimistic view's.
-namespace {
-
-void ApplyOuterStep(float* theta, float* m, const float* g, size_t n, float lr, float mu) {
-  if (mu == 0.0f) {
-    for (size_t i = 0; i < n; ++i) theta[i] += lr * g[i];
-    return;
-  }
-  for (size_t i = 0; i < n; ++i) {
-    m[i] = mu * m[i] + g[i];
-    theta[i] += lr * (g[i] + mu * m[i]);
-  }
-}
-
-}  // namespace
-
+// The outer optimiser's arithmetic (codec::ApplyOuterStep) is shared with workers that
+// replay committed rounds (ops/codec_replica.h), compiled without fused multiply-adds.
 Result<SyncEngine::OuterState> SyncEngine::OuterStep(
     const std::string& name, const Job& j, uint64_t round,
     const std::map<std::string, std::vector<float>>& merged,
@@ -810,18 +793,10 @@ void SyncEngine::CommitBatch(const std::string& name, const Job& j, uint64_t rou
     }
   }
   batch.PutOwned(Column::kSync, DigestKey(name, round), digest);
-  // The round's inputs go: held markers and the peers' deltas.
-  for (const auto& s : sites) {
-    batch.Delete(Column::kSync, HeldKey(name, s, round));
-    if (s != options_.site) batch.Delete(Column::kDeltas, DeltaKey(name, s, round));
-  }
-  // This site's own delta stays in the outbox until every peer holds it.
-  uint64_t min_acked = round;
-  for (const auto& p : MemberPeers(j)) {
-    auto it = j.acked.find(p);
-    min_acked = std::min(min_acked, it == j.acked.end() ? 0 : it->second);
-  }
-  if (min_acked >= round) batch.Delete(Column::kDeltas, DeltaKey(name, options_.site, round));
+  // The round's held markers go; its deltas stay for sync.replay_rounds more commits, for
+  // workers that replay rounds (and this site's own until every peer holds it).
+  for (const auto& s : sites) batch.Delete(Column::kSync, HeldKey(name, s, round));
+  DropOldDeltas(name, j, round, batch);
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
 }
 
@@ -881,22 +856,27 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
   return version;
 }
 
-Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& name) {
-  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
-  if (j->view) return *j->view;
+std::map<uint64_t, std::vector<std::string>> SyncEngine::ViewRounds(const Job& j) const {
   // Rounds this site has closed and not committed, with the deltas held for them so far.
   // A peer's delta for a round this site has not closed yet is left out: the site's
   // workers are still training that round, and whether it has arrived is a matter of
   // timing. (With overlapped workers at K = 1 a pull runs once the site's last round has
   // committed, so the view is then the committed state, whatever the peers sent since.)
   std::map<uint64_t, std::vector<std::string>> rounds;  // round -> sites holding it (sorted)
-  for (const auto& s : j->members.sites) {
-    auto it = j->inbox.find(s);
-    if (it == j->inbox.end()) continue;
+  for (const auto& s : j.members.sites) {
+    auto it = j.inbox.find(s);
+    if (it == j.inbox.end()) continue;
     for (const auto& [r, _] : it->second) {
-      if (r > j->committed && r <= j->local) rounds[r].push_back(s);
+      if (r > j.committed && r <= j.local) rounds[r].push_back(s);
     }
   }
+  return rounds;
+}
+
+Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& name) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  if (j->view) return *j->view;
+  const auto rounds = ViewRounds(*j);
   if (rounds.empty()) {
     j->view = j->theta;
     return *j->view;
@@ -934,6 +914,72 @@ Result<std::map<std::string, SyncTensor>> SyncEngine::View(const std::string& na
 Result<std::map<std::string, SyncTensor>> SyncEngine::Committed(const std::string& name) const {
   ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
   return j->theta;
+}
+
+Result<ReplayPlan> SyncEngine::Replay(const std::string& name, uint64_t from,
+                                      const std::string& digest) {
+  ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  ReplayPlan plan;
+  plan.committed_round = j->committed;
+  plan.members = j->members;
+  plan.outer_lr = static_cast<float>(options_.outer_lr);
+  plan.outer_momentum = static_cast<float>(options_.outer_momentum);
+  ISTHMUS_ASSIGN_OR_RETURN(auto committed_digest,
+                           store_->Get(Column::kSync, DigestKey(name, j->committed)));
+  if (!committed_digest) {
+    return Status::Corruption("job '" + name + "' has no digest of its committed round " +
+                              std::to_string(j->committed));
+  }
+  plan.digest = *committed_digest;
+  // One site's delta of a round, read back from the store; null when it is gone.
+  auto read = [&](const std::string& site, uint64_t round) -> Result<ReplayPlan::Delta> {
+    ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, site, round)));
+    if (!bytes) return ReplayPlan::Delta{site, 0, nullptr};
+    ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta d, DecodeDelta(*bytes));
+    const uint64_t tokens = d.tokens;  // what the held index (the merge weight) holds
+    return ReplayPlan::Delta{site, tokens, std::make_shared<const EncodedDelta>(std::move(d))};
+  };
+  // The worker's state is usable when it is a committed round of the current membership
+  // whose digest it has right and whose later rounds' deltas are all still here.
+  bool usable = !digest.empty() && from <= j->committed && j->members.from_round <= from + 1;
+  if (usable) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto known, store_->Get(Column::kSync, DigestKey(name, from)));
+    usable = known && *known == digest;
+  }
+  for (uint64_t r = from + 1; usable && r <= j->committed; ++r) {
+    ReplayPlan::Round round{r, {}};
+    for (const auto& s : j->members.sites) {
+      ISTHMUS_ASSIGN_OR_RETURN(auto d, read(s, r));
+      if (!d.delta) {
+        usable = false;
+        break;
+      }
+      round.deltas.push_back(std::move(d));
+    }
+    plan.committed.push_back(std::move(round));
+  }
+  if (usable) {
+    plan.base_round = from;
+  } else {
+    plan.committed.clear();
+    plan.whole = true;
+    plan.base_round = j->committed;
+    plan.theta = j->theta;
+    if (keeps_momentum()) plan.momentum = j->momentum;
+  }
+  for (const auto& [r, sites] : ViewRounds(*j)) {
+    ReplayPlan::Round round{r, {}};
+    for (const auto& s : sites) {
+      ISTHMUS_ASSIGN_OR_RETURN(auto d, read(s, r));
+      if (!d.delta) {
+        return Status::Corruption("delta of site " + s + " round " + std::to_string(r) +
+                                  " of job '" + name + "' is missing");
+      }
+      round.deltas.push_back(std::move(d));
+    }
+    plan.view.push_back(std::move(round));
+  }
+  return plan;
 }
 
 uint64_t SyncEngine::Version(const std::string& job) const {
@@ -1046,19 +1092,32 @@ Result<std::shared_ptr<const EncodedDelta>> SyncEngine::OutboxDelta(const std::s
 }
 
 void SyncEngine::CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const {
-  uint64_t limit = j.committed;
+  DropOldDeltas(name, j, j.committed, batch);
+}
+
+void SyncEngine::DropOldDeltas(const std::string& name, const Job& j, uint64_t committed,
+                               WriteBatch& batch) const {
+  if (committed <= options_.replay_rounds) return;
+  const uint64_t limit = committed - options_.replay_rounds;
+  uint64_t own_limit = limit;
   for (const auto& p : MemberPeers(j)) {
     auto it = j.acked.find(p);
-    limit = std::min(limit, it == j.acked.end() ? 0 : it->second);
+    own_limit = std::min(own_limit, it == j.acked.end() ? 0 : it->second);
   }
-  if (limit == 0) return;
-  const std::string prefix = keys::DeltaPrefix(name, options_.site);
-  (void)store_->Scan(Column::kDeltas, prefix, [&](std::string_view k, std::string_view) {
-    if (k.size() != prefix.size() + 8) return true;
-    if (FromBigEndian64(k.substr(prefix.size())) > limit) return false;
-    batch.Delete(Column::kDeltas, std::string(k));
-    return true;
-  });
+  // Every site that ever sent a delta: the members, and sites removed since.
+  std::set<std::string> sites(j.members.sites.begin(), j.members.sites.end());
+  for (const auto& [s, _] : j.removed) sites.insert(s);
+  for (const auto& site : sites) {
+    const uint64_t upto = site == options_.site ? own_limit : limit;
+    if (upto == 0) continue;
+    const std::string prefix = keys::DeltaPrefix(name, site);
+    (void)store_->Scan(Column::kDeltas, prefix, [&](std::string_view k, std::string_view) {
+      if (k.size() != prefix.size() + 8) return true;
+      if (FromBigEndian64(k.substr(prefix.size())) > upto) return false;
+      batch.Delete(Column::kDeltas, std::string(k));
+      return true;
+    });
+  }
 }
 
 void SyncEngine::OnPeerAck(const std::string& peer_site, const std::string& name,

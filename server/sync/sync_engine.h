@@ -41,6 +41,34 @@ struct SyncPushTensor {
   std::vector<int64_t> shape;
 };
 
+// What a worker needs to reach a shard's served state by replaying rounds from their
+// encoded deltas (SyncEngine::Replay; docs/SYNC.md, "Pulling by replay").
+struct ReplayPlan {
+  struct Delta {
+    std::string site;
+    uint64_t tokens = 0;  // the merge weight's input, as the commit (or view) uses it
+    std::shared_ptr<const EncodedDelta> delta;
+  };
+  struct Round {
+    uint64_t round = 0;
+    std::vector<Delta> deltas;  // in site-name order: the merge's order
+  };
+  uint64_t base_round = 0;  // the committed round the replay starts from
+  // The whole committed state of base_round, when the worker's could not be used (it has
+  // none, or its round's deltas are gone, or the membership changed since): theta, and the
+  // momentum when the outer optimiser keeps one. Empty otherwise.
+  bool whole = false;
+  std::map<std::string, SyncTensor> theta;
+  std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+  std::vector<Round> committed;  // base_round + 1 .. the committed round, in order
+  std::vector<Round> view;       // the optimistic view's uncommitted rounds, in order
+  uint64_t committed_round = 0;
+  std::string digest;  // of committed_round
+  Membership members;  // the committed rounds' (and the digest's) membership
+  float outer_lr = 1.0f;
+  float outer_momentum = 0.0f;
+};
+
 struct SyncPushResult {
   bool duplicate = false;  // the round was already closed: nothing changed
   bool closed = false;     // this push completed the round, and it was closed
@@ -171,6 +199,12 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   Result<std::map<std::string, SyncTensor>> View(const std::string& job);
   // The committed tensors alone.
   Result<std::map<std::string, SyncTensor>> Committed(const std::string& job) const;
+  // What a worker that holds committed round `from` with digest `digest` (empty: it holds
+  // none) needs to reach View(job) by replay: the deltas of the rounds committed since and
+  // those the view adds, or the whole committed state to start from when `from`'s cannot be
+  // used (ReplayPlan::whole). Deltas are read from the store (sync.replay_rounds keeps
+  // committed rounds' deltas).
+  Result<ReplayPlan> Replay(const std::string& job, uint64_t from, const std::string& digest);
 
   uint64_t Version(const std::string& job) const;
   // The last round this site closed (its outbox's highest round).
@@ -339,6 +373,14 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
                    const std::string& digest, const SyncRecord& rec, WriteBatch& batch) const;
   void PublishCommit(Job& j, uint64_t round, OuterState next, const std::vector<std::string>& sites,
                      uint64_t version);
+  // Deletes (into `batch`) the deltas no longer needed once round `committed` is committed:
+  // every site's up to committed - sync.replay_rounds, this site's only once every member
+  // peer holds them too.
+  void DropOldDeltas(const std::string& name, const Job& j, uint64_t committed,
+                     WriteBatch& batch) const;
+  // The rounds this site closed and has not committed, each with the sites whose deltas
+  // for it are held (sorted): the optimistic view's rounds.
+  std::map<uint64_t, std::vector<std::string>> ViewRounds(const Job& j) const;
   // Token-weighted merge of round `round` over `sites` (in the given order), decoded. When
   // `sent` is not null it receives the tensors some site did not defer.
   Result<std::map<std::string, std::vector<float>>> Merge(const std::string& name, const Job& j,

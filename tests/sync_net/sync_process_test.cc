@@ -18,6 +18,7 @@
 
 #include "common/transport.h"
 #include "ops/codec.h"
+#include "ops/codec_replica.h"
 #include "tests/command.h"
 #include "tests/fault/powerloss.h"
 #include "tests/sync_net/site_process.h"
@@ -61,6 +62,11 @@ class SyncProcessTest : public ::testing::Test {
     if (!HasFailure()) std::filesystem::remove_all(root_);
   }
 
+  // The [sync] settings every site gets (before StartSites' `extra_sync`).
+  std::string sync_settings_ =
+      "codec = \"dense\"\nadaptive = false\nouter_lr = 1.0\nouter_momentum = "
+      "0.0\nmax_rounds_ahead = 2\n";
+
   // `peered` false: every site runs the round protocol alone (no links).
   // `unlisted`: beta leaves these sites' keys off its peer allowlist. `shard_index`: sites
   // whose shard.index is not 0.
@@ -81,10 +87,7 @@ class SyncProcessTest : public ::testing::Test {
       std::filesystem::copy_file(sites_[0]->dir() / "admins" / "a0.pub",
                                  s->dir() / "admins" / "shared.pub",
                                  std::filesystem::copy_options::overwrite_existing);
-      s->Configure(peered ? all : std::vector<SiteProcess*>{s.get()},
-                   "codec = \"dense\"\nadaptive = false\nouter_lr = 1.0\nouter_momentum = "
-                   "0.0\nmax_rounds_ahead = 2\n" +
-                       extra_sync,
+      s->Configure(peered ? all : std::vector<SiteProcess*>{s.get()}, sync_settings_ + extra_sync,
                    s->site() == "beta" ? unlisted : std::set<std::string>{});
       ASSERT_TRUE(s->Start());
     }
@@ -1492,6 +1495,85 @@ TEST_F(SyncProcessTest, JoinsSurvivePowerLossesAtRandomMomentsOfTheJoin) {
       "%d joins, %d power losses (%d torn pages), %d join commands after them, %d joins "
       "applied before their loss, %llu rounds\n",
       joins, joins, torn, attempts, joined_before_loss, static_cast<unsigned long long>(round));
+}
+
+}  // namespace
+}  // namespace isthmus
+
+namespace isthmus {
+namespace {
+
+// Pulling by replay (ops/codec_replica.h) against real shards with the default codec (2-bit
+// values, zstd) and DiLoCo's outer step (lr 1.25, Nesterov 0.6): at every pull the replayed
+// tensors equal a plain pull's bit for bit, through an uncommitted round in the view,
+// rounds committed since the last pull, rounds older than sync.replay_rounds (whole state
+// again), a SIGKILLed shard, and a copy whose state went wrong (its digest no longer matches:
+// dropped, whole state pulled, counted).
+TEST_F(SyncProcessTest, PullByReplayGivesThePlainPullsTensorsBitForBit) {
+  sync_settings_ =
+      "codec = \"int2:256+zstd\"\nadaptive = false\nouter_lr = 1.25\nouter_momentum = "
+      "0.6\nmax_rounds_ahead = 2\nreplay_rounds = 2\n";
+  StartSites({"alpha", "beta"});
+  codec::ReplayPuller puller;
+  auto expect_same = [&](const std::string& when) {
+    auto client = sites_[0]->WorkerClient();
+    auto replayed = puller.Pull(0, *client, "job");
+    ASSERT_TRUE(replayed.ok()) << when << ": " << replayed.status().ToString();
+    auto plain = client->Pull("job");
+    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+    ASSERT_EQ(replayed->size(), plain->tensors.size()) << when;
+    for (size_t i = 0; i < replayed->size(); ++i) {
+      const auto& a = (*replayed)[i];
+      const auto& b = plain->tensors[i];
+      EXPECT_EQ(a.name, b.name) << when;
+      EXPECT_EQ(a.shape, b.shape) << when;
+      ASSERT_EQ(a.data.size(), b.data.size()) << when;
+      EXPECT_EQ(std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)), 0)
+          << when << ": tensor " << a.name << " differs";
+    }
+  };
+  const auto& st = puller.stats();
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  expect_same("round 1, first pull");
+  EXPECT_EQ(st.whole_pulls, 1u);
+  const uint64_t whole_bytes = st.payload_bytes;
+  // alpha's round 2 is in the view before beta's arrives.
+  Push(0, 2);
+  WaitJobState(
+      0, [](const SyncJobReport& j) { return j.local_round >= 2; }, "closed round 2");
+  expect_same("round 2 in the view");
+  Push(1, 2);
+  WaitCommitted(2);
+  const uint64_t before = st.payload_bytes;
+  expect_same("round 2 committed");
+  EXPECT_EQ(st.whole_pulls, 1u);
+  EXPECT_EQ(st.rounds_replayed, 1u);
+  EXPECT_LT(st.payload_bytes - before, whole_bytes / 2) << "two 2-bit deltas against theta and m";
+  // Three rounds without a pull: round 3's deltas are gone (replay_rounds = 2 at round 5).
+  for (uint64_t r = 3; r <= 5; ++r) Push(0, r), Push(1, r);
+  WaitCommitted(5);
+  expect_same("rounds 3-5, older than replay_rounds");
+  EXPECT_EQ(st.whole_pulls, 2u);
+  // Two rounds, then alpha's shard is SIGKILLed and restarted: the deltas are durable.
+  Push(0, 6), Push(1, 6), Push(0, 7), Push(1, 7);
+  WaitCommitted(7);
+  sites_[0]->Kill(SIGKILL);
+  ASSERT_TRUE(sites_[0]->Start());
+  expect_same("rounds 6-7 after alpha's restart");
+  EXPECT_EQ(st.whole_pulls, 2u);
+  EXPECT_EQ(st.rounds_replayed, 3u);
+  EXPECT_EQ(st.digest_mismatches, 0u);
+  // A copy that went wrong: the replay's digest catches it.
+  std::vector<float>* w = puller.replica(0)->theta("w");
+  ASSERT_NE(w, nullptr);
+  (*w)[3] += 1.0f;
+  Push(0, 8), Push(1, 8);
+  WaitCommitted(8);
+  expect_same("round 8 from a corrupted copy");
+  EXPECT_EQ(st.digest_mismatches, 1u);
+  EXPECT_EQ(st.whole_pulls, 3u);
+  ExpectIdenticalDigests(8);
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // The WAN benchmark's synthetic site (bench/wan/wan_load.h): recorded deltas are read
 // back exactly, the summary adds up, and against a real isthmus-server (a site with the
 // round protocol on and no peers, so every round commits as soon as it closes) the replayed
-// rounds land through the round driver, with overlap and without: the committed state is the
+// rounds land through the round driver, with overlap and without, pulling every tensor or by
+// replay: the committed state is the
 // start plus every replayed delta, in order, and the synthetic site's weights end equal to it.
 #include <gtest/gtest.h>
 
@@ -128,7 +129,8 @@ TEST(WanLoad, SummaryAddsUpAndSkipsStartUp) {
   EXPECT_EQ(Summarize({}, 0).utilisation, 0.0);
 }
 
-class WanLoadReplay : public ::testing::TestWithParam<bool> {};
+// Param: bit 0 overlap, bit 1 pull by replay.
+class WanLoadReplay : public ::testing::TestWithParam<int> {};
 
 TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
   TempDir d;
@@ -147,7 +149,8 @@ TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
   o.client_name = "solo";
   o.round_seconds = 0.05;
   o.rounds = 5;  // more than recorded: the replay cycles 1, 2, 1, 2, 1
-  o.overlap = GetParam();
+  o.overlap = (GetParam() & 1) != 0;
+  o.pull_by_replay = (GetParam() & 2) != 0;
   o.steps_per_round = 5;
   auto site = SiteOn(server, o);
   Status prepared = site->Prepare(deltas);
@@ -167,7 +170,7 @@ TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
   EXPECT_LE(sum.utilisation, 1.0);
   EXPECT_GT(sum.compute_fraction, 0.0);
   EXPECT_LE(sum.compute_fraction, 1.0);
-  if (!GetParam()) {
+  if (!o.overlap) {
     // Without overlap the round boundary holds the loop for the whole push and pull.
     EXPECT_GE(sum.blocked_s, sum.push_s + sum.pull_s);
   }
@@ -194,8 +197,9 @@ TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Overlap, WanLoadReplay, ::testing::Bool(),
-                         [](const auto& info) { return info.param ? "on" : "off"; });
+INSTANTIATE_TEST_SUITE_P(Overlap, WanLoadReplay, ::testing::Range(0, 4), [](const auto& info) {
+  return std::string(info.param & 1 ? "on" : "off") + (info.param & 2 ? "_replayed" : "");
+});
 
 TEST(WanLoad, DeltasThatDoNotMatchTheJobAreRefusedBeforeAnyPush) {
   TempDir d;

@@ -32,6 +32,7 @@
 #include "common/site_client.h"
 #include "common/status.h"
 #include "common/version.h"
+#include "ops/codec_replica.h"
 
 namespace py = pybind11;
 
@@ -233,6 +234,11 @@ class PySite {
       out.append(d);
     }
     return out;
+  }
+
+  void SetPullByReplay(bool on) {
+    Idle("set_pull_by_replay");
+    site_->SetPuller(on ? std::make_unique<codec::ReplayPuller>() : nullptr);
   }
 
   py::dict Pull() {
@@ -488,6 +494,7 @@ PYBIND11_MODULE(_isthmus, m) {
            py::arg("secret_key"), py::arg("insecure_plaintext"), py::arg("timeout_ms"),
            py::arg("connect_timeout_ms"), py::arg("retries"), py::arg("client_name"))
       .def("hello", &PySite::Hello, py::arg("base_hash"))
+      .def("set_pull_by_replay", &PySite::SetPullByReplay, py::arg("on"))
       .def("pull", &PySite::Pull)
       .def("push_round", &PySite::PushRound, py::arg("round"), py::arg("deltas"), py::arg("tokens"),
            py::arg("compute_ms"), py::arg("rank"), py::arg("world"))

@@ -134,10 +134,15 @@ class Site:
         idempotency key, so it is applied at most once).
     client_name: part of every idempotency key, "<job>/<client_name>/r<round>/s<shard>";
         ranks of one site share it (they push different shards).
+    pull_by_replay: the pulls of start_round's rounds get the rounds committed since the
+        last as the sites' encoded deltas and replay them here, checked against the shard's
+        digest, instead of every tensor (isthmus-worker --pull-by-replay; docs/SYNC.md,
+        "Pulling by replay"). pull() always gets every tensor.
     """
 
     def __init__(self, servers, job, key=None, server_keys=None, insecure_plaintext=False,
-                 timeout_ms=30000, connect_timeout_ms=5000, retries=2, client_name="site"):
+                 timeout_ms=30000, connect_timeout_ms=5000, retries=2, client_name="site",
+                 pull_by_replay=True):
         if isinstance(servers, str):
             servers = [servers]
         public = secret = ""
@@ -156,6 +161,7 @@ class Site:
             timeout_ms=_count("timeout_ms", timeout_ms, 1),
             connect_timeout_ms=_count("connect_timeout_ms", connect_timeout_ms, 1),
             retries=_count("retries", retries), client_name=client_name)
+        self._core.set_pull_by_replay(bool(pull_by_replay))
         self.job = job
         self.servers = list(servers)
 

@@ -1,0 +1,56 @@
+// SHA-256 over a committed state (state_digest.h), with OpenSSL's EVP interface.
+#include "common/state_digest.h"
+
+#include <openssl/evp.h>
+
+namespace isthmus {
+namespace {
+
+void PutU64(std::string& out, uint64_t v) {
+  for (int i = 7; i >= 0; --i) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+void PutStr(std::string& out, std::string_view s) {
+  PutU64(out, s.size());
+  out.append(s);
+}
+
+}  // namespace
+
+std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors,
+                          uint64_t epoch, uint64_t from_round,
+                          const std::vector<std::string>& sites) {
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
+  auto update = [&](const void* p, size_t n) { EVP_DigestUpdate(ctx, p, n); };
+  std::string head;
+  PutU64(head, round);
+  update(head.data(), head.size());
+  for (const auto& t : tensors) {
+    head.clear();
+    PutStr(head, t.name);
+    PutU64(head, t.shape.size());
+    for (int64_t d : t.shape) PutU64(head, static_cast<uint64_t>(d));
+    update(head.data(), head.size());
+    update(t.theta.data(), t.theta.size_bytes());
+    if (!t.momentum.empty()) update(t.momentum.data(), t.momentum.size_bytes());
+  }
+  std::string tail;
+  PutU64(tail, epoch);
+  PutU64(tail, from_round);
+  PutU64(tail, sites.size());
+  for (const auto& s : sites) PutStr(tail, s);
+  update(tail.data(), tail.size());
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(ctx, md, &len);
+  EVP_MD_CTX_free(ctx);
+  static const char* kHex = "0123456789abcdef";
+  std::string hex;
+  for (unsigned int i = 0; i < len; ++i) {
+    hex.push_back(kHex[md[i] >> 4]);
+    hex.push_back(kHex[md[i] & 15]);
+  }
+  return hex;
+}
+
+}  // namespace isthmus

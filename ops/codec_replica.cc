@@ -1,0 +1,168 @@
+// Pulling by replay (codec_replica.h). Compiled with -ffp-contract=off like the rest of this
+// library: the replayed commits must give the shard's bits.
+#include "ops/codec_replica.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "common/state_digest.h"
+#include "ops/codec.h"
+#include "ops/codec_outer.h"
+
+namespace isthmus::codec {
+
+std::vector<float>* ShardReplica::theta(const std::string& name) {
+  auto it = state_.find(name);
+  return have_ && it != state_.end() ? &it->second.theta : nullptr;
+}
+
+Status ShardReplica::Load(const ReplayReply& reply) {
+  const bool momentum = reply.outer_momentum != 0.0f;
+  std::map<std::string, const ReplayTensor*> m;
+  for (const auto& t : reply.base_momentum) m[t.name] = &t;
+  std::map<std::string, Entry> state;
+  for (const auto& t : reply.base) {
+    Entry e{t.shape, std::vector<float>(t.bytes.size() / sizeof(float)), {}};
+    std::memcpy(e.theta.data(), t.bytes.data(), t.bytes.size());
+    if (momentum) {
+      auto it = m.find(t.name);
+      if (it == m.end() || it->second->bytes.size() != t.bytes.size()) {
+        return Status::InvalidArgument("pull by replay: tensor '" + t.name +
+                                       "' came without its outer momentum");
+      }
+      e.momentum.resize(e.theta.size());
+      std::memcpy(e.momentum.data(), it->second->bytes.data(), it->second->bytes.size());
+    }
+    if (!state.emplace(t.name, std::move(e)).second) {
+      return Status::InvalidArgument("pull by replay: tensor '" + t.name + "' came twice");
+    }
+  }
+  state_ = std::move(state);
+  round_ = reply.base_round;
+  digest_ = reply.digest;  // of committed_round: equal to base_round's when nothing follows
+  have_ = true;
+  return Status::Ok();
+}
+
+Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state,
+                                const ReplayRoundDeltas& round, float lr, float mu) {
+  uint64_t total = 0;
+  for (const auto& d : round.deltas) total += d.tokens;
+  // tensor -> (site's weight, its bytes), in site order.
+  std::map<std::string, std::vector<std::pair<float, std::string_view>>> parts;
+  for (const auto& d : round.deltas) {
+    if (d.tensors.size() != state.size()) {
+      return Status::InvalidArgument("pull by replay: site " + d.site + "'s delta of round " +
+                                     std::to_string(round.round) + " has " +
+                                     std::to_string(d.tensors.size()) + " tensors, the job " +
+                                     std::to_string(state.size()));
+    }
+    const float w = MergeWeight(d.tokens, total, round.deltas.size());
+    for (const auto& t : d.tensors) {
+      if (!state.count(t.name)) {
+        return Status::InvalidArgument("pull by replay: round " + std::to_string(round.round) +
+                                       " has unknown tensor '" + t.name + "'");
+      }
+      parts[t.name].emplace_back(w, t.bytes);
+    }
+  }
+  std::vector<float> merged, decoded;
+  for (auto& [name, e] : state) {
+    merged.assign(e.theta.size(), 0.0f);
+    bool sent = false;
+    for (const auto& [w, bytes] : parts[name]) {
+      if (IsDeferred(bytes)) continue;  // decodes to zeros: nothing to add
+      sent = true;
+      decoded.assign(e.theta.size(), 0.0f);
+      ISTHMUS_RETURN_IF_ERROR(Decode(bytes, decoded));
+      AddWeighted(merged, w, decoded);
+    }
+    if (!sent) continue;  // deferred by every site: no outer step, momentum kept
+    if (mu != 0.0f && e.momentum.size() != e.theta.size()) {
+      return Status::InvalidArgument("pull by replay: no outer momentum for tensor '" + name +
+                                     "'");
+    }
+    ApplyOuterStep(e.theta.data(), mu != 0.0f ? e.momentum.data() : nullptr, merged.data(),
+                   merged.size(), lr, mu);
+  }
+  return Status::Ok();
+}
+
+std::string ShardReplica::StateDigest(const ReplayReply& reply) const {
+  std::vector<DigestTensor> tensors;
+  for (const auto& [name, e] : state_) tensors.push_back({name, e.shape, e.theta, e.momentum});
+  return StateDigestOf(reply.committed_round, tensors, reply.epoch, reply.members_from,
+                       reply.members);
+}
+
+Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::string& job,
+                                               ReplayStats& stats) {
+  for (int attempt = 0;; ++attempt) {
+    ISTHMUS_ASSIGN_OR_RETURN(ReplayReply reply,
+                             client.PullReplay(job, have_ ? round_ : 0, have_ ? digest_ : ""));
+    ++stats.pulls;
+    stats.payload_bytes += reply.payload_bytes;
+    if (!reply.replayed) {  // the job does not sync there: its tensors as they are
+      have_ = false;
+      return std::move(reply.plain.tensors);
+    }
+    const float lr = reply.outer_lr, mu = reply.outer_momentum;
+    if (reply.whole) {
+      ++stats.whole_pulls;
+      ISTHMUS_RETURN_IF_ERROR(Load(reply));
+    } else if (!have_ || reply.base_round != round_) {
+      have_ = false;
+      return Status::Internal("pull by replay: the shard replayed from round " +
+                              std::to_string(reply.base_round) + ", this copy holds " +
+                              std::to_string(round_));
+    }
+    Status applied = Status::Ok();
+    for (const auto& r : reply.committed) {
+      applied = ApplyRound(state_, r, lr, mu);
+      if (!applied.ok()) break;
+      ++stats.rounds_replayed;
+    }
+    if (applied.ok() && !reply.committed.empty()) {
+      const std::string got = StateDigest(reply);
+      if (got != reply.digest) {
+        ++stats.digest_mismatches;
+        applied = Status::Corruption("the state replayed to round " +
+                                     std::to_string(reply.committed_round) + " has digest " +
+                                     got.substr(0, 16) + ", the shard's is " +
+                                     reply.digest.substr(0, 16));
+      }
+    }
+    if (!applied.ok()) {
+      have_ = false;
+      state_.clear();
+      if (attempt > 0) return applied;
+      spdlog::warn("pull by replay of job '{}': {}; pulling the whole state", job,
+                   applied.message());
+      continue;
+    }
+    round_ = reply.committed_round;
+    digest_ = reply.digest;
+    // The served tensors: the committed state moved by the view's rounds (on copies).
+    std::map<std::string, Entry> view;
+    const std::map<std::string, Entry>* served = &state_;
+    if (!reply.view.empty()) {
+      view = state_;
+      for (const auto& r : reply.view) ISTHMUS_RETURN_IF_ERROR(ApplyRound(view, r, lr, mu));
+      served = &view;
+    }
+    std::vector<Tensor> out;
+    out.reserve(served->size());
+    for (const auto& [name, e] : *served) out.push_back(Tensor{name, e.shape, e.theta});
+    return out;
+  }
+}
+
+Result<std::vector<Tensor>> ReplayPuller::Pull(size_t shard, ShardClient& client,
+                                               const std::string& job) {
+  if (replicas_.size() <= shard) replicas_.resize(shard + 1);
+  return replicas_[shard].Pull(client, job, stats_);
+}
+
+}  // namespace isthmus::codec

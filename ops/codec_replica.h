@@ -1,0 +1,77 @@
+// Pulling by replay (docs/SYNC.md, "Pulling by replay"): a worker keeps a copy of each shard's
+// committed state (theta and the outer momentum) and, at each pull, gets the rounds committed
+// since as the sites' encoded deltas, a few MB where the state is hundreds, and replays their
+// commits with the shard's own arithmetic (codec_outer.h), then proves it reached the shard's
+// state by the round's digest (common/state_digest.h). The served tensors are that state
+// moved by the optimistic view's uncommitted rounds, as the shard computes them. A shard that
+// cannot replay from the copy (the worker's first pull, deltas older than
+// sync.replay_rounds, a change of membership) sends its whole committed state once; a digest
+// that does not match drops the copy and pulls the whole state again, logged as a warning.
+//
+// Threads: a ReplayPuller is used by one thread at a time (as its SiteClient).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/client.h"
+#include "common/site_client.h"
+#include "common/status.h"
+#include "common/tensor.h"
+
+namespace isthmus::codec {
+
+// Counters of a ReplayPuller (for logs and benchmarks).
+struct ReplayStats {
+  uint64_t pulls = 0;
+  uint64_t whole_pulls = 0;        // pulls that brought a whole committed state
+  uint64_t rounds_replayed = 0;    // committed rounds replayed from deltas
+  uint64_t digest_mismatches = 0;  // replays whose state did not match the shard's digest
+  uint64_t payload_bytes = 0;      // bytes of the replies' payload frames
+};
+
+// One shard's committed state, as replayed here.
+class ShardReplica {
+ public:
+  // The served tensors of `job` on `client`'s shard, by replay.
+  Result<std::vector<Tensor>> Pull(ShardClient& client, const std::string& job,
+                                   ReplayStats& stats);
+  uint64_t round() const { return round_; }
+  const std::string& digest() const { return digest_; }
+  // The copy of committed theta of `name` (tests); null when none.
+  std::vector<float>* theta(const std::string& name);
+
+ private:
+  struct Entry {
+    std::vector<int64_t> shape;
+    std::vector<float> theta, momentum;  // momentum empty when the outer step keeps none
+  };
+  // Takes the reply's whole state as the copy.
+  Status Load(const ReplayReply& reply);
+  // Commits `round` into `state` (merge in the given site order, then the outer step).
+  static Status ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round,
+                           float lr, float mu);
+  std::string StateDigest(const ReplayReply& reply) const;
+
+  bool have_ = false;
+  uint64_t round_ = 0;
+  std::string digest_;
+  std::map<std::string, Entry> state_;
+};
+
+// SiteClient's puller by replay: one ShardReplica per shard.
+class ReplayPuller : public ShardPuller {
+ public:
+  Result<std::vector<Tensor>> Pull(size_t shard, ShardClient& client,
+                                   const std::string& job) override;
+  const ReplayStats& stats() const { return stats_; }
+  ShardReplica* replica(size_t shard) { return shard < replicas_.size() ? &replicas_[shard] : nullptr; }
+
+ private:
+  std::vector<ShardReplica> replicas_;
+  ReplayStats stats_;
+};
+
+}  // namespace isthmus::codec
