@@ -16,9 +16,8 @@ void PutStr(std::string& out, std::string_view s) {
 
 }  // namespace
 
-std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors,
-                          uint64_t epoch, uint64_t from_round,
-                          const std::vector<std::string>& sites) {
+std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors, uint64_t epoch,
+                          uint64_t from_round, const std::vector<std::string>& sites) {
   EVP_MD_CTX* ctx = EVP_MD_CTX_new();
   EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
   auto update = [&](const void* p, size_t n) { EVP_DigestUpdate(ctx, p, n); };

@@ -23,8 +23,7 @@ struct DigestTensor {
 // Hex SHA-256 of BE(round), then for each tensor (`tensors` in name order) len(name) name,
 // ndims, dims, theta bytes and momentum bytes, then BE(epoch) BE(first round) BE(count) and
 // each member site as len(name) name. Numbers are big-endian 64-bit.
-std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors,
-                          uint64_t epoch, uint64_t from_round,
-                          const std::vector<std::string>& sites);
+std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors, uint64_t epoch,
+                          uint64_t from_round, const std::vector<std::string>& sites);
 
 }  // namespace isthmus

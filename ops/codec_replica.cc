@@ -46,8 +46,8 @@ Status ShardReplica::Load(const ReplayReply& reply) {
   return Status::Ok();
 }
 
-Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state,
-                                const ReplayRoundDeltas& round, float lr, float mu) {
+Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round,
+                                float lr, float mu) {
   uint64_t total = 0;
   for (const auto& d : round.deltas) total += d.tokens;
   // tensor -> (site's weight, its bytes), in site order.
@@ -81,8 +81,7 @@ Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state,
     }
     if (!sent) continue;  // deferred by every site: no outer step, momentum kept
     if (mu != 0.0f && e.momentum.size() != e.theta.size()) {
-      return Status::InvalidArgument("pull by replay: no outer momentum for tensor '" + name +
-                                     "'");
+      return Status::InvalidArgument("pull by replay: no outer momentum for tensor '" + name + "'");
     }
     ApplyOuterStep(e.theta.data(), mu != 0.0f ? e.momentum.data() : nullptr, merged.data(),
                    merged.size(), lr, mu);
@@ -128,10 +127,9 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
       const std::string got = StateDigest(reply);
       if (got != reply.digest) {
         ++stats.digest_mismatches;
-        applied = Status::Corruption("the state replayed to round " +
-                                     std::to_string(reply.committed_round) + " has digest " +
-                                     got.substr(0, 16) + ", the shard's is " +
-                                     reply.digest.substr(0, 16));
+        applied = Status::Corruption(
+            "the state replayed to round " + std::to_string(reply.committed_round) +
+            " has digest " + got.substr(0, 16) + ", the shard's is " + reply.digest.substr(0, 16));
       }
     }
     if (!applied.ok()) {

@@ -36,8 +36,7 @@ struct ReplayStats {
 class ShardReplica {
  public:
   // The served tensors of `job` on `client`'s shard, by replay.
-  Result<std::vector<Tensor>> Pull(ShardClient& client, const std::string& job,
-                                   ReplayStats& stats);
+  Result<std::vector<Tensor>> Pull(ShardClient& client, const std::string& job, ReplayStats& stats);
   uint64_t round() const { return round_; }
   const std::string& digest() const { return digest_; }
   // The copy of committed theta of `name` (tests); null when none.
@@ -67,7 +66,9 @@ class ReplayPuller : public ShardPuller {
   Result<std::vector<Tensor>> Pull(size_t shard, ShardClient& client,
                                    const std::string& job) override;
   const ReplayStats& stats() const { return stats_; }
-  ShardReplica* replica(size_t shard) { return shard < replicas_.size() ? &replicas_[shard] : nullptr; }
+  ShardReplica* replica(size_t shard) {
+    return shard < replicas_.size() ? &replicas_[shard] : nullptr;
+  }
 
  private:
   std::vector<ShardReplica> replicas_;

@@ -16,7 +16,7 @@
 #
 # Usage: bench/wan/run.sh [--cases "CASE ..."] [--rates "20mbit 100mbit"] [--sites 2|3]
 #                         [--rounds N] [--round-seconds S] [--shards S] [--json FILE]
-#                         [--overlap "off on"]
+#                         [--overlap "off on"] [--pull-by-replay "off on"]
 #   cases: lora-dense lora-default lora-sparse lora-adaptive full-default full-sparse
 #          full-adaptive full-lowrank full-fragments (default: lora-default lora-adaptive
 #          full-default). "default": the server's defaults (int2:256+zstd, adaptive from it
@@ -24,6 +24,9 @@
 #          dense down; lowrank and fragments: fixed pipelines.
 #   --rounds 20, --round-seconds 3, --shards 1 per site, --sites 2, --overlap off by
 #   default (each case runs once per value given).
+#   --pull-by-replay "off on": the synthetic sites pull the rounds as encoded deltas and
+#   replay them (bench_wan_load --pull-by-replay, isthmus-worker's default) or pull every
+#   tensor (off, the default here, as before it existed); each case runs once per value.
 #   --merge-after-steps M   overlapped sites merge no earlier than M of the round's 30
 #   emulated steps, then as soon as the round in flight is done (bench_wan_load
 #   --merge-after-steps; default 3, a tenth, as isthmus-worker; 0: as soon as it is done);
@@ -36,7 +39,7 @@ cd "$(dirname "$0")/../.."
 . deploy/shard-toml.sh
 build="${ISTHMUS_BUILD_DIR:-build}"
 cases="lora-default lora-adaptive full-default" rates="20mbit 100mbit" nsites=2 rounds=20
-round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas overlaps="off" merge_after=3 merge_wait=false
+round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas overlaps="off" replays="off" merge_after=3 merge_wait=false
 while [ $# -gt 0 ]; do
   case "$1" in
     --cases) cases="$2"; shift 2 ;;
@@ -48,9 +51,10 @@ while [ $# -gt 0 ]; do
     --deltas) deltas="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
     --overlap) overlaps="$2"; shift 2 ;;
+    --pull-by-replay) replays="$2"; shift 2 ;;
     --merge-after-steps) merge_after="$2"; shift 2 ;;
     --merge-wait) merge_wait=true; shift ;;
-    -h|--help) sed -n 2,32p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -140,15 +144,15 @@ stop_sites() {
 print_row='
 import json, sys
 r = json.loads(sys.stdin.read())
-print("{case:<15} {rate:>7} overlap {overlap:<3}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
+print("{case:<15} {rate:>7} overlap {overlap:<3} replay {pull_by_replay:<3}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
       " of {round_seconds:.1f} s  commit latency {mean_commit_latency_s:5.2f} s (max"
       " {max_commit_latency_s:5.2f})  WAN wait {wait_s:6.2f} s in {rounds_waited} rounds  push"
       " {push_s:5.2f} s  pull {pull_s:5.2f} s  blocked {blocked_s:5.2f} s  utilisation {pct:5.1f}%  computing {cpct:5.1f}%".format(
           pct=100 * r["utilisation"], cpct=100 * r["compute_fraction"], **r))'
 
 # --- one case: fresh shards in every site, the synthetic sites, the figures -------------
-run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
-  local name=$1 mode=$2 rate=$3 sync_lines=$4 overlap=$5 dir="$out/$1-$3-overlap-$5"
+run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off) REPLAY(on|off)
+  local name=$1 mode=$2 rate=$3 sync_lines=$4 overlap=$5 replay=$6 dir="$out/$1-$3-overlap-$5-replay-$6"
   rm -rf "$dir" && mkdir -p "$dir/logs"
   make_keys "$ctl" "$dir/keys" "$shards" "${sites[@]}"
   export ISTHMUS_CTL_KEY="$dir/keys/admins/admin.key"
@@ -188,6 +192,7 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
     in_ns "$s" "$load" --job wan "${w[@]}" --key "$dir/keys/workers-$s/worker.key" \
       --client-name "$s" --deltas "$(recorded "$mode" "$s")" --rounds "$rounds" \
       --round-seconds "$round_seconds" --"$( [ "$overlap" = on ] && echo overlap || echo no-overlap )" \
+      --"$( [ "$replay" = on ] && echo pull-by-replay || echo no-pull-by-replay )" \
       --merge-after-steps "$merge_after" "${wait_flag[@]}" \
       --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
     lpids+=($!)
@@ -228,9 +233,9 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off)
     tail -n 5 "$dir"/logs/load-*.log >&2
     return 1
   fi
-  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" "$overlap" "$merge_after" "$merge_wait" >> "$results" <<'PY'
+  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" "$overlap" "$merge_after" "$merge_wait" "$replay" >> "$results" <<'PY'
 import json, sys
-d, name, mode, rate, kernel, rounds, round_s, sites, overlap, merge_after, merge_wait = sys.argv[1:12]
+d, name, mode, rate, kernel, rounds, round_s, sites, overlap, merge_after, merge_wait, replay = sys.argv[1:13]
 kernel, rounds, round_s, sites = int(kernel), int(rounds), float(round_s), sites.split()
 bps = float(rate.replace("mbit", "")) * 1e6 / 8
 loads = {s: json.load(open(f"{d}/load-{s}.json")) for s in sites}
@@ -246,7 +251,7 @@ summ = {s: loads[s]["summary"] for s in sites}
 per_round = kernel / rounds
 # The busiest direction: each site sends its round to every other site over its own veth.
 per_site_round = per_round / len(sites)
-row = {"case": name, "mode": mode, "rate": rate, "overlap": overlap,
+row = {"case": name, "mode": mode, "rate": rate, "overlap": overlap, "pull_by_replay": replay,
        "merge_after_steps": int(merge_after), "merge_wait": merge_wait == "true",
        "sites": len(sites),
        "rounds": rounds,
@@ -289,12 +294,14 @@ sync_of() {  # CASE -> "MODE|TOML lines" (no lines: the server's defaults, docs/
 }
 
 echo "bench/wan: ${#sites[@]} sites, $shards shard(s) each, $rounds rounds of $round_seconds s," \
-     "cases: $cases; rates: $rates; overlap: $overlaps; machine: cores=$(getconf _NPROCESSORS_ONLN), load $(cut -d' ' -f1-3 /proc/loadavg)"
+     "cases: $cases; rates: $rates; overlap: $overlaps; pull by replay: $replays; machine: cores=$(getconf _NPROCESSORS_ONLN), load $(cut -d' ' -f1-3 /proc/loadavg)"
 for rate in $rates; do
   for c in $cases; do
     spec=$(sync_of "$c")
     for ov in $overlaps; do
-      run_case "$c" "${spec%%|*}" "$rate" "${spec#*|}" "$ov" || true
+      for rp in $replays; do
+        run_case "$c" "${spec%%|*}" "$rate" "${spec#*|}" "$ov" "$rp" || true
+      done
     done
   done
 done
