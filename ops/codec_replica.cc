@@ -4,6 +4,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -98,9 +99,16 @@ std::string ShardReplica::StateDigest(const ReplayReply& reply) const {
 
 Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::string& job,
                                                ReplayStats& stats) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   for (int attempt = 0;; ++attempt) {
+    auto t = Clock::now();
     ISTHMUS_ASSIGN_OR_RETURN(ReplayReply reply,
                              client.PullReplay(job, have_ ? round_ : 0, have_ ? digest_ : ""));
+    stats.request_s += seconds_since(t);
+    t = Clock::now();
     ++stats.pulls;
     stats.payload_bytes += reply.payload_bytes;
     if (!reply.replayed) {  // the job does not sync there: its tensors as they are
@@ -123,6 +131,8 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
       if (!applied.ok()) break;
       ++stats.rounds_replayed;
     }
+    stats.replay_s += seconds_since(t);
+    t = Clock::now();
     if (applied.ok() && !reply.committed.empty()) {
       const std::string got = StateDigest(reply);
       if (got != reply.digest) {
@@ -140,6 +150,8 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
                    applied.message());
       continue;
     }
+    stats.digest_s += seconds_since(t);
+    t = Clock::now();
     round_ = reply.committed_round;
     digest_ = reply.digest;
     // The served tensors: the committed state moved by the view's rounds (on copies).
@@ -153,6 +165,7 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
     std::vector<Tensor> out;
     out.reserve(served->size());
     for (const auto& [name, e] : *served) out.push_back(Tensor{name, e.shape, e.theta});
+    stats.serve_s += seconds_since(t);
     return out;
   }
 }

@@ -30,6 +30,10 @@ struct ReplayStats {
   uint64_t rounds_replayed = 0;    // committed rounds replayed from deltas
   uint64_t digest_mismatches = 0;  // replays whose state did not match the shard's digest
   uint64_t payload_bytes = 0;      // bytes of the replies' payload frames
+  // Where the pulls' time went: the requests (shard's work and transfer), replaying the
+  // commits (decode, merge, outer step), the digests, and the served tensors (the view's
+  // rounds and the copies handed out).
+  double request_s = 0, replay_s = 0, digest_s = 0, serve_s = 0;
 };
 
 // One shard's committed state, as replayed here.

@@ -8,7 +8,6 @@
 #include <thread>
 
 #include "common/safetensors.h"
-#include "ops/codec_replica.h"
 
 namespace isthmus::wanload {
 namespace {
@@ -284,6 +283,11 @@ Result<std::vector<RoundTiming>> SyntheticSite::Run(const RecordedDeltas& deltas
       t.commit_latency_s = std::max(0.0, Seconds(it->second - p->second));
   }
   return out;
+}
+
+const codec::ReplayStats* SyntheticSite::replay_stats() const {
+  auto* p = site_ ? dynamic_cast<const codec::ReplayPuller*>(site_->puller()) : nullptr;
+  return p ? &p->stats() : nullptr;
 }
 
 }  // namespace isthmus::wanload

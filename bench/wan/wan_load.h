@@ -24,6 +24,7 @@
 #include "common/site_client.h"
 #include "common/status.h"
 #include "common/tensor.h"
+#include "ops/codec_replica.h"
 
 namespace isthmus::wanload {
 
@@ -110,6 +111,8 @@ class SyntheticSite {
   // (drain_s). Fails on the first shard error (named).
   Result<std::vector<RoundTiming>> Run(const RecordedDeltas& deltas);
   double drain_s() const { return drain_s_; }
+  // The pulls by replay so far (null without SiteOptions::pull_by_replay).
+  const codec::ReplayStats* replay_stats() const;
   // The live weights (after Run: the merged state of the last round).
   const std::vector<Tensor>& live() const { return live_; }
 

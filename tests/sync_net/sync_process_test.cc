@@ -828,6 +828,12 @@ TEST_F(SyncProcessTest, CtlVerifyOfSitesThatCutEachOtherOffSaysSoAndComparesTheR
 
 TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
   ThreeSitesThenGammaDies();
+  // A worker of alpha that pulls by replay holds round 2 (three sites) ...
+  codec::ReplayPuller puller;
+  {
+    auto client = sites_[0]->WorkerClient();
+    ASSERT_TRUE(puller.Pull(0, *client, "job").ok());
+  }
   auto [code, out] = Ctl("sync remove --peer gamma --wait 30 " + SiteFlags(0));
   ASSERT_EQ(code, 0) << out;
   EXPECT_NE(out.find("epoch 1: applied: remove gamma from round 3"), std::string::npos) << out;
@@ -835,6 +841,21 @@ TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
   for (uint64_t r = 4; r <= 6; ++r) {
     Push(0, r), Push(1, r);
     WaitCommittedOn({0, 1}, r);
+  }
+  // ... and replays rounds 3-6, merged by two sites under epoch 1, to a plain pull's bits.
+  {
+    auto client = sites_[0]->WorkerClient();
+    auto replayed = puller.Pull(0, *client, "job");
+    ASSERT_TRUE(replayed.ok()) << replayed.status().ToString();
+    auto plain = client->Pull("job");
+    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+    ASSERT_EQ(replayed->size(), plain->tensors.size());
+    for (size_t i = 0; i < replayed->size(); ++i) {
+      EXPECT_EQ((*replayed)[i].data, plain->tensors[i].data) << (*replayed)[i].name;
+    }
+    EXPECT_EQ(puller.stats().whole_pulls, 1u);
+    EXPECT_EQ(puller.stats().rounds_replayed, 4u);
+    EXPECT_EQ(puller.stats().digest_mismatches, 0u);
   }
   // Same digests on both, round 0 to 6; rounds 1-2 merged three sites, 3-6 two.
   auto a = DigestsOf(0), b = DigestsOf(1);
