@@ -331,6 +331,19 @@ class RocksStore : public Store {
 
   Status Scan(Column c, std::string_view prefix,
               const std::function<bool(std::string_view, std::string_view)>& fn) override {
+    return ScanMerged(c, prefix, fn, /*read_slots=*/true);
+  }
+  Status ScanKeys(Column c, std::string_view prefix,
+                  const std::function<bool(std::string_view)>& fn) override {
+    return ScanMerged(
+        c, prefix, [&](std::string_view k, std::string_view) { return fn(k); },
+        /*read_slots=*/false);
+  }
+  // The column's keys under `prefix`, RocksDB's and the slot files', in key order; the
+  // values of slot-file keys are read only when `read_slots` (else fn gets an empty one).
+  Status ScanMerged(Column c, std::string_view prefix,
+                    const std::function<bool(std::string_view, std::string_view)>& fn,
+                    bool read_slots) {
     if (!db_)
       return Status::IoError("store '" + dir_ + "' could not be reopened: restart the shard");
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions(), Handle(c)));
@@ -348,7 +361,10 @@ class RocksStore : public Store {
       if (slot_in_range() &&
           (!db_valid || std::string_view(slot->first.second) <
                             std::string_view(it->key().data(), it->key().size()))) {
-        ISTHMUS_ASSIGN_OR_RETURN(std::string v, ReadSlotFile(slot->second));
+        std::string v;
+        if (read_slots) {
+          ISTHMUS_ASSIGN_OR_RETURN(v, ReadSlotFile(slot->second));
+        }
         if (!fn(slot->first.second, v)) break;
         ++slot;
         continue;

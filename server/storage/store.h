@@ -114,6 +114,12 @@ class Store {
   // returns false.
   virtual Status Scan(Column c, std::string_view prefix,
                       const std::function<bool(std::string_view, std::string_view)>& fn) = 0;
+  // As Scan, keys only: a store that keeps large values apart (slot files) does not read
+  // them.
+  virtual Status ScanKeys(Column c, std::string_view prefix,
+                          const std::function<bool(std::string_view)>& fn) {
+    return Scan(c, prefix, [&](std::string_view k, std::string_view) { return fn(k); });
+  }
   // A consistent point-in-time copy of the whole store in the new folder `dir`.
   virtual Status Checkpoint(const std::string& dir) = 0;
   // Approximate bytes on disk (0 for memory).

@@ -1111,7 +1111,7 @@ void SyncEngine::DropOldDeltas(const std::string& name, const Job& j, uint64_t c
     const uint64_t upto = site == options_.site ? own_limit : limit;
     if (upto == 0) continue;
     const std::string prefix = keys::DeltaPrefix(name, site);
-    (void)store_->Scan(Column::kDeltas, prefix, [&](std::string_view k, std::string_view) {
+    (void)store_->ScanKeys(Column::kDeltas, prefix, [&](std::string_view k) {
       if (k.size() != prefix.size() + 8) return true;
       if (FromBigEndian64(k.substr(prefix.size())) > upto) return false;
       batch.Delete(Column::kDeltas, std::string(k));

@@ -422,6 +422,16 @@ TEST(RocksSlotTest, ScanOfASyncColumnMergesSlotAndInlineValues) {
                   .ok());
   EXPECT_EQ(rounds, (std::vector<uint64_t>{1, 2, 3, 4}));
   EXPECT_EQ(sizes, (std::vector<size_t>{7, kBig, 7, kBig}));
+  // ScanKeys: the same keys in the same order, stopping when told, without the values.
+  std::vector<uint64_t> keys_only;
+  ASSERT_TRUE(store
+                  ->ScanKeys(Column::kDeltas, prefix,
+                             [&](std::string_view k) {
+                               keys_only.push_back(keys::FromBigEndian64(k.substr(prefix.size())));
+                               return keys_only.size() < 3;
+                             })
+                  .ok());
+  EXPECT_EQ(keys_only, (std::vector<uint64_t>{1, 2, 3}));
 }
 
 // The writer half of the crash test, run in a child process started by the test below
