@@ -464,10 +464,10 @@ Result<Frames> ShardClient::CallPull(const std::string& job, const std::vector<s
   return reply;
 }
 
-Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<std::string>& names,
-                                     uint64_t newer_than) {
-  const wire::PullReply* r = nullptr;
-  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, CallPull(job, names, newer_than, &r));
+namespace {
+
+// A plain pull's reply (tensor metas already checked against the frames), copied out.
+PullResult PullResultOf(const wire::PullReply* r, const Frames& reply) {
   PullResult out;
   out.job_version = r->job_version();
   out.rounds = RoundInfoOf(r->rounds());
@@ -491,6 +491,15 @@ Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<s
     }
   }
   return out;
+}
+
+}  // namespace
+
+Result<PullResult> ShardClient::Pull(const std::string& job, const std::vector<std::string>& names,
+                                     uint64_t newer_than) {
+  const wire::PullReply* r = nullptr;
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, CallPull(job, names, newer_than, &r));
+  return PullResultOf(r, reply);
 }
 
 namespace {
@@ -558,15 +567,7 @@ Result<ReplayReply> ShardClient::PullReplay(const std::string& job, uint64_t fro
   if (rp == nullptr) {
     // Not synced there: a plain pull's reply.
     ISTHMUS_RETURN_IF_ERROR(ValidateTensors(r->tensors(), reply.payload, options_.limits, false));
-    ISTHMUS_ASSIGN_OR_RETURN(auto plain, ReplayTensorsOf(r->tensors(), reply, true));
-    out.plain.job_version = out.job_version;
-    out.plain.rounds = out.rounds;
-    for (const auto& t : plain) {
-      Tensor copy{t.name, t.shape, std::vector<float>(t.bytes.size() / sizeof(float))};
-      std::memcpy(copy.data.data(), t.bytes.data(), t.bytes.size());
-      out.plain.tensors.push_back(std::move(copy));
-      out.plain.versions.push_back(out.job_version);
-    }
+    out.plain = PullResultOf(r, reply);
     return out;
   }
   out.replayed = true;

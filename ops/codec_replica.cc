@@ -105,8 +105,23 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
   };
   for (int attempt = 0;; ++attempt) {
     auto t = Clock::now();
-    ISTHMUS_ASSIGN_OR_RETURN(ReplayReply reply,
-                             client.PullReplay(job, have_ ? round_ : 0, have_ ? digest_ : ""));
+    if (plain_only_) {
+      ISTHMUS_ASSIGN_OR_RETURN(PullResult plain, client.Pull(job));
+      stats.request_s += seconds_since(t);
+      return std::move(plain.tensors);
+    }
+    auto got_reply = client.PullReplay(job, have_ ? round_ : 0, have_ ? digest_ : "");
+    if (got_reply.status().code() == Code::kResourceExhausted) {
+      // The whole state (theta and momentum, twice a plain pull) exceeds the message limit:
+      // this shard's tensors are pulled whole from now on.
+      spdlog::warn("pull by replay of job '{}': {}; this shard's tensors are pulled whole", job,
+                   got_reply.status().message());
+      plain_only_ = true;
+      have_ = false;
+      state_.clear();
+      continue;
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(ReplayReply reply, std::move(got_reply));
     stats.request_s += seconds_since(t);
     t = Clock::now();
     ++stats.pulls;

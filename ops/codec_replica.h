@@ -59,6 +59,9 @@ class ShardReplica {
   std::string StateDigest(const ReplayReply& reply) const;
 
   bool have_ = false;
+  // The shard's whole state does not fit one message (a replay pull was refused with
+  // ResourceExhausted): pull every tensor instead, as without replay.
+  bool plain_only_ = false;
   uint64_t round_ = 0;
   std::string digest_;
   std::map<std::string, Entry> state_;

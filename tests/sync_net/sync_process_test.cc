@@ -1597,5 +1597,32 @@ TEST_F(SyncProcessTest, PullByReplayGivesThePlainPullsTensorsBitForBit) {
   ExpectIdenticalDigests(8);
 }
 
+// A shard whose whole state (theta and momentum: twice a plain pull) exceeds its message
+// limit refuses the replay pull's whole state; the worker pulls every tensor from then on,
+// the same values a plain pull gives.
+TEST_F(SyncProcessTest, PullByReplayFallsBackToPlainPullsWhenTheWholeStateIsTooLarge) {
+  sync_settings_ =
+      "codec = \"dense\"\nadaptive = false\nouter_lr = 1.0\nouter_momentum = "
+      "0.5\nmax_rounds_ahead = 2\n";
+  // The job is 544 bytes of fp32; with its momentum 1,088, above the limit.
+  StartSites({"alpha", "beta"}, true, {}, {}, "[limits]\nmax_message_bytes = 1024\n");
+  codec::ReplayPuller puller;
+  for (uint64_t r = 1; r <= 2; ++r) {
+    Push(0, r), Push(1, r);
+    WaitCommitted(r);
+    auto client = sites_[0]->WorkerClient();
+    auto replayed = puller.Pull(0, *client, "job");
+    ASSERT_TRUE(replayed.ok()) << "round " << r << ": " << replayed.status().ToString();
+    auto plain = client->Pull("job");
+    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+    ASSERT_EQ(replayed->size(), plain->tensors.size());
+    for (size_t i = 0; i < replayed->size(); ++i) {
+      EXPECT_EQ((*replayed)[i].data, plain->tensors[i].data) << (*replayed)[i].name;
+    }
+  }
+  EXPECT_EQ(puller.stats().whole_pulls, 0u);
+  EXPECT_EQ(puller.stats().rounds_replayed, 0u);
+}
+
 }  // namespace
 }  // namespace isthmus
