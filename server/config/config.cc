@@ -358,6 +358,14 @@ const std::vector<Binding>& Bindings() {
           "pulls the whole state whenever it is a round behind.",
           Range{0, kMaxReplayRounds}),
       Bind(
+          "sync.checkpoint_rounds", [](auto& c) -> auto& { return c.sync.checkpoint_rounds; },
+          "A commit writes the committed state (tensors and outer momentum) to the store once "
+          "this many rounds have committed since it was last written; the commits between "
+          "write their digest and keep the rounds' deltas, which a restart replays, checked "
+          "against each round's digest (docs/SYNC.md, Checkpointed state). 1: every commit "
+          "writes the state.",
+          Range{1, kMaxCheckpointRounds}),
+      Bind(
           "sync.encode_threads", [](auto& c) -> auto& { return c.sync.encode_threads; },
           "Threads that encode a closing round's tensors with error feedback (top-k, "
           "quantisation, zstd), one tensor per thread at a time, the shard's loop among them. "

@@ -44,6 +44,10 @@ Status NormalizeSyncOptions(SyncOptions& options) {
     return Status::InvalidArgument("sync.replay_rounds must be in [0, " +
                                    std::to_string(kMaxReplayRounds) + "]");
   }
+  if (options.checkpoint_rounds < 1 || options.checkpoint_rounds > kMaxCheckpointRounds) {
+    return Status::InvalidArgument("sync.checkpoint_rounds must be in [1, " +
+                                   std::to_string(kMaxCheckpointRounds) + "]");
+  }
   if (options.encode_threads < 1 || options.encode_threads > kMaxEncodeThreads) {
     return Status::InvalidArgument("sync.encode_threads must be in [1, " +
                                    std::to_string(kMaxEncodeThreads) + "]");

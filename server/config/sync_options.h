@@ -22,6 +22,7 @@ inline constexpr double kMaxOuterLr = 100.0;           // outer_lr in (0, kMaxOu
 inline constexpr uint32_t kMaxFragments = 1024;        // fragments in [1, kMaxFragments]
 inline constexpr uint64_t kMaxRoundsAheadLimit = 256;  // max_rounds_ahead in [0, this]
 inline constexpr uint64_t kMaxReplayRounds = 256;      // replay_rounds in [0, this]
+inline constexpr uint64_t kMaxCheckpointRounds = 256;  // checkpoint_rounds in [1, this]
 inline constexpr uint32_t kMaxEncodeThreads = 64;      // encode_threads in [1, this]
 
 struct SyncOptions {
@@ -55,6 +56,11 @@ struct SyncOptions {
   // at the commit (as soon as every peer holds this site's), and a replaying worker pulls
   // the whole state whenever it is a round behind.
   uint64_t replay_rounds = 4;
+  // A commit writes the committed state (theta, outer momentum) to the store when this many
+  // rounds have committed since it was last written; the commits between write only their
+  // digest and record, and keep every site's deltas since the written state, which a start
+  // replays (checked against each round's digest). 1: every commit writes the state.
+  uint64_t checkpoint_rounds = 4;
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
   // Threads that encode a closing round's tensors (one tensor per thread at a time, the

@@ -230,6 +230,7 @@ Status Shard::Load() {
       }));
   ISTHMUS_RETURN_IF_ERROR(status);
   if (sync_) ISTHMUS_RETURN_IF_ERROR(CheckPlainJobs());
+  if (!sync_) ISTHMUS_RETURN_IF_ERROR(CheckSyncJobsWritten());
   for (auto& entry : jobs_) {
     // Plain references, not structured bindings: lambdas below capture them.
     const std::string& name = entry.first;
@@ -270,6 +271,23 @@ Status Shard::Load() {
     }
     spdlog::info("loaded job '{}': {} tensors, version {}", name, job.tensors.size(),
                  VersionOf(job));
+  }
+  return Status::Ok();
+}
+
+Status Shard::CheckSyncJobsWritten() const {
+  for (const auto& [name, job] : jobs_) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto text, store_->Get(Column::kSync, keys::SyncRecordKey(name)));
+    if (!text) continue;
+    ISTHMUS_ASSIGN_OR_RETURN(SyncRecord rec, DecodeSyncRecord(*text, name));
+    if (rec.state_round < rec.committed) {
+      return Status::FailedPrecondition(
+          "job '" + name + "' syncs across sites and its stored tensors are of round " +
+          std::to_string(rec.state_round) + ", not of its committed round " +
+          std::to_string(rec.committed) +
+          " (sync.checkpoint_rounds): start this shard with its sync settings (sync.site), "
+          "which replays the rounds since, not without them");
+    }
   }
   return Status::Ok();
 }

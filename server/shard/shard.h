@@ -124,6 +124,9 @@ class Shard {
   Status Load();
   // With sync on: InvalidArgument naming the jobs without sync state, unless
   // options_.convert_plain_jobs (then a warning). Reads only.
+  // Without sync: FailedPrecondition when a job that syncs has committed rounds its stored
+  // tensors do not hold yet (sync.checkpoint_rounds), which only the engine can replay.
+  Status CheckSyncJobsWritten() const;
   Status CheckPlainJobs();
   static void ReleaseSyncedData(JobState& job);
   // A job a joining site builds from a member's state (SyncEngine::JobHooks::install).

@@ -154,6 +154,7 @@ std::string MembershipChange::Describe(const Membership& current) const {
 
 std::string EncodeSyncRecord(const SyncRecord& r) {
   json out{{"committed", r.committed},
+           {"state_round", r.state_round},
            {"local", r.local},
            {"version", r.version},
            {"staged_round", r.staged_round},
@@ -179,6 +180,13 @@ Result<SyncRecord> DecodeSyncRecord(std::string_view text, const std::string& jo
   SyncRecord r;
   try {  // at() and get() throw on a missing field or one of the wrong type
     r.committed = rec.at("committed").get<uint64_t>();
+    r.state_round =
+        rec.contains("state_round") ? rec.at("state_round").get<uint64_t>() : r.committed;
+    if (r.state_round > r.committed) {
+      return Status::Corruption("sync record of job '" + job + "' says its state is of round " +
+                                std::to_string(r.state_round) + ", after its committed round " +
+                                std::to_string(r.committed));
+    }
     r.local = rec.at("local").get<uint64_t>();
     r.version = rec.at("version").get<uint64_t>();
     r.staged_round = rec.at("staged_round").get<uint64_t>();

@@ -88,8 +88,12 @@ struct MembershipChange {
 // The sync engine's durable record of a job (column kSync, SyncRecordKey), see docs/SYNC.md.
 struct SyncRecord {
   uint64_t committed = 0;  // last round committed
-  uint64_t local = 0;      // last round this site closed
-  uint64_t version = 0;    // the served version
+  // The committed round whose state (theta, momentum) the store's tensor rows hold: a
+  // start replays rounds state_round + 1 .. committed from their deltas (records written
+  // before it existed: committed, whose state they always held).
+  uint64_t state_round = 0;
+  uint64_t local = 0;    // last round this site closed
+  uint64_t version = 0;  // the served version
   uint64_t staged_round = 0;
   uint64_t staged_tokens = 0;
   std::set<std::string> staged;           // tensors pushed for staged_round

@@ -244,6 +244,8 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);
+  // The store holds the state of round state_round; the commits since kept their deltas.
+  ISTHMUS_RETURN_IF_ERROR(RebuildState(name, j));
   Job& placed = jobs_[name] = std::move(j);
   // A crash may have come between the batch that completed a round and its close or
   // commit; finish them now.
@@ -653,10 +655,11 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
 Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
     const std::string& name, const Job& j, uint64_t round, const std::vector<std::string>& sites,
     std::set<std::string>* sent) {
+  // The merge weights come from the deltas' own token counts (what the held markers hold
+  // too), so that a start that replays committed rounds, whose markers are gone, merges
+  // exactly as the commit did.
+  std::vector<EncodedDelta> deltas;
   uint64_t total = 0;
-  for (const auto& s : sites) total += j.inbox.at(s).at(round);
-  std::map<std::string, std::vector<float>> merged;
-  for (const auto& [tname, t] : j.theta) merged[tname].assign(t.data->size(), 0.0f);
   for (const auto& s : sites) {
     ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, s, round)));
     if (!bytes) {
@@ -664,11 +667,17 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
                                 " of job '" + name + "' is missing");
     }
     ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta d, DecodeDelta(*bytes));
+    total += d.tokens;
+    deltas.push_back(std::move(d));
+  }
+  std::map<std::string, std::vector<float>> merged;
+  for (const auto& [tname, t] : j.theta) merged[tname].assign(t.data->size(), 0.0f);
+  std::vector<float> decoded;
+  for (const auto& d : deltas) {
     if (d.tensors.size() != merged.size()) {
-      return Status::Corruption("stored delta of site " + s + " has the wrong tensor set");
+      return Status::Corruption("stored delta of site " + d.site + " has the wrong tensor set");
     }
-    const float w = MergeWeight(j.inbox.at(s).at(round), total, sites.size());
-    std::vector<float> decoded;
+    const float w = MergeWeight(d.tokens, total, sites.size());
     for (const auto& et : d.tensors) {
       auto it = merged.find(et.name);
       if (it == merged.end())
@@ -720,24 +729,71 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   SyncRecord rec = j;
   rec.committed = round;
   rec.version = j.version + 1;
+  // The state is written every sync.checkpoint_rounds commits; the commits between keep
+  // the rounds' deltas instead (DropOldDeltas), from which a start rebuilds it.
+  std::set<std::string> unsaved = j.unsaved;
+  unsaved.insert(sent.begin(), sent.end());
+  const bool checkpoint = round - j.state_round >= options_.checkpoint_rounds;
+  if (checkpoint) rec.state_round = round;
   WriteBatch batch;
-  CommitBatch(name, j, round, next, sent, sites, digest, rec, batch);
+  CommitBatch(name, j, round, next, checkpoint ? unsaved : std::set<std::string>{}, sites, digest,
+              rec, batch);
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   const auto t4 = Clock::now();
   PublishCommit(j, round, std::move(next), sites, rec.version);
+  j.state_round = rec.state_round;
+  j.unsaved = checkpoint ? std::set<std::string>{} : std::move(unsaved);
   const auto ms = [](Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
   spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
   spdlog::debug(
       "job '{}': round {}'s commit took merge {:.0f} ms, outer step {:.0f} ms, digest "
-      "{:.0f} ms, write {:.0f} ms",
-      name, round, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4));
+      "{:.0f} ms, write {:.0f} ms{}",
+      name, round, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4),
+      checkpoint ? " (with the state)" : "");
   if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
     const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
     if (options_.on_commit) options_.on_commit(name, round, seconds);
   }
   j.closed_at.erase(j.closed_at.begin(), j.closed_at.upper_bound(round));
+  return Status::Ok();
+}
+
+Status SyncEngine::RebuildState(const std::string& name, Job& j) {
+  if (j.state_round >= j.committed) return Status::Ok();
+  const uint64_t from = j.state_round;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t round = from + 1; round <= j.committed; ++round) {
+    // Every round after the stored state was committed by the current members: a
+    // membership change writes the state first (ApplyMembership).
+    std::set<std::string> sent;
+    auto merged = Merge(name, j, round, j.members.sites, &sent);
+    if (!merged.ok()) {
+      return Status::Corruption("job '" + name + "': cannot rebuild committed round " +
+                                std::to_string(round) + " from the stored state of round " +
+                                std::to_string(from) + ": " + merged.status().message());
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, *merged, sent));
+    const std::string digest = StateDigest(round, next.theta, next.momentum, j.members);
+    ISTHMUS_ASSIGN_OR_RETURN(auto stored, store_->Get(Column::kSync, DigestKey(name, round)));
+    if (!stored || *stored != digest) {
+      return Status::Corruption(
+          "job '" + name + "': rebuilding committed round " + std::to_string(round) +
+          " from the stored state of round " + std::to_string(from) +
+          " gives another digest than the commit stored (" + digest.substr(0, 16) + " against " +
+          (stored ? stored->substr(0, 16) : std::string("none")) +
+          "); the store is damaged: restore a snapshot or rejoin the job (docs/OPERATIONS.md)");
+    }
+    j.theta = std::move(next.theta);
+    if (keeps_momentum()) j.momentum = std::move(next.momentum);
+    j.unsaved.insert(sent.begin(), sent.end());
+  }
+  spdlog::info(
+      "job '{}': rebuilt the committed state of round {} from the stored state of round {} "
+      "and the rounds' deltas ({:.0f} ms; digests agree)",
+      name, j.committed, from,
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
   return Status::Ok();
 }
 
@@ -778,26 +834,38 @@ Result<SyncEngine::OuterState> SyncEngine::OuterStep(
 }
 
 void SyncEngine::CommitBatch(const std::string& name, const Job& j, uint64_t round,
-                             const OuterState& next, const std::set<std::string>& sent,
+                             const OuterState& next, const std::set<std::string>& write,
                              const std::vector<std::string>& sites, const std::string& digest,
                              const SyncRecord& rec, WriteBatch& batch) const {
-  const bool momentum = static_cast<float>(options_.outer_momentum) != 0.0f;  // as OuterStep
-  for (const auto& [tname, t] : next.theta) {
-    if (sent.count(tname) == 0) continue;  // unchanged: neither rewritten nor re-versioned
-    batch.Put(Column::kTensors, keys::TensorKey(name, tname), FloatBytes(*t.data));
-    batch.PutOwned(Column::kTensorMeta, keys::TensorKey(name, tname),
-                   EncodeTensorRecord({t.shape, rec.version}));
-    if (momentum) {
-      batch.Put(Column::kState, StateKey(name, StateKind::kMomentum, tname),
-                FloatBytes(*next.momentum.at(tname)));
-    }
-  }
+  WriteStateRows(name, next.theta, next.momentum, write, rec.version, batch);
   batch.PutOwned(Column::kSync, DigestKey(name, round), digest);
   // The round's held markers go; its deltas stay for sync.replay_rounds more commits, for
   // workers that replay rounds (and this site's own until every peer holds it).
   for (const auto& s : sites) batch.Delete(Column::kSync, HeldKey(name, s, round));
-  DropOldDeltas(name, j, round, batch);
+  DropOldDeltas(name, j, round, rec.state_round, batch);
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
+}
+
+void SyncEngine::WriteStateRows(
+    const std::string& name, const std::map<std::string, SyncTensor>& theta,
+    const std::map<std::string, std::shared_ptr<const std::vector<float>>>& momentum,
+    const std::set<std::string>& write, uint64_t version, WriteBatch& batch) const {
+  for (const auto& tname : write) {
+    const SyncTensor& t = theta.at(tname);
+    batch.Put(Column::kTensors, keys::TensorKey(name, tname), FloatBytes(*t.data));
+    batch.PutOwned(Column::kTensorMeta, keys::TensorKey(name, tname),
+                   EncodeTensorRecord({t.shape, version}));
+    if (keeps_momentum()) {
+      batch.Put(Column::kState, StateKey(name, StateKind::kMomentum, tname),
+                FloatBytes(*momentum.at(tname)));
+    }
+  }
+}
+
+void SyncEngine::WriteStateRows(const std::string& name, const Job& j,
+                                const std::set<std::string>& write, uint64_t version,
+                                WriteBatch& batch) const {
+  WriteStateRows(name, j.theta, j.momentum, write, version, batch);
 }
 
 void SyncEngine::PublishCommit(Job& j, uint64_t round, OuterState next,
@@ -842,14 +910,18 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
   rec.staged_round = 0;  // as this record has always been written: nothing staged
   rec.staged_tokens = 0;
   rec.staged.clear();
-  for (const auto& n : names) {
-    const auto& t = theta.at(n);
-    batch.Put(Column::kTensors, keys::TensorKey(name, n), FloatBytes(*t.data));
-    batch.PutOwned(Column::kTensorMeta, keys::TensorKey(name, n),
-                   EncodeTensorRecord({t.shape, version}));
+  // The pushed tensors' rows; with committed rounds not yet written (sync.checkpoint_rounds)
+  // every tensor's, so that the store's state is one round's.
+  std::set<std::string> write = names;
+  if (j->state_round < j->committed) {
+    write.insert(j->unsaved.begin(), j->unsaved.end());
+    rec.state_round = j->committed;
   }
+  WriteStateRows(name, theta, j->momentum, write, version, batch);
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  if (rec.state_round != j->state_round) j->unsaved.clear();
+  j->state_round = rec.state_round;
   j->theta = std::move(theta);
   j->version = version;
   j->view.reset();
@@ -1092,13 +1164,14 @@ Result<std::shared_ptr<const EncodedDelta>> SyncEngine::OutboxDelta(const std::s
 }
 
 void SyncEngine::CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const {
-  DropOldDeltas(name, j, j.committed, batch);
+  DropOldDeltas(name, j, j.committed, j.state_round, batch);
 }
 
 void SyncEngine::DropOldDeltas(const std::string& name, const Job& j, uint64_t committed,
-                               WriteBatch& batch) const {
+                               uint64_t state_round, WriteBatch& batch) const {
   if (committed <= options_.replay_rounds) return;
-  const uint64_t limit = committed - options_.replay_rounds;
+  // The rounds after the stored state stay too: a start replays them.
+  const uint64_t limit = std::min(committed - options_.replay_rounds, state_round);
   uint64_t own_limit = limit;
   for (const auto& p : MemberPeers(j)) {
     auto it = j.acked.find(p);
@@ -1316,9 +1389,15 @@ Status SyncEngine::ApplyMembership(const std::string& name, const SyncRecord& ne
       batch.Delete(Column::kDeltas, DeltaKey(name, s, r));
     }
   }
-  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next));
+  // The state is written with the change: rounds after the stored state are replayed at a
+  // start with the members of the time (RebuildState), so they must all be the new ones'.
+  SyncRecord rec = next;
+  rec.state_round = j->committed;
+  WriteStateRows(name, *j, j->unsaved, rec.version, batch);
+  batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  static_cast<SyncRecord&>(*j) = next;
+  static_cast<SyncRecord&>(*j) = rec;
+  j->unsaved.clear();
   for (const auto& s : gone) {
     if (s != options_.site) j->inbox.erase(s);
   }
@@ -1366,7 +1445,7 @@ Status SyncEngine::InstallImage(const std::string& name, const JobImage& image,
     j.theta[t.name] = SyncTensor{t.shape, t.theta};
     if (t.momentum) j.momentum[t.name] = t.momentum;
   }
-  j.committed = j.local = image.round;
+  j.committed = j.local = j.state_round = image.round;
   j.version = image.version;
   j.members = image.members;
   j.pending = change;
@@ -1418,6 +1497,7 @@ Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
   // the rounds it covers (their result is that state).
   SyncRecord rec = *j;
   rec.committed = image.round;
+  rec.state_round = image.round;
   rec.local = std::max(j->local, image.round);
   rec.version = std::max(j->version, image.version) + 1;
   WriteBatch batch;
@@ -1441,6 +1521,7 @@ Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   static_cast<SyncRecord&>(*j) = rec;
+  j->unsaved.clear();
   j->theta = std::move(theta);
   if (keeps_momentum()) j->momentum = std::move(momentum);
   for (auto& [site, rounds] : j->inbox) {

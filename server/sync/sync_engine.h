@@ -277,6 +277,9 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // them with its changes, and memory takes them once the batch is durable.
   struct Job : SyncRecord {
     std::map<std::string, SyncTensor> theta;  // committed
+    // Tensors whose theta or momentum changed since the store last took them (rounds after
+    // state_round): the next checkpoint writes them.
+    std::set<std::string> unsaved;
     std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
     // site -> uncommitted round held -> its tokens (own site: rounds closed, uncommitted).
     std::map<std::string, std::map<uint64_t, uint64_t>> inbox;
@@ -355,9 +358,9 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   Status CommitReady(const std::string& name, Job& j);
   Status CommitRounds(const std::string& name, Job& j);
   // Commits round committed + 1 in three steps: the outer optimiser's step from the merged
-  // deltas (OuterStep), one write batch with the new state, the round's digest and the
-  // removal of the round's inputs (CommitBatch), and, once that is durable, the new state
-  // in memory (PublishCommit).
+  // deltas (OuterStep), one write batch with the round's digest, the removal of the round's
+  // inputs and, every sync.checkpoint_rounds rounds, the new state (CommitBatch), and, once
+  // that is durable, the new state in memory (PublishCommit).
   Status CommitOne(const std::string& name, Job& j);
   // theta and momentum after round `round`; tensors not in `sent` (deferred by every site)
   // are carried over unchanged. FailedPrecondition when a value becomes non-finite.
@@ -368,16 +371,29 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   Result<OuterState> OuterStep(const std::string& name, const Job& j, uint64_t round,
                                const std::map<std::string, std::vector<float>>& merged,
                                const std::set<std::string>& sent) const;
+  // `write`: the tensors whose state the batch writes (none between checkpoints).
   void CommitBatch(const std::string& name, const Job& j, uint64_t round, const OuterState& next,
-                   const std::set<std::string>& sent, const std::vector<std::string>& sites,
+                   const std::set<std::string>& write, const std::vector<std::string>& sites,
                    const std::string& digest, const SyncRecord& rec, WriteBatch& batch) const;
+  // The tensor rows (data, record of `version`) and momentum rows of the tensors in `write`.
+  void WriteStateRows(
+      const std::string& name, const std::map<std::string, SyncTensor>& theta,
+      const std::map<std::string, std::shared_ptr<const std::vector<float>>>& momentum,
+      const std::set<std::string>& write, uint64_t version, WriteBatch& batch) const;
+  void WriteStateRows(const std::string& name, const Job& j, const std::set<std::string>& write,
+                      uint64_t version, WriteBatch& batch) const;
   void PublishCommit(Job& j, uint64_t round, OuterState next, const std::vector<std::string>& sites,
                      uint64_t version);
   // Deletes (into `batch`) the deltas no longer needed once round `committed` is committed:
   // every site's up to committed - sync.replay_rounds, this site's only once every member
   // peer holds them too.
+  // Deltas of rounds after `state_round` (the stored state's) stay whatever their age.
   void DropOldDeltas(const std::string& name, const Job& j, uint64_t committed,
-                     WriteBatch& batch) const;
+                     uint64_t state_round, WriteBatch& batch) const;
+  // After a start: the committed state from the stored state of round j.state_round and
+  // the deltas of the rounds since, each round's digest checked against the stored one
+  // (Corruption naming the round when one differs or a delta is missing).
+  Status RebuildState(const std::string& name, Job& j);
   // The rounds this site closed and has not committed, each with the sites whose deltas
   // for it are held (sorted): the optimistic view's rounds.
   std::map<uint64_t, std::vector<std::string>> ViewRounds(const Job& j) const;

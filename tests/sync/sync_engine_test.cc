@@ -554,6 +554,13 @@ struct HandPair {
           std::move(SyncEngine::Create(stores.back().get(), Options(site, peer))).value());
       std::map<std::string, SyncTensor> t;
       t["w"] = {{static_cast<int64_t>(w0.size())}, std::make_shared<const std::vector<float>>(w0)};
+      // The job's rows, as the shard writes them when it creates the job.
+      WriteBatch b;
+      b.Put(Column::kTensors, keys::JobKey(kJob, "w"),
+            {reinterpret_cast<const char*>(w0.data()), w0.size() * sizeof(float)});
+      b.PutOwned(Column::kTensorMeta, keys::JobKey(kJob, "w"),
+                 "{\"shape\":[" + std::to_string(w0.size()) + "],\"version\":1}");
+      ASSERT_TRUE(stores.back()->Write(b).ok());
       ASSERT_TRUE(engines.back()->AttachJob(kJob, t, 1).ok());
     }
   }
@@ -1575,6 +1582,95 @@ TEST(SyncEngineTest, RecordsWithoutMembershipReadAsTheConfiguredSites) {
   std::string bad = EncodeSyncRecord(r);
   bad.replace(bad.find(R"(["a","b"])"), 9, R"(["b","a"])");
   EXPECT_EQ(DecodeSyncRecord(bad, "j").status().code(), Code::kCorruption);
+}
+
+// sync.checkpoint_rounds: the commits between checkpoints write no tensor rows, and a
+// start rebuilds the committed state from the stored one and the rounds' deltas, bit for
+// bit what a twin that writes every commit holds (lossy codec, Nesterov momentum, a
+// restart after every commit); a damaged delta stops the start with the round named.
+TEST(SyncEngineTest, CheckpointedStateIsRebuiltAtAStartBitForBit) {
+  const std::string codec = "topk:0.25+int2+zstd";
+  Site a("siteA", {"siteB"}, codec, 1.25, 0.6), b("siteB", {"siteA"}, codec, 1.25, 0.6);
+  Site a1("siteA", {"siteB"}, codec, 1.25, 0.6), b1("siteB", {"siteA"}, codec, 1.25, 0.6);
+  for (Site* s : {&a, &b}) {
+    s->options().checkpoint_rounds = 3;
+    s->options().replay_rounds = 0;  // the deltas kept are only the rebuild's
+  }
+  for (Site* s : {&a1, &b1}) s->options().checkpoint_rounds = 1;
+  for (Site* s : {&a, &b, &a1, &b1}) s->Reopen();
+  auto stored = [](Site& s) {
+    std::map<std::string, std::vector<float>> out;
+    auto t = SyncEngine::ReadTensors(s.store(), kJob);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    if (t.ok()) {
+      for (auto& [name, v] : *t) out[name] = *v.data;
+    }
+    return out;
+  };
+  auto committed = [](Site& s) {
+    std::map<std::string, std::vector<float>> out;
+    auto t = s.engine().Committed(kJob);
+    EXPECT_TRUE(t.ok());
+    if (t.ok()) {
+      for (auto& [name, v] : *t) out[name] = *v.data;
+    }
+    return out;
+  };
+  auto deltas_held = [](Site& s) {
+    int n = 0;
+    EXPECT_TRUE(s.store()
+                    ->ScanKeys(Column::kDeltas, keys::JobPrefix(kJob),
+                               [&](std::string_view) {
+                                 ++n;
+                                 return true;
+                               })
+                    .ok());
+    return n;
+  };
+  const uint64_t kRounds = 8;
+  for (uint64_t r = 1; r <= kRounds; ++r) {
+    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_TRUE(s->PushWholeRound(r).ok()) << s->name();
+    Deliver(a, b);
+    Deliver(b, a);
+    Deliver(a1, b1);
+    Deliver(b1, a1);
+    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_EQ(s->engine().CommittedRound(kJob), r);
+    const auto want = committed(a1);
+    EXPECT_EQ(stored(a1), want) << "round " << r << ": the twin writes every commit";
+    // The store holds the state of the last multiple of 3, and the deltas since.
+    const uint64_t state_round = r / 3 * 3;
+    if (state_round == r) {
+      EXPECT_EQ(stored(a), want) << "round " << r;
+    } else {
+      EXPECT_NE(stored(a), want) << "round " << r << " was written between checkpoints";
+    }
+    EXPECT_EQ(deltas_held(a), static_cast<int>(2 * (r - state_round))) << "round " << r;
+    for (Site* s : {&a, &b}) {
+      s->Reopen();  // the start rebuilds rounds state_round + 1 .. r
+      ASSERT_EQ(s->engine().CommittedRound(kJob), r);
+      EXPECT_EQ(committed(*s), want) << s->name() << " round " << r;
+    }
+  }
+  EXPECT_EQ(a.Digests(), a1.Digests());
+  EXPECT_EQ(b.Digests(), b1.Digests());
+  // Round 8's state is rebuilt from round 6's and the deltas of rounds 7 and 8: one flipped
+  // byte in a delta stops the start, naming the round.
+  const std::string key = keys::DeltaKey(kJob, "siteB", 7);
+  auto bytes = a.store()->Get(Column::kDeltas, key);
+  ASSERT_TRUE(bytes.ok() && bytes->has_value());
+  auto d = DecodeDelta(**bytes);
+  ASSERT_TRUE(d.ok());
+  d->tokens += 1;  // a valid delta, merged with another weight
+  WriteBatch wb;
+  wb.PutOwned(Column::kDeltas, key, EncodeDelta(*d));
+  ASSERT_TRUE(a.store()->Write(wb).ok());
+  auto engine = SyncEngine::Create(a.store(), a.options());
+  ASSERT_TRUE(engine.ok());
+  auto tensors = SyncEngine::ReadTensors(a.store(), kJob);
+  ASSERT_TRUE(tensors.ok());
+  const Status st = (*engine)->AttachJob(kJob, std::move(*tensors), 1);
+  EXPECT_EQ(st.code(), Code::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("round 7"), std::string::npos) << st.ToString();
 }
 
 }  // namespace
