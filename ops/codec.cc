@@ -575,4 +575,13 @@ std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
   return q;
 }
 
+void RecomputeResidual(std::span<float> residual, std::span<const float> delta,
+                       std::span<const float> decoded) {
+  ISTHMUS_CHECK(residual.size() == delta.size() && decoded.size() == delta.size(),
+                "residual, delta and decoded must have one size");
+  float* v = residual.data();
+  for (size_t i = 0; i < delta.size(); ++i) v[i] = delta[i] + v[i];
+  for (size_t i = 0; i < delta.size(); ++i) v[i] = v[i] - decoded[i];
+}
+
 }  // namespace isthmus::codec

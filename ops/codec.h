@@ -86,6 +86,11 @@ bool IsDeferred(std::string_view bytes);
 std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<float> residual,
                                std::span<float> decoded);
+// The residual EncodeWithFeedback leaves, from the one it was given, the delta, and the
+// decoded bytes it sent: residual = (residual + delta) - decoded, the same operations in
+// the same order, so bit for bit. For a restart that recomputes residuals it did not store.
+void RecomputeResidual(std::span<float> residual, std::span<const float> delta,
+                       std::span<const float> decoded);
 // The same with the residual read from `residual_in` and the new one written to
 // `residual_out` (which may be the same memory): the caller keeps the old residual until it
 // chooses to take the new one. Bitwise the same results.

@@ -31,6 +31,8 @@
 #   emulated steps, then as soon as the round in flight is done (bench_wan_load
 #   --merge-after-steps; default 3, a tenth, as isthmus-worker; 0: as soon as it is done);
 #   --merge-wait: at exactly step M, waiting there if need be. Both recorded in each row.
+# ISTHMUS_BENCH_SHARD_FLAGS: more isthmus-server flags for every shard (e.g.
+# "--log.level debug" logs each close's and commit's time split).
 # Needs root and iproute2 (ip netns, tc), the recorded deltas (bench/wan/record.sh) and a
 # build with the bench programs (ISTHMUS_BUILD_DIR, default build).
 set -euo pipefail
@@ -166,7 +168,9 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off) REPLAY(on|off)
       shard_toml "$dir" "$dir/keys" "$s" "$i" "tcp://127.0.0.1:$((7100 + i))" \
         "tcp://127.0.0.1:$((7200 + i))" "tcp://${ip_of[$s]}:$((7300 + i))" "${peers%, }" \
         "$sync_lines" > "$dir/$s-$i.toml"
-      in_ns "$s" "$server" --config "$dir/$s-$i.toml" 2> "$dir/logs/shard-$s-$i.log" &
+      # shellcheck disable=SC2086  # ISTHMUS_BENCH_SHARD_FLAGS: more server flags, split
+      in_ns "$s" "$server" --config "$dir/$s-$i.toml" ${ISTHMUS_BENCH_SHARD_FLAGS:-} \
+        2> "$dir/logs/shard-$s-$i.log" &
       pids+=($!)
     done
   done

@@ -70,4 +70,8 @@ std::string StateKey(std::string_view job, StateKind kind, std::string_view tens
   return JobKey(job, std::string(1, static_cast<char>(kind)) + kNul + std::string(tensor));
 }
 
+std::string StagedKey(std::string_view job, uint64_t round, std::string_view tensor) {
+  return JobKey(job, std::string("r") + kNul + BigEndian64(round) + std::string(tensor));
+}
+
 }  // namespace isthmus::keys

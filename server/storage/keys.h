@@ -66,7 +66,12 @@ std::string DeltaPrefix(std::string_view job, std::string_view site);
 std::string DeltaKey(std::string_view job, std::string_view site, uint64_t round);
 
 // kState: what a tensor's state row holds.
+// kStaged: the staged delta of the round being pushed, as stores before per-round staged
+// rows wrote it (read, never written).
 enum class StateKind : char { kStaged = 's', kResidual = 'e', kMomentum = 'm' };
 std::string StateKey(std::string_view job, StateKind kind, std::string_view tensor);
+// A round's staged delta of one tensor (kState): JOB \0 r \0 BE(round) TENSOR. They stay
+// after the round's close until the residuals are next written (sync.checkpoint_rounds).
+std::string StagedKey(std::string_view job, uint64_t round, std::string_view tensor);
 
 }  // namespace isthmus::keys

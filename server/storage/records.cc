@@ -156,6 +156,7 @@ std::string EncodeSyncRecord(const SyncRecord& r) {
   json out{{"committed", r.committed},
            {"state_round", r.state_round},
            {"local", r.local},
+           {"residual_round", r.residual_round},
            {"version", r.version},
            {"staged_round", r.staged_round},
            {"staged_tokens", r.staged_tokens},
@@ -188,6 +189,14 @@ Result<SyncRecord> DecodeSyncRecord(std::string_view text, const std::string& jo
                                 std::to_string(r.committed));
     }
     r.local = rec.at("local").get<uint64_t>();
+    r.residual_round =
+        rec.contains("residual_round") ? rec.at("residual_round").get<uint64_t>() : r.local;
+    if (r.residual_round > r.local) {
+      return Status::Corruption("sync record of job '" + job +
+                                "' says its residuals are of round " +
+                                std::to_string(r.residual_round) +
+                                ", after its last closed round " + std::to_string(r.local));
+    }
     r.version = rec.at("version").get<uint64_t>();
     r.staged_round = rec.at("staged_round").get<uint64_t>();
     r.staged_tokens = rec.at("staged_tokens").get<uint64_t>();

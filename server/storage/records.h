@@ -92,7 +92,11 @@ struct SyncRecord {
   // start replays rounds state_round + 1 .. committed from their deltas (records written
   // before it existed: committed, whose state they always held).
   uint64_t state_round = 0;
-  uint64_t local = 0;    // last round this site closed
+  uint64_t local = 0;  // last round this site closed
+  // The closed round whose error-feedback residuals the store's rows hold: the staged deltas
+  // and this site's encoded deltas of rounds residual_round + 1 .. local stay, and a start
+  // recomputes the residuals from them (records written before it existed: local).
+  uint64_t residual_round = 0;
   uint64_t version = 0;  // the served version
   uint64_t staged_round = 0;
   uint64_t staged_tokens = 0;

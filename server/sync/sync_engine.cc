@@ -371,7 +371,7 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     return result;
   }
   for (const auto& t : tensors)
-    batch.Put(Column::kState, StateKey(name, StateKind::kStaged, t.name), FloatBytes(t.delta));
+    batch.Put(Column::kState, keys::StagedKey(name, round, t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
   const auto t_write = std::chrono::steady_clock::now();
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
@@ -515,6 +515,49 @@ std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint
   return out;
 }
 
+Status SyncEngine::LoadResiduals(const std::string& name, Job& j) {
+  if (!j.residual.empty()) return Status::Ok();
+  std::map<std::string, std::vector<float>> residual;
+  for (const auto& [tname, t] : j.theta) {
+    const size_t n = t.data->size();
+    ISTHMUS_ASSIGN_OR_RETURN(
+        auto stored,
+        GetFloats(store_, Column::kState, StateKey(name, StateKind::kResidual, tname), n));
+    residual[tname] = stored ? std::move(*stored) : std::vector<float>(n, 0.0f);
+  }
+  // The closes since the residuals were written: residual = (residual + staged) -
+  // decode(sent), EncodeWithFeedback's own arithmetic, so the values are bit for bit the ones
+  // those closes held.
+  std::vector<float> decoded;
+  for (uint64_t r = j.residual_round + 1; r <= j.local; ++r) {
+    auto missing = [&](const std::string& what) {
+      return Status::Corruption("job '" + name +
+                                "': cannot recompute the error-feedback "
+                                "residuals of round " +
+                                std::to_string(r) + " from those of round " +
+                                std::to_string(j.residual_round) + ": " + what + " is missing");
+    };
+    ISTHMUS_ASSIGN_OR_RETURN(auto bytes,
+                             store_->Get(Column::kDeltas, DeltaKey(name, options_.site, r)));
+    if (!bytes) return missing("this site's encoded delta");
+    ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta sent, DecodeDelta(*bytes));
+    for (const auto& et : sent.tensors) {
+      auto res = residual.find(et.name);
+      if (res == residual.end())
+        return Status::Corruption("stored delta has unknown tensor " + et.name);
+      std::vector<float>& v = res->second;
+      ISTHMUS_ASSIGN_OR_RETURN(auto staged, GetFloats(store_, Column::kState,
+                                                      keys::StagedKey(name, r, et.name), v.size()));
+      if (!staged) return missing("the staged delta of tensor '" + et.name + "'");
+      decoded.assign(v.size(), 0.0f);
+      ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
+      codec::RecomputeResidual(v, *staged, decoded);
+    }
+  }
+  j.residual = std::move(residual);
+  return Status::Ok();
+}
+
 Status SyncEngine::CloseRound(const std::string& name, Job& j,
                               const std::map<std::string, std::span<const float>>* pushed,
                               WriteBatch* batch_in) {
@@ -548,18 +591,13 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   delta.site = options_.site;
   delta.round = round;
   delta.tokens = j.staged_tokens;
-  // The residuals stay in memory between closes (read from the store once after a start);
-  // the new ones are written into a second buffer per tensor, taken only once the close is
-  // durable.
-  if (j.residual.empty()) {
-    for (const auto& [tname, t] : j.theta) {
-      const size_t n = t.data->size();
-      ISTHMUS_ASSIGN_OR_RETURN(
-          auto stored,
-          GetFloats(store_, Column::kState, StateKey(name, StateKind::kResidual, tname), n));
-      j.residual[tname] = stored ? std::move(*stored) : std::vector<float>(n, 0.0f);
-    }
-  }
+  // The residuals stay in memory between closes (rebuilt from the store once after a
+  // start); the new ones are written into a second buffer per tensor, taken only once the
+  // close is durable.
+  ISTHMUS_RETURN_IF_ERROR(LoadResiduals(name, j));
+  // They are written every sync.checkpoint_rounds closes; the closes between keep the
+  // round's staged delta instead, from which a start recomputes them.
+  bool write_residuals = round - j.residual_round >= options_.checkpoint_rounds;
   std::vector<std::optional<std::vector<float>>> reads(j.theta.size());
   std::vector<codec::FeedbackTask> tasks(j.theta.size());
   std::map<std::string, uint64_t> pipelines;
@@ -573,8 +611,15 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     } else if (auto mem = j.staged_mem.find(tname); mem != j.staged_mem.end()) {
       staged = mem->second;
     } else {
-      ISTHMUS_ASSIGN_OR_RETURN(reads[i], GetFloats(store_, Column::kState,
-                                                   StateKey(name, StateKind::kStaged, tname), n));
+      ISTHMUS_ASSIGN_OR_RETURN(
+          reads[i], GetFloats(store_, Column::kState, keys::StagedKey(name, round, tname), n));
+      if (!reads[i]) {
+        // Staged by a release before per-round staged rows: this close writes the residuals,
+        // as the rounds after it cannot be recomputed from that row.
+        ISTHMUS_ASSIGN_OR_RETURN(reads[i], GetFloats(store_, Column::kState,
+                                                     StateKey(name, StateKind::kStaged, tname), n));
+        write_residuals = true;
+      }
       if (!reads[i]) {
         return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
                                   "' is missing");
@@ -607,6 +652,7 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   const std::string serialized = EncodeDelta(delta);
   SyncRecord rec = j;  // the round is closed: nothing is staged any more
   rec.local = round;
+  if (write_residuals) rec.residual_round = round;
   rec.version = j.version + 1;
   rec.staged_round = 0;
   rec.staged_tokens = 0;
@@ -620,14 +666,28 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   batch.PutOwned(Column::kSync, HeldKey(name, options_.site, round),
                  EncodeHeldTokens(delta.tokens));
   for (const auto& [tname, _] : j.theta) {
+    if (!write_residuals) {
+      // The round's staged delta stays (a push that brought the whole round wrote none).
+      if (pushed != nullptr) {
+        batch.Put(Column::kState, keys::StagedKey(name, round, tname),
+                  FloatBytes(pushed->at(tname)));
+      }
+      continue;
+    }
     batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
               FloatBytes(j.residual_next.at(tname)));
+    // The staged deltas the residuals now cover go, this round's among them.
+    for (uint64_t r = j.residual_round + 1; r <= round; ++r) {
+      if (r != round || pushed == nullptr)
+        batch.Delete(Column::kState, keys::StagedKey(name, r, tname));
+    }
     if (pushed == nullptr) batch.Delete(Column::kState, StateKey(name, StateKind::kStaged, tname));
   }
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   j.residual.swap(j.residual_next);
   j.local = round;
+  j.residual_round = rec.residual_round;
   j.version = rec.version;
   j.staged_round = 0;
   j.staged_tokens = 0;
@@ -783,7 +843,8 @@ Status SyncEngine::RebuildState(const std::string& name, Job& j) {
           " from the stored state of round " + std::to_string(from) +
           " gives another digest than the commit stored (" + digest.substr(0, 16) + " against " +
           (stored ? stored->substr(0, 16) : std::string("none")) +
-          "); the store is damaged: restore a snapshot or rejoin the job (docs/OPERATIONS.md)");
+          "); the store is damaged: restore a snapshot, or remove this site and let it join "
+          "again from a peer (isthmusctl sync remove, sync join; docs/SYNC.md)");
     }
     j.theta = std::move(next.theta);
     if (keeps_momentum()) j.momentum = std::move(next.momentum);
@@ -1172,7 +1233,8 @@ void SyncEngine::DropOldDeltas(const std::string& name, const Job& j, uint64_t c
   if (committed <= options_.replay_rounds) return;
   // The rounds after the stored state stay too: a start replays them.
   const uint64_t limit = std::min(committed - options_.replay_rounds, state_round);
-  uint64_t own_limit = limit;
+  // This site's own stay while a start recomputes the residuals from them (LoadResiduals).
+  uint64_t own_limit = std::min(limit, j.residual_round);
   for (const auto& p : MemberPeers(j)) {
     auto it = j.acked.find(p);
     own_limit = std::min(own_limit, it == j.acked.end() ? 0 : it->second);
@@ -1445,7 +1507,7 @@ Status SyncEngine::InstallImage(const std::string& name, const JobImage& image,
     j.theta[t.name] = SyncTensor{t.shape, t.theta};
     if (t.momentum) j.momentum[t.name] = t.momentum;
   }
-  j.committed = j.local = j.state_round = image.round;
+  j.committed = j.local = j.state_round = j.residual_round = image.round;
   j.version = image.version;
   j.members = image.members;
   j.pending = change;
@@ -1501,6 +1563,18 @@ Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
   rec.local = std::max(j->local, image.round);
   rec.version = std::max(j->version, image.version) + 1;
   WriteBatch batch;
+  if (rec.local > j->local) {
+    // Rounds this site never closed: its residuals carry over them, written now (a start
+    // could not recompute them across rounds without staged deltas).
+    ISTHMUS_RETURN_IF_ERROR(LoadResiduals(name, *j));
+    for (const auto& [tname, r] : j->residual) {
+      batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname), FloatBytes(r));
+      for (uint64_t k = j->residual_round + 1; k <= j->local; ++k) {
+        batch.Delete(Column::kState, keys::StagedKey(name, k, tname));
+      }
+    }
+    rec.residual_round = rec.local;
+  }
   for (const auto& [tname, t] : theta) {
     batch.Put(Column::kTensors, keys::TensorKey(name, tname), FloatBytes(*t.data));
     batch.PutOwned(Column::kTensorMeta, keys::TensorKey(name, tname),

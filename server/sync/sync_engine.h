@@ -341,6 +341,10 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   static bool StageComplete(const Job& j) {
     return j.staged_round != 0 && j.staged.size() == j.theta.size();
   }
+  // j.residual from the store once after a start: the residual rows (of round
+  // j.residual_round) and the closes since, recomputed from their staged deltas and this
+  // site's encoded deltas. Corruption naming the round when one of them is missing.
+  Status LoadResiduals(const std::string& name, Job& j);
   // Encodes the staged round and writes it to the outbox. `pushed`: the round's deltas in
   // memory when one push brings them all (nothing was staged on disk); they are then
   // written with `batch` (the push's own records) in the close's single write batch.
