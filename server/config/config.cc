@@ -360,10 +360,11 @@ const std::vector<Binding>& Bindings() {
       Bind(
           "sync.checkpoint_rounds", [](auto& c) -> auto& { return c.sync.checkpoint_rounds; },
           "A commit writes the committed state (tensors and outer momentum) to the store once "
-          "this many rounds have committed since it was last written; the commits between "
-          "write their digest and keep the rounds' deltas, which a restart replays, checked "
-          "against each round's digest (docs/SYNC.md, Checkpointed state). 1: every commit "
-          "writes the state.",
+          "this many rounds have committed since it was last written, and a close the "
+          "error-feedback residuals once this many rounds have closed; between, the rounds' "
+          "deltas and staged deltas stay, from which a start rebuilds both, checked against "
+          "each round's digest (docs/SYNC.md, Checkpointed state). 1: every commit and close "
+          "writes them.",
           Range{1, kMaxCheckpointRounds}),
       Bind(
           "sync.encode_threads", [](auto& c) -> auto& { return c.sync.encode_threads; },

@@ -57,9 +57,11 @@ struct SyncOptions {
   // the whole state whenever it is a round behind.
   uint64_t replay_rounds = 4;
   // A commit writes the committed state (theta, outer momentum) to the store when this many
-  // rounds have committed since it was last written; the commits between write only their
-  // digest and record, and keep every site's deltas since the written state, which a start
-  // replays (checked against each round's digest). 1: every commit writes the state.
+  // rounds have committed since it was last written, and a close the error-feedback
+  // residuals when this many have closed since; between, every site's deltas since the
+  // written state and the staged deltas since the written residuals stay, from which a start
+  // rebuilds both (the state checked against each round's digest). 1: every commit and
+  // close writes them.
   uint64_t checkpoint_rounds = 4;
   // Hard cap on local - committed (bounds disk and memory); 0 = 4 * K + 8.
   uint64_t hard_cap_rounds = 0;
