@@ -6,6 +6,7 @@
 #include "server/sync/sync_engine.h"
 
 #include <fnmatch.h>
+#include <pthread.h>
 
 #include <spdlog/spdlog.h>
 #include <nlohmann/json.hpp>
@@ -373,8 +374,19 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   for (const auto& t : tensors)
     batch.Put(Column::kState, keys::StagedKey(name, round, t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
+  if (defer_ && keepalive && next_rec.staged.size() == j->theta.size()) {
+    // The push completes the round and its deltas are in memory: the close's encode runs
+    // while the stage is written (most of that write is the disk's time, not the CPU's).
+    StartEarlyEncode(
+        name, *j, round,
+        std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms),
+        tensors);
+  }
   const auto t_write = std::chrono::steady_clock::now();
-  ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  if (Status written = store_->Write(batch); !written.ok()) {
+    j->early.reset();  // waits for the encode; the close will start over
+    return written;
+  }
   spdlog::debug(
       "job '{}': staged {} tensors of round {} (write {:.0f} ms)", name, tensors.size(), round,
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t_write)
@@ -558,15 +570,16 @@ Status SyncEngine::LoadResiduals(const std::string& name, Job& j) {
   return Status::Ok();
 }
 
-Status SyncEngine::CloseRound(const std::string& name, Job& j,
-                              const std::map<std::string, std::span<const float>>* pushed,
-                              WriteBatch* batch_in) {
-  const uint64_t round = j.staged_round;
+Result<std::unique_ptr<SyncEngine::CloseWork>> SyncEngine::PrepareClose(
+    const std::string& name, Job& j, uint64_t round, uint64_t compute_ms,
+    const std::map<std::string, std::span<const float>>* staged_in) {
+  auto work = std::make_unique<CloseWork>();
+  work->round = round;
   // The workers' compute time for this round, when they reported it, is the time its
   // transfer should fit in; otherwise the time since the previous close stands in.
   const auto now = options_.now();
-  if (j.staged_compute_ms > 0) {
-    j.last_round_seconds = static_cast<double>(j.staged_compute_ms) / 1e3;
+  if (compute_ms > 0) {
+    j.last_round_seconds = static_cast<double>(compute_ms) / 1e3;
   } else if (j.last_close) {
     j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
   }
@@ -586,67 +599,108 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   for (const auto& [tname, t] : j.theta) {
     if (!deferred(tname)) total_numel += t.data->size();
   }
-  EncodedDelta delta;
-  delta.job = name;
-  delta.site = options_.site;
-  delta.round = round;
-  delta.tokens = j.staged_tokens;
   // The residuals stay in memory between closes (rebuilt from the store once after a
   // start); the new ones are written into a second buffer per tensor, taken only once the
   // close is durable.
   ISTHMUS_RETURN_IF_ERROR(LoadResiduals(name, j));
   // They are written every sync.checkpoint_rounds closes; the closes between keep the
   // round's staged delta instead, from which a start recomputes them.
-  bool write_residuals = round - j.residual_round >= options_.checkpoint_rounds;
-  std::vector<std::optional<std::vector<float>>> reads(j.theta.size());
-  std::vector<codec::FeedbackTask> tasks(j.theta.size());
-  std::map<std::string, uint64_t> pipelines;
-  uint64_t raw = 0;
+  work->write_residuals = round - j.residual_round >= options_.checkpoint_rounds;
+  work->reads.resize(j.theta.size());
+  work->tasks.resize(j.theta.size());
   size_t i = 0;
   for (const auto& [tname, t] : j.theta) {
     const size_t n = t.data->size();
     std::span<const float> staged;
-    if (pushed != nullptr) {
-      staged = pushed->at(tname);
+    auto& read = work->reads[i];
+    if (staged_in != nullptr) {
+      staged = staged_in->at(tname);
     } else if (auto mem = j.staged_mem.find(tname); mem != j.staged_mem.end()) {
       staged = mem->second;
     } else {
       ISTHMUS_ASSIGN_OR_RETURN(
-          reads[i], GetFloats(store_, Column::kState, keys::StagedKey(name, round, tname), n));
-      if (!reads[i]) {
+          read, GetFloats(store_, Column::kState, keys::StagedKey(name, round, tname), n));
+      if (!read) {
         // Staged by a release before per-round staged rows: this close writes the residuals,
         // as the rounds after it cannot be recomputed from that row.
-        ISTHMUS_ASSIGN_OR_RETURN(reads[i], GetFloats(store_, Column::kState,
-                                                     StateKey(name, StateKind::kStaged, tname), n));
-        write_residuals = true;
+        ISTHMUS_ASSIGN_OR_RETURN(
+            read, GetFloats(store_, Column::kState, StateKey(name, StateKind::kStaged, tname), n));
+        work->write_residuals = true;
       }
-      if (!reads[i]) {
+      if (!read) {
         return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
                                   "' is missing");
       }
-      staged = *reads[i];
+      staged = *read;
     }
     std::vector<float>& next = j.residual_next[tname];
     next.resize(n);
-    codec::FeedbackTask& task = tasks[i++];
+    codec::FeedbackTask& task = work->tasks[i++];
     task.pipeline = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
     task.delta = staged;
     task.shape = t.shape;
     task.residual_in = j.residual.at(tname);
     task.residual_out = next;
-    pipelines[PipeText(task.pipeline)] += 1;
-    raw += n * sizeof(float);
+    work->pipelines[PipeText(task.pipeline)] += 1;
+    work->raw += n * sizeof(float);
   }
-  // Each tensor is encoded whole on one thread; the bytes do not depend on how many.
+  return work;
+}
+
+void SyncEngine::StartEarlyEncode(const std::string& name, Job& j, uint64_t round,
+                                  uint64_t compute_ms, const std::vector<SyncPushTensor>& tensors) {
+  std::map<std::string, std::span<const float>> staged;
+  if (j.staged_round == round) staged = j.staged_mem;
+  for (const auto& t : tensors) staged[t.name] = t.delta;
+  if (staged.size() != j.theta.size()) return;  // some staged delta is only on disk
+  auto work = PrepareClose(name, j, round, compute_ms, &staged);
+  if (!work.ok()) return;  // the close will say why
+  CloseWork* w = work->get();
+  const int threads = static_cast<int>(options_.encode_threads);
+  w->encoder = std::thread([w, threads] {
+    pthread_setname_np(pthread_self(), "codec-encode");
+    codec::EncodeWithFeedbackMany(w->tasks, threads);
+  });
+  j.early = std::move(*work);
+}
+
+SyncEngine::CloseWork::~CloseWork() {
+  if (encoder.joinable()) encoder.join();
+}
+
+Status SyncEngine::CloseRound(const std::string& name, Job& j,
+                              const std::map<std::string, std::span<const float>>* pushed,
+                              WriteBatch* batch_in) {
+  const uint64_t round = j.staged_round;
+  const auto now = options_.now();
+  EncodedDelta delta;
+  delta.job = name;
+  delta.site = options_.site;
+  delta.round = round;
+  delta.tokens = j.staged_tokens;
+  // Each tensor is encoded whole on one thread; the bytes do not depend on how many. A
+  // push that completed the round may have started the encode while its stage was written
+  // (StartEarlyEncode): the same tasks, from the same inputs.
+  std::unique_ptr<CloseWork> work = std::move(j.early);
   const auto t_encode = std::chrono::steady_clock::now();
-  codec::EncodeWithFeedbackMany(tasks, static_cast<int>(options_.encode_threads));
+  if (work && work->round == round && pushed == nullptr) {
+    work->encoder.join();
+    ++early_encodes_;
+  } else {
+    work.reset();
+    ISTHMUS_ASSIGN_OR_RETURN(work, PrepareClose(name, j, round, j.staged_compute_ms, pushed));
+    codec::EncodeWithFeedbackMany(work->tasks, static_cast<int>(options_.encode_threads));
+  }
   const auto t_encoded = std::chrono::steady_clock::now();
-  i = 0;
+  const bool write_residuals = work->write_residuals;
+  std::map<std::string, uint64_t> pipelines = std::move(work->pipelines);
+  const uint64_t raw = work->raw;
+  size_t i = 0;
   for (const auto& [tname, t] : j.theta) {
     EncodedTensor et;
     et.name = tname;
     et.shape = t.shape;
-    et.bytes = std::move(tasks[i++].bytes);
+    et.bytes = std::move(work->tasks[i++].bytes);
     delta.tensors.push_back(std::move(et));
   }
   const std::string serialized = EncodeDelta(delta);

@@ -19,6 +19,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -239,6 +240,9 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   };
   void SetJobHooks(JobHooks hooks) { hooks_ = std::move(hooks); }
 
+  // Closes whose encode ran while their stage was written (StartEarlyEncode), since start.
+  uint64_t EarlyEncodes() const { return early_encodes_; }
+
   // SyncJobs() and the jobs whose join failed (their status says why).
   std::vector<std::string> StatusJobs() const;
 
@@ -275,6 +279,22 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
  private:
   // The durable fields are the SyncRecord (storage/records.h): a batch writes a copy of
   // them with its changes, and memory takes them once the batch is durable.
+  // A round close's inputs and outputs: one error-feedback task per tensor (in theta's
+  // order), with what the close writes besides the encoded bytes. `encoder`, when started,
+  // runs the tasks (StartEarlyEncode) and is joined before they are read or freed.
+  struct CloseWork {
+    uint64_t round = 0;
+    bool write_residuals = false;
+    std::vector<std::optional<std::vector<float>>> reads;  // staged deltas read back
+    std::vector<codec::FeedbackTask> tasks;
+    std::map<std::string, uint64_t> pipelines;
+    uint64_t raw = 0;
+    std::thread encoder;
+    CloseWork() = default;
+    CloseWork(const CloseWork&) = delete;
+    CloseWork& operator=(const CloseWork&) = delete;
+    ~CloseWork();
+  };
   struct Job : SyncRecord {
     std::map<std::string, SyncTensor> theta;  // committed
     // Tensors whose theta or momentum changed since the store last took them (rounds after
@@ -299,6 +319,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     // the first close after a start and kept since; residual_next holds buffers of the same
     // sizes that a close writes the new residuals into, swapped in once the close is durable.
     std::map<std::string, std::vector<float>> residual, residual_next;
+    // The close of the round just staged, encoding since its last push (StartEarlyEncode).
+    std::unique_ptr<CloseWork> early;
     // Deferred round work that failed (RunDeferred): how often, and the last failure while
     // it is still to retry (memory only, for metrics and JobStatus).
     uint64_t round_work_failures = 0;
@@ -345,6 +367,16 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // j.residual_round) and the closes since, recomputed from their staged deltas and this
   // site's encoded deltas. Corruption naming the round when one of them is missing.
   Status LoadResiduals(const std::string& name, Job& j);
+  // The tasks of round `round`'s close (pipelines chosen, residual buffers sized), the
+  // staged deltas taken from `staged` when given, else from j.staged_mem, else the store.
+  Result<std::unique_ptr<CloseWork>> PrepareClose(
+      const std::string& name, Job& j, uint64_t round, uint64_t compute_ms,
+      const std::map<std::string, std::span<const float>>* staged);
+  // Called by the push that completes round `round` with every staged delta in memory,
+  // before its stage is written: starts the close's encode on its own threads (j.early),
+  // which CloseRound then waits for instead of encoding.
+  void StartEarlyEncode(const std::string& name, Job& j, uint64_t round, uint64_t compute_ms,
+                        const std::vector<SyncPushTensor>& tensors);
   // Encodes the staged round and writes it to the outbox. `pushed`: the round's deltas in
   // memory when one push brings them all (nothing was staged on disk); they are then
   // written with `batch` (the push's own records) in the close's single write batch.
@@ -417,6 +449,7 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
 
   Store* store_;
   SyncOptions options_;
+  uint64_t early_encodes_ = 0;
   // options_'s pipelines, parsed once (Create has checked that every one parses);
   // ceiling_pipe_ only when sync.adaptive_ceiling is set.
   codec::Pipeline codec_pipe_, floor_pipe_, ceiling_pipe_, dense_pipe_, defer_pipe_;

@@ -736,6 +736,10 @@ TEST(SyncEngineTest, DeferredRoundWorkCommitsTheSameDigestsAsInline) {
     auto d = sites[2]->Digests();
     EXPECT_EQ(a.Digests(), d);
     EXPECT_EQ(b.Digests(), d);
+    // a's pushes came with their deltas in memory: each close encoded while the stage was
+    // written; b's second push had no keepalive, so b encoded in the close.
+    EXPECT_EQ(a.engine().EarlyEncodes(), r);
+    EXPECT_EQ(b.engine().EarlyEncodes(), 0u);
   }
 }
 
@@ -1683,6 +1687,37 @@ TEST(SyncEngineTest, CheckpointedStateIsRebuiltAtAStartBitForBit) {
   const Status st = (*engine)->AttachJob(kJob, std::move(*tensors), 1);
   EXPECT_EQ(st.code(), Code::kCorruption) << st.ToString();
   EXPECT_NE(st.message().find("round 7"), std::string::npos) << st.ToString();
+}
+
+// The early encode (StartEarlyEncode) runs while the push's stage is written. When that
+// write fails the push fails whole, the encode is waited for and dropped, and the retried
+// rounds encode the bytes an inline twin encodes.
+TEST(SyncEngineTest, AStageWriteThatFailsWhileTheCloseEncodesLeavesNothingBehind) {
+  const std::string codec = "topk:0.25+int2+zstd";
+  std::unique_ptr<FlakyStore> flaky;
+  Site a("siteA", {"siteB"}, codec, 1.25, 0.6), twin("siteA", {"siteB"}, codec, 1.25, 0.6);
+  a.set_store_wrapper([&](Store* inner) {
+    flaky = std::make_unique<FlakyStore>(inner);
+    return flaky.get();
+  });
+  a.Reopen();
+  a.set_defer(true);
+  flaky->fail_ = true;
+  EXPECT_EQ(a.PushWholeRound(1, /*keep=*/true).status().code(), Code::kResourceExhausted);
+  EXPECT_EQ(a.engine().PushedRound(kJob), 0u);
+  EXPECT_FALSE(a.engine().HasDeferred());
+  EXPECT_TRUE(a.last_keep.expired()) << "nothing holds the failed push's deltas";
+  flaky->fail_ = false;
+  for (uint64_t r = 1; r <= 3; ++r) {
+    ASSERT_TRUE(a.PushWholeRound(r, /*keep=*/true).ok());
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    ASSERT_TRUE(twin.PushWholeRound(r).ok());
+    auto mine = a.engine().OutboxDelta(kJob, r);
+    auto theirs = twin.engine().OutboxDelta(kJob, r);
+    ASSERT_TRUE(mine.ok() && theirs.ok());
+    EXPECT_EQ(EncodeDelta(**mine), EncodeDelta(**theirs)) << "round " << r;
+  }
+  EXPECT_EQ(a.engine().EarlyEncodes(), 3u);
 }
 
 }  // namespace
