@@ -374,13 +374,13 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   for (const auto& t : tensors)
     batch.Put(Column::kState, keys::StagedKey(name, round, t.name), FloatBytes(t.delta));
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
+  // The largest compute time the round's pushes reported.
+  const uint64_t round_compute_ms =
+      std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms);
   if (defer_ && keepalive && next_rec.staged.size() == j->theta.size()) {
     // The push completes the round and its deltas are in memory: the close's encode runs
     // while the stage is written (most of that write is the disk's time, not the CPU's).
-    StartEarlyEncode(
-        name, *j, round,
-        std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms),
-        tensors);
+    StartEarlyEncode(name, *j, round, round_compute_ms, tensors);
   }
   const auto t_write = std::chrono::steady_clock::now();
   if (Status written = store_->Write(batch); !written.ok()) {
@@ -395,8 +395,7 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     j->staged_mem.clear();
     j->staged_keep.clear();
   }
-  j->staged_compute_ms =
-      std::max(j->staged_round == round ? j->staged_compute_ms : uint64_t{0}, compute_ms);
+  j->staged_compute_ms = round_compute_ms;
   j->staged_round = round;
   j->staged_tokens = next_rec.staged_tokens;
   j->staged = std::move(next_rec.staged);
@@ -977,12 +976,6 @@ void SyncEngine::WriteStateRows(
   }
 }
 
-void SyncEngine::WriteStateRows(const std::string& name, const Job& j,
-                                const std::set<std::string>& write, uint64_t version,
-                                WriteBatch& batch) const {
-  WriteStateRows(name, j.theta, j.momentum, write, version, batch);
-}
-
 void SyncEngine::PublishCommit(Job& j, uint64_t round, OuterState next,
                                const std::vector<std::string>& sites, uint64_t version) {
   j.theta = std::move(next.theta);
@@ -1509,7 +1502,7 @@ Status SyncEngine::ApplyMembership(const std::string& name, const SyncRecord& ne
   // start with the members of the time (RebuildState), so they must all be the new ones'.
   SyncRecord rec = next;
   rec.state_round = j->committed;
-  WriteStateRows(name, *j, j->unsaved, rec.version, batch);
+  WriteStateRows(name, j->theta, j->momentum, j->unsaved, rec.version, batch);
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   static_cast<SyncRecord&>(*j) = rec;

@@ -416,8 +416,6 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
       const std::string& name, const std::map<std::string, SyncTensor>& theta,
       const std::map<std::string, std::shared_ptr<const std::vector<float>>>& momentum,
       const std::set<std::string>& write, uint64_t version, WriteBatch& batch) const;
-  void WriteStateRows(const std::string& name, const Job& j, const std::set<std::string>& write,
-                      uint64_t version, WriteBatch& batch) const;
   void PublishCommit(Job& j, uint64_t round, OuterState next, const std::vector<std::string>& sites,
                      uint64_t version);
   // Deletes (into `batch`) the deltas no longer needed once round `committed` is committed:

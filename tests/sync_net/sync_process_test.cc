@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -47,6 +48,27 @@ std::vector<float> Delta(int site, uint64_t round, const std::string& name, size
 }
 
 uint64_t Tokens(int site) { return 1000 * (site + 1); }
+
+// Pulls job "job" of `site`'s shard by replay through `puller`, then plainly, and expects
+// the same tensors bit for bit; `when` names the moment in failure messages.
+void ExpectReplayEqualsPlainPull(codec::ReplayPuller& puller, SiteProcess& site,
+                                 const std::string& when) {
+  auto client = site.WorkerClient();
+  auto replayed = puller.Pull(0, *client, "job");
+  ASSERT_TRUE(replayed.ok()) << when << ": " << replayed.status().ToString();
+  auto plain = client->Pull("job");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  ASSERT_EQ(replayed->size(), plain->tensors.size()) << when;
+  for (size_t i = 0; i < replayed->size(); ++i) {
+    const auto& a = (*replayed)[i];
+    const auto& b = plain->tensors[i];
+    EXPECT_EQ(a.name, b.name) << when;
+    EXPECT_EQ(a.shape, b.shape) << when;
+    ASSERT_EQ(a.data.size(), b.data.size()) << when;
+    EXPECT_EQ(std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)), 0)
+        << when << ": tensor " << a.name << " differs";
+  }
+}
 
 class SyncProcessTest : public ::testing::Test {
  protected:
@@ -844,15 +866,8 @@ TEST_F(SyncProcessTest, DeadSiteRemovedByCommandAndTheOthersCommitWithoutIt) {
   }
   // ... and replays rounds 3-6, merged by two sites under epoch 1, to a plain pull's bits.
   {
-    auto client = sites_[0]->WorkerClient();
-    auto replayed = puller.Pull(0, *client, "job");
-    ASSERT_TRUE(replayed.ok()) << replayed.status().ToString();
-    auto plain = client->Pull("job");
-    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
-    ASSERT_EQ(replayed->size(), plain->tensors.size());
-    for (size_t i = 0; i < replayed->size(); ++i) {
-      EXPECT_EQ((*replayed)[i].data, plain->tensors[i].data) << (*replayed)[i].name;
-    }
+    ExpectReplayEqualsPlainPull(puller, *sites_[0], "rounds 3-6 after the removal");
+    if (HasFatalFailure()) return;
     EXPECT_EQ(puller.stats().whole_pulls, 1u);
     EXPECT_EQ(puller.stats().rounds_replayed, 4u);
     EXPECT_EQ(puller.stats().digest_mismatches, 0u);
@@ -1537,21 +1552,7 @@ TEST_F(SyncProcessTest, PullByReplayGivesThePlainPullsTensorsBitForBit) {
   StartSites({"alpha", "beta"});
   codec::ReplayPuller puller;
   auto expect_same = [&](const std::string& when) {
-    auto client = sites_[0]->WorkerClient();
-    auto replayed = puller.Pull(0, *client, "job");
-    ASSERT_TRUE(replayed.ok()) << when << ": " << replayed.status().ToString();
-    auto plain = client->Pull("job");
-    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
-    ASSERT_EQ(replayed->size(), plain->tensors.size()) << when;
-    for (size_t i = 0; i < replayed->size(); ++i) {
-      const auto& a = (*replayed)[i];
-      const auto& b = plain->tensors[i];
-      EXPECT_EQ(a.name, b.name) << when;
-      EXPECT_EQ(a.shape, b.shape) << when;
-      ASSERT_EQ(a.data.size(), b.data.size()) << when;
-      EXPECT_EQ(std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)), 0)
-          << when << ": tensor " << a.name << " differs";
-    }
+    ExpectReplayEqualsPlainPull(puller, *sites_[0], when);
   };
   const auto& st = puller.stats();
   Push(0, 1), Push(1, 1);
@@ -1610,15 +1611,8 @@ TEST_F(SyncProcessTest, PullByReplayFallsBackToPlainPullsWhenTheWholeStateIsTooL
   for (uint64_t r = 1; r <= 2; ++r) {
     Push(0, r), Push(1, r);
     WaitCommitted(r);
-    auto client = sites_[0]->WorkerClient();
-    auto replayed = puller.Pull(0, *client, "job");
-    ASSERT_TRUE(replayed.ok()) << "round " << r << ": " << replayed.status().ToString();
-    auto plain = client->Pull("job");
-    ASSERT_TRUE(plain.ok()) << plain.status().ToString();
-    ASSERT_EQ(replayed->size(), plain->tensors.size());
-    for (size_t i = 0; i < replayed->size(); ++i) {
-      EXPECT_EQ((*replayed)[i].data, plain->tensors[i].data) << (*replayed)[i].name;
-    }
+    ExpectReplayEqualsPlainPull(puller, *sites_[0], "round " + std::to_string(r));
+    if (HasFatalFailure()) return;
   }
   EXPECT_EQ(puller.stats().whole_pulls, 0u);
   EXPECT_EQ(puller.stats().rounds_replayed, 0u);
