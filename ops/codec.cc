@@ -274,9 +274,11 @@ std::string EncodePlain(const Pipeline& p, std::span<const float> v) {
   return out;
 }
 
-// Decodes a plain (kind 0) encoding into `out` (already checked: numel == out.size()).
-// `hdr` stands after the numel varint. Writes `out` only after everything validated.
-Status DecodePlain(uint8_t flags, Reader hdr, std::span<float> out) {
+// Decodes a plain (kind 0) encoding into `out` (already checked: numel == out.size()), or
+// with `add_w` adds *add_w times each stored value to `out` (a sparse encoding's unstored
+// values are zeros: nothing to add). `hdr` stands after the numel varint. Writes `out` only
+// after everything validated.
+Status DecodePlain(uint8_t flags, Reader hdr, std::span<float> out, const float* add_w) {
   const uint64_t numel = out.size();
   const uint8_t sparsifier = flags & 3;
   const uint32_t bits = kWidths[(flags >> 2) & 3];
@@ -368,7 +370,14 @@ Status DecodePlain(uint8_t flags, Reader hdr, std::span<float> out) {
       return Bad("non-zero padding bits");
   }
 
-  if (sparse) {
+  if (add_w != nullptr) {
+    const float w = *add_w;
+    if (sparse) {
+      for (uint64_t k = 0; k < nnz; ++k) out[idx[k]] += w * vals[k];
+    } else {
+      for (uint64_t k = 0; k < nnz; ++k) out[k] += w * vals[k];
+    }
+  } else if (sparse) {
     std::fill(out.begin(), out.end(), 0.0f);
     for (uint64_t k = 0; k < nnz; ++k) out[idx[k]] = vals[k];
   } else {
@@ -459,10 +468,12 @@ bool EncodeLowRank(const Pipeline& p, std::span<const float> m, uint64_t rows, u
   return true;
 }
 
-Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank);
+Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank,
+                 const float* add_w);
 
-// `hdr` stands after the numel varint (already checked: numel == out.size()).
-Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out) {
+// `hdr` stands after the numel varint (already checked: numel == out.size()). `add_w`: as
+// DecodePlain's.
+Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out, const float* add_w) {
   if (flags != 0) return Bad("bad low-rank flags");
   uint64_t rows = 0, rank = 0, len_p = 0;
   if (!hdr.Varint(&rows) || !hdr.Varint(&rank) || !hdr.Varint(&len_p))
@@ -475,9 +486,9 @@ Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out) {
   if (len_p > hdr.remaining()) return Bad("low-rank factor length out of range");
   const char* base = reinterpret_cast<const char*>(hdr.here());
   std::vector<float> pf(rows * rank), qf(cols * rank);
-  ISTHMUS_RETURN_IF_ERROR(DecodeAny(std::string_view(base, len_p), pf, false));
+  ISTHMUS_RETURN_IF_ERROR(DecodeAny(std::string_view(base, len_p), pf, false, nullptr));
   ISTHMUS_RETURN_IF_ERROR(
-      DecodeAny(std::string_view(base + len_p, hdr.remaining() - len_p), qf, false));
+      DecodeAny(std::string_view(base + len_p, hdr.remaining() - len_p), qf, false, nullptr));
   // M = P Q^T in a fixed order (double accumulation, k ascending).
   std::vector<float> m(numel);
   for (uint64_t i = 0; i < rows; ++i)
@@ -489,11 +500,17 @@ Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out) {
       if (!std::isfinite(f)) return Bad("low-rank product is not finite");
       m[i * cols + j] = f;
     }
-  std::copy(m.begin(), m.end(), out.begin());
+  if (add_w != nullptr) {
+    const float w = *add_w;
+    for (uint64_t i = 0; i < numel; ++i) out[i] += w * m[i];
+  } else {
+    std::copy(m.begin(), m.end(), out.begin());
+  }
   return Status::Ok();
 }
 
-Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank) {
+Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank,
+                 const float* add_w) {
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   const size_t size = bytes.size();
   if (size < kFixedHeader) return Bad("truncated header (" + std::to_string(size) + " bytes)");
@@ -507,11 +524,11 @@ Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowran
   if (numel != out.size())
     return Bad("encoded " + std::to_string(numel) + " elements, expected " +
                std::to_string(out.size()));
-  if (data[3] == kKindPlain) return DecodePlain(data[4], hdr, out);
-  if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data[4], hdr, out);
+  if (data[3] == kKindPlain) return DecodePlain(data[4], hdr, out, add_w);
+  if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data[4], hdr, out, add_w);
   if (data[3] == kKindDeferred) {
     if (data[4] != 0 || hdr.remaining() != 0) return Bad("deferred encoding with flags or a body");
-    std::fill(out.begin(), out.end(), 0.0f);
+    if (add_w == nullptr) std::fill(out.begin(), out.end(), 0.0f);
     return Status::Ok();
   }
   return Bad("unknown encoding kind " + std::to_string(data[3]));
@@ -544,7 +561,13 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
   return EncodePlain(rest, v);
 }
 
-Status Decode(std::string_view bytes, std::span<float> out) { return DecodeAny(bytes, out, true); }
+Status Decode(std::string_view bytes, std::span<float> out) {
+  return DecodeAny(bytes, out, true, nullptr);
+}
+
+Status DecodeAddWeighted(std::string_view bytes, float w, std::span<float> out) {
+  return DecodeAny(bytes, out, true, &w);
+}
 
 bool IsDeferred(std::string_view bytes) {
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());

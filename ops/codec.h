@@ -75,6 +75,15 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
 // Thread-safe.
 Status Decode(std::string_view bytes, std::span<float> out);
 
+// Decode's validation, then out[i] += w * decoded[i] for the values the encoding holds: every
+// element of a dense or low-rank one, the stored ones of a sparse one (the others are zeros:
+// nothing to add), none of a deferred one. For a merge that sums sites' deltas into one
+// tensor without decoding each into a zeroed buffer first (docs/SYNC.md, "Commit rule").
+// Bit for bit what Decode into a buffer followed by AddWeighted (codec_outer.h) gives when
+// w > 0 and `out` holds no -0.0 (x + 0.0 is x for every other x), which a sum that starts
+// from +0.0 never does. On an error `out` is untouched. Thread-safe.
+Status DecodeAddWeighted(std::string_view bytes, float w, std::span<float> out);
+
 // Whether `bytes` is a deferred encoding (pipeline "defer": zeros, nothing sent). Looks at
 // the header only; Decode still validates the rest.
 bool IsDeferred(std::string_view bytes);

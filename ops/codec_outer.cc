@@ -2,6 +2,8 @@
 // file of this library: no fused multiply-add changes a rounding between machines.
 #include "ops/codec_outer.h"
 
+#include <cmath>
+
 namespace isthmus::codec {
 
 float MergeWeight(uint64_t tokens, uint64_t total, size_t sites) {
@@ -24,6 +26,24 @@ void ApplyOuterStep(float* theta, float* m, const float* g, size_t n, float lr, 
     m[i] = mu * m[i] + g[i];
     theta[i] += lr * (g[i] + mu * m[i]);
   }
+}
+
+bool ApplyOuterStepTo(const float* theta, const float* m, const float* g, float* theta_out,
+                      float* m_out, size_t n, float lr, float mu) {
+  bool finite = true;
+  if (mu == 0.0f) {
+    for (size_t i = 0; i < n; ++i) {
+      theta_out[i] = theta[i] + lr * g[i];
+      finite &= std::isfinite(theta_out[i]);
+    }
+    return finite;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    m_out[i] = mu * m[i] + g[i];
+    theta_out[i] = theta[i] + lr * (g[i] + mu * m_out[i]);
+    finite &= std::isfinite(theta_out[i]);
+  }
+  return finite;
 }
 
 }  // namespace isthmus::codec

@@ -21,4 +21,12 @@ void AddWeighted(std::span<float> out, float w, std::span<const float> decoded);
 // when mu == 0 (m unused, may be null), else Nesterov: m = mu * m + g; theta += lr * (g + mu * m).
 void ApplyOuterStep(float* theta, float* m, const float* g, size_t n, float lr, float mu);
 
+// ApplyOuterStep's arithmetic leaving its inputs as they are: the stepped theta goes to
+// `theta_out` and the new momentum to `m_out` (both unused, may be null, when mu == 0), bit
+// for bit what ApplyOuterStep on copies gives, in one pass instead of a copy and a step.
+// Returns whether every value of theta_out is finite. For a commit, which must keep the
+// committed state until its batch is written.
+bool ApplyOuterStepTo(const float* theta, const float* m, const float* g, float* theta_out,
+                      float* m_out, size_t n, float lr, float mu);
+
 }  // namespace isthmus::codec

@@ -69,16 +69,14 @@ Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state, const Repla
       parts[t.name].emplace_back(w, t.bytes);
     }
   }
-  std::vector<float> merged, decoded;
+  std::vector<float> merged;
   for (auto& [name, e] : state) {
     merged.assign(e.theta.size(), 0.0f);
     bool sent = false;
     for (const auto& [w, bytes] : parts[name]) {
       if (IsDeferred(bytes)) continue;  // decodes to zeros: nothing to add
       sent = true;
-      decoded.assign(e.theta.size(), 0.0f);
-      ISTHMUS_RETURN_IF_ERROR(Decode(bytes, decoded));
-      AddWeighted(merged, w, decoded);
+      ISTHMUS_RETURN_IF_ERROR(DecodeAddWeighted(bytes, w, merged));
     }
     if (!sent) continue;  // deferred by every site: no outer step, momentum kept
     if (mu != 0.0f && e.momentum.size() != e.theta.size()) {

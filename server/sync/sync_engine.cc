@@ -63,8 +63,8 @@ Result<std::optional<std::vector<float>>> GetFloats(Store* store, Column c, cons
   return std::optional<std::vector<float>>(std::move(v));
 }
 
-using codec::AddWeighted;
 using codec::ApplyOuterStep;
+using codec::ApplyOuterStepTo;
 using codec::MergeWeight;
 
 }  // namespace
@@ -785,7 +785,6 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
   }
   std::map<std::string, std::vector<float>> merged;
   for (const auto& [tname, t] : j.theta) merged[tname].assign(t.data->size(), 0.0f);
-  std::vector<float> decoded;
   for (const auto& d : deltas) {
     if (d.tensors.size() != merged.size()) {
       return Status::Corruption("stored delta of site " + d.site + " has the wrong tensor set");
@@ -798,9 +797,7 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
       // A deferred tensor decodes to zeros (checked when it arrived): nothing to add.
       if (codec::IsDeferred(et.bytes)) continue;
       if (sent != nullptr) sent->insert(et.name);
-      decoded.assign(it->second.size(), 0.0f);
-      ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
-      AddWeighted(it->second, w, decoded);
+      ISTHMUS_RETURN_IF_ERROR(codec::DecodeAddWeighted(et.bytes, w, it->second));
     }
   }
   return merged;
@@ -928,20 +925,20 @@ Result<SyncEngine::OuterState> SyncEngine::OuterStep(
       if (mu != 0.0f) out.momentum[tname] = j.momentum.at(tname);
       continue;
     }
-    auto next = std::make_shared<std::vector<float>>(*old.data);
-    float* th = next->data();
+    // The committed tensors stay as they are until the commit's batch is written.
     const size_t n = g.size();
+    auto next = std::make_shared<std::vector<float>>(n);
     std::shared_ptr<std::vector<float>> m;
-    if (mu != 0.0f) m = std::make_shared<std::vector<float>>(*j.momentum.at(tname));
-    ApplyOuterStep(th, m ? m->data() : nullptr, g.data(), n, lr, mu);
-    if (m) out.momentum[tname] = std::move(m);
-    for (size_t i = 0; i < n; ++i) {
-      if (!std::isfinite(th[i])) {
-        return Status::FailedPrecondition("committing round " + std::to_string(round) +
-                                          " of job '" + name + "' makes tensor '" + tname +
-                                          "' non-finite; not committed");
-      }
+    if (mu != 0.0f) m = std::make_shared<std::vector<float>>(n);
+    const bool finite =
+        ApplyOuterStepTo(old.data->data(), mu != 0.0f ? j.momentum.at(tname)->data() : nullptr,
+                         g.data(), next->data(), m ? m->data() : nullptr, n, lr, mu);
+    if (!finite) {
+      return Status::FailedPrecondition("committing round " + std::to_string(round) + " of job '" +
+                                        name + "' makes tensor '" + tname +
+                                        "' non-finite; not committed");
     }
+    if (m) out.momentum[tname] = std::move(m);
     out.theta[tname] = SyncTensor{old.shape, std::move(next)};
   }
   return out;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "ops/codec.h"
+#include "ops/codec_outer.h"
 
 namespace isthmus::codec {
 namespace {
@@ -257,6 +258,75 @@ TEST(CodecDecode, RefusesWrongSizeAndLeavesOutputUntouched) {
   EXPECT_FALSE(Decode(bytes.substr(0, bytes.size() - 1), ok).ok());
   EXPECT_FALSE(Decode(bytes + "x", ok).ok());
   EXPECT_FALSE(Decode("", ok).ok());
+}
+
+// The merge's decode-and-add equals decoding into a buffer and AddWeighted, bit for bit, for
+// every kind of encoding, onto sums that started from +0.0 (which hold no -0.0) and onto
+// arbitrary values; a refused encoding leaves the sum untouched.
+TEST(CodecDecode, DecodeAddWeightedIsDecodeThenAddWeightedBitForBit) {
+  const std::vector<int64_t> shape = {48, 40};
+  const size_t n = 48 * 40;
+  const std::vector<std::string> pipelines = {
+      "dense",     "int2:256+zstd",         "int8",           "topk:0.01+int4:256+zstd",
+      "topk:0.05", "blocktopk:0.1:64+int8", "lowrank:4+int8", "defer"};
+  for (const auto& text : pipelines) {
+    SCOPED_TRACE(text);
+    const Pipeline p = P(text);
+    // Three sites' deltas summed with weights, as a commit merges them.
+    std::vector<float> reference(n, 0.0f), sum(n, 0.0f), decoded(n);
+    const float weights[] = {0.5f, 0.3125f, 0.1875f};
+    for (uint32_t site = 0; site < 3; ++site) {
+      std::vector<float> x = Gaussian(n, 100 + site, 1e-3f);
+      x[site] = -0.0f;  // a stored -0.0 must not leave a -0.0 in the sum either
+      const std::string bytes = Encode(p, x, shape);
+      std::fill(decoded.begin(), decoded.end(), 0.0f);
+      ASSERT_TRUE(Decode(bytes, decoded).ok());
+      AddWeighted(reference, weights[site], decoded);
+      ASSERT_TRUE(DecodeAddWeighted(bytes, weights[site], sum).ok());
+    }
+    ASSERT_EQ(0, std::memcmp(reference.data(), sum.data(), n * sizeof(float)));
+    // Onto arbitrary (non-zero) values.
+    std::vector<float> base = Gaussian(n, 7);
+    std::vector<float> a = base, b = base;
+    const std::string bytes = Encode(p, Gaussian(n, 8, 1e-2f), shape);
+    std::fill(decoded.begin(), decoded.end(), 0.0f);
+    ASSERT_TRUE(Decode(bytes, decoded).ok());
+    AddWeighted(a, 0.75f, decoded);
+    ASSERT_TRUE(DecodeAddWeighted(bytes, 0.75f, b).ok());
+    ASSERT_EQ(0, std::memcmp(a.data(), b.data(), n * sizeof(float)));
+    // A damaged or wrongly sized encoding is refused and adds nothing.
+    std::vector<float> untouched = base;
+    EXPECT_FALSE(DecodeAddWeighted(bytes + "x", 0.75f, untouched).ok());
+    std::vector<float> shorter(n - 1, 2.0f);
+    EXPECT_FALSE(DecodeAddWeighted(bytes, 0.75f, shorter).ok());
+    EXPECT_EQ(0, std::memcmp(untouched.data(), base.data(), n * sizeof(float)));
+    for (float f : shorter) EXPECT_EQ(f, 2.0f);
+  }
+}
+
+// The commit's outer step into new buffers equals the worker's in-place one on copies, bit
+// for bit, with and without momentum, and reports a non-finite result.
+TEST(CodecOuter, StepToNewBuffersIsTheInPlaceStepBitForBit) {
+  const size_t n = 1000;
+  const std::vector<float> theta = Gaussian(n, 1), m = Gaussian(n, 2, 0.1f),
+                           g = Gaussian(n, 3, 0.01f);
+  for (float mu : {0.0f, 0.6f, 0.9f}) {
+    SCOPED_TRACE(mu);
+    std::vector<float> t_in_place = theta, m_in_place = m;
+    ApplyOuterStep(t_in_place.data(), mu != 0.0f ? m_in_place.data() : nullptr, g.data(), n, 1.25f,
+                   mu);
+    std::vector<float> t_out(n), m_out(n, 5.0f);
+    EXPECT_TRUE(ApplyOuterStepTo(theta.data(), mu != 0.0f ? m.data() : nullptr, g.data(),
+                                 t_out.data(), mu != 0.0f ? m_out.data() : nullptr, n, 1.25f, mu));
+    EXPECT_EQ(0, std::memcmp(t_in_place.data(), t_out.data(), n * sizeof(float)));
+    if (mu != 0.0f) {
+      EXPECT_EQ(0, std::memcmp(m_in_place.data(), m_out.data(), n * sizeof(float)));
+    }
+  }
+  std::vector<float> huge = g, t_out(n), m_out(n);
+  huge[n / 2] = 3e38f;
+  EXPECT_FALSE(ApplyOuterStepTo(theta.data(), m.data(), huge.data(), t_out.data(), m_out.data(), n,
+                                1.25f, 0.6f));
 }
 
 // FNV-1a of the bytes: pins the format so an accidental change (or a platform difference)
