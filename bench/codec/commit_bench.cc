@@ -240,7 +240,8 @@ int Run(int argc, char** argv) {
     for (const auto& [name, v] : sb.first) equal &= SameBits(*v, *sn.first.at(name));
     for (const auto& [name, v] : sb.second) equal &= SameBits(*v, *sn.second.at(name));
     std::vector<DigestTensor> dt;
-    for (const auto& t : *start) dt.push_back({t.name, t.shape, *sn.first.at(t.name), *sn.second.at(t.name)});
+    for (const auto& t : *start)
+      dt.push_back({t.name, t.shape, *sn.first.at(t.name), *sn.second.at(t.name)});
     std::sort(dt.begin(), dt.end(),
               [](const DigestTensor& a, const DigestTensor& b) { return a.name < b.name; });
     std::string digest;
@@ -267,9 +268,9 @@ int Run(int argc, char** argv) {
     std::snprintf(buf, sizeof buf, "%.2f-%.2fx", v.front(), v.back());
     return std::string(buf);
   };
-  std::printf("# CPU time before / now over %d reps: merge %s, outer step %s, commit with digest %s\n",
-              reps, range(merge_ratio).c_str(), range(step_ratio).c_str(),
-              range(commit_ratio).c_str());
+  std::printf(
+      "# CPU time before / now over %d reps: merge %s, outer step %s, commit with digest %s\n",
+      reps, range(merge_ratio).c_str(), range(step_ratio).c_str(), range(commit_ratio).c_str());
   std::printf("# results bit for bit equal: %s\n", equal ? "yes" : "NO");
   return equal ? 0 : 1;
 }
