@@ -136,8 +136,8 @@ int Run(int argc, char** argv) {
           "usage: bench_commit [--pipeline P] [--reps N] SITE_DELTAS_DIR...\n"
           "  SITE_DELTAS_DIR  a site's recorded rounds (bench/wan/record.sh), e.g.\n"
           "                   demo-out/wan-deltas/full/A demo-out/wan-deltas/full/B\n"
-          "  --pipeline P     the sites' WAN codec (default topk:0.01+int4+zstd, the rung\n"
-          "                   adaptive sizing takes for GPT-2 small at 20 Mbit/s)\n"
+          "  --pipeline P     the sites' WAN codec (default topk:0.01+int4+zstd, one of the\n"
+          "                   top-k rungs adaptive sizing takes for GPT-2 small at 20 Mbit/s)\n"
           "  --reps N         repetitions, each timing both ways (default 3), after one\n"
           "                   warm-up repetition (printed as rep 0, not counted)\n");
       return 0;
