@@ -14,7 +14,8 @@ namespace isthmus::codec {
 // site reported 0 tokens (total == 0).
 float MergeWeight(uint64_t tokens, uint64_t total, size_t sites);
 
-// out[i] += w * decoded[i], in element order. Sizes must be equal.
+// out[i] += w * decoded[i], in element order. Sizes must be equal. The reference that
+// codec::DecodeAddWeighted, which the merges use, matches bit for bit (tests, bench_commit).
 void AddWeighted(std::span<float> out, float w, std::span<const float> decoded);
 
 // The outer optimiser on one tensor, g = the merged delta ("values to add"): theta += lr * g
