@@ -28,4 +28,6 @@ cmake --build "$build" -j"$jobs"
 # One BLAS/OpenMP thread per test process, and no OpenMP spin-waiting: tests run side by
 # side on few cores (see docs/BENCHMARKS.md on spin contention).
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE
-ctest --test-dir "$build" -L "$labels" --output-on-failure -j"$jobs" --timeout 300
+# A failure is summed up again at the end (deploy/ctest-failures.sh): CI keeps the tail.
+ctest --test-dir "$build" -L "$labels" --output-on-failure -j"$jobs" --timeout 300 ||
+  { deploy/ctest-failures.sh "$build"; exit 8; }

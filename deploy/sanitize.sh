@@ -69,4 +69,4 @@ export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/
 # --timeout bounds a test with no limit of its own; the slowest here takes under a minute.
 skip_tests='^(WanWireBytes|DeployPackage|DeployInstall|DeploySandbox|DeployTranslate)\.|^RunReport\.TwoSite'
 ctest --test-dir "$build" -L "$labels" -E "$skip_tests" --output-on-failure -j"$jobs" \
-  --timeout 300
+  --timeout 300 || { deploy/ctest-failures.sh "$build"; exit 8; }
