@@ -35,4 +35,4 @@ awk -v lines="$lines" '
   capture { out[n++] = $0 }
 ' "$tmp/LastTestsFailed.log" "$tmp/LastTest.log"
 echo "==== failed tests ===="
-cat "$tmp/LastTestsFailed.log"
+awk 1 "$tmp/LastTestsFailed.log"
