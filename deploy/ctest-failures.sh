@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prints, after a failed ctest run, why each failed test failed (gtest's failure messages,
+# Prints, after a failed ctest run, why each failed test failed (gtest's and the sanitizers' messages,
 # a few lines each, and the end of its output), then the list of failed tests: a CI log
 # that keeps only its tail still says why.
 #   deploy/ctest-failures.sh BUILD_DIR [LINES]   LINES of each output's end (default 30)
@@ -18,7 +18,7 @@ awk -v lines="$lines" '
     print "==== why " name " failed ===="
     shown = 0
     for (i = 0; i < n && shown < 60; ++i) {
-      if (out[i] ~ /Failure|[Ee]rror|Expected|Which is|timed? ?out|Timeout/) {
+      if (out[i] ~ /Failure|[Ee]rror|ERROR|Sanitizer|Expected|Which is|timed? ?out|Timeout/) {
         for (k = i; k < n && k < i + 6 && shown < 60; ++k) { print "  " out[k]; ++shown }
         i = k - 1
       }
