@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Prints, after a failed ctest run, why each failed test failed (gtest's and the sanitizers' messages,
-# a few lines each, and the end of its output), then the list of failed tests: a CI log
-# that keeps only its tail still says why.
+# Prints, after a failed ctest run, why each failed test failed (gtest's and the
+# sanitizers' messages, a few lines each, and the end of its output), then the list of
+# failed tests: a CI log that keeps only its tail still says why.
 #   deploy/ctest-failures.sh BUILD_DIR [LINES]   LINES of each output's end (default 30)
 set -euo pipefail
 case "${1:-}" in
