@@ -191,6 +191,12 @@ class ServerProcess {
   // adds a peer listener when positive, `shard_index` sets shard.index when >= 0.
   void WriteBaseConfig(std::ostream& out, const std::string& shard_id, int peer_port,
                        int shard_index = -1) const {
+    // ISTHMUS_TEST_SERVER_LOG_LEVEL=debug makes every server a test starts log at that
+    // level, to see what happened in a failure that is hard to reproduce. A dotted key
+    // before the first table: the tables the callers append stay as they are.
+    if (const char* level = std::getenv("ISTHMUS_TEST_SERVER_LOG_LEVEL"); level && *level) {
+      out << "log.level = \"" << level << "\"\n";
+    }
     out << "[shard]\nid = \"" << shard_id << "\"\ndata_dir = \"" << (dir_ / "data").string()
         << "\"\n";
     if (shard_index >= 0) out << "index = " << shard_index << "\n";

@@ -159,6 +159,14 @@ class SyncProcessTest : public ::testing::Test {
     if (!st.ok() || st->jobs.empty()) return {};
     return st->jobs[0];
   }
+  // The logs of every site but i, for a failure message.
+  std::string OtherLogs(int i) const {
+    std::string logs;
+    for (size_t k = 0; k < sites_.size(); ++k) {
+      if (static_cast<int>(k) != i) logs += "\n--- " + sites_[k]->site() + ":\n" + sites_[k]->Log();
+    }
+    return logs;
+  }
   // Waits until site i's job state satisfies `pred`.
   void WaitJobState(int i, const std::function<bool(const SyncJobReport&)>& pred,
                     const std::string& what, std::chrono::seconds limit = 30s) {
@@ -168,7 +176,7 @@ class SyncProcessTest : public ::testing::Test {
       if (st.ok() && !st->jobs.empty() && pred(st->jobs[0])) return;
       ASSERT_LT(std::chrono::steady_clock::now(), end)
           << sites_[i]->site() << ": " << what << "; log:\n"
-          << sites_[i]->Log();
+          << sites_[i]->Log() << OtherLogs(i);
       std::this_thread::sleep_for(50ms);
     }
   }
