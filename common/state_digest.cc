@@ -16,33 +16,38 @@ void PutStr(std::string& out, std::string_view s) {
 
 }  // namespace
 
-std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors, uint64_t epoch,
-                          uint64_t from_round, const std::vector<std::string>& sites) {
-  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
-  EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr);
-  auto update = [&](const void* p, size_t n) { EVP_DigestUpdate(ctx, p, n); };
+StateDigester::StateDigester(uint64_t round) : ctx_(EVP_MD_CTX_new()) {
+  EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr);
   std::string head;
   PutU64(head, round);
-  update(head.data(), head.size());
-  for (const auto& t : tensors) {
-    head.clear();
-    PutStr(head, t.name);
-    PutU64(head, t.shape.size());
-    for (int64_t d : t.shape) PutU64(head, static_cast<uint64_t>(d));
-    update(head.data(), head.size());
-    update(t.theta.data(), t.theta.size_bytes());
-    if (!t.momentum.empty()) update(t.momentum.data(), t.momentum.size_bytes());
-  }
+  Update(head.data(), head.size());
+}
+
+StateDigester::~StateDigester() { EVP_MD_CTX_free(ctx_); }
+
+void StateDigester::Update(const void* p, size_t n) { EVP_DigestUpdate(ctx_, p, n); }
+
+void StateDigester::Add(const DigestTensor& t) {
+  std::string head;
+  PutStr(head, t.name);
+  PutU64(head, t.shape.size());
+  for (int64_t d : t.shape) PutU64(head, static_cast<uint64_t>(d));
+  Update(head.data(), head.size());
+  Update(t.theta.data(), t.theta.size_bytes());
+  if (!t.momentum.empty()) Update(t.momentum.data(), t.momentum.size_bytes());
+}
+
+std::string StateDigester::Finish(uint64_t epoch, uint64_t from_round,
+                                  const std::vector<std::string>& sites) {
   std::string tail;
   PutU64(tail, epoch);
   PutU64(tail, from_round);
   PutU64(tail, sites.size());
   for (const auto& s : sites) PutStr(tail, s);
-  update(tail.data(), tail.size());
+  Update(tail.data(), tail.size());
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx, md, &len);
-  EVP_MD_CTX_free(ctx);
+  EVP_DigestFinal_ex(ctx_, md, &len);
   static const char* kHex = "0123456789abcdef";
   std::string hex;
   for (unsigned int i = 0; i < len; ++i) {
@@ -50,6 +55,13 @@ std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tenso
     hex.push_back(kHex[md[i] & 15]);
   }
   return hex;
+}
+
+std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors, uint64_t epoch,
+                          uint64_t from_round, const std::vector<std::string>& sites) {
+  StateDigester d(round);
+  for (const auto& t : tensors) d.Add(t);
+  return d.Finish(epoch, from_round, sites);
 }
 
 }  // namespace isthmus

@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+struct evp_md_ctx_st;  // OpenSSL's EVP_MD_CTX
+
 namespace isthmus {
 
 struct DigestTensor {
@@ -25,5 +27,23 @@ struct DigestTensor {
 // each member site as len(name) name. Numbers are big-endian 64-bit.
 std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors, uint64_t epoch,
                           uint64_t from_round, const std::vector<std::string>& sites);
+
+// The same digest fed one tensor at a time, so that a tensor can be hashed while the next
+// is still being computed (common/pipelined.h): Add the tensors in name order, then
+// Finish. StateDigestOf is this with every tensor at once.
+class StateDigester {
+ public:
+  explicit StateDigester(uint64_t round);
+  ~StateDigester();
+  StateDigester(const StateDigester&) = delete;
+  StateDigester& operator=(const StateDigester&) = delete;
+  void Add(const DigestTensor& t);
+  // The hex digest; the digester is spent.
+  std::string Finish(uint64_t epoch, uint64_t from_round, const std::vector<std::string>& sites);
+
+ private:
+  void Update(const void* p, size_t n);
+  ::evp_md_ctx_st* ctx_;
+};
 
 }  // namespace isthmus

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/pipelined.h"
 #include "common/state_digest.h"
 #include "ops/codec.h"
 #include "ops/codec_outer.h"
@@ -47,12 +48,11 @@ Status ShardReplica::Load(const ReplayReply& reply) {
   return Status::Ok();
 }
 
-Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round,
-                                float lr, float mu) {
+Result<ShardReplica::RoundParts> ShardReplica::PartsOf(const std::map<std::string, Entry>& state,
+                                                       const ReplayRoundDeltas& round) {
   uint64_t total = 0;
   for (const auto& d : round.deltas) total += d.tokens;
-  // tensor -> (site's weight, its bytes), in site order.
-  std::map<std::string, std::vector<std::pair<float, std::string_view>>> parts;
+  RoundParts parts;
   for (const auto& d : round.deltas) {
     if (d.tensors.size() != state.size()) {
       return Status::InvalidArgument("pull by replay: site " + d.site + "'s delta of round " +
@@ -69,30 +69,51 @@ Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state, const Repla
       parts[t.name].emplace_back(w, t.bytes);
     }
   }
-  std::vector<float> merged;
-  for (auto& [name, e] : state) {
-    merged.assign(e.theta.size(), 0.0f);
-    bool sent = false;
-    for (const auto& [w, bytes] : parts[name]) {
-      if (IsDeferred(bytes)) continue;  // decodes to zeros: nothing to add
-      sent = true;
-      ISTHMUS_RETURN_IF_ERROR(DecodeAddWeighted(bytes, w, merged));
-    }
-    if (!sent) continue;  // deferred by every site: no outer step, momentum kept
-    if (mu != 0.0f && e.momentum.size() != e.theta.size()) {
-      return Status::InvalidArgument("pull by replay: no outer momentum for tensor '" + name + "'");
-    }
-    ApplyOuterStep(e.theta.data(), mu != 0.0f ? e.momentum.data() : nullptr, merged.data(),
-                   merged.size(), lr, mu);
+  return parts;
+}
+
+Status ShardReplica::ApplyTensor(const std::string& name, Entry& e, const RoundParts& parts,
+                                 float lr, float mu) {
+  auto it = parts.find(name);
+  if (it == parts.end()) return Status::Ok();  // no site sent it
+  std::vector<float> merged(e.theta.size(), 0.0f);
+  bool sent = false;
+  for (const auto& [w, bytes] : it->second) {
+    if (IsDeferred(bytes)) continue;  // decodes to zeros: nothing to add
+    sent = true;
+    ISTHMUS_RETURN_IF_ERROR(DecodeAddWeighted(bytes, w, merged));
   }
+  if (!sent) return Status::Ok();  // deferred by every site: no outer step, momentum kept
+  if (mu != 0.0f && e.momentum.size() != e.theta.size()) {
+    return Status::InvalidArgument("pull by replay: no outer momentum for tensor '" + name + "'");
+  }
+  ApplyOuterStep(e.theta.data(), mu != 0.0f ? e.momentum.data() : nullptr, merged.data(),
+                 merged.size(), lr, mu);
   return Status::Ok();
 }
 
-std::string ShardReplica::StateDigest(const ReplayReply& reply) const {
-  std::vector<DigestTensor> tensors;
-  for (const auto& [name, e] : state_) tensors.push_back({name, e.shape, e.theta, e.momentum});
-  return StateDigestOf(reply.committed_round, tensors, reply.epoch, reply.members_from,
-                       reply.members);
+Status ShardReplica::ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round,
+                                float lr, float mu) {
+  ISTHMUS_ASSIGN_OR_RETURN(RoundParts parts, PartsOf(state, round));
+  for (auto& [name, e] : state) ISTHMUS_RETURN_IF_ERROR(ApplyTensor(name, e, parts, lr, mu));
+  return Status::Ok();
+}
+
+Result<std::string> ShardReplica::ApplyRoundAndDigest(const ReplayRoundDeltas& round,
+                                                      const ReplayReply& reply, float lr,
+                                                      float mu) {
+  ISTHMUS_ASSIGN_OR_RETURN(RoundParts parts, PartsOf(state_, round));
+  std::vector<std::pair<const std::string*, Entry*>> entries;
+  for (auto& [name, e] : state_) entries.emplace_back(&name, &e);
+  StateDigester digester(reply.committed_round);
+  ISTHMUS_RETURN_IF_ERROR(Pipelined(
+      entries.size(),
+      [&](size_t i) { return ApplyTensor(*entries[i].first, *entries[i].second, parts, lr, mu); },
+      [&](size_t i) {
+        const Entry& e = *entries[i].second;
+        digester.Add({*entries[i].first, e.shape, e.theta, e.momentum});
+      }));
+  return digester.Finish(reply.epoch, reply.members_from, reply.members);
 }
 
 Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::string& job,
@@ -138,23 +159,28 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
                               std::to_string(reply.base_round) + ", this copy holds " +
                               std::to_string(round_));
     }
+    // The last round's commit is hashed as it is replayed, tensor by tensor (the digest
+    // covers the state after it).
     Status applied = Status::Ok();
-    for (const auto& r : reply.committed) {
-      applied = ApplyRound(state_, r, lr, mu);
-      if (!applied.ok()) break;
-      ++stats.rounds_replayed;
+    std::string got;
+    for (size_t k = 0; k < reply.committed.size() && applied.ok(); ++k) {
+      const auto& r = reply.committed[k];
+      if (k + 1 < reply.committed.size()) {
+        applied = ApplyRound(state_, r, lr, mu);
+      } else {
+        auto digest = ApplyRoundAndDigest(r, reply, lr, mu);
+        applied = digest.status();
+        if (digest.ok()) got = std::move(*digest);
+      }
+      if (applied.ok()) ++stats.rounds_replayed;
+    }
+    if (applied.ok() && !reply.committed.empty() && got != reply.digest) {
+      ++stats.digest_mismatches;
+      applied = Status::Corruption(
+          "the state replayed to round " + std::to_string(reply.committed_round) + " has digest " +
+          got.substr(0, 16) + ", the shard's is " + reply.digest.substr(0, 16));
     }
     stats.replay_s += seconds_since(t);
-    t = Clock::now();
-    if (applied.ok() && !reply.committed.empty()) {
-      const std::string got = StateDigest(reply);
-      if (got != reply.digest) {
-        ++stats.digest_mismatches;
-        applied = Status::Corruption(
-            "the state replayed to round " + std::to_string(reply.committed_round) +
-            " has digest " + got.substr(0, 16) + ", the shard's is " + reply.digest.substr(0, 16));
-      }
-    }
     if (!applied.ok()) {
       have_ = false;
       state_.clear();
@@ -163,7 +189,6 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
                    applied.message());
       continue;
     }
-    stats.digest_s += seconds_since(t);
     t = Clock::now();
     round_ = reply.committed_round;
     digest_ = reply.digest;

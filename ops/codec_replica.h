@@ -31,9 +31,10 @@ struct ReplayStats {
   uint64_t digest_mismatches = 0;  // replays whose state did not match the shard's digest
   uint64_t payload_bytes = 0;      // bytes of the replies' payload frames
   // Where the pulls' time went: the requests (shard's work and transfer), replaying the
-  // commits (decode, merge, outer step), the digests, and the served tensors (the view's
-  // rounds and the copies handed out).
-  double request_s = 0, replay_s = 0, digest_s = 0, serve_s = 0;
+  // commits (decode, merge, outer step) with the digest of the last one (hashed on another
+  // thread as it is replayed), and the served tensors (the view's rounds and the copies
+  // handed out).
+  double request_s = 0, replay_s = 0, serve_s = 0;
 };
 
 // One shard's committed state, as replayed here.
@@ -53,10 +54,21 @@ class ShardReplica {
   };
   // Takes the reply's whole state as the copy.
   Status Load(const ReplayReply& reply);
-  // Commits `round` into `state` (merge in the given site order, then the outer step).
+  // tensor -> (site's weight, its encoded bytes), in site order.
+  using RoundParts = std::map<std::string, std::vector<std::pair<float, std::string_view>>>;
+  // The parts of `round`, checked against the tensors of `state`.
+  static Result<RoundParts> PartsOf(const std::map<std::string, Entry>& state,
+                                    const ReplayRoundDeltas& round);
+  // Commits one tensor's parts into `e` (merge in site order, then the outer step).
+  static Status ApplyTensor(const std::string& name, Entry& e, const RoundParts& parts, float lr,
+                            float mu);
+  // Commits `round` into `state`.
   static Status ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round,
                            float lr, float mu);
-  std::string StateDigest(const ReplayReply& reply) const;
+  // Commits `round` (reply's last) into the copy and returns the state digest after it, each
+  // tensor hashed while the next is replayed (common/pipelined.h).
+  Result<std::string> ApplyRoundAndDigest(const ReplayRoundDeltas& round, const ReplayReply& reply,
+                                          float lr, float mu);
 
   bool have_ = false;
   // The shard's whole state does not fit one message (a replay pull was refused with

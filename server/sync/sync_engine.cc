@@ -17,6 +17,8 @@
 #include <cstring>
 
 #include "common/check.h"
+#include "common/pipelined.h"
+#include "common/state_digest.h"
 #include "common/tensor.h"
 #include "server/storage/keys.h"
 
@@ -765,14 +767,15 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   return Status::Ok();
 }
 
-Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
-    const std::string& name, const Job& j, uint64_t round, const std::vector<std::string>& sites,
-    std::set<std::string>* sent) {
+Result<std::vector<EncodedDelta>> SyncEngine::RoundDeltas(const std::string& name, const Job& j,
+                                                          uint64_t round,
+                                                          const std::vector<std::string>& sites,
+                                                          uint64_t* total) {
   // The merge weights come from the deltas' own token counts (what the held markers hold
   // too), so that a start that replays committed rounds, whose markers are gone, merges
   // exactly as the commit did.
   std::vector<EncodedDelta> deltas;
-  uint64_t total = 0;
+  *total = 0;
   for (const auto& s : sites) {
     ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, s, round)));
     if (!bytes) {
@@ -780,27 +783,99 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
                                 " of job '" + name + "' is missing");
     }
     ISTHMUS_ASSIGN_OR_RETURN(EncodedDelta d, DecodeDelta(*bytes));
-    total += d.tokens;
-    deltas.push_back(std::move(d));
-  }
-  std::map<std::string, std::vector<float>> merged;
-  for (const auto& [tname, t] : j.theta) merged[tname].assign(t.data->size(), 0.0f);
-  for (const auto& d : deltas) {
-    if (d.tensors.size() != merged.size()) {
+    if (d.tensors.size() != j.theta.size()) {
       return Status::Corruption("stored delta of site " + d.site + " has the wrong tensor set");
     }
-    const float w = MergeWeight(d.tokens, total, sites.size());
     for (const auto& et : d.tensors) {
-      auto it = merged.find(et.name);
-      if (it == merged.end())
+      if (!j.theta.count(et.name)) {
         return Status::Corruption("stored delta has unknown tensor " + et.name);
+      }
+    }
+    *total += d.tokens;
+    deltas.push_back(std::move(d));
+  }
+  return deltas;
+}
+
+Status SyncEngine::MergeTensor(const std::vector<EncodedDelta>& deltas, uint64_t total,
+                               const std::string& tname, std::vector<float>& out, bool* sent) {
+  for (const auto& d : deltas) {
+    const float w = MergeWeight(d.tokens, total, deltas.size());
+    for (const auto& et : d.tensors) {
       // A deferred tensor decodes to zeros (checked when it arrived): nothing to add.
-      if (codec::IsDeferred(et.bytes)) continue;
-      if (sent != nullptr) sent->insert(et.name);
-      ISTHMUS_RETURN_IF_ERROR(codec::DecodeAddWeighted(et.bytes, w, it->second));
+      if (et.name != tname || codec::IsDeferred(et.bytes)) continue;
+      *sent = true;
+      ISTHMUS_RETURN_IF_ERROR(codec::DecodeAddWeighted(et.bytes, w, out));
     }
   }
+  return Status::Ok();
+}
+
+Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
+    const std::string& name, const Job& j, uint64_t round, const std::vector<std::string>& sites,
+    std::set<std::string>* sent) {
+  uint64_t total = 0;
+  ISTHMUS_ASSIGN_OR_RETURN(auto deltas, RoundDeltas(name, j, round, sites, &total));
+  std::map<std::string, std::vector<float>> merged;
+  for (const auto& [tname, t] : j.theta) {
+    std::vector<float>& g = merged[tname];
+    g.assign(t.data->size(), 0.0f);
+    bool some = false;
+    ISTHMUS_RETURN_IF_ERROR(MergeTensor(deltas, total, tname, g, &some));
+    if (some && sent != nullptr) sent->insert(tname);
+  }
   return merged;
+}
+
+Result<SyncEngine::Stepped> SyncEngine::CommitStep(const std::string& name, const Job& j,
+                                                   uint64_t round, const Membership& members,
+                                                   std::set<std::string>* sent, bool* in_merge) {
+  *in_merge = true;
+  uint64_t total = 0;
+  ISTHMUS_ASSIGN_OR_RETURN(auto deltas, RoundDeltas(name, j, round, members.sites, &total));
+  std::vector<const std::string*> names;
+  for (const auto& [tname, t] : j.theta) names.push_back(&tname);
+  const size_t n = names.size();
+  std::vector<SyncTensor> theta(n);
+  std::vector<std::shared_ptr<const std::vector<float>>> momentum(n);
+  std::vector<char> some(n, 0);
+  std::vector<char> merge_failed(n, 0);
+  StateDigester digester(round);
+  // Tensor i's merge and step here while a helper thread hashes tensors < i.
+  Status st = Pipelined(
+      n,
+      [&](size_t i) -> Status {
+        const std::string& tname = *names[i];
+        std::vector<float> g(j.theta.at(tname).data->size(), 0.0f);
+        bool s = false;
+        if (Status m = MergeTensor(deltas, total, tname, g, &s); !m.ok()) {
+          merge_failed[i] = 1;
+          return m;
+        }
+        some[i] = s;
+        ISTHMUS_ASSIGN_OR_RETURN(auto stepped, StepTensor(name, j, round, tname, g, s));
+        theta[i] = std::move(stepped.first);
+        momentum[i] = std::move(stepped.second);
+        return Status::Ok();
+      },
+      [&](size_t i) {
+        digester.Add(
+            {*names[i], theta[i].shape, *theta[i].data,
+             momentum[i] ? std::span<const float>(*momentum[i]) : std::span<const float>()});
+      });
+  if (!st.ok()) {
+    *in_merge = std::find(merge_failed.begin(), merge_failed.end(), 1) != merge_failed.end();
+    return st;
+  }
+  *in_merge = false;
+  Stepped out;
+  for (size_t i = 0; i < n; ++i) {
+    out.next.theta[*names[i]] = std::move(theta[i]);
+    if (momentum[i]) out.next.momentum[*names[i]] = std::move(momentum[i]);
+    if (some[i] && sent != nullptr) sent->insert(*names[i]);
+  }
+  out.digest = digester.Finish(members.epoch, members.from_round, members.sites);
+  return out;
 }
 
 Status SyncEngine::CommitReady(const std::string& name, Job& j) {
@@ -830,11 +905,11 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   std::set<std::string> sent;
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  ISTHMUS_ASSIGN_OR_RETURN(auto merged, Merge(name, j, round, sites, &sent));
-  const auto t1 = Clock::now();
-  ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, merged, sent));
-  const auto t2 = Clock::now();
-  const std::string digest = StateDigest(round, next.theta, next.momentum, j.members);
+  bool in_merge = false;
+  ISTHMUS_ASSIGN_OR_RETURN(Stepped stepped,
+                           CommitStep(name, j, round, j.members, &sent, &in_merge));
+  OuterState next = std::move(stepped.next);
+  const std::string digest = std::move(stepped.digest);
   const auto t3 = Clock::now();
   SyncRecord rec = j;
   rec.committed = round;
@@ -858,10 +933,9 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   };
   spdlog::info("job '{}': committed round {} (digest {})", name, round, digest.substr(0, 16));
   spdlog::debug(
-      "job '{}': round {}'s commit took merge {:.0f} ms, outer step {:.0f} ms, digest "
-      "{:.0f} ms, write {:.0f} ms{}",
-      name, round, ms(t0, t1), ms(t1, t2), ms(t2, t3), ms(t3, t4),
-      checkpoint ? " (with the state)" : "");
+      "job '{}': round {}'s commit took merge, outer step and digest {:.0f} ms (overlapped), "
+      "write {:.0f} ms{}",
+      name, round, ms(t0, t3), ms(t3, t4), checkpoint ? " (with the state)" : "");
   if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
     const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
     if (options_.on_commit) options_.on_commit(name, round, seconds);
@@ -878,14 +952,16 @@ Status SyncEngine::RebuildState(const std::string& name, Job& j) {
     // Every round after the stored state was committed by the current members: a
     // membership change writes the state first (ApplyMembership).
     std::set<std::string> sent;
-    auto merged = Merge(name, j, round, j.members.sites, &sent);
-    if (!merged.ok()) {
+    bool in_merge = false;
+    auto stepped = CommitStep(name, j, round, j.members, &sent, &in_merge);
+    if (!stepped.ok() && in_merge) {
       return Status::Corruption("job '" + name + "': cannot rebuild committed round " +
                                 std::to_string(round) + " from the stored state of round " +
-                                std::to_string(from) + ": " + merged.status().message());
+                                std::to_string(from) + ": " + stepped.status().message());
     }
-    ISTHMUS_ASSIGN_OR_RETURN(OuterState next, OuterStep(name, j, round, *merged, sent));
-    const std::string digest = StateDigest(round, next.theta, next.momentum, j.members);
+    ISTHMUS_RETURN_IF_ERROR(stepped.status());
+    OuterState next = std::move(stepped->next);
+    const std::string digest = std::move(stepped->digest);
     ISTHMUS_ASSIGN_OR_RETURN(auto stored, store_->Get(Column::kSync, DigestKey(name, round)));
     if (!stored || *stored != digest) {
       return Status::Corruption(
@@ -910,38 +986,31 @@ Status SyncEngine::RebuildState(const std::string& name, Job& j) {
 
 // The outer optimiser's arithmetic (codec::ApplyOuterStep) is shared with workers that
 // replay committed rounds (ops/codec_replica.h), compiled without fused multiply-adds.
-Result<SyncEngine::OuterState> SyncEngine::OuterStep(
-    const std::string& name, const Job& j, uint64_t round,
-    const std::map<std::string, std::vector<float>>& merged,
-    const std::set<std::string>& sent) const {
+Result<std::pair<SyncTensor, std::shared_ptr<const std::vector<float>>>> SyncEngine::StepTensor(
+    const std::string& name, const Job& j, uint64_t round, const std::string& tname,
+    const std::vector<float>& g, bool sent) const {
   const float lr = static_cast<float>(options_.outer_lr);
   const float mu = static_cast<float>(options_.outer_momentum);
-  OuterState out;
-  for (const auto& [tname, g] : merged) {
-    const SyncTensor& old = j.theta.at(tname);
-    if (sent.count(tname) == 0) {
-      // Every site deferred it (a streamed fragment not due): no outer step, momentum kept.
-      out.theta[tname] = old;
-      if (mu != 0.0f) out.momentum[tname] = j.momentum.at(tname);
-      continue;
-    }
-    // The committed tensors stay as they are until the commit's batch is written.
-    const size_t n = g.size();
-    auto next = std::make_shared<std::vector<float>>(n);
-    std::shared_ptr<std::vector<float>> m;
-    if (mu != 0.0f) m = std::make_shared<std::vector<float>>(n);
-    const bool finite =
-        ApplyOuterStepTo(old.data->data(), mu != 0.0f ? j.momentum.at(tname)->data() : nullptr,
-                         g.data(), next->data(), m ? m->data() : nullptr, n, lr, mu);
-    if (!finite) {
-      return Status::FailedPrecondition("committing round " + std::to_string(round) + " of job '" +
-                                        name + "' makes tensor '" + tname +
-                                        "' non-finite; not committed");
-    }
-    if (m) out.momentum[tname] = std::move(m);
-    out.theta[tname] = SyncTensor{old.shape, std::move(next)};
+  const SyncTensor& old = j.theta.at(tname);
+  if (!sent) {
+    // Every site deferred it (a streamed fragment not due): no outer step, momentum kept.
+    return std::make_pair(old, mu != 0.0f ? j.momentum.at(tname) : nullptr);
   }
-  return out;
+  // The committed tensors stay as they are until the commit's batch is written.
+  const size_t n = g.size();
+  auto next = std::make_shared<std::vector<float>>(n);
+  std::shared_ptr<std::vector<float>> m;
+  if (mu != 0.0f) m = std::make_shared<std::vector<float>>(n);
+  const bool finite =
+      ApplyOuterStepTo(old.data->data(), mu != 0.0f ? j.momentum.at(tname)->data() : nullptr,
+                       g.data(), next->data(), m ? m->data() : nullptr, n, lr, mu);
+  if (!finite) {
+    return Status::FailedPrecondition("committing round " + std::to_string(round) + " of job '" +
+                                      name + "' makes tensor '" + tname +
+                                      "' non-finite; not committed");
+  }
+  return std::make_pair(SyncTensor{old.shape, std::move(next)},
+                        std::shared_ptr<const std::vector<float>>(std::move(m)));
 }
 
 void SyncEngine::CommitBatch(const std::string& name, const Job& j, uint64_t round,

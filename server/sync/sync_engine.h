@@ -393,20 +393,36 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // a draining leave that has become possible.
   Status CommitReady(const std::string& name, Job& j);
   Status CommitRounds(const std::string& name, Job& j);
-  // Commits round committed + 1 in three steps: the outer optimiser's step from the merged
-  // deltas (OuterStep), one write batch with the round's digest, the removal of the round's
-  // inputs and, every sync.checkpoint_rounds rounds, the new state (CommitBatch), and, once
-  // that is durable, the new state in memory (PublishCommit).
+  // Commits round committed + 1 in three steps: the merge, the outer optimiser's step and
+  // the digest (CommitStep), one write batch with the round's digest, the removal of the
+  // round's inputs and, every sync.checkpoint_rounds rounds, the new state (CommitBatch),
+  // and, once that is durable, the new state in memory (PublishCommit).
   Status CommitOne(const std::string& name, Job& j);
-  // theta and momentum after round `round`; tensors not in `sent` (deferred by every site)
-  // are carried over unchanged. FailedPrecondition when a value becomes non-finite.
+  // theta and momentum after a round; tensors no site sent (deferred by every site) are
+  // carried over unchanged.
   struct OuterState {
     std::map<std::string, SyncTensor> theta;
     std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
   };
-  Result<OuterState> OuterStep(const std::string& name, const Job& j, uint64_t round,
-                               const std::map<std::string, std::vector<float>>& merged,
-                               const std::set<std::string>& sent) const;
+  struct Stepped {
+    OuterState next;
+    std::string digest;  // StateDigest of `next` after the round, under the membership given
+  };
+  // Round `round`'s commit over the deltas of `members`' sites: each tensor merged and
+  // stepped here while a helper thread hashes the tensors before it, in name order
+  // (common/pipelined.h). The same bits and digest as Merge, the outer step and StateDigest
+  // one after the other. `sent` receives the tensors some site did not defer. On failure,
+  // `in_merge` says whether it was the merge (a delta missing or damaged: Corruption and
+  // the codec's errors) rather than the step (FailedPrecondition: a non-finite value).
+  Result<Stepped> CommitStep(const std::string& name, const Job& j, uint64_t round,
+                             const Membership& members, std::set<std::string>* sent,
+                             bool* in_merge);
+  // The outer step of one tensor from its merge `g`: new theta and momentum (null when
+  // there is no outer momentum), or the old ones when no site sent it.
+  // FailedPrecondition when a value becomes non-finite.
+  Result<std::pair<SyncTensor, std::shared_ptr<const std::vector<float>>>> StepTensor(
+      const std::string& name, const Job& j, uint64_t round, const std::string& tname,
+      const std::vector<float>& g, bool sent) const;
   // `write`: the tensors whose state the batch writes (none between checkpoints).
   void CommitBatch(const std::string& name, const Job& j, uint64_t round, const OuterState& next,
                    const std::set<std::string>& write, const std::vector<std::string>& sites,
@@ -431,6 +447,17 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // The rounds this site closed and has not committed, each with the sites whose deltas
   // for it are held (sorted): the optimistic view's rounds.
   std::map<uint64_t, std::vector<std::string>> ViewRounds(const Job& j) const;
+  // The stored deltas of round `round` of `sites`, in that order, checked to hold the job's
+  // tensors; `total`: the sum of their token counts.
+  Result<std::vector<EncodedDelta>> RoundDeltas(const std::string& name, const Job& j,
+                                                uint64_t round,
+                                                const std::vector<std::string>& sites,
+                                                uint64_t* total);
+  // Adds tensor `tname`'s token-weighted merge over `deltas` (in their order) into `out`;
+  // `sent` becomes true when some delta did not defer it. Thread-safe (touches only its
+  // arguments).
+  static Status MergeTensor(const std::vector<EncodedDelta>& deltas, uint64_t total,
+                            const std::string& tname, std::vector<float>& out, bool* sent);
   // Token-weighted merge of round `round` over `sites` (in the given order), decoded. When
   // `sent` is not null it receives the tensors some site did not defer.
   Result<std::map<std::string, std::vector<float>>> Merge(const std::string& name, const Job& j,
