@@ -40,7 +40,7 @@ inline Status Pipelined(size_t n, const std::function<Status(size_t)>& produce,
   }
   std::mutex m;
   std::condition_variable cv;
-  size_t produced = 0;  // produce(0 .. produced-1) returned OK
+  size_t produced = 0;   // produce(0 .. produced-1) returned OK
   bool stopped = false;  // produce(produced) failed
   std::thread helper([&] {
     for (size_t i = 0; i < n; ++i) {
@@ -51,18 +51,27 @@ inline Status Pipelined(size_t n, const std::function<Status(size_t)>& produce,
       consume(i);
     }
   });
-  Status failed;
-  for (size_t i = 0; i < n && failed.ok(); ++i) {
-    failed = produce(i);
+  auto hand_over = [&](bool ok, size_t i) {
     {
       std::lock_guard lk(m);
-      if (failed.ok()) {
+      if (ok) {
         produced = i + 1;
       } else {
         stopped = true;
       }
     }
     cv.notify_one();
+  };
+  Status failed;
+  try {
+    for (size_t i = 0; i < n && failed.ok(); ++i) {
+      failed = produce(i);
+      hand_over(failed.ok(), i);
+    }
+  } catch (...) {  // e.g. std::bad_alloc: the helper stops before it goes up the stack
+    hand_over(false, 0);
+    helper.join();
+    throw;
   }
   helper.join();
   return failed;

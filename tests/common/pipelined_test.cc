@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -64,6 +65,20 @@ TEST(Pipelined, AFailureStopsBothPassesAndIsReturned) {
   }
 }
 
+TEST(Pipelined, AnExceptionFromProduceStopsTheHelperAndGoesUp) {
+  std::vector<size_t> consumed;
+  EXPECT_THROW(Pipelined(
+                   10,
+                   [&](size_t i) -> Status {
+                     if (i == 3) throw std::runtime_error("out of memory");
+                     return Status::Ok();
+                   },
+                   [&](size_t i) { consumed.push_back(i); }),
+               std::runtime_error);
+  // Joined before the throw left Pipelined: what was handed over is consumed, nothing else.
+  EXPECT_EQ(consumed, (std::vector<size_t>{0, 1, 2}));
+}
+
 // The digest fed tensor by tensor from the pipeline equals the one over the whole state.
 TEST(Pipelined, AStateHashedAsItIsProducedHasTheStateDigest) {
   const std::vector<std::string> names = {"a.w", "b.w", "c.bias"};
@@ -82,7 +97,9 @@ TEST(Pipelined, AStateHashedAsItIsProducedHasTheStateDigest) {
         if (i == 1) momentum[i].clear();  // a tensor without momentum hashes without it
         return Status::Ok();
       },
-      [&](size_t i) { d.Add({names[i], shapes[i], theta[i], momentum[i]}); });
+      [&](size_t i) {
+        d.Add({names[i], shapes[i], theta[i], momentum[i]});
+      });
   ASSERT_TRUE(st.ok());
   const std::string piped = d.Finish(3, 2, {"alpha", "beta"});
   std::vector<DigestTensor> all;
