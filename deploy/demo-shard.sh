@@ -25,11 +25,15 @@ step "keys: one per shard, one admin, one worker (secret files are mode 0600)"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
-free_port() { /usr/bin/python3 deploy/free_port.py; }  # outside the ephemeral port range
+# Four ports outside the ephemeral range, claimed until this script ends (a coprocess that
+# exits when its stdin, our pipe, closes): nothing beside it takes one before a shard binds it.
+coproc PORT_HOLDER { exec /usr/bin/python3 deploy/free_port.py --hold 4; }
+mapfile -t -n 4 held_ports <&"${PORT_HOLDER[0]}"
+[ "${#held_ports[@]}" -eq 4 ] || { echo "demo-shard.sh: could not claim 4 free TCP ports" >&2; exit 1; }
 admins=()
 for i in 0 1; do
   "$ctl" keygen --out "$out/keys/shard$i"
-  wp=$(free_port); ap=$(free_port)
+  wp=${held_ports[2 * i]} ap=${held_ports[2 * i + 1]}
   cat > "$out/shard$i.toml" <<TOML
 [shard]
 id = "demo-$i"

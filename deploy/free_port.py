@@ -7,8 +7,14 @@ random start, probed with bind() and claimed for the calling process the way
 tests/loopback.h ClaimPorts does for the C++ tests (an exclusive flock on a file named after
 the port in a folder of the temp dir, held until the process exits), so that tests running
 side by side never pick a port another has picked and not yet bound. Used by
-deploy/two-site.sh, deploy/demo-shard.sh (where the claim ends with the script) and
-tests/python/harness.py (which imports free_port)."""
+tests/python/harness.py (which imports free_port) and, with --hold N, by
+deploy/two-site.sh and deploy/demo-shard.sh: a script's claim would end with this
+process, before the script's servers bind the port, so --hold prints N distinct ports and
+keeps their claims until its standard input ends (the script runs it as a coprocess, whose
+pipe closes when the script exits).
+
+Usage: free_port.py               one port, claimed while this process lives
+       free_port.py --hold N      N ports, one per line, claimed until stdin ends"""
 
 import fcntl
 import os
@@ -86,5 +92,24 @@ def free_port():
     return free_port_range(1)
 
 
+def hold(count):
+    """Prints `count` distinct claimed ports, then holds the claims until stdin ends."""
+    import sys
+
+    # A port this process claimed cannot be claimed again by it (flock locks are per open
+    # file), so the ports differ.
+    for _ in range(count):
+        print(free_port())
+    sys.stdout.flush()
+    sys.stdin.read()
+
+
 if __name__ == "__main__":
-    print(free_port())
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--hold" and sys.argv[2].isdigit():
+        hold(int(sys.argv[2]))
+    elif len(sys.argv) == 1:
+        print(free_port())
+    else:
+        sys.exit("usage: free_port.py [--hold N]")

@@ -192,6 +192,9 @@ cleanup() {
     sleep 0.2
   done
   for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  # The port holder (a coprocess) would end only when this shell does: the wait below
+  # would wait for it for ever.
+  [ -n "${PORT_HOLDER_PID:-}" ] && kill "$PORT_HOLDER_PID" 2>/dev/null || true
   wait 2>/dev/null || true
   if [ -n "$ns" ]; then
     ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true
@@ -249,7 +252,6 @@ site_prefix() {  # fills the array `prefix` for site $1
   prefix=()
   if [ -n "${netns_of[$1]}" ]; then prefix=(ip netns exec "${netns_of[$1]}"); fi
 }
-free_port() { /usr/bin/python3 deploy/free_port.py; }  # outside the ephemeral port range
 quiet() { "$@" >/dev/null; }
 
 sites=(A B)
@@ -259,9 +261,22 @@ declare -A steps_of=([A]="$steps" [B]="$steps_b" [C]="$steps")
 declare -A wport aport pport
 make_keys "$ctl" "$out/keys" "$shards" "${sites[@]}"
 export ISTHMUS_CTL_KEY="$out/keys/admins/admin.key"
+# Every port of the run, outside the ephemeral range and claimed until this script ends
+# (deploy/free_port.py --hold, a coprocess that exits when its stdin, our pipe, closes): no
+# test or script running beside this one takes a port before its server binds it, and no
+# two are the same.
+nports=$((${#sites[@]} * shards * 3))
+coproc PORT_HOLDER { exec /usr/bin/python3 deploy/free_port.py --hold "$nports"; }
+mapfile -t -n "$nports" held_ports <&"${PORT_HOLDER[0]}"
+if [ "${#held_ports[@]}" -ne "$nports" ]; then
+  echo "two-site.sh: could not claim $nports free TCP ports on 127.0.0.1" >&2
+  exit 1
+fi
+k=0
 for s in "${sites[@]}"; do
   for ((i = 0; i < shards; i++)); do
-    wport[$s-$i]=$(free_port); aport[$s-$i]=$(free_port); pport[$s-$i]=$(free_port)
+    wport[$s-$i]=${held_ports[k]} aport[$s-$i]=${held_ports[k + 1]} pport[$s-$i]=${held_ports[k + 2]}
+    k=$((k + 3))
   done
 done
 
