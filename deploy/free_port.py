@@ -20,6 +20,7 @@ import fcntl
 import os
 import random
 import socket
+import sys
 import tempfile
 
 _claims = []  # descriptors holding this process's port claims
@@ -94,8 +95,6 @@ def free_port():
 
 def hold(count):
     """Prints `count` distinct claimed ports, then holds the claims until stdin ends."""
-    import sys
-
     # A port this process claimed cannot be claimed again by it (flock locks are per open
     # file), so the ports differ.
     for _ in range(count):
@@ -105,8 +104,6 @@ def hold(count):
 
 
 if __name__ == "__main__":
-    import sys
-
     if len(sys.argv) == 3 and sys.argv[1] == "--hold" and sys.argv[2].isdigit():
         hold(int(sys.argv[2]))
     elif len(sys.argv) == 1:

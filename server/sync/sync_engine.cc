@@ -830,16 +830,23 @@ Result<std::map<std::string, std::vector<float>>> SyncEngine::Merge(
 Result<SyncEngine::Stepped> SyncEngine::CommitStep(const std::string& name, const Job& j,
                                                    uint64_t round, const Membership& members,
                                                    std::set<std::string>* sent, bool* in_merge) {
-  *in_merge = true;
+  bool merge_failed = true;  // until the deltas are read
+  if (in_merge != nullptr) *in_merge = false;
+  auto fail = [&](Status st) {
+    if (in_merge != nullptr) *in_merge = merge_failed;
+    return st;
+  };
   uint64_t total = 0;
-  ISTHMUS_ASSIGN_OR_RETURN(auto deltas, RoundDeltas(name, j, round, members.sites, &total));
+  auto read = RoundDeltas(name, j, round, members.sites, &total);
+  if (!read.ok()) return fail(read.status());
+  const std::vector<EncodedDelta>& deltas = *read;
+  merge_failed = false;
   std::vector<const std::string*> names;
   for (const auto& [tname, t] : j.theta) names.push_back(&tname);
   const size_t n = names.size();
   std::vector<SyncTensor> theta(n);
   std::vector<std::shared_ptr<const std::vector<float>>> momentum(n);
   std::vector<char> some(n, 0);
-  std::vector<char> merge_failed(n, 0);
   StateDigester digester(round);
   // Tensor i's merge and step here while a helper thread hashes tensors < i.
   Status st = Pipelined(
@@ -849,7 +856,7 @@ Result<SyncEngine::Stepped> SyncEngine::CommitStep(const std::string& name, cons
         std::vector<float> g(j.theta.at(tname).data->size(), 0.0f);
         bool s = false;
         if (Status m = MergeTensor(deltas, total, tname, g, &s); !m.ok()) {
-          merge_failed[i] = 1;
+          merge_failed = true;
           return m;
         }
         some[i] = s;
@@ -863,11 +870,7 @@ Result<SyncEngine::Stepped> SyncEngine::CommitStep(const std::string& name, cons
             {*names[i], theta[i].shape, *theta[i].data,
              momentum[i] ? std::span<const float>(*momentum[i]) : std::span<const float>()});
       });
-  if (!st.ok()) {
-    *in_merge = std::find(merge_failed.begin(), merge_failed.end(), 1) != merge_failed.end();
-    return st;
-  }
-  *in_merge = false;
+  if (!st.ok()) return fail(st);
   Stepped out;
   for (size_t i = 0; i < n; ++i) {
     out.next.theta[*names[i]] = std::move(theta[i]);
@@ -905,12 +908,10 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   std::set<std::string> sent;
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  bool in_merge = false;
-  ISTHMUS_ASSIGN_OR_RETURN(Stepped stepped,
-                           CommitStep(name, j, round, j.members, &sent, &in_merge));
+  ISTHMUS_ASSIGN_OR_RETURN(Stepped stepped, CommitStep(name, j, round, j.members, &sent));
   OuterState next = std::move(stepped.next);
   const std::string digest = std::move(stepped.digest);
-  const auto t3 = Clock::now();
+  const auto t1 = Clock::now();
   SyncRecord rec = j;
   rec.committed = round;
   rec.version = j.version + 1;
@@ -924,7 +925,7 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   CommitBatch(name, j, round, next, checkpoint ? unsaved : std::set<std::string>{}, sites, digest,
               rec, batch);
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  const auto t4 = Clock::now();
+  const auto t2 = Clock::now();
   PublishCommit(j, round, std::move(next), sites, rec.version);
   j.state_round = rec.state_round;
   j.unsaved = checkpoint ? std::set<std::string>{} : std::move(unsaved);
@@ -935,7 +936,7 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   spdlog::debug(
       "job '{}': round {}'s commit took merge, outer step and digest {:.0f} ms (overlapped), "
       "write {:.0f} ms{}",
-      name, round, ms(t0, t3), ms(t3, t4), checkpoint ? " (with the state)" : "");
+      name, round, ms(t0, t1), ms(t1, t2), checkpoint ? " (with the state)" : "");
   if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
     const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
     if (options_.on_commit) options_.on_commit(name, round, seconds);

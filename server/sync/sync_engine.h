@@ -412,11 +412,12 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // stepped here while a helper thread hashes the tensors before it, in name order
   // (common/pipelined.h). The same bits and digest as Merge, the outer step and StateDigest
   // one after the other. `sent` receives the tensors some site did not defer. On failure,
-  // `in_merge` says whether it was the merge (a delta missing or damaged: Corruption and
-  // the codec's errors) rather than the step (FailedPrecondition: a non-finite value).
+  // `in_merge` (when given) says whether it was the merge (a delta missing or damaged:
+  // Corruption and the codec's errors) rather than the step (FailedPrecondition: a
+  // non-finite value).
   Result<Stepped> CommitStep(const std::string& name, const Job& j, uint64_t round,
                              const Membership& members, std::set<std::string>* sent,
-                             bool* in_merge);
+                             bool* in_merge = nullptr);
   // The outer step of one tensor from its merge `g`: new theta and momentum (null when
   // there is no outer momentum), or the old ones when no site sent it.
   // FailedPrecondition when a value becomes non-finite.
