@@ -68,6 +68,15 @@ SnapshotInfo SnapshotFromWire(const wire::SnapshotInfo* s) {
 
 }  // namespace
 
+namespace {
+// The bytes a tensor's payload frame carries: its floats, or the codec's bytes.
+std::span<const char> PayloadOf(const TensorView& t) {
+  if (t.encoded) return {t.encoded->data(), t.encoded->size()};
+  return {reinterpret_cast<const char*>(t.data),
+          static_cast<size_t>(NumElements(t.shape)) * sizeof(float)};
+}
+}  // namespace
+
 Status CheckTensorViews(const std::vector<TensorView>& tensors) {
   for (const auto& t : tensors) {
     if (t.name.empty()) return Status::InvalidArgument("a tensor has an empty name");
@@ -75,7 +84,7 @@ Status CheckTensorViews(const std::vector<TensorView>& tensors) {
     if (numel < 0) {
       return Status::InvalidArgument("tensor '" + t.name + "' has a negative or huge shape");
     }
-    if (numel > 0 && t.data == nullptr) {
+    if (t.encoded ? t.encoded->empty() : numel > 0 && t.data == nullptr) {
       return Status::InvalidArgument("tensor '" + t.name + "' has no data");
     }
   }
@@ -88,9 +97,9 @@ flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>> 
   metas.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
-    uint64_t nbytes = static_cast<uint64_t>(NumElements(t.shape)) * sizeof(float);
-    metas.push_back(wire::CreateTensorMetaDirect(fbb, t.name.c_str(), &t.shape, wire::DType::F32,
-                                                 static_cast<uint32_t>(i), nbytes, 0));
+    metas.push_back(wire::CreateTensorMetaDirect(fbb, t.name.c_str(), &t.shape,
+                                                 t.encoded ? wire::DType::Codec : wire::DType::F32,
+                                                 static_cast<uint32_t>(i), PayloadOf(t).size(), 0));
   }
   return fbb.CreateVector(metas);
 }
@@ -268,8 +277,8 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
       std::vector<PayloadRef> refs;
       refs.reserve(payload.size());
       for (const auto& t : payload) {
-        refs.push_back(
-            {t.data, static_cast<size_t>(NumElements(t.shape)) * sizeof(float), latch.Token()});
+        const std::span<const char> bytes = PayloadOf(t);
+        refs.push_back({bytes.data(), bytes.size(), latch.Token()});
       }
       Status s = SendMessage(*socket_, nullptr, fbb, refs);
       if (!s.ok()) {
@@ -403,6 +412,16 @@ RoundInfo RoundInfoOf(const wire::RoundStatus* r) {
   return info;
 }
 
+RoundPipelines PipelinesOf(
+    uint64_t round,
+    const flatbuffers::Vector<flatbuffers::Offset<wire::TensorPipeline>>* pipelines) {
+  RoundPipelines out;
+  if (pipelines == nullptr || pipelines->size() == 0) return out;
+  out.round = round;
+  for (const auto* p : *pipelines) out.pipelines[p->name()->str()] = p->pipeline()->str();
+  return out;
+}
+
 template <typename T>
 Result<const T*> BodyAs(const Frames& reply, const WireLimits& limits, wire::Body expect) {
   auto env = ParseEnvelope(reply.header, limits);
@@ -425,11 +444,12 @@ std::vector<TensorInfo> InfosFrom(
 }  // namespace
 
 Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
-                                     const std::string& base_hash, const std::string& client_name) {
+                                     const std::string& base_hash, const std::string& client_name,
+                                     bool want_pipelines) {
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
-  auto body =
-      wire::CreateHelloDirect(fbb, job.c_str(), role, base_hash.c_str(), client_name.c_str());
+  auto body = wire::CreateHelloDirect(fbb, job.c_str(), role, base_hash.c_str(),
+                                      client_name.c_str(), want_pipelines);
   FinishEnvelope(fbb, id, wire::Body::Hello, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
   ISTHMUS_ASSIGN_OR_RETURN(
@@ -441,6 +461,7 @@ Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
   info.job_version = r->job_version();
   info.tensor_count = r->tensor_count();
   info.rounds = RoundInfoOf(r->rounds());
+  info.pipelines = PipelinesOf(r->pipelines_round(), r->pipelines());
   return info;
 }
 
@@ -623,19 +644,22 @@ Result<PullView> ShardClient::PullInPlace(const std::string& job,
 
 Result<PushResult> ShardClient::Push(const std::string& job, const std::string& idempotency_key,
                                      uint64_t round, uint64_t tokens,
-                                     const std::vector<TensorView>& deltas, uint64_t compute_ms) {
+                                     const std::vector<TensorView>& deltas, uint64_t compute_ms,
+                                     bool want_pipelines) {
   ISTHMUS_RETURN_IF_ERROR(CheckTensorViews(deltas));
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
   auto metas = BuildTensorMetas(fbb, deltas);
   auto job_s = fbb.CreateString(job);
   auto key_s = fbb.CreateString(idempotency_key);
-  auto body = wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas, compute_ms);
+  auto body =
+      wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas, compute_ms, want_pipelines);
   FinishEnvelope(fbb, id, wire::Body::PushRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, deltas));
   ISTHMUS_ASSIGN_OR_RETURN(auto* r,
                            BodyAs<wire::PushReply>(reply, options_.limits, wire::Body::PushReply));
-  return PushResult{r->job_version(), r->duplicate(), RoundInfoOf(r->rounds())};
+  return PushResult{r->job_version(), r->duplicate(), RoundInfoOf(r->rounds()),
+                    PipelinesOf(r->pipelines_round(), r->pipelines())};
 }
 
 Result<JobInfo> ShardClient::CreateJob(const std::string& job, const std::string& base_hash,

@@ -32,6 +32,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 #include <zmq.hpp>
@@ -69,10 +70,21 @@ struct ClientOptions {
 // A view of fp32 data to send (Push, CreateJob): not owned; the caller keeps `data` valid
 // until the call returns. `shape` may be empty for a scalar; data holds NumElements(shape)
 // floats, row-major.
+// `encoded`, when set (a round push of a synced job only): the tensor's delta as a codec's
+// bytes (ops/codec.h), sent as they are with dtype Codec; `data` is not used then.
 struct TensorView {
   std::string name;
   std::vector<int64_t> shape;
   const float* data = nullptr;
+  std::optional<std::string_view> encoded = std::nullopt;
+};
+
+// The pipeline each tensor's delta of one round is to be encoded with, as a synced job's
+// shard said (Hello or Push with want_pipelines; docs/SYNC.md, "Deltas encoded by the
+// worker"). round 0 and no pipelines: not said (the job does not sync, or an older shard).
+struct RoundPipelines {
+  uint64_t round = 0;
+  std::map<std::string, std::string> pipelines;  // tensor -> ops/codec.h pipeline text
 };
 
 // Where a job's round protocol stands on one shard (wire::RoundStatus; docs/SYNC.md).
@@ -92,6 +104,7 @@ struct HelloInfo {
   std::string base_hash;       // the base model hash the job was created with
   uint64_t tensor_count = 0;   // tensors of the job on this shard (0: no such job here)
   RoundInfo rounds;
+  RoundPipelines pipelines;  // of this site's next round, when asked for
 };
 
 // The result of Pull: copies of the tensors, owned by the result.
@@ -170,6 +183,7 @@ struct PushResult {
   uint64_t job_version = 0;  // the job's version after the push
   bool duplicate = false;    // the key had been applied before; nothing changed now
   RoundInfo rounds;          // the rounds after the push
+  RoundPipelines pipelines;  // of the next round (the pushed one + 1), when asked for
 };
 
 // One tensor of a job as DescribeJob lists it (no values).
@@ -302,8 +316,9 @@ class ShardClient {
   static Result<std::unique_ptr<ShardClient>> Connect(const ClientOptions& options);
   ~ShardClient();
 
+  // want_pipelines: the reply says the pipelines of this site's next round (HelloInfo).
   Result<HelloInfo> Hello(const std::string& job, wire::Role role, const std::string& base_hash,
-                          const std::string& client_name);
+                          const std::string& client_name, bool want_pipelines = false);
   Result<PullResult> Pull(const std::string& job, const std::vector<std::string>& names = {},
                           uint64_t newer_than = 0);
   // As Pull, without copying tensor data out of the received frames (see PullView). For
@@ -315,9 +330,10 @@ class ShardClient {
   Result<ReplayReply> PullReplay(const std::string& job, uint64_t from, const std::string& digest);
   // Adds each tensor's values to the job's tensor of that name, all or none. `compute_ms`:
   // the worker's compute time for the round, for adaptive codec sizing (0 = unknown).
+  // want_pipelines: the reply says the pipelines of round + 1 (PushResult::pipelines).
   Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,
                           uint64_t round, uint64_t tokens, const std::vector<TensorView>& deltas,
-                          uint64_t compute_ms = 0);
+                          uint64_t compute_ms = 0, bool want_pipelines = false);
   // Admin role: needs a client key on the server's admin allowlist and the admin endpoint.
   Result<JobInfo> CreateJob(const std::string& job, const std::string& base_hash,
                             const std::vector<TensorView>& tensors);

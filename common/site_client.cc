@@ -72,7 +72,8 @@ Result<std::vector<HelloInfo>> SiteClient::Hello(const std::string& base_hash) {
   base_hash_ = base_hash;
   std::vector<HelloInfo> out;
   for (size_t i = 0; i < shards_.size(); ++i) {
-    auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash, options_.client_name);
+    auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash, options_.client_name,
+                               encoder_ != nullptr);
     if (!h.ok()) {
       const Status& s = h.status();
       if (s.code() == Code::kFailedPrecondition) {
@@ -91,9 +92,15 @@ Result<std::vector<HelloInfo>> SiteClient::Hello(const std::string& base_hash) {
       return AtShard(i, Status::NotFound("has no job '" + options_.job +
                                          "' (create it with isthmusctl job create)"));
     }
+    if (encoder_) KeepPipelines(i, h->pipelines);
     out.push_back(std::move(h).value());
   }
   return out;
+}
+
+void SiteClient::KeepPipelines(size_t shard, const RoundPipelines& pipelines) {
+  if (pipelines_.size() != shards_.size()) pipelines_.resize(shards_.size());
+  if (pipelines.round != 0) pipelines_[shard] = pipelines;
 }
 
 Status SiteClient::Place(const std::string& name, size_t i,
@@ -215,7 +222,14 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
     p.shard = static_cast<int>(s);
     p.key = PushKey(round, p.shard);
     p.tensors = per_shard[s].size();
-    auto r = shards_[s]->Push(options_.job, p.key, round, tokens, per_shard[s], compute_ms);
+    ISTHMUS_RETURN_IF_ERROR(EncodeFor(s, round, per_shard[s]));
+    for (const auto& t : per_shard[s]) {
+      const uint64_t raw = static_cast<uint64_t>(NumElements(t.shape)) * sizeof(float);
+      pushed_raw_bytes_ += raw;
+      pushed_bytes_ += t.encoded ? t.encoded->size() : raw;
+    }
+    auto r = shards_[s]->Push(options_.job, p.key, round, tokens, per_shard[s], compute_ms,
+                              encoder_ != nullptr);
     if (!r.ok()) {
       std::string done;
       for (const auto& d : out) done += (done.empty() ? "" : ", ") + std::to_string(d.shard);
@@ -228,9 +242,36 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
     }
     p.duplicate = r->duplicate;
     p.rounds = r->rounds;
+    if (encoder_) KeepPipelines(s, r->pipelines);
     out.push_back(std::move(p));
   }
+  if (encoder_) encoder_->Done(round);
   return out;
+}
+
+Status SiteClient::EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas) {
+  if (!encoder_ || pipelines_.size() <= shard || pipelines_[shard].round != round) {
+    return Status::Ok();
+  }
+  const auto& pipes = pipelines_[shard].pipelines;
+  std::vector<TensorView> to_encode;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < deltas.size(); ++i) {
+    auto it = pipes.find(deltas[i].name);
+    // Dense: the fp32 values are what an encoding would carry.
+    if (it == pipes.end() || it->second == "dense") continue;
+    to_encode.push_back(deltas[i]);
+    at.push_back(i);
+  }
+  if (to_encode.empty()) return Status::Ok();
+  auto bytes = encoder_->Encode(round, to_encode, pipes);
+  if (!bytes.ok()) {
+    return AtShard(
+        shard, Status(bytes.status().code(), "cannot encode round " + std::to_string(round) + ": " +
+                                                 bytes.status().message()));
+  }
+  for (size_t k = 0; k < at.size(); ++k) deltas[at[k]].encoded = (*bytes)[k];
+  return Status::Ok();
 }
 
 Result<Staleness> SiteClient::CheckStaleness() {

@@ -91,6 +91,26 @@ class ShardPuller {
                                            const std::string& job) = 0;
 };
 
+// How SiteClient::PushRound encodes a round's deltas itself when the shards said which
+// pipelines to use (docs/SYNC.md, "Deltas encoded by the worker"): error feedback in this
+// rank's own residual, so that a push carries the few MB the WAN will carry instead of the
+// fp32 delta. codec::FeedbackEncoder (ops/codec_worker.h) is the implementation; the
+// interface keeps common/ free of the codecs.
+class DeltaEncoder {
+ public:
+  virtual ~DeltaEncoder() = default;
+  // The encodings of round `round`'s `deltas` (one shard's share of the round), each with
+  // the pipeline `pipelines` names for it, in the order of `deltas`; the views stay valid
+  // until the next call of Encode for a later round. Encoding a tensor of a round a second
+  // time (a retried push) gives the bytes of the first time, never feeding the delta into
+  // the residual twice.
+  virtual Result<std::vector<std::string_view>> Encode(
+      uint64_t round, const std::vector<TensorView>& deltas,
+      const std::map<std::string, std::string>& pipelines) = 0;
+  // Every shard took round `round`: its residuals become the ones later rounds start from.
+  virtual void Done(uint64_t round) = 0;
+};
+
 class SiteClient {
  public:
   // Connects to every shard (lazily, as ShardClient does: a shard that is down shows up
@@ -111,6 +131,14 @@ class SiteClient {
   // Pull gets each shard's tensors through `puller` from now on (null: every tensor).
   void SetPuller(std::unique_ptr<ShardPuller> puller) { puller_ = std::move(puller); }
   ShardPuller* puller() const { return puller_.get(); }
+  // With an encoder, Hello and PushRound ask the shards for the next round's pipelines, and
+  // PushRound sends the deltas of a round whose pipelines a shard gave as `encoder`'s bytes
+  // (the rest as fp32: the first round before any Hello, "dense" pipelines). Null: fp32.
+  void SetEncoder(std::unique_ptr<DeltaEncoder> encoder) { encoder_ = std::move(encoder); }
+  DeltaEncoder* encoder() const { return encoder_.get(); }
+  // Bytes this client's pushes carried, and the fp32 bytes of the deltas they stand for.
+  uint64_t pushed_bytes() const { return pushed_bytes_; }
+  uint64_t pushed_raw_bytes() const { return pushed_raw_bytes_; }
 
   // Tensor name -> index of the shard that holds it (from the last pull, or as set).
   const std::map<std::string, int>& placement() const { return placement_; }
@@ -158,11 +186,19 @@ class SiteClient {
 
  private:
   std::unique_ptr<ShardPuller> puller_;
+  std::unique_ptr<DeltaEncoder> encoder_;
+  std::vector<RoundPipelines> pipelines_;  // per shard: the last pipelines it gave
+  uint64_t pushed_bytes_ = 0, pushed_raw_bytes_ = 0;
   explicit SiteClient(SiteOptions options) : options_(std::move(options)) {}
   // "shard I (ENDPOINT)": how messages name a shard.
   std::string Where(size_t i) const;
   // `status` with its message prefixed by Where(i).
   Status AtShard(size_t i, const Status& status) const;
+  // Keeps the pipelines shard `shard` gave (ignored when it gave none).
+  void KeepPipelines(size_t shard, const RoundPipelines& pipelines);
+  // Sets `encoded` on the deltas for shard `shard` whose pipelines of `round` the shard gave
+  // (none without an encoder, or when the pipelines known are another round's).
+  Status EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas);
   // Records that `name` lives on shard `i`, checking it against the placement set.
   Status Place(const std::string& name, size_t i, std::map<std::string, int>& seen) const;
 

@@ -152,7 +152,7 @@ std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta) { return ShapeFrom(me
 
 Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas,
                        const std::vector<zmq::message_t>& payload, const WireLimits& limits,
-                       bool check_finite) {
+                       bool check_finite, bool accept_encoded) {
   size_t count = metas == nullptr ? 0 : metas->size();
   if (count > limits.max_tensors) {
     return Status::ResourceExhausted(std::to_string(count) + " tensors in one message exceed " +
@@ -180,10 +180,11 @@ Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::Tenso
     }
     label = "tensor '" + std::string(name) + "'";
     if (!names.insert(name).second) return Status::InvalidArgument(label + " appears twice");
-    if (m->dtype() != wire::DType::F32) {
-      return Status::InvalidArgument(label + " has dtype " +
-                                     std::to_string(static_cast<int>(m->dtype())) +
-                                     "; only F32 is accepted");
+    const bool encoded = m->dtype() == wire::DType::Codec;
+    if (m->dtype() != wire::DType::F32 && !(encoded && accept_encoded)) {
+      return Status::InvalidArgument(
+          label + " has dtype " + std::to_string(static_cast<int>(m->dtype())) +
+          (accept_encoded ? "; only F32 and Codec are accepted" : "; only F32 is accepted"));
     }
     auto shape = ShapeOf(m);
     if (shape.size() > limits.max_dims) {
@@ -198,6 +199,14 @@ Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::Tenso
     }
     used[m->frame()] = true;
     const zmq::message_t& frame = payload[m->frame()];
+    if (encoded) {
+      if (m->nbytes() == 0 || frame.size() != m->nbytes()) {
+        return Status::InvalidArgument(label + ": an encoded tensor's header says " +
+                                       std::to_string(m->nbytes()) + " bytes, its frame has " +
+                                       std::to_string(frame.size()));
+      }
+      continue;
+    }
     uint64_t expect = static_cast<uint64_t>(numel) * sizeof(float);
     if (m->nbytes() != expect || frame.size() != expect) {
       return Status::InvalidArgument(label + ": shape needs " + std::to_string(expect) +

@@ -93,9 +93,11 @@ Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header, const 
 // the frame's size; every frame referenced exactly once; total within limits; and, when
 // `check_finite`, every value finite. The first failure is returned as InvalidArgument
 // (or ResourceExhausted for limits) naming the tensor.
+// With `accept_encoded`, a tensor of dtype Codec passes with any non-empty frame of the
+// length its header gives (its decoder validates the bytes); otherwise only F32 does.
 Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas,
                        const std::vector<zmq::message_t>& payload, const WireLimits& limits,
-                       bool check_finite);
+                       bool check_finite, bool accept_encoded = false);
 
 // True if every one of the n floats is finite.
 bool AllFinite(const float* data, size_t n);

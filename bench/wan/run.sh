@@ -17,6 +17,7 @@
 # Usage: bench/wan/run.sh [--cases "CASE ..."] [--rates "20mbit 100mbit"] [--sites 2|3]
 #                         [--rounds N] [--round-seconds S] [--shards S] [--json FILE]
 #                         [--overlap "off on"] [--pull-by-replay "off on"]
+#                         [--encode-here "off on"] [--encode-threads N]
 #   cases: lora-dense lora-default lora-sparse lora-adaptive full-default full-sparse
 #          full-adaptive full-lowrank full-fragments (default: lora-default lora-adaptive
 #          full-default). "default": the server's defaults (int2:256+zstd, adaptive from it
@@ -27,6 +28,10 @@
 #   --pull-by-replay "off on": the synthetic sites pull the rounds as encoded deltas and
 #   replay them (bench_wan_load --pull-by-replay, isthmus-worker's default) or pull every
 #   tensor (off, the default here, as before it existed); each case runs once per value.
+#   --encode-here "off on": the synthetic sites encode their deltas themselves with error
+#   feedback (bench_wan_load --encode-threads N, N from --encode-threads, default 1) and push
+#   the encoded bytes, or push fp32 deltas for the shards to encode (off, the default);
+#   docs/SYNC.md, "Deltas encoded by the worker". Each case runs once per value.
 #   --merge-after-steps M   overlapped sites merge no earlier than M of the round's 30
 #   emulated steps, then as soon as the round in flight is done (bench_wan_load
 #   --merge-after-steps; default 3, a tenth, as isthmus-worker; 0: as soon as it is done);
@@ -42,6 +47,7 @@ cd "$(dirname "$0")/../.."
 build="${ISTHMUS_BUILD_DIR:-build}"
 cases="lora-default lora-adaptive full-default" rates="20mbit 100mbit" nsites=2 rounds=20
 round_seconds=3 shards=1 json_out="" deltas=demo-out/wan-deltas overlaps="off" replays="off" merge_after=3 merge_wait=false
+encodes="off" encode_threads=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --cases) cases="$2"; shift 2 ;;
@@ -54,9 +60,11 @@ while [ $# -gt 0 ]; do
     --json) json_out="$2"; shift 2 ;;
     --overlap) overlaps="$2"; shift 2 ;;
     --pull-by-replay) replays="$2"; shift 2 ;;
+    --encode-here) encodes="$2"; shift 2 ;;
+    --encode-threads) encode_threads="$2"; shift 2 ;;
     --merge-after-steps) merge_after="$2"; shift 2 ;;
     --merge-wait) merge_wait=true; shift ;;
-    -h|--help) sed -n 2,35p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,40p "$0"; exit 0 ;;
     *) echo "run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -146,15 +154,16 @@ stop_sites() {
 print_row='
 import json, sys
 r = json.loads(sys.stdin.read())
-print("{case:<15} {rate:>7} overlap {overlap:<3} replay {pull_by_replay:<3}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
+print("{case:<15} {rate:>7} overlap {overlap:<3} replay {pull_by_replay:<3} encode here {encode_here:<3}  {kernel_bytes_per_round:>12,.0f} B/round  wire {wire_seconds_per_round:6.2f} s"
       " of {round_seconds:.1f} s  commit latency {mean_commit_latency_s:5.2f} s (max"
       " {max_commit_latency_s:5.2f})  WAN wait {wait_s:6.2f} s in {rounds_waited} rounds  push"
       " {push_s:5.2f} s  pull {pull_s:5.2f} s  blocked {blocked_s:5.2f} s  utilisation {pct:5.1f}%  computing {cpct:5.1f}%".format(
           pct=100 * r["utilisation"], cpct=100 * r["compute_fraction"], **r))'
 
 # --- one case: fresh shards in every site, the synthetic sites, the figures -------------
-run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off) REPLAY(on|off)
-  local name=$1 mode=$2 rate=$3 sync_lines=$4 overlap=$5 replay=$6 dir="$out/$1-$3-overlap-$5-replay-$6"
+run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off) REPLAY(on|off) ENCODE(on|off)
+  local name=$1 mode=$2 rate=$3 sync_lines=$4 overlap=$5 replay=$6 encode=$7
+  local dir="$out/$1-$3-overlap-$5-replay-$6-encode-$7"
   rm -rf "$dir" && mkdir -p "$dir/logs"
   make_keys "$ctl" "$dir/keys" "$shards" "${sites[@]}"
   export ISTHMUS_CTL_KEY="$dir/keys/admins/admin.key"
@@ -198,6 +207,7 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off) REPLAY(on|off)
       --round-seconds "$round_seconds" --"$( [ "$overlap" = on ] && echo overlap || echo no-overlap )" \
       --"$( [ "$replay" = on ] && echo pull-by-replay || echo no-pull-by-replay )" \
       --merge-after-steps "$merge_after" "${wait_flag[@]}" \
+      --encode-threads "$( [ "$encode" = on ] && echo "$encode_threads" || echo 0 )" \
       --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
     lpids+=($!)
   done
@@ -237,9 +247,9 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off) REPLAY(on|off)
     tail -n 5 "$dir"/logs/load-*.log >&2
     return 1
   fi
-  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" "$overlap" "$merge_after" "$merge_wait" "$replay" >> "$results" <<'PY'
+  /usr/bin/python3 - "$dir" "$name" "$mode" "$rate" "$((after - before))" "$rounds" "$round_seconds" "${sites[*]}" "$overlap" "$merge_after" "$merge_wait" "$replay" "$encode" >> "$results" <<'PY'
 import json, sys
-d, name, mode, rate, kernel, rounds, round_s, sites, overlap, merge_after, merge_wait, replay = sys.argv[1:13]
+d, name, mode, rate, kernel, rounds, round_s, sites, overlap, merge_after, merge_wait, replay, encode = sys.argv[1:14]
 kernel, rounds, round_s, sites = int(kernel), int(rounds), float(round_s), sites.split()
 bps = float(rate.replace("mbit", "")) * 1e6 / 8
 loads = {s: json.load(open(f"{d}/load-{s}.json")) for s in sites}
@@ -256,6 +266,9 @@ per_round = kernel / rounds
 # The busiest direction: each site sends its round to every other site over its own veth.
 per_site_round = per_round / len(sites)
 row = {"case": name, "mode": mode, "rate": rate, "overlap": overlap, "pull_by_replay": replay,
+       "encode_here": encode,
+       "pushed_bytes": sum(loads[s]["pushed_bytes"] for s in sites),
+       "pushed_raw_bytes": sum(loads[s]["pushed_raw_bytes"] for s in sites),
        "merge_after_steps": int(merge_after), "merge_wait": merge_wait == "true",
        "sites": len(sites),
        "rounds": rounds,
@@ -298,13 +311,15 @@ sync_of() {  # CASE -> "MODE|TOML lines" (no lines: the server's defaults, docs/
 }
 
 echo "bench/wan: ${#sites[@]} sites, $shards shard(s) each, $rounds rounds of $round_seconds s," \
-     "cases: $cases; rates: $rates; overlap: $overlaps; pull by replay: $replays; machine: cores=$(getconf _NPROCESSORS_ONLN), load $(cut -d' ' -f1-3 /proc/loadavg)"
+     "cases: $cases; rates: $rates; overlap: $overlaps; pull by replay: $replays; encode here: $encodes; machine: cores=$(getconf _NPROCESSORS_ONLN), load $(cut -d' ' -f1-3 /proc/loadavg)"
 for rate in $rates; do
   for c in $cases; do
     spec=$(sync_of "$c")
     for ov in $overlaps; do
       for rp in $replays; do
-        run_case "$c" "${spec%%|*}" "$rate" "${spec#*|}" "$ov" "$rp" || true
+        for en in $encodes; do
+          run_case "$c" "${spec%%|*}" "$rate" "${spec#*|}" "$ov" "$rp" "$en" || true
+        done
       done
     done
   done

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "common/safetensors.h"
+#include "ops/codec_worker.h"
 
 namespace isthmus::wanload {
 namespace {
@@ -112,6 +113,9 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
   if (site_->num_shards() != shards_) {
     return Status::InvalidArgument("the site client has " + std::to_string(site_->num_shards()) +
                                    " shards, not " + std::to_string(shards_));
+  }
+  if (o_.encode_threads > 0) {
+    site_->SetEncoder(std::make_unique<codec::FeedbackEncoder>(o_.encode_threads));
   }
   ISTHMUS_RETURN_IF_ERROR(site_->Hello("").status());
   ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> pulled, site_->Pull());

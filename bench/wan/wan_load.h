@@ -86,6 +86,10 @@ struct SiteOptions {
   // Pull by replay (isthmus-worker --pull-by-replay, its default): the rounds committed
   // since the last pull as encoded deltas, replayed here (ops/codec_replica.h).
   bool pull_by_replay = false;
+  // Encode the deltas here, with error feedback, and push the encoded bytes
+  // (codec::FeedbackEncoder, docs/SYNC.md "Deltas encoded by the worker"), on this many
+  // threads; 0: push fp32 deltas for the shards to encode.
+  int encode_threads = 0;
   int steps_per_round = 30;  // emulated step boundaries per round (where merges happen)
   // With overlap: when a round's pulled state is merged (isthmus-worker
   // --merge-after-steps, --merge-wait; by default no earlier than a tenth of the round).
@@ -113,6 +117,8 @@ class SyntheticSite {
   double drain_s() const { return drain_s_; }
   // The pulls by replay so far (null without SiteOptions::pull_by_replay).
   const codec::ReplayStats* replay_stats() const;
+  // The site client (after Prepare): its pushed byte counters.
+  const SiteClient* site() const { return site_.get(); }
   // The live weights (after Run: the merged state of the last round).
   const std::vector<Tensor>& live() const { return live_; }
 

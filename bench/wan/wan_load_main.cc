@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   bool merge_wait = false;
   bool overlap = false;
   bool pull_by_replay = false;
+  int encode_threads = 0;
   app.add_option("--job", job, "job on the shards")->required();
   app.add_option("--server", servers, "shard worker endpoint, in shard order")->required();
   app.add_option("--server-key", server_keys, "shard public key file (one, or one per --server)")
@@ -54,6 +55,10 @@ int main(int argc, char** argv) {
   app.add_flag("--pull-by-replay,!--no-pull-by-replay", pull_by_replay,
                "pull rounds as encoded deltas and replay them here (isthmus-worker "
                "--pull-by-replay) instead of pulling every tensor")
+      ->capture_default_str();
+  app.add_option("--encode-threads", encode_threads,
+                 "encode the deltas here with error feedback on this many threads and push the "
+                 "encoded bytes (deltas encoded by the worker); 0: push fp32 deltas")
       ->capture_default_str();
   app.add_option("--steps-per-round", steps_per_round,
                  "emulated steps per round: the step boundaries a finished round is merged at")
@@ -107,10 +112,11 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "bench_wan_load (synthetic site %s): %zu recorded rounds of %llu values, %d rounds "
-      "of %.2f s in %d steps, %zu shard(s), overlap %s, pull by replay %s\n",
+      "of %.2f s in %d steps, %zu shard(s), overlap %s, pull by replay %s, encode here %s\n",
       client_name.c_str(), deltas->rounds.size(), static_cast<unsigned long long>(deltas->numel),
       rounds, round_seconds, steps_per_round, servers.size(), overlap ? "on" : "off",
-      pull_by_replay ? "on" : "off");
+      pull_by_replay ? "on" : "off",
+      encode_threads > 0 ? (std::to_string(encode_threads) + " thread(s)").c_str() : "off");
   std::fflush(stdout);
   wanload::SiteOptions so;
   so.job = job;
@@ -120,6 +126,7 @@ int main(int argc, char** argv) {
   so.poll_ms = poll_ms;
   so.overlap = overlap;
   so.pull_by_replay = pull_by_replay;
+  so.encode_threads = encode_threads;
   so.steps_per_round = steps_per_round;
   so.merge = MergePolicy{merge_after_steps, merge_wait};
   wanload::SyntheticSite site(
@@ -175,11 +182,16 @@ int main(int argc, char** argv) {
         static_cast<unsigned long long>(rs->digest_mismatches), rs->payload_bytes / 1e6,
         rs->request_s, rs->replay_s, rs->serve_s);
   }
+  std::printf("pushed %.1f MB for %.1f MB of fp32 deltas (%s)\n", site.site()->pushed_bytes() / 1e6,
+              site.site()->pushed_raw_bytes() / 1e6, encode_threads > 0 ? "encoded here" : "fp32");
   if (!json_path.empty()) {
     nlohmann::json j = {{"site", client_name},
                         {"round_seconds", round_seconds},
                         {"overlap", overlap},
                         {"pull_by_replay", pull_by_replay},
+                        {"encode_threads", encode_threads},
+                        {"pushed_bytes", site.site()->pushed_bytes()},
+                        {"pushed_raw_bytes", site.site()->pushed_raw_bytes()},
                         {"steps_per_round", steps_per_round},
                         {"drain_s", site.drain_s()},
                         {"numel", deltas->numel},

@@ -556,6 +556,18 @@ flatbuffers::Offset<wire::RoundStatus> Shard::RoundStatusOf(flatbuffers::FlatBuf
   return wire::CreateRoundStatus(fbb, job.last_round, job.last_round, 0);
 }
 
+flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorPipeline>>>
+Shard::PipelinesOf(flatbuffers::FlatBufferBuilder& fbb, const JobState& job, uint64_t round) {
+  if (!sync_ || !sync_->HasJob(job.name) || round == 0) return {};
+  auto pipes = sync_->RoundPipelines(job.name, round);
+  if (!pipes.ok()) return {};
+  std::vector<flatbuffers::Offset<wire::TensorPipeline>> out;
+  for (const auto& [name, pipe] : *pipes) {
+    out.push_back(wire::CreateTensorPipelineDirect(fbb, name.c_str(), pipe.c_str()));
+  }
+  return fbb.CreateVector(out);
+}
+
 uint64_t Shard::VersionOf(const JobState& job) const {
   return sync_ && sync_->HasJob(job.name) ? sync_->Version(job.name) : job.version;
 }
@@ -590,8 +602,16 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
   }
   flatbuffers::Offset<wire::RoundStatus> rounds;
   if (job_found) rounds = RoundStatusOf(reply.header, *job_found);
-  auto body = wire::CreateHelloReplyDirect(reply.header, options_.shard_id.c_str(), kIsthmusVersion,
-                                           version, base_hash.c_str(), count, role, rounds);
+  uint64_t pipes_round = 0;
+  flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorPipeline>>> pipes;
+  if (job_found && req->want_pipelines() && sync_ && sync_->HasJob(job_found->name)) {
+    pipes_round = sync_->PushedRound(job_found->name) + 1;
+    pipes = PipelinesOf(reply.header, *job_found, pipes_round);
+  }
+  auto body = wire::CreateHelloReply(reply.header, reply.header.CreateString(options_.shard_id),
+                                     reply.header.CreateString(kIsthmusVersion), version,
+                                     reply.header.CreateString(base_hash), count, role, rounds,
+                                     pipes_round, pipes);
   FinishEnvelope(reply.header, id, wire::Body::HelloReply, body.Union());
   return Status::Ok();
 }
@@ -724,7 +744,8 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     return Status::InvalidArgument("push needs an idempotency key of 1 to " +
                                    std::to_string(options_.limits.max_name_bytes) + " bytes");
   }
-  ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, false));
+  ISTHMUS_RETURN_IF_ERROR(
+      ValidateTensors(req->tensors(), frames.payload, options_.limits, false, true));
   const std::string content = PushContent(req);
   ISTHMUS_ASSIGN_OR_RETURN(auto seen, store_->Get(Column::kDedup, keys::DedupKey(job_name, key)));
   if (seen) {
@@ -740,7 +761,10 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
                  job_name, v);
     job->duplicate_pushes += 1;
-    auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
+    auto rounds = RoundStatusOf(reply.header, *job);
+    const uint64_t pipes_round = req->want_pipelines() ? req->round() + 1 : 0;
+    auto body = wire::CreatePushReply(reply.header, v, true, rounds, pipes_round,
+                                      PipelinesOf(reply.header, *job, pipes_round));
     FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
     return Status::Ok();
   }
@@ -749,9 +773,17 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
     return Status::InvalidArgument("push carries no tensors");
   }
-  if (sync_ && sync_->HasJob(job_name)) {
-    return DoSyncPush(job, req, frames, id, content, reply, std::move(keepalive));
+  const bool synced = sync_ && sync_->HasJob(job_name);
+  for (const auto* m : *req->tensors()) {
+    if (m->dtype() == wire::DType::Codec && (!synced || req->round() == 0)) {
+      return Status::InvalidArgument(
+          "tensor '" + m->name()->str() + "' comes encoded (dtype Codec), which only a round " +
+          "push (round >= 1) of a synced job takes; job '" + job_name + "' " +
+          (synced ? "is synced, but this push has no round" : "does not sync") +
+          ": push its fp32 values");
+    }
   }
+  if (synced) return DoSyncPush(job, req, frames, id, content, reply, std::move(keepalive));
   // Check every name and shape before touching anything.
   std::vector<std::pair<TensorState*, const wire::TensorMeta*>> targets;
   for (const auto* m : *req->tensors()) {
@@ -851,6 +883,15 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
   // Names and shapes are the engine's to check (it holds the synced job's tensors).
   for (const auto* m : *req->tensors()) {
     const auto& frame = frames.payload[m->frame()];
+    if (m->dtype() == wire::DType::Codec) {
+      // The codec's bytes, decoded (and so validated) by the engine; the frame lives as
+      // long as the request.
+      tensors.push_back({m->name()->str(),
+                         {},
+                         ShapeOf(m),
+                         std::string_view(static_cast<const char*>(frame.data()), frame.size())});
+      continue;
+    }
     const size_t n = frame.size() / sizeof(float);
     const float* data = static_cast<const float*>(frame.data());
     if (reinterpret_cast<uintptr_t>(frame.data()) % alignof(float) != 0) {
@@ -885,8 +926,10 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
     }
   }
   if (!duplicate) static_cast<JobRecord&>(*job) = next;
-  auto body = wire::CreatePushReply(reply.header, VersionOf(*job), duplicate,
-                                    RoundStatusOf(reply.header, *job));
+  auto rounds = RoundStatusOf(reply.header, *job);
+  const uint64_t pipes_round = req->want_pipelines() ? req->round() + 1 : 0;
+  auto body = wire::CreatePushReply(reply.header, VersionOf(*job), duplicate, rounds, pipes_round,
+                                    PipelinesOf(reply.header, *job, pipes_round));
   FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
   return Status::Ok();
 }

@@ -74,4 +74,8 @@ std::string StagedKey(std::string_view job, uint64_t round, std::string_view ten
   return JobKey(job, std::string("r") + kNul + BigEndian64(round) + std::string(tensor));
 }
 
+std::string StagedEncodedKey(std::string_view job, uint64_t round, std::string_view tensor) {
+  return JobKey(job, std::string("q") + kNul + BigEndian64(round) + std::string(tensor));
+}
+
 }  // namespace isthmus::keys

@@ -73,5 +73,8 @@ std::string StateKey(std::string_view job, StateKind kind, std::string_view tens
 // A round's staged delta of one tensor (kState): JOB \0 r \0 BE(round) TENSOR. They stay
 // after the round's close until the residuals are next written (sync.checkpoint_rounds).
 std::string StagedKey(std::string_view job, uint64_t round, std::string_view tensor);
+// The same for a delta its worker encoded (the codec's bytes): JOB \0 q \0 BE(round) TENSOR.
+// A tensor of a round has one of the two rows, never both.
+std::string StagedEncodedKey(std::string_view job, uint64_t round, std::string_view tensor);
 
 }  // namespace isthmus::keys

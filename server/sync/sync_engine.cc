@@ -34,6 +34,9 @@ using json = nlohmann::json;
 using Pipe = codec::Pipeline;
 Result<Pipe> ParsePipe(std::string_view text) { return codec::ParsePipeline(text); }
 std::string PipeText(const Pipe& p) { return codec::ToString(p); }
+// How a round's pipeline counts (SyncRecord::pipelines) name the tensors their workers
+// encoded (docs/SYNC.md, "Deltas encoded by the worker").
+constexpr std::string_view kEncodedByWorker = "by-worker";
 
 // ---- keys and bytes ------------------------------------------------------------------
 using keys::BigEndian64;
@@ -279,7 +282,8 @@ Result<std::set<std::string>> SyncEngine::CheckPushed(
     if (it == j.theta.end()) {
       return Status::NotFound("tensor '" + t.name + "' is not in job '" + name + "'");
     }
-    if (t.shape != it->second.shape || t.delta.size() != it->second.data->size()) {
+    const bool sized = t.encoded ? t.delta.empty() : t.delta.size() == it->second.data->size();
+    if (t.shape != it->second.shape || !sized) {
       return Status::InvalidArgument("tensor '" + t.name +
                                      "': pushed shape differs from the job's shape");
     }
@@ -336,8 +340,18 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   }
   if (tensors.empty()) return Status::InvalidArgument("push carries no tensors");
   ISTHMUS_ASSIGN_OR_RETURN(std::set<std::string> names, CheckPushed(name, *j, tensors));
+  std::vector<float> scratch;
   for (const auto& t : tensors) {
-    if (!std::all_of(t.delta.begin(), t.delta.end(), [](float f) { return std::isfinite(f); })) {
+    if (t.encoded) {
+      // The codec's decoder validates every field and yields finite values only.
+      scratch.assign(j->theta.at(t.name).data->size(), 0.0f);
+      if (Status s = codec::Decode(*t.encoded, scratch); !s.ok()) {
+        return Status::InvalidArgument(
+            "tensor '" + t.name +
+            "': the delta its worker encoded cannot be decoded: " + s.message());
+      }
+    } else if (!std::all_of(t.delta.begin(), t.delta.end(),
+                            [](float f) { return std::isfinite(f); })) {
       return Status::InvalidArgument("tensor '" + t.name + "': the delta is not finite");
     }
     if (j->staged_round == round && j->staged.count(t.name)) {
@@ -354,8 +368,8 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     // One push brings the whole round: close it from memory, in one write batch with the
     // push's records (no staged copy written, then read back). With deferred round work the
     // push is answered once the stage is durable instead (below), and the close follows.
-    std::map<std::string, std::span<const float>> pushed;
-    for (const auto& t : tensors) pushed[t.name] = t.delta;
+    StagedDeltas pushed;
+    for (const auto& t : tensors) pushed[t.name] = {t.delta, t.encoded};
     j->staged_compute_ms = compute_ms;
     j->staged_round = round;
     j->staged_tokens = tokens;
@@ -373,8 +387,13 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     result.version = j->version;
     return result;
   }
-  for (const auto& t : tensors)
-    batch.Put(Column::kState, keys::StagedKey(name, round, t.name), FloatBytes(t.delta));
+  for (const auto& t : tensors) {
+    if (t.encoded) {
+      batch.Put(Column::kState, keys::StagedEncodedKey(name, round, t.name), *t.encoded);
+    } else {
+      batch.Put(Column::kState, keys::StagedKey(name, round, t.name), FloatBytes(t.delta));
+    }
+  }
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(next_rec));
   // The largest compute time the round's pushes reported.
   const uint64_t round_compute_ms =
@@ -402,7 +421,7 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   j->staged_tokens = next_rec.staged_tokens;
   j->staged = std::move(next_rec.staged);
   if (keepalive) {
-    for (const auto& t : tensors) j->staged_mem[t.name] = t.delta;
+    for (const auto& t : tensors) j->staged_mem[t.name] = {t.delta, t.encoded};
     j->staged_keep.push_back(std::move(keepalive));
   }
   if (StageComplete(*j)) {
@@ -513,6 +532,40 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
   return ConfiguredPipeline(tensor);
 }
 
+std::map<std::string, codec::Pipeline> SyncEngine::ChoosePipelines(const Job& j,
+                                                                   uint64_t round) const {
+  // Streaming: only this round's fragment crosses the WAN; the rest waits in the residual.
+  std::map<std::string, uint32_t> fragment;
+  const uint32_t due =
+      static_cast<uint32_t>((round - 1) % std::max<uint32_t>(options_.fragments, 1));
+  if (options_.fragments > 1) {
+    std::map<std::string, uint64_t> sizes;
+    for (const auto& [tname, t] : j.theta) sizes[tname] = t.data->size();
+    fragment = AssignFragments(sizes, options_.fragments);
+  }
+  auto deferred = [&](const std::string& tname) {
+    return !fragment.empty() && fragment.at(tname) != due;
+  };
+  uint64_t total_numel = 0;
+  for (const auto& [tname, t] : j.theta) {
+    if (!deferred(tname)) total_numel += t.data->size();
+  }
+  std::map<std::string, Pipe> out;
+  for (const auto& [tname, t] : j.theta) {
+    out[tname] = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, t.data->size(), total_numel);
+  }
+  return out;
+}
+
+Result<std::map<std::string, std::string>> SyncEngine::RoundPipelines(const std::string& name,
+                                                                      uint64_t round) const {
+  ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
+  if (round == 0) return Status::InvalidArgument("rounds start at 1");
+  std::map<std::string, std::string> out;
+  for (const auto& [tname, p] : ChoosePipelines(*j, round)) out[tname] = PipeText(p);
+  return out;
+}
+
 std::map<std::string, uint32_t> AssignFragments(const std::map<std::string, uint64_t>& numel,
                                                 uint32_t fragments) {
   std::vector<std::pair<std::string, uint64_t>> order(numel.begin(), numel.end());
@@ -561,7 +614,13 @@ Status SyncEngine::LoadResiduals(const std::string& name, Job& j) {
       std::vector<float>& v = res->second;
       ISTHMUS_ASSIGN_OR_RETURN(auto staged, GetFloats(store_, Column::kState,
                                                       keys::StagedKey(name, r, et.name), v.size()));
-      if (!staged) return missing("the staged delta of tensor '" + et.name + "'");
+      if (!staged) {
+        // Encoded by its worker: the close left this residual as it was.
+        ISTHMUS_ASSIGN_OR_RETURN(
+            auto by_worker, store_->Get(Column::kState, keys::StagedEncodedKey(name, r, et.name)));
+        if (by_worker) continue;
+        return missing("the staged delta of tensor '" + et.name + "'");
+      }
       decoded.assign(v.size(), 0.0f);
       ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
       codec::RecomputeResidual(v, *staged, decoded);
@@ -573,7 +632,7 @@ Status SyncEngine::LoadResiduals(const std::string& name, Job& j) {
 
 Result<std::unique_ptr<SyncEngine::CloseWork>> SyncEngine::PrepareClose(
     const std::string& name, Job& j, uint64_t round, uint64_t compute_ms,
-    const std::map<std::string, std::span<const float>>* staged_in) {
+    const StagedDeltas* staged_in) {
   auto work = std::make_unique<CloseWork>();
   work->round = round;
   // The workers' compute time for this round, when they reported it, is the time its
@@ -584,22 +643,7 @@ Result<std::unique_ptr<SyncEngine::CloseWork>> SyncEngine::PrepareClose(
   } else if (j.last_close) {
     j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
   }
-  // Streaming: only this round's fragment crosses the WAN; the rest waits in the residual.
-  std::map<std::string, uint32_t> fragment;
-  const uint32_t due =
-      static_cast<uint32_t>((round - 1) % std::max<uint32_t>(options_.fragments, 1));
-  if (options_.fragments > 1) {
-    std::map<std::string, uint64_t> sizes;
-    for (const auto& [tname, t] : j.theta) sizes[tname] = t.data->size();
-    fragment = AssignFragments(sizes, options_.fragments);
-  }
-  auto deferred = [&](const std::string& tname) {
-    return !fragment.empty() && fragment.at(tname) != due;
-  };
-  uint64_t total_numel = 0;
-  for (const auto& [tname, t] : j.theta) {
-    if (!deferred(tname)) total_numel += t.data->size();
-  }
+  const std::map<std::string, Pipe> pipes = ChoosePipelines(j, round);
   // The residuals stay in memory between closes (rebuilt from the store once after a
   // start); the new ones are written into a second buffer per tensor, taken only once the
   // close is durable.
@@ -608,51 +652,62 @@ Result<std::unique_ptr<SyncEngine::CloseWork>> SyncEngine::PrepareClose(
   // round's staged delta instead, from which a start recomputes them.
   work->write_residuals = round - j.residual_round >= options_.checkpoint_rounds;
   work->reads.resize(j.theta.size());
-  work->tasks.resize(j.theta.size());
+  work->given.resize(j.theta.size());
+  work->tasks.reserve(j.theta.size());
   size_t i = 0;
   for (const auto& [tname, t] : j.theta) {
     const size_t n = t.data->size();
     std::span<const float> staged;
     auto& read = work->reads[i];
-    if (staged_in != nullptr) {
-      staged = staged_in->at(tname);
-    } else if (auto mem = j.staged_mem.find(tname); mem != j.staged_mem.end()) {
-      staged = mem->second;
+    auto& given = work->given[i++];
+    work->raw += n * sizeof(float);
+    if (staged_in != nullptr || j.staged_mem.count(tname)) {
+      const StagedDelta& in = staged_in != nullptr ? staged_in->at(tname) : j.staged_mem.at(tname);
+      if (in.encoded) given = std::string(*in.encoded);
+      staged = in.delta;
     } else {
       ISTHMUS_ASSIGN_OR_RETURN(
           read, GetFloats(store_, Column::kState, keys::StagedKey(name, round, tname), n));
       if (!read) {
+        ISTHMUS_ASSIGN_OR_RETURN(
+            given, store_->Get(Column::kState, keys::StagedEncodedKey(name, round, tname)));
+      }
+      if (!read && !given) {
         // Staged by a release before per-round staged rows: this close writes the residuals,
         // as the rounds after it cannot be recomputed from that row.
         ISTHMUS_ASSIGN_OR_RETURN(
             read, GetFloats(store_, Column::kState, StateKey(name, StateKind::kStaged, tname), n));
         work->write_residuals = true;
       }
-      if (!read) {
+      if (!read && !given) {
         return Status::Corruption("staged delta of tensor '" + tname + "' of job '" + name +
                                   "' is missing");
       }
-      staged = *read;
+      if (read) staged = *read;
+    }
+    if (given) {
+      // Its worker encoded it, with error feedback in its own residual: sent as it is.
+      work->pipelines[std::string(kEncodedByWorker)] += 1;
+      continue;
     }
     std::vector<float>& next = j.residual_next[tname];
     next.resize(n);
-    codec::FeedbackTask& task = work->tasks[i++];
-    task.pipeline = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, n, total_numel);
+    codec::FeedbackTask& task = work->tasks.emplace_back();
+    task.pipeline = pipes.at(tname);
     task.delta = staged;
     task.shape = t.shape;
     task.residual_in = j.residual.at(tname);
     task.residual_out = next;
     work->pipelines[PipeText(task.pipeline)] += 1;
-    work->raw += n * sizeof(float);
   }
   return work;
 }
 
 void SyncEngine::StartEarlyEncode(const std::string& name, Job& j, uint64_t round,
                                   uint64_t compute_ms, const std::vector<SyncPushTensor>& tensors) {
-  std::map<std::string, std::span<const float>> staged;
+  StagedDeltas staged;
   if (j.staged_round == round) staged = j.staged_mem;
-  for (const auto& t : tensors) staged[t.name] = t.delta;
+  for (const auto& t : tensors) staged[t.name] = {t.delta, t.encoded};
   if (staged.size() != j.theta.size()) return;  // some staged delta is only on disk
   auto work = PrepareClose(name, j, round, compute_ms, &staged);
   if (!work.ok()) return;  // the close will say why
@@ -669,8 +724,7 @@ SyncEngine::CloseWork::~CloseWork() {
   if (encoder.joinable()) encoder.join();
 }
 
-Status SyncEngine::CloseRound(const std::string& name, Job& j,
-                              const std::map<std::string, std::span<const float>>* pushed,
+Status SyncEngine::CloseRound(const std::string& name, Job& j, const StagedDeltas* pushed,
                               WriteBatch* batch_in) {
   const uint64_t round = j.staged_round;
   const auto now = options_.now();
@@ -696,13 +750,20 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
   const bool write_residuals = work->write_residuals;
   std::map<std::string, uint64_t> pipelines = std::move(work->pipelines);
   const uint64_t raw = work->raw;
-  size_t i = 0;
+  size_t i = 0, task = 0;
   for (const auto& [tname, t] : j.theta) {
     EncodedTensor et;
     et.name = tname;
     et.shape = t.shape;
-    et.bytes = std::move(work->tasks[i++].bytes);
+    std::optional<std::string>& given = work->given[i++];
+    et.bytes = given ? std::move(*given) : std::move(work->tasks[task++].bytes);
     delta.tensors.push_back(std::move(et));
+  }
+  // Tensors their workers encoded keep the residual they had.
+  std::set<std::string> by_worker;
+  i = 0;
+  for (const auto& [tname, _] : j.theta) {
+    if (work->given[i++]) by_worker.insert(tname);
   }
   const std::string serialized = EncodeDelta(delta);
   SyncRecord rec = j;  // the round is closed: nothing is staged any more
@@ -724,23 +785,32 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j,
     if (!write_residuals) {
       // The round's staged delta stays (a push that brought the whole round wrote none).
       if (pushed != nullptr) {
-        batch.Put(Column::kState, keys::StagedKey(name, round, tname),
-                  FloatBytes(pushed->at(tname)));
+        const StagedDelta& in = pushed->at(tname);
+        if (in.encoded) {
+          batch.Put(Column::kState, keys::StagedEncodedKey(name, round, tname), *in.encoded);
+        } else {
+          batch.Put(Column::kState, keys::StagedKey(name, round, tname), FloatBytes(in.delta));
+        }
       }
       continue;
     }
-    batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
-              FloatBytes(j.residual_next.at(tname)));
+    batch.Put(
+        Column::kState, StateKey(name, StateKind::kResidual, tname),
+        FloatBytes(by_worker.count(tname) ? j.residual.at(tname) : j.residual_next.at(tname)));
     // The staged deltas the residuals now cover go, this round's among them.
     for (uint64_t r = j.residual_round + 1; r <= round; ++r) {
-      if (r != round || pushed == nullptr)
+      if (r != round || pushed == nullptr) {
         batch.Delete(Column::kState, keys::StagedKey(name, r, tname));
+        batch.Delete(Column::kState, keys::StagedEncodedKey(name, r, tname));
+      }
     }
     if (pushed == nullptr) batch.Delete(Column::kState, StateKey(name, StateKind::kStaged, tname));
   }
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
-  j.residual.swap(j.residual_next);
+  for (const auto& [tname, _] : j.theta) {
+    if (!by_worker.count(tname)) j.residual.at(tname).swap(j.residual_next.at(tname));
+  }
   j.local = round;
   j.residual_round = rec.residual_round;
   j.version = rec.version;
@@ -1066,6 +1136,12 @@ Result<uint64_t> SyncEngine::AddNow(const std::string& name,
   if (j->staged_round != 0) {
     return Status::FailedPrecondition("round " + std::to_string(j->staged_round) +
                                       " is being pushed; a round-less push would mix into it");
+  }
+  for (const auto& t : tensors) {
+    if (t.encoded) {
+      return Status::InvalidArgument("tensor '" + t.name +
+                                     "' comes encoded: a round-less push takes fp32 values");
+    }
   }
   ISTHMUS_ASSIGN_OR_RETURN(std::set<std::string> names, CheckPushed(name, *j, tensors));
   std::map<std::string, SyncTensor> theta = j->theta;
@@ -1685,6 +1761,7 @@ Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
       batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname), FloatBytes(r));
       for (uint64_t k = j->residual_round + 1; k <= j->local; ++k) {
         batch.Delete(Column::kState, keys::StagedKey(name, k, tname));
+        batch.Delete(Column::kState, keys::StagedEncodedKey(name, k, tname));
       }
     }
     rec.residual_round = rec.local;

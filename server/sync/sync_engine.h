@@ -36,11 +36,23 @@ namespace isthmus {
 
 // One tensor of a worker's round push: the values to add, and the shape the worker gave
 // them (the engine checks it against the job's: the one check of a synced push's tensors).
+// A worker that encodes its delta itself (error feedback in its own residual; docs/SYNC.md,
+// "Deltas encoded by the worker") sets `encoded` to the codec's bytes (ops/codec.h) and
+// leaves `delta` empty: the close sends those bytes as they are and leaves the shard's
+// residual of the tensor as it was.
 struct SyncPushTensor {
   std::string name;
   std::span<const float> delta;
   std::vector<int64_t> shape;
+  std::optional<std::string_view> encoded = std::nullopt;
 };
+
+// A staged delta of one tensor in memory: fp32 values, or the bytes a worker encoded.
+struct StagedDelta {
+  std::span<const float> delta;
+  std::optional<std::string_view> encoded = std::nullopt;
+};
+using StagedDeltas = std::map<std::string, StagedDelta>;
 
 // What a worker needs to reach a shard's served state by replaying rounds from their
 // encoded deltas (SyncEngine::Replay; docs/SYNC.md, "Pulling by replay").
@@ -187,6 +199,14 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
                                    uint64_t compute_ms = 0,
                                    std::shared_ptr<const void> keepalive = nullptr);
 
+  // The pipeline each tensor's delta of round `round` would be encoded with if that round
+  // closed now: adaptive sizing from what the engine knows now, "defer" for a streamed
+  // fragment that is not due. What a worker that encodes its own deltas uses (docs/SYNC.md,
+  // "Deltas encoded by the worker"); the close of a round the worker encoded takes the
+  // worker's bytes as they are, whatever this says by then.
+  Result<std::map<std::string, std::string>> RoundPipelines(const std::string& job,
+                                                            uint64_t round) const;
+
   // Round-less add (push with round 0) for a job that syncs with no peers: theta += delta
   // at once. FailedPrecondition when peers are configured.
   Result<uint64_t> AddNow(const std::string& job, const std::vector<SyncPushTensor>& tensors,
@@ -286,6 +306,9 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     uint64_t round = 0;
     bool write_residuals = false;
     std::vector<std::optional<std::vector<float>>> reads;  // staged deltas read back
+    // Per tensor in theta's order: the bytes its worker encoded, or none when the close
+    // encodes it (the next of `tasks`, which hold those tensors only, in the same order).
+    std::vector<std::optional<std::string>> given;
     std::vector<codec::FeedbackTask> tasks;
     std::map<std::string, uint64_t> pipelines;
     uint64_t raw = 0;
@@ -313,7 +336,7 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     // Staged deltas of the open round that are still in memory (pushes that came with a
     // keepalive, which staged_keep holds): the close encodes from them instead of reading
     // the staged copies back from the store. Cleared at the close.
-    std::map<std::string, std::span<const float>> staged_mem;
+    StagedDeltas staged_mem;
     std::vector<std::shared_ptr<const void>> staged_keep;
     // Error-feedback residuals (the durable copies are kState rows), read from the store at
     // the first close after a start and kept since; residual_next holds buffers of the same
@@ -369,9 +392,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   Status LoadResiduals(const std::string& name, Job& j);
   // The tasks of round `round`'s close (pipelines chosen, residual buffers sized), the
   // staged deltas taken from `staged` when given, else from j.staged_mem, else the store.
-  Result<std::unique_ptr<CloseWork>> PrepareClose(
-      const std::string& name, Job& j, uint64_t round, uint64_t compute_ms,
-      const std::map<std::string, std::span<const float>>* staged);
+  Result<std::unique_ptr<CloseWork>> PrepareClose(const std::string& name, Job& j, uint64_t round,
+                                                  uint64_t compute_ms, const StagedDeltas* staged);
   // Called by the push that completes round `round` with every staged delta in memory,
   // before its stage is written: starts the close's encode on its own threads (j.early),
   // which CloseRound then waits for instead of encoding.
@@ -382,8 +404,7 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // written with `batch` (the push's own records) in the close's single write batch.
   // Without it the staged deltas are taken from j.staged_mem where they are still in
   // memory and read from the store otherwise, and their staged copies are deleted.
-  Status CloseRound(const std::string& name, Job& j,
-                    const std::map<std::string, std::span<const float>>* pushed = nullptr,
+  Status CloseRound(const std::string& name, Job& j, const StagedDeltas* pushed = nullptr,
                     WriteBatch* batch = nullptr);
   // CommitReady now, or (SetDeferRoundWork) at the next RunDeferred.
   Status CommitReadyOrDefer(const std::string& name, Job& j);
@@ -465,6 +486,9 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
                                                           uint64_t round,
                                                           const std::vector<std::string>& sites,
                                                           std::set<std::string>* sent = nullptr);
+  // The pipeline of every tensor for round `round`'s close (PipelineFor, streamed fragments
+  // not due deferred).
+  std::map<std::string, codec::Pipeline> ChoosePipelines(const Job& j, uint64_t round) const;
   // Pipeline for a tensor of the round being closed; `total_numel`: the values this round
   // sends (its fragment's). The configured pipelines were parsed once, at construction.
   codec::Pipeline PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,

@@ -15,6 +15,7 @@
 
 #include "ops/codec.h"
 #include "ops/codec_outer.h"
+#include "ops/codec_worker.h"
 
 namespace isthmus::codec {
 namespace {
@@ -603,6 +604,55 @@ TEST(CodecAdaptive, EstimateIsCloseToActual) {
     EXPECT_GE(est, actual * 0.95) << ToString(p);
     EXPECT_LE(est, actual * 1.6) << ToString(p);
   }
+}
+
+// The worker's encoder (ops/codec_worker.h): the bytes and residuals of EncodeWithFeedback
+// round after round; a retried push of a round gets the first bytes without feeding the
+// delta into the residual again; a round never Done leaves the residuals as they were; a
+// checkpoint's residuals restore the state; a tensor without a pipeline is refused.
+TEST(FeedbackEncoder, EncodesWithFeedbackOnceARoundWhateverTheRetries) {
+  const std::vector<int64_t> shape = {64, 32};
+  const std::string text = "topk:0.05+int4+zstd";
+  auto pipe = ParsePipeline(text);
+  ASSERT_TRUE(pipe.ok());
+  const std::map<std::string, std::string> pipes = {{"w", text}};
+  FeedbackEncoder enc(2);
+  std::vector<float> residual(2048, 0.0f), decoded(2048);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.0f, 0.1f);
+  for (uint64_t r = 1; r <= 4; ++r) {
+    std::vector<float> d(2048);
+    for (auto& x : d) x = nd(rng);
+    const std::string want = EncodeWithFeedback(*pipe, d, shape, residual, decoded);
+    const TensorView view{"w", shape, d.data()};
+    for (int attempt = 0; attempt < 3; ++attempt) {
+      auto got = enc.Encode(r, {view}, pipes);
+      ASSERT_TRUE(got.ok()) << got.status().ToString();
+      EXPECT_TRUE((*got)[0] == want) << "round " << r << " attempt " << attempt;
+      if (attempt == 1) enc.Done(r);  // a push retried after it completed
+    }
+    EXPECT_EQ(enc.done_round(), r);
+    EXPECT_EQ(enc.residuals().at("w"), residual);
+  }
+  // Round 5 encoded but never pushed everywhere: round 6 starts from round 4's residuals.
+  std::vector<float> d5(2048, 0.5f), d6(2048, -0.25f);
+  ASSERT_TRUE(enc.Encode(5, {{"w", shape, d5.data()}}, pipes).ok());
+  const auto saved = enc.residuals();
+  EXPECT_EQ(saved.at("w"), residual);
+  const std::string want6 = EncodeWithFeedback(*pipe, d6, shape, residual, decoded);
+  auto got6 = enc.Encode(6, {{"w", shape, d6.data()}}, pipes);
+  ASSERT_TRUE(got6.ok());
+  EXPECT_TRUE((*got6)[0] == want6);
+  // A checkpoint's residuals: another encoder from them encodes round 6 the same.
+  FeedbackEncoder restored(1);
+  restored.SetResiduals(saved);
+  auto again = restored.Encode(6, {{"w", shape, d6.data()}}, pipes);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE((*again)[0] == want6);
+  EXPECT_EQ(restored.Encode(7, {{"b", {4}, d6.data()}}, pipes).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ(restored.Encode(8, {{"w", shape, d6.data()}}, {{"w", "topk:2"}}).status().code(),
+            Code::kInvalidArgument);
 }
 
 }  // namespace

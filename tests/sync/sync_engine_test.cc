@@ -1720,5 +1720,131 @@ TEST(SyncEngineTest, AStageWriteThatFailsWhileTheCloseEncodesLeavesNothingBehind
   EXPECT_EQ(a.engine().EarlyEncodes(), 3u);
 }
 
+// Deltas encoded by the worker (docs/SYNC.md, "Deltas encoded by the worker"): a tensor its
+// worker encoded (error feedback in the worker's residual) is sent as it came, and one pushed
+// as fp32 is encoded by the shard with the shard's residual, in any mix round by round. The
+// shard's residuals skip the worker-encoded rounds, also when a start recomputes them between
+// checkpoints. Checked against both residuals kept on the side, in three push styles: the
+// whole round in one push (closed from memory), two pushes (closed from the staged rows), and
+// deferred round work with the deltas kept alive (the encode starts while the stage is
+// written). The peer commits every round with the same digests.
+TEST(SyncEngineTest, WorkerEncodedDeltasAreSentAsTheyCameAndTheShardResidualSkipsThem) {
+  const std::string codec = "topk:0.1+int4+zstd";
+  for (int style = 0; style < 3; ++style) {
+    SCOPED_TRACE("push style " + std::to_string(style));
+    Site a("siteA", {"siteB"}, codec);
+    Site b("siteB", {"siteA"}, codec);
+    a.options().checkpoint_rounds = 3;
+    b.options().checkpoint_rounds = 3;
+    a.set_defer(style == 2);
+    a.Reopen();
+    b.Reopen();
+    std::vector<std::vector<float>> shard_res, worker_res;
+    for (const auto& t : kTensors) {
+      shard_res.emplace_back(Numel(t.shape), 0.0f);
+      worker_res.emplace_back(Numel(t.shape), 0.0f);
+    }
+    for (uint64_t r = 1; r <= 8; ++r) {
+      SCOPED_TRACE("round " + std::to_string(r));
+      auto pipes = a.engine().RoundPipelines(kJob, r);
+      ASSERT_TRUE(pipes.ok()) << pipes.status().ToString();
+      ASSERT_EQ(pipes->size(), kTensors.size());
+      auto deltas = std::make_shared<std::vector<std::vector<float>>>();
+      auto bytes = std::make_shared<std::vector<std::string>>();
+      std::vector<std::string> want;
+      std::vector<SyncPushTensor> ts;
+      for (size_t i = 0; i < kTensors.size(); ++i) {
+        deltas->push_back(DeltaOf("siteA", r, i));
+        // Round 4 all by the worker, round 5 all by the shard, the others mixed.
+        const bool by_worker = r == 4 || (r != 5 && (i + r) % 3 != 0);
+        auto pipe = codec::ParsePipeline(pipes->at(kTensors[i].name));
+        ASSERT_TRUE(pipe.ok());
+        std::vector<float> decoded(deltas->back().size());
+        std::vector<float>& res = by_worker ? worker_res[i] : shard_res[i];
+        want.push_back(
+            codec::EncodeWithFeedback(*pipe, deltas->back(), kTensors[i].shape, res, decoded));
+        bytes->push_back(by_worker ? want.back() : std::string());
+      }
+      for (size_t i = 0; i < kTensors.size(); ++i) {
+        SyncPushTensor t{kTensors[i].name, (*deltas)[i], kTensors[i].shape};
+        if (!(*bytes)[i].empty()) {
+          t.delta = {};
+          t.encoded = (*bytes)[i];
+        }
+        ts.push_back(std::move(t));
+      }
+      const uint64_t tokens = TokensOf("siteA", r);
+      if (style == 1) {
+        WriteBatch b1, b2;
+        ASSERT_TRUE(a.engine().PushRound(kJob, r, tokens, {ts[0]}, b1).ok());
+        ASSERT_TRUE(a.engine().PushRound(kJob, r, tokens, {ts[1], ts[2]}, b2).ok());
+      } else {
+        WriteBatch b1;
+        auto keep = std::make_shared<std::pair<decltype(deltas), decltype(bytes)>>(deltas, bytes);
+        auto pushed = a.engine().PushRound(
+            kJob, r, tokens, ts, b1, 0, style == 2 ? std::shared_ptr<const void>(keep) : nullptr);
+        ASSERT_TRUE(pushed.ok()) << pushed.status().ToString();
+        ASSERT_TRUE(a.engine().RunDeferred().ok());
+      }
+      auto sent = a.engine().OutboxDelta(kJob, r);
+      ASSERT_TRUE(sent.ok()) << sent.status().ToString();
+      ASSERT_EQ((*sent)->tensors.size(), kTensors.size());
+      for (size_t i = 0; i < kTensors.size(); ++i) {
+        EXPECT_EQ((*sent)->tensors[i].name, kTensors[i].name);
+        EXPECT_TRUE((*sent)->tensors[i].bytes == want[i]) << kTensors[i].name;
+      }
+      ASSERT_TRUE(b.PushRound(r).ok());
+      Deliver(a, b);
+      Deliver(b, a);
+      ASSERT_TRUE(a.engine().RunDeferred().ok());
+      ASSERT_EQ(a.engine().CommittedRound(kJob), r);
+      ASSERT_EQ(b.engine().CommittedRound(kJob), r);
+      EXPECT_EQ(a.Digests(), b.Digests());
+      if (r == 2 || r == 5 || r == 7) a.Reopen();  // between checkpoints (3, 6) and after one
+    }
+    if (style == 2) EXPECT_GT(a.engine().EarlyEncodes(), 0u);
+    auto st = a.engine().JobStatus(kJob);
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->pipelines.at("by-worker"), 2u);  // round 8: two of three tensors
+  }
+}
+
+// A worker-encoded delta that does not decode, or decodes to another tensor's size, is
+// refused before anything is written; a round-less push takes no encoded delta.
+TEST(SyncEngineTest, AnEncodedDeltaThatDoesNotDecodeToTheTensorIsRefusedWithNothingWritten) {
+  Site a("siteA", {"siteB"}, "int8");
+  const auto before = Dump(a.store());
+  auto pipe = codec::ParsePipeline("int8");
+  ASSERT_TRUE(pipe.ok());
+  const auto bias = DeltaOf("siteA", 1, 1);  // 16 values
+  const std::string small = codec::Encode(*pipe, bias, kTensors[1].shape);
+  std::string damaged = small;
+  damaged[damaged.size() / 2] ^= 0x5a;
+  damaged.pop_back();
+  for (const auto& [name, bytes] :
+       std::vector<std::pair<std::string, std::string>>{{"a.weight", small},  // 16 of 128 values
+                                                        {"b.bias", damaged},
+                                                        {"b.bias", std::string()}}) {
+    SyncPushTensor t{name, {}, name == "a.weight" ? kTensors[0].shape : kTensors[1].shape};
+    t.encoded = bytes;
+    WriteBatch b;
+    auto pushed = a.engine().PushRound(kJob, 1, 10, {t}, b);
+    EXPECT_EQ(pushed.status().code(), Code::kInvalidArgument) << name;
+    EXPECT_NE(pushed.status().message().find("cannot be decoded"), std::string::npos)
+        << pushed.status().ToString();
+  }
+  EXPECT_EQ(Dump(a.store()), before);
+  // The same tensor well encoded is taken.
+  SyncPushTensor good{"b.bias", {}, kTensors[1].shape};
+  good.encoded = small;
+  WriteBatch b;
+  ASSERT_TRUE(a.engine().PushRound(kJob, 1, 10, {good}, b).ok());
+
+  Site solo("solo", {}, "dense");
+  WriteBatch b2;
+  auto added = solo.engine().AddNow(kJob, {good}, b2);
+  EXPECT_EQ(added.status().code(), Code::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace isthmus

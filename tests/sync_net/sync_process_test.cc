@@ -20,6 +20,7 @@
 #include "common/transport.h"
 #include "ops/codec.h"
 #include "ops/codec_replica.h"
+#include "ops/codec_worker.h"
 #include "tests/command.h"
 #include "tests/fault/powerloss.h"
 #include "tests/sync_net/site_process.h"
@@ -1607,6 +1608,66 @@ TEST_F(SyncProcessTest, PullByReplayGivesThePlainPullsTensorsBitForBit) {
   EXPECT_EQ(st.digest_mismatches, 1u);
   EXPECT_EQ(st.whole_pulls, 3u);
   ExpectIdenticalDigests(8);
+}
+
+// Deltas encoded by the worker (docs/SYNC.md): a site whose rank encodes its own deltas with
+// the pipelines its shard gives (codec::FeedbackEncoder through SiteClient) and pushes the
+// bytes commits bit for bit the state of a run in which the shard encodes the same fp32
+// deltas, through a SIGKILL of that shard between two of its residual checkpoints (its start
+// recomputes its residuals over the rounds the worker encoded), and the worker's pushes carry
+// a fraction of the fp32 bytes.
+TEST_F(SyncProcessTest, DeltasEncodedByTheWorkerCommitTheStateTheShardWouldHaveCommitted) {
+  sync_settings_ =
+      "codec = \"topk:0.1+int4+zstd\"\nadaptive = false\nouter_lr = 1.25\nouter_momentum = "
+      "0.6\nmax_rounds_ahead = 2\ncheckpoint_rounds = 3\n";
+  constexpr uint64_t kRounds = 6;
+  StartSites({"alpha", "beta"});
+  for (uint64_t r = 1; r <= kRounds; ++r) Push(0, r), Push(1, r);
+  WaitCommitted(kRounds);
+  const auto want = DigestsOf(0);
+  ASSERT_EQ(want.size(), kRounds + 1);
+  EXPECT_EQ(DigestsOf(1), want);
+  sites_.clear();
+  std::filesystem::remove_all(root_);
+
+  StartSites({"alpha", "beta"});
+  SiteOptions so;
+  so.job = "job";
+  so.servers = {sites_[0]->worker_endpoint()};
+  so.server_public_keys = {sites_[0]->server_keys().public_key};
+  so.client_keys = sites_[0]->worker_keys();
+  so.client_name = "alpha";
+  auto site = SiteClient::Connect(so);
+  ASSERT_TRUE(site.ok()) << site.status().ToString();
+  (*site)->SetEncoder(std::make_unique<codec::FeedbackEncoder>(2));
+  auto hello = (*site)->Hello("base");
+  ASSERT_TRUE(hello.ok()) << hello.status().ToString();
+  EXPECT_EQ(hello->at(0).pipelines.round, 1u);
+  EXPECT_EQ(hello->at(0).pipelines.pipelines.at("w"), "topk:0.1+int4+zstd");
+  ASSERT_TRUE((*site)->Pull().ok());
+  for (uint64_t r = 1; r <= kRounds; ++r) {
+    auto w = Delta(0, r, "w", kRows * kCols), b = Delta(0, r, "b", kCols);
+    auto pushed = (*site)->PushRound(r, Tokens(0), 0,
+                                     {{"w", {kRows, kCols}, w.data()}, {"b", {kCols}, b.data()}});
+    ASSERT_TRUE(pushed.ok()) << "round " << r << ": " << pushed.status().ToString();
+    Push(1, r);
+    if (r == 4) {
+      // Round 4 is past the checkpoint of round 3: the restart recomputes alpha's residuals.
+      WaitCommitted(4);
+      sites_[0]->Kill(SIGKILL);
+      ASSERT_TRUE(sites_[0]->Start());
+    }
+  }
+  WaitCommitted(kRounds);
+  EXPECT_EQ(DigestsOf(0), want);
+  EXPECT_EQ(DigestsOf(1), want);
+  std::printf("alpha pushed %llu bytes for %llu bytes of fp32 deltas\n",
+              static_cast<unsigned long long>((*site)->pushed_bytes()),
+              static_cast<unsigned long long>((*site)->pushed_raw_bytes()));
+  EXPECT_EQ((*site)->pushed_raw_bytes(), kRounds * (kRows * kCols + kCols) * sizeof(float));
+  EXPECT_LT((*site)->pushed_bytes() * 2, (*site)->pushed_raw_bytes());
+  // The shard's status counts the last round's tensors as encoded by the worker.
+  EXPECT_EQ(JobState(0).pipelines, (std::map<std::string, uint64_t>{{"by-worker", 2}}));
 }
 
 // A shard whose whole state (theta and momentum: twice a plain pull) exceeds its message

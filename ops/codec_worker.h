@@ -1,0 +1,53 @@
+// Deltas encoded by the worker (docs/SYNC.md, "Deltas encoded by the worker"): a rank encodes
+// its round's deltas itself with the pipelines its shards give, with error feedback in a
+// residual of its own, and pushes the encoded bytes: the few MB the WAN will carry instead
+// of the fp32 delta (341 MB a round for GPT-2 small in full mode). The bytes are those the
+// shard would have made from the same delta and residual, so the shard sends them as they
+// are; its own residual of the tensor stays as it was.
+//
+// Threads: a FeedbackEncoder is used by one thread at a time (as its SiteClient); it encodes
+// on up to `threads` threads of its own during a call.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/site_client.h"
+#include "common/status.h"
+
+namespace isthmus::codec {
+
+class FeedbackEncoder : public DeltaEncoder {
+ public:
+  explicit FeedbackEncoder(int threads = 1) : threads_(threads) {}
+
+  // DeltaEncoder. A round's first Encode drops what an earlier round that was never Done
+  // encoded (its residuals were not taken). InvalidArgument for a tensor without a
+  // pipeline in `pipelines` or one that does not parse, or a delta whose size changed.
+  Result<std::vector<std::string_view>> Encode(
+      uint64_t round, const std::vector<TensorView>& deltas,
+      const std::map<std::string, std::string>& pipelines) override;
+  void Done(uint64_t round) override;
+
+  // The residuals later rounds start from (after the last round Done), by tensor: what a
+  // checkpoint keeps. Tensors never encoded have none (zeros).
+  const std::map<std::string, std::vector<float>>& residuals() const { return residual_; }
+  // Starts from `residuals` (a checkpoint's), forgetting any round in progress.
+  void SetResiduals(std::map<std::string, std::vector<float>> residuals);
+  uint64_t done_round() const { return done_; }
+
+ private:
+  struct Encoded {
+    std::string bytes;
+    std::vector<float> residual;  // the residual after this round (taken at Done)
+  };
+  int threads_;
+  std::map<std::string, std::vector<float>> residual_;
+  uint64_t done_ = 0;   // the last round Done
+  uint64_t round_ = 0;  // the round `encoded_` holds
+  std::map<std::string, Encoded> encoded_;
+};
+
+}  // namespace isthmus::codec
