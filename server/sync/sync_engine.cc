@@ -417,6 +417,9 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
     j->staged_keep.clear();
   }
   j->staged_compute_ms = round_compute_ms;
+  // The round's compute time sizes its close (PrepareClose) and, from this reply on, the
+  // pipelines a worker that encodes its own deltas asks for (RoundPipelines).
+  if (round_compute_ms > 0) j->last_round_seconds = static_cast<double>(round_compute_ms) / 1e3;
   j->staged_round = round;
   j->staged_tokens = next_rec.staged_tokens;
   j->staged = std::move(next_rec.staged);

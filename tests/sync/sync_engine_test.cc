@@ -1046,6 +1046,24 @@ TEST(SyncEngineTest, AdaptiveSizesToTheSlowestLink) {
   EXPECT_LT(st->bytes_encoded - after3, (after3 - before3) / 4);
 }
 
+// The pipelines a worker that encodes its own deltas asks for (RoundPipelines) are sized
+// from the compute time of the push it asks in, before that round closes: a slow link and a
+// reported compute time give the next round a coarser rung than the configured pipeline.
+TEST(SyncEngineTest, RoundPipelinesAreSizedFromThePushThatAsks) {
+  Site a("siteA", {"siteB"}, "int8+zstd");
+  a.options().adaptive = true;
+  a.Reopen();
+  auto pipes = a.engine().RoundPipelines(kJob, 1);
+  ASSERT_TRUE(pipes.ok());
+  EXPECT_EQ(pipes->at("a.weight"), "int8+zstd");                      // nothing measured yet
+  a.engine().OnLinkBandwidth("siteB", 20.0);                          // 20 B/s
+  ASSERT_TRUE(a.PushRound(1, /*part=*/0, /*compute_ms=*/1000).ok());  // tensor 0 staged only
+  pipes = a.engine().RoundPipelines(kJob, 2);
+  ASSERT_TRUE(pipes.ok());
+  for (const auto& [name, pipe] : *pipes) EXPECT_EQ(pipe, "topk:0.001+int2+zstd") << name;
+  EXPECT_EQ(a.engine().RoundPipelines(kJob, 0).status().code(), Code::kInvalidArgument);
+}
+
 // The defaults: adaptive on, no ceiling, the floor the ladder's coarsest. A round uses the
 // configured codec while it fits (never a finer rung, even on a fast link) and the rung
 // coarser than it that fits when it does not.
