@@ -644,22 +644,19 @@ Result<PullView> ShardClient::PullInPlace(const std::string& job,
 
 Result<PushResult> ShardClient::Push(const std::string& job, const std::string& idempotency_key,
                                      uint64_t round, uint64_t tokens,
-                                     const std::vector<TensorView>& deltas, uint64_t compute_ms,
-                                     bool want_pipelines) {
+                                     const std::vector<TensorView>& deltas, uint64_t compute_ms) {
   ISTHMUS_RETURN_IF_ERROR(CheckTensorViews(deltas));
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
   auto metas = BuildTensorMetas(fbb, deltas);
   auto job_s = fbb.CreateString(job);
   auto key_s = fbb.CreateString(idempotency_key);
-  auto body =
-      wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas, compute_ms, want_pipelines);
+  auto body = wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas, compute_ms);
   FinishEnvelope(fbb, id, wire::Body::PushRequest, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, deltas));
   ISTHMUS_ASSIGN_OR_RETURN(auto* r,
                            BodyAs<wire::PushReply>(reply, options_.limits, wire::Body::PushReply));
-  return PushResult{r->job_version(), r->duplicate(), RoundInfoOf(r->rounds()),
-                    PipelinesOf(r->pipelines_round(), r->pipelines())};
+  return PushResult{r->job_version(), r->duplicate(), RoundInfoOf(r->rounds())};
 }
 
 Result<JobInfo> ShardClient::CreateJob(const std::string& job, const std::string& base_hash,

@@ -80,8 +80,8 @@ struct TensorView {
 };
 
 // The pipeline each tensor's delta of one round is to be encoded with, as a synced job's
-// shard said (Hello or Push with want_pipelines; docs/SYNC.md, "Deltas encoded by the
-// worker"). round 0 and no pipelines: not said (the job does not sync, or an older shard).
+// shard said (Hello with want_pipelines; docs/SYNC.md, "Deltas encoded by the worker").
+// round 0 and no pipelines: not said (the job does not sync, or an older shard).
 struct RoundPipelines {
   uint64_t round = 0;
   std::map<std::string, std::string> pipelines;  // tensor -> ops/codec.h pipeline text
@@ -183,7 +183,6 @@ struct PushResult {
   uint64_t job_version = 0;  // the job's version after the push
   bool duplicate = false;    // the key had been applied before; nothing changed now
   RoundInfo rounds;          // the rounds after the push
-  RoundPipelines pipelines;  // of the next round (the pushed one + 1), when asked for
 };
 
 // One tensor of a job as DescribeJob lists it (no values).
@@ -330,10 +329,9 @@ class ShardClient {
   Result<ReplayReply> PullReplay(const std::string& job, uint64_t from, const std::string& digest);
   // Adds each tensor's values to the job's tensor of that name, all or none. `compute_ms`:
   // the worker's compute time for the round, for adaptive codec sizing (0 = unknown).
-  // want_pipelines: the reply says the pipelines of round + 1 (PushResult::pipelines).
   Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,
                           uint64_t round, uint64_t tokens, const std::vector<TensorView>& deltas,
-                          uint64_t compute_ms = 0, bool want_pipelines = false);
+                          uint64_t compute_ms = 0);
   // Admin role: needs a client key on the server's admin allowlist and the admin endpoint.
   Result<JobInfo> CreateJob(const std::string& job, const std::string& base_hash,
                             const std::vector<TensorView>& tensors);

@@ -228,8 +228,7 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
       pushed_raw_bytes_ += raw;
       pushed_bytes_ += t.encoded ? t.encoded->size() : raw;
     }
-    auto r = shards_[s]->Push(options_.job, p.key, round, tokens, per_shard[s], compute_ms,
-                              encoder_ != nullptr);
+    auto r = shards_[s]->Push(options_.job, p.key, round, tokens, per_shard[s], compute_ms);
     if (!r.ok()) {
       std::string done;
       for (const auto& d : out) done += (done.empty() ? "" : ", ") + std::to_string(d.shard);
@@ -242,7 +241,6 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
     }
     p.duplicate = r->duplicate;
     p.rounds = r->rounds;
-    if (encoder_) KeepPipelines(s, r->pipelines);
     out.push_back(std::move(p));
   }
   if (encoder_) encoder_->Done(round);
@@ -250,8 +248,17 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
 }
 
 Status SiteClient::EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas) {
-  if (!encoder_ || pipelines_.size() <= shard || pipelines_[shard].round != round) {
-    return Status::Ok();
+  if (!encoder_) return Status::Ok();
+  if (pipelines_.size() <= shard || pipelines_[shard].round != round) {
+    // The pipelines the round's close would choose now (adaptive sizing from the link's
+    // latest bandwidth), asked right before the round is encoded.
+    auto h = shards_[shard]->Hello(options_.job, wire::Role::Worker, base_hash_,
+                                   options_.client_name, true);
+    if (!h.ok()) return AtShard(shard, h.status());
+    KeepPipelines(shard, h->pipelines);
+    // Another round (this one reached the shard already, or a later one is being pushed):
+    // the fp32 deltas go, and the shard answers as it does to them.
+    if (pipelines_[shard].round != round) return Status::Ok();
   }
   const auto& pipes = pipelines_[shard].pipelines;
   std::vector<TensorView> to_encode;

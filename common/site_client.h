@@ -131,9 +131,10 @@ class SiteClient {
   // Pull gets each shard's tensors through `puller` from now on (null: every tensor).
   void SetPuller(std::unique_ptr<ShardPuller> puller) { puller_ = std::move(puller); }
   ShardPuller* puller() const { return puller_.get(); }
-  // With an encoder, Hello and PushRound ask the shards for the next round's pipelines, and
-  // PushRound sends the deltas of a round whose pipelines a shard gave as `encoder`'s bytes
-  // (the rest as fp32: the first round before any Hello, "dense" pipelines). Null: fp32.
+  // With an encoder, PushRound asks each shard for the round's pipelines right before it
+  // encodes (a Hello) and sends the deltas as `encoder`'s bytes (as fp32 those whose
+  // pipeline is "dense", and all of a round the shard answers another round for: it holds
+  // this one already). Null: fp32.
   void SetEncoder(std::unique_ptr<DeltaEncoder> encoder) { encoder_ = std::move(encoder); }
   DeltaEncoder* encoder() const { return encoder_.get(); }
   // Bytes this client's pushes carried, and the fp32 bytes of the deltas they stand for.
@@ -197,7 +198,8 @@ class SiteClient {
   // Keeps the pipelines shard `shard` gave (ignored when it gave none).
   void KeepPipelines(size_t shard, const RoundPipelines& pipelines);
   // Sets `encoded` on the deltas for shard `shard` whose pipelines of `round` the shard gave
-  // (none without an encoder, or when the pipelines known are another round's).
+  // (asked with a Hello when the ones known are another round's; none without an encoder,
+  // or when the shard answers for another round: it has this one already).
   Status EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas);
   // Records that `name` lives on shard `i`, checking it against the placement set.
   Status Place(const std::string& name, size_t i, std::map<std::string, int>& seen) const;

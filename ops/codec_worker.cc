@@ -14,9 +14,10 @@ Result<std::vector<std::string_view>> FeedbackEncoder::Encode(
     const std::map<std::string, std::string>& pipelines) {
   if (round != round_) {
     if (round_ != 0 && round_ != done_ && !encoded_.empty()) {
-      spdlog::warn("round {} was encoded but never pushed to every shard; round {} starts from "
-                   "the residuals of round {}",
-                   round_, round, done_);
+      spdlog::warn(
+          "round {} was encoded but never pushed to every shard; round {} starts from "
+          "the residuals of round {}",
+          round_, round, done_);
     }
     encoded_.clear();
     round_ = round;

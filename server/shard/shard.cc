@@ -761,10 +761,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
                  job_name, v);
     job->duplicate_pushes += 1;
-    auto rounds = RoundStatusOf(reply.header, *job);
-    const uint64_t pipes_round = req->want_pipelines() ? req->round() + 1 : 0;
-    auto body = wire::CreatePushReply(reply.header, v, true, rounds, pipes_round,
-                                      PipelinesOf(reply.header, *job, pipes_round));
+    auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
     FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
     return Status::Ok();
   }
@@ -926,10 +923,8 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
     }
   }
   if (!duplicate) static_cast<JobRecord&>(*job) = next;
-  auto rounds = RoundStatusOf(reply.header, *job);
-  const uint64_t pipes_round = req->want_pipelines() ? req->round() + 1 : 0;
-  auto body = wire::CreatePushReply(reply.header, VersionOf(*job), duplicate, rounds, pipes_round,
-                                    PipelinesOf(reply.header, *job, pipes_round));
+  auto body = wire::CreatePushReply(reply.header, VersionOf(*job), duplicate,
+                                    RoundStatusOf(reply.header, *job));
   FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
   return Status::Ok();
 }
