@@ -753,20 +753,21 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j, const StagedDelta
   const bool write_residuals = work->write_residuals;
   std::map<std::string, uint64_t> pipelines = std::move(work->pipelines);
   const uint64_t raw = work->raw;
+  // Tensors their workers encoded are sent as they came and keep the residual they had.
+  std::set<std::string> by_worker;
   size_t i = 0, task = 0;
   for (const auto& [tname, t] : j.theta) {
     EncodedTensor et;
     et.name = tname;
     et.shape = t.shape;
     std::optional<std::string>& given = work->given[i++];
-    et.bytes = given ? std::move(*given) : std::move(work->tasks[task++].bytes);
+    if (given) {
+      by_worker.insert(tname);
+      et.bytes = std::move(*given);
+    } else {
+      et.bytes = std::move(work->tasks[task++].bytes);
+    }
     delta.tensors.push_back(std::move(et));
-  }
-  // Tensors their workers encoded keep the residual they had.
-  std::set<std::string> by_worker;
-  i = 0;
-  for (const auto& [tname, _] : j.theta) {
-    if (work->given[i++]) by_worker.insert(tname);
   }
   const std::string serialized = EncodeDelta(delta);
   SyncRecord rec = j;  // the round is closed: nothing is staged any more
