@@ -1046,10 +1046,11 @@ TEST(SyncEngineTest, AdaptiveSizesToTheSlowestLink) {
   EXPECT_LT(st->bytes_encoded - after3, (after3 - before3) / 4);
 }
 
-// The pipelines a worker that encodes its own deltas asks for (RoundPipelines) are sized
-// from the compute time of the push it asks in, before that round closes: a slow link and a
-// reported compute time give the next round a coarser rung than the configured pipeline.
-TEST(SyncEngineTest, RoundPipelinesAreSizedFromThePushThatAsks) {
+// The pipelines a worker that encodes its own deltas asks for (RoundPipelines, answered to
+// a Hello right before it encodes) are sized from the compute time of the last push, before
+// that round closes: a slow link and a reported compute time give the next round a coarser
+// rung than the configured pipeline.
+TEST(SyncEngineTest, RoundPipelinesAreSizedFromTheLastPushsComputeTime) {
   Site a("siteA", {"siteB"}, "int8+zstd");
   a.options().adaptive = true;
   a.Reopen();
