@@ -66,9 +66,6 @@ SnapshotInfo SnapshotFromWire(const wire::SnapshotInfo* s) {
   return info;
 }
 
-}  // namespace
-
-namespace {
 // The bytes a tensor's payload frame carries: its floats, or the codec's bytes.
 std::span<const char> PayloadOf(const TensorView& t) {
   if (t.encoded) return {t.encoded->data(), t.encoded->size()};

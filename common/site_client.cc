@@ -72,8 +72,7 @@ Result<std::vector<HelloInfo>> SiteClient::Hello(const std::string& base_hash) {
   base_hash_ = base_hash;
   std::vector<HelloInfo> out;
   for (size_t i = 0; i < shards_.size(); ++i) {
-    auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash, options_.client_name,
-                               encoder_ != nullptr);
+    auto h = shards_[i]->Hello(options_.job, wire::Role::Worker, base_hash, options_.client_name);
     if (!h.ok()) {
       const Status& s = h.status();
       if (s.code() == Code::kFailedPrecondition) {
@@ -92,15 +91,9 @@ Result<std::vector<HelloInfo>> SiteClient::Hello(const std::string& base_hash) {
       return AtShard(i, Status::NotFound("has no job '" + options_.job +
                                          "' (create it with isthmusctl job create)"));
     }
-    if (encoder_) KeepPipelines(i, h->pipelines);
     out.push_back(std::move(h).value());
   }
   return out;
-}
-
-void SiteClient::KeepPipelines(size_t shard, const RoundPipelines& pipelines) {
-  if (pipelines_.size() != shards_.size()) pipelines_.resize(shards_.size());
-  if (pipelines.round != 0) pipelines_[shard] = pipelines;
 }
 
 Status SiteClient::Place(const std::string& name, size_t i,
@@ -249,18 +242,15 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
 
 Status SiteClient::EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas) {
   if (!encoder_) return Status::Ok();
-  if (pipelines_.size() <= shard || pipelines_[shard].round != round) {
-    // The pipelines the round's close would choose now (adaptive sizing from the link's
-    // latest bandwidth), asked right before the round is encoded.
-    auto h = shards_[shard]->Hello(options_.job, wire::Role::Worker, base_hash_,
-                                   options_.client_name, true);
-    if (!h.ok()) return AtShard(shard, h.status());
-    KeepPipelines(shard, h->pipelines);
-    // Another round (this one reached the shard already, or a later one is being pushed):
-    // the fp32 deltas go, and the shard answers as it does to them.
-    if (pipelines_[shard].round != round) return Status::Ok();
-  }
-  const auto& pipes = pipelines_[shard].pipelines;
+  // The pipelines the round's close would choose now (adaptive sizing from the link's latest
+  // bandwidth), asked right before the round is encoded.
+  auto h = shards_[shard]->Hello(options_.job, wire::Role::Worker, base_hash_, options_.client_name,
+                                 true);
+  if (!h.ok()) return AtShard(shard, h.status());
+  // Pipelines of another round (the shard holds this one already: a retried push) or none
+  // (the job does not sync): the fp32 deltas go, and the shard answers them as it does.
+  if (h->pipelines.round != round) return Status::Ok();
+  const auto& pipes = h->pipelines.pipelines;
   std::vector<TensorView> to_encode;
   std::vector<size_t> at;
   for (size_t i = 0; i < deltas.size(); ++i) {

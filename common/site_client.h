@@ -188,18 +188,15 @@ class SiteClient {
  private:
   std::unique_ptr<ShardPuller> puller_;
   std::unique_ptr<DeltaEncoder> encoder_;
-  std::vector<RoundPipelines> pipelines_;  // per shard: the last pipelines it gave
   uint64_t pushed_bytes_ = 0, pushed_raw_bytes_ = 0;
   explicit SiteClient(SiteOptions options) : options_(std::move(options)) {}
   // "shard I (ENDPOINT)": how messages name a shard.
   std::string Where(size_t i) const;
   // `status` with its message prefixed by Where(i).
   Status AtShard(size_t i, const Status& status) const;
-  // Keeps the pipelines shard `shard` gave (ignored when it gave none).
-  void KeepPipelines(size_t shard, const RoundPipelines& pipelines);
-  // Sets `encoded` on the deltas for shard `shard` whose pipelines of `round` the shard gave
-  // (asked with a Hello when the ones known are another round's; none without an encoder,
-  // or when the shard answers for another round: it has this one already).
+  // Sets `encoded` on the deltas for shard `shard` whose pipelines of `round` the shard gives
+  // when asked now (a Hello); none without an encoder, or when the shard answers for another
+  // round (it holds this one already).
   Status EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas);
   // Records that `name` lives on shard `i`, checking it against the placement set.
   Status Place(const std::string& name, size_t i, std::map<std::string, int>& seen) const;

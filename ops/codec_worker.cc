@@ -22,26 +22,36 @@ Result<std::vector<std::string_view>> FeedbackEncoder::Encode(
     encoded_.clear();
     round_ = round;
   }
-  std::vector<FeedbackTask> tasks;
-  std::vector<Encoded*> outs;
+  // Everything is checked before anything is kept: a refused call leaves no half-made entry
+  // that a retry would take for the round's bytes.
+  std::vector<const TensorView*> todo;
+  std::vector<Pipeline> pipes;
   for (const auto& d : deltas) {
-    const size_t n = static_cast<size_t>(NumElements(d.shape));
     if (encoded_.count(d.name)) continue;  // a retried push: the bytes of the first time
     auto text = pipelines.find(d.name);
     if (text == pipelines.end()) {
       return Status::InvalidArgument("no pipeline given for tensor '" + d.name + "'");
     }
     ISTHMUS_ASSIGN_OR_RETURN(Pipeline pipe, ParsePipeline(text->second));
+    pipes.push_back(pipe);
+    const size_t n = static_cast<size_t>(NumElements(d.shape));
+    if (auto res = residual_.find(d.name); res != residual_.end() && res->second.size() != n) {
+      return Status::InvalidArgument("tensor '" + d.name + "' has " + std::to_string(n) +
+                                     " values, its residual " + std::to_string(res->second.size()));
+    }
+    todo.push_back(&d);
+  }
+  std::vector<FeedbackTask> tasks;
+  std::vector<Encoded*> outs;
+  for (size_t i = 0; i < todo.size(); ++i) {
+    const TensorView& d = *todo[i];
+    const size_t n = static_cast<size_t>(NumElements(d.shape));
     std::vector<float>& res = residual_[d.name];
     if (res.empty()) res.assign(n, 0.0f);
-    if (res.size() != n) {
-      return Status::InvalidArgument("tensor '" + d.name + "' has " + std::to_string(n) +
-                                     " values, its residual " + std::to_string(res.size()));
-    }
     Encoded& e = encoded_[d.name];
     e.residual.resize(n);
     FeedbackTask& t = tasks.emplace_back();
-    t.pipeline = pipe;
+    t.pipeline = pipes[i];
     t.delta = std::span<const float>(d.data, n);
     t.shape = d.shape;
     t.residual_in = res;

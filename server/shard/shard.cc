@@ -556,18 +556,6 @@ flatbuffers::Offset<wire::RoundStatus> Shard::RoundStatusOf(flatbuffers::FlatBuf
   return wire::CreateRoundStatus(fbb, job.last_round, job.last_round, 0);
 }
 
-flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorPipeline>>>
-Shard::PipelinesOf(flatbuffers::FlatBufferBuilder& fbb, const JobState& job, uint64_t round) {
-  if (!sync_ || !sync_->HasJob(job.name) || round == 0) return {};
-  auto pipes = sync_->RoundPipelines(job.name, round);
-  if (!pipes.ok()) return {};
-  std::vector<flatbuffers::Offset<wire::TensorPipeline>> out;
-  for (const auto& [name, pipe] : *pipes) {
-    out.push_back(wire::CreateTensorPipelineDirect(fbb, name.c_str(), pipe.c_str()));
-  }
-  return fbb.CreateVector(out);
-}
-
 uint64_t Shard::VersionOf(const JobState& job) const {
   return sync_ && sync_->HasJob(job.name) ? sync_->Version(job.name) : job.version;
 }
@@ -602,11 +590,18 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
   }
   flatbuffers::Offset<wire::RoundStatus> rounds;
   if (job_found) rounds = RoundStatusOf(reply.header, *job_found);
+  // For a worker that encodes its own deltas: every tensor's pipeline of the site's next
+  // round (docs/SYNC.md, "Deltas encoded by the worker").
   uint64_t pipes_round = 0;
   flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorPipeline>>> pipes;
   if (job_found && req->want_pipelines() && sync_ && sync_->HasJob(job_found->name)) {
     pipes_round = sync_->PushedRound(job_found->name) + 1;
-    pipes = PipelinesOf(reply.header, *job_found, pipes_round);
+    ISTHMUS_ASSIGN_OR_RETURN(auto chosen, sync_->RoundPipelines(job_found->name, pipes_round));
+    std::vector<flatbuffers::Offset<wire::TensorPipeline>> out;
+    for (const auto& [name, pipe] : chosen) {
+      out.push_back(wire::CreateTensorPipelineDirect(reply.header, name.c_str(), pipe.c_str()));
+    }
+    pipes = reply.header.CreateVector(out);
   }
   auto body = wire::CreateHelloReply(reply.header, reply.header.CreateString(options_.shard_id),
                                      reply.header.CreateString(kIsthmusVersion), version,

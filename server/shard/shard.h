@@ -166,10 +166,6 @@ class Shard {
   Result<JobState*> FindJob(const flatbuffers::String* job);
   // The job's round position for replies. Without cross-site sync every round this site
   // pushes is committed at once.
-  // Every tensor's pipeline for `round` of a synced job, for a worker that encodes its own
-  // deltas (SyncEngine::RoundPipelines); an empty offset when the job does not sync.
-  flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorPipeline>>> PipelinesOf(
-      flatbuffers::FlatBufferBuilder& fbb, const JobState& job, uint64_t round);
   flatbuffers::Offset<wire::RoundStatus> RoundStatusOf(flatbuffers::FlatBufferBuilder& fbb,
                                                        const JobState& job);
 

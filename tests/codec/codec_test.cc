@@ -653,6 +653,16 @@ TEST(FeedbackEncoder, EncodesWithFeedbackOnceARoundWhateverTheRetries) {
             Code::kInvalidArgument);
   EXPECT_EQ(restored.Encode(8, {{"w", shape, d6.data()}}, {{"w", "topk:2"}}).status().code(),
             Code::kInvalidArgument);
+  // A call refused for its second tensor keeps nothing of the first: a retry encodes it.
+  FeedbackEncoder fresh(1);
+  std::vector<float> zero(2048, 0.0f);
+  const std::string want_w = EncodeWithFeedback(*pipe, d6, shape, zero, decoded);
+  EXPECT_EQ(
+      fresh.Encode(1, {{"w", shape, d6.data()}, {"v", {4}, d6.data()}}, pipes).status().code(),
+      Code::kInvalidArgument);
+  auto retried = fresh.Encode(1, {{"w", shape, d6.data()}}, pipes);
+  ASSERT_TRUE(retried.ok());
+  EXPECT_TRUE((*retried)[0] == want_w);
 }
 
 }  // namespace

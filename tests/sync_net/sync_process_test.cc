@@ -1640,10 +1640,12 @@ TEST_F(SyncProcessTest, DeltasEncodedByTheWorkerCommitTheStateTheShardWouldHaveC
   auto site = SiteClient::Connect(so);
   ASSERT_TRUE(site.ok()) << site.status().ToString();
   (*site)->SetEncoder(std::make_unique<codec::FeedbackEncoder>(2));
-  auto hello = (*site)->Hello("base");
+  ASSERT_TRUE((*site)->Hello("base").ok());
+  // What the encoder asks before each round: the pipelines of the site's next round.
+  auto hello = sites_[0]->WorkerClient()->Hello("job", wire::Role::Worker, "base", "alpha", true);
   ASSERT_TRUE(hello.ok()) << hello.status().ToString();
-  EXPECT_EQ(hello->at(0).pipelines.round, 1u);
-  EXPECT_EQ(hello->at(0).pipelines.pipelines.at("w"), "topk:0.1+int4+zstd");
+  EXPECT_EQ(hello->pipelines.round, 1u);
+  EXPECT_EQ(hello->pipelines.pipelines.at("w"), "topk:0.1+int4+zstd");
   ASSERT_TRUE((*site)->Pull().ok());
   for (uint64_t r = 1; r <= kRounds; ++r) {
     auto w = Delta(0, r, "w", kRows * kCols), b = Delta(0, r, "b", kCols);
