@@ -328,6 +328,12 @@ const std::vector<Binding>& Bindings() {
           "Finest pipeline adaptive mode may use, chosen from the ladder by size (e.g. dense). "
           "Empty: sync.codec and sync.codec_overrides as set, whenever they fit."),
       Bind(
+          "sync.adaptive_share", [](auto& c) -> auto& { return c.sync.adaptive_share; },
+          "With sync.adaptive: the share of a round's compute time that one round's transfer may "
+          "take on the slowest link; the rest is left for the commit, the pull and the link's "
+          "ups and downs (docs/SYNC.md, \"Adaptive sizing\").",
+          Range{0, 1, true}),
+      Bind(
           "sync.outer_lr", [](auto& c) -> auto& { return c.sync.outer_lr; },
           "Outer learning rate applied to the merged round delta.", Range{0, kMaxOuterLr, true}),
       Bind(

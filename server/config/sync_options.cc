@@ -32,6 +32,9 @@ Status NormalizeSyncOptions(SyncOptions& options) {
   if (!(options.outer_momentum >= 0 && options.outer_momentum < 1)) {
     return Status::InvalidArgument("sync.outer_momentum must be in [0, 1)");
   }
+  if (!(options.adaptive_share > 0 && options.adaptive_share <= 1)) {
+    return Status::InvalidArgument("sync.adaptive_share must be in (0, 1]");
+  }
   if (options.fragments < 1 || options.fragments > kMaxFragments) {
     return Status::InvalidArgument("sync.fragments must be in [1, " +
                                    std::to_string(kMaxFragments) + "]");

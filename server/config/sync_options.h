@@ -40,6 +40,10 @@ struct SyncOptions {
   // Finest pipeline allowed. Empty: `codec` (and its overrides) whenever its estimated size
   // fits the round's budget, ladder rungs coarser than it otherwise.
   std::string adaptive_ceiling;
+  // The share of a round's compute time one round's transfer may take on the slowest link:
+  // the rest is left for the commit, the pull and the link's ups and downs (with overlap and
+  // K = 1, a round's commit must come back within one round).
+  double adaptive_share = 0.8;
   double outer_lr = 1.25;
   double outer_momentum = 0.6;
   // Streaming: the job's tensors fall into this many fragments of about equal size

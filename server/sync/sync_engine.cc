@@ -519,10 +519,10 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
       min_bw = min_bw < 0 ? it->second : std::min(min_bw, it->second);
     }
     if (min_bw > 0) {
-      const double budget =
-          std::max(min_bw * j.last_round_seconds * 0.8 * static_cast<double>(numel) /
-                       static_cast<double>(std::max<uint64_t>(total_numel, 1)),
-                   0.0);
+      const double budget = std::max(min_bw * j.last_round_seconds * options_.adaptive_share *
+                                         static_cast<double>(numel) /
+                                         static_cast<double>(std::max<uint64_t>(total_numel, 1)),
+                                     0.0);
       // No ceiling set: the tensor's configured pipeline while it fits, else the ladder
       // from that pipeline's rung down.
       const bool own_ceiling = options_.adaptive_ceiling.empty();

@@ -1065,6 +1065,32 @@ TEST(SyncEngineTest, RoundPipelinesAreSizedFromTheLastPushsComputeTime) {
   EXPECT_EQ(a.engine().RoundPipelines(kJob, 0).status().code(), Code::kInvalidArgument);
 }
 
+// sync.adaptive_share is the share of the round's compute time one round's transfer may
+// take: a link that carries the fp32 round in 0.8 of the round keeps int8+zstd at the
+// default share, and at a share of 0.2 (a budget of a quarter of fp32: int8's bytes plus its
+// header and scale do not fit) goes coarser.
+TEST(SyncEngineTest, AdaptiveShareIsTheShareOfTheRoundTheTransferMayTake) {
+  uint64_t raw = 0;  // fp32 bytes of one round
+  for (const auto& t : kTensors) raw += 4 * NumElements(t.shape);
+  for (double share : {0.8, 0.2}) {
+    Site a("siteA", {"siteB"}, "int8+zstd");
+    a.options().adaptive = true;
+    a.options().adaptive_share = share;
+    a.Reopen();
+    a.engine().OnLinkBandwidth("siteB", static_cast<double>(raw) / 0.8);
+    ASSERT_TRUE(a.PushRound(1, /*part=*/0, /*compute_ms=*/1000).ok());
+    auto pipes = a.engine().RoundPipelines(kJob, 2);
+    ASSERT_TRUE(pipes.ok());
+    for (const auto& [name, pipe] : *pipes) {
+      if (share == 0.8) {
+        EXPECT_EQ(pipe, "int8+zstd") << name;
+      } else {
+        EXPECT_NE(pipe, "int8+zstd") << name;
+      }
+    }
+  }
+}
+
 // The defaults: adaptive on, no ceiling, the floor the ladder's coarsest. A round uses the
 // configured codec while it fits (never a finer rung, even on a fast link) and the rung
 // coarser than it that fits when it does not.
@@ -1821,7 +1847,9 @@ TEST(SyncEngineTest, WorkerEncodedDeltasAreSentAsTheyCameAndTheShardResidualSkip
       EXPECT_EQ(a.Digests(), b.Digests());
       if (r == 2 || r == 5 || r == 7) a.Reopen();  // between checkpoints (3, 6) and after one
     }
-    if (style == 2) EXPECT_GT(a.engine().EarlyEncodes(), 0u);
+    if (style == 2) {
+      EXPECT_GT(a.engine().EarlyEncodes(), 0u);
+    }
     auto st = a.engine().JobStatus(kJob);
     ASSERT_TRUE(st.ok());
     EXPECT_EQ(st->pipelines.at("by-worker"), 2u);  // round 8: two of three tensors
