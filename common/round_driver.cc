@@ -133,8 +133,9 @@ void RoundDriver::RunRound(RoundInFlight& in) {
   for (const auto& d : *in.delta) views.push_back({d.name, d.shape, d.data.data()});
   if (first.ok() && o_.fault) o_.fault("pushing", in.round);
   auto pushed =
-      first.ok() ? shards_.PushRound(in.round, in.tokens, in.compute_ms, views, o_.rank, o_.world)
-                 : Result<std::vector<ShardPush>>(first);
+      !first.ok() ? Result<std::vector<ShardPush>>(first)
+      : o_.push   ? shards_.PushRound(in.round, in.tokens, in.compute_ms, views, o_.rank, o_.world)
+                  : Result<std::vector<ShardPush>>(std::vector<ShardPush>{});
   rep.pushed_at = Clock::now();
   rep.push_s = Seconds(rep.pushed_at - t);
   if (!pushed.ok()) {

@@ -125,6 +125,9 @@ struct RoundDriverOptions {
   bool overlap = false;
   // The site's rank: rank r pushes the shards s with s % world == r.
   int rank = 0, world = 1;
+  // false: this rank pushes nothing (another pushes every shard: isthmus-worker
+  // --encode-deltas pushes from rank 0 alone, which holds the residual).
+  bool push = true;
   // This rank waits for the staleness bound and pulls (rank 0 of a site; the others only
   // push and get the pulled state from it, see LiveParams::Rebase).
   bool pull = true;

@@ -242,15 +242,18 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
 
 Status SiteClient::EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas) {
   if (!encoder_) return Status::Ok();
-  // The pipelines the round's close would choose now (adaptive sizing from the link's latest
-  // bandwidth), asked right before the round is encoded.
-  auto h = shards_[shard]->Hello(options_.job, wire::Role::Worker, base_hash_, options_.client_name,
-                                 true);
-  if (!h.ok()) return AtShard(shard, h.status());
-  // Pipelines of another round (the shard holds this one already: a retried push) or none
-  // (the job does not sync): the fp32 deltas go, and the shard answers them as it does.
-  if (h->pipelines.round != round) return Status::Ok();
-  const auto& pipes = h->pipelines.pipelines;
+  std::map<std::string, std::string> pipes;
+  if (!encoder_->Kept(round, deltas, &pipes)) {
+    // The pipelines the round's close would choose now (adaptive sizing from the link's
+    // latest bandwidth), asked right before the round is encoded.
+    auto h = shards_[shard]->Hello(options_.job, wire::Role::Worker, base_hash_,
+                                   options_.client_name, true);
+    if (!h.ok()) return AtShard(shard, h.status());
+    // Pipelines of another round (the shard holds this one already: a retried push) or none
+    // (the job does not sync): the fp32 deltas go, and the shard answers them as it does.
+    if (h->pipelines.round != round) return Status::Ok();
+    pipes = std::move(h->pipelines.pipelines);
+  }
   std::vector<TensorView> to_encode;
   std::vector<size_t> at;
   for (size_t i = 0; i < deltas.size(); ++i) {

@@ -109,6 +109,16 @@ class DeltaEncoder {
       const std::map<std::string, std::string>& pipelines) = 0;
   // Every shard took round `round`: its residuals become the ones later rounds start from.
   virtual void Done(uint64_t round) = 0;
+  // The pipelines an earlier attempt of round `round` encoded every one of `deltas` with,
+  // when they were kept (a worker restarted in the middle of the round's push): true, with
+  // them in `pipelines`. PushRound then encodes with these, without asking the shard, so
+  // that a shard that took the round answers the same bytes as a duplicate and the residual
+  // moves as it did. False: ask.
+  virtual bool Kept(uint64_t round, const std::vector<TensorView>& deltas,
+                    std::map<std::string, std::string>* pipelines) const {
+    (void)round, (void)deltas, (void)pipelines;
+    return false;
+  }
 };
 
 class SiteClient {
@@ -132,9 +142,10 @@ class SiteClient {
   void SetPuller(std::unique_ptr<ShardPuller> puller) { puller_ = std::move(puller); }
   ShardPuller* puller() const { return puller_.get(); }
   // With an encoder, PushRound asks each shard for the round's pipelines right before it
-  // encodes (a Hello) and sends the deltas as `encoder`'s bytes (as fp32 those whose
-  // pipeline is "dense", and all of a round the shard answers another round for: it holds
-  // this one already). Null: fp32.
+  // encodes (a Hello; not when the encoder kept them from an earlier attempt of the round)
+  // and sends the deltas as `encoder`'s bytes (as fp32 those whose pipeline is "dense", and
+  // all of a round the shard answers another round for: it holds this one already). Null:
+  // fp32.
   void SetEncoder(std::unique_ptr<DeltaEncoder> encoder) { encoder_ = std::move(encoder); }
   DeltaEncoder* encoder() const { return encoder_.get(); }
   // Bytes this client's pushes carried, and the fp32 bytes of the deltas they stand for.
@@ -194,9 +205,9 @@ class SiteClient {
   std::string Where(size_t i) const;
   // `status` with its message prefixed by Where(i).
   Status AtShard(size_t i, const Status& status) const;
-  // Sets `encoded` on the deltas for shard `shard` whose pipelines of `round` the shard gives
-  // when asked now (a Hello); none without an encoder, or when the shard answers for another
-  // round (it holds this one already).
+  // Sets `encoded` on the deltas for shard `shard` whose pipelines of `round` the encoder
+  // kept, or else the shard gives when asked now (a Hello); none without an encoder, or when
+  // the shard answers for another round (it holds this one already).
   Status EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas);
   // Records that `name` lives on shard `i`, checking it against the placement set.
   Status Place(const std::string& name, size_t i, std::map<std::string, int>& seen) const;

@@ -2,8 +2,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <span>
 
+#include "common/durable.h"
 #include "common/tensor.h"
 #include "ops/codec.h"
 
@@ -22,17 +25,29 @@ Result<std::vector<std::string_view>> FeedbackEncoder::Encode(
     encoded_.clear();
     round_ = round;
   }
+  if (!kept_path_.empty() && kept_round_ != round) {
+    kept_.clear();
+    kept_round_ = round;
+  }
   // Everything is checked before anything is kept: a refused call leaves no half-made entry
   // that a retry would take for the round's bytes.
   std::vector<const TensorView*> todo;
   std::vector<Pipeline> pipes;
+  // What is kept of the round: every pipeline given (the shard's dense tensors too, so that
+  // Kept covers the shard's whole push), those kept before winning.
+  std::map<std::string, std::string> keep = kept_;
+  if (!kept_path_.empty()) keep.insert(pipelines.begin(), pipelines.end());
   for (const auto& d : deltas) {
     if (encoded_.count(d.name)) continue;  // a retried push: the bytes of the first time
-    auto text = pipelines.find(d.name);
-    if (text == pipelines.end()) {
+    const std::string* text = nullptr;
+    if (auto k = keep.find(d.name); k != keep.end()) {
+      text = &k->second;  // an attempt before a restart encoded it so: that again
+    } else if (auto g = pipelines.find(d.name); g != pipelines.end()) {
+      text = &g->second;
+    } else {
       return Status::InvalidArgument("no pipeline given for tensor '" + d.name + "'");
     }
-    ISTHMUS_ASSIGN_OR_RETURN(Pipeline pipe, ParsePipeline(text->second));
+    ISTHMUS_ASSIGN_OR_RETURN(Pipeline pipe, ParsePipeline(*text));
     pipes.push_back(pipe);
     const size_t n = static_cast<size_t>(NumElements(d.shape));
     if (auto res = residual_.find(d.name); res != residual_.end() && res->second.size() != n) {
@@ -40,6 +55,15 @@ Result<std::vector<std::string_view>> FeedbackEncoder::Encode(
                                      " values, its residual " + std::to_string(res->second.size()));
     }
     todo.push_back(&d);
+  }
+  if (!kept_path_.empty() && keep != kept_) {
+    // Durable before a byte encoded with them can reach a shard.
+    nlohmann::json doc = {{"round", round}, {"pipelines", keep}};
+    if (Status st = WriteFileDurably(kept_path_, doc.dump() + "\n"); !st.ok()) {
+      return Status(st.code(), "cannot keep the pipelines of round " + std::to_string(round) +
+                                   " before encoding it: " + st.message());
+    }
+    kept_ = std::move(keep);
   }
   std::vector<FeedbackTask> tasks;
   std::vector<Encoded*> outs;
@@ -70,6 +94,43 @@ void FeedbackEncoder::Done(uint64_t round) {
   if (round != round_ || done_ == round) return;
   for (auto& [name, e] : encoded_) residual_.at(name).swap(e.residual);
   done_ = round;
+}
+
+bool FeedbackEncoder::Kept(uint64_t round, const std::vector<TensorView>& deltas,
+                           std::map<std::string, std::string>* pipelines) const {
+  if (kept_path_.empty() || round != kept_round_ || deltas.empty()) return false;
+  for (const auto& d : deltas) {
+    if (!kept_.count(d.name)) return false;
+  }
+  *pipelines = kept_;
+  return true;
+}
+
+Status FeedbackEncoder::KeepPipelinesIn(std::string path) {
+  kept_path_ = std::move(path);
+  kept_round_ = 0;
+  kept_.clear();
+  std::ifstream in(kept_path_);
+  if (!in) return Status::Ok();  // nothing kept yet
+  const auto doc = nlohmann::json::parse(in, nullptr, false);
+  const bool ok = doc.is_object() && doc.contains("round") && doc["round"].is_number_unsigned() &&
+                  doc.contains("pipelines") && doc["pipelines"].is_object();
+  std::map<std::string, std::string> kept;
+  bool strings = ok;
+  if (ok) {
+    for (const auto& [name, text] : doc["pipelines"].items()) {
+      if (!text.is_string() || !ParsePipeline(text.get<std::string>()).ok()) strings = false;
+      if (strings) kept[name] = text.get<std::string>();
+    }
+  }
+  if (!strings) {
+    return Status::Corruption(kept_path_ +
+                              " is not a file of the pipelines of a round this worker encoded "
+                              "(a round number and a pipeline per tensor): move it away");
+  }
+  kept_round_ = doc["round"].get<uint64_t>();
+  kept_ = std::move(kept);
+  return Status::Ok();
 }
 
 void FeedbackEncoder::SetResiduals(std::map<std::string, std::vector<float>> residuals) {

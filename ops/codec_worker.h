@@ -30,6 +30,18 @@ class FeedbackEncoder : public DeltaEncoder {
       uint64_t round, const std::vector<TensorView>& deltas,
       const std::map<std::string, std::string>& pipelines) override;
   void Done(uint64_t round) override;
+  bool Kept(uint64_t round, const std::vector<TensorView>& deltas,
+            std::map<std::string, std::string>* pipelines) const override;
+
+  // From now on, the pipelines of the round being encoded are written to `path` (whole,
+  // fsynced: common/durable.h) before any bytes encoded with them are returned, and what
+  // `path` holds now is kept: a worker that restarts in the middle of a round's push then
+  // encodes that round again with the same pipelines (Kept), so its bytes and the residual
+  // after it are those of the first attempt. Corruption naming the file when it is not one
+  // this wrote.
+  Status KeepPipelinesIn(std::string path);
+  // The round `path` holds pipelines of (0: none).
+  uint64_t kept_round() const { return kept_round_; }
 
   // The residuals later rounds start from (after the last round Done), by tensor: what a
   // checkpoint keeps. Tensors never encoded have none (zeros).
@@ -48,6 +60,9 @@ class FeedbackEncoder : public DeltaEncoder {
   uint64_t done_ = 0;   // the last round Done
   uint64_t round_ = 0;  // the round `encoded_` holds
   std::map<std::string, Encoded> encoded_;
+  std::string kept_path_;  // empty: pipelines are not kept
+  uint64_t kept_round_ = 0;
+  std::map<std::string, std::string> kept_;  // of kept_round_, by tensor
 };
 
 }  // namespace isthmus::codec

@@ -215,8 +215,10 @@ Result<std::vector<Tensor>> ReadTrainable(const std::string& path, ModelSettings
   ISTHMUS_ASSIGN_OR_RETURN(SafetensorsFile file, ReadHfCheckpoint(path));
   std::vector<Tensor> tensors;
   for (auto& t : file.tensors) {
-    // Not the optimizer state, nor a checkpoint's round not yet pushed ("unpushed.").
-    if (t.name.rfind("opt.", 0) != 0 && t.name.rfind("unpushed.", 0) != 0) {
+    // Not the optimizer state, nor a checkpoint's round state: a round not yet pushed
+    // ("unpushed.") and --encode-deltas' residual ("residual.").
+    if (t.name.rfind("opt.", 0) != 0 && t.name.rfind("unpushed.", 0) != 0 &&
+        t.name.rfind("residual.", 0) != 0) {
       tensors.push_back(std::move(t));
     }
   }

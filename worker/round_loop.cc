@@ -26,6 +26,7 @@
 #include "common/safetensors.h"
 #include "ops/buffer.h"
 #include "ops/codec_replica.h"
+#include "ops/codec_worker.h"
 #include "worker/comm/bucketed_all_reduce.h"
 #include "worker/comm/gloo_communicator.h"
 #include "worker/comm/nccl_communicator.h"
@@ -66,6 +67,13 @@ std::string MetaOr(const std::map<std::string, std::string>& m, const std::strin
 bool IsOptimizerTensor(const std::string& name) { return name.rfind("opt.", 0) == 0; }
 // Checkpoint tensors of a round not yet pushed: "unpushed.<name>" holds its delta.
 constexpr char kUnpushedPrefix[] = "unpushed.";
+// Checkpoint tensors of --encode-deltas (rank 0): "residual.<name>" holds the error-feedback
+// residual later rounds start from, flat.
+constexpr char kResidualPrefix[] = "residual.";
+// A checkpoint tensor that is no trainable tensor nor optimizer state: the round's state.
+bool IsRoundState(const std::string& name) {
+  return name.rfind(kUnpushedPrefix, 0) == 0 || name.rfind(kResidualPrefix, 0) == 0;
+}
 
 std::string FormatFloat(float x) {
   char buf[32];
@@ -442,7 +450,7 @@ class RoundLoop {
     if (!info.ok()) return info.status();
     std::vector<Tensor> shapes;
     for (const auto& e : info->tensors) {
-      if (!IsOptimizerTensor(e.name) && e.name.rfind(kUnpushedPrefix, 0) != 0) {
+      if (!IsOptimizerTensor(e.name) && !IsRoundState(e.name)) {
         shapes.push_back({e.name, e.shape, {}});
       }
     }
@@ -558,6 +566,8 @@ class RoundLoop {
   std::string CheckpointPath() const {
     return s_.checkpoint_dir + "/rank-" + std::to_string(s_.rank) + ".safetensors";
   }
+  // --encode-deltas: the pipelines of the round rank 0 is encoding (FeedbackEncoder::Kept).
+  std::string PipelinesPath() const { return s_.checkpoint_dir + "/rank-0.pipelines.json"; }
 
   // What a checkpoint holds, copied out of the backend at a step boundary: written by
   // WriteCheckpoint (on this thread, or on the round driver's with --overlap).
@@ -586,6 +596,13 @@ class RoundLoop {
       }
       meta["unpushed_tokens"] = std::to_string(unpushed_->tokens);
       meta["unpushed_compute_ms"] = std::to_string(unpushed_->compute_ms);
+    }
+    if (encoder_) {
+      // The residual after the last round every shard took (never one being pushed: this
+      // runs while no round is in flight), which the unpushed round, if any, starts from.
+      for (const auto& [name, r] : encoder_->residuals()) {
+        c.tensors.push_back({kResidualPrefix + name, {static_cast<int64_t>(r.size())}, r});
+      }
     }
     meta["job"] = s_.shards.job;
     meta["round"] = std::to_string(round_);
@@ -623,9 +640,12 @@ class RoundLoop {
     std::vector<Tensor> trainable;
     std::vector<Tensor> unpushed_delta;
     Unpushed unpushed;
+    resume_residuals_.clear();
     for (const auto& t : file.tensors) {
       if (t.name.rfind(kUnpushedPrefix, 0) == 0) {
         unpushed_delta.push_back({t.name.substr(std::strlen(kUnpushedPrefix)), t.shape, t.data});
+      } else if (t.name.rfind(kResidualPrefix, 0) == 0) {
+        resume_residuals_[t.name.substr(std::strlen(kResidualPrefix))] = t.data;
       } else if (!IsOptimizerTensor(t.name)) {
         trainable.push_back(t);
       }
@@ -678,6 +698,7 @@ class RoundLoop {
     if (have_ckpt) {
       spdlog::info("rank {}: checkpoint at round {} step {}", s_.rank, round_, step_);
     }
+    ISTHMUS_RETURN_IF_ERROR(SetUpEncoder());
     bool load_pulled = false, push_unpushed = false;
     if (leader()) {
       if (s_.standalone) {
@@ -714,6 +735,13 @@ class RoundLoop {
           round_ = shard_round;
           step_ = shard_round * s_.StepsPerRound();
         } else if (shard_round == round_ + 1 && checkpoint_world_ != world()) {
+          if (encoder_) {
+            spdlog::warn(
+                "round {} was encoded and pushed before the checkpoint kept its residual: "
+                "what it left unsent is not known here, so the next rounds start from the "
+                "residual before it",
+                shard_round);
+          }
           // Redoing round R+1 with another rank count would compute another delta than
           // the one the shards hold. Every shard has it: take theirs. Only some have it:
           // the ranks that pushed it must finish it first.
@@ -782,6 +810,40 @@ class RoundLoop {
     info.steps_per_round = s_.round_seconds > 0 ? 0 : s_.StepsPerRound();
     info.standalone = s_.standalone;
     telemetry_->OnStart(info, round_, step_);
+    return Status::Ok();
+  }
+
+  // --encode-deltas on rank 0: the site client encodes the rounds (every shard's, from rank
+  // 0) with the checkpoint's residual and the pipelines kept beside it. Without the flag, a
+  // residual in the checkpoint is dropped, saying so.
+  Status SetUpEncoder() {
+    if (!s_.encode_deltas || !leader() || !site_) {
+      if (!resume_residuals_.empty()) {
+        spdlog::warn(
+            "checkpoint {} holds the residual of deltas this worker encoded (--encode-deltas); "
+            "without the flag it is dropped, and the update it holds never reaches the other "
+            "sites",
+            CheckpointPath());
+      }
+      resume_residuals_.clear();
+      return Status::Ok();
+    }
+    auto enc = std::make_unique<codec::FeedbackEncoder>(s_.encode_threads);
+    const size_t kept = resume_residuals_.size();
+    enc->SetResiduals(std::move(resume_residuals_));
+    resume_residuals_.clear();
+    if (!s_.checkpoint_dir.empty()) {
+      ISTHMUS_RETURN_IF_ERROR(enc->KeepPipelinesIn(PipelinesPath()));
+    }
+    spdlog::info(
+        "rank 0 encodes the rounds' deltas for every shard on {} threads (residuals of {} "
+        "tensors from the checkpoint{})",
+        s_.encode_threads, kept,
+        enc->kept_round() > 0
+            ? "; the pipelines of round " + std::to_string(enc->kept_round()) + " kept"
+            : std::string());
+    encoder_ = enc.get();
+    site_->SetEncoder(std::move(enc));
     return Status::Ok();
   }
 
@@ -976,6 +1038,11 @@ class RoundLoop {
     o.overlap = s_.overlap;
     o.rank = s_.rank;
     o.world = world();
+    if (s_.encode_deltas) {  // rank 0 encodes and pushes every shard
+      o.rank = 0;
+      o.world = 1;
+      o.push = leader();
+    }
     o.pull = leader();
     o.stopping = [this] { return Stopping(); };
     // Every rank must decide alike at the end of a round whether K = 0 makes it wait (the
@@ -1401,6 +1468,10 @@ class RoundLoop {
   // Sharded optimizer state: the whole moments rank 0 loaded from its checkpoint, until
   // ShareMoments hands each rank its part.
   std::vector<float> resume_m_, resume_v_;
+  // --encode-deltas: the checkpoint's residuals until SetUpEncoder; rank 0's encoder (owned
+  // by site_; used by the round driver's thread while a round is in flight, here otherwise).
+  std::map<std::string, std::vector<float>> resume_residuals_;
+  codec::FeedbackEncoder* encoder_ = nullptr;
   double allreduce_seconds_ = 0;  // the last step's all-reduce with --bucket-mb 0
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;

@@ -358,6 +358,10 @@ Status TrainSettings::Validate() const {
         "--merge-wait needs a merge step: give --merge-after-steps M > 0 (or leave it out for "
         "a tenth of the round)");
   }
+  if (encode_threads < 1 || encode_threads > 256) {
+    return Status::InvalidArgument("--encode-threads must be in [1, 256], got " +
+                                   std::to_string(encode_threads));
+  }
   if (batch_size < 1 || val_batches < 1 || log_every < 1 || comm_timeout_s < 1) {
     return Status::InvalidArgument(
         "--batch-size, --val-batches, --log-every and --comm-timeout must be >= 1");
@@ -553,6 +557,14 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
                "with --overlap: merge at exactly the --merge-after-steps step, waiting for "
                "the pulled state there if it has not arrived (reproducible runs; a stall "
                "when the WAN is slower)");
+  app.add_flag("--encode-deltas,!--no-encode-deltas", t.encode_deltas,
+               "rank 0 encodes each round's delta with the pipelines the shards choose "
+               "(error feedback in a residual kept in its checkpoint) and pushes the few MB "
+               "the WAN carries to every shard, instead of every rank pushing its shards the "
+               "fp32 delta (default off; a job that does not sync gets the fp32 delta)");
+  app.add_option("--encode-threads", t.encode_threads,
+                 "with --encode-deltas: threads rank 0 encodes a round's tensors on")
+      ->capture_default_str();
   app.add_option("--max-rounds", t.max_rounds, "stop after this many rounds (0: no bound)");
   app.add_option("--max-steps", t.max_steps, "stop after this many steps (0: no bound)");
   app.add_option("--lr", t.lr, "peak learning rate")->capture_default_str();

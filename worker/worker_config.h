@@ -156,6 +156,11 @@ struct TrainSettings {
   // (common/round_driver.h, MergePolicy).
   int merge_after_steps = -1;
   bool merge_wait = false;
+  // Rank 0 encodes each round's delta itself with the pipelines the shards choose, with
+  // error feedback in a residual kept in its checkpoint, and pushes the encoded bytes to
+  // every shard (docs/SYNC.md, "Deltas encoded by the worker"), on encode_threads threads.
+  bool encode_deltas = false;
+  int encode_threads = 4;
   int64_t max_rounds = 0;  // 0: no bound
   int64_t max_steps = 0;   // 0: no bound (one of the two must be set)
   float lr = 3e-4f;

@@ -3,11 +3,14 @@
 // feedback makes the sum of decoded deltas track the true sum, and adaptive mode respects
 // budget, floor and ceiling.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <tuple>
@@ -663,6 +666,74 @@ TEST(FeedbackEncoder, EncodesWithFeedbackOnceARoundWhateverTheRetries) {
   auto retried = fresh.Encode(1, {{"w", shape, d6.data()}}, pipes);
   ASSERT_TRUE(retried.ok());
   EXPECT_TRUE((*retried)[0] == want_w);
+}
+
+// A worker that restarts in the middle of a round's push encodes that round again with the
+// pipelines its first attempt used (KeepPipelinesIn), whatever it is given now: the bytes,
+// and the residual after the round, are the first attempt's. The file is written before
+// the bytes are returned and holds every pipeline given (the shard's dense tensors too);
+namespace fs = std::filesystem;
+
+// a later round replaces it; a file that is not one is refused.
+TEST(FeedbackEncoder, KeepsARoundsPipelinesForARestartThatEncodesItAgain) {
+  const fs::path dir = fs::temp_directory_path() / ("isthmus-kept-" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string path = (dir / "rank-0.pipelines.json").string();
+  const std::vector<int64_t> shape = {64, 32};
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 0.1f);
+  std::vector<float> d1(2048), d2(2048), v(4, 0.25f);
+  for (auto& x : d1) x = nd(rng);
+  for (auto& x : d2) x = nd(rng);
+  const std::map<std::string, std::string> first = {{"w", "topk:0.05+int4+zstd"}, {"v", "dense"}};
+  const std::map<std::string, std::string> later = {{"w", "topk:0.2+int8+zstd"}, {"v", "dense"}};
+  FeedbackEncoder enc(2);
+  ASSERT_TRUE(enc.KeepPipelinesIn(path).ok());
+  EXPECT_EQ(enc.kept_round(), 0u);
+  ASSERT_TRUE(enc.Encode(1, {{"w", shape, d1.data()}}, first).ok());
+  enc.Done(1);
+  const auto after1 = enc.residuals();  // what the checkpoint of round 1 holds
+  auto bytes2 = enc.Encode(2, {{"w", shape, d2.data()}}, first);
+  ASSERT_TRUE(bytes2.ok());
+  const std::string want2((*bytes2)[0]);
+  enc.Done(2);
+  const auto after2 = enc.residuals();
+  std::map<std::string, std::string> p;
+  EXPECT_TRUE(enc.Kept(2, {{"w", shape, d2.data()}, {"v", {4}, v.data()}}, &p));
+  EXPECT_EQ(p, first);
+  EXPECT_FALSE(enc.Kept(3, {{"w", shape, d2.data()}}, &p));
+  // The restart: round 2 again from round 1's residual, offered other pipelines now.
+  FeedbackEncoder again(1);
+  again.SetResiduals(after1);
+  ASSERT_TRUE(again.KeepPipelinesIn(path).ok());
+  EXPECT_EQ(again.kept_round(), 2u);
+  EXPECT_TRUE(again.Kept(2, {{"w", shape, d2.data()}}, &p));
+  EXPECT_FALSE(again.Kept(2, {{"u", shape, d2.data()}}, &p));
+  auto redo = again.Encode(2, {{"w", shape, d2.data()}}, later);
+  ASSERT_TRUE(redo.ok()) << redo.status().ToString();
+  EXPECT_TRUE((*redo)[0] == want2);
+  again.Done(2);
+  EXPECT_EQ(again.residuals().at("w"), after2.at("w"));
+  // Round 3 replaces what is kept; another encoder offered nothing kept asks (Kept false).
+  ASSERT_TRUE(again.Encode(3, {{"w", shape, d1.data()}}, later).ok());
+  FeedbackEncoder third(1);
+  ASSERT_TRUE(third.KeepPipelinesIn(path).ok());
+  EXPECT_EQ(third.kept_round(), 3u);
+  EXPECT_FALSE(third.Kept(2, {{"w", shape, d2.data()}}, &p));
+  EXPECT_TRUE(third.Kept(3, {{"w", shape, d2.data()}}, &p));
+  EXPECT_EQ(p, later);
+  // Without a file nothing is kept.
+  FeedbackEncoder none(1);
+  ASSERT_TRUE(none.Encode(1, {{"w", shape, d1.data()}}, first).ok());
+  EXPECT_FALSE(none.Kept(1, {{"w", shape, d1.data()}}, &p));
+  for (const char* bad :
+       {"{\"round\": 2}", "not json", "{\"round\": 1, \"pipelines\": {\"w\": \"topk:2\"}}"}) {
+    std::ofstream(path) << bad;
+    FeedbackEncoder broken(1);
+    EXPECT_EQ(broken.KeepPipelinesIn(path).code(), Code::kCorruption) << bad;
+  }
+  fs::remove_all(dir);
 }
 
 }  // namespace

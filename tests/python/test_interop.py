@@ -66,6 +66,26 @@ class InteropTest(unittest.TestCase):
         return min(j["committed_round"] for r in rows for j in r.get("jobs", []) if j["job"] == "mix")
 
     def test_a_pytorch_site_and_an_isthmus_worker_site_commit_identical_rounds(self):
+        self.run_pair(encode=False)
+
+    def test_sites_that_encode_their_own_deltas_commit_identical_rounds(self):
+        """Site A's Site.encode_deltas and site B's isthmus-worker --encode-deltas: each
+        pushes its rounds encoded with error feedback, and every shard sends them as they
+        came (counted as by-worker in `isthmusctl sync status`)."""
+        lora0, residuals = self.run_pair(encode=True)
+        self.assertEqual(set(residuals), set(lora0))
+        self.assertGreater(max(np.abs(r).max() for r in residuals.values()), 0)
+        for site in self.sites.values():
+            out = site.ctl("sync", "status", "--json")
+            self.assertEqual(out.returncode, 0, out.stderr)
+            [job] = [j for r in json.loads(out.stdout) for j in r.get("jobs", [])
+                     if j["job"] == "mix"]
+            self.assertEqual(job["pipelines"], {"by-worker": len(lora0)}, job)
+
+    def run_pair(self, encode):
+        """Site A (PyTorch) and site B (isthmus-worker) train ROUNDS rounds; checks that
+        they commit identical rounds. Returns the initial adapters and, with `encode`, site
+        A's encoder residuals."""
         root, a, b = self.root, self.sites["A"], self.sites["B"]
         data, base, init, base_hash = self.prepare_job()
         lora0, _ = isthmus.read_safetensors(init)
@@ -81,7 +101,8 @@ class InteropTest(unittest.TestCase):
              "--key", b.worker_key, "--client-name", "B", "--data", data,
              "--steps-per-round", str(H), "--max-rounds", str(ROUNDS), "--batch-size", "4",
              "--lr", "3e-3", "--warmup-steps", "0", "--no-progress",
-             "--json-summary", os.path.join(root, "worker-B.json")],
+             "--json-summary", os.path.join(root, "worker-B.json"),
+             *(["--encode-deltas", "--encode-threads", "2"] if encode else [])],
             stdout=log_b, stderr=subprocess.STDOUT)
         try:
             # Site A: a PyTorch loop.
@@ -90,6 +111,8 @@ class InteropTest(unittest.TestCase):
             opt = torch.optim.AdamW(model.lora.parameters(), lr=3e-3)
             site = isthmus.Site(a.worker_eps, job="mix", key=a.worker_key,
                                 server_keys=a.server_pubs, client_name="A")
+            if encode:
+                site.encode_deltas(threads=2)
             rank = isthmus.torch.SiteRank(site, model.job_parameters(), steps_per_round=H,
                                           base_hash=base_hash, staleness_timeout_s=120)
             self.assertEqual(rank.start(), 0)
@@ -130,6 +153,10 @@ class InteropTest(unittest.TestCase):
         self.assertGreater(moved, 1e-4)
         for n in lora0:
             np.testing.assert_array_equal(merged_a[n], merged_b[n])
+        if not encode:
+            return lora0, None
+        rank.finish()  # the last round in flight completes: the residual after it
+        return lora0, site.encoder_residuals()
 
     def test_the_python_md_example_with_two_torch_ranks(self):
         """docs/PYTHON.md's site_a.py, as printed there, with two gloo ranks at site A."""

@@ -297,6 +297,137 @@ TEST(OverlapTwoSites, FullModeSigkillDuringABackgroundPullLosesNothingAndDoubles
                                                       {"--mode", "full"}, {"--mode", "full"});
 }
 
+// --encode-deltas (docs/SYNC.md, "Deltas encoded by the worker"): both sites' rank 0 encode
+// their rounds with top-k and error feedback and push the bytes; alpha has `world` ranks.
+// Alpha's rank 0 dies in the background right after its shard took round 3, before it wrote
+// the residual after it. Its checkpoint holds round 3 with the residual before it, and the
+// pipelines it used are kept beside it. The restart encodes round 3 again with those
+// pipelines from that residual, so the shard answers duplicate for the same bytes, and goes
+// on. Error feedback loses nothing and doubles nothing when the committed tensors plus the
+// sites' final residuals, merged as the deltas are (each site's share of the tokens, outer
+// lr 1, no momentum), are the start plus every recorded delta merged once, float rounding
+// aside, while those
+// residuals are far from zero: encoding round 3 again from another residual, or sending it
+// as fp32 because the shard has moved on, leaves a round's unsent part out or in twice.
+class EncodedTwoSites : public ::testing::TestWithParam<int> {};
+
+TEST_P(EncodedTwoSites, ADeathAfterAnEncodedPushLosesNothingAndDoublesNothing) {
+  const int world = GetParam();
+  constexpr int kRounds = 6, kH = 2;
+  TwoSites sites("encoded-" + std::to_string(world));
+  ASSERT_TRUE(sites.Start(2,
+                          "codec = \"topk:0.1+int4+zstd\"\nadaptive = false\nouter_lr = "
+                          "1.0\nouter_momentum = 0.0"));
+  const fs::path da = sites.root() / "deltas-alpha", db = sites.root() / "deltas-beta";
+  fs::create_directories(da);
+  fs::create_directories(db);
+  const std::vector<std::string> flags = {"--overlap", "--encode-deltas", "--encode-threads", "2"};
+  // Alpha's ranks: rank 0 is the site's worker (TwoSites), the others run beside it.
+  std::vector<WorkerProcess> more(world - 1);
+  auto start_alpha = [&](const std::vector<std::pair<std::string, std::string>>& env) {
+    std::vector<std::string> f = flags;
+    const std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
+    if (world > 1) f.insert(f.end(), {"--world-size", std::to_string(world), "--rendezvous", rdv});
+    sites.StartOn(0, kRounds, kH, f, env);
+    for (int r = 1; r < world; ++r) {
+      auto a = sites.Args(0, kRounds, kH, f);
+      a.insert(a.end(), {"--rank", std::to_string(r)});
+      more[r - 1].Start(a, (sites.root() / ("alpha-r" + std::to_string(r) + ".log")).string());
+    }
+  };
+  start_alpha({{"ISTHMUS_WORKER_RECORD_DELTAS", da.string()},
+               {"ISTHMUS_WORKER_FAULT_CRASH_AFTER_PUSH", "3"}});
+  sites.StartOn(1, kRounds, kH, flags, {{"ISTHMUS_WORKER_RECORD_DELTAS", db.string()}});
+  ASSERT_EQ(sites.WaitOn(0), 137) << sites.worker(0).Log();
+  for (auto& w : more) w.Kill();
+  EXPECT_NE(sites.worker(0).Log().find("after pushing round 3"), std::string::npos)
+      << sites.worker(0).Log();
+  auto ckpt = ReadSafetensors((sites.root() / "ckpt-alpha" / "rank-0.safetensors").string());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
+  EXPECT_EQ(ckpt->metadata["round"], "3");
+  EXPECT_EQ(ckpt->metadata.count("unpushed_tokens"), 1u);
+  std::ifstream kept(sites.root() / "ckpt-alpha" / "rank-0.pipelines.json");
+  const std::string kept_text((std::istreambuf_iterator<char>(kept)), {});
+  EXPECT_NE(kept_text.find("\"round\":3"), std::string::npos) << kept_text;
+  for (int r = 1; r < world; ++r) {
+    auto c = ReadSafetensors(
+        (sites.root() / "ckpt-alpha" / ("rank-" + std::to_string(r) + ".safetensors")).string());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    for (const auto& t : c->tensors) {
+      EXPECT_NE(t.name.rfind("residual.", 0), 0u) << "rank " << r << " holds " << t.name;
+    }
+  }
+  start_alpha({{"ISTHMUS_WORKER_RECORD_DELTAS", da.string()}});
+  ASSERT_EQ(sites.WaitOn(0), 0) << sites.worker(0).Log();
+  for (auto& w : more) ASSERT_EQ(w.Wait(240), 0) << w.Log();
+  ASSERT_EQ(sites.WaitOn(1), 0) << sites.worker(1).Log();
+  const std::string log = sites.worker(0).Log();
+  EXPECT_NE(log.find("the pipelines of round 3 kept"), std::string::npos) << log;
+  EXPECT_NE(log.find("pushing it from the checkpoint"), std::string::npos) << log;
+  EXPECT_NE(log.find("already had round 3"), std::string::npos) << log;
+  sites.ExpectCommittedAlike(kRounds);
+
+  auto pulled = sites.site(0).WorkerClient()->Pull("j");
+  ASSERT_TRUE(pulled.ok()) << pulled.status().ToString();
+  EXPECT_EQ(pulled->rounds.committed_round, static_cast<uint64_t>(kRounds));
+  std::map<std::string, std::vector<double>> got, want;
+  for (const auto& t : pulled->tensors) got[t.name].assign(t.data.begin(), t.data.end());
+  auto start = ReadSafetensorsTensors((sites.root() / "base.init.safetensors").string());
+  ASSERT_TRUE(start.ok());
+  for (const auto& t : *start) want[t.name].assign(t.data.begin(), t.data.end());
+  // Each site's merge weight: its share of a round's tokens (alpha's ranks train twice the
+  // tokens of beta's one with two), the same every round.
+  std::map<std::string, double> weight, tokens;
+  for (const char* site : {"alpha", "beta"}) {
+    auto d = ReadSafetensors(
+        (sites.root() / (std::string("deltas-") + site) / "round-1.safetensors").string());
+    ASSERT_TRUE(d.ok()) << d.status().ToString();
+    tokens[site] = std::stod(d->metadata["tokens"]);
+  }
+  for (auto& [site, t] : tokens) weight[site] = t / (tokens["alpha"] + tokens["beta"]);
+  double residual = 0;
+  size_t residuals = 0;
+  for (const char* site : {"alpha", "beta"}) {
+    const double w = weight[site];
+    auto c = ReadSafetensors(
+        (sites.root() / (std::string("ckpt-") + site) / "rank-0.safetensors").string());
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->metadata["round"], std::to_string(kRounds)) << site;
+    for (const auto& t : c->tensors) {
+      if (t.name.rfind("residual.", 0) != 0) continue;
+      ++residuals;
+      auto& g = got.at(t.name.substr(std::strlen("residual.")));
+      ASSERT_EQ(g.size(), t.data.size()) << t.name;
+      for (size_t k = 0; k < g.size(); ++k) {
+        g[k] += w * t.data[k];
+        residual = std::max(residual, double(std::abs(t.data[k])));
+      }
+    }
+    const fs::path& deltas = std::string(site) == "alpha" ? da : db;
+    for (int r = 1; r <= kRounds; ++r) {
+      auto d = ReadSafetensors((deltas / ("round-" + std::to_string(r) + ".safetensors")).string());
+      ASSERT_TRUE(d.ok()) << site << " round " << r << ": " << d.status().ToString();
+      ASSERT_EQ(std::stod(d->metadata["tokens"]), tokens[site]) << site << " round " << r;
+      for (const auto& t : d->tensors) {
+        for (size_t k = 0; k < t.data.size(); ++k) want.at(t.name)[k] += w * t.data[k];
+      }
+    }
+  }
+  EXPECT_EQ(residuals, 2 * want.size()) << "a tensor was not encoded by its site";
+  double worst = 0;
+  for (const auto& [name, w] : want) {
+    for (size_t k = 0; k < w.size(); ++k) worst = std::max(worst, std::abs(w[k] - got.at(name)[k]));
+  }
+  std::printf(
+      "largest residual value %.3g; largest |committed + merged residuals - start - merged "
+      "deltas| %.3g\n",
+      residual, worst);
+  EXPECT_GT(residual, 1e-3) << "error feedback left nothing unsent: the check below is empty";
+  EXPECT_LT(worst, 1e-5) << "an update was lost or applied twice";
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, EncodedTwoSites, ::testing::Values(1, 2));
+
 // Bounded staleness under overlap: a site whose only peer never answers commits nothing.
 // Counting the round in flight, the worker is at most K rounds ahead of the last commit
 // while it trains: it pushes max(K, 1) rounds, trains one more (K >= 1; K = 0 waits for the

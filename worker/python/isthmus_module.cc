@@ -33,6 +33,7 @@
 #include "common/status.h"
 #include "common/version.h"
 #include "ops/codec_replica.h"
+#include "ops/codec_worker.h"
 
 namespace py = pybind11;
 
@@ -241,6 +242,49 @@ class PySite {
     site_->SetPuller(on ? std::make_unique<codec::ReplayPuller>() : nullptr);
   }
 
+  // threads > 0: push_round and start_round encode the deltas here (FeedbackEncoder, on
+  // `threads` threads), keeping each round's pipelines in `keep_in` when given; 0: fp32.
+  void EncodeDeltas(int threads, const std::string& keep_in) {
+    Idle("encode_deltas");
+    if (threads < 0 || threads > 256) throw py::value_error("threads must be in 0..256");
+    encoder_ = nullptr;
+    if (threads == 0) {
+      site_->SetEncoder(nullptr);
+      return;
+    }
+    auto enc = std::make_unique<codec::FeedbackEncoder>(threads);
+    if (!keep_in.empty()) {
+      Status st = enc->KeepPipelinesIn(keep_in);
+      if (!st.ok()) Raise(st);
+    }
+    encoder_ = enc.get();
+    site_->SetEncoder(std::move(enc));
+  }
+
+  codec::FeedbackEncoder& Encoder(const char* call) const {
+    Idle(call);
+    if (!encoder_) {
+      throw std::runtime_error(std::string(call) + ": this site does not encode its deltas: call " +
+                               "encode_deltas(threads) first");
+    }
+    return *encoder_;
+  }
+
+  py::dict EncoderResiduals() const {
+    std::vector<Tensor> out;
+    for (const auto& [name, r] : Encoder("encoder_residuals").residuals()) {
+      out.push_back({name, {static_cast<int64_t>(r.size())}, r});
+    }
+    return ArraysOf(std::move(out));
+  }
+
+  void SetEncoderResiduals(const py::dict& residuals) {
+    codec::FeedbackEncoder& enc = Encoder("set_encoder_residuals");
+    std::map<std::string, std::vector<float>> r;
+    for (auto& t : TensorsOf(residuals)) r[t.name] = std::move(t.data);
+    enc.SetResiduals(std::move(r));
+  }
+
   py::dict Pull() {
     Idle("pull");
     auto result = CallUnlocked([&] { return site_->PullInPlace(); });
@@ -414,6 +458,7 @@ class PySite {
   }
 
   std::unique_ptr<SiteClient> site_;
+  codec::FeedbackEncoder* encoder_ = nullptr;  // owned by site_ (encode_deltas)
   std::unique_ptr<SiteRounds> rounds_;
   std::unique_ptr<RoundDriver> driver_;  // after what it borrows: destroyed first
 };
@@ -495,6 +540,9 @@ PYBIND11_MODULE(_isthmus, m) {
            py::arg("connect_timeout_ms"), py::arg("retries"), py::arg("client_name"))
       .def("hello", &PySite::Hello, py::arg("base_hash"))
       .def("set_pull_by_replay", &PySite::SetPullByReplay, py::arg("on"))
+      .def("encode_deltas", &PySite::EncodeDeltas, py::arg("threads"), py::arg("keep_in"))
+      .def("encoder_residuals", &PySite::EncoderResiduals)
+      .def("set_encoder_residuals", &PySite::SetEncoderResiduals, py::arg("residuals"))
       .def("pull", &PySite::Pull)
       .def("push_round", &PySite::PushRound, py::arg("round"), py::arg("deltas"), py::arg("tokens"),
            py::arg("compute_ms"), py::arg("rank"), py::arg("world"))

@@ -173,6 +173,30 @@ class Site:
         shard has no such job, PermissionDenied for a key not allowed, Timeout."""
         return self._core.hello(base_hash)
 
+    def encode_deltas(self, threads=4, keep_pipelines_in=None):
+        """From now on push_round and start_round encode each round's deltas here, with
+        the pipelines the shards choose and error feedback in a residual this Site keeps
+        (isthmus-worker --encode-deltas; docs/SYNC.md, "Deltas encoded by the worker"):
+        the few MB the WAN carries go to the shards instead of the fp32 deltas. threads:
+        how many threads encode a round (0: push fp32 again, dropping the residual).
+        keep_pipelines_in: a file where each round's pipelines are written before its
+        bytes are pushed, so that a process that restarts in the middle of a round's push
+        encodes it again alike (with encoder_residuals() from before that round). A job
+        that does not sync gets the fp32 deltas. Several ranks: each encodes the shards it
+        pushes."""
+        self._core.encode_deltas(_count("threads", threads),
+                                 "" if keep_pipelines_in is None else str(keep_pipelines_in))
+
+    def encoder_residuals(self):
+        """{name: float32 array (flat)}: the update encode_deltas has not sent yet, after
+        the last round every shard took; save it with a checkpoint of the model."""
+        return self._core.encoder_residuals()
+
+    def set_encoder_residuals(self, residuals):
+        """Starts from saved encoder_residuals() (after encode_deltas)."""
+        self._core.set_encoder_residuals(
+            {n: _as_float32_buffer(n, v) for n, v in dict(residuals).items()})
+
     def pull(self):
         """The job's merged tensors from every shard: {name: numpy.float32 array}. The
         arrays point into the received messages (no copy) and own them. Also records
