@@ -112,10 +112,11 @@ bool UntilReady(const RoundDriver& d) {
 }
 
 struct Site {
-  explicit Site(std::vector<float> live, bool overlap, uint64_t limit = 2)
+  explicit Site(std::vector<float> live, bool overlap, uint64_t limit = 2, bool push = true)
       : w(std::move(live)), shards(w), params({{"w", {static_cast<int64_t>(w.size())}, w.data()}}) {
     RoundDriverOptions o;
     o.overlap = overlap;
+    o.push = push;
     o.poll = 2ms;
     o.stopping = [this] { return stopping.load(); };
     shards.limit_ = limit;
@@ -313,6 +314,30 @@ TEST(RoundDriver, TheOtherRanksPushesAreAwaitedBeforeThePull) {
   s.shards.With([&] { s.shards.other_ranks_behind_ = false; });
   ASSERT_TRUE(UntilReady(*s.driver));
   ASSERT_TRUE(s.driver->Complete().ok());
+}
+
+// RoundDriverOptions::push = false (isthmus-worker --encode-deltas on a rank other than 0,
+// whose rank 0 pushes every shard): the round is taken and reported pushed, nothing is
+// sent, and the rest of the round (here the wait for rank 0's push, then the pull) goes on.
+TEST(RoundDriver, ARankThatDoesNotPushSendsNothing) {
+  Site s({1, 2, 3, 4}, /*overlap=*/true, /*limit=*/2, /*push=*/false);
+  s.Step(1);
+  ASSERT_TRUE(s.driver->EndRound(1, 100, 5).ok());
+  // Nothing of this rank's reaches the shards: the round waits for rank 0's push.
+  ASSERT_TRUE(s.shards.Until([&] { return s.shards.checks_ >= 2; }));
+  s.shards.With([&] { EXPECT_TRUE(s.shards.pushed_.empty()); });
+  EXPECT_FALSE(s.driver->Ready());
+  std::vector<float> d = {1, 1, 1, 1};
+  ASSERT_TRUE(s.shards.PushRound(1, 100, 5, {{"w", {4}, d.data()}}, 0, 1).ok());  // rank 0's
+  ASSERT_TRUE(UntilReady(*s.driver));
+  auto r = s.driver->Complete();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->pushed);
+  EXPECT_TRUE(r->pushes.empty());
+  s.shards.With([&] {
+    EXPECT_EQ(s.shards.pushed_.size(), 1u);
+    EXPECT_EQ(s.shards.pulls_, 1);
+  });
 }
 
 TEST(RoundDriver, TheCallersAwaitIsUsedAndOneRoundIsInFlightAtATime) {
