@@ -784,6 +784,10 @@ class RoundLoop {
     if (plan[10] > 0) {
       ISTHMUS_RETURN_IF_ERROR(PushUnpushed());
       start_pull_ = {};  // from before the push
+      if (encoder_) {    // the rounds' reports count from here
+        reported_bytes_ = site_->pushed_bytes();
+        reported_raw_bytes_ = site_->pushed_raw_bytes();
+      }
     }
     unpushed_.reset();
     if (plan[9] > 0) {
@@ -1110,6 +1114,16 @@ class RoundLoop {
         spdlog::info("shard {} already had round {} (key {}): nothing applied twice", p.shard,
                      r.round, p.key);
       }
+    }
+    if (encoder_ && r.pushed) {
+      // What --encode-deltas saved: the round's pushes against its fp32 deltas (the site
+      // client's counters; its pushes ran on the driver's thread, done by now).
+      const uint64_t bytes = site_->pushed_bytes() - reported_bytes_;
+      const uint64_t raw = site_->pushed_raw_bytes() - reported_raw_bytes_;
+      reported_bytes_ = site_->pushed_bytes();
+      reported_raw_bytes_ = site_->pushed_raw_bytes();
+      spdlog::info("round {}: pushed {:.2f} MB encoded for {:.2f} MB of fp32 deltas", r.round,
+                   static_cast<double>(bytes) / 1e6, static_cast<double>(raw) / 1e6);
     }
     if (push_reported_ != r.round) telemetry_->OnPush(r.push_s);
     push_reported_ = 0;
@@ -1472,6 +1486,7 @@ class RoundLoop {
   // by site_; used by the round driver's thread while a round is in flight, here otherwise).
   std::map<std::string, std::vector<float>> resume_residuals_;
   codec::FeedbackEncoder* encoder_ = nullptr;
+  uint64_t reported_bytes_ = 0, reported_raw_bytes_ = 0;  // site_'s counters at the last report
   double allreduce_seconds_ = 0;  // the last step's all-reduce with --bucket-mb 0
   std::unique_ptr<model::Gpt> gpt_;
   std::unique_ptr<model::Trainer> trainer_;

@@ -365,6 +365,7 @@ TEST_P(EncodedTwoSites, ADeathAfterAnEncodedPushLosesNothingAndDoublesNothing) {
   EXPECT_NE(log.find("the pipelines of round 3 kept"), std::string::npos) << log;
   EXPECT_NE(log.find("pushing it from the checkpoint"), std::string::npos) << log;
   EXPECT_NE(log.find("already had round 3"), std::string::npos) << log;
+  EXPECT_NE(log.find("round 5: pushed "), std::string::npos) << log;  // what encoding saved
   sites.ExpectCommittedAlike(kRounds);
 
   auto pulled = sites.site(0).WorkerClient()->Pull("j");
