@@ -34,20 +34,18 @@ Result<std::vector<std::string_view>> FeedbackEncoder::Encode(
   std::vector<const TensorView*> todo;
   std::vector<Pipeline> pipes;
   // What is kept of the round: every pipeline given (the shard's dense tensors too, so that
-  // Kept covers the shard's whole push), those kept before winning.
+  // Kept covers the shard's whole push), those kept before winning: a tensor an attempt
+  // before a restart encoded is encoded with its pipeline again.
   std::map<std::string, std::string> keep = kept_;
   if (!kept_path_.empty()) keep.insert(pipelines.begin(), pipelines.end());
+  const auto& chosen = kept_path_.empty() ? pipelines : keep;
   for (const auto& d : deltas) {
     if (encoded_.count(d.name)) continue;  // a retried push: the bytes of the first time
-    const std::string* text = nullptr;
-    if (auto k = keep.find(d.name); k != keep.end()) {
-      text = &k->second;  // an attempt before a restart encoded it so: that again
-    } else if (auto g = pipelines.find(d.name); g != pipelines.end()) {
-      text = &g->second;
-    } else {
+    auto text = chosen.find(d.name);
+    if (text == chosen.end()) {
       return Status::InvalidArgument("no pipeline given for tensor '" + d.name + "'");
     }
-    ISTHMUS_ASSIGN_OR_RETURN(Pipeline pipe, ParsePipeline(*text));
+    ISTHMUS_ASSIGN_OR_RETURN(Pipeline pipe, ParsePipeline(text->second));
     pipes.push_back(pipe);
     const size_t n = static_cast<size_t>(NumElements(d.shape));
     if (auto res = residual_.find(d.name); res != residual_.end() && res->second.size() != n) {
