@@ -29,6 +29,7 @@ std::string R(uint64_t round) { return "round " + std::to_string(round); }
 
 HostLiveParams::HostLiveParams(std::vector<LiveTensor> live) : live_(std::move(live)) {
   base_.resize(live_.size());
+  spare_.resize(live_.size());
   (void)Reset();
 }
 
@@ -46,7 +47,8 @@ Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {
   for (size_t t = 0; t < live_.size(); ++t) {
     float* live = live_[t].data;
     std::vector<float>& base = base_[t];
-    Tensor d{live_[t].name, live_[t].shape, std::vector<float>(base.size())};
+    Tensor d{live_[t].name, live_[t].shape, std::move(spare_[t])};
+    d.data.resize(base.size());  // a recycled buffer has the size already: no new memory
     for (size_t i = 0; i < base.size(); ++i) {
       d.data[i] = live[i] - base[i];
       live[i] = base[i] + d.data[i];  // what a shard that adds the delta to base holds
@@ -55,6 +57,13 @@ Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {
     out.push_back(std::move(d));
   }
   return out;
+}
+
+void HostLiveParams::Recycle(std::vector<Tensor> delta) {
+  if (delta.size() != live_.size()) return;
+  for (size_t t = 0; t < live_.size(); ++t) {
+    if (delta[t].data.size() == base_[t].size()) spare_[t] = std::move(delta[t].data);
+  }
 }
 
 Status HostLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {
@@ -165,6 +174,9 @@ void RoundDriver::RunRound(RoundInFlight& in) {
       }
     }
   }
+  // The delta is the caller's again (Wait may recycle it): this thread holds none of it.
+  views.clear();
+  in.delta.reset();
   {
     std::lock_guard lk(mu_);
     outcome_ = std::move(out);
@@ -337,7 +349,15 @@ RoundDriver::Outcome RoundDriver::Wait() {
   }
   if (!blocked.ok() && out.status.ok()) out.status = blocked;
   if (!out.status.ok() && !out.report.pushed) failed_ = inflight_;
+  std::shared_ptr<const std::vector<Tensor>> delta = std::move(inflight_->delta);
   inflight_.reset();
+  // A delta EndRound made (non-const, so casting the const away is sound) that nothing else
+  // holds (no retry, no checkpoint keeps it): its buffers go back.
+  const bool ours = delta && delta.get() == taken_;
+  taken_ = nullptr;
+  if (params_ != nullptr && ours && delta.use_count() == 1) {
+    params_->Recycle(std::move(*std::const_pointer_cast<std::vector<Tensor>>(delta)));
+  }
   return out;
 }
 
@@ -363,8 +383,11 @@ Result<RoundReport> RoundDriver::EndRound(
   }
   ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> delta, params_->TakeDelta());
   progressed_ = false;
-  RoundInFlight in{round, tokens, compute_ms,
-                   std::make_shared<const std::vector<Tensor>>(std::move(delta)), nullptr};
+  // Made non-const and handed out as const: Wait gives it back to Recycle when no one else
+  // holds it.
+  auto made = std::make_shared<std::vector<Tensor>>(std::move(delta));
+  taken_ = made.get();
+  RoundInFlight in{round, tokens, compute_ms, std::move(made), nullptr};
   if (before_push) ISTHMUS_RETURN_IF_ERROR(before_push(in));
   // Without overlap the caller is blocked from the hand-over on, before the driver's thread
   // starts the push: the whole push, wait and pull lie within blocked_s.

@@ -22,6 +22,9 @@ Result<std::vector<std::string_view>> FeedbackEncoder::Encode(
           "the residuals of round {}",
           round_, round, done_);
     }
+    // The buffers of the round before are the next residuals' (a full-mode round's are
+    // hundreds of MB: fresh memory would cost the kernel's zeroing every round).
+    for (auto& [name, e] : encoded_) spare_[name] = std::move(e.residual);
     encoded_.clear();
     round_ = round;
   }
@@ -71,6 +74,10 @@ Result<std::vector<std::string_view>> FeedbackEncoder::Encode(
     std::vector<float>& res = residual_[d.name];
     if (res.empty()) res.assign(n, 0.0f);
     Encoded& e = encoded_[d.name];
+    if (auto sp = spare_.find(d.name); sp != spare_.end()) {
+      e.residual = std::move(sp->second);
+      spare_.erase(sp);
+    }
     e.residual.resize(n);
     FeedbackTask& t = tasks.emplace_back();
     t.pipeline = pipes[i];
@@ -134,6 +141,7 @@ Status FeedbackEncoder::KeepPipelinesIn(std::string path) {
 void FeedbackEncoder::SetResiduals(std::map<std::string, std::vector<float>> residuals) {
   residual_ = std::move(residuals);
   encoded_.clear();
+  spare_.clear();
   round_ = 0;
   done_ = 0;
 }

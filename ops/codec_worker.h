@@ -60,7 +60,8 @@ class FeedbackEncoder : public DeltaEncoder {
   uint64_t done_ = 0;   // the last round Done
   uint64_t round_ = 0;  // the round `encoded_` holds
   std::map<std::string, Encoded> encoded_;
-  std::string kept_path_;  // empty: pipelines are not kept
+  std::map<std::string, std::vector<float>> spare_;  // buffers for the next residuals
+  std::string kept_path_;                            // empty: pipelines are not kept
   uint64_t kept_round_ = 0;
   std::map<std::string, std::string> kept_;  // of kept_round_, by tensor
 };

@@ -1,6 +1,7 @@
 // The round driver's LiveParams on the model's compute backend (see live_params.h).
 #include "worker/live_params.h"
 
+#include <algorithm>
 #include <map>
 
 namespace isthmus::worker {
@@ -28,20 +29,38 @@ Result<std::vector<Tensor>> ModelLiveParams::TakeDelta() {
   float* minus = staging_.as<float>();
   const auto count = static_cast<int64_t>(n());
   ops.Subtract(base, live, minus, count);  // -delta
-  std::vector<float> flat(n());
-  ops.Download(flat.data(), minus, flat.size() * sizeof(float));
+  // Downloaded tensor by tensor into the round's buffers (a recycled delta's when there is
+  // one: no new memory for the kernel to zero), then negated in place.
+  const auto& trainable = gpt_.Trainable();
+  spare_.resize(trainable.size());
+  std::vector<Tensor> out;
+  out.reserve(trainable.size());
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    const auto& p = trainable[i];
+    Tensor t{p.name, p.shape, std::move(spare_[i])};
+    t.data.resize(static_cast<size_t>(p.numel));
+    ops.Download(t.data.data(), minus + p.offset, t.data.size() * sizeof(float));
+    out.push_back(std::move(t));
+  }
   ops.Subtract(base, minus, live, count);  // base + delta, as a shard adding it computes
   ops.Copy(base, live, n() * sizeof(float));
   gpt_.TrainableChanged();
   ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
-  std::vector<Tensor> out;
-  for (const auto& p : gpt_.Trainable()) {
-    Tensor t{p.name, p.shape, std::vector<float>(static_cast<size_t>(p.numel))};
-    const float* src = flat.data() + p.offset;
-    for (size_t i = 0; i < t.data.size(); ++i) t.data[i] = -src[i];
-    out.push_back(std::move(t));
+  for (auto& t : out) {
+    for (float& v : t.data) v = -v;
   }
   return out;
+}
+
+void ModelLiveParams::Recycle(std::vector<Tensor> delta) {
+  const auto& trainable = gpt_.Trainable();
+  if (delta.size() != trainable.size()) return;
+  spare_.resize(trainable.size());
+  for (size_t i = 0; i < trainable.size(); ++i) {
+    if (delta[i].data.size() == static_cast<size_t>(trainable[i].numel)) {
+      spare_[i] = std::move(delta[i].data);
+    }
+  }
 }
 
 Status ModelLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {
@@ -50,7 +69,7 @@ Status ModelLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progresse
   if (pulled != nullptr) {
     std::map<std::string, const Tensor*> by_name;
     for (const auto& t : *pulled) by_name[t.name] = &t;
-    std::vector<float> flat(n(), 0.0f);
+    std::vector<const Tensor*> src;
     for (const auto& p : gpt_.Trainable()) {
       auto it = by_name.find(p.name);
       if (it == by_name.end()) {
@@ -61,9 +80,22 @@ Status ModelLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progresse
         return Status::InvalidArgument("the pulled tensor '" + p.name +
                                        "' has another shape than the model's");
       }
-      std::copy(it->second->data.begin(), it->second->data.end(), flat.begin() + p.offset);
+      src.push_back(it->second);
     }
-    ops.Upload(staged, flat.data(), flat.size() * sizeof(float));
+    // Uploaded tensor by tensor; the alignment gaps between them (never trained) are zeros,
+    // as in the live weights.
+    std::vector<std::pair<int64_t, size_t>> spans;  // offset, tensor index
+    for (size_t i = 0; i < src.size(); ++i) spans.emplace_back(gpt_.Trainable()[i].offset, i);
+    std::sort(spans.begin(), spans.end());
+    int64_t end = 0;  // the end of the last tensor uploaded
+    for (const auto& [offset, i] : spans) {
+      if (offset > end) ops.Zero(staged + end, static_cast<size_t>(offset - end) * sizeof(float));
+      const Tensor& t = *src[i];
+      ops.Upload(staged + offset, t.data.data(), t.data.size() * sizeof(float));
+      end = offset + static_cast<int64_t>(t.data.size());
+    }
+    const auto total = static_cast<int64_t>(n());
+    if (total > end) ops.Zero(staged + end, static_cast<size_t>(total - end) * sizeof(float));
   } else if (comm_ == nullptr) {
     return Status::InvalidArgument("no pulled state to merge");
   }

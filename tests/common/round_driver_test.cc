@@ -38,6 +38,7 @@ class FakeShards : public RoundShards {
     EXPECT_EQ(deltas.size(), 1u);
     std::vector<float> d(deltas[0].data, deltas[0].data + theta_.size());
     pushed_.push_back(d);
+    pushed_from_.push_back(deltas[0].data);
     for (size_t i = 0; i < theta_.size(); ++i) theta_[i] += d[i] + other_;
     local_ = round;
     if (!hold_commits_) committed_ = round;
@@ -95,6 +96,7 @@ class FakeShards : public RoundShards {
   std::condition_variable cv_;
   std::vector<float> theta_;  // GUARDED_BY(mu_), as everything below
   std::vector<std::vector<float>> pushed_;
+  std::vector<const float*> pushed_from_;  // where each pushed delta lay
   float other_ = 0;
   uint64_t local_ = 0, committed_ = 0, limit_ = 2;
   bool hold_commits_ = false, hold_pull_ = false, other_ranks_behind_ = false;
@@ -411,6 +413,47 @@ TEST(RoundDriver, WithoutFollowLimitTheKSetAtStartUpDecidesWhetherEndRoundWaits)
     EXPECT_EQ(awaited - before, follow ? 0 : 1);
     ASSERT_TRUE(d.Complete().ok());
   }
+}
+
+// A completed round's delta goes back to the LiveParams (Recycle) when nothing else holds it,
+// and the next round's delta is taken into its buffers, with the right values (what lay
+// there before does not leak in); one that something still holds (a checkpoint's copy, a
+// round to retry) is left alone.
+TEST(RoundDriver, ACompletedRoundsDeltaBuffersAreReusedOnlyWhenNothingElseHoldsThem) {
+  Site s({1, 2, 3, 4}, /*overlap=*/true);
+  s.Step(1);
+  ASSERT_TRUE(s.driver->EndRound(1, 100, 5).ok());
+  s.Step(2);
+  ASSERT_TRUE(UntilReady(*s.driver));
+  ASSERT_TRUE(s.driver->EndRound(2, 100, 5).ok());  // completes round 1, then takes round 2
+  std::shared_ptr<const std::vector<Tensor>> kept;
+  s.Step(3);
+  ASSERT_TRUE(UntilReady(*s.driver));
+  ASSERT_TRUE(s.driver
+                  ->EndRound(3, 100, 5,
+                             [&](RoundInFlight& in) {
+                               kept = in.delta;  // as a checkpoint that holds the round would
+                               return Status::Ok();
+                             })
+                  .ok());
+  s.Step(4);
+  ASSERT_TRUE(UntilReady(*s.driver));
+  ASSERT_TRUE(s.driver->EndRound(4, 100, 5).ok());
+  ASSERT_TRUE(UntilReady(*s.driver));
+  ASSERT_TRUE(s.driver->Complete().ok());
+  s.shards.With([&] {
+    ASSERT_EQ(s.shards.pushed_.size(), 4u);
+    for (int r = 0; r < 4; ++r) {
+      EXPECT_EQ(s.shards.pushed_[r], std::vector<float>(4, static_cast<float>(r + 1))) << r;
+    }
+    // Round 2 took round 1's buffer, round 3 round 2's; round 3's was held when round 4
+    // was taken, so round 4 lies elsewhere.
+    EXPECT_EQ(s.shards.pushed_from_[1], s.shards.pushed_from_[0]);
+    EXPECT_EQ(s.shards.pushed_from_[2], s.shards.pushed_from_[1]);
+    EXPECT_NE(s.shards.pushed_from_[3], s.shards.pushed_from_[2]);
+  });
+  ASSERT_TRUE(kept);
+  EXPECT_EQ((*kept)[0].data, std::vector<float>(4, 3.0f));  // untouched by round 4
 }
 
 TEST(HostLiveParams, TheDeltaIsWhatAShardAddingItToTheBaseHolds) {

@@ -695,9 +695,14 @@ TEST_P(ModelLiveParamsTest, SnapshotAndMergeAreTheHostArithmeticBitForBit) {
       ASSERT_EQ(merged[i].data[k], want) << merged[i].name;
     }
   }
-  // The base is now the pulled state: the next delta is the progress since the merge.
+  // The base is now the pulled state: the next delta is the progress since the merge. It is
+  // taken into the first delta's buffers, handed back (Recycle), and what they held is gone.
+  std::vector<const float*> buffers;
+  for (const auto& t : *delta) buffers.push_back(t.data.data());
+  (*live)->Recycle(std::move(*delta));
   auto zero = (*live)->TakeDelta();
   ASSERT_TRUE(zero.ok());
+  for (size_t i = 0; i < zero->size(); ++i) EXPECT_EQ((*zero)[i].data.data(), buffers[i]);
   for (size_t i = 0; i < zero->size(); ++i) {
     for (size_t k = 0; k < (*zero)[i].data.size(); ++k) {
       ASSERT_EQ((*zero)[i].data[k], merged[i].data[k] - pulled[i].data[k]);
