@@ -627,6 +627,7 @@ Status SyncEngine::LoadResiduals(const std::string& name, Job& j) {
       decoded.assign(v.size(), 0.0f);
       ISTHMUS_RETURN_IF_ERROR(codec::Decode(et.bytes, decoded));
       codec::RecomputeResidual(v, *staged, decoded);
+      j.residual_changed.insert(et.name);
     }
   }
   j.residual = std::move(residual);
@@ -798,9 +799,14 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j, const StagedDelta
       }
       continue;
     }
-    batch.Put(
-        Column::kState, StateKey(name, StateKind::kResidual, tname),
-        FloatBytes(by_worker.count(tname) ? j.residual.at(tname) : j.residual_next.at(tname)));
+    // A residual that only workers' encodes left as it was is its stored row still.
+    if (!by_worker.count(tname)) {
+      batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
+                FloatBytes(j.residual_next.at(tname)));
+    } else if (j.residual_changed.count(tname)) {
+      batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
+                FloatBytes(j.residual.at(tname)));
+    }
     // The staged deltas the residuals now cover go, this round's among them.
     for (uint64_t r = j.residual_round + 1; r <= round; ++r) {
       if (r != round || pushed == nullptr) {
@@ -812,8 +818,11 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j, const StagedDelta
   }
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
+  if (write_residuals) j.residual_changed.clear();
   for (const auto& [tname, _] : j.theta) {
-    if (!by_worker.count(tname)) j.residual.at(tname).swap(j.residual_next.at(tname));
+    if (by_worker.count(tname)) continue;
+    j.residual.at(tname).swap(j.residual_next.at(tname));
+    if (!write_residuals) j.residual_changed.insert(tname);
   }
   j.local = round;
   j.residual_round = rec.residual_round;
@@ -1757,7 +1766,8 @@ Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
   rec.local = std::max(j->local, image.round);
   rec.version = std::max(j->version, image.version) + 1;
   WriteBatch batch;
-  if (rec.local > j->local) {
+  const bool write_residuals = rec.local > j->local;
+  if (write_residuals) {
     // Rounds this site never closed: its residuals carry over them, written now (a start
     // could not recompute them across rounds without staged deltas).
     ISTHMUS_RETURN_IF_ERROR(LoadResiduals(name, *j));
@@ -1790,6 +1800,7 @@ Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
   batch.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   static_cast<SyncRecord&>(*j) = rec;
+  if (write_residuals) j->residual_changed.clear();  // every row written
   j->unsaved.clear();
   j->theta = std::move(theta);
   if (keeps_momentum()) j->momentum = std::move(momentum);

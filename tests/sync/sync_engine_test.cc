@@ -1856,6 +1856,98 @@ TEST(SyncEngineTest, WorkerEncodedDeltasAreSentAsTheyCameAndTheShardResidualSkip
   }
 }
 
+// A close that writes the residuals (every sync.checkpoint_rounds) rewrites only those the
+// shard changed since they were last written: a tensor only its workers encoded keeps its row
+// (none at all if the shard never encoded it), and a start still recomputes every residual
+// right: the shard's encodes after it are those of residuals kept on the side.
+TEST(SyncEngineTest, AResidualOnlyWorkersEncodedIsNotRewrittenAtACheckpointClose) {
+  const std::string codec = "topk:0.1+int4+zstd";
+  Site a("siteA", {"siteB"}, codec);
+  Site b("siteB", {"siteA"}, codec);
+  a.options().checkpoint_rounds = 2;
+  b.options().checkpoint_rounds = 2;
+  a.Reopen();
+  b.Reopen();
+  std::vector<std::vector<float>> shard_res, worker_res;
+  for (const auto& t : kTensors) {
+    shard_res.emplace_back(Numel(t.shape), 0.0f);
+    worker_res.emplace_back(Numel(t.shape), 0.0f);
+  }
+  // Round r with tensor i encoded by the shard when shard(r, i), by the worker otherwise.
+  auto round = [&](uint64_t r, const std::function<bool(size_t)>& shard) {
+    SCOPED_TRACE("round " + std::to_string(r));
+    auto pipes = a.engine().RoundPipelines(kJob, r);
+    ASSERT_TRUE(pipes.ok()) << pipes.status().ToString();
+    std::vector<std::vector<float>> deltas;
+    std::vector<std::string> want;
+    std::vector<SyncPushTensor> ts;
+    for (size_t i = 0; i < kTensors.size(); ++i) {
+      deltas.push_back(DeltaOf("siteA", r, i));
+      auto pipe = codec::ParsePipeline(pipes->at(kTensors[i].name));
+      ASSERT_TRUE(pipe.ok());
+      std::vector<float> decoded(deltas.back().size());
+      std::vector<float>& res = shard(i) ? shard_res[i] : worker_res[i];
+      want.push_back(
+          codec::EncodeWithFeedback(*pipe, deltas.back(), kTensors[i].shape, res, decoded));
+    }
+    for (size_t i = 0; i < kTensors.size(); ++i) {
+      SyncPushTensor t{kTensors[i].name, deltas[i], kTensors[i].shape};
+      if (!shard(i)) {
+        t.delta = {};
+        t.encoded = want[i];
+      }
+      ts.push_back(std::move(t));
+    }
+    WriteBatch batch;
+    ASSERT_TRUE(a.engine().PushRound(kJob, r, TokensOf("siteA", r), ts, batch).ok());
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    auto sent = a.engine().OutboxDelta(kJob, r);
+    ASSERT_TRUE(sent.ok()) << sent.status().ToString();
+    ASSERT_EQ((*sent)->tensors.size(), kTensors.size());
+    for (size_t i = 0; i < kTensors.size(); ++i) {
+      EXPECT_TRUE((*sent)->tensors[i].bytes == want[i]) << kTensors[i].name;
+    }
+    ASSERT_TRUE(b.PushRound(r).ok());
+    Deliver(a, b);
+    Deliver(b, a);
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    ASSERT_EQ(a.engine().CommittedRound(kJob), r);
+    EXPECT_EQ(a.Digests(), b.Digests());
+  };
+  auto row = [&](size_t i) {
+    auto v = a.store()->Get(Column::kState,
+                            keys::StateKey(kJob, keys::StateKind::kResidual, kTensors[i].name));
+    EXPECT_TRUE(v.ok());
+    return v.ok() ? *v : std::nullopt;
+  };
+  auto floats = [](const std::vector<float>& v) {
+    return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+  };
+  ASSERT_GE(kTensors.size(), 3u);
+  round(1, [](size_t i) { return i == 0; });
+  round(2, [](size_t) { return false; });  // writes the residuals
+  ASSERT_TRUE(row(0).has_value());
+  EXPECT_EQ(*row(0), floats(shard_res[0]));
+  EXPECT_FALSE(row(1).has_value());  // never encoded by the shard: zeros, no row
+  EXPECT_FALSE(row(2).has_value());
+  round(3, [](size_t i) { return i == 1; });
+  const std::string row0 = *row(0);
+  round(4, [](size_t) { return false; });  // writes the residuals
+  ASSERT_TRUE(row(1).has_value());
+  EXPECT_EQ(*row(1), floats(shard_res[1]));
+  EXPECT_EQ(*row(0), row0);
+  EXPECT_FALSE(row(2).has_value());
+  // Round 5 by the shard alone, between checkpoints; then a start recomputes the residuals
+  // from the rows and round 5's staged delta, and round 6 is encoded from them.
+  round(5, [](size_t) { return true; });
+  a.Reopen();
+  round(6, [](size_t) { return true; });  // writes the residuals
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    ASSERT_TRUE(row(i).has_value()) << i;
+    EXPECT_EQ(*row(i), floats(shard_res[i])) << i;
+  }
+}
+
 // A worker-encoded delta that does not decode, or decodes to another tensor's size, is
 // refused before anything is written; a round-less push takes no encoded delta.
 TEST(SyncEngineTest, AnEncodedDeltaThatDoesNotDecodeToTheTensorIsRefusedWithNothingWritten) {
