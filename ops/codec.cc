@@ -113,12 +113,54 @@ std::vector<float> Sanitize(std::span<const float> x) {
   return v;
 }
 
+// Top-k selects on a strided sample first when there are at least this many values and k
+// is at most a quarter of them; kSamples values make the sample.
+constexpr uint64_t kSampleFrom = uint64_t{1} << 16;
+constexpr uint64_t kSamples = 4096;
+
+// The k-th largest magnitude of x[0, n), k in [1, n). On a large tensor the selection runs
+// only on the magnitudes at least `lo`, a threshold from a strided sample set a few standard
+// deviations of the sample's rank below the k-th: when at least k values reach it, the k-th
+// largest among them is the k-th largest of all (every value above it reaches `lo` too), so
+// the answer does not depend on the sample; when fewer do (a sample that missed the large
+// values), all magnitudes are selected on, as for a small tensor. `mag` is scratch.
+float KthLargestMagnitude(const float* x, uint64_t n, uint64_t k, std::vector<float>& mag) {
+  if (n >= kSampleFrom && k <= n / 4) {
+    const uint64_t stride = n / kSamples;
+    mag.resize(kSamples);
+    for (uint64_t i = 0; i < kSamples; ++i) mag[i] = std::fabs(x[i * stride]);
+    const double expect =
+        static_cast<double>(k) * static_cast<double>(kSamples) / static_cast<double>(n);
+    const auto rank =
+        std::min<uint64_t>(kSamples, static_cast<uint64_t>(expect + 4.0 * std::sqrt(expect)) + 16);
+    std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(rank - 1), mag.end(),
+                     std::greater<float>());
+    const float lo = mag[rank - 1];
+    mag.clear();
+    mag.reserve(std::min<uint64_t>(n, 2 * rank * stride));
+    for (uint64_t i = 0; i < n; ++i) {
+      const float a = std::fabs(x[i]);
+      if (a >= lo) mag.push_back(a);
+    }
+    if (mag.size() >= k) {
+      std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(k - 1), mag.end(),
+                       std::greater<float>());
+      return mag[k - 1];
+    }
+  }
+  mag.resize(n);
+  for (uint64_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i]);
+  std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(k - 1), mag.end(),
+                   std::greater<float>());
+  return mag[k - 1];
+}
+
 // Sorted indices of the kept entries of v[begin, end): the k largest magnitudes, ties going
 // to the lower index ("largest magnitude first, lower index on ties", a strict total order,
 // so the set does not depend on the selection algorithm). Found through the k-th largest
-// magnitude T, selected on a contiguous copy of the magnitudes: every entry above T is kept,
-// and of those equal to T the lowest-indexed ones up to k. (It used to run nth_element on
-// indices compared through v, then sort them: the same set, several times slower.)
+// magnitude T (KthLargestMagnitude): every entry above T is kept, and of those equal to T
+// the lowest-indexed ones up to k. (It used to run nth_element on indices compared through
+// v, then sort them: the same set, several times slower.)
 void SelectTopK(std::span<const float> v, uint64_t begin, uint64_t end, uint64_t k,
                 std::vector<uint64_t>* kept) {
   ISTHMUS_CHECK(end - begin <= UINT32_MAX, "top-k over more than 4G elements");
@@ -129,11 +171,8 @@ void SelectTopK(std::span<const float> v, uint64_t begin, uint64_t end, uint64_t
     return;
   }
   if (k == 0) return;
-  std::vector<float> mag(n);
-  for (uint64_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i]);
-  std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(k - 1), mag.end(),
-                   std::greater<float>());
-  const float t = mag[k - 1];
+  std::vector<float> mag;
+  const float t = KthLargestMagnitude(x, n, k, mag);
   uint64_t above = 0;
   for (uint64_t i = 0; i < n; ++i) above += std::fabs(x[i]) > t;
   uint64_t ties = k - above;  // entries equal to t to keep, lowest index first

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <random>
 #include <string>
 #include <tuple>
@@ -185,6 +186,45 @@ TEST(CodecRoundTrip, TopKIsTheLargestWithTiesToTheLowerIndex) {
     }
     EXPECT_EQ(RoundTrip(P("blocktopk:" + std::to_string(density) + ":250"), x), want_blocks)
         << density;
+  }
+}
+
+// On a large tensor top-k selects on a strided sample's threshold first (ops/codec.cc,
+// KthLargestMagnitude); the kept set must still be exactly the k largest with ties to the
+// lower index, whatever the data: Gaussian, a few values with many ties at the threshold,
+// sorted, mostly zeros, and a pattern whose large values sit exactly on the sample's
+// positions (2^18 values, stride 64), so that the sample overestimates and the selection
+// falls back to every magnitude.
+TEST(CodecRoundTrip, TopKOnALargeTensorIsTheLargestWithTiesToTheLowerIndex) {
+  const size_t n = size_t{1} << 18;
+  std::mt19937 gen(23);
+  std::uniform_int_distribution<int> pick(-4, 4);
+  std::vector<std::pair<std::string, std::vector<float>>> cases;
+  cases.emplace_back("gaussian", Gaussian(n, 9));
+  std::vector<float> ties(n);
+  for (float& f : ties) f = 0.25f * static_cast<float>(pick(gen));
+  cases.emplace_back("ties", ties);
+  std::vector<float> sorted = Gaussian(n, 10);
+  std::sort(sorted.begin(), sorted.end());
+  cases.emplace_back("sorted", sorted);
+  std::vector<float> sparse(n, 0.0f);
+  for (size_t i = 0; i < n; i += 97) sparse[i] = static_cast<float>(i % 13) - 6.0f;
+  cases.emplace_back("mostly zeros", sparse);
+  std::vector<float> aligned(n);
+  for (size_t i = 0; i < n; ++i) aligned[i] = i % 64 == 0 ? 100.0f : 1.0f + 1e-6f * (i % 7);
+  cases.emplace_back("aligned with the sample", aligned);
+  for (const auto& [name, x] : cases) {
+    std::vector<size_t> order(n);
+    std::iota(order.begin(), order.end(), size_t{0});
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return std::fabs(x[a]) > std::fabs(x[b]); });
+    for (double density : {0.0001, 0.01, 0.05, 0.2, 0.6}) {
+      const size_t k = static_cast<size_t>(std::ceil(density * static_cast<double>(n)));
+      std::vector<float> want(n, 0.0f);
+      for (size_t j = 0; j < k; ++j) want[order[j]] = x[order[j]];
+      EXPECT_EQ(RoundTrip(P("topk:" + std::to_string(density)), x), want)
+          << name << ", density " << density;
+    }
   }
 }
 
