@@ -25,11 +25,22 @@ std::string R(uint64_t round) { return "round " + std::to_string(round); }
 
 }  // namespace
 
-// --- HostLiveParams ---------------------------------------------------------------------
+// --- DeltaBuffers, HostLiveParams --------------------------------------------------------
+
+std::vector<float> DeltaBuffers::Take(size_t i, size_t n) {
+  std::vector<float> b;
+  if (i < spare_.size()) b = std::move(spare_[i]);
+  b.resize(n);
+  return b;
+}
+
+void DeltaBuffers::Keep(std::vector<Tensor> delta) {
+  spare_.resize(delta.size());
+  for (size_t i = 0; i < delta.size(); ++i) spare_[i] = std::move(delta[i].data);
+}
 
 HostLiveParams::HostLiveParams(std::vector<LiveTensor> live) : live_(std::move(live)) {
   base_.resize(live_.size());
-  spare_.resize(live_.size());
   (void)Reset();
 }
 
@@ -47,8 +58,7 @@ Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {
   for (size_t t = 0; t < live_.size(); ++t) {
     float* live = live_[t].data;
     std::vector<float>& base = base_[t];
-    Tensor d{live_[t].name, live_[t].shape, std::move(spare_[t])};
-    d.data.resize(base.size());  // a recycled buffer has the size already: no new memory
+    Tensor d{live_[t].name, live_[t].shape, spare_.Take(t, base.size())};
     for (size_t i = 0; i < base.size(); ++i) {
       d.data[i] = live[i] - base[i];
       live[i] = base[i] + d.data[i];  // what a shard that adds the delta to base holds
@@ -57,13 +67,6 @@ Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {
     out.push_back(std::move(d));
   }
   return out;
-}
-
-void HostLiveParams::Recycle(std::vector<Tensor> delta) {
-  if (delta.size() != live_.size()) return;
-  for (size_t t = 0; t < live_.size(); ++t) {
-    if (delta[t].data.size() == base_[t].size()) spare_[t] = std::move(delta[t].data);
-  }
 }
 
 Status HostLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {

@@ -102,6 +102,20 @@ class LiveParams {
   virtual void Recycle(std::vector<Tensor> delta) { (void)delta; }
 };
 
+// The host buffers of deltas handed back to a LiveParams (Recycle), by tensor index, for
+// its next TakeDelta.
+class DeltaBuffers {
+ public:
+  // A buffer of n floats for tensor i: a recycled one when there is one (no new memory; its
+  // values are stale), else a fresh one.
+  std::vector<float> Take(size_t i, size_t n);
+  // Keeps the buffers of `delta`, its tensors in TakeDelta's order.
+  void Keep(std::vector<Tensor> delta);
+
+ private:
+  std::vector<std::vector<float>> spare_;
+};
+
 // A live tensor in host memory, written in place by HostLiveParams.
 struct LiveTensor {
   std::string name;
@@ -117,12 +131,12 @@ class HostLiveParams : public LiveParams {
   Status Reset() override;
   Result<std::vector<Tensor>> TakeDelta() override;
   Status Rebase(const std::vector<Tensor>* pulled, bool progressed) override;
-  void Recycle(std::vector<Tensor> delta) override;
+  void Recycle(std::vector<Tensor> delta) override { spare_.Keep(std::move(delta)); }
 
  private:
   std::vector<LiveTensor> live_;
   std::vector<std::vector<float>> base_;
-  std::vector<std::vector<float>> spare_;  // a recycled delta's buffers, by tensor
+  DeltaBuffers spare_;
 };
 
 struct RoundDriverOptions {

@@ -125,6 +125,11 @@ constexpr uint64_t kSamples = 4096;
 // the answer does not depend on the sample; when fewer do (a sample that missed the large
 // values), all magnitudes are selected on, as for a small tensor. `mag` is scratch.
 float KthLargestMagnitude(const float* x, uint64_t n, uint64_t k, std::vector<float>& mag) {
+  auto kth = [](std::vector<float>& m, uint64_t j) {  // the j-th largest of m (reordered)
+    std::nth_element(m.begin(), m.begin() + static_cast<ptrdiff_t>(j - 1), m.end(),
+                     std::greater<float>());
+    return m[j - 1];
+  };
   if (n >= kSampleFrom && k <= n / 4) {
     const uint64_t stride = n / kSamples;
     mag.resize(kSamples);
@@ -133,26 +138,18 @@ float KthLargestMagnitude(const float* x, uint64_t n, uint64_t k, std::vector<fl
         static_cast<double>(k) * static_cast<double>(kSamples) / static_cast<double>(n);
     const auto rank =
         std::min<uint64_t>(kSamples, static_cast<uint64_t>(expect + 4.0 * std::sqrt(expect)) + 16);
-    std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(rank - 1), mag.end(),
-                     std::greater<float>());
-    const float lo = mag[rank - 1];
+    const float lo = kth(mag, rank);
     mag.clear();
     mag.reserve(std::min<uint64_t>(n, 2 * rank * stride));
     for (uint64_t i = 0; i < n; ++i) {
       const float a = std::fabs(x[i]);
       if (a >= lo) mag.push_back(a);
     }
-    if (mag.size() >= k) {
-      std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(k - 1), mag.end(),
-                       std::greater<float>());
-      return mag[k - 1];
-    }
+    if (mag.size() >= k) return kth(mag, k);
   }
   mag.resize(n);
   for (uint64_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i]);
-  std::nth_element(mag.begin(), mag.begin() + static_cast<ptrdiff_t>(k - 1), mag.end(),
-                   std::greater<float>());
-  return mag[k - 1];
+  return kth(mag, k);
 }
 
 // Sorted indices of the kept entries of v[begin, end): the k largest magnitudes, ties going

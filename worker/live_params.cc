@@ -32,13 +32,11 @@ Result<std::vector<Tensor>> ModelLiveParams::TakeDelta() {
   // Downloaded tensor by tensor into the round's buffers (a recycled delta's when there is
   // one: no new memory for the kernel to zero), then negated in place.
   const auto& trainable = gpt_.Trainable();
-  spare_.resize(trainable.size());
   std::vector<Tensor> out;
   out.reserve(trainable.size());
   for (size_t i = 0; i < trainable.size(); ++i) {
     const auto& p = trainable[i];
-    Tensor t{p.name, p.shape, std::move(spare_[i])};
-    t.data.resize(static_cast<size_t>(p.numel));
+    Tensor t{p.name, p.shape, spare_.Take(i, static_cast<size_t>(p.numel))};
     ops.Download(t.data.data(), minus + p.offset, t.data.size() * sizeof(float));
     out.push_back(std::move(t));
   }
@@ -50,17 +48,6 @@ Result<std::vector<Tensor>> ModelLiveParams::TakeDelta() {
     for (float& v : t.data) v = -v;
   }
   return out;
-}
-
-void ModelLiveParams::Recycle(std::vector<Tensor> delta) {
-  const auto& trainable = gpt_.Trainable();
-  if (delta.size() != trainable.size()) return;
-  spare_.resize(trainable.size());
-  for (size_t i = 0; i < trainable.size(); ++i) {
-    if (delta[i].data.size() == static_cast<size_t>(trainable[i].numel)) {
-      spare_[i] = std::move(delta[i].data);
-    }
-  }
 }
 
 Status ModelLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {

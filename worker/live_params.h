@@ -40,7 +40,7 @@ class ModelLiveParams : public LiveParams {
   // base := P.
   Status Rebase(const std::vector<Tensor>* pulled, bool progressed) override;
   // Keeps the delta's host buffers for the next TakeDelta.
-  void Recycle(std::vector<Tensor> delta) override;
+  void Recycle(std::vector<Tensor> delta) override { spare_.Keep(std::move(delta)); }
 
  private:
   ModelLiveParams(model::Gpt& gpt, comm::Communicator* comm) : gpt_(gpt), comm_(comm) {}
@@ -48,9 +48,9 @@ class ModelLiveParams : public LiveParams {
 
   model::Gpt& gpt_;
   comm::Communicator* comm_;
-  ops::Buffer base_;                       // the round's base (backend memory)
-  ops::Buffer staging_;                    // -delta, then the pulled state
-  std::vector<std::vector<float>> spare_;  // a recycled delta's host buffers, by tensor
+  ops::Buffer base_;     // the round's base (backend memory)
+  ops::Buffer staging_;  // -delta, then the pulled state
+  DeltaBuffers spare_;   // a recycled delta's host buffers
 };
 
 }  // namespace isthmus::worker

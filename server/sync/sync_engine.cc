@@ -800,12 +800,10 @@ Status SyncEngine::CloseRound(const std::string& name, Job& j, const StagedDelta
       continue;
     }
     // A residual that only workers' encodes left as it was is its stored row still.
-    if (!by_worker.count(tname)) {
+    const bool kept = by_worker.count(tname) > 0;
+    if (!kept || j.residual_changed.count(tname)) {
       batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
-                FloatBytes(j.residual_next.at(tname)));
-    } else if (j.residual_changed.count(tname)) {
-      batch.Put(Column::kState, StateKey(name, StateKind::kResidual, tname),
-                FloatBytes(j.residual.at(tname)));
+                FloatBytes(kept ? j.residual.at(tname) : j.residual_next.at(tname)));
     }
     // The staged deltas the residuals now cover go, this round's among them.
     for (uint64_t r = j.residual_round + 1; r <= round; ++r) {

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <memory>
 #include <random>
 
 #include "common/tensor.h"
@@ -1765,6 +1767,74 @@ TEST(SyncEngineTest, AStageWriteThatFailsWhileTheCloseEncodesLeavesNothingBehind
   EXPECT_EQ(a.engine().EarlyEncodes(), 3u);
 }
 
+// Site A's round r with each tensor's delta (DeltaOf) encoded by its worker or by the shard
+// (shard(i)), with error feedback in the residuals kept here on the side: what the shard must
+// send (`want`), and the tensors to push, the worker-encoded ones as their bytes. The
+// deltas and bytes are shared, so a push may keep them alive (PushRound's keepalive).
+struct MixedRound {
+  std::shared_ptr<std::vector<std::vector<float>>> deltas =
+      std::make_shared<std::vector<std::vector<float>>>();
+  std::shared_ptr<std::vector<std::string>> bytes = std::make_shared<std::vector<std::string>>();
+  std::vector<std::string> want;
+  std::vector<SyncPushTensor> tensors;
+};
+
+// The error-feedback residuals of the shard and of the worker, kept on the side; zeros at
+// the start.
+struct SideResiduals {
+  SideResiduals() {
+    for (const auto& t : kTensors) {
+      shard.emplace_back(Numel(t.shape), 0.0f);
+      worker.emplace_back(Numel(t.shape), 0.0f);
+    }
+  }
+  std::vector<std::vector<float>> shard, worker;
+};
+
+void MakeMixedRound(Site& a, uint64_t r, const std::function<bool(size_t)>& shard,
+                    SideResiduals& side, MixedRound* out) {
+  auto pipes = a.engine().RoundPipelines(kJob, r);
+  ASSERT_TRUE(pipes.ok()) << pipes.status().ToString();
+  ASSERT_EQ(pipes->size(), kTensors.size());
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    out->deltas->push_back(DeltaOf("siteA", r, i));
+    auto pipe = codec::ParsePipeline(pipes->at(kTensors[i].name));
+    ASSERT_TRUE(pipe.ok());
+    std::vector<float> decoded(out->deltas->back().size());
+    std::vector<float>& res = shard(i) ? side.shard[i] : side.worker[i];
+    out->want.push_back(
+        codec::EncodeWithFeedback(*pipe, out->deltas->back(), kTensors[i].shape, res, decoded));
+    out->bytes->push_back(shard(i) ? std::string() : out->want.back());
+  }
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    SyncPushTensor t{kTensors[i].name, (*out->deltas)[i], kTensors[i].shape};
+    if (!(*out->bytes)[i].empty()) {
+      t.delta = {};
+      t.encoded = (*out->bytes)[i];
+    }
+    out->tensors.push_back(std::move(t));
+  }
+}
+
+// Site A sends exactly `want` for round r; B pushes its round, both deliver, and both commit
+// round r with the same digests.
+void ExpectSentAndCommitted(Site& a, Site& b, uint64_t r, const std::vector<std::string>& want) {
+  auto sent = a.engine().OutboxDelta(kJob, r);
+  ASSERT_TRUE(sent.ok()) << sent.status().ToString();
+  ASSERT_EQ((*sent)->tensors.size(), kTensors.size());
+  for (size_t i = 0; i < kTensors.size(); ++i) {
+    EXPECT_EQ((*sent)->tensors[i].name, kTensors[i].name);
+    EXPECT_TRUE((*sent)->tensors[i].bytes == want[i]) << kTensors[i].name;
+  }
+  ASSERT_TRUE(b.PushRound(r).ok());
+  Deliver(a, b);
+  Deliver(b, a);
+  ASSERT_TRUE(a.engine().RunDeferred().ok());
+  ASSERT_EQ(a.engine().CommittedRound(kJob), r);
+  ASSERT_EQ(b.engine().CommittedRound(kJob), r);
+  EXPECT_EQ(a.Digests(), b.Digests());
+}
+
 // Deltas encoded by the worker (docs/SYNC.md, "Deltas encoded by the worker"): a tensor its
 // worker encoded (error feedback in the worker's residual) is sent as it came, and one pushed
 // as fp32 is encoded by the shard with the shard's residual, in any mix round by round. The
@@ -1784,40 +1854,14 @@ TEST(SyncEngineTest, WorkerEncodedDeltasAreSentAsTheyCameAndTheShardResidualSkip
     a.set_defer(style == 2);
     a.Reopen();
     b.Reopen();
-    std::vector<std::vector<float>> shard_res, worker_res;
-    for (const auto& t : kTensors) {
-      shard_res.emplace_back(Numel(t.shape), 0.0f);
-      worker_res.emplace_back(Numel(t.shape), 0.0f);
-    }
+    SideResiduals side;
     for (uint64_t r = 1; r <= 8; ++r) {
       SCOPED_TRACE("round " + std::to_string(r));
-      auto pipes = a.engine().RoundPipelines(kJob, r);
-      ASSERT_TRUE(pipes.ok()) << pipes.status().ToString();
-      ASSERT_EQ(pipes->size(), kTensors.size());
-      auto deltas = std::make_shared<std::vector<std::vector<float>>>();
-      auto bytes = std::make_shared<std::vector<std::string>>();
-      std::vector<std::string> want;
-      std::vector<SyncPushTensor> ts;
-      for (size_t i = 0; i < kTensors.size(); ++i) {
-        deltas->push_back(DeltaOf("siteA", r, i));
-        // Round 4 all by the worker, round 5 all by the shard, the others mixed.
-        const bool by_worker = r == 4 || (r != 5 && (i + r) % 3 != 0);
-        auto pipe = codec::ParsePipeline(pipes->at(kTensors[i].name));
-        ASSERT_TRUE(pipe.ok());
-        std::vector<float> decoded(deltas->back().size());
-        std::vector<float>& res = by_worker ? worker_res[i] : shard_res[i];
-        want.push_back(
-            codec::EncodeWithFeedback(*pipe, deltas->back(), kTensors[i].shape, res, decoded));
-        bytes->push_back(by_worker ? want.back() : std::string());
-      }
-      for (size_t i = 0; i < kTensors.size(); ++i) {
-        SyncPushTensor t{kTensors[i].name, (*deltas)[i], kTensors[i].shape};
-        if (!(*bytes)[i].empty()) {
-          t.delta = {};
-          t.encoded = (*bytes)[i];
-        }
-        ts.push_back(std::move(t));
-      }
+      // Round 4 all by the worker, round 5 all by the shard, the others mixed.
+      MixedRound m;
+      ASSERT_NO_FATAL_FAILURE(MakeMixedRound(
+          a, r, [r](size_t i) { return r == 5 || (r != 4 && (i + r) % 3 == 0); }, side, &m));
+      const auto& ts = m.tensors;
       const uint64_t tokens = TokensOf("siteA", r);
       if (style == 1) {
         WriteBatch b1, b2;
@@ -1825,26 +1869,14 @@ TEST(SyncEngineTest, WorkerEncodedDeltasAreSentAsTheyCameAndTheShardResidualSkip
         ASSERT_TRUE(a.engine().PushRound(kJob, r, tokens, {ts[1], ts[2]}, b2).ok());
       } else {
         WriteBatch b1;
-        auto keep = std::make_shared<std::pair<decltype(deltas), decltype(bytes)>>(deltas, bytes);
+        auto keep =
+            std::make_shared<std::pair<decltype(m.deltas), decltype(m.bytes)>>(m.deltas, m.bytes);
         auto pushed = a.engine().PushRound(
             kJob, r, tokens, ts, b1, 0, style == 2 ? std::shared_ptr<const void>(keep) : nullptr);
         ASSERT_TRUE(pushed.ok()) << pushed.status().ToString();
         ASSERT_TRUE(a.engine().RunDeferred().ok());
       }
-      auto sent = a.engine().OutboxDelta(kJob, r);
-      ASSERT_TRUE(sent.ok()) << sent.status().ToString();
-      ASSERT_EQ((*sent)->tensors.size(), kTensors.size());
-      for (size_t i = 0; i < kTensors.size(); ++i) {
-        EXPECT_EQ((*sent)->tensors[i].name, kTensors[i].name);
-        EXPECT_TRUE((*sent)->tensors[i].bytes == want[i]) << kTensors[i].name;
-      }
-      ASSERT_TRUE(b.PushRound(r).ok());
-      Deliver(a, b);
-      Deliver(b, a);
-      ASSERT_TRUE(a.engine().RunDeferred().ok());
-      ASSERT_EQ(a.engine().CommittedRound(kJob), r);
-      ASSERT_EQ(b.engine().CommittedRound(kJob), r);
-      EXPECT_EQ(a.Digests(), b.Digests());
+      ASSERT_NO_FATAL_FAILURE(ExpectSentAndCommitted(a, b, r, m.want));
       if (r == 2 || r == 5 || r == 7) a.Reopen();  // between checkpoints (3, 6) and after one
     }
     if (style == 2) {
@@ -1868,51 +1900,16 @@ TEST(SyncEngineTest, AResidualOnlyWorkersEncodedIsNotRewrittenAtACheckpointClose
   b.options().checkpoint_rounds = 2;
   a.Reopen();
   b.Reopen();
-  std::vector<std::vector<float>> shard_res, worker_res;
-  for (const auto& t : kTensors) {
-    shard_res.emplace_back(Numel(t.shape), 0.0f);
-    worker_res.emplace_back(Numel(t.shape), 0.0f);
-  }
-  // Round r with tensor i encoded by the shard when shard(r, i), by the worker otherwise.
+  SideResiduals side;
+  // Round r with tensor i encoded by the shard when shard(i), by the worker otherwise.
   auto round = [&](uint64_t r, const std::function<bool(size_t)>& shard) {
     SCOPED_TRACE("round " + std::to_string(r));
-    auto pipes = a.engine().RoundPipelines(kJob, r);
-    ASSERT_TRUE(pipes.ok()) << pipes.status().ToString();
-    std::vector<std::vector<float>> deltas;
-    std::vector<std::string> want;
-    std::vector<SyncPushTensor> ts;
-    for (size_t i = 0; i < kTensors.size(); ++i) {
-      deltas.push_back(DeltaOf("siteA", r, i));
-      auto pipe = codec::ParsePipeline(pipes->at(kTensors[i].name));
-      ASSERT_TRUE(pipe.ok());
-      std::vector<float> decoded(deltas.back().size());
-      std::vector<float>& res = shard(i) ? shard_res[i] : worker_res[i];
-      want.push_back(
-          codec::EncodeWithFeedback(*pipe, deltas.back(), kTensors[i].shape, res, decoded));
-    }
-    for (size_t i = 0; i < kTensors.size(); ++i) {
-      SyncPushTensor t{kTensors[i].name, deltas[i], kTensors[i].shape};
-      if (!shard(i)) {
-        t.delta = {};
-        t.encoded = want[i];
-      }
-      ts.push_back(std::move(t));
-    }
+    MixedRound m;
+    ASSERT_NO_FATAL_FAILURE(MakeMixedRound(a, r, shard, side, &m));
     WriteBatch batch;
-    ASSERT_TRUE(a.engine().PushRound(kJob, r, TokensOf("siteA", r), ts, batch).ok());
+    ASSERT_TRUE(a.engine().PushRound(kJob, r, TokensOf("siteA", r), m.tensors, batch).ok());
     ASSERT_TRUE(a.engine().RunDeferred().ok());
-    auto sent = a.engine().OutboxDelta(kJob, r);
-    ASSERT_TRUE(sent.ok()) << sent.status().ToString();
-    ASSERT_EQ((*sent)->tensors.size(), kTensors.size());
-    for (size_t i = 0; i < kTensors.size(); ++i) {
-      EXPECT_TRUE((*sent)->tensors[i].bytes == want[i]) << kTensors[i].name;
-    }
-    ASSERT_TRUE(b.PushRound(r).ok());
-    Deliver(a, b);
-    Deliver(b, a);
-    ASSERT_TRUE(a.engine().RunDeferred().ok());
-    ASSERT_EQ(a.engine().CommittedRound(kJob), r);
-    EXPECT_EQ(a.Digests(), b.Digests());
+    ASSERT_NO_FATAL_FAILURE(ExpectSentAndCommitted(a, b, r, m.want));
   };
   auto row = [&](size_t i) {
     auto v = a.store()->Get(Column::kState,
@@ -1927,14 +1924,14 @@ TEST(SyncEngineTest, AResidualOnlyWorkersEncodedIsNotRewrittenAtACheckpointClose
   round(1, [](size_t i) { return i == 0; });
   round(2, [](size_t) { return false; });  // writes the residuals
   ASSERT_TRUE(row(0).has_value());
-  EXPECT_EQ(*row(0), floats(shard_res[0]));
+  EXPECT_EQ(*row(0), floats(side.shard[0]));
   EXPECT_FALSE(row(1).has_value());  // never encoded by the shard: zeros, no row
   EXPECT_FALSE(row(2).has_value());
   round(3, [](size_t i) { return i == 1; });
   const std::string row0 = *row(0);
   round(4, [](size_t) { return false; });  // writes the residuals
   ASSERT_TRUE(row(1).has_value());
-  EXPECT_EQ(*row(1), floats(shard_res[1]));
+  EXPECT_EQ(*row(1), floats(side.shard[1]));
   EXPECT_EQ(*row(0), row0);
   EXPECT_FALSE(row(2).has_value());
   // Round 5 by the shard alone, between checkpoints; then a start recomputes the residuals
@@ -1944,7 +1941,7 @@ TEST(SyncEngineTest, AResidualOnlyWorkersEncodedIsNotRewrittenAtACheckpointClose
   round(6, [](size_t) { return true; });  // writes the residuals
   for (size_t i = 0; i < kTensors.size(); ++i) {
     ASSERT_TRUE(row(i).has_value()) << i;
-    EXPECT_EQ(*row(i), floats(shard_res[i])) << i;
+    EXPECT_EQ(*row(i), floats(side.shard[i])) << i;
   }
 }
 
