@@ -76,6 +76,13 @@ struct SyncOptions {
   // A membership change this site coordinates that makes no progress (no site agrees, a
   // joining site fetches nothing) for this long is given up, so it does not hold commits.
   uint64_t change_timeout_s = 300;
+  // Write the state of a checkpoint commit (sync.checkpoint_rounds) on a thread of its own
+  // after the commit is published, instead of in the commit's batch: the commit (and the
+  // pulls waiting for it) no longer waits for the 0.7 GB of full mode's theta and momentum
+  // to reach the disk. The record names the new state only once its rows are durable; a
+  // crash before rebuilds it from the rounds' deltas, as between checkpoints. The server
+  // turns it on; engine tests that read the rows right after a commit leave it off.
+  bool background_state_writes = false;
   // Clock for round durations (adaptive sizing); tests replace it.
   std::function<std::chrono::steady_clock::time_point()> now = &std::chrono::steady_clock::now;
   // Called (event-loop thread) after a round this site closed has committed, with the

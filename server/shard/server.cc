@@ -966,6 +966,7 @@ Status ShardServer::Start() {
   if (!c.sync.site.empty()) {
     ISTHMUS_ASSIGN_OR_RETURN(peers, ParsePeerLinkSpecs(c.sync_peers));
     opts.sync = SyncOptionsFrom(c);
+    opts.sync->background_state_writes = true;  // applied by the loop's RunDeferred
     Impl* impl = impl_.get();
     opts.sync->on_commit = [impl](const std::string& job, uint64_t, double seconds) {
       auto it = impl->commit_seconds.find(job);
@@ -1069,6 +1070,8 @@ Status ShardServer::Run() {
     }
     if (items[2].revents & ZMQ_POLLIN) {
       spdlog::info("stop requested; shutting down");
+      // A state write under way is finished, so a clean stop leaves the state written.
+      if (auto* sync = impl_->shard->sync(); sync != nullptr) (void)sync->FinishStateWrites();
       return Status::Ok();
     }
     if (items[3].revents & ZMQ_POLLIN) {

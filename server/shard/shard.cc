@@ -1182,7 +1182,8 @@ Status Shard::DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, R
     return Status::NotFound("snapshot '" + name +
                             "' does not exist (list them: isthmusctl snapshot list)");
   }
-  store_.reset();  // close the live database before its files are replaced
+  if (sync_) sync_->DropStateWrites();  // they write into the store closed here
+  store_.reset();                       // close the live database before its files are replaced
   Status s = options_.replace_store_files((dir / "db").string());
   auto reopened = options_.open_store();
   if (!reopened.ok()) {

@@ -15,10 +15,12 @@
 
 #include <array>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <set>
 
 #include "common/crc32c.h"
@@ -48,6 +50,37 @@ const char* ColumnName(Column c) {
       break;
   }
   return "?";
+}
+
+namespace {
+
+// The default staged write: the batch, applied by Apply.
+struct DeferredWrite : StagedWrite {
+  explicit DeferredWrite(const WriteBatch& b) : batch(&b) {}
+  void Fill() override {}
+  const WriteBatch* batch;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<StagedWrite>> Store::Stage(const WriteBatch& batch) {
+  return std::unique_ptr<StagedWrite>(std::make_unique<DeferredWrite>(batch));
+}
+
+Status Store::Apply(std::unique_ptr<StagedWrite> staged, const WriteBatch& more) {
+  auto* w = dynamic_cast<DeferredWrite*>(staged.get());
+  if (w == nullptr) return Status::Internal("a staged write applied to another store");
+  WriteBatch both;
+  for (const auto* b : {w->batch, &more}) {
+    for (const auto& op : b->ops()) {
+      if (op.is_delete) {
+        both.Delete(op.column, op.key);
+      } else {
+        both.Put(op.column, op.key, op.value);
+      }
+    }
+  }
+  return Write(both);
 }
 
 namespace {
@@ -213,104 +246,41 @@ class RocksStore : public Store {
   }
 
   Status Write(const WriteBatch& batch) override {
-    uint64_t bytes = 0;
-    for (const auto& op : batch.ops()) bytes += op.key.size() + op.value.size();
-    ISTHMUS_RETURN_IF_ERROR(MakeRoomFor(bytes));
-    size_t reserve = 64;
-    for (const auto& op : batch.ops()) {
-      if (!IsLarge(op)) reserve += op.key.size() + op.value.size() + 24;
+    Staged w(this, batch);
+    ISTHMUS_RETURN_IF_ERROR(Reserve(w));
+    w.Fill();
+    return Commit(w, nullptr);
+  }
+
+  Result<std::unique_ptr<StagedWrite>> Stage(const WriteBatch& batch) override {
+    auto w = std::make_unique<Staged>(this, batch);
+    w->paced = true;
+    ISTHMUS_RETURN_IF_ERROR(Reserve(*w));
+    for (const auto& [key, ref] : w->refs) staged_[key] = w.get();
+    return std::unique_ptr<StagedWrite>(std::move(w));
+  }
+
+  Status Apply(std::unique_ptr<StagedWrite> staged, const WriteBatch& more) override {
+    auto* w = dynamic_cast<Staged*>(staged.get());
+    if (w == nullptr || w->store != this) {
+      return Status::Internal("a staged write applied to another store than staged it");
     }
-    rocksdb::WriteBatch wb(reserve);
-    // Slot refs this batch changes (nullopt: the key leaves the slot files).
-    std::map<SlotKey, std::optional<SlotRef>> changed;
-    std::vector<uint64_t> created;  // ids of slot files created by this batch
-    // Slot files written and not yet synced: every one is written (its writeback started)
-    // before the first is waited for, so a batch of many large values pays for one wait on
-    // the disk rather than one per value.
-    std::vector<std::pair<int, std::string>> unsynced;
-    struct CloseAll {
-      std::vector<std::pair<int, std::string>>& fds;
-      ~CloseAll() {
-        for (auto& [fd, path] : fds) ::close(fd);
-      }
-    } close_all{unsynced};
-    bool new_dirent = false;
-    auto build = [&]() -> Status {
-      for (const auto& op : batch.ops()) {
-        auto* cf = Handle(op.column);
-        rocksdb::Slice key(op.key.data(), op.key.size());
-        rocksdb::Status s;
-        SlotKey sk{static_cast<int>(op.column), op.key};
-        const bool in_slots = slots_.count(sk) > 0 || changed.count(sk) > 0;
-        if (IsLarge(op)) {
-          // Target: the slot the committed record does not name.
-          SlotRef ref;
-          auto committed = slots_.find(sk);
-          if (committed != slots_.end()) {
-            ref.id = committed->second.id;
-            ref.slot = 1 - committed->second.slot;
-          } else {
-            auto pending = changed.find(sk);
-            if (pending != changed.end() && pending->second) {
-              ref.id = pending->second->id;
-            } else {
-              ref.id = next_slot_id_++;
-              created.push_back(ref.id);
-            }
-          }
-          ref.size = op.value.size();
-          ref.crc = Crc32c(op.value.data(), op.value.size());
-          bool fresh = false;
-          int fd = -1;
-          ISTHMUS_RETURN_IF_ERROR(WriteSlotFile(ref, op.value, &fresh, sync_ ? &fd : nullptr));
-          if (fd >= 0) unsynced.emplace_back(fd, SlotPath(ref.id, ref.slot));
-          new_dirent |= fresh;
-          std::string rec = EncodeSlotRef(ref);
-          const std::string rec_key = SlotRecordKey(op.column, op.key);
-          s = wb.Put(default_, rocksdb::Slice(rec_key), rocksdb::Slice(rec));
-          // A key is in one place: drop an inline value it may have had.
-          if (s.ok() && committed == slots_.end()) s = wb.Delete(cf, key);
-          changed[sk] = ref;
-        } else {
-          s = op.is_delete ? wb.Delete(cf, key)
-                           : wb.Put(cf, key, rocksdb::Slice(op.value.data(), op.value.size()));
-          if (s.ok() && in_slots) {
-            s = wb.Delete(default_, rocksdb::Slice(SlotRecordKey(op.column, op.key)));
-            changed[sk] = std::nullopt;
-          }
-        }
-        if (!s.ok()) return FromRocks(s, "building write batch");
-      }
-      for (auto& [fd, path] : unsynced) {
-        if (::fdatasync(fd) != 0) return Errno("cannot sync slot file '" + path + "'");
-      }
-      if (new_dirent && sync_) ISTHMUS_RETURN_IF_ERROR(SyncPath(slot_dir_));
-      return FromRocks(db_->Write(write_options_, &wb), "RocksDB write");
-    };
-    Status s = build();
-    if (!s.ok()) {
-      // Nothing committed: files of keys that did not exist before are garbage.
-      for (uint64_t id : created) RemoveSlotFiles(id);
-      return NoteWriteError(s, bytes);
-    }
-    for (auto& [key, ref] : changed) {
-      if (ref) {
-        slots_[key] = *ref;
-        continue;
-      }
-      auto it = slots_.find(key);
-      if (it != slots_.end()) {
-        RemoveSlotFiles(it->second.id);
-        slots_.erase(it);
+    for (const auto& op : more.ops()) {
+      if (IsLarge(op)) {
+        return Status::Internal("a staged write's small ops hold a large value ('" + op.key + "')");
       }
     }
-    // Ids created and then dropped again within the batch.
-    for (uint64_t id : created) {
-      bool used = false;
-      for (const auto& [key, ref] : changed) used |= ref && ref->id == id;
-      if (!used) RemoveSlotFiles(id);
+    w->Fill();  // unless it has run (or runs now): then it waits below
+    w->WaitFilled();
+    {
+      std::lock_guard<std::mutex> lock(w->mu);
+      if (w->superseded) {
+        return Status::FailedPrecondition(
+            "a later write of the same keys superseded the staged write");
+      }
     }
-    return Status::Ok();
+    Release(*w);
+    return Commit(*w, &more);
   }
 
   Result<std::optional<std::string>> Get(Column c, std::string_view key) override {
@@ -553,6 +523,7 @@ class RocksStore : public Store {
       ++no_space_refusals_;
       return Status::ResourceExhausted(NoSpaceText(bytes));
     }
+    if (stopped) SupersedeAll();  // a reopen removes the slot files no record names
     if (read_only_) {
       if (Status s = OpenDb(/*read_only=*/false); !s.ok()) {
         // Keep serving reads as before; the next write tries again.
@@ -635,8 +606,11 @@ class RocksStore : public Store {
   // checkpoint (hard link) is replaced instead. Sets *fresh when a directory entry was
   // created (the caller syncs the folder). With `unsynced`, the file's writeback is started
   // and its open descriptor handed over for the caller to fdatasync and close; without it
-  // the file is not synced.
-  Status WriteSlotFile(const SlotRef& ref, std::string_view value, bool* fresh, int* unsynced) {
+  // the file is not synced. `paced` (a staged write's Fill, with `unsynced`): every 8 MiB
+  // written is also waited for, so the disk's queue holds little of it and a write the
+  // store's thread makes meanwhile (a push's fdatasync) does not queue behind all of it.
+  Status WriteSlotFile(const SlotRef& ref, std::string_view value, bool* fresh, int* unsynced,
+                       bool paced = false) {
     const std::string path = SlotPath(ref.id, ref.slot);
     int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
     if (fd >= 0) {
@@ -656,14 +630,22 @@ class RocksStore : public Store {
     const char* p = value.data();
     size_t left = value.size();
     off_t off = 0;
+    constexpr size_t kPaceBytes = size_t{8} << 20;
+    off_t paced_to = 0;
     while (left > 0 && s.ok()) {
-      ssize_t n = ::pwrite(fd, p, left, off);
+      ssize_t n = ::pwrite(fd, p, paced ? std::min(left, kPaceBytes) : left, off);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) {
         s = Errno("cannot write slot file '" + path + "'");
         break;
       }
       p += n, left -= static_cast<size_t>(n), off += n;
+      if (paced && unsynced != nullptr && (off - paced_to >= off_t{kPaceBytes} || left == 0)) {
+        (void)::sync_file_range(
+            fd, paced_to, off - paced_to,
+            SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER);
+        paced_to = off;
+      }
     }
     struct stat st;
     if (s.ok() && ::fstat(fd, &st) == 0 && static_cast<uint64_t>(st.st_size) > value.size() &&
@@ -701,6 +683,226 @@ class RocksStore : public Store {
     return v;
   }
 
+  // A batch on its way to the store (Write, or Stage, Fill and Apply): the slot each large
+  // value fills, chosen by Reserve (store's thread), and Fill's outcome.
+  struct Staged : StagedWrite {
+    Staged(RocksStore* s, const WriteBatch& b) : store(s), batch(&b) {}
+    ~Staged() override {
+      if (!reserved) return;
+      store->Release(*this);
+      for (uint64_t id : created) store->RemoveSlotFiles(id);
+    }
+    void Fill() override {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        if (started) return;
+        started = true;
+        if (superseded) {
+          filled = true;
+          return;
+        }
+      }
+      Status s = store->FillSlots(*this);
+      std::lock_guard<std::mutex> lock(mu);
+      fill_status = std::move(s);
+      filled = true;
+      cv.notify_all();
+    }
+    // Store's thread: Fill has returned, or will not write (superseded first).
+    void WaitFilled() {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] { return filled || !started; });
+    }
+    RocksStore* store;
+    const WriteBatch* batch;
+    std::vector<std::optional<SlotRef>> op_refs;  // per op: the slot its large value fills
+    std::map<SlotKey, SlotRef> refs;              // the large values' keys
+    std::vector<uint64_t> created;                // ids of slot files created for it
+    uint64_t bytes = 0;
+    bool reserved = false;  // Reserve succeeded; Commit or the destructor releases it
+    bool paced = false;     // staged (Stage): filled while the store's thread writes too
+    bool new_dirent = false;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool started = false, filled = false, superseded = false;  // under mu
+    Status fill_status;                                        // under mu
+  };
+
+  // Store's thread: room for the batch, and the slot of each large value (the one the
+  // committed record does not name). Supersedes a staged write that holds one of its keys.
+  Status Reserve(Staged& w) {
+    for (const auto& op : w.batch->ops()) w.bytes += op.key.size() + op.value.size();
+    for (const auto& op : w.batch->ops()) Supersede(SlotKey{static_cast<int>(op.column), op.key});
+    ISTHMUS_RETURN_IF_ERROR(MakeRoomFor(w.bytes));
+    std::map<SlotKey, std::optional<SlotRef>> changed;  // within the batch, in op order
+    for (const auto& op : w.batch->ops()) {
+      SlotKey sk{static_cast<int>(op.column), op.key};
+      if (!IsLarge(op)) {
+        w.op_refs.emplace_back();
+        if (slots_.count(sk) > 0 || changed.count(sk) > 0) changed[sk] = std::nullopt;
+        continue;
+      }
+      SlotRef ref;
+      auto committed = slots_.find(sk);
+      if (committed != slots_.end()) {
+        ref.id = committed->second.id;
+        ref.slot = 1 - committed->second.slot;
+      } else {
+        auto pending = changed.find(sk);
+        if (pending != changed.end() && pending->second) {
+          ref.id = pending->second->id;
+        } else {
+          ref.id = next_slot_id_++;
+          w.created.push_back(ref.id);
+        }
+      }
+      ref.size = op.value.size();
+      w.op_refs.push_back(ref);
+      changed[sk] = ref;
+      w.refs[sk] = ref;
+    }
+    w.reserved = true;
+    return Status::Ok();
+  }
+
+  // Any thread: writes the large values into their slots, every file's writeback started
+  // before the first is waited for, so a batch of many large values pays for one wait on
+  // the disk rather than one per value. Touches only the files Reserve chose.
+  Status FillSlots(Staged& w) {
+    std::vector<std::pair<int, std::string>> unsynced;
+    struct CloseAll {
+      std::vector<std::pair<int, std::string>>& fds;
+      ~CloseAll() {
+        for (auto& [fd, path] : fds) ::close(fd);
+      }
+    } close_all{unsynced};
+    const auto& ops = w.batch->ops();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      auto& ref = w.op_refs[i];
+      if (!ref) continue;
+      ref->crc = Crc32c(ops[i].value.data(), ops[i].value.size());
+      bool fresh = false;
+      int fd = -1;
+      ISTHMUS_RETURN_IF_ERROR(
+          WriteSlotFile(*ref, ops[i].value, &fresh, sync_ ? &fd : nullptr, w.paced));
+      if (fd >= 0) unsynced.emplace_back(fd, SlotPath(ref->id, ref->slot));
+      w.new_dirent |= fresh;
+    }
+    for (auto& [fd, path] : unsynced) {
+      if (::fdatasync(fd) != 0) return Errno("cannot sync slot file '" + path + "'");
+    }
+    if (w.new_dirent && sync_) ISTHMUS_RETURN_IF_ERROR(SyncPath(slot_dir_));
+    return Status::Ok();
+  }
+
+  // Store's thread, after Fill: commits the pointer records with the batch's small ops and
+  // `more`'s in one RocksDB batch, then updates the slot map.
+  Status Commit(Staged& w, const WriteBatch* more) {
+    w.reserved = false;
+    Status s;
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      s = w.fill_status;
+    }
+    size_t reserve = 64;
+    for (const auto& op : w.batch->ops()) {
+      if (!IsLarge(op)) reserve += op.key.size() + op.value.size() + 24;
+    }
+    rocksdb::WriteBatch wb(reserve);
+    // Slot refs this batch changes (nullopt: the key leaves the slot files).
+    std::map<SlotKey, std::optional<SlotRef>> changed;
+    auto add = [&](const WriteBatch::Op& op, const std::optional<SlotRef>& large) -> Status {
+      auto* cf = Handle(op.column);
+      rocksdb::Slice key(op.key.data(), op.key.size());
+      SlotKey sk{static_cast<int>(op.column), op.key};
+      rocksdb::Status rs;
+      if (large) {
+        const std::string rec = EncodeSlotRef(*large);
+        rs =
+            wb.Put(default_, rocksdb::Slice(SlotRecordKey(op.column, op.key)), rocksdb::Slice(rec));
+        // A key is in one place: drop an inline value it may have had.
+        if (rs.ok() && slots_.count(sk) == 0) rs = wb.Delete(cf, key);
+        changed[sk] = *large;
+      } else {
+        const bool in_slots = slots_.count(sk) > 0 || changed.count(sk) > 0;
+        rs = op.is_delete ? wb.Delete(cf, key)
+                          : wb.Put(cf, key, rocksdb::Slice(op.value.data(), op.value.size()));
+        if (rs.ok() && in_slots) {
+          rs = wb.Delete(default_, rocksdb::Slice(SlotRecordKey(op.column, op.key)));
+          changed[sk] = std::nullopt;
+        }
+      }
+      return FromRocks(rs, "building write batch");
+    };
+    const auto& ops = w.batch->ops();
+    for (size_t i = 0; i < ops.size() && s.ok(); ++i) s = add(ops[i], w.op_refs[i]);
+    if (more != nullptr) {
+      for (const auto& op : more->ops()) {
+        if (!s.ok()) break;
+        s = add(op, std::nullopt);
+      }
+    }
+    if (s.ok()) s = FromRocks(db_->Write(write_options_, &wb), "RocksDB write");
+    if (!s.ok()) {
+      // Nothing committed: files of keys that did not exist before are garbage.
+      for (uint64_t id : w.created) RemoveSlotFiles(id);
+      uint64_t bytes = w.bytes;
+      if (more != nullptr) {
+        for (const auto& op : more->ops()) bytes += op.key.size() + op.value.size();
+      }
+      return NoteWriteError(s, bytes);
+    }
+    for (auto& [key, ref] : changed) {
+      if (ref) {
+        slots_[key] = *ref;
+        continue;
+      }
+      auto it = slots_.find(key);
+      if (it != slots_.end()) {
+        RemoveSlotFiles(it->second.id);
+        slots_.erase(it);
+      }
+    }
+    // Ids created and then dropped again within the batch.
+    for (uint64_t id : w.created) {
+      bool used = false;
+      for (const auto& [key, ref] : changed) used |= ref && ref->id == id;
+      if (!used) RemoveSlotFiles(id);
+    }
+    return Status::Ok();
+  }
+
+  // Store's thread: a staged write's keys are free again.
+  void Release(Staged& w) {
+    for (const auto& [key, ref] : w.refs) {
+      auto it = staged_.find(key);
+      if (it != staged_.end() && it->second == &w) staged_.erase(it);
+    }
+  }
+
+  // Store's thread: a write of `key` comes while a staged write holds it. The staged write
+  // finishes its files (the slots this write fills too) and is dropped: its Apply writes
+  // nothing.
+  void Supersede(const SlotKey& key) {
+    auto it = staged_.find(key);
+    if (it == staged_.end()) return;
+    Staged& w = *it->second;
+    {
+      std::lock_guard<std::mutex> lock(w.mu);
+      w.superseded = true;
+    }
+    w.WaitFilled();
+    Release(w);
+    w.reserved = false;
+    for (uint64_t id : w.created) RemoveSlotFiles(id);
+  }
+
+  // Store's thread: before the database is reopened (which removes slot files no record
+  // names), every staged write is dropped.
+  void SupersedeAll() {
+    while (!staged_.empty()) Supersede(staged_.begin()->first);
+  }
+
   void RemoveSlotFiles(uint64_t id) {
     std::error_code ec;
     fs::remove(SlotPath(id, 0), ec);
@@ -724,6 +926,8 @@ class RocksStore : public Store {
   // from the default column family, which holds nothing else.
   std::map<SlotKey, SlotRef> slots_;
   uint64_t next_slot_id_ = 1;
+  // Keys of staged writes not yet applied (Stage), and the write that holds each.
+  std::map<SlotKey, Staged*> staged_;
 };
 
 class MemStore : public Store {

@@ -4,7 +4,8 @@
 // a shard is exactly one Write() of one WriteBatch, so a crash leaves either all of a
 // change or none of it.
 //
-// Threads: a Store is used by one thread (the shard's event loop) at a time.
+// Threads: a Store is used by one thread (the shard's event loop) at a time; only a staged
+// write's Fill (below) runs on another.
 #pragma once
 
 #include <functional>
@@ -102,12 +103,33 @@ struct StoreMetrics {
   bool read_only = false;                 // writes are refused until space returns
 };
 
+// A write whose large values go to disk away from the store's thread (Store::Stage).
+class StagedWrite {
+ public:
+  virtual ~StagedWrite() = default;
+  // Writes (and with sync_writes syncs) the large values: the slow part. Any thread, once;
+  // the batch's values must stay valid and unchanged until it returns. Its outcome is
+  // Apply's.
+  virtual void Fill() = 0;
+};
+
 class Store {
  public:
   virtual ~Store() = default;
 
   // Applies every op of `batch` atomically.
   virtual Status Write(const WriteBatch& batch) = 0;
+  // A write in three steps, so that a batch of large values can be put on disk while the
+  // store's thread goes on: Stage (store's thread) decides where its values go, the
+  // result's Fill (any thread) writes them, and Apply (store's thread, once Fill returned)
+  // applies `batch` with `more` atomically, as one Write of both would. Nothing of it is
+  // visible before Apply, and a crash before loses all of it. `batch` must outlive Apply.
+  // A write (or Stage) of a key `batch` holds before Apply waits for Fill and supersedes
+  // it: Apply then writes nothing and answers FailedPrecondition. Dropping the result without Apply
+  // (store's thread, Fill returned or never called) abandons it; the store must outlive
+  // it. The default Stage and Fill do nothing and Apply is a Write of both batches.
+  virtual Result<std::unique_ptr<StagedWrite>> Stage(const WriteBatch& batch);
+  virtual Status Apply(std::unique_ptr<StagedWrite> staged, const WriteBatch& more);
   // The value, or nullopt if absent.
   virtual Result<std::optional<std::string>> Get(Column c, std::string_view key) = 0;
   // Calls `fn(key, value)` for every key starting with `prefix`, in key order, until it

@@ -131,6 +131,7 @@ Result<std::unique_ptr<SyncEngine>> SyncEngine::Create(Store* store, SyncOptions
 }
 
 void SyncEngine::Reset(Store* store) {
+  DropStateWrites();
   store_ = store;
   jobs_.clear();
   deferred_.clear();
@@ -459,6 +460,7 @@ Status SyncEngine::FinishRoundWork(const std::string& name, Job& j) {
 }
 
 Status SyncEngine::RunDeferred() {
+  for (auto& [name, j] : jobs_) (void)FinishStateWrite(name, j, /*wait=*/false);
   if (deferred_.empty()) return Status::Ok();
   const auto now = options_.now();
   if (!deferred_fresh_ && now < deferred_retry_at_) return Status::Ok();
@@ -490,11 +492,16 @@ Status SyncEngine::RunDeferred() {
 }
 
 int SyncEngine::DeferredRetryMs() const {
-  if (deferred_.empty()) return -1;
+  // A state write under way is applied by the first RunDeferred after it is on disk.
+  constexpr int kStateWritePollMs = 20;
+  bool writing = false;
+  for (const auto& [name, j] : jobs_) writing |= j.state_write != nullptr;
+  if (deferred_.empty()) return writing ? kStateWritePollMs : -1;
   if (deferred_fresh_) return 0;
   const auto left =
       std::chrono::duration_cast<std::chrono::milliseconds>(deferred_retry_at_ - options_.now());
-  return static_cast<int>(std::max<int64_t>(left.count(), 0));
+  const int ms = static_cast<int>(std::max<int64_t>(left.count(), 0));
+  return writing ? std::min(ms, kStateWritePollMs) : ms;
 }
 
 const codec::Pipeline& SyncEngine::ConfiguredPipeline(const std::string& tensor) const {
@@ -983,6 +990,79 @@ Status SyncEngine::CommitRounds(const std::string& name, Job& j) {
   }
 }
 
+SyncEngine::StateWrite::~StateWrite() {
+  if (filler.joinable()) filler.join();
+}
+
+void SyncEngine::DropStateWrites() {
+  for (auto& [name, j] : jobs_) j.state_write.reset();
+}
+
+Status SyncEngine::FinishStateWrites() {
+  Status first;
+  for (auto& [name, j] : jobs_) {
+    Status s = FinishStateWrite(name, j, /*wait=*/true);
+    if (first.ok()) first = s;
+  }
+  return first;
+}
+
+void SyncEngine::StartStateWrite(const std::string& name, Job& j, uint64_t round,
+                                 uint64_t version) {
+  auto w = std::make_unique<StateWrite>();
+  w->round = round;
+  w->tensors = std::move(j.unsaved);
+  j.unsaved.clear();
+  w->theta = j.theta;
+  w->momentum = j.momentum;
+  WriteStateRows(name, w->theta, w->momentum, w->tensors, version, w->rows);
+  auto staged = store_->Stage(w->rows);
+  if (!staged.ok()) {
+    spdlog::warn("job '{}': cannot write the state of round {} (the next commit tries again): {}",
+                 name, round, staged.status().ToString());
+    j.unsaved = std::move(w->tensors);
+    return;
+  }
+  w->staged = std::move(staged).value();
+  StateWrite* raw = w.get();
+  w->filler = std::thread([raw] {
+    raw->staged->Fill();
+    raw->filled.store(true, std::memory_order_release);
+  });
+  j.state_write = std::move(w);
+}
+
+Status SyncEngine::FinishStateWrite(const std::string& name, Job& j, bool wait) {
+  if (!j.state_write) return Status::Ok();
+  StateWrite& w = *j.state_write;
+  if (!wait && !w.filled.load(std::memory_order_acquire)) return Status::Ok();
+  const auto t0 = std::chrono::steady_clock::now();
+  w.filler.join();
+  // The record as it stands, naming the written state; the deltas it no longer needs go.
+  SyncRecord rec = j;
+  rec.state_round = w.round;
+  WriteBatch more;
+  DropOldDeltas(name, j, j.committed, rec.state_round, more);
+  more.PutOwned(Column::kSync, SyncRecordKey(name), EncodeSyncRecord(rec));
+  Status s = store_->Apply(std::move(w.staged), more);
+  if (s.ok()) {
+    j.state_round = w.round;
+    spdlog::debug(
+        "job '{}': wrote the state of round {} ({} tensors; applied in {:.0f} ms)", name, w.round,
+        w.tensors.size(),
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  } else {
+    // Not written: the next checkpoint commit writes these tensors again.
+    spdlog::warn(
+        "job '{}': the state of round {} was not written (the next checkpoint writes "
+        "it): {}",
+        name, w.round, s.ToString());
+    j.unsaved.insert(w.tensors.begin(), w.tensors.end());
+  }
+  j.state_write.reset();
+  return s;
+}
+
 Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   const uint64_t round = j.committed + 1;
   const auto sites = j.members.sites;
@@ -1000,16 +1080,25 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   // the rounds' deltas instead (DropOldDeltas), from which a start rebuilds it.
   std::set<std::string> unsaved = j.unsaved;
   unsaved.insert(sent.begin(), sent.end());
-  const bool checkpoint = round - j.state_round >= options_.checkpoint_rounds;
-  if (checkpoint) rec.state_round = round;
+  const uint64_t saving = j.state_write ? j.state_write->round : j.state_round;
+  const bool checkpoint = round - saving >= options_.checkpoint_rounds;
+  // With background_state_writes the commit writes what the commits between checkpoints
+  // write, and the state follows (StartStateWrite).
+  const bool in_batch = checkpoint && !options_.background_state_writes;
+  if (in_batch) rec.state_round = round;
   WriteBatch batch;
-  CommitBatch(name, j, round, next, checkpoint ? unsaved : std::set<std::string>{}, sites, digest,
+  CommitBatch(name, j, round, next, in_batch ? unsaved : std::set<std::string>{}, sites, digest,
               rec, batch);
   ISTHMUS_RETURN_IF_ERROR(store_->Write(batch));
   const auto t2 = Clock::now();
   PublishCommit(j, round, std::move(next), sites, rec.version);
   j.state_round = rec.state_round;
-  j.unsaved = checkpoint ? std::set<std::string>{} : std::move(unsaved);
+  j.unsaved = in_batch ? std::set<std::string>{} : std::move(unsaved);
+  if (checkpoint && !in_batch) {
+    // One state write at a time: the one before is due by now (4 rounds back by default).
+    (void)FinishStateWrite(name, j, /*wait=*/true);
+    StartStateWrite(name, j, round, rec.version);
+  }
   const auto ms = [](Clock::time_point a, Clock::time_point b) {
     return std::chrono::duration<double, std::milli>(b - a).count();
   };
@@ -1017,7 +1106,10 @@ Status SyncEngine::CommitOne(const std::string& name, Job& j) {
   spdlog::debug(
       "job '{}': round {}'s commit took merge, outer step and digest {:.0f} ms (overlapped), "
       "write {:.0f} ms{}",
-      name, round, ms(t0, t1), ms(t1, t2), checkpoint ? " (with the state)" : "");
+      name, round, ms(t0, t1), ms(t1, t2),
+      in_batch     ? " (with the state)"
+      : checkpoint ? " (the state follows)"
+                   : "");
   if (auto it = j.closed_at.find(round); it != j.closed_at.end()) {
     const double seconds = std::chrono::duration<double>(options_.now() - it->second).count();
     if (options_.on_commit) options_.on_commit(name, round, seconds);
@@ -1140,6 +1232,7 @@ void SyncEngine::PublishCommit(Job& j, uint64_t round, OuterState next,
 Result<uint64_t> SyncEngine::AddNow(const std::string& name,
                                     const std::vector<SyncPushTensor>& tensors, WriteBatch& batch) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  (void)FinishStateWrite(name, *j, /*wait=*/true);  // the rows below come after its own
   if (has_peers()) {
     return Status::FailedPrecondition("job '" + name +
                                       "' syncs with other sites: push deltas with a round (>= 1)");
@@ -1640,6 +1733,7 @@ Status SyncEngine::WritePending(const std::string& name,
 Status SyncEngine::ApplyMembership(const std::string& name, const SyncRecord& next,
                                    const std::vector<std::string>& gone) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  (void)FinishStateWrite(name, *j, /*wait=*/true);  // the rows below come after its own
   WriteBatch batch;
   // A site that goes: its deltas for rounds from the cut on are dropped; every earlier round
   // has been committed with its delta by every site of the new membership.
@@ -1742,6 +1836,7 @@ Status SyncEngine::InstallImage(const std::string& name, const JobImage& image,
 
 Status SyncEngine::AdoptImage(const std::string& name, const JobImage& image) {
   ISTHMUS_ASSIGN_OR_RETURN(Job * j, FindJob(name));
+  (void)FinishStateWrite(name, *j, /*wait=*/true);  // the rows below come after its own
   std::map<std::string, SyncTensor> theta;
   std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
   for (const auto& t : image.tensors) {

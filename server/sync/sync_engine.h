@@ -10,6 +10,7 @@
 // Threads: one thread (the shard's event loop) calls everything; nothing is locked.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -131,6 +132,12 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
 
   // Forgets every job and uses `store` from now on (after a snapshot restore).
   void Reset(Store* store);
+  // Waits for the state writes under way (SyncOptions::background_state_writes) and drops
+  // them unapplied; call it before the store is closed under the engine.
+  void DropStateWrites();
+  // Waits for the state writes under way and applies them (tests; a commit that is due to
+  // write the state while one is still under way does this itself).
+  Status FinishStateWrites();
 
   // Whether `job` has durable sync state in the store (it was created, joined or converted
   // while sync was on). A job without it is a plain job: AttachJob would start its rounds
@@ -318,6 +325,24 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     CloseWork& operator=(const CloseWork&) = delete;
     ~CloseWork();
   };
+  // A checkpoint commit's state written away from the event loop
+  // (SyncOptions::background_state_writes): the rows of `tensors` at round `round` are
+  // filled on `filler`, then applied with the record that names round `round` the stored
+  // state. Until then the record names the earlier state and the rounds' deltas stay.
+  struct StateWrite {
+    uint64_t round = 0;
+    std::set<std::string> tensors;
+    std::map<std::string, SyncTensor> theta;  // round `round`'s, held while the rows are
+    std::map<std::string, std::shared_ptr<const std::vector<float>>> momentum;
+    WriteBatch rows;
+    std::unique_ptr<StagedWrite> staged;
+    std::thread filler;
+    std::atomic<bool> filled{false};
+    StateWrite() = default;
+    StateWrite(const StateWrite&) = delete;
+    StateWrite& operator=(const StateWrite&) = delete;
+    ~StateWrite();
+  };
   struct Job : SyncRecord {
     std::map<std::string, SyncTensor> theta;  // committed
     // Tensors whose theta or momentum changed since the store last took them (rounds after
@@ -349,6 +374,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     std::set<std::string> residual_changed;
     // The close of the round just staged, encoding since its last push (StartEarlyEncode).
     std::unique_ptr<CloseWork> early;
+    // The state being written (background_state_writes); its tensors are not in `unsaved`.
+    std::unique_ptr<StateWrite> state_write;
     // Deferred round work that failed (RunDeferred): how often, and the last failure while
     // it is still to retry (memory only, for metrics and JobStatus).
     uint64_t round_work_failures = 0;
@@ -455,6 +482,13 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
                    const std::set<std::string>& write, const std::vector<std::string>& sites,
                    const std::string& digest, const SyncRecord& rec, WriteBatch& batch) const;
   // The tensor rows (data, record of `version`) and momentum rows of the tensors in `write`.
+  // A checkpoint's state rows staged and filled on a thread (background_state_writes), the
+  // job's unsaved tensors handed to it; on failure to stage they stay unsaved.
+  void StartStateWrite(const std::string& name, Job& j, uint64_t round, uint64_t version);
+  // Applies the job's state write once filled (at once if `wait`): the record then names
+  // its round. On failure its tensors are unsaved again. Ok when there is none (or, without
+  // `wait`, while it is still being filled).
+  Status FinishStateWrite(const std::string& name, Job& j, bool wait);
   void WriteStateRows(
       const std::string& name, const std::map<std::string, SyncTensor>& theta,
       const std::map<std::string, std::shared_ptr<const std::vector<float>>>& momentum,

@@ -54,6 +54,29 @@ TEST_P(StoreTest, BatchPutGetDelete) {
   EXPECT_FALSE(store().Get(Column::kJobs, "j")->has_value());
 }
 
+// Stage, Fill and Apply write the batch and the small ops given at Apply as one write.
+TEST_P(StoreTest, AStagedWriteIsAppliedWithTheOpsGivenAtApply) {
+  WriteBatch old;
+  old.PutOwned(Column::kTensors, keys::JobKey("j", "w"), std::string(1 << 20, 'o'));
+  ASSERT_TRUE(store().Write(old).ok());
+  WriteBatch b;
+  const std::string big(1 << 20, 'n');
+  b.Put(Column::kTensors, keys::JobKey("j", "w"), big);
+  b.PutOwned(Column::kTensorMeta, keys::JobKey("j", "w"), "meta");
+  auto staged = store().Stage(b);
+  ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+  (*staged)->Fill();
+  EXPECT_EQ(**store().Get(Column::kTensors, keys::JobKey("j", "w")), std::string(1 << 20, 'o'))
+      << "nothing is visible before Apply";
+  EXPECT_FALSE(store().Get(Column::kTensorMeta, keys::JobKey("j", "w"))->has_value());
+  WriteBatch more;
+  more.PutOwned(Column::kJobs, "j", "record");
+  ASSERT_TRUE(store().Apply(std::move(*staged), more).ok());
+  EXPECT_EQ(**store().Get(Column::kTensors, keys::JobKey("j", "w")), big);
+  EXPECT_EQ(**store().Get(Column::kTensorMeta, keys::JobKey("j", "w")), "meta");
+  EXPECT_EQ(**store().Get(Column::kJobs, "j"), "record");
+}
+
 TEST_P(StoreTest, ScanStopsAtPrefixEnd) {
   WriteBatch b;
   for (const char* k : {"a", "b", "c"}) b.PutOwned(Column::kTensorMeta, keys::JobKey("job1", k), k);
@@ -367,6 +390,116 @@ TEST(RocksSlotTest, BatchFailingHalfWayLeavesTheOldValues) {
   ASSERT_TRUE(round(2).ok());
   expect_round(2);
   EXPECT_EQ(**store->Get(Column::kDeltas, keys::DeltaKey("j", "alpha", 2)), Pattern(kBig, 202));
+}
+
+// A staged write's large values are filled on another thread while the store's thread
+// writes, reads and checkpoints other keys; the staged keys read their old values (or
+// none) until Apply, which commits them with its record; after a reopen they are there.
+TEST(RocksSlotTest, AStagedWriteFillsOnAnotherThreadWhileTheStoreGoesOn) {
+  testing::TempDir dir;
+  const auto db = dir.path() / "db";
+  auto store = MustOpen(db.string());
+  const std::string t_key = keys::JobKey("j", "t"), m_key = keys::JobKey("j", "m");
+  const std::string other = keys::JobKey("j", "other");
+  ASSERT_TRUE(PutTensor(*store, t_key, Pattern(kBig, 1)).ok());
+  WriteBatch b;
+  const std::string t2 = Pattern(kBig, 2), m2 = Pattern(3 * kBig, 3);
+  b.Put(Column::kTensors, t_key, t2);
+  b.Put(Column::kState, m_key, m2);  // a key with no value yet
+  auto staged = store->Stage(b);
+  ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+  std::thread filler([&] { (*staged)->Fill(); });
+  for (int v = 10; v < 14; ++v) ASSERT_TRUE(PutTensor(*store, other, Pattern(kBig, v)).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, t_key), Pattern(kBig, 1));
+  EXPECT_FALSE(store->Get(Column::kState, m_key)->has_value());
+  ASSERT_TRUE(store->Checkpoint((dir.path() / "cp").string()).ok());
+  filler.join();
+  EXPECT_EQ(**store->Get(Column::kTensors, t_key), Pattern(kBig, 1)) << "filled, not applied";
+  WriteBatch more;
+  more.PutOwned(Column::kJobs, "j", "2");
+  ASSERT_TRUE(store->Apply(std::move(*staged), more).ok());
+  EXPECT_EQ(**store->Get(Column::kTensors, t_key), t2);
+  EXPECT_EQ(**store->Get(Column::kState, m_key), m2);
+  EXPECT_EQ(**store->Get(Column::kTensors, other), Pattern(kBig, 13));
+  store.reset();
+  store = MustOpen(db.string());
+  EXPECT_EQ(**store->Get(Column::kTensors, t_key), t2);
+  EXPECT_EQ(**store->Get(Column::kState, m_key), m2);
+  EXPECT_EQ(**store->Get(Column::kJobs, "j"), "2");
+  EXPECT_EQ(CountSlotFiles(db), 2 + 1 + 2) << "t's two slots, m's one, other's two";
+  // The checkpoint taken while it filled holds the old values.
+  auto cp = MustOpen((dir.path() / "cp").string());
+  EXPECT_EQ(**cp->Get(Column::kTensors, t_key), Pattern(kBig, 1));
+  EXPECT_FALSE(cp->Get(Column::kState, m_key)->has_value());
+}
+
+// A staged write dropped before Apply (filled or not), or lost with its process after the
+// fill, leaves the old values and no slot file of its own; a write of one of its keys in
+// between supersedes it: Apply then writes nothing.
+TEST(RocksSlotTest, AStagedWriteNotAppliedLeavesTheOldValues) {
+  testing::TempDir dir;
+  const auto db = dir.path() / "db";
+  const std::string t_key = keys::JobKey("j", "t"), n_key = keys::JobKey("j", "new");
+  {
+    auto store = MustOpen(db.string());
+    ASSERT_TRUE(PutTensor(*store, t_key, Pattern(kBig, 1)).ok());
+  }
+  const int files = CountSlotFiles(db);
+  WriteBatch b;
+  const std::string t2 = Pattern(kBig, 2), n2 = Pattern(kBig, 3);
+  b.Put(Column::kTensors, t_key, t2);
+  b.Put(Column::kTensors, n_key, n2);
+  auto expect_old = [&](const char* what) {
+    auto store = MustOpen(db.string());
+    EXPECT_EQ(**store->Get(Column::kTensors, t_key), Pattern(kBig, 1)) << what;
+    EXPECT_FALSE(store->Get(Column::kTensors, n_key)->has_value()) << what;
+    EXPECT_EQ(CountSlotFiles(db), files + 1) << what << ": t's other slot stays, new's goes";
+  };
+  for (bool fill : {false, true}) {
+    auto store = MustOpen(db.string());
+    auto staged = store->Stage(b);
+    ASSERT_TRUE(staged.ok());
+    if (fill) (*staged)->Fill();
+    staged->reset();
+  }
+  expect_old("dropped");
+  // The process dies after the fill, before Apply (as a SIGKILL would).
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    auto store = MustOpen(db.string());
+    auto staged = store->Stage(b);
+    if (!staged.ok()) std::_Exit(2);
+    (*staged)->Fill();
+    std::_Exit(0);
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  expect_old("lost with its process");
+  // Superseded: a later write of t, while the fill runs or after it.
+  for (bool filled_first : {false, true}) {
+    auto store = MustOpen(db.string());
+    auto staged = store->Stage(b);
+    ASSERT_TRUE(staged.ok());
+    std::thread filler;
+    if (filled_first) {
+      (*staged)->Fill();
+    } else {
+      filler = std::thread([&] { (*staged)->Fill(); });
+    }
+    ASSERT_TRUE(PutTensor(*store, t_key, Pattern(kBig, 4)).ok());
+    if (filler.joinable()) filler.join();
+    const Status applied = store->Apply(std::move(*staged), WriteBatch{});
+    EXPECT_EQ(applied.code(), Code::kFailedPrecondition) << applied.ToString();
+    EXPECT_EQ(**store->Get(Column::kTensors, t_key), Pattern(kBig, 4));
+    EXPECT_FALSE(store->Get(Column::kTensors, n_key)->has_value());
+    store.reset();
+    store = MustOpen(db.string());
+    EXPECT_EQ(**store->Get(Column::kTensors, t_key), Pattern(kBig, 4));
+    EXPECT_FALSE(store->Get(Column::kTensors, n_key)->has_value());
+    EXPECT_EQ(CountSlotFiles(db), files + 1);
+  }
 }
 
 TEST(RocksSlotTest, CheckpointKeepsTheSyncColumnsSlots) {

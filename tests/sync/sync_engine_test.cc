@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <memory>
 #include <random>
+#include <thread>
 
 #include "common/tensor.h"
 #include "ops/codec.h"
@@ -1734,6 +1736,89 @@ TEST(SyncEngineTest, CheckpointedStateIsRebuiltAtAStartBitForBit) {
   const Status st = (*engine)->AttachJob(kJob, std::move(*tensors), 1);
   EXPECT_EQ(st.code(), Code::kCorruption) << st.ToString();
   EXPECT_NE(st.message().find("round 7"), std::string::npos) << st.ToString();
+}
+
+// With background_state_writes a checkpoint commit is published before its state is
+// written: until the write is applied the store holds the earlier state with the rounds'
+// deltas (a crash then rebuilds from those, bit for bit), and once applied the rows and
+// the record name the checkpoint's round and the deltas it no longer needs go.
+TEST(SyncEngineTest, AStateWrittenInTheBackgroundIsNamedOnlyOnceApplied) {
+  const std::string codec = "topk:0.25+int2+zstd";
+  Site a("siteA", {"siteB"}, codec, 1.25, 0.6), b("siteB", {"siteA"}, codec, 1.25, 0.6);
+  Site a1("siteA", {"siteB"}, codec, 1.25, 0.6), b1("siteB", {"siteA"}, codec, 1.25, 0.6);
+  for (Site* s : {&a, &b}) {
+    s->options().checkpoint_rounds = 3;
+    s->options().replay_rounds = 0;
+  }
+  a.options().background_state_writes = true;
+  for (Site* s : {&a1, &b1}) s->options().checkpoint_rounds = 1;
+  for (Site* s : {&a, &b, &a1, &b1}) s->Reopen();
+  auto floats = [](const std::map<std::string, SyncTensor>& t) {
+    std::map<std::string, std::vector<float>> out;
+    for (auto& [name, v] : t) out[name] = *v.data;
+    return out;
+  };
+  auto stored = [&](Site& s) {
+    auto t = SyncEngine::ReadTensors(s.store(), kJob);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return t.ok() ? floats(*t) : std::map<std::string, std::vector<float>>{};
+  };
+  auto committed = [&](Site& s) {
+    auto t = s.engine().Committed(kJob);
+    EXPECT_TRUE(t.ok());
+    return t.ok() ? floats(*t) : std::map<std::string, std::vector<float>>{};
+  };
+  auto deltas_held = [](Site& s) {
+    int n = 0;
+    EXPECT_TRUE(s.store()
+                    ->ScanKeys(Column::kDeltas, keys::JobPrefix(kJob),
+                               [&](std::string_view) {
+                                 ++n;
+                                 return true;
+                               })
+                    .ok());
+    return n;
+  };
+  const auto base = stored(a);
+  std::map<uint64_t, std::map<std::string, std::vector<float>>> want;
+  for (uint64_t r = 1; r <= 8; ++r) {
+    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_TRUE(s->PushWholeRound(r).ok()) << s->name();
+    Deliver(a, b);
+    Deliver(b, a);
+    Deliver(a1, b1);
+    Deliver(b1, a1);
+    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_EQ(s->engine().CommittedRound(kJob), r);
+    want[r] = committed(a1);
+    ASSERT_EQ(committed(a), want[r]) << "round " << r;
+    if (r == 3) {
+      // Round 3's state is being written: the store still holds round 0's and every delta.
+      EXPECT_EQ(stored(a), base);
+      EXPECT_EQ(deltas_held(a), 6);
+      a.Reopen();  // lost before it was applied, as in a crash
+      EXPECT_EQ(committed(a), want[r]) << "rebuilt from round 0's state and the deltas";
+      EXPECT_EQ(stored(a), base);
+    }
+    if (r == 4) {
+      // The commit after the start writes it (round 0's is 4 rounds back).
+      EXPECT_EQ(stored(a), base);
+      const int before = deltas_held(a);
+      ASSERT_TRUE(a.engine().FinishStateWrites().ok());
+      EXPECT_EQ(stored(a), want[4]);
+      EXPECT_LT(deltas_held(a), before) << "the rounds up to 4 are not needed for a start";
+      a.Reopen();
+      EXPECT_EQ(committed(a), want[4]);
+    }
+  }
+  // Round 7's, started at its commit, is applied by the event loop's RunDeferred once
+  // filled, without waiting for it; round 8's commit did not start another.
+  for (int i = 0; i < 2000 && stored(a) != want[7]; ++i) {
+    ASSERT_TRUE(a.engine().RunDeferred().ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  EXPECT_EQ(stored(a), want[7]);
+  a.Reopen();
+  EXPECT_EQ(committed(a), want[8]);
+  EXPECT_EQ(a.Digests(), a1.Digests());
 }
 
 // The early encode (StartEarlyEncode) runs while the push's stage is written. When that
