@@ -35,6 +35,9 @@ Status NormalizeSyncOptions(SyncOptions& options) {
   if (!(options.adaptive_share > 0 && options.adaptive_share <= 1)) {
     return Status::InvalidArgument("sync.adaptive_share must be in (0, 1]");
   }
+  if (!(options.adaptive_start_mbit >= 0 && options.adaptive_start_mbit <= 1e6)) {
+    return Status::InvalidArgument("sync.adaptive_start_mbit must be in [0, 1000000]");
+  }
   if (options.fragments < 1 || options.fragments > kMaxFragments) {
     return Status::InvalidArgument("sync.fragments must be in [1, " +
                                    std::to_string(kMaxFragments) + "]");

@@ -44,6 +44,10 @@ struct SyncOptions {
   // the rest is left for the commit, the pull and the link's ups and downs (with overlap and
   // K = 1, a round's commit must come back within one round).
   double adaptive_share = 0.8;
+  // The link bandwidth, in Mbit/s, a round is sized for while a member peer's link has not
+  // been measured yet (a job's first rounds, until a peer acknowledged a delta), instead of
+  // sending `codec` whatever its size; 0: `codec` until measured.
+  double adaptive_start_mbit = 10;
   double outer_lr = 1.25;
   double outer_momentum = 0.6;
   // Streaming: the job's tensors fall into this many fragments of about equal size

@@ -516,14 +516,17 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
   // Alone, the delta never crosses a link: keep it exact.
   if (options_.peer_sites.empty()) return dense_pipe_;
   if (options_.adaptive && j.last_round_seconds > 0) {
+    // A link not measured yet counts at sync.adaptive_start_mbit (0: no sizing until it is).
+    const double assumed = options_.adaptive_start_mbit * 1e6 / 8;
     double min_bw = -1;
     for (const auto& p : MemberPeers(j)) {
       auto it = bandwidth_.find(p);
-      if (it == bandwidth_.end()) {
+      const double bw = it != bandwidth_.end() ? it->second : assumed;
+      if (bw <= 0) {
         min_bw = -1;
         break;
       }
-      min_bw = min_bw < 0 ? it->second : std::min(min_bw, it->second);
+      min_bw = min_bw < 0 ? bw : std::min(min_bw, bw);
     }
     if (min_bw > 0) {
       const double budget = std::max(min_bw * j.last_round_seconds * options_.adaptive_share *

@@ -1069,6 +1069,29 @@ TEST(SyncEngineTest, RoundPipelinesAreSizedFromTheLastPushsComputeTime) {
   EXPECT_EQ(a.engine().RoundPipelines(kJob, 0).status().code(), Code::kInvalidArgument);
 }
 
+// A peer's link that has not been measured yet counts at sync.adaptive_start_mbit: a first
+// round too large for that goes coarser (here to the floor), one that fits keeps the codec,
+// and 0 keeps the codec until the link is measured.
+TEST(SyncEngineTest, AnUnmeasuredLinkCountsAtTheStartBandwidth) {
+  for (double mbit : {1e-4, 1e3, 0.0}) {  // 12.5 B/s, 125 MB/s, none
+    Site a("siteA", {"siteB"}, "int8+zstd");
+    ASSERT_TRUE(a.options().adaptive);
+    a.options().adaptive_start_mbit = mbit;
+    a.Reopen();
+    ASSERT_TRUE(a.PushRound(1, -1, /*compute_ms=*/1000).ok());
+    auto st = a.engine().JobStatus(kJob);
+    ASSERT_TRUE(st.ok());
+    ASSERT_EQ(st->pipelines.size(), 1u) << mbit;
+    EXPECT_EQ(st->pipelines.begin()->first, mbit == 1e-4 ? "topk:0.001+int2+zstd" : "int8+zstd")
+        << mbit;
+    // Measured, the link's own figure counts.
+    a.engine().OnLinkBandwidth("siteB", 1e9);
+    ASSERT_TRUE(a.PushRound(2, -1, 1000).ok());
+    st = a.engine().JobStatus(kJob);
+    EXPECT_EQ(st->pipelines.count("int8+zstd"), 1u) << mbit;
+  }
+}
+
 // sync.adaptive_share is the share of the round's compute time one round's transfer may
 // take: a link that carries the fp32 round in 0.8 of the round keeps int8+zstd at the
 // default share, and at a share of 0.2 (a budget of a quarter of fp32: int8's bytes plus its
