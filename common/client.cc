@@ -442,11 +442,11 @@ std::vector<TensorInfo> InfosFrom(
 
 Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
                                      const std::string& base_hash, const std::string& client_name,
-                                     bool want_pipelines) {
+                                     bool want_pipelines, uint64_t compute_ms) {
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
   auto body = wire::CreateHelloDirect(fbb, job.c_str(), role, base_hash.c_str(),
-                                      client_name.c_str(), want_pipelines);
+                                      client_name.c_str(), want_pipelines, compute_ms);
   FinishEnvelope(fbb, id, wire::Body::Hello, body.Union());
   ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, {}));
   ISTHMUS_ASSIGN_OR_RETURN(

@@ -315,9 +315,11 @@ class ShardClient {
   static Result<std::unique_ptr<ShardClient>> Connect(const ClientOptions& options);
   ~ShardClient();
 
-  // want_pipelines: the reply says the pipelines of this site's next round (HelloInfo).
+  // want_pipelines: the reply says the pipelines of this site's next round (HelloInfo),
+  // sized for a round of `compute_ms` of compute when that is not 0.
   Result<HelloInfo> Hello(const std::string& job, wire::Role role, const std::string& base_hash,
-                          const std::string& client_name, bool want_pipelines = false);
+                          const std::string& client_name, bool want_pipelines = false,
+                          uint64_t compute_ms = 0);
   Result<PullResult> Pull(const std::string& job, const std::vector<std::string>& names = {},
                           uint64_t newer_than = 0);
   // As Pull, without copying tensor data out of the received frames (see PullView). For

@@ -215,7 +215,7 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
     p.shard = static_cast<int>(s);
     p.key = PushKey(round, p.shard);
     p.tensors = per_shard[s].size();
-    ISTHMUS_RETURN_IF_ERROR(EncodeFor(s, round, per_shard[s]));
+    ISTHMUS_RETURN_IF_ERROR(EncodeFor(s, round, compute_ms, per_shard[s]));
     for (const auto& t : per_shard[s]) {
       const uint64_t raw = static_cast<uint64_t>(NumElements(t.shape)) * sizeof(float);
       pushed_raw_bytes_ += raw;
@@ -240,14 +240,15 @@ Result<std::vector<ShardPush>> SiteClient::PushRound(uint64_t round, uint64_t to
   return out;
 }
 
-Status SiteClient::EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas) {
+Status SiteClient::EncodeFor(size_t shard, uint64_t round, uint64_t compute_ms,
+                             std::vector<TensorView>& deltas) {
   if (!encoder_) return Status::Ok();
   std::map<std::string, std::string> pipes;
   if (!encoder_->Kept(round, deltas, &pipes)) {
     // The pipelines the round's close would choose now (adaptive sizing from the link's
     // latest bandwidth), asked right before the round is encoded.
     auto h = shards_[shard]->Hello(options_.job, wire::Role::Worker, base_hash_,
-                                   options_.client_name, true);
+                                   options_.client_name, true, compute_ms);
     if (!h.ok()) return AtShard(shard, h.status());
     // Pipelines of another round (the shard holds this one already: a retried push) or none
     // (the job does not sync): the fp32 deltas go, and the shard answers them as it does.

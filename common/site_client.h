@@ -208,7 +208,8 @@ class SiteClient {
   // Sets `encoded` on the deltas for shard `shard` whose pipelines of `round` the encoder
   // kept, or else the shard gives when asked now (a Hello); none without an encoder, or when
   // the shard answers for another round (it holds this one already).
-  Status EncodeFor(size_t shard, uint64_t round, std::vector<TensorView>& deltas);
+  Status EncodeFor(size_t shard, uint64_t round, uint64_t compute_ms,
+                   std::vector<TensorView>& deltas);
   // Records that `name` lives on shard `i`, checking it against the placement set.
   Status Place(const std::string& name, size_t i, std::map<std::string, int>& seen) const;
 

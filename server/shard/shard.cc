@@ -596,7 +596,8 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
   flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<wire::TensorPipeline>>> pipes;
   if (job_found && req->want_pipelines() && sync_ && sync_->HasJob(job_found->name)) {
     pipes_round = sync_->PushedRound(job_found->name) + 1;
-    ISTHMUS_ASSIGN_OR_RETURN(auto chosen, sync_->RoundPipelines(job_found->name, pipes_round));
+    ISTHMUS_ASSIGN_OR_RETURN(
+        auto chosen, sync_->RoundPipelines(job_found->name, pipes_round, req->compute_ms()));
     std::vector<flatbuffers::Offset<wire::TensorPipeline>> out;
     for (const auto& [name, pipe] : chosen) {
       out.push_back(wire::CreateTensorPipelineDirect(reply.header, name.c_str(), pipe.c_str()));

@@ -511,15 +511,16 @@ const codec::Pipeline& SyncEngine::ConfiguredPipeline(const std::string& tensor)
   return codec_pipe_;
 }
 
-codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
-                                        uint64_t total_numel) const {
+codec::Pipeline SyncEngine::PipelineFor(const std::string& tensor,
+                                        const std::vector<std::string>& peers, double round_seconds,
+                                        uint64_t numel, uint64_t total_numel) const {
   // Alone, the delta never crosses a link: keep it exact.
   if (options_.peer_sites.empty()) return dense_pipe_;
-  if (options_.adaptive && j.last_round_seconds > 0) {
+  if (options_.adaptive && round_seconds > 0) {
     // A link not measured yet counts at sync.adaptive_start_mbit (0: no sizing until it is).
     const double assumed = options_.adaptive_start_mbit * 1e6 / 8;
     double min_bw = -1;
-    for (const auto& p : MemberPeers(j)) {
+    for (const auto& p : peers) {
       auto it = bandwidth_.find(p);
       const double bw = it != bandwidth_.end() ? it->second : assumed;
       if (bw <= 0) {
@@ -529,10 +530,10 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
       min_bw = min_bw < 0 ? bw : std::min(min_bw, bw);
     }
     if (min_bw > 0) {
-      const double budget = std::max(min_bw * j.last_round_seconds * options_.adaptive_share *
-                                         static_cast<double>(numel) /
-                                         static_cast<double>(std::max<uint64_t>(total_numel, 1)),
-                                     0.0);
+      const double budget =
+          std::max(min_bw * round_seconds * options_.adaptive_share * static_cast<double>(numel) /
+                       static_cast<double>(std::max<uint64_t>(total_numel, 1)),
+                   0.0);
       // No ceiling set: the tensor's configured pipeline while it fits, else the ladder
       // from that pipeline's rung down.
       const bool own_ceiling = options_.adaptive_ceiling.empty();
@@ -545,8 +546,8 @@ codec::Pipeline SyncEngine::PipelineFor(const Job& j, const std::string& tensor,
   return ConfiguredPipeline(tensor);
 }
 
-std::map<std::string, codec::Pipeline> SyncEngine::ChoosePipelines(const Job& j,
-                                                                   uint64_t round) const {
+std::map<std::string, codec::Pipeline> SyncEngine::ChoosePipelines(const Job& j, uint64_t round,
+                                                                   double round_seconds) const {
   // Streaming: only this round's fragment crosses the WAN; the rest waits in the residual.
   std::map<std::string, uint32_t> fragment;
   const uint32_t due =
@@ -563,19 +564,25 @@ std::map<std::string, codec::Pipeline> SyncEngine::ChoosePipelines(const Job& j,
   for (const auto& [tname, t] : j.theta) {
     if (!deferred(tname)) total_numel += t.data->size();
   }
+  const std::vector<std::string> peers = MemberPeers(j);
   std::map<std::string, Pipe> out;
   for (const auto& [tname, t] : j.theta) {
-    out[tname] = deferred(tname) ? defer_pipe_ : PipelineFor(j, tname, t.data->size(), total_numel);
+    out[tname] = deferred(tname)
+                     ? defer_pipe_
+                     : PipelineFor(tname, peers, round_seconds, t.data->size(), total_numel);
   }
   return out;
 }
 
 Result<std::map<std::string, std::string>> SyncEngine::RoundPipelines(const std::string& name,
-                                                                      uint64_t round) const {
+                                                                      uint64_t round,
+                                                                      uint64_t compute_ms) const {
   ISTHMUS_ASSIGN_OR_RETURN(const Job* j, FindJob(name));
   if (round == 0) return Status::InvalidArgument("rounds start at 1");
   std::map<std::string, std::string> out;
-  for (const auto& [tname, p] : ChoosePipelines(*j, round)) out[tname] = PipeText(p);
+  const double seconds =
+      compute_ms > 0 ? static_cast<double>(compute_ms) / 1e3 : j->last_round_seconds;
+  for (const auto& [tname, p] : ChoosePipelines(*j, round, seconds)) out[tname] = PipeText(p);
   return out;
 }
 
@@ -657,7 +664,7 @@ Result<std::unique_ptr<SyncEngine::CloseWork>> SyncEngine::PrepareClose(
   } else if (j.last_close) {
     j.last_round_seconds = std::chrono::duration<double>(now - *j.last_close).count();
   }
-  const std::map<std::string, Pipe> pipes = ChoosePipelines(j, round);
+  const std::map<std::string, Pipe> pipes = ChoosePipelines(j, round, j.last_round_seconds);
   // The residuals stay in memory between closes (rebuilt from the store once after a
   // start); the new ones are written into a second buffer per tensor, taken only once the
   // close is durable.

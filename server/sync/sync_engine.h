@@ -210,9 +210,10 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // closed now: adaptive sizing from what the engine knows now, "defer" for a streamed
   // fragment that is not due. What a worker that encodes its own deltas uses (docs/SYNC.md,
   // "Deltas encoded by the worker"); the close of a round the worker encoded takes the
-  // worker's bytes as they are, whatever this says by then.
-  Result<std::map<std::string, std::string>> RoundPipelines(const std::string& job,
-                                                            uint64_t round) const;
+  // worker's bytes as they are, whatever this says by then. `compute_ms` (not 0): the
+  // round's compute time, as its push will report it, sizes it.
+  Result<std::map<std::string, std::string>> RoundPipelines(const std::string& job, uint64_t round,
+                                                            uint64_t compute_ms = 0) const;
 
   // Round-less add (push with round 0) for a job that syncs with no peers: theta += delta
   // at once. FailedPrecondition when peers are configured.
@@ -526,12 +527,13 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
                                                           const std::vector<std::string>& sites,
                                                           std::set<std::string>* sent = nullptr);
   // The pipeline of every tensor for round `round`'s close (PipelineFor, streamed fragments
-  // not due deferred).
-  std::map<std::string, codec::Pipeline> ChoosePipelines(const Job& j, uint64_t round) const;
+  // not due deferred), for a round of `round_seconds` of compute (0: not known).
+  std::map<std::string, codec::Pipeline> ChoosePipelines(const Job& j, uint64_t round,
+                                                         double round_seconds) const;
   // Pipeline for a tensor of the round being closed; `total_numel`: the values this round
   // sends (its fragment's). The configured pipelines were parsed once, at construction.
-  codec::Pipeline PipelineFor(const Job& j, const std::string& tensor, uint64_t numel,
-                              uint64_t total_numel) const;
+  codec::Pipeline PipelineFor(const std::string& tensor, const std::vector<std::string>& peers,
+                              double round_seconds, uint64_t numel, uint64_t total_numel) const;
   // sync.codec, or the first of sync.codec_overrides whose glob matches `tensor`.
   const codec::Pipeline& ConfiguredPipeline(const std::string& tensor) const;
   void CollectGarbage(const std::string& name, const Job& j, WriteBatch& batch) const;

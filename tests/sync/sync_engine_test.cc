@@ -1053,14 +1053,23 @@ TEST(SyncEngineTest, AdaptiveSizesToTheSlowestLink) {
 // The pipelines a worker that encodes its own deltas asks for (RoundPipelines, answered to
 // a Hello right before it encodes) are sized from the compute time of the last push, before
 // that round closes: a slow link and a reported compute time give the next round a coarser
-// rung than the configured pipeline.
+// rung than the configured pipeline. A compute time given with the question sizes the
+// round as well, the first one included (with the link counted at adaptive_start_mbit).
 TEST(SyncEngineTest, RoundPipelinesAreSizedFromTheLastPushsComputeTime) {
   Site a("siteA", {"siteB"}, "int8+zstd");
   a.options().adaptive = true;
+  a.options().adaptive_start_mbit = 1e-4;  // 12.5 B/s
   a.Reopen();
   auto pipes = a.engine().RoundPipelines(kJob, 1);
   ASSERT_TRUE(pipes.ok());
-  EXPECT_EQ(pipes->at("a.weight"), "int8+zstd");                      // nothing measured yet
+  EXPECT_EQ(pipes->at("a.weight"), "int8+zstd");  // no round time known yet
+  pipes = a.engine().RoundPipelines(kJob, 1, /*compute_ms=*/1000);
+  ASSERT_TRUE(pipes.ok());
+  for (const auto& [name, pipe] : *pipes) EXPECT_EQ(pipe, "topk:0.001+int2+zstd") << name;
+  a.engine().OnLinkBandwidth("siteB", 1e9);
+  pipes = a.engine().RoundPipelines(kJob, 1, 1000);
+  ASSERT_TRUE(pipes.ok());
+  EXPECT_EQ(pipes->at("a.weight"), "int8+zstd") << "a measured fast link";
   a.engine().OnLinkBandwidth("siteB", 20.0);                          // 20 B/s
   ASSERT_TRUE(a.PushRound(1, /*part=*/0, /*compute_ms=*/1000).ok());  // tensor 0 staged only
   pipes = a.engine().RoundPipelines(kJob, 2);
