@@ -938,6 +938,11 @@ void PeerLinks::OnAcked(Link& link, uint64_t request_id, uint64_t held, Clock::t
   if (auto estimate = link.meter->OnAck(sent.sent, at, sent.bytes, sent.resent)) {
     double& bw = link.stats.bandwidth_bps;
     bw = *estimate;
+    spdlog::debug(
+        "link to {}: round {} of job '{}' ({} bytes) acknowledged {:.0f} ms after it "
+        "was sent; bandwidth estimate {:.0f} B/s",
+        link.spec.site, sent.round, sent.job, sent.bytes,
+        std::chrono::duration<double, std::milli>(at - sent.sent).count(), bw);
     source_->OnLinkBandwidth(link.spec.site, bw);
   }
 }

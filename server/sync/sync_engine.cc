@@ -511,37 +511,41 @@ const codec::Pipeline& SyncEngine::ConfiguredPipeline(const std::string& tensor)
   return codec_pipe_;
 }
 
-codec::Pipeline SyncEngine::PipelineFor(const std::string& tensor,
-                                        const std::vector<std::string>& peers, double round_seconds,
-                                        uint64_t numel, uint64_t total_numel) const {
+double SyncEngine::RoundBytesPerSecond(const Job& j, uint64_t round) const {
+  // A link not measured yet counts at sync.adaptive_start_mbit (0: no sizing until it is).
+  const double assumed = options_.adaptive_start_mbit * 1e6 / 8;
+  double min_bw = -1;
+  int measured = 0, peers = 0;
+  for (const auto& p : MemberPeers(j)) {
+    auto it = bandwidth_.find(p);
+    const double bw = it != bandwidth_.end() ? it->second : assumed;
+    ++peers;
+    measured += it != bandwidth_.end();
+    if (bw <= 0) return -1;
+    min_bw = min_bw < 0 ? bw : std::min(min_bw, bw);
+  }
+  spdlog::debug("round {}: sized for {:.0f} B/s ({} of {} peer links measured)", round, min_bw,
+                measured, peers);
+  return min_bw;
+}
+
+codec::Pipeline SyncEngine::PipelineFor(const std::string& tensor, double bytes_per_second,
+                                        double round_seconds, uint64_t numel,
+                                        uint64_t total_numel) const {
   // Alone, the delta never crosses a link: keep it exact.
   if (options_.peer_sites.empty()) return dense_pipe_;
-  if (options_.adaptive && round_seconds > 0) {
-    // A link not measured yet counts at sync.adaptive_start_mbit (0: no sizing until it is).
-    const double assumed = options_.adaptive_start_mbit * 1e6 / 8;
-    double min_bw = -1;
-    for (const auto& p : peers) {
-      auto it = bandwidth_.find(p);
-      const double bw = it != bandwidth_.end() ? it->second : assumed;
-      if (bw <= 0) {
-        min_bw = -1;
-        break;
-      }
-      min_bw = min_bw < 0 ? bw : std::min(min_bw, bw);
-    }
-    if (min_bw > 0) {
-      const double budget =
-          std::max(min_bw * round_seconds * options_.adaptive_share * static_cast<double>(numel) /
-                       static_cast<double>(std::max<uint64_t>(total_numel, 1)),
-                   0.0);
-      // No ceiling set: the tensor's configured pipeline while it fits, else the ladder
-      // from that pipeline's rung down.
-      const bool own_ceiling = options_.adaptive_ceiling.empty();
-      const codec::Pipeline& configured = ConfiguredPipeline(tensor);
-      if (own_ceiling && codec::EstimateBytes(configured, numel) <= budget) return configured;
-      return codec::ChooseAdaptive(numel, static_cast<uint64_t>(budget), floor_pipe_,
-                                   own_ceiling ? configured : ceiling_pipe_);
-    }
+  if (options_.adaptive && round_seconds > 0 && bytes_per_second > 0) {
+    const double budget = std::max(bytes_per_second * round_seconds * options_.adaptive_share *
+                                       static_cast<double>(numel) /
+                                       static_cast<double>(std::max<uint64_t>(total_numel, 1)),
+                                   0.0);
+    // No ceiling set: the tensor's configured pipeline while it fits, else the ladder
+    // from that pipeline's rung down.
+    const bool own_ceiling = options_.adaptive_ceiling.empty();
+    const codec::Pipeline& configured = ConfiguredPipeline(tensor);
+    if (own_ceiling && codec::EstimateBytes(configured, numel) <= budget) return configured;
+    return codec::ChooseAdaptive(numel, static_cast<uint64_t>(budget), floor_pipe_,
+                                 own_ceiling ? configured : ceiling_pipe_);
   }
   return ConfiguredPipeline(tensor);
 }
@@ -564,12 +568,14 @@ std::map<std::string, codec::Pipeline> SyncEngine::ChoosePipelines(const Job& j,
   for (const auto& [tname, t] : j.theta) {
     if (!deferred(tname)) total_numel += t.data->size();
   }
-  const std::vector<std::string> peers = MemberPeers(j);
+  const double bw = options_.adaptive && !options_.peer_sites.empty() && round_seconds > 0
+                        ? RoundBytesPerSecond(j, round)
+                        : -1;
   std::map<std::string, Pipe> out;
   for (const auto& [tname, t] : j.theta) {
     out[tname] = deferred(tname)
                      ? defer_pipe_
-                     : PipelineFor(tname, peers, round_seconds, t.data->size(), total_numel);
+                     : PipelineFor(tname, bw, round_seconds, t.data->size(), total_numel);
   }
   return out;
 }

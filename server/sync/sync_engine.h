@@ -530,9 +530,13 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // not due deferred), for a round of `round_seconds` of compute (0: not known).
   std::map<std::string, codec::Pipeline> ChoosePipelines(const Job& j, uint64_t round,
                                                          double round_seconds) const;
-  // Pipeline for a tensor of the round being closed; `total_numel`: the values this round
-  // sends (its fragment's). The configured pipelines were parsed once, at construction.
-  codec::Pipeline PipelineFor(const std::string& tensor, const std::vector<std::string>& peers,
+  // The slowest member peer link's bandwidth (bytes/s) a round is sized for, a link not
+  // measured yet at sync.adaptive_start_mbit; -1 when one counts as 0 (no sizing).
+  double RoundBytesPerSecond(const Job& j, uint64_t round) const;
+  // Pipeline for a tensor of the round being closed, sized for `bytes_per_second` over
+  // `round_seconds` (either not positive: the configured pipeline); `total_numel`: the values
+  // this round sends (its fragment's). The configured pipelines were parsed once.
+  codec::Pipeline PipelineFor(const std::string& tensor, double bytes_per_second,
                               double round_seconds, uint64_t numel, uint64_t total_numel) const;
   // sync.codec, or the first of sync.codec_overrides whose glob matches `tensor`.
   const codec::Pipeline& ConfiguredPipeline(const std::string& tensor) const;

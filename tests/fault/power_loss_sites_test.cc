@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -29,7 +30,13 @@ namespace {
 using testing::SiteProcess;
 using namespace std::chrono_literals;
 
-constexpr int64_t kRows = 8, kCols = 4;
+// ISTHMUS_POWERLOSS_ROWS=65536 makes "w" 1 MiB, so that its state, deltas and the
+// checkpoint's state write (filled off the shard's event loop) go through slot files.
+const int64_t kRows = [] {
+  const char* rows = std::getenv("ISTHMUS_POWERLOSS_ROWS");
+  return rows != nullptr ? std::max<int64_t>(8, std::atoll(rows)) : int64_t{8};
+}();
+constexpr int64_t kCols = 4;
 
 std::vector<float> InitialValues(const std::string& name, size_t n) {
   std::vector<float> v(n);

@@ -72,6 +72,9 @@ class Site {
     options_.codec = codec;
     options_.outer_lr = lr;
     options_.outer_momentum = mu;
+    // No link measures bandwidth here: rounds keep their codec until a test reports one
+    // (OnLinkBandwidth) or sets a start figure itself.
+    options_.adaptive_start_mbit = 0;
     Open(/*fresh=*/true);
   }
 
@@ -198,6 +201,48 @@ int Deliver(Site& from, Site& to, bool twice = false) {
     ++sent;
   }
   return sent;
+}
+
+// The committed tensors as the store holds them, as the engine holds them, and how many
+// round deltas the store keeps (the checkpoint tests).
+std::map<std::string, std::vector<float>> Floats(const std::map<std::string, SyncTensor>& t) {
+  std::map<std::string, std::vector<float>> out;
+  for (const auto& [name, v] : t) out[name] = *v.data;
+  return out;
+}
+std::map<std::string, std::vector<float>> StoredTensors(Site& s) {
+  auto t = SyncEngine::ReadTensors(s.store(), kJob);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? Floats(*t) : std::map<std::string, std::vector<float>>{};
+}
+std::map<std::string, std::vector<float>> CommittedTensors(Site& s) {
+  auto t = s.engine().Committed(kJob);
+  EXPECT_TRUE(t.ok());
+  return t.ok() ? Floats(*t) : std::map<std::string, std::vector<float>>{};
+}
+// Round r pushed whole by every site and exchanged within each pair: every site commits it.
+void CommitInPairs(uint64_t r, const std::vector<std::pair<Site*, Site*>>& pairs) {
+  for (auto [x, y] : pairs) {
+    for (Site* s : {x, y}) ASSERT_TRUE(s->PushWholeRound(r).ok()) << s->name();
+  }
+  for (auto [x, y] : pairs) {
+    Deliver(*x, *y);
+    Deliver(*y, *x);
+  }
+  for (auto [x, y] : pairs) {
+    for (Site* s : {x, y}) ASSERT_EQ(s->engine().CommittedRound(kJob), r) << s->name();
+  }
+}
+int DeltasHeld(Site& s) {
+  int n = 0;
+  EXPECT_TRUE(s.store()
+                  ->ScanKeys(Column::kDeltas, keys::JobPrefix(kJob),
+                             [&](std::string_view) {
+                               ++n;
+                               return true;
+                             })
+                  .ok());
+  return n;
 }
 
 std::vector<std::unique_ptr<Site>> ThreeSites(const std::string& codec, double lr = 1.0,
@@ -1683,57 +1728,23 @@ TEST(SyncEngineTest, CheckpointedStateIsRebuiltAtAStartBitForBit) {
   }
   for (Site* s : {&a1, &b1}) s->options().checkpoint_rounds = 1;
   for (Site* s : {&a, &b, &a1, &b1}) s->Reopen();
-  auto stored = [](Site& s) {
-    std::map<std::string, std::vector<float>> out;
-    auto t = SyncEngine::ReadTensors(s.store(), kJob);
-    EXPECT_TRUE(t.ok()) << t.status().ToString();
-    if (t.ok()) {
-      for (auto& [name, v] : *t) out[name] = *v.data;
-    }
-    return out;
-  };
-  auto committed = [](Site& s) {
-    std::map<std::string, std::vector<float>> out;
-    auto t = s.engine().Committed(kJob);
-    EXPECT_TRUE(t.ok());
-    if (t.ok()) {
-      for (auto& [name, v] : *t) out[name] = *v.data;
-    }
-    return out;
-  };
-  auto deltas_held = [](Site& s) {
-    int n = 0;
-    EXPECT_TRUE(s.store()
-                    ->ScanKeys(Column::kDeltas, keys::JobPrefix(kJob),
-                               [&](std::string_view) {
-                                 ++n;
-                                 return true;
-                               })
-                    .ok());
-    return n;
-  };
   const uint64_t kRounds = 8;
   for (uint64_t r = 1; r <= kRounds; ++r) {
-    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_TRUE(s->PushWholeRound(r).ok()) << s->name();
-    Deliver(a, b);
-    Deliver(b, a);
-    Deliver(a1, b1);
-    Deliver(b1, a1);
-    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_EQ(s->engine().CommittedRound(kJob), r);
-    const auto want = committed(a1);
-    EXPECT_EQ(stored(a1), want) << "round " << r << ": the twin writes every commit";
+    ASSERT_NO_FATAL_FAILURE(CommitInPairs(r, {{&a, &b}, {&a1, &b1}}));
+    const auto want = CommittedTensors(a1);
+    EXPECT_EQ(StoredTensors(a1), want) << "round " << r << ": the twin writes every commit";
     // The store holds the state of the last multiple of 3, and the deltas since.
     const uint64_t state_round = r / 3 * 3;
     if (state_round == r) {
-      EXPECT_EQ(stored(a), want) << "round " << r;
+      EXPECT_EQ(StoredTensors(a), want) << "round " << r;
     } else {
-      EXPECT_NE(stored(a), want) << "round " << r << " was written between checkpoints";
+      EXPECT_NE(StoredTensors(a), want) << "round " << r << " was written between checkpoints";
     }
-    EXPECT_EQ(deltas_held(a), static_cast<int>(2 * (r - state_round))) << "round " << r;
+    EXPECT_EQ(DeltasHeld(a), static_cast<int>(2 * (r - state_round))) << "round " << r;
     for (Site* s : {&a, &b}) {
       s->Reopen();  // the start rebuilds rounds state_round + 1 .. r
       ASSERT_EQ(s->engine().CommittedRound(kJob), r);
-      EXPECT_EQ(committed(*s), want) << s->name() << " round " << r;
+      EXPECT_EQ(CommittedTensors(*s), want) << s->name() << " round " << r;
     }
   }
   EXPECT_EQ(a.Digests(), a1.Digests());
@@ -1785,71 +1796,40 @@ TEST(SyncEngineTest, AStateWrittenInTheBackgroundIsNamedOnlyOnceApplied) {
   a.options().background_state_writes = true;
   for (Site* s : {&a1, &b1}) s->options().checkpoint_rounds = 1;
   for (Site* s : {&a, &b, &a1, &b1}) s->Reopen();
-  auto floats = [](const std::map<std::string, SyncTensor>& t) {
-    std::map<std::string, std::vector<float>> out;
-    for (auto& [name, v] : t) out[name] = *v.data;
-    return out;
-  };
-  auto stored = [&](Site& s) {
-    auto t = SyncEngine::ReadTensors(s.store(), kJob);
-    EXPECT_TRUE(t.ok()) << t.status().ToString();
-    return t.ok() ? floats(*t) : std::map<std::string, std::vector<float>>{};
-  };
-  auto committed = [&](Site& s) {
-    auto t = s.engine().Committed(kJob);
-    EXPECT_TRUE(t.ok());
-    return t.ok() ? floats(*t) : std::map<std::string, std::vector<float>>{};
-  };
-  auto deltas_held = [](Site& s) {
-    int n = 0;
-    EXPECT_TRUE(s.store()
-                    ->ScanKeys(Column::kDeltas, keys::JobPrefix(kJob),
-                               [&](std::string_view) {
-                                 ++n;
-                                 return true;
-                               })
-                    .ok());
-    return n;
-  };
-  const auto base = stored(a);
+  const auto base = StoredTensors(a);
   std::map<uint64_t, std::map<std::string, std::vector<float>>> want;
   for (uint64_t r = 1; r <= 8; ++r) {
-    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_TRUE(s->PushWholeRound(r).ok()) << s->name();
-    Deliver(a, b);
-    Deliver(b, a);
-    Deliver(a1, b1);
-    Deliver(b1, a1);
-    for (Site* s : {&a, &b, &a1, &b1}) ASSERT_EQ(s->engine().CommittedRound(kJob), r);
-    want[r] = committed(a1);
-    ASSERT_EQ(committed(a), want[r]) << "round " << r;
+    ASSERT_NO_FATAL_FAILURE(CommitInPairs(r, {{&a, &b}, {&a1, &b1}}));
+    want[r] = CommittedTensors(a1);
+    ASSERT_EQ(CommittedTensors(a), want[r]) << "round " << r;
     if (r == 3) {
       // Round 3's state is being written: the store still holds round 0's and every delta.
-      EXPECT_EQ(stored(a), base);
-      EXPECT_EQ(deltas_held(a), 6);
+      EXPECT_EQ(StoredTensors(a), base);
+      EXPECT_EQ(DeltasHeld(a), 6);
       a.Reopen();  // lost before it was applied, as in a crash
-      EXPECT_EQ(committed(a), want[r]) << "rebuilt from round 0's state and the deltas";
-      EXPECT_EQ(stored(a), base);
+      EXPECT_EQ(CommittedTensors(a), want[r]) << "rebuilt from round 0's state and the deltas";
+      EXPECT_EQ(StoredTensors(a), base);
     }
     if (r == 4) {
       // The commit after the start writes it (round 0's is 4 rounds back).
-      EXPECT_EQ(stored(a), base);
-      const int before = deltas_held(a);
+      EXPECT_EQ(StoredTensors(a), base);
+      const int before = DeltasHeld(a);
       ASSERT_TRUE(a.engine().FinishStateWrites().ok());
-      EXPECT_EQ(stored(a), want[4]);
-      EXPECT_LT(deltas_held(a), before) << "the rounds up to 4 are not needed for a start";
+      EXPECT_EQ(StoredTensors(a), want[4]);
+      EXPECT_LT(DeltasHeld(a), before) << "the rounds up to 4 are not needed for a start";
       a.Reopen();
-      EXPECT_EQ(committed(a), want[4]);
+      EXPECT_EQ(CommittedTensors(a), want[4]);
     }
   }
   // Round 7's, started at its commit, is applied by the event loop's RunDeferred once
   // filled, without waiting for it; round 8's commit did not start another.
-  for (int i = 0; i < 2000 && stored(a) != want[7]; ++i) {
+  for (int i = 0; i < 2000 && StoredTensors(a) != want[7]; ++i) {
     ASSERT_TRUE(a.engine().RunDeferred().ok());
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
-  EXPECT_EQ(stored(a), want[7]);
+  EXPECT_EQ(StoredTensors(a), want[7]);
   a.Reopen();
-  EXPECT_EQ(committed(a), want[8]);
+  EXPECT_EQ(CommittedTensors(a), want[8]);
   EXPECT_EQ(a.Digests(), a1.Digests());
 }
 
