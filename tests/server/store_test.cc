@@ -433,6 +433,24 @@ TEST(RocksSlotTest, AStagedWriteFillsOnAnotherThreadWhileTheStoreGoesOn) {
   EXPECT_FALSE(cp->Get(Column::kState, m_key)->has_value());
 }
 
+// Helper of AStagedWriteNotAppliedLeavesTheOldValues, run in a process of its own: stages
+// and fills that test's batch in the store it names, and exits without applying it.
+TEST(RocksSlotTest, StagedChild) {
+  const char* db = std::getenv("ISTHMUS_STAGED_CHILD_DIR");
+  if (db == nullptr)
+    GTEST_SKIP() << "helper of RocksSlotTest.AStagedWriteNotAppliedLeavesTheOldValues";
+  auto store = MustOpen(db);
+  if (store == nullptr) std::_Exit(2);
+  const std::string t2 = Pattern(kBig, 2), n2 = Pattern(kBig, 3);
+  WriteBatch b;
+  b.Put(Column::kTensors, keys::JobKey("j", "t"), t2);
+  b.Put(Column::kTensors, keys::JobKey("j", "new"), n2);
+  auto staged = store->Stage(b);
+  if (!staged.ok()) std::_Exit(3);
+  (*staged)->Fill();
+  std::_Exit(42);  // filled: the parent checks for this code
+}
+
 // A staged write dropped before Apply (filled or not), or lost with its process after the
 // fill, leaves the old values and no slot file of its own; a write of one of its keys in
 // between supersedes it: Apply then writes nothing.
@@ -463,19 +481,20 @@ TEST(RocksSlotTest, AStagedWriteNotAppliedLeavesTheOldValues) {
     staged->reset();
   }
   expect_old("dropped");
-  // The process dies after the fill, before Apply (as a SIGKILL would).
+  // The process dies after the fill, before Apply (as a SIGKILL would): a fresh process
+  // (RocksSlotTest.StagedChild) stages the same batch, fills it and exits.
   const pid_t pid = ::fork();
   ASSERT_GE(pid, 0);
   if (pid == 0) {
-    auto store = MustOpen(db.string());
-    auto staged = store->Stage(b);
-    if (!staged.ok()) std::_Exit(2);
-    (*staged)->Fill();
-    std::_Exit(0);
+    ::setenv("ISTHMUS_STAGED_CHILD_DIR", db.c_str(), 1);
+    ::execl("/proc/self/exe", "staged_child", "--gtest_filter=RocksSlotTest.StagedChild",
+            static_cast<char*>(nullptr));
+    std::_Exit(127);
   }
   int status = 0;
   ::waitpid(pid, &status, 0);
-  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 42)
+      << "the child did not fill: " << status;
   expect_old("lost with its process");
   // Superseded: a later write of t, while the fill runs or after it.
   for (bool filled_first : {false, true}) {
