@@ -28,9 +28,9 @@ Result<std::vector<Tensor>> ModelLiveParams::TakeDelta() {
   float* base = base_.as<float>();
   float* minus = staging_.as<float>();
   const auto count = static_cast<int64_t>(n());
-  ops.Subtract(base, live, minus, count);  // -delta
+  ops.Subtract(live, base, minus, count);  // delta
   // Downloaded tensor by tensor into the round's buffers (a recycled delta's when there is
-  // one: no new memory for the kernel to zero), then negated in place.
+  // one: no new memory for the kernel to zero).
   const auto& trainable = gpt_.Trainable();
   std::vector<Tensor> out;
   out.reserve(trainable.size());
@@ -40,13 +40,14 @@ Result<std::vector<Tensor>> ModelLiveParams::TakeDelta() {
     ops.Download(t.data.data(), minus + p.offset, t.data.size() * sizeof(float));
     out.push_back(std::move(t));
   }
-  ops.Subtract(base, minus, live, count);  // base + delta, as a shard adding it computes
+  // live := base + delta, as a shard adding it computes, with the backend's one subtraction:
+  // base - live is exactly -delta (rounding is symmetric), and base - (-delta) is base +
+  // delta. On the device, not a pass over the host copy on the caller's thread.
+  ops.Subtract(base, live, minus, count);
+  ops.Subtract(base, minus, live, count);
   ops.Copy(base, live, n() * sizeof(float));
   gpt_.TrainableChanged();
   ISTHMUS_RETURN_IF_ERROR(ops.Synchronize());
-  for (auto& t : out) {
-    for (float& v : t.data) v = -v;
-  }
   return out;
 }
 

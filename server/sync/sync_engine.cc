@@ -1040,6 +1040,10 @@ void SyncEngine::StartStateWrite(const std::string& name, Job& j, uint64_t round
     return;
   }
   w->staged = std::move(staged).value();
+  uint64_t bytes = 0;
+  for (const auto& op : w->rows.ops()) bytes += op.value.size();
+  spdlog::debug("job '{}': writing the state of round {} ({:.0f} MB) in the background", name,
+                round, static_cast<double>(bytes) / 1e6);
   StateWrite* raw = w.get();
   w->filler = std::thread([raw] {
     raw->staged->Fill();
