@@ -196,6 +196,7 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
     std::map<std::string, Entry> view;
     const std::map<std::string, Entry>* served = &state_;
     if (!reply.view.empty()) {
+      ++stats.view_pulls;
       view = state_;
       for (const auto& r : reply.view) ISTHMUS_RETURN_IF_ERROR(ApplyRound(view, r, lr, mu));
       served = &view;

@@ -29,6 +29,7 @@ struct ReplayStats {
   uint64_t whole_pulls = 0;        // pulls that brought a whole committed state
   uint64_t rounds_replayed = 0;    // committed rounds replayed from deltas
   uint64_t digest_mismatches = 0;  // replays whose state did not match the shard's digest
+  uint64_t view_pulls = 0;         // pulls served with the view's rounds on a copy
   uint64_t payload_bytes = 0;      // bytes of the replies' payload frames
   // Where the pulls' time went: the requests (shard's work and transfer), replaying the
   // commits (decode, merge, outer step) with the digest of the last one (hashed on another

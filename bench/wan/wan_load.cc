@@ -118,6 +118,8 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
     site_->SetEncoder(std::make_unique<codec::FeedbackEncoder>(o_.encode_threads));
   }
   ISTHMUS_RETURN_IF_ERROR(site_->Hello("").status());
+  // The puller from the first pull on, as isthmus-worker: round 1's pull then replays.
+  if (o_.pull_by_replay) site_->SetPuller(std::make_unique<codec::ReplayPuller>());
   ISTHMUS_ASSIGN_OR_RETURN(std::vector<Tensor> pulled, site_->Pull());
   live_.assign(first.size(), Tensor{});
   size_t found = 0;
@@ -138,7 +140,6 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
   std::vector<LiveTensor> views;
   for (auto& t : live_) views.push_back({t.name, t.shape, t.data.data()});
   params_ = std::make_unique<HostLiveParams>(std::move(views));
-  if (o_.pull_by_replay) site_->SetPuller(std::make_unique<codec::ReplayPuller>());
   rounds_ = std::make_unique<SiteRounds>(*site_);
   RoundDriverOptions d;
   d.overlap = o_.overlap;

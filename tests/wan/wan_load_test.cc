@@ -155,9 +155,21 @@ TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
   auto site = SiteOn(server, o);
   Status prepared = site->Prepare(deltas);
   ASSERT_TRUE(prepared.ok()) << prepared.ToString();
+  if (o.pull_by_replay) {
+    // The start-up pull seeds the copy the rounds replay onto (the whole state, once).
+    ASSERT_NE(site->replay_stats(), nullptr);
+    EXPECT_EQ(site->replay_stats()->pulls, 1u);
+    EXPECT_EQ(site->replay_stats()->whole_pulls, 1u);
+  }
   auto timings = site->Run(deltas);
   ASSERT_TRUE(timings.ok()) << timings.status().ToString();
   ASSERT_EQ(timings->size(), 5u);
+  if (o.pull_by_replay) {
+    // Every round's pull replayed, round 1's too: no whole state inside a round.
+    EXPECT_EQ(site->replay_stats()->whole_pulls, 1u);
+    EXPECT_EQ(site->replay_stats()->rounds_replayed, 5u);
+    EXPECT_EQ(site->replay_stats()->digest_mismatches, 0u);
+  }
   for (const auto& t : *timings) {
     EXPECT_GE(t.compute_s, 0.05);
     EXPECT_GE(t.wall_s, t.compute_s);
