@@ -372,6 +372,7 @@ Result<RoundReport> RoundDriver::Complete() {
   if (params_ != nullptr) {
     ISTHMUS_RETURN_IF_ERROR(params_->Rebase(o_.pull ? &out.pulled : nullptr, progressed_));
     out.report.merged = true;
+    if (!out.pulled.empty()) shards_.Recycle(std::move(out.pulled));
   }
   return std::move(out.report);
 }

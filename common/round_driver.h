@@ -61,6 +61,9 @@ class RoundShards {
                                                    int world) = 0;
   virtual Result<Staleness> CheckStaleness() = 0;
   virtual Result<std::vector<Tensor>> Pull() = 0;
+  // A pulled state merged into the live weights (caller's thread, no round in flight): its
+  // buffers may serve the next Pull. Default: dropped.
+  virtual void Recycle(std::vector<Tensor> pulled) { (void)pulled; }
 };
 
 // RoundShards over a SiteClient (borrowed; its placement must be known: pulled or set).
@@ -74,6 +77,7 @@ class SiteRounds : public RoundShards {
   }
   Result<Staleness> CheckStaleness() override { return site_.CheckStaleness(); }
   Result<std::vector<Tensor>> Pull() override { return site_.Pull(); }
+  void Recycle(std::vector<Tensor> pulled) override { site_.RecyclePulled(std::move(pulled)); }
 
  private:
   SiteClient& site_;

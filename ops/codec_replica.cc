@@ -117,7 +117,8 @@ Result<std::string> ShardReplica::ApplyRoundAndDigest(const ReplayRoundDeltas& r
 }
 
 Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::string& job,
-                                               ReplayStats& stats) {
+                                               ReplayStats& stats,
+                                               std::map<std::string, std::vector<float>>* spare) {
   using Clock = std::chrono::steady_clock;
   auto seconds_since = [](Clock::time_point t) {
     return std::chrono::duration<double>(Clock::now() - t).count();
@@ -203,7 +204,18 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
     }
     std::vector<Tensor> out;
     out.reserve(served->size());
-    for (const auto& [name, e] : *served) out.push_back(Tensor{name, e.shape, e.theta});
+    for (const auto& [name, e] : *served) {
+      std::vector<float> data;
+      if (spare != nullptr) {
+        auto it = spare->find(name);
+        if (it != spare->end()) {
+          data = std::move(it->second);
+          spare->erase(it);
+        }
+      }
+      data.assign(e.theta.begin(), e.theta.end());  // in its memory when it is large enough
+      out.push_back(Tensor{name, e.shape, std::move(data)});
+    }
     stats.serve_s += seconds_since(t);
     return out;
   }
@@ -212,7 +224,11 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
 Result<std::vector<Tensor>> ReplayPuller::Pull(size_t shard, ShardClient& client,
                                                const std::string& job) {
   if (replicas_.size() <= shard) replicas_.resize(shard + 1);
-  return replicas_[shard].Pull(client, job, stats_);
+  return replicas_[shard].Pull(client, job, stats_, &spare_);
+}
+
+void ReplayPuller::Recycle(std::vector<Tensor> pulled) {
+  for (auto& t : pulled) spare_[t.name] = std::move(t.data);
 }
 
 }  // namespace isthmus::codec

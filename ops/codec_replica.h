@@ -41,8 +41,11 @@ struct ReplayStats {
 // One shard's committed state, as replayed here.
 class ShardReplica {
  public:
-  // The served tensors of `job` on `client`'s shard, by replay.
-  Result<std::vector<Tensor>> Pull(ShardClient& client, const std::string& job, ReplayStats& stats);
+  // The served tensors of `job` on `client`'s shard, by replay; each handed out in the
+  // buffer `spare` holds for its name when there is one (taken from it), else in fresh
+  // memory.
+  Result<std::vector<Tensor>> Pull(ShardClient& client, const std::string& job, ReplayStats& stats,
+                                   std::map<std::string, std::vector<float>>* spare = nullptr);
   uint64_t round() const { return round_; }
   const std::string& digest() const { return digest_; }
   // The copy of committed theta of `name` (tests); null when none.
@@ -85,6 +88,8 @@ class ReplayPuller : public ShardPuller {
  public:
   Result<std::vector<Tensor>> Pull(size_t shard, ShardClient& client,
                                    const std::string& job) override;
+  // The buffers of `pulled` hand out the same tensors' values at later pulls.
+  void Recycle(std::vector<Tensor> pulled) override;
   const ReplayStats& stats() const { return stats_; }
   ShardReplica* replica(size_t shard) {
     return shard < replicas_.size() ? &replicas_[shard] : nullptr;
@@ -93,6 +98,7 @@ class ReplayPuller : public ShardPuller {
  private:
   std::vector<ShardReplica> replicas_;
   ReplayStats stats_;
+  std::map<std::string, std::vector<float>> spare_;  // by tensor name (Recycle)
 };
 
 }  // namespace isthmus::codec

@@ -69,6 +69,10 @@ class FakeShards : public RoundShards {
     ++pulls_;
     return std::vector<Tensor>{{"w", {static_cast<int64_t>(theta_.size())}, theta_}};
   }
+  void Recycle(std::vector<Tensor> pulled) override {
+    std::lock_guard lk(mu_);
+    recycled_ += pulled.size();
+  }
 
   // Test controls.
   void HoldPull(bool hold) {
@@ -97,6 +101,7 @@ class FakeShards : public RoundShards {
   std::vector<float> theta_;  // GUARDED_BY(mu_), as everything below
   std::vector<std::vector<float>> pushed_;
   std::vector<const float*> pushed_from_;  // where each pushed delta lay
+  size_t recycled_ = 0;                    // pulled tensors handed back (Recycle)
   float other_ = 0;
   uint64_t local_ = 0, committed_ = 0, limit_ = 2;
   bool hold_commits_ = false, hold_pull_ = false, other_ranks_behind_ = false;
@@ -154,10 +159,13 @@ TEST(RoundDriver, ASlowPullIsMergedWithTheLocalProgressKept) {
   EXPECT_EQ(s.w, (std::vector<float>{7, 8, 9, 10}));
   s.shards.HoldPull(false);
   ASSERT_TRUE(UntilReady(*s.driver));
+  s.shards.With([&] { EXPECT_EQ(s.shards.recycled_, 0u) << "handed back before the merge"; });
   auto done = s.driver->Complete();
   ASSERT_TRUE(done.ok()) << done.status().ToString();
   EXPECT_EQ(done->round, 1u);
   EXPECT_TRUE(done->merged);
+  // Merged: the pulled state goes back for the next pull's buffers.
+  s.shards.With([&] { EXPECT_EQ(s.shards.recycled_, 1u); });
   // The base was {2,3,4,5} (after round 1); the site's state is {1,2,3,4} + 1 + 10: the
   // live weights are that state plus the 5 of local progress made meanwhile.
   EXPECT_EQ(s.w, (std::vector<float>{17, 18, 19, 20}));

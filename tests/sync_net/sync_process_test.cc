@@ -52,8 +52,11 @@ uint64_t Tokens(int site) { return 1000 * (site + 1); }
 
 // Pulls job "job" of `site`'s shard by replay through `puller`, then plainly, and expects
 // the same tensors bit for bit; `when` names the moment in failure messages.
+// With `recycled`: the replayed tensors go back to the puller (Recycle) afterwards, and
+// those of a pull after that must be handed out in the buffers recycled last time.
 void ExpectReplayEqualsPlainPull(codec::ReplayPuller& puller, SiteProcess& site,
-                                 const std::string& when) {
+                                 const std::string& when,
+                                 std::map<std::string, const float*>* recycled = nullptr) {
   auto client = site.WorkerClient();
   auto replayed = puller.Pull(0, *client, "job");
   ASSERT_TRUE(replayed.ok()) << when << ": " << replayed.status().ToString();
@@ -69,6 +72,15 @@ void ExpectReplayEqualsPlainPull(codec::ReplayPuller& puller, SiteProcess& site,
     EXPECT_EQ(std::memcmp(a.data.data(), b.data.data(), a.data.size() * sizeof(float)), 0)
         << when << ": tensor " << a.name << " differs";
   }
+  if (recycled == nullptr) return;
+  const bool check = !recycled->empty();
+  for (const auto& t : *replayed) {
+    if (check) {
+      EXPECT_EQ(t.data.data(), recycled->at(t.name)) << when << ": " << t.name << " not reused";
+    }
+    (*recycled)[t.name] = t.data.data();
+  }
+  puller.Recycle(std::move(*replayed));
 }
 
 class SyncProcessTest : public ::testing::Test {
@@ -1563,8 +1575,11 @@ TEST_F(SyncProcessTest, PullByReplayGivesThePlainPullsTensorsBitForBit) {
       "0.6\nmax_rounds_ahead = 2\nreplay_rounds = 2\n";
   StartSites({"alpha", "beta"});
   codec::ReplayPuller puller;
+  // Every pull's tensors go back to the puller, and the next pull hands its tensors out in
+  // them (whole pulls, replays and pulls with rounds in the view alike).
+  std::map<std::string, const float*> recycled;
   auto expect_same = [&](const std::string& when) {
-    ExpectReplayEqualsPlainPull(puller, *sites_[0], when);
+    ExpectReplayEqualsPlainPull(puller, *sites_[0], when, &recycled);
   };
   const auto& st = puller.stats();
   Push(0, 1), Push(1, 1);
