@@ -118,7 +118,7 @@ Result<std::string> ShardReplica::ApplyRoundAndDigest(const ReplayRoundDeltas& r
 
 Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::string& job,
                                                ReplayStats& stats,
-                                               std::map<std::string, std::vector<float>>* spare) {
+                                               std::map<std::string, std::vector<float>>& spare) {
   using Clock = std::chrono::steady_clock;
   auto seconds_since = [](Clock::time_point t) {
     return std::chrono::duration<double>(Clock::now() - t).count();
@@ -206,13 +206,7 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
     out.reserve(served->size());
     for (const auto& [name, e] : *served) {
       std::vector<float> data;
-      if (spare != nullptr) {
-        auto it = spare->find(name);
-        if (it != spare->end()) {
-          data = std::move(it->second);
-          spare->erase(it);
-        }
-      }
+      if (auto kept = spare.extract(name)) data = std::move(kept.mapped());
       data.assign(e.theta.begin(), e.theta.end());  // in its memory when it is large enough
       out.push_back(Tensor{name, e.shape, std::move(data)});
     }
@@ -224,7 +218,7 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
 Result<std::vector<Tensor>> ReplayPuller::Pull(size_t shard, ShardClient& client,
                                                const std::string& job) {
   if (replicas_.size() <= shard) replicas_.resize(shard + 1);
-  return replicas_[shard].Pull(client, job, stats_, &spare_);
+  return replicas_[shard].Pull(client, job, stats_, spare_);
 }
 
 void ReplayPuller::Recycle(std::vector<Tensor> pulled) {

@@ -45,7 +45,7 @@ class ShardReplica {
   // buffer `spare` holds for its name when there is one (taken from it), else in fresh
   // memory.
   Result<std::vector<Tensor>> Pull(ShardClient& client, const std::string& job, ReplayStats& stats,
-                                   std::map<std::string, std::vector<float>>* spare = nullptr);
+                                   std::map<std::string, std::vector<float>>& spare);
   uint64_t round() const { return round_; }
   const std::string& digest() const { return digest_; }
   // The copy of committed theta of `name` (tests); null when none.

@@ -1038,9 +1038,6 @@ class RoundLoop {
   // The round driver of a synced run, once the live weights are where training starts.
   Status StartDriver() {
     ISTHMUS_ASSIGN_OR_RETURN(live_, ModelLiveParams::Create(*gpt_, comm_.get()));
-    if (s_.pull_by_replay && !site_->puller()) {
-      site_->SetPuller(std::make_unique<codec::ReplayPuller>());
-    }
     rounds_ = std::make_unique<SiteRounds>(*site_);
     RoundDriverOptions o;
     o.overlap = s_.overlap;
