@@ -597,6 +597,7 @@ Result<ReplayReply> ShardClient::PullReplay(const std::string& job, uint64_t fro
   ISTHMUS_ASSIGN_OR_RETURN(out.view, ReplayRoundsOf(rp->view(), reply));
   out.committed_round = rp->committed_round();
   out.digest = rp->digest() ? rp->digest()->str() : "";
+  out.check = rp->check() ? rp->check()->str() : "";
   out.epoch = rp->epoch();
   out.members_from = rp->members_from();
   if (rp->members()) {

@@ -168,6 +168,7 @@ struct ReplayReply {
   std::vector<ReplayRoundDeltas> committed, view;
   uint64_t committed_round = 0;
   std::string digest;
+  std::string check;  // the state's fast check (DigestKind::kCheck); empty: not sent
   uint64_t epoch = 0, members_from = 0;
   std::vector<std::string> members;
   float outer_lr = 1.0f, outer_momentum = 0.0f;

@@ -1,7 +1,9 @@
-// SHA-256 over a committed state (state_digest.h), with OpenSSL's EVP interface.
+// SHA-256 over a committed state (state_digest.h), with OpenSSL's EVP interface; the fast
+// check with xxHash's XXH3-128.
 #include "common/state_digest.h"
 
 #include <openssl/evp.h>
+#include <xxhash.h>
 
 namespace isthmus {
 namespace {
@@ -16,16 +18,31 @@ void PutStr(std::string& out, std::string_view s) {
 
 }  // namespace
 
-StateDigester::StateDigester(uint64_t round) : ctx_(EVP_MD_CTX_new()) {
-  EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr);
+StateDigester::StateDigester(uint64_t round, DigestKind kind) {
+  if (kind == DigestKind::kCheck) {
+    xxh_ = XXH3_createState();
+    XXH3_128bits_reset(xxh_);
+  } else {
+    ctx_ = EVP_MD_CTX_new();
+    EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr);
+  }
   std::string head;
   PutU64(head, round);
   Update(head.data(), head.size());
 }
 
-StateDigester::~StateDigester() { EVP_MD_CTX_free(ctx_); }
+StateDigester::~StateDigester() {
+  if (ctx_ != nullptr) EVP_MD_CTX_free(ctx_);
+  if (xxh_ != nullptr) XXH3_freeState(xxh_);
+}
 
-void StateDigester::Update(const void* p, size_t n) { EVP_DigestUpdate(ctx_, p, n); }
+void StateDigester::Update(const void* p, size_t n) {
+  if (xxh_ != nullptr) {
+    XXH3_128bits_update(xxh_, p, n);
+  } else {
+    EVP_DigestUpdate(ctx_, p, n);
+  }
+}
 
 void StateDigester::Add(const DigestTensor& t) {
   std::string head;
@@ -47,7 +64,14 @@ std::string StateDigester::Finish(uint64_t epoch, uint64_t from_round,
   Update(tail.data(), tail.size());
   unsigned char md[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  EVP_DigestFinal_ex(ctx_, md, &len);
+  if (xxh_ != nullptr) {
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(xxh_));
+    len = sizeof(c.digest);
+    for (unsigned int i = 0; i < len; ++i) md[i] = c.digest[i];
+  } else {
+    EVP_DigestFinal_ex(ctx_, md, &len);
+  }
   static const char* kHex = "0123456789abcdef";
   std::string hex;
   for (unsigned int i = 0; i < len; ++i) {
@@ -58,8 +82,9 @@ std::string StateDigester::Finish(uint64_t epoch, uint64_t from_round,
 }
 
 std::string StateDigestOf(uint64_t round, const std::vector<DigestTensor>& tensors, uint64_t epoch,
-                          uint64_t from_round, const std::vector<std::string>& sites) {
-  StateDigester d(round);
+                          uint64_t from_round, const std::vector<std::string>& sites,
+                          DigestKind kind) {
+  StateDigester d(round, kind);
   for (const auto& t : tensors) d.Add(t);
   return d.Finish(epoch, from_round, sites);
 }

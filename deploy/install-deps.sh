@@ -13,7 +13,7 @@ packages=(
   g++ cmake ninja-build pkg-config git ca-certificates
   # libraries the build links
   libzmq3-dev cppzmq-dev libsodium-dev libflatbuffers-dev flatbuffers-compiler
-  librocksdb-dev libssl-dev libgloo-dev libopenblas-dev libzstd-dev zlib1g-dev
+  librocksdb-dev libssl-dev libgloo-dev libopenblas-dev libzstd-dev zlib1g-dev libxxhash-dev
   libcli11-dev libspdlog-dev libtoml11-dev nlohmann-json3-dev libicu-dev
   libcpp-httplib-dev
   # tests and benchmark programs; the format check (deploy/format.sh)

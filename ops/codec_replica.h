@@ -3,7 +3,9 @@
 // since as the sites' encoded deltas, a few MB where the state is hundreds, and replays their
 // commits with the shard's own arithmetic (codec_outer.h), then proves it reached the shard's
 // state by the round's digest (common/state_digest.h). The served tensors are that state
-// moved by the optimistic view's uncommitted rounds, as the shard computes them. A shard that
+// moved by the optimistic view's uncommitted rounds, as the shard computes them. The shard
+// also sends the state's fast check (XXH3-128 of the same bytes), and the copy is checked
+// with that instead when it is there: the shard computed the SHA-256 already. A shard that
 // cannot replay from the copy (the worker's first pull, deltas older than
 // sync.replay_rounds, a change of membership) sends its whole committed state once; a digest
 // that does not match drops the copy and pulls the whole state again, logged as a warning.
@@ -29,8 +31,11 @@ struct ReplayStats {
   uint64_t whole_pulls = 0;        // pulls that brought a whole committed state
   uint64_t rounds_replayed = 0;    // committed rounds replayed from deltas
   uint64_t digest_mismatches = 0;  // replays whose state did not match the shard's digest
-  uint64_t view_pulls = 0;         // pulls served with the view's rounds on a copy
-  uint64_t payload_bytes = 0;      // bytes of the replies' payload frames
+  // Replays checked with the shard's fast check (DigestKind::kCheck), and with the SHA-256
+  // digest (a shard that sends no check).
+  uint64_t fast_checks = 0, digest_checks = 0;
+  uint64_t view_pulls = 0;     // pulls served with the view's rounds on a copy
+  uint64_t payload_bytes = 0;  // bytes of the replies' payload frames
   // Where the pulls' time went: the requests (shard's work and transfer), replaying the
   // commits (decode, merge, outer step) with the digest of the last one (hashed on another
   // thread as it is replayed), and the served tensors (the view's rounds and the copies
@@ -69,8 +74,9 @@ class ShardReplica {
   // Commits `round` into `state`.
   static Status ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round,
                            float lr, float mu);
-  // Commits `round` (reply's last) into the copy and returns the state digest after it, each
-  // tensor hashed while the next is replayed (common/pipelined.h).
+  // Commits `round` (reply's last) into the copy and returns the state's fast check after it
+  // when the reply has one, else its digest, each tensor hashed while the next is replayed
+  // (common/pipelined.h).
   Result<std::string> ApplyRoundAndDigest(const ReplayRoundDeltas& round, const ReplayReply& reply,
                                           float lr, float mu);
 

@@ -174,13 +174,16 @@ int main(int argc, char** argv) {
   if (const auto* rs = site.replay_stats()) {
     std::printf(
         "pulls by replay: %llu (%llu of the whole state), %llu rounds replayed, %llu digest "
-        "mismatches, %.1f MB received; request %.2f s, replay (with the digest) %.2f s, "
+        "mismatches, checked %llu times by the fast check and %llu by the digest, %.1f MB "
+        "received; request %.2f s, replay (with the check) %.2f s, "
         "serve %.2f s in all (%llu served with this site's uncommitted rounds on a copy)\n",
         static_cast<unsigned long long>(rs->pulls),
         static_cast<unsigned long long>(rs->whole_pulls),
         static_cast<unsigned long long>(rs->rounds_replayed),
-        static_cast<unsigned long long>(rs->digest_mismatches), rs->payload_bytes / 1e6,
-        rs->request_s, rs->replay_s, rs->serve_s, static_cast<unsigned long long>(rs->view_pulls));
+        static_cast<unsigned long long>(rs->digest_mismatches),
+        static_cast<unsigned long long>(rs->fast_checks),
+        static_cast<unsigned long long>(rs->digest_checks), rs->payload_bytes / 1e6, rs->request_s,
+        rs->replay_s, rs->serve_s, static_cast<unsigned long long>(rs->view_pulls));
   }
   std::printf("pushed %.1f MB for %.1f MB of fp32 deltas (%s)\n", site.site()->pushed_bytes() / 1e6,
               site.site()->pushed_raw_bytes() / 1e6, encode_threads > 0 ? "encoded here" : "fp32");

@@ -716,7 +716,7 @@ Status Shard::DoReplayPull(const wire::PullRequest* req, JobState& job, uint64_t
   auto replay = wire::CreateReplayDirect(
       fbb, plan.base_round, plan.whole ? &base : nullptr, plan.whole ? &base_m : nullptr,
       &committed, &view, plan.committed_round, plan.digest.c_str(), plan.members.epoch,
-      plan.members.from_round, &members, plan.outer_lr, plan.outer_momentum);
+      plan.members.from_round, &members, plan.outer_lr, plan.outer_momentum, plan.check.c_str());
   std::vector<flatbuffers::Offset<wire::TensorMeta>> none;
   auto body = wire::CreatePullReply(fbb, VersionOf(job), fbb.CreateVector(none),
                                     RoundStatusOf(fbb, job), replay);

@@ -6,9 +6,11 @@
 
 namespace isthmus {
 
-std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>& theta,
-                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
-                        const Membership& members) {
+namespace {
+
+std::string DigestOf(uint64_t round, const std::map<std::string, SyncTensor>& theta,
+                     const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
+                     const Membership& members, DigestKind kind) {
   std::vector<DigestTensor> tensors;
   tensors.reserve(theta.size());
   for (const auto& [name, t] : theta) {
@@ -17,7 +19,21 @@ std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>&
     if (it != m.end() && it->second) d.momentum = *it->second;
     tensors.push_back(d);
   }
-  return StateDigestOf(round, tensors, members.epoch, members.from_round, members.sites);
+  return StateDigestOf(round, tensors, members.epoch, members.from_round, members.sites, kind);
+}
+
+}  // namespace
+
+std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>& theta,
+                        const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
+                        const Membership& members) {
+  return DigestOf(round, theta, m, members, DigestKind::kSha256);
+}
+
+std::string StateCheck(uint64_t round, const std::map<std::string, SyncTensor>& theta,
+                       const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
+                       const Membership& members) {
+  return DigestOf(round, theta, m, members, DigestKind::kCheck);
 }
 
 std::string ImageDigest(const JobImage& image) {

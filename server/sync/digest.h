@@ -27,6 +27,12 @@ std::string StateDigest(uint64_t round, const std::map<std::string, SyncTensor>&
                         const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
                         const Membership& members);
 
+// The fast check of the same state (DigestKind::kCheck), which a worker that replays
+// committed rounds checks its copy with.
+std::string StateCheck(uint64_t round, const std::map<std::string, SyncTensor>& theta,
+                       const std::map<std::string, std::shared_ptr<const std::vector<float>>>& m,
+                       const Membership& members);
+
 // StateDigest of a member's image (its tensors, momentum where present, round and
 // membership): equal to image.digest when the image is what the member committed.
 std::string ImageDigest(const JobImage& image);

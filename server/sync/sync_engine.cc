@@ -1378,6 +1378,11 @@ Result<ReplayPlan> SyncEngine::Replay(const std::string& name, uint64_t from,
                               std::to_string(j->committed));
   }
   plan.digest = *committed_digest;
+  if (j->check_of != plan.digest) {
+    j->check = StateCheck(j->committed, j->theta, j->momentum, j->members);
+    j->check_of = plan.digest;
+  }
+  plan.check = j->check;
   // One site's delta of a round, read back from the store; null when it is gone.
   auto read = [&](const std::string& site, uint64_t round) -> Result<ReplayPlan::Delta> {
     ISTHMUS_ASSIGN_OR_RETURN(auto bytes, store_->Get(Column::kDeltas, DeltaKey(name, site, round)));

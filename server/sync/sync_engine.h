@@ -78,6 +78,7 @@ struct ReplayPlan {
   std::vector<Round> view;       // the optimistic view's uncommitted rounds, in order
   uint64_t committed_round = 0;
   std::string digest;  // of committed_round
+  std::string check;   // the same state's fast check (StateCheck)
   Membership members;  // the committed rounds' (and the digest's) membership
   float outer_lr = 1.0f;
   float outer_momentum = 0.0f;
@@ -383,6 +384,9 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
     std::string round_work_error;
     // Cached optimistic view; empty when stale.
     std::optional<std::map<std::string, SyncTensor>> view;
+    // The fast check (StateCheck) of the committed state whose digest is check_of: made at
+    // the first pull by replay that needs it, kept until the state changes.
+    std::string check, check_of;
   };
 
   SyncEngine(Store* store, SyncOptions options);

@@ -79,12 +79,16 @@ TEST(Pipelined, AnExceptionFromProduceStopsTheHelperAndGoesUp) {
   EXPECT_EQ(consumed, (std::vector<size_t>{0, 1, 2}));
 }
 
-// The digest fed tensor by tensor from the pipeline equals the one over the whole state.
-TEST(Pipelined, AStateHashedAsItIsProducedHasTheStateDigest) {
+// The digest fed tensor by tensor from the pipeline equals the one over the whole state,
+// for the SHA-256 digest and for the fast check alike.
+class PipelinedDigest : public ::testing::TestWithParam<DigestKind> {};
+
+TEST_P(PipelinedDigest, AStateHashedAsItIsProducedHasTheStateDigest) {
+  const DigestKind kind = GetParam();
   const std::vector<std::string> names = {"a.w", "b.w", "c.bias"};
   const std::vector<std::vector<int64_t>> shapes = {{3, 5}, {7}, {2, 2}};
   std::vector<std::vector<float>> theta(3), momentum(3);
-  StateDigester d(42);
+  StateDigester d(42, kind);
   Status st = Pipelined(
       3,
       [&](size_t i) {
@@ -104,14 +108,28 @@ TEST(Pipelined, AStateHashedAsItIsProducedHasTheStateDigest) {
   const std::string piped = d.Finish(3, 2, {"alpha", "beta"});
   std::vector<DigestTensor> all;
   for (size_t i = 0; i < 3; ++i) all.push_back({names[i], shapes[i], theta[i], momentum[i]});
-  EXPECT_EQ(piped, StateDigestOf(42, all, 3, 2, {"alpha", "beta"}));
-  EXPECT_EQ(piped.size(), 64u);
+  EXPECT_EQ(piped, StateDigestOf(42, all, 3, 2, {"alpha", "beta"}, kind));
+  // Hex: 32 bytes of SHA-256, 16 of XXH3-128; the two kinds never agree.
+  EXPECT_EQ(piped.size(), kind == DigestKind::kSha256 ? 64u : 32u);
+  const DigestKind other = kind == DigestKind::kSha256 ? DigestKind::kCheck : DigestKind::kSha256;
+  EXPECT_NE(piped.substr(0, 32),
+            StateDigestOf(42, all, 3, 2, {"alpha", "beta"}, other).substr(0, 32));
   // Any change of a value, the round or the membership changes it.
-  EXPECT_NE(piped, StateDigestOf(43, all, 3, 2, {"alpha", "beta"}));
-  EXPECT_NE(piped, StateDigestOf(42, all, 3, 2, {"alpha"}));
+  EXPECT_NE(piped, StateDigestOf(43, all, 3, 2, {"alpha", "beta"}, kind));
+  EXPECT_NE(piped, StateDigestOf(42, all, 3, 2, {"alpha"}, kind));
+  momentum[0][1] += 1e-3f;
+  EXPECT_NE(piped, StateDigestOf(42, all, 3, 2, {"alpha", "beta"}, kind));
+  momentum[0][1] -= 1e-3f;
+  EXPECT_EQ(piped, StateDigestOf(42, all, 3, 2, {"alpha", "beta"}, kind));
   theta[2][3] = -0.0f;
-  EXPECT_NE(piped, StateDigestOf(42, all, 3, 2, {"alpha", "beta"}));
+  EXPECT_NE(piped, StateDigestOf(42, all, 3, 2, {"alpha", "beta"}, kind));
 }
+
+INSTANTIATE_TEST_SUITE_P(Kinds, PipelinedDigest,
+                         ::testing::Values(DigestKind::kSha256, DigestKind::kCheck),
+                         [](const auto& info) {
+                           return info.param == DigestKind::kSha256 ? "Sha256" : "FastCheck";
+                         });
 
 }  // namespace
 }  // namespace isthmus

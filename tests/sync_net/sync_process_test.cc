@@ -1613,7 +1613,10 @@ TEST_F(SyncProcessTest, PullByReplayGivesThePlainPullsTensorsBitForBit) {
   EXPECT_EQ(st.whole_pulls, 2u);
   EXPECT_EQ(st.rounds_replayed, 3u);
   EXPECT_EQ(st.digest_mismatches, 0u);
-  // A copy that went wrong: the replay's digest catches it.
+  // Every replay was checked with the shard's fast check, none hashed with SHA-256.
+  EXPECT_GT(st.fast_checks, 0u);
+  EXPECT_EQ(st.digest_checks, 0u);
+  // A copy that went wrong: the replay's check catches it.
   std::vector<float>* w = puller.replica(0)->theta("w");
   ASSERT_NE(w, nullptr);
   (*w)[3] += 1.0f;

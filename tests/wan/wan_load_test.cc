@@ -169,6 +169,9 @@ TEST_P(WanLoadReplay, ReplaysIntoARealShardAndEveryRoundCommits) {
     EXPECT_EQ(site->replay_stats()->whole_pulls, 1u);
     EXPECT_EQ(site->replay_stats()->rounds_replayed, 5u);
     EXPECT_EQ(site->replay_stats()->digest_mismatches, 0u);
+    // Checked with the shard's fast check, not hashed again with SHA-256.
+    EXPECT_GE(site->replay_stats()->fast_checks, 1u);
+    EXPECT_EQ(site->replay_stats()->digest_checks, 0u);
   }
   for (const auto& t : *timings) {
     EXPECT_GE(t.compute_s, 0.05);
