@@ -15,7 +15,9 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
+#include <random>
 #include <thread>
 
 namespace isthmus {
@@ -485,6 +487,59 @@ TEST(HostLiveParams, TheDeltaIsWhatAShardAddingItToTheBaseHolds) {
   const auto before = w;
   EXPECT_EQ(p.Rebase(&wrong, true).code(), Code::kInvalidArgument);
   EXPECT_EQ(w, before);
+}
+
+// The passes over whole tensors (streamed four values at a time where the buffers allow)
+// give the scalar loop's values bit for bit: deltas whose base + (x - base) is not x, -0 and
+// +0, tensors whose length is no multiple of four, a merge with and without local progress.
+TEST(HostLiveParams, TheStreamedPassesAreTheScalarArithmeticBitForBit) {
+  constexpr size_t kN = 1003;
+  std::vector<float> w(kN);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (auto& x : w) x = nd(rng);
+  w[5] = 0.0f;
+  w[6] = -0.0f;
+  HostLiveParams p({{"w", {static_cast<int64_t>(kN)}, w.data()}});
+  std::vector<float> base = w;
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  for (int round = 0; round < 3; ++round) {
+    for (size_t i = 0; i < kN; ++i) w[i] += nd(rng) * (i % 3 == 0 ? 1e-7f : 0.3f);
+    w[6] = round == 1 ? 0.0f : -0.0f;  // -0 against a base of +0 and back
+    // The scalar reference of TakeDelta.
+    std::vector<float> want_d(kN), want_live(kN);
+    for (size_t i = 0; i < kN; ++i) {
+      want_d[i] = w[i] - base[i];
+      want_live[i] = base[i] + want_d[i];
+    }
+    auto d = p.TakeDelta();
+    ASSERT_TRUE(d.ok());
+    for (size_t i = 0; i < kN; ++i) {
+      ASSERT_EQ(bits((*d)[0].data[i]), bits(want_d[i])) << "round " << round << " delta " << i;
+      ASSERT_EQ(bits(w[i]), bits(want_live[i])) << "round " << round << " live " << i;
+    }
+    base = want_live;
+    // Local progress, then a pulled state merged with it (and, every other round, without).
+    const bool progressed = round % 2 == 0;
+    for (size_t i = 0; i < kN; ++i) w[i] += nd(rng) * 0.01f;
+    std::vector<Tensor> pulled = {{"w", {static_cast<int64_t>(kN)}, std::vector<float>(kN)}};
+    for (size_t i = 0; i < kN; ++i) pulled[0].data[i] = base[i] + nd(rng) * 0.05f;
+    pulled[0].data[7] = -0.0f;
+    std::vector<float> want(kN);
+    for (size_t i = 0; i < kN; ++i) {
+      want[i] = progressed ? w[i] + (pulled[0].data[i] - base[i]) : pulled[0].data[i];
+    }
+    ASSERT_TRUE(p.Rebase(&pulled, progressed).ok());
+    for (size_t i = 0; i < kN; ++i) {
+      ASSERT_EQ(bits(w[i]), bits(want[i])) << "round " << round << " merged " << i;
+    }
+    base = pulled[0].data;
+    p.Recycle(std::move(*d));
+  }
 }
 
 }  // namespace
