@@ -76,7 +76,8 @@ Status ShardReplica::ApplyTensor(const std::string& name, Entry& e, const RoundP
                                  float lr, float mu) {
   auto it = parts.find(name);
   if (it == parts.end()) return Status::Ok();  // no site sent it
-  std::vector<float> merged(e.theta.size(), 0.0f);
+  std::vector<float>& merged = merged_;
+  merged.assign(e.theta.size(), 0.0f);
   bool sent = false;
   for (const auto& [w, bytes] : it->second) {
     if (IsDeferred(bytes)) continue;  // decodes to zeros: nothing to add

@@ -69,11 +69,11 @@ class ShardReplica {
   static Result<RoundParts> PartsOf(const std::map<std::string, Entry>& state,
                                     const ReplayRoundDeltas& round);
   // Commits one tensor's parts into `e` (merge in site order, then the outer step).
-  static Status ApplyTensor(const std::string& name, Entry& e, const RoundParts& parts, float lr,
-                            float mu);
+  Status ApplyTensor(const std::string& name, Entry& e, const RoundParts& parts, float lr,
+                     float mu);
   // Commits `round` into `state`.
-  static Status ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round,
-                           float lr, float mu);
+  Status ApplyRound(std::map<std::string, Entry>& state, const ReplayRoundDeltas& round, float lr,
+                    float mu);
   // Commits `round` (reply's last) into the copy and returns the state's fast check after it
   // when the reply has one, else its digest, each tensor hashed while the next is replayed
   // (common/pipelined.h).
@@ -87,6 +87,9 @@ class ShardReplica {
   uint64_t round_ = 0;
   std::string digest_;
   std::map<std::string, Entry> state_;
+  // The merge of a tensor's deltas, reused from tensor to tensor and pull to pull (fresh
+  // memory would be zeroed by the kernel first: the largest tensor is 154 MB in full mode).
+  std::vector<float> merged_;
 };
 
 // SiteClient's puller by replay: one ShardReplica per shard.
