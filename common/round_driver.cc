@@ -98,9 +98,19 @@ void DeltaBuffers::Keep(std::vector<Tensor> delta) {
   for (size_t i = 0; i < delta.size(); ++i) spare_[i] = std::move(delta[i].data);
 }
 
+void DeltaBuffers::Reserve(const std::vector<size_t>& sizes) {
+  if (spare_.size() < sizes.size()) spare_.resize(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (spare_[i].size() < sizes[i]) spare_[i].assign(sizes[i], 0.0f);
+  }
+}
+
 HostLiveParams::HostLiveParams(std::vector<LiveTensor> live) : live_(std::move(live)) {
   base_.resize(live_.size());
   (void)Reset();
+  std::vector<size_t> sizes;
+  for (const auto& b : base_) sizes.push_back(b.size());
+  spare_.Reserve(sizes);
 }
 
 Status HostLiveParams::Reset() {

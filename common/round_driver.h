@@ -115,6 +115,10 @@ class DeltaBuffers {
   std::vector<float> Take(size_t i, size_t n);
   // Keeps the buffers of `delta`, its tensors in TakeDelta's order.
   void Keep(std::vector<Tensor> delta);
+  // Takes the memory of a delta of tensors of these sizes (TakeDelta's order) now, zeroed,
+  // where no buffer is kept: the first round's snapshot then writes into memory the kernel
+  // has already handed over (341 MB in full mode) instead of taking it page by page.
+  void Reserve(const std::vector<size_t>& sizes);
 
  private:
   std::vector<std::vector<float>> spare_;
@@ -127,8 +131,8 @@ struct LiveTensor {
   float* data = nullptr;  // NumElements(shape) floats, borrowed
 };
 
-// LiveParams over host memory: the caller's buffers (borrowed; they must outlive it) and a
-// base copy of its own.
+// LiveParams over host memory: the caller's buffers (borrowed; they must outlive it), a
+// base copy of its own and the buffers of a delta, taken at construction.
 class HostLiveParams : public LiveParams {
  public:
   explicit HostLiveParams(std::vector<LiveTensor> live);

@@ -138,6 +138,16 @@ Status FeedbackEncoder::KeepPipelinesIn(std::string path) {
   return Status::Ok();
 }
 
+void FeedbackEncoder::Reserve(const std::map<std::string, size_t>& sizes) {
+  for (const auto& [name, n] : sizes) {
+    std::vector<float>& res = residual_[name];
+    if (res.empty()) res.assign(n, 0.0f);
+    if (encoded_.count(name)) continue;  // its next residual's buffer is taken
+    std::vector<float>& next = spare_[name];
+    if (next.size() < n) next.assign(n, 0.0f);
+  }
+}
+
 void FeedbackEncoder::SetResiduals(std::map<std::string, std::vector<float>> residuals) {
   residual_ = std::move(residuals);
   encoded_.clear();

@@ -48,6 +48,12 @@ class FeedbackEncoder : public DeltaEncoder {
   const std::map<std::string, std::vector<float>>& residuals() const { return residual_; }
   // Starts from `residuals` (a checkpoint's), forgetting any round in progress.
   void SetResiduals(std::map<std::string, std::vector<float>> residuals);
+  // Takes the memory the first round's encode needs now, for tensors of these sizes (by
+  // name): a zero residual where there is none yet and the buffer the next residual is
+  // written into. Without it round 1's encode takes it (in full mode 683 MB that the
+  // kernel zeroes page by page, most of that round's encode on the development machine),
+  // at the end of the first round instead of at start-up.
+  void Reserve(const std::map<std::string, size_t>& sizes);
   uint64_t done_round() const { return done_; }
 
  private:

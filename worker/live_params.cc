@@ -13,6 +13,9 @@ Result<std::unique_ptr<ModelLiveParams>> ModelLiveParams::Create(model::Gpt& gpt
   ISTHMUS_ASSIGN_OR_RETURN(p->base_, ops::Buffer::Allocate(gpt.ops(), bytes));
   ISTHMUS_ASSIGN_OR_RETURN(p->staging_, ops::Buffer::Allocate(gpt.ops(), bytes));
   ISTHMUS_RETURN_IF_ERROR(p->Reset());
+  std::vector<size_t> sizes;
+  for (const auto& t : gpt.Trainable()) sizes.push_back(static_cast<size_t>(t.numel));
+  p->spare_.Reserve(sizes);
   return p;
 }
 

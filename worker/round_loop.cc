@@ -840,6 +840,10 @@ class RoundLoop {
     const size_t kept = resume_residuals_.size();
     enc->SetResiduals(std::move(resume_residuals_));
     resume_residuals_.clear();
+    // The first round's residual buffers now, not in round 1's encode.
+    std::map<std::string, size_t> sizes;
+    for (const auto& p : gpt_->Trainable()) sizes[p.name] = static_cast<size_t>(p.numel);
+    enc->Reserve(sizes);
     if (!s_.checkpoint_dir.empty()) {
       ISTHMUS_RETURN_IF_ERROR(enc->KeepPipelinesIn(PipelinesPath()));
     }

@@ -137,6 +137,11 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
     return Status::InvalidArgument("the recorded deltas hold " + std::to_string(first.size()) +
                                    " tensors, job '" + o_.job + "' " + std::to_string(found));
   }
+  if (auto* enc = dynamic_cast<codec::FeedbackEncoder*>(site_->encoder())) {
+    std::map<std::string, size_t> sizes;  // as isthmus-worker: at start-up, not in round 1
+    for (const auto& t : live_) sizes[t.name] = t.data.size();
+    enc->Reserve(sizes);
+  }
   std::vector<LiveTensor> views;
   for (auto& t : live_) views.push_back({t.name, t.shape, t.data.data()});
   params_ = std::make_unique<HostLiveParams>(std::move(views));

@@ -708,6 +708,44 @@ TEST(FeedbackEncoder, EncodesWithFeedbackOnceARoundWhateverTheRetries) {
   EXPECT_TRUE((*retried)[0] == want_w);
 }
 
+// Memory taken at start-up (Reserve) changes no byte: an encoder that reserved its buffers
+// encodes rounds exactly as one that did not, a checkpoint's residual is kept, and a
+// residual reserved at another size than the delta's is refused at the encode.
+TEST(FeedbackEncoder, ReservedBuffersEncodeTheSameBytes) {
+  const std::vector<int64_t> shape = {64, 32};
+  const std::map<std::string, std::string> pipes = {{"w", "topk:0.05+int4+zstd"},
+                                                    {"v", "int2:256+zstd"}};
+  std::mt19937 rng(9);
+  std::normal_distribution<float> nd(0.0f, 0.1f);
+  FeedbackEncoder plain(2), reserved(2);
+  reserved.Reserve({{"w", 2048}, {"v", 256}});
+  EXPECT_EQ(reserved.residuals().at("w"), std::vector<float>(2048, 0.0f));
+  for (uint64_t r = 1; r <= 3; ++r) {
+    std::vector<float> w(2048), v(256);
+    for (auto& x : w) x = nd(rng);
+    for (auto& x : v) x = nd(rng);
+    const std::vector<TensorView> views = {{"w", shape, w.data()}, {"v", {256}, v.data()}};
+    auto a = plain.Encode(r, views, pipes);
+    auto b = reserved.Encode(r, views, pipes);
+    ASSERT_TRUE(a.ok() && b.ok());
+    EXPECT_TRUE((*a)[0] == (*b)[0] && (*a)[1] == (*b)[1]) << "round " << r;
+    plain.Done(r);
+    reserved.Done(r);
+    EXPECT_EQ(plain.residuals(), reserved.residuals());
+  }
+  // A checkpoint's residual stays what it was.
+  FeedbackEncoder resumed(1);
+  resumed.SetResiduals(plain.residuals());
+  resumed.Reserve({{"w", 2048}, {"v", 256}});
+  EXPECT_EQ(resumed.residuals(), plain.residuals());
+  // Reserved at another size: the encode says so.
+  FeedbackEncoder wrong(1);
+  wrong.Reserve({{"v", 100}});
+  std::vector<float> v(256, 0.5f);
+  EXPECT_EQ(wrong.Encode(1, {{"v", {256}, v.data()}}, pipes).status().code(),
+            Code::kInvalidArgument);
+}
+
 // A worker that restarts in the middle of a round's push encodes that round again with the
 // pipelines its first attempt used (KeepPipelinesIn), whatever it is given now: the bytes,
 // and the residual after the round, are the first attempt's. The file is written before
