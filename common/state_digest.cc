@@ -1,8 +1,10 @@
 // SHA-256 over a committed state (state_digest.h), with OpenSSL's EVP interface; the fast
-// check with xxHash's XXH3-128.
+// check with xxHash's XXH3-128, compiled in from its header (no library at run time).
 #include "common/state_digest.h"
 
 #include <openssl/evp.h>
+
+#define XXH_INLINE_ALL
 #include <xxhash.h>
 
 namespace isthmus {
@@ -18,10 +20,14 @@ void PutStr(std::string& out, std::string_view s) {
 
 }  // namespace
 
+struct StateDigester::Xxh3 {
+  XXH3_state_t state;
+};
+
 StateDigester::StateDigester(uint64_t round, DigestKind kind) {
   if (kind == DigestKind::kCheck) {
-    xxh_ = XXH3_createState();
-    XXH3_128bits_reset(xxh_);
+    xxh_ = new Xxh3;
+    XXH3_128bits_reset(&xxh_->state);
   } else {
     ctx_ = EVP_MD_CTX_new();
     EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr);
@@ -33,12 +39,12 @@ StateDigester::StateDigester(uint64_t round, DigestKind kind) {
 
 StateDigester::~StateDigester() {
   if (ctx_ != nullptr) EVP_MD_CTX_free(ctx_);
-  if (xxh_ != nullptr) XXH3_freeState(xxh_);
+  delete xxh_;
 }
 
 void StateDigester::Update(const void* p, size_t n) {
   if (xxh_ != nullptr) {
-    XXH3_128bits_update(xxh_, p, n);
+    XXH3_128bits_update(&xxh_->state, p, n);
   } else {
     EVP_DigestUpdate(ctx_, p, n);
   }
@@ -66,7 +72,7 @@ std::string StateDigester::Finish(uint64_t epoch, uint64_t from_round,
   unsigned int len = 0;
   if (xxh_ != nullptr) {
     XXH128_canonical_t c;
-    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(xxh_));
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&xxh_->state));
     len = sizeof(c.digest);
     for (unsigned int i = 0; i < len; ++i) md[i] = c.digest[i];
   } else {

@@ -55,8 +55,9 @@ class StateDigester {
 
  private:
   void Update(const void* p, size_t n);
+  struct Xxh3;                      // xxHash's XXH3 state (state_digest.cc)
   ::evp_md_ctx_st* ctx_ = nullptr;  // kSha256
-  ::XXH3_state_s* xxh_ = nullptr;   // kCheck
+  Xxh3* xxh_ = nullptr;             // kCheck
 };
 
 }  // namespace isthmus
