@@ -12,7 +12,6 @@
 #include <vector>
 
 struct evp_md_ctx_st;  // OpenSSL's EVP_MD_CTX
-struct XXH3_state_s;   // xxHash's XXH3 state
 
 namespace isthmus {
 
