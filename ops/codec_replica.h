@@ -30,7 +30,8 @@ struct ReplayStats {
   uint64_t pulls = 0;
   uint64_t whole_pulls = 0;        // pulls that brought a whole committed state
   uint64_t rounds_replayed = 0;    // committed rounds replayed from deltas
-  uint64_t digest_mismatches = 0;  // replays whose state did not match the shard's digest
+  uint64_t digest_mismatches = 0;  // replays whose state did not match the shard's check
+                                   // (or digest, from a shard that sends no check)
   // Replays checked with the shard's fast check (DigestKind::kCheck), and with the SHA-256
   // digest (a shard that sends no check).
   uint64_t fast_checks = 0, digest_checks = 0;

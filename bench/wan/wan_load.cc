@@ -114,8 +114,11 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
     return Status::InvalidArgument("the site client has " + std::to_string(site_->num_shards()) +
                                    " shards, not " + std::to_string(shards_));
   }
+  codec::FeedbackEncoder* encoder = nullptr;  // the site client's, when the site encodes
   if (o_.encode_threads > 0) {
-    site_->SetEncoder(std::make_unique<codec::FeedbackEncoder>(o_.encode_threads));
+    auto enc = std::make_unique<codec::FeedbackEncoder>(o_.encode_threads);
+    encoder = enc.get();
+    site_->SetEncoder(std::move(enc));
   }
   ISTHMUS_RETURN_IF_ERROR(site_->Hello("").status());
   // The puller from the first pull on, as isthmus-worker: round 1's pull then replays.
@@ -137,10 +140,10 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
     return Status::InvalidArgument("the recorded deltas hold " + std::to_string(first.size()) +
                                    " tensors, job '" + o_.job + "' " + std::to_string(found));
   }
-  if (auto* enc = dynamic_cast<codec::FeedbackEncoder*>(site_->encoder())) {
+  if (encoder != nullptr) {
     std::map<std::string, size_t> sizes;  // as isthmus-worker: at start-up, not in round 1
     for (const auto& t : live_) sizes[t.name] = t.data.size();
-    enc->Reserve(sizes);
+    encoder->Reserve(sizes);
   }
   std::vector<LiveTensor> views;
   for (auto& t : live_) views.push_back({t.name, t.shape, t.data.data()});
