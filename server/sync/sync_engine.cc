@@ -191,7 +191,51 @@ void SyncEngine::AddNewJob(const std::string& name,
 
 void SyncEngine::AdoptNewJob(const std::string& name, std::map<std::string, SyncTensor> tensors,
                              uint64_t version) {
-  jobs_[name] = NewJob(std::move(tensors), version);
+  Job& j = jobs_[name] = NewJob(std::move(tensors), version);
+  SizePool(name, j);
+}
+
+void SyncEngine::SizePool(const std::string& name, Job& added) {
+  // A commit needs, per tensor, its new theta and momentum and, for one tensor at a time,
+  // the merge's sum; the state it replaces comes back after it. What the pool may hold is
+  // one such commit's buffers, over every job.
+  auto bytes = [&](const Job& j) {
+    uint64_t b = 0;
+    std::set<size_t> sizes;
+    for (const auto& [tname, t] : j.theta) {
+      b += t.data->size() * sizeof(float) * (keeps_momentum() ? 2 : 1);
+      sizes.insert(t.data->size());
+    }
+    for (size_t n : sizes) b += n * sizeof(float);
+    return b;
+  };
+  uint64_t limit = bytes(added);
+  for (const auto& [other, j] : jobs_) {
+    if (other != name) limit += bytes(j);
+  }
+  pool_->SetLimit(limit);
+  // Rounds commit only with peers. Then the job's state moves into the pool's buffers, so
+  // that the state the first commit replaces comes back to the pool, and the first commit's
+  // buffers are taken now, at the start, not in round 1 (docs/SYNC.md, "Commit rule").
+  if (!has_peers()) return;
+  auto adopt = [&](const std::vector<float>& v) {
+    auto b = pool_->Take(v.size());
+    std::copy(v.begin(), v.end(), b->begin());
+    return b;
+  };
+  std::vector<size_t> reserve;
+  std::set<size_t> sizes;
+  for (auto& [tname, t] : added.theta) {
+    t.data = adopt(*t.data);
+    reserve.push_back(t.data->size());
+    if (auto m = added.momentum.find(tname); m != added.momentum.end()) {
+      m->second = adopt(*m->second);
+      reserve.push_back(t.data->size());
+    }
+    sizes.insert(t.data->size());
+  }
+  reserve.insert(reserve.end(), sizes.begin(), sizes.end());
+  pool_->Reserve(reserve);
 }
 
 Result<bool> SyncEngine::HasSyncState(const std::string& name) const {
@@ -251,6 +295,7 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
         return true;
       }));
   ISTHMUS_RETURN_IF_ERROR(status);
+  SizePool(name, j);
   // The store holds the state of round state_round; the commits since kept their deltas.
   ISTHMUS_RETURN_IF_ERROR(RebuildState(name, j));
   Job& placed = jobs_[name] = std::move(j);
@@ -957,14 +1002,15 @@ Result<SyncEngine::Stepped> SyncEngine::CommitStep(const std::string& name, cons
       n,
       [&](size_t i) -> Status {
         const std::string& tname = *names[i];
-        std::vector<float> g(j.theta.at(tname).data->size(), 0.0f);
+        // The merge's sum, in a recycled buffer (TensorPool), back in the pool after the step.
+        auto g = pool_->TakeZeroed(j.theta.at(tname).data->size());
         bool s = false;
-        if (Status m = MergeTensor(deltas, total, tname, g, &s); !m.ok()) {
+        if (Status m = MergeTensor(deltas, total, tname, *g, &s); !m.ok()) {
           merge_failed = true;
           return m;
         }
         some[i] = s;
-        ISTHMUS_ASSIGN_OR_RETURN(auto stepped, StepTensor(name, j, round, tname, g, s));
+        ISTHMUS_ASSIGN_OR_RETURN(auto stepped, StepTensor(name, j, round, tname, *g, s));
         theta[i] = std::move(stepped.first);
         momentum[i] = std::move(stepped.second);
         return Status::Ok();
@@ -1190,11 +1236,12 @@ Result<std::pair<SyncTensor, std::shared_ptr<const std::vector<float>>>> SyncEng
     // Every site deferred it (a streamed fragment not due): no outer step, momentum kept.
     return std::make_pair(old, mu != 0.0f ? j.momentum.at(tname) : nullptr);
   }
-  // The committed tensors stay as they are until the commit's batch is written.
+  // The committed tensors stay as they are until the commit's batch is written. The step
+  // writes every value of its outputs: recycled buffers serve (TensorPool).
   const size_t n = g.size();
-  auto next = std::make_shared<std::vector<float>>(n);
+  auto next = pool_->Take(n);
   std::shared_ptr<std::vector<float>> m;
-  if (mu != 0.0f) m = std::make_shared<std::vector<float>>(n);
+  if (mu != 0.0f) m = pool_->Take(n);
   const bool finite =
       ApplyOuterStepTo(old.data->data(), mu != 0.0f ? j.momentum.at(tname)->data() : nullptr,
                        g.data(), next->data(), m ? m->data() : nullptr, n, lr, mu);

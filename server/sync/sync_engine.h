@@ -32,6 +32,7 @@
 #include "server/sync/digest.h"
 #include "server/sync/membership.h"
 #include "server/sync/peer_io.h"
+#include "server/sync/tensor_pool.h"
 
 namespace isthmus {
 
@@ -162,6 +163,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   void AdoptNewJob(const std::string& job, std::map<std::string, SyncTensor> tensors,
                    uint64_t version);
   bool HasJob(const std::string& job) const { return jobs_.count(job) > 0; }
+  // How the commits' buffers were served (fresh or recycled; TensorPool).
+  TensorPool::Stats pool_stats() const { return pool_->stats(); }
   bool has_peers() const { return !options_.peer_sites.empty(); }
   const SyncOptions& options() const { return options_; }
 
@@ -395,6 +398,10 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // The state of a job that has just been created: `tensors` committed at round 0 as
   // version `version`, zero outer momentum when the outer optimiser has one.
   Job NewJob(std::map<std::string, SyncTensor> tensors, uint64_t version) const;
+  // Sizes the commit's buffer pool for the jobs with `added` (as job `name`) among them;
+  // with peers, moves `added`'s state into the pool's buffers and fills the pool for its
+  // first commit.
+  void SizePool(const std::string& name, Job& added);
   // Checks a push's tensors against the job's: each known, of the job's shape and size,
   // named once. Returns their names.
   Result<std::set<std::string>> CheckPushed(const std::string& name, const Job& j,
@@ -555,6 +562,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   std::vector<std::pair<std::string, codec::Pipeline>> override_pipes_;  // glob, pipeline
   uint64_t hard_cap_;
   std::map<std::string, Job> jobs_;
+  // The commit's buffers (theta, momentum, the merge's sum), recycled from older states.
+  std::shared_ptr<TensorPool> pool_ = TensorPool::Create(0);
   std::map<std::string, double> bandwidth_;  // peer -> bytes/s
   JobHooks hooks_;
   // Deferred round work (SetDeferRoundWork): the jobs that have some, whether any was added

@@ -2079,5 +2079,64 @@ TEST(SyncEngineTest, AnEncodedDeltaThatDoesNotDecodeToTheTensorIsRefusedWithNoth
   EXPECT_EQ(added.status().code(), Code::kInvalidArgument);
 }
 
+// The commit's buffers are recycled (TensorPool): the first commit takes none fresh, and a
+// buffer of an older state that a reader still holds is never written, while the sites'
+// digests stay the same.
+TEST(SyncEngineTest, CommitsRecycleBuffersButNeverOneAReaderStillHolds) {
+  auto sites = ThreeSites("", /*lr=*/0.7, /*mu=*/0.9);
+  auto deep = [](const std::map<std::string, SyncTensor>& state) {
+    std::map<std::string, std::vector<float>> out;
+    for (const auto& [n, t] : state) out[n] = *t.data;
+    return out;
+  };
+  // Site A's reader holds the states of rounds 0 and 2 (as a pull reply would).
+  std::vector<std::map<std::string, SyncTensor>> held;
+  std::vector<std::map<std::string, std::vector<float>>> values;
+  auto hold = [&] {
+    auto c = sites[0]->engine().Committed(kJob);
+    ASSERT_TRUE(c.ok());
+    held.push_back(*c);
+    values.push_back(deep(*c));
+  };
+  hold();
+  std::vector<TensorPool::Stats> start;  // after the start's own takes (the state moved in)
+  for (auto& s : sites) start.push_back(s->engine().pool_stats());
+  for (uint64_t r = 1; r <= 6; ++r) {
+    for (auto& s : sites) ASSERT_TRUE(s->PushRound(r).ok());
+    for (int a = 0; a < 3; ++a) {
+      for (int b = 0; b < 3; ++b) {
+        if (a != b) Deliver(*sites[a], *sites[b]);
+      }
+    }
+    for (auto& s : sites) ASSERT_EQ(s->engine().CommittedRound(kJob), r) << s->name();
+    EXPECT_EQ(sites[1]->Digests(), sites[0]->Digests());
+    EXPECT_EQ(sites[2]->Digests(), sites[0]->Digests());
+    if (r == 1) {
+      // Round 1 took only the buffers reserved at the start.
+      for (size_t i = 0; i < sites.size(); ++i) {
+        const auto st = sites[i]->engine().pool_stats();
+        const uint64_t taken = st.taken - start[i].taken;
+        EXPECT_EQ(taken, 3 * kTensors.size()) << sites[i]->name();  // sum, theta, momentum
+        EXPECT_EQ(st.recycled - start[i].recycled, taken) << sites[i]->name();
+      }
+    }
+    auto now = sites[0]->engine().Committed(kJob);
+    ASSERT_TRUE(now.ok());
+    for (size_t h = 0; h < held.size(); ++h) {
+      EXPECT_EQ(deep(held[h]), values[h]) << "state held since before round " << r;
+      for (const auto& [n, t] : *now) EXPECT_NE(t.data.get(), held[h].at(n).data.get()) << n;
+    }
+    if (r == 2) hold();
+  }
+  // Site B, whose old states nobody held, recycled buffers in every commit.
+  const auto b = sites[1]->engine().pool_stats();
+  const uint64_t taken = b.taken - start[1].taken;
+  const uint64_t recycled = b.recycled - start[1].recycled;
+  EXPECT_EQ(taken, 6 * 3 * kTensors.size());
+  EXPECT_EQ(recycled, taken);
+  std::printf("site B: %llu of %llu commit buffers recycled\n",
+              static_cast<unsigned long long>(recycled), static_cast<unsigned long long>(taken));
+}
+
 }  // namespace
 }  // namespace isthmus
