@@ -4,6 +4,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -42,6 +43,10 @@ Status ShardReplica::Load(const ReplayReply& reply) {
     }
   }
   state_ = std::move(state);
+  // The merge buffer at its largest now, its pages touched, not in the first replay.
+  size_t largest = 0;
+  for (const auto& [name, e] : state_) largest = std::max(largest, e.theta.size());
+  if (merged_.size() < largest) merged_.assign(largest, 0.0f);
   round_ = reply.base_round;
   digest_ = reply.digest;  // of committed_round: equal to base_round's when nothing follows
   have_ = true;
@@ -218,6 +223,9 @@ Result<std::vector<Tensor>> ShardReplica::Pull(ShardClient& client, const std::s
       if (auto kept = spare.extract(name)) data = std::move(kept.mapped());
       data.assign(e.theta.begin(), e.theta.end());  // in its memory when it is large enough
       out.push_back(Tensor{name, e.shape, std::move(data)});
+      // After a whole state (the first pull) the next pull's buffers are taken now, as the
+      // ones handed out here may never come back (they become the live weights).
+      if (reply.whole && !spare.count(name)) spare[name].assign(e.theta.size(), 0.0f);
     }
     stats.serve_s += seconds_since(t);
     return out;

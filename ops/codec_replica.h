@@ -49,7 +49,8 @@ class ShardReplica {
  public:
   // The served tensors of `job` on `client`'s shard, by replay; each handed out in the
   // buffer `spare` holds for its name when there is one (taken from it), else in fresh
-  // memory.
+  // memory. A pull that brought the whole state also puts a buffer of each served tensor's
+  // size into `spare` (for the next pull) where it holds none.
   Result<std::vector<Tensor>> Pull(ShardClient& client, const std::string& job, ReplayStats& stats,
                                    std::map<std::string, std::vector<float>>& spare);
   uint64_t round() const { return round_; }

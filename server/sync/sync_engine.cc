@@ -193,6 +193,19 @@ void SyncEngine::AdoptNewJob(const std::string& name, std::map<std::string, Sync
                              uint64_t version) {
   Job& j = jobs_[name] = NewJob(std::move(tensors), version);
   SizePool(name, j);
+  LoadResidualsAtStart(name, j);
+}
+
+void SyncEngine::LoadResidualsAtStart(const std::string& name, Job& j) {
+  // With peers, rounds close: the residuals are read (or made) now, not by the first close
+  // while the push that completed round 1 waits for its answer (341 MB in full mode).
+  if (!has_peers()) return;
+  if (Status s = LoadResiduals(name, j); !s.ok()) {
+    spdlog::warn(
+        "job '{}': the error-feedback residuals could not be loaded at the start (the first "
+        "close tries again, and fails with the reason if it cannot): {}",
+        name, s.ToString());
+  }
 }
 
 void SyncEngine::SizePool(const std::string& name, Job& added) {
@@ -299,6 +312,7 @@ Status SyncEngine::AttachJob(const std::string& name, std::map<std::string, Sync
   // The store holds the state of round state_round; the commits since kept their deltas.
   ISTHMUS_RETURN_IF_ERROR(RebuildState(name, j));
   Job& placed = jobs_[name] = std::move(j);
+  LoadResidualsAtStart(name, placed);
   // A crash may have come between the batch that completed a round and its close or
   // commit; finish them now.
   if (placed.staged_round != 0 && placed.staged.size() == placed.theta.size()) {
@@ -386,12 +400,12 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   }
   if (tensors.empty()) return Status::InvalidArgument("push carries no tensors");
   ISTHMUS_ASSIGN_OR_RETURN(std::set<std::string> names, CheckPushed(name, *j, tensors));
-  std::vector<float> scratch;
   for (const auto& t : tensors) {
     if (t.encoded) {
-      // The codec's decoder validates every field and yields finite values only.
-      scratch.assign(j->theta.at(t.name).data->size(), 0.0f);
-      if (Status s = codec::Decode(*t.encoded, scratch); !s.ok()) {
+      // The codec's decoder validates every field and yields finite values only; it writes
+      // every value of a recycled buffer (TensorPool), which goes back after the check.
+      auto scratch = pool_->Take(j->theta.at(t.name).data->size());
+      if (Status s = codec::Decode(*t.encoded, *scratch); !s.ok()) {
         return Status::InvalidArgument(
             "tensor '" + t.name +
             "': the delta its worker encoded cannot be decoded: " + s.message());

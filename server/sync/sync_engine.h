@@ -402,6 +402,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // with peers, moves `added`'s state into the pool's buffers and fills the pool for its
   // first commit.
   void SizePool(const std::string& name, Job& added);
+  // LoadResiduals at a job's start, with peers; a failure is logged and left to the close.
+  void LoadResidualsAtStart(const std::string& name, Job& j);
   // Checks a push's tensors against the job's: each known, of the job's shape and size,
   // named once. Returns their names.
   Result<std::set<std::string>> CheckPushed(const std::string& name, const Job& j,

@@ -1628,6 +1628,44 @@ TEST_F(SyncProcessTest, PullByReplayGivesThePlainPullsTensorsBitForBit) {
   ExpectIdenticalDigests(8);
 }
 
+// After a whole state, the next pull's buffers are taken at once: a worker's first pull
+// becomes its live weights and never comes back, and round 1's replay hands out into them
+// instead of fresh memory (and takes none more).
+TEST_F(SyncProcessTest, AWholePullTakesTheNextPullsBuffers) {
+  sync_settings_ =
+      "codec = \"int2:256+zstd\"\nadaptive = false\nouter_lr = 1.25\nouter_momentum = 0.6\n";
+  StartSites({"alpha", "beta"});
+  codec::ShardReplica replica;
+  codec::ReplayStats stats;
+  std::map<std::string, std::vector<float>> spare;
+  auto client = sites_[0]->WorkerClient();
+  auto first = replica.Pull(*client, "job", stats, spare);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_EQ(stats.whole_pulls, 1u);
+  ASSERT_EQ(spare.size(), first->size());
+  std::map<std::string, const float*> taken;
+  for (const auto& t : *first) {
+    ASSERT_EQ(spare.at(t.name).size(), t.data.size()) << t.name;
+    EXPECT_NE(spare.at(t.name).data(), t.data.data()) << t.name;
+    taken[t.name] = spare.at(t.name).data();
+  }
+  Push(0, 1), Push(1, 1);
+  WaitCommitted(1);
+  auto next = replica.Pull(*client, "job", stats, spare);
+  ASSERT_TRUE(next.ok()) << next.status().ToString();
+  EXPECT_EQ(stats.whole_pulls, 1u);
+  EXPECT_EQ(stats.rounds_replayed, 1u);
+  for (const auto& t : *next) EXPECT_EQ(t.data.data(), taken.at(t.name)) << t.name;
+  EXPECT_TRUE(spare.empty());
+  // The values are the shard's, as a plain pull gives them.
+  auto plain = client->Pull("job");
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  ASSERT_EQ(plain->tensors.size(), next->size());
+  for (size_t i = 0; i < next->size(); ++i) {
+    EXPECT_EQ((*next)[i].data, plain->tensors[i].data) << (*next)[i].name;
+  }
+}
+
 // Deltas encoded by the worker (docs/SYNC.md): a site whose rank encodes its own deltas with
 // the pipelines its shard gives (codec::FeedbackEncoder through SiteClient) and pushes the
 // bytes commits bit for bit the state of a run in which the shard encodes the same fp32
