@@ -335,10 +335,11 @@ const std::vector<Binding>& Bindings() {
           Range{0, 1, true}),
       Bind(
           "sync.adaptive_start_mbit", [](auto& c) -> auto& { return c.sync.adaptive_start_mbit; },
-          "With sync.adaptive: the link bandwidth in Mbit/s a round is sized for until the link "
-          "to every member peer has been measured (a job's first rounds), so they do not send "
-          "sync.codec whatever its size (22 MB for GPT-2 small in full mode); 0: sync.codec "
-          "until measured (docs/SYNC.md, \"Adaptive sizing\").",
+          "With sync.adaptive: the site's WAN uplink in Mbit/s, shared evenly by the member "
+          "peers' links, that a round is sized for until the link to every member peer has been "
+          "measured (a job's first rounds), so they do not send sync.codec whatever its size "
+          "(22 MB for GPT-2 small in full mode); 0: sync.codec until measured (docs/SYNC.md, "
+          "\"Adaptive sizing\").",
           Range{0, 1e6}),
       Bind(
           "sync.outer_lr", [](auto& c) -> auto& { return c.sync.outer_lr; },

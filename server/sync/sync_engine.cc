@@ -571,11 +571,14 @@ const codec::Pipeline& SyncEngine::ConfiguredPipeline(const std::string& tensor)
 }
 
 double SyncEngine::RoundBytesPerSecond(const Job& j, uint64_t round) const {
-  // A link not measured yet counts at sync.adaptive_start_mbit (0: no sizing until it is).
-  const double assumed = options_.adaptive_start_mbit * 1e6 / 8;
+  // A link not measured yet counts at its share of sync.adaptive_start_mbit, the site's
+  // uplink, which every member peer's delta crosses (0: no sizing until it is measured).
+  const auto members = MemberPeers(j);
+  const double assumed = options_.adaptive_start_mbit * 1e6 / 8 /
+                         static_cast<double>(std::max<size_t>(members.size(), 1));
   double min_bw = -1;
   int measured = 0, peers = 0;
-  for (const auto& p : MemberPeers(j)) {
+  for (const auto& p : members) {
     auto it = bandwidth_.find(p);
     const double bw = it != bandwidth_.end() ? it->second : assumed;
     ++peers;

@@ -1146,6 +1146,33 @@ TEST(SyncEngineTest, AnUnmeasuredLinkCountsAtTheStartBandwidth) {
   }
 }
 
+// The start figure is the site's uplink, which the delta crosses once per member peer:
+// with two peers each unmeasured link counts at half of it.
+TEST(SyncEngineTest, UnmeasuredLinksShareTheStartBandwidth) {
+  // Rounds of 1 s at the default share.
+  auto first_pipelines = [](std::vector<std::string> peers, double mbit) {
+    Site a("siteA", std::move(peers), "int8+zstd");
+    a.options().adaptive_start_mbit = mbit;
+    a.Reopen();
+    EXPECT_TRUE(a.PushRound(1, -1, /*compute_ms=*/1000).ok());
+    auto st = a.engine().JobStatus(kJob);
+    EXPECT_TRUE(st.ok());
+    return st->pipelines;
+  };
+  // Find a start figure at which one peer keeps int8+zstd and two peers' half does not.
+  double fits = 0;
+  for (double mbit = 0.002; mbit < 1.0 && fits == 0; mbit *= 1.25) {
+    if (first_pipelines({"siteB"}, mbit).count("int8+zstd") == 1 &&
+        first_pipelines({"siteB"}, mbit / 2).count("int8+zstd") == 0) {
+      fits = mbit;
+    }
+  }
+  ASSERT_GT(fits, 0) << "no start figure where int8+zstd just fits one link";
+  EXPECT_EQ(first_pipelines({"siteB", "siteC"}, fits).count("int8+zstd"), 0u)
+      << "two peers at " << fits << " Mbit/s: each link counts at half";
+  EXPECT_EQ(first_pipelines({"siteB", "siteC"}, 2 * fits).count("int8+zstd"), 1u);
+}
+
 // sync.adaptive_share is the share of the round's compute time one round's transfer may
 // take: a link that carries the fp32 round in 0.8 of the round keeps int8+zstd at the
 // default share, and at a share of 0.2 (a budget of a quarter of fp32: int8's bytes plus its
