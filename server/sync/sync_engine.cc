@@ -208,18 +208,25 @@ void SyncEngine::LoadResidualsAtStart(const std::string& name, Job& j) {
   }
 }
 
+std::vector<size_t> SyncEngine::CommitBuffers(const Job& j) const {
+  // Per tensor its new theta and momentum; for one tensor at a time, the merge's sum.
+  std::vector<size_t> out;
+  std::set<size_t> sizes;
+  for (const auto& [tname, t] : j.theta) {
+    out.push_back(t.data->size());
+    if (keeps_momentum()) out.push_back(t.data->size());
+    sizes.insert(t.data->size());
+  }
+  out.insert(out.end(), sizes.begin(), sizes.end());
+  return out;
+}
+
 void SyncEngine::SizePool(const std::string& name, Job& added) {
-  // A commit needs, per tensor, its new theta and momentum and, for one tensor at a time,
-  // the merge's sum; the state it replaces comes back after it. What the pool may hold is
-  // one such commit's buffers, over every job.
+  // The pool holds at most one commit's buffers of every job (the state a commit replaces
+  // comes back after it).
   auto bytes = [&](const Job& j) {
     uint64_t b = 0;
-    std::set<size_t> sizes;
-    for (const auto& [tname, t] : j.theta) {
-      b += t.data->size() * sizeof(float) * (keeps_momentum() ? 2 : 1);
-      sizes.insert(t.data->size());
-    }
-    for (size_t n : sizes) b += n * sizeof(float);
+    for (size_t n : CommitBuffers(j)) b += n * sizeof(float);
     return b;
   };
   uint64_t limit = bytes(added);
@@ -236,19 +243,9 @@ void SyncEngine::SizePool(const std::string& name, Job& added) {
     std::copy(v.begin(), v.end(), b->begin());
     return b;
   };
-  std::vector<size_t> reserve;
-  std::set<size_t> sizes;
-  for (auto& [tname, t] : added.theta) {
-    t.data = adopt(*t.data);
-    reserve.push_back(t.data->size());
-    if (auto m = added.momentum.find(tname); m != added.momentum.end()) {
-      m->second = adopt(*m->second);
-      reserve.push_back(t.data->size());
-    }
-    sizes.insert(t.data->size());
-  }
-  reserve.insert(reserve.end(), sizes.begin(), sizes.end());
-  pool_->Reserve(reserve);
+  for (auto& [tname, t] : added.theta) t.data = adopt(*t.data);
+  for (auto& [tname, m] : added.momentum) m = adopt(*m);
+  pool_->Reserve(CommitBuffers(added));
 }
 
 Result<bool> SyncEngine::HasSyncState(const std::string& name) const {

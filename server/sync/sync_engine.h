@@ -402,6 +402,8 @@ class SyncEngine : public DeltaSource, public DeltaSink, private MembershipHost 
   // with peers, moves `added`'s state into the pool's buffers and fills the pool for its
   // first commit.
   void SizePool(const std::string& name, Job& added);
+  // The sizes of the buffers one commit of `j` takes from the pool.
+  std::vector<size_t> CommitBuffers(const Job& j) const;
   // LoadResiduals at a job's start, with peers; a failure is logged and left to the close.
   void LoadResidualsAtStart(const std::string& name, Job& j);
   // Checks a push's tensors against the job's: each known, of the job's shape and size,
