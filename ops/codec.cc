@@ -118,46 +118,57 @@ std::vector<float> Sanitize(std::span<const float> x) {
 constexpr uint64_t kSampleFrom = uint64_t{1} << 16;
 constexpr uint64_t kSamples = 4096;
 
-// The k-th largest magnitude of x[0, n), k in [1, n). On a large tensor the selection runs
-// only on the magnitudes at least `lo`, a threshold from a strided sample set a few standard
-// deviations of the sample's rank below the k-th: when at least k values reach it, the k-th
-// largest among them is the k-th largest of all (every value above it reaches `lo` too), so
-// the answer does not depend on the sample; when fewer do (a sample that missed the large
-// values), all magnitudes are selected on, as for a small tensor. `mag` is scratch.
-float KthLargestMagnitude(const float* x, uint64_t n, uint64_t k, std::vector<float>& mag) {
-  auto kth = [](std::vector<float>& m, uint64_t j) {  // the j-th largest of m (reordered)
-    std::nth_element(m.begin(), m.begin() + static_cast<ptrdiff_t>(j - 1), m.end(),
-                     std::greater<float>());
-    return m[j - 1];
-  };
-  if (n >= kSampleFrom && k <= n / 4) {
-    const uint64_t stride = n / kSamples;
-    mag.resize(kSamples);
-    for (uint64_t i = 0; i < kSamples; ++i) mag[i] = std::fabs(x[i * stride]);
-    const double expect =
-        static_cast<double>(k) * static_cast<double>(kSamples) / static_cast<double>(n);
-    const auto rank =
-        std::min<uint64_t>(kSamples, static_cast<uint64_t>(expect + 4.0 * std::sqrt(expect)) + 16);
-    const float lo = kth(mag, rank);
-    mag.clear();
-    mag.reserve(std::min<uint64_t>(n, 2 * rank * stride));
-    for (uint64_t i = 0; i < n; ++i) {
-      const float a = std::fabs(x[i]);
-      if (a >= lo) mag.push_back(a);
+// The j-th largest of m, j in [1, m.size()] (m is reordered).
+float KthLargest(std::vector<float>& m, uint64_t j) {
+  std::nth_element(m.begin(), m.begin() + static_cast<ptrdiff_t>(j - 1), m.end(),
+                   std::greater<float>());
+  return m[j - 1];
+}
+
+// A magnitude below the k-th largest of x[0, n) with high probability: the one a few
+// standard deviations of the sample's rank below the k-th in a strided sample. `mag` is
+// scratch.
+float SampledLowerBound(const float* x, uint64_t n, uint64_t k, std::vector<float>& mag) {
+  const uint64_t stride = n / kSamples;
+  mag.resize(kSamples);
+  for (uint64_t i = 0; i < kSamples; ++i) mag[i] = std::fabs(x[i * stride]);
+  const double expect =
+      static_cast<double>(k) * static_cast<double>(kSamples) / static_cast<double>(n);
+  const auto rank =
+      std::min<uint64_t>(kSamples, static_cast<uint64_t>(expect + 4.0 * std::sqrt(expect)) + 16);
+  return KthLargest(mag, rank);
+}
+
+// Appends to `at` the positions i of x[0, n) with |x[i]| >= lo, ascending: one pass, without
+// a branch per value (each block's positions are written unconditionally and counted by the
+// comparison).
+void PositionsAtLeast(const float* x, uint64_t n, float lo, std::vector<uint32_t>* at) {
+  constexpr uint64_t kBlock = 4096;
+  uint32_t block[kBlock];
+  for (uint64_t b = 0; b < n; b += kBlock) {
+    const uint64_t e = std::min(n, b + kBlock);
+    size_t c = 0;
+    for (uint64_t i = b; i < e; ++i) {
+      block[c] = static_cast<uint32_t>(i);
+      c += std::fabs(x[i]) >= lo;
     }
-    if (mag.size() >= k) return kth(mag, k);
+    at->insert(at->end(), block, block + c);
   }
-  mag.resize(n);
-  for (uint64_t i = 0; i < n; ++i) mag[i] = std::fabs(x[i]);
-  return kth(mag, k);
 }
 
 // Sorted indices of the kept entries of v[begin, end): the k largest magnitudes, ties going
 // to the lower index ("largest magnitude first, lower index on ties", a strict total order,
 // so the set does not depend on the selection algorithm). Found through the k-th largest
-// magnitude T (KthLargestMagnitude): every entry above T is kept, and of those equal to T
-// the lowest-indexed ones up to k. (It used to run nth_element on indices compared through
-// v, then sort them: the same set, several times slower.)
+// magnitude T: every entry above T is kept, and of those equal to T the lowest-indexed ones
+// up to k.
+//
+// On a large tensor with k at most a quarter of it, one pass over the values finds the
+// candidates, the positions whose magnitude reaches a bound from a strided sample
+// (SampledLowerBound), and everything after runs on the candidates alone: when at least k
+// reach the bound, the k-th largest among them is the k-th largest of all, and every entry
+// at or above it is a candidate, so the set is the one a selection over all values gives and
+// does not depend on the sample. When fewer reach it (a sample that missed the large
+// values), the selection runs on every value, as for a small tensor.
 void SelectTopK(std::span<const float> v, uint64_t begin, uint64_t end, uint64_t k,
                 std::vector<uint64_t>* kept) {
   ISTHMUS_CHECK(end - begin <= UINT32_MAX, "top-k over more than 4G elements");
@@ -169,12 +180,25 @@ void SelectTopK(std::span<const float> v, uint64_t begin, uint64_t end, uint64_t
   }
   if (k == 0) return;
   std::vector<float> mag;
-  const float t = KthLargestMagnitude(x, n, k, mag);
+  std::vector<uint32_t> cand;
+  if (n >= kSampleFrom && k <= n / 4) {
+    const float lo = SampledLowerBound(x, n, k, mag);
+    cand.reserve(static_cast<size_t>(std::min<uint64_t>(n, 2 * k + 1024)));
+    PositionsAtLeast(x, n, lo, &cand);
+    if (cand.size() < k) cand.clear();
+  }
+  // What is kept is chosen among `cand` if there are candidates, else among all values.
+  const bool among_cand = !cand.empty();
+  const uint64_t m = among_cand ? cand.size() : n;
+  auto at = [&](uint64_t j) { return among_cand ? uint64_t{cand[j]} : j; };
+  mag.resize(m);
+  for (uint64_t j = 0; j < m; ++j) mag[j] = std::fabs(x[at(j)]);
+  const float t = KthLargest(mag, k);
   uint64_t above = 0;
-  for (uint64_t i = 0; i < n; ++i) above += std::fabs(x[i]) > t;
+  for (uint64_t j = 0; j < m; ++j) above += std::fabs(x[at(j)]) > t;
   uint64_t ties = k - above;  // entries equal to t to keep, lowest index first
-  kept->reserve(kept->size() + k);
-  for (uint64_t i = 0; i < n; ++i) {
+  for (uint64_t j = 0; j < m; ++j) {
+    const uint64_t i = at(j);
     const float a = std::fabs(x[i]);
     if (a > t) {
       kept->push_back(begin + i);
@@ -245,9 +269,14 @@ std::string EncodePlain(const Pipeline& p, std::span<const float> v) {
   const uint64_t numel = v.size();
   std::vector<uint64_t> kept;
   if (p.sparsifier == Sparsifier::kTopK) {
-    SelectTopK(v, 0, numel, KeepCount(p.density, numel), &kept);
+    const uint64_t k = KeepCount(p.density, numel);
+    kept.reserve(k);
+    SelectTopK(v, 0, numel, k, &kept);
   } else if (p.sparsifier == Sparsifier::kBlockTopK) {
     const uint64_t b = std::max<uint32_t>(p.sparse_block, 1);
+    // Reserved once (each block's count rounds up): reserving per block would copy the
+    // kept indices again at every block.
+    kept.reserve(KeepCount(p.density, numel) + numel / b + 1);
     for (uint64_t start = 0; start < numel; start += b) {
       const uint64_t end = std::min(numel, start + b);
       SelectTopK(v, start, end, KeepCount(p.density, end - start), &kept);
@@ -570,9 +599,9 @@ Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowran
   return Bad("unknown encoding kind " + std::to_string(data[3]));
 }
 
-}  // namespace
-
-std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const int64_t> shape) {
+// Encode with the caller's answer to NeedsSanitize(x).
+std::string EncodeChecked(const Pipeline& p, std::span<const float> x,
+                          std::span<const int64_t> shape, bool needs_sanitize) {
   if (p.defer) {
     std::string out;
     PutFixedHeader(&out, kKindDeferred, 0);
@@ -582,7 +611,7 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
   // Only a tensor with values to sanitize is copied.
   std::vector<float> sanitized;
   std::span<const float> v = x;
-  if (NeedsSanitize(x)) {
+  if (needs_sanitize) {
     sanitized = Sanitize(x);
     v = sanitized;
   }
@@ -595,6 +624,12 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
   Pipeline rest = p;
   rest.lowrank_rank = 0;
   return EncodePlain(rest, v);
+}
+
+}  // namespace
+
+std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const int64_t> shape) {
+  return EncodeChecked(p, x, shape, !p.defer && NeedsSanitize(x));
 }
 
 Status Decode(std::string_view bytes, std::span<float> out) {
@@ -621,13 +656,27 @@ std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<const float> residual_in,
                                std::span<float> residual_out, std::span<float> decoded) {
   ISTHMUS_CHECK(residual_in.size() == delta.size() && residual_out.size() == delta.size() &&
-                    decoded.size() == delta.size(),
+                    (decoded.empty() || decoded.size() == delta.size()),
                 "residuals and decoded must be the delta's size");
   // v = delta + residual lives in residual_out until the residual replaces it (the same
-  // operations as with a separate v).
+  // operations as with a separate v), checked for values to sanitize in the same pass.
   float* v = residual_out.data();
-  for (size_t i = 0; i < delta.size(); ++i) v[i] = delta[i] + residual_in[i];
-  std::string q = Encode(p, residual_out, shape);
+  bool bad = false;
+  for (size_t i = 0; i < delta.size(); ++i) {
+    v[i] = delta[i] + residual_in[i];
+    bad |= !(std::fabs(v[i]) <= kClamp);  // NaN compares false
+  }
+  std::string q = EncodeChecked(p, residual_out, shape, !p.defer && bad);
+  if (decoded.empty()) {
+    // residual = v - decoded without the decoded tensor: v + (-1 * stored value) where the
+    // encoding stores a value, and v where it does not (v - (+0.0) is v). Bit for bit the
+    // subtraction below, which a sparse encoding would pay a zeroed tensor and a whole pass
+    // for.
+    const float minus_one = -1.0f;
+    const Status st = DecodeAny(q, residual_out, true, &minus_one);
+    ISTHMUS_CHECK(st.ok(), "our own encoding did not decode: " + st.ToString());
+    return q;
+  }
   const Status st = Decode(q, decoded);
   ISTHMUS_CHECK(st.ok(), "our own encoding did not decode: " + st.ToString());
   for (size_t i = 0; i < delta.size(); ++i) v[i] = v[i] - decoded[i];

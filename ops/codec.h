@@ -102,13 +102,16 @@ void RecomputeResidual(std::span<float> residual, std::span<const float> delta,
                        std::span<const float> decoded);
 // The same with the residual read from `residual_in` and the new one written to
 // `residual_out` (which may be the same memory): the caller keeps the old residual until it
-// chooses to take the new one. Bitwise the same results.
+// chooses to take the new one. Bitwise the same results. `decoded` may be empty when the
+// caller wants no decoded values: the residual is then computed from the encoding's stored
+// values alone (DecodeAddWeighted with -1), bit for bit the same, without a decoded tensor
+// to zero and subtract (a sparse encoding's unstored values leave v as it is).
 std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
                                std::span<const int64_t> shape, std::span<const float> residual_in,
                                std::span<float> residual_out, std::span<float> decoded);
 
 // One tensor of EncodeWithFeedbackMany: the arguments of EncodeWithFeedback (decoded may be
-// left empty: scratch memory is used then) and, out, its encoding.
+// left empty: no decoded values are wanted then) and, out, its encoding.
 struct FeedbackTask {
   Pipeline pipeline;
   std::span<const float> delta;

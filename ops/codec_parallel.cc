@@ -23,16 +23,10 @@ void EncodeWithFeedbackMany(std::span<FeedbackTask> tasks, int threads) {
   });
   std::atomic<size_t> next{0};
   auto work = [&] {
-    std::vector<float> scratch;  // decoded values of tasks that want none back
     for (size_t k = next.fetch_add(1); k < order.size(); k = next.fetch_add(1)) {
       FeedbackTask& t = tasks[order[k]];
-      std::span<float> decoded = t.decoded;
-      if (decoded.empty() && !t.delta.empty()) {
-        scratch.resize(std::max(scratch.size(), t.delta.size()));
-        decoded = std::span<float>(scratch.data(), t.delta.size());
-      }
-      t.bytes =
-          EncodeWithFeedback(t.pipeline, t.delta, t.shape, t.residual_in, t.residual_out, decoded);
+      t.bytes = EncodeWithFeedback(t.pipeline, t.delta, t.shape, t.residual_in, t.residual_out,
+                                   t.decoded);
     }
   };
   const size_t helpers = std::min<size_t>(threads > 1 ? static_cast<size_t>(threads) - 1 : 0,

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -189,8 +190,8 @@ TEST(CodecRoundTrip, TopKIsTheLargestWithTiesToTheLowerIndex) {
   }
 }
 
-// On a large tensor top-k selects on a strided sample's threshold first (ops/codec.cc,
-// KthLargestMagnitude); the kept set must still be exactly the k largest with ties to the
+// On a large tensor top-k selects among the values at least a strided sample's bound
+// (ops/codec.cc, SelectTopK); the kept set must still be exactly the k largest with ties to the
 // lower index, whatever the data: Gaussian, a few values with many ties at the threshold,
 // sorted, mostly zeros, and a pattern whose large values sit exactly on the sample's
 // positions (2^18 values, stride 64), so that the sample overestimates and the selection
@@ -488,7 +489,7 @@ TEST(CodecFeedback, ManyOnSeveralThreadsIsBitwiseOneAtATime) {
       tasks[i].shape = specs[i].second;
       tasks[i].residual_in = residuals[i];
       tasks[i].residual_out = out[i];
-      // Half the tasks want their decoded values back, the others use scratch.
+      // Half the tasks want their decoded values back, the others none.
       if (i % 2 == 0) tasks[i].decoded = dec[i];
     }
     EncodeWithFeedbackMany(tasks, threads);
@@ -505,6 +506,36 @@ TEST(CodecFeedback, ManyOnSeveralThreadsIsBitwiseOneAtATime) {
   // The inputs were only read.
   for (size_t i = 0; i < specs.size(); ++i) {
     EXPECT_EQ(residuals[i], Gaussian(residuals[i].size(), 400 + static_cast<uint32_t>(i), 0.1f));
+  }
+}
+
+// Without a decoded tensor the residual comes from the encoding's stored values alone
+// (ops/codec.h): bit for bit the residual of the call that decodes, on every pipeline kind,
+// on a tensor large enough for top-k's sampled selection, and with values that need care:
+// -0.0 (v - (+0.0) must stay -0.0), NaN and infinities (encoded as 0, kept in the
+// residual), magnitudes beyond the clamp.
+TEST(CodecFeedback, WithoutDecodedValuesTheResidualIsBitForBitTheSame) {
+  const size_t n = size_t{1} << 17;
+  std::vector<float> delta = Gaussian(n, 71), residual = Gaussian(n, 72, 0.1f);
+  for (size_t i = 0; i < n; i += 1009) delta[i] = residual[i] = -0.0f;
+  delta[3] = std::numeric_limits<float>::quiet_NaN();
+  delta[5] = std::numeric_limits<float>::infinity();
+  delta[7] = -std::numeric_limits<float>::infinity();
+  delta[11] = 4e31f;
+  residual[13] = -4e31f;
+  for (const std::string pipe :
+       {"topk:0.005+int4+zstd", "topk:0.3+int8", "blocktopk:0.05:256+int2+zstd", "int2:256+zstd",
+        "dense", "lowrank:4+int8+zstd", "defer"}) {
+    const std::vector<int64_t> shape = pipe.starts_with("lowrank")
+                                           ? std::vector<int64_t>{256, 512}
+                                           : std::vector<int64_t>{static_cast<int64_t>(n)};
+    std::vector<float> want(n), decoded(n), got(n, 7.0f);
+    const std::string want_bytes =
+        EncodeWithFeedback(P(pipe), delta, shape, residual, want, decoded);
+    const std::string got_bytes = EncodeWithFeedback(P(pipe), delta, shape, residual, got, {});
+    EXPECT_EQ(got_bytes, want_bytes) << pipe;
+    EXPECT_EQ(0, std::memcmp(got.data(), want.data(), n * sizeof(float))) << pipe;
+    EXPECT_TRUE(std::isnan(got[3])) << pipe;
   }
 }
 
