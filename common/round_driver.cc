@@ -60,8 +60,10 @@ void TakeDeltaPass(float* live, float* base, float* d, size_t n) {
   }
 }
 
-// live := live + (p - base) (progressed) or p; base := p (Rebase).
-void RebasePass(float* live, float* base, const float* p, size_t n, bool progressed) {
+// live := live + (p - base) (progressed) or p; base := p (Rebase), unless `base_too` is false
+// (RebaseTaking, which takes p's buffer as the base).
+void RebasePass(float* live, float* base, const float* p, size_t n, bool progressed,
+                bool base_too = true) {
   size_t i = 0;
 #if defined(__SSE2__)
   if (Streamable(base, p)) {
@@ -71,14 +73,14 @@ void RebasePass(float* live, float* base, const float* p, size_t n, bool progres
           progressed ? _mm_add_ps(_mm_loadu_ps(live + i), _mm_sub_ps(pp, _mm_load_ps(base + i)))
                      : pp;
       _mm_storeu_ps(live + i, nl);
-      _mm_stream_ps(base + i, pp);
+      if (base_too) _mm_stream_ps(base + i, pp);
     }
     _mm_sfence();
   }
 #endif
   for (; i < n; ++i) {
     live[i] = progressed ? live[i] + (p[i] - base[i]) : p[i];
-    base[i] = p[i];
+    if (base_too) base[i] = p[i];
   }
 }
 
@@ -135,27 +137,44 @@ Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {
   return out;
 }
 
-Status HostLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {
+Result<std::vector<size_t>> HostLiveParams::Match(const std::vector<Tensor>* pulled) const {
   if (pulled == nullptr) return Status::InvalidArgument("no pulled state to merge");
-  std::map<std::string, const Tensor*> by_name;
-  for (const auto& t : *pulled) by_name[t.name] = &t;
-  std::vector<const Tensor*> src(live_.size());
+  std::map<std::string, size_t> by_name;
+  for (size_t i = 0; i < pulled->size(); ++i) by_name[(*pulled)[i].name] = i;
+  std::vector<size_t> src(live_.size());
   for (size_t t = 0; t < live_.size(); ++t) {
     auto it = by_name.find(live_[t].name);
     if (it == by_name.end()) {
       return Status::InvalidArgument("the pulled state has no tensor '" + live_[t].name + "'");
     }
-    if (it->second->shape != live_[t].shape) {
+    const Tensor& p = (*pulled)[it->second];
+    if (p.shape != live_[t].shape || p.data.size() != base_[t].size()) {
       return Status::InvalidArgument("the pulled tensor '" + live_[t].name +
                                      "' has another shape than the live one");
     }
     src[t] = it->second;
   }
+  return src;
+}
+
+Status HostLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {
+  ISTHMUS_ASSIGN_OR_RETURN(std::vector<size_t> src, Match(pulled));
   for (size_t t = 0; t < live_.size(); ++t) {
-    float* live = live_[t].data;
     std::vector<float>& base = base_[t];
     // live + (P - base): the local progress since the base, on top of the new base.
-    RebasePass(live, base.data(), src[t]->data.data(), base.size(), progressed);
+    RebasePass(live_[t].data, base.data(), (*pulled)[src[t]].data.data(), base.size(), progressed);
+  }
+  return Status::Ok();
+}
+
+Status HostLiveParams::RebaseTaking(std::vector<Tensor>* pulled, bool progressed) {
+  ISTHMUS_ASSIGN_OR_RETURN(std::vector<size_t> src, Match(pulled));
+  for (size_t t = 0; t < live_.size(); ++t) {
+    std::vector<float>& base = base_[t];
+    std::vector<float>& p = (*pulled)[src[t]].data;
+    RebasePass(live_[t].data, base.data(), p.data(), base.size(), progressed,
+               /*base_too=*/false);
+    base.swap(p);  // the pulled values are the base now; the old base goes back in `pulled`
   }
   return Status::Ok();
 }
@@ -432,7 +451,7 @@ Result<RoundReport> RoundDriver::Complete() {
   Status st = o_.agree ? o_.agree(out.status) : out.status;
   if (!st.ok()) return st;
   if (params_ != nullptr) {
-    ISTHMUS_RETURN_IF_ERROR(params_->Rebase(o_.pull ? &out.pulled : nullptr, progressed_));
+    ISTHMUS_RETURN_IF_ERROR(params_->RebaseTaking(o_.pull ? &out.pulled : nullptr, progressed_));
     out.report.merged = true;
     if (!out.pulled.empty()) shards_.Recycle(std::move(out.pulled));
   }

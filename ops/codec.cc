@@ -339,12 +339,22 @@ std::string EncodePlain(const Pipeline& p, std::span<const float> v) {
   return out;
 }
 
-// Decodes a plain (kind 0) encoding into `out` (already checked: numel == out.size()), or
-// with `add_w` adds *add_w times each stored value to `out` (a sparse encoding's unstored
-// values are zeros: nothing to add). `hdr` stands after the numel varint. Writes `out` only
-// after everything validated.
-Status DecodePlain(uint8_t flags, Reader hdr, std::span<float> out, const float* add_w) {
-  const uint64_t numel = out.size();
+// Where a decode goes: `numel` values written to `out`, or with `add_w` *add_w times each
+// stored value added to them (a sparse encoding's unstored values are zeros: nothing to
+// add); with `out` null, nowhere: the encoding is only validated (Check).
+struct Target {
+  float* out = nullptr;
+  uint64_t numel = 0;
+  const float* add_w = nullptr;
+};
+Target Into(std::span<float> out, const float* add_w = nullptr) {
+  return {out.data(), out.size(), add_w};
+}
+
+// Decodes a plain (kind 0) encoding to `to` (already checked: the encoded element count is
+// to.numel). `hdr` stands after the numel varint. Writes only after everything validated.
+Status DecodePlain(uint8_t flags, Reader hdr, const Target& to) {
+  const uint64_t numel = to.numel;
   const uint8_t sparsifier = flags & 3;
   const uint32_t bits = kWidths[(flags >> 2) & 3];
   const bool zstd = flags & kFlagZstd;
@@ -435,18 +445,20 @@ Status DecodePlain(uint8_t flags, Reader hdr, std::span<float> out, const float*
       return Bad("non-zero padding bits");
   }
 
-  if (add_w != nullptr) {
-    const float w = *add_w;
+  float* out = to.out;
+  if (out == nullptr) return Status::Ok();
+  if (to.add_w != nullptr) {
+    const float w = *to.add_w;
     if (sparse) {
       for (uint64_t k = 0; k < nnz; ++k) out[idx[k]] += w * vals[k];
     } else {
       for (uint64_t k = 0; k < nnz; ++k) out[k] += w * vals[k];
     }
   } else if (sparse) {
-    std::fill(out.begin(), out.end(), 0.0f);
+    std::fill(out, out + numel, 0.0f);
     for (uint64_t k = 0; k < nnz; ++k) out[idx[k]] = vals[k];
   } else {
-    std::copy(vals.begin(), vals.end(), out.begin());
+    std::copy(vals.begin(), vals.end(), out);
   }
   return Status::Ok();
 }
@@ -533,17 +545,16 @@ bool EncodeLowRank(const Pipeline& p, std::span<const float> m, uint64_t rows, u
   return true;
 }
 
-Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank,
-                 const float* add_w);
+Status DecodeAny(std::string_view bytes, const Target& to, bool allow_lowrank);
 
-// `hdr` stands after the numel varint (already checked: numel == out.size()). `add_w`: as
-// DecodePlain's.
-Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out, const float* add_w) {
+// `hdr` stands after the numel varint (already checked: the encoded element count is
+// to.numel).
+Status DecodeLowRank(uint8_t flags, Reader hdr, const Target& to) {
   if (flags != 0) return Bad("bad low-rank flags");
   uint64_t rows = 0, rank = 0, len_p = 0;
   if (!hdr.Varint(&rows) || !hdr.Varint(&rank) || !hdr.Varint(&len_p))
     return Bad("truncated low-rank header");
-  const uint64_t numel = out.size();
+  const uint64_t numel = to.numel;
   if (rows == 0 || numel % rows != 0) return Bad("low-rank shape does not match the element count");
   const uint64_t cols = numel / rows;
   if (rank == 0 || rank > kMaxRank || rank * (rows + cols) * 2 > numel)
@@ -551,9 +562,9 @@ Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out, const floa
   if (len_p > hdr.remaining()) return Bad("low-rank factor length out of range");
   const char* base = reinterpret_cast<const char*>(hdr.here());
   std::vector<float> pf(rows * rank), qf(cols * rank);
-  ISTHMUS_RETURN_IF_ERROR(DecodeAny(std::string_view(base, len_p), pf, false, nullptr));
+  ISTHMUS_RETURN_IF_ERROR(DecodeAny(std::string_view(base, len_p), Into(pf), false));
   ISTHMUS_RETURN_IF_ERROR(
-      DecodeAny(std::string_view(base + len_p, hdr.remaining() - len_p), qf, false, nullptr));
+      DecodeAny(std::string_view(base + len_p, hdr.remaining() - len_p), Into(qf), false));
   // M = P Q^T in a fixed order (double accumulation, k ascending).
   std::vector<float> m(numel);
   for (uint64_t i = 0; i < rows; ++i)
@@ -565,17 +576,18 @@ Status DecodeLowRank(uint8_t flags, Reader hdr, std::span<float> out, const floa
       if (!std::isfinite(f)) return Bad("low-rank product is not finite");
       m[i * cols + j] = f;
     }
-  if (add_w != nullptr) {
-    const float w = *add_w;
+  float* out = to.out;
+  if (out == nullptr) return Status::Ok();
+  if (to.add_w != nullptr) {
+    const float w = *to.add_w;
     for (uint64_t i = 0; i < numel; ++i) out[i] += w * m[i];
   } else {
-    std::copy(m.begin(), m.end(), out.begin());
+    std::copy(m.begin(), m.end(), out);
   }
   return Status::Ok();
 }
 
-Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowrank,
-                 const float* add_w) {
+Status DecodeAny(std::string_view bytes, const Target& to, bool allow_lowrank) {
   const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
   const size_t size = bytes.size();
   if (size < kFixedHeader) return Bad("truncated header (" + std::to_string(size) + " bytes)");
@@ -586,14 +598,14 @@ Status DecodeAny(std::string_view bytes, std::span<float> out, bool allow_lowran
   Reader hdr(data + kFixedHeader, size - kFixedHeader);
   uint64_t numel = 0;
   if (!hdr.Varint(&numel)) return Bad("bad element count varint");
-  if (numel != out.size())
+  if (numel != to.numel)
     return Bad("encoded " + std::to_string(numel) + " elements, expected " +
-               std::to_string(out.size()));
-  if (data[3] == kKindPlain) return DecodePlain(data[4], hdr, out, add_w);
-  if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data[4], hdr, out, add_w);
+               std::to_string(to.numel));
+  if (data[3] == kKindPlain) return DecodePlain(data[4], hdr, to);
+  if (data[3] == kKindLowRank && allow_lowrank) return DecodeLowRank(data[4], hdr, to);
   if (data[3] == kKindDeferred) {
     if (data[4] != 0 || hdr.remaining() != 0) return Bad("deferred encoding with flags or a body");
-    if (add_w == nullptr) std::fill(out.begin(), out.end(), 0.0f);
+    if (to.out != nullptr && to.add_w == nullptr) std::fill(to.out, to.out + numel, 0.0f);
     return Status::Ok();
   }
   return Bad("unknown encoding kind " + std::to_string(data[3]));
@@ -633,11 +645,15 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
 }
 
 Status Decode(std::string_view bytes, std::span<float> out) {
-  return DecodeAny(bytes, out, true, nullptr);
+  return DecodeAny(bytes, Into(out), true);
+}
+
+Status Check(std::string_view bytes, uint64_t numel) {
+  return DecodeAny(bytes, Target{nullptr, numel, nullptr}, true);
 }
 
 Status DecodeAddWeighted(std::string_view bytes, float w, std::span<float> out) {
-  return DecodeAny(bytes, out, true, &w);
+  return DecodeAny(bytes, Into(out, &w), true);
 }
 
 bool IsDeferred(std::string_view bytes) {
@@ -673,7 +689,7 @@ std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
     // subtraction below, which a sparse encoding would pay a zeroed tensor and a whole pass
     // for.
     const float minus_one = -1.0f;
-    const Status st = DecodeAny(q, residual_out, true, &minus_one);
+    const Status st = DecodeAny(q, Into(residual_out, &minus_one), true);
     ISTHMUS_CHECK(st.ok(), "our own encoding did not decode: " + st.ToString());
     return q;
   }

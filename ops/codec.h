@@ -75,6 +75,11 @@ std::string Encode(const Pipeline& p, std::span<const float> x, std::span<const 
 // Thread-safe.
 Status Decode(std::string_view bytes, std::span<float> out);
 
+// Decode's validation alone, for an encoding of `numel` values: whether Decode into a tensor
+// of that size would succeed (and so yield finite values only), without the tensor to
+// decode into. For a receiver that checks bytes it stores and decodes later. Thread-safe.
+Status Check(std::string_view bytes, uint64_t numel);
+
 // Decode's validation, then out[i] += w * decoded[i] for the values the encoding holds: every
 // element of a dense or low-rank one, the stored ones of a sparse one (the others are zeros:
 // nothing to add), none of a deferred one. For a merge that sums sites' deltas into one

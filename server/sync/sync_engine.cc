@@ -399,10 +399,9 @@ Result<SyncPushResult> SyncEngine::PushRound(const std::string& name, uint64_t r
   ISTHMUS_ASSIGN_OR_RETURN(std::set<std::string> names, CheckPushed(name, *j, tensors));
   for (const auto& t : tensors) {
     if (t.encoded) {
-      // The codec's decoder validates every field and yields finite values only; it writes
-      // every value of a recycled buffer (TensorPool), which goes back after the check.
-      auto scratch = pool_->Take(j->theta.at(t.name).data->size());
-      if (Status s = codec::Decode(*t.encoded, *scratch); !s.ok()) {
+      // The codec's check is its decoder's validation of every field, whose decode yields
+      // finite values only; nothing is decoded here (the close does, into the merge).
+      if (Status s = codec::Check(*t.encoded, j->theta.at(t.name).data->size()); !s.ok()) {
         return Status::InvalidArgument(
             "tensor '" + t.name +
             "': the delta its worker encoded cannot be decoded: " + s.message());
@@ -1711,7 +1710,6 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
                                    std::to_string(j->theta.size()));
   }
   std::set<std::string> seen;
-  std::vector<float> scratch;
   for (const auto& et : delta.tensors) {
     auto it = j->theta.find(et.name);
     if (it == j->theta.end() || !seen.insert(et.name).second) {
@@ -1720,13 +1718,10 @@ Result<uint64_t> SyncEngine::ReceiveDelta(const std::string& from_site, const En
     if (et.shape != it->second.shape) {
       return Status::InvalidArgument("delta tensor '" + et.name + "' has the wrong shape");
     }
-    scratch.assign(it->second.data->size(), 0.0f);
-    Status s = codec::Decode(et.bytes, scratch);
+    // Decode's validation without a tensor to decode into: bytes that pass decode to finite
+    // values only, into the commit's merge.
+    Status s = codec::Check(et.bytes, it->second.data->size());
     if (!s.ok()) return Status::InvalidArgument("delta tensor '" + et.name + "': " + s.message());
-    for (float f : scratch) {
-      if (!std::isfinite(f))
-        return Status::InvalidArgument("delta tensor '" + et.name + "' is not finite");
-    }
   }
   const std::string serialized = EncodeDelta(delta);
   SyncRecord rec_view = *j;

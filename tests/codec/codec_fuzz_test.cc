@@ -23,6 +23,10 @@ struct Case {
 void CheckDecode(const std::string& bytes, size_t n, int* accepted, int* refused) {
   std::vector<float> out(n, 42.0f);
   Status st = Decode(bytes, out);
+  // The check a receiver runs before it stores bytes (Check) answers as the decode does.
+  const Status checked = Check(bytes, n);
+  ASSERT_EQ(checked.ok(), st.ok()) << st.ToString() << " / " << checked.ToString();
+  if (!st.ok()) ASSERT_EQ(checked.message(), st.message());
   if (st.ok()) {
     ++*accepted;
     for (float f : out) ASSERT_TRUE(std::isfinite(f));

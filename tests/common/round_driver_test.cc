@@ -491,7 +491,9 @@ TEST(HostLiveParams, TheDeltaIsWhatAShardAddingItToTheBaseHolds) {
 
 // The passes over whole tensors (streamed four values at a time where the buffers allow)
 // give the scalar loop's values bit for bit: deltas whose base + (x - base) is not x, -0 and
-// +0, tensors whose length is no multiple of four, a merge with and without local progress.
+// +0, tensors whose length is no multiple of four, a merge with and without local progress,
+// by Rebase (rounds 0-1) and by RebaseTaking, which takes the pulled buffer as its base
+// (rounds 2-3: the next round's delta checks that base).
 TEST(HostLiveParams, TheStreamedPassesAreTheScalarArithmeticBitForBit) {
   constexpr size_t kN = 1003;
   std::vector<float> w(kN);
@@ -507,7 +509,7 @@ TEST(HostLiveParams, TheStreamedPassesAreTheScalarArithmeticBitForBit) {
     std::memcpy(&u, &f, 4);
     return u;
   };
-  for (int round = 0; round < 3; ++round) {
+  for (int round = 0; round < 5; ++round) {
     for (size_t i = 0; i < kN; ++i) w[i] += nd(rng) * (i % 3 == 0 ? 1e-7f : 0.3f);
     w[6] = round == 1 ? 0.0f : -0.0f;  // -0 against a base of +0 and back
     // The scalar reference of TakeDelta.
@@ -533,11 +535,20 @@ TEST(HostLiveParams, TheStreamedPassesAreTheScalarArithmeticBitForBit) {
     for (size_t i = 0; i < kN; ++i) {
       want[i] = progressed ? w[i] + (pulled[0].data[i] - base[i]) : pulled[0].data[i];
     }
-    ASSERT_TRUE(p.Rebase(&pulled, progressed).ok());
+    base = pulled[0].data;
+    const float* handed = pulled[0].data.data();
+    if (round < 2) {
+      ASSERT_TRUE(p.Rebase(&pulled, progressed).ok());
+      EXPECT_EQ(pulled[0].data, base);  // only read
+    } else {
+      ASSERT_TRUE(p.RebaseTaking(&pulled, progressed).ok());
+      // A buffer of the same size came back in exchange, not the one handed over.
+      EXPECT_EQ(pulled[0].data.size(), kN);
+      EXPECT_NE(pulled[0].data.data(), handed);
+    }
     for (size_t i = 0; i < kN; ++i) {
       ASSERT_EQ(bits(w[i]), bits(want[i])) << "round " << round << " merged " << i;
     }
-    base = pulled[0].data;
     p.Recycle(std::move(*d));
   }
 }

@@ -11,7 +11,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;
   const size_t numel = 1 + (data[0] | (data[1] << 8));
   std::vector<float> out(numel);
-  (void)isthmus::codec::Decode(std::string_view(reinterpret_cast<const char*>(data + 2), size - 2),
-                               out);
+  const std::string_view bytes(reinterpret_cast<const char*>(data + 2), size - 2);
+  const bool decoded = isthmus::codec::Decode(bytes, out).ok();
+  // The receiver's check without decoding (codec::Check) must answer as the decode does.
+  if (isthmus::codec::Check(bytes, numel).ok() != decoded) __builtin_trap();
   return 0;
 }
