@@ -97,10 +97,13 @@ uint64_t ValuesBytes(uint64_t nnz, uint32_t bits, uint32_t qblock) {
   return 4 * ((nnz + qblock - 1) / qblock) + (nnz * bits + 7) / 8;
 }
 
-// Whether x needs Sanitize: a value that is not finite or beyond the clamp.
+// Whether Sanitize changes f: not finite or beyond the clamp (NaN compares false).
+inline bool Unsanitary(float f) { return !(std::fabs(f) <= kClamp); }
+
+// Whether x needs Sanitize.
 bool NeedsSanitize(std::span<const float> x) {
   bool bad = false;
-  for (float f : x) bad |= !(std::fabs(f) <= kClamp);  // NaN compares false
+  for (float f : x) bad |= Unsanitary(f);
   return bad;
 }
 
@@ -680,9 +683,9 @@ std::string EncodeWithFeedback(const Pipeline& p, std::span<const float> delta,
   bool bad = false;
   for (size_t i = 0; i < delta.size(); ++i) {
     v[i] = delta[i] + residual_in[i];
-    bad |= !(std::fabs(v[i]) <= kClamp);  // NaN compares false
+    bad |= Unsanitary(v[i]);
   }
-  std::string q = EncodeChecked(p, residual_out, shape, !p.defer && bad);
+  std::string q = EncodeChecked(p, residual_out, shape, bad);
   if (decoded.empty()) {
     // residual = v - decoded without the decoded tensor: v + (-1 * stored value) where the
     // encoding stores a value, and v where it does not (v - (+0.0) is v). Bit for bit the
