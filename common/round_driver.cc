@@ -8,7 +8,9 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <map>
+#include <thread>
 
 namespace isthmus {
 namespace {
@@ -107,7 +109,8 @@ void DeltaBuffers::Reserve(const std::vector<size_t>& sizes) {
   }
 }
 
-HostLiveParams::HostLiveParams(std::vector<LiveTensor> live) : live_(std::move(live)) {
+HostLiveParams::HostLiveParams(std::vector<LiveTensor> live, HostPasses passes)
+    : passes_(passes), live_(std::move(live)) {
   base_.resize(live_.size());
   (void)Reset();
   std::vector<size_t> sizes;
@@ -123,17 +126,49 @@ Status HostLiveParams::Reset() {
   return Status::Ok();
 }
 
+void HostLiveParams::ForChunks(
+    const std::function<void(size_t t, size_t begin, size_t end)>& pass) const {
+  struct Piece {
+    size_t t, begin, end;
+  };
+  const size_t chunk = std::max<size_t>(passes_.chunk, 4);
+  std::vector<Piece> pieces;
+  for (size_t t = 0; t < base_.size(); ++t) {
+    const size_t n = base_[t].size();
+    for (size_t b = 0; b < n; b += chunk) pieces.push_back({t, b, std::min(n, b + chunk)});
+  }
+  const size_t threads = passes_.threads > 0
+                             ? static_cast<size_t>(passes_.threads)
+                             : std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t k = next.fetch_add(1); k < pieces.size(); k = next.fetch_add(1)) {
+      pass(pieces[k].t, pieces[k].begin, pieces[k].end);
+    }
+  };
+  const size_t helpers = pieces.size() < 2 ? 0 : std::min(threads, pieces.size()) - 1;
+  std::vector<std::thread> pool;
+  pool.reserve(helpers);
+  for (size_t i = 0; i < helpers; ++i) {
+    pool.emplace_back([&work] {
+      pthread_setname_np(pthread_self(), "live-pass");
+      work();
+    });
+  }
+  work();
+  for (auto& th : pool) th.join();
+}
+
 Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {
   std::vector<Tensor> out;
   out.reserve(live_.size());
   for (size_t t = 0; t < live_.size(); ++t) {
-    float* live = live_[t].data;
-    std::vector<float>& base = base_[t];
-    Tensor d{live_[t].name, live_[t].shape, spare_.Take(t, base.size())};
-    // live := base + d: what a shard that adds the delta to base holds.
-    TakeDeltaPass(live, base.data(), d.data.data(), base.size());
-    out.push_back(std::move(d));
+    out.push_back({live_[t].name, live_[t].shape, spare_.Take(t, base_[t].size())});
   }
+  // live := base + d: what a shard that adds the delta to base holds.
+  ForChunks([&](size_t t, size_t b, size_t e) {
+    TakeDeltaPass(live_[t].data + b, base_[t].data() + b, out[t].data.data() + b, e - b);
+  });
   return out;
 }
 
@@ -159,23 +194,22 @@ Result<std::vector<size_t>> HostLiveParams::Match(const std::vector<Tensor>* pul
 
 Status HostLiveParams::Rebase(const std::vector<Tensor>* pulled, bool progressed) {
   ISTHMUS_ASSIGN_OR_RETURN(std::vector<size_t> src, Match(pulled));
-  for (size_t t = 0; t < live_.size(); ++t) {
-    std::vector<float>& base = base_[t];
-    // live + (P - base): the local progress since the base, on top of the new base.
-    RebasePass(live_[t].data, base.data(), (*pulled)[src[t]].data.data(), base.size(), progressed);
-  }
+  // live + (P - base): the local progress since the base, on top of the new base.
+  ForChunks([&](size_t t, size_t b, size_t e) {
+    RebasePass(live_[t].data + b, base_[t].data() + b, (*pulled)[src[t]].data.data() + b, e - b,
+               progressed);
+  });
   return Status::Ok();
 }
 
 Status HostLiveParams::RebaseTaking(std::vector<Tensor>* pulled, bool progressed) {
   ISTHMUS_ASSIGN_OR_RETURN(std::vector<size_t> src, Match(pulled));
-  for (size_t t = 0; t < live_.size(); ++t) {
-    std::vector<float>& base = base_[t];
-    std::vector<float>& p = (*pulled)[src[t]].data;
-    RebasePass(live_[t].data, base.data(), p.data(), base.size(), progressed,
-               /*base_too=*/false);
-    base.swap(p);  // the pulled values are the base now; the old base goes back in `pulled`
-  }
+  ForChunks([&](size_t t, size_t b, size_t e) {
+    RebasePass(live_[t].data + b, base_[t].data() + b, (*pulled)[src[t]].data.data() + b, e - b,
+               progressed, /*base_too=*/false);
+  });
+  // The pulled values are the base now; the old base goes back in `pulled`.
+  for (size_t t = 0; t < live_.size(); ++t) base_[t].swap((*pulled)[src[t]].data);
   return Status::Ok();
 }
 

@@ -138,11 +138,23 @@ struct LiveTensor {
   float* data = nullptr;  // NumElements(shape) floats, borrowed
 };
 
+// How HostLiveParams runs its passes: element-wise, so the values cannot depend on these.
+// The tensors' values are cut into chunks of `chunk` values (a multiple of four keeps the
+// streamed stores aligned) shared out among `threads` threads, the caller's among them
+// (0: one per core, at most 8); less than two chunks of work run on the caller's alone. On
+// a host whose cores are all busy (bench/wan's three sites and shards on two cores) a pass
+// the caller shares with a helper gets about twice the CPU the scheduler gives one thread.
+struct HostPasses {
+  int threads = 0;
+  size_t chunk = size_t{1} << 20;
+};
+
 // LiveParams over host memory: the caller's buffers (borrowed; they must outlive it), a
-// base copy of its own and the buffers of a delta, taken at construction.
+// base copy of its own and the buffers of a delta, taken at construction. The passes'
+// helper threads live only while a pass runs.
 class HostLiveParams : public LiveParams {
  public:
-  explicit HostLiveParams(std::vector<LiveTensor> live);
+  explicit HostLiveParams(std::vector<LiveTensor> live, HostPasses passes = {});
   Status Reset() override;
   Result<std::vector<Tensor>> TakeDelta() override;
   Status Rebase(const std::vector<Tensor>* pulled, bool progressed) override;
@@ -152,7 +164,10 @@ class HostLiveParams : public LiveParams {
  private:
   // For each live tensor, the index of the pulled tensor of its name and shape.
   Result<std::vector<size_t>> Match(const std::vector<Tensor>* pulled) const;
+  // pass(t, begin, end) over the values [begin, end) of every tensor t, as HostPasses says.
+  void ForChunks(const std::function<void(size_t t, size_t begin, size_t end)>& pass) const;
 
+  HostPasses passes_;
   std::vector<LiveTensor> live_;
   std::vector<std::vector<float>> base_;
   DeltaBuffers spare_;

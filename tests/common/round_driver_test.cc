@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -493,63 +494,100 @@ TEST(HostLiveParams, TheDeltaIsWhatAShardAddingItToTheBaseHolds) {
 // give the scalar loop's values bit for bit: deltas whose base + (x - base) is not x, -0 and
 // +0, tensors whose length is no multiple of four, a merge with and without local progress,
 // by Rebase (rounds 0-1) and by RebaseTaking, which takes the pulled buffer as its base
-// (rounds 2-3: the next round's delta checks that base).
+// (rounds 2-3: the next round's delta checks that base). The same with the values cut into
+// chunks shared out among threads (HostPasses): two tensors in pieces of 256 values (each
+// tensor's last piece shorter) on three threads, and pieces of 6 values, whose starts are
+// not all aligned for the streamed stores, on two.
 TEST(HostLiveParams, TheStreamedPassesAreTheScalarArithmeticBitForBit) {
-  constexpr size_t kN = 1003;
-  std::vector<float> w(kN);
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  for (auto& x : w) x = nd(rng);
-  w[5] = 0.0f;
-  w[6] = -0.0f;
-  HostLiveParams p({{"w", {static_cast<int64_t>(kN)}, w.data()}});
-  std::vector<float> base = w;
-  auto bits = [](float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return u;
-  };
-  for (int round = 0; round < 5; ++round) {
-    for (size_t i = 0; i < kN; ++i) w[i] += nd(rng) * (i % 3 == 0 ? 1e-7f : 0.3f);
-    w[6] = round == 1 ? 0.0f : -0.0f;  // -0 against a base of +0 and back
-    // The scalar reference of TakeDelta.
-    std::vector<float> want_d(kN), want_live(kN);
-    for (size_t i = 0; i < kN; ++i) {
-      want_d[i] = w[i] - base[i];
-      want_live[i] = base[i] + want_d[i];
+  for (const HostPasses passes :
+       {HostPasses{1, size_t{1} << 20}, HostPasses{3, 256}, HostPasses{2, 6}}) {
+    SCOPED_TRACE("threads " + std::to_string(passes.threads) + ", chunk " +
+                 std::to_string(passes.chunk));
+    const std::vector<size_t> sizes = {1003, 517};
+    std::vector<std::vector<float>> w(sizes.size());
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<LiveTensor> views;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+      w[t].resize(sizes[t]);
+      for (auto& x : w[t]) x = nd(rng);
+      w[t][5] = 0.0f;
+      w[t][6] = -0.0f;
+      views.push_back({"w" + std::to_string(t), {static_cast<int64_t>(sizes[t])}, w[t].data()});
     }
-    auto d = p.TakeDelta();
-    ASSERT_TRUE(d.ok());
-    for (size_t i = 0; i < kN; ++i) {
-      ASSERT_EQ(bits((*d)[0].data[i]), bits(want_d[i])) << "round " << round << " delta " << i;
-      ASSERT_EQ(bits(w[i]), bits(want_live[i])) << "round " << round << " live " << i;
+    HostLiveParams p(views, passes);
+    std::vector<std::vector<float>> base = w;
+    auto bits = [](float f) {
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      return u;
+    };
+    for (int round = 0; round < 5; ++round) {
+      std::vector<std::vector<float>> want_d(sizes.size());
+      for (size_t t = 0; t < sizes.size(); ++t) {
+        const size_t n = sizes[t];
+        for (size_t i = 0; i < n; ++i) w[t][i] += nd(rng) * (i % 3 == 0 ? 1e-7f : 0.3f);
+        w[t][6] = round == 1 ? 0.0f : -0.0f;  // -0 against a base of +0 and back
+        // The scalar reference of TakeDelta.
+        want_d[t].resize(n);
+        for (size_t i = 0; i < n; ++i) {
+          want_d[t][i] = w[t][i] - base[t][i];
+          base[t][i] = base[t][i] + want_d[t][i];  // the live value afterwards, and the base
+        }
+      }
+      auto d = p.TakeDelta();
+      ASSERT_TRUE(d.ok());
+      ASSERT_EQ(d->size(), sizes.size());
+      for (size_t t = 0; t < sizes.size(); ++t) {
+        for (size_t i = 0; i < sizes[t]; ++i) {
+          ASSERT_EQ(bits((*d)[t].data[i]), bits(want_d[t][i]))
+              << "round " << round << " tensor " << t << " delta " << i;
+          ASSERT_EQ(bits(w[t][i]), bits(base[t][i]))
+              << "round " << round << " tensor " << t << " live " << i;
+        }
+      }
+      // Local progress, then a pulled state merged with it (and, every other round, without).
+      const bool progressed = round % 2 == 0;
+      std::vector<Tensor> pulled;
+      std::vector<std::vector<float>> want(sizes.size());
+      for (size_t t = 0; t < sizes.size(); ++t) {
+        const size_t n = sizes[t];
+        for (size_t i = 0; i < n; ++i) w[t][i] += nd(rng) * 0.01f;
+        Tensor pt{"w" + std::to_string(t), {static_cast<int64_t>(n)}, std::vector<float>(n)};
+        for (size_t i = 0; i < n; ++i) pt.data[i] = base[t][i] + nd(rng) * 0.05f;
+        pt.data[7] = -0.0f;
+        want[t].resize(n);
+        for (size_t i = 0; i < n; ++i) {
+          want[t][i] = progressed ? w[t][i] + (pt.data[i] - base[t][i]) : pt.data[i];
+        }
+        base[t] = pt.data;
+        pulled.push_back(std::move(pt));
+      }
+      // In the other order than the live tensors: merged by name.
+      std::reverse(pulled.begin(), pulled.end());
+      std::vector<const float*> handed;
+      for (const auto& pt : pulled) handed.push_back(pt.data.data());
+      if (round < 2) {
+        ASSERT_TRUE(p.Rebase(&pulled, progressed).ok());
+        for (size_t k = 0; k < pulled.size(); ++k) {
+          EXPECT_EQ(pulled[k].data, base[pulled.size() - 1 - k]);  // only read
+        }
+      } else {
+        ASSERT_TRUE(p.RebaseTaking(&pulled, progressed).ok());
+        // A buffer of the same size came back in exchange, not the one handed over.
+        for (size_t k = 0; k < pulled.size(); ++k) {
+          EXPECT_EQ(pulled[k].data.size(), sizes[pulled.size() - 1 - k]);
+          EXPECT_NE(pulled[k].data.data(), handed[k]);
+        }
+      }
+      for (size_t t = 0; t < sizes.size(); ++t) {
+        for (size_t i = 0; i < sizes[t]; ++i) {
+          ASSERT_EQ(bits(w[t][i]), bits(want[t][i]))
+              << "round " << round << " tensor " << t << " merged " << i;
+        }
+      }
+      p.Recycle(std::move(*d));
     }
-    base = want_live;
-    // Local progress, then a pulled state merged with it (and, every other round, without).
-    const bool progressed = round % 2 == 0;
-    for (size_t i = 0; i < kN; ++i) w[i] += nd(rng) * 0.01f;
-    std::vector<Tensor> pulled = {{"w", {static_cast<int64_t>(kN)}, std::vector<float>(kN)}};
-    for (size_t i = 0; i < kN; ++i) pulled[0].data[i] = base[i] + nd(rng) * 0.05f;
-    pulled[0].data[7] = -0.0f;
-    std::vector<float> want(kN);
-    for (size_t i = 0; i < kN; ++i) {
-      want[i] = progressed ? w[i] + (pulled[0].data[i] - base[i]) : pulled[0].data[i];
-    }
-    base = pulled[0].data;
-    const float* handed = pulled[0].data.data();
-    if (round < 2) {
-      ASSERT_TRUE(p.Rebase(&pulled, progressed).ok());
-      EXPECT_EQ(pulled[0].data, base);  // only read
-    } else {
-      ASSERT_TRUE(p.RebaseTaking(&pulled, progressed).ok());
-      // A buffer of the same size came back in exchange, not the one handed over.
-      EXPECT_EQ(pulled[0].data.size(), kN);
-      EXPECT_NE(pulled[0].data.data(), handed);
-    }
-    for (size_t i = 0; i < kN; ++i) {
-      ASSERT_EQ(bits(w[i]), bits(want[i])) << "round " << round << " merged " << i;
-    }
-    p.Recycle(std::move(*d));
   }
 }
 
