@@ -1035,7 +1035,20 @@ int Main(int argc, char** argv) {
       ->check(CLI::Range(2, 100));
   app.add_option("--dir", dir, "parent folder for the shard data (needs 5 GiB free for snapshot)");
   app.add_option("--json", json_path, "also write the results as JSON to this file (- = stdout)");
+  std::vector<std::string> setting_args;
+  app.add_option("--setting", setting_args,
+                 "KEY=VALUE: a setting of the shard that push and pull measure, over the bench's "
+                 "own (repeatable; e.g. storage.direct_writes=false)");
   CLI11_PARSE(app, argc, argv);
+  std::map<std::string, std::string> settings;
+  for (const auto& kv : setting_args) {
+    const auto eq = kv.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      std::fprintf(stderr, "bench_server: --setting wants KEY=VALUE, got '%s'\n", kv.c_str());
+      return 2;
+    }
+    settings[kv.substr(0, eq)] = kv.substr(eq + 1);
+  }
 
   auto has_mode = [&](const char* m) {
     return std::find(modes.begin(), modes.end(), m) != modes.end();
@@ -1128,7 +1141,7 @@ int Main(int argc, char** argv) {
       bool do_push = has_mode("push");
       bool do_pull = has_mode("pull") && sync;  // pulls do not depend on fsync
       if (!do_push && !do_pull) continue;
-      auto server = RunningServer::Start(dir, curve, sync, *keys);
+      auto server = RunningServer::Start(dir, curve, sync, *keys, settings);
       if (!server.ok()) return fail("start server", server.status());
       Status s = MeasureServer(**server, curve, sync, do_push, do_pull, sizes, *keys, cap_s, cells);
       if (!s.ok()) return fail("server measurement", s);

@@ -274,6 +274,14 @@ const std::vector<Binding>& Bindings() {
           "fsync RocksDB's write-ahead log before acknowledging a change. false: acknowledged "
           "changes survive a process crash but not a power loss."),
       Bind(
+          "storage.direct_writes", [](auto& c) -> auto& { return c.direct_writes; },
+          "With sync_writes, write large values' files (a full-mode checkpoint, large deltas) "
+          "with O_DIRECT, past the page cache: no copy of every page into the kernel's cache, "
+          "and here about three times the disk's buffered-and-synced rate (docs/ARCHITECTURE.md, "
+          "Storage layout). A file system that refuses O_DIRECT gets buffered writes by itself. "
+          "false: "
+          "always through the page cache, synced the same way."),
+      Bind(
           "storage.dedup_window", [](auto& c) -> auto& { return c.dedup_window; },
           "Idempotency keys remembered per job; a retry older than this many pushes is applied "
           "again.",

@@ -39,6 +39,7 @@ struct ServerConfig {
   int64_t max_header_bytes = int64_t{1} << 20;
   int64_t max_tensors = 100000;
   bool sync_writes = true;
+  bool direct_writes = true;
   int64_t dedup_window = 65536;
   int64_t min_free_bytes = int64_t{64} << 20;
   int64_t io_threads = 2;

@@ -955,6 +955,7 @@ Status ShardServer::Start() {
   opts.dedup_window = static_cast<uint64_t>(c.dedup_window);
   StoreOptions store_opts;
   store_opts.sync_writes = c.sync_writes;
+  store_opts.direct_slot_writes = c.direct_writes;
   store_opts.min_free_bytes = static_cast<uint64_t>(std::max<int64_t>(c.min_free_bytes, 0));
   std::string db_dir = LiveDbDir(c.data_dir);
   opts.open_store = [db_dir, store_opts]() { return OpenRocksStore(db_dir, store_opts); };

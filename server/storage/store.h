@@ -83,6 +83,10 @@ struct StoreOptions {
   // DB::Resume once there is room again. 0: no reserve (writes run until the disk refuses).
   // isthmus-server sets it from storage.min_free_bytes.
   uint64_t min_free_bytes = 0;
+  // With sync_writes, slot files (values of kSlotFileMinBytes or more) are written with
+  // O_DIRECT, past the page cache (where the file system takes it; else as with false).
+  // false: through the page cache, synced the same way.
+  bool direct_slot_writes = true;
 };
 
 // What a store reports for monitoring (docs/METRICS.md); zeros where it has no such thing.
