@@ -8,9 +8,10 @@
 #endif
 
 #include <algorithm>
-#include <atomic>
 #include <map>
 #include <thread>
+
+#include "common/parallel_for.h"
 
 namespace isthmus {
 namespace {
@@ -140,23 +141,8 @@ void HostLiveParams::ForChunks(
   const size_t threads = passes_.threads > 0
                              ? static_cast<size_t>(passes_.threads)
                              : std::clamp<size_t>(std::thread::hardware_concurrency(), 1, 8);
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t k = next.fetch_add(1); k < pieces.size(); k = next.fetch_add(1)) {
-      pass(pieces[k].t, pieces[k].begin, pieces[k].end);
-    }
-  };
-  const size_t helpers = pieces.size() < 2 ? 0 : std::min(threads, pieces.size()) - 1;
-  std::vector<std::thread> pool;
-  pool.reserve(helpers);
-  for (size_t i = 0; i < helpers; ++i) {
-    pool.emplace_back([&work] {
-      pthread_setname_np(pthread_self(), "live-pass");
-      work();
-    });
-  }
-  work();
-  for (auto& th : pool) th.join();
+  ForEachIndex(pieces.size(), threads, "live-pass",
+               [&](size_t k) { pass(pieces[k].t, pieces[k].begin, pieces[k].end); });
 }
 
 Result<std::vector<Tensor>> HostLiveParams::TakeDelta() {

@@ -2,14 +2,11 @@
 // The codec itself stays single-threaded per tensor (its byte format is defined by one fixed
 // order of operations); what runs in parallel is whole tensors, so the results cannot
 // depend on the number of threads.
-#include <pthread.h>
-
 #include <algorithm>
-#include <atomic>
 #include <numeric>
-#include <thread>
 #include <vector>
 
+#include "common/parallel_for.h"
 #include "ops/codec.h"
 
 namespace isthmus::codec {
@@ -21,26 +18,12 @@ void EncodeWithFeedbackMany(std::span<FeedbackTask> tasks, int threads) {
   std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return tasks[a].delta.size() > tasks[b].delta.size();
   });
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t k = next.fetch_add(1); k < order.size(); k = next.fetch_add(1)) {
-      FeedbackTask& t = tasks[order[k]];
-      t.bytes = EncodeWithFeedback(t.pipeline, t.delta, t.shape, t.residual_in, t.residual_out,
-                                   t.decoded);
-    }
-  };
-  const size_t helpers = std::min<size_t>(threads > 1 ? static_cast<size_t>(threads) - 1 : 0,
-                                          tasks.size() > 0 ? tasks.size() - 1 : 0);
-  std::vector<std::thread> pool;
-  pool.reserve(helpers);
-  for (size_t i = 0; i < helpers; ++i) {
-    pool.emplace_back([&work] {
-      pthread_setname_np(pthread_self(), "codec-encode");
-      work();
-    });
-  }
-  work();
-  for (auto& th : pool) th.join();
+  ForEachIndex(order.size(), static_cast<size_t>(std::max(threads, 1)), "codec-encode",
+               [&](size_t k) {
+                 FeedbackTask& t = tasks[order[k]];
+                 t.bytes = EncodeWithFeedback(t.pipeline, t.delta, t.shape, t.residual_in,
+                                              t.residual_out, t.decoded);
+               });
 }
 
 }  // namespace isthmus::codec
