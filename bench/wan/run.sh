@@ -36,6 +36,7 @@
 #   emulated steps, then as soon as the round in flight is done (bench_wan_load
 #   --merge-after-steps; default 3, a tenth, as isthmus-worker; 0: as soon as it is done);
 #   --merge-wait: at exactly step M, waiting there if need be. Both recorded in each row.
+# ISTHMUS_BENCH_LOAD_FLAGS: more bench_wan_load flags for every site (e.g. --pass-threads 1).
 # ISTHMUS_BENCH_SHARD_FLAGS: more isthmus-server flags for every shard (e.g.
 # "--log.level debug" logs each close's and commit's time split).
 # Needs root and iproute2 (ip netns, tc), the recorded deltas (bench/wan/record.sh) and a
@@ -202,13 +203,14 @@ run_case() {  # NAME MODE RATE SYNC_TOML_LINES OVERLAP(on|off) REPLAY(on|off) EN
     for ((i = 0; i < shards; i++)); do
       w+=(--server "tcp://127.0.0.1:$((7100 + i))" --server-key "$dir/keys/$s-$i.pub")
     done
+    # shellcheck disable=SC2086  # ISTHMUS_BENCH_LOAD_FLAGS: more bench_wan_load flags, split
     in_ns "$s" "$load" --job wan "${w[@]}" --key "$dir/keys/workers-$s/worker.key" \
       --client-name "$s" --deltas "$(recorded "$mode" "$s")" --rounds "$rounds" \
       --round-seconds "$round_seconds" --"$( [ "$overlap" = on ] && echo overlap || echo no-overlap )" \
       --"$( [ "$replay" = on ] && echo pull-by-replay || echo no-pull-by-replay )" \
       --merge-after-steps "$merge_after" "${wait_flag[@]}" \
       --encode-threads "$( [ "$encode" = on ] && echo "$encode_threads" || echo 0 )" \
-      --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
+      ${ISTHMUS_BENCH_LOAD_FLAGS:-} --json "$dir/load-$s.json" > "$dir/logs/load-$s.log" 2>&1 &
     lpids+=($!)
   done
   pids+=("${lpids[@]}")

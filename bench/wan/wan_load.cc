@@ -147,7 +147,9 @@ Status SyntheticSite::Prepare(const RecordedDeltas& deltas) {
   }
   std::vector<LiveTensor> views;
   for (auto& t : live_) views.push_back({t.name, t.shape, t.data.data()});
-  params_ = std::make_unique<HostLiveParams>(std::move(views));
+  HostPasses passes;
+  passes.threads = o_.pass_threads;
+  params_ = std::make_unique<HostLiveParams>(std::move(views), passes);
   rounds_ = std::make_unique<SiteRounds>(*site_);
   RoundDriverOptions d;
   d.overlap = o_.overlap;

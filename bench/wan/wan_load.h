@@ -90,6 +90,8 @@ struct SiteOptions {
   // (codec::FeedbackEncoder, docs/SYNC.md "Deltas encoded by the worker"), on this many
   // threads; 0: push fp32 deltas for the shards to encode.
   int encode_threads = 0;
+  // Threads of the host boundary's passes (HostPasses::threads; 0: one per core).
+  int pass_threads = 0;
   int steps_per_round = 30;  // emulated step boundaries per round (where merges happen)
   // With overlap: when a round's pulled state is merged (isthmus-worker
   // --merge-after-steps, --merge-wait; by default no earlier than a tenth of the round).

@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   bool overlap = false;
   bool pull_by_replay = false;
   int encode_threads = 0;
+  int pass_threads = 0;
   app.add_option("--job", job, "job on the shards")->required();
   app.add_option("--server", servers, "shard worker endpoint, in shard order")->required();
   app.add_option("--server-key", server_keys, "shard public key file (one, or one per --server)")
@@ -59,6 +60,10 @@ int main(int argc, char** argv) {
   app.add_option("--encode-threads", encode_threads,
                  "encode the deltas here with error feedback on this many threads and push the "
                  "encoded bytes (deltas encoded by the worker); 0: push fp32 deltas")
+      ->capture_default_str();
+  app.add_option("--pass-threads", pass_threads,
+                 "threads of the round boundary's snapshot and merge over the live weights "
+                 "(host memory here, where a GPU worker's are device passes); 0: one per core")
       ->capture_default_str();
   app.add_option("--steps-per-round", steps_per_round,
                  "emulated steps per round: the step boundaries a finished round is merged at")
@@ -127,6 +132,7 @@ int main(int argc, char** argv) {
   so.overlap = overlap;
   so.pull_by_replay = pull_by_replay;
   so.encode_threads = encode_threads;
+  so.pass_threads = pass_threads;
   so.steps_per_round = steps_per_round;
   so.merge = MergePolicy{merge_after_steps, merge_wait};
   wanload::SyntheticSite site(
