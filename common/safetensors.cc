@@ -20,6 +20,7 @@
 #include <set>
 
 #include "common/bf16.h"
+#include "common/direct_file.h"
 #include "common/durable.h"
 
 namespace isthmus {
@@ -88,18 +89,6 @@ Status WriteError(const std::string& what) {
                                      "): free space there or write elsewhere");
   }
   return Status::IoError(what + ": " + ErrnoText());
-}
-
-Status WriteAll(int fd, const void* buf, size_t len, const std::string& path) {
-  const auto* p = static_cast<const char*>(buf);
-  while (len > 0) {
-    ssize_t n = ::write(fd, p, len);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return WriteError(path + ": write failed");
-    p += n;
-    len -= static_cast<size_t>(n);
-  }
-  return Status::Ok();
 }
 
 // Rejects nesting deeper than kMaxJsonDepth before the JSON parser sees the text, so a
@@ -400,7 +389,8 @@ Result<FileDtype> ParseFileDtype(const std::string& name) {
 }
 
 Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tensors,
-                        const std::map<std::string, std::string>& metadata, FileDtype dtype) {
+                        const std::map<std::string, std::string>& metadata, FileDtype dtype,
+                        bool direct) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     nlohmann::ordered_json m = nlohmann::ordered_json::object();
@@ -442,21 +432,28 @@ Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tens
   if (::fchmod(fd.get(), 0644) != 0) {
     return fail(Status::IoError(tmp + ": chmod failed: " + ErrnoText()));
   }
-  Status s = WriteAll(fd.get(), &header_len, 8, tmp);
-  if (s.ok()) s = WriteAll(fd.get(), text.data(), text.size(), tmp);
+  if (direct) {
+    // mkstemp opens without O_DIRECT; a file system that refuses it keeps buffered writes.
+    const int flags = ::fcntl(fd.get(), F_GETFL);
+    direct = flags >= 0 && ::fcntl(fd.get(), F_SETFL, flags | O_DIRECT) == 0;
+  }
+  DirectFileWriter out(fd.get(), tmp, direct);
+  Status s = out.Append(&header_len, 8);
+  if (s.ok()) s = out.Append(text.data(), text.size());
   std::vector<uint16_t> narrow;
   for (size_t i = 0; s.ok() && i < tensors.size(); ++i) {
     const std::vector<float>& v = tensors[i].data;
     if (dtype == FileDtype::kF32) {
-      s = WriteAll(fd.get(), v.data(), v.size() * 4, tmp);
+      s = out.Append(v.data(), v.size() * 4);
       continue;
     }
     narrow.resize(v.size());
     for (size_t j = 0; j < v.size(); ++j) {
       narrow[j] = dtype == FileDtype::kBF16 ? FloatToBf16Bits(v[j]) : FloatToHalf(v[j]);
     }
-    s = WriteAll(fd.get(), narrow.data(), narrow.size() * 2, tmp);
+    s = out.Append(narrow.data(), narrow.size() * 2);
   }
+  if (s.ok()) s = out.Finish();
   if (!s.ok()) return fail(s);
   if (::fsync(fd.get()) != 0) return fail(WriteError(tmp + ": fsync failed"));
   if (::close(fd.Release()) != 0) return fail(WriteError(tmp + ": close failed"));

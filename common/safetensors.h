@@ -58,11 +58,16 @@ Result<FileDtype> ParseFileDtype(const std::string& name);
 // "__metadata__" (omitted when empty). Atomic: writes a temporary file in the same folder, fsyncs
 // it, renames it over `path` and fsyncs the folder, so a reader sees the old file or the new one,
 // never a torn one. Refuses (InvalidArgument) empty or duplicate names, the reserved name
-// "__metadata__", and tensors whose data size does not match their shape. Thread-safe for
-// distinct paths.
+// "__metadata__", and tensors whose data size does not match their shape. A full disk is
+// ResourceExhausted. Thread-safe for distinct paths.
+//
+// `direct`: the file is written past the page cache (O_DIRECT, common/direct_file.h) where
+// the file system takes it, else buffered. Off by default: for a worker's full-mode
+// checkpoint (1.0 GB for GPT-2 small) direct writes were slower than buffered ones and
+// saved no CPU on the machine measured (docs/BENCHMARKS.md, section 2, "The checkpoint image").
 Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tensors,
                         const std::map<std::string, std::string>& metadata = {},
-                        FileDtype dtype = FileDtype::kF32);
+                        FileDtype dtype = FileDtype::kF32, bool direct = false);
 
 // Lower-case hex SHA-256 of the tensors' content, independent of their order: the tensors
 // are sorted by name and each contributes its name, its shape and its fp32 bytes

@@ -26,6 +26,7 @@
 #include <set>
 
 #include "common/crc32c.h"
+#include "common/direct_file.h"
 #include "common/durable.h"
 
 namespace isthmus {
@@ -612,28 +613,22 @@ class RocksStore : public Store {
   // written is also waited for, so the disk's queue holds little of it and a write the
   // store's thread makes meanwhile (a push's fdatasync) does not queue behind all of it.
   //
-  // A synced store writes the file with O_DIRECT (StoreOptions::direct_slot_writes): 8 MiB
-  // at a time through an aligned buffer straight to the disk, instead of the kernel copying
+  // A synced store writes the file with O_DIRECT (StoreOptions::direct_slot_writes;
+  // common/direct_file.h): 8 MiB at a time through an aligned buffer straight to the disk,
+  // instead of the kernel copying
   // every page into its page cache, writing it back later and dropping it after the sync.
   // A full-mode checkpoint (683 MB a shard) spent most of a second of CPU in that copy, and
   // this machine's disk takes direct writes about three times as fast as buffered ones
   // with fdatasync (docs/BENCHMARKS.md, section 7). The last block is padded with zeros and
   // the file cut back to the value's size; the fdatasync that follows still makes the
   // size and the disk's cache durable. A file system that refuses O_DIRECT (EINVAL, at the
-  // open or the first write) gets the buffered writes below.
+  // open or at a write) gets buffered writes, as with the option off.
   Status WriteSlotFile(const SlotRef& ref, std::string_view value, bool* fresh, int* unsynced,
                        bool paced = false) {
     const std::string path = SlotPath(ref.id, ref.slot);
-    bool direct = unsynced != nullptr && options_.direct_slot_writes;
-    auto open_slot = [&](int flags) {
-      if (direct) {
-        int fd = ::open(path.c_str(), flags | O_DIRECT, 0644);
-        if (fd >= 0 || errno != EINVAL) return fd;
-        direct = false;
-      }
-      return ::open(path.c_str(), flags, 0644);
-    };
-    int fd = open_slot(O_WRONLY | O_CLOEXEC);
+    const bool want_direct = unsynced != nullptr && options_.direct_slot_writes;
+    bool direct = false;
+    int fd = OpenMaybeDirect(path, O_WRONLY | O_CLOEXEC, 0644, want_direct, &direct);
     if (fd >= 0) {
       struct stat st;
       if (::fstat(fd, &st) != 0 || st.st_nlink > 1) {
@@ -643,7 +638,8 @@ class RocksStore : public Store {
       }
     }
     if (fd < 0) {
-      fd = open_slot(O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC);
+      fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644, want_direct,
+                           &direct);
       if (fd < 0) return Errno("cannot create slot file '" + path + "'");
       *fresh = true;
     }
@@ -651,7 +647,12 @@ class RocksStore : public Store {
     const char* p = value.data();
     size_t left = value.size();
     off_t off = 0;
-    if (direct) s = WriteDirect(fd, path, p, left, off);
+    if (direct) {
+      DirectFileWriter writer(fd, path, true);
+      s = writer.Append(p, left);
+      if (s.ok()) s = writer.Finish();
+      left = 0;
+    }
     constexpr size_t kPaceBytes = size_t{8} << 20;
     off_t paced_to = off;
     while (left > 0 && s.ok()) {
@@ -682,37 +683,6 @@ class RocksStore : public Store {
     }
     ::close(fd);
     return s;
-  }
-
-  // WriteSlotFile's direct writes of `left` bytes from p at `off` onwards, on a file opened
-  // with O_DIRECT; advances all three. A write the file system refuses as unaligned
-  // (EINVAL) or writes short turns O_DIRECT off for the rest, which the caller then writes
-  // buffered from where this stopped.
-  static Status WriteDirect(int fd, const std::string& path, const char*& p, size_t& left,
-                            off_t& off) {
-    constexpr size_t kAlign = 4096, kChunk = size_t{8} << 20;
-    std::unique_ptr<char, decltype(&std::free)> buf(
-        static_cast<char*>(std::aligned_alloc(kAlign, kChunk)), &std::free);
-    if (!buf) return Status::ResourceExhausted("no memory to write slot file '" + path + "'");
-    while (left > 0) {
-      const size_t n = std::min(left, kChunk);
-      const size_t padded = (n + kAlign - 1) / kAlign * kAlign;
-      std::memcpy(buf.get(), p, n);
-      std::memset(buf.get() + n, 0, padded - n);
-      ssize_t w = ::pwrite(fd, buf.get(), padded, off);
-      if (w < 0 && errno == EINTR) continue;
-      if (w < 0 && errno != EINVAL) return Errno("cannot write slot file '" + path + "'");
-      const size_t done = w < 0 ? 0 : std::min(static_cast<size_t>(w), n);
-      p += done, left -= done, off += static_cast<off_t>(done);
-      if (static_cast<size_t>(std::max<ssize_t>(w, 0)) < padded) {
-        const int flags = ::fcntl(fd, F_GETFL);
-        if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_DIRECT) != 0) {
-          return Errno("cannot write slot file '" + path + "' without O_DIRECT");
-        }
-        break;
-      }
-    }
-    return Status::Ok();
   }
 
   Result<std::string> ReadSlotFile(const SlotRef& ref) const {
