@@ -16,6 +16,20 @@ struct Tensor {
   int64_t numel() const { return static_cast<int64_t>(data.size()); }
 };
 
+// Makes (*out)[i] a tensor named `name` of `shape` holding numel values, growing *out as
+// needed, and returns its data for the caller to fill. A tensor already there of that size
+// keeps its buffer: an image refilled every round (the worker's checkpoint) then writes
+// into memory it already has, instead of faulting in a fresh gigabyte each time.
+inline float* RefillTensor(std::vector<Tensor>* out, size_t i, const std::string& name,
+                           const std::vector<int64_t>& shape, int64_t numel) {
+  if (out->size() <= i) out->resize(i + 1);
+  Tensor& t = (*out)[i];
+  t.name = name;
+  t.shape = shape;
+  t.data.resize(static_cast<size_t>(numel));
+  return t.data.data();
+}
+
 // The most elements a shape may describe. Shapes come from the network and from files:
 // with this bound, element count x any element size up to 64 bytes (and any offset added
 // to it) fits in int64_t and size_t, so no size computed from a valid shape can wrap.

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
@@ -577,27 +578,46 @@ class RoundLoop {
   // WriteCheckpoint (on this thread, or on the round driver's with --overlap).
   struct CheckpointImage {
     std::string path;
+    bool direct = false;  // --checkpoint-direct
     std::vector<Tensor> tensors;
     std::map<std::string, std::string> meta;
   };
+  // The buffers of the last checkpoint image written, for the next (TakeCheckpoint).
+  struct SpareImage {
+    std::mutex mu;
+    std::vector<Tensor> tensors;
+  };
 
-  // Copies the checkpoint out (nullopt without --checkpoint-dir).
+  // Copies the checkpoint out (nullopt without --checkpoint-dir), into the buffers of the
+  // last image written (ReturnImage) when it is back, so the step boundary, which waits
+  // for this copy, writes into memory the worker already has. In full mode the image is
+  // the model and AdamW's moments (1.0 GB for GPT-2-small; with --overlap the round's
+  // delta too); on a CPU its copy took 0.056-0.062 s refilled against 0.070-0.077 s into
+  // fresh memory (docs/BENCHMARKS.md, "The checkpoint image").
   Result<std::optional<CheckpointImage>> TakeCheckpoint() {
     if (s_.checkpoint_dir.empty()) return std::optional<CheckpointImage>();
     CheckpointImage c;
     c.path = CheckpointPath();
-    c.tensors = gpt_->ExportTrainable();
-    ISTHMUS_ASSIGN_OR_RETURN(auto state, trainer_->ExportState());
+    c.direct = s_.checkpoint_direct;
+    {
+      std::lock_guard<std::mutex> lock(spare_image_->mu);
+      c.tensors = std::move(spare_image_->tensors);
+      spare_image_->tensors.clear();
+    }
+    ISTHMUS_ASSIGN_OR_RETURN(
+        size_t i, trainer_->ExportState(&c.tensors, gpt_->ExportTrainable(&c.tensors, 0)));
     // A failed backend copies nothing out: never replace a good checkpoint with that.
     ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
-    for (auto& t : state) c.tensors.push_back(std::move(t));
+    auto add = [&](const std::string& name, const std::vector<int64_t>& shape,
+                   const std::vector<float>& data) {
+      std::copy(data.begin(), data.end(),
+                RefillTensor(&c.tensors, i++, name, shape, static_cast<int64_t>(data.size())));
+    };
     auto meta = gpt_->ConfigMetadata();
     meta.merge(model_.TrainableMetadata());  // what the tensors mean: mode, LoRA settings
     if (unpushed_) {
       // The round's delta the shards did not take: pushed first when training resumes.
-      for (const auto& t : *unpushed_->delta) {
-        c.tensors.push_back({kUnpushedPrefix + t.name, t.shape, t.data});
-      }
+      for (const auto& t : *unpushed_->delta) add(kUnpushedPrefix + t.name, t.shape, t.data);
       meta["unpushed_tokens"] = std::to_string(unpushed_->tokens);
       meta["unpushed_compute_ms"] = std::to_string(unpushed_->compute_ms);
     }
@@ -605,9 +625,10 @@ class RoundLoop {
       // The residual after the last round every shard took (never one being pushed: this
       // runs while no round is in flight), which the unpushed round, if any, starts from.
       for (const auto& [name, r] : encoder_->residuals()) {
-        c.tensors.push_back({kResidualPrefix + name, {static_cast<int64_t>(r.size())}, r});
+        add(kResidualPrefix + name, {static_cast<int64_t>(r.size())}, r);
       }
     }
+    c.tensors.resize(i);
     meta["job"] = s_.shards.job;
     meta["round"] = std::to_string(round_);
     meta["step"] = std::to_string(step_);
@@ -621,12 +642,21 @@ class RoundLoop {
   }
 
   static Status WriteCheckpoint(const CheckpointImage& c) {
-    return WriteSafetensors(c.path, c.tensors, c.meta);
+    return WriteSafetensors(c.path, c.tensors, c.meta, FileDtype::kF32, c.direct);
+  }
+
+  // Keeps a written image's buffers for the next TakeCheckpoint (on any thread).
+  static void ReturnImage(SpareImage& spare, CheckpointImage& c) {
+    std::lock_guard<std::mutex> lock(spare.mu);
+    spare.tensors = std::move(c.tensors);
   }
 
   Status SaveCheckpoint() {
     ISTHMUS_ASSIGN_OR_RETURN(auto c, TakeCheckpoint());
-    return c ? WriteCheckpoint(*c) : Status::Ok();
+    if (!c) return Status::Ok();
+    Status st = WriteCheckpoint(*c);
+    ReturnImage(*spare_image_, *c);
+    return st;
   }
 
   // Loads this rank's checkpoint if there is one; returns whether it did.
@@ -1234,8 +1264,9 @@ class RoundLoop {
       // and off the training thread (in full mode it is the model and AdamW's moments).
       ISTHMUS_ASSIGN_OR_RETURN(auto image, TakeCheckpoint());
       if (!image) return Status::Ok();
-      auto held = std::make_shared<const CheckpointImage>(std::move(*image));
-      in.first = [held, round = in.round, failed = checkpoint_failed_, &stop = stop_]() -> Status {
+      auto held = std::make_shared<CheckpointImage>(std::move(*image));
+      in.first = [held, round = in.round, failed = checkpoint_failed_, spare = spare_image_,
+                  &stop = stop_]() -> Status {
         Status st = WriteCheckpoint(*held);
         // A full disk: the round waits (it is pushed only once its checkpoint is durable)
         // and the write is retried every second until there is room, so freeing space is
@@ -1256,6 +1287,7 @@ class RoundLoop {
           st = WriteCheckpoint(*held);
           if (st.ok()) spdlog::info("round {}: checkpoint written, space is back", round);
         }
+        ReturnImage(*spare, *held);  // `first` runs once: the image is not read again
         if (st.ok()) return st;
         failed->store(true);
         return Status(st.code(), "writing the checkpoint that holds round " +
@@ -1521,6 +1553,7 @@ class RoundLoop {
   // Set by the round driver's thread when the checkpoint of the round in flight could not
   // be written (--overlap writes it there, before the push).
   std::shared_ptr<std::atomic<bool>> checkpoint_failed_ = std::make_shared<std::atomic<bool>>();
+  std::shared_ptr<SpareImage> spare_image_ = std::make_shared<SpareImage>();
   uint64_t tokens_ = 0, tokens_per_step_ = 0;
   double step_seconds_ = 0, seconds_ = 0, rate_ = 0;
   double val_loss_ = std::numeric_limits<double>::quiet_NaN();

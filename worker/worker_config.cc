@@ -623,6 +623,11 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   app.add_option("--log-every", t.log_every, "plain progress line every N steps (not a TTY)")
       ->capture_default_str();
   app.add_option("--checkpoint-dir", t.checkpoint_dir, "own resumable checkpoint (rank-N files)");
+  app.add_flag("--checkpoint-direct", t.checkpoint_direct,
+               "write the checkpoint past the page cache (O_DIRECT; buffered where the file "
+               "system refuses it): faster and lighter on the CPU on some disks, slower on "
+               "others; `bench_train --checkpoint-images 3 --checkpoint-dir DIR` compares the "
+               "two on yours");
   app.add_flag("--standalone", t.standalone, "no shards: plain local training");
   app.add_option("--init", t.init, "standalone: trainable tensors to start from");
   app.add_option("--save", t.save, "standalone: write final trainable tensors here");

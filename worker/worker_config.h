@@ -191,10 +191,11 @@ struct TrainSettings {
   int val_batches = 8;     // batches per rank per validation
   int64_t log_every = 10;  // plain log line every N steps when stderr is not a terminal
   std::string checkpoint_dir;
-  bool standalone = false;  // no shards: plain local training
-  std::string init;         // standalone: optional trainable tensors to start from
-  std::string save;         // standalone: write the final trainable tensors here (in full
-                            // mode they are the whole model); `export --trainable` reads it
+  bool checkpoint_direct = false;  // write the checkpoint with O_DIRECT (common/direct_file.h)
+  bool standalone = false;         // no shards: plain local training
+  std::string init;                // standalone: optional trainable tensors to start from
+  std::string save;                // standalone: write the final trainable tensors here (in full
+                                   // mode they are the whole model); `export --trainable` reads it
   std::string json_summary;
   // Telemetry of rank 0 (docs/METRICS.md, docs/WORKER.md): a Prometheus endpoint, a JSON
   // Lines log of rounds and validations, and validation sets evaluated every N rounds.

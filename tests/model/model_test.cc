@@ -534,6 +534,51 @@ TEST(GptCheckpoint, RefusesMismatches) {
   EXPECT_EQ(ta->LoadState(state).code(), Code::kInvalidArgument);
 }
 
+// The worker refills one checkpoint image every round: the refilled tensors must be what
+// a fresh export gives, in the buffers they already had.
+TEST(GptCheckpoint, RefilledExportIsAFreshOneInTheSameBuffers) {
+  GptConfig c = TinyConfig();
+  for (TrainMode mode : {TrainMode::kFull, TrainMode::kLora}) {
+    SCOPED_TRACE(mode == TrainMode::kFull ? "full" : "lora");
+    auto gpt = MustCreate(c, mode, LoraConfig{}, 5);
+    auto t = MustTrainer(*gpt, TrainerConfig{});
+    std::mt19937 rng(11);
+    std::vector<int32_t> tokens, targets;
+    RandomTokens(rng, 16, &tokens);
+    RandomTokens(rng, 16, &targets);
+    MustStep(*t, tokens, targets, 2, 8);
+    std::vector<Tensor> image;
+    const size_t trainable = gpt->ExportTrainable(&image, 0);
+    EXPECT_EQ(trainable, image.size());
+    auto end = t->ExportState(&image, trainable);
+    ASSERT_TRUE(end.ok());
+    EXPECT_EQ(*end, image.size());
+    std::vector<const float*> buffers;
+    for (const Tensor& x : image) buffers.push_back(x.data.data());
+    const std::string before = TensorsContentHash(image);
+
+    MustStep(*t, tokens, targets, 2, 8);      // new values, moments and step
+    image.push_back({"stale", {1}, {1.0f}});  // what the last image held beyond: kept
+    EXPECT_EQ(gpt->ExportTrainable(&image, 0), trainable);
+    end = t->ExportState(&image, trainable);
+    ASSERT_TRUE(end.ok());
+    ASSERT_EQ(image.size(), *end + 1);
+    EXPECT_EQ(image.back().name, "stale");
+    image.resize(*end);
+    std::vector<Tensor> fresh = gpt->ExportTrainable();
+    auto state = t->ExportState();
+    ASSERT_TRUE(state.ok());
+    fresh.insert(fresh.end(), state->begin(), state->end());
+    ASSERT_EQ(image.size(), fresh.size());
+    EXPECT_EQ(TensorsContentHash(image), TensorsContentHash(fresh));
+    EXPECT_NE(TensorsContentHash(image), before);
+    for (size_t i = 0; i < image.size(); ++i) {
+      EXPECT_EQ(image[i].name, fresh[i].name);
+      EXPECT_EQ(image[i].data.data(), buffers[i]) << image[i].name << " was reallocated";
+    }
+  }
+}
+
 TEST(GptCheckpoint, LoadsGpt2NamedFileWithTransformerPrefix) {
   TempDir dir;
   GptConfig c = TinyConfig();

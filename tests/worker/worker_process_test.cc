@@ -523,14 +523,15 @@ void RunStandaloneSite(const fs::path& dir, const std::string& tag, int world, i
 
 // Sharded moments (--shard-optimizer) are checkpointed whole, and a site that resumes on
 // another rank count (here 2 ranks, then 3: rank 2 has no checkpoint and takes its part
-// of the moments from rank 0's) trains on bit for bit as the unsharded site does.
+// of the moments from rank 0's) trains on bit for bit as the unsharded site does. The
+// sharded site also writes its checkpoints with --checkpoint-direct: the same files.
 TEST(WorkerRanks, ShardedMomentsResumeOnMoreRanksBitForBitLikeWholeOnes) {
   const fs::path dir = testing::StandaloneDir("zero1");
   std::map<std::string, std::vector<Tensor>> ckpt, saved;
   for (const std::string tag : {"whole", "sharded"}) {
-    const std::vector<std::string> extra = tag == "sharded"
-                                               ? std::vector<std::string>{"--shard-optimizer"}
-                                               : std::vector<std::string>{};
+    const std::vector<std::string> extra =
+        tag == "sharded" ? std::vector<std::string>{"--shard-optimizer", "--checkpoint-direct"}
+                         : std::vector<std::string>{};
     const fs::path c = dir / ("ckpt-" + tag), save = dir / (tag + ".safetensors");
     ASSERT_NO_FATAL_FAILURE(RunStandaloneSite(dir, tag + "-two", 2, 3, c, save, extra));
     ASSERT_NO_FATAL_FAILURE(RunStandaloneSite(dir, tag + "-three", 3, 6, c, save, extra));

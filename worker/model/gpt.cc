@@ -681,19 +681,25 @@ Status Gpt::UploadGroup(Group& group, const std::vector<Tensor>& tensors) {
 }
 
 std::vector<Tensor> Gpt::DownloadGroup(const Group& group) const {
-  std::vector<float> flat(static_cast<size_t>(group.elements));
-  if (group.frozen_bf16) {
-    flat = group.host;
-  } else {
-    ops_.Download(flat.data(), group.data.data(), flat.size() * sizeof(float));
-  }
   std::vector<Tensor> out;
-  out.reserve(group.slots.size());
-  for (const TensorSlot& s : group.slots) {
-    out.push_back({s.name, s.shape,
-                   std::vector<float>(flat.begin() + s.offset, flat.begin() + s.offset + s.numel)});
-  }
+  DownloadGroup(group, &out, 0);
   return out;
+}
+
+size_t Gpt::DownloadGroup(const Group& group, std::vector<Tensor>* out, size_t at) const {
+  // Each tensor straight into its own buffer (reused when *out already holds it), with no
+  // flat copy of the whole group in between.
+  for (size_t i = 0; i < group.slots.size(); ++i) {
+    const TensorSlot& s = group.slots[i];
+    float* dst = RefillTensor(out, at + i, s.name, s.shape, s.numel);
+    if (group.frozen_bf16) {
+      std::copy_n(group.host.begin() + s.offset, s.numel, dst);
+    } else {
+      ops_.Download(dst, group.data.as<float>() + s.offset,
+                    static_cast<size_t>(s.numel) * sizeof(float));
+    }
+  }
+  return at + group.slots.size();
 }
 
 void Gpt::RefreshCopies(Group& group) {
@@ -1152,6 +1158,9 @@ std::vector<ParamView> Gpt::Trainable() {
 void Gpt::ZeroGrad() { ops_.Zero(grads_.data(), TrainableElements() * sizeof(float)); }
 
 std::vector<Tensor> Gpt::ExportTrainable() const { return DownloadGroup(TrainableGroup()); }
+size_t Gpt::ExportTrainable(std::vector<Tensor>* into, size_t at) const {
+  return DownloadGroup(TrainableGroup(), into, at);
+}
 
 Status Gpt::LoadTrainable(const std::vector<Tensor>& tensors, bool require_all) {
   Group& g = TrainableGroup();

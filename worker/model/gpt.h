@@ -363,8 +363,11 @@ class Gpt {
   std::string BaseHash() const;
 
   // Copies of the trainable tensors (names and shapes as in Trainable()): one copy from
-  // the backend.
+  // the backend. The second form fills (*into)[at, at + n) and returns at + n, keeping the
+  // buffers of the tensors already there (RefillTensor) and leaving those after them: a
+  // caller that exports every round allocates once, and truncates *into itself.
   std::vector<Tensor> ExportTrainable() const;
+  size_t ExportTrainable(std::vector<Tensor>* into, size_t at) const;
 
   // Overwrites trainable tensors with `tensors`. Every given tensor must name a trainable
   // tensor and match its shape (InvalidArgument otherwise, and nothing is changed). With
@@ -433,6 +436,7 @@ class Gpt {
   void Norm(const float* x, int w, int b, ops::Ref out, float* mean, float* rstd);
   Status UploadGroup(Group& group, const std::vector<Tensor>& tensors);
   std::vector<Tensor> DownloadGroup(const Group& group) const;
+  size_t DownloadGroup(const Group& group, std::vector<Tensor>* out, size_t at) const;
   void RefreshCopies(Group& group);
   Group& TrainableGroup() const;
   std::string ShapeForMessages(int B, int T) const;

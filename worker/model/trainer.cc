@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <map>
+#include <tuple>
 
 #include "common/safetensors.h"
 
@@ -306,13 +308,20 @@ Result<StepStats> Trainer::Step(const int32_t* tokens, const int32_t* targets, i
 }
 
 Result<std::vector<Tensor>> Trainer::ExportState() const {
+  std::vector<Tensor> out;
+  ISTHMUS_RETURN_IF_ERROR(ExportState(&out, 0).status());
+  return out;
+}
+
+Result<size_t> Trainer::ExportState(std::vector<Tensor>* into, size_t at) const {
   ops::Ops& ops = model_.ops();
   const int64_t n = model_.TrainableElements();
-  std::vector<float> m(static_cast<size_t>(n)), v(static_cast<size_t>(n));
-  if (!sharded()) {
-    ops.Download(m.data(), dev_->m.data(), m.size() * sizeof(float));
-    ops.Download(v.data(), dev_->v.data(), v.size() * sizeof(float));
-  } else {
+  // Where each moment of the whole model is read from: the backend's own arrays, or,
+  // sharded, the host copies gathered from every rank's part.
+  std::vector<float> m, v;
+  if (sharded()) {
+    m.resize(static_cast<size_t>(n));
+    v.resize(static_cast<size_t>(n));
     // Each moment in turn: this rank's part into a whole-sized buffer, then the others'.
     ISTHMUS_ASSIGN_OR_RETURN(ops::Buffer whole,
                              ops::Buffer::Allocate(ops, static_cast<size_t>(n) * sizeof(float)));
@@ -325,19 +334,24 @@ Result<std::vector<Tensor>> Trainer::ExportState() const {
       ops.Download(to->data(), whole.data(), to->size() * sizeof(float));
     }
   }
-  ISTHMUS_RETURN_IF_ERROR(ops.status());
-  std::vector<Tensor> out;
-  out.reserve(2 * params_.size() + 1);
+  size_t i = at;
   for (const ParamView& p : params_) {
-    out.push_back({kOptPrefix + "m." + p.name, p.shape,
-                   std::vector<float>(m.begin() + p.offset, m.begin() + p.offset + p.numel)});
-    out.push_back({kOptPrefix + "v." + p.name, p.shape,
-                   std::vector<float>(v.begin() + p.offset, v.begin() + p.offset + p.numel)});
+    for (auto [moment, host, prefix] :
+         {std::tuple{&dev_->m, &m, "m."}, std::tuple{&dev_->v, &v, "v."}}) {
+      float* dst = RefillTensor(into, i++, kOptPrefix + prefix + p.name, p.shape, p.numel);
+      const size_t bytes = static_cast<size_t>(p.numel) * sizeof(float);
+      if (sharded()) {
+        std::memcpy(dst, host->data() + p.offset, bytes);
+      } else {
+        ops.Download(dst, moment->as<float>() + p.offset, bytes);
+      }
+    }
   }
-  out.push_back({kOptPrefix + "step",
-                 {2},
-                 {static_cast<float>(step_ % kStepRadix), static_cast<float>(step_ / kStepRadix)}});
-  return out;
+  float* step = RefillTensor(into, i++, kOptPrefix + "step", {2}, 2);
+  step[0] = static_cast<float>(step_ % kStepRadix);
+  step[1] = static_cast<float>(step_ / kStepRadix);
+  ISTHMUS_RETURN_IF_ERROR(ops.status());
+  return i;
 }
 
 Status Trainer::ParseState(const std::vector<Tensor>& tensors, ParsedState* parsed) const {

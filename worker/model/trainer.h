@@ -135,8 +135,10 @@ class Trainer {
   // trainable tensor (its shape), and "opt.step", shape [2], holding step() exactly as
   // {step mod 2^24, step / 2^24}. Sharded, the same whole tensors, gathered from every
   // rank's part (a collective; it borrows one moment's worth of backend memory), so a
-  // checkpoint does not depend on how many ranks wrote it.
+  // checkpoint does not depend on how many ranks wrote it. The second form fills
+  // (*into)[at, ...) as Gpt::ExportTrainable(into, at) does, and returns the index after.
   Result<std::vector<Tensor>> ExportState() const;
+  Result<size_t> ExportState(std::vector<Tensor>* into, size_t at) const;
 
   // Restores ExportState() output. Every moment tensor of the model must be present with
   // the right shape, and no other "opt." tensor may be (InvalidArgument; nothing changed).
