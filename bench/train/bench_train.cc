@@ -6,7 +6,19 @@
 // most the backend ever held allocated, as torch reports its allocator's peak). Either
 // family: GPT-2 (the default) or a Llama-shaped model (--family llama, with --kv-heads,
 // --inner and an untied head unless --tied), LoRA then on every linear of the block.
+//
+// --checkpoint-images N: after the steps, the worker's per-round checkpoint image (the
+// trainable tensors and the optimizer state) is copied out of the backend N times into
+// fresh memory and N times into the last image's buffers (as the round loop does), in turn;
+// with --checkpoint-dir it is then written N times through the page cache and N times past
+// it (O_DIRECT), in turn, with the worker's own writer (WriteSafetensors: temporary file,
+// fsync, rename). A second JSON line gives each way's times and the ratios in the same run.
 #include <omp.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -15,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "common/safetensors.h"
 #include "ops/device.h"
 #include "worker/model/trainer.h"
 
@@ -64,6 +77,100 @@ double FlopsPerToken(const isthmus::model::GptConfig& config, int T, bool lora, 
   return 4.0 * P + 3.0 * attn + 6.0 * A;
 }
 
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+std::string JsonList(const std::vector<double>& v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%s%.4f", i ? ", " : "", v[i]);
+    s += buf;
+  }
+  return s + "]";
+}
+
+// Seconds of CPU all cores spent busy since boot (/proc/stat: everything but idle and
+// iowait), so that the kernel's writeback threads count too; 0 where unreadable.
+double BusyCpuSeconds() {
+  std::FILE* f = std::fopen("/proc/stat", "r");
+  if (f == nullptr) return 0;
+  unsigned long long v[10] = {};
+  const int got = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0],
+                              &v[1], &v[2], &v[3], &v[4], &v[5], &v[6], &v[7], &v[8], &v[9]);
+  std::fclose(f);
+  if (got < 8) return 0;
+  const unsigned long long busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7];
+  return static_cast<double>(busy) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Copies the trainer's checkpoint image out `times` times each way (fresh, refilled), in
+// turn, then, with a `dir`, writes it `times` times each way (buffered, direct) in turn
+// there; prints one JSON line.
+isthmus::Status TimeCheckpointImage(isthmus::model::Gpt& gpt, isthmus::model::Trainer& trainer,
+                                    int times, const std::string& dir) {
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+  };
+  std::vector<isthmus::Tensor> image;
+  auto export_into = [&](std::vector<isthmus::Tensor>* into) -> isthmus::Status {
+    ISTHMUS_ASSIGN_OR_RETURN(size_t n, trainer.ExportState(into, gpt.ExportTrainable(into, 0)));
+    into->resize(n);
+    return gpt.ops().status();
+  };
+  std::vector<double> fresh, refilled;
+  for (int i = 0; i < times; ++i) {
+    for (const bool reuse : {false, true}) {
+      if (!reuse) image = {};  // frees the last image: the next copy faults in new pages
+      auto t0 = Clock::now();
+      ISTHMUS_RETURN_IF_ERROR(export_into(&image));
+      (reuse ? refilled : fresh).push_back(seconds_since(t0));
+    }
+  }
+  uint64_t bytes = 0;
+  for (const auto& t : image) bytes += t.data.size() * 4;
+  std::vector<double> buffered, direct, buffered_cpu, direct_cpu;
+  if (!dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    const std::string path = dir + "/bench-checkpoint.safetensors";
+    const std::map<std::string, std::string> meta = {{"format", "isthmus-checkpoint"}};
+    for (int i = 0; i < times; ++i) {
+      for (const bool d : {false, true}) {
+        const double c0 = BusyCpuSeconds();
+        auto t0 = Clock::now();
+        ISTHMUS_RETURN_IF_ERROR(
+            isthmus::WriteSafetensors(path, image, meta, isthmus::FileDtype::kF32, d));
+        (d ? direct : buffered).push_back(seconds_since(t0));
+        (d ? direct_cpu : buffered_cpu).push_back(BusyCpuSeconds() - c0);
+      }
+    }
+    std::filesystem::remove(path, ec);
+  }
+  const double f = Median(fresh), r = Median(refilled);
+  std::printf(
+      "{\"checkpoint_bytes\": %llu, \"times\": %d, \"export_fresh_s\": %s, "
+      "\"export_refilled_s\": %s, \"export_fresh_median_s\": %.3f, "
+      "\"export_refilled_median_s\": %.3f, \"refill_speedup\": %.2f",
+      static_cast<unsigned long long>(bytes), times, JsonList(fresh).c_str(),
+      JsonList(refilled).c_str(), f, r, f / r);
+  if (!dir.empty()) {
+    const double b = Median(buffered), d = Median(direct);
+    std::printf(
+        ", \"buffered_s\": %s, \"direct_s\": %s, \"buffered_median_s\": %.3f, "
+        "\"direct_median_s\": %.3f, \"buffered_mb_per_s\": %.1f, \"direct_mb_per_s\": %.1f, "
+        "\"direct_speedup\": %.2f, \"buffered_busy_cpu_s\": %s, \"direct_busy_cpu_s\": %s",
+        JsonList(buffered).c_str(), JsonList(direct).c_str(), b, d, bytes / b / 1e6,
+        bytes / d / 1e6, b / d, JsonList(buffered_cpu).c_str(), JsonList(direct_cpu).c_str());
+  }
+  std::printf("}\n");
+  return isthmus::Status::Ok();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -103,7 +210,21 @@ int main(int argc, char** argv) {
                  "the device's dense bf16 peak for MFU (989: H100 SXM)")
       ->capture_default_str();
   app.add_flag("!--no-cuda-graphs", graphs, "launch kernels one by one");
+  int checkpoint_images = 0;
+  std::string checkpoint_dir;
+  app.add_option("--checkpoint-images", checkpoint_images,
+                 "after the steps, copy the checkpoint image out of the backend this many "
+                 "times into fresh memory and as many into the last image's buffers, in turn, "
+                 "and print the times")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--checkpoint-dir", checkpoint_dir,
+                 "with --checkpoint-images: also write the image there (on the disk to "
+                 "measure) as many times buffered and as many direct (O_DIRECT), in turn");
   CLI11_PARSE(app, argc, argv);
+  if (!checkpoint_dir.empty() && checkpoint_images == 0) {
+    std::fprintf(stderr, "bench_train: --checkpoint-dir needs --checkpoint-images N\n");
+    return 2;
+  }
   const bool llama = family_name == "llama";
   if (!llama && (kv_heads != 0 || inner != 0 || tied)) {
     std::fprintf(stderr, "bench_train: --kv-heads, --inner and --tied are for --family llama\n");
@@ -209,5 +330,12 @@ int main(int argc, char** argv) {
       ops.HostMemory() ? "null" : std::to_string(mem.peak_allocated).c_str(), flops,
       flops * tokens_per_s / (peak_tflops * 1e12), peak_tflops,
       ops.HostMemory() ? "null" : ("\"" + ops.Describe() + "\"").c_str());
+  if (checkpoint_images > 0) {
+    std::fflush(stdout);
+    if (Status st = TimeCheckpointImage(**gpt, **trainer, checkpoint_images, checkpoint_dir);
+        !st.ok()) {
+      return fail(st);
+    }
+  }
   return 0;
 }
