@@ -136,8 +136,8 @@ Status DirectFileWriter::Flush(bool last) {
       if (w > 0) done += static_cast<size_t>(w) / kAlign * kAlign;
       const int flags = ::fcntl(fd_, F_GETFL);
       if (flags < 0 || ::fcntl(fd_, F_SETFL, flags & ~O_DIRECT) != 0) {
-        return Status::IoError("cannot write '" + path_ + "' without O_DIRECT: " +
-                               std::strerror(errno));
+        return Status::IoError("cannot write '" + path_ +
+                               "' without O_DIRECT: " + std::strerror(errno));
       }
       direct_ = false;
       break;
@@ -145,7 +145,8 @@ Status DirectFileWriter::Flush(bool last) {
     done += static_cast<size_t>(w);
   }
   if (!direct_ && done < fill_) {
-    ISTHMUS_RETURN_IF_ERROR(BufferedWrite(buf_ + done, fill_ - done, off_ + static_cast<off_t>(done)));
+    ISTHMUS_RETURN_IF_ERROR(
+        BufferedWrite(buf_ + done, fill_ - done, off_ + static_cast<off_t>(done)));
     done = fill_;
   }
   off_ += static_cast<off_t>(std::min(done, fill_));

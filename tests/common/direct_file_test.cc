@@ -55,8 +55,8 @@ class DirectFileTest : public testing::TestWithDir {
 TEST_F(DirectFileTest, EveryByteReadsBackDirectAndBuffered) {
   // Sizes around the block and the buffer: empty, under a block, a buffer exactly, three
   // buffers and a bit; pieces from 1 byte to more than a buffer.
-  const std::vector<size_t> sizes = {0, 1, 4095, 4096, 4097, kDirectChunkBytes,
-                                     3 * kDirectChunkBytes + 12345};
+  const std::vector<size_t> sizes = {
+      0, 1, 4095, 4096, 4097, kDirectChunkBytes, 3 * kDirectChunkBytes + 12345};
   const std::vector<std::vector<size_t>> piecings = {
       {kDirectChunkBytes * 4}, {1, 7, 4096, 100000}, {kDirectChunkBytes + 3, 5}};
   // Each case's bytes: a different stretch of one random pool.
