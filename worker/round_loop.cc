@@ -571,6 +571,11 @@ class RoundLoop {
   std::string CheckpointPath() const {
     return s_.checkpoint_dir + "/rank-" + std::to_string(s_.rank) + ".safetensors";
   }
+  // --checkpoint-state-every N > 1: the round in flight of the rounds between full
+  // checkpoints, without the model and the optimizer state.
+  std::string RoundCheckpointPath() const {
+    return s_.checkpoint_dir + "/rank-" + std::to_string(s_.rank) + ".round.safetensors";
+  }
   // --encode-deltas: the pipelines of the round rank 0 is encoding (FeedbackEncoder::Kept).
   std::string PipelinesPath() const { return s_.checkpoint_dir + "/rank-0.pipelines.json"; }
 
@@ -578,7 +583,8 @@ class RoundLoop {
   // WriteCheckpoint (on this thread, or on the round driver's with --overlap).
   struct CheckpointImage {
     std::string path;
-    bool direct = false;  // --checkpoint-direct
+    bool direct = false;     // --checkpoint-direct
+    std::string supersedes;  // a round checkpoint removed once this full one is durable
     std::vector<Tensor> tensors;
     std::map<std::string, std::string> meta;
   };
@@ -592,22 +598,30 @@ class RoundLoop {
   // last image written (ReturnImage) when it is back, so the step boundary, which waits
   // for this copy, writes into memory the worker already has. In full mode the image is
   // the model and AdamW's moments (1.0 GB for GPT-2-small; with --overlap the round's
-  // delta too); on a CPU its copy took 0.056-0.062 s refilled against 0.070-0.077 s into
+  // delta too); on a CPU its copy took 0.054-0.074 s refilled against 0.070-0.108 s into
   // fresh memory (docs/BENCHMARKS.md, "The checkpoint image").
-  Result<std::optional<CheckpointImage>> TakeCheckpoint() {
+  //
+  // Without `with_state` (--checkpoint-state-every) the image is a round checkpoint: the
+  // round in flight (its delta, which the caller has set in unpushed_), the residual, the
+  // counters and the data position, with neither the trainable tensors nor the moments.
+  Result<std::optional<CheckpointImage>> TakeCheckpoint(bool with_state = true) {
     if (s_.checkpoint_dir.empty()) return std::optional<CheckpointImage>();
     CheckpointImage c;
-    c.path = CheckpointPath();
+    c.path = with_state ? CheckpointPath() : RoundCheckpointPath();
+    if (with_state && s_.CheckpointStateEvery() > 1) c.supersedes = RoundCheckpointPath();
     c.direct = s_.checkpoint_direct;
     {
       std::lock_guard<std::mutex> lock(spare_image_->mu);
       c.tensors = std::move(spare_image_->tensors);
       spare_image_->tensors.clear();
     }
-    ISTHMUS_ASSIGN_OR_RETURN(
-        size_t i, trainer_->ExportState(&c.tensors, gpt_->ExportTrainable(&c.tensors, 0)));
-    // A failed backend copies nothing out: never replace a good checkpoint with that.
-    ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
+    size_t i = 0;
+    if (with_state) {
+      ISTHMUS_ASSIGN_OR_RETURN(
+          i, trainer_->ExportState(&c.tensors, gpt_->ExportTrainable(&c.tensors, 0)));
+      // A failed backend copies nothing out: never replace a good checkpoint with that.
+      ISTHMUS_RETURN_IF_ERROR(gpt_->ops().status());
+    }
     auto add = [&](const std::string& name, const std::vector<int64_t>& shape,
                    const std::vector<float>& data) {
       std::copy(data.begin(), data.end(),
@@ -629,6 +643,7 @@ class RoundLoop {
       }
     }
     c.tensors.resize(i);
+    if (!with_state) meta["holds"] = "round";
     meta["job"] = s_.shards.job;
     meta["round"] = std::to_string(round_);
     meta["step"] = std::to_string(step_);
@@ -642,7 +657,13 @@ class RoundLoop {
   }
 
   static Status WriteCheckpoint(const CheckpointImage& c) {
-    return WriteSafetensors(c.path, c.tensors, c.meta, FileDtype::kF32, c.direct);
+    ISTHMUS_RETURN_IF_ERROR(WriteSafetensors(c.path, c.tensors, c.meta, FileDtype::kF32, c.direct));
+    if (!c.supersedes.empty()) {
+      // Older than this file, it would be passed over at a restart anyway (LoadCheckpoint).
+      std::error_code ec;
+      std::filesystem::remove(c.supersedes, ec);
+    }
+    return Status::Ok();
   }
 
   // Keeps a written image's buffers for the next TakeCheckpoint (on any thread).
@@ -659,19 +680,48 @@ class RoundLoop {
     return st;
   }
 
-  // Loads this rank's checkpoint if there is one; returns whether it did.
-  Result<bool> LoadCheckpoint() {
-    if (s_.checkpoint_dir.empty() || !std::filesystem::exists(CheckpointPath())) return false;
-    ISTHMUS_ASSIGN_OR_RETURN(auto file, ReadSafetensors(CheckpointPath()));
+  // Reads a checkpoint file of this rank, refusing one of another base model or job.
+  Result<SafetensorsFile> ReadCheckpointFile(const std::string& path) {
+    ISTHMUS_ASSIGN_OR_RETURN(auto file, ReadSafetensors(path));
     if (MetaOr(file.metadata, "base_hash", "") != base_hash_) {
-      return Status::FailedPrecondition("checkpoint " + CheckpointPath() +
+      return Status::FailedPrecondition("checkpoint " + path +
                                         " was written for another base model; move it away");
     }
     if (MetaOr(file.metadata, "job", "") != s_.shards.job) {
-      return Status::FailedPrecondition("checkpoint " + CheckpointPath() + " belongs to job '" +
+      return Status::FailedPrecondition("checkpoint " + path + " belongs to job '" +
                                         MetaOr(file.metadata, "job", "") + "'");
     }
-    std::vector<Tensor> trainable;
+    return file;
+  }
+
+  // Loads this rank's checkpoint if there is one; returns whether it did. A round
+  // checkpoint (--checkpoint-state-every) newer than the full one gives the round in flight,
+  // the counters and the data position; the trainable tensors and the moments then come
+  // from the full one (or stay as they start, without one), and Resume takes the
+  // trainable tensors from the shards.
+  Result<bool> LoadCheckpoint() {
+    if (s_.checkpoint_dir.empty()) return false;
+    std::optional<SafetensorsFile> full, round_file;
+    if (std::filesystem::exists(CheckpointPath())) {
+      ISTHMUS_ASSIGN_OR_RETURN(full, ReadCheckpointFile(CheckpointPath()));
+    }
+    if (std::filesystem::exists(RoundCheckpointPath())) {
+      ISTHMUS_ASSIGN_OR_RETURN(round_file, ReadCheckpointFile(RoundCheckpointPath()));
+      auto rr = ParseUint64(MetaOr(round_file->metadata, "round", "0"),
+                            "checkpoint " + RoundCheckpointPath() + " metadata round");
+      if (!rr.ok()) return Status::Corruption(rr.status().message());
+      uint64_t fr = 0;
+      if (full) {
+        auto r = ParseUint64(MetaOr(full->metadata, "round", "0"),
+                             "checkpoint " + CheckpointPath() + " metadata round");
+        if (!r.ok()) return Status::Corruption(r.status().message());
+        fr = *r;
+      }
+      if (full && *rr <= fr) round_file.reset();  // the full one is as new: this one is stale
+    }
+    if (!full && !round_file) return false;
+    const SafetensorsFile& file = round_file ? *round_file : *full;
+    const std::string path = round_file ? RoundCheckpointPath() : CheckpointPath();
     std::vector<Tensor> unpushed_delta;
     Unpushed unpushed;
     resume_residuals_.clear();
@@ -680,21 +730,41 @@ class RoundLoop {
         unpushed_delta.push_back({t.name.substr(std::strlen(kUnpushedPrefix)), t.shape, t.data});
       } else if (t.name.rfind(kResidualPrefix, 0) == 0) {
         resume_residuals_[t.name.substr(std::strlen(kResidualPrefix))] = t.data;
-      } else if (!IsOptimizerTensor(t.name)) {
-        trainable.push_back(t);
       }
     }
-    ISTHMUS_RETURN_IF_ERROR(gpt_->LoadTrainable(trainable, true));
-    ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(file.tensors));
-    if (trainer_->sharded() && leader()) {
-      // The backend keeps this rank's part; the others get theirs from these at Resume.
-      ISTHMUS_RETURN_IF_ERROR(trainer_->FlattenMoments(file.tensors, &resume_m_, &resume_v_));
+    if (round_file && unpushed_delta.empty()) {
+      return Status::Corruption("checkpoint " + path +
+                                " holds no round in flight, which a round checkpoint always "
+                                "holds; move it away to resume from " +
+                                CheckpointPath());
+    }
+    if (full) {
+      std::vector<Tensor> trainable;
+      for (const auto& t : full->tensors) {
+        const bool other = t.name.rfind(kUnpushedPrefix, 0) == 0 ||
+                           t.name.rfind(kResidualPrefix, 0) == 0 || IsOptimizerTensor(t.name);
+        if (!other) trainable.push_back(t);
+      }
+      ISTHMUS_RETURN_IF_ERROR(gpt_->LoadTrainable(trainable, true));
+      ISTHMUS_RETURN_IF_ERROR(trainer_->LoadState(full->tensors));
+      if (trainer_->sharded() && leader()) {
+        // The backend keeps this rank's part; the others get theirs from these at Resume.
+        ISTHMUS_RETURN_IF_ERROR(trainer_->FlattenMoments(full->tensors, &resume_m_, &resume_v_));
+      }
+    }
+    if (round_file) {
+      spdlog::info(
+          "rank {}: round checkpoint {} holds round {}; the trainable tensors come from the "
+          "shards and AdamW's moments from {}",
+          s_.rank, path, MetaOr(file.metadata, "round", "?"),
+          full ? CheckpointPath() + " (round " + MetaOr(full->metadata, "round", "?") + ")"
+               : std::string("nowhere (no full checkpoint: they start at zero)"));
     }
     ISTHMUS_ASSIGN_OR_RETURN(
         auto pos, data::DatasetPosition::Parse(MetaOr(file.metadata, "data_position", "")));
     ISTHMUS_RETURN_IF_ERROR(dataset_->Restore(pos));
     // A damaged checkpoint is a Corruption naming the file and the field, never a crash.
-    const std::string what = "checkpoint " + CheckpointPath() + " metadata ";
+    const std::string what = "checkpoint " + path + " metadata ";
     auto round = ParseUint64(MetaOr(file.metadata, "round", "0"), what + "round");
     auto step = ParseUint64(MetaOr(file.metadata, "step", "0"), what + "step");
     auto tokens = ParseUint64(MetaOr(file.metadata, "tokens", "0"), what + "tokens");
@@ -1261,8 +1331,11 @@ class RoundLoop {
       unpushed_ = Unpushed{in.delta, in.tokens, in.compute_ms};
       // The checkpoint that holds the round is copied out here, at the step boundary, and
       // written on the driver's thread before the push: durable before a byte is pushed,
-      // and off the training thread (in full mode it is the model and AdamW's moments).
-      ISTHMUS_ASSIGN_OR_RETURN(auto image, TakeCheckpoint());
+      // and off the training thread (in full mode it is the model and AdamW's moments;
+      // with --checkpoint-state-every N only rounds 1, N + 1, ... hold them).
+      const bool with_state =
+          (in.round - 1) % static_cast<uint64_t>(s_.CheckpointStateEvery()) == 0;
+      ISTHMUS_ASSIGN_OR_RETURN(auto image, TakeCheckpoint(with_state));
       if (!image) return Status::Ok();
       auto held = std::make_shared<CheckpointImage>(std::move(*image));
       in.first = [held, round = in.round, failed = checkpoint_failed_, spare = spare_image_,

@@ -402,6 +402,15 @@ Status TrainSettings::Validate() const {
       return Status::InvalidArgument("--init and --save are for --standalone runs");
     }
   }
+  if (checkpoint_state_every < 0 || checkpoint_state_every > 1000000) {
+    return Status::InvalidArgument("--checkpoint-state-every must be in [1, 1000000], got " +
+                                   std::to_string(checkpoint_state_every));
+  }
+  if (checkpoint_state_every > 1 && (standalone || !overlap)) {
+    return Status::InvalidArgument(
+        "--checkpoint-state-every N > 1 is for synced runs with --overlap, whose checkpoint "
+        "holds the round in flight; leave it out with --standalone or --no-overlap");
+  }
   if (eval_every_rounds < 0) return Status::InvalidArgument("--eval-every-rounds must be >= 0");
   for (const auto& e : eval_sets) {
     const size_t eq = e.find('=');
@@ -623,6 +632,14 @@ void AddTrainFlags(CLI::App& app, TrainSettings& t) {
   app.add_option("--log-every", t.log_every, "plain progress line every N steps (not a TTY)")
       ->capture_default_str();
   app.add_option("--checkpoint-dir", t.checkpoint_dir, "own resumable checkpoint (rank-N files)");
+  app.add_option("--checkpoint-state-every", t.checkpoint_state_every,
+                 "with --overlap on a synced run: write the model and AdamW's moments into the "
+                 "checkpoint every N rounds (round 1, N + 1, ...); the rounds between write "
+                 "only what their push needs (the round's delta, the residual, the counters "
+                 "and the data position) to rank-R.round.safetensors. After a crash the round "
+                 "kept is pushed, the model comes from the shards and the moments from the "
+                 "last full checkpoint (up to N - 1 rounds old). Default: 4 in full mode "
+                 "with --overlap on a synced run, else 1");
   app.add_flag("--checkpoint-direct", t.checkpoint_direct,
                "write the checkpoint past the page cache (O_DIRECT; buffered where the file "
                "system refuses it): faster and lighter on the CPU on some disks, slower on "

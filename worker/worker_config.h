@@ -192,10 +192,14 @@ struct TrainSettings {
   int64_t log_every = 10;  // plain log line every N steps when stderr is not a terminal
   std::string checkpoint_dir;
   bool checkpoint_direct = false;  // write the checkpoint with O_DIRECT (common/direct_file.h)
-  bool standalone = false;         // no shards: plain local training
-  std::string init;                // standalone: optional trainable tensors to start from
-  std::string save;                // standalone: write the final trainable tensors here (in full
-                                   // mode they are the whole model); `export --trainable` reads it
+  // With --overlap on a synced run: the model and AdamW's moments go into the checkpoint
+  // every N rounds; the rounds between write only the round in flight (rank-R.round file).
+  // 0: CheckpointStateEvery() decides.
+  int64_t checkpoint_state_every = 0;
+  bool standalone = false;  // no shards: plain local training
+  std::string init;         // standalone: optional trainable tensors to start from
+  std::string save;         // standalone: write the final trainable tensors here (in full
+                            // mode they are the whole model); `export --trainable` reads it
   std::string json_summary;
   // Telemetry of rank 0 (docs/METRICS.md, docs/WORKER.md): a Prometheus endpoint, a JSON
   // Lines log of rounds and validations, and validation sets evaluated every N rounds.
@@ -214,6 +218,12 @@ struct TrainSettings {
 
   // Effective H for a fixed-H run.
   int StepsPerRound() const { return steps_per_round > 0 ? steps_per_round : 80; }
+  // --checkpoint-state-every, or its default: 4 in full mode with --overlap on a synced run
+  // (where the state is 12 bytes a value to rewrite), else 1.
+  int64_t CheckpointStateEvery() const {
+    if (checkpoint_state_every > 0) return checkpoint_state_every;
+    return model.mode == "full" && overlap && !standalone ? 4 : 1;
+  }
   model::TrainerConfig Trainer() const;
   // InvalidArgument naming the first bad or missing setting.
   Status Validate() const;

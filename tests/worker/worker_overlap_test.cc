@@ -30,6 +30,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "tests/command.h"
@@ -104,19 +105,23 @@ TEST_F(Overlap, MergeAfterStepsWithoutWaitMergesNoEarlier) {
 // checkpoint holds round 3 with its delta (written before the push); the restart pushes it
 // again with the same keys (shard 0 answers duplicate, shard 1 applies it) and goes on.
 // Every shard applied every round once, and the committed tensors are the start plus each
-// recorded delta once. Restarted with one rank and with two.
-class OverlapKill : public Overlap, public ::testing::WithParamInterface<int> {};
+// recorded delta once. Restarted with one rank and with two; and with
+// --checkpoint-state-every 3, where round 3 is kept in a round checkpoint beside the full
+// one of round 1, and the restart takes the trainable tensors from the shards.
+class OverlapKill : public Overlap, public ::testing::WithParamInterface<std::tuple<int, int>> {};
 
 TEST_P(OverlapKill, SigkillDuringABackgroundPushLosesNothingAndDoublesNothing) {
-  const int restart_world = GetParam();
+  const auto [restart_world, state_every] = GetParam();
+  const std::vector<std::string> flags = {"--overlap", "--checkpoint-state-every",
+                                          std::to_string(state_every)};
   const fs::path deltas = dir_ / "deltas";
   fs::create_directories(deltas);
   std::string rdv = "tcp:127.0.0.1:" + std::to_string(testing::FreePort());
   WorkerProcess r0, r1;
   r0.env = {{"ISTHMUS_WORKER_RECORD_DELTAS", deltas.string()}};
   r1.env = {{"ISTHMUS_WORKER_FAULT_HANG_BEFORE_PUSH", "3"}};
-  r0.Start(TrainArgs(0, 2, 100000, 2, rdv, {"--overlap"}), (dir_ / "a-r0.log").string());
-  r1.Start(TrainArgs(1, 2, 100000, 2, rdv, {"--overlap"}), (dir_ / "a-r1.log").string());
+  r0.Start(TrainArgs(0, 2, 100000, 2, rdv, flags), (dir_ / "a-r0.log").string());
+  r1.Start(TrainArgs(1, 2, 100000, 2, rdv, flags), (dir_ / "a-r1.log").string());
   auto round_of = [&](int s) -> uint64_t {
     auto h = shards_[s].WorkerClient()->Hello("j", wire::Role::Worker, base_hash_, "probe");
     EXPECT_TRUE(h.ok()) << h.status().ToString();
@@ -133,9 +138,17 @@ TEST_P(OverlapKill, SigkillDuringABackgroundPushLosesNothingAndDoublesNothing) {
   EXPECT_EQ(round_of(0), 3u);
   EXPECT_EQ(round_of(1), 2u);
   for (int r = 0; r < 2; ++r) {
-    auto c =
-        ReadSafetensors((dir_ / "ckpt" / ("rank-" + std::to_string(r) + ".safetensors")).string());
+    const std::string rank = "rank-" + std::to_string(r);
+    auto c = ReadSafetensors((dir_ / "ckpt" / (rank + ".safetensors")).string());
     ASSERT_TRUE(c.ok()) << c.status().ToString();
+    if (state_every == 3) {
+      EXPECT_EQ(c->metadata["round"], "1") << "rank " << r;
+      c = ReadSafetensors((dir_ / "ckpt" / (rank + ".round.safetensors")).string());
+      ASSERT_TRUE(c.ok()) << c.status().ToString();
+      for (const auto& t : c->tensors) {
+        EXPECT_EQ(t.name.rfind("unpushed.", 0), 0u) << t.name << " in a round checkpoint";
+      }
+    }
     EXPECT_EQ(c->metadata["round"], "3") << "rank " << r;
     EXPECT_EQ(c->metadata.count("unpushed_tokens"), 1u) << "rank " << r;
   }
@@ -144,20 +157,27 @@ TEST_P(OverlapKill, SigkillDuringABackgroundPushLosesNothingAndDoublesNothing) {
   std::vector<WorkerProcess> again(restart_world);
   for (int r = 0; r < restart_world; ++r) {
     again[r].env = {{"ISTHMUS_WORKER_RECORD_DELTAS", deltas.string()}};
-    again[r].Start(
-        TrainArgs(r, restart_world, kTotal, 2, restart_world > 1 ? rdv2 : "", {"--overlap"}),
-        (dir_ / ("b-r" + std::to_string(r) + ".log")).string());
+    again[r].Start(TrainArgs(r, restart_world, kTotal, 2, restart_world > 1 ? rdv2 : "", flags),
+                   (dir_ / ("b-r" + std::to_string(r) + ".log")).string());
   }
   for (auto& w : again) ASSERT_EQ(w.Wait(240 * testing::TimeScale()), 0) << w.Log();
   EXPECT_NE(again[0].Log().find("pushing it from the checkpoint"), std::string::npos)
       << again[0].Log();
   EXPECT_NE(again[0].Log().find("shard 0 already had round 3"), std::string::npos)
       << again[0].Log();
+  if (state_every == 3) {
+    EXPECT_NE(again[0].Log().find("holds round 3; the trainable tensors come from the shards"),
+              std::string::npos)
+        << again[0].Log();
+    // The last full checkpoint (round 6) made the round checkpoint stale: it is gone.
+    EXPECT_FALSE(fs::exists(dir_ / "ckpt" / "rank-0.round.safetensors"));
+  }
   ExpectShardsEqualCheckpoint(0, kTotal);
   ExpectStartPlusEveryDeltaOnce(init_, ShardTensors(), deltas, kTotal);
 }
 
-INSTANTIATE_TEST_SUITE_P(RestartRanks, OverlapKill, ::testing::Values(1, 2));
+INSTANTIATE_TEST_SUITE_P(RestartRanks, OverlapKill,
+                         ::testing::Values(std::tuple{1, 1}, std::tuple{2, 1}, std::tuple{2, 3}));
 
 // SIGKILL of the site's shards while a worker overlaps its rounds (2 inner steps a round:
 // a background push or pull is nearly always in flight): shard 1 alone, or both. Shard 1

@@ -791,6 +791,24 @@ TEST(TrainSettings, ValidateNamesTheProblem) {
             std::string::npos);
   t.reduce_precision = "bf16";
   EXPECT_TRUE(t.Validate().ok());
+  t.checkpoint_state_every = -1;
+  EXPECT_NE(t.Validate().message().find("--checkpoint-state-every must be in [1, 1000000]"),
+            std::string::npos)
+      << t.Validate().message();
+  t.checkpoint_state_every = 0;  // the default: 4 in full mode, overlapped and synced, else 1
+  EXPECT_EQ(t.CheckpointStateEvery(), 1);
+  t.model.mode = "full";
+  EXPECT_EQ(t.CheckpointStateEvery(), 4);
+  t.overlap = false;
+  EXPECT_EQ(t.CheckpointStateEvery(), 1);
+  EXPECT_TRUE(t.Validate().ok()) << t.Validate().message();
+  t.checkpoint_state_every = 4;
+  EXPECT_NE(t.Validate().message().find("is for synced runs with --overlap"), std::string::npos)
+      << t.Validate().message();
+  t.overlap = true;
+  EXPECT_TRUE(t.Validate().ok()) << t.Validate().message();  // synced, --overlap (the default)
+  t.model.mode = "lora";
+  t.checkpoint_state_every = 0;
   t.max_rounds = 0;
   EXPECT_FALSE(t.Validate().ok());
 }
