@@ -9,7 +9,7 @@
 #   computing = sum of the rounds' step time / (time of round N's end - time of round 2's)
 # so the push, the WAN wait, the pull, the merge and the checkpoint all count against it,
 # whichever of them the worker waited for. Prints one row per run and case, then the mean
-# and spread per case and the ratio overlapped / serial.
+# and spread per case and the ratios to the first case (serial, unless --cases says).
 #
 # Usage: bench/overlap/run.sh --base BASE.safetensors --data-a DIR --data-b DIR [options]
 #   --model "FLAGS"      model flags of every worker (default: the demo's 2x128 LoRA r8;
@@ -19,6 +19,11 @@
 #   --steps-per-round H  inner steps per round (default 20)
 #   --runs R             runs of each case (default 3)
 #   --codec PIPELINE     sync.codec (default: the server's default pipeline)
+#   --variant "FLAGS"    a third case, "variant": overlapped with these worker flags added
+#                        (e.g. "--checkpoint-state-every 4")
+#   --cases LIST         the cases to run, in turn within each run, of off (serial), on
+#                        (overlapped) and variant (default: "off on", and variant when
+#                        --variant is given)
 #   --json FILE          write the rows (JSON lines, as each run ends) to FILE, not to
 #                        demo-out/bench-overlap/rows.jsonl
 # Environment: ISTHMUS_BUILD_DIR (default build), passed to deploy/two-site.sh.
@@ -26,6 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 model="--layers 2 --width 128 --heads 4 --context 128 --lora-rank 8 --lora-alpha 16"
 train="" rounds=8 steps=20 runs=3 codec="" json_out="" base="" data_a="" data_b=""
+variant="" cases=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --base) base="$2"; shift 2 ;;
@@ -38,7 +44,9 @@ while [ $# -gt 0 ]; do
     --runs) runs="$2"; shift 2 ;;
     --codec) codec="$2"; shift 2 ;;
     --json) json_out="$2"; shift 2 ;;
-    -h|--help) sed -n 2,24p "$0"; exit 0 ;;
+    --variant) variant="$2"; shift 2 ;;
+    --cases) cases="$2"; shift 2 ;;
+    -h|--help) sed -n 2,29p "$0"; exit 0 ;;
     *) echo "overlap/run.sh: unknown option '$1' (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -46,6 +54,17 @@ for v in base data_a data_b; do
   if [ -z "${!v}" ]; then echo "overlap/run.sh: --${v//_/-} is required (try --help)" >&2; exit 2; fi
 done
 [ "$rounds" -ge 4 ] || { echo "overlap/run.sh: --rounds must be at least 4 (rounds 3..N are measured)" >&2; exit 2; }
+if [ -z "$cases" ]; then
+  cases="off on"
+  [ -n "$variant" ] && cases="off on variant"
+fi
+for c in $cases; do
+  case "$c" in
+    off|on) ;;
+    variant) [ -n "$variant" ] || { echo "overlap/run.sh: case 'variant' needs --variant FLAGS" >&2; exit 2; } ;;
+    *) echo "overlap/run.sh: unknown case '$c' in --cases (off, on, variant)" >&2; exit 2 ;;
+  esac
+done
 out=demo-out/bench-overlap
 mkdir -p "$out"
 rows="${json_out:-$out/rows.jsonl}"  # written row by row: a run cut short keeps its rows
@@ -53,9 +72,10 @@ rows="${json_out:-$out/rows.jsonl}"  # written row by row: a run cut short keeps
 codec_args=()
 [ -n "$codec" ] && codec_args=(--codec "$codec")
 for ((run = 1; run <= runs; run++)); do
-  for overlap in off on; do
+  for overlap in $cases; do
     flag=--no-overlap
     [ "$overlap" = on ] && flag=--overlap
+    [ "$overlap" = variant ] && flag="--overlap $variant"
     dir="$out/run$run-$overlap"
     echo "overlap/run.sh: run $run, overlap $overlap" >&2
     deploy/two-site.sh --out "$dir" --base "$base" --data-a "$data_a" --data-b "$data_b" \
@@ -96,10 +116,12 @@ for r in rows:
         x = r[s]
         print(f"| {r['run']} | {r['overlap']} | {s} | {x['round_wall_s']:.2f} | "
               f"{x['round_compute_s']:.2f} | {x['blocked_s']:.2f} | {100 * x['computing']:.1f}% |")
+cases = list(dict.fromkeys(r["overlap"] for r in rows))
 by = {o: [r[s]["computing"] for r in rows if r["overlap"] == o for s in ("A", "B")]
-      for o in ("off", "on")}
+      for o in cases}
 for o, v in by.items():
-    print(f"overlap {o}: computing mean {100 * statistics.mean(v):.1f}% "
+    print(f"case {o}: computing mean {100 * statistics.mean(v):.1f}% "
           f"(min {100 * min(v):.1f}%, max {100 * max(v):.1f}%, {len(v)} site-runs)")
-print(f"ratio overlapped / serial: {statistics.mean(by['on']) / statistics.mean(by['off']):.3f}")
+for o in cases[1:]:
+    print(f"ratio {o} / {cases[0]}: {statistics.mean(by[o]) / statistics.mean(by[cases[0]]):.3f}")
 PY
