@@ -237,8 +237,10 @@ void RoundDriver::RunRound(RoundInFlight& in) {
   rep.round = in.round;
   Status first;
   if (in.first) {
+    const auto t0 = Clock::now();
     first = in.first();
     in.first = nullptr;  // what it holds (the worker's checkpoint image) goes now
+    rep.first_s = Seconds(Clock::now() - t0);
   }
   auto t = Clock::now();
   std::vector<TensorView> views;

@@ -248,6 +248,7 @@ struct RoundReport {
   std::vector<ShardPush> pushes;  // this rank's shards, in order
   bool pushed = false;            // every shard this rank pushes holds the round
   Staleness staleness;            // the last check of the wait (limit: K)
+  double first_s = 0;             // its first stage (RoundInFlight::first: the worker's checkpoint)
   double push_s = 0, wait_s = 0, pull_s = 0;
   double blocked_s = 0;      // the caller waited for the round (any stage; without overlap
                              // from the hand-over: push_s + wait_s + pull_s at least)

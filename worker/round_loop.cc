@@ -1231,6 +1231,7 @@ class RoundLoop {
                    static_cast<double>(bytes) / 1e6, static_cast<double>(raw) / 1e6);
     }
     if (push_reported_ != r.round) telemetry_->OnPush(r.push_s);
+    telemetry_->OnCheckpoint(r.first_s);
     push_reported_ = 0;
     telemetry_->OnWanWait(r.blocked_wan_s);
     telemetry_->OnPull(r.pull_s);
@@ -1490,7 +1491,11 @@ class RoundLoop {
       }
       if (interrupted_) break;
       // With overlap the round in flight was checkpointed before its push (EndOfRound).
-      if (!s_.overlap || s_.standalone) ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
+      if (!s_.overlap || s_.standalone) {
+        const auto c0 = Clock::now();
+        ISTHMUS_RETURN_IF_ERROR(SaveCheckpoint());
+        telemetry_->OnCheckpoint(std::chrono::duration<double>(Clock::now() - c0).count());
+      }
     }
     if (!(interrupted_ && unpushed_) && driver_ && driver_->busy()) {
       // The last round: its push, wait (none after a stop) and pull, then the checkpoint.

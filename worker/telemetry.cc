@@ -105,6 +105,11 @@ void Telemetry::OnPush(double seconds) {
   round_push_s_ += seconds;
 }
 
+void Telemetry::OnCheckpoint(double seconds) {
+  std::lock_guard<std::mutex> lock(mu_);
+  round_checkpoint_s_ += seconds;
+}
+
 void Telemetry::OnWanWaitBegin() {
   std::lock_guard<std::mutex> lock(mu_);
   waiting_for_wan_ = true;
@@ -168,11 +173,12 @@ void Telemetry::OnRound(int64_t round, int64_t step, uint64_t tokens_total, doub
              {"wan_wait_s", round_wait_s_},
              {"pull_s", round_pull_s_},
              {"blocked_s", round_blocked_s_},
+             {"checkpoint_s", round_checkpoint_s_},
              {"tokens_per_s", tokens_per_second_}}
             .dump());
   round_loss_sum_ = 0;
   round_loss_steps_ = 0;
-  round_push_s_ = round_pull_s_ = round_wait_s_ = round_blocked_s_ = 0;
+  round_push_s_ = round_pull_s_ = round_wait_s_ = round_blocked_s_ = round_checkpoint_s_ = 0;
 }
 
 void Telemetry::OnValidation(int64_t round, int64_t step, const std::string& set, double loss) {

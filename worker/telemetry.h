@@ -41,6 +41,9 @@ class Telemetry {
   void OnStart(const RunInfo& info, int64_t round, int64_t step);
   void OnStep(double seconds, double loss, uint64_t tokens, bool skipped);
   void OnPush(double seconds);
+  // Writing a checkpoint took `seconds` (with --overlap on the round driver's thread,
+  // before the round's push; else on the training loop's, after the round).
+  void OnCheckpoint(double seconds);
   // A step's in-site gradient all-reduce took `seconds` (with --bucket-mb > 0 on the
   // reducing thread, overlapped with the backward) of which the step waited `exposed`.
   void OnAllReduce(double seconds, double exposed);
@@ -98,6 +101,7 @@ class Telemetry {
   double round_loss_sum_ = 0;
   uint64_t round_loss_steps_ = 0;
   double round_push_s_ = 0, round_pull_s_ = 0, round_wait_s_ = 0, round_blocked_s_ = 0;
+  double round_checkpoint_s_ = 0;
 };
 
 }  // namespace isthmus::worker

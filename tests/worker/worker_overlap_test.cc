@@ -545,10 +545,17 @@ TEST(OverlapRefusal, ARefusedBackgroundPushStopsTheWorkerSayingSo) {
   EXPECT_NE(log.find("kept in the checkpoint"), std::string::npos) << log;
   std::ifstream in(events);
   std::string line, failure;
+  double checkpoint_s = 0;
   while (std::getline(in, line)) {
     if (line.find("\"round_failure\"") != std::string::npos) failure = line;
+    const size_t at = line.find("\"checkpoint_s\":");
+    if (line.find("\"event\":\"round\"") != std::string::npos && at != std::string::npos) {
+      checkpoint_s += std::strtod(line.c_str() + at + std::strlen("\"checkpoint_s\":"), nullptr);
+    }
   }
   EXPECT_NE(failure.find("is leaving job"), std::string::npos) << failure;
+  // The rounds' events say how long their checkpoints took to write (a real file each).
+  EXPECT_GT(checkpoint_s, 0.0) << "no round event gave its checkpoint's time";
   auto ckpt = ReadSafetensors((dir / "ckpt" / "rank-0.safetensors").string());
   ASSERT_TRUE(ckpt.ok()) << ckpt.status().ToString();
   EXPECT_EQ(ckpt->metadata.count("unpushed_tokens"), 1u);
