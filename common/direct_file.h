@@ -2,13 +2,13 @@
 // worker's checkpoints. A buffered write copies every page into the kernel's page cache,
 // writes it back later and, after the fsync, leaves hundreds of MB of clean pages that push
 // other memory out. Measured (docs/BENCHMARKS.md): the shard's synced slot files reached
-// the disk about three times as fast direct as buffered with their fdatasync (section 7),
-// but a worker's 1 GB checkpoint was written slower direct (section 2, "The checkpoint
-// image"), so WriteSafetensors does it only when asked. The bytes go through an aligned buffer of
-// kDirectChunkBytes, so callers append from anywhere in any sizes; the last block is padded with
-// zeros and the file cut back to the bytes appended. A file system that refuses O_DIRECT (at the
-// open, or at a write: EINVAL or a short write) gets plain buffered writes from there on, with the
-// same bytes.
+// the disk about three times as fast direct as buffered with their fdatasync (section 7);
+// a worker's 1 GB checkpoint was written faster direct on one machine and slower on
+// another (section 2, "The checkpoint image"), so WriteSafetensors does it only when
+// asked. The bytes go through an aligned buffer of kDirectChunkBytes, so callers append
+// from anywhere in any sizes; the last block is padded with zeros and the file cut back to
+// the bytes appended. A file system that refuses O_DIRECT (at the open, or at a write:
+// EINVAL or a short write) gets plain buffered writes from there on, with the same bytes.
 //
 // Durability is the caller's: the writer neither fsyncs nor closes the file.
 //

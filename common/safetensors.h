@@ -63,8 +63,8 @@ Result<FileDtype> ParseFileDtype(const std::string& name);
 //
 // `direct`: the file is written past the page cache (O_DIRECT, common/direct_file.h) where
 // the file system takes it, else buffered. Off by default: for a worker's full-mode
-// checkpoint (1.0 GB for GPT-2 small) direct writes were slower than buffered ones and
-// saved no CPU on the machine measured (docs/BENCHMARKS.md, section 2, "The checkpoint image").
+// checkpoint (1.0 GB for GPT-2 small) direct writes were faster on one machine measured
+// and slower on another (docs/BENCHMARKS.md, section 2, "The checkpoint image").
 Status WriteSafetensors(const std::string& path, const std::vector<Tensor>& tensors,
                         const std::map<std::string, std::string>& metadata = {},
                         FileDtype dtype = FileDtype::kF32, bool direct = false);

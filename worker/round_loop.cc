@@ -707,17 +707,17 @@ class RoundLoop {
     }
     if (std::filesystem::exists(RoundCheckpointPath())) {
       ISTHMUS_ASSIGN_OR_RETURN(round_file, ReadCheckpointFile(RoundCheckpointPath()));
-      auto rr = ParseUint64(MetaOr(round_file->metadata, "round", "0"),
-                            "checkpoint " + RoundCheckpointPath() + " metadata round");
-      if (!rr.ok()) return Status::Corruption(rr.status().message());
-      uint64_t fr = 0;
-      if (full) {
-        auto r = ParseUint64(MetaOr(full->metadata, "round", "0"),
-                             "checkpoint " + CheckpointPath() + " metadata round");
+      auto round_of = [](const SafetensorsFile& f, const std::string& p) -> Result<uint64_t> {
+        auto r =
+            ParseUint64(MetaOr(f.metadata, "round", "0"), "checkpoint " + p + " metadata round");
         if (!r.ok()) return Status::Corruption(r.status().message());
-        fr = *r;
+        return *r;
+      };
+      ISTHMUS_ASSIGN_OR_RETURN(uint64_t rr, round_of(*round_file, RoundCheckpointPath()));
+      if (full) {
+        ISTHMUS_ASSIGN_OR_RETURN(uint64_t fr, round_of(*full, CheckpointPath()));
+        if (rr <= fr) round_file.reset();  // the full one is as new: this one is stale
       }
-      if (full && *rr <= fr) round_file.reset();  // the full one is as new: this one is stale
     }
     if (!full && !round_file) return false;
     const SafetensorsFile& file = round_file ? *round_file : *full;

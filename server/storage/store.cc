@@ -644,15 +644,14 @@ class RocksStore : public Store {
       *fresh = true;
     }
     Status s;
-    const char* p = value.data();
-    size_t left = value.size();
-    off_t off = 0;
-    if (direct) {
+    if (direct) {  // the writer falls back to buffered writes itself
       DirectFileWriter writer(fd, path, true);
-      s = writer.Append(p, left);
+      s = writer.Append(value.data(), value.size());
       if (s.ok()) s = writer.Finish();
-      left = 0;
     }
+    const char* p = value.data();
+    size_t left = direct ? 0 : value.size();
+    off_t off = 0;
     constexpr size_t kPaceBytes = size_t{8} << 20;
     off_t paced_to = off;
     while (left > 0 && s.ok()) {
