@@ -249,7 +249,8 @@ bool ShardClient::NextServerKey() {
 }
 
 Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
-                                 const std::vector<TensorView>& payload) {
+                                 const std::vector<TensorView>& payload,
+                                 const std::vector<Part>* parts) {
   using Clock = std::chrono::steady_clock;
   // How often an interruptible call asks options_.interrupted while it waits.
   constexpr auto kSlice = std::chrono::milliseconds(100);
@@ -278,6 +279,10 @@ Result<Frames> ShardClient::Call(uint64_t request_id, const flatbuffers::FlatBuf
         refs.push_back({bytes.data(), bytes.size(), latch.Token()});
       }
       Status s = SendMessage(*socket_, nullptr, fbb, refs);
+      for (size_t i = 0; parts != nullptr && i < parts->size() && s.ok(); ++i) {
+        const Part& p = (*parts)[i];
+        s = SendMessage(*socket_, nullptr, p.header, {{p.data, p.size, latch.Token()}});
+      }
       if (!s.ok()) {
         CloseSocket();
         latch.Wait();
@@ -459,6 +464,8 @@ Result<HelloInfo> ShardClient::Hello(const std::string& job, wire::Role role,
   info.tensor_count = r->tensor_count();
   info.rounds = RoundInfoOf(r->rounds());
   info.pipelines = PipelinesOf(r->pipelines_round(), r->pipelines());
+  info.push_part_bytes = r->push_part_bytes();
+  if (!job.empty()) push_part_bytes_[job] = info.push_part_bytes;
   return info;
 }
 
@@ -646,12 +653,46 @@ Result<PushResult> ShardClient::Push(const std::string& job, const std::string& 
   ISTHMUS_RETURN_IF_ERROR(CheckTensorViews(deltas));
   flatbuffers::FlatBufferBuilder fbb;
   uint64_t id = NextRequestId();
-  auto metas = BuildTensorMetas(fbb, deltas);
+  // Large fp32 tensors in parts, where the job's Hello offered it; whole parts of floats.
+  uint64_t part = 0;
+  if (auto it = push_part_bytes_.find(job);
+      options_.push_in_parts && it != push_part_bytes_.end()) {
+    part = it->second & ~uint64_t{4095};
+  }
+  std::vector<uint32_t> streamed;
+  std::vector<TensorView> framed;  // the rest, sent as the request's payload frames
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> metas;
+  for (size_t i = 0; i < deltas.size(); ++i) {
+    const TensorView& t = deltas[i];
+    const uint64_t bytes = PayloadOf(t).size();
+    const bool in_parts = part > 0 && !t.encoded && bytes >= 2 * part;
+    if (in_parts) streamed.push_back(static_cast<uint32_t>(i));
+    metas.push_back(wire::CreateTensorMetaDirect(
+        fbb, t.name.c_str(), &t.shape, t.encoded ? wire::DType::Codec : wire::DType::F32,
+        in_parts ? 0 : static_cast<uint32_t>(framed.size()), bytes, 0));
+    if (!in_parts) framed.push_back(t);
+  }
+  auto metas_v = fbb.CreateVector(metas);
   auto job_s = fbb.CreateString(job);
   auto key_s = fbb.CreateString(idempotency_key);
-  auto body = wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas, compute_ms);
+  auto streamed_v = streamed.empty() ? 0 : fbb.CreateVector(streamed);
+  auto body =
+      wire::CreatePushRequest(fbb, job_s, key_s, round, tokens, metas_v, compute_ms, streamed_v);
   FinishEnvelope(fbb, id, wire::Body::PushRequest, body.Union());
-  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, deltas));
+  std::vector<Part> parts;
+  for (uint32_t i : streamed) {
+    const std::span<const char> bytes = PayloadOf(deltas[i]);
+    for (uint64_t off = 0; off < bytes.size(); off += part) {
+      Part& p = parts.emplace_back();
+      auto pj = p.header.CreateString(job);
+      auto pk = p.header.CreateString(idempotency_key);
+      FinishEnvelope(p.header, NextRequestId(), wire::Body::PushPart,
+                     wire::CreatePushPart(p.header, pj, pk, i, off).Union());
+      p.data = bytes.data() + off;
+      p.size = std::min<uint64_t>(part, bytes.size() - off);
+    }
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(Frames reply, Call(id, fbb, framed, parts.empty() ? nullptr : &parts));
   ISTHMUS_ASSIGN_OR_RETURN(auto* r,
                            BodyAs<wire::PushReply>(reply, options_.limits, wire::Body::PushReply));
   return PushResult{r->job_version(), r->duplicate(), RoundInfoOf(r->rounds())};

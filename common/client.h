@@ -65,6 +65,10 @@ struct ClientOptions {
   // on the calling thread; true stops the call, which returns Unavailable ("interrupted").
   // Empty: calls are not interruptible. Must not call into this client.
   std::function<bool()> interrupted;
+  // Push the large fp32 tensors of a job whose last Hello offered it (HelloInfo::
+  // push_part_bytes) in parts, which the shard writes to disk as they come. false: every
+  // push goes whole, in one message.
+  bool push_in_parts = true;
 };
 
 // A view of fp32 data to send (Push, CreateJob): not owned; the caller keeps `data` valid
@@ -105,6 +109,9 @@ struct HelloInfo {
   uint64_t tensor_count = 0;   // tensors of the job on this shard (0: no such job here)
   RoundInfo rounds;
   RoundPipelines pipelines;  // of this site's next round, when asked for
+  // The job takes pushes of its tensors of twice this many bytes or more in parts of this
+  // size (0: whole). Push follows it for the job from this Hello on.
+  uint64_t push_part_bytes = 0;
 };
 
 // The result of Pull: copies of the tensors, owned by the result.
@@ -332,6 +339,8 @@ class ShardClient {
   Result<ReplayReply> PullReplay(const std::string& job, uint64_t from, const std::string& digest);
   // Adds each tensor's values to the job's tensor of that name, all or none. `compute_ms`:
   // the worker's compute time for the round, for adaptive codec sizing (0 = unknown).
+  // After a Hello that offered parts for the job (HelloInfo::push_part_bytes), fp32
+  // tensors of twice the part size or more go in PushPart messages after the request.
   Result<PushResult> Push(const std::string& job, const std::string& idempotency_key,
                           uint64_t round, uint64_t tokens, const std::vector<TensorView>& deltas,
                           uint64_t compute_ms = 0);
@@ -375,8 +384,16 @@ class ShardClient {
   // Sends the request built in `fbb` with `payload` and waits for the matching reply,
   // retrying on timeout or a lost connection. The reply's Envelope is verified; error
   // replies become Status.
+  // `parts`: more messages sent after the request, each a header and one payload frame
+  // (a streamed push's PushPart messages), sent again with it on every attempt.
+  struct Part {
+    flatbuffers::FlatBufferBuilder header;
+    const char* data = nullptr;
+    size_t size = 0;
+  };
   Result<Frames> Call(uint64_t request_id, const flatbuffers::FlatBufferBuilder& fbb,
-                      const std::vector<TensorView>& payload);
+                      const std::vector<TensorView>& payload,
+                      const std::vector<Part>* parts = nullptr);
   uint64_t NextRequestId() { return ++request_seq_; }
   // After a failed handshake: reads options_.server_key_file again (if set) and moves to
   // the next key listed; false when there is no other key to try.
@@ -403,6 +420,7 @@ class ShardClient {
   std::vector<std::string> server_keys_;
   size_t key_index_ = 0;
   uint64_t request_seq_;
+  std::map<std::string, uint64_t> push_part_bytes_;  // per job, from its last Hello
 };
 
 // InvalidArgument naming the first tensor with an empty name, a negative or huge shape

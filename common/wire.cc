@@ -152,17 +152,30 @@ std::vector<int64_t> ShapeOf(const wire::TensorMeta* meta) { return ShapeFrom(me
 
 Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas,
                        const std::vector<zmq::message_t>& payload, const WireLimits& limits,
-                       bool check_finite, bool accept_encoded) {
+                       bool check_finite, bool accept_encoded,
+                       const flatbuffers::Vector<uint32_t>* streamed) {
   size_t count = metas == nullptr ? 0 : metas->size();
   if (count > limits.max_tensors) {
     return Status::ResourceExhausted(std::to_string(count) + " tensors in one message exceed " +
                                      "the limit of " + std::to_string(limits.max_tensors));
   }
-  if (count != payload.size()) {
-    return Status::InvalidArgument(std::to_string(count) + " tensors described but " +
+  std::vector<bool> in_parts(count, false);
+  const size_t streamed_count = streamed == nullptr ? 0 : streamed->size();
+  uint64_t total = 0;
+  for (size_t k = 0; k < streamed_count; ++k) {
+    const uint32_t i = streamed->Get(k);
+    if (i >= count || (k > 0 && i <= streamed->Get(k - 1))) {
+      return Status::InvalidArgument(
+          "the streamed tensors' indices must name tensors of the request, in ascending order");
+    }
+    in_parts[i] = true;
+    total += metas->Get(i)->nbytes();
+  }
+  if (count != payload.size() + streamed_count) {
+    return Status::InvalidArgument(std::to_string(count - streamed_count) +
+                                   " tensors described with frames but " +
                                    std::to_string(payload.size()) + " payload frames sent");
   }
-  uint64_t total = 0;
   for (const auto& f : payload) total += f.size();
   if (total > limits.max_payload_bytes) {
     return Status::ResourceExhausted("payload of " + std::to_string(total) +
@@ -193,6 +206,15 @@ Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::Tenso
     }
     int64_t numel = NumElements(shape);
     if (numel < 0) return Status::InvalidArgument(label + " has a negative or huge shape");
+    if (in_parts[i]) {
+      const uint64_t expect = static_cast<uint64_t>(numel) * sizeof(float);
+      if (encoded || expect == 0 || m->nbytes() != expect) {
+        return Status::InvalidArgument(label + " comes in parts, which takes F32 values of " +
+                                       "its shape's size (" + std::to_string(expect) +
+                                       " bytes, header says " + std::to_string(m->nbytes()) + ")");
+      }
+      continue;
+    }
     if (m->frame() >= payload.size() || used[m->frame()]) {
       return Status::InvalidArgument(label + " names payload frame " + std::to_string(m->frame()) +
                                      " which is missing or used twice");

@@ -95,9 +95,13 @@ Result<const wire::Envelope*> ParseEnvelope(const zmq::message_t& header, const 
 // (or ResourceExhausted for limits) naming the tensor.
 // With `accept_encoded`, a tensor of dtype Codec passes with any non-empty frame of the
 // length its header gives (its decoder validates the bytes); otherwise only F32 does.
+// `streamed` (a push's PushRequest.streamed): the indices, strictly ascending, of F32
+// tensors that have no frame here (their bytes come in parts); their nbytes must be their
+// size, and count towards the total; `check_finite` does not see them.
 Status ValidateTensors(const flatbuffers::Vector<flatbuffers::Offset<wire::TensorMeta>>* metas,
                        const std::vector<zmq::message_t>& payload, const WireLimits& limits,
-                       bool check_finite, bool accept_encoded = false);
+                       bool check_finite, bool accept_encoded = false,
+                       const flatbuffers::Vector<uint32_t>* streamed = nullptr);
 
 // True if every one of the n floats is finite.
 bool AllFinite(const float* data, size_t n);

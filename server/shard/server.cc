@@ -953,6 +953,7 @@ Status ShardServer::Start() {
   opts.limits = limits;
   impl_->limits = limits;
   opts.dedup_window = static_cast<uint64_t>(c.dedup_window);
+  opts.push_part_bytes = static_cast<uint64_t>(c.push_part_bytes);
   StoreOptions store_opts;
   store_opts.sync_writes = c.sync_writes;
   store_opts.direct_slot_writes = c.direct_writes;
@@ -1112,8 +1113,10 @@ Status ShardServer::Run() {
         for (const auto& p : reply.payload) out_bytes += p.size;
         impl_->shard->CountBytes(roles[i], request->header.size() + request->PayloadBytes(),
                                  out_bytes);
-        Status s = SendMessage(*sockets[i], &routing_id, reply.header, reply.payload);
-        if (!s.ok()) spdlog::warn("could not send a reply: {}", s.ToString());
+        if (reply.send) {
+          Status s = SendMessage(*sockets[i], &routing_id, reply.header, reply.payload);
+          if (!s.ok()) spdlog::warn("could not send a reply: {}", s.ToString());
+        }
         request.reset();
         if (impl_->hang_after_push_reply && roles[i] == wire::Role::Worker &&
             impl_->shard->DeferredRetryMs() == 0) {

@@ -118,8 +118,43 @@ std::string PushContent(const wire::PushRequest* req) {
 
 }  // namespace
 
+// A plain push whose large tensors come in parts (Shard::BeginStreamedPush).
+struct Shard::StreamedPush {
+  struct Target {
+    std::string name;
+    // The values the sums start from: a push published meanwhile replaces the tensor's, and
+    // the sums are then computed again from the parts.
+    std::shared_ptr<const std::vector<float>> base;
+    std::shared_ptr<std::vector<float>> next;  // base + delta, filled part by part
+    bool in_parts = false;
+    size_t received = 0;             // bytes of its delta added so far (in parts)
+    const uint8_t* frame = nullptr;  // the delta of a tensor that came in the request
+  };
+  // One received part: its target and bytes (owned by `messages`).
+  struct Part {
+    size_t target;
+    size_t offset;
+    const uint8_t* data;
+    size_t size;
+  };
+  std::string job, key, content;
+  uint64_t id = 0;  // the PushRequest's request id: the reply's
+  uint64_t round = 0, tokens = 0;
+  std::vector<Target> targets;  // the request's tensors, in its order
+  std::vector<size_t> order;    // the targets that come in parts, in the order they come
+  size_t current = 0;           // index into `order` of the target the next part adds to
+  std::vector<Part> parts;
+  std::vector<std::shared_ptr<const void>> messages;  // the request's and every part's
+  std::vector<std::vector<uint8_t>> copies;           // their bytes, where no one owns them
+  WriteBatch batch;                                   // the sums, op i = targets[i]
+  std::unique_ptr<StagedWrite> staged;
+  std::chrono::steady_clock::time_point last;  // the last part (or the request) came
+};
+
 Shard::Shard(ShardOptions options)
     : options_(std::move(options)), started_(std::chrono::steady_clock::now()) {}
+
+Shard::~Shard() = default;
 
 Result<std::unique_ptr<Shard>> Shard::Open(ShardOptions options) {
   std::unique_ptr<Shard> shard(new Shard(std::move(options)));
@@ -211,6 +246,7 @@ uint64_t Shard::JobBytes(const JobState& job) {
 }
 
 Status Shard::Load() {
+  DropStreamedPushes("the jobs are read again");
   jobs_.clear();
   store_reopens_ = store_->reopens();
   if (sync_) sync_->Reset(store_.get());
@@ -454,6 +490,7 @@ Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<cons
     // The store was reopened after a failed write, replaying what reached its log: read
     // the jobs again before anything is computed from the copy in memory.
     spdlog::warn("the store was reopened after a failed write: reading the jobs from it again");
+    DropStreamedPushes("the store was reopened");
     if (Status loaded = Load(); !loaded.ok()) {
       spdlog::error("cannot read the jobs again: {}", loaded.ToString());
       store_.reset();
@@ -477,8 +514,9 @@ Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<cons
                                         " is only allowed on the admin socket");
       };
       // Requests that carry no payload must not bring any.
-      bool takes_payload =
-          e->body_type() == wire::Body::PushRequest || e->body_type() == wire::Body::JobCreate;
+      bool takes_payload = e->body_type() == wire::Body::PushRequest ||
+                           e->body_type() == wire::Body::PushPart ||
+                           e->body_type() == wire::Body::JobCreate;
       if (!takes_payload && !request.payload.empty()) {
         s = Status::InvalidArgument("this request takes no payload frames but " +
                                     std::to_string(request.payload.size()) + " were sent");
@@ -493,6 +531,11 @@ Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<cons
           case wire::Body::PushRequest:
             s = role == wire::Role::Worker
                     ? DoPush(e->body_as_PushRequest(), request, id, reply, std::move(keepalive))
+                    : Status::PermissionDenied("pushes are only allowed on the worker socket");
+            break;
+          case wire::Body::PushPart:
+            s = role == wire::Role::Worker
+                    ? DoPushPart(e->body_as_PushPart(), request, id, reply, std::move(keepalive))
                     : Status::PermissionDenied("pushes are only allowed on the worker socket");
             break;
           case wire::Body::JobDescribe:
@@ -530,6 +573,7 @@ Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<cons
     reply.payload.clear();
     BuildErrorReply(reply.header, id, s);
     reply.is_error = true;
+    reply.send = true;
   }
   RecordRequest(role, op, s.code(),
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
@@ -604,10 +648,13 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
     }
     pipes = reply.header.CreateVector(out);
   }
+  // A plain job takes its large pushes in parts (BeginStreamedPush); a synced one whole.
+  const uint64_t part_bytes =
+      job_found && !(sync_ && sync_->HasJob(job_found->name)) ? options_.push_part_bytes : 0;
   auto body = wire::CreateHelloReply(reply.header, reply.header.CreateString(options_.shard_id),
                                      reply.header.CreateString(kIsthmusVersion), version,
                                      reply.header.CreateString(base_hash), count, role, rounds,
-                                     pipes_round, pipes);
+                                     pipes_round, pipes, part_bytes);
   FinishEnvelope(reply.header, id, wire::Body::HelloReply, body.Union());
   return Status::Ok();
 }
@@ -740,27 +787,11 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     return Status::InvalidArgument("push needs an idempotency key of 1 to " +
                                    std::to_string(options_.limits.max_name_bytes) + " bytes");
   }
-  ISTHMUS_RETURN_IF_ERROR(
-      ValidateTensors(req->tensors(), frames.payload, options_.limits, false, true));
+  ISTHMUS_RETURN_IF_ERROR(ValidateTensors(req->tensors(), frames.payload, options_.limits, false,
+                                          true, req->streamed()));
   const std::string content = PushContent(req);
-  ISTHMUS_ASSIGN_OR_RETURN(auto seen, store_->Get(Column::kDedup, keys::DedupKey(job_name, key)));
-  if (seen) {
-    const auto rec = DecodeDedupRecord(*seen);
-    if (rec && !rec->content.empty() && rec->content != content) {
-      return Status::FailedPrecondition(
-          "idempotency key '" + key + "' of job '" + job_name +
-          "' was used before for a different push (" + rec->content + ", now " + content +
-          ": another round or another set of tensors): a retry must resend the same round's "
-          "tensors; a new push needs a new key");
-    }
-    const uint64_t v = rec ? rec->version : job->version;
-    spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
-                 job_name, v);
-    job->duplicate_pushes += 1;
-    auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
-    FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
-    return Status::Ok();
-  }
+  ISTHMUS_ASSIGN_OR_RETURN(bool answered, AnsweredBefore(job, key, content, id, reply));
+  if (answered) return Status::Ok();
   // No finiteness check in ValidateTensors (above): AddAllFinite checks the sums, and a
   // non-finite delta makes its sum non-finite.
   if (req->tensors() == nullptr || req->tensors()->size() == 0) {
@@ -776,7 +807,16 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
           ": push its fp32 values");
     }
   }
+  const bool streamed = req->streamed() != nullptr && req->streamed()->size() > 0;
+  if (streamed && (synced || options_.push_part_bytes == 0)) {
+    return Status::InvalidArgument(
+        "job '" + job_name + "' takes its pushes whole (its Hello says push_part_bytes 0" +
+        (synced ? ": it syncs across sites" : "") + "): send every tensor in the request");
+  }
   if (synced) return DoSyncPush(job, req, frames, id, content, reply, std::move(keepalive));
+  if (streamed) {
+    return BeginStreamedPush(job, req, frames, id, content, reply, std::move(keepalive));
+  }
   // Check every name and shape before touching anything.
   std::vector<std::pair<TensorState*, const wire::TensorMeta*>> targets;
   for (const auto* m : *req->tensors()) {
@@ -824,20 +864,290 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     for (size_t i = 0; i < targets.size(); ++i) targets[i].first->spare = std::move(updated[i]);
     return written;
   }
-  // Durable: now publish in memory. The old buffer becomes the spare unless a pull reply
-  // still holds it (use_count > 1; only this thread can add references).
-  for (size_t i = 0; i < targets.size(); ++i) {
-    TensorState& t = *targets[i].first;
-    std::shared_ptr<const std::vector<float>> old = std::move(t.data);
-    t.data = std::move(updated[i]);
-    t.version = new_version;
-    if (old.use_count() == 1) t.spare = std::const_pointer_cast<std::vector<float>>(std::move(old));
-  }
+  std::vector<std::pair<TensorState*, std::shared_ptr<std::vector<float>>>> sums;
+  for (size_t i = 0; i < targets.size(); ++i) sums.emplace_back(targets[i].first, updated[i]);
+  updated.clear();
+  PublishSums(sums, new_version);
   static_cast<JobRecord&>(*job) = next_job;
   auto body =
       wire::CreatePushReply(reply.header, new_version, false, RoundStatusOf(reply.header, *job));
   FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
   return Status::Ok();
+}
+
+Result<bool> Shard::AnsweredBefore(JobState* job, const std::string& key,
+                                   const std::string& content, uint64_t id, Reply& reply) {
+  const std::string& job_name = job->name;
+  ISTHMUS_ASSIGN_OR_RETURN(auto seen, store_->Get(Column::kDedup, keys::DedupKey(job_name, key)));
+  if (!seen) return false;
+  const auto rec = DecodeDedupRecord(*seen);
+  if (rec && !rec->content.empty() && rec->content != content) {
+    return Status::FailedPrecondition(
+        "idempotency key '" + key + "' of job '" + job_name +
+        "' was used before for a different push (" + rec->content + ", now " + content +
+        ": another round or another set of tensors): a retry must resend the same round's "
+        "tensors; a new push needs a new key");
+  }
+  const uint64_t v = rec ? rec->version : job->version;
+  spdlog::info("push '{}' to job '{}' was applied before (version {}); not applied again", key,
+               job_name, v);
+  job->duplicate_pushes += 1;
+  auto body = wire::CreatePushReply(reply.header, v, true, RoundStatusOf(reply.header, *job));
+  FinishEnvelope(reply.header, id, wire::Body::PushReply, body.Union());
+  return true;
+}
+
+Status Shard::AddRange(const std::string& name, const float* a, const void* delta, float* out,
+                       size_t n) {
+  if (AddAllFinite(a, static_cast<const uint8_t*>(delta), out, n)) return Status::Ok();
+  return Status::InvalidArgument("tensor '" + name +
+                                 "': the delta is not finite or the sum overflows");
+}
+
+void Shard::PublishSums(
+    std::vector<std::pair<TensorState*, std::shared_ptr<std::vector<float>>>>& sums,
+    uint64_t version) {
+  // Durable: now publish in memory. The old buffer becomes the spare unless a pull reply
+  // still holds it (use_count > 1; only this thread can add references).
+  for (auto& [t, next] : sums) {
+    std::shared_ptr<const std::vector<float>> old = std::move(t->data);
+    t->data = std::move(next);
+    t->version = version;
+    if (old.use_count() == 1)
+      t->spare = std::const_pointer_cast<std::vector<float>>(std::move(old));
+  }
+}
+
+namespace {
+
+// Bytes of a received frame that stay valid as long as `push`: the message itself kept
+// (the server hands every request's ownership in), or a copy where no one owns it (a
+// Shard driven by a test).
+template <typename Push>
+const uint8_t* KeepFrame(Push& push, const zmq::message_t& frame,
+                         const std::shared_ptr<const void>& keepalive) {
+  if (keepalive) {
+    if (push.messages.empty() || push.messages.back() != keepalive) {
+      push.messages.push_back(keepalive);
+    }
+    return static_cast<const uint8_t*>(frame.data());
+  }
+  const auto* p = static_cast<const uint8_t*>(frame.data());
+  push.copies.emplace_back(p, p + frame.size());
+  return push.copies.back().data();
+}
+
+}  // namespace
+
+Status Shard::BeginStreamedPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
+                                uint64_t id, const std::string& content, Reply& reply,
+                                std::shared_ptr<const void> keepalive) {
+  const std::string key = req->idempotency_key()->str();
+  auto push = std::make_unique<StreamedPush>();
+  push->job = job->name;
+  push->key = key;
+  push->content = content;
+  push->id = id;
+  push->round = req->round();
+  push->tokens = req->tokens();
+  std::vector<bool> in_parts(req->tensors()->size(), false);
+  for (uint32_t i : *req->streamed()) in_parts[i] = true;
+  // Every name and shape before anything is taken.
+  for (size_t i = 0; i < req->tensors()->size(); ++i) {
+    const auto* m = req->tensors()->Get(i);
+    auto it = job->tensors.find(m->name()->str());
+    if (it == job->tensors.end()) {
+      return Status::NotFound("tensor '" + m->name()->str() + "' is not in job '" + job->name +
+                              "'");
+    }
+    if (ShapeOf(m) != it->second.shape) {
+      return Status::InvalidArgument("tensor '" + m->name()->str() +
+                                     "': pushed shape differs from the job's shape");
+    }
+    StreamedPush::Target target;
+    target.name = it->first;
+    target.base = it->second.data;
+    target.in_parts = in_parts[i];
+    if (!target.in_parts) target.frame = KeepFrame(*push, frames.payload[m->frame()], keepalive);
+    push->targets.push_back(std::move(target));
+    if (in_parts[i]) push->order.push_back(i);
+  }
+  // The same push sent again (a client's retry on a new connection) starts over; pushes
+  // left without parts, and the oldest past the bound, are dropped.
+  const auto now = std::chrono::steady_clock::now();
+  for (auto it = streamed_.begin(); it != streamed_.end();) {
+    const bool again = (*it)->job == job->name && (*it)->key == key;
+    if (!again && now - (*it)->last < std::chrono::milliseconds(options_.streamed_push_idle_ms)) {
+      ++it;
+      continue;
+    }
+    spdlog::warn("streamed push '{}' to job '{}' dropped: {}", (*it)->key, (*it)->job,
+                 again ? "sent again" : "no part came for too long");
+    it = streamed_.erase(it);
+  }
+  while (!streamed_.empty() &&
+         streamed_.size() >= std::max<size_t>(1, options_.max_streamed_pushes)) {
+    spdlog::warn("streamed push '{}' to job '{}' dropped: {} others wait for parts",
+                 streamed_.front()->key, streamed_.front()->job, streamed_.size());
+    streamed_.erase(streamed_.begin());
+  }
+  for (auto& target : push->targets) {
+    TensorState& t = job->tensors.at(target.name);
+    const size_t n = t.data->size();
+    target.next = std::move(t.spare);
+    if (!target.next || target.next->size() != n) {
+      target.next = std::make_shared<std::vector<float>>(n);
+    }
+    if (!target.in_parts) {
+      ISTHMUS_RETURN_IF_ERROR(
+          AddRange(target.name, t.data->data(), target.frame, target.next->data(), n));
+    }
+    push->batch.Put(Column::kTensors, keys::TensorKey(job->name, target.name), Bytes(*target.next));
+  }
+  ISTHMUS_ASSIGN_OR_RETURN(push->staged, store_->Stage(push->batch));
+  for (size_t i = 0; i < push->targets.size(); ++i) {
+    if (push->targets[i].in_parts) continue;
+    ISTHMUS_RETURN_IF_ERROR(
+        push->staged->FillPrefix(i, push->targets[i].next->size() * sizeof(float)));
+  }
+  push->last = now;
+  streamed_.push_back(std::move(push));
+  reply.send = false;  // the last part's handling answers
+  return Status::Ok();
+}
+
+Status Shard::DoPushPart(const wire::PushPart* req, const Frames& frames, uint64_t& id,
+                         Reply& reply, std::shared_ptr<const void> keepalive) {
+  const std::string job = req->job()->str(), key = req->idempotency_key()->str();
+  auto it = std::find_if(streamed_.begin(), streamed_.end(),
+                         [&](const auto& p) { return p->job == job && p->key == key; });
+  if (it == streamed_.end()) {
+    // Answered already (a duplicate, a refusal) or dropped: the client hears of it through
+    // the push's reply, or sends the push again.
+    spdlog::debug("part of push '{}' to job '{}' ignored: no such push waits for parts", key, job);
+    reply.send = false;
+    return Status::Ok();
+  }
+  StreamedPush& push = **it;
+  id = push.id;  // from here on every outcome answers the push
+  auto refuse = [&](Status s) {
+    streamed_.erase(it);
+    return s;
+  };
+  const size_t target = push.order[push.current];
+  StreamedPush::Target& tg = push.targets[target];
+  const size_t bytes = tg.next->size() * sizeof(float);
+  const size_t size = frames.payload.size() == 1 ? frames.payload[0].size() : 0;
+  if (req->tensor() != target || req->offset() != tg.received || size == 0 ||
+      size % sizeof(float) != 0 || size > bytes - tg.received) {
+    return refuse(Status::InvalidArgument(
+        "push '" + key + "': a part of " + std::to_string(frames.payload.size()) + " frame(s), " +
+        std::to_string(size) + " bytes for tensor #" + std::to_string(req->tensor()) + " at byte " +
+        std::to_string(req->offset()) +
+        ", where the push expects one frame of whole floats for tensor #" + std::to_string(target) +
+        " ('" + tg.name + "', " + std::to_string(bytes) + " bytes) at byte " +
+        std::to_string(tg.received)));
+  }
+  const uint8_t* data = KeepFrame(push, frames.payload[0], keepalive);
+  const size_t first = tg.received / sizeof(float), n = size / sizeof(float);
+  if (Status s = AddRange(tg.name, tg.base->data() + first, data, tg.next->data() + first, n);
+      !s.ok()) {
+    return refuse(s);
+  }
+  push.parts.push_back({target, tg.received, data, size});
+  tg.received += size;
+  push.last = std::chrono::steady_clock::now();
+  if (Status s = push.staged->FillPrefix(target, tg.received); !s.ok()) return refuse(s);
+  if (tg.received == bytes) ++push.current;
+  if (push.current < push.order.size()) {
+    reply.send = false;
+    return Status::Ok();
+  }
+  std::unique_ptr<StreamedPush> done = std::move(*it);
+  streamed_.erase(it);
+  return FinishStreamedPush(*done, reply);
+}
+
+Status Shard::FinishStreamedPush(StreamedPush& push, Reply& reply) {
+  auto jt = jobs_.find(push.job);
+  if (jt == jobs_.end()) {
+    return Status::NotFound("job '" + push.job + "' went away while its push came in parts");
+  }
+  JobState* job = &jt->second;
+  // Sent again whole meanwhile and applied: this copy is a duplicate.
+  ISTHMUS_ASSIGN_OR_RETURN(bool answered,
+                           AnsweredBefore(job, push.key, push.content, push.id, reply));
+  if (answered) return Status::Ok();
+  std::vector<std::pair<TensorState*, std::shared_ptr<std::vector<float>>>> sums;
+  bool same = true;
+  for (auto& tg : push.targets) {
+    auto tt = job->tensors.find(tg.name);
+    if (tt == job->tensors.end() || !tt->second.data ||
+        tt->second.data->size() != tg.next->size()) {
+      return Status::FailedPrecondition("tensor '" + tg.name + "' of job '" + push.job +
+                                        "' changed while its push came in parts: push again");
+    }
+    same = same && tt->second.data == tg.base;
+    sums.emplace_back(&tt->second, tg.next);
+  }
+  const uint64_t new_version = job->version + 1;
+  JobRecord next_job = *job;  // the durable part only
+  next_job.version = new_version;
+  next_job.pushes += 1;
+  next_job.last_round = std::max(job->last_round, push.round);
+  next_job.tokens += push.tokens;
+  WriteBatch more;
+  for (size_t i = 0; i < sums.size(); ++i) {
+    more.PutOwned(Column::kTensorMeta, keys::TensorKey(push.job, push.targets[i].name),
+                  EncodeTensorRecord({sums[i].first->shape, new_version}));
+  }
+  ISTHMUS_RETURN_IF_ERROR(AddDedup(push.job, push.key, new_version, push.content, next_job, more));
+  more.PutOwned(Column::kJobs, push.job, EncodeJobRecord(next_job));
+  Status written = Status::FailedPrecondition("another push to these tensors came first");
+  if (same) written = store_->Apply(std::move(push.staged), more);
+  if (written.code() == Code::kFailedPrecondition) {
+    // Another push to these tensors was published (or staged) while this one came: the
+    // sums again, from the values served now and the parts kept, in one plain write.
+    push.staged.reset();
+    WriteBatch all;
+    for (size_t i = 0; i < push.targets.size(); ++i) {
+      const auto& tg = push.targets[i];
+      const float* a = sums[i].first->data->data();
+      if (!tg.in_parts) {
+        ISTHMUS_RETURN_IF_ERROR(AddRange(tg.name, a, tg.frame, tg.next->data(), tg.next->size()));
+      }
+      all.Put(Column::kTensors, keys::TensorKey(push.job, tg.name), Bytes(*tg.next));
+    }
+    for (const auto& part : push.parts) {
+      const auto& tg = push.targets[part.target];
+      const size_t first = part.offset / sizeof(float);
+      ISTHMUS_RETURN_IF_ERROR(AddRange(tg.name, sums[part.target].first->data->data() + first,
+                                       part.data, tg.next->data() + first,
+                                       part.size / sizeof(float)));
+    }
+    for (const auto& op : more.ops()) {
+      if (op.is_delete) {
+        all.Delete(op.column, op.key);
+      } else {
+        all.Put(op.column, op.key, op.value);
+      }
+    }
+    written = store_->Write(all);
+  }
+  ISTHMUS_RETURN_IF_ERROR(written);
+  for (auto& tg : push.targets) tg.base.reset();  // so the old values can become spares
+  PublishSums(sums, new_version);
+  static_cast<JobRecord&>(*job) = next_job;
+  auto body =
+      wire::CreatePushReply(reply.header, new_version, false, RoundStatusOf(reply.header, *job));
+  FinishEnvelope(reply.header, push.id, wire::Body::PushReply, body.Union());
+  return Status::Ok();
+}
+
+void Shard::DropStreamedPushes(const char* why) {
+  if (streamed_.empty()) return;
+  spdlog::warn("{} streamed push(es) waiting for parts dropped: {}", streamed_.size(), why);
+  streamed_.clear();
 }
 
 Status Shard::AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
@@ -1184,7 +1494,8 @@ Status Shard::DoSnapshotRestore(const wire::SnapshotRestore* req, uint64_t id, R
                             "' does not exist (list them: isthmusctl snapshot list)");
   }
   if (sync_) sync_->DropStateWrites();  // they write into the store closed here
-  store_.reset();                       // close the live database before its files are replaced
+  DropStreamedPushes("a snapshot is restored");
+  store_.reset();  // close the live database before its files are replaced
   Status s = options_.replace_store_files((dir / "db").string());
   auto reopened = options_.open_store();
   if (!reopened.ok()) {

@@ -50,6 +50,15 @@ struct ShardOptions {
   // (SyncEngine::SetDeferRoundWork). The server's loop sets it and calls RunDeferred after
   // each reply; off, Handle does all of a request's round work before it returns.
   bool defer_round_work = false;
+  // A plain job's pushes of tensors of twice this or more come in PushPart messages of this
+  // many bytes (HelloReply.push_part_bytes), whose sums are written to the store as they
+  // arrive, so that a large push's disk write overlaps its transfer. 0: pushes come whole.
+  uint64_t push_part_bytes = uint64_t{4} << 20;
+  // Streamed pushes waiting for parts at once; a new one past this drops the oldest (its
+  // client times out and sends it again). One that got no part for streamed_push_idle_ms is
+  // dropped when the next streamed push begins.
+  size_t max_streamed_pushes = 8;
+  int streamed_push_idle_ms = 60000;
 };
 
 // A reply ready to send.
@@ -57,6 +66,7 @@ struct Reply {
   flatbuffers::FlatBufferBuilder header;
   std::vector<PayloadRef> payload;
   bool is_error = false;
+  bool send = true;  // false: nothing to send (a part of a streamed push that is not its last)
 };
 
 class Shard {
@@ -64,6 +74,7 @@ class Shard {
   // Opens the store and loads every job into memory. With sync on, a plain job (no sync
   // state) is refused unless convert_plain_jobs (see ShardOptions).
   static Result<std::unique_ptr<Shard>> Open(ShardOptions options);
+  ~Shard();
 
   // Handles one request that arrived on the socket of `role`. Never throws; any problem
   // becomes an error reply, and an error reply means no state changed. `keepalive`, when
@@ -150,6 +161,34 @@ class Shard {
   Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames, uint64_t id,
                     const std::string& content, Reply& reply,
                     std::shared_ptr<const void> keepalive);
+  // A plain job's push whose large tensors come in parts (PushRequest.streamed): each
+  // part's sums are computed as it arrives and handed to the store's staged write
+  // (StagedWrite::FillPrefix), so most of the disk write is done when the last part comes.
+  // Begin answers nothing (Reply::send false); DoPushPart answers the push (its request id
+  // in `id`) when the last part has come, or when a part is refused (the push is dropped).
+  struct StreamedPush;
+  Status BeginStreamedPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
+                           uint64_t id, const std::string& content, Reply& reply,
+                           std::shared_ptr<const void> keepalive);
+  Status DoPushPart(const wire::PushPart* req, const Frames& frames, uint64_t& id, Reply& reply,
+                    std::shared_ptr<const void> keepalive);
+  Status FinishStreamedPush(StreamedPush& push, Reply& reply);
+  // Sums a + delta over one range into out; InvalidArgument naming the tensor if one is not
+  // finite.
+  static Status AddRange(const std::string& name, const float* a, const void* delta, float* out,
+                         size_t n);
+  // Publishes a push's durable sums (the old buffers become spares where no reply holds
+  // them) and the job's new record.
+  static void PublishSums(
+      std::vector<std::pair<TensorState*, std::shared_ptr<std::vector<float>>>>& sums,
+      uint64_t version);
+  // A push whose key was applied before: answers it as a duplicate (true), or refuses a
+  // different push under that key. False: the key is new.
+  Result<bool> AnsweredBefore(JobState* job, const std::string& key, const std::string& content,
+                              uint64_t id, Reply& reply);
+  // Drops every streamed push waiting for parts (their clients send them again), before the
+  // store they stage into is closed or reloaded.
+  void DropStreamedPushes(const char* why);
   // Adds the idempotency record of `key` (and forgets the oldest) to `batch`; counts it
   // in `next`.
   Status AddDedup(const std::string& job_name, const std::string& key, uint64_t version,
@@ -174,6 +213,8 @@ class Shard {
   uint64_t store_reopens_ = 0;        // store_->reopens() when the jobs were last read (Load)
   std::unique_ptr<SyncEngine> sync_;  // after store_: destroyed first
   std::map<std::string, JobState> jobs_;
+  // Streamed pushes waiting for parts, oldest first; after store_: destroyed first.
+  std::vector<std::unique_ptr<StreamedPush>> streamed_;
   std::chrono::steady_clock::time_point started_;
   uint64_t requests_ = 0, errors_ = 0, bytes_in_ = 0, bytes_out_ = 0;
   // The last request answered with an error, and when (Stats reports it; memory only).

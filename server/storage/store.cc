@@ -605,6 +605,31 @@ class RocksStore : public Store {
     return Status::Ok();
   }
 
+  // Opens the slot file `ref` names for writing, reusing the file; one shared with a
+  // checkpoint (hard link) is replaced instead, and *fresh set when a directory entry was
+  // created (the caller syncs the folder). `synced`: the write will be synced, so it is made
+  // with O_DIRECT where the options ask for it (*direct says whether it was).
+  Result<int> OpenSlotFile(const SlotRef& ref, bool synced, bool* fresh, bool* direct) {
+    const std::string path = SlotPath(ref.id, ref.slot);
+    const bool want_direct = synced && options_.direct_slot_writes;
+    int fd = OpenMaybeDirect(path, O_WRONLY | O_CLOEXEC, 0644, want_direct, direct);
+    if (fd >= 0) {
+      struct stat st;
+      if (::fstat(fd, &st) != 0 || st.st_nlink > 1) {
+        ::close(fd);
+        fd = -1;
+        if (::unlink(path.c_str()) != 0) return Errno("cannot replace '" + path + "'");
+      }
+    }
+    if (fd < 0) {
+      fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644, want_direct,
+                           direct);
+      if (fd < 0) return Errno("cannot create slot file '" + path + "'");
+      *fresh = true;
+    }
+    return fd;
+  }
+
   // Writes `value` into the slot file `ref` names, reusing the file. A file shared with a
   // checkpoint (hard link) is replaced instead. Sets *fresh when a directory entry was
   // created (the caller syncs the folder). With `unsynced`, the file's writeback is started
@@ -626,23 +651,8 @@ class RocksStore : public Store {
   Status WriteSlotFile(const SlotRef& ref, std::string_view value, bool* fresh, int* unsynced,
                        bool paced = false) {
     const std::string path = SlotPath(ref.id, ref.slot);
-    const bool want_direct = unsynced != nullptr && options_.direct_slot_writes;
     bool direct = false;
-    int fd = OpenMaybeDirect(path, O_WRONLY | O_CLOEXEC, 0644, want_direct, &direct);
-    if (fd >= 0) {
-      struct stat st;
-      if (::fstat(fd, &st) != 0 || st.st_nlink > 1) {
-        ::close(fd);
-        fd = -1;
-        if (::unlink(path.c_str()) != 0) return Errno("cannot replace '" + path + "'");
-      }
-    }
-    if (fd < 0) {
-      fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644, want_direct,
-                           &direct);
-      if (fd < 0) return Errno("cannot create slot file '" + path + "'");
-      *fresh = true;
-    }
+    ISTHMUS_ASSIGN_OR_RETURN(int fd, OpenSlotFile(ref, unsynced != nullptr, fresh, &direct));
     Status s;
     if (direct) {  // the writer falls back to buffered writes itself
       DirectFileWriter writer(fd, path, true);
@@ -710,9 +720,20 @@ class RocksStore : public Store {
   struct Staged : StagedWrite {
     Staged(RocksStore* s, const WriteBatch& b) : store(s), batch(&b) {}
     ~Staged() override {
+      for (auto& [op, part] : prefixes) {
+        if (part.fd >= 0) ::close(part.fd);
+      }
       if (!reserved) return;
       store->Release(*this);
       for (uint64_t id : created) store->RemoveSlotFiles(id);
+    }
+    Status FillPrefix(size_t op, size_t ready) override {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        // Fill writes the rest (or wrote it all), or a later write holds the keys now.
+        if (started || superseded) return Status::Ok();
+      }
+      return store->FillSlotPrefix(*this, op, ready);
     }
     void Fill() override {
       {
@@ -735,9 +756,18 @@ class RocksStore : public Store {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock, [&] { return filled || !started; });
     }
+    // A large value FillPrefix began: its open file, its writer and the crc32c of the
+    // bytes it took.
+    struct Prefix {
+      int fd = -1;
+      std::unique_ptr<DirectFileWriter> writer;
+      uint32_t crc = 0;
+      size_t done = 0;
+    };
     RocksStore* store;
     const WriteBatch* batch;
     std::vector<std::optional<SlotRef>> op_refs;  // per op: the slot its large value fills
+    std::map<size_t, Prefix> prefixes;            // per op index, those FillPrefix began
     std::map<SlotKey, SlotRef> refs;              // the large values' keys
     std::vector<uint64_t> created;                // ids of slot files created for it
     uint64_t bytes = 0;
@@ -802,6 +832,22 @@ class RocksStore : public Store {
     for (size_t i = 0; i < ops.size(); ++i) {
       auto& ref = w.op_refs[i];
       if (!ref) continue;
+      if (auto p = w.prefixes.find(i); p != w.prefixes.end() && p->second.fd >= 0) {
+        // FillPrefix wrote the start: the rest through the same writer.
+        Status s = FillSlotPrefix(w, i, ops[i].value.size());
+        if (s.ok()) s = p->second.writer->Finish();
+        ref->crc = p->second.crc;
+        p->second.writer.reset();
+        if (sync_) {
+          (void)::sync_file_range(p->second.fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+          unsynced.emplace_back(p->second.fd, SlotPath(ref->id, ref->slot));
+        } else {
+          ::close(p->second.fd);
+        }
+        p->second.fd = -1;
+        ISTHMUS_RETURN_IF_ERROR(s);
+        continue;
+      }
       ref->crc = Crc32c(ops[i].value.data(), ops[i].value.size());
       bool fresh = false;
       int fd = -1;
@@ -818,6 +864,29 @@ class RocksStore : public Store {
       (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
     }
     if (w.new_dirent && sync_) ISTHMUS_RETURN_IF_ERROR(SyncPath(slot_dir_));
+    return Status::Ok();
+  }
+
+  // Writes bytes [done, ready) of op `op`'s large value into its slot, opening the file at
+  // the first call (Staged::FillPrefix; FillSlots for the rest). Small values: nothing.
+  Status FillSlotPrefix(Staged& w, size_t op, size_t ready) {
+    const auto& ops = w.batch->ops();
+    if (op >= ops.size() || !w.op_refs[op]) return Status::Ok();
+    const SlotRef& ref = *w.op_refs[op];
+    ready = std::min(ready, ops[op].value.size());
+    Staged::Prefix& p = w.prefixes[op];
+    if (p.fd < 0) {
+      bool fresh = false, direct = false;
+      ISTHMUS_ASSIGN_OR_RETURN(p.fd, OpenSlotFile(ref, sync_, &fresh, &direct));
+      w.new_dirent |= fresh;
+      p.writer = std::make_unique<DirectFileWriter>(p.fd, SlotPath(ref.id, ref.slot), direct);
+    }
+    if (ready <= p.done) return Status::Ok();
+    const char* from = ops[op].value.data() + p.done;
+    const size_t n = ready - p.done;
+    p.crc = Crc32cExtend(p.crc, from, n);
+    ISTHMUS_RETURN_IF_ERROR(p.writer->Append(from, n));
+    p.done = ready;
     return Status::Ok();
   }
 

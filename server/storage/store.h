@@ -8,6 +8,7 @@
 // write's Fill (below) runs on another.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <map>
 #include <memory>
@@ -115,6 +116,15 @@ class StagedWrite {
   // the batch's values must stay valid and unchanged until it returns. Its outcome is
   // Apply's.
   virtual void Fill() = 0;
+  // Optional, before Fill and on the store's thread: the first `ready` bytes of the value of
+  // op number `op` of the batch are final (a value received in parts). A store that keeps
+  // large values apart may write them now, so that Fill has only the rest left; the bytes
+  // must not change after. `ready` only grows from call to call. Nothing becomes visible
+  // before Apply. The default writes nothing.
+  virtual Status FillPrefix(size_t op, size_t ready) {
+    (void)op, (void)ready;
+    return Status::Ok();
+  }
 };
 
 class Store {

@@ -26,6 +26,8 @@
 
 #include "common/client.h"
 #include "common/keys.h"
+#include "common/transport.h"
+#include "common/wire.h"
 #include "tests/loopback.h"
 
 namespace isthmus::testing {
@@ -244,6 +246,48 @@ class ServerProcess {
   int64_t run_as_uid_ = -1;
   gid_t run_as_gid_ = 0;
   static inline int counter_ = 0;
+};
+
+// A DEALER on a server's worker (or admin) socket that sends hand-made frames: for
+// requests a ShardClient would never send.
+class RawSocket {
+ public:
+  explicit RawSocket(const ServerProcess& server, bool admin = false)
+      : socket_(ctx_, zmq::socket_type::dealer) {
+    ConfigureCurveClient(socket_, admin ? server.admin_keys() : server.worker_keys(),
+                         server.server_keys().public_key);
+    socket_.set(zmq::sockopt::linger, 0);
+    socket_.connect(ServerProcess::Endpoint(admin ? server.admin_port() : server.worker_port()));
+  }
+  // Sends one message of these frames, without waiting for a reply.
+  void Send(const std::vector<std::string>& frames) {
+    for (size_t i = 0; i < frames.size(); ++i) {
+      zmq::message_t m(frames[i].data(), frames[i].size());
+      socket_.send(m, i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
+    }
+  }
+  // Waits up to `timeout_ms` for a reply; returns the status it carries (OK for a non-error
+  // reply), Timeout when none came. `request_id`, when given, receives the id it echoed.
+  Status Receive(uint64_t* request_id = nullptr, int timeout_ms = 5000) {
+    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
+    zmq::poll(&item, 1, std::chrono::milliseconds(timeout_ms));
+    if (!(item.revents & ZMQ_POLLIN)) return Status::Timeout("no reply");
+    auto reply = ReceiveMessage(socket_, nullptr);
+    if (!reply.ok()) return reply.status();
+    auto env = ParseEnvelope(reply->header, WireLimits{});
+    if (!env.ok()) return Status::Internal("server sent an unparsable reply");
+    if (request_id != nullptr) *request_id = (*env)->request_id();
+    return ErrorFromEnvelope(*env);
+  }
+  // Send, then Receive.
+  Status Call(const std::vector<std::string>& frames, uint64_t* request_id = nullptr) {
+    Send(frames);
+    return Receive(request_id);
+  }
+
+ private:
+  zmq::context_t ctx_;
+  zmq::socket_t socket_;
 };
 
 }  // namespace isthmus::testing

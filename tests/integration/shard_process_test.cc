@@ -21,6 +21,7 @@
 namespace isthmus {
 namespace {
 
+using testing::RawSocket;
 using testing::ServerProcess;
 
 const std::vector<int64_t> kShape{4, 8};
@@ -238,37 +239,6 @@ TEST_F(ShardProcessTest, WorkerKeyCannotUseAdminSocket) {
 
 // Hostile frames sent on a raw DEALER socket with a listed key. Each must get a typed
 // error reply and change nothing; the server must stay up.
-class RawSocket {
- public:
-  explicit RawSocket(const ServerProcess& server, bool admin = false)
-      : socket_(ctx_, zmq::socket_type::dealer) {
-    ConfigureCurveClient(socket_, admin ? server.admin_keys() : server.worker_keys(),
-                         server.server_keys().public_key);
-    socket_.set(zmq::sockopt::linger, 0);
-    socket_.connect(ServerProcess::Endpoint(admin ? server.admin_port() : server.worker_port()));
-  }
-  // Sends the frames; returns the status carried by the reply (OK for a non-error reply).
-  // `request_id`, when given, receives the id the reply echoed.
-  Status Call(const std::vector<std::string>& frames, uint64_t* request_id = nullptr) {
-    for (size_t i = 0; i < frames.size(); ++i) {
-      zmq::message_t m(frames[i].data(), frames[i].size());
-      socket_.send(m, i + 1 < frames.size() ? zmq::send_flags::sndmore : zmq::send_flags::none);
-    }
-    zmq::pollitem_t item{socket_.handle(), 0, ZMQ_POLLIN, 0};
-    zmq::poll(&item, 1, std::chrono::milliseconds(5000));
-    auto reply = ReceiveMessage(socket_, nullptr);
-    if (!reply.ok()) return reply.status();
-    auto env = ParseEnvelope(reply->header, WireLimits{});
-    if (!env.ok()) return Status::Internal("server sent an unparsable reply");
-    if (request_id != nullptr) *request_id = (*env)->request_id();
-    return ErrorFromEnvelope(*env);
-  }
-
- private:
-  zmq::context_t ctx_;
-  zmq::socket_t socket_;
-};
-
 std::string PushHeader(const std::string& key, const std::string& name, uint64_t nbytes,
                        std::vector<int64_t> shape = kShape, uint32_t schema_version = 1) {
   flatbuffers::FlatBufferBuilder fbb;
@@ -449,14 +419,23 @@ TEST_F(ShardProcessTest, MutatedPushesNeverKillTheServer) {
   std::string good = PushHeader("m", "b", 128);
   std::vector<float> zeros(32, 0.0f);
   std::mt19937 rng(11);
-  int answered = 0;
+  int answered = 0, parts = 0;
   for (int i = 0; i < 300; ++i) {
     std::string h = good;
     h[rng() % h.size()] = static_cast<char>(rng());
     Status s = raw.Call({h, Floats(zeros)});
-    if (s.code() != Code::kTimeout) ++answered;
+    if (s.code() != Code::kTimeout) {
+      ++answered;
+      continue;
+    }
+    // The one request left unanswered by design: a part of a push in parts (here of no push
+    // that waits), which a mutated body type can turn the push into.
+    zmq::message_t m(h.data(), h.size());
+    auto env = ParseEnvelope(m, WireLimits{});
+    if (env.ok() && (*env)->body_type() == wire::Body::PushPart) ++parts;
   }
-  EXPECT_EQ(answered, 300);
+  EXPECT_EQ(answered + parts, 300);
+  EXPECT_LE(parts, 10);
   auto w = server_.WorkerClient();
   EXPECT_TRUE(w->Hello("j", wire::Role::Worker, "", "after-fuzz").ok());
 }

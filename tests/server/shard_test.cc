@@ -509,6 +509,73 @@ TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {
   EXPECT_EQ(Pull()["b"], (std::vector<float>{2, 3, 4}));
 }
 
+// A push in parts of "w" (key `key`, request id 1): the request, answered by nothing.
+Reply BeginPushInParts(Shard& shard, const std::string& key) {
+  flatbuffers::FlatBufferBuilder fbb;
+  const std::vector<int64_t> shape{2, 2};
+  std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{
+      wire::CreateTensorMetaDirect(fbb, "w", &shape, wire::DType::F32, 0, 16, 0)};
+  const std::vector<uint32_t> streamed{0};
+  Finish(
+      fbb, wire::Body::PushRequest,
+      wire::CreatePushRequestDirect(fbb, "job", key.c_str(), 0, 1, &metas, 0, &streamed).Union());
+  return shard.Handle(wire::Role::Worker, MakeFrames(fbb));
+}
+
+Reply PushPartOf(Shard& shard, const std::string& key, std::vector<float> values) {
+  flatbuffers::FlatBufferBuilder fbb;
+  Finish(fbb, wire::Body::PushPart,
+         wire::CreatePushPartDirect(fbb, "job", key.c_str(), 0, 0).Union());
+  return shard.Handle(wire::Role::Worker, MakeFrames(fbb, {values}));
+}
+
+// Hello offers parts for a plain job only; a synced job's push in parts is refused.
+TEST_F(ShardTest, OnlyAPlainJobTakesPushesInParts) {
+  auto hello_parts = [&] {
+    flatbuffers::FlatBufferBuilder fbb;
+    Finish(fbb, wire::Body::Hello,
+           wire::CreateHelloDirect(fbb, "job", wire::Role::Worker, "", "t").Union());
+    Reply r = shard_->Handle(wire::Role::Worker, MakeFrames(fbb));
+    EXPECT_TRUE(Expect(r, wire::Body::HelloReply).ok());
+    zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
+    return (*ParseEnvelope(m, WireLimits{}))->body_as_HelloReply()->push_part_bytes();
+  };
+  ASSERT_TRUE(CreateJob().ok());
+  EXPECT_EQ(hello_parts(), ShardOptions{}.push_part_bytes);
+  EXPECT_GT(ShardOptions{}.push_part_bytes, 0u);
+  OpenSynced({});
+  ASSERT_TRUE(CreateJob().ok());
+  EXPECT_EQ(hello_parts(), 0u);
+  Reply r = BeginPushInParts(*shard_, "k");
+  EXPECT_TRUE(r.send);
+  Status s = Expect(r, wire::Body::PushReply);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("whole"), std::string::npos) << s.ToString();
+}
+
+// Pushes waiting for parts are bounded: past max_streamed_pushes the oldest is dropped, and
+// its parts then answer nothing and change nothing; the others complete.
+TEST_F(ShardTest, PushesWaitingForPartsAreBounded) {
+  ASSERT_TRUE(CreateJob().ok());
+  const size_t bound = ShardOptions{}.max_streamed_pushes;
+  for (size_t i = 0; i <= bound; ++i) {
+    Reply r = BeginPushInParts(*shard_, "k" + std::to_string(i));
+    EXPECT_FALSE(r.send) << i << ": a push in parts is answered after its last part";
+  }
+  Reply dropped = PushPartOf(*shard_, "k0", {1, 1, 1, 1});
+  EXPECT_FALSE(dropped.send);
+  EXPECT_EQ(Pull()["w"], w_);
+  Reply done = PushPartOf(*shard_, "k1", {1, 1, 1, 1});
+  EXPECT_TRUE(done.send);
+  ASSERT_TRUE(Expect(done, wire::Body::PushReply).ok());
+  EXPECT_EQ(Pull()["w"], (std::vector<float>{2, 3, 4, 5}));
+  // Its retry under the same key is a duplicate.
+  Reply again = BeginPushInParts(*shard_, "k1");
+  EXPECT_TRUE(again.send);
+  ASSERT_TRUE(Expect(again, wire::Body::PushReply).ok());
+  EXPECT_EQ(Pull()["w"], (std::vector<float>{2, 3, 4, 5}));
+}
+
 // With deferred round work (the server's mode) the push that completes a round is answered
 // once the round is durable, as this site's (local round 1) but not closed or committed;
 // RunDeferred then closes it from the request's own frames and commits, and pulls see it.

@@ -187,6 +187,89 @@ TEST(RocksSlotTest, LargeValuesSurviveReopenAndAlternateSlots) {
 // page cache. Either way every byte reads back, before and after a reopen: values whose
 // sizes are no multiple of the 4096-byte block, one over two buffers long, and a slot file
 // reused by a shorter value (cut back to it, not left with the longer one's tail).
+// A value written in prefixes as it is computed (StagedWrite::FillPrefix, a push that comes
+// in parts), the rest by Fill, reads back whole with its checksum, direct and buffered, over
+// pieces that do not fall on the writer's blocks; dropped half-way or superseded half-way it
+// leaves the old value, in the process and after a reopen.
+TEST(RocksSlotTest, AValueFilledInPrefixesReadsBackWhole) {
+  std::mt19937 rng(5);
+  auto random_value = [&](size_t n) {
+    std::string v(n, '\0');
+    for (auto& c : v) c = static_cast<char>(rng() & 0xff);
+    return v;
+  };
+  for (bool direct : {true, false}) {
+    SCOPED_TRACE(direct ? "direct" : "buffered");
+    testing::TempDir dir;
+    const std::filesystem::path db = dir.path() / "db";
+    StoreOptions o;
+    o.direct_slot_writes = direct;
+    auto open = [&] {
+      auto s = OpenRocksStore(db.string(), o);
+      EXPECT_TRUE(s.ok()) << s.status().ToString();
+      return s.ok() ? std::move(s).value() : nullptr;
+    };
+    const std::string key = keys::JobKey("j", "t"), small_key = keys::JobKey("j", "m");
+    const std::string v1 = random_value(kSlotFileMinBytes + 77);
+    auto store = open();
+    ASSERT_NE(store, nullptr);
+    {
+      WriteBatch w;
+      w.Put(Column::kTensors, key, v1);
+      ASSERT_TRUE(store->Write(w).ok());
+    }
+    // Written in three prefixes and the rest (9 MiB + 3: past one 8 MiB block).
+    const std::string v2 = random_value((size_t{9} << 20) + 3);
+    {
+      WriteBatch b;
+      b.PutOwned(Column::kJobs, "j", "small, inline");
+      b.Put(Column::kTensors, key, v2);
+      auto staged = store->Stage(b);
+      ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+      for (size_t ready : {size_t{4093}, size_t{5} << 20, (size_t{8} << 20) + 1}) {
+        ASSERT_TRUE((*staged)->FillPrefix(1, ready).ok());
+        ASSERT_TRUE((*staged)->FillPrefix(0, ready).ok()) << "a small value: nothing to do";
+      }
+      WriteBatch more;
+      more.PutOwned(Column::kTensorMeta, small_key, "meta");
+      ASSERT_TRUE(store->Apply(std::move(*staged), more).ok());
+    }
+    EXPECT_EQ(**store->Get(Column::kTensors, key), v2);
+    EXPECT_EQ(**store->Get(Column::kTensorMeta, small_key), "meta");
+    // Dropped after a prefix: the old value.
+    const std::string v3 = random_value(size_t{3} << 20);
+    {
+      WriteBatch b;
+      b.Put(Column::kTensors, key, v3);
+      auto staged = store->Stage(b);
+      ASSERT_TRUE(staged.ok());
+      ASSERT_TRUE((*staged)->FillPrefix(0, size_t{1} << 20).ok());
+    }
+    EXPECT_EQ(**store->Get(Column::kTensors, key), v2);
+    // Superseded after a prefix: the later write's value, and further prefixes write
+    // nothing over it.
+    const std::string v4 = random_value(size_t{2} << 20), v5 = random_value(size_t{2} << 20);
+    {
+      WriteBatch b;
+      b.Put(Column::kTensors, key, v4);
+      auto staged = store->Stage(b);
+      ASSERT_TRUE(staged.ok());
+      ASSERT_TRUE((*staged)->FillPrefix(0, size_t{1} << 20).ok());
+      WriteBatch later;
+      later.Put(Column::kTensors, key, v5);
+      ASSERT_TRUE(store->Write(later).ok());
+      ASSERT_TRUE((*staged)->FillPrefix(0, v4.size()).ok());
+      EXPECT_EQ(store->Apply(std::move(*staged), WriteBatch{}).code(), Code::kFailedPrecondition);
+    }
+    EXPECT_EQ(**store->Get(Column::kTensors, key), v5);
+    store.reset();
+    store = open();
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(**store->Get(Column::kTensors, key), v5);
+    EXPECT_EQ(**store->Get(Column::kTensorMeta, small_key), "meta");
+  }
+}
+
 TEST(RocksSlotTest, DirectAndBufferedSlotWritesReadBackEveryByte) {
   std::mt19937 rng(11);
   auto random_value = [&](size_t n) {
