@@ -657,7 +657,7 @@ Result<PushResult> ShardClient::Push(const std::string& job, const std::string& 
   uint64_t part = 0;
   if (auto it = push_part_bytes_.find(job);
       options_.push_in_parts && it != push_part_bytes_.end()) {
-    part = it->second & ~uint64_t{4095};
+    part = it->second & ~uint64_t{3};
   }
   std::vector<uint32_t> streamed;
   std::vector<TensorView> framed;  // the rest, sent as the request's payload frames

@@ -871,7 +871,9 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> FullModelShapes(int la
 // workers would), then the program waits until both shards report the round committed, then
 // both pull. Between rounds nothing waits: this is the boundary's cost alone.
 Result<RoundFigures> MeasureRounds(const std::string& parent, int layers, int rounds,
-                                   const BenchKeys& keys) {
+                                   const BenchKeys& keys,
+                                   const std::map<std::string, std::string>& settings,
+                                   bool serial_pushes) {
   RoundFigures f;
   ISTHMUS_ASSIGN_OR_RETURN(TempDir key_dir, TempDir::Make(parent, "isthmus-bench-round-keys"));
   ISTHMUS_ASSIGN_OR_RETURN(KeyPair beta_key, GenerateKeyPair());
@@ -880,14 +882,14 @@ Result<RoundFigures> MeasureRounds(const std::string& parent, int layers, int ro
   ISTHMUS_ASSIGN_OR_RETURN(int alpha_peer, FreePort());
   ISTHMUS_ASSIGN_OR_RETURN(int beta_peer, FreePort());
   auto ep = [](int port) { return "tcp://127.0.0.1:" + std::to_string(port); };
-  const std::map<std::string, std::string> alpha_cfg = {
+  std::map<std::string, std::string> alpha_cfg = {
       {"shard.id", "alpha-0"},
       {"sync.site", "alpha"},
       {"listen.peer", ep(alpha_peer)},
       {"sync.peers", "beta=" + ep(beta_peer) + "=" + key_dir.path() + "/beta.pub"},
       {"security.peer_keys", key_dir.path() + "/beta.pub"},
       {"log.level", "warn"}};
-  const std::map<std::string, std::string> beta_cfg = {
+  std::map<std::string, std::string> beta_cfg = {
       {"shard.id", "beta-0"},
       {"sync.site", "beta"},
       {"listen.peer", ep(beta_peer)},
@@ -895,6 +897,7 @@ Result<RoundFigures> MeasureRounds(const std::string& parent, int layers, int ro
       {"security.peer_keys", key_dir.path() + "/alpha.pub"},
       {"security.secret_key", key_dir.path() + "/beta.key"},
       {"log.level", "warn"}};
+  for (const auto& [k, v] : settings) alpha_cfg[k] = beta_cfg[k] = v;
   ISTHMUS_ASSIGN_OR_RETURN(auto alpha, RunningServer::Start(parent, true, true, keys, alpha_cfg));
   ISTHMUS_ASSIGN_OR_RETURN(auto beta, RunningServer::Start(parent, true, true, keys, beta_cfg));
   RunningServer* servers[2] = {alpha.get(), beta.get()};
@@ -933,6 +936,9 @@ Result<RoundFigures> MeasureRounds(const std::string& parent, int layers, int ro
     ISTHMUS_RETURN_IF_ERROR(admin[i]->CreateJob("full", "", init_views).status());
   }
   f.create_s = Seconds(t0, Clock::now());
+  for (auto& w : worker) {  // as a worker starts: the Hello says how the shard takes pushes
+    ISTHMUS_RETURN_IF_ERROR(w->Hello("full", wire::Role::Worker, "", "b").status());
+  }
   for (int r = 1; r <= rounds; ++r) {
     double push_s[2] = {0, 0};
     Status push_status[2];
@@ -946,8 +952,11 @@ Result<RoundFigures> MeasureRounds(const std::string& parent, int layers, int ro
         push_s[i] = Seconds(p0, Clock::now());
         push_status[i] = res.status();
       });
+      if (serial_pushes) pushers[i].join();
     }
-    for (auto& th : pushers) th.join();
+    for (auto& th : pushers) {
+      if (th.joinable()) th.join();
+    }
     for (const auto& st : push_status) ISTHMUS_RETURN_IF_ERROR(st);
     for (int i = 0; i < 2; ++i) {
       for (;;) {
@@ -1036,12 +1045,17 @@ int Main(int argc, char** argv) {
       ->check(CLI::Range(1, 48));
   app.add_option("--rounds", rounds, "round mode: rounds to run (the first is not counted)")
       ->check(CLI::Range(2, 100));
+  bool serial_pushes = false;
+  app.add_flag("--round-serial-pushes", serial_pushes,
+               "round mode: the two sites push one after the other (each push timed alone, as "
+               "on sites with hosts of their own), not at the same time");
   app.add_option("--dir", dir, "parent folder for the shard data (needs 5 GiB free for snapshot)");
   app.add_option("--json", json_path, "also write the results as JSON to this file (- = stdout)");
   std::vector<std::string> setting_args;
-  app.add_option("--setting", setting_args,
-                 "KEY=VALUE: a setting of the shard that push and pull measure, over the bench's "
-                 "own (repeatable; e.g. storage.direct_writes=false)");
+  app.add_option(
+      "--setting", setting_args,
+      "KEY=VALUE: a setting of the shards that push, pull and round measure, over the bench's "
+      "own (repeatable; e.g. storage.direct_writes=false)");
   CLI11_PARSE(app, argc, argv);
   std::map<std::string, std::string> settings;
   for (const auto& kv : setting_args) {
@@ -1304,10 +1318,11 @@ int Main(int argc, char** argv) {
   if (has_mode("round")) {
     std::printf(
         "round boundary of a full-model job: 2 sites x 1 shard, CURVE peer link over loopback, "
-        "sync_writes=true, default sync settings; %d layers, %d rounds (the first not counted):\n",
-        round_layers, rounds);
+        "sync_writes=true, default sync settings; %d layers, %d rounds (the first not counted), "
+        "pushes %s:\n",
+        round_layers, rounds, serial_pushes ? "one after the other" : "at the same time");
     std::fflush(stdout);
-    auto f = MeasureRounds(dir, round_layers, rounds, *keys);
+    auto f = MeasureRounds(dir, round_layers, rounds, *keys, settings, serial_pushes);
     if (!f.ok()) return fail("round", f.status());
     auto stats = [](const std::vector<double>& v) {
       auto sorted = v;

@@ -288,11 +288,11 @@ const std::vector<Binding>& Bindings() {
           Range{1, 4294967296.0}),
       Bind(
           "storage.push_part_bytes", [](auto& c) -> auto& { return c.push_part_bytes; },
-          "Workers push a tensor of twice this many bytes or more to a job that does not sync "
-          "across sites in parts of this size, and the shard writes each part's sums to disk "
-          "as it arrives, so the write of a large push overlaps its transfer and the reply "
-          "waits only for the rest (docs/ARCHITECTURE.md, Storage layout). 0: every push "
-          "comes whole.",
+          "Workers push a tensor of twice this many bytes or more in parts of this size: "
+          "the sender's encryption, the transfer, the receiver's decryption and the shard's "
+          "work overlap instead of following each other, and a job that does not sync across "
+          "sites writes each part's sums to disk as it arrives (docs/ARCHITECTURE.md, Wire "
+          "protocol). 0: every push comes whole.",
           Range{0, 1073741824.0}),
       Bind(
           "storage.min_free_bytes", [](auto& c) -> auto& { return c.min_free_bytes; },

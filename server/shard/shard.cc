@@ -125,7 +125,8 @@ struct Shard::StreamedPush {
     // The values the sums start from: a push published meanwhile replaces the tensor's, and
     // the sums are then computed again from the parts.
     std::shared_ptr<const std::vector<float>> base;
-    std::shared_ptr<std::vector<float>> next;  // base + delta, filled part by part
+    // base + delta, filled part by part; of a synced job's push, the delta
+    std::shared_ptr<std::vector<float>> next;
     bool in_parts = false;
     size_t received = 0;             // bytes of its delta added so far (in parts)
     const uint8_t* frame = nullptr;  // the delta of a tensor that came in the request
@@ -138,6 +139,10 @@ struct Shard::StreamedPush {
     size_t size;
   };
   std::string job, key, content;
+  // A synced job's push: the parts are copied into `next` whole (the delta itself), and the
+  // last one hands the request to the engine (DoSyncPush) with `header`, its copy.
+  bool synced = false;
+  std::vector<uint8_t> header;
   uint64_t id = 0;  // the PushRequest's request id: the reply's
   uint64_t round = 0, tokens = 0;
   std::vector<Target> targets;  // the request's tensors, in its order
@@ -648,9 +653,8 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
     }
     pipes = reply.header.CreateVector(out);
   }
-  // A plain job takes its large pushes in parts (BeginStreamedPush); a synced one whole.
-  const uint64_t part_bytes =
-      job_found && !(sync_ && sync_->HasJob(job_found->name)) ? options_.push_part_bytes : 0;
+  // The job takes its large pushes in parts (BeginStreamedPush).
+  const uint64_t part_bytes = job_found ? options_.push_part_bytes : 0;
   auto body = wire::CreateHelloReply(reply.header, reply.header.CreateString(options_.shard_id),
                                      reply.header.CreateString(kIsthmusVersion), version,
                                      reply.header.CreateString(base_hash), count, role, rounds,
@@ -808,14 +812,21 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     }
   }
   const bool streamed = req->streamed() != nullptr && req->streamed()->size() > 0;
-  if (streamed && (synced || options_.push_part_bytes == 0)) {
-    return Status::InvalidArgument(
-        "job '" + job_name + "' takes its pushes whole (its Hello says push_part_bytes 0" +
-        (synced ? ": it syncs across sites" : "") + "): send every tensor in the request");
+  if (streamed && options_.push_part_bytes == 0) {
+    return Status::InvalidArgument("job '" + job_name +
+                                   "' takes its pushes whole (its Hello says push_part_bytes 0): "
+                                   "send every tensor in the request");
   }
-  if (synced) return DoSyncPush(job, req, frames, id, content, reply, std::move(keepalive));
   if (streamed) {
     return BeginStreamedPush(job, req, frames, id, content, reply, std::move(keepalive));
+  }
+  if (synced) {
+    std::vector<std::span<const uint8_t>> bytes;
+    for (const auto* m : *req->tensors()) {
+      const auto& frame = frames.payload[m->frame()];
+      bytes.emplace_back(static_cast<const uint8_t*>(frame.data()), frame.size());
+    }
+    return DoSyncPush(job, req, bytes, id, content, reply, std::move(keepalive));
   }
   // Check every name and shape before touching anything.
   std::vector<std::pair<TensorState*, const wire::TensorMeta*>> targets;
@@ -944,6 +955,11 @@ Status Shard::BeginStreamedPush(JobState* job, const wire::PushRequest* req, con
                                 std::shared_ptr<const void> keepalive) {
   const std::string key = req->idempotency_key()->str();
   auto push = std::make_unique<StreamedPush>();
+  push->synced = sync_ && sync_->HasJob(job->name);
+  if (push->synced) {
+    const auto* h = static_cast<const uint8_t*>(frames.header.data());
+    push->header.assign(h, h + frames.header.size());
+  }
   push->job = job->name;
   push->key = key;
   push->content = content;
@@ -952,7 +968,7 @@ Status Shard::BeginStreamedPush(JobState* job, const wire::PushRequest* req, con
   push->tokens = req->tokens();
   std::vector<bool> in_parts(req->tensors()->size(), false);
   for (uint32_t i : *req->streamed()) in_parts[i] = true;
-  // Every name and shape before anything is taken.
+  // Every name and shape before anything is taken (a synced job's shard keeps them too).
   for (size_t i = 0; i < req->tensors()->size(); ++i) {
     const auto* m = req->tensors()->Get(i);
     auto it = job->tensors.find(m->name()->str());
@@ -990,6 +1006,18 @@ Status Shard::BeginStreamedPush(JobState* job, const wire::PushRequest* req, con
     spdlog::warn("streamed push '{}' to job '{}' dropped: {} others wait for parts",
                  streamed_.front()->key, streamed_.front()->job, streamed_.size());
     streamed_.erase(streamed_.begin());
+  }
+  if (push->synced) {
+    // The engine takes the request whole at the last part: the parts are only gathered.
+    for (auto& target : push->targets) {
+      if (!target.in_parts) continue;
+      const size_t n = static_cast<size_t>(NumElements(job->tensors.at(target.name).shape));
+      target.next = std::make_shared<std::vector<float>>(n);
+    }
+    push->last = now;
+    streamed_.push_back(std::move(push));
+    reply.send = false;
+    return Status::Ok();
   }
   for (auto& target : push->targets) {
     TensorState& t = job->tensors.at(target.name);
@@ -1048,32 +1076,55 @@ Status Shard::DoPushPart(const wire::PushPart* req, const Frames& frames, uint64
         " ('" + tg.name + "', " + std::to_string(bytes) + " bytes) at byte " +
         std::to_string(tg.received)));
   }
-  const uint8_t* data = KeepFrame(push, frames.payload[0], keepalive);
   const size_t first = tg.received / sizeof(float), n = size / sizeof(float);
-  if (Status s = AddRange(tg.name, tg.base->data() + first, data, tg.next->data() + first, n);
-      !s.ok()) {
-    return refuse(s);
+  if (push.synced) {
+    std::memcpy(tg.next->data() + first, frames.payload[0].data(), size);
+  } else {
+    const uint8_t* data = KeepFrame(push, frames.payload[0], keepalive);
+    if (Status s = AddRange(tg.name, tg.base->data() + first, data, tg.next->data() + first, n);
+        !s.ok()) {
+      return refuse(s);
+    }
+    push.parts.push_back({target, tg.received, data, size});
   }
-  push.parts.push_back({target, tg.received, data, size});
   tg.received += size;
   push.last = std::chrono::steady_clock::now();
-  if (Status s = push.staged->FillPrefix(target, tg.received); !s.ok()) return refuse(s);
+  if (!push.synced) {
+    if (Status s = push.staged->FillPrefix(target, tg.received); !s.ok()) return refuse(s);
+  }
   if (tg.received == bytes) ++push.current;
   if (push.current < push.order.size()) {
     reply.send = false;
     return Status::Ok();
   }
-  std::unique_ptr<StreamedPush> done = std::move(*it);
+  std::shared_ptr<StreamedPush> done = std::move(*it);
   streamed_.erase(it);
-  return FinishStreamedPush(*done, reply);
+  return FinishStreamedPush(std::move(done), reply);
 }
 
-Status Shard::FinishStreamedPush(StreamedPush& push, Reply& reply) {
+Status Shard::FinishStreamedPush(std::shared_ptr<StreamedPush> done, Reply& reply) {
+  StreamedPush& push = *done;
   auto jt = jobs_.find(push.job);
   if (jt == jobs_.end()) {
     return Status::NotFound("job '" + push.job + "' went away while its push came in parts");
   }
   JobState* job = &jt->second;
+  if (push.synced) {
+    // The request as if it had come whole: the engine's checks, its dedup by round, its
+    // keeping of the deltas until the round's close (this push holds them).
+    const auto* req =
+        flatbuffers::GetRoot<wire::Envelope>(push.header.data())->body_as_PushRequest();
+    std::vector<std::span<const uint8_t>> bytes;
+    for (const auto& tg : push.targets) {
+      if (tg.in_parts) {
+        bytes.emplace_back(reinterpret_cast<const uint8_t*>(tg.next->data()),
+                           tg.next->size() * sizeof(float));
+      } else {
+        bytes.emplace_back(tg.frame, req->tensors()->Get(bytes.size())->nbytes());
+      }
+    }
+    return DoSyncPush(job, req, bytes, push.id, push.content, reply, std::move(done));
+  }
   // Sent again whole meanwhile and applied: this copy is a duplicate.
   ISTHMUS_ASSIGN_OR_RETURN(bool answered,
                            AnsweredBefore(job, push.key, push.content, push.id, reply));
@@ -1167,8 +1218,9 @@ Status Shard::AddDedup(const std::string& job_name, const std::string& key, uint
   return Status::Ok();
 }
 
-Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames,
-                         uint64_t id, const std::string& content, Reply& reply,
+Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req,
+                         const std::vector<std::span<const uint8_t>>& bytes, uint64_t id,
+                         const std::string& content, Reply& reply,
                          std::shared_ptr<const void> keepalive) {
   const std::string& job_name = job->name;
   const std::string key = req->idempotency_key()->str();
@@ -1184,19 +1236,21 @@ Status Shard::DoSyncPush(JobState* job, const wire::PushRequest* req, const Fram
   copies.reserve(req->tensors()->size());
   std::vector<SyncPushTensor> tensors;
   // Names and shapes are the engine's to check (it holds the synced job's tensors).
-  for (const auto* m : *req->tensors()) {
-    const auto& frame = frames.payload[m->frame()];
+  for (size_t i = 0; i < req->tensors()->size(); ++i) {
+    const auto* m = req->tensors()->Get(i);
+    const std::span<const uint8_t> frame = bytes[i];
     if (m->dtype() == wire::DType::Codec) {
       // The codec's bytes, decoded (and so validated) by the engine; the frame lives as
       // long as the request.
-      tensors.push_back({m->name()->str(),
-                         {},
-                         ShapeOf(m),
-                         std::string_view(static_cast<const char*>(frame.data()), frame.size())});
+      tensors.push_back(
+          {m->name()->str(),
+           {},
+           ShapeOf(m),
+           std::string_view(reinterpret_cast<const char*>(frame.data()), frame.size())});
       continue;
     }
     const size_t n = frame.size() / sizeof(float);
-    const float* data = static_cast<const float*>(frame.data());
+    const float* data = reinterpret_cast<const float*>(frame.data());
     if (reinterpret_cast<uintptr_t>(frame.data()) % alignof(float) != 0) {
       copies.emplace_back(n);
       std::memcpy(copies.back().data(), frame.data(), frame.size());

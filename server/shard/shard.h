@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <tuple>
@@ -50,9 +51,9 @@ struct ShardOptions {
   // (SyncEngine::SetDeferRoundWork). The server's loop sets it and calls RunDeferred after
   // each reply; off, Handle does all of a request's round work before it returns.
   bool defer_round_work = false;
-  // A plain job's pushes of tensors of twice this or more come in PushPart messages of this
-  // many bytes (HelloReply.push_part_bytes), whose sums are written to the store as they
-  // arrive, so that a large push's disk write overlaps its transfer. 0: pushes come whole.
+  // Pushes of tensors of twice this or more come in PushPart messages of this many bytes
+  // (HelloReply.push_part_bytes): their transfer, the encryption on both ends and (for a
+  // plain job) the sums' disk write overlap. 0: pushes come whole.
   uint64_t push_part_bytes = uint64_t{4} << 20;
   // Streamed pushes waiting for parts at once; a new one past this drops the oldest (its
   // client times out and sends it again). One that got no part for streamed_push_idle_ms is
@@ -158,12 +159,15 @@ class Shard {
   // A push to a job of the round protocol: staged by the engine (round >= 1) or added at
   // once (round 0, only without peers). Validated by DoPush up to the tensor list.
   // `keepalive` as for Handle.
-  Status DoSyncPush(JobState* job, const wire::PushRequest* req, const Frames& frames, uint64_t id,
+  // `bytes`: each tensor's payload, in the request's order.
+  Status DoSyncPush(JobState* job, const wire::PushRequest* req,
+                    const std::vector<std::span<const uint8_t>>& bytes, uint64_t id,
                     const std::string& content, Reply& reply,
                     std::shared_ptr<const void> keepalive);
-  // A plain job's push whose large tensors come in parts (PushRequest.streamed): each
+  // A push whose large tensors come in parts (PushRequest.streamed). To a plain job each
   // part's sums are computed as it arrives and handed to the store's staged write
-  // (StagedWrite::FillPrefix), so most of the disk write is done when the last part comes.
+  // (StagedWrite::FillPrefix), so most of the disk write is done when the last part comes;
+  // to a synced job the parts are gathered and the last hands the push to DoSyncPush.
   // Begin answers nothing (Reply::send false); DoPushPart answers the push (its request id
   // in `id`) when the last part has come, or when a part is refused (the push is dropped).
   struct StreamedPush;
@@ -172,7 +176,7 @@ class Shard {
                            std::shared_ptr<const void> keepalive);
   Status DoPushPart(const wire::PushPart* req, const Frames& frames, uint64_t& id, Reply& reply,
                     std::shared_ptr<const void> keepalive);
-  Status FinishStreamedPush(StreamedPush& push, Reply& reply);
+  Status FinishStreamedPush(std::shared_ptr<StreamedPush> push, Reply& reply);
   // Sums a + delta over one range into out; InvalidArgument naming the tensor if one is not
   // finite.
   static Status AddRange(const std::string& name, const float* a, const void* delta, float* out,

@@ -509,46 +509,82 @@ TEST_F(ShardTest, SyncWithoutPeersCommitsEachCompleteRound) {
   EXPECT_EQ(Pull()["b"], (std::vector<float>{2, 3, 4}));
 }
 
-// A push in parts of "w" (key `key`, request id 1): the request, answered by nothing.
-Reply BeginPushInParts(Shard& shard, const std::string& key) {
+// A push in parts of "w" (key `key`, request id 1, `round`), and "b" in a frame when `b` is
+// given: the request, which nothing answers until the last part.
+Reply BeginPushInParts(Shard& shard, const std::string& key, uint64_t round = 0,
+                       const std::vector<float>& b = {}) {
   flatbuffers::FlatBufferBuilder fbb;
-  const std::vector<int64_t> shape{2, 2};
+  const std::vector<int64_t> shape{2, 2}, b_shape{3};
   std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{
       wire::CreateTensorMetaDirect(fbb, "w", &shape, wire::DType::F32, 0, 16, 0)};
+  if (!b.empty()) {
+    metas.push_back(wire::CreateTensorMetaDirect(fbb, "b", &b_shape, wire::DType::F32, 0, 12, 0));
+  }
   const std::vector<uint32_t> streamed{0};
-  Finish(
-      fbb, wire::Body::PushRequest,
-      wire::CreatePushRequestDirect(fbb, "job", key.c_str(), 0, 1, &metas, 0, &streamed).Union());
-  return shard.Handle(wire::Role::Worker, MakeFrames(fbb));
+  Finish(fbb, wire::Body::PushRequest,
+         wire::CreatePushRequestDirect(fbb, "job", key.c_str(), round, 10, &metas, 0, &streamed)
+             .Union());
+  return shard.Handle(wire::Role::Worker,
+                      MakeFrames(fbb, b.empty() ? std::vector<std::vector<float>>{}
+                                                : std::vector<std::vector<float>>{b}));
 }
 
-Reply PushPartOf(Shard& shard, const std::string& key, std::vector<float> values) {
+// A part of "w" of the push under `key`, from element `first` on.
+Reply PushPartOf(Shard& shard, const std::string& key, std::vector<float> values,
+                 uint64_t first = 0) {
   flatbuffers::FlatBufferBuilder fbb;
   Finish(fbb, wire::Body::PushPart,
-         wire::CreatePushPartDirect(fbb, "job", key.c_str(), 0, 0).Union());
+         wire::CreatePushPartDirect(fbb, "job", key.c_str(), 0, first * sizeof(float)).Union());
   return shard.Handle(wire::Role::Worker, MakeFrames(fbb, {values}));
 }
 
-// Hello offers parts for a plain job only; a synced job's push in parts is refused.
-TEST_F(ShardTest, OnlyAPlainJobTakesPushesInParts) {
-  auto hello_parts = [&] {
-    flatbuffers::FlatBufferBuilder fbb;
-    Finish(fbb, wire::Body::Hello,
-           wire::CreateHelloDirect(fbb, "job", wire::Role::Worker, "", "t").Union());
-    Reply r = shard_->Handle(wire::Role::Worker, MakeFrames(fbb));
-    EXPECT_TRUE(Expect(r, wire::Body::HelloReply).ok());
-    zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
-    return (*ParseEnvelope(m, WireLimits{}))->body_as_HelloReply()->push_part_bytes();
-  };
-  ASSERT_TRUE(CreateJob().ok());
-  EXPECT_EQ(hello_parts(), ShardOptions{}.push_part_bytes);
-  EXPECT_GT(ShardOptions{}.push_part_bytes, 0u);
+uint64_t HelloPartBytes(Shard& shard) {
+  flatbuffers::FlatBufferBuilder fbb;
+  Finish(fbb, wire::Body::Hello,
+         wire::CreateHelloDirect(fbb, "job", wire::Role::Worker, "", "t").Union());
+  Reply r = shard.Handle(wire::Role::Worker, MakeFrames(fbb));
+  zmq::message_t m(r.header.GetBufferPointer(), r.header.GetSize());
+  auto env = ParseEnvelope(m, WireLimits{});
+  EXPECT_TRUE(env.ok() && (*env)->body_type() == wire::Body::HelloReply);
+  return env.ok() ? (*env)->body_as_HelloReply()->push_part_bytes() : 0;
+}
+
+// A synced job takes a round's push in parts too: the engine gets it whole at the last
+// part, and the round commits as the same push sent whole does
+// (SyncWithoutPeersCommitsEachCompleteRound). A shard told push_part_bytes 0 says so in
+// its Hello and refuses parts.
+TEST_F(ShardTest, ASyncedJobTakesARoundInPartsAsAWholeOne) {
   OpenSynced({});
   ASSERT_TRUE(CreateJob().ok());
-  EXPECT_EQ(hello_parts(), 0u);
+  EXPECT_EQ(HelloPartBytes(*shard_), ShardOptions{}.push_part_bytes);
+  EXPECT_GT(ShardOptions{}.push_part_bytes, 0u);
+  EXPECT_FALSE(BeginPushInParts(*shard_, "r1", 1, {1, 2, 3}).send);
+  EXPECT_FALSE(PushPartOf(*shard_, "r1", {0.5f, 0.5f}).send);
+  EXPECT_EQ(Pull()["w"], w_) << "nothing before the last part";
+  Reply done = PushPartOf(*shard_, "r1", {-1, 1}, 2);
+  ASSERT_TRUE(done.send);
+  Status s = Expect(done, wire::Body::PushReply);
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  auto now = Pull();
+  EXPECT_EQ(now["w"], (std::vector<float>{1.5f, 2.5f, 2, 5}));
+  EXPECT_EQ(now["b"], (std::vector<float>{1, 2, 3}));
+  // The same round again, in parts: a duplicate at the request.
+  Reply again = BeginPushInParts(*shard_, "r1", 1, {1, 2, 3});
+  EXPECT_TRUE(again.send);
+  EXPECT_TRUE(Expect(again, wire::Body::PushReply).ok());
+  EXPECT_EQ(Pull()["b"], (std::vector<float>{1, 2, 3}));
+
+  ShardOptions o;
+  o.push_part_bytes = 0;
+  o.open_store = []() -> Result<std::unique_ptr<Store>> { return NewMemStore(); };
+  auto whole = Shard::Open(o);
+  ASSERT_TRUE(whole.ok());
+  shard_ = std::move(whole).value();
+  ASSERT_TRUE(CreateJob().ok());
+  EXPECT_EQ(HelloPartBytes(*shard_), 0u);
   Reply r = BeginPushInParts(*shard_, "k");
   EXPECT_TRUE(r.send);
-  Status s = Expect(r, wire::Body::PushReply);
+  s = Expect(r, wire::Body::PushReply);
   EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
   EXPECT_NE(s.message().find("whole"), std::string::npos) << s.ToString();
 }
