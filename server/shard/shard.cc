@@ -1001,8 +1001,22 @@ Status Shard::BeginStreamedPush(JobState* job, const wire::PushRequest* req, con
                  again ? "sent again" : "no part came for too long");
     it = streamed_.erase(it);
   }
+  // Memory: the pushes waiting hold their tensors' sums (or deltas) in full, at most twice
+  // the largest message's payload together.
+  uint64_t bytes = 0;
+  for (const auto& t : push->targets) {
+    bytes += NumElements(job->tensors.at(t.name).shape) * sizeof(float);
+  }
+  auto held = [&] {
+    uint64_t sum = 0;
+    for (const auto& p : streamed_) {
+      for (const auto& t : p->targets) sum += t.next ? t.next->size() * sizeof(float) : 0;
+    }
+    return sum;
+  };
   while (!streamed_.empty() &&
-         streamed_.size() >= std::max<size_t>(1, options_.max_streamed_pushes)) {
+         (streamed_.size() >= std::max<size_t>(1, options_.max_streamed_pushes) ||
+          held() + bytes > 2 * options_.limits.max_payload_bytes)) {
     spdlog::warn("streamed push '{}' to job '{}' dropped: {} others wait for parts",
                  streamed_.front()->key, streamed_.front()->job, streamed_.size());
     streamed_.erase(streamed_.begin());
@@ -1109,6 +1123,10 @@ Status Shard::FinishStreamedPush(std::shared_ptr<StreamedPush> done, Reply& repl
     return Status::NotFound("job '" + push.job + "' went away while its push came in parts");
   }
   JobState* job = &jt->second;
+  // Sent again whole meanwhile and applied: this copy is a duplicate.
+  ISTHMUS_ASSIGN_OR_RETURN(bool answered,
+                           AnsweredBefore(job, push.key, push.content, push.id, reply));
+  if (answered) return Status::Ok();
   if (push.synced) {
     // The request as if it had come whole: the engine's checks, its dedup by round, its
     // keeping of the deltas until the round's close (this push holds them).
@@ -1125,10 +1143,6 @@ Status Shard::FinishStreamedPush(std::shared_ptr<StreamedPush> done, Reply& repl
     }
     return DoSyncPush(job, req, bytes, push.id, push.content, reply, std::move(done));
   }
-  // Sent again whole meanwhile and applied: this copy is a duplicate.
-  ISTHMUS_ASSIGN_OR_RETURN(bool answered,
-                           AnsweredBefore(job, push.key, push.content, push.id, reply));
-  if (answered) return Status::Ok();
   std::vector<std::pair<TensorState*, std::shared_ptr<std::vector<float>>>> sums;
   bool same = true;
   for (auto& tg : push.targets) {

@@ -55,9 +55,10 @@ struct ShardOptions {
   // (HelloReply.push_part_bytes): their transfer, the encryption on both ends and (for a
   // plain job) the sums' disk write overlap. 0: pushes come whole.
   uint64_t push_part_bytes = uint64_t{4} << 20;
-  // Streamed pushes waiting for parts at once; a new one past this drops the oldest (its
-  // client times out and sends it again). One that got no part for streamed_push_idle_ms is
-  // dropped when the next streamed push begins.
+  // Streamed pushes waiting for parts at once; a new one past this, or past twice
+  // limits.max_payload_bytes of tensors held by them all, drops the oldest (its client times
+  // out and sends it again). One that got no part for streamed_push_idle_ms is dropped when
+  // the next streamed push begins.
   size_t max_streamed_pushes = 8;
   int streamed_push_idle_ms = 60000;
 };

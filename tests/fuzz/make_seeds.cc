@@ -160,6 +160,22 @@ int main(int argc, char** argv) {
     msgs.push_back({"hello", Message(fbb, {})});
   }
   {
+    // A push of "a" in parts, and its first part (64 of its 128 bytes).
+    flatbuffers::FlatBufferBuilder fbb;
+    const std::vector<int64_t> shape{4, 8};
+    const std::vector<uint32_t> streamed{0};
+    std::vector<flatbuffers::Offset<wire::TensorMeta>> metas{
+        wire::CreateTensorMetaDirect(fbb, "a", &shape, wire::DType::F32, 0, 128, 0)};
+    FinishEnvelope(
+        fbb, 6, wire::Body::PushRequest,
+        wire::CreatePushRequestDirect(fbb, "j", "parts", 1, 16, &metas, 0, &streamed).Union());
+    msgs.push_back({"push-in-parts", Message(fbb, {})});
+    flatbuffers::FlatBufferBuilder part;
+    FinishEnvelope(part, 7, wire::Body::PushPart,
+                   wire::CreatePushPartDirect(part, "j", "parts", 0, 0).Union());
+    msgs.push_back({"push-part", Message(part, {std::string(64, '\0')})});
+  }
+  {
     flatbuffers::FlatBufferBuilder fbb;
     FinishEnvelope(fbb, 5, wire::Body::JobDescribe,
                    wire::CreateJobDescribeDirect(fbb, "j").Union());

@@ -610,6 +610,27 @@ TEST_F(ShardTest, PushesWaitingForPartsAreBounded) {
   EXPECT_TRUE(again.send);
   ASSERT_TRUE(Expect(again, wire::Body::PushReply).ok());
   EXPECT_EQ(Pull()["w"], (std::vector<float>{2, 3, 4, 5}));
+
+  // And by the bytes they hold: at most twice the largest payload (here 28 bytes: three
+  // pushes of "w", 16 bytes each, fit in 56 and a fourth does not).
+  ShardOptions o;
+  o.limits.max_payload_bytes = 28;
+  o.open_store = []() -> Result<std::unique_ptr<Store>> { return NewMemStore(); };
+  auto small = Shard::Open(o);
+  ASSERT_TRUE(small.ok());
+  shard_ = std::move(small).value();
+  ASSERT_TRUE(CreateJob().ok());
+  for (const char* key : {"m0", "m1", "m2", "m3"}) {
+    EXPECT_FALSE(BeginPushInParts(*shard_, key).send);
+  }
+  EXPECT_FALSE(PushPartOf(*shard_, "m0", {1, 1, 1, 1}).send) << "dropped for m3's bytes";
+  EXPECT_EQ(Pull()["w"], w_);
+  for (const char* key : {"m1", "m2", "m3"}) {
+    Reply r = PushPartOf(*shard_, key, {1, 1, 1, 1});
+    EXPECT_TRUE(r.send) << key;
+    EXPECT_TRUE(Expect(r, wire::Body::PushReply).ok()) << key;
+  }
+  EXPECT_EQ(Pull()["w"], (std::vector<float>{4, 5, 6, 7}));
 }
 
 // With deferred round work (the server's mode) the push that completes a round is answered
