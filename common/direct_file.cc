@@ -154,6 +154,21 @@ Status DirectFileWriter::Flush(bool last) {
   return Status::Ok();
 }
 
+Status DirectFileWriter::WriteOut() {
+  if (!direct_ || fill_ < kAlign) return Status::Ok();
+  const size_t whole = fill_ / kAlign * kAlign, rest = fill_ - whole;
+  fill_ = whole;
+  ISTHMUS_RETURN_IF_ERROR(Flush(false));
+  if (!direct_ && rest > 0) {  // refused: from here on everything goes plain
+    ISTHMUS_RETURN_IF_ERROR(BufferedWrite(buf_ + whole, rest, off_));
+    off_ += static_cast<off_t>(rest);
+    return Status::Ok();
+  }
+  std::memmove(buf_, buf_ + whole, rest);
+  fill_ = rest;
+  return Status::Ok();
+}
+
 Status DirectFileWriter::Finish() {
   if (direct_) ISTHMUS_RETURN_IF_ERROR(Flush(true));
   struct stat st;

@@ -46,6 +46,9 @@ class DirectFileWriter {
 
   // Appends n bytes (copied; p may be reused when this returns). IoError naming the file.
   Status Append(const void* p, size_t n);
+  // Writes the whole 4096-byte blocks buffered now instead of when the buffer is full (a
+  // value whose bytes come in parts: less is left for Finish when the last one comes).
+  Status WriteOut();
   // Writes what is buffered, the last block padded, and cuts the file to the bytes written
   // from `start` on when padding or an older, longer file left more. Call once, last.
   Status Finish();

@@ -1124,7 +1124,7 @@ int Main(int argc, char** argv) {
       "transport with no server work); %%raw columns compare with raw-zmq\n");
   std::printf(
       "push: ShardClient::Push after a Hello, as a worker pushes: in parts of the shard's "
-      "storage.push_part_bytes (4 MiB unless --setting says otherwise) when the tensor has "
+      "storage.push_part_bytes (1 MiB unless --setting says otherwise) when the tensor has "
       "twice that or more\n");
   std::printf(
       "ps-lite: a ps-lite-style in-memory push (meta + values frames, ROUTER thread adds them "

@@ -288,11 +288,19 @@ const std::vector<Binding>& Bindings() {
           Range{1, 4294967296.0}),
       Bind(
           "storage.push_part_bytes", [](auto& c) -> auto& { return c.push_part_bytes; },
-          "Workers push a tensor of twice this many bytes or more in parts of this size: "
-          "the sender's encryption, the transfer, the receiver's decryption and the shard's "
-          "work overlap instead of following each other, and a job that does not sync across "
-          "sites writes each part's sums to disk as it arrives (docs/ARCHITECTURE.md, Wire "
-          "protocol). 0: every push comes whole.",
+          "Workers push a tensor of twice this many bytes or more to a job that does not sync "
+          "across sites in parts of this size: the sender's encryption, the transfer, the "
+          "receiver's decryption and the shard's sums and disk write overlap instead of "
+          "following each other (docs/ARCHITECTURE.md, Wire protocol). 0: every push comes "
+          "whole.",
+          Range{0, 1073741824.0}),
+      Bind(
+          "storage.synced_push_part_bytes",
+          [](auto& c) -> auto& { return c.synced_push_part_bytes; },
+          "As storage.push_part_bytes, for a job that syncs across sites: the shard gathers the "
+          "parts and hands the push to the round protocol at the last one. Off by default: on "
+          "a full-mode round of GPT-2-small's size it did not help on 2 cores "
+          "(docs/BENCHMARKS.md, section 1, Pushes in parts). 0: every push comes whole.",
           Range{0, 1073741824.0}),
       Bind(
           "storage.min_free_bytes", [](auto& c) -> auto& { return c.min_free_bytes; },

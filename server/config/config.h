@@ -41,7 +41,8 @@ struct ServerConfig {
   bool sync_writes = true;
   bool direct_writes = true;
   int64_t dedup_window = 65536;
-  int64_t push_part_bytes = int64_t{4} << 20;
+  int64_t push_part_bytes = int64_t{1} << 20;
+  int64_t synced_push_part_bytes = 0;
   int64_t min_free_bytes = int64_t{64} << 20;
   int64_t io_threads = 2;
   std::string log_level = "info";

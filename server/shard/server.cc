@@ -954,6 +954,7 @@ Status ShardServer::Start() {
   impl_->limits = limits;
   opts.dedup_window = static_cast<uint64_t>(c.dedup_window);
   opts.push_part_bytes = static_cast<uint64_t>(c.push_part_bytes);
+  opts.synced_push_part_bytes = static_cast<uint64_t>(c.synced_push_part_bytes);
   StoreOptions store_opts;
   store_opts.sync_writes = c.sync_writes;
   store_opts.direct_slot_writes = c.direct_writes;

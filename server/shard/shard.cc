@@ -653,8 +653,11 @@ Status Shard::DoHello(wire::Role role, const wire::Hello* req, uint64_t id, Repl
     }
     pipes = reply.header.CreateVector(out);
   }
-  // The job takes its large pushes in parts (BeginStreamedPush).
-  const uint64_t part_bytes = job_found ? options_.push_part_bytes : 0;
+  // The job takes its large pushes in parts (BeginStreamedPush), if so configured.
+  const uint64_t part_bytes = !job_found ? 0
+                              : sync_ && sync_->HasJob(job_found->name)
+                                  ? options_.synced_push_part_bytes
+                                  : options_.push_part_bytes;
   auto body = wire::CreateHelloReply(reply.header, reply.header.CreateString(options_.shard_id),
                                      reply.header.CreateString(kIsthmusVersion), version,
                                      reply.header.CreateString(base_hash), count, role, rounds,
@@ -812,7 +815,7 @@ Status Shard::DoPush(const wire::PushRequest* req, const Frames& frames, uint64_
     }
   }
   const bool streamed = req->streamed() != nullptr && req->streamed()->size() > 0;
-  if (streamed && options_.push_part_bytes == 0) {
+  if (streamed && (synced ? options_.synced_push_part_bytes : options_.push_part_bytes) == 0) {
     return Status::InvalidArgument("job '" + job_name +
                                    "' takes its pushes whole (its Hello says push_part_bytes 0): "
                                    "send every tensor in the request");

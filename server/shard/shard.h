@@ -51,10 +51,13 @@ struct ShardOptions {
   // (SyncEngine::SetDeferRoundWork). The server's loop sets it and calls RunDeferred after
   // each reply; off, Handle does all of a request's round work before it returns.
   bool defer_round_work = false;
-  // Pushes of tensors of twice this or more come in PushPart messages of this many bytes
-  // (HelloReply.push_part_bytes): their transfer, the encryption on both ends and (for a
-  // plain job) the sums' disk write overlap. 0: pushes come whole.
-  uint64_t push_part_bytes = uint64_t{4} << 20;
+  // A plain job's pushes of tensors of twice this or more come in PushPart messages of this
+  // many bytes (HelloReply.push_part_bytes): their transfer, the encryption on both ends
+  // and the sums' disk write overlap. 0: pushes come whole.
+  uint64_t push_part_bytes = uint64_t{1} << 20;
+  // The same for a synced job, whose parts are gathered and handed to the engine at the
+  // last one (nothing of the shard's work overlaps the transfer). 0: whole.
+  uint64_t synced_push_part_bytes = 0;
   // Streamed pushes waiting for parts at once; a new one past this, or past twice
   // limits.max_payload_bytes of tensors held by them all, drops the oldest (its client times
   // out and sends it again). One that got no part for streamed_push_idle_ms is dropped when

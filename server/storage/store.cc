@@ -886,6 +886,8 @@ class RocksStore : public Store {
     const size_t n = ready - p.done;
     p.crc = Crc32cExtend(p.crc, from, n);
     ISTHMUS_RETURN_IF_ERROR(p.writer->Append(from, n));
+    // On disk now, not when 8 MiB have gathered: the last part leaves the least to write.
+    if (ready < ops[op].value.size()) ISTHMUS_RETURN_IF_ERROR(p.writer->WriteOut());
     p.done = ready;
     return Status::Ok();
   }

@@ -1,5 +1,6 @@
 // Tests of common/direct_file: every byte appended reads back, in pieces of any size and
-// alignment, with O_DIRECT and without, over an older longer file, from a non-zero start.
+// alignment, written out piece by piece or not, with O_DIRECT and without, over an older
+// longer file, from a non-zero start.
 #include "common/direct_file.h"
 
 #include <fcntl.h>
@@ -39,13 +40,15 @@ class DirectFileTest : public testing::TestWithDir {
     f.read(s.data(), static_cast<std::streamsize>(s.size()));
     return s;
   }
-  // Appends `data` in pieces whose sizes cycle through `pieces`.
+  // Appends `data` in pieces whose sizes cycle through `pieces`; with `write_out`, each
+  // piece's whole blocks are written out at once (WriteOut).
   static Status AppendInPieces(DirectFileWriter& w, const std::string& data,
-                               const std::vector<size_t>& pieces) {
+                               const std::vector<size_t>& pieces, bool write_out = false) {
     size_t at = 0;
     for (size_t i = 0; at < data.size(); ++i) {
       const size_t n = std::min(pieces[i % pieces.size()], data.size() - at);
       ISTHMUS_RETURN_IF_ERROR(w.Append(data.data() + at, n));
+      if (write_out) ISTHMUS_RETURN_IF_ERROR(w.WriteOut());
       at += n;
     }
     return w.Finish();
@@ -60,32 +63,36 @@ TEST_F(DirectFileTest, EveryByteReadsBackDirectAndBuffered) {
   const std::vector<std::vector<size_t>> piecings = {
       {kDirectChunkBytes * 4}, {1, 7, 4096, 100000}, {kDirectChunkBytes + 3, 5}};
   // Each case's bytes: a different stretch of one random pool.
-  const std::string pool = Random(sizes.back() + 4096, 1);
+  const std::string pool = Random(sizes.back() + 97 * 100, 1);  // 84 cases, 97 apart
   int case_no = 0;
   for (const bool want_direct : {true, false}) {
     for (const size_t size : sizes) {
       for (const auto& pieces : piecings) {
-        const std::string path = (dir_ / ("f" + std::to_string(case_no))).string();
-        const std::string data = pool.substr(static_cast<size_t>(++case_no) * 97, size);
-        bool direct = false;
-        const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644,
-                                       want_direct, &direct);
-        ASSERT_GE(fd, 0) << path;
-        if (!want_direct) {
-          EXPECT_FALSE(direct);
-        } else {
-          // This suite's folder is on a disk that takes O_DIRECT (ext4 here); where it does
-          // not, the writer's buffered writes are what is tested.
-          EXPECT_EQ((::fcntl(fd, F_GETFL) & O_DIRECT) != 0, direct);
+        for (const bool write_out : {false, true}) {
+          const std::string path = (dir_ / ("f" + std::to_string(case_no))).string();
+          const std::string data = pool.substr(static_cast<size_t>(++case_no) * 97, size);
+          ASSERT_EQ(data.size(), size) << "the pool is too short for case " << case_no;
+          bool direct = false;
+          const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644,
+                                         want_direct, &direct);
+          ASSERT_GE(fd, 0) << path;
+          if (!want_direct) {
+            EXPECT_FALSE(direct);
+          } else {
+            // This suite's folder is on a disk that takes O_DIRECT (ext4 here); where it does
+            // not, the writer's buffered writes are what is tested.
+            EXPECT_EQ((::fcntl(fd, F_GETFL) & O_DIRECT) != 0, direct);
+          }
+          DirectFileWriter w(fd, path, direct);
+          Status s = AppendInPieces(w, data, pieces, write_out);
+          ::close(fd);
+          ASSERT_TRUE(s.ok()) << s.ToString();
+          EXPECT_EQ(w.bytes(), size);
+          const std::string back = ReadAll(path);
+          ASSERT_EQ(back.size(), size) << "direct " << want_direct << " size " << size;
+          EXPECT_TRUE(back == data)
+              << "direct " << want_direct << " size " << size << " write_out " << write_out;
         }
-        DirectFileWriter w(fd, path, direct);
-        Status s = AppendInPieces(w, data, pieces);
-        ::close(fd);
-        ASSERT_TRUE(s.ok()) << s.ToString();
-        EXPECT_EQ(w.bytes(), size);
-        const std::string back = ReadAll(path);
-        ASSERT_EQ(back.size(), size) << "direct " << want_direct << " size " << size;
-        EXPECT_TRUE(back == data) << "direct " << want_direct << " size " << size;
       }
     }
   }

@@ -157,10 +157,12 @@ class ShardTest : public ::testing::Test {
                                    rs->max_rounds_ahead()};
   }
 
-  void OpenSynced(std::vector<std::string> peers, bool defer = false) {
+  void OpenSynced(std::vector<std::string> peers, bool defer = false,
+                  uint64_t synced_push_part_bytes = 0) {
     ShardOptions o;
     o.shard_id = "test";
     o.defer_round_work = defer;
+    o.synced_push_part_bytes = synced_push_part_bytes;
     o.open_store = []() -> Result<std::unique_ptr<Store>> { return NewMemStore(); };
     SyncOptions so;
     so.site = "A";
@@ -549,21 +551,32 @@ uint64_t HelloPartBytes(Shard& shard) {
   return env.ok() ? (*env)->body_as_HelloReply()->push_part_bytes() : 0;
 }
 
-// A synced job takes a round's push in parts too: the engine gets it whole at the last
-// part, and the round commits as the same push sent whole does
-// (SyncWithoutPeersCommitsEachCompleteRound). A shard told push_part_bytes 0 says so in
-// its Hello and refuses parts.
-TEST_F(ShardTest, ASyncedJobTakesARoundInPartsAsAWholeOne) {
-  OpenSynced({});
+// A synced job takes a round's push in parts when storage.synced_push_part_bytes says so:
+// the engine gets it whole at the last part, and the round commits as the same push sent
+// whole does (SyncWithoutPeersCommitsEachCompleteRound). By default its Hello says 0 (a
+// plain job's says push_part_bytes) and parts are refused, naming what to do.
+TEST_F(ShardTest, ASyncedJobTakesARoundInPartsWhenConfigured) {
   ASSERT_TRUE(CreateJob().ok());
   EXPECT_EQ(HelloPartBytes(*shard_), ShardOptions{}.push_part_bytes);
   EXPECT_GT(ShardOptions{}.push_part_bytes, 0u);
+  OpenSynced({});
+  ASSERT_TRUE(CreateJob().ok());
+  EXPECT_EQ(HelloPartBytes(*shard_), 0u);
+  Reply refused = BeginPushInParts(*shard_, "r1", 1, {1, 2, 3});
+  EXPECT_TRUE(refused.send);
+  Status s = Expect(refused, wire::Body::PushReply);
+  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("whole"), std::string::npos) << s.ToString();
+
+  OpenSynced({}, false, 1024);
+  ASSERT_TRUE(CreateJob().ok());
+  EXPECT_EQ(HelloPartBytes(*shard_), 1024u);
   EXPECT_FALSE(BeginPushInParts(*shard_, "r1", 1, {1, 2, 3}).send);
   EXPECT_FALSE(PushPartOf(*shard_, "r1", {0.5f, 0.5f}).send);
   EXPECT_EQ(Pull()["w"], w_) << "nothing before the last part";
   Reply done = PushPartOf(*shard_, "r1", {-1, 1}, 2);
   ASSERT_TRUE(done.send);
-  Status s = Expect(done, wire::Body::PushReply);
+  s = Expect(done, wire::Body::PushReply);
   ASSERT_TRUE(s.ok()) << s.ToString();
   auto now = Pull();
   EXPECT_EQ(now["w"], (std::vector<float>{1.5f, 2.5f, 2, 5}));
@@ -573,20 +586,6 @@ TEST_F(ShardTest, ASyncedJobTakesARoundInPartsAsAWholeOne) {
   EXPECT_TRUE(again.send);
   EXPECT_TRUE(Expect(again, wire::Body::PushReply).ok());
   EXPECT_EQ(Pull()["b"], (std::vector<float>{1, 2, 3}));
-
-  ShardOptions o;
-  o.push_part_bytes = 0;
-  o.open_store = []() -> Result<std::unique_ptr<Store>> { return NewMemStore(); };
-  auto whole = Shard::Open(o);
-  ASSERT_TRUE(whole.ok());
-  shard_ = std::move(whole).value();
-  ASSERT_TRUE(CreateJob().ok());
-  EXPECT_EQ(HelloPartBytes(*shard_), 0u);
-  Reply r = BeginPushInParts(*shard_, "k");
-  EXPECT_TRUE(r.send);
-  s = Expect(r, wire::Body::PushReply);
-  EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
-  EXPECT_NE(s.message().find("whole"), std::string::npos) << s.ToString();
 }
 
 // Pushes waiting for parts are bounded: past max_streamed_pushes the oldest is dropped, and

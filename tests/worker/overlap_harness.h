@@ -22,10 +22,11 @@ namespace isthmus::testing {
 // A synced site without peers: each shard commits a round as soon as its tensors are
 // pushed, exactly (dense, outer lr 1, no momentum), and K = 2 lets the push run behind the
 // next round. Tensors of 512 bytes or more are pushed in parts of 256 (most of these small
-// models' tensors), so the kills below also fall between a push's parts.
+// models' tensors; storage.synced_push_part_bytes, off by default), so the kills below
+// also fall between a push's parts.
 constexpr char kSoloSite[] =
     "[sync]\nsite = \"solo\"\nouter_lr = 1.0\nouter_momentum = 0.0\nmax_rounds_ahead = 2\n"
-    "[storage]\npush_part_bytes = 256\n";
+    "[storage]\npush_part_bytes = 256\nsynced_push_part_bytes = 256\n";
 
 class Overlap : public WorkerWithShards {
  protected:
