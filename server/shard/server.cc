@@ -1108,8 +1108,10 @@ Status ShardServer::Run() {
               *request, impl_->limits, impl_->config, impl_->shard.get(), links,
               [this, links](const std::string& site) { return impl_->RevokePeer(site, links); });
         }
-        Reply reply =
-            sync_reply ? std::move(*sync_reply) : impl_->shard->Handle(roles[i], *request, request);
+        Reply reply = sync_reply ? std::move(*sync_reply)
+                                 : impl_->shard->Handle(roles[i], *request, request,
+                                                        std::string_view(routing_id.data<char>(),
+                                                                         routing_id.size()));
         uint64_t out_bytes = reply.header.GetSize();
         for (const auto& p : reply.payload) out_bytes += p.size;
         impl_->shard->CountBytes(roles[i], request->header.size() + request->PayloadBytes(),

@@ -139,6 +139,7 @@ struct Shard::StreamedPush {
     size_t size;
   };
   std::string job, key, content;
+  std::string connection;  // the request's (Shard::Handle): its parts come on the same one
   // A synced job's push: the parts are copied into `next` whole (the delta itself), and the
   // last one hands the request to the engine (DoSyncPush) with `header`, its copy.
   bool synced = false;
@@ -484,8 +485,10 @@ void Shard::WriteMetrics(metrics::TextWriter& w) {
            static_cast<double>(m.delayed_write_rate));
 }
 
-Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<const void> keepalive) {
+Reply Shard::Handle(wire::Role role, const Frames& request, std::shared_ptr<const void> keepalive,
+                    std::string_view connection) {
   ++requests_;
+  connection_.assign(connection.data(), connection.size());
   const auto t0 = std::chrono::steady_clock::now();
   std::string op = "malformed";  // until the envelope parses
   Reply reply;
@@ -965,6 +968,7 @@ Status Shard::BeginStreamedPush(JobState* job, const wire::PushRequest* req, con
   }
   push->job = job->name;
   push->key = key;
+  push->connection = connection_;
   push->content = content;
   push->id = id;
   push->round = req->round();
@@ -1064,11 +1068,12 @@ Status Shard::BeginStreamedPush(JobState* job, const wire::PushRequest* req, con
 Status Shard::DoPushPart(const wire::PushPart* req, const Frames& frames, uint64_t& id,
                          Reply& reply, std::shared_ptr<const void> keepalive) {
   const std::string job = req->job()->str(), key = req->idempotency_key()->str();
-  auto it = std::find_if(streamed_.begin(), streamed_.end(),
-                         [&](const auto& p) { return p->job == job && p->key == key; });
+  auto it = std::find_if(streamed_.begin(), streamed_.end(), [&](const auto& p) {
+    return p->job == job && p->key == key && p->connection == connection_;
+  });
   if (it == streamed_.end()) {
-    // Answered already (a duplicate, a refusal) or dropped: the client hears of it through
-    // the push's reply, or sends the push again.
+    // Answered already (a duplicate, a refusal), dropped, or of an attempt the client gave
+    // up on another connection: the client hears through the push's reply, or sends it again.
     spdlog::debug("part of push '{}' to job '{}' ignored: no such push waits for parts", key, job);
     reply.send = false;
     return Status::Ok();

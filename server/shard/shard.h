@@ -85,9 +85,12 @@ class Shard {
   // becomes an error reply, and an error reply means no state changed. `keepalive`, when
   // set, owns `request` (its payload frames included): the shard may keep it, and refer to
   // the pushed values, past the call (a push's deltas until its round's deferred close)
-  // instead of reading them back from the store.
+  // instead of reading them back from the store. `connection` names the connection the
+  // request came on (the ROUTER's routing id): a push's parts are taken only from the
+  // connection its request came on, so the parts of an attempt a client gave up (still
+  // queued from its closed connection) cannot mix with its retry's.
   Reply Handle(wire::Role role, const Frames& request,
-               std::shared_ptr<const void> keepalive = nullptr);
+               std::shared_ptr<const void> keepalive = nullptr, std::string_view connection = {});
 
   // The round work that replies left for later (ShardOptions::defer_round_work): the
   // close of a round a push completed and the commits that became possible. Call it after
@@ -223,6 +226,7 @@ class Shard {
   std::map<std::string, JobState> jobs_;
   // Streamed pushes waiting for parts, oldest first; after store_: destroyed first.
   std::vector<std::unique_ptr<StreamedPush>> streamed_;
+  std::string connection_;  // Handle's `connection`, while it runs
   std::chrono::steady_clock::time_point started_;
   uint64_t requests_ = 0, errors_ = 0, bytes_in_ = 0, bytes_out_ = 0;
   // The last request answered with an error, and when (Stats reports it; memory only).

@@ -251,6 +251,48 @@ TEST_F(StreamedPushTest, HostilePartsAreRefusedAndChangeNothing) {
   EXPECT_EQ(PullAll()["big"], Sum(big0_, d_big_));
 }
 
+// A client that gives up on an attempt (a timeout) sends the push again on a new
+// connection. Parts of the first attempt that the server still reads from the old
+// connection afterwards are ignored: they neither refuse nor mix with the retry's.
+TEST_F(StreamedPushTest, PartsOfAnAttemptGivenUpDoNotMixWithItsRetry) {
+  const size_t bytes = kBig * sizeof(float);
+  auto admin = server_.AdminClient();
+  auto st = admin->Stats();
+  ASSERT_TRUE(st.ok());
+  uint64_t counted = st->requests;  // every request counts, these Stats calls too
+  // Waits until the server has handled `n` more requests than counted so far.
+  auto wait_for = [&](uint64_t n) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto now = admin->Stats();
+      if (!now.ok()) return false;
+      if (now->requests - counted - 1 >= n) {
+        counted = now->requests;
+        return true;
+      }
+      counted += 1;  // this Stats call
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return false;
+  };
+  RawSocket first(server_), retry(server_);
+  std::vector<float> wrong(kBig, 7.0f);
+  first.Send({StreamedHeader("r", false)});
+  SendParts(first, "r", wrong, 0, 6 * kPart);
+  ASSERT_TRUE(wait_for(7));
+  // The retry's request is taken before the rest of the first attempt's parts come.
+  retry.Send({StreamedHeader("r", false)});
+  ASSERT_TRUE(wait_for(1));
+  SendParts(retry, "r", d_big_, 0, 3 * kPart);
+  SendParts(first, "r", wrong, 6 * kPart, bytes);  // late, on the old connection
+  SendParts(retry, "r", d_big_, 3 * kPart, bytes);
+  Status s = retry.Receive();
+  ASSERT_TRUE(s.ok()) << s.ToString();
+  EXPECT_EQ(first.Receive(nullptr, 300).code(), Code::kTimeout) << "the first attempt's parts";
+  EXPECT_EQ(PullAll()["big"], Sum(big0_, d_big_));
+  EXPECT_EQ(Pushes(), 1u);
+}
+
 // The server dies (SIGKILL) after taking half of a push's parts: nothing of it was
 // applied, and the client's retry under the same key after the restart is applied once.
 TEST_F(StreamedPushTest, SigkillHalfWayThroughThePartsLosesNothingAndDoublesNothing) {
