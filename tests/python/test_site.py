@@ -24,6 +24,8 @@ class SiteTest(harness.ShardsTestCase):
         self.assertEqual(len(hellos), 2)
         self.assertEqual(sum(h["tensor_count"] for h in hellos), 2)
         self.assertEqual({h["local_round"] for h in hellos}, {0})
+        # A plain job takes large pushes in parts of the shard's storage.push_part_bytes.
+        self.assertEqual({h["push_part_bytes"] for h in hellos}, {1 << 20})
 
         pulled = site.pull()
         self.assertEqual(sorted(pulled), ["a", "b"])

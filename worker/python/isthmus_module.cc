@@ -232,6 +232,7 @@ class PySite {
       d["job_version"] = h.job_version;
       d["base_hash"] = h.base_hash;
       d["tensor_count"] = h.tensor_count;
+      d["push_part_bytes"] = h.push_part_bytes;
       out.append(d);
     }
     return out;

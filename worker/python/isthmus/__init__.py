@@ -168,7 +168,8 @@ class Site:
     def hello(self, base_hash=""):
         """Says hello to every shard as a worker. base_hash: the hash of the base model
         this rank trains on (empty: not checked). Returns one dict per shard (shard_id,
-        job_version, tensor_count, local_round, committed_round, max_rounds_ahead, ...).
+        job_version, tensor_count, local_round, committed_round, max_rounds_ahead,
+        push_part_bytes: the size of the parts large pushes go in, 0 for whole, ...).
         Raises ShardError: FailedPrecondition for another base model, NotFound when a
         shard has no such job, PermissionDenied for a key not allowed, Timeout."""
         return self._core.hello(base_hash)
