@@ -20,6 +20,7 @@
 #include "common/durable.h"
 #include "common/names.h"
 #include "common/safetensors.h"
+#include "common/sanitizer.h"
 #include "common/version.h"
 #include "server/storage/keys.h"
 #include "server/storage/records.h"
@@ -1100,8 +1101,10 @@ Status Shard::DoPushPart(const wire::PushPart* req, const Frames& frames, uint64
   }
   const size_t first = tg.received / sizeof(float), n = size / sizeof(float);
   if (push.synced) {
+    IgnoreReceivedReads streamed_in;  // parts come back to back (common/sanitizer.h)
     std::memcpy(tg.next->data() + first, frames.payload[0].data(), size);
   } else {
+    IgnoreReceivedReads streamed_in;
     const uint8_t* data = KeepFrame(push, frames.payload[0], keepalive);
     if (Status s = AddRange(tg.name, tg.base->data() + first, data, tg.next->data() + first, n);
         !s.ok()) {
@@ -1191,12 +1194,15 @@ Status Shard::FinishStreamedPush(std::shared_ptr<StreamedPush> done, Reply& repl
       }
       all.Put(Column::kTensors, keys::TensorKey(push.job, tg.name), Bytes(*tg.next));
     }
-    for (const auto& part : push.parts) {
-      const auto& tg = push.targets[part.target];
-      const size_t first = part.offset / sizeof(float);
-      ISTHMUS_RETURN_IF_ERROR(AddRange(tg.name, sums[part.target].first->data->data() + first,
-                                       part.data, tg.next->data() + first,
-                                       part.size / sizeof(float)));
+    {
+      IgnoreReceivedReads streamed_in;  // the parts' bytes (common/sanitizer.h)
+      for (const auto& part : push.parts) {
+        const auto& tg = push.targets[part.target];
+        const size_t first = part.offset / sizeof(float);
+        ISTHMUS_RETURN_IF_ERROR(AddRange(tg.name, sums[part.target].first->data->data() + first,
+                                         part.data, tg.next->data() + first,
+                                         part.size / sizeof(float)));
+      }
     }
     for (const auto& op : more.ops()) {
       if (op.is_delete) {
