@@ -21,6 +21,8 @@ namespace {
 using testing::RawSocket;
 using testing::ServerProcess;
 
+// How long a reply may take (scaled for sanitized builds).
+const int kReplyMs = 5000 * testing::TimeScale();
 constexpr uint64_t kPart = 65536;              // storage.push_part_bytes of the server
 constexpr int64_t kBig = 300000;               // floats: 1.2 MB, a slot file; 19 parts
 const std::vector<int64_t> kBigShape{kBig};    // tensor "big"
@@ -176,7 +178,7 @@ TEST_F(StreamedPushTest, AWholePushBetweenThePartsIsAddedToo) {
   ASSERT_TRUE(whole->Push("j", "w1", 0, 1, {{"big", kBigShape, e.data()}}).ok());
   SendParts(raw, "s1", d_big_, half, bytes);
   uint64_t id = 0;
-  Status s = raw.Receive(&id);
+  Status s = raw.Receive(&id, kReplyMs);
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(id, 42u) << "the reply answers the PushRequest";
   const std::vector<float> big = Sum(Sum(big0_, e), d_big_), a = Sum(a0_, d_a_);
@@ -218,7 +220,7 @@ TEST_F(StreamedPushTest, HostilePartsAreRefusedAndChangeNothing) {
     raw.Send({PartHeader("x", 0, 0), Bytes(one)});
     raw.Send(b.part);
     uint64_t id = 0;
-    Status s = raw.Receive(&id);
+    Status s = raw.Receive(&id, kReplyMs);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << b.what << ": " << s.ToString();
     EXPECT_EQ(id, 42u) << b.what;
     EXPECT_NE(s.message().find("expects"), std::string::npos) << s.ToString();
@@ -231,7 +233,7 @@ TEST_F(StreamedPushTest, HostilePartsAreRefusedAndChangeNothing) {
     nan[3] = std::numeric_limits<float>::quiet_NaN();
     raw.Send({StreamedHeader("n", false)});
     raw.Send({PartHeader("n", 0, 0), Bytes(nan)});
-    Status s = raw.Receive();
+    Status s = raw.Receive(nullptr, kReplyMs);
     EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.ToString();
   }
   // Requests that cannot be taken in parts: indices out of order or out of range, a size
@@ -246,7 +248,7 @@ TEST_F(StreamedPushTest, HostilePartsAreRefusedAndChangeNothing) {
   // The harness is sound: the same socket's well-formed push in parts is applied.
   raw.Send({StreamedHeader("good", false)});
   SendParts(raw, "good", d_big_, 0, bytes);
-  Status s = raw.Receive();
+  Status s = raw.Receive(nullptr, kReplyMs);
   EXPECT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(PullAll()["big"], Sum(big0_, d_big_));
 }
@@ -286,7 +288,7 @@ TEST_F(StreamedPushTest, PartsOfAnAttemptGivenUpDoNotMixWithItsRetry) {
   SendParts(retry, "r", d_big_, 0, 3 * kPart);
   SendParts(first, "r", wrong, 6 * kPart, bytes);  // late, on the old connection
   SendParts(retry, "r", d_big_, 3 * kPart, bytes);
-  Status s = retry.Receive();
+  Status s = retry.Receive(nullptr, kReplyMs);
   ASSERT_TRUE(s.ok()) << s.ToString();
   EXPECT_EQ(first.Receive(nullptr, 300).code(), Code::kTimeout) << "the first attempt's parts";
   EXPECT_EQ(PullAll()["big"], Sum(big0_, d_big_));
