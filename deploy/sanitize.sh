@@ -40,8 +40,12 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -D"$option"=ON
 # The targets are the build's named ones (ninja's phony names) less CMake's own.
 skip='gpu_backend_test|gpu_training_test|gpu_worker_test|nccl_comm_test|nemesis_test|fuzz_make_seeds'
 [[ "$kind" == asan ]] && skip="$skip|sync_process_test"
+# streamed_push_test is left out of TSan: its pushes stream megabytes of parts back to back
+# through libzmq, whose hand-over TSan cannot see (common/sanitizer.h), and the test
+# process's own reports stall it; the same shard code runs under TSan in server_unit_test
+# and in the worker overlap suites (parts of 256 bytes).
 [[ "$kind" == tsan ]] &&
-  skip="$skip|model_test|cuda_emu_test|isthmus_cuda_emu|ops_test|data_test|bpe_tokenizer_test|parallel_corpus_test|safetensors_test"
+  skip="$skip|model_test|cuda_emu_test|isthmus_cuda_emu|ops_test|data_test|bpe_tokenizer_test|parallel_corpus_test|safetensors_test|streamed_push_test"
 cmake_own='all|clean|help|install|package|package_source|test|edit_cache|rebuild_cache|list_install_components'
 mapfile -t targets < <(ninja -C "$build" -t targets depth 1 | sed -n 's/^\([^/:.]*\): phony$/\1/p' |
   grep -v -x -E "$skip|$cmake_own")
