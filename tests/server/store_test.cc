@@ -119,6 +119,23 @@ TEST_P(StoreTest, RocksStatePersistsAndCheckpoints) {
 INSTANTIATE_TEST_SUITE_P(Impl, StoreTest, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "Rocks" : "Mem"; });
 
+// `n` bytes from `rng`.
+std::string RandomBytes(std::mt19937& rng, size_t n) {
+  std::string v(n, '\0');
+  for (auto& c : v) c = static_cast<char>(rng() & 0xff);
+  return v;
+}
+
+// A synced RocksDB store in `db`, its slot files written with O_DIRECT or buffered; null
+// (and a failed expectation) when it does not open.
+std::unique_ptr<Store> OpenSynced(const std::filesystem::path& db, bool direct) {
+  StoreOptions o;
+  o.direct_slot_writes = direct;
+  auto s = OpenRocksStore(db.string(), o);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return s.ok() ? std::move(s).value() : nullptr;
+}
+
 // A value of `bytes` bytes, every byte derived from `tag`.
 std::string Pattern(size_t bytes, int tag) {
   std::string v(bytes, '\0');
@@ -193,22 +210,12 @@ TEST(RocksSlotTest, LargeValuesSurviveReopenAndAlternateSlots) {
 // leaves the old value, in the process and after a reopen.
 TEST(RocksSlotTest, AValueFilledInPrefixesReadsBackWhole) {
   std::mt19937 rng(5);
-  auto random_value = [&](size_t n) {
-    std::string v(n, '\0');
-    for (auto& c : v) c = static_cast<char>(rng() & 0xff);
-    return v;
-  };
+  auto random_value = [&](size_t n) { return RandomBytes(rng, n); };
   for (bool direct : {true, false}) {
     SCOPED_TRACE(direct ? "direct" : "buffered");
     testing::TempDir dir;
     const std::filesystem::path db = dir.path() / "db";
-    StoreOptions o;
-    o.direct_slot_writes = direct;
-    auto open = [&] {
-      auto s = OpenRocksStore(db.string(), o);
-      EXPECT_TRUE(s.ok()) << s.status().ToString();
-      return s.ok() ? std::move(s).value() : nullptr;
-    };
+    auto open = [&] { return OpenSynced(db, direct); };
     const std::string key = keys::JobKey("j", "t"), small_key = keys::JobKey("j", "m");
     const std::string v1 = random_value(kSlotFileMinBytes + 77);
     auto store = open();
@@ -272,22 +279,12 @@ TEST(RocksSlotTest, AValueFilledInPrefixesReadsBackWhole) {
 
 TEST(RocksSlotTest, DirectAndBufferedSlotWritesReadBackEveryByte) {
   std::mt19937 rng(11);
-  auto random_value = [&](size_t n) {
-    std::string v(n, '\0');
-    for (auto& c : v) c = static_cast<char>(rng() & 0xff);
-    return v;
-  };
+  auto random_value = [&](size_t n) { return RandomBytes(rng, n); };
   for (bool direct : {true, false}) {
     SCOPED_TRACE(direct ? "direct" : "buffered");
     testing::TempDir dir;
     const std::filesystem::path db = dir.path() / "db";
-    StoreOptions o;
-    o.direct_slot_writes = direct;
-    auto open = [&] {
-      auto s = OpenRocksStore(db.string(), o);
-      EXPECT_TRUE(s.ok()) << s.status().ToString();
-      return s.ok() ? std::move(s).value() : nullptr;
-    };
+    auto open = [&] { return OpenSynced(db, direct); };
     auto store = open();
     ASSERT_NE(store, nullptr);
     const std::string a = random_value(kSlotFileMinBytes + 123);
